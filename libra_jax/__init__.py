@@ -13,9 +13,9 @@ __version__ = "0.1.0"
 # Public name -> module that defines it. Loaded lazily so that `import libra_jax.planner`
 # needs neither JAX nor the compiled extension.
 _LAZY = {
-    "psum": "libra_jax.psum",
-    "pmean": "libra_jax.psum",
-    "MAX_BLOCKS": "libra_jax.psum",
+    "psum": "libra_jax.allreduce",
+    "pmean": "libra_jax.allreduce",
+    "MAX_BLOCKS": "libra_jax.allreduce",
 }
 
 
