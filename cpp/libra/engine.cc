@@ -1,0 +1,627 @@
+#include "libra/engine.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <set>
+#include <sstream>
+#include <thread>
+#include <tuple>
+#include <utility>
+
+#include "libra/thread_pool.h"
+
+namespace libra {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// ---------------------------------------------------------------------------
+// 16-bit float conversions (bit exact, no hardware or compiler support needed)
+
+uint32_t FloatBits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  return u;
+}
+
+float BitsFloat(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+float Bf16ToFloat(uint16_t h) { return BitsFloat(static_cast<uint32_t>(h) << 16); }
+
+// Round to nearest even; NaN becomes the canonical quiet NaN of its sign, as
+// Eigen's (and so XLA:CPU's) conversion does.
+uint16_t FloatToBf16(float f) {
+  uint32_t u = FloatBits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (u & 0x80000000u) ? 0xffc0 : 0x7fc0;
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+float F16ToFloat(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t em = h & 0x7fffu;
+  if (em >= 0x7c00u) return BitsFloat(sign | 0x7f800000u | ((em & 0x3ffu) << 13));
+  if (em >= 0x0400u) return BitsFloat(sign | ((em << 13) + ((127u - 15u) << 23)));
+  // Subnormal or zero: em * 2^-24 is exact in float.
+  const float magnitude = static_cast<float>(em) * 5.9604644775390625e-8f;
+  return BitsFloat(sign | FloatBits(magnitude));
+}
+
+// Round to nearest even. Results below the f16 normal range are rounded by an
+// exact float addition that aligns the f16 subnormal ulp (2^-24) with the
+// float ulp; normal results by adding half an ulp (minus one if even).
+uint16_t FloatToF16(float f) {
+  uint32_t u = FloatBits(f);
+  const uint32_t sign = (u >> 16) & 0x8000u;
+  u &= 0x7fffffffu;
+  uint32_t h;
+  if (u >= (127u + 16u) << 23) {  // >= 65536: inf, or NaN
+    h = u > 0x7f800000u ? 0x7e00u : 0x7c00u;
+  } else if (u < (127u - 14u) << 23) {  // below 2^-14: f16 subnormal or zero
+    const float magic = BitsFloat(((127u - 15u) + (23u - 10u) + 1u) << 23);
+    h = FloatBits(BitsFloat(u) + magic) - FloatBits(magic);
+  } else {
+    const uint32_t mantissa_odd = (u >> 13) & 1u;
+    u += ((15u - 127u) << 23) + 0xfffu + mantissa_odd;
+    h = u >> 13;
+  }
+  return static_cast<uint16_t>(h | sign);
+}
+
+// ---------------------------------------------------------------------------
+// Reduction kernels. Each tile is read from every input into an accumulator,
+// then written to every output: in place is safe, and the loops vectorize.
+
+constexpr std::size_t kTile = 1024;
+
+// Plain sums: float, double, and integers as unsigned (wrapping, no UB).
+template <typename T>
+void SumPlain(const void* const* inputs, void* const* outputs, int n,
+              std::size_t begin, std::size_t end) {
+  T acc[kTile];
+  for (std::size_t t = begin; t < end; t += kTile) {
+    const std::size_t m = std::min(kTile, end - t);
+    const T* first = static_cast<const T*>(inputs[0]) + t;
+    for (std::size_t i = 0; i < m; ++i) acc[i] = first[i];
+    for (int r = 1; r < n; ++r) {
+      const T* x = static_cast<const T*>(inputs[r]) + t;
+      for (std::size_t i = 0; i < m; ++i) acc[i] += x[i];
+    }
+    for (int r = 0; r < n; ++r) {
+      std::memcpy(static_cast<T*>(outputs[r]) + t, acc, m * sizeof(T));
+    }
+  }
+}
+
+// bf16: accumulate in f32, round once.
+void SumBf16(const void* const* inputs, void* const* outputs, int n,
+             std::size_t begin, std::size_t end) {
+  float acc[kTile];
+  uint16_t result[kTile];
+  for (std::size_t t = begin; t < end; t += kTile) {
+    const std::size_t m = std::min(kTile, end - t);
+    const uint16_t* first = static_cast<const uint16_t*>(inputs[0]) + t;
+    for (std::size_t i = 0; i < m; ++i) acc[i] = Bf16ToFloat(first[i]);
+    for (int r = 1; r < n; ++r) {
+      const uint16_t* x = static_cast<const uint16_t*>(inputs[r]) + t;
+      for (std::size_t i = 0; i < m; ++i) acc[i] += Bf16ToFloat(x[i]);
+    }
+    for (std::size_t i = 0; i < m; ++i) result[i] = FloatToBf16(acc[i]);
+    for (int r = 0; r < n; ++r) {
+      std::memcpy(static_cast<uint16_t*>(outputs[r]) + t, result, m * 2);
+    }
+  }
+}
+
+// f16: round to f16 after every addition (f32 add, then round: exact f16 add).
+void SumF16(const void* const* inputs, void* const* outputs, int n,
+            std::size_t begin, std::size_t end) {
+  uint16_t acc[kTile];
+  for (std::size_t t = begin; t < end; t += kTile) {
+    const std::size_t m = std::min(kTile, end - t);
+    std::memcpy(acc, static_cast<const uint16_t*>(inputs[0]) + t, m * 2);
+    for (int r = 1; r < n; ++r) {
+      const uint16_t* x = static_cast<const uint16_t*>(inputs[r]) + t;
+      for (std::size_t i = 0; i < m; ++i) {
+        acc[i] = FloatToF16(F16ToFloat(acc[i]) + F16ToFloat(x[i]));
+      }
+    }
+    for (int r = 0; r < n; ++r) {
+      std::memcpy(static_cast<uint16_t*>(outputs[r]) + t, acc, m * 2);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Splitting a buffer into worker tasks.
+
+struct Chunking {
+  std::size_t per_task = 0;  // Elements per task (the last may have fewer).
+  int tasks = 0;
+};
+
+Chunking Split(std::size_t count, DType dtype, int blocks) {
+  if (count == 0) return {};
+  const std::size_t esize = SizeOf(dtype);
+  const std::size_t bytes = count * esize;
+  const std::size_t by_size = std::max<std::size_t>(1, (bytes + kMinChunkBytes - 1) / kMinChunkBytes);
+  const std::size_t tasks = std::min<std::size_t>(std::max(blocks, 1), by_size);
+  const std::size_t align = 64 / esize;  // Chunks start on cache lines.
+  std::size_t per = (count + tasks - 1) / tasks;
+  per = (per + align - 1) / align * align;
+  return {per, static_cast<int>((count + per - 1) / per)};
+}
+
+// ---------------------------------------------------------------------------
+// Debug log
+
+int64_t MicrosSinceStart(Clock::time_point t) {
+  static const Clock::time_point start = Clock::now();
+  return std::chrono::duration_cast<std::chrono::microseconds>(t - start).count();
+}
+
+// ---------------------------------------------------------------------------
+// One reduction in flight: the buffers of all ranks and their callbacks.
+
+struct Job {
+  std::string label;
+  CallSpec spec;  // rank unused
+  int64_t iteration = 0;
+  std::vector<const void*> inputs;
+  std::vector<void*> outputs;
+  std::vector<DoneCallback> done;
+  Chunking chunking;
+  std::atomic<int> remaining{0};
+  Clock::time_point first_arrival, start;
+};
+
+void CompleteAll(std::vector<DoneCallback> callbacks, const Status& status) {
+  for (DoneCallback& done : callbacks) {
+    if (!done) continue;
+    ThreadPool::Completion().Schedule(
+        [done = std::move(done), status] { done(status); });
+  }
+}
+
+void FinishJob(const std::shared_ptr<Job>& job) {
+  if (DebugLoggingEnabled()) {
+    const Clock::time_point end = Clock::now();
+    std::fprintf(stderr,
+                 "[libra_jax] site=%s group=%lld iter=%lld world=%d dtype=%s "
+                 "bytes=%zu blocks=%d tasks=%d first_arrival_us=%lld "
+                 "start_us=%lld end_us=%lld wait_us=%lld reduce_us=%lld\n",
+                 job->label.c_str(), static_cast<long long>(job->spec.group),
+                 static_cast<long long>(job->iteration), job->spec.world,
+                 Name(job->spec.dtype), job->spec.count * SizeOf(job->spec.dtype),
+                 job->spec.blocks, job->chunking.tasks,
+                 static_cast<long long>(MicrosSinceStart(job->first_arrival)),
+                 static_cast<long long>(MicrosSinceStart(job->start)),
+                 static_cast<long long>(MicrosSinceStart(end)),
+                 static_cast<long long>(MicrosSinceStart(job->start) - MicrosSinceStart(job->first_arrival)),
+                 static_cast<long long>(MicrosSinceStart(end) - MicrosSinceStart(job->start)));
+  }
+  CompleteAll(std::move(job->done), Status::Ok());
+}
+
+// Starts the reduction: one task per block on the reduce pool; the task that
+// finishes last hands every callback to the completion pool.
+void StartJob(std::shared_ptr<Job> job) {
+  job->start = Clock::now();
+  job->chunking = Split(job->spec.count, job->spec.dtype, job->spec.blocks);
+  if (job->chunking.tasks == 0) {
+    FinishJob(job);
+    return;
+  }
+  job->remaining.store(job->chunking.tasks);
+  for (int task = 0; task < job->chunking.tasks; ++task) {
+    ThreadPool::Reduce().Schedule([job, task] {
+      const std::size_t begin = task * job->chunking.per_task;
+      const std::size_t end = std::min(job->spec.count, begin + job->chunking.per_task);
+      ReduceRange(job->spec.dtype, job->inputs.data(), job->outputs.data(),
+                  job->spec.world, begin, end);
+      if (job->remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) FinishJob(job);
+    });
+  }
+}
+
+Status Invalid(std::string message) {
+  return {Status::Code::kInvalidArgument, std::move(message)};
+}
+
+Status ValidateSpec(const CallSpec& spec) {
+  if (spec.world < 1) return Invalid("world size must be >= 1, got " + std::to_string(spec.world));
+  if (spec.rank < 0 || spec.rank >= spec.world) {
+    return Invalid("rank " + std::to_string(spec.rank) + " is outside [0, " +
+                   std::to_string(spec.world) + ")");
+  }
+  if (spec.blocks < 1 || spec.blocks > kMaxBlocks) {
+    return Invalid("block count " + std::to_string(spec.blocks) + " is outside [1, " +
+                   std::to_string(kMaxBlocks) + "]");
+  }
+  return Status::Ok();
+}
+
+std::string RankList(const std::vector<int>& ranks) {
+  std::ostringstream out;
+  out << '[';
+  for (std::size_t i = 0; i < ranks.size(); ++i) out << (i ? ", " : "") << ranks[i];
+  out << ']';
+  return out.str();
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------
+
+std::size_t SizeOf(DType dtype) {
+  switch (dtype) {
+    case DType::kF32: case DType::kS32: return 4;
+    case DType::kF64: case DType::kS64: return 8;
+    case DType::kBF16: case DType::kF16: return 2;
+  }
+  return 0;
+}
+
+const char* Name(DType dtype) {
+  switch (dtype) {
+    case DType::kF32: return "f32";
+    case DType::kF64: return "f64";
+    case DType::kBF16: return "bf16";
+    case DType::kF16: return "f16";
+    case DType::kS32: return "s32";
+    case DType::kS64: return "s64";
+  }
+  return "?";
+}
+
+int EffectiveBlocks(std::size_t count, DType dtype, int blocks) {
+  return Split(count, dtype, blocks).tasks;
+}
+
+void ReduceRange(DType dtype, const void* const* inputs, void* const* outputs,
+                 int n, std::size_t begin, std::size_t end) {
+  switch (dtype) {
+    case DType::kF32: return SumPlain<float>(inputs, outputs, n, begin, end);
+    case DType::kF64: return SumPlain<double>(inputs, outputs, n, begin, end);
+    case DType::kS32: return SumPlain<uint32_t>(inputs, outputs, n, begin, end);
+    case DType::kS64: return SumPlain<uint64_t>(inputs, outputs, n, begin, end);
+    case DType::kBF16: return SumBf16(inputs, outputs, n, begin, end);
+    case DType::kF16: return SumF16(inputs, outputs, n, begin, end);
+  }
+}
+
+Status AllReduce(DType dtype, const std::vector<const void*>& inputs,
+                 const std::vector<void*>& outputs, std::size_t count, int blocks) {
+  const int n = static_cast<int>(inputs.size());
+  if (n < 1 || outputs.size() != inputs.size()) {
+    return Invalid("need as many outputs as inputs, and at least one");
+  }
+  CallSpec spec;
+  spec.world = n;
+  spec.dtype = dtype;
+  spec.count = count;
+  spec.blocks = blocks;
+  if (Status s = ValidateSpec(spec); !s.ok()) return s;
+
+  std::mutex mu;
+  std::condition_variable cv;
+  int pending = n;
+  auto job = std::make_shared<Job>();
+  job->label = "engine";
+  job->spec = spec;
+  job->inputs = inputs;
+  job->outputs = outputs;
+  for (int r = 0; r < n; ++r) {
+    job->done.emplace_back([&](const Status&) {
+      std::lock_guard<std::mutex> lock(mu);
+      if (--pending == 0) cv.notify_all();
+    });
+  }
+  job->first_arrival = Clock::now();
+  StartJob(std::move(job));
+  std::unique_lock<std::mutex> lock(mu);
+  cv.wait(lock, [&] { return pending == 0; });
+  return Status::Ok();
+}
+
+bool DebugLoggingEnabled() {
+  static const bool enabled = [] {
+    const char* value = std::getenv("LIBRA_JAX_DEBUG");
+    return value != nullptr && *value != '\0' && std::strcmp(value, "0") != 0;
+  }();
+  return enabled;
+}
+
+// ---------------------------------------------------------------------------
+// Rendezvous
+
+namespace {
+
+struct RoundKey {
+  int64_t group, run_id, iteration;
+  bool operator<(const RoundKey& o) const {
+    return std::tie(group, run_id, iteration) < std::tie(o.group, o.run_id, o.iteration);
+  }
+};
+
+struct Round {
+  RoundKey key;
+  CallSpec spec;  // Of the first arrival; everyone must agree (except rank).
+  std::vector<const void*> inputs;
+  std::vector<void*> outputs;
+  std::vector<DoneCallback> done;
+  std::vector<bool> present;
+  int arrived = 0;
+  Clock::time_point first_arrival;
+  uint64_t watch_id = 0;  // Watchdog entry, 0 if none.
+};
+
+}  // namespace
+
+struct Rendezvous::State {
+  std::string label;
+  std::mutex mu;
+  std::map<RoundKey, std::shared_ptr<Round>> rounds;
+  // (group, rank) -> arrivals at this site in each of the last few runs.
+  // Runs normally follow one another; keeping several is cheap insurance.
+  std::map<std::pair<int64_t, int>, std::deque<std::pair<int64_t, int64_t>>> arrivals;
+  // Rounds that failed; a late participant of one is turned away, never
+  // paired with a later round. Bounded: the oldest are forgotten.
+  std::set<RoundKey> failed;
+  std::deque<RoundKey> failed_order;
+
+  int64_t NextIteration(const CallSpec& spec) {
+    auto& runs = arrivals[{spec.group, spec.rank}];
+    for (auto& [run_id, calls] : runs) {
+      if (run_id == spec.run_id) return calls++;
+    }
+    runs.emplace_back(spec.run_id, 1);
+    if (runs.size() > 16) runs.pop_front();
+    return 0;
+  }
+
+  void MarkFailed(const RoundKey& key) {
+    if (failed.insert(key).second) failed_order.push_back(key);
+    while (failed_order.size() > 4096) {
+      failed.erase(failed_order.front());
+      failed_order.pop_front();
+    }
+  }
+
+  // Removes `round` (if still pending) and fails everyone in it. Returns the
+  // callbacks to run, outside the lock.
+  std::vector<DoneCallback> AbortLocked(const std::shared_ptr<Round>& round) {
+    auto it = rounds.find(round->key);
+    if (it == rounds.end() || it->second != round) return {};
+    rounds.erase(it);
+    MarkFailed(round->key);
+    return std::move(round->done);
+  }
+};
+
+namespace {
+
+// One thread for the whole process that fails rounds whose absent ranks did
+// not arrive in time. Rounds that complete cancel their entry.
+class Watchdog {
+ public:
+  uint64_t Watch(Clock::time_point deadline, std::weak_ptr<Rendezvous::State> state,
+                 std::weak_ptr<Round> round) {
+    std::lock_guard<std::mutex> lock(shared_->mu);
+    const uint64_t id = ++shared_->last_id;
+    shared_->deadlines.emplace(deadline, id);
+    shared_->entries.emplace(id, Entry{deadline, std::move(state), std::move(round)});
+    if (!shared_->started) {
+      shared_->started = true;
+      std::thread(Loop, shared_).detach();
+    }
+    shared_->cv.notify_one();
+    return id;
+  }
+
+  void Cancel(uint64_t id) {
+    std::lock_guard<std::mutex> lock(shared_->mu);
+    auto it = shared_->entries.find(id);
+    if (it == shared_->entries.end()) return;
+    shared_->deadlines.erase({it->second.deadline, id});
+    shared_->entries.erase(it);
+  }
+
+  void ResetAfterFork() {
+    Graveyard().push_back(std::move(shared_));
+    shared_ = std::make_shared<Shared>();
+  }
+
+  static Watchdog& Get() {
+    static NoDestructor<Watchdog> watchdog;
+    return *watchdog;
+  }
+
+ private:
+  struct Entry {
+    Clock::time_point deadline;
+    std::weak_ptr<Rendezvous::State> state;
+    std::weak_ptr<Round> round;
+  };
+  struct Shared {
+    std::mutex mu;
+    std::condition_variable cv;
+    std::set<std::pair<Clock::time_point, uint64_t>> deadlines;
+    std::map<uint64_t, Entry> entries;
+    uint64_t last_id = 0;
+    bool started = false;
+  };
+
+  static std::vector<std::shared_ptr<Shared>>& Graveyard() {
+    static NoDestructor<std::vector<std::shared_ptr<Shared>>> graveyard;
+    return *graveyard;
+  }
+
+  static void Loop(std::shared_ptr<Shared> shared) {
+    pthread_setname_np(pthread_self(), "libra-watchdog");
+    std::unique_lock<std::mutex> lock(shared->mu);
+    for (;;) {
+      if (shared->deadlines.empty()) {
+        shared->cv.wait(lock);
+        continue;
+      }
+      const auto [deadline, id] = *shared->deadlines.begin();
+      if (Clock::now() < deadline) {
+        shared->cv.wait_until(lock, deadline);
+        continue;
+      }
+      shared->deadlines.erase(shared->deadlines.begin());
+      auto it = shared->entries.find(id);
+      Entry entry = std::move(it->second);
+      shared->entries.erase(it);
+      lock.unlock();
+      Expire(entry);
+      lock.lock();
+    }
+  }
+
+  static void Expire(const Entry& entry) {
+    std::shared_ptr<Rendezvous::State> state = entry.state.lock();
+    std::shared_ptr<Round> round = entry.round.lock();
+    if (!state || !round) return;
+    std::vector<DoneCallback> callbacks;
+    std::vector<int> missing, arrived;
+    {
+      std::lock_guard<std::mutex> lock(state->mu);
+      for (int r = 0; r < round->spec.world; ++r) {
+        (round->present[r] ? arrived : missing).push_back(r);
+      }
+      callbacks = state->AbortLocked(round);
+    }
+    if (callbacks.empty()) return;  // Completed (or failed) meanwhile.
+    std::ostringstream message;
+    message << "libra_jax all-reduce '" << state->label << "' timed out after "
+            << round->spec.timeout_ms / 1000.0 << " s waiting for ranks "
+            << RankList(missing) << " of " << round->spec.world << " (replica group "
+            << round->key.group << ", call " << round->key.iteration
+            << " of this run); ranks " << RankList(arrived)
+            << " arrived. Every participant must reach the same all-reduce; "
+               "if the program is only slow, raise LIBRA_JAX_TIMEOUT_S.";
+    CompleteAll(std::move(callbacks), {Status::Code::kDeadlineExceeded, message.str()});
+  }
+
+  std::shared_ptr<Shared> shared_ = std::make_shared<Shared>();
+};
+
+}  // namespace
+
+void ResetWatchdogAfterFork() { Watchdog::Get().ResetAfterFork(); }
+
+Rendezvous::Rendezvous(std::string label) : state_(std::make_shared<State>()) {
+  state_->label = std::move(label);
+}
+
+Rendezvous::~Rendezvous() {
+  std::vector<DoneCallback> callbacks;
+  {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    for (auto& [key, round] : state_->rounds) {
+      for (DoneCallback& done : round->done) callbacks.push_back(std::move(done));
+    }
+    state_->rounds.clear();
+  }
+  CompleteAll(std::move(callbacks),
+              {Status::Code::kCancelled,
+               "libra_jax all-reduce '" + state_->label +
+                   "' was destroyed before all ranks arrived"});
+}
+
+void Rendezvous::Arrive(const CallSpec& spec, const void* input, void* output,
+                        DoneCallback done) {
+  if (Status s = ValidateSpec(spec); !s.ok()) {
+    s.message = "libra_jax all-reduce '" + state_->label + "': " + s.message;
+    done(s);
+    return;
+  }
+  State& st = *state_;
+  std::unique_lock<std::mutex> lock(st.mu);
+  const RoundKey key{spec.group, spec.run_id, st.NextIteration(spec)};
+
+  if (st.failed.count(key)) {
+    lock.unlock();
+    done({Status::Code::kDeadlineExceeded,
+          "libra_jax all-reduce '" + st.label + "': rank " + std::to_string(spec.rank) +
+              " arrived after its round had already failed (timed out or mismatched)"});
+    return;
+  }
+
+  std::shared_ptr<Round>& slot = st.rounds[key];
+  if (!slot) {
+    slot = std::make_shared<Round>();
+    slot->key = key;
+    slot->spec = spec;
+    slot->inputs.assign(spec.world, nullptr);
+    slot->outputs.assign(spec.world, nullptr);
+    slot->done.resize(spec.world);
+    slot->present.assign(spec.world, false);
+    slot->first_arrival = Clock::now();
+    if (spec.timeout_ms > 0) {
+      slot->watch_id = Watchdog::Get().Watch(slot->first_arrival + std::chrono::milliseconds(spec.timeout_ms),
+                            state_, slot);
+    }
+  }
+  std::shared_ptr<Round> round = slot;
+
+  const CallSpec& first = round->spec;
+  std::string mismatch;
+  if (spec.world != first.world || spec.dtype != first.dtype || spec.count != first.count ||
+      spec.blocks != first.blocks) {
+    std::ostringstream m;
+    m << "participants disagree: rank " << spec.rank << " brings world=" << spec.world
+      << " dtype=" << Name(spec.dtype) << " count=" << spec.count << " blocks=" << spec.blocks
+      << ", rank " << first.rank << " brought world=" << first.world
+      << " dtype=" << Name(first.dtype) << " count=" << first.count
+      << " blocks=" << first.blocks;
+    mismatch = m.str();
+  } else if (round->present[spec.rank]) {
+    mismatch = "rank " + std::to_string(spec.rank) + " arrived twice in one round";
+  }
+  if (!mismatch.empty()) {
+    std::vector<DoneCallback> callbacks = st.AbortLocked(round);
+    lock.unlock();
+    if (round->watch_id) Watchdog::Get().Cancel(round->watch_id);
+    callbacks.push_back(std::move(done));
+    CompleteAll(std::move(callbacks),
+                Invalid("libra_jax all-reduce '" + st.label + "': " + mismatch));
+    return;
+  }
+
+  round->inputs[spec.rank] = input;
+  round->outputs[spec.rank] = output;
+  round->done[spec.rank] = std::move(done);
+  round->present[spec.rank] = true;
+  if (++round->arrived < spec.world) return;
+
+  st.rounds.erase(key);
+  lock.unlock();
+  if (round->watch_id) Watchdog::Get().Cancel(round->watch_id);
+
+  auto job = std::make_shared<Job>();
+  job->label = st.label;
+  job->spec = first;
+  job->iteration = key.iteration;
+  job->inputs = std::move(round->inputs);
+  job->outputs = std::move(round->outputs);
+  job->done = std::move(round->done);
+  job->first_arrival = round->first_arrival;
+  StartJob(std::move(job));
+}
+
+}  // namespace libra

@@ -1,0 +1,105 @@
+// libra engine: an in-process all-reduce (sum) among the participants of one
+// collective, with a configurable block count. Framework-free: no XLA here.
+//
+// A participant is one device's share of a collective: its rank, its input and
+// output buffers, and a callback. The last of `world` participants to arrive
+// starts the reduction on the engine's own pool, split into `blocks` worker
+// tasks over disjoint element ranges; each task sums the inputs in rank order
+// and writes the result to every output. Nobody blocks: callers are told of
+// completion (or failure) through their callback, run on a completion thread.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace libra {
+
+// The largest block count a call may ask for: the size of the reduction pool.
+inline constexpr int kMaxBlocks = 64;
+// A block never gets fewer bytes than this (unless the buffer itself is
+// smaller): asking for more blocks than bytes / kMinChunkBytes gives
+// ceil(bytes / kMinChunkBytes) blocks. Chunk boundaries are 64-byte aligned.
+inline constexpr std::size_t kMinChunkBytes = 16 * 1024;
+
+enum class DType : int { kF32 = 0, kF64, kBF16, kF16, kS32, kS64 };
+std::size_t SizeOf(DType dtype);
+const char* Name(DType dtype);
+
+struct Status {
+  enum class Code { kOk, kInvalidArgument, kDeadlineExceeded, kCancelled, kInternal };
+  Code code = Code::kOk;
+  std::string message;
+
+  static Status Ok() { return {}; }
+  bool ok() const { return code == Code::kOk; }
+};
+
+// Number of worker tasks that reduce `count` elements when `blocks` are asked
+// for: min(blocks, ceil(bytes / kMinChunkBytes)) (fewer only when 64-byte
+// aligned chunks leave the last one empty); 0 for an empty buffer.
+int EffectiveBlocks(std::size_t count, DType dtype, int blocks);
+
+// Sums elements [begin, end) of inputs[0..n) in rank order into every
+// outputs[r]. Each element is read from all inputs before any output is
+// written, so outputs[r] == inputs[r] (in place) is safe.
+//  - f32, f64: IEEE sums, left to right;
+//  - bf16: accumulated in f32, rounded once (round to nearest even);
+//  - f16: rounded to f16 after every addition;
+//  - s32, s64: two's complement, wrapping.
+void ReduceRange(DType dtype, const void* const* inputs, void* const* outputs,
+                 int n, std::size_t begin, std::size_t end);
+
+// Synchronous all-reduce of n buffers with `blocks` worker tasks on the
+// engine's pool (for tests and benchmarks of the engine itself).
+Status AllReduce(DType dtype, const std::vector<const void*>& inputs,
+                 const std::vector<void*>& outputs, std::size_t count,
+                 int blocks);
+
+// What one participant brings to one collective.
+struct CallSpec {
+  int64_t group = 0;   // Participants of the same group meet (replica group).
+  int64_t run_id = 0;  // One execution of the program (same on all devices).
+  int rank = 0;        // Position in the replica group: summation order.
+  int world = 1;       // Size of the replica group.
+  DType dtype = DType::kF32;
+  std::size_t count = 0;  // Elements per participant.
+  int blocks = 1;         // Requested worker tasks, 1..kMaxBlocks.
+  int64_t timeout_ms = 0;  // Give up on absent ranks after this long.
+};
+
+using DoneCallback = std::function<void(const Status&)>;
+
+// The meeting point of one call site (one custom call in one executable).
+// Rounds are keyed by (group, run_id, iteration), where iteration counts a
+// rank's arrivals at this site within one run: devices run independent
+// collectives in different orders, but each call site's own calls in order.
+class Rendezvous {
+ public:
+  explicit Rendezvous(std::string label);
+  ~Rendezvous();
+  Rendezvous(const Rendezvous&) = delete;
+  Rendezvous& operator=(const Rendezvous&) = delete;
+
+  // Registers a participant. `done` is called exactly once: after the
+  // reduction has written every output, or with an error (bad arguments, a
+  // timeout waiting for absent ranks, the site being destroyed).
+  void Arrive(const CallSpec& spec, const void* input, void* output,
+              DoneCallback done);
+
+  struct State;  // Shared with the watchdog; defined in engine.cc.
+
+ private:
+  std::shared_ptr<State> state_;
+};
+
+// Per-call debug logging to stderr, switched on by LIBRA_JAX_DEBUG=1.
+bool DebugLoggingEnabled();
+
+// Internal: forget the watchdog thread in a fork child.
+void ResetWatchdogAfterFork();
+
+}  // namespace libra

@@ -1,0 +1,293 @@
+// Unit tests of the framework-free engine (run under ASan and TSan in CI).
+// A tiny harness: no test framework download at build time.
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <mutex>
+#include <random>
+#include <string>
+#include <thread>
+#include <unistd.h>
+#include <sys/wait.h>
+#include <vector>
+
+#include "libra/engine.h"
+
+namespace {
+
+int failures = 0;
+int checks = 0;
+
+#define CHECK(cond)                                                   \
+  do {                                                                \
+    ++checks;                                                         \
+    if (!(cond)) {                                                    \
+      ++failures;                                                     \
+      std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__,     \
+                   __LINE__, #cond);                                  \
+    }                                                                 \
+  } while (0)
+
+using libra::DType;
+
+// Waits for n callbacks and records their statuses.
+class Latch {
+ public:
+  explicit Latch(int n) : pending_(n) {}
+  libra::DoneCallback Callback() {
+    return [this](const libra::Status& s) {
+      std::lock_guard<std::mutex> lock(mu_);
+      statuses_.push_back(s);
+      if (--pending_ == 0) cv_.notify_all();
+    };
+  }
+  bool Wait(std::chrono::milliseconds limit = std::chrono::seconds(30)) {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_for(lock, limit, [&] { return pending_ == 0; });
+  }
+  std::vector<libra::Status> statuses() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return statuses_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int pending_;
+  std::vector<libra::Status> statuses_;
+};
+
+
+template <typename T>
+void TestPlainSum(DType dtype, int n, std::size_t count, int blocks, bool in_place) {
+  std::mt19937_64 rng(n * 1000 + count + blocks);
+  std::vector<std::vector<T>> in(n, std::vector<T>(count));
+  for (auto& v : in) for (auto& x : v) x = static_cast<T>(static_cast<int64_t>(rng() % 2001) - 1000) / T(8);
+  std::vector<T> expected(count);
+  for (std::size_t i = 0; i < count; ++i) {
+    T acc = in[0][i];
+    for (int r = 1; r < n; ++r) acc += in[r][i];
+    expected[i] = acc;
+  }
+  std::vector<std::vector<T>> out(n, std::vector<T>(count));
+  std::vector<const void*> ins;
+  std::vector<void*> outs;
+  for (int r = 0; r < n; ++r) {
+    ins.push_back(in[r].data());
+    outs.push_back(in_place ? static_cast<void*>(in[r].data()) : out[r].data());
+  }
+  libra::Status s = libra::AllReduce(dtype, ins, outs, count, blocks);
+  CHECK(s.ok());
+  for (int r = 0; r < n; ++r) {
+    const T* got = static_cast<const T*>(outs[r]);
+    CHECK(std::memcmp(got, expected.data(), count * sizeof(T)) == 0);
+  }
+}
+
+void TestSums() {
+  for (int n : {1, 2, 3, 5, 8}) {
+    for (std::size_t count : {std::size_t{0}, std::size_t{1}, std::size_t{7}, std::size_t{4097},
+                              std::size_t{100003}}) {
+      for (int blocks : {1, 2, 3, libra::kMaxBlocks}) {
+        for (bool in_place : {false, true}) {
+          TestPlainSum<float>(DType::kF32, n, count, blocks, in_place);
+          TestPlainSum<double>(DType::kF64, n, count, blocks, in_place);
+        }
+      }
+    }
+  }
+  // Integers wrap instead of overflowing.
+  std::vector<int32_t> a = {INT32_MAX, -5}, b = {1, 3};
+  std::vector<const void*> ins = {a.data(), b.data()};
+  std::vector<void*> outs = {a.data(), b.data()};
+  CHECK(libra::AllReduce(DType::kS32, ins, outs, 2, 1).ok());
+  CHECK(a[0] == INT32_MIN && b[0] == INT32_MIN && a[1] == -2 && b[1] == -2);
+}
+
+uint16_t Bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+void TestSixteenBit() {
+  // bf16: 1 + 2^-8 + 2^-8 accumulates in f32 (1 + 2^-7 exactly, representable).
+  std::vector<uint16_t> a = {Bf16(1.0f)}, b = {Bf16(1.0f / 256)}, c = {Bf16(1.0f / 256)};
+  std::vector<uint16_t> o1(1), o2(1), o3(1);
+  CHECK(libra::AllReduce(DType::kBF16, {a.data(), b.data(), c.data()},
+                         {o1.data(), o2.data(), o3.data()}, 1, 1).ok());
+  CHECK(o1[0] == Bf16(1.0f + 1.0f / 128));
+  // f16: rounding after every addition: 2048 + 1 = 2048 (ties to even), twice.
+  const uint16_t h2048 = 0x6800, h1 = 0x3c00;
+  std::vector<uint16_t> x = {h2048}, y = {h1}, z = {h1};
+  CHECK(libra::AllReduce(DType::kF16, {x.data(), y.data(), z.data()},
+                         {o1.data(), o2.data(), o3.data()}, 1, 1).ok());
+  CHECK(o1[0] == h2048 && o3[0] == h2048);
+  // f16 overflow to infinity, and subnormals survive.
+  std::vector<uint16_t> big = {0x7bff}, sub = {0x0001};
+  CHECK(libra::AllReduce(DType::kF16, {big.data(), big.data()}, {o1.data(), o2.data()}, 1, 1).ok());
+  CHECK(o1[0] == 0x7c00);
+  CHECK(libra::AllReduce(DType::kF16, {sub.data(), sub.data()}, {o1.data(), o2.data()}, 1, 1).ok());
+  CHECK(o1[0] == 0x0002);
+}
+
+void TestEffectiveBlocks() {
+  CHECK(libra::EffectiveBlocks(0, DType::kF32, 8) == 0);
+  CHECK(libra::EffectiveBlocks(256, DType::kF32, 8) == 1);            // 1 KiB
+  CHECK(libra::EffectiveBlocks(1 << 20, DType::kF32, 8) == 8);        // 4 MiB
+  CHECK(libra::EffectiveBlocks(1 << 20, DType::kF32, 3) == 3);
+  CHECK(libra::EffectiveBlocks(8192, DType::kF32, 64) == 2);          // 32 KiB
+}
+
+void TestBadArguments() {
+  std::vector<float> a(4), b(4);
+  CHECK(!libra::AllReduce(DType::kF32, {a.data(), b.data()}, {a.data(), b.data()}, 4, 0).ok());
+  CHECK(!libra::AllReduce(DType::kF32, {a.data(), b.data()}, {a.data(), b.data()}, 4,
+                          libra::kMaxBlocks + 1).ok());
+  CHECK(!libra::AllReduce(DType::kF32, {a.data(), b.data()}, {a.data()}, 4, 1).ok());
+}
+
+libra::CallSpec Spec(int rank, int world, std::size_t count, int64_t run = 1) {
+  libra::CallSpec spec;
+  spec.rank = rank;
+  spec.world = world;
+  spec.count = count;
+  spec.run_id = run;
+  spec.blocks = 2;
+  spec.timeout_ms = 20000;
+  return spec;
+}
+
+// Many threads arrive in random order, over several rounds (loop iterations)
+// and runs: every round pairs the right buffers.
+void TestRendezvousRounds() {
+  constexpr int kWorld = 6, kIters = 20, kCount = 5000;
+  libra::Rendezvous site("rounds");
+  for (int64_t run = 1; run <= 3; ++run) {
+    std::vector<std::vector<float>> data(kWorld * kIters, std::vector<float>(kCount));
+    for (int r = 0; r < kWorld; ++r)
+      for (int it = 0; it < kIters; ++it)
+        for (auto& x : data[r * kIters + it]) x = static_cast<float>(r + 100 * it);
+    Latch latch(kWorld * kIters);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < kWorld; ++r) {
+      threads.emplace_back([&, r] {
+        for (int it = 0; it < kIters; ++it) {
+          float* buf = data[r * kIters + it].data();
+          site.Arrive(Spec(r, kWorld, kCount, run), buf, buf, latch.Callback());
+          if ((r + it) % 3 == 0) std::this_thread::yield();
+        }
+      });
+    }
+    for (auto& t : threads) t.join();
+    CHECK(latch.Wait());
+    for (auto& s : latch.statuses()) CHECK(s.ok());
+    for (int r = 0; r < kWorld; ++r)
+      for (int it = 0; it < kIters; ++it)
+        CHECK(data[r * kIters + it][kCount - 1] == 15.0f + 600.0f * it);
+  }
+}
+
+// A rank that never arrives: the others fail with a message naming it, late
+// arrivals are turned away, and the next run works.
+void TestTimeout() {
+  libra::Rendezvous site("timeout");
+  std::vector<float> a(10, 1.0f), b(10, 2.0f), c(10, 3.0f);
+  Latch latch(2);
+  libra::CallSpec s0 = Spec(0, 3, 10), s1 = Spec(1, 3, 10);
+  s0.timeout_ms = s1.timeout_ms = 200;
+  site.Arrive(s0, a.data(), a.data(), latch.Callback());
+  site.Arrive(s1, b.data(), b.data(), latch.Callback());
+  CHECK(latch.Wait(std::chrono::seconds(10)));
+  for (auto& st : latch.statuses()) {
+    CHECK(st.code == libra::Status::Code::kDeadlineExceeded);
+    CHECK(st.message.find("waiting for ranks [2] of 3") != std::string::npos);
+  }
+  Latch late(1);
+  libra::CallSpec s2 = Spec(2, 3, 10);
+  site.Arrive(s2, c.data(), c.data(), late.Callback());
+  CHECK(late.Wait());
+  CHECK(late.statuses()[0].code == libra::Status::Code::kDeadlineExceeded);
+  CHECK(late.statuses()[0].message.find("already failed") != std::string::npos);
+
+  Latch next(3);
+  site.Arrive(Spec(0, 3, 10, 2), a.data(), a.data(), next.Callback());
+  site.Arrive(Spec(2, 3, 10, 2), c.data(), c.data(), next.Callback());
+  site.Arrive(Spec(1, 3, 10, 2), b.data(), b.data(), next.Callback());
+  CHECK(next.Wait());
+  for (auto& st : next.statuses()) CHECK(st.ok());
+  CHECK(a[0] == 6.0f && b[9] == 6.0f && c[5] == 6.0f);
+}
+
+void TestMismatch() {
+  libra::Rendezvous site("mismatch");
+  std::vector<float> a(10), b(20);
+  Latch latch(2);
+  site.Arrive(Spec(0, 2, 10), a.data(), a.data(), latch.Callback());
+  site.Arrive(Spec(1, 2, 20), b.data(), b.data(), latch.Callback());
+  CHECK(latch.Wait());
+  for (auto& st : latch.statuses()) {
+    CHECK(st.code == libra::Status::Code::kInvalidArgument);
+    CHECK(st.message.find("disagree") != std::string::npos);
+  }
+  Latch bad(1);
+  site.Arrive(Spec(5, 2, 10), a.data(), a.data(), bad.Callback());
+  CHECK(bad.Wait());
+  CHECK(bad.statuses()[0].message.find("rank 5 is outside [0, 2)") != std::string::npos);
+}
+
+// Destroying a site with a pending round cancels it instead of leaking.
+void TestDestroyPending() {
+  std::vector<float> a(10);
+  Latch latch(1);
+  {
+    libra::Rendezvous site("destroyed");
+    site.Arrive(Spec(0, 2, 10), a.data(), a.data(), latch.Callback());
+  }
+  CHECK(latch.Wait());
+  CHECK(latch.statuses()[0].code == libra::Status::Code::kCancelled);
+}
+
+// The pools keep working in a fork child, and in the parent afterwards.
+void TestFork() {
+  std::vector<float> a(100000, 1.0f), b(100000, 2.0f);
+  CHECK(libra::AllReduce(DType::kF32, {a.data(), b.data()}, {a.data(), b.data()}, a.size(), 4).ok());
+  pid_t pid = fork();
+  if (pid == 0) {
+    std::vector<float> x(100000, 1.0f), y(100000, 2.0f);
+    libra::Status s = libra::AllReduce(DType::kF32, {x.data(), y.data()}, {x.data(), y.data()}, x.size(), 4);
+    _exit(s.ok() && x[99999] == 3.0f ? 0 : 1);
+  }
+  int status = 0;
+  waitpid(pid, &status, 0);
+  CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  CHECK(libra::AllReduce(DType::kF32, {a.data(), b.data()}, {a.data(), b.data()}, a.size(), 4).ok());
+  CHECK(a[0] == 6.0f);
+}
+
+}  // namespace
+
+int main() {
+  const std::pair<const char*, void (*)()> tests[] = {
+      {"sums", TestSums},
+      {"sixteen_bit", TestSixteenBit},
+      {"effective_blocks", TestEffectiveBlocks},
+      {"bad_arguments", TestBadArguments},
+      {"rendezvous_rounds", TestRendezvousRounds},
+      {"timeout", TestTimeout},
+      {"mismatch", TestMismatch},
+      {"destroy_pending", TestDestroyPending},
+      {"fork", TestFork},
+  };
+  for (const auto& [name, fn] : tests) {
+    const int before = failures;
+    fn();
+    std::printf("%-20s %s\n", name, failures == before ? "ok" : "FAILED");
+  }
+  std::printf("%d checks, %d failed\n", checks, failures);
+  return failures == 0 ? 0 : 1;
+}

@@ -1,0 +1,144 @@
+"""Every JAX-internal name libra_jax uses, in one place.
+
+JAX renames and moves its internals often (``psum_invariant``, ``jit``,
+``remat2``, ``manual_axis_type``...). Code outside this module uses only public
+JAX APIs and the names defined here, so a JAX upgrade is fixed here alone.
+Tested with jax 0.10.2 and 0.12.x.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from jax._src import config as _config
+from jax._src import core as _core
+from jax._src import dispatch as _dispatch
+from jax._src.interpreters import ad as _ad
+from jax._src.interpreters import batching as _batching
+from jax._src.interpreters import mlir as _mlir
+from jax._src.interpreters import pxla as _pxla
+from jax._src.lax import parallel as _parallel
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import hlo
+from jax._src.sharding_impls import SPMDAxisContext
+from jax.extend.core import Primitive
+
+__all__ = [
+    "Primitive", "Tracer", "ShapedArray", "ir", "hlo", "psum_p", "psum_invariant_p",
+    "apply_primitive", "deflinear", "register_batcher", "register_lowering", "lower_fun",
+    "ir_constant", "check_vma_enabled", "auto_pcast_enabled", "varying_axes", "input_state",
+    "pvary", "skip_size_one_axes", "axis_is_bound", "manual_axes", "replica_groups",
+    "device_index", "is_zero_cotangent", "zero_cotangent", "jax_version",
+]
+
+Tracer = _core.Tracer
+ShapedArray = _core.ShapedArray
+psum_p: Primitive = _parallel.psum_p
+psum_invariant_p: Primitive = _parallel.psum_invariant_p
+jax_version: tuple[int, ...] = tuple(int(p) for p in jax.__version__.split(".")[:3])
+
+
+# --- Primitive rules --------------------------------------------------------
+
+def apply_primitive(prim: Primitive, *args: Any, **params: Any) -> Any:
+    """Eager evaluation of a primitive by compiling it alone."""
+    return _dispatch.apply_primitive(prim, *args, **params)
+
+
+def deflinear(prim: Primitive, transpose_rule: Callable[..., Any]) -> None:
+    """JVP (linear: the primitive of the tangent) and transpose of `prim`."""
+    _ad.deflinear2(prim, transpose_rule)
+
+
+def is_zero_cotangent(ct: Any) -> bool:
+    return type(ct) is _ad.Zero
+
+
+def zero_cotangent(x: Any) -> Any:
+    return _ad.Zero(x.aval)
+
+
+def register_batcher(prim: Primitive, rule: Callable[..., Any]) -> None:
+    """`rule(axis_data, vals_in, dims_in, **params)`; `axis_data.name` is the vmapped axis."""
+    _batching.fancy_primitive_batchers[prim] = rule
+
+
+def jax_batcher(prim: Primitive) -> Callable[..., Any]:
+    """JAX's own batching rule of one of its primitives."""
+    return _batching.fancy_primitive_batchers[prim]
+
+
+def register_lowering(prim: Primitive, rule: Callable[..., Any], platform: str | None = None) -> None:
+    _mlir.register_lowering(prim, rule, platform=platform)
+
+
+def lower_fun(fun: Callable[..., Any]) -> Callable[..., Any]:
+    return _mlir.lower_fun(fun, multiple_results=False)
+
+
+def ir_constant(value: np.ndarray) -> ir.Value:
+    return _mlir.ir_constant(value)
+
+
+# --- Varying manual axes (check_vma) ----------------------------------------
+
+def check_vma_enabled() -> bool:
+    """True inside `shard_map(check_vma=True)`, where psum is `psum_invariant`."""
+    return bool(_config._check_vma.value)
+
+
+def auto_pcast_enabled() -> bool:
+    return bool(_config.auto_pcast.value)
+
+
+def varying_axes(aval: Any) -> frozenset:
+    """The manual axes over which a value differs from device to device."""
+    mat = getattr(aval, "mat", None)
+    return frozenset(mat.varying) if mat is not None else frozenset(getattr(aval, "vma", ()))
+
+
+def input_state(aval: Any, axes: tuple) -> str:
+    """'varying', 'invarying', 'unreduced' or 'reduced' (as `lax.psum` sees it)."""
+    return _parallel._get_from(aval, axes, "libra_jax.psum")
+
+
+def pvary(x: Any, axes: tuple) -> Any:
+    """Cast an invariant value to varying over `axes` (psum's transpose)."""
+    return _core.pvary(x, axis_name=axes)
+
+
+def skip_size_one_axes(axes: tuple) -> tuple:
+    """Drop size-1 mesh axes exactly when `lax.psum` does."""
+    return _parallel._maybe_skip_one_sized_axes(axes)
+
+
+# --- Axis environment -------------------------------------------------------
+
+def axis_is_bound(name: Any) -> bool:
+    return bool(_core.get_axis_env().axis_exists(name))
+
+
+def manual_axes() -> frozenset:
+    """Mesh axes made manual by the enclosing `shard_map` (or `pmap`)."""
+    return frozenset(jax.sharding.get_abstract_mesh().manual_axes)
+
+
+# --- Lowering helpers -------------------------------------------------------
+
+def replica_groups(ctx: Any, axes: tuple) -> tuple[tuple[int, ...], ...] | None:
+    """XLA's replica groups of a psum over `axes`: the same groups, in the same
+    order, that `lax.psum` lowers to. None outside a fully manual SPMD context."""
+    axis_ctx = ctx.module_context.axis_context
+    if not isinstance(axis_ctx, SPMDAxisContext):
+        return None
+    if axis_ctx.manual_axes != frozenset(axis_ctx.mesh.axis_names):
+        return None  # Partially automatic shard_map: XLA's psum handles it.
+    return tuple(tuple(int(d) for d in g) for g in _pxla.axis_groups(axis_ctx, axes))
+
+
+def device_index(ctx: Any) -> ir.Value:
+    """The running device's index in the replica-group numbering (SPMD partition id)."""
+    del ctx
+    pid = hlo.partition_id()
+    return hlo.convert(ir.RankedTensorType.get([], ir.IntegerType.get_signless(32)), pid)

@@ -1,0 +1,251 @@
+"""`libra_jax.psum`: a drop-in for `jax.lax.psum` that all-reduces with Libra's engine.
+
+The primitive `libra_psum` stands for exactly the psum that `jax.lax.psum` would
+bind (`psum_invariant` under `shard_map(check_vma=True)`, `psum` otherwise): its
+abstract evaluation *is* that primitive's, so output types (shape, dtype,
+weak type, varying axes) and effects are the same by construction. It differs
+in its lowering: on CPU it becomes the `libra_allreduce_cpu` custom call, which
+carries its block count; elsewhere it lowers to XLA's all-reduce.
+
+Cases the engine does not serve are handed to `jax.lax.psum` itself (with a
+one-time warning): axes bound by `vmap` or positional axes, `axis_index_groups`,
+bool and dtypes outside f32/f64/bf16/f16/s32/s64, unreduced inputs. Values that
+are not traced (Python scalars, constants) need no communication and also go
+to `jax.lax.psum`, silently.
+"""
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from functools import partial
+from typing import Any, Hashable, Sequence
+
+import jax
+import numpy as np
+
+from libra_jax import _compat, _ffi
+
+__all__ = ["psum", "pmean", "default_blocks", "MAX_BLOCKS", "libra_psum_p"]
+
+#: Largest block count (engine worker tasks per all-reduce).
+MAX_BLOCKS: int = _ffi.MAX_BLOCKS
+
+AxisName = Hashable
+_SUPPORTED_DTYPES = frozenset(
+    np.dtype(d) for d in (np.float32, np.float64, jax.numpy.bfloat16, np.float16, np.int32, np.int64)
+)
+_DEFAULT_TIMEOUT_S = 300.0
+_BYTES_PER_DEFAULT_BLOCK = 1 << 20
+_DEFAULT_MAX_BLOCKS = 8
+
+
+def psum(x: Any, axis_name: AxisName | Sequence[AxisName], *,
+         axis_index_groups: Sequence[Sequence[int]] | None = None,
+         blocks: int | None = None) -> Any:
+    """All-reduce sum over mapped axes, like `jax.lax.psum`, with a chosen block count.
+
+    Args:
+      x: array or pytree of arrays, inside `jax.shard_map` or `jax.pmap`.
+      axis_name: a mesh axis name or a tuple of them.
+      axis_index_groups: as in `jax.lax.psum`; such psums are delegated to it.
+      blocks: how many engine worker tasks (the CPU counterpart of CUDA thread
+        blocks) carry out each all-reduce, 1..`MAX_BLOCKS`. ``None`` chooses by
+        size with `default_blocks`. Fixed at trace time and recorded in the HLO.
+
+    Returns:
+      The same as `jax.lax.psum(x, axis_name)`, bit for bit on CPU.
+
+    Raises:
+      NameError: an axis name is not bound.
+      ValueError: `blocks` is outside 1..MAX_BLOCKS.
+      TypeError: `blocks` is not an int, or is given for a psum that is
+        delegated to `jax.lax.psum` (which has no block count).
+    """
+    _check_blocks(blocks)
+    axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+    if axis_index_groups is not None:
+        return _delegate(x, axis_name, "axis_index_groups is not supported", blocks,
+                         axis_index_groups=axis_index_groups)
+    for name in axes:
+        if not isinstance(name, int) and not _compat.axis_is_bound(name):
+            raise NameError(
+                f"libra_jax.psum: unbound axis name {name!r}. Call it inside jax.shard_map "
+                f"or jax.pmap over a mesh with an axis named {name!r}.")
+    manual = _compat.manual_axes()
+    if any(isinstance(name, int) or name not in manual for name in axes):
+        return _delegate(x, axis_name, "axes bound by vmap or positional axes are reduced "
+                         "by XLA", blocks)
+    axes = _compat.skip_size_one_axes(axes)
+    if not axes:
+        return x
+    return jax.tree_util.tree_map(partial(_psum_leaf, axes=axes, blocks=blocks), x)
+
+
+def pmean(x: Any, axis_name: AxisName | Sequence[AxisName], *,
+          axis_index_groups: Sequence[Sequence[int]] | None = None,
+          blocks: int | None = None) -> Any:
+    """All-reduce mean: `psum` divided by the number of participants, like `jax.lax.pmean`."""
+    if axis_index_groups is not None:
+        _check_blocks(blocks)
+        return _delegate(x, axis_name, "axis_index_groups is not supported", blocks,
+                         axis_index_groups=axis_index_groups, op=jax.lax.pmean)
+    total = psum(x, axis_name, blocks=blocks)
+    n = jax.lax.psum(1, axis_name)
+    return jax.tree_util.tree_map(lambda v: v / n, total)
+
+
+def default_blocks(nbytes: int) -> int:
+    """Block count used when `blocks=None`: one per MiB per device, at least 1,
+    at most min(8, CPU cores). `@libra_jax.optimize` replaces this rule with
+    the contention model."""
+    limit = max(1, min(_DEFAULT_MAX_BLOCKS, os.cpu_count() or 1))
+    return int(min(limit, max(1, math.ceil(nbytes / _BYTES_PER_DEFAULT_BLOCK))))
+
+
+# --- Front end helpers ------------------------------------------------------
+
+def _check_blocks(blocks: int | None) -> None:
+    if blocks is None:
+        return
+    if isinstance(blocks, bool) or not isinstance(blocks, (int, np.integer)):
+        raise TypeError(f"libra_jax.psum: blocks must be an int or None, got {blocks!r}")
+    if not 1 <= blocks <= MAX_BLOCKS:
+        raise ValueError(f"libra_jax.psum: blocks must be in [1, {MAX_BLOCKS}], got {blocks}")
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, stacklevel=4)
+
+
+def _delegate(x: Any, axis_name: Any, reason: str, blocks: int | None, *,
+              op: Any = jax.lax.psum, **kwargs: Any) -> Any:
+    if blocks is not None:
+        raise TypeError(
+            f"libra_jax.psum: blocks={blocks} cannot be honoured: {reason}, so this psum is "
+            "done by jax.lax.psum, which has no block count. Drop blocks= here.")
+    _warn_once(f"libra_jax.psum: {reason}; delegating to jax.lax.psum.")
+    return op(x, axis_name, **kwargs)
+
+
+def _psum_leaf(leaf: Any, *, axes: tuple, blocks: int | None) -> Any:
+    if not isinstance(leaf, _compat.Tracer):
+        return jax.lax.psum(leaf, axes)  # A constant: no communication needed.
+    aval = jax.typeof(leaf)
+    state = _compat.input_state(aval, axes)
+    if state in ("unreduced", "reduced"):
+        return _delegate(leaf, axes, f"{state} inputs are not supported", blocks)
+    dtype = np.dtype(aval.dtype)
+    if dtype not in _SUPPORTED_DTYPES:
+        return _delegate(leaf, axes, f"dtype {dtype.name} is not supported by the engine",
+                         blocks)
+    if blocks is None:
+        blocks = default_blocks(math.prod(aval.shape) * dtype.itemsize)
+    invariant = _compat.check_vma_enabled()
+    if invariant and _compat.auto_pcast_enabled():
+        # As lax.psum: make the value varying over every reduced axis first.
+        missing = tuple(a for a in axes if a not in _compat.varying_axes(aval))
+        if missing:
+            leaf = _compat.pvary(leaf, missing)
+    return libra_psum_p.bind(leaf, axes=axes, blocks=int(blocks), invariant=invariant)
+
+
+# --- The primitive ----------------------------------------------------------
+
+libra_psum_p = _compat.Primitive("libra_psum")
+
+
+def _mirrored(invariant: bool, axes: tuple) -> tuple[Any, dict]:
+    """The JAX primitive (and its params) that `libra_psum` stands for."""
+    if invariant:
+        return _compat.psum_invariant_p, {"axes": axes}
+    return _compat.psum_p, {"axes": axes, "axis_index_groups": None}
+
+
+def _abstract_eval(aval: Any, *, axes: tuple, blocks: int, invariant: bool) -> Any:
+    prim, params = _mirrored(invariant, axes)
+    return prim.abstract_eval(aval, **params)
+
+
+def _cpu_lowering(ctx: Any, x: Any, *, axes: tuple, blocks: int, invariant: bool) -> Any:
+    groups = _compat.replica_groups(ctx, axes)
+    if groups is None:
+        return _xla_lowering(ctx, x, axes=axes, blocks=blocks, invariant=invariant,
+                             reason="a partially automatic shard_map")
+    _ffi.ensure_registered()
+    # (rank, group) of every device, looked up by the running device's index:
+    # rank is the position in XLA's replica group, so the summation order is XLA's.
+    table = np.zeros((1 + max(max(g) for g in groups), 2), np.int32)
+    for group_id, members in enumerate(groups):
+        for rank, device in enumerate(members):
+            table[device] = (rank, group_id)
+    i32 = _compat.ir.IntegerType.get_signless(32)
+    zero = _compat.ir_constant(np.int32(0))
+    row = _compat.hlo.dynamic_slice(
+        _compat.ir_constant(table), [_compat.device_index(ctx), zero],
+        _compat.ir.DenseI64ArrayAttr.get([1, 2]))
+    rank_group = _compat.hlo.reshape(_compat.ir.RankedTensorType.get([2], i32), row)
+
+    aval_in, = ctx.avals_in
+    call_ctx = ctx.replace(avals_in=[aval_in, _compat.ShapedArray((2,), np.int32)])
+    rule = jax.ffi.ffi_lowering(_ffi.ALLREDUCE_CPU_TARGET, operand_output_aliases={0: 0})
+    return rule(call_ctx, x, rank_group,
+                label=f"psum{tuple(axes)}",
+                world=np.int64(len(groups[0])),
+                blocks=np.int64(blocks),
+                timeout_ms=np.int64(round(_timeout_s() * 1000)))
+
+
+def _xla_lowering(ctx: Any, x: Any, *, axes: tuple, blocks: int, invariant: bool,
+                  reason: str | None = None) -> Any:
+    """XLA's own all-reduce, where the engine has no target; `blocks` is ignored."""
+    platforms = "/".join(ctx.module_context.platforms)
+    _warn_once(f"libra_jax.psum: no Libra all-reduce for {reason or platforms}; "
+               "lowering to XLA's all-reduce (blocks ignored).")
+    prim, params = _mirrored(invariant, axes)
+    return _compat.lower_fun(partial(prim.bind, **params))(ctx, x)
+
+
+def _timeout_s() -> float:
+    raw = os.environ.get("LIBRA_JAX_TIMEOUT_S", "")
+    if not raw:
+        return _DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0 or not math.isfinite(value):
+        raise ValueError(f"LIBRA_JAX_TIMEOUT_S must be a positive number of seconds, got {raw!r}")
+    return value
+
+
+def _transpose(ct: Any, x: Any, *, axes: tuple, blocks: int, invariant: bool) -> tuple:
+    if _compat.is_zero_cotangent(ct):
+        return (_compat.zero_cotangent(x),)
+    if invariant:  # psum_invariant's transpose: the cotangent, cast to varying.
+        return (_compat.pvary(ct, axes),)
+    # psum's transpose is psum (psum = psum + pbroadcast).
+    return (libra_psum_p.bind(ct, axes=axes, blocks=blocks, invariant=False),)
+
+
+def _batcher(axis_data: Any, vals_in: Sequence[Any], dims_in: Sequence[Any], *,
+             axes: tuple, blocks: int, invariant: bool) -> tuple[Any, Any]:
+    (x,), (dim,) = vals_in, dims_in
+    if axis_data.name in axes:
+        # A vmapped axis among the reduced ones is reduced by XLA, as lax.psum does.
+        prim, params = _mirrored(invariant, axes)
+        return _compat.jax_batcher(prim)(axis_data, vals_in, dims_in, **params)
+    return libra_psum_p.bind(x, axes=axes, blocks=blocks, invariant=invariant), dim
+
+
+libra_psum_p.def_impl(partial(_compat.apply_primitive, libra_psum_p))
+libra_psum_p.def_effectful_abstract_eval(_abstract_eval)
+_compat.deflinear(libra_psum_p, _transpose)
+_compat.register_batcher(libra_psum_p, _batcher)
+_compat.register_lowering(libra_psum_p, _xla_lowering)
+_compat.register_lowering(libra_psum_p, _cpu_lowering, platform="cpu")

@@ -1,0 +1,221 @@
+"""``libra-jax`` command line.
+
+Subcommands register themselves in :data:`SUBCOMMANDS`: each entry is a function that adds its
+parser to the argparse sub-parser set and sets ``func`` (the handler, which returns an exit
+status). To add ``plan`` or ``calibrate``, write ``_add_<name>(subparsers)`` and its handler and
+append the function to :data:`SUBCOMMANDS`.
+
+``simulate`` compares the backward time of one model under Libra and the baselines, using a
+hardware profile (``libra_jax.model``) and exact per-layer sizes (``libra_jax.zoo``)::
+
+    libra-jax simulate --model bert-large --profile libra-testbed --workers 8 --gantt out.png
+
+It needs neither JAX nor the compiled extension; ``--gantt`` needs matplotlib.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from libra_jax import model as cost_models
+from libra_jax import zoo
+from libra_jax.gantt import MissingDependencyError
+
+__all__ = ["main", "build_parser", "SUBCOMMANDS", "POLICIES", "Comparison", "compare_policies",
+           "default_allocation"]
+
+HOROVOD_FUSION_MIB = 64  # Horovod 0.20.3's HOROVOD_FUSION_THRESHOLD default (the version Libra patched)
+LIBRA_DEFAULT_THREADS = 2048  # the artifact's "default" baseline: 2048 threads for every group
+BYTES_PER_MIB = 1 << 20
+
+# Policy key -> description, in table order.
+POLICIES: dict[str, str] = {
+    "default": "Horovod-NCCL: fixed allocation, 64 MiB fusion",
+    "mgwfbp": "fusion only: MG-WFBP merge, fixed allocation",
+    "fusion-only": "fusion only: planner grouping, fixed allocation",
+    "libra-alloc": "Libra allocation, default grouping",
+    "libra": "Libra: allocation co-optimised with fusion",
+}
+
+
+def default_allocation(derivation: cost_models.Derivation) -> int:
+    """The baseline's fixed allocation: 2048 threads (the artifact's default) for total-thread
+    profiles, else the largest block option (NCCL opens as many channels as the topology allows)."""
+    keys = sorted(derivation.cost.slowdown)
+    if derivation.key_unit == "total_threads" and LIBRA_DEFAULT_THREADS in keys:
+        return LIBRA_DEFAULT_THREADS
+    return keys[-1]
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Plans of every policy in :data:`POLICIES` for one workload and cost model."""
+
+    plans: dict[str, object]
+    default_alloc: int
+    fusion_bytes: int
+
+    def backward_s(self, policy: str) -> float:
+        return self.plans[policy].backward_s  # type: ignore[attr-defined]
+
+    def best_baseline(self) -> str:
+        """The fastest of the baselines (everything except the two Libra policies)."""
+        return min(("default", "mgwfbp", "fusion-only"), key=self.backward_s)
+
+
+def compare_policies(layers: Sequence[object], cost: object, *, default_alloc: int,
+                     fusion_bytes: int = HOROVOD_FUSION_MIB * BYTES_PER_MIB) -> Comparison:
+    """Plan ``layers`` under every policy of :data:`POLICIES`."""
+    from libra_jax import planner
+
+    layers = list(layers)
+    default = planner.plan_default(layers, cost, blocks=default_alloc, fusion_bytes=fusion_bytes)
+    grouping = [(b.first, b.last) for b in default.buckets]
+    plans = {
+        "default": default,
+        "mgwfbp": planner.plan_mgwfbp(layers, cost, blocks=default_alloc),
+        "fusion-only": planner.plan_fusion_only(layers, cost, blocks=default_alloc),
+        "libra-alloc": planner.plan(layers, cost, buckets=grouping),
+        "libra": planner.plan(layers, cost, fusion=True),
+    }
+    return Comparison(plans, default_alloc, fusion_bytes)
+
+
+def _alloc_summary(buckets: Sequence[object]) -> str:
+    """Allocations of non-empty runs, e.g. ``2048x3 1024 512x2``."""
+    runs: list[list[int]] = []
+    for b in buckets:
+        if runs and runs[-1][0] == b.blocks:  # type: ignore[attr-defined]
+            runs[-1][1] += 1
+        else:
+            runs.append([b.blocks, 1])  # type: ignore[attr-defined]
+    text = " ".join(f"{k}x{n}" if n > 1 else f"{k}" for k, n in runs)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+# ----------------------------------------------------------------------------------------------
+# simulate
+# ----------------------------------------------------------------------------------------------
+
+
+def _add_simulate(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "simulate", help="compare Libra with the baselines for one model (no GPU needed)",
+        description="Predict the backward time of one data-parallel training step of MODEL under "
+                    "Libra and the baselines, using a hardware profile and exact per-layer sizes.")
+    p.add_argument("--model", required=True, choices=zoo.MODEL_NAMES)
+    p.add_argument("--profile", default="libra-testbed",
+                   help=f"profile name ({', '.join(cost_models.list_profiles())}) or path to a JSON file "
+                        "(default: %(default)s)")
+    p.add_argument("--workers", type=int, default=8, help="data-parallel ranks (default: %(default)s)")
+    p.add_argument("--link-gbps", type=float, default=None,
+                   help="override the ring's bottleneck link, Gb/s per direction")
+    p.add_argument("--batch", type=int, default=None, help="per-worker batch (default: the artifact's, per model)")
+    p.add_argument("--seq-len", type=int, default=None, help="BERT sequence length (default: 128)")
+    p.add_argument("--dtype", default=None, help="compute dtype for peak FLOP/s (default: the profile's)")
+    p.add_argument("--default-alloc", type=int, default=None,
+                   help="the baselines' fixed allocation (default: 2048 threads, or the largest block option)")
+    p.add_argument("--fusion-mib", type=float, default=HOROVOD_FUSION_MIB,
+                   help="the default policy's fusion threshold in MiB (default: %(default)s)")
+    p.add_argument("--gantt", metavar="PNG", default=None, help="write a Gantt chart of Libra's plan")
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.set_defaults(func=_run_simulate)
+
+
+def _run_simulate(args: argparse.Namespace) -> int:
+    profile = cost_models.load_profile(args.profile)
+    derivation = cost_models.derive(profile, args.workers, link_gbit_per_s=args.link_gbps)
+    workload = zoo.training_workload(args.model, flop_per_s=profile.device.flop_per_s(args.dtype),
+                                     bytes_per_s=profile.device.bytes_per_s(), batch=args.batch,
+                                     seq_len=args.seq_len)
+    default_alloc = args.default_alloc if args.default_alloc is not None else default_allocation(derivation)
+    if default_alloc not in derivation.cost.slowdown:
+        raise ValueError(f"--default-alloc {default_alloc} is not an option; options: "
+                         f"{', '.join(map(str, sorted(derivation.cost.slowdown)))}")
+    if args.fusion_mib < 0:
+        raise ValueError(f"--fusion-mib must be >= 0, got {args.fusion_mib}")
+    comparison = compare_policies(workload.layers, derivation.cost, default_alloc=default_alloc,
+                                  fusion_bytes=round(args.fusion_mib * BYTES_PER_MIB))
+    fixed = workload.forward_s + workload.optimizer_s
+    base = comparison.backward_s("default")
+    best_baseline = comparison.best_baseline()
+
+    if args.json:
+        out = {
+            "model": args.model, "batch": workload.batch, "layers": len(workload.layers),
+            "grad_bytes": workload.grad_bytes, "profile": profile.name, "workers": args.workers,
+            "link_gbit_per_s": derivation.link_bytes_per_s * 8 / 1e9, "key_unit": derivation.key_unit,
+            "latency_s": derivation.cost.latency_s, "dropped": {str(k): v for k, v in derivation.dropped.items()},
+            "forward_s": workload.forward_s, "optimizer_s": workload.optimizer_s,
+            "backward_compute_s": workload.backward_compute_s, "default_alloc": default_alloc,
+            "policies": {name: {"backward_s": plan.backward_s, "buckets": len(plan.buckets),
+                                "allocations": [b.blocks for b in plan.buckets]}
+                         for name, plan in comparison.plans.items()},
+        }
+        print(json.dumps(out, indent=2))
+    else:
+        print(f"model     {args.model}: {len(workload.layers)} layers, {workload.grad_bytes / BYTES_PER_MIB:.1f} MiB "
+              f"of gradients, batch {workload.batch}")
+        print(f"compute   forward {workload.forward_s * 1e3:.2f} ms, backward {workload.backward_compute_s * 1e3:.2f} ms, "
+              f"optimizer {workload.optimizer_s * 1e3:.2f} ms (full speed, {profile.device.name})")
+        print(f"profile   {profile.name} ({profile.form}), {args.workers} workers, link "
+              f"{derivation.link_bytes_per_s * 8 / 1e9:g} Gb/s, latency {derivation.cost.latency_s * 1e6:.1f} us, "
+              f"options ({derivation.key_unit}) {', '.join(map(str, sorted(derivation.cost.slowdown)))}")
+        for key, why in derivation.dropped.items():
+            print(f"dropped   {key}: {why}")
+        for note in derivation.notes:
+            print(f"note      {note}")
+        print()
+        header = f"{'policy':<13} {'buckets':>7} {'allocations':<40} {'backward ms':>11} {'vs default':>10} {'iteration ms':>12}"
+        print(header)
+        print("-" * len(header))
+        for name, plan in comparison.plans.items():
+            print(f"{name:<13} {len(plan.buckets):>7} {_alloc_summary(plan.buckets):<40} {plan.backward_s * 1e3:>11.2f} "
+                  f"{(plan.backward_s / base - 1) * 100:>+9.1f}% {(fixed + plan.backward_s) * 1e3:>12.2f}")
+        libra = comparison.backward_s("libra")
+        print()
+        print(f"Libra vs best baseline ({best_baseline}): backward {(1 - libra / comparison.backward_s(best_baseline)) * 100:.1f}% "
+              f"lower, iteration speedup {(fixed + comparison.backward_s(best_baseline)) / (fixed + libra):.3f}x")
+    if args.gantt:
+        from libra_jax import gantt
+
+        tl = gantt.timeline(list(workload.layers), comparison.plans["libra"].buckets, derivation.cost)
+        path = gantt.draw(tl, args.gantt, key_unit=derivation.key_unit.replace("_", " "),
+                          title=f"{args.model} on {profile.name}, {args.workers} workers: Libra's plan, "
+                                f"{tl.backward_s * 1e3:.2f} ms backward")
+        print(f"gantt     wrote {path}", file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Entry point
+# ----------------------------------------------------------------------------------------------
+
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_simulate]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="libra-jax",
+                                     description="Libra: contention-aware all-reduce allocation for JAX.")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for add in SUBCOMMANDS:
+        add(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (2 for a usage or input error)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, MissingDependencyError) as exc:
+        print(f"libra-jax {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

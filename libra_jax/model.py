@@ -1,0 +1,660 @@
+"""Contention model: a hardware profile and a world size become the planner's ``CostModel``.
+
+What it computes
+----------------
+For every allowed allocation ``k`` (the profile says whether ``k`` counts thread blocks or total
+threads) the planner needs three numbers and one latency (see :class:`libra_jax.planner.CostModel`):
+
+* ``solo_bw[k]``    -- gradient bytes per second of a ring all-reduce that runs alone;
+* ``overlap_bw[k]`` -- the same while backward compute runs beside it (always <= ``solo_bw[k]``:
+  the collective competes with compute kernels for memory bandwidth and issue slots);
+* ``slowdown[k]``   -- how much longer overlapped compute takes (>= 1: the collective's blocks
+  occupy SMs and move bytes through the same HBM);
+* ``latency_s``     -- the part of a collective no allocation speeds up.
+
+Ring all-reduce over ``n`` ranks moves ``2(n-1)/n`` of the gradient bytes through each rank's link
+and pays ``2n-2`` step latencies (NCCL's ``nsteps`` for ring all-reduce). So a bus bandwidth ``B``
+gives ``B * n / (2(n-1))`` gradient bytes per second, and the latency is
+``base + (steps - inter_steps) * intra_step + inter_steps * inter_step`` with
+``inter_steps = 2(nodes-1)`` -- the shape of NCCL's ``tuning.cc`` ring latency.
+
+Two functional forms (chosen by the profile's ``form``)
+-------------------------------------------------------
+``libra-fit`` -- the curves fitted by the Libra artifact on 2 GPUs at 50 Gb/s, in its own units
+(MiB/ms, ``T`` = total communication threads)::
+
+    bus bandwidth(T) = b - a * exp(-c * T**e)          (e = 0.6; separate fits solo / overlapped)
+    slowdown(T)      = s / (b' - c' * T)               (overlapped compute X takes X * slowdown)
+
+Faster networks follow the artifact's rule: at ``k`` times the reference link the thread options are
+multiplied by ``k``, both bandwidth fits are evaluated at ``T/k`` and multiplied by ``k`` (``k``
+times the bandwidth needs ``k`` times the threads), and the slowdown fit is evaluated at ``T``
+itself. The slowdown hyperbola has a pole (``b'/c'`` ~ 5457 threads for the testbed): options at or
+beyond it, or where a bandwidth fit is not positive, are dropped and the reason is recorded in
+:attr:`Derivation.dropped`. A fitted slowdown below 1 (fit error at tiny ``T``) is raised to 1 and
+noted.
+
+``nccl-style`` -- an analytic form for datasheet profiles, in the spirit of NCCL's symmetric-kernel
+model (per-SM bandwidth capped by the link)::
+
+    bus_solo(k)    = softmin_p(k * beta,       L)      softmin_p(x, y) = (x**-p + y**-p) ** (-1/p)
+    bus_overlap(k) = softmin_p(k * beta * eta, L)
+    slowdown(k)    = (1 - f) * U / (U - k * u)  +  f * H / (H - m * bus_overlap(k))
+
+``beta`` is one block's bandwidth, ``L`` the ring's bottleneck link, ``p`` the soft-min sharpness
+(``p`` -> infinity is the hard min; at ``k * beta = L`` the soft-min gives ``2**(-1/p) * L``).
+``eta`` < 1 is the fraction of a block's throughput kept while compute shares the GPU, so the
+overlapped bandwidth is far below solo for a few blocks and approaches it once the link saturates
+-- the same shape as the artifact's two fits. The slowdown mixes the two resources compute loses: a
+fraction ``1 - f`` of backward compute is SM-bound and runs on ``U - k*u`` of ``U`` SMs (as
+Transformer Engine gives GEMMs ``sm_count - comm_sms``); the memory-bound fraction ``f`` gets the
+HBM bandwidth ``H`` minus the collective's traffic, ``m`` HBM bytes per bus byte. Options that
+would take every SM or all of the HBM bandwidth are dropped with a reason.
+
+Profiles
+--------
+JSON files (``libra_jax/profiles/<name>.json``), loaded by name or by path with
+:func:`load_profile`, carry ``schema_version`` (:data:`SCHEMA_VERSION`) and put units in key names
+(``..._gbyte_per_s``, ``..._us``). Every number is a quantity ``{"value": ..., "source": ...}``
+whose source is ``datasheet``, ``measured`` or ``assumption`` (plus an optional ``ref``/``note``),
+so a reader can tell a vendor figure from a guess. Validation happens on load and raises
+``ValueError`` naming the missing or malformed field by its dotted path.
+
+This module is pure Python: no JAX, no compiled extension.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from libra_jax.planner import CostModel
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "SOURCES",
+    "FORMS",
+    "Quantity",
+    "DeviceSpec",
+    "NetworkSpec",
+    "LibraFit",
+    "NcclStyle",
+    "Profile",
+    "Derivation",
+    "PROFILE_DIR",
+    "list_profiles",
+    "load_profile",
+    "profile_from_dict",
+    "derive",
+    "cost_model",
+    "ring_bytes_per_rank",
+    "ring_steps",
+    "ring_latency_s",
+    "ring_algo_factor",
+    "softmin",
+    "libra_bandwidth_mib_per_ms",
+    "libra_slowdown",
+    "nccl_bus_bandwidth",
+    "nccl_slowdown",
+]
+
+SCHEMA_VERSION = 1
+SOURCES = ("datasheet", "measured", "assumption")
+FORMS = ("libra-fit", "nccl-style")
+PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
+
+# Unit conversions (named, so that every scale factor in this file is visible).
+BYTES_PER_MIB = 1 << 20
+MS_PER_S = 1e3
+BYTES_PER_S_PER_MIB_PER_MS = BYTES_PER_MIB * MS_PER_S
+BYTES_PER_GBYTE = 1e9
+BYTES_PER_GBIT = 1e9 / 8
+S_PER_US = 1e-6
+FLOP_PER_TFLOP = 1e12
+
+
+# ----------------------------------------------------------------------------------------------
+# Ring all-reduce
+# ----------------------------------------------------------------------------------------------
+
+
+def _check_workers(workers: int) -> None:
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 2:
+        raise ValueError(f"workers must be an integer >= 2 (a ring needs two ranks), got {workers!r}")
+
+
+def ring_steps(workers: int) -> int:
+    """Communication steps of a ring all-reduce: reduce-scatter plus all-gather, ``2(n-1)``."""
+    _check_workers(workers)
+    return 2 * (workers - 1)
+
+
+def ring_bytes_per_rank(grad_bytes: float, workers: int) -> float:
+    """Bytes each rank sends (and receives) in a ring all-reduce of ``grad_bytes``: ``2(n-1)/n``."""
+    _check_workers(workers)
+    return grad_bytes * 2.0 * (workers - 1) / workers
+
+
+def ring_algo_factor(workers: int) -> float:
+    """Gradient bytes per second per bus byte per second: ``n / (2(n-1))`` (1 at two ranks)."""
+    _check_workers(workers)
+    return workers / (2.0 * (workers - 1))
+
+
+def ring_latency_s(network: "NetworkSpec", workers: int) -> float:
+    """Latency of one ring all-reduce: base plus one hop latency per step (NCCL tuning.cc shape).
+
+    Steps that cross nodes (``2(nodes-1)`` of them) pay the inter-node hop latency, the others
+    the intra-node one.
+    """
+    steps = ring_steps(workers)
+    nodes = math.ceil(workers / network.devices_per_node)
+    inter = 2 * (nodes - 1)
+    return network.base_latency_s + (steps - inter) * network.intra_step_latency_s + inter * network.inter_step_latency_s
+
+
+# ----------------------------------------------------------------------------------------------
+# Functional forms
+# ----------------------------------------------------------------------------------------------
+
+
+def libra_bandwidth_mib_per_ms(threads: float, a: float, b: float, c: float, exponent: float) -> float:
+    """Libra artifact bandwidth fit ``b - a*exp(-c*T**exponent)`` in MiB/ms (may be <= 0 at tiny T)."""
+    return b - a * math.exp(-c * threads**exponent)
+
+
+def libra_slowdown(threads: float, scale: float, intercept: float, slope: float) -> float:
+    """Libra artifact compute fit: overlapped time / solo time ``= scale / (intercept - slope*T)``.
+
+    Returns ``inf`` at or beyond the pole ``T = intercept/slope`` (the fit is invalid there).
+    """
+    denominator = intercept - slope * threads
+    return math.inf if denominator <= 0 else scale / denominator
+
+
+def softmin(x: float, y: float, p: float) -> float:
+    """Smooth minimum ``(x**-p + y**-p) ** (-1/p)`` of two positive rates (p-norm of the times).
+
+    Equivalent to adding the times ``1/x`` and ``1/y`` in an ``l_p`` norm: below ``min(x, y)``,
+    tends to it as ``p`` grows, and equals ``2**(-1/p) * x`` when ``x == y``.
+    """
+    if x <= 0 or y <= 0:
+        raise ValueError(f"softmin needs positive rates, got {x} and {y}")
+    # Scale by the larger value first so large exponents cannot overflow.
+    hi = max(x, y)
+    return hi * ((x / hi) ** -p + (y / hi) ** -p) ** (-1.0 / p)
+
+
+def nccl_bus_bandwidth(blocks: int, per_block_bytes_per_s: float, link_bytes_per_s: float, p: float,
+                       efficiency: float = 1.0) -> float:
+    """Bus bandwidth of ``blocks`` blocks: ``softmin_p(blocks * beta * efficiency, link)``."""
+    return softmin(blocks * per_block_bytes_per_s * efficiency, link_bytes_per_s, p)
+
+
+def nccl_slowdown(blocks: int, *, compute_units: int, units_per_block: int, memory_bound_fraction: float,
+                  memory_bytes_per_s: float, comm_memory_bytes_per_s: float) -> float:
+    """Compute slowdown from the SMs and HBM bandwidth the collective takes (``inf`` if it takes all)."""
+    free_units = compute_units - blocks * units_per_block
+    free_memory = memory_bytes_per_s - comm_memory_bytes_per_s
+    if free_units <= 0 or free_memory <= 0:
+        return math.inf
+    return ((1.0 - memory_bound_fraction) * compute_units / free_units
+            + memory_bound_fraction * memory_bytes_per_s / free_memory)
+
+
+# ----------------------------------------------------------------------------------------------
+# Profile data
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Quantity:
+    """A profile number with its provenance (``datasheet``, ``measured`` or ``assumption``)."""
+
+    value: Any
+    source: str
+    ref: str = ""
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One accelerator (or CPU host). Rates are in SI units: FLOP/s and bytes/s."""
+
+    name: str
+    compute_unit_kind: str
+    compute_units: int
+    peak_dense_flop_per_s: Mapping[str, float]
+    memory_bytes_per_s: float
+    compute_efficiency: float
+    memory_efficiency: float
+    default_dtype: str
+
+    def flop_per_s(self, dtype: str | None = None) -> float:
+        """Sustained FLOP/s of training kernels: peak for ``dtype`` times the compute efficiency."""
+        dtype = dtype or self.default_dtype
+        if dtype not in self.peak_dense_flop_per_s:
+            raise ValueError(f"device {self.name!r} has no peak rate for dtype {dtype!r}; "
+                             f"known: {', '.join(sorted(self.peak_dense_flop_per_s))}")
+        return self.peak_dense_flop_per_s[dtype] * self.compute_efficiency
+
+    def bytes_per_s(self) -> float:
+        """Sustained memory bandwidth of memory-bound kernels."""
+        return self.memory_bytes_per_s * self.memory_efficiency
+
+
+@dataclass(frozen=True)
+class NetworkSpec:
+    """Links seen by one device, per direction, and the ring's hop latencies."""
+
+    devices_per_node: int
+    intra_node_bytes_per_s: float
+    inter_node_bytes_per_s: float
+    base_latency_s: float
+    intra_step_latency_s: float
+    inter_step_latency_s: float
+
+    def ring_link_bytes_per_s(self, workers: int) -> float:
+        """The ring's bottleneck: the intra-node link within one node, else the slower of the two."""
+        if workers <= self.devices_per_node:
+            return self.intra_node_bytes_per_s
+        return min(self.intra_node_bytes_per_s, self.inter_node_bytes_per_s)
+
+
+@dataclass(frozen=True)
+class LibraFit:
+    """The Libra artifact's curve fits (units: MiB/ms and total threads)."""
+
+    reference_link_bytes_per_s: float
+    thread_options: tuple[int, ...]
+    max_threads_per_block: int
+    overlap_bw: tuple[float, float, float, float]  # a, b, c, exponent
+    solo_bw: tuple[float, float, float, float]
+    slowdown: tuple[float, float, float]  # scale, intercept, slope
+
+
+@dataclass(frozen=True)
+class NcclStyle:
+    """Parameters of the analytic (NCCL-style) form; keys are thread blocks."""
+
+    block_options: tuple[int, ...]
+    threads_per_block: int
+    per_block_bytes_per_s: float
+    softmin_p: float
+    overlap_block_efficiency: float
+    units_per_block: int
+    memory_bytes_per_bus_byte: float
+    memory_bound_fraction: float
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A validated hardware profile. ``sources`` maps each number's dotted path to its provenance."""
+
+    name: str
+    origin: str
+    form: str
+    description: str
+    device: DeviceSpec
+    network: NetworkSpec
+    libra_fit: LibraFit | None
+    nccl_style: NcclStyle | None
+    notes: tuple[str, ...]
+    sources: Mapping[str, Quantity] = field(repr=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation
+# ----------------------------------------------------------------------------------------------
+
+
+class _Reader:
+    """Walks the JSON document; every error names the dotted field path and the profile."""
+
+    def __init__(self, origin: str) -> None:
+        self.origin = origin
+        self.sources: dict[str, Quantity] = {}
+
+    def fail(self, path: str, problem: str) -> ValueError:
+        return ValueError(f"profile {self.origin}: field '{path}' {problem}")
+
+    def section(self, data: Mapping[str, Any], key: str, prefix: str = "",
+                allowed: Iterable[str] | None = None) -> Mapping[str, Any]:
+        path = prefix + key
+        if key not in data:
+            raise self.fail(path, "is missing")
+        value = data[key]
+        if not isinstance(value, Mapping):
+            raise self.fail(path, f"must be an object, got {type(value).__name__}")
+        if allowed is not None:
+            self.no_unknown(value, path + ".", allowed)
+        return value
+
+    def no_unknown(self, data: Mapping[str, Any], prefix: str, allowed: Iterable[str]) -> None:
+        allowed = set(allowed) | {"note", "notes", "ref"}
+        for key in data:
+            if key not in allowed and not key.startswith("_"):
+                raise self.fail(prefix + key, f"is not a known field (expected one of {', '.join(sorted(allowed))})")
+
+    def text(self, data: Mapping[str, Any], key: str, prefix: str = "", choices: Iterable[str] | None = None) -> str:
+        path = prefix + key
+        if key not in data:
+            raise self.fail(path, "is missing")
+        value = data[key]
+        if not isinstance(value, str) or not value:
+            raise self.fail(path, f"must be a non-empty string, got {value!r}")
+        if choices is not None and value not in choices:
+            raise self.fail(path, f"must be one of {', '.join(choices)}, got {value!r}")
+        return value
+
+    def quantity(self, data: Mapping[str, Any], key: str, prefix: str = "") -> Quantity:
+        path = prefix + key
+        if key not in data:
+            raise self.fail(path, "is missing")
+        q = data[key]
+        if not isinstance(q, Mapping):
+            raise self.fail(path, 'must be an object {"value": ..., "source": ...}, '
+                            f"got {type(q).__name__}")
+        self.no_unknown(q, path + ".", ("value", "source"))
+        if "value" not in q:
+            raise self.fail(path + ".value", "is missing")
+        if "source" not in q:
+            raise self.fail(path + ".source", "is missing")
+        if q["source"] not in SOURCES:
+            raise self.fail(path + ".source", f"must be one of {', '.join(SOURCES)}, got {q['source']!r}")
+        ref = q.get("ref", "")
+        quantity = Quantity(q["value"], q["source"], ref if isinstance(ref, str) else "")
+        self.sources[path] = quantity
+        return quantity
+
+    def number(self, data: Mapping[str, Any], key: str, prefix: str = "", *, minimum: float = 0.0,
+               inclusive: bool = False, maximum: float | None = None) -> float:
+        """A finite number ``> minimum`` (``>=`` when inclusive) and ``<= maximum``."""
+        path = prefix + key
+        value = self.quantity(data, key, prefix).value
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise self.fail(path + ".value", f"must be a finite number, got {value!r}")
+        if value < minimum or (value == minimum and not inclusive):
+            bound = ">=" if inclusive else ">"
+            raise self.fail(path + ".value", f"must be {bound} {minimum}, got {value!r}")
+        if maximum is not None and value > maximum:
+            raise self.fail(path + ".value", f"must be <= {maximum}, got {value!r}")
+        return float(value)
+
+    def integer(self, data: Mapping[str, Any], key: str, prefix: str = "", *, minimum: int = 1) -> int:
+        path = prefix + key
+        value = self.quantity(data, key, prefix).value
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise self.fail(path + ".value", f"must be an integer >= {minimum}, got {value!r}")
+        return value
+
+    def options(self, data: Mapping[str, Any], key: str, prefix: str = "") -> tuple[int, ...]:
+        path = prefix + key
+        value = self.quantity(data, key, prefix).value
+        if (not isinstance(value, list) or not value
+                or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in value)):
+            raise self.fail(path + ".value", f"must be a non-empty list of positive integers, got {value!r}")
+        if sorted(set(value)) != value:
+            raise self.fail(path + ".value", f"must be strictly increasing, got {value!r}")
+        return tuple(value)
+
+
+def _read_bw_fit(r: _Reader, section: Mapping[str, Any], key: str, prefix: str) -> tuple[float, float, float, float]:
+    fit = r.section(section, key, prefix, ("a_mib_per_ms", "b_mib_per_ms", "c", "thread_exponent"))
+    p = f"{prefix}{key}."
+    return (r.number(fit, "a_mib_per_ms", p), r.number(fit, "b_mib_per_ms", p), r.number(fit, "c", p),
+            r.number(fit, "thread_exponent", p))
+
+
+def profile_from_dict(data: Mapping[str, Any], *, origin: str = "<dict>") -> Profile:
+    """Validate a parsed profile document and build a :class:`Profile`.
+
+    Raises ``ValueError`` naming the first missing or malformed field (dotted path) and ``origin``.
+    """
+    r = _Reader(origin)
+    if not isinstance(data, Mapping):
+        raise ValueError(f"profile {origin}: the document must be a JSON object, got {type(data).__name__}")
+    r.no_unknown(data, "", ("schema_version", "name", "description", "form", "device", "network",
+                            "libra_fit", "nccl_style"))
+    if "schema_version" not in data:
+        raise r.fail("schema_version", "is missing")
+    if data["schema_version"] != SCHEMA_VERSION:
+        raise r.fail("schema_version", f"must be {SCHEMA_VERSION}, got {data['schema_version']!r}")
+    name = r.text(data, "name")
+    form = r.text(data, "form", choices=FORMS)
+    description = data.get("description", "")
+    if not isinstance(description, str):
+        raise r.fail("description", "must be a string")
+    notes = data.get("notes", [])
+    if not isinstance(notes, list) or not all(isinstance(n, str) for n in notes):
+        raise r.fail("notes", "must be a list of strings")
+
+    d = r.section(data, "device", allowed=("name", "compute_unit_kind", "compute_units",
+                                            "peak_dense_tflop_per_s", "memory_gbyte_per_s",
+                                            "compute_efficiency", "memory_efficiency", "default_dtype"))
+    peaks_raw = r.section(d, "peak_dense_tflop_per_s", "device.")
+    if not peaks_raw:
+        raise r.fail("device.peak_dense_tflop_per_s", "must name at least one dtype")
+    peaks = {dt: r.number(peaks_raw, dt, "device.peak_dense_tflop_per_s.") * FLOP_PER_TFLOP
+             for dt in peaks_raw if dt not in ("note", "notes", "ref") and not dt.startswith("_")}
+    default_dtype = r.text(d, "default_dtype", "device.", choices=tuple(peaks))
+    device = DeviceSpec(
+        name=r.text(d, "name", "device."),
+        compute_unit_kind=r.text(d, "compute_unit_kind", "device.", choices=("SM", "core")),
+        compute_units=r.integer(d, "compute_units", "device."),
+        peak_dense_flop_per_s=peaks,
+        memory_bytes_per_s=r.number(d, "memory_gbyte_per_s", "device.") * BYTES_PER_GBYTE,
+        compute_efficiency=r.number(d, "compute_efficiency", "device.", maximum=1.0),
+        memory_efficiency=r.number(d, "memory_efficiency", "device.", maximum=1.0),
+        default_dtype=default_dtype,
+    )
+
+    n = r.section(data, "network", allowed=("devices_per_node", "intra_node_gbyte_per_s", "nic_gbit_per_s",
+                                             "base_latency_us", "intra_node_step_latency_us",
+                                             "inter_node_step_latency_us"))
+    network = NetworkSpec(
+        devices_per_node=r.integer(n, "devices_per_node", "network."),
+        intra_node_bytes_per_s=r.number(n, "intra_node_gbyte_per_s", "network.") * BYTES_PER_GBYTE,
+        inter_node_bytes_per_s=r.number(n, "nic_gbit_per_s", "network.") * BYTES_PER_GBIT,
+        base_latency_s=r.number(n, "base_latency_us", "network.", inclusive=True) * S_PER_US,
+        intra_step_latency_s=r.number(n, "intra_node_step_latency_us", "network.", inclusive=True) * S_PER_US,
+        inter_step_latency_s=r.number(n, "inter_node_step_latency_us", "network.", inclusive=True) * S_PER_US,
+    )
+
+    libra_fit = nccl_style = None
+    if form == "libra-fit":
+        f = r.section(data, "libra_fit", allowed=("reference_link_gbit_per_s", "thread_options",
+                                                  "max_threads_per_block", "overlap_bw", "solo_bw", "slowdown"))
+        s = r.section(f, "slowdown", "libra_fit.", ("scale", "intercept", "slope_per_thread"))
+        libra_fit = LibraFit(
+            reference_link_bytes_per_s=r.number(f, "reference_link_gbit_per_s", "libra_fit.") * BYTES_PER_GBIT,
+            thread_options=r.options(f, "thread_options", "libra_fit."),
+            max_threads_per_block=r.integer(f, "max_threads_per_block", "libra_fit."),
+            overlap_bw=_read_bw_fit(r, f, "overlap_bw", "libra_fit."),
+            solo_bw=_read_bw_fit(r, f, "solo_bw", "libra_fit."),
+            slowdown=(r.number(s, "scale", "libra_fit.slowdown."), r.number(s, "intercept", "libra_fit.slowdown."),
+                      r.number(s, "slope_per_thread", "libra_fit.slowdown.", inclusive=True)),
+        )
+    else:
+        c = r.section(data, "nccl_style", allowed=("block_options", "threads_per_block", "per_block_gbyte_per_s",
+                                                   "softmin_p", "overlap_block_efficiency", "units_per_block",
+                                                   "memory_bytes_per_bus_byte", "memory_bound_fraction"))
+        p = "nccl_style."
+        nccl_style = NcclStyle(
+            block_options=r.options(c, "block_options", p),
+            threads_per_block=r.integer(c, "threads_per_block", p),
+            per_block_bytes_per_s=r.number(c, "per_block_gbyte_per_s", p) * BYTES_PER_GBYTE,
+            softmin_p=r.number(c, "softmin_p", p),
+            overlap_block_efficiency=r.number(c, "overlap_block_efficiency", p, maximum=1.0),
+            units_per_block=r.integer(c, "units_per_block", p),
+            memory_bytes_per_bus_byte=r.number(c, "memory_bytes_per_bus_byte", p, inclusive=True),
+            memory_bound_fraction=r.number(c, "memory_bound_fraction", p, inclusive=True, maximum=1.0),
+        )
+    return Profile(name=name, origin=origin, form=form, description=description, device=device,
+                   network=network, libra_fit=libra_fit, nccl_style=nccl_style, notes=tuple(notes),
+                   sources=dict(r.sources))
+
+
+def list_profiles() -> list[str]:
+    """Names of the profiles shipped with the package."""
+    return sorted(p.stem for p in PROFILE_DIR.glob("*.json"))
+
+
+def load_profile(name_or_path: str | Path) -> Profile:
+    """Load and validate a profile: a shipped name (``"h200"``) or a path to a JSON file."""
+    text_arg = str(name_or_path)
+    path = Path(text_arg)
+    if not (text_arg.endswith(".json") or path.is_file()):
+        path = PROFILE_DIR / f"{text_arg}.json"
+        if not path.is_file():
+            raise ValueError(f"unknown profile {text_arg!r}: not a file, and not one of "
+                             f"{', '.join(list_profiles())}")
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"profile file {str(path)!r} does not exist") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"profile {str(path)!r} is not valid JSON: {exc}") from None
+    return profile_from_dict(data, origin=repr(str(path)))
+
+
+# ----------------------------------------------------------------------------------------------
+# Profile -> CostModel
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Derivation:
+    """A :class:`CostModel` with the context that produced it.
+
+    ``key_unit`` says what the CostModel keys count (``"total_threads"`` or ``"blocks"``);
+    ``dropped`` maps each option that was removed to the reason; ``notes`` records adjustments.
+    """
+
+    cost: CostModel
+    profile: str
+    form: str
+    workers: int
+    link_bytes_per_s: float
+    key_unit: str
+    threads_per_block: int
+    dropped: Mapping[int, str]
+    notes: tuple[str, ...]
+
+    def launch_shape(self, key: int) -> tuple[int, int]:
+        """(blocks, threads per block) that realise allocation ``key`` in a kernel launch.
+
+        Total threads map as the artifact did: ``blocks = max(1, T // 512)``,
+        ``threads = min(512, T)``.
+        """
+        if key not in self.cost.slowdown:
+            raise ValueError(f"allocation {key} is not an option of this cost model")
+        if self.key_unit == "blocks":
+            return key, self.threads_per_block
+        return max(1, key // self.threads_per_block), min(self.threads_per_block, key)
+
+
+def _libra_fit_options(fit: LibraFit, scale: float, algo: float, dropped: dict[int, str],
+                       notes: list[str]) -> tuple[dict[int, float], dict[int, float], dict[int, float]]:
+    solo: dict[int, float] = {}
+    overlap: dict[int, float] = {}
+    slowdown: dict[int, float] = {}
+    for base in fit.thread_options:
+        key = max(1, round(base * scale))
+        if key in slowdown or key in dropped:
+            continue
+        eff = key / scale  # bandwidth fits evaluated at T/k ...
+        bw_o = libra_bandwidth_mib_per_ms(eff, *fit.overlap_bw) * scale  # ... and multiplied by k
+        bw_s = libra_bandwidth_mib_per_ms(eff, *fit.solo_bw) * scale
+        slow = libra_slowdown(key, *fit.slowdown)  # slowdown at T itself
+        if not math.isfinite(slow):
+            pole = fit.slowdown[1] / fit.slowdown[2]
+            dropped[key] = (f"slowdown fit {fit.slowdown[0]:g}/({fit.slowdown[1]:g} - {fit.slowdown[2]:g}*T) "
+                            f"has its pole at T = {pole:.0f}; T = {key} is beyond it")
+            continue
+        if bw_o <= 0 or bw_s <= 0:
+            dropped[key] = (f"bandwidth fit is not positive at T/k = {eff:g} threads "
+                            f"(overlapped {bw_o:.3g}, solo {bw_s:.3g} MiB/ms)")
+            continue
+        if slow < 1.0:
+            notes.append(f"T = {key}: fitted slowdown {slow:.4f} < 1 raised to 1")
+            slow = 1.0
+        if bw_o > bw_s:
+            notes.append(f"T = {key}: overlapped fit {bw_o:.4f} > solo fit {bw_s:.4f} MiB/ms; capped at solo")
+            bw_o = bw_s
+        to_grad = BYTES_PER_S_PER_MIB_PER_MS * algo
+        solo[key], overlap[key], slowdown[key] = bw_s * to_grad, bw_o * to_grad, slow
+    return solo, overlap, slowdown
+
+
+def _nccl_style_options(profile: Profile, link: float, algo: float,
+                        dropped: dict[int, str]) -> tuple[dict[int, float], dict[int, float], dict[int, float]]:
+    c = profile.nccl_style
+    assert c is not None
+    dev = profile.device
+    solo: dict[int, float] = {}
+    overlap: dict[int, float] = {}
+    slowdown: dict[int, float] = {}
+    for k in c.block_options:
+        if k * c.units_per_block >= dev.compute_units:
+            dropped[k] = (f"{k} blocks would occupy all {dev.compute_units} "
+                          f"{dev.compute_unit_kind}s, leaving none for compute")
+            continue
+        bus_s = nccl_bus_bandwidth(k, c.per_block_bytes_per_s, link, c.softmin_p)
+        bus_o = nccl_bus_bandwidth(k, c.per_block_bytes_per_s, link, c.softmin_p, c.overlap_block_efficiency)
+        traffic = c.memory_bytes_per_bus_byte * bus_o
+        slow = nccl_slowdown(k, compute_units=dev.compute_units, units_per_block=c.units_per_block,
+                             memory_bound_fraction=c.memory_bound_fraction,
+                             memory_bytes_per_s=dev.memory_bytes_per_s, comm_memory_bytes_per_s=traffic)
+        if not math.isfinite(slow):
+            dropped[k] = (f"the collective's memory traffic {traffic / BYTES_PER_GBYTE:.0f} GB/s "
+                          f"would take all {dev.memory_bytes_per_s / BYTES_PER_GBYTE:.0f} GB/s")
+            continue
+        solo[k], overlap[k], slowdown[k] = bus_s * algo, bus_o * algo, slow
+    return solo, overlap, slowdown
+
+
+def derive(profile: Profile | str | Path, workers: int, *, link_gbit_per_s: float | None = None) -> Derivation:
+    """Build the cost model of ``profile`` for a ring of ``workers`` ranks.
+
+    ``link_gbit_per_s`` overrides the ring's bottleneck link (per direction, per device); by
+    default it is the intra-node link when all workers fit in one node, else the slower of the
+    intra-node link and the NIC. For ``libra-fit`` profiles the link sets ``k = link / reference``
+    in the faster-network rule. Raises ``ValueError`` if no option survives.
+    """
+    if not isinstance(profile, Profile):
+        profile = load_profile(profile)
+    _check_workers(workers)
+    if link_gbit_per_s is None:
+        link = profile.network.ring_link_bytes_per_s(workers)
+    else:
+        if not (isinstance(link_gbit_per_s, (int, float)) and math.isfinite(link_gbit_per_s) and link_gbit_per_s > 0):
+            raise ValueError(f"link_gbit_per_s must be positive and finite, got {link_gbit_per_s!r}")
+        link = link_gbit_per_s * BYTES_PER_GBIT
+    algo = ring_algo_factor(workers)
+    dropped: dict[int, str] = {}
+    notes: list[str] = []
+    if profile.form == "libra-fit":
+        fit = profile.libra_fit
+        assert fit is not None
+        scale = link / fit.reference_link_bytes_per_s
+        solo, overlap, slowdown = _libra_fit_options(fit, scale, algo, dropped, notes)
+        key_unit, tpb = "total_threads", fit.max_threads_per_block
+    else:
+        assert profile.nccl_style is not None
+        solo, overlap, slowdown = _nccl_style_options(profile, link, algo, dropped)
+        key_unit, tpb = "blocks", profile.nccl_style.threads_per_block
+    if not slowdown:
+        reasons = "; ".join(f"{k}: {why}" for k, why in sorted(dropped.items()))
+        raise ValueError(f"profile {profile.name!r} leaves no valid allocation for {workers} workers ({reasons})")
+    cost = CostModel(latency_s=ring_latency_s(profile.network, workers), solo_bw=solo, overlap_bw=overlap,
+                     slowdown=slowdown)
+    return Derivation(cost=cost, profile=profile.name, form=profile.form, workers=workers, link_bytes_per_s=link,
+                      key_unit=key_unit, threads_per_block=tpb, dropped=dict(sorted(dropped.items())),
+                      notes=tuple(notes))
+
+
+def cost_model(profile: Profile | str | Path, workers: int, *, link_gbit_per_s: float | None = None) -> CostModel:
+    """Shorthand for ``derive(...).cost``."""
+    return derive(profile, workers, link_gbit_per_s=link_gbit_per_s).cost

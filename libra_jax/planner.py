@@ -1,0 +1,749 @@
+"""Libra's planner: per-bucket thread-block allocation co-optimised with tensor fusion.
+
+During the backward pass, gradients become ready layer by layer and are all-reduced in
+buckets while the rest of the backward pass runs. For every bucket we pick an allocation ``k``
+(more blocks: a faster all-reduce, but slower overlapped compute) and, with fusion, where the
+bucket boundaries fall, so that the backward pass ends as early as possible.
+
+Model (:func:`simulate`, exact)
+-------------------------------
+Layers run back to back on one compute stream and never wait for communication. A bucket is
+ready when its last layer ends; a bucket of 0 bytes issues no collective. Collectives run one
+at a time in bucket order, each starting at max(ready, previous collective's end). A collective
+with allocation ``k`` spends ``latency_s``, then moves its bytes at ``overlap_bw[k]`` while
+compute still runs and at ``solo_bw[k]`` once compute has finished. While it is active (latency
+included) compute runs at ``1/slowdown[k]`` of full speed. Backward time is the end of the last
+collective or of compute, whichever is later.
+
+Everything the future depends on after a collective is the pair ``(T, P)``: the time the
+collective ends and the compute *progress* ``P`` reached by then (seconds of full-speed work,
+0 <= P <= C, C = total compute). One collective maps ``(T, P)`` to ``(E, Q)`` in closed form
+(:func:`_collective`, one short formula: latency phase, overlapped phase, solo phase).
+
+Algorithm (:func:`plan`)
+------------------------
+A forward dynamic program over bucket boundaries (layer indices 0..L; with a fixed grouping
+only the grouping's boundaries). For each boundary it keeps the Pareto front of reachable
+states ``(T, P)``: lower ``T`` and higher ``P`` are better. Boundary ``t`` pulls candidates from
+every live state at an earlier boundary (with fusion) or at the previous one (fixed grouping),
+times every allocation, evaluated in one vectorised numpy expression. Four reductions keep it
+small, none of which loses the optimum:
+
+* *Normalisation.* No collective can start before the next bucket's earliest ready progress
+  ``R``, so compute runs at full speed up to it: a state with ``P < R`` is replaced by
+  ``(T + R - P, R)``. States whose collectives all finished in time collapse to one point.
+* *Pareto dominance.* ``(T, P)`` dominates ``(T', P')`` if ``T <= T'`` and ``P >= P'``.
+* *Compute finished.* Once ``P = C`` every remaining layer is ready and no contention is
+  left, so the rest is closed form: one bucket with the best ``solo_bw`` (with fusion), or each
+  remaining group at the best ``solo_bw`` (fixed grouping). Such states are finished at once.
+* *Branch and bound.* The best complete plan seen so far (initially the uniform-allocation
+  plans) is an upper bound ``U``. A state is dropped when a lower bound on any completion,
+  ``T + max(C - P, latency + remaining bytes / best bandwidth)``, exceeds ``U``; a live state at
+  boundary ``l`` stops feeding later boundaries ``t`` once ``T + (R_t - P) + remaining bytes /
+  best bandwidth > U`` (``R_t`` only grows with ``t``, so the state is dropped for good).
+
+Optimality. If ``solo_bw[k] >= overlap_bw[k]`` for every ``k`` (contention never speeds a
+collective up; true of every physical profile), the collective map is monotone: from a start
+with ``S <= S'`` and ``pi >= pi'`` it yields ``E <= E'`` (the duration ``d(pi)`` is
+non-increasing in the start progress: more compute done means more bytes at the solo rate) and
+``Q >= Q'`` (``pi + d(pi)/slowdown`` has slope ``overlap_bw/solo_bw >= 0`` or 1 in ``pi``). The
+start rule ``S = T + max(0, R - P)``, ``pi = max(P, R)`` preserves the order as well, and the
+final time ``T + (C - P)`` is monotone, so a dominated state never leads to a strictly better
+plan than its dominator and the program returns an optimal plan (up to float rounding). The
+bounds are valid lower bounds and the time-shift invariance (a state ``(T + x, P)`` evolves
+exactly like ``(T, P)`` delayed by ``x``) justifies normalisation. If some ``k`` has
+``overlap_bw[k] > solo_bw[k]`` the dominance rule is a heuristic; the planner then also
+scores the baselines (uniform allocations, MG-WFBP, Horovod-style buckets) and returns the best
+plan it has seen, so it is never worse than those.
+
+Ties. Plans whose backward times are within ``TIE_RTOL`` (relative) are equal; among them the
+planner prefers fewer blocks (the sum of ``blocks`` over buckets that issue a collective), then
+fewer buckets, then the lexicographically smaller list of ``(first, last, blocks)``. The program
+applies this order to states with identical ``(T, P)`` and to all complete plans it scores;
+a tie between plans whose intermediate states differ but whose final times coincide is broken
+among the survivors of dominance, so results are deterministic but only :func:`plan_exhaustive`
+guarantees the globally preferred tie. A zero-byte bucket carries the smallest key.
+
+Complexity. ``L`` layers, ``K`` options, ``F`` the largest front and ``A`` the number of live
+states feeding a boundary. Each boundary costs ``O(A K log(A K))`` vectorised work, so the
+whole plan is ``O(L A K log(A K))``; in the worst case ``A = O(L F)``, giving ``O(L^2 F K log)``
+(no chunk discretisation: the paper's DP is ``O(S L^2 Z^2 K)``). In practice bounding keeps
+``A`` in the tens to hundreds: 1,000 layers with 8 options plan in tens of milliseconds (see
+``benchmarks/results/planner_speed.md``). Without fusion or with a fixed grouping ``A = F`` and
+the cost is ``O(G F K log)`` for ``G`` groups. :func:`simulate` is ``O(L)``.
+:func:`plan_exhaustive` enumerates all ``K (K+1)^(L-1)`` plans with fusion (``K^L`` without,
+``K^G`` for a fixed grouping) in vectorised chunks and refuses more than ``EXHAUSTIVE_LIMIT``.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import numbers
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Iterable, Mapping, Sequence
+
+import numpy as np
+
+__all__ = [
+    "EXHAUSTIVE_LIMIT",
+    "TIE_RTOL",
+    "Bucket",
+    "CostModel",
+    "Layer",
+    "Plan",
+    "plan",
+    "plan_default",
+    "plan_exhaustive",
+    "plan_fusion_only",
+    "plan_mgwfbp",
+    "simulate",
+]
+
+# Constants.
+EXHAUSTIVE_LIMIT = 10**7  # most candidate plans plan_exhaustive will enumerate
+TIE_RTOL = 1e-12  # backward times within this relative distance are a tie
+_BOUND_RTOL = 1e-9  # slack on branch-and-bound pruning, far above float rounding of the bounds
+_EXHAUSTIVE_CHUNK = 1 << 16  # candidates simulated per vectorised step in plan_exhaustive
+_HOROVOD_THRESHOLDS = (64 << 20, 128 << 20)  # Horovod fusion thresholds scored as a safety net
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs and outputs
+# ---------------------------------------------------------------------------------------------
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One layer of the backward pass, listed in backward order (first = finishes first).
+
+    ``compute_s`` is its backward compute at full speed (seconds); ``grad_bytes`` the size of the
+    gradient it produces, ready for all-reduce when the layer ends.
+    """
+
+    compute_s: float
+    grad_bytes: int
+
+    def __post_init__(self) -> None:
+        if not _is_real(self.compute_s) or not math.isfinite(self.compute_s) or self.compute_s < 0:
+            raise ValueError(f"Layer.compute_s must be a finite number >= 0, got {self.compute_s!r}")
+        if not _is_int(self.grad_bytes) or self.grad_bytes < 0:
+            raise ValueError(f"Layer.grad_bytes must be an integer >= 0, got {self.grad_bytes!r}")
+        object.__setattr__(self, "compute_s", float(self.compute_s))
+        object.__setattr__(self, "grad_bytes", int(self.grad_bytes))
+
+
+def _frozen_table(name: str, table: Mapping[int, float], minimum: float, strict: bool) -> Mapping[int, float]:
+    """Validate one per-allocation table and return a read-only copy sorted by key."""
+    if not isinstance(table, Mapping):
+        raise ValueError(f"CostModel.{name} must be a mapping from allocation to value, got {type(table).__name__}")
+    if not table:
+        raise ValueError(f"CostModel.{name} is empty: at least one allocation is needed")
+    out: dict[int, float] = {}
+    for key in sorted(table, key=lambda k: (not _is_int(k), k if _is_int(k) else 0)):
+        value = table[key]
+        if not _is_int(key) or key <= 0:
+            raise ValueError(f"CostModel.{name} keys must be positive integers, got {key!r}")
+        bad = not _is_real(value) or not math.isfinite(value) or (value <= minimum if strict else value < minimum)
+        if bad:
+            need = f"> {minimum:g}" if strict else f">= {minimum:g}"
+            raise ValueError(f"CostModel.{name}[{key}] must be finite and {need}, got {value!r}")
+        out[int(key)] = float(value)
+    return MappingProxyType(out)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Per-allocation communication and contention costs.
+
+    The keys of the three tables are the allowed allocations (block counts for this package's
+    kernels; a profile may use another integer unit such as total threads) and must be the same
+    in all three. Bandwidths are in gradient bytes per second: ``solo_bw[k]`` when no compute
+    runs, ``overlap_bw[k]`` while compute runs. ``slowdown[k] >= 1`` divides compute speed while a
+    collective with allocation ``k`` is active, its ``latency_s`` included.
+    """
+
+    latency_s: float
+    solo_bw: Mapping[int, float]
+    overlap_bw: Mapping[int, float]
+    slowdown: Mapping[int, float]
+
+    def __post_init__(self) -> None:
+        lat = self.latency_s
+        if not _is_real(lat) or not math.isfinite(lat) or lat < 0:
+            raise ValueError(f"CostModel.latency_s must be a finite number >= 0, got {lat!r}")
+        object.__setattr__(self, "latency_s", float(lat))
+        object.__setattr__(self, "solo_bw", _frozen_table("solo_bw", self.solo_bw, 0.0, strict=True))
+        object.__setattr__(self, "overlap_bw", _frozen_table("overlap_bw", self.overlap_bw, 0.0, strict=True))
+        object.__setattr__(self, "slowdown", _frozen_table("slowdown", self.slowdown, 1.0, strict=False))
+        keys = [tuple(t) for t in (self.solo_bw, self.overlap_bw, self.slowdown)]
+        if not keys[0] == keys[1] == keys[2]:
+            raise ValueError(
+                "CostModel tables must have the same keys: "
+                f"solo_bw {list(keys[0])}, overlap_bw {list(keys[1])}, slowdown {list(keys[2])}")
+
+    def __hash__(self) -> int:
+        return hash((self.latency_s, tuple(self.solo_bw.items()), tuple(self.overlap_bw.items()),
+                     tuple(self.slowdown.items())))
+
+    @property
+    def keys(self) -> tuple[int, ...]:
+        """The allowed allocations, ascending."""
+        return tuple(self.solo_bw)
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Layers ``first..last`` (inclusive, backward order) all-reduced together with ``blocks``."""
+
+    first: int
+    last: int
+    blocks: int
+
+    def __post_init__(self) -> None:
+        for name in ("first", "last", "blocks"):
+            if not _is_int(getattr(self, name)):
+                raise ValueError(f"Bucket.{name} must be an integer, got {getattr(self, name)!r}")
+            object.__setattr__(self, name, int(getattr(self, name)))
+        if self.first < 0:
+            raise ValueError(f"Bucket.first must be >= 0, got {self.first}")
+        if self.last < self.first:
+            raise ValueError(f"Bucket.last ({self.last}) must be >= Bucket.first ({self.first})")
+        if self.blocks <= 0:
+            raise ValueError(f"Bucket.blocks must be positive, got {self.blocks}")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Buckets in backward order and their simulated backward time (``simulate`` of them)."""
+
+    buckets: list[Bucket]
+    backward_s: float
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_layers(layers: Sequence[Layer]) -> list[Layer]:
+    layers = list(layers)
+    if not layers:
+        raise ValueError("layers is empty: at least one layer is needed")
+    for i, layer in enumerate(layers):
+        if not isinstance(layer, Layer):
+            raise ValueError(f"layers[{i}] must be a Layer, got {type(layer).__name__}")
+    return layers
+
+
+def _check_cost(cost: CostModel) -> CostModel:
+    if not isinstance(cost, CostModel):
+        raise ValueError(f"cost must be a CostModel, got {type(cost).__name__}")
+    return cost
+
+
+def _check_blocks(blocks: object, cost: CostModel) -> int:
+    if not _is_int(blocks) or int(blocks) not in cost.slowdown:
+        raise ValueError(f"blocks={blocks!r} is not an allocation of the cost model (keys {list(cost.keys)})")
+    return int(blocks)
+
+
+def _check_tiling(ranges: Sequence[tuple[int, int]], n_layers: int) -> None:
+    """Raise unless the inclusive ranges are contiguous, in order and cover 0..n_layers-1."""
+    if not ranges:
+        raise ValueError("buckets is empty: the buckets must tile the layers")
+    expected = 0
+    for j, (first, last) in enumerate(ranges):
+        if first != expected:
+            raise ValueError(f"buckets do not tile the layers: bucket {j} starts at layer {first}, expected {expected}")
+        if last < first:
+            raise ValueError(f"buckets do not tile the layers: bucket {j} ends at {last} before it starts at {first}")
+        expected = last + 1
+    if expected != n_layers:
+        raise ValueError(f"buckets do not tile the layers: they cover layers 0..{expected - 1}, "
+                         f"but there are {n_layers} layers")
+
+
+def _grouping_ranges(buckets: Iterable[object], n_layers: int) -> list[tuple[int, int]]:
+    ranges = []
+    for j, b in enumerate(buckets):
+        if isinstance(b, Bucket):
+            first, last = b.first, b.last
+        else:
+            try:
+                first, last = b  # type: ignore[misc]
+            except (TypeError, ValueError):
+                raise ValueError(f"buckets[{j}] must be a (first, last) pair, got {b!r}") from None
+        if not (_is_int(first) and _is_int(last)):
+            raise ValueError(f"buckets[{j}] must hold integer layer indices, got {b!r}")
+        ranges.append((int(first), int(last)))
+    _check_tiling(ranges, n_layers)
+    return ranges
+
+
+# ---------------------------------------------------------------------------------------------
+# The cost formula: one collective
+# ---------------------------------------------------------------------------------------------
+
+
+def _collective(T: float, P: float, ready: float, nbytes: float, lat: float, ob: float, sb: float,
+                s: float, C: float) -> tuple[float, float]:
+    """One collective issued when the comm stream is free at time ``T`` with progress ``P``.
+
+    ``ready`` is the progress at which the bucket's last layer ends. Returns the end time and the
+    progress at that time. Phases: ``lat`` seconds, then bytes at ``ob`` until compute ends and at
+    ``sb`` after; compute runs at ``1/s`` throughout.
+    """
+    if P < ready:  # wait for the bucket at full compute speed
+        T, P = T + (ready - P), ready
+    busy = (C - P) * s  # wall time compute still needs under this collective's contention
+    window = busy - lat  # overlapped transfer time available after the latency
+    if window <= 0:  # compute ends during the latency: all bytes at the solo rate
+        return T + lat + nbytes / sb, C
+    if nbytes <= window * ob:  # the transfer ends while compute still runs
+        d = lat + nbytes / ob
+        return T + d, min(C, P + d / s)
+    return T + busy + (nbytes - window * ob) / sb, C
+
+
+def _collective_np(T: np.ndarray, P: np.ndarray, ready: float, nbytes: np.ndarray, lat: float, ob: np.ndarray,
+                   sb: np.ndarray, s: np.ndarray, C: float) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_collective` over broadcast arrays (same formula, branch by branch)."""
+    late = P < ready
+    T = np.where(late, T + (ready - P), T)
+    P = np.where(late, ready, P)
+    busy = (C - P) * s
+    window = busy - lat
+    cap = window * ob
+    solo_only = window <= 0
+    hidden = ~solo_only & (nbytes <= cap)
+    d_hidden = lat + nbytes / ob
+    d = np.where(solo_only, lat + nbytes / sb, np.where(hidden, d_hidden, busy + (nbytes - cap) / sb))
+    Q = np.where(hidden, np.minimum(C, P + d_hidden / s), C)
+    return T + d, Q
+
+
+def _prefix(values: Iterable[float]) -> list[float]:
+    return [0.0, *itertools.accumulate(float(v) for v in values)]
+
+
+def _simulate_ranges(comp_prefix: list[float], byte_prefix: list[int], ranges: Sequence[tuple[int, int]],
+                     ks: Sequence[int], cost: CostModel) -> float:
+    C = comp_prefix[-1]
+    lat = cost.latency_s
+    T = P = 0.0
+    for (first, last), k in zip(ranges, ks):
+        nbytes = byte_prefix[last + 1] - byte_prefix[first]
+        if nbytes:
+            T, P = _collective(T, P, comp_prefix[last + 1], float(nbytes), lat, cost.overlap_bw[k], cost.solo_bw[k],
+                               cost.slowdown[k], C)
+    return T + (C - P)
+
+
+def simulate(layers: Sequence[Layer], buckets: Sequence[Bucket], cost: CostModel) -> float:
+    """Backward seconds of ``buckets`` (which must tile ``layers``) under ``cost``; see the module doc."""
+    layers = _check_layers(layers)
+    cost = _check_cost(cost)
+    buckets = list(buckets)
+    for j, b in enumerate(buckets):
+        if not isinstance(b, Bucket):
+            raise ValueError(f"buckets[{j}] must be a Bucket, got {type(b).__name__}")
+        if b.blocks not in cost.slowdown:
+            raise ValueError(f"buckets[{j}].blocks={b.blocks} is not an allocation of the cost model "
+                             f"(keys {list(cost.keys)})")
+    ranges = [(b.first, b.last) for b in buckets]
+    _check_tiling(ranges, len(layers))
+    return _simulate_ranges(_prefix(l.compute_s for l in layers), _byte_prefix(layers), ranges,
+                            [b.blocks for b in buckets], cost)
+
+
+def _byte_prefix(layers: Sequence[Layer]) -> list[int]:
+    return [0, *itertools.accumulate(l.grad_bytes for l in layers)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Plans, ties
+# ---------------------------------------------------------------------------------------------
+
+
+def _plan_key(buckets: Sequence[Bucket], byte_prefix: Sequence[int]) -> tuple:
+    """Tie order after time: blocks of the collectives issued, bucket count, the plan itself."""
+    blocks = sum(b.blocks for b in buckets if byte_prefix[b.last + 1] > byte_prefix[b.first])
+    return (blocks, len(buckets), tuple((b.first, b.last, b.blocks) for b in buckets))
+
+
+def _best(candidates: Iterable[tuple[float, list[Bucket]]], byte_prefix: Sequence[int]) -> tuple[float, list[Bucket]]:
+    """Least time; within TIE_RTOL of it, least :func:`_plan_key`."""
+    candidates = list(candidates)
+    best_t = min(t for t, _ in candidates)
+    tied = [(_plan_key(b, byte_prefix), t, b) for t, b in candidates if t <= best_t * (1 + TIE_RTOL)]
+    key, t, buckets = min(tied, key=lambda x: x[0])
+    return t, buckets
+
+
+def _make_plan(layers: list[Layer], buckets: list[Bucket], cost: CostModel) -> Plan:
+    return Plan(buckets=buckets, backward_s=simulate(layers, buckets, cost))
+
+
+def _uniform(ranges: Sequence[tuple[int, int]], k: int) -> list[Bucket]:
+    return [Bucket(first, last, k) for first, last in ranges]
+
+
+# ---------------------------------------------------------------------------------------------
+# The planner
+# ---------------------------------------------------------------------------------------------
+
+
+def plan(layers: Sequence[Layer], cost: CostModel, *, fusion: bool = True,
+         buckets: Sequence[tuple[int, int]] | None = None) -> Plan:
+    """Minimise backward time over allocations and, with ``fusion``, bucket boundaries.
+
+    ``fusion=False`` makes every layer its own bucket; ``buckets=[(first, last), ...]`` keeps
+    that grouping (it takes precedence over ``fusion``) and only chooses allocations. Exact when
+    ``solo_bw[k] >= overlap_bw[k]`` for all ``k``; see the module docstring.
+    """
+    layers = _check_layers(layers)
+    cost = _check_cost(cost)
+    n = len(layers)
+    if buckets is not None:
+        ranges = _grouping_ranges(buckets, n)
+        cuts, free = [0, *(last + 1 for _, last in ranges)], False
+    elif fusion:
+        cuts, free = list(range(n + 1)), True
+    else:
+        cuts, free = list(range(n + 1)), False
+    comp = _prefix(l.compute_s for l in layers)
+    byts = _byte_prefix(layers)
+    groups = [(cuts[i], cuts[i + 1] - 1) for i in range(len(cuts) - 1)]
+
+    # Upper bound and safety net: complete plans scored before the search.
+    seeds: list[list[Bucket]] = [_uniform(groups, k) for k in cost.keys]
+    if free:
+        seeds += [[Bucket(0, n - 1, k)] for k in cost.keys]
+    monotone = all(cost.solo_bw[k] >= cost.overlap_bw[k] for k in cost.keys)
+    if not monotone:
+        for k in cost.keys:
+            if free:
+                seeds.append(_mgwfbp_buckets(layers, comp, byts, cost, k))
+                seeds += [_horovod_buckets(layers, thr, k) for thr in _HOROVOD_THRESHOLDS]
+    scored = [(_simulate_ranges(comp, byts, [(b.first, b.last) for b in s], [b.blocks for b in s], cost), s)
+              for s in seeds]
+    upper = min(t for t, _ in scored)
+    found = _search(comp, byts, cuts, free, cost, upper)
+    if found is not None:
+        scored.append((_simulate_ranges(comp, byts, [(b.first, b.last) for b in found], [b.blocks for b in found],
+                                        cost), found))
+    _, best = _best(scored, byts)
+    return _make_plan(layers, best, cost)
+
+
+def _search(comp: list[float], byts: list[int], cuts: list[int], free: bool, cost: CostModel,
+            upper: float) -> list[Bucket] | None:
+    """The Pareto dynamic program of the module docstring; returns the best plan it finds."""
+    keys = np.array(cost.keys, dtype=np.int64)
+    K = len(keys)
+    ob = np.array([cost.overlap_bw[k] for k in cost.keys])
+    sb = np.array([cost.solo_bw[k] for k in cost.keys])
+    sl = np.array([cost.slowdown[k] for k in cost.keys])
+    lat = cost.latency_s
+    bw_max = float(max(ob.max(), sb.max()))
+    best_solo = int(np.argmax(sb))  # first maximum: the fewest blocks among the fastest
+    M = len(cuts) - 1
+    C = comp[-1]
+    R = np.array([comp[c] for c in cuts])  # ready progress of a bucket ending at each boundary
+    Bc = np.array([float(byts[c]) for c in cuts])  # bytes before each boundary
+    total = Bc[-1]
+    # Closed-form rest once compute is over, and a lower bound on the communication still due.
+    group_bytes = np.diff(Bc)
+    nonempty = group_bytes > 0
+    if free:
+        rest = total - Bc
+        tail_t = np.where(rest > 0, lat + rest / sb[best_solo], 0.0)
+        tail_blk = np.where(rest > 0, keys[best_solo], 0)
+        tail_nb = np.ones(M + 1, dtype=np.int64)
+        comm_lb = np.where(rest > 0, lat + rest / bw_max, 0.0)
+    else:
+        suffix = lambda a: np.concatenate([np.cumsum(a[::-1])[::-1], [0]])  # noqa: E731
+        tail_t = suffix(np.where(nonempty, lat + group_bytes / sb[best_solo], 0.0))
+        tail_blk = suffix(np.where(nonempty, keys[best_solo], 0))
+        tail_nb = suffix(np.ones(M, dtype=np.int64))
+        comm_lb = suffix(np.where(nonempty, lat + group_bytes / bw_max, 0.0))
+    tail_t[M] = tail_blk[M] = tail_nb[M] = 0
+    rest_lb = (total - Bc) / bw_max  # bytes still due from each boundary, at the best rate
+
+    # State store: parent, allocation index, boundary; id 0 is the start.
+    parents: list[np.ndarray] = [np.array([-1])]
+    kidx: list[np.ndarray] = [np.array([0])]
+    bound: list[np.ndarray] = [np.array([0])]
+    n_states = 1
+    start = float(R[1]) if M >= 1 else 0.0  # normalised: compute runs alone up to the first ready
+    # Live states: T, P, boundary index, blocks so far, buckets so far, id.
+    aT, aP = np.array([start]), np.array([start])
+    aB = np.array([0], dtype=np.int64)
+    aBlk = np.array([0], dtype=np.int64)
+    aNb = np.array([0], dtype=np.int64)
+    aId = np.array([0], dtype=np.int64)
+    upper_b = upper * (1 + _BOUND_RTOL)
+    fin: list[tuple] = []  # (time, blocks, buckets, src id, k index, boundary) of complete plans
+    best_t = math.inf
+    for t in range(1, M + 1):
+        if aT.size == 0:
+            break
+        nbytes = Bc[t] - Bc[aB]  # (A,)
+        E, Q = _collective_np(aT[:, None], aP[:, None], float(R[t]), nbytes[:, None], lat, ob, sb, sl, C)
+        empty = nbytes == 0
+        if empty.any():  # no collective: the state carries over, with the smallest key
+            E[empty] = aT[empty, None]
+            Q[empty] = aP[empty, None]
+        valid = np.ones(E.shape, dtype=bool)
+        valid[empty, 1:] = False
+        blk = aBlk[:, None] + np.where(nbytes[:, None] > 0, keys[None, :], 0)
+        nb = np.broadcast_to((aNb + 1)[:, None], E.shape)
+        src = np.broadcast_to(aId[:, None], E.shape)
+        kk = np.broadcast_to(np.arange(K)[None, :], E.shape)
+        E, Q, blk, nb, src, kk = (a[valid] for a in (E, Q, blk, nb, src, kk))
+        done = np.ones(E.shape, dtype=bool) if t == M else Q >= C
+        if done.any():
+            ft = E[done] + (C - Q[done]) + tail_t[t]
+            m = float(ft.min())
+            if m < best_t:
+                best_t = m
+                fin = [f for f in fin if f[0] <= best_t * (1 + TIE_RTOL)]
+                upper_b = min(upper_b, best_t * (1 + _BOUND_RTOL))
+            keep = ft <= best_t * (1 + TIE_RTOL)
+            for f, b, c, s, k in zip(ft[keep], blk[done][keep] + tail_blk[t], nb[done][keep] + tail_nb[t],
+                                     src[done][keep], kk[done][keep]):
+                fin.append((float(f), int(b), int(c), int(s), int(k), t))
+        if t < M:
+            live = ~done
+            E, Q, blk, nb, src, kk = (a[live] for a in (E, Q, blk, nb, src, kk))
+            nxt = float(R[t + 1])
+            late = Q < nxt
+            E = np.where(late, E + (nxt - Q), E)
+            Q = np.where(late, nxt, Q)
+            ok = E + np.maximum(C - Q, comm_lb[t]) <= upper_b
+            E, Q, blk, nb, src, kk = (a[ok] for a in (E, Q, blk, nb, src, kk))
+            if E.size:
+                order = np.lexsort((kk, src, nb, blk, -Q, E))
+                E, Q, blk, nb, src, kk = (a[order] for a in (E, Q, blk, nb, src, kk))
+                run = np.maximum.accumulate(Q)
+                front = np.empty(E.shape, dtype=bool)
+                front[0] = True
+                front[1:] = Q[1:] > run[:-1]
+                E, Q, blk, nb, src, kk = (a[front] for a in (E, Q, blk, nb, src, kk))
+            ids = np.arange(n_states, n_states + E.size)
+            n_states += E.size
+            parents.append(src)
+            kidx.append(kk)
+            bound.append(np.full(E.size, t))
+            newB = np.full(E.size, t, dtype=np.int64)
+            if free:
+                aT, aP, aB = np.concatenate([aT, E]), np.concatenate([aP, Q]), np.concatenate([aB, newB])
+                aBlk, aNb, aId = np.concatenate([aBlk, blk]), np.concatenate([aNb, nb]), np.concatenate([aId, ids])
+                # A live state stays useful for boundary t+1 only if it can still beat the bound.
+                r = float(R[t + 1])
+                lb = aT + np.maximum(r - aP, 0.0) + rest_lb[aB]
+                alive = (lb <= upper_b) & (aT + (C - aP) <= upper_b)
+                aT, aP, aB, aBlk, aNb, aId = (a[alive] for a in (aT, aP, aB, aBlk, aNb, aId))
+            else:
+                aT, aP, aB, aBlk, aNb, aId = E, Q, newB, blk, nb, ids
+    if not fin:
+        return None
+    par = np.concatenate(parents)
+    kid = np.concatenate(kidx)
+    bnd = np.concatenate(bound)
+    fin.sort(key=lambda f: (f[1], f[2]))
+    lead = [f for f in fin if f[0] <= best_t * (1 + TIE_RTOL) and f[1:3] == fin[0][1:3]]
+    plans = []
+    for f in lead:
+        _, _, _, s, k, t = f
+        steps = [(t, int(keys[k]))]
+        while s > 0:
+            steps.append((int(bnd[s]), int(keys[kid[s]])))
+            s = int(par[s])
+        steps.reverse()
+        out, prev = [], 0
+        for tb, kb in steps:
+            first, last = cuts[prev], cuts[tb] - 1
+            out.append(Bucket(first, last, kb if byts[last + 1] > byts[first] else int(keys[0])))
+            prev = tb
+        if prev < M:  # closed-form rest after compute ended
+            rest_groups = [(cuts[prev], cuts[-1] - 1)] if free else [(cuts[i], cuts[i + 1] - 1) for i in range(prev, M)]
+            for first, last in rest_groups:
+                nonzero = byts[last + 1] > byts[first]
+                out.append(Bucket(first, last, int(keys[best_solo]) if nonzero else int(keys[0])))
+        plans.append(out)
+    return min(plans, key=lambda b: _plan_key(b, byts)[2])
+
+
+# ---------------------------------------------------------------------------------------------
+# Baselines
+# ---------------------------------------------------------------------------------------------
+
+
+def _horovod_buckets(layers: Sequence[Layer], fusion_bytes: int, k: int) -> list[Bucket]:
+    out: list[Bucket] = []
+    first, size = 0, 0
+    for i, layer in enumerate(layers):
+        if i > first and (fusion_bytes == 0 or size + layer.grad_bytes > fusion_bytes):
+            out.append(Bucket(first, i - 1, k))
+            first, size = i, 0
+        size += layer.grad_bytes
+    out.append(Bucket(first, len(layers) - 1, k))
+    return out
+
+
+def plan_default(layers: Sequence[Layer], cost: CostModel, *, blocks: int, fusion_bytes: int) -> Plan:
+    """Horovod-NCCL: one fixed allocation, buckets cut by a byte threshold.
+
+    Layers are walked in order and the bucket is closed before a layer that would push it past
+    ``fusion_bytes``; a layer larger than the threshold is a bucket of its own; ``fusion_bytes=0``
+    gives one bucket per layer.
+    """
+    layers = _check_layers(layers)
+    cost = _check_cost(cost)
+    k = _check_blocks(blocks, cost)
+    if not _is_int(fusion_bytes) or fusion_bytes < 0:
+        raise ValueError(f"fusion_bytes must be an integer >= 0, got {fusion_bytes!r}")
+    return _make_plan(layers, _horovod_buckets(layers, int(fusion_bytes), k), cost)
+
+
+def plan_fusion_only(layers: Sequence[Layer], cost: CostModel, *, blocks: int) -> Plan:
+    """The planner with the allocation fixed to ``blocks``: it only chooses bucket boundaries."""
+    cost = _check_cost(cost)
+    k = _check_blocks(blocks, cost)
+    fixed = CostModel(latency_s=cost.latency_s, solo_bw={k: cost.solo_bw[k]}, overlap_bw={k: cost.overlap_bw[k]},
+                      slowdown={k: cost.slowdown[k]})
+    return plan(layers, fixed, fusion=True)
+
+
+def _mgwfbp_buckets(layers: Sequence[Layer], comp: list[float], byts: list[int], cost: CostModel,
+                    k: int) -> list[Bucket]:
+    lat, bw = cost.latency_s, cost.solo_bw[k]
+    out: list[Bucket] = []
+    first, comm_free = 0, 0.0
+    for i in range(len(layers)):
+        nbytes = byts[i + 1] - byts[first]
+        if i + 1 < len(layers):
+            start = max(comm_free, comp[i + 1])  # when this bucket's all-reduce would begin
+            if nbytes == 0 or start + lat > comp[i + 2]:
+                continue  # waiting for the next gradient costs less than one start-up: merge it
+            comm_free = start + lat + nbytes / bw
+        out.append(Bucket(first, i, k))
+        first = i + 1
+    return out
+
+
+def plan_mgwfbp(layers: Sequence[Layer], cost: CostModel, *, blocks: int) -> Plan:
+    """MG-WFBP (Shi et al., INFOCOM'19): the paper's "fusion only" baseline.
+
+    With the contention-free alpha-beta model ``latency_s + bytes / solo_bw[blocks]`` and
+    contention-free ready times, layers are walked in backward order; a gradient is merged with
+    the next one when its all-reduce could not start before the next gradient is ready minus one
+    start-up latency (waiting costs less than an extra start-up). All buckets use ``blocks``;
+    the returned time is the contention-aware :func:`simulate`.
+    """
+    layers = _check_layers(layers)
+    cost = _check_cost(cost)
+    k = _check_blocks(blocks, cost)
+    return _make_plan(layers, _mgwfbp_buckets(layers, _prefix(l.compute_s for l in layers),
+                                              _byte_prefix(layers), cost, k), cost)
+
+
+# ---------------------------------------------------------------------------------------------
+# Exhaustive reference
+# ---------------------------------------------------------------------------------------------
+
+
+def plan_exhaustive(layers: Sequence[Layer], cost: CostModel, *, fusion: bool = True,
+                    buckets: Sequence[tuple[int, int]] | None = None) -> Plan:
+    """Exact optimum by enumerating every plan (vectorised), with the same tie order as :func:`plan`.
+
+    Candidates: ``K (K+1)^(L-1)`` with fusion, ``K^L`` without, ``K^G`` for a fixed grouping of
+    ``G`` buckets. Raises ``ValueError`` if that exceeds ``EXHAUSTIVE_LIMIT``.
+    """
+    layers = _check_layers(layers)
+    cost = _check_cost(cost)
+    n, K = len(layers), len(cost.keys)
+    if buckets is not None:
+        ranges = _grouping_ranges(buckets, n)
+        free = False
+    else:
+        ranges = [(i, i) for i in range(n)]
+        free = bool(fusion)
+    G = len(ranges)
+    count = K * (K + 1) ** (n - 1) if free else K ** G
+    if count > EXHAUSTIVE_LIMIT:
+        raise ValueError(f"plan_exhaustive would enumerate {count} candidates, more than the limit "
+                         f"{EXHAUSTIVE_LIMIT}; use plan()")
+    comp = _prefix(l.compute_s for l in layers)
+    byts = _byte_prefix(layers)
+    keys = np.array(cost.keys, dtype=np.int64)
+    ob = np.array([cost.overlap_bw[k] for k in cost.keys])
+    sb = np.array([cost.solo_bw[k] for k in cost.keys])
+    sl = np.array([cost.slowdown[k] for k in cost.keys])
+    C = comp[-1]
+    # Digits, least significant first. With fusion: digit i < n-1 says what happens after layer i
+    # (0 = no cut, d = cut and the bucket ending there uses key d-1); the last digit is the final
+    # bucket's key index. Otherwise: one key index per group.
+    radix = [K + 1] * (n - 1) + [K] if free else [K] * G
+    weights = np.cumprod([1, *radix[:-1]]).astype(np.int64)
+    best_t = math.inf
+    tied: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []  # codes, times, blocks, buckets
+    for lo in range(0, count, _EXHAUSTIVE_CHUNK):
+        idx = np.arange(lo, min(count, lo + _EXHAUSTIVE_CHUNK), dtype=np.int64)
+        T = np.zeros(idx.size)
+        P = np.zeros(idx.size)
+        acc = np.zeros(idx.size)
+        blk = np.zeros(idx.size, dtype=np.int64)
+        nb = np.zeros(idx.size, dtype=np.int64)
+        for i, (first, last) in enumerate(ranges):
+            acc = acc + float(byts[last + 1] - byts[first])
+            digit = (idx // weights[i]) % radix[i]
+            if free and i < n - 1:
+                close, kk = digit > 0, np.maximum(digit - 1, 0)
+            else:
+                close, kk = np.ones(idx.size, dtype=bool), digit
+            fire = close & (acc > 0)
+            if fire.any():
+                kf = kk[fire]
+                T[fire], P[fire] = _collective_np(T[fire], P[fire], comp[last + 1], acc[fire], cost.latency_s,
+                                                  ob[kf], sb[kf], sl[kf], C)
+                blk[fire] += keys[kf]
+            nb += close
+            acc = np.where(close, 0.0, acc)
+        total = T + (C - P)
+        best_t = min(best_t, float(total.min()))
+        tied.append((idx, total, blk, nb))
+        tied = [tuple(a[t[1] <= best_t * (1 + TIE_RTOL)] for a in t) for t in tied]
+    codes, _, blk, nb = (np.concatenate(a) for a in zip(*tied))
+    lead = (blk == blk.min())
+    lead &= nb == nb[lead].min()
+
+    def decode(code: int) -> list[Bucket]:
+        out, first = [], 0
+        for i, (g_first, g_last) in enumerate(ranges):
+            digit = (code // int(weights[i])) % radix[i]
+            if free and i < n - 1:
+                if digit == 0:
+                    continue
+                k = int(keys[digit - 1])
+            else:
+                k = int(keys[digit])
+            if not free:
+                first = g_first
+            out.append(Bucket(first, g_last, k))
+            first = g_last + 1
+        return out
+
+    plans = [decode(int(c)) for c in codes[lead]]
+    best = min(plans, key=lambda b: _plan_key(b, byts))
+    return _make_plan(layers, best, cost)

@@ -1,0 +1,92 @@
+// The nanobind module `libra_jax._libra_ffi`: exports the FFI handlers and
+// types as PyCapsules (registered from Python, lazily, once the CPU backend
+// exists) and a few engine facts and entry points for tests and benchmarks.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/pair.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <type_traits>
+#include <vector>
+
+#include "libra/engine.h"
+#include "libra/thread_pool.h"
+#include "xla_ffi/handlers.h"
+
+namespace nb = nanobind;
+
+namespace {
+
+template <typename T>
+nb::capsule EncapsulateFfiHandler(T* fn) {
+  static_assert(std::is_invocable_r_v<XLA_FFI_Error*, T, XLA_FFI_CallFrame*>,
+                "an XLA FFI handler must take an XLA_FFI_CallFrame*");
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+
+nb::dict Registrations() {
+  nb::dict cpu_allreduce;
+  cpu_allreduce["instantiate"] = EncapsulateFfiHandler(libra_ffi::kCpuAllReduceInstantiate);
+  cpu_allreduce["execute"] = EncapsulateFfiHandler(libra_ffi::kCpuAllReduceExecute);
+  nb::dict registrations;
+  registrations["libra_allreduce_cpu"] = cpu_allreduce;
+  return registrations;
+}
+
+nb::dict Types() {
+  nb::dict site;
+  site["type_id"] = nb::capsule(reinterpret_cast<void*>(libra_ffi::CpuAllReduceSiteTypeId()));
+  site["type_info"] = nb::capsule(
+      reinterpret_cast<void*>(const_cast<XLA_FFI_TypeInfo*>(libra_ffi::CpuAllReduceSiteTypeInfo())));
+  nb::dict types;
+  types["libra_allreduce_cpu_site"] = site;
+  return types;
+}
+
+using F32Array = nb::ndarray<float, nb::c_contig, nb::device::cpu>;
+
+// Sums float32 buffers in place with the engine alone (no XLA): for tests of
+// the engine's pool from Python (fork) and engine-only benchmarks.
+void EngineAllReduceF32(std::vector<F32Array> buffers, int blocks) {
+  std::vector<const void*> inputs;
+  std::vector<void*> outputs;
+  for (F32Array& b : buffers) {
+    if (b.size() != buffers.front().size()) throw nb::value_error("buffers differ in size");
+    inputs.push_back(b.data());
+    outputs.push_back(b.data());
+  }
+  if (buffers.empty()) throw nb::value_error("need at least one buffer");
+  libra::Status status;
+  {
+    nb::gil_scoped_release release;
+    status = libra::AllReduce(libra::DType::kF32, inputs, outputs, buffers.front().size(), blocks);
+  }
+  if (!status.ok()) throw nb::value_error(status.message.c_str());
+}
+
+}  // namespace
+
+NB_MODULE(_libra_ffi, m) {
+  m.doc() = "XLA FFI handlers of libra_jax and the engine's constants.";
+  m.def("registrations", &Registrations, "FFI targets: name -> {stage: capsule}.");
+  m.def("types", &Types, "FFI types: name -> {'type_id', 'type_info'} capsules.");
+  m.attr("MAX_BLOCKS") = libra::kMaxBlocks;
+  m.attr("MIN_CHUNK_BYTES") = libra::kMinChunkBytes;
+  m.def("effective_blocks",
+        [](std::size_t count, int itemsize, int blocks) {
+          const libra::DType dtype = itemsize == 2   ? libra::DType::kF16
+                                     : itemsize == 4 ? libra::DType::kF32
+                                                     : libra::DType::kF64;
+          return libra::EffectiveBlocks(count, dtype, blocks);
+        },
+        nb::arg("count"), nb::arg("itemsize"), nb::arg("blocks"),
+        "Worker tasks that reduce `count` elements when `blocks` are asked for.");
+  m.def("pool_threads",
+        [] {
+          return std::make_pair(libra::ThreadPool::Reduce().num_threads(),
+                                libra::ThreadPool::Completion().num_threads());
+        },
+        "Threads started by the engine's (reduce, completion) pools.");
+  m.def("engine_allreduce_f32", &EngineAllReduceF32, nb::arg("buffers"), nb::arg("blocks"));
+}
