@@ -83,6 +83,8 @@ uint16_t FloatToF16(float f) {
 // ---------------------------------------------------------------------------
 // Reduction kernels. Each tile is read from every input into an accumulator,
 // then written to every output: in place is safe, and the loops vectorize.
+// Like XLA:CPU, the sum starts from +0 (so all -0 inputs give +0), then adds
+// the inputs in rank order.
 
 constexpr std::size_t kTile = 1024;
 
@@ -94,7 +96,7 @@ void SumPlain(const void* const* inputs, void* const* outputs, int n,
   for (std::size_t t = begin; t < end; t += kTile) {
     const std::size_t m = std::min(kTile, end - t);
     const T* first = static_cast<const T*>(inputs[0]) + t;
-    for (std::size_t i = 0; i < m; ++i) acc[i] = first[i];
+    for (std::size_t i = 0; i < m; ++i) acc[i] = T(0) + first[i];
     for (int r = 1; r < n; ++r) {
       const T* x = static_cast<const T*>(inputs[r]) + t;
       for (std::size_t i = 0; i < m; ++i) acc[i] += x[i];
@@ -113,7 +115,7 @@ void SumBf16(const void* const* inputs, void* const* outputs, int n,
   for (std::size_t t = begin; t < end; t += kTile) {
     const std::size_t m = std::min(kTile, end - t);
     const uint16_t* first = static_cast<const uint16_t*>(inputs[0]) + t;
-    for (std::size_t i = 0; i < m; ++i) acc[i] = Bf16ToFloat(first[i]);
+    for (std::size_t i = 0; i < m; ++i) acc[i] = 0.0f + Bf16ToFloat(first[i]);
     for (int r = 1; r < n; ++r) {
       const uint16_t* x = static_cast<const uint16_t*>(inputs[r]) + t;
       for (std::size_t i = 0; i < m; ++i) acc[i] += Bf16ToFloat(x[i]);
@@ -131,7 +133,8 @@ void SumF16(const void* const* inputs, void* const* outputs, int n,
   uint16_t acc[kTile];
   for (std::size_t t = begin; t < end; t += kTile) {
     const std::size_t m = std::min(kTile, end - t);
-    std::memcpy(acc, static_cast<const uint16_t*>(inputs[0]) + t, m * 2);
+    const uint16_t* first = static_cast<const uint16_t*>(inputs[0]) + t;
+    for (std::size_t i = 0; i < m; ++i) acc[i] = FloatToF16(0.0f + F16ToFloat(first[i]));
     for (int r = 1; r < n; ++r) {
       const uint16_t* x = static_cast<const uint16_t*>(inputs[r]) + t;
       for (std::size_t i = 0; i < m; ++i) {

@@ -43,7 +43,8 @@ struct Status {
 // aligned chunks leave the last one empty); 0 for an empty buffer.
 int EffectiveBlocks(std::size_t count, DType dtype, int blocks);
 
-// Sums elements [begin, end) of inputs[0..n) in rank order into every
+// Sums elements [begin, end) of inputs[0..n) in rank order, starting from +0
+// as XLA:CPU does (all -0 inputs sum to +0), into every
 // outputs[r]. Each element is read from all inputs before any output is
 // written, so outputs[r] == inputs[r] (in place) is safe.
 //  - f32, f64: IEEE sums, left to right;

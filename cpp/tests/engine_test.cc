@@ -69,7 +69,7 @@ void TestPlainSum(DType dtype, int n, std::size_t count, int blocks, bool in_pla
   for (auto& v : in) for (auto& x : v) x = static_cast<T>(static_cast<int64_t>(rng() % 2001) - 1000) / T(8);
   std::vector<T> expected(count);
   for (std::size_t i = 0; i < count; ++i) {
-    T acc = in[0][i];
+    T acc = T(0) + in[0][i];
     for (int r = 1; r < n; ++r) acc += in[r][i];
     expected[i] = acc;
   }
@@ -106,6 +106,10 @@ void TestSums() {
   std::vector<void*> outs = {a.data(), b.data()};
   CHECK(libra::AllReduce(DType::kS32, ins, outs, 2, 1).ok());
   CHECK(a[0] == INT32_MIN && b[0] == INT32_MIN && a[1] == -2 && b[1] == -2);
+  // The sum starts from +0, as XLA:CPU's: -0 + -0 gives +0.
+  std::vector<float> z1 = {-0.0f}, z2 = {-0.0f};
+  CHECK(libra::AllReduce(DType::kF32, {z1.data(), z2.data()}, {z1.data(), z2.data()}, 1, 1).ok());
+  CHECK(!std::signbit(z1[0]));
 }
 
 uint16_t Bf16(float f) {

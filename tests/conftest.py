@@ -1,0 +1,45 @@
+"""Shared fixtures: 8 simulated CPU devices and meshes over any number of them."""
+from __future__ import annotations
+
+import os
+
+# Before JAX starts its CPU backend (also for subprocesses spawned by tests).
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import numpy as np
+import pytest
+
+
+def _jax():
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 8)
+    return jax
+
+
+def mesh_of(shape: tuple[int, ...], names: tuple[str, ...]):
+    """A mesh over the first prod(shape) CPU devices."""
+    jax = _jax()
+    n = int(np.prod(shape))
+    devices = np.array(jax.devices("cpu")[:n]).reshape(shape)
+    return jax.sharding.Mesh(devices, names)
+
+
+def shard(x, mesh, spec):
+    jax = _jax()
+    return jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))
+
+
+def assert_bitwise(a, b) -> None:
+    """Same dtype, shape and bytes (NaNs with the same payload compare equal)."""
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.dtype == b.dtype, (a.dtype, b.dtype)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    assert a.tobytes() == b.tobytes(), f"max |diff| = {np.max(np.abs(a.astype(np.float64) - b.astype(np.float64)))}"
+
+
+@pytest.fixture(scope="session")
+def jax_8():
+    jax = _jax()
+    assert len(jax.devices("cpu")) == 8, "tests need 8 host devices"
+    return jax
