@@ -17,6 +17,7 @@ from jax._src import dispatch as _dispatch
 from jax._src.interpreters import ad as _ad
 from jax._src.interpreters import batching as _batching
 from jax._src.interpreters import mlir as _mlir
+from jax._src.interpreters import partial_eval as _pe
 from jax._src.interpreters import pxla as _pxla
 from jax._src.lax import parallel as _parallel
 from jax._src.lib.mlir import ir
@@ -29,7 +30,8 @@ __all__ = [
     "apply_primitive", "deflinear", "register_batcher", "register_lowering", "lower_fun",
     "ir_constant", "check_vma_enabled", "auto_pcast_enabled", "varying_axes", "input_state",
     "pvary", "skip_size_one_axes", "axis_is_bound", "manual_axes", "replica_groups",
-    "device_index", "is_zero_cotangent", "zero_cotangent", "jax_version",
+    "device_index", "is_traced_argument", "is_zero_cotangent", "zero_cotangent",
+    "jax_version",
 ]
 
 Tracer = _core.Tracer
@@ -142,3 +144,10 @@ def device_index(ctx: Any) -> ir.Value:
     del ctx
     pid = hlo.partition_id()
     return hlo.convert(ir.RankedTensorType.get([], ir.IntegerType.get_signless(32)), pid)
+
+
+
+def is_traced_argument(x: Any) -> bool:
+    """Whether `x` is an input (or a constant) of the function being traced,
+    rather than the result of an operation in it."""
+    return isinstance(x, _pe.DynamicJaxprTracer) and x.parent is None

@@ -42,7 +42,7 @@ _DEFAULT_MAX_BLOCKS = 8
 
 def psum(x: Any, axis_name: AxisName | Sequence[AxisName], *,
          axis_index_groups: Sequence[Sequence[int]] | None = None,
-         blocks: int | None = None) -> Any:
+         blocks: int | None = None, inplace: bool | None = None) -> Any:
     """All-reduce sum over mapped axes, like `jax.lax.psum`, with a chosen block count.
 
     Args:
@@ -63,6 +63,8 @@ def psum(x: Any, axis_name: AxisName | Sequence[AxisName], *,
         delegated to `jax.lax.psum` (which has no block count).
     """
     _check_blocks(blocks)
+    if inplace is not None and not isinstance(inplace, bool):
+        raise TypeError(f"libra_jax.psum: inplace must be True, False or None, got {inplace!r}")
     axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
     if axis_index_groups is not None:
         return _delegate(x, axis_name, "axis_index_groups is not supported", blocks,
@@ -79,18 +81,18 @@ def psum(x: Any, axis_name: AxisName | Sequence[AxisName], *,
     axes = _compat.skip_size_one_axes(axes)
     if not axes:
         return x
-    return jax.tree_util.tree_map(partial(_psum_leaf, axes=axes, blocks=blocks), x)
+    return jax.tree_util.tree_map(partial(_psum_leaf, axes=axes, blocks=blocks, inplace=inplace), x)
 
 
 def pmean(x: Any, axis_name: AxisName | Sequence[AxisName], *,
           axis_index_groups: Sequence[Sequence[int]] | None = None,
-          blocks: int | None = None) -> Any:
+          blocks: int | None = None, inplace: bool | None = None) -> Any:
     """All-reduce mean: `psum` divided by the number of participants, like `jax.lax.pmean`."""
     if axis_index_groups is not None:
         _check_blocks(blocks)
         return _delegate(x, axis_name, "axis_index_groups is not supported", blocks,
                          axis_index_groups=axis_index_groups, op=jax.lax.pmean)
-    total = psum(x, axis_name, blocks=blocks)
+    total = psum(x, axis_name, blocks=blocks, inplace=inplace)
     n = jax.lax.psum(1, axis_name)
     return jax.tree_util.tree_map(lambda v: v / n, total)
 
@@ -133,7 +135,7 @@ def _delegate(x: Any, axis_name: Any, reason: str, blocks: int | None, *,
     return op(x, axis_name, **kwargs)
 
 
-def _psum_leaf(leaf: Any, *, axes: tuple, blocks: int | None) -> Any:
+def _psum_leaf(leaf: Any, *, axes: tuple, blocks: int | None, inplace: bool | None) -> Any:
     if not isinstance(leaf, _compat.Tracer):
         return jax.lax.psum(leaf, axes)  # A constant: no communication needed.
     aval = jax.typeof(leaf)
@@ -146,13 +148,16 @@ def _psum_leaf(leaf: Any, *, axes: tuple, blocks: int | None) -> Any:
                          blocks)
     if blocks is None:
         blocks = default_blocks(math.prod(aval.shape) * dtype.itemsize)
+    if inplace is None:
+        inplace = not _compat.is_traced_argument(leaf)
     invariant = _compat.check_vma_enabled()
     if invariant and _compat.auto_pcast_enabled():
         # As lax.psum: make the value varying over every reduced axis first.
         missing = tuple(a for a in axes if a not in _compat.varying_axes(aval))
         if missing:
             leaf = _compat.pvary(leaf, missing)
-    return libra_psum_p.bind(leaf, axes=axes, blocks=int(blocks), invariant=invariant)
+    return libra_psum_p.bind(leaf, axes=axes, blocks=int(blocks), inplace=inplace,
+                             invariant=invariant)
 
 
 # --- The primitive ----------------------------------------------------------
@@ -167,16 +172,18 @@ def _mirrored(invariant: bool, axes: tuple) -> tuple[Any, dict]:
     return _compat.psum_p, {"axes": axes, "axis_index_groups": None}
 
 
-def _abstract_eval(aval: Any, *, axes: tuple, blocks: int, invariant: bool) -> Any:
+def _abstract_eval(aval: Any, *, axes: tuple, blocks: int, inplace: bool,
+                   invariant: bool) -> Any:
     prim, params = _mirrored(invariant, axes)
     return prim.abstract_eval(aval, **params)
 
 
-def _cpu_lowering(ctx: Any, x: Any, *, axes: tuple, blocks: int, invariant: bool) -> Any:
+def _cpu_lowering(ctx: Any, x: Any, *, axes: tuple, blocks: int, inplace: bool,
+                  invariant: bool) -> Any:
     groups = _compat.replica_groups(ctx, axes)
     if groups is None:
-        return _xla_lowering(ctx, x, axes=axes, blocks=blocks, invariant=invariant,
-                             reason="a partially automatic shard_map")
+        return _xla_lowering(ctx, x, axes=axes, blocks=blocks, inplace=inplace,
+                             invariant=invariant, reason="a partially automatic shard_map")
     _ffi.ensure_registered()
     # (rank, group) of every device, looked up by the running device's index:
     # rank is the position in XLA's replica group, so the summation order is XLA's.
@@ -193,7 +200,8 @@ def _cpu_lowering(ctx: Any, x: Any, *, axes: tuple, blocks: int, invariant: bool
 
     aval_in, = ctx.avals_in
     call_ctx = ctx.replace(avals_in=[aval_in, _compat.ShapedArray((2,), np.int32)])
-    rule = jax.ffi.ffi_lowering(_ffi.ALLREDUCE_CPU_TARGET, operand_output_aliases={0: 0})
+    rule = jax.ffi.ffi_lowering(_ffi.ALLREDUCE_CPU_TARGET,
+                                operand_output_aliases={0: 0} if inplace else {})
     return rule(call_ctx, x, rank_group,
                 label=f"psum{tuple(axes)}",
                 world=np.int64(len(groups[0])),
@@ -201,8 +209,8 @@ def _cpu_lowering(ctx: Any, x: Any, *, axes: tuple, blocks: int, invariant: bool
                 timeout_ms=np.int64(round(_timeout_s() * 1000)))
 
 
-def _xla_lowering(ctx: Any, x: Any, *, axes: tuple, blocks: int, invariant: bool,
-                  reason: str | None = None) -> Any:
+def _xla_lowering(ctx: Any, x: Any, *, axes: tuple, blocks: int, inplace: bool,
+                  invariant: bool, reason: str | None = None) -> Any:
     """XLA's own all-reduce, where the engine has no target; `blocks` is ignored."""
     platforms = "/".join(ctx.module_context.platforms)
     _warn_once(f"libra_jax.psum: no Libra all-reduce for {reason or platforms}; "
@@ -224,23 +232,25 @@ def _timeout_s() -> float:
     return value
 
 
-def _transpose(ct: Any, x: Any, *, axes: tuple, blocks: int, invariant: bool) -> tuple:
+def _transpose(ct: Any, x: Any, *, axes: tuple, blocks: int, inplace: bool,
+               invariant: bool) -> tuple:
     if _compat.is_zero_cotangent(ct):
         return (_compat.zero_cotangent(x),)
     if invariant:  # psum_invariant's transpose: the cotangent, cast to varying.
         return (_compat.pvary(ct, axes),)
     # psum's transpose is psum (psum = psum + pbroadcast).
-    return (libra_psum_p.bind(ct, axes=axes, blocks=blocks, invariant=False),)
+    return (libra_psum_p.bind(ct, axes=axes, blocks=blocks, inplace=True, invariant=False),)
 
 
 def _batcher(axis_data: Any, vals_in: Sequence[Any], dims_in: Sequence[Any], *,
-             axes: tuple, blocks: int, invariant: bool) -> tuple[Any, Any]:
+             axes: tuple, blocks: int, inplace: bool, invariant: bool) -> tuple[Any, Any]:
     (x,), (dim,) = vals_in, dims_in
     if axis_data.name in axes:
         # A vmapped axis among the reduced ones is reduced by XLA, as lax.psum does.
         prim, params = _mirrored(invariant, axes)
         return _compat.jax_batcher(prim)(axis_data, vals_in, dims_in, **params)
-    return libra_psum_p.bind(x, axes=axes, blocks=blocks, invariant=invariant), dim
+    return libra_psum_p.bind(x, axes=axes, blocks=blocks, inplace=inplace,
+                             invariant=invariant), dim
 
 
 libra_psum_p.def_impl(partial(_compat.apply_primitive, libra_psum_p))

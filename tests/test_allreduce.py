@@ -312,13 +312,28 @@ def test_in_place_with_donation():
     mesh = mesh_of((8,), ("x",))
     data = np.random.default_rng(10).standard_normal((8, 1 << 16)).astype(np.float32)
     expected = np.asarray(both_psums(mesh, "x", P("x"), P())(shard(data, mesh, P("x")))[1][0])
-    f = jax.jit(jax.shard_map(lambda v: jax.lax.pcast(libra_jax.psum(v, "x"), "x", to="varying"),
-                              mesh=mesh, in_specs=P("x"), out_specs=P("x")), donate_argnums=0)
+    body = lambda v: jax.lax.pcast(libra_jax.psum(v, "x", inplace=True), "x", to="varying")
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")),
+                donate_argnums=0)
     x = shard(data, mesh, P("x"))
+    assert "output_operand_alias" in f.lower(x).as_text()
     out = f(x)
     assert x.is_deleted()
     assert_bitwise(np.asarray(out)[:1], expected)
     assert_bitwise(np.asarray(out)[7:], expected)
+
+
+def test_inplace_default_aliases_intermediates_only():
+    mesh = mesh_of((8,), ("x",))
+    x = shard(np.ones((8, 16), np.float32), mesh, P("x"))
+    def hlo(body):
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P()))
+        return f.lower(x).as_text()
+    assert "output_operand_alias" not in hlo(lambda v: libra_jax.psum(v, "x"))
+    assert "output_operand_alias" in hlo(lambda v: libra_jax.psum(v * 2.0, "x"))
+    assert "output_operand_alias" not in hlo(lambda v: libra_jax.psum(v * 2.0, "x", inplace=False))
+    with pytest.raises(TypeError, match="inplace must be True, False or None"):
+        hlo(lambda v: libra_jax.psum(v, "x", inplace="yes"))
 
 
 def test_engine_uses_its_own_threads():

@@ -1,0 +1,127 @@
+"""jax.lax.psum vs libra_jax.psum on 8 host CPU devices (not a test: a measurement).
+
+For each per-device size, every variant is run once per repetition, in a
+shuffled order, after warm-up; the table gives each variant's median time, its
+interquartile range, and its ratio to psum: the median of the per-repetition
+ratios (variant / psum of the same repetition) with their 10th-90th percentiles.
+
+    python benchmarks/allreduce_cpu.py [--reps 15] [--sizes 1KiB,1MiB,16MiB,64MiB] [--out FILE]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import random
+import sys
+import time
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+
+import libra_jax  # noqa: E402
+
+UNITS = {"KiB": 1 << 10, "MiB": 1 << 20}
+
+
+def parse_size(text: str) -> int:
+    for unit, factor in UNITS.items():
+        if text.endswith(unit):
+            return int(text[: -len(unit)]) * factor
+    return int(text)
+
+
+def variants(mesh):
+    """name -> (jitted fn, donates its input)."""
+    def replicated(psum):
+        return jax.jit(jax.shard_map(psum, mesh=mesh, in_specs=P("x"), out_specs=P()))
+
+    def in_place(psum):
+        # Output aliases the donated input: psum's result, cast back to varying.
+        body = lambda v: jax.lax.pcast(psum(v), "x", to="varying")
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")),
+                       donate_argnums=0)
+
+    out = {"psum": (replicated(lambda v: jax.lax.psum(v, "x")), False)}
+    for k in (1, 2, 4, 8):
+        out[f"libra k={k}"] = (replicated(lambda v, k=k: libra_jax.psum(v, "x", blocks=k)), False)
+    out["psum donated"] = (in_place(lambda v: jax.lax.psum(v, "x")), True)
+    out["libra in place k=4"] = (
+        in_place(lambda v: libra_jax.psum(v, "x", blocks=4, inplace=True)), True)
+    return out
+
+
+def measure(size: int, reps: int, warmup: int = 2) -> dict[str, list[float]]:
+    mesh = jax.make_mesh((8,), ("x",))
+    sharding = NamedSharding(mesh, P("x"))
+    host = np.random.default_rng(0).standard_normal((8, size // 4)).astype(np.float32)
+    shared = jax.device_put(host, sharding)
+    fns = variants(mesh)
+    expected = np.asarray(fns["psum"][0](shared))[0]
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for rep in range(warmup + reps):
+        order = list(fns)
+        random.Random(rep).shuffle(order)
+        for name in order:
+            fn, donates = fns[name]
+            x = jax.device_put(host, sharding) if donates else shared
+            x.block_until_ready()
+            t0 = time.perf_counter()
+            out = fn(x)
+            out.block_until_ready()
+            elapsed = time.perf_counter() - t0
+            if rep == 0:  # Every variant computes the same bits.
+                assert np.asarray(out)[0].tobytes() == expected.tobytes(), name
+            if rep >= warmup:
+                times[name].append(elapsed)
+            del out, x
+    return times
+
+
+def summarize(size_label: str, times: dict[str, list[float]]) -> list[str]:
+    base = np.array(times["psum"])
+    rows = []
+    for name, ts in times.items():
+        ts = np.array(ts)
+        ratios = ts / base
+        q1, q3 = np.percentile(ts * 1e3, [25, 75])
+        r10, r50, r90 = np.percentile(ratios, [10, 50, 90])
+        rows.append(f"| {size_label} | {name} | {np.median(ts) * 1e3:.3f} | {q1:.3f}-{q3:.3f} | "
+                    f"{r50:.2f} | {r10:.2f}-{r90:.2f} |")
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--sizes", default="1KiB,1MiB,16MiB,64MiB")
+    parser.add_argument("--out", default=None, help="also write the markdown table here")
+    args = parser.parse_args()
+    lines = [
+        f"Command: `python benchmarks/allreduce_cpu.py {' '.join(sys.argv[1:])}`".rstrip(),
+        "",
+        f"Date: {datetime.date.today()}; jax {jax.__version__}; Python {platform.python_version()}; "
+        f"{os.cpu_count()} CPU cores; 8 host devices (XLA_FLAGS={os.environ['XLA_FLAGS']}).",
+        f"{args.reps} interleaved repetitions after 2 warm-ups; float32; times per call in ms.",
+        "",
+        "| per device | variant | median ms | IQR ms | ratio to psum | ratio p10-p90 |",
+        "|---|---|---|---|---|---|",
+    ]
+    for label in args.sizes.split(","):
+        times = measure(parse_size(label), args.reps)
+        rows = summarize(label, times)
+        lines += rows
+        print("\n".join(rows), flush=True)
+    text = "\n".join(lines) + "\n"
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
