@@ -485,3 +485,56 @@ def test_participant_that_never_arrives_times_out():
     elapsed = float(re.search(r"elapsed ([\d.]+)", out).group(1))
     assert elapsed < 60
     assert "after [4.0, 4.0, 4.0]" in out
+
+
+def test_checkpoint():
+    mesh = mesh_of((8,), ("x",))
+    x = shard(np.random.default_rng(11).standard_normal((8, 9)).astype(np.float32), mesh, P("x"))
+    def make(psum):
+        def body(x):
+            f = jax.checkpoint(lambda v: jnp.sin(psum(jnp.cos(v) * v, "x")))
+            return jax.grad(lambda v: jnp.sum(f(v) ** 2))(x)
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"),
+                                     check_vma=False))
+    assert_bitwise(make(libra_jax.psum)(x), make(jax.lax.psum)(x))
+
+
+DEBUG_SCRIPT = textwrap.dedent("""
+    import jax, numpy as np
+    jax.config.update("jax_num_cpu_devices", 4)
+    from jax.sharding import PartitionSpec as P
+    import libra_jax
+    mesh = jax.make_mesh((4,), ("x",))
+    f = jax.jit(jax.shard_map(lambda v: libra_jax.psum(v, "x", blocks=2), mesh=mesh,
+                              in_specs=P("x"), out_specs=P()))
+    x = jax.device_put(np.ones((4, 1 << 14), np.float32), jax.NamedSharding(mesh, P("x")))
+    for _ in range(3):
+        np.asarray(f(x))
+""")
+
+
+def test_debug_log():
+    env = {**os.environ, "XLA_FLAGS": "", "LIBRA_JAX_DEBUG": "1"}
+    proc = subprocess.run([sys.executable, "-c", DEBUG_SCRIPT], capture_output=True, text=True,
+                          timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    lines = [l for l in proc.stderr.splitlines() if l.startswith("[libra_jax]")]
+    assert len(lines) == 3, proc.stderr
+    fields = dict(kv.split("=", 1) for kv in lines[0].split()[1:])
+    assert fields["world"] == "4" and fields["dtype"] == "f32" and fields["bytes"] == str(4 << 14)
+    assert fields["blocks"] == "2" and fields["tasks"] == "2"
+    assert int(fields["end_us"]) >= int(fields["start_us"]) >= int(fields["first_arrival_us"])
+
+
+def test_ctrl_c_during_a_wait_is_not_swallowed():
+    script = TIMEOUT_SCRIPT.replace('"1.5"', '"4"').replace(
+        "t0 = time.time()", "t0 = time.time(); print('waiting', flush=True)")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "XLA_FLAGS": ""})
+    assert proc.stdout.readline().strip() == "waiting"
+    import signal, time
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert "KeyboardInterrupt" in out + err, out + err
+    assert "after [" not in out  # the program did not go on as if nothing happened
