@@ -201,7 +201,7 @@ def draw(tl: Timeline, path: str | Path, *, title: str = "", key_unit: str = "bl
     for s in tl.compute:
         shade = 0.25 + 0.65 * ((s.slowdown - 1.0) / (max_slow - 1.0) if max_slow > 1 else 0.0)
         ax.barh(1, (s.end - s.start) * ms, left=s.start * ms, height=0.6, color=plt.cm.Oranges(shade),
-                edgecolor="white", linewidth=0.3)
+                linewidth=0)
     for c in tl.collectives:
         ax.barh(0, (c.latency_end - c.start) * ms, left=c.start * ms, height=0.6, color="lightgray",
                 hatch="///", edgecolor="gray", linewidth=0.3)
@@ -212,7 +212,7 @@ def draw(tl: Timeline, path: str | Path, *, title: str = "", key_unit: str = "bl
         if (c.end - c.start) > 0.03 * tl.backward_s:
             ax.text((c.start + c.end) / 2 * ms, 0, f"{c.blocks}", ha="center", va="center", fontsize=7,
                     color="black")
-    ax.set_yticks([0, 1], [f"all-reduce\n(label: {key_unit})", "compute\n(darker: slower)"])
+    ax.set_yticks([0, 1], [f"all-reduce\n(label: {key_unit})", f"compute\n(darker: slower,\nup to {max_slow:.2f}x)"])
     ax.set_xlabel("time since backward start (ms)")
     ax.set_xlim(0, tl.backward_s * ms * 1.01)
     ax.set_title(title or f"predicted backward pass: {tl.backward_s * ms:.2f} ms")

@@ -434,10 +434,10 @@ def profile_from_dict(data: Mapping[str, Any], *, origin: str = "<dict>") -> Pro
                                             "peak_dense_tflop_per_s", "memory_gbyte_per_s",
                                             "compute_efficiency", "memory_efficiency", "default_dtype"))
     peaks_raw = r.section(d, "peak_dense_tflop_per_s", "device.")
-    if not peaks_raw:
-        raise r.fail("device.peak_dense_tflop_per_s", "must name at least one dtype")
     peaks = {dt: r.number(peaks_raw, dt, "device.peak_dense_tflop_per_s.") * FLOP_PER_TFLOP
              for dt in peaks_raw if dt not in ("note", "notes", "ref") and not dt.startswith("_")}
+    if not peaks:
+        raise r.fail("device.peak_dense_tflop_per_s", "must name at least one dtype")
     default_dtype = r.text(d, "default_dtype", "device.", choices=tuple(peaks))
     device = DeviceSpec(
         name=r.text(d, "name", "device."),

@@ -1,0 +1,163 @@
+"""Tests of the libra-jax command line and the Gantt timeline."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+import sys
+
+import pytest
+
+from libra_jax import cli, gantt, model, planner
+
+HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    status = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def test_parser_has_simulate_and_is_extensible() -> None:
+    parser = cli.build_parser()
+    args = parser.parse_args(["simulate", "--model", "bert-large"])
+    assert args.command == "simulate" and args.profile == "libra-testbed" and args.workers == 8
+    assert len(cli.SUBCOMMANDS) >= 1
+    with pytest.raises(SystemExit):
+        parser.parse_args([])  # a subcommand is required
+
+
+def test_simulate_issue_example(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = run(capsys, "simulate", "--model", "bert-large", "--profile", "libra-testbed",
+                         "--workers", "8")
+    assert status == 0
+    for policy in cli.POLICIES:
+        assert f"\n{policy} " in out
+    assert "Libra vs best baseline" in out
+    assert "total_threads" in out
+
+
+def test_simulate_json(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = run(capsys, "simulate", "--model", "xception", "--profile", "h200", "--workers", "16",
+                         "--prefuse", "12", "--json")
+    assert status == 0
+    data = json.loads(out)
+    assert data["profile"] == "h200" and data["workers"] == 16 and data["key_unit"] == "blocks"
+    times = {name: p["backward_s"] for name, p in data["policies"].items()}
+    assert set(times) == set(cli.POLICIES)
+    assert all(t > 0 for t in times.values())
+    # Libra with the default's grouping can always fall back to the default allocation
+    assert times["libra-alloc"] <= times["default"] * (1 + 1e-9)
+
+
+def test_simulate_faster_link_reports_dropped_options(capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, _ = run(capsys, "simulate", "--model", "vgg16", "--link-gbps", "100")
+    assert status == 0
+    assert "dropped   8192" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--profile", "nope"], "unknown profile 'nope'"),
+    (["--workers", "1"], "workers must be an integer >= 2"),
+    (["--default-alloc", "3"], "--default-alloc 3 is not an option"),
+    (["--dtype", "int4"], "no peak rate for dtype 'int4'"),
+    (["--prefuse", "-1"], "--prefuse must be >= 0"),
+])
+def test_simulate_errors(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
+    status, _, err = run(capsys, "simulate", "--model", "vgg16", *argv)
+    assert status == 2
+    assert message in err
+
+
+@pytest.mark.skipif(not HAS_MATPLOTLIB, reason="matplotlib is not installed")
+def test_simulate_gantt_png(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
+    path = tmp_path / "out.png"
+    status, out, _ = run(capsys, "simulate", "--model", "vgg16", "--gantt", str(path))
+    assert status == 0
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "wrote" in out
+
+
+def test_simulate_gantt_without_matplotlib(capsys: pytest.CaptureFixture[str], tmp_path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` fail
+    path = tmp_path / "out.png"
+    status, out, err = run(capsys, "simulate", "--model", "vgg16", "--gantt", str(path))
+    assert status == 2
+    assert "needs matplotlib" in err and "pip install matplotlib" in err
+    assert "default" in out  # the comparison itself still printed
+    assert not path.exists()
+
+
+def test_prefuse_groups_tile_the_layers() -> None:
+    rng = random.Random(3)
+    layers = [planner.Layer(rng.random() * 1e-3, rng.randrange(0, 1 << 22)) for _ in range(97)]
+    for groups in (1, 5, 40, 97, 200):
+        cut = cli.prefuse_groups(layers, groups)
+        assert 1 <= len(cut) <= min(groups, len(layers))
+        assert cut[0][0] == 0 and cut[-1][1] == len(layers) - 1
+        assert all(a[1] + 1 == b[0] for a, b in zip(cut, cut[1:]))
+    with pytest.raises(ValueError):
+        cli.prefuse_groups(layers, 0)
+
+
+# ------------------------------------------------------------------------------------------
+# Gantt timeline = planner.simulate
+# ------------------------------------------------------------------------------------------
+
+
+def random_instance(rng: random.Random) -> tuple[list[planner.Layer], list[planner.Bucket], planner.CostModel]:
+    n = rng.randint(1, 12)
+    layers = [planner.Layer(rng.choice([0.0, rng.random() * 1e-3]), rng.choice([0, rng.randrange(1, 1 << 24)]))
+              for _ in range(n)]
+    keys = sorted(rng.sample([1, 2, 4, 8, 16, 32], rng.randint(1, 4)))
+    solo = {k: rng.uniform(1e9, 2e10) for k in keys}
+    cost = planner.CostModel(latency_s=rng.choice([0.0, rng.random() * 1e-4]), solo_bw=solo,
+                             overlap_bw={k: solo[k] * rng.uniform(0.3, 1.0) for k in keys},
+                             slowdown={k: rng.uniform(1.0, 3.0) for k in keys})
+    cuts = sorted(rng.sample(range(1, n), rng.randint(0, n - 1))) if n > 1 else []
+    bounds = [0] + cuts + [n]
+    buckets = [planner.Bucket(a, b - 1, rng.choice(keys)) for a, b in zip(bounds, bounds[1:])]
+    return layers, buckets, cost
+
+
+def test_timeline_matches_simulate() -> None:
+    rng = random.Random(7)
+    for _ in range(400):
+        layers, buckets, cost = random_instance(rng)
+        tl = gantt.timeline(layers, buckets, cost)
+        expected = planner.simulate(layers, buckets, cost)
+        assert abs(tl.backward_s - expected) <= 1e-9 * max(1.0, abs(expected))
+        assert tl.compute_end <= tl.backward_s + 1e-15
+        # collectives are serial, in bucket order, and never start before they are ready
+        for a, b in zip(tl.collectives, tl.collectives[1:]):
+            assert a.bucket < b.bucket and a.end <= b.start + 1e-15
+        for c in tl.collectives:
+            assert c.ready <= c.start <= c.latency_end <= c.solo_start <= c.end
+        # compute spans are contiguous and cover all the work
+        work = sum(s.end - s.start for s in tl.compute) if tl.compute else 0.0
+        assert work >= sum(layer.compute_s for layer in layers) - 1e-12
+
+
+def test_timeline_on_a_real_plan() -> None:
+    from libra_jax import zoo
+
+    profile = model.load_profile("libra-testbed")
+    derivation = model.derive(profile, 8)
+    w = zoo.training_workload("vgg16", flop_per_s=profile.device.flop_per_s(), bytes_per_s=profile.device.bytes_per_s())
+    plan = planner.plan(list(w.layers), derivation.cost)
+    tl = gantt.timeline(list(w.layers), plan.buckets, derivation.cost)
+    assert tl.backward_s == pytest.approx(plan.backward_s, rel=1e-9)
+    assert {c.blocks for c in tl.collectives} <= set(derivation.cost.slowdown)
+
+
+def test_timeline_rejects_bad_buckets() -> None:
+    layers = [planner.Layer(1e-3, 100)] * 3
+    cost = planner.CostModel(0.0, {1: 1e9}, {1: 1e9}, {1: 1.0})
+    with pytest.raises(ValueError, match="tile"):
+        gantt.timeline(layers, [planner.Bucket(0, 1, 1)], cost)
+    with pytest.raises(ValueError, match="not in the cost model"):
+        gantt.timeline(layers, [planner.Bucket(0, 2, 2)], cost)

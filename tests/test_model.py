@@ -1,0 +1,354 @@
+"""Tests of libra_jax.model: profiles, validation, the two functional forms, monotonicity."""
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import pytest
+
+from libra_jax import model, planner
+from libra_jax.model import BYTES_PER_S_PER_MIB_PER_MS, S_PER_US
+
+PROFILES = model.list_profiles()
+TESTBED_OPTIONS = [64, 128, 256, 512, 1024, 2048, 4096]
+
+
+def raw(name: str) -> dict:
+    return json.loads((model.PROFILE_DIR / f"{name}.json").read_text())
+
+
+def test_shipped_profiles() -> None:
+    assert set(PROFILES) == {"libra-testbed", "v100", "a100", "h100", "h200", "cpu-host"}
+
+
+@pytest.mark.parametrize("name", PROFILES)
+def test_profile_valid_cost_model_for_2_to_1024_workers(name: str) -> None:
+    profile = model.load_profile(name)
+    assert profile.name == name
+    previous = None
+    for workers in range(2, 1025):
+        d = model.derive(profile, workers)
+        cost = d.cost
+        assert isinstance(cost, planner.CostModel)
+        keys = list(cost.slowdown)
+        assert keys and list(cost.solo_bw) == keys == list(cost.overlap_bw)
+        assert all(isinstance(k, int) and k > 0 for k in keys)
+        assert cost.latency_s > 0
+        for k in keys:
+            assert 0 < cost.overlap_bw[k] <= cost.solo_bw[k] < math.inf
+            assert 1.0 <= cost.slowdown[k] < math.inf
+        assert not set(d.dropped) & set(keys)
+        if previous is not None:  # more workers: more latency, no more bandwidth, same options
+            assert cost.latency_s > previous.latency_s
+            assert list(previous.slowdown) == keys
+            for k in keys:
+                assert cost.solo_bw[k] <= previous.solo_bw[k]
+                assert cost.overlap_bw[k] <= previous.overlap_bw[k]
+                assert cost.slowdown[k] == pytest.approx(previous.slowdown[k]) or d.form == "nccl-style"
+        previous = cost
+
+
+@pytest.mark.parametrize("name", PROFILES)
+def test_every_number_has_a_source(name: str) -> None:
+    profile = model.load_profile(name)
+    assert profile.sources
+    assert all(q.source in model.SOURCES for q in profile.sources.values())
+    # every leaf quantity of the file was read (none silently ignored)
+    def count(node: object) -> int:
+        if isinstance(node, dict):
+            return 1 if "value" in node else sum(count(v) for v in node.values())
+        return 0
+    assert count(raw(name)) == len(profile.sources)
+
+
+def test_sources_are_labelled_as_expected() -> None:
+    testbed = model.load_profile("libra-testbed")
+    assert testbed.sources["libra_fit.overlap_bw.a_mib_per_ms"].source == "measured"
+    assert testbed.sources["libra_fit.slowdown.intercept"].source == "measured"
+    h200 = model.load_profile("h200")
+    assert h200.sources["device.compute_units"].source == "datasheet"
+    assert h200.sources["device.memory_gbyte_per_s"].source == "datasheet"
+    assert h200.sources["nccl_style.per_block_gbyte_per_s"].source == "assumption"
+    assert h200.device.compute_units == 132
+    assert h200.device.memory_bytes_per_s == pytest.approx(4.8e12)
+    assert all(q.source == "assumption" for q in model.load_profile("cpu-host").sources.values())
+
+
+def test_load_by_path(tmp_path) -> None:
+    path = tmp_path / "mine.json"
+    data = raw("h100")
+    data["name"] = "mine"
+    path.write_text(json.dumps(data))
+    assert model.load_profile(path).name == "mine"
+    assert model.load_profile(str(path)).name == "mine"
+
+
+# ------------------------------------------------------------------------------------------
+# The artifact's fits
+# ------------------------------------------------------------------------------------------
+
+
+def fit_bw(t: float, a: float, b: float, c: float) -> float:
+    return b - a * math.exp(-c * t**0.6)
+
+
+OVERLAP = (8.2216991, 6.53459963, 0.0290902)
+SOLO = (10.01228313, 7.10248977, 0.05409201)
+
+
+def fit_slowdown(t: float) -> float:
+    return 1.0 / (0.876321235 - 1.60589190e-4 * t)
+
+
+def test_testbed_matches_artifact_fits_at_two_workers() -> None:
+    d = model.derive("libra-testbed", 2)
+    assert d.key_unit == "total_threads"
+    assert list(d.cost.slowdown) == TESTBED_OPTIONS
+    assert d.dropped == {}
+    assert d.cost.latency_s == pytest.approx(2 * 5 * S_PER_US)
+    for t in TESTBED_OPTIONS:
+        assert d.cost.solo_bw[t] == pytest.approx(fit_bw(t, *SOLO) * BYTES_PER_S_PER_MIB_PER_MS)
+        assert d.cost.overlap_bw[t] == pytest.approx(fit_bw(t, *OVERLAP) * BYTES_PER_S_PER_MIB_PER_MS)
+        assert d.cost.slowdown[t] == pytest.approx(fit_slowdown(t))
+    # the research notes' table: 6.05 MiB/ms overlapped and 1.83x at 2048 threads
+    assert d.cost.overlap_bw[2048] / BYTES_PER_S_PER_MIB_PER_MS == pytest.approx(6.05, abs=0.01)
+    assert d.cost.slowdown[2048] == pytest.approx(1.83, abs=0.01)
+
+
+@pytest.mark.parametrize("workers", [2, 8, 128])
+def test_ring_scaling(workers: int) -> None:
+    two = model.derive("libra-testbed", 2).cost
+    n = model.derive("libra-testbed", workers).cost
+    factor = workers / (2 * (workers - 1))
+    for t in TESTBED_OPTIONS:
+        assert n.solo_bw[t] == pytest.approx(two.solo_bw[t] * factor)
+    assert n.latency_s == pytest.approx((2 * workers - 2) * 5 * S_PER_US)
+    assert model.ring_bytes_per_rank(1000, workers) == pytest.approx(1000 * 2 * (workers - 1) / workers)
+    assert model.ring_steps(workers) == 2 * workers - 2
+
+
+def test_faster_network_rule_and_dropped_options() -> None:
+    base = model.derive("libra-testbed", 8)
+    fast = model.derive("libra-testbed", 8, link_gbit_per_s=100)
+    assert list(fast.cost.slowdown) == [128, 256, 512, 1024, 2048, 4096]
+    assert list(fast.dropped) == [8192]
+    assert "pole" in fast.dropped[8192] and "5457" in fast.dropped[8192]
+    for t in TESTBED_OPTIONS[:-1]:
+        # bandwidth fits evaluated at T/k and multiplied by k ...
+        assert fast.cost.solo_bw[2 * t] == pytest.approx(2 * base.cost.solo_bw[t])
+        assert fast.cost.overlap_bw[2 * t] == pytest.approx(2 * base.cost.overlap_bw[t])
+        # ... the slowdown at T itself
+        assert fast.cost.slowdown[2 * t] == pytest.approx(fit_slowdown(2 * t))
+    faster = model.derive("libra-testbed", 8, link_gbit_per_s=200)
+    assert list(faster.dropped) == [8192, 16384]
+    odd = model.derive("libra-testbed", 8, link_gbit_per_s=75)
+    assert list(odd.cost.slowdown) == [96, 192, 384, 768, 1536, 3072]
+
+
+def test_profile_notes_say_options_are_dropped() -> None:
+    assert any("5457" in note and "dropped" in note for note in model.load_profile("libra-testbed").notes)
+
+
+def test_launch_shape() -> None:
+    d = model.derive("libra-testbed", 8)
+    assert d.launch_shape(64) == (1, 64)
+    assert d.launch_shape(512) == (1, 512)
+    assert d.launch_shape(4096) == (8, 512)
+    h = model.derive("h200", 8)
+    assert h.key_unit == "blocks"
+    assert h.launch_shape(16) == (16, 512)
+    with pytest.raises(ValueError, match="not an option"):
+        h.launch_shape(3)
+
+
+# ------------------------------------------------------------------------------------------
+# The NCCL-style form
+# ------------------------------------------------------------------------------------------
+
+
+def test_softmin() -> None:
+    assert model.softmin(3.0, 3.0, 4) == pytest.approx(3.0 * 2 ** -0.25)
+    assert model.softmin(1.0, 100.0, 4) < 1.0
+    assert model.softmin(1.0, 100.0, 64) == pytest.approx(1.0, rel=1e-6)
+    assert model.softmin(1e300, 1e300, 8) == pytest.approx(1e300 * 2 ** -0.125)
+    with pytest.raises(ValueError):
+        model.softmin(0.0, 1.0, 4)
+
+
+def test_nccl_style_values() -> None:
+    p = model.load_profile("h200")
+    d = model.derive(p, 8)  # one node: the NVLink is the ring's link
+    c = p.nccl_style
+    assert d.link_bytes_per_s == pytest.approx(450e9)
+    algo = 8 / 14
+    for k in d.cost.slowdown:
+        bus = model.softmin(k * c.per_block_bytes_per_s, 450e9, c.softmin_p)
+        bus_o = model.softmin(k * c.per_block_bytes_per_s * c.overlap_block_efficiency, 450e9, c.softmin_p)
+        assert d.cost.solo_bw[k] == pytest.approx(bus * algo)
+        assert d.cost.overlap_bw[k] == pytest.approx(bus_o * algo)
+        sm = (1 - c.memory_bound_fraction) * 132 / (132 - k)
+        mem = c.memory_bound_fraction * 4.8e12 / (4.8e12 - c.memory_bytes_per_bus_byte * bus_o)
+        assert d.cost.slowdown[k] == pytest.approx(sm + mem)
+    # across nodes the NIC (400 Gb/s = 50 GB/s) is the bottleneck
+    assert model.derive(p, 16).link_bytes_per_s == pytest.approx(50e9)
+    # latency: NCCL-style base + per-step hops; 2 nodes -> 2 inter-node steps
+    net = p.network
+    assert model.derive(p, 16).cost.latency_s == pytest.approx(
+        net.base_latency_s + 28 * net.intra_step_latency_s + 2 * net.inter_step_latency_s)
+
+
+def test_nccl_style_drops_options_that_take_every_sm() -> None:
+    data = raw("cpu-host")
+    data["nccl_style"]["block_options"]["value"] = [1, 2, 8, 16]
+    d = model.derive(model.profile_from_dict(data), 4)
+    assert list(d.cost.slowdown) == [1, 2]
+    assert "occupy all 8 cores" in d.dropped[8] and 16 in d.dropped
+
+
+def test_nccl_style_drops_options_that_take_all_memory_bandwidth() -> None:
+    data = raw("h200")
+    data["device"]["memory_gbyte_per_s"]["value"] = 500
+    d = model.derive(model.profile_from_dict(data), 8)
+    assert any("memory traffic" in why for why in d.dropped.values())
+    assert 1 in d.cost.slowdown
+
+
+def test_no_valid_option_is_an_error() -> None:
+    data = raw("cpu-host")
+    data["nccl_style"]["block_options"]["value"] = [8, 9]
+    with pytest.raises(ValueError, match="no valid allocation"):
+        model.derive(model.profile_from_dict(data), 4)
+
+
+def test_libra_fit_slowdown_below_one_is_raised_and_noted() -> None:
+    data = raw("libra-testbed")
+    data["libra_fit"]["slowdown"]["intercept"]["value"] = 1.2  # 1/(1.2 - c*T) < 1 at small T
+    d = model.derive(model.profile_from_dict(data), 4)
+    assert d.cost.slowdown[64] == 1.0
+    assert any("raised to 1" in note for note in d.notes)
+
+
+# ------------------------------------------------------------------------------------------
+# Monotonicity
+# ------------------------------------------------------------------------------------------
+
+
+def best_allreduce_s(cost: planner.CostModel, nbytes: float) -> float:
+    return min(cost.latency_s + nbytes / bw for bw in cost.solo_bw.values())
+
+
+@pytest.mark.parametrize("name", PROFILES)
+def test_more_workers_more_time(name: str) -> None:
+    times = [best_allreduce_s(model.cost_model(name, w), 64 << 20) for w in (2, 4, 8, 16, 64, 256, 1024)]
+    assert times == sorted(times) and len(set(times)) == len(times)
+
+
+@pytest.mark.parametrize("name", PROFILES)
+def test_more_bandwidth_less_time(name: str) -> None:
+    links = (10, 25, 50, 100, 200, 400, 800)
+    costs = [model.cost_model(name, 8, link_gbit_per_s=g) for g in links]
+    times = [best_allreduce_s(c, 64 << 20) for c in costs]
+    assert times == sorted(times, reverse=True) and len(set(times)) == len(times)
+    if model.load_profile(name).form == "nccl-style":  # per allocation, too
+        for slow, fast in zip(costs, costs[1:]):
+            for k in slow.solo_bw:
+                assert fast.solo_bw[k] >= slow.solo_bw[k]
+                assert fast.overlap_bw[k] >= slow.overlap_bw[k]
+
+
+@pytest.mark.parametrize("name", ["libra-testbed", "h200"])
+def test_planned_backward_time_is_monotone(name: str) -> None:
+    layers = [planner.Layer(2e-3 * (1 + i % 3), (4 + 3 * (i % 4)) << 20) for i in range(10)]
+
+    def best(workers: int, link: float) -> float:
+        return planner.plan(layers, model.cost_model(name, workers, link_gbit_per_s=link)).backward_s
+
+    by_workers = [best(w, 50) for w in (2, 4, 8, 32, 128)]
+    assert by_workers == sorted(by_workers)
+    by_link = [best(8, g) for g in (25, 50, 100, 200)]
+    assert by_link == sorted(by_link, reverse=True)
+
+
+# ------------------------------------------------------------------------------------------
+# Validation: errors name the field
+# ------------------------------------------------------------------------------------------
+
+
+def mutate(name: str, path: str, value: object = None, *, delete: bool = False) -> dict:
+    data = copy.deepcopy(raw(name))
+    *parents, last = path.split(".")
+    node = data
+    for p in parents:
+        node = node[p]
+    if delete:
+        del node[last]
+    else:
+        node[last] = value
+    return data
+
+
+@pytest.mark.parametrize("name, path, value, delete, message", [
+    ("h200", "device.compute_units", None, True, r"field 'device\.compute_units' is missing"),
+    ("h200", "network", None, True, r"field 'network' is missing"),
+    ("h200", "nccl_style.softmin_p.value", None, True, r"field 'nccl_style\.softmin_p\.value' is missing"),
+    ("h200", "nccl_style.softmin_p.source", None, True, r"field 'nccl_style\.softmin_p\.source' is missing"),
+    ("h200", "device.compute_units.value", 13.5, False, r"'device\.compute_units\.value' must be an integer"),
+    ("h200", "device.memory_gbyte_per_s.value", -1, False, r"'device\.memory_gbyte_per_s\.value' must be > 0"),
+    ("h200", "device.memory_gbyte_per_s.value", "fast", False, r"'device\.memory_gbyte_per_s\.value' must be a finite number"),
+    ("h200", "device.compute_efficiency.value", 1.5, False, r"'device\.compute_efficiency\.value' must be <= 1"),
+    ("h200", "network.nic_gbit_per_s.source", "vendor", False, r"'network\.nic_gbit_per_s\.source' must be one of datasheet, measured, assumption"),
+    ("h200", "network.nic_gbit_per_s", 400, False, r"'network\.nic_gbit_per_s' must be an object"),
+    ("h200", "nccl_style.block_options.value", [4, 2], False, r"'nccl_style\.block_options\.value' must be strictly increasing"),
+    ("h200", "nccl_style.block_options.value", [], False, r"'nccl_style\.block_options\.value' must be a non-empty list"),
+    ("h200", "device.sm_count", {"value": 1, "source": "datasheet"}, False, r"'device\.sm_count' is not a known field"),
+    ("h200", "device.default_dtype", "int4", False, r"'device\.default_dtype' must be one of"),
+    ("h200", "form", "magic", False, r"'form' must be one of libra-fit, nccl-style"),
+    ("h200", "schema_version", 2, False, r"'schema_version' must be 1, got 2"),
+    ("h200", "schema_version", None, True, r"'schema_version' is missing"),
+    ("h200", "nccl_style", None, True, r"field 'nccl_style' is missing"),
+    ("libra-testbed", "libra_fit.solo_bw.c", None, True, r"'libra_fit\.solo_bw\.c' is missing"),
+    ("libra-testbed", "libra_fit.slowdown.intercept.value", 0, False, r"'libra_fit\.slowdown\.intercept\.value' must be > 0"),
+    ("libra-testbed", "libra_fit.thread_options.value", [64, "128"], False, r"'libra_fit\.thread_options\.value' must be a non-empty list of positive integers"),
+    ("libra-testbed", "libra_fit", None, True, r"field 'libra_fit' is missing"),
+])
+def test_malformed_profile_names_the_field(name: str, path: str, value: object, delete: bool, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        model.profile_from_dict(mutate(name, path, value, delete=delete), origin="test")
+
+
+def test_malformed_file_errors(tmp_path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        model.load_profile(bad)
+    with pytest.raises(ValueError, match="does not exist"):
+        model.load_profile(tmp_path / "missing.json")
+    with pytest.raises(ValueError, match="unknown profile 'b200'"):
+        model.load_profile("b200")
+    broken = tmp_path / "broken.json"
+    broken.write_text(json.dumps(mutate("a100", "device.compute_units", delete=True)))
+    with pytest.raises(ValueError, match=r"broken\.json.*'device\.compute_units' is missing"):
+        model.load_profile(broken)
+    with pytest.raises(ValueError, match="must be a JSON object"):
+        model.profile_from_dict([1, 2])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("workers", [1, 0, -3, 2.5, True, "8"])
+def test_bad_worker_counts(workers: object) -> None:
+    with pytest.raises(ValueError, match="workers must be an integer >= 2"):
+        model.derive("h100", workers)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("link", [0, -1, math.inf, math.nan])
+def test_bad_link(link: float) -> None:
+    with pytest.raises(ValueError, match="link_gbit_per_s"):
+        model.derive("h100", 8, link_gbit_per_s=link)
+
+
+def test_device_rates() -> None:
+    dev = model.load_profile("h100").device
+    assert dev.flop_per_s("bf16") == pytest.approx(989.4e12 * dev.compute_efficiency)
+    assert dev.flop_per_s() == dev.flop_per_s("bf16")
+    with pytest.raises(ValueError, match="no peak rate for dtype 'int4'"):
+        dev.flop_per_s("int4")
