@@ -15,6 +15,7 @@ to `jax.lax.psum`, silently.
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 import warnings
@@ -36,8 +37,11 @@ _SUPPORTED_DTYPES = frozenset(
     np.dtype(d) for d in (np.float32, np.float64, jax.numpy.bfloat16, np.float16, np.int32, np.int64)
 )
 _DEFAULT_TIMEOUT_S = 300.0
-_BYTES_PER_DEFAULT_BLOCK = 1 << 20
-_DEFAULT_MAX_BLOCKS = 8
+#: Built-in profile per platform, used until the backend is calibrated.
+DEFAULT_PROFILES = {"cpu": "cpu-host", "cuda": "h100"}
+#: With no overlap known, a block costs this fraction of the all-reduce's time
+#: (the SM penalty NCCL's symmetric kernels used).
+BLOCK_PENALTY = 0.025
 
 
 def psum(x: Any, axis_name: AxisName | Sequence[AxisName], *,
@@ -97,12 +101,33 @@ def pmean(x: Any, axis_name: AxisName | Sequence[AxisName], *,
     return jax.tree_util.tree_map(lambda v: v / n, total)
 
 
-def default_blocks(nbytes: int) -> int:
-    """Block count used when `blocks=None`: one per MiB per device, at least 1,
-    at most min(8, CPU cores). `@libra_jax.optimize` replaces this rule with
-    the contention model."""
-    limit = max(1, min(_DEFAULT_MAX_BLOCKS, os.cpu_count() or 1))
-    return int(min(limit, max(1, math.ceil(nbytes / _BYTES_PER_DEFAULT_BLOCK))))
+def default_blocks(nbytes: int, world: int, profile: Any = "cpu-host") -> int:
+    """Block count of a psum with `blocks=None` outside `@libra_jax.optimize`.
+
+    With no overlapped compute known, it minimises the model's predicted time
+    of an all-reduce of `nbytes` per rank among `world` ranks, times
+    (1 + `BLOCK_PENALTY` x blocks): more blocks must buy proportionally more
+    speed. `profile` is a profile name, path or `model.Profile`.
+    """
+    if world < 2 or nbytes <= 0:
+        return 1
+    derivation = _derive(profile, world)
+    cost = derivation.cost
+
+    def score(key: int) -> tuple[float, int]:
+        blocks = derivation.launch_shape(key)[0]
+        seconds = cost.latency_s + nbytes / cost.solo_bw[key]
+        return seconds * (1 + BLOCK_PENALTY * blocks), blocks
+
+    best = min(sorted(cost.solo_bw), key=score)
+    return int(min(MAX_BLOCKS, max(1, derivation.launch_shape(best)[0])))
+
+
+@functools.lru_cache(maxsize=64)
+def _derive(profile: Any, world: int) -> Any:
+    from libra_jax import model
+
+    return model.derive(profile, world)
 
 
 # --- Front end helpers ------------------------------------------------------
@@ -146,8 +171,6 @@ def _psum_leaf(leaf: Any, *, axes: tuple, blocks: int | None, inplace: bool | No
     if dtype not in _SUPPORTED_DTYPES:
         return _delegate(leaf, axes, f"dtype {dtype.name} is not supported by the engine",
                          blocks)
-    if blocks is None:
-        blocks = default_blocks(math.prod(aval.shape) * dtype.itemsize)
     if inplace is None:
         inplace = not _compat.is_traced_argument(leaf)
     invariant = _compat.check_vma_enabled()
@@ -156,8 +179,8 @@ def _psum_leaf(leaf: Any, *, axes: tuple, blocks: int | None, inplace: bool | No
         missing = tuple(a for a in axes if a not in _compat.varying_axes(aval))
         if missing:
             leaf = _compat.pvary(leaf, missing)
-    return libra_psum_p.bind(leaf, axes=axes, blocks=int(blocks), inplace=inplace,
-                             invariant=invariant)
+    return libra_psum_p.bind(leaf, axes=axes, blocks=None if blocks is None else int(blocks),
+                             inplace=inplace, invariant=invariant)
 
 
 # --- The primitive ----------------------------------------------------------
@@ -185,6 +208,10 @@ def _cpu_lowering(ctx: Any, x: Any, *, axes: tuple, blocks: int, inplace: bool,
         return _xla_lowering(ctx, x, axes=axes, blocks=blocks, inplace=inplace,
                              invariant=invariant, reason="a partially automatic shard_map")
     _ffi.ensure_registered()
+    aval_in, = ctx.avals_in
+    if blocks is None:  # Chosen now that the group size is known.
+        nbytes = math.prod(aval_in.shape) * np.dtype(aval_in.dtype).itemsize
+        blocks = default_blocks(nbytes, len(groups[0]), DEFAULT_PROFILES["cpu"])
     # (rank, group) of every device, looked up by the running device's index:
     # rank is the position in XLA's replica group, so the summation order is XLA's.
     table = np.zeros((1 + max(max(g) for g in groups), 2), np.int32)
@@ -198,7 +225,6 @@ def _cpu_lowering(ctx: Any, x: Any, *, axes: tuple, blocks: int, inplace: bool,
         _compat.ir.DenseI64ArrayAttr.get([1, 2]))
     rank_group = _compat.hlo.reshape(_compat.ir.RankedTensorType.get([2], i32), row)
 
-    aval_in, = ctx.avals_in
     call_ctx = ctx.replace(avals_in=[aval_in, _compat.ShapedArray((2,), np.int32)])
     rule = jax.ffi.ffi_lowering(_ffi.ALLREDUCE_CPU_TARGET,
                                 operand_output_aliases={0: 0} if inplace else {})

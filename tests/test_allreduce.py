@@ -273,16 +273,23 @@ def test_block_counts_same_result_recorded_in_hlo(blocks):
 
 
 def test_default_blocks_rule():
-    assert default_blocks(0) == 1
-    assert default_blocks(1024) == 1
-    cap = min(8, os.cpu_count() or 1)
-    assert default_blocks(3 << 20) == min(3, cap)
-    assert default_blocks(1 << 30) == cap
+    from libra_jax import model
+    from libra_jax.allreduce import BLOCK_PENALTY
+
+    assert default_blocks(0, 8) == 1 and default_blocks(1 << 20, 1) == 1
+    # The rule: argmin over the profile's options of predicted time x (1 + 0.025 blocks).
+    for nbytes in (1 << 10, 1 << 20, 1 << 26):
+        cost = model.derive("cpu-host", 8).cost
+        scores = {k: (cost.latency_s + nbytes / cost.solo_bw[k]) * (1 + BLOCK_PENALTY * k)
+                  for k in cost.solo_bw}
+        assert default_blocks(nbytes, 8) == min(scores, key=lambda k: (scores[k], k))
+    # Small buffers are latency bound: the penalty keeps them at few blocks.
+    assert default_blocks(1 << 10, 8) <= default_blocks(1 << 26, 8)
     mesh = mesh_of((8,), ("x",))
     x = shard(np.ones((8, 1 << 20), np.float32), mesh, P("x"))  # 4 MiB per device
     f = jax.jit(jax.shard_map(lambda v: libra_jax.psum(v, "x"), mesh=mesh,
                               in_specs=P("x"), out_specs=P()))
-    assert f"blocks = {default_blocks(4 << 20)} : i64" in f.lower(x).as_text()
+    assert f"blocks = {default_blocks(4 << 20, 8)} : i64" in f.lower(x).as_text()
 
 
 def test_two_executables_from_two_threads():
