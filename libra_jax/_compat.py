@@ -23,10 +23,14 @@ from jax._src.lax import parallel as _parallel
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import hlo
 from jax._src.sharding_impls import SPMDAxisContext
-from jax.extend.core import Primitive
+from jax.extend.core import ClosedJaxpr, Jaxpr, Primitive, Var
+from jax.extend.core import jaxpr_as_fun as _jaxpr_as_fun
+from jax.extend.core import jaxprs_in_params as _jaxprs_in_params
+from jax.extend.core import new_jaxpr_eqn as _new_jaxpr_eqn
 
 __all__ = [
-    "Primitive", "Tracer", "ShapedArray", "ir", "hlo", "psum_p", "psum_invariant_p",
+    "ClosedJaxpr", "Jaxpr", "Var", "jaxpr_as_fun", "closed_jaxpr", "jaxprs_in_params",
+    "new_jaxpr_eqn", "mesh_axis_sizes", "Primitive", "Tracer", "ShapedArray", "ir", "hlo", "psum_p", "psum_invariant_p",
     "apply_primitive", "deflinear", "register_batcher", "register_lowering", "lower_fun",
     "ir_constant", "check_vma_enabled", "auto_pcast_enabled", "varying_axes", "input_state",
     "pvary", "skip_size_one_axes", "axis_is_bound", "manual_axes", "replica_groups",
@@ -75,8 +79,8 @@ def register_lowering(prim: Primitive, rule: Callable[..., Any], platform: str |
     _mlir.register_lowering(prim, rule, platform=platform)
 
 
-def lower_fun(fun: Callable[..., Any]) -> Callable[..., Any]:
-    return _mlir.lower_fun(fun, multiple_results=False)
+def lower_fun(fun: Callable[..., Any], multiple_results: bool = False) -> Callable[..., Any]:
+    return _mlir.lower_fun(fun, multiple_results=multiple_results)
 
 
 def ir_constant(value: np.ndarray) -> ir.Value:
@@ -151,3 +155,28 @@ def is_traced_argument(x: Any) -> bool:
     """Whether `x` is an input (or a constant) of the function being traced,
     rather than the result of an operation in it."""
     return isinstance(x, _pe.DynamicJaxprTracer) and x.parent is None
+
+
+# --- Jaxprs ---------------------------------------------------------------------
+
+def jaxpr_as_fun(closed: ClosedJaxpr) -> Callable[..., Any]:
+    return _jaxpr_as_fun(closed)
+
+
+def closed_jaxpr(jaxpr: Jaxpr, consts: Any) -> ClosedJaxpr:
+    return ClosedJaxpr(jaxpr, consts)
+
+
+def jaxprs_in_params(params: dict) -> list[Jaxpr]:
+    """The (open) jaxprs among an equation's parameters."""
+    return list(_jaxprs_in_params(params))
+
+
+def new_jaxpr_eqn(invars: list, outvars: list, prim: Primitive, params: dict, effects: Any,
+                  source_info: Any) -> Any:
+    return _new_jaxpr_eqn(invars, outvars, prim, params, effects, source_info)
+
+
+def mesh_axis_sizes(mesh: Any) -> dict:
+    """Axis name -> size of a (concrete or abstract) mesh."""
+    return dict(mesh.shape)

@@ -1,0 +1,516 @@
+"""`@libra_jax.optimize`: rewrite a train step's psums into Libra all-reduces planned at trace time.
+
+Contract of the rewrite (`rewrite_jaxpr`):
+
+- Input: a closed jaxpr. Output: a closed jaxpr with the same input and output
+  types that computes the same values bit for bit, in which every psum that
+  can be served (`psum`, `psum_invariant`, and `libra_psum` without an
+  explicit block count) is a `libra_psum` with a planned block count, or part
+  of a `libra_psum_fused` bucket.
+- Scope: psums are found in the jaxpr and, recursively, in the sub-jaxprs of
+  `jit`, `shard_map`, `scan`, `while`, `cond`, `checkpoint` (remat),
+  `custom_jvp_call`, `custom_vjp_call` and `closed_call` (`_RULES`). A psum
+  that cannot be served (`axis_index_groups`, positional axes) or that hides
+  in a higher-order primitive without a rule stays an XLA psum, and a one-time
+  warning lists it.
+- Planning happens per jaxpr (one scope = one stream of compute): *gradient*
+  psums, whose results feed no later psum (they go to outputs or to the
+  optimizer update), are handed to the planner in jaxpr order (the order the
+  backward pass produces them), with the compute between them estimated by a
+  roofline of the profile; psums over the same axes are fused into buckets.
+  Other psums (forward statistics) and psums in loop bodies get an
+  allocation from `allreduce.default_blocks` and no fusion.
+- A bucket is one `libra_psum_fused` equation placed where its last member
+  was; it concatenates its operands per dtype, all-reduces each dtype once,
+  and splits them back. Summation is elementwise in rank order either way,
+  so results are bitwise those of the unfused psums.
+- Deterministic: everything is visited in jaxpr order; no set or dict
+  iteration order, hash or timing enters the plan.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+import warnings
+from typing import Any, Callable, Iterable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from libra_jax import _compat, allreduce, model, planner
+
+__all__ = ["optimize", "rewrite_jaxpr", "PsumPlan", "OptimizeReport", "libra_psum_fused_p"]
+
+#: Environment switch that turns `optimize` into a pass-through.
+DISABLE_ENV = "LIBRA_JAX_DISABLE"
+
+
+# --- Public API ---------------------------------------------------------------
+
+def optimize(fn: Callable[..., Any] | None = None, *, profile: Any = None, fusion: bool = True,
+             blocks: int | None = None, enabled: bool = True) -> Any:
+    """Rewrite the psums of a train step into Libra all-reduces planned at trace time.
+
+    Use as ``jax.jit(libra_jax.optimize(step))`` or ``@libra_jax.optimize(profile="h100")``.
+    `fn` may itself be jitted, `shard_map`ped, or call `jax.pmap`.
+
+    Args:
+      fn: the function; without it, a decorator is returned.
+      profile: the hardware profile (a name, a path or a `model.Profile`); default: the
+        built-in profile of the default backend (`allreduce.DEFAULT_PROFILES`).
+      fusion: fuse gradient psums into buckets (Libra's co-optimisation). False: one
+        all-reduce per psum, allocations still planned.
+      blocks: fix every planned allocation to this block count and plan fusion only.
+      enabled: False returns `fn` unchanged (as does ``LIBRA_JAX_DISABLE=1``).
+
+    Returns:
+      A function with `fn`'s signature and results. Its arguments are handled as by
+      `jax.jit`: array-likes (Python scalars included) are traced, anything else is an
+      error; the rewritten program is cached per argument structure and types, so the
+      same call retraces nothing. ``wrapped.last_report`` holds the latest plan.
+    """
+    if fn is None:
+        return functools.partial(optimize, profile=profile, fusion=fusion, blocks=blocks,
+                                 enabled=enabled)
+    if blocks is not None:
+        allreduce._check_blocks(blocks)
+    if not enabled:
+        return fn
+    options = _Options(profile=profile, fusion=bool(fusion), blocks=blocks)
+    cache: dict[Any, tuple[Callable[..., Any], Any, OptimizeReport]] = {}
+
+    # Name, docstring and signature of `fn`, but not its attributes: a jitted or
+    # pmapped `fn` carries attributes that would make `jax.jit(wrapped)` compile `fn`.
+    @functools.wraps(fn, updated=())
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
+            return fn(*args, **kwargs)
+        leaves, treedef = jax.tree.flatten((args, kwargs))
+        key = (treedef, tuple(_aval_key(x) for x in leaves), options.cache_key())
+        entry = cache.get(key)
+        if entry is None:
+            closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args, **kwargs)
+            rewritten, report = rewrite_jaxpr(closed, profile=options.profile,
+                                              fusion=options.fusion, blocks=options.blocks)
+            entry = (jax.jit(_compat.jaxpr_as_fun(rewritten)), jax.tree.structure(out_shape),
+                     report)
+            cache[key] = entry
+        run, out_tree, report = entry
+        wrapped.last_report = report  # type: ignore[attr-defined]
+        return jax.tree.unflatten(out_tree, run(*leaves))
+
+    wrapped.last_report = None  # type: ignore[attr-defined]
+    return wrapped
+
+
+@dataclasses.dataclass(frozen=True)
+class PsumPlan:
+    """One planned all-reduce (a bucket of one or more psums) in one jaxpr scope."""
+
+    scope: str                      # where: "shard_map/jit/..." path of the jaxpr
+    axes: tuple                     # the reduced mesh axes
+    members: tuple[int, ...]        # positions of the psums in the scope's equations
+    nbytes: int                     # bytes per rank
+    blocks: int                     # the allocation (engine worker tasks / thread blocks)
+    kind: str                       # "gradient", "forward", "loop" or "user"
+
+
+@dataclasses.dataclass
+class OptimizeReport:
+    """What the rewrite did: every planned all-reduce, and what it left alone."""
+
+    plans: list[PsumPlan] = dataclasses.field(default_factory=list)
+    predicted: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    skipped: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def num_psums(self) -> int:
+        return sum(len(p.members) for p in self.plans)
+
+
+def rewrite_jaxpr(closed: Any, *, profile: Any = None, fusion: bool = True,
+                  blocks: int | None = None) -> tuple[Any, OptimizeReport]:
+    """Rewrite `closed` (a ClosedJaxpr) as the module docstring states."""
+    report = OptimizeReport()
+    options = _Options(profile=profile, fusion=fusion, blocks=blocks)
+    rewriter = _Rewriter(options, report)
+    new_jaxpr = rewriter.jaxpr(closed.jaxpr, axis_sizes={}, scope="top", in_loop=False)
+    for line in report.skipped:
+        allreduce._warn_once(f"libra_jax.optimize left an XLA psum in place: {line}")
+    return _compat.closed_jaxpr(new_jaxpr, closed.consts), report
+
+
+# --- Options ------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    profile: Any
+    fusion: bool
+    blocks: int | None
+
+    def cache_key(self) -> tuple:
+        profile = self.profile
+        if isinstance(profile, model.Profile):
+            profile = ("profile", profile.name, profile.origin, id(profile))
+        elif profile is not None:
+            profile = ("name", os.fspath(profile))
+        return (profile, self.fusion, self.blocks)
+
+    def resolved_profile(self) -> Any:
+        if self.profile is not None:
+            return self.profile
+        return allreduce.DEFAULT_PROFILES.get(jax.default_backend(), "cpu-host")
+
+
+def _aval_key(x: Any) -> Any:
+    aval = jax.typeof(x) if hasattr(x, "shape") else type(x)
+    return (type(x), str(aval), getattr(aval, "weak_type", None))
+
+
+# --- The rewriter -------------------------------------------------------------
+
+@dataclasses.dataclass
+class _Site:
+    """A psum equation that the planner may allocate (and fuse)."""
+
+    index: int
+    axes: tuple
+    invariant: bool
+    nbytes: int
+    explicit_blocks: int | None
+
+
+_PSUM_PRIMITIVES = {"psum": False, "psum_invariant": True}
+
+
+class _Rewriter:
+    def __init__(self, options: _Options, report: OptimizeReport) -> None:
+        self.options = options
+        self.report = report
+        self.profile = options.resolved_profile()
+
+    # One jaxpr scope: rewrite sub-jaxprs, then plan and apply this scope's psums.
+    def jaxpr(self, jaxpr: Any, *, axis_sizes: dict, scope: str, in_loop: bool) -> Any:
+        eqns = [self.sub_jaxprs(eqn, axis_sizes, scope, in_loop) for eqn in jaxpr.eqns]
+        sites = [site for i, eqn in enumerate(eqns)
+                 if (site := self.site(i, eqn, scope)) is not None]
+        if not sites:
+            return jaxpr.replace(eqns=eqns)
+        invars = set(jaxpr.invars)
+        gradient = _terminal_sites(eqns, sites, jaxpr.outvars)
+        costs = [_roofline_s(eqn, self.profile) for eqn in eqns]
+        replacements: dict[int, Any] = {}
+        removed: set[int] = set()
+        groups: dict[tuple, list[_Site]] = {}
+        for site in sites:
+            if site.explicit_blocks is not None:
+                self.report.plans.append(PsumPlan(scope, site.axes, (site.index,), site.nbytes,
+                                                  site.explicit_blocks, "user"))
+                continue
+            if in_loop or site.index not in gradient:
+                kind = "loop" if in_loop else "forward"
+                k = allreduce.default_blocks(site.nbytes, _world(axis_sizes, site.axes),
+                                             self.profile)
+                replacements[site.index] = _single(eqns[site.index], site, k, invars)
+                self.report.plans.append(PsumPlan(scope, site.axes, (site.index,), site.nbytes,
+                                                  k, kind))
+                continue
+            groups.setdefault((site.axes, site.invariant), []).append(site)
+        for (axes, invariant), members in groups.items():
+            for bucket, k in self.plan(members, costs, _world(axis_sizes, axes), scope):
+                if len(bucket) == 1 or not _can_fuse(eqns, bucket):
+                    for site in bucket:
+                        replacements[site.index] = _single(eqns[site.index], site, k, invars)
+                    self.report.plans.extend(
+                        PsumPlan(scope, axes, (s.index,), s.nbytes, k, "gradient") for s in bucket)
+                    continue
+                last = bucket[-1].index
+                replacements[last] = _fused(eqns, bucket, axes, invariant, k)
+                removed.update(site.index for site in bucket[:-1])
+                self.report.plans.append(PsumPlan(scope, axes, tuple(s.index for s in bucket),
+                                                  sum(s.nbytes for s in bucket), k, "gradient"))
+        new_eqns = [replacements.get(i, eqn) for i, eqn in enumerate(eqns) if i not in removed]
+        return jaxpr.replace(eqns=new_eqns)
+
+    def plan(self, members: list[_Site], costs: list[float], world: int,
+             scope: str) -> Iterable[tuple[list[_Site], int]]:
+        """Buckets (lists of sites) and their block counts for one group of gradient psums."""
+        if world < 2:
+            return [([site], 1) for site in members]
+        derivation = model.derive(self.profile, world)
+        layers, start = [], 0
+        for site in members:
+            layers.append(planner.Layer(compute_s=float(sum(costs[start:site.index])),
+                                        grad_bytes=int(site.nbytes)))
+            start = site.index + 1
+        cost = derivation.cost
+        if self.options.blocks is not None:
+            key = min(cost.slowdown, key=lambda k: (abs(derivation.launch_shape(k)[0]
+                                                        - self.options.blocks), k))
+            result = (planner.plan_fusion_only(layers, cost, blocks=key) if self.options.fusion
+                      else planner.plan(layers, cost, fusion=False,
+                                        buckets=[(i, i) for i in range(len(layers))]))
+            buckets = [dataclasses.replace(b, blocks=key) for b in result.buckets]
+        else:
+            result = planner.plan(layers, cost, fusion=self.options.fusion)
+            buckets = result.buckets
+        self.report.predicted.append({
+            "scope": scope, "layers": layers, "buckets": list(buckets),
+            "backward_s": planner.simulate(layers, buckets, cost), "profile": derivation.profile,
+            "world": world,
+        })
+        out = []
+        for bucket in buckets:
+            if self.options.blocks is not None:
+                k = self.options.blocks
+            else:
+                k = min(allreduce.MAX_BLOCKS, max(1, derivation.launch_shape(bucket.blocks)[0]))
+            out.append((members[bucket.first:bucket.last + 1], k))
+        return out
+
+    def site(self, index: int, eqn: Any, scope: str) -> _Site | None:
+        name = eqn.primitive.name
+        if name in _PSUM_PRIMITIVES:
+            axes = tuple(eqn.params["axes"])
+            if eqn.params.get("axis_index_groups") is not None:
+                self.report.skipped.append(f"{name} with axis_index_groups in {scope}")
+                return None
+            if any(isinstance(a, int) for a in axes):
+                self.report.skipped.append(f"{name} over positional axes in {scope}")
+                return None
+            aval = eqn.invars[0].aval
+            if np.dtype(aval.dtype) not in allreduce._SUPPORTED_DTYPES:
+                self.report.skipped.append(f"{name} of {np.dtype(aval.dtype).name} in {scope}")
+                return None
+            return _Site(index, axes, _PSUM_PRIMITIVES[name], _nbytes(aval), None)
+        if eqn.primitive is allreduce.libra_psum_p:
+            p = eqn.params
+            return _Site(index, tuple(p["axes"]), p["invariant"], _nbytes(eqn.invars[0].aval),
+                         p["blocks"])
+        return None
+
+    def sub_jaxprs(self, eqn: Any, axis_sizes: dict, scope: str, in_loop: bool) -> Any:
+        rule = _RULES.get(eqn.primitive.name)
+        if rule is None:
+            if any(_contains_psum(j) for j in _compat.jaxprs_in_params(eqn.params)):
+                self.report.skipped.append(
+                    f"psum inside '{eqn.primitive.name}' (no rewrite rule) in {scope}")
+            return eqn
+        loop, mesh_param = rule
+        sizes = dict(axis_sizes)
+        if mesh_param is not None:
+            sizes.update(_compat.mesh_axis_sizes(eqn.params[mesh_param]))
+        sub_scope = f"{scope}/{eqn.primitive.name}"
+        params = {}
+        for name, value in eqn.params.items():
+            params[name] = _map_jaxprs(
+                value, lambda j: self.jaxpr(j, axis_sizes=sizes, scope=sub_scope,
+                                            in_loop=in_loop or loop))
+        return eqn.replace(params=params)
+
+
+# Higher-order primitives whose sub-jaxprs are rewritten: name -> (is a loop, mesh param).
+_RULES: dict[str, tuple[bool, str | None]] = {
+    "jit": (False, None),
+    "pjit": (False, None),
+    "closed_call": (False, None),
+    "core_call": (False, None),
+    "remat2": (False, None),
+    "checkpoint": (False, None),
+    "custom_jvp_call": (False, None),
+    "custom_vjp_call": (False, None),
+    "custom_vjp_call_jaxpr": (False, None),
+    "cond": (False, None),
+    "shard_map": (False, "mesh"),
+    "scan": (True, None),
+    "while": (True, None),
+}
+
+
+def _map_jaxprs(value: Any, fn: Callable[[Any], Any]) -> Any:
+    """Apply `fn` to every Jaxpr in a param value (ClosedJaxpr, Jaxpr or a tuple of them)."""
+    if isinstance(value, _compat.ClosedJaxpr):
+        return _compat.closed_jaxpr(fn(value.jaxpr), value.consts)
+    if isinstance(value, _compat.Jaxpr):
+        return fn(value)
+    if isinstance(value, tuple) and any(isinstance(v, (_compat.ClosedJaxpr, _compat.Jaxpr))
+                                        for v in value):
+        return tuple(_map_jaxprs(v, fn) for v in value)
+    return value
+
+
+def _contains_psum(jaxpr: Any) -> bool:
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in _PSUM_PRIMITIVES or eqn.primitive is allreduce.libra_psum_p:
+            return True
+        if any(_contains_psum(j) for j in _compat.jaxprs_in_params(eqn.params)):
+            return True
+    return False
+
+
+def _terminal_sites(eqns: Sequence[Any], sites: Sequence[_Site], outvars: Sequence[Any]) -> set[int]:
+    """Indices of psums whose results feed no later psum: the gradient psums."""
+    site_index = {s.index for s in sites}
+    # Backwards over the equations: does a value (transitively) reach a psum?
+    feeds_psum: set[Any] = set()
+    terminal: set[int] = set()
+    for i in range(len(eqns) - 1, -1, -1):
+        eqn = eqns[i]
+        reaches = i in site_index or any(_is_var(v) and v in feeds_psum for v in eqn.outvars)
+        if i in site_index and not any(v in feeds_psum for v in eqn.outvars if _is_var(v)):
+            terminal.add(i)
+        if reaches:
+            feeds_psum.update(v for v in eqn.invars if _is_var(v))
+    return terminal
+
+
+def _can_fuse(eqns: Sequence[Any], bucket: Sequence[_Site]) -> bool:
+    """A bucket lands where its last member was: no earlier member's result may be used
+    before that point."""
+    last = bucket[-1].index
+    early = {v for s in bucket[:-1] for v in eqns[s.index].outvars}
+    return not any(_is_var(v) and v in early
+                   for eqn in eqns[bucket[0].index:last + 1] for v in eqn.invars)
+
+
+def _single(eqn: Any, site: _Site, blocks: int, invars: set) -> Any:
+    operand = eqn.invars[0]
+    inplace = not (_is_var(operand) and operand in invars)
+    return eqn.replace(primitive=allreduce.libra_psum_p,
+                       params=dict(axes=site.axes, blocks=int(blocks), inplace=inplace,
+                                   invariant=site.invariant))
+
+
+def _fused(eqns: Sequence[Any], bucket: Sequence[_Site], axes: tuple, invariant: bool,
+           blocks: int) -> Any:
+    members = [eqns[s.index] for s in bucket]
+    effects = set().union(*(e.effects for e in members))
+    return _compat.new_jaxpr_eqn(
+        [e.invars[0] for e in members], [e.outvars[0] for e in members], libra_psum_fused_p,
+        dict(axes=axes, blocks=int(blocks), invariant=invariant), effects,
+        members[-1].source_info)
+
+
+def _is_var(v: Any) -> bool:
+    return isinstance(v, _compat.Var)
+
+
+def _nbytes(aval: Any) -> int:
+    return int(math.prod(aval.shape)) * np.dtype(aval.dtype).itemsize
+
+
+def _world(axis_sizes: dict, axes: tuple) -> int:
+    return int(math.prod(axis_sizes.get(a, 1) for a in axes))
+
+
+# --- Roofline cost of the compute between psums --------------------------------
+
+def _roofline_s(eqn: Any, profile: Any) -> float:
+    """Seconds of one equation at the profile's sustained rates: FLOPs of matmuls and
+    convolutions over peak FLOP/s, bytes moved by anything else over memory bandwidth."""
+    device = _device(profile)
+    name = eqn.primitive.name
+    if name in _PSUM_PRIMITIVES or eqn.primitive in (allreduce.libra_psum_p, libra_psum_fused_p):
+        return 0.0
+    subs = _compat.jaxprs_in_params(eqn.params)
+    if subs:
+        per_call = [sum(_roofline_s(e, profile) for e in getattr(j, "jaxpr", j).eqns) for j in subs]
+        if name == "cond":
+            return max(per_call)
+        return sum(per_call) * (eqn.params.get("length", 1) if name == "scan" else 1)
+    moved = sum(_nbytes(v.aval) for v in list(eqn.invars) + list(eqn.outvars)
+                if hasattr(v.aval, "shape"))
+    memory_s = moved / device.bytes_per_s()
+    flops = _flops(eqn)
+    return max(memory_s, flops / device.flop_per_s()) if flops else memory_s
+
+
+def _flops(eqn: Any) -> float:
+    name = eqn.primitive.name
+    if name == "dot_general":
+        (lhs_contract, _), _ = eqn.params["dimension_numbers"]
+        lhs = eqn.invars[0].aval
+        contracted = math.prod(lhs.shape[d] for d in lhs_contract)
+        return 2.0 * math.prod(eqn.outvars[0].aval.shape) * contracted
+    if name == "conv_general_dilated":
+        rhs = eqn.invars[1].aval
+        out_features = rhs.shape[eqn.params["dimension_numbers"].rhs_spec[0]]
+        return 2.0 * math.prod(eqn.outvars[0].aval.shape) * math.prod(rhs.shape) / out_features
+    return 0.0
+
+
+@functools.lru_cache(maxsize=16)
+def _device_cached(profile: Any) -> Any:
+    return model.load_profile(profile).device
+
+
+def _device(profile: Any) -> Any:
+    if isinstance(profile, model.Profile):
+        return profile.device
+    return _device_cached(os.fspath(profile))
+
+
+# --- The fused all-reduce --------------------------------------------------------
+
+libra_psum_fused_p = _compat.Primitive("libra_psum_fused")
+libra_psum_fused_p.multiple_results = True
+
+
+def _fused_abstract_eval(*avals: Any, axes: tuple, blocks: int, invariant: bool) -> Any:
+    outs, effects = [], set()
+    for aval in avals:
+        out, eff = allreduce._abstract_eval(aval, axes=axes, blocks=blocks, inplace=True,
+                                            invariant=invariant)
+        outs.append(out)
+        effects |= set(eff)
+    return outs, effects
+
+
+def _fused_lowering(single_rule: Callable[..., Any]) -> Callable[..., Any]:
+    """Per dtype: flatten and concatenate the operands, all-reduce once with `single_rule`
+    (the platform's `libra_psum` lowering), split back."""
+    def rule(ctx: Any, *xs: Any, axes: tuple, blocks: int, invariant: bool) -> list[Any]:
+        outs: list[Any] = [None] * len(xs)
+        by_dtype: dict[Any, list[int]] = {}
+        for i, aval in enumerate(ctx.avals_in):
+            by_dtype.setdefault(np.dtype(aval.dtype), []).append(i)
+        for dtype, idx in by_dtype.items():  # insertion order: deterministic
+            in_avals = [ctx.avals_in[i] for i in idx]
+            sizes = [int(math.prod(a.shape)) for a in in_avals]
+            flat = _compat.ShapedArray((sum(sizes),), dtype)
+            concat = _compat.lower_fun(lambda *vs: jnp.concatenate([v.reshape(-1) for v in vs]))
+            cat, = _as_list(concat(ctx.replace(primitive=None, avals_in=in_avals,
+                                               avals_out=[flat]), *[xs[i] for i in idx]))
+            reduced, = _as_list(single_rule(ctx.replace(primitive=None, avals_in=[flat],
+                                                        avals_out=[flat]),
+                                            cat, axes=axes, blocks=blocks, inplace=True,
+                                            invariant=invariant))
+            out_avals = [ctx.avals_out[i] for i in idx]
+            offsets = np.cumsum([0] + sizes)
+
+            def split(v: Any, shapes=tuple(a.shape for a in in_avals), offsets=offsets) -> Any:
+                return tuple(v[offsets[j]:offsets[j + 1]].reshape(shape)
+                             for j, shape in enumerate(shapes))
+
+            parts = _compat.lower_fun(split, multiple_results=True)(
+                ctx.replace(primitive=None, avals_in=[flat], avals_out=out_avals), reduced)
+            for i, part in zip(idx, parts):
+                outs[i] = part
+        return outs
+    return rule
+
+
+def _as_list(x: Any) -> list[Any]:
+    """Lowering rules return a value, a list of values, or an OpResultList."""
+    return [x] if isinstance(x, _compat.ir.Value) else list(x)
+
+
+libra_psum_fused_p.def_impl(functools.partial(_compat.apply_primitive, libra_psum_fused_p))
+libra_psum_fused_p.def_effectful_abstract_eval(_fused_abstract_eval)
+_compat.register_lowering(libra_psum_fused_p, _fused_lowering(allreduce._xla_lowering))
+_compat.register_lowering(libra_psum_fused_p, _fused_lowering(allreduce._cpu_lowering),
+                          platform="cpu")

@@ -1,0 +1,261 @@
+"""Tests of libra_jax.optimize: the rewritten step equals the original bit for bit, and its
+HLO holds Libra all-reduces with the planned block counts instead of XLA's."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import libra_jax
+from libra_jax.optimize import optimize, rewrite_jaxpr
+
+from conftest import assert_bitwise, mesh_of, shard
+
+pytestmark = pytest.mark.usefixtures("jax_8")
+
+MODES = ["check_vma", "no_check_vma", "pmap"]
+
+
+def init(rng, sizes, dtype=np.float32):
+    return {f"w{i}": (rng.standard_normal((m, n)) * 0.3).astype(dtype)
+            for i, (m, n) in enumerate(zip(sizes[:-1], sizes[1:]))}
+
+
+def mlp(params, x):
+    for i in range(len(params)):
+        x = jnp.tanh(x @ params[f"w{i}"].astype(x.dtype))
+    return x
+
+
+def data_parallel(mode, local_step, n_out=2):
+    """Wrap `local_step(params, x, psum)` (psum is the gradient reduction of the mode)."""
+    if mode == "pmap":
+        return jax.pmap(lambda p, x: local_step(p, x, jax.lax.psum), axis_name="x",
+                        in_axes=(None, 0))
+    mesh = mesh_of((8,), ("x",))
+    check_vma = mode == "check_vma"
+    def body(p, x):
+        # Under check_vma, AD already sums gradients of replicated parameters.
+        return local_step(p, x, (lambda g, axis: g) if check_vma else jax.lax.psum)
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("x")),
+                                 out_specs=(P(),) * n_out, check_vma=check_vma))
+
+
+def inputs(mode, rng, d_in=16, batch=4):
+    x = rng.standard_normal((8, batch, d_in)).astype(np.float32)
+    if mode == "pmap":
+        return x
+    return shard(x.reshape(8 * batch, d_in), mesh_of((8,), ("x",)), P("x"))
+
+
+def sgd_step(loss_fn):
+    def local_step(p, x, grad_psum):
+        def total(p):
+            return jax.lax.psum(loss_fn(p, x), "x")
+        loss, grads = jax.value_and_grad(total)(p)
+        grads = jax.tree.map(lambda g: grad_psum(g, "x"), grads)
+        return loss, jax.tree.map(lambda w, g: w - 0.01 * g.astype(w.dtype), p, grads)
+    return local_step
+
+
+def check(step, *args, expect_calls=True):
+    """Optimized == original bit for bit; the HLO has Libra calls and no XLA all-reduce."""
+    opt = optimize(step)
+    expected = step(*args)
+    got = jax.jit(opt)(*args)
+    jax.tree.map(assert_bitwise, got, expected)
+    hlo = jax.jit(opt).lower(*args).as_text()
+    report = opt.last_report
+    if expect_calls:
+        assert "libra_allreduce_cpu" in hlo
+        assert "all_reduce" not in hlo, "an XLA all-reduce was left in the program"
+        planned = sorted({p.blocks for p in report.plans})
+        in_hlo = sorted({int(b) for b in re.findall(r"blocks = (\d+) : i64", hlo)})
+        assert planned == in_hlo
+    return report, hlo
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_mlp_step_fused_and_bitwise(mode):
+    rng = np.random.default_rng(0)
+    params = init(rng, [16, 32, 32, 8])
+    step = data_parallel(mode, sgd_step(lambda p, x: jnp.sum(mlp(p, x) ** 2)))
+    report, hlo = check(step, params, inputs(mode, rng))
+    gradient = [p for p in report.plans if p.kind == "gradient"]
+    assert sum(len(p.members) for p in gradient) >= 3  # three weight gradients (+ the loss)
+    assert report.predicted and report.predicted[0]["backward_s"] > 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_scan_over_microbatches(mode):
+    rng = np.random.default_rng(1)
+    params = init(rng, [16, 16, 4])
+    def local_step(p, x, grad_psum):
+        def micro(acc, xb):
+            g = jax.grad(lambda p: jnp.sum(mlp(p, xb[None]) ** 2))(p)
+            g = jax.tree.map(lambda v: grad_psum(v, "x"), g)
+            return jax.tree.map(jnp.add, acc, g), None
+        grads, _ = jax.lax.scan(micro, jax.tree.map(jnp.zeros_like, p), x)
+        return jax.lax.psum(jnp.sum(x), "x"), jax.tree.map(lambda w, g: w - 0.1 * g, p, grads)
+    step = data_parallel(mode, local_step)
+    report, _ = check(step, params, inputs(mode, rng))
+    assert any(p.kind == "loop" for p in report.plans)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_cond_checkpoint_and_custom_vjp(mode):
+    rng = np.random.default_rng(2)
+    params = init(rng, [16, 24, 8])
+
+    @jax.custom_vjp
+    def scale(v):
+        return v * 2.0
+    scale.defvjp(lambda v: (v * 2.0, None), lambda _, g: (g * 2.0,))
+
+    def loss_fn(p, x):
+        h = jax.checkpoint(lambda p, x: jnp.tanh(x @ p["w0"]))(p, x)
+        h = jax.lax.cond(jnp.sum(h) > 0, lambda h: h * 1.5, lambda h: h - 1.0, h)
+        return jnp.sum(scale(h @ p["w1"]) ** 2)
+    step = data_parallel(mode, sgd_step(loss_fn))
+    check(step, params, inputs(mode, rng))
+
+
+@pytest.mark.parametrize("mode", ["check_vma", "no_check_vma"])
+def test_forward_psum_batch_norm_like(mode):
+    rng = np.random.default_rng(3)
+    params = init(rng, [16, 16, 4])
+    def loss_fn(p, x):
+        h = x @ p["w0"]
+        mean = jax.lax.pmean(jnp.mean(h, axis=0), "x")       # forward psum (statistics)
+        h = jnp.tanh(h - mean)
+        return jnp.sum((h @ p["w1"]) ** 2)
+    step = data_parallel(mode, sgd_step(loss_fn))
+    report, _ = check(step, params, inputs(mode, rng))
+    kinds = {p.kind for p in report.plans}
+    assert "forward" in kinds and "gradient" in kinds
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_bf16_and_f32_gradients(mode):
+    rng = np.random.default_rng(4)
+    params = {"w0": (rng.standard_normal((16, 32)) * 0.3).astype(jnp.bfloat16),
+              "w1": (rng.standard_normal((32, 8)) * 0.3).astype(np.float32)}
+    step = data_parallel(mode, sgd_step(lambda p, x: jnp.sum(mlp(p, x) ** 2)))
+    report, hlo = check(step, params, inputs(mode, rng))
+    assert "bf16" in hlo
+
+
+def test_2d_mesh():
+    mesh = mesh_of((2, 4), ("a", "b"))
+    rng = np.random.default_rng(5)
+    params = init(rng, [8, 8, 4])
+    x = shard(rng.standard_normal((16, 8)).astype(np.float32), mesh, P(("a", "b")))
+    def body(p, x):
+        loss, g = jax.value_and_grad(lambda p: jnp.sum(mlp(p, x) ** 2))(p)
+        g = jax.lax.psum(g, ("a", "b"))
+        h = jax.lax.psum(g["w0"], "b")  # a second axis set: never fused with the first
+        return jax.lax.psum(loss, ("b", "a")), g, h
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(("a", "b"))),
+                                 out_specs=(P(), P(), P("a")), check_vma=False))
+    report, _ = check(step, params, x)
+    for plan in report.plans:
+        assert plan.axes in {("a", "b"), ("b",), ("b", "a")}
+
+
+def test_function_without_psum_is_unchanged():
+    f = jax.jit(lambda x: jnp.sin(x) * 2)
+    closed = jax.make_jaxpr(f)(jnp.ones(3))
+    new, report = rewrite_jaxpr(closed)
+    assert str(new) == str(closed) and not report.plans
+    assert_bitwise(optimize(f)(jnp.ones(3)), f(jnp.ones(3)))
+
+
+def test_explicit_blocks_kept_and_global_blocks():
+    mesh = mesh_of((8,), ("x",))
+    x = shard(np.ones((8, 64), np.float32), mesh, P("x"))
+    def body(v):
+        return libra_jax.psum(v * 2, "x", blocks=3), jax.lax.psum(v * 3, "x")
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=(P(), P())))
+    report, hlo = check(f, x)
+    assert {p.kind: p.blocks for p in report.plans}["user"] == 3
+    fixed = optimize(f, blocks=5)
+    jax.tree.map(assert_bitwise, jax.jit(fixed)(x), f(x))
+    blocks = {p.kind: p.blocks for p in fixed.last_report.plans}
+    assert blocks["user"] == 3 and blocks["gradient"] == 5
+
+
+def test_enabled_false_and_environment_switch(monkeypatch):
+    f = jax.jit(lambda x: x + 1)
+    assert optimize(f, enabled=False) is f
+    calls = []
+    def g(x):
+        calls.append(1)
+        return x * 2
+    opt = optimize(g)
+    monkeypatch.setenv("LIBRA_JAX_DISABLE", "1")
+    assert float(opt(jnp.float32(2))) == 4.0
+    assert opt.last_report is None  # nothing traced or planned
+    with pytest.raises(ValueError, match="blocks must be in"):
+        optimize(g, blocks=0)
+
+
+def test_decorator_form_and_cache():
+    @optimize(profile="cpu-host", fusion=False)
+    def f(x):
+        return jax.pmap(lambda v: jax.lax.psum(v * 2, "i"), axis_name="i")(x)
+    x = np.arange(8.0, dtype=np.float32)
+    np.testing.assert_array_equal(f(x), np.full(8, 56.0))
+    first = f.last_report
+    f(x)
+    assert f.last_report is first  # the same argument types reuse the rewritten program
+
+
+def test_unsupported_psum_left_with_warning():
+    x = np.arange(8.0, dtype=np.float32)
+    f = jax.pmap(lambda v: jax.lax.psum(v, "i", axis_index_groups=[[0, 1, 2, 3], [4, 5, 6, 7]]),
+                 axis_name="i")
+    with pytest.warns(UserWarning, match="axis_index_groups"):
+        out = optimize(f)(x)
+    assert_bitwise(out, f(x))
+
+
+PLAN_SCRIPT = textwrap.dedent("""
+    import os
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import PartitionSpec as P
+    from libra_jax.optimize import optimize
+    mesh = jax.make_mesh((8,), ("x",))
+    params = {f"w{i}": jnp.ones((32 + i, 32 + i + 1)) for i in range(12)}
+    def body(p, x):
+        def loss(p):
+            h = x[:, :32]
+            for i in range(12):
+                h = jnp.tanh(h @ p[f"w{i}"])
+            return jnp.sum(h)
+        return jax.grad(loss)(p)
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("x")), out_specs=P()))
+    opt = optimize(f)
+    x = jax.device_put(np.ones((64, 32), np.float32), jax.NamedSharding(mesh, P("x")))
+    jax.jit(opt).lower(params, x)
+    print(opt.last_report.plans)
+""")
+
+
+def test_plan_identical_in_two_fresh_processes():
+    outs = []
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed, "XLA_FLAGS": ""}
+        proc = subprocess.run([sys.executable, "-c", PLAN_SCRIPT], capture_output=True,
+                              text=True, timeout=300, env=env)
+        assert proc.returncode == 0, proc.stderr
+        outs.append(proc.stdout)
+    assert outs[0] == outs[1] and "PsumPlan" in outs[0]
