@@ -16,7 +16,7 @@ _LAZY = {
     "psum": "libra_jax.allreduce",
     "pmean": "libra_jax.allreduce",
     "MAX_BLOCKS": "libra_jax.allreduce",
-    "optimize": "libra_jax.optimize",
+    "optimize": "libra_jax.rewrite",
 }
 
 

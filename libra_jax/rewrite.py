@@ -1,4 +1,4 @@
-"""`@libra_jax.optimize`: rewrite a train step's psums into Libra all-reduces planned at trace time.
+"""`libra_jax.optimize`: rewrite a train step's psums into Libra all-reduces planned at trace time.
 
 Contract of the rewrite (`rewrite_jaxpr`):
 

@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import libra_jax
-from libra_jax.optimize import optimize, rewrite_jaxpr
+from libra_jax.rewrite import optimize, rewrite_jaxpr
 
 from conftest import assert_bitwise, mesh_of, shard
 
@@ -232,7 +232,7 @@ PLAN_SCRIPT = textwrap.dedent("""
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import PartitionSpec as P
-    from libra_jax.optimize import optimize
+    from libra_jax.rewrite import optimize
     mesh = jax.make_mesh((8,), ("x",))
     params = {f"w{i}": jnp.ones((32 + i, 32 + i + 1)) for i in range(12)}
     def body(p, x):
@@ -259,3 +259,9 @@ def test_plan_identical_in_two_fresh_processes():
         assert proc.returncode == 0, proc.stderr
         outs.append(proc.stdout)
     assert outs[0] == outs[1] and "PsumPlan" in outs[0]
+
+
+def test_public_name():
+    import libra_jax.rewrite  # noqa: F401 - importing the module must not shadow the function
+
+    assert libra_jax.optimize is optimize
