@@ -6,6 +6,8 @@ waiting also lets users choose the device count after importing libra_jax.
 """
 from __future__ import annotations
 
+import ctypes
+import os
 import threading
 
 import jax
@@ -19,6 +21,28 @@ MIN_CHUNK_BYTES: int = _libra_ffi.MIN_CHUNK_BYTES
 _lock = threading.Lock()
 _registered = False
 
+# Names a shared library to take the FFI types and targets from instead of the
+# pip-built module, e.g. Bazel's bazel-bin/libra_jax_ffi.so (docs/bazel.md).
+# The constants and helpers above and below still come from the module.
+FFI_LIBRARY_ENV = "LIBRA_JAX_FFI_LIBRARY"
+
+
+def _cpu_handlers() -> tuple[dict, dict]:
+    """FFI types and CPU targets (name -> capsules): the module's, or $LIBRA_JAX_FFI_LIBRARY's."""
+    path = os.environ.get(FFI_LIBRARY_ENV)
+    if not path:
+        return _libra_ffi.types(), _libra_ffi.registrations()
+    try:
+        lib = ctypes.CDLL(os.path.abspath(path))
+        type_id, type_info = lib.LibraCpuAllReduceSiteTypeId, lib.LibraCpuAllReduceSiteTypeInfo
+        instantiate, execute = lib.kCpuAllReduceInstantiate, lib.kCpuAllReduceExecute
+    except (OSError, AttributeError) as e:
+        raise RuntimeError(f"{FFI_LIBRARY_ENV}={path}: not a libra_jax FFI library: {e}") from e
+    type_id.restype = type_info.restype = ctypes.c_void_p
+    site = {"type_id": jax.ffi.pycapsule(type_id()), "type_info": jax.ffi.pycapsule(type_info())}
+    cpu = {"instantiate": jax.ffi.pycapsule(instantiate), "execute": jax.ffi.pycapsule(execute)}
+    return {"libra_allreduce_cpu_site": site}, {ALLREDUCE_CPU_TARGET: cpu}
+
 
 def ensure_registered() -> None:
     """Register the FFI types and targets with the CPU backend, once."""
@@ -27,9 +51,10 @@ def ensure_registered() -> None:
         if _registered:
             return
         jax.devices("cpu")  # The backend must exist before anything is registered.
-        for name, registration in _libra_ffi.types().items():
+        types, targets = _cpu_handlers()
+        for name, registration in types.items():
             jax.ffi.register_ffi_type(name, registration, platform="cpu")
-        for name, target in _libra_ffi.registrations().items():
+        for name, target in targets.items():
             jax.ffi.register_ffi_target(name, target, platform="cpu", api_version=1)
         _registered = True
 

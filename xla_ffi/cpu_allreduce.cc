@@ -136,3 +136,13 @@ const XLA_FFI_TypeInfo* CpuAllReduceSiteTypeInfo() {
 ffi::TypeId* CpuAllReduceSiteTypeId() { return &CpuAllReduceSite::id; }
 
 }  // namespace libra_ffi
+
+// The state type as C symbols, for a plain shared library loaded with ctypes
+// (the Bazel build; LIBRA_JAX_FFI_LIBRARY in libra_jax/_ffi.py).
+extern "C" XLA_FFI_TypeId* LibraCpuAllReduceSiteTypeId() {
+  return libra_ffi::CpuAllReduceSiteTypeId();
+}
+
+extern "C" const XLA_FFI_TypeInfo* LibraCpuAllReduceSiteTypeInfo() {
+  return libra_ffi::CpuAllReduceSiteTypeInfo();
+}
