@@ -32,9 +32,10 @@ __all__ = [
     "ClosedJaxpr", "Jaxpr", "Var", "jaxpr_as_fun", "closed_jaxpr", "jaxprs_in_params",
     "new_jaxpr_eqn", "mesh_axis_sizes", "Primitive", "Tracer", "ShapedArray", "ir", "hlo", "psum_p", "psum_invariant_p",
     "apply_primitive", "deflinear", "register_batcher", "register_lowering", "lower_fun",
-    "ir_constant", "check_vma_enabled", "auto_pcast_enabled", "varying_axes", "input_state",
+    "ir_constant", "ir_tensor_type",
+    "check_vma_enabled", "auto_pcast_enabled", "varying_axes", "input_state",
     "pvary", "skip_size_one_axes", "axis_is_bound", "manual_axes", "replica_groups",
-    "device_index", "is_traced_argument", "is_zero_cotangent", "zero_cotangent",
+    "mesh_devices", "ffi_target_registration", "device_index", "is_traced_argument", "is_zero_cotangent", "zero_cotangent",
     "jax_version",
 ]
 
@@ -85,6 +86,12 @@ def lower_fun(fun: Callable[..., Any], multiple_results: bool = False) -> Callab
 
 def ir_constant(value: np.ndarray) -> ir.Value:
     return _mlir.ir_constant(value)
+
+
+def ir_tensor_type(ctx: Any, shape: tuple, dtype: Any) -> ir.Type:
+    """The MLIR tensor type of an array of `shape` and `dtype` (in a lowering rule)."""
+    return _mlir.aval_to_ir_type(ctx.module_context,
+                                 _core.ShapedArray(tuple(shape), np.dtype(dtype)))
 
 
 # --- Varying manual axes (check_vma) ----------------------------------------
@@ -141,6 +148,32 @@ def replica_groups(ctx: Any, axes: tuple) -> tuple[tuple[int, ...], ...] | None:
     if axis_ctx.manual_axes != frozenset(axis_ctx.mesh.axis_names):
         return None  # Partially automatic shard_map: XLA's psum handles it.
     return tuple(tuple(int(d) for d in g) for g in _pxla.axis_groups(axis_ctx, axes))
+
+
+def mesh_devices(ctx: Any) -> tuple[Any, ...] | None:
+    """The devices of the SPMD mesh being lowered, indexed as `replica_groups`
+    numbers them (the mesh's flat order); None for an abstract mesh."""
+    axis_ctx = ctx.module_context.axis_context
+    if not isinstance(axis_ctx, SPMDAxisContext):
+        return None
+    mesh = axis_ctx.mesh
+    if not isinstance(mesh, jax.sharding.Mesh):
+        return None  # AbstractMesh: lowering without devices (e.g. for export).
+    return tuple(mesh.devices.flat)
+
+
+def ffi_target_registration(name: str, platform: str) -> str | None:
+    """How jaxlib holds FFI target `name` for `platform`: "pending" (queued until
+    that platform's backend starts), "handled" (the backend took it, or takes
+    registrations directly) or None (never registered)."""
+    from jax._src.lib import xla_client as _xc
+    xla_platform = _xc.xla_platform_names.get(platform, platform)
+    with _xc._custom_callback_lock:
+        if any(entry[0] == name for entry in _xc._custom_callback.get(xla_platform, [])):
+            return "pending"
+        if xla_platform in _xc._custom_callback_handler:
+            return "handled"
+    return None
 
 
 def device_index(ctx: Any) -> ir.Value:

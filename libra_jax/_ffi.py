@@ -62,3 +62,36 @@ def ensure_registered() -> None:
 def effective_blocks(count: int, itemsize: int, blocks: int) -> int:
     """Worker tasks the engine uses for `count` elements when `blocks` are asked for."""
     return int(_libra_ffi.effective_blocks(count, itemsize, blocks))
+
+
+# --- CUDA -------------------------------------------------------------------
+
+ALLREDUCE_CUDA_TARGET = "libra_allreduce_cuda"
+#: Whether the extension was built with the CUDA kernels (nvcc was found).
+HAS_CUDA: bool = bool(getattr(_libra_ffi, "HAS_CUDA", False))
+#: The largest replica group the CUDA kernels serve.
+CUDA_MAX_RANKS: int = int(getattr(_libra_ffi, "CUDA_MAX_RANKS", 8))
+
+_cuda_registered = False
+
+
+def ensure_cuda_registered() -> bool:
+    """Register the CUDA targets (platform "CUDA"), once; False without CUDA.
+
+    Targets (no FFI types) may be registered before the CUDA backend exists:
+    jax keeps them until the plugin starts."""
+    global _cuda_registered
+    with _lock:
+        if not _cuda_registered:
+            for name, target in _libra_ffi.cuda_registrations().items():
+                jax.ffi.register_ffi_target(name, target, platform="CUDA", api_version=1)
+            _cuda_registered = True
+    return HAS_CUDA
+
+
+def cuda_effective_blocks(nbytes: int, nranks: int, algorithm: int, blocks: int) -> int:
+    """Blocks the CUDA kernel launches for a call (algorithm: 0 auto, 1 one-shot,
+    2 two-shot), given this process's staging capacity."""
+    if not HAS_CUDA:
+        raise RuntimeError("libra_jax was built without CUDA")
+    return int(_libra_ffi.cuda_effective_blocks(nbytes, nranks, algorithm, blocks))

@@ -235,6 +235,86 @@ def _cpu_lowering(ctx: Any, x: Any, *, axes: tuple, blocks: int, inplace: bool,
                 timeout_ms=np.int64(round(_timeout_s() * 1000)))
 
 
+_CUDA_ALGORITHMS = {"auto": 0, "oneshot": 1, "twoshot": 2}
+_CUDA_DTYPES = frozenset(
+    np.dtype(d) for d in (np.float32, np.float64, jax.numpy.bfloat16, np.float16, np.int32))
+_CUDA_VECTOR_BYTES = 16
+
+
+def _cuda_lowering(ctx: Any, x: Any, *, axes: tuple, blocks: int, inplace: bool,
+                   invariant: bool) -> Any:
+    """The `libra_allreduce_cuda` custom call: libra's P2P kernels with `blocks`
+    thread blocks, among the GPUs of this process. Falls back to XLA's
+    all-reduce (with a one-time notice) for what the kernels do not serve."""
+    fallback = partial(_xla_lowering, ctx, x, axes=axes, blocks=blocks, inplace=inplace,
+                       invariant=invariant)
+    if not _ffi.HAS_CUDA:
+        return fallback(reason="cuda (libra_jax was built without CUDA)")
+    if os.environ.get("LIBRA_JAX_CUDA", "1").strip().lower() in ("0", "false", "off", "no"):
+        return fallback(reason="cuda (LIBRA_JAX_CUDA=0)")
+    algorithm = _cuda_algorithm()
+    groups = _compat.replica_groups(ctx, axes)
+    if groups is None:
+        return fallback(reason="cuda in a partially automatic shard_map")
+    world = len(groups[0])
+    if world > _ffi.CUDA_MAX_RANKS:
+        return fallback(reason=f"cuda groups of more than {_ffi.CUDA_MAX_RANKS} GPUs")
+    aval_in, = ctx.avals_in
+    dtype = np.dtype(aval_in.dtype)
+    if dtype not in _CUDA_DTYPES:
+        return fallback(reason=f"cuda {dtype.name}")
+    devices = _compat.mesh_devices(ctx)
+    if devices is None:
+        # An abstract mesh (lowering for export): device i of the mesh is taken
+        # to be CUDA device i of the process that runs it.
+        ordinals = list(range(1 + max(max(g) for g in groups)))
+    elif any(d.platform != "gpu" or d.process_index != jax.process_index() for d in devices):
+        if any(d.platform == "gpu" for d in devices):
+            return fallback(reason="cuda across processes")
+        ordinals = list(range(len(devices)))  # Lowering for cuda from a CPU mesh.
+    else:
+        ordinals = [int(d.local_hardware_id) for d in devices]
+    table = np.array([ordinals[d] for g in groups for d in g], np.int32)
+
+    count = math.prod(aval_in.shape)
+    if count == 0:
+        return [x]
+    nbytes = count * dtype.itemsize
+    pad = (-nbytes % _CUDA_VECTOR_BYTES) // dtype.itemsize  # kernels move 16-byte vectors
+    _ffi.ensure_cuda_registered()
+    operand, call_ctx, aliases = x, ctx, {0: 0} if inplace else {}
+    if pad:
+        flat = _compat.ShapedArray((count + pad,), dtype)
+        flat_type = _compat.ir_tensor_type(ctx, (count,), dtype)
+        operand = _compat.hlo.pad(
+            _compat.hlo.reshape(flat_type, x), _compat.ir_constant(np.zeros((), dtype)),
+            _compat.ir.DenseI64ArrayAttr.get([0]), _compat.ir.DenseI64ArrayAttr.get([pad]),
+            _compat.ir.DenseI64ArrayAttr.get([0]))
+        call_ctx = ctx.replace(avals_in=[flat], avals_out=[flat])
+        aliases = {0: 0}  # The padded copy is an intermediate.
+    rule = jax.ffi.ffi_lowering(_ffi.ALLREDUCE_CUDA_TARGET, operand_output_aliases=aliases)
+    result, = rule(call_ctx, operand,
+                   devices=table,
+                   world=np.int64(world),
+                   blocks=np.int64(blocks),
+                   algorithm=np.int64(algorithm),
+                   timeout_ms=np.int64(round(_timeout_s() * 1000)))
+    if pad:
+        result = _compat.hlo.slice(result, _compat.ir.DenseI64ArrayAttr.get([0]),
+                                   _compat.ir.DenseI64ArrayAttr.get([count]),
+                                   _compat.ir.DenseI64ArrayAttr.get([1]))
+        result = _compat.hlo.reshape(_compat.ir_tensor_type(ctx, aval_in.shape, dtype), result)
+    return [result]
+
+
+def _cuda_algorithm() -> int:
+    raw = os.environ.get("LIBRA_JAX_CUDA_ALGORITHM", "auto").strip().lower() or "auto"
+    if raw not in _CUDA_ALGORITHMS:
+        raise ValueError("LIBRA_JAX_CUDA_ALGORITHM must be one of "
+                         f"{', '.join(_CUDA_ALGORITHMS)}, got {raw!r}")
+    return _CUDA_ALGORITHMS[raw]
+
+
 def _xla_lowering(ctx: Any, x: Any, *, axes: tuple, blocks: int, inplace: bool,
                   invariant: bool, reason: str | None = None) -> Any:
     """XLA's own all-reduce, where the engine has no target; `blocks` is ignored."""
@@ -285,3 +365,4 @@ _compat.deflinear(libra_psum_p, _transpose)
 _compat.register_batcher(libra_psum_p, _batcher)
 _compat.register_lowering(libra_psum_p, _xla_lowering)
 _compat.register_lowering(libra_psum_p, _cpu_lowering, platform="cpu")
+_compat.register_lowering(libra_psum_p, _cuda_lowering, platform="cuda")

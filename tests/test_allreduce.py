@@ -439,17 +439,20 @@ def test_bad_timeout_setting(monkeypatch):
 
 
 def test_other_platform_lowers_to_xla_allreduce():
+    # TPU has no Libra all-reduce (CUDA has one: tests/test_cuda.py, which also
+    # checks the CUDA fallbacks).
     mesh = jax.sharding.AbstractMesh((8,), ("x",))
     f = jax.jit(jax.shard_map(lambda v: libra_jax.psum(v, "x", blocks=4), mesh=mesh,
                               in_specs=P("x"), out_specs=P()))
     try:
         traced = f.trace(jax.ShapeDtypeStruct((8, 4), np.float32,
                                               sharding=jax.NamedSharding(mesh, P("x"))))
-        with pytest.warns(UserWarning, match="no Libra all-reduce for cuda"):
-            text = traced.lower(lowering_platforms=("cuda",)).as_text()
+        with pytest.warns(UserWarning, match="no Libra all-reduce for tpu"):
+            text = traced.lower(lowering_platforms=("tpu",)).as_text()
     except (TypeError, AttributeError) as e:  # pragma: no cover - API differs by version
         pytest.skip(f"cross-platform lowering unavailable: {e}")
     assert "all_reduce" in text and "libra_allreduce" not in text
+    assert "blocks" not in text  # XLA's all-reduce has no block count
 
 
 TIMEOUT_SCRIPT = textwrap.dedent("""

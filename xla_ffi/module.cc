@@ -34,6 +34,16 @@ nb::dict Registrations() {
   return registrations;
 }
 
+// The CUDA targets (platform "CUDA"); empty in a build without nvcc. Exported
+// from here so that the linker keeps the handlers.
+nb::dict CudaRegistrations() {
+  nb::dict registrations;
+#ifdef LIBRA_WITH_CUDA
+  registrations["libra_allreduce_cuda"] = EncapsulateFfiHandler(libra_ffi::kCudaAllReduce);
+#endif
+  return registrations;
+}
+
 nb::dict Types() {
   nb::dict site;
   site["type_id"] = nb::capsule(reinterpret_cast<void*>(libra_ffi::CpuAllReduceSiteTypeId()));
@@ -71,6 +81,18 @@ NB_MODULE(_libra_ffi, m) {
   m.doc() = "XLA FFI handlers of libra_jax and the engine's constants.";
   m.def("registrations", &Registrations, "FFI targets: name -> {stage: capsule}.");
   m.def("types", &Types, "FFI types: name -> {'type_id', 'type_info'} capsules.");
+  m.def("cuda_registrations", &CudaRegistrations,
+        "CUDA FFI targets: name -> capsule ({} without CUDA).");
+#ifdef LIBRA_WITH_CUDA
+  m.attr("HAS_CUDA") = true;
+  m.attr("CUDA_MAX_RANKS") = libra_ffi::kCudaMaxRanks;
+  m.def("cuda_effective_blocks", &libra_ffi::CudaEffectiveBlocks, nb::arg("bytes"),
+        nb::arg("nranks"), nb::arg("algorithm"), nb::arg("blocks"),
+        "Blocks the CUDA kernel launches for a call (algorithm: 0 auto, 1 one-shot, "
+        "2 two-shot), with this process's staging capacity.");
+#else
+  m.attr("HAS_CUDA") = false;
+#endif
   m.attr("MAX_BLOCKS") = libra::kMaxBlocks;
   m.attr("MIN_CHUNK_BYTES") = libra::kMinChunkBytes;
   m.def("effective_blocks",

@@ -1,0 +1,356 @@
+"""Tests of the CUDA all-reduce: handlers, registration and the cuda lowering
+(on any machine), and the kernels through JAX on GPUs (skipped without one)."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import libra_jax
+from libra_jax import _compat, _ffi, _libra_ffi, allreduce
+
+from conftest import _jax
+
+pytestmark = pytest.mark.usefixtures("jax_8")
+
+needs_cuda_build = pytest.mark.skipif(not _ffi.HAS_CUDA,
+                                      reason="libra_jax built without CUDA (no nvcc)")
+
+CUDA_TARGET = "libra_allreduce_cuda"
+
+
+def _gpus() -> list:
+    _jax()  # 8 CPU devices first: listing GPUs starts the backends
+    try:
+        return jax.devices("cuda")
+    except Exception:  # noqa: BLE001 - no CUDA backend (RuntimeError, or a plugin error)
+        return []
+
+
+GPUS = _gpus()
+needs_gpu = pytest.mark.skipif(not (GPUS and _ffi.HAS_CUDA), reason="needs a CUDA GPU")
+needs_2_gpus = pytest.mark.skipif(not (len(GPUS) >= 2 and _ffi.HAS_CUDA),
+                                  reason="needs 2 CUDA GPUs")
+
+
+@pytest.fixture
+def fresh_warnings(monkeypatch):
+    """Forget the one-time notices, so each test sees its own."""
+    monkeypatch.setattr(allreduce, "_warned", set())
+
+
+def lower_for_cuda(body, shape=(8, 4), dtype=np.float32, mesh_shape=(8,), names=("x",),
+                   in_spec=P("x"), out_spec=P(), check_vma=True) -> str:
+    mesh = jax.sharding.AbstractMesh(mesh_shape, names)
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_spec, out_specs=out_spec,
+                              check_vma=check_vma))
+    traced = f.trace(jax.ShapeDtypeStruct(shape, dtype,
+                                          sharding=jax.NamedSharding(mesh, in_spec)))
+    return traced.lower(lowering_platforms=("cuda",)).as_text()
+
+
+def custom_calls(text: str) -> list[str]:
+    return [line for line in text.splitlines() if f"custom_call @{CUDA_TARGET}" in line]
+
+
+def attr(line: str, name: str) -> str:
+    m = re.search(rf"{name} = (dense<[^>]*>|[-\w]+)", line)
+    assert m, (name, line)
+    return m.group(1)
+
+
+# --- Build and registration (any machine) ------------------------------------
+
+def test_module_reports_cuda_build():
+    regs = _libra_ffi.cuda_registrations()
+    if _ffi.HAS_CUDA:
+        assert set(regs) == {CUDA_TARGET}
+        assert type(regs[CUDA_TARGET]).__name__ == "PyCapsule"
+        assert _libra_ffi.CUDA_MAX_RANKS == _ffi.CUDA_MAX_RANKS == 8
+    else:
+        assert regs == {}
+
+
+@needs_cuda_build
+def test_cuda_target_registers_with_jax_for_cuda():
+    assert _ffi.ensure_cuda_registered()
+    assert _ffi.ensure_cuda_registered()  # idempotent
+    state = _compat.ffi_target_registration(CUDA_TARGET, "CUDA")
+    # Without a GPU backend jax queues the target for the CUDA platform.
+    assert state in ("pending", "handled"), state
+    if not GPUS:
+        assert state == "pending"
+
+
+@needs_cuda_build
+def test_effective_blocks(monkeypatch):
+    monkeypatch.setenv("LIBRA_JAX_CUDA_STAGING_MIB", "32")
+    eff = _ffi.cuda_effective_blocks
+    assert eff(16, 2, 1, 64) == 1                   # one vector
+    assert eff(64 << 10, 2, 1, 64) == 8             # 4096 vectors = 8 tiles of 512
+    assert eff(1 << 30, 8, 2, 64) == 64
+    assert eff(1 << 30, 8, 0, 7) == 7
+    assert eff(64 << 10, 8, 2, 64) == 1             # two-shot: 512 vectors per rank
+    monkeypatch.setenv("LIBRA_JAX_CUDA_STAGING_MIB", "1")  # 65536 vectors per round
+    assert eff(1 << 30, 8, 2, 64) == 16
+    assert eff(1 << 30, 2, 1, 64) == 64
+
+
+# --- The cuda lowering, from this machine ------------------------------------
+
+@needs_cuda_build
+@pytest.mark.parametrize("blocks", [1, 7, 64])
+def test_cuda_lowering_has_custom_call_with_block_count(blocks):
+    text = lower_for_cuda(lambda v: libra_jax.psum(v * 2.0, "x", blocks=blocks))
+    calls = custom_calls(text)
+    assert len(calls) == 1, text
+    assert attr(calls[0], "blocks") == str(blocks)
+    assert attr(calls[0], "world") == "8"
+    assert attr(calls[0], "devices") == "dense<[0, 1, 2, 3, 4, 5, 6, 7]>"
+    assert attr(calls[0], "algorithm") == "0"
+    assert "output_operand_alias" in calls[0]  # an intermediate: in place
+    assert "all_reduce" not in text
+
+
+@needs_cuda_build
+def test_cuda_lowering_groups_of_a_2d_mesh():
+    text = lower_for_cuda(lambda v: libra_jax.psum(v, "b", blocks=3), mesh_shape=(2, 4),
+                          names=("a", "b"), in_spec=P(("a", "b")), out_spec=P("a"))
+    call, = custom_calls(text)
+    assert attr(call, "world") == "4"
+    assert attr(call, "devices") == "dense<[0, 1, 2, 3, 4, 5, 6, 7]>"
+    text = lower_for_cuda(lambda v: libra_jax.psum(v, "a", blocks=3), mesh_shape=(2, 4),
+                          names=("a", "b"), in_spec=P(("a", "b")), out_spec=P("b"))
+    call, = custom_calls(text)
+    assert attr(call, "world") == "2"
+    assert attr(call, "devices") == "dense<[0, 4, 1, 5, 2, 6, 3, 7]>"
+
+
+@needs_cuda_build
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16, np.float16, np.int32],
+                         ids=lambda d: np.dtype(d).name)
+def test_cuda_lowering_pads_to_16_bytes(dtype):
+    text = lower_for_cuda(lambda v: libra_jax.psum(v, "x", blocks=2), shape=(8, 3), dtype=dtype)
+    call, = custom_calls(text)
+    itemsize = np.dtype(dtype).itemsize
+    padded = -(-3 * itemsize // 16) * 16 // itemsize
+    assert f"tensor<{padded}x" in call
+    assert "stablehlo.pad" in text and "stablehlo.slice" in text
+
+
+@needs_cuda_build
+def test_cuda_lowering_no_padding_when_aligned():
+    text = lower_for_cuda(lambda v: libra_jax.psum(v, "x", blocks=2), shape=(8, 4))
+    assert "stablehlo.pad" not in text
+    call, = custom_calls(text)
+    assert "output_operand_alias" not in call  # an argument: not overwritten
+
+
+@needs_cuda_build
+@pytest.mark.parametrize("name,code", [("oneshot", 1), ("twoshot", 2), ("auto", 0)])
+def test_cuda_algorithm_setting(monkeypatch, name, code):
+    monkeypatch.setenv("LIBRA_JAX_CUDA_ALGORITHM", name)
+    call, = custom_calls(lower_for_cuda(lambda v: libra_jax.psum(v * 1.0, "x", blocks=4)))
+    assert attr(call, "algorithm") == str(code)
+
+
+@needs_cuda_build
+def test_cuda_bad_algorithm_setting(monkeypatch):
+    monkeypatch.setenv("LIBRA_JAX_CUDA_ALGORITHM", "threeshot")
+    with pytest.raises(ValueError, match="LIBRA_JAX_CUDA_ALGORITHM"):
+        lower_for_cuda(lambda v: libra_jax.psum(v * 1.0, "x", blocks=4))
+
+
+@needs_cuda_build
+def test_cuda_lowering_of_grad_and_several_block_counts():
+    def body(v):
+        a = libra_jax.psum(v * 2.0, "x", blocks=3)
+        b = libra_jax.psum(v * 3.0, "x", blocks=17)
+        g = jax.grad(lambda u: libra_jax.psum(u * u, "x", blocks=5).sum())(v)
+        return a + b + g
+    calls = custom_calls(lower_for_cuda(body, out_spec=P("x"), check_vma=False))
+    # grad keeps only the transposed psum (the forward value is unused).
+    assert sorted(int(attr(c, "blocks")) for c in calls) == [3, 5, 17]
+
+
+@needs_cuda_build
+def test_cuda_export_with_disabled_custom_call_check():
+    mesh = jax.sharding.AbstractMesh((8,), ("x",))
+    f = jax.jit(jax.shard_map(lambda v: libra_jax.psum(v * 2.0, "x", blocks=9), mesh=mesh,
+                              in_specs=P("x"), out_specs=P()))
+    arg = jax.ShapeDtypeStruct((8, 4), np.float32, sharding=jax.NamedSharding(mesh, P("x")))
+    checks = [jax.export.DisabledSafetyCheck.custom_call(CUDA_TARGET)]
+    exported = jax.export.export(f, platforms=["cuda"], disabled_checks=checks)(arg)
+    call, = custom_calls(exported.mlir_module())
+    assert attr(call, "blocks") == "9"
+    with pytest.raises(ValueError, match=CUDA_TARGET):
+        jax.export.export(f, platforms=["cuda"])(arg)  # not on the stable list
+
+
+# --- Fallbacks to XLA's all-reduce --------------------------------------------
+
+def _assert_xla_fallback(text):
+    assert "all_reduce" in text and CUDA_TARGET not in text
+
+
+def test_cuda_fallback_without_cuda_build(monkeypatch, fresh_warnings):
+    monkeypatch.setattr(_ffi, "HAS_CUDA", False)
+    with pytest.warns(UserWarning, match=r"no Libra all-reduce for cuda \(libra_jax was built "
+                                         r"without CUDA\)"):
+        _assert_xla_fallback(lower_for_cuda(lambda v: libra_jax.psum(v, "x", blocks=4)))
+
+
+@needs_cuda_build
+def test_cuda_fallback_when_switched_off(monkeypatch, fresh_warnings):
+    monkeypatch.setenv("LIBRA_JAX_CUDA", "0")
+    with pytest.warns(UserWarning, match=r"LIBRA_JAX_CUDA=0"):
+        _assert_xla_fallback(lower_for_cuda(lambda v: libra_jax.psum(v, "x", blocks=4)))
+
+
+@needs_cuda_build
+def test_cuda_fallback_for_more_than_8_gpus(fresh_warnings):
+    with pytest.warns(UserWarning, match="more than 8 GPUs"):
+        _assert_xla_fallback(lower_for_cuda(lambda v: libra_jax.psum(v, "x", blocks=4),
+                                            shape=(16, 4), mesh_shape=(16,)))
+
+
+@needs_cuda_build
+def test_cuda_fallback_for_s64(fresh_warnings):
+    with jax.enable_x64(True):
+        with pytest.warns(UserWarning, match="no Libra all-reduce for cuda int64"):
+            _assert_xla_fallback(lower_for_cuda(lambda v: libra_jax.psum(v, "x", blocks=4),
+                                                dtype=np.int64))
+
+
+# --- On GPUs -------------------------------------------------------------------
+
+def _gpu_mesh(n):
+    return jax.sharding.Mesh(np.array(GPUS[:n]), ("x",))
+
+
+def _reference(x, n):
+    return np.asarray(x, np.float64).reshape(n, -1, *x.shape[1:]).sum(0)
+
+
+def _tolerance(dtype, x, n):
+    a = np.abs(np.asarray(x, np.float64)).reshape(n, -1, *x.shape[1:]).sum(0)
+    if dtype == np.float64:
+        return n * 2.0 ** -52 * a
+    rel = {np.dtype(jnp.bfloat16): 2.0 ** -8, np.dtype(np.float16): 2.0 ** -11}.get(
+        np.dtype(dtype), 0.0)
+    return n * 2.0 ** -23 * a + rel * np.abs(_reference(x, n)) + 1e-30
+
+
+def _random(rng, shape, dtype):
+    if np.issubdtype(np.dtype(dtype), np.integer):
+        return rng.integers(-2 ** 20, 2 ** 20, size=shape, dtype=np.int32)
+    return (rng.standard_normal(shape) * np.exp(rng.uniform(-4, 2, size=shape))).astype(dtype)
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16, np.float16, np.float64, np.int32],
+                         ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("count", [1, 7, 4096, 3 * (1 << 20) + 5])
+def test_gpu_single_rank_custom_call(dtype, count):
+    """One GPU: a 1-rank team (the front end skips size-1 axes, so bind the
+    primitive). Exercises registration, the team, padding, several rounds
+    (LIBRA_JAX_CUDA_STAGING_MIB), and the kernel's copy-through."""
+    if dtype == np.float64 and jnp.zeros(1, np.float64).dtype != np.float64:
+        pytest.skip("float64 needs jax_enable_x64")
+    mesh = _gpu_mesh(1)
+    x = _random(np.random.default_rng(count), (count,), dtype)
+
+    def body(v):
+        a = allreduce.libra_psum_p.bind(v, axes=("x",), blocks=7, inplace=False,
+                                        invariant=False)
+        b = allreduce.libra_psum_p.bind(v * 1, axes=("x",), blocks=64, inplace=True,
+                                        invariant=False)
+        return a, b
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=(P(), P()),
+                              check_vma=False))
+    hlo = f.lower(x).compile().as_text()
+    assert CUDA_TARGET in hlo
+    a, b = f(x)
+    np.testing.assert_array_equal(np.asarray(a), x)
+    np.testing.assert_array_equal(np.asarray(b), x)
+
+
+@needs_2_gpus
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16, np.float16, np.int32],
+                         ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("algorithm", ["oneshot", "twoshot"])
+def test_gpu_psum_matches_float64_reference(monkeypatch, dtype, algorithm):
+    monkeypatch.setenv("LIBRA_JAX_CUDA_ALGORITHM", algorithm)
+    n = min(len(GPUS), 8)
+    mesh = _gpu_mesh(n)
+    x = _random(np.random.default_rng(0), (n * 1000 + 0, 37), dtype)
+    outs = []
+    for blocks in (1, 5, 64):
+        f = jax.jit(jax.shard_map(lambda v: libra_jax.psum(v, "x", blocks=blocks), mesh=mesh,
+                                  in_specs=P("x"), out_specs=P("x"), check_vma=False))
+        assert CUDA_TARGET in f.lower(x).as_text()
+        out = np.asarray(f(x)).reshape(n, -1, 37)
+        for r in range(1, n):  # every rank bitwise identical
+            assert out[r].tobytes() == out[0].tobytes()
+        err = np.abs(out[0].astype(np.float64) - _reference(x, n))
+        assert np.all(err <= _tolerance(dtype, x, n)), err.max()
+        outs.append(out[0])
+    for o in outs[1:]:  # independent of the block count
+        assert o.tobytes() == outs[0].tobytes()
+
+
+@needs_2_gpus
+def test_gpu_data_parallel_grad_step():
+    n = min(len(GPUS), 8)
+    mesh = _gpu_mesh(n)
+    w = np.random.default_rng(1).standard_normal((64, 64)).astype(np.float32)
+    batch = np.random.default_rng(2).standard_normal((n * 8, 64)).astype(np.float32)
+
+    def step(lib):
+        def body(w, b):
+            g = jax.grad(lambda w: jnp.mean(jnp.tanh(b @ w) ** 2))(w)
+            return (libra_jax.pmean(g, "x", blocks=8) if lib else jax.lax.pmean(g, "x"))
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("x")), out_specs=P()))
+    np.testing.assert_allclose(np.asarray(step(True)(w, batch)),
+                               np.asarray(step(False)(w, batch)), rtol=1e-5, atol=1e-6)
+
+
+GPU_TIMEOUT_SCRIPT = textwrap.dedent("""
+    import os, time
+    os.environ["LIBRA_JAX_TIMEOUT_S"] = "0.5"
+    import jax, numpy as np
+    from jax.sharding import PartitionSpec as P
+    import libra_jax
+    gpus = jax.devices("cuda")[:2]
+    mesh = jax.sharding.Mesh(np.array(gpus), ("x",))
+    def body(v):
+        i = jax.lax.axis_index("x")  # rank 1 never arrives
+        return jax.lax.cond(i == 1, lambda u: u, lambda u: libra_jax.psum(u, "x"), v)
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"),
+                              check_vma=False))
+    x = np.ones((2, 1024), np.float32)
+    for attempt in range(3):
+        try:
+            np.asarray(f(x))
+            print("call", attempt, "ok")
+        except Exception as e:
+            print("call", attempt, type(e).__name__, str(e).splitlines()[0][:300])
+""")
+
+
+@needs_2_gpus
+def test_gpu_timeout_is_reported_at_the_next_call():
+    proc = subprocess.run([sys.executable, "-c", GPU_TIMEOUT_SCRIPT], capture_output=True,
+                          text=True, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert "timed out waiting for rank 1" in out, out[-3000:]
+    assert "DEADLINE_EXCEEDED" in out or "DeadlineExceeded" in out or "deadline" in out.lower()

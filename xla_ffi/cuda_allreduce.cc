@@ -1,0 +1,174 @@
+// XLA FFI handler: the CUDA all-reduce custom call (platform "CUDA") over the
+// libra CUDA kernels (cpp/libra/cuda).
+//
+// One handler serves every device of a single-process, multi-GPU program.
+// It knows its GPU from `DeviceOrdinal` and finds its rank and team in the
+// `devices` attribute: the CUDA ordinals of every replica group, group after
+// group, each in rank order (XLA's order). Teams are created on first use,
+// once per process and set of GPUs (staging memory, flags and the peers'
+// pointers, with peer access enabled), by whichever member gets there first:
+// no host rendezvous, then or later. A call only launches one kernel on XLA's
+// stream, whose round counters live on the GPU, so the handler is safe to
+// capture in a CUDA graph (kCmdBufferCompatible).
+//
+// A kernel that timed out waiting for a peer leaves a record in host-mapped
+// memory; the next call on that team returns it as DEADLINE_EXCEEDED and the
+// team is replaced by a fresh one (the old memory is leaked: kernels may still
+// hold it).
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "libra/cuda/allreduce.h"
+#include "xla_ffi/handlers.h"
+
+namespace libra_ffi {
+namespace {
+
+namespace lc = libra::cuda;
+
+struct TeamRegistry {
+  std::mutex mu;
+  std::map<std::vector<int>, std::shared_ptr<lc::Team>> teams;
+};
+
+TeamRegistry& Registry() {
+  static TeamRegistry* registry = new TeamRegistry();  // never destroyed (XLA threads)
+  return *registry;
+}
+
+// LIBRA_JAX_CUDA_STAGING_MIB: staging capacity per round (default 32 MiB).
+std::size_t CapacityBytes() {
+  const char* raw = std::getenv("LIBRA_JAX_CUDA_STAGING_MIB");
+  if (raw != nullptr && *raw != '\0') {
+    char* end = nullptr;
+    const double mib = std::strtod(raw, &end);
+    if (end != raw && mib > 0) return static_cast<std::size_t>(mib * (1 << 20));
+  }
+  return lc::kDefaultCapacityBytes;
+}
+
+ffi::ErrorOr<lc::DType> ToCudaDType(ffi::DataType dtype) {
+  switch (dtype) {
+    case ffi::DataType::F32: return lc::DType::kF32;
+    case ffi::DataType::F64: return lc::DType::kF64;
+    case ffi::DataType::BF16: return lc::DType::kBF16;
+    case ffi::DataType::F16: return lc::DType::kF16;
+    case ffi::DataType::S32: return lc::DType::kS32;
+    default:
+      return ffi::Unexpected(ffi::Error::InvalidArgument(
+          "libra_jax CUDA all-reduce: unsupported element type " +
+          std::to_string(static_cast<int>(dtype))));
+  }
+}
+
+std::string Join(const std::vector<int>& v) {
+  std::string s = "[";
+  for (std::size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
+  return s + "]";
+}
+
+ffi::Error Execute(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+                   ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int32_t> devices,
+                   int64_t world, int64_t blocks, int64_t algorithm, int64_t timeout_ms) {
+  ffi::ErrorOr<lc::DType> dtype = ToCudaDType(x.element_type());
+  if (!dtype.has_value()) return dtype.error();
+  if (out->element_type() != x.element_type() || out->size_bytes() != x.size_bytes()) {
+    return ffi::Error::InvalidArgument(
+        "libra_jax CUDA all-reduce: output must match the input's type and size");
+  }
+  if (world < 1 || world > lc::kMaxRanks || devices.size() % world != 0) {
+    return ffi::Error::InvalidArgument("libra_jax CUDA all-reduce: bad device table");
+  }
+  if (algorithm < 0 || algorithm > 2) {
+    return ffi::Error::InvalidArgument("libra_jax CUDA all-reduce: bad algorithm");
+  }
+  // This GPU's rank and team.
+  std::size_t index = devices.size();
+  for (std::size_t i = 0; i < devices.size(); ++i) {
+    if (devices[i] == device) {
+      index = i;
+      break;
+    }
+  }
+  if (index == devices.size()) {
+    return ffi::Error::InvalidArgument("libra_jax CUDA all-reduce: GPU " + std::to_string(device) +
+                                       " is not in the call's device table");
+  }
+  const std::size_t w = static_cast<std::size_t>(world);
+  const int rank = static_cast<int>(index % w);
+  const std::size_t first = index - index % w;
+  std::vector<int> members(devices.begin() + first, devices.begin() + first + w);
+
+  std::shared_ptr<lc::Team> team;
+  {
+    TeamRegistry& registry = Registry();
+    std::lock_guard<std::mutex> lock(registry.mu);
+    auto it = registry.teams.find(members);
+    if (it != registry.teams.end()) {
+      team = it->second;
+      const std::string timeout = team->TakeError();
+      if (!timeout.empty()) {
+        team->Abandon();
+        registry.teams.erase(it);
+        return ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
+                          "libra_jax CUDA all-reduce over GPUs " + Join(members) +
+                              ": an earlier call failed: " + timeout +
+                              " (LIBRA_JAX_TIMEOUT_S); the team was reset");
+      }
+    } else {
+      std::unique_ptr<lc::Team> created;
+      std::string message;
+      if (lc::Team::Create(members, CapacityBytes(), &created, &message) != cudaSuccess) {
+        return ffi::Error::Internal("libra_jax CUDA all-reduce over GPUs " + Join(members) +
+                                    ": " + message);
+      }
+      team = std::move(created);
+      registry.teams.emplace(members, team);
+    }
+  }
+
+  lc::CallArgs call;
+  call.dtype = *dtype;
+  call.input = x.untyped_data();
+  call.output = out->untyped_data();
+  call.bytes = x.size_bytes();
+  call.blocks = static_cast<int>(blocks);
+  call.algorithm = static_cast<lc::Algorithm>(algorithm);
+  call.timeout_ns = timeout_ms > 0 ? static_cast<uint64_t>(timeout_ms) * 1000000u : 0;
+  std::string message;
+  if (lc::LaunchAllReduce(team->View(rank), call, stream, &message) != cudaSuccess) {
+    return ffi::Error::Internal("libra_jax CUDA all-reduce: " + message);
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaAllReduce, Execute,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<ffi::Span<const int32_t>>("devices")
+                                  .Attr<int64_t>("world")
+                                  .Attr<int64_t>("blocks")
+                                  .Attr<int64_t>("algorithm")
+                                  .Attr<int64_t>("timeout_ms"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+int CudaEffectiveBlocks(std::size_t bytes, int nranks, int algorithm, int blocks) {
+  return lc::EffectiveBlocks(bytes, nranks, static_cast<lc::Algorithm>(algorithm), blocks,
+                             CapacityBytes());
+}
+
+}  // namespace libra_ffi
+
+static_assert(libra_ffi::kCudaMaxRanks == libra::cuda::kMaxRanks);
