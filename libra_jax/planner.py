@@ -22,57 +22,84 @@ collective ends and the compute *progress* ``P`` reached by then (seconds of ful
 
 Algorithm (:func:`plan`)
 ------------------------
-A forward dynamic program over bucket boundaries (layer indices 0..L; with a fixed grouping
-only the grouping's boundaries). For each boundary it keeps the Pareto front of reachable
-states ``(T, P)``: lower ``T`` and higher ``P`` are better. Boundary ``t`` pulls candidates from
-every live state at an earlier boundary (with fusion) or at the previous one (fixed grouping),
-times every allocation, evaluated in one vectorised numpy expression. Four reductions keep it
-small, none of which loses the optimum:
+A forward dynamic program over bucket boundaries: every layer boundary, or with a fixed grouping
+the grouping's boundaries, or with fusion and more than ``ATOMS`` layers the boundaries of about
+``ATOMS`` pre-fused groups of consecutive layers (a group's share of compute plus its share of
+bytes stays under ``2/ATOMS`` unless it is a single layer, so no cut moves by more than that).
+Boundary ``t`` keeps a small set of states ``(T, P)`` and builds it from the states of earlier
+boundaries (with fusion: all of them; fixed grouping: the previous one) times every allocation,
+in one vectorised numpy expression per boundary. Rules, in the order they are applied:
 
 * *Normalisation.* No collective can start before the next bucket's earliest ready progress
-  ``R``, so compute runs at full speed up to it: a state with ``P < R`` is replaced by
-  ``(T + R - P, R)``. States whose collectives all finished in time collapse to one point.
-* *Pareto dominance.* ``(T, P)`` dominates ``(T', P')`` if ``T <= T'`` and ``P >= P'``.
-* *Compute finished.* Once ``P = C`` every remaining layer is ready and no contention is
-  left, so the rest is closed form: one bucket with the best ``solo_bw`` (with fusion), or each
-  remaining group at the best ``solo_bw`` (fixed grouping). Such states are finished at once.
-* *Branch and bound.* The best complete plan seen so far (initially the uniform-allocation
-  plans) is an upper bound ``U``. A state is dropped when a lower bound on any completion,
-  ``T + max(C - P, latency + remaining bytes / best bandwidth)``, exceeds ``U``; a live state at
-  boundary ``l`` stops feeding later boundaries ``t`` once ``T + (R_t - P) + remaining bytes /
-  best bandwidth > U`` (``R_t`` only grows with ``t``, so the state is dropped for good).
+  ``R``, so a state with ``P < R`` is replaced by ``(T + R - P, R)``; states whose collectives
+  all finished in time collapse to one point per boundary.
+* *Idle sources.* A state with ``P <= R_t`` starts the bucket ending at ``t`` at its ready time
+  ``T + R_t - P``: the state only contributes its lag ``T - P``. Per source boundary only the
+  least-lag such state is expanded; a boundary whose states are all idle for every later target
+  is collapsed to that single state (``R_t`` only grows with ``t``).
+* *Compute finished.* Once ``P = C`` every remaining layer is ready and contention is over, so
+  the rest is closed form: one bucket at the best ``solo_bw`` (with fusion), or each remaining
+  group at the best ``solo_bw``. Such states become complete plans at once.
+* *Branch and bound.* The best complete plan so far (initially the uniform allocations and the
+  MG-WFBP and Horovod baselines) bounds the answer by ``U``; a state is dropped when
+  ``T + max(C - P, latency + bytes left / best bandwidth) > U``, and a source boundary stops
+  feeding later targets once ``T + (R_t - P) + bytes left / best bandwidth > U`` for all its
+  states.
+* *Dominance.* ``(T, P)`` dominates ``(T', P')`` if ``T <= T'`` and ``P >= P'`` (Pareto), and
+  also if ``P < P'`` but ``T + lam (P' - P) <= T'`` (Lipschitz rule below).
+* *Cap.* If more than ``FRONT_CAP`` states survive at a boundary, their progress range is cut
+  into ``FRONT_CAP`` equal cells and only the most advanced state of each cell is kept.
 
-Optimality. If ``solo_bw[k] >= overlap_bw[k]`` for every ``k`` (contention never speeds a
-collective up; true of every physical profile), the collective map is monotone: from a start
-with ``S <= S'`` and ``pi >= pi'`` it yields ``E <= E'`` (the duration ``d(pi)`` is
-non-increasing in the start progress: more compute done means more bytes at the solo rate) and
-``Q >= Q'`` (``pi + d(pi)/slowdown`` has slope ``overlap_bw/solo_bw >= 0`` or 1 in ``pi``). The
-start rule ``S = T + max(0, R - P)``, ``pi = max(P, R)`` preserves the order as well, and the
-final time ``T + (C - P)`` is monotone, so a dominated state never leads to a strictly better
-plan than its dominator and the program returns an optimal plan (up to float rounding). The
-bounds are valid lower bounds and the time-shift invariance (a state ``(T + x, P)`` evolves
-exactly like ``(T, P)`` delayed by ``x``) justifies normalisation. If some ``k`` has
-``overlap_bw[k] > solo_bw[k]`` the dominance rule is a heuristic; the planner then also
-scores the baselines (uniform allocations, MG-WFBP, Horovod-style buckets) and returns the best
-plan it has seen, so it is never worse than those.
+Optimality and error bound
+--------------------------
+Assume ``solo_bw[k] >= overlap_bw[k]`` for every ``k`` (contention never speeds a collective up;
+true of every physical profile). Then one collective is monotone: a start with ``S <= S'`` and
+progress ``pi >= pi'`` ends with ``E <= E'`` (its duration is non-increasing in ``pi``: more
+compute done, more bytes at the solo rate) and ``Q >= Q'`` (``pi + d(pi)/slowdown`` has slope
+``overlap_bw/solo_bw`` or 1 in ``pi``). The start rule ``S = T + max(0, R - P)``,
+``pi = max(P, R)`` and the final time ``T + C - P`` preserve the order, so Pareto dominance is
+exact. Time-shift invariance (``(T + x, P)`` evolves exactly like ``(T, P)`` delayed by ``x``)
+makes the value of a state ``T + U_t(P)``, which justifies normalisation and idle sources.
+Differentiating along a fixed decision sequence, the sensitivity of the final time to ``P`` is
+``-1`` until an idle start or the end, ``-slowdown (1 - overlap_bw/solo_bw)`` for the one
+collective during which compute ends, and 0 after either, so ``U_t`` is non-increasing and
+``lam``-Lipschitz with ``lam = max(1, max_k slowdown[k] (1 - overlap_bw[k] / solo_bw[k]))``: the
+Lipschitz rule is exact too. Bounds are valid lower bounds. So **without pre-fusion and while
+the cap does not bind, plan is optimal** (up to float rounding). On the instances the tests
+compare with :func:`plan_exhaustive` (up to 8 layers, 4 options) fronts hold about ten states at
+most, far below the cap. The
+cap loses at most ``lam * cell width`` at each boundary where it binds (keeping the most
+advanced state of a cell costs at most ``lam`` per second of progress given up), so the
+returned time exceeds the optimum over the allowed boundaries by at most the sum of those
+losses (``_search`` returns that sum; it is a worst case and loose on long plans). Pre-fusion has
+no such certificate; measured gaps are in ``benchmarks/results/planner_quality.md``. If some
+``k`` has ``overlap_bw > solo_bw`` the dominance rules are heuristics (``lam`` is not used).
+In every case the planner also scores the uniform allocations and, with fusion, one bucket,
+MG-WFBP and Horovod-style buckets (64 and 128 MiB) at every allocation, and returns the best plan
+it has seen, so it is never worse than those.
 
-Ties. Plans whose backward times are within ``TIE_RTOL`` (relative) are equal; among them the
-planner prefers fewer blocks (the sum of ``blocks`` over buckets that issue a collective), then
+Ties
+----
+Plans whose backward times are within ``TIE_RTOL`` (relative) are equal; among them the
+preference is fewer blocks (the sum of ``blocks`` over buckets that issue a collective), then
 fewer buckets, then the lexicographically smaller list of ``(first, last, blocks)``. The program
-applies this order to states with identical ``(T, P)`` and to all complete plans it scores;
-a tie between plans whose intermediate states differ but whose final times coincide is broken
-among the survivors of dominance, so results are deterministic but only :func:`plan_exhaustive`
-guarantees the globally preferred tie. A zero-byte bucket carries the smallest key.
+compares states on a ``TIE_RTOL`` grid and applies the same order among equal states and among
+all complete plans it scores, so plans are deterministic; only :func:`plan_exhaustive`
+guarantees the globally preferred plan when two plans tie through different intermediate states.
+A zero-byte bucket (no collective) carries the smallest key.
 
-Complexity. ``L`` layers, ``K`` options, ``F`` the largest front and ``A`` the number of live
-states feeding a boundary. Each boundary costs ``O(A K log(A K))`` vectorised work, so the
-whole plan is ``O(L A K log(A K))``; in the worst case ``A = O(L F)``, giving ``O(L^2 F K log)``
-(no chunk discretisation: the paper's DP is ``O(S L^2 Z^2 K)``). In practice bounding keeps
-``A`` in the tens to hundreds: 1,000 layers with 8 options plan in tens of milliseconds (see
-``benchmarks/results/planner_speed.md``). Without fusion or with a fixed grouping ``A = F`` and
-the cost is ``O(G F K log)`` for ``G`` groups. :func:`simulate` is ``O(L)``.
-:func:`plan_exhaustive` enumerates all ``K (K+1)^(L-1)`` plans with fusion (``K^L`` without,
-``K^G`` for a fixed grouping) in vectorised chunks and refuses more than ``EXHAUSTIVE_LIMIT``.
+Complexity
+----------
+``G`` allowed boundaries (with fusion ``G = L`` up to ``ATOMS`` layers and ``G < 2 ATOMS``
+beyond; otherwise the group count),
+``K`` options, ``F <= FRONT_CAP`` states per boundary, ``A`` the sources of one boundary (live
+source boundaries plus busy states). Each boundary costs ``O(A K log(A K))`` vectorised work; with
+fusion ``A <= G + G F``, so a plan is ``O(G^2 F K log)`` in the worst case, and ``O(G F K log)``
+without fusion; pre-fusion and baselines add ``O(L K)``. No chunk discretisation (the paper's DP is
+``O(S L^2 Z^2 K)``). Measured: 1,000 layers with 8 options plan in about 0.1-0.3 s on a 2-core VM
+(``benchmarks/results/planner_speed.md``). :func:`simulate` is ``O(L)``. :func:`plan_exhaustive`
+enumerates all ``K (K+1)^(L-1)`` plans with fusion (``K^L`` without, ``K^G`` for a fixed grouping)
+in vectorised chunks and refuses more than ``EXHAUSTIVE_LIMIT``.
 """
 from __future__ import annotations
 
@@ -103,6 +130,8 @@ __all__ = [
 # Constants.
 EXHAUSTIVE_LIMIT = 10**7  # most candidate plans plan_exhaustive will enumerate
 TIE_RTOL = 1e-12  # backward times within this relative distance are a tie
+ATOMS = 128  # with fusion, layers beyond this count are pre-fused into about this many groups
+FRONT_CAP = 48  # most states kept per boundary; more are thinned with a bounded loss
 _BOUND_RTOL = 1e-9  # slack on branch-and-bound pruning, far above float rounding of the bounds
 _EXHAUSTIVE_CHUNK = 1 << 16  # candidates simulated per vectorised step in plan_exhaustive
 _HOROVOD_THRESHOLDS = (64 << 20, 128 << 20)  # Horovod fusion thresholds scored as a safety net
@@ -114,7 +143,7 @@ _HOROVOD_THRESHOLDS = (64 << 20, 128 << 20)  # Horovod fusion thresholds scored 
 
 
 def _is_int(value: object) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    return type(value) is int or (isinstance(value, numbers.Integral) and not isinstance(value, bool))
 
 
 def _is_real(value: object) -> bool:
@@ -380,21 +409,19 @@ def _plan_key(buckets: Sequence[Bucket], byte_prefix: Sequence[int]) -> tuple:
     return (blocks, len(buckets), tuple((b.first, b.last, b.blocks) for b in buckets))
 
 
-def _best(candidates: Iterable[tuple[float, list[Bucket]]], byte_prefix: Sequence[int]) -> tuple[float, list[Bucket]]:
-    """Least time; within TIE_RTOL of it, least :func:`_plan_key`."""
+Ranges = list[tuple[int, int]]
+
+
+def _best(candidates: Iterable[tuple[float, Ranges, Sequence[int]]], byte_prefix: Sequence[int]) -> list[Bucket]:
+    """Least time; within TIE_RTOL of it, least :func:`_plan_key`. Candidates: (time, ranges, keys)."""
     candidates = list(candidates)
-    best_t = min(t for t, _ in candidates)
-    tied = [(_plan_key(b, byte_prefix), t, b) for t, b in candidates if t <= best_t * (1 + TIE_RTOL)]
-    key, t, buckets = min(tied, key=lambda x: x[0])
-    return t, buckets
+    best_t = min(c[0] for c in candidates)
+    tied = [[Bucket(f, l, k) for (f, l), k in zip(r, ks)] for t, r, ks in candidates if t <= best_t * (1 + TIE_RTOL)]
+    return min(tied, key=lambda b: _plan_key(b, byte_prefix))
 
 
 def _make_plan(layers: list[Layer], buckets: list[Bucket], cost: CostModel) -> Plan:
     return Plan(buckets=buckets, backward_s=simulate(layers, buckets, cost))
-
-
-def _uniform(ranges: Sequence[tuple[int, int]], k: int) -> list[Bucket]:
-    return [Bucket(first, last, k) for first, last in ranges]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -417,48 +444,115 @@ def plan(layers: Sequence[Layer], cost: CostModel, *, fusion: bool = True,
         ranges = _grouping_ranges(buckets, n)
         cuts, free = [0, *(last + 1 for _, last in ranges)], False
     elif fusion:
-        cuts, free = list(range(n + 1)), True
+        cuts, free = _atoms(layers, ATOMS), True
     else:
         cuts, free = list(range(n + 1)), False
     comp = _prefix(l.compute_s for l in layers)
     byts = _byte_prefix(layers)
     groups = [(cuts[i], cuts[i + 1] - 1) for i in range(len(cuts) - 1)]
 
-    # Upper bound and safety net: complete plans scored before the search.
-    seeds: list[list[Bucket]] = [_uniform(groups, k) for k in cost.keys]
-    if free:
-        seeds += [[Bucket(0, n - 1, k)] for k in cost.keys]
-    monotone = all(cost.solo_bw[k] >= cost.overlap_bw[k] for k in cost.keys)
-    if not monotone:
-        for k in cost.keys:
-            if free:
-                seeds.append(_mgwfbp_buckets(layers, comp, byts, cost, k))
-                seeds += [_horovod_buckets(layers, thr, k) for thr in _HOROVOD_THRESHOLDS]
-    scored = [(_simulate_ranges(comp, byts, [(b.first, b.last) for b in s], [b.blocks for b in s], cost), s)
-              for s in seeds]
-    upper = min(t for t, _ in scored)
-    found = _search(comp, byts, cuts, free, cost, upper)
+    # Upper bound and safety net: complete plans (ranges, one key) scored before the search.
+    seeds: list[tuple[Ranges, int]] = [(groups, k) for k in cost.keys]
+    if free:  # one bucket, and the baselines, so that an inexact search never loses to them
+        fixed = [[(0, n - 1)], *(_horovod_ranges(layers, thr) for thr in _HOROVOD_THRESHOLDS)]
+        seeds += [(r, k) for r in fixed for k in cost.keys]
+        seeds += [(_mgwfbp_ranges(comp, byts, cost, k), k) for k in cost.keys]
+    scored = [(_simulate_ranges(comp, byts, r, [k] * len(r), cost), r, [k] * len(r)) for r, k in seeds]
+    upper = min(c[0] for c in scored)
+    found, _ = _search(comp, byts, cuts, free, cost, upper)
     if found is not None:
-        scored.append((_simulate_ranges(comp, byts, [(b.first, b.last) for b in found], [b.blocks for b in found],
-                                        cost), found))
-    _, best = _best(scored, byts)
-    return _make_plan(layers, best, cost)
+        r, ks = [(b.first, b.last) for b in found], [b.blocks for b in found]
+        scored.append((_simulate_ranges(comp, byts, r, ks, cost), r, ks))
+    return _make_plan(layers, _best(scored, byts), cost)
+
+
+def _lipschitz(cost: CostModel) -> float | None:
+    """How many seconds one second of lost compute progress can cost at most, or None.
+
+    For a fixed sequence of decisions the final time is continuous and piecewise smooth in the
+    progress of a state; its slope is -1 (compute then waits for nobody) or -s(1 - ob/sb) (the
+    collective during which compute ends) or 0. Valid when ``solo_bw >= overlap_bw`` everywhere.
+    """
+    if any(cost.overlap_bw[k] > cost.solo_bw[k] for k in cost.keys):
+        return None
+    return max(1.0, max(cost.slowdown[k] * (1.0 - cost.overlap_bw[k] / cost.solo_bw[k]) for k in cost.keys))
+
+
+def _thin(E: np.ndarray, Q: np.ndarray, keys: tuple[np.ndarray, ...], lam: float | None,
+          cap: int, scale: float) -> tuple[np.ndarray, float]:
+    """Indices of the states to keep (progress ascending) and the time this may cost.
+
+    Exact: Pareto dominance, then the Lipschitz rule (a state with less progress dominates one
+    with more when ``T + lam * (P' - P) <= T'``). Bounded: if more than ``cap`` remain, keep the
+    most advanced state of each of ``cap`` equal progress cells, costing at most ``lam * width``.
+    """
+    # Compare on a grid of TIE_RTOL * scale so that states equal up to rounding tie, and the tie
+    # keys (blocks, buckets, then the path) decide between them.
+    quantum = TIE_RTOL * scale
+    E, Q = np.round(E / quantum), np.round(Q / quantum)
+    order = np.lexsort((*keys[::-1], E, -Q))  # progress descending, then time, then tie keys
+    Es = E[order]
+    keep = np.empty(order.size, dtype=bool)
+    keep[0] = True
+    keep[1:] = Es[1:] < np.minimum.accumulate(Es)[:-1]
+    sel = order[keep][::-1]
+    if lam is not None and sel.size > 1:
+        phi = E[sel] - lam * Q[sel]
+        keep = np.empty(sel.size, dtype=bool)
+        keep[0] = True
+        keep[1:] = phi[1:] < np.minimum.accumulate(phi)[:-1]
+        sel = sel[keep]
+    if sel.size <= cap:
+        return sel, 0.0
+    lo, hi = float(Q[sel[0]]), float(Q[sel[-1]])
+    width = (hi - lo) / cap
+    cell = np.minimum(((Q[sel] - lo) / width).astype(np.int64), cap - 1)
+    width *= quantum
+    last = np.empty(sel.size, dtype=bool)
+    last[-1] = True
+    last[:-1] = cell[1:] != cell[:-1]
+    return sel[last], (math.inf if lam is None else lam * width)
+
+
+def _atoms(layers: Sequence[Layer], target: int) -> list[int]:
+    """Allowed bucket boundaries: every layer boundary, or about ``target`` pre-fused groups.
+
+    Up to ``target`` layers nothing is fused. Beyond, consecutive layers are grouped while their
+    share of compute plus their share of bytes stays under ``2 / target`` (a layer above it is a
+    group of its own), which gives fewer than ``2 * target`` groups (adjacent groups weigh more than the limit).
+    """
+    n = len(layers)
+    if n <= target:
+        return list(range(n + 1))
+    C = sum(l.compute_s for l in layers) or 1.0
+    B = sum(l.grad_bytes for l in layers) or 1
+    limit = 2.0 / target
+    cuts, acc = [0], 0.0
+    for i, layer in enumerate(layers):
+        w = layer.compute_s / C + layer.grad_bytes / B
+        if acc > 0 and acc + w > limit:
+            cuts.append(i)
+            acc = 0.0
+        acc += w
+    cuts.append(n)
+    return cuts
 
 
 def _search(comp: list[float], byts: list[int], cuts: list[int], free: bool, cost: CostModel,
-            upper: float) -> list[Bucket] | None:
-    """The Pareto dynamic program of the module docstring; returns the best plan it finds."""
+            upper: float, cap: int = FRONT_CAP) -> tuple[list[Bucket] | None, float]:
+    """The dynamic program of the module docstring: the best plan it finds and its error bound."""
     keys = np.array(cost.keys, dtype=np.int64)
     K = len(keys)
     ob = np.array([cost.overlap_bw[k] for k in cost.keys])
     sb = np.array([cost.solo_bw[k] for k in cost.keys])
     sl = np.array([cost.slowdown[k] for k in cost.keys])
     lat = cost.latency_s
+    lam = _lipschitz(cost)
     bw_max = float(max(ob.max(), sb.max()))
     best_solo = int(np.argmax(sb))  # first maximum: the fewest blocks among the fastest
     M = len(cuts) - 1
     C = comp[-1]
-    R = np.array([comp[c] for c in cuts])  # ready progress of a bucket ending at each boundary
+    R = np.array([comp[c] for c in cuts] + [C])  # ready progress of a bucket ending at each boundary
     Bc = np.array([float(byts[c]) for c in cuts])  # bytes before each boundary
     total = Bc[-1]
     # Closed-form rest once compute is over, and a lower bound on the communication still due.
@@ -471,46 +565,68 @@ def _search(comp: list[float], byts: list[int], cuts: list[int], free: bool, cos
         tail_nb = np.ones(M + 1, dtype=np.int64)
         comm_lb = np.where(rest > 0, lat + rest / bw_max, 0.0)
     else:
-        suffix = lambda a: np.concatenate([np.cumsum(a[::-1])[::-1], [0]])  # noqa: E731
+        def suffix(a: np.ndarray) -> np.ndarray:
+            return np.concatenate([np.cumsum(a[::-1])[::-1], [0]])
         tail_t = suffix(np.where(nonempty, lat + group_bytes / sb[best_solo], 0.0))
         tail_blk = suffix(np.where(nonempty, keys[best_solo], 0))
         tail_nb = suffix(np.ones(M, dtype=np.int64))
         comm_lb = suffix(np.where(nonempty, lat + group_bytes / bw_max, 0.0))
     tail_t[M] = tail_blk[M] = tail_nb[M] = 0
-    rest_lb = (total - Bc) / bw_max  # bytes still due from each boundary, at the best rate
+    rest_lb = (total - Bc) / bw_max  # seconds of bytes still due from each boundary, at best
 
-    # State store: parent, allocation index, boundary; id 0 is the start.
+    # Store of every kept state: parent id, allocation index, boundary. Id 0 is the start.
     parents: list[np.ndarray] = [np.array([-1])]
     kidx: list[np.ndarray] = [np.array([0])]
     bound: list[np.ndarray] = [np.array([0])]
     n_states = 1
-    start = float(R[1]) if M >= 1 else 0.0  # normalised: compute runs alone up to the first ready
-    # Live states: T, P, boundary index, blocks so far, buckets so far, id.
-    aT, aP = np.array([start]), np.array([start])
-    aB = np.array([0], dtype=np.int64)
-    aBlk = np.array([0], dtype=np.int64)
-    aNb = np.array([0], dtype=np.int64)
-    aId = np.array([0], dtype=np.int64)
+    # Live states, grouped by boundary (ascending) and by progress within a group: time,
+    # progress, boundary, blocks so far, buckets so far, id, and ``loc``: the offset within the
+    # group of the least-lag (T - P) state among the group's states up to this one.
+    start = float(R[1])  # normalised: compute runs alone up to the first ready time
+    sT, sP = np.array([start]), np.array([start])
+    sB, sBlk, sNb = (np.zeros(1, dtype=np.int64) for _ in range(3))
+    sId, sLoc = np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64)
     upper_b = upper * (1 + _BOUND_RTOL)
     fin: list[tuple] = []  # (time, blocks, buckets, src id, k index, boundary) of complete plans
     best_t = math.inf
+    err = 0.0
+    one_group = np.zeros(1, dtype=np.int64)
     for t in range(1, M + 1):
-        if aT.size == 0:
+        if sT.size == 0:
             break
-        nbytes = Bc[t] - Bc[aB]  # (A,)
-        E, Q = _collective_np(aT[:, None], aP[:, None], float(R[t]), nbytes[:, None], lat, ob, sb, sl, C)
+        # Sources: per group, the least-lag state among those idle at R[t] (they all start the
+        # bucket at R[t] and differ only by a time shift), plus every busy state.
+        Rt = float(R[t])
+        starts = np.flatnonzero(np.concatenate(([True], sB[1:] != sB[:-1]))) if free else one_group
+        idle = sP <= Rt
+        cnt = np.add.reduceat(idle.astype(np.int64), starts)
+        has = cnt > 0
+        reps = starts[has] + sLoc[starts[has] + cnt[has] - 1]
+        src_i = np.concatenate([reps, np.flatnonzero(~idle)])
+        T0, P0 = sT[src_i], sP[src_i]
+        nbytes = Bc[t] - Bc[sB[src_i]]
+        E, Q = _collective_np(T0[:, None], P0[:, None], Rt, nbytes[:, None], lat, ob, sb, sl, C)
         empty = nbytes == 0
+        r = np.arange(E.size)  # row-major index into (source, allocation)
         if empty.any():  # no collective: the state carries over, with the smallest key
-            E[empty] = aT[empty, None]
-            Q[empty] = aP[empty, None]
-        valid = np.ones(E.shape, dtype=bool)
-        valid[empty, 1:] = False
-        blk = aBlk[:, None] + np.where(nbytes[:, None] > 0, keys[None, :], 0)
-        nb = np.broadcast_to((aNb + 1)[:, None], E.shape)
-        src = np.broadcast_to(aId[:, None], E.shape)
-        kk = np.broadcast_to(np.arange(K)[None, :], E.shape)
-        E, Q, blk, nb, src, kk = (a[valid] for a in (E, Q, blk, nb, src, kk))
-        done = np.ones(E.shape, dtype=bool) if t == M else Q >= C
+            E[empty] = T0[empty, None]
+            Q[empty] = P0[empty, None]
+            valid = np.ones(E.shape, dtype=bool)
+            valid[empty, 1:] = False
+            valid = valid.ravel()
+            E, Q, r = E.ravel()[valid], Q.ravel()[valid], r[valid]
+        else:
+            E, Q = E.ravel(), Q.ravel()
+
+        def tie_keys(r: np.ndarray) -> tuple[np.ndarray, ...]:
+            row, kk = np.divmod(r, K)
+            src = src_i[row]
+            blk = sBlk[src] + np.where(nbytes[row] > 0, keys[kk], 0)
+            return blk, sNb[src] + 1, sId[src], kk
+
+        done = Q >= C
+        if t == M:
+            done[:] = True
         if done.any():
             ft = E[done] + (C - Q[done]) + tail_t[t]
             m = float(ft.min())
@@ -519,49 +635,65 @@ def _search(comp: list[float], byts: list[int], cuts: list[int], free: bool, cos
                 fin = [f for f in fin if f[0] <= best_t * (1 + TIE_RTOL)]
                 upper_b = min(upper_b, best_t * (1 + _BOUND_RTOL))
             keep = ft <= best_t * (1 + TIE_RTOL)
-            for f, b, c, s, k in zip(ft[keep], blk[done][keep] + tail_blk[t], nb[done][keep] + tail_nb[t],
-                                     src[done][keep], kk[done][keep]):
+            blk, nb, src, kk = tie_keys(r[done][keep])
+            for f, b, c, s, k in zip(ft[keep], blk + tail_blk[t], nb + tail_nb[t], src, kk):
                 fin.append((float(f), int(b), int(c), int(s), int(k), t))
-        if t < M:
             live = ~done
-            E, Q, blk, nb, src, kk = (a[live] for a in (E, Q, blk, nb, src, kk))
-            nxt = float(R[t + 1])
-            late = Q < nxt
-            E = np.where(late, E + (nxt - Q), E)
-            Q = np.where(late, nxt, Q)
-            ok = E + np.maximum(C - Q, comm_lb[t]) <= upper_b
-            E, Q, blk, nb, src, kk = (a[ok] for a in (E, Q, blk, nb, src, kk))
-            if E.size:
-                order = np.lexsort((kk, src, nb, blk, -Q, E))
-                E, Q, blk, nb, src, kk = (a[order] for a in (E, Q, blk, nb, src, kk))
-                run = np.maximum.accumulate(Q)
-                front = np.empty(E.shape, dtype=bool)
-                front[0] = True
-                front[1:] = Q[1:] > run[:-1]
-                E, Q, blk, nb, src, kk = (a[front] for a in (E, Q, blk, nb, src, kk))
+            E, Q, r = E[live], Q[live], r[live]
+        if t == M:
+            break
+        nxt = float(R[t + 1])
+        late = Q < nxt
+        E = np.where(late, E + (nxt - Q), E)
+        Q = np.where(late, nxt, Q)
+        ok = E + np.maximum(C - Q, comm_lb[t]) <= upper_b
+        E, Q, r = E[ok], Q[ok], r[ok]
+        if E.size:
+            blk, nb, src, kk = tie_keys(r)
+            sel, loss = _thin(E, Q, (blk, nb, src, kk), lam, cap, max(upper, C, 1e-300))
+            err += loss
+            E, Q, blk, nb, src, kk = (x[sel] for x in (E, Q, blk, nb, src, kk))
+            lag = E - Q
+            run = np.minimum.accumulate(lag)
+            first_min = np.concatenate(([True], lag[1:] < run[:-1]))
+            loc = np.maximum.accumulate(np.where(first_min, np.arange(E.size), 0))
             ids = np.arange(n_states, n_states + E.size)
             n_states += E.size
             parents.append(src)
             kidx.append(kk)
             bound.append(np.full(E.size, t))
-            newB = np.full(E.size, t, dtype=np.int64)
+            grp = np.full(E.size, t, dtype=np.int64)
             if free:
-                aT, aP, aB = np.concatenate([aT, E]), np.concatenate([aP, Q]), np.concatenate([aB, newB])
-                aBlk, aNb, aId = np.concatenate([aBlk, blk]), np.concatenate([aNb, nb]), np.concatenate([aId, ids])
-                # A live state stays useful for boundary t+1 only if it can still beat the bound.
-                r = float(R[t + 1])
-                lb = aT + np.maximum(r - aP, 0.0) + rest_lb[aB]
-                alive = (lb <= upper_b) & (aT + (C - aP) <= upper_b)
-                aT, aP, aB, aBlk, aNb, aId = (a[alive] for a in (aT, aP, aB, aBlk, aNb, aId))
+                sT, sP, sB = np.concatenate((sT, E)), np.concatenate((sP, Q)), np.concatenate((sB, grp))
+                sBlk, sNb = np.concatenate((sBlk, blk)), np.concatenate((sNb, nb))
+                sId, sLoc = np.concatenate((sId, ids)), np.concatenate((sLoc, loc))
             else:
-                aT, aP, aB, aBlk, aNb, aId = E, Q, newB, blk, nb, ids
+                sT, sP, sB, sBlk, sNb, sId, sLoc = E, Q, grp, blk, nb, ids, loc
+        elif not free:
+            sT = sT[:0]
+        if free and sT.size:
+            # Drop what can no longer beat the bound; collapse groups idle from now on to their
+            # least-lag state (R only grows, so both are for good).
+            lb = sT + np.maximum(nxt - sP, 0.0) + rest_lb[sB]
+            starts = np.flatnonzero(np.concatenate(([True], sB[1:] != sB[:-1])))
+            sizes = np.diff(np.append(starts, sT.size))
+            g_alive = np.minimum.reduceat(lb, starts) <= upper_b
+            g_idle = np.maximum.reduceat(sP, starts) <= nxt
+            g_rep = starts + sLoc[starts + sizes - 1]
+            keep = np.repeat(g_alive & ~g_idle, sizes)
+            keep[g_rep[g_alive & g_idle]] = True
+            if not keep.all():
+                collapsed = np.zeros(sT.size, dtype=bool)
+                collapsed[g_rep[g_alive & g_idle]] = True
+                sLoc = np.where(collapsed, 0, sLoc)
+                sT, sP, sB, sBlk, sNb, sId, sLoc = (x[keep] for x in (sT, sP, sB, sBlk, sNb, sId, sLoc))
     if not fin:
-        return None
+        return None, err
     par = np.concatenate(parents)
     kid = np.concatenate(kidx)
     bnd = np.concatenate(bound)
     fin.sort(key=lambda f: (f[1], f[2]))
-    lead = [f for f in fin if f[0] <= best_t * (1 + TIE_RTOL) and f[1:3] == fin[0][1:3]]
+    lead = [f for f in fin if f[1:3] == fin[0][1:3]]
     plans = []
     for f in lead:
         _, _, _, s, k, t = f
@@ -576,12 +708,13 @@ def _search(comp: list[float], byts: list[int], cuts: list[int], free: bool, cos
             out.append(Bucket(first, last, kb if byts[last + 1] > byts[first] else int(keys[0])))
             prev = tb
         if prev < M:  # closed-form rest after compute ended
-            rest_groups = [(cuts[prev], cuts[-1] - 1)] if free else [(cuts[i], cuts[i + 1] - 1) for i in range(prev, M)]
+            rest_groups = ([(cuts[prev], cuts[-1] - 1)] if free
+                           else [(cuts[i], cuts[i + 1] - 1) for i in range(prev, M)])
             for first, last in rest_groups:
                 nonzero = byts[last + 1] > byts[first]
                 out.append(Bucket(first, last, int(keys[best_solo]) if nonzero else int(keys[0])))
         plans.append(out)
-    return min(plans, key=lambda b: _plan_key(b, byts)[2])
+    return min(plans, key=lambda b: _plan_key(b, byts)[2]), err
 
 
 # ---------------------------------------------------------------------------------------------
@@ -589,15 +722,15 @@ def _search(comp: list[float], byts: list[int], cuts: list[int], free: bool, cos
 # ---------------------------------------------------------------------------------------------
 
 
-def _horovod_buckets(layers: Sequence[Layer], fusion_bytes: int, k: int) -> list[Bucket]:
-    out: list[Bucket] = []
+def _horovod_ranges(layers: Sequence[Layer], fusion_bytes: int) -> Ranges:
+    out: Ranges = []
     first, size = 0, 0
     for i, layer in enumerate(layers):
         if i > first and (fusion_bytes == 0 or size + layer.grad_bytes > fusion_bytes):
-            out.append(Bucket(first, i - 1, k))
+            out.append((first, i - 1))
             first, size = i, 0
         size += layer.grad_bytes
-    out.append(Bucket(first, len(layers) - 1, k))
+    out.append((first, len(layers) - 1))
     return out
 
 
@@ -613,7 +746,7 @@ def plan_default(layers: Sequence[Layer], cost: CostModel, *, blocks: int, fusio
     k = _check_blocks(blocks, cost)
     if not _is_int(fusion_bytes) or fusion_bytes < 0:
         raise ValueError(f"fusion_bytes must be an integer >= 0, got {fusion_bytes!r}")
-    return _make_plan(layers, _horovod_buckets(layers, int(fusion_bytes), k), cost)
+    return _make_plan(layers, [Bucket(f, l, k) for f, l in _horovod_ranges(layers, int(fusion_bytes))], cost)
 
 
 def plan_fusion_only(layers: Sequence[Layer], cost: CostModel, *, blocks: int) -> Plan:
@@ -625,19 +758,19 @@ def plan_fusion_only(layers: Sequence[Layer], cost: CostModel, *, blocks: int) -
     return plan(layers, fixed, fusion=True)
 
 
-def _mgwfbp_buckets(layers: Sequence[Layer], comp: list[float], byts: list[int], cost: CostModel,
-                    k: int) -> list[Bucket]:
+def _mgwfbp_ranges(comp: list[float], byts: list[int], cost: CostModel, k: int) -> Ranges:
     lat, bw = cost.latency_s, cost.solo_bw[k]
-    out: list[Bucket] = []
+    n = len(comp) - 1
+    out: Ranges = []
     first, comm_free = 0, 0.0
-    for i in range(len(layers)):
+    for i in range(n):
         nbytes = byts[i + 1] - byts[first]
-        if i + 1 < len(layers):
+        if i + 1 < n:
             start = max(comm_free, comp[i + 1])  # when this bucket's all-reduce would begin
             if nbytes == 0 or start + lat > comp[i + 2]:
                 continue  # waiting for the next gradient costs less than one start-up: merge it
             comm_free = start + lat + nbytes / bw
-        out.append(Bucket(first, i, k))
+        out.append((first, i))
         first = i + 1
     return out
 
@@ -654,8 +787,8 @@ def plan_mgwfbp(layers: Sequence[Layer], cost: CostModel, *, blocks: int) -> Pla
     layers = _check_layers(layers)
     cost = _check_cost(cost)
     k = _check_blocks(blocks, cost)
-    return _make_plan(layers, _mgwfbp_buckets(layers, _prefix(l.compute_s for l in layers),
-                                              _byte_prefix(layers), cost, k), cost)
+    ranges = _mgwfbp_ranges(_prefix(l.compute_s for l in layers), _byte_prefix(layers), cost, k)
+    return _make_plan(layers, [Bucket(f, l, k) for f, l in ranges], cost)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,550 @@
+"""Tests for libra_jax.planner, in the module's order: inputs, simulate, plan, baselines, exhaustive.
+
+The simulator is checked against an event-by-event replay written here from the issue's
+semantics; the planner against exhaustive enumeration (itself checked against a brute force over
+``simulate``) and against every baseline.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import subprocess
+import sys
+from dataclasses import FrozenInstanceError
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from libra_jax import planner
+from libra_jax.planner import (
+    EXHAUSTIVE_LIMIT,
+    Bucket,
+    CostModel,
+    Layer,
+    Plan,
+    plan,
+    plan_default,
+    plan_exhaustive,
+    plan_fusion_only,
+    plan_mgwfbp,
+    simulate,
+)
+
+FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SLOW = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+# ---------------------------------------------------------------------------------------------
+# An independent replay of the semantics: advance from event to event with explicit rates.
+# ---------------------------------------------------------------------------------------------
+
+
+def reference_backward_time(layers, buckets, cost):
+    work = [layer.compute_s for layer in layers]
+    sizes = [sum(layers[i].grad_bytes for i in range(b.first, b.last + 1)) for b in buckets]
+    n = len(layers)
+    now = 0.0
+    cur, left = 0, (work[0] if work else 0.0)  # layer being computed, its remaining full-speed work
+    nxt = 0  # next bucket to issue
+    active = None  # [blocks, latency left, bytes left]
+
+    def skip_finished():
+        nonlocal cur, left
+        while cur < n and left <= 0.0:
+            cur += 1
+            left = work[cur] if cur < n else 0.0
+
+    skip_finished()
+    while True:
+        while active is None and nxt < len(buckets) and cur > buckets[nxt].last:
+            if sizes[nxt] > 0:
+                active = [buckets[nxt].blocks, cost.latency_s, float(sizes[nxt])]
+            nxt += 1
+        computing = cur < n
+        if active is None and not computing:
+            assert nxt == len(buckets)
+            return now
+        rate = 1.0 / cost.slowdown[active[0]] if (active and computing) else 1.0
+        bw = None
+        events = []
+        if computing:
+            events.append((left / rate, "compute"))
+        if active:
+            if active[1] > 0.0:
+                events.append((active[1], "latency"))
+            else:
+                bw = cost.overlap_bw[active[0]] if computing else cost.solo_bw[active[0]]
+                events.append((active[2] / bw, "bytes"))
+        dt, what = min(events)
+        now += dt
+        if computing:
+            left = 0.0 if what == "compute" else max(0.0, left - dt * rate)
+            if left <= 1e-13 * (1 + work[cur]):
+                left = 0.0
+        if active:
+            if active[1] > 0.0:
+                active[1] = 0.0 if what == "latency" else max(0.0, active[1] - dt)
+                if active[1] <= 1e-13 * (1 + cost.latency_s):
+                    active[1] = 0.0
+            else:
+                active[2] = 0.0 if what == "bytes" else active[2] - dt * bw
+                if active[2] <= 1e-9:
+                    active = None
+        skip_finished()
+
+
+def close(a, b):
+    return abs(a - b) <= 1e-9 * max(1.0, abs(b))
+
+
+# ---------------------------------------------------------------------------------------------
+# Strategies
+# ---------------------------------------------------------------------------------------------
+
+compute_times = st.one_of(st.just(0.0), st.floats(0.0, 2.0, allow_nan=False, allow_infinity=False))
+grad_sizes = st.one_of(st.just(0), st.integers(1, 100))
+
+
+def layer_lists(lo=1, hi=8):
+    return st.lists(st.builds(Layer, compute_times, grad_sizes), min_size=lo, max_size=hi)
+
+
+@st.composite
+def cost_models(draw, max_options=4, physical=True):
+    """Random costs; ``physical`` keeps solo_bw >= overlap_bw (contention never speeds a collective)."""
+    keys = draw(st.lists(st.integers(1, 16), min_size=1, max_size=max_options, unique=True))
+    solo = {k: draw(st.floats(1.0, 100.0)) for k in keys}
+    if physical:
+        overlap = {k: solo[k] * draw(st.floats(0.05, 1.0)) for k in keys}
+    else:
+        overlap = {k: draw(st.floats(1.0, 100.0)) for k in keys}
+    slowdown = {k: draw(st.floats(1.0, 4.0)) for k in keys}
+    latency = draw(st.one_of(st.just(0.0), st.floats(0.0, 0.1), st.floats(0.1, 3.0)))
+    return CostModel(latency_s=latency, solo_bw=solo, overlap_bw=overlap, slowdown=slowdown)
+
+
+@st.composite
+def groupings(draw, n):
+    """A random tiling of n layers as (first, last) pairs."""
+    cuts = sorted(draw(st.sets(st.integers(1, n - 1), max_size=n - 1))) if n > 1 else []
+    edges = [0, *cuts, n]
+    return [(edges[i], edges[i + 1] - 1) for i in range(len(edges) - 1)]
+
+
+@st.composite
+def instances(draw, physical=True, hi=8, max_options=4):
+    layers = draw(layer_lists(1, hi))
+    return layers, draw(cost_models(max_options=max_options, physical=physical))
+
+
+@st.composite
+def bucketed(draw, physical=True):
+    layers, cost = draw(instances(physical=physical))
+    ranges = draw(groupings(len(layers)))
+    keys = list(cost.keys)
+    return layers, [Bucket(f, l, draw(st.sampled_from(keys))) for f, l in ranges], cost
+
+
+def brute_force(layers, cost, ranges_list):
+    best = math.inf
+    for ranges in ranges_list:
+        for ks in itertools.product(cost.keys, repeat=len(ranges)):
+            best = min(best, simulate(layers, [Bucket(f, l, k) for (f, l), k in zip(ranges, ks)], cost))
+    return best
+
+
+def all_tilings(n):
+    for mask in range(2 ** (n - 1)):
+        edges = [0, *(i + 1 for i in range(n - 1) if mask >> i & 1), n]
+        yield [(edges[i], edges[i + 1] - 1) for i in range(len(edges) - 1)]
+
+
+COST = CostModel(latency_s=0.5, solo_bw={1: 10.0, 2: 20.0, 4: 30.0}, overlap_bw={1: 5.0, 2: 8.0, 4: 9.0},
+                 slowdown={1: 1.1, 2: 1.5, 4: 2.5})
+LAYERS = [Layer(1.0, 10), Layer(0.5, 40), Layer(2.0, 0), Layer(1.5, 25), Layer(0.2, 60), Layer(1.0, 5)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs
+# ---------------------------------------------------------------------------------------------
+
+
+def test_import_needs_no_jax():
+    code = "import sys; sys.modules['jax'] = None; import libra_jax.planner; print('ok')"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "ok"
+
+
+def test_values_are_frozen_and_normalised():
+    layer = Layer(1, 3)
+    assert isinstance(layer.compute_s, float) and layer.compute_s == 1.0
+    with pytest.raises(FrozenInstanceError):
+        layer.compute_s = 2.0  # type: ignore[misc]
+    table = {2: 5.0, 1: 4.0}
+    cost = CostModel(latency_s=0, solo_bw=table, overlap_bw={1: 1.0, 2: 1.0}, slowdown={1: 1.0, 2: 1.0})
+    table[3] = 1.0  # the model keeps its own copy
+    assert cost.keys == (1, 2) and list(cost.solo_bw) == [1, 2]
+    with pytest.raises(TypeError):
+        cost.solo_bw[1] = 3.0  # type: ignore[index]
+    assert hash(cost) == hash(CostModel(0.0, {1: 4.0, 2: 5.0}, {2: 1.0, 1: 1.0}, {1: 1.0, 2: 1.0}))
+    with pytest.raises(FrozenInstanceError):
+        Bucket(0, 1, 2).blocks = 3  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(compute_s=-1.0, grad_bytes=1), r"Layer\.compute_s must be a finite number >= 0, got -1\.0"),
+    (dict(compute_s=math.nan, grad_bytes=1), r"Layer\.compute_s must be a finite number >= 0, got nan"),
+    (dict(compute_s=math.inf, grad_bytes=1), r"Layer\.compute_s must be a finite number >= 0, got inf"),
+    (dict(compute_s="1", grad_bytes=1), r"Layer\.compute_s must be a finite number"),
+    (dict(compute_s=1.0, grad_bytes=-1), r"Layer\.grad_bytes must be an integer >= 0, got -1"),
+    (dict(compute_s=1.0, grad_bytes=1.5), r"Layer\.grad_bytes must be an integer >= 0, got 1\.5"),
+    (dict(compute_s=1.0, grad_bytes=math.inf), r"Layer\.grad_bytes must be an integer >= 0, got inf"),
+    (dict(compute_s=1.0, grad_bytes=True), r"Layer\.grad_bytes must be an integer"),
+])
+def test_layer_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Layer(**kwargs)
+
+
+GOOD = dict(latency_s=0.0, solo_bw={1: 1.0, 2: 2.0}, overlap_bw={1: 1.0, 2: 1.0}, slowdown={1: 1.0, 2: 1.5})
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(latency_s=-0.1), r"CostModel\.latency_s must be a finite number >= 0, got -0\.1"),
+    (dict(latency_s=math.nan), r"CostModel\.latency_s must be a finite number >= 0, got nan"),
+    (dict(latency_s=math.inf), r"CostModel\.latency_s must be a finite number >= 0, got inf"),
+    (dict(solo_bw={}), r"CostModel\.solo_bw is empty"),
+    (dict(overlap_bw={}), r"CostModel\.overlap_bw is empty"),
+    (dict(slowdown={}), r"CostModel\.slowdown is empty"),
+    (dict(solo_bw={1: 1.0, 3: 2.0}), r"CostModel tables must have the same keys: solo_bw \[1, 3\]"),
+    (dict(slowdown={1: 1.0}), r"CostModel tables must have the same keys"),
+    (dict(slowdown={1: 1.0, 2: 0.99}), r"CostModel\.slowdown\[2\] must be finite and >= 1, got 0\.99"),
+    (dict(slowdown={1: 1.0, 2: math.nan}), r"CostModel\.slowdown\[2\] must be finite and >= 1"),
+    (dict(solo_bw={1: 0.0, 2: 2.0}), r"CostModel\.solo_bw\[1\] must be finite and > 0, got 0\.0"),
+    (dict(solo_bw={1: -1.0, 2: 2.0}), r"CostModel\.solo_bw\[1\] must be finite and > 0, got -1\.0"),
+    (dict(overlap_bw={1: math.inf, 2: 1.0}), r"CostModel\.overlap_bw\[1\] must be finite and > 0, got inf"),
+    (dict(overlap_bw={1: math.nan, 2: 1.0}), r"CostModel\.overlap_bw\[1\] must be finite and > 0, got nan"),
+    (dict(solo_bw={0: 1.0, 2: 2.0}), r"CostModel\.solo_bw keys must be positive integers, got 0"),
+    (dict(solo_bw={1.5: 1.0, 2: 2.0}), r"CostModel\.solo_bw keys must be positive integers, got 1\.5"),
+    (dict(solo_bw=[1.0, 2.0]), r"CostModel\.solo_bw must be a mapping"),
+])
+def test_cost_model_validation(change, match):
+    with pytest.raises(ValueError, match=match):
+        CostModel(**{**GOOD, **change})
+
+
+@pytest.mark.parametrize("args, match", [
+    ((-1, 0, 1), r"Bucket\.first must be >= 0, got -1"),
+    ((2, 1, 1), r"Bucket\.last \(1\) must be >= Bucket\.first \(2\)"),
+    ((0, 0, 0), r"Bucket\.blocks must be positive, got 0"),
+    ((0, 0.5, 1), r"Bucket\.last must be an integer, got 0\.5"),
+])
+def test_bucket_validation(args, match):
+    with pytest.raises(ValueError, match=match):
+        Bucket(*args)
+
+
+@pytest.mark.parametrize("buckets, match", [
+    ([], r"buckets is empty: the buckets must tile the layers"),
+    ([Bucket(1, 5, 1)], r"do not tile the layers: bucket 0 starts at layer 1, expected 0"),
+    ([Bucket(0, 2, 1), Bucket(2, 5, 1)], r"do not tile the layers: bucket 1 starts at layer 2, expected 3"),
+    ([Bucket(0, 2, 1), Bucket(4, 5, 1)], r"do not tile the layers: bucket 1 starts at layer 4, expected 3"),
+    ([Bucket(0, 4, 1)], r"do not tile the layers: they cover layers 0\.\.4, but there are 6 layers"),
+    ([Bucket(0, 6, 1)], r"do not tile the layers: they cover layers 0\.\.6, but there are 6 layers"),
+    ([Bucket(0, 5, 3)], r"buckets\[0\]\.blocks=3 is not an allocation of the cost model \(keys \[1, 2, 4\]\)"),
+    ([(0, 5)], r"buckets\[0\] must be a Bucket, got tuple"),
+])
+def test_simulate_validation(buckets, match):
+    with pytest.raises(ValueError, match=match):
+        simulate(LAYERS, buckets, COST)
+
+
+def test_empty_and_wrong_inputs():
+    for fn in (lambda: simulate([], [Bucket(0, 0, 1)], COST), lambda: plan([], COST),
+               lambda: plan_default([], COST, blocks=1, fusion_bytes=0), lambda: plan_mgwfbp([], COST, blocks=1),
+               lambda: plan_fusion_only([], COST, blocks=1), lambda: plan_exhaustive([], COST)):
+        with pytest.raises(ValueError, match=r"layers is empty: at least one layer is needed"):
+            fn()
+    with pytest.raises(ValueError, match=r"layers\[1\] must be a Layer, got tuple"):
+        plan([Layer(1.0, 1), (1.0, 1)], COST)
+    with pytest.raises(ValueError, match=r"cost must be a CostModel, got dict"):
+        plan(LAYERS, {})
+
+
+@pytest.mark.parametrize("grouping, match", [
+    ([(0, 2), (4, 5)], r"do not tile the layers: bucket 1 starts at layer 4, expected 3"),
+    ([(0, 2), (3, 4)], r"do not tile the layers: they cover layers 0\.\.4, but there are 6 layers"),
+    ([(0, 3), (2, 5)], r"do not tile the layers: bucket 1 starts at layer 2, expected 4"),
+    ([(0, 5, 1)], r"buckets\[0\] must be a \(first, last\) pair"),
+    ([(0, 2.0), (3, 5)], r"buckets\[0\] must hold integer layer indices"),
+    ([], r"buckets is empty"),
+])
+def test_plan_grouping_validation(grouping, match):
+    with pytest.raises(ValueError, match=match):
+        plan(LAYERS, COST, buckets=grouping)
+    with pytest.raises(ValueError, match=match):
+        plan_exhaustive(LAYERS, COST, buckets=grouping)
+
+
+def test_baseline_argument_validation():
+    with pytest.raises(ValueError, match=r"blocks=3 is not an allocation of the cost model \(keys \[1, 2, 4\]\)"):
+        plan_default(LAYERS, COST, blocks=3, fusion_bytes=0)
+    with pytest.raises(ValueError, match=r"blocks=3 is not an allocation"):
+        plan_mgwfbp(LAYERS, COST, blocks=3)
+    with pytest.raises(ValueError, match=r"blocks=3 is not an allocation"):
+        plan_fusion_only(LAYERS, COST, blocks=3)
+    with pytest.raises(ValueError, match=r"fusion_bytes must be an integer >= 0, got -1"):
+        plan_default(LAYERS, COST, blocks=1, fusion_bytes=-1)
+
+
+# ---------------------------------------------------------------------------------------------
+# simulate
+# ---------------------------------------------------------------------------------------------
+
+
+def test_simulate_by_hand():
+    # Two layers of 1 s; bucket [0] (10 bytes) is ready at 1 s. Latency 0.5 s at slowdown 2: compute
+    # advances 0.25 s. Then 10 bytes at 5 B/s would take 2 s, but compute (0.75 s left, 1.5 s wall)
+    # ends at 3.0 s after 7.5 bytes; the last 2.5 bytes go at 10 B/s: 3.25 s. Bucket [1] (10 bytes,
+    # ready since 3.0 s) then runs solo: 0.5 + 1.0 = 4.75 s.
+    cost = CostModel(latency_s=0.5, solo_bw={1: 10.0}, overlap_bw={1: 5.0}, slowdown={1: 2.0})
+    layers = [Layer(1.0, 10), Layer(1.0, 10)]
+    assert simulate(layers, [Bucket(0, 0, 1), Bucket(1, 1, 1)], cost) == pytest.approx(4.75, abs=1e-12)
+    # One bucket of 20 bytes after all compute: 2.0 + 0.5 + 2.0.
+    assert simulate(layers, [Bucket(0, 1, 1)], cost) == pytest.approx(4.5, abs=1e-12)
+
+
+def test_simulate_without_bytes_is_compute_time():
+    layers = [Layer(0.5, 0), Layer(1.25, 0)]
+    assert simulate(layers, [Bucket(0, 0, 1), Bucket(1, 1, 4)], COST) == 1.75
+
+
+@FAST
+@given(bucketed(physical=False))
+def test_simulate_matches_reference(case):
+    layers, buckets, cost = case
+    assert close(simulate(layers, buckets, cost), reference_backward_time(layers, buckets, cost))
+
+
+@SLOW
+@given(st.data())
+def test_simulate_matches_reference_long(data):
+    layers = data.draw(layer_lists(20, 60))
+    cost = data.draw(cost_models(max_options=8, physical=False))
+    ranges = data.draw(groupings(len(layers)))
+    buckets = [Bucket(f, l, data.draw(st.sampled_from(cost.keys))) for f, l in ranges]
+    assert close(simulate(layers, buckets, cost), reference_backward_time(layers, buckets, cost))
+
+
+# ---------------------------------------------------------------------------------------------
+# plan
+# ---------------------------------------------------------------------------------------------
+
+
+def check_plan(p, layers, cost):
+    assert isinstance(p, Plan) and isinstance(p.buckets, list)
+    assert p.backward_s == simulate(layers, p.buckets, cost)
+    assert all(b.blocks in cost.keys for b in p.buckets)
+
+
+@FAST
+@given(instances())
+def test_plan_with_fusion_within_one_percent_of_exhaustive(case):
+    layers, cost = case
+    p, e = plan(layers, cost), plan_exhaustive(layers, cost)
+    check_plan(p, layers, cost)
+    assert e.backward_s <= p.backward_s * (1 + 1e-9) and p.backward_s <= e.backward_s * 1.01
+
+
+@FAST
+@given(instances())
+def test_plan_without_fusion_within_one_percent_of_exhaustive(case):
+    layers, cost = case
+    p, e = plan(layers, cost, fusion=False), plan_exhaustive(layers, cost, fusion=False)
+    check_plan(p, layers, cost)
+    assert [(b.first, b.last) for b in p.buckets] == [(i, i) for i in range(len(layers))]
+    assert e.backward_s <= p.backward_s * (1 + 1e-9) and p.backward_s <= e.backward_s * 1.01
+
+
+@FAST
+@given(st.data())
+def test_plan_with_grouping_within_one_percent_of_exhaustive(data):
+    layers, cost = data.draw(instances())
+    grouping = data.draw(groupings(len(layers)))
+    p, e = plan(layers, cost, buckets=grouping), plan_exhaustive(layers, cost, buckets=grouping)
+    check_plan(p, layers, cost)
+    assert [(b.first, b.last) for b in p.buckets] == grouping
+    assert e.backward_s <= p.backward_s * (1 + 1e-9) and p.backward_s <= e.backward_s * 1.01
+
+
+@SLOW
+@given(instances(physical=False))
+def test_plan_quality_when_overlap_is_faster_than_solo(case):
+    # Outside the physical regime the dominance rules are heuristics; the safety net still holds.
+    layers, cost = case
+    p = plan(layers, cost)
+    check_plan(p, layers, cost)
+    assert p.backward_s <= plan_exhaustive(layers, cost).backward_s * 1.01
+    for k in cost.keys:
+        assert p.backward_s <= plan_mgwfbp(layers, cost, blocks=k).backward_s * (1 + 1e-12)
+        assert p.backward_s <= plan_default(layers, cost, blocks=k, fusion_bytes=0).backward_s * (1 + 1e-12)
+
+
+@FAST
+@given(instances(hi=12, max_options=5), st.integers(0, 300))
+def test_plan_never_worse_than_baselines(case, fusion_bytes):
+    layers, cost = case
+    best = plan(layers, cost).backward_s
+    alone = plan(layers, cost, fusion=False).backward_s
+    for k in cost.keys:
+        for base in (plan_default(layers, cost, blocks=k, fusion_bytes=fusion_bytes),
+                     plan_default(layers, cost, blocks=k, fusion_bytes=0),
+                     plan_fusion_only(layers, cost, blocks=k), plan_mgwfbp(layers, cost, blocks=k)):
+            check_plan(base, layers, cost)
+            assert best <= base.backward_s * (1 + 1e-9)
+        assert alone <= plan_default(layers, cost, blocks=k, fusion_bytes=0).backward_s * (1 + 1e-9)
+
+
+def test_plan_large_instance_beats_baselines():
+    # Beyond ATOMS layers the planner pre-fuses; it must still beat every baseline it is compared to.
+    import random
+
+    rng = random.Random(3)
+    layers = [Layer(rng.lognormvariate(-8, 1), int(rng.lognormvariate(13, 2))) for _ in range(400)]
+    mib = 1 << 20
+    keys = (1, 2, 3, 4, 6, 8, 12, 16)
+    cost = CostModel(latency_s=7e-5, solo_bw={k: 1e9 * (1 - 0.7 ** k) for k in keys},
+                     overlap_bw={k: 0.8e9 * (1 - 0.7 ** k) for k in keys},
+                     slowdown={k: 1 + 0.05 * k for k in keys})
+    p = plan(layers, cost)
+    check_plan(p, layers, cost)
+    for k in keys:
+        for base in (plan_default(layers, cost, blocks=k, fusion_bytes=64 * mib),
+                     plan_default(layers, cost, blocks=k, fusion_bytes=0), plan_mgwfbp(layers, cost, blocks=k)):
+            assert p.backward_s <= base.backward_s * (1 + 1e-12)
+    assert plan(layers, cost, fusion=False).backward_s <= min(
+        plan_default(layers, cost, blocks=k, fusion_bytes=0).backward_s for k in keys) * (1 + 1e-12)
+
+
+def test_plan_is_deterministic():
+    first = plan(LAYERS, COST)
+    shuffled = CostModel(latency_s=0.5, solo_bw={4: 30.0, 1: 10.0, 2: 20.0}, overlap_bw={2: 8.0, 4: 9.0, 1: 5.0},
+                         slowdown={4: 2.5, 2: 1.5, 1: 1.1})
+    for _ in range(3):
+        assert plan(LAYERS, COST) == first
+    assert plan(LAYERS, shuffled) == first
+
+
+def test_ties_prefer_fewer_blocks():
+    # Every allocation costs the same: the smallest wins everywhere, in plan and in plan_exhaustive.
+    same = CostModel(latency_s=0.1, solo_bw={2: 10.0, 1: 10.0, 8: 10.0}, overlap_bw={1: 5.0, 2: 5.0, 8: 5.0},
+                     slowdown={1: 1.5, 2: 1.5, 8: 1.5})
+    for fusion in (True, False):
+        for fn in (plan, plan_exhaustive):
+            assert {b.blocks for b in fn(LAYERS, same, fusion=fusion).buckets} == {1}
+
+
+def test_ties_prefer_fewer_buckets_then_lexicographic():
+    # No bytes at all: every plan takes exactly the compute time, so one bucket with the smallest key.
+    layers = [Layer(1.0, 0), Layer(2.0, 0), Layer(0.5, 0)]
+    for fn in (plan, plan_exhaustive):
+        p = fn(layers, COST)
+        assert p.buckets == [Bucket(0, 2, 1)] and p.backward_s == 3.5
+    # Zero compute and zero latency, bytes only in the last layer: one bucket is as good as any.
+    layers = [Layer(0.0, 0), Layer(0.0, 0), Layer(0.0, 30)]
+    cost = CostModel(latency_s=0.0, solo_bw={1: 10.0}, overlap_bw={1: 10.0}, slowdown={1: 1.0})
+    for fn in (plan, plan_exhaustive):
+        assert fn(layers, cost).buckets == [Bucket(0, 2, 1)]
+    # Fixed grouping, zero-byte group: it carries the smallest key.
+    p = plan(LAYERS, COST, buckets=[(0, 1), (2, 2), (3, 5)])
+    assert p.buckets[1] == Bucket(2, 2, 1)
+
+
+def test_plan_fusion_false_ignored_when_grouping_given():
+    grouping = [(0, 2), (3, 5)]
+    assert plan(LAYERS, COST, fusion=False, buckets=grouping) == plan(LAYERS, COST, buckets=grouping)
+    as_buckets = [Bucket(0, 2, 4), Bucket(3, 5, 4)]  # blocks of given Buckets are ignored
+    assert plan(LAYERS, COST, buckets=as_buckets) == plan(LAYERS, COST, buckets=grouping)
+
+
+def test_plan_single_layer():
+    p = plan([Layer(1.0, 100)], COST)
+    assert len(p.buckets) == 1 and p.backward_s == plan_exhaustive([Layer(1.0, 100)], COST).backward_s
+
+
+# ---------------------------------------------------------------------------------------------
+# Baselines
+# ---------------------------------------------------------------------------------------------
+
+
+def test_plan_default_cuts_like_horovod():
+    layers = [Layer(1.0, b) for b in (10, 20, 30, 100, 5, 5, 0, 60)]
+    ranges = lambda p: [(b.first, b.last) for b in p.buckets]  # noqa: E731
+    # Threshold 30: 10+20 fits exactly; 30 alone; 100 exceeds it, alone; 5+5+0 fits; 60 alone.
+    p = plan_default(layers, COST, blocks=2, fusion_bytes=30)
+    assert ranges(p) == [(0, 1), (2, 2), (3, 3), (4, 6), (7, 7)]
+    assert {b.blocks for b in p.buckets} == {2}
+    assert ranges(plan_default(layers, COST, blocks=2, fusion_bytes=0)) == [(i, i) for i in range(8)]
+    assert ranges(plan_default(layers, COST, blocks=2, fusion_bytes=10**9)) == [(0, 7)]
+    assert p.backward_s == simulate(layers, p.buckets, COST)
+
+
+def test_plan_mgwfbp_merges_when_waiting_is_cheaper_than_a_startup():
+    layers = [Layer(1.0, 10), Layer(0.1, 10), Layer(1.0, 10), Layer(1.0, 10)]
+    # All-reduce of a layer: 1 + 10/10 = 2 s at blocks=1. Layer 0's would start at 1.0 but layer 1
+    # is ready at 1.1 < 1.0 + 1: merge. [0,1] then starts at 1.1 (< 2.1 - 1), ends at 1.1 + 1 + 2 =
+    # 4.1; layer 2 is ready at 2.1 but would start at 4.1 > 3.1 - 1: merge; the last layer is
+    # the end of the walk.
+    cost = CostModel(latency_s=1.0, solo_bw={1: 10.0, 2: 20.0}, overlap_bw={1: 5.0, 2: 5.0},
+                     slowdown={1: 1.0, 2: 2.0})
+    p = plan_mgwfbp(layers, cost, blocks=1)
+    assert [(b.first, b.last, b.blocks) for b in p.buckets] == [(0, 1, 1), (2, 3, 1)]
+    assert p.backward_s == simulate(layers, p.buckets, cost)
+    # Without latency nothing is worth merging unless the link is busy.
+    free = CostModel(latency_s=0.0, solo_bw={1: 1000.0}, overlap_bw={1: 1000.0}, slowdown={1: 1.0})
+    assert len(plan_mgwfbp(layers, free, blocks=1).buckets) == 4
+
+
+@SLOW
+@given(instances(hi=6, max_options=3))
+def test_plan_fusion_only_is_the_planner_with_one_allocation(case):
+    layers, cost = case
+    for k in cost.keys:
+        p = plan_fusion_only(layers, cost, blocks=k)
+        assert {b.blocks for b in p.buckets} == {k}
+        one = CostModel(cost.latency_s, {k: cost.solo_bw[k]}, {k: cost.overlap_bw[k]}, {k: cost.slowdown[k]})
+        assert close(p.backward_s, plan_exhaustive(layers, one).backward_s)
+
+
+# ---------------------------------------------------------------------------------------------
+# plan_exhaustive
+# ---------------------------------------------------------------------------------------------
+
+
+@SLOW
+@given(instances(physical=False, hi=5, max_options=3))
+def test_exhaustive_matches_brute_force(case):
+    layers, cost = case
+    n = len(layers)
+    assert close(plan_exhaustive(layers, cost).backward_s, brute_force(layers, cost, all_tilings(n)))
+    assert close(plan_exhaustive(layers, cost, fusion=False).backward_s,
+                 brute_force(layers, cost, [[(i, i) for i in range(n)]]))
+
+
+def test_exhaustive_limit(monkeypatch):
+    assert EXHAUSTIVE_LIMIT == 10**7
+    cost4 = CostModel(0.0, {k: 1.0 for k in (1, 2, 3, 4)}, {k: 1.0 for k in (1, 2, 3, 4)},
+                      {k: 1.0 for k in (1, 2, 3, 4)})
+    # 4 * 5^10 = 39,062,500 with fusion; 4^12 = 16,777,216 without; 4^12 for a 12-group grouping.
+    with pytest.raises(ValueError, match=r"would enumerate 39062500 candidates, more than the limit 10000000"):
+        plan_exhaustive([Layer(1.0, 1)] * 11, cost4)
+    with pytest.raises(ValueError, match=r"would enumerate 16777216 candidates"):
+        plan_exhaustive([Layer(1.0, 1)] * 12, cost4, fusion=False)
+    with pytest.raises(ValueError, match=r"would enumerate 16777216 candidates"):
+        plan_exhaustive([Layer(1.0, 1)] * 13, cost4, buckets=[(0, 1), *((i, i) for i in range(2, 13))])
+    # The limit is inclusive: exactly EXHAUSTIVE_LIMIT candidates still run.
+    monkeypatch.setattr(planner, "EXHAUSTIVE_LIMIT", 4 * 5**2)
+    assert len(plan_exhaustive([Layer(1.0, 1)] * 3, cost4).buckets) >= 1  # 100 candidates
+    with pytest.raises(ValueError, match=r"would enumerate 500 candidates, more than the limit 100"):
+        plan_exhaustive([Layer(1.0, 1)] * 4, cost4)
