@@ -280,6 +280,8 @@ def _cuda_lowering(ctx: Any, x: Any, *, axes: tuple, blocks: int, inplace: bool,
     if count == 0:
         return [x]
     nbytes = count * dtype.itemsize
+    if blocks is None:  # Chosen now that the group size is known.
+        blocks = default_blocks(nbytes, world, DEFAULT_PROFILES["cuda"])
     pad = (-nbytes % _CUDA_VECTOR_BYTES) // dtype.itemsize  # kernels move 16-byte vectors
     _ffi.ensure_cuda_registered()
     operand, call_ctx, aliases = x, ctx, {0: 0} if inplace else {}

@@ -354,3 +354,13 @@ def test_gpu_timeout_is_reported_at_the_next_call():
     out = proc.stdout + proc.stderr
     assert "timed out waiting for rank 1" in out, out[-3000:]
     assert "DEADLINE_EXCEEDED" in out or "DeadlineExceeded" in out or "deadline" in out.lower()
+
+
+def test_cuda_lowering_default_blocks_from_the_model():
+    """blocks=None: the h100 profile's choice for this size and group, recorded in the HLO."""
+    from libra_jax.allreduce import DEFAULT_PROFILES, default_blocks
+
+    text = lower_for_cuda(lambda v: libra_jax.psum(v * 2.0, "x"), shape=(8, 1 << 18))
+    expected = default_blocks((1 << 18) * 4, 8, DEFAULT_PROFILES["cuda"])
+    calls = custom_calls(text)
+    assert calls and all(f"blocks = {expected} : i64" in line for line in calls)
