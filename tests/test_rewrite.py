@@ -265,3 +265,38 @@ def test_public_name():
     import libra_jax.rewrite  # noqa: F401 - importing the module must not shadow the function
 
     assert libra_jax.optimize is optimize
+
+
+CACHE_SCRIPT = textwrap.dedent("""
+    import os, sys
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    import jax, jax.numpy as jnp, numpy as np
+    jax.config.update("jax_compilation_cache_dir", sys.argv[1])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    from jax.sharding import PartitionSpec as P
+    import libra_jax
+    mesh = jax.make_mesh((8,), ("x",))
+    def body(p, x):
+        return jax.grad(lambda p: jnp.sum(jnp.tanh(x @ p) ** 2))(p)
+    f = jax.jit(libra_jax.optimize(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("x")),
+                                                 out_specs=P())))
+    x = jax.device_put(np.arange(64.0, dtype=np.float32).reshape(16, 4) / 64,
+                       jax.NamedSharding(mesh, P("x")))
+    out = np.asarray(f(np.ones((4, 3), np.float32), x))
+    print(len(os.listdir(sys.argv[1])), out.tobytes().hex())
+""")
+
+
+def test_persistent_compilation_cache(tmp_path):
+    """A second process loads the optimized executable from JAX's cache and gets the same bits."""
+    runs = []
+    for _ in range(2):
+        proc = subprocess.run([sys.executable, "-c", CACHE_SCRIPT, str(tmp_path)],
+                              capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "XLA_FLAGS": ""})
+        assert proc.returncode == 0, proc.stderr
+        runs.append(proc.stdout.split())
+    (entries_1, bits_1), (entries_2, bits_2) = runs
+    assert int(entries_1) >= 1 and entries_2 == entries_1  # nothing new compiled the 2nd time
+    assert bits_1 == bits_2
