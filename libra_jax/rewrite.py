@@ -248,15 +248,15 @@ class _Rewriter:
             start = site.index + 1
         cost = derivation.cost
         if self.options.blocks is not None:
+            # The profile's option nearest the fixed block count stands for it in the model.
             key = min(cost.slowdown, key=lambda k: (abs(derivation.launch_shape(k)[0]
                                                         - self.options.blocks), k))
-            result = (planner.plan_fusion_only(layers, cost, blocks=key) if self.options.fusion
-                      else planner.plan(layers, cost, fusion=False,
-                                        buckets=[(i, i) for i in range(len(layers))]))
-            buckets = [dataclasses.replace(b, blocks=key) for b in result.buckets]
+            if self.options.fusion:
+                buckets = planner.plan_fusion_only(layers, cost, blocks=key).buckets
+            else:
+                buckets = [planner.Bucket(i, i, key) for i in range(len(layers))]
         else:
-            result = planner.plan(layers, cost, fusion=self.options.fusion)
-            buckets = result.buckets
+            buckets = planner.plan(layers, cost, fusion=self.options.fusion).buckets
         self.report.predicted.append({
             "scope": scope, "layers": layers, "buckets": list(buckets),
             "backward_s": planner.simulate(layers, buckets, cost), "profile": derivation.profile,
@@ -342,25 +342,29 @@ def _map_jaxprs(value: Any, fn: Callable[[Any], Any]) -> Any:
     return value
 
 
+def _is_psum(eqn: Any) -> bool:
+    return (eqn.primitive.name in _PSUM_PRIMITIVES
+            or eqn.primitive in (allreduce.libra_psum_p, libra_psum_fused_p))
+
+
 def _contains_psum(jaxpr: Any) -> bool:
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name in _PSUM_PRIMITIVES or eqn.primitive is allreduce.libra_psum_p:
-            return True
-        if any(_contains_psum(j) for j in _compat.jaxprs_in_params(eqn.params)):
-            return True
-    return False
+    return any(_is_psum(eqn) or any(_contains_psum(j) for j in _compat.jaxprs_in_params(eqn.params))
+               for eqn in jaxpr.eqns)
 
 
 def _terminal_sites(eqns: Sequence[Any], sites: Sequence[_Site], outvars: Sequence[Any]) -> set[int]:
-    """Indices of psums whose results feed no later psum: the gradient psums."""
+    """Indices of psums whose results feed no later psum: the gradient psums. A later
+    equation with a psum in a sub-jaxpr (a jit, a loop) counts as a psum."""
     site_index = {s.index for s in sites}
     # Backwards over the equations: does a value (transitively) reach a psum?
     feeds_psum: set[Any] = set()
     terminal: set[int] = set()
     for i in range(len(eqns) - 1, -1, -1):
         eqn = eqns[i]
-        reaches = i in site_index or any(_is_var(v) and v in feeds_psum for v in eqn.outvars)
+        hides_psum = any(_contains_psum(j) for j in _compat.jaxprs_in_params(eqn.params))
+        reaches = (i in site_index or hides_psum
+                   or any(_is_var(v) and v in feeds_psum for v in eqn.outvars))
         if i in site_index and not any(v in feeds_psum for v in eqn.outvars if _is_var(v)):
             terminal.add(i)
         if reaches:
@@ -414,7 +418,7 @@ def _roofline_s(eqn: Any, profile: Any) -> float:
     convolutions over peak FLOP/s, bytes moved by anything else over memory bandwidth."""
     device = _device(profile)
     name = eqn.primitive.name
-    if name in _PSUM_PRIMITIVES or eqn.primitive in (allreduce.libra_psum_p, libra_psum_fused_p):
+    if _is_psum(eqn):
         return 0.0
     subs = _compat.jaxprs_in_params(eqn.params)
     if subs:

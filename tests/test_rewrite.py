@@ -300,3 +300,26 @@ def test_persistent_compilation_cache(tmp_path):
     (entries_1, bits_1), (entries_2, bits_2) = runs
     assert int(entries_1) >= 1 and entries_2 == entries_1  # nothing new compiled the 2nd time
     assert bits_1 == bits_2
+
+
+def test_fusion_off_and_psum_hidden_in_a_later_jit():
+    """fusion=False: one all-reduce per psum. A psum feeding a jitted function that itself
+    all-reduces is a forward psum, not a gradient one."""
+    mesh = mesh_of((8,), ("x",))
+    x = shard(np.arange(64.0, dtype=np.float32).reshape(8, 8), mesh, P("x"))
+    inner = jax.jit(lambda v: jax.lax.psum(v * 2.0, "x"))
+    def body(v):
+        a = jax.lax.psum(v, "x")       # feeds the jitted psum: forward
+        b = jax.lax.psum(v * 3.0, "x")  # terminal
+        c = jax.lax.psum(v * 5.0, "x")  # terminal
+        return inner(a), b, c
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=(P(), P(), P()),
+                              check_vma=False))
+    report, _ = check(f, x)
+    kinds = sorted(p.kind for p in report.plans if p.scope.endswith("shard_map"))
+    assert kinds == ["forward", "gradient"]  # b and c fused
+    opt = optimize(f, fusion=False, blocks=2)
+    jax.tree.map(assert_bitwise, jax.jit(opt)(x), f(x))
+    plans = [p for p in opt.last_report.plans
+             if p.kind == "gradient" and p.scope.endswith("shard_map")]
+    assert len(plans) == 2 and all(len(p.members) == 1 and p.blocks == 2 for p in plans)
