@@ -6,9 +6,11 @@ waiting also lets users choose the device count after importing libra_jax.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import threading
+from typing import Iterator
 
 import jax
 
@@ -57,6 +59,30 @@ def ensure_registered() -> None:
         for name, target in targets.items():
             jax.ffi.register_ffi_target(name, target, platform="cpu", api_version=1)
         _registered = True
+
+
+@contextlib.contextmanager
+def recording(capacity: int = 1 << 16) -> Iterator[list[dict]]:
+    """Record every all-reduce the engine completes while the block runs.
+
+    Yields a list that is filled when the block exits: one dict per call (label,
+    group, iteration, world, dtype, bytes, blocks, tasks, and first_arrival_us,
+    start_us, end_us on the engine's microsecond clock, see `now_us`), oldest
+    first, at most `capacity` of them. Used by calibration and overlap studies.
+    """
+    records: list[dict] = []
+    _libra_ffi.take_call_records()
+    _libra_ffi.set_call_recording(capacity)
+    try:
+        yield records
+    finally:
+        records.extend(_libra_ffi.take_call_records())
+        _libra_ffi.set_call_recording(0)
+
+
+def now_us() -> int:
+    """Now, on the clock of `recording`'s timestamps."""
+    return int(_libra_ffi.now_us())
 
 
 def effective_blocks(count: int, itemsize: int, blocks: int) -> int:

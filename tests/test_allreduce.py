@@ -548,3 +548,25 @@ def test_ctrl_c_during_a_wait_is_not_swallowed():
     out, err = proc.communicate(timeout=120)
     assert "KeyboardInterrupt" in out + err, out + err
     assert "after [" not in out  # the program did not go on as if nothing happened
+
+
+def test_call_recording():
+    from libra_jax import _ffi
+
+    mesh = mesh_of((4,), ("x",))
+    x = shard(np.ones((4, 1 << 12), np.float32), mesh, P("x"))
+    f = jax.jit(jax.shard_map(lambda v: libra_jax.psum(v * 2, "x", blocks=2), mesh=mesh,
+                              in_specs=P("x"), out_specs=P()))
+    t0 = _ffi.now_us()
+    with _ffi.recording() as records:
+        for _ in range(3):
+            np.asarray(f(x))
+    assert len(records) == 3
+    assert [r["iteration"] for r in records] == [0, 0, 0]  # one call per run
+    r = records[-1]
+    assert (r["world"], r["dtype"], r["bytes"], r["blocks"]) == (4, "f32", 4 << 12, 2)
+    assert t0 <= r["first_arrival_us"] <= r["start_us"] <= r["end_us"] <= _ffi.now_us()
+    np.asarray(f(x))  # not recording any more
+    with _ffi.recording() as later:
+        pass
+    assert later == []

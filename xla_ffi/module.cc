@@ -111,4 +111,28 @@ NB_MODULE(_libra_ffi, m) {
         },
         "Threads started by the engine's (reduce, completion) pools.");
   m.def("engine_allreduce_f32", &EngineAllReduceF32, nb::arg("buffers"), nb::arg("blocks"));
+  m.def("set_call_recording", &libra::SetCallRecording, nb::arg("capacity"),
+        "Keep the last `capacity` completed all-reduces in memory (0: stop and drop).");
+  m.def("take_call_records",
+        [] {
+          nb::list out;
+          for (const libra::CallRecord& r : libra::TakeCallRecords()) {
+            nb::dict d;
+            d["label"] = r.label;
+            d["group"] = r.group;
+            d["iteration"] = r.iteration;
+            d["world"] = r.world;
+            d["dtype"] = libra::Name(r.dtype);
+            d["bytes"] = r.bytes;
+            d["blocks"] = r.blocks;
+            d["tasks"] = r.tasks;
+            d["first_arrival_us"] = r.first_arrival_us;
+            d["start_us"] = r.start_us;
+            d["end_us"] = r.end_us;
+            out.append(d);
+          }
+          return out;
+        },
+        "The recorded all-reduces (dicts, oldest first), clearing them.");
+  m.def("now_us", &libra::NowMicros, "Now, in microseconds on the call records' clock.");
 }

@@ -198,7 +198,40 @@ void CompleteAll(std::vector<DoneCallback> callbacks, const Status& status) {
   }
 }
 
+// Bounded in-memory log of completed calls (off unless SetCallRecording).
+struct CallLog {
+  std::mutex mu;
+  std::size_t capacity = 0;
+  std::deque<CallRecord> records;
+};
+
+CallLog& GetCallLog() {
+  static NoDestructor<CallLog> log;
+  return *log;
+}
+
+void Record(const Job& job, Clock::time_point end) {
+  CallLog& log = GetCallLog();
+  std::lock_guard<std::mutex> lock(log.mu);
+  if (log.capacity == 0) return;
+  CallRecord r;
+  r.label = job.label;
+  r.group = job.spec.group;
+  r.iteration = job.iteration;
+  r.world = job.spec.world;
+  r.dtype = job.spec.dtype;
+  r.bytes = job.spec.count * SizeOf(job.spec.dtype);
+  r.blocks = job.spec.blocks;
+  r.tasks = job.chunking.tasks;
+  r.first_arrival_us = MicrosSinceStart(job.first_arrival);
+  r.start_us = MicrosSinceStart(job.start);
+  r.end_us = MicrosSinceStart(end);
+  log.records.push_back(std::move(r));
+  while (log.records.size() > log.capacity) log.records.pop_front();
+}
+
 void FinishJob(const std::shared_ptr<Job>& job) {
+  Record(*job, Clock::now());
   if (DebugLoggingEnabled()) {
     const Clock::time_point end = Clock::now();
     std::fprintf(stderr,
@@ -338,6 +371,24 @@ Status AllReduce(DType dtype, const std::vector<const void*>& inputs,
   cv.wait(lock, [&] { return pending == 0; });
   return Status::Ok();
 }
+
+void SetCallRecording(std::size_t capacity) {
+  CallLog& log = GetCallLog();
+  std::lock_guard<std::mutex> lock(log.mu);
+  log.capacity = capacity;
+  if (capacity == 0) log.records.clear();
+}
+
+std::vector<CallRecord> TakeCallRecords() {
+  CallLog& log = GetCallLog();
+  std::lock_guard<std::mutex> lock(log.mu);
+  std::vector<CallRecord> out(std::make_move_iterator(log.records.begin()),
+                              std::make_move_iterator(log.records.end()));
+  log.records.clear();
+  return out;
+}
+
+int64_t NowMicros() { return MicrosSinceStart(Clock::now()); }
 
 bool DebugLoggingEnabled() {
   static const bool enabled = [] {

@@ -100,6 +100,25 @@ class Rendezvous {
 // Per-call debug logging to stderr, switched on by LIBRA_JAX_DEBUG=1.
 bool DebugLoggingEnabled();
 
+// One completed all-reduce, as recorded for calibration and overlap studies.
+// Times are microseconds on the steady clock since the engine's first use.
+struct CallRecord {
+  std::string label;
+  int64_t group = 0, iteration = 0;
+  int world = 0;
+  DType dtype = DType::kF32;
+  std::size_t bytes = 0;  // Per rank.
+  int blocks = 0, tasks = 0;
+  int64_t first_arrival_us = 0, start_us = 0, end_us = 0;
+};
+
+// Recording keeps the last `capacity` calls in memory (0 stops recording and
+// drops them); TakeCallRecords returns and clears what was recorded.
+void SetCallRecording(std::size_t capacity);
+std::vector<CallRecord> TakeCallRecords();
+// Now, on the records' clock.
+int64_t NowMicros();
+
 // Internal: forget the watchdog thread in a fork child.
 void ResetWatchdogAfterFork();
 
