@@ -273,6 +273,22 @@ void TestFork() {
   CHECK(a[0] == 6.0f);
 }
 
+void TestCallRecords() {
+  std::vector<float> a(5000, 1.0f), b(5000, 2.0f);
+  libra::SetCallRecording(2);
+  for (int i = 0; i < 3; ++i) {
+    CHECK(libra::AllReduce(DType::kF32, {a.data(), b.data()}, {a.data(), b.data()}, a.size(), 2).ok());
+  }
+  std::vector<libra::CallRecord> records = libra::TakeCallRecords();
+  CHECK(records.size() == 2);  // Bounded: the oldest is dropped.
+  CHECK(records.back().bytes == 5000 * 4 && records.back().world == 2);
+  CHECK(records.back().start_us <= records.back().end_us);
+  CHECK(libra::TakeCallRecords().empty());
+  libra::SetCallRecording(0);
+  CHECK(libra::AllReduce(DType::kF32, {a.data(), b.data()}, {a.data(), b.data()}, a.size(), 2).ok());
+  CHECK(libra::TakeCallRecords().empty());
+}
+
 }  // namespace
 
 int main() {
@@ -285,6 +301,7 @@ int main() {
       {"timeout", TestTimeout},
       {"mismatch", TestMismatch},
       {"destroy_pending", TestDestroyPending},
+      {"call_records", TestCallRecords},
       {"fork", TestFork},
   };
   for (const auto& [name, fn] : tests) {
