@@ -54,8 +54,13 @@ def psum(x: Any, axis_name: AxisName | Sequence[AxisName], *,
       axis_name: a mesh axis name or a tuple of them.
       axis_index_groups: as in `jax.lax.psum`; such psums are delegated to it.
       blocks: how many engine worker tasks (the CPU counterpart of CUDA thread
-        blocks) carry out each all-reduce, 1..`MAX_BLOCKS`. ``None`` chooses by
-        size with `default_blocks`. Fixed at trace time and recorded in the HLO.
+        blocks) carry out each all-reduce, 1..`MAX_BLOCKS`. ``None``: the
+        contention model chooses (`default_blocks`) when the program is lowered,
+        or `libra_jax.optimize` plans it. Recorded in the HLO either way.
+      inplace: write the result over the input buffer (the custom call's output
+        aliases its input). Free when the input is an intermediate value or a
+        donated argument; for a live value XLA copies the input first. ``None``
+        (default): in place unless `x` is an argument of the traced function.
 
     Returns:
       The same as `jax.lax.psum(x, axis_name)`, bit for bit on CPU.
