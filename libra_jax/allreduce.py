@@ -212,6 +212,12 @@ def _cpu_lowering(ctx: Any, x: Any, *, axes: tuple, blocks: int, inplace: bool,
     if groups is None:
         return _xla_lowering(ctx, x, axes=axes, blocks=blocks, inplace=inplace,
                              invariant=invariant, reason="a partially automatic shard_map")
+    devices = _compat.mesh_devices(ctx)
+    if devices is not None and any(d.process_index != jax.process_index() for d in devices):
+        # The engine meets the devices of this process only; XLA's collectives
+        # (gloo on CPU) cross processes. Never wait for ranks that cannot come.
+        return _xla_lowering(ctx, x, axes=axes, blocks=blocks, inplace=inplace,
+                             invariant=invariant, reason="cpu devices of several processes")
     _ffi.ensure_registered()
     aval_in, = ctx.avals_in
     if blocks is None:  # Chosen now that the group size is known.
