@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 # Before JAX starts its CPU backend (also for subprocesses spawned by tests).
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# A user's calibrated profile must not change what the tests expect.
+os.environ["LIBRA_JAX_PROFILE_DIR"] = tempfile.mkdtemp(prefix="libra_jax_test_profiles_")
 
 import numpy as np
 import pytest
