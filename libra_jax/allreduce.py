@@ -128,6 +128,13 @@ def default_blocks(nbytes: int, world: int, profile: Any = "cpu-host") -> int:
     return int(min(MAX_BLOCKS, max(1, derivation.launch_shape(best)[0])))
 
 
+def _default_profile(platform: str) -> str:
+    """The calibrated profile of `platform` if there is one, else `DEFAULT_PROFILES`'."""
+    from libra_jax import model
+
+    return model.default_profile(platform, DEFAULT_PROFILES[platform])
+
+
 @functools.lru_cache(maxsize=64)
 def _derive(profile: Any, world: int) -> Any:
     from libra_jax import model
@@ -222,7 +229,7 @@ def _cpu_lowering(ctx: Any, x: Any, *, axes: tuple, blocks: int, inplace: bool,
     aval_in, = ctx.avals_in
     if blocks is None:  # Chosen now that the group size is known.
         nbytes = math.prod(aval_in.shape) * np.dtype(aval_in.dtype).itemsize
-        blocks = default_blocks(nbytes, len(groups[0]), DEFAULT_PROFILES["cpu"])
+        blocks = default_blocks(nbytes, len(groups[0]), _default_profile("cpu"))
     # (rank, group) of every device, looked up by the running device's index:
     # rank is the position in XLA's replica group, so the summation order is XLA's.
     table = np.zeros((1 + max(max(g) for g in groups), 2), np.int32)
@@ -292,7 +299,7 @@ def _cuda_lowering(ctx: Any, x: Any, *, axes: tuple, blocks: int, inplace: bool,
         return [x]
     nbytes = count * dtype.itemsize
     if blocks is None:  # Chosen now that the group size is known.
-        blocks = default_blocks(nbytes, world, DEFAULT_PROFILES["cuda"])
+        blocks = default_blocks(nbytes, world, _default_profile("cuda"))
     pad = (-nbytes % _CUDA_VECTOR_BYTES) // dtype.itemsize  # kernels move 16-byte vectors
     _ffi.ensure_cuda_registered()
     operand, call_ctx, aliases = x, ctx, {0: 0} if inplace else {}

@@ -11,6 +11,11 @@ hardware profile (``libra_jax.model``) and exact per-layer sizes (``libra_jax.zo
     libra-jax simulate --model bert-large --profile libra-testbed --workers 8 --gantt out.png
 
 It needs neither JAX nor the compiled extension; ``--gantt`` needs matplotlib.
+
+``plan`` explains what ``libra_jax.optimize`` decides for an example script (a Python file that
+defines ``build(small=False) -> (step, args)``, as the scripts in ``examples/`` do)::
+
+    libra-jax plan examples/transformer.py --gantt out.png
 """
 from __future__ import annotations
 
@@ -242,10 +247,121 @@ def _run_simulate(args: argparse.Namespace) -> int:
 
 
 # ----------------------------------------------------------------------------------------------
+# calibrate
+# ----------------------------------------------------------------------------------------------
+
+
+def _add_calibrate(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "calibrate", help="measure the contention model on this backend and write a profile",
+        description="Measure all-reduce time vs bytes x blocks (alone and while compute runs), compute "
+                    "slowdown vs blocks, peak compute rate and memory bandwidth on the current backend; fit "
+                    "the model and write a profile that optimize and psum(blocks=None) then use by default "
+                    "(docs/calibration.md).")
+    p.add_argument("--quick", action="store_true", help="fewer sizes, blocks and repetitions (about 10-30 s)")
+    p.add_argument("--out", metavar="PATH", default=None,
+                   help="write the profile here (default: $LIBRA_JAX_PROFILE_DIR/<backend>.json, else "
+                        "$XDG_CACHE_HOME/libra_jax/profiles/<backend>.json)")
+    p.add_argument("--devices", type=int, default=8,
+                   help="host CPU devices to measure among (default: %(default)s)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_run_calibrate)
+
+
+def _run_calibrate(args: argparse.Namespace) -> int:
+    import os
+
+    if args.devices < 2:
+        raise ValueError(f"--devices must be >= 2 (an all-reduce needs two ranks), got {args.devices}")
+    # Before JAX starts its CPU backend (a no-op if it already has).
+    os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={args.devices}")
+    from libra_jax import calibrate
+
+    try:
+        return calibrate.run(quick=args.quick, out=args.out, devices=args.devices,
+                             progress=not args.no_progress)
+    except calibrate.CalibrationError as exc:
+        print(f"libra-jax calibrate: cannot calibrate: {exc}", file=sys.stderr)
+        return 2
+
+
+# ----------------------------------------------------------------------------------------------
+# plan
+# ----------------------------------------------------------------------------------------------
+
+
+def _add_plan(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "plan", help="explain libra_jax.optimize's plan for a training script",
+        description="Trace the training step of SCRIPT (a Python file defining build(small=False) "
+                    "-> (step, args), like examples/*.py) on 8 host CPU devices and print the "
+                    "plan libra_jax.optimize makes: buckets, tensors, bytes, allocation, predicted "
+                    "times against the default allocation and fusion only.")
+    p.add_argument("script", help="e.g. examples/transformer.py")
+    p.add_argument("--small", action="store_true", help="build the script's small sizes")
+    p.add_argument("--variant", default=None, help="passed to build(variant=...) if given")
+    p.add_argument("--profile", default=None, help="profile name or JSON path (default: the backend's)")
+    p.add_argument("--no-fusion", action="store_true", help="plan allocations only, no fusion")
+    p.add_argument("--plain", action="store_true", help="plain-text table even if rich is installed")
+    p.add_argument("--gantt", metavar="PNG", default=None,
+                   help="draw the predicted timeline (compute with its slowdown, each all-reduce "
+                        "with its allocation)")
+    p.set_defaults(func=_run_plan)
+
+
+def _load_script(path: str) -> object:
+    import importlib.util
+    import os
+    from pathlib import Path
+
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    file = Path(path).resolve()
+    if not file.is_file():
+        raise ValueError(f"no such file: {path}")
+    if str(file.parent) not in sys.path:
+        sys.path.insert(0, str(file.parent))
+    name = f"libra_plan_{file.stem}"
+    if name in sys.modules and getattr(sys.modules[name], "__file__", None) == str(file):
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, file)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    if not callable(getattr(module, "build", None)):
+        raise ValueError(f"{path} defines no build(small=False) -> (step, args)")
+    return module
+
+
+def _run_plan(args: argparse.Namespace) -> int:
+    module = _load_script(args.script)
+    import importlib
+
+    explain_mod = importlib.import_module("libra_jax.explain")
+
+    kwargs = {"variant": args.variant} if args.variant else {}
+    step, step_args = module.build(args.small, **kwargs)  # type: ignore[attr-defined]
+    result = explain_mod.explain(step, *step_args, profile=args.profile, fusion=not args.no_fusion,
+                                 file=sys.stdout, use_rich=False if args.plain else None)
+    if args.gantt:
+        from libra_jax import gantt
+
+        if not result.scopes:
+            raise ValueError("no gradient psums were planned: nothing to draw")
+        s = result.scopes[0]
+        tl = gantt.timeline(list(s.layers), list(s.buckets), s.cost)
+        path = gantt.draw(tl, args.gantt, key_unit=s.key_unit.replace("_", " "),
+                          title=f"{args.script} on {s.profile}, {s.world} ranks: Libra's plan, "
+                                f"{tl.backward_s * 1e3:.2f} ms backward (predicted)")
+        print(f"gantt     wrote {path}")
+    return 0
+
+
+# ----------------------------------------------------------------------------------------------
 # Entry point
 # ----------------------------------------------------------------------------------------------
 
-SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_simulate]
+SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_simulate, _add_plan]
+SUBCOMMANDS.append(_add_calibrate)
 
 
 def build_parser() -> argparse.ArgumentParser:

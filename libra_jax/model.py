@@ -58,14 +58,19 @@ JSON files (``libra_jax/profiles/<name>.json``), loaded by name or by path with
 (``..._gbyte_per_s``, ``..._us``). Every number is a quantity ``{"value": ..., "source": ...}``
 whose source is ``datasheet``, ``measured`` or ``assumption`` (plus an optional ``ref``/``note``),
 so a reader can tell a vendor figure from a guess. Validation happens on load and raises
-``ValueError`` naming the missing or malformed field by its dotted path.
+``ValueError`` naming the missing or malformed field by its dotted path. A profile written by
+``libra-jax calibrate`` also carries an optional ``calibration`` object (machine, backend, JAX
+version, date, raw samples, fit errors), and :func:`default_profile` prefers it to the shipped
+profile of its backend (see :func:`calibrated_profile_path`, ``docs/calibration.md``).
 
 This module is pure Python: no JAX, no compiled extension.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping
@@ -86,6 +91,9 @@ __all__ = [
     "PROFILE_DIR",
     "list_profiles",
     "load_profile",
+    "calibrated_profile_dir",
+    "calibrated_profile_path",
+    "default_profile",
     "profile_from_dict",
     "derive",
     "cost_model",
@@ -416,11 +424,20 @@ def profile_from_dict(data: Mapping[str, Any], *, origin: str = "<dict>") -> Pro
     if not isinstance(data, Mapping):
         raise ValueError(f"profile {origin}: the document must be a JSON object, got {type(data).__name__}")
     r.no_unknown(data, "", ("schema_version", "name", "description", "form", "device", "network",
-                            "libra_fit", "nccl_style"))
+                            "libra_fit", "nccl_style", "calibration"))
     if "schema_version" not in data:
         raise r.fail("schema_version", "is missing")
-    if data["schema_version"] != SCHEMA_VERSION:
-        raise r.fail("schema_version", f"must be {SCHEMA_VERSION}, got {data['schema_version']!r}")
+    version = data["schema_version"]
+    if version != SCHEMA_VERSION:
+        if isinstance(version, int) and not isinstance(version, bool) and version < SCHEMA_VERSION:
+            why = "an outdated profile: re-run `libra-jax calibrate` or update it (docs/calibration.md)"
+        elif isinstance(version, int) and not isinstance(version, bool):
+            why = "written by a newer libra_jax: upgrade libra_jax or re-run `libra-jax calibrate`"
+        else:
+            why = "not a schema version"
+        raise r.fail("schema_version", f"must be {SCHEMA_VERSION}, got {version!r} ({why})")
+    if "calibration" in data and not isinstance(data["calibration"], Mapping):
+        raise r.fail("calibration", f"must be an object, got {type(data['calibration']).__name__}")
     name = r.text(data, "name")
     form = r.text(data, "form", choices=FORMS)
     description = data.get("description", "")
@@ -494,6 +511,59 @@ def profile_from_dict(data: Mapping[str, Any], *, origin: str = "<dict>") -> Pro
     return Profile(name=name, origin=origin, form=form, description=description, device=device,
                    network=network, libra_fit=libra_fit, nccl_style=nccl_style, notes=tuple(notes),
                    sources=dict(r.sources))
+
+
+#: Directory of calibrated profiles (overrides the per-user cache directory).
+PROFILE_DIR_ENV = "LIBRA_JAX_PROFILE_DIR"
+
+
+def calibrated_profile_dir() -> Path:
+    """Where ``libra-jax calibrate`` writes and the default lookup finds calibrated profiles:
+    ``$LIBRA_JAX_PROFILE_DIR``, else ``$XDG_CACHE_HOME/libra_jax/profiles`` (``~/.cache`` without
+    ``XDG_CACHE_HOME``)."""
+    override = os.environ.get(PROFILE_DIR_ENV)
+    if override:
+        return Path(override).expanduser()
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path("~/.cache").expanduser())
+    return Path(cache) / "libra_jax" / "profiles"
+
+
+def calibrated_profile_path(backend: str) -> Path:
+    """The calibrated profile of ``backend`` (``"cpu"``, ``"cuda"``): ``<dir>/<backend>.json``."""
+    return calibrated_profile_dir() / f"{backend}.json"
+
+
+#: Built-in profile per backend, used when the backend has not been calibrated.
+BUILTIN_PROFILES = {"cpu": "cpu-host", "cuda": "h100", "gpu": "h100"}
+_warned_profiles: set[str] = set()
+
+
+def default_profile(backend: str, builtin: str | None = None) -> str:
+    """The profile ``optimize`` and ``psum(blocks=None)`` use on ``backend``: the calibrated one
+    (:func:`calibrated_profile_path`) if it exists and loads, else ``builtin`` (by default the
+    backend's shipped profile). A calibrated profile that does not load is skipped with a warning
+    that says why. Returns a name or a path, for :func:`load_profile`."""
+    fallback = builtin or BUILTIN_PROFILES.get(backend, "cpu-host")
+    path = calibrated_profile_path(backend)
+    if not path.is_file():
+        return fallback
+    text = str(path)
+    try:
+        _load_cached(text, path.stat().st_mtime_ns)
+    except (ValueError, OSError) as exc:
+        if text not in _warned_profiles:
+            _warned_profiles.add(text)
+            import warnings
+
+            warnings.warn(f"libra_jax: ignoring the calibrated profile {text}: {exc}; using {fallback!r}",
+                          RuntimeWarning, stacklevel=2)
+        return fallback
+    return text
+
+
+@functools.lru_cache(maxsize=8)
+def _load_cached(path: str, mtime_ns: int) -> Profile:
+    return load_profile(path)
 
 
 def list_profiles() -> list[str]:

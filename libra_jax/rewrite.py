@@ -162,7 +162,8 @@ class _Options:
     def resolved_profile(self) -> Any:
         if self.profile is not None:
             return self.profile
-        return allreduce.DEFAULT_PROFILES.get(jax.default_backend(), "cpu-host")
+        backend = jax.default_backend()
+        return model.default_profile(backend, allreduce.DEFAULT_PROFILES.get(backend, "cpu-host"))
 
 
 def _aval_key(x: Any) -> Any:
@@ -181,6 +182,7 @@ class _Site:
     invariant: bool
     nbytes: int
     explicit_blocks: int | None
+    result: Any = None              # the psum's result variable (for `libra_jax.explain`)
 
 
 _PSUM_PRIMITIVES = {"psum": False, "psum_invariant": True}
@@ -261,6 +263,11 @@ class _Rewriter:
             "scope": scope, "layers": layers, "buckets": list(buckets),
             "backward_s": planner.simulate(layers, buckets, cost), "profile": derivation.profile,
             "world": world,
+            # For `libra_jax.explain`: per layer, the psum's equation index and result variable;
+            # the cost model and what its keys count.
+            "axes": members[0].axes, "members": tuple(s.index for s in members),
+            "results": tuple(s.result for s in members), "cost": cost,
+            "key_unit": derivation.key_unit,
         })
         out = []
         for bucket in buckets:
@@ -285,11 +292,12 @@ class _Rewriter:
             if np.dtype(aval.dtype) not in allreduce._SUPPORTED_DTYPES:
                 self.report.skipped.append(f"{name} of {np.dtype(aval.dtype).name} in {scope}")
                 return None
-            return _Site(index, axes, _PSUM_PRIMITIVES[name], _nbytes(aval), None)
+            return _Site(index, axes, _PSUM_PRIMITIVES[name], _nbytes(aval), None,
+                         eqn.outvars[0])
         if eqn.primitive is allreduce.libra_psum_p:
             p = eqn.params
             return _Site(index, tuple(p["axes"]), p["invariant"], _nbytes(eqn.invars[0].aval),
-                         p["blocks"])
+                         p["blocks"], eqn.outvars[0])
         return None
 
     def sub_jaxprs(self, eqn: Any, axis_sizes: dict, scope: str, in_loop: bool) -> Any:
@@ -486,9 +494,7 @@ def _fused_lowering(single_rule: Callable[..., Any]) -> Callable[..., Any]:
             in_avals = [ctx.avals_in[i] for i in idx]
             sizes = [int(math.prod(a.shape)) for a in in_avals]
             flat = _compat.ShapedArray((sum(sizes),), dtype)
-            concat = _compat.lower_fun(lambda *vs: jnp.concatenate([v.reshape(-1) for v in vs]))
-            cat, = _as_list(concat(ctx.replace(primitive=None, avals_in=in_avals,
-                                               avals_out=[flat]), *[xs[i] for i in idx]))
+            cat = _pack([xs[i] for i in idx], sizes, dtype)
             reduced, = _as_list(single_rule(ctx.replace(primitive=None, avals_in=[flat],
                                                         avals_out=[flat]),
                                             cat, axes=axes, blocks=blocks, inplace=True,
@@ -506,6 +512,28 @@ def _fused_lowering(single_rule: Callable[..., Any]) -> Callable[..., Any]:
                 outs[i] = part
         return outs
     return rule
+
+
+def _pack(xs: Sequence[Any], sizes: Sequence[int], dtype: Any) -> Any:
+    """Flatten and concatenate `xs` (IR values of one dtype) as a chain of in-place
+    `dynamic-update-slice`s into one zeroed buffer. XLA:CPU turns a many-operand `concatenate`
+    into one loop that picks the operand per element, several times slower than copying each
+    operand in turn. Emitted as HLO directly: it involves no varying-axes typing."""
+    ety = _compat.ir.RankedTensorType(xs[0].type).element_type
+    total = int(sum(sizes))
+    zero_attr = (_compat.ir.IntegerAttr.get(ety, 0) if np.issubdtype(dtype, np.integer)
+                 else _compat.ir.FloatAttr.get(ety, 0.0))
+    scalar_t = _compat.ir.RankedTensorType.get([], ety)
+    zero = _compat.hlo.constant(_compat.ir.DenseElementsAttr.get_splat(scalar_t, zero_attr))
+    buf = _compat.hlo.broadcast_in_dim(_compat.ir.RankedTensorType.get([total], ety), zero,
+                                       _compat.ir.DenseI64ArrayAttr.get([]))
+    offset = 0
+    for x, n in zip(xs, sizes):
+        flat = _compat.hlo.reshape(_compat.ir.RankedTensorType.get([int(n)], ety), x)
+        start = _compat.hlo.constant(_compat.ir.DenseElementsAttr.get(np.array(offset, np.int32)))
+        buf = _compat.hlo.dynamic_update_slice(buf, flat, [start])
+        offset += int(n)
+    return buf
 
 
 def _as_list(x: Any) -> list[Any]:

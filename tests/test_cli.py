@@ -161,3 +161,60 @@ def test_timeline_rejects_bad_buckets() -> None:
         gantt.timeline(layers, [planner.Bucket(0, 1, 1)], cost)
     with pytest.raises(ValueError, match="not in the cost model"):
         gantt.timeline(layers, [planner.Bucket(0, 2, 2)], cost)
+
+
+# ------------------------------------------------------------------------------------------
+# plan
+# ------------------------------------------------------------------------------------------
+
+PLAN_SCRIPT = '''
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+def build(small=False):
+    mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:8]), ("data",))
+    rng = np.random.default_rng(0)
+    params = {"w1": rng.standard_normal((8, 32)).astype(np.float32),
+              "w2": rng.standard_normal((32, 4)).astype(np.float32)}
+    def local(p, x):
+        loss, g = jax.value_and_grad(lambda p: jnp.mean(jnp.tanh(x @ p["w1"]) @ p["w2"]))(p)
+        g = jax.lax.pmean(g, "data")
+        return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), jax.lax.pmean(loss, "data")
+    step = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P()),
+                         check_vma=False)
+    x = jax.device_put(rng.standard_normal((16, 8)).astype(np.float32), NamedSharding(mesh, P("data")))
+    return step, (params, x)
+'''
+
+
+@pytest.fixture
+def plan_script(tmp_path):
+    path = tmp_path / "tiny_step.py"
+    path.write_text(PLAN_SCRIPT)
+    return path
+
+
+def test_plan_prints_a_table(capsys: pytest.CaptureFixture[str], plan_script, jax_8) -> None:
+    status, out, _ = run(capsys, "plan", str(plan_script), "--plain")
+    assert status == 0
+    assert "tensors" in out and "predicted backward: Libra" in out
+    assert "default allocation" in out and "fusion only" in out
+    assert "w1" in out and "w2" in out
+
+
+@pytest.mark.skipif(not HAS_MATPLOTLIB, reason="matplotlib is not installed")
+def test_plan_gantt_png(capsys: pytest.CaptureFixture[str], plan_script, tmp_path, jax_8) -> None:
+    path = tmp_path / "plan.png"
+    status, out, _ = run(capsys, "plan", str(plan_script), "--gantt", str(path))
+    assert status == 0
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "wrote" in out
+
+
+def test_plan_errors(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
+    status, _, err = run(capsys, "plan", str(tmp_path / "missing.py"))
+    assert status == 2 and "no such file" in err
+    bad = tmp_path / "no_build.py"
+    bad.write_text("x = 1\n")
+    status, _, err = run(capsys, "plan", str(bad))
+    assert status == 2 and "defines no build" in err

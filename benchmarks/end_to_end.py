@@ -1,0 +1,142 @@
+"""End-to-end step time on 8 host CPU devices: plain (`jax.jit(step)`, XLA's all-reduce) vs
+optimized (`jax.jit(libra_jax.optimize(step))`), for the examples in `examples/`.
+
+    python benchmarks/end_to_end.py [--rounds 12] [--steps 5] [--out benchmarks/results/end_to_end.md]
+
+Each round times `--steps` consecutive steps of every arm, in an order that rotates from round to
+round (interleaved, so drift hits every arm alike); the table gives the median per-step time over
+rounds, its IQR, and the median and p10-p90 of the per-round ratio to plain. A third arm,
+`optimize(fusion=False)`, separates the effect of fusion from that of the engine.
+
+`--overlap` also runs one step per example with `LIBRA_JAX_DEBUG=1` in a subprocess and reads the
+engine's per-call log: an all-reduce whose first rank arrived before the previous all-reduce
+ended means that rank computed (the backward pass) while that all-reduce was in flight.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+import common  # noqa: E402  (8 host devices)
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import libra_jax  # noqa: E402
+
+CONFIGS = [("mlp", {}), ("cnn", {}), ("transformer", {}), ("transformer", {"variant": "pmap"})]
+LOG = re.compile(r"\[libra_jax\] .*?bytes=(\d+) blocks=(\d+) .*?first_arrival_us=(-?\d+) "
+                 r"start_us=(-?\d+) end_us=(-?\d+)")
+
+
+def label(name: str, options: dict) -> str:
+    return name + "".join(f" ({v})" for v in options.values())
+
+
+def bench(name: str, options: dict, rounds: int, steps: int) -> dict:
+    step, args = common.load_example(name).build(False, **options)
+    arms = {"plain": jax.jit(step, donate_argnums=0),
+            "optimized": jax.jit(libra_jax.optimize(step), donate_argnums=0),
+            "optimized, fusion=False": jax.jit(libra_jax.optimize(step, fusion=False),
+                                               donate_argnums=0)}
+    state = {k: common.copy_tree(args[0]) for k in arms}
+    batch = args[1:]
+    for k, f in arms.items():  # compile + warm up
+        for _ in range(common.WARMUP):
+            state[k], loss = f(state[k], *batch)
+            float(loss)
+    per_step: dict[str, list[float]] = {k: [] for k in arms}
+    names = list(arms)
+    for r in range(rounds):
+        for k in names[r % len(names):] + names[:r % len(names)]:
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                state[k], loss = arms[k](state[k], *batch)
+            float(loss)
+            per_step[k].append((time.perf_counter() - t0) / steps)
+    return per_step
+
+
+def overlap(name: str, options: dict) -> str:
+    """Run one example under LIBRA_JAX_DEBUG=1 and summarise its all-reduce timestamps."""
+    code = (f"import sys; sys.path.insert(0, {str(ROOT / 'examples')!r}); import common, jax, libra_jax\n"
+            f"step, args = common.load_example({name!r}).build(False, **{options!r})\n"
+            "for fusion in (True, False):\n"
+            "    f = jax.jit(libra_jax.optimize(step, fusion=fusion)); s = common.copy_tree(args[0])\n"
+            "    for i in range(3):\n"
+            "        if i == 2: print('@@STEP', fusion, file=sys.stderr, flush=True)\n"
+            "        s, l = f(s, *args[1:]); float(l)\n"
+            "        if i == 2: print('@@END', file=sys.stderr, flush=True)\n")
+    env = dict(os.environ, LIBRA_JAX_DEBUG="1")
+    err = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=900).stderr
+    out = []
+    for part in err.split("@@STEP")[1:]:
+        fusion = part.split()[0]
+        part = part.split("@@END")[0]
+        calls = [tuple(int(g) for g in m.groups()) for m in LOG.finditer(part)]
+        calls.sort(key=lambda c: c[2])
+        early = sum(1 for a, b in zip(calls, calls[1:]) if b[2] < a[4])
+        in_flight = [a[4] - b[2] for a, b in zip(calls, calls[1:]) if b[2] < a[4]]
+        spans = ", ".join(f"{c[0] / 2**10:.0f}KiB k={c[1]}: first {c[2] - calls[0][2]}, start "
+                          f"{c[3] - calls[0][2]}, end {c[4] - calls[0][2]}" for c in calls[:6])
+        out.append(f"- {label(name, options)}, fusion={fusion}: {len(calls)} all-reduces in a step; "
+                   f"{early} of {max(len(calls) - 1, 0)} next all-reduces had a rank arrive before "
+                   f"the previous one ended (by up to {max(in_flight, default=0)} us). First calls "
+                   f"(us from the step's first arrival): {spans}")
+    return "\n".join(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=5, help="steps per arm per round")
+    parser.add_argument("--only", default=None, help="one example name")
+    parser.add_argument("--overlap", action="store_true", help="also read the engine's debug log")
+    parser.add_argument("--out", default=None, help="write a markdown table here")
+    a = parser.parse_args()
+    rows = []
+    for name, options in CONFIGS:
+        if a.only and a.only != name:
+            continue
+        t0 = time.perf_counter()
+        res = bench(name, options, a.rounds, a.steps)
+        base = np.asarray(res["plain"])
+        for arm, ts in res.items():
+            ts = np.asarray(ts)
+            ratio = ts / base
+            rows.append(f"| {label(name, options)} | {arm} | {np.median(ts) * 1e3:.1f} | "
+                        f"{np.percentile(ts, 25) * 1e3:.1f}-{np.percentile(ts, 75) * 1e3:.1f} | "
+                        f"{np.median(ratio):.2f} | {np.percentile(ratio, 10):.2f}-"
+                        f"{np.percentile(ratio, 90):.2f} |")
+            print(rows[-1], flush=True)
+        print(f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
+    notes = ""
+    if a.overlap:
+        notes = "\n".join(overlap(n, o) for n, o in CONFIGS if not a.only or a.only == n)
+        print(notes)
+    if a.out:
+        cmd = "python benchmarks/end_to_end.py " + " ".join(sys.argv[1:])
+        text = (f"Command: `{cmd}`\n\nDate: {datetime.date.today()}; jax {jax.__version__}; Python "
+                f"{platform.python_version()}; {os.cpu_count()} CPU cores; 8 host devices.\n"
+                f"{a.rounds} interleaved rounds of {a.steps} steps per arm after {common.WARMUP} "
+                f"warm-up steps; per-step times.\n\n"
+                "| example | arm | median ms | IQR ms | ratio to plain | ratio p10-p90 |\n"
+                "|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
+        if notes:
+            text += "\nEngine debug log (one steady-state step, LIBRA_JAX_DEBUG=1):\n\n" + notes + "\n"
+        Path(a.out).write_text(text)
+        print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()

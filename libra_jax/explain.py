@@ -1,0 +1,401 @@
+"""`libra_jax.explain(fn, *args)`: what `libra_jax.optimize` decides for a train step, and why.
+
+It traces `fn` as `optimize` does, rewrites it, and returns an :class:`Explanation`: per planned
+scope (a stream of backward compute with its gradient psums), the buckets in backward order with
+the tensors in each (by the parameter path they update, where the data flow shows it), bytes,
+allocation, the compute that produces them and the predicted all-reduce time; and the predicted
+backward time of Libra's plan against the default allocation (fixed allocation, 64 MiB fusion)
+and against fusion only (the planner's grouping at the fixed allocation). Every predicted time is
+the planner's simulation (`planner.simulate`, replayed by `gantt.timeline`), so the numbers are
+exactly those the planner optimised. It prints a table (with `rich` if installed, else text).
+"""
+from __future__ import annotations
+
+import dataclasses
+import io
+import sys
+from typing import Any, Callable, Sequence, TextIO
+
+import jax
+
+from libra_jax import _compat, gantt, planner, rewrite
+
+__all__ = ["explain", "Explanation", "ScopePlan", "BucketRow"]
+
+HOROVOD_FUSION_BYTES = 64 << 20  # the default policy's fusion threshold (cli.HOROVOD_FUSION_MIB)
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketRow:
+    """One gradient bucket (one all-reduce) of a scope, in backward order."""
+
+    index: int
+    tensors: tuple[str, ...]        # parameter paths (or "psum #i: shape" where unknown)
+    nbytes: int                     # bytes per rank
+    blocks: int                     # engine blocks (CPU worker tasks / CUDA thread blocks)
+    allocation: int                 # the cost model's option (blocks, or total threads)
+    compute_s: float                # compute of its layers (the gradients it carries), full speed
+    ready_s: float                  # predicted time its last gradient is ready
+    start_s: float                  # predicted start and end of its all-reduce
+    end_s: float
+
+    @property
+    def comm_s(self) -> float:
+        return self.end_s - self.start_s
+
+
+@dataclasses.dataclass(frozen=True)
+class ScopePlan:
+    """The plan of one scope: the planner's layers and buckets and what they predict."""
+
+    scope: str
+    axes: tuple
+    world: int
+    profile: str
+    key_unit: str
+    layers: tuple[planner.Layer, ...]
+    buckets: tuple[planner.Bucket, ...]
+    cost: planner.CostModel
+    rows: tuple[BucketRow, ...]
+    backward_s: float               # Libra's plan (= planner.simulate(layers, buckets, cost))
+    default_s: float                # default allocation with 64 MiB fusion
+    fusion_only_s: float            # planner's fusion at the default allocation
+    default_allocation: int
+    compute_s: float                # backward compute at full speed
+
+
+@dataclasses.dataclass(frozen=True)
+class Explanation:
+    scopes: tuple[ScopePlan, ...]
+    others: tuple[rewrite.PsumPlan, ...]   # forward / loop / user all-reduces (not planned)
+    report: rewrite.OptimizeReport
+
+    @property
+    def backward_s(self) -> float:
+        return sum(s.backward_s for s in self.scopes)
+
+    @property
+    def default_s(self) -> float:
+        return sum(s.default_s for s in self.scopes)
+
+    @property
+    def fusion_only_s(self) -> float:
+        return sum(s.fusion_only_s for s in self.scopes)
+
+    def table(self, *, use_rich: bool | None = None, width: int = 120) -> str:
+        """The explanation as text (rich's rendering when available and not disabled)."""
+        if use_rich is None or use_rich:
+            try:
+                return _rich_text(self, width)
+            except ImportError:
+                if use_rich:
+                    raise
+        return _plain_text(self)
+
+    def __str__(self) -> str:
+        return self.table(use_rich=False)
+
+
+def explain(fn: Callable[..., Any], *args: Any, profile: Any = None, fusion: bool = True,
+            blocks: int | None = None, file: TextIO | None = sys.stdout,
+            use_rich: bool | None = None) -> Explanation:
+    """Plan `fn(*args)` as `libra_jax.optimize(fn, profile=..., fusion=..., blocks=...)` would,
+    print the plan to `file` (None: print nothing) and return it as an :class:`Explanation`.
+
+    `fn` may be jitted, `shard_map`ped, call `jax.pmap`, or be an `optimize`d function (its
+    original is explained). Nothing is compiled or run.
+    """
+    if getattr(fn, "last_report", _MISSING) is not _MISSING and hasattr(fn, "__wrapped__"):
+        fn = fn.__wrapped__  # an `optimize`d function: explain what it wraps
+    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    _, report = rewrite.rewrite_jaxpr(closed, profile=profile, fusion=fusion, blocks=blocks)
+    names = _result_names(closed, out_shape, report)
+    scopes = tuple(_scope_plan(entry, report, names) for entry in report.predicted)
+    others = tuple(p for p in report.plans if p.kind != "gradient")
+    result = Explanation(scopes, others, report)
+    if file is not None:
+        print(result.table(use_rich=use_rich), file=file)
+    return result
+
+
+_MISSING = object()
+
+
+# --- Per-scope plan -------------------------------------------------------------------------
+
+def _scope_plan(entry: dict, report: rewrite.OptimizeReport, names: dict) -> ScopePlan:
+    from libra_jax import cli, model
+
+    layers = tuple(entry["layers"])
+    buckets = tuple(entry["buckets"])
+    cost = entry["cost"]
+    derivation = model.derive(entry["profile"], entry["world"])
+    default_alloc = cli.default_allocation(derivation)
+    if default_alloc not in cost.slowdown:
+        default_alloc = max(cost.slowdown)
+    default = planner.plan_default(list(layers), cost, blocks=default_alloc,
+                                   fusion_bytes=HOROVOD_FUSION_BYTES)
+    fusion_only = planner.plan_fusion_only(list(layers), cost, blocks=default_alloc)
+    tl = gantt.timeline(list(layers), list(buckets), cost)
+    spans = {c.bucket: c for c in tl.collectives}
+    members, results = entry["members"], entry["results"]
+    engine = {(p.scope, p.members[-1]): p.blocks for p in report.plans if p.kind == "gradient"}
+    rows = []
+    for j, b in enumerate(buckets):
+        idx = range(b.first, b.last + 1)
+        tensors = tuple(names.get(id(results[i]), _unnamed(results[i], members[i])) for i in idx)
+        span = spans.get(j)
+        ready = max((c.end for c in tl.compute if b.first <= c.layer <= b.last), default=0.0)
+        rows.append(BucketRow(
+            index=j, tensors=tensors, nbytes=sum(layers[i].grad_bytes for i in idx),
+            blocks=engine.get((entry["scope"], members[b.last]), b.blocks), allocation=b.blocks,
+            compute_s=sum(layers[i].compute_s for i in idx),
+            ready_s=span.ready if span else ready,
+            start_s=span.start if span else ready, end_s=span.end if span else ready))
+    return ScopePlan(
+        scope=entry["scope"], axes=tuple(entry["axes"]), world=entry["world"],
+        profile=str(entry["profile"]), key_unit=entry["key_unit"], layers=layers, buckets=buckets,
+        cost=cost, rows=tuple(rows), backward_s=tl.backward_s, default_s=default.backward_s,
+        fusion_only_s=fusion_only.backward_s, default_allocation=default_alloc,
+        compute_s=sum(layer.compute_s for layer in layers))
+
+
+# --- Which parameter does a gradient psum update? ---------------------------------------------
+
+def _result_names(closed: Any, out_shape: Any, report: rewrite.OptimizeReport) -> dict:
+    """id(psum result var) -> the path of the output it updates.
+
+    The result is followed through the data flow (into and out of `jit`, `shard_map`,
+    `custom_jvp/vjp` and `checkpoint` bodies; conservatively through anything else) to the
+    outputs of the traced function; of the outputs it reaches with its shape, the first in the
+    output tree (the updated parameter comes before the optimizer state that also depends on
+    it) names it. Paths are shortened by their common prefix.
+    """
+    wanted = {id(v): v for entry in report.predicted for v in entry["results"] if v is not None}
+    if not wanted:
+        return {}
+    out_paths = [_path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(out_shape)[0]]
+    out_avals = [getattr(v, "aval", None) for v in closed.jaxpr.outvars]
+    found: dict[int, list[int]] = {}
+
+    def visit(jaxpr: Any, chain: list[tuple[Any, Any]]) -> None:
+        for k, eqn in enumerate(jaxpr.eqns):
+            for v in eqn.outvars:
+                if id(v) in wanted:
+                    found[id(v)] = _reach_top(jaxpr, {v}, k, chain)
+            for sub in _aligned_subjaxprs(eqn):
+                visit(sub, chain + [(jaxpr, (k, eqn))])
+
+    visit(closed.jaxpr, [])
+    raw: dict[int, str] = {}
+    for key, positions in found.items():
+        size = _size(wanted[key].aval.shape)
+        if size <= 1:
+            continue  # a scalar (the loss): no parameter
+        # Same number of elements (bias gradients may carry extra unit axes; pmap outputs a
+        # leading device axis unless out_axes=None).
+        same = [i for i in positions if out_avals[i] is not None
+                and size in (_size(out_avals[i].shape), _size(out_avals[i].shape[1:]))]
+        if same:
+            raw[key] = out_paths[same[0]]
+    return _shorten(raw)
+
+
+def _reach_top(jaxpr: Any, seeds: set, start: int, chain: list[tuple[Any, Any]]) -> list[int]:
+    """Positions of the top-level outputs that values `seeds` of `jaxpr` reach."""
+    positions = _reach(jaxpr, seeds, start)
+    for parent, (k, eqn) in reversed(chain):
+        outs = {eqn.outvars[i] for i in positions if i < len(eqn.outvars)}
+        positions = _reach(parent, outs, k + 1)
+    return sorted(positions)
+
+
+def _reach(jaxpr: Any, seeds: set, start: int = 0) -> set[int]:
+    live = {id(v) for v in seeds}
+    for eqn in jaxpr.eqns[start:]:
+        hit = [i for i, v in enumerate(eqn.invars) if _is_var(v) and id(v) in live]
+        if not hit:
+            continue
+        subs = _aligned_subjaxprs(eqn)
+        if len(subs) == 1 and len(subs[0].invars) == len(eqn.invars):
+            sub = subs[0]
+            outs = _reach(sub, {sub.invars[i] for i in hit})
+        else:
+            outs = set(range(len(eqn.outvars)))
+        live.update(id(eqn.outvars[i]) for i in outs if i < len(eqn.outvars))
+    return {i for i, v in enumerate(jaxpr.outvars) if _is_var(v) and id(v) in live}
+
+
+# Sub-jaxprs whose inputs and outputs are the equation's, position by position.
+_ALIGNED = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
+            "shard_map": "jaxpr", "checkpoint": "jaxpr", "remat2": "jaxpr",
+            "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
+            "custom_vjp_call_jaxpr": "fun_jaxpr"}
+
+
+def _aligned_subjaxprs(eqn: Any) -> list[Any]:
+    name = _ALIGNED.get(eqn.primitive.name)
+    if name is None:
+        return [getattr(j, "jaxpr", j) for j in _compat.jaxprs_in_params(eqn.params)] \
+            if eqn.primitive.name in rewrite._RULES else []
+    value = eqn.params.get(name)
+    if value is None:
+        value = eqn.params.get("fun_jaxpr", eqn.params.get("call_jaxpr"))
+    if value is None:
+        return []
+    return [getattr(value, "jaxpr", value)]
+
+
+def _unnamed(var: Any, index: int) -> str:
+    shape = tuple(getattr(getattr(var, "aval", None), "shape", ()))
+    return "scalar (loss?)" if _size(shape) <= 1 else f"psum #{index} {list(shape)}"
+
+
+def _is_var(v: Any) -> bool:
+    return isinstance(v, _compat.Var)
+
+
+def _size(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def _path_str(path: Sequence[Any]) -> str:
+    parts = []
+    for k in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+        else:
+            parts.append(str(k))
+    return ".".join(parts)
+
+
+def _shorten(paths: dict[int, str]) -> dict[int, str]:
+    """Drop the leading components all paths share (e.g. ``0.0.params.``)."""
+    split = {k: v.split(".") for k, v in paths.items()}
+    if len(split) < 2:
+        return {k: ".".join(v[-2:]) for k, v in split.items()}
+    common = 0
+    values = list(split.values())
+    while all(len(v) > common + 1 for v in values) and len({v[common] for v in values}) == 1:
+        common += 1
+    return {k: ".".join(v[common:]) for k, v in split.items()}
+
+
+# --- Rendering ------------------------------------------------------------------------------
+
+def _fmt_bytes(n: int) -> str:
+    for unit, size in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+def _tensor_list(tensors: Sequence[str], limit: int = 60) -> str:
+    text = ", ".join(tensors)
+    if len(text) <= limit:
+        return text
+    shown, total = [], 0
+    for t in tensors:
+        if total + len(t) + 2 > limit - 12:
+            break
+        shown.append(t)
+        total += len(t) + 2
+    return ", ".join(shown) + f" +{len(tensors) - len(shown)} more"
+
+
+def _header(s: ScopePlan) -> str:
+    return (f"scope {s.scope}, axes {', '.join(map(str, s.axes))}, {s.world} ranks, profile "
+            f"{s.profile} (allocation in {s.key_unit.replace('_', ' ')}); "
+            f"{len(s.layers)} gradient psums -> {len(s.buckets)} buckets")
+
+
+def _columns() -> list[str]:
+    return ["#", "tensors (planning order)", "bytes", "blocks", "compute ms", "ready ms",
+            "all-reduce ms", "start-end ms"]
+
+
+def _cells(r: BucketRow) -> list[str]:
+    ms = 1e3
+    alloc = f"{r.blocks}" if r.blocks == r.allocation else f"{r.blocks} ({r.allocation})"
+    return [str(r.index), _tensor_list(r.tensors), _fmt_bytes(r.nbytes), alloc,
+            f"{r.compute_s * ms:.3f}", f"{r.ready_s * ms:.3f}", f"{r.comm_s * ms:.3f}",
+            f"{r.start_s * ms:.3f}-{r.end_s * ms:.3f}"]
+
+
+def _summary(s: ScopePlan) -> list[str]:
+    ms = 1e3
+
+    def vs(t: float) -> str:
+        return f"{t * ms:.3f} ms (Libra {(s.backward_s / t - 1) * 100:+.1f}%)" if t > 0 else "0"
+    return [f"predicted backward: Libra {s.backward_s * ms:.3f} ms (compute alone "
+            f"{s.compute_s * ms:.3f} ms)",
+            f"  default allocation ({s.default_allocation}, 64 MiB fusion): {vs(s.default_s)}",
+            f"  fusion only (allocation {s.default_allocation}): {vs(s.fusion_only_s)}"]
+
+
+def _others_lines(e: Explanation) -> list[str]:
+    if not e.others:
+        return []
+    lines = ["other all-reduces (not planned with the backward pass):"]
+    for p in e.others:
+        lines.append(f"  {p.kind:<8} {p.scope} axes {', '.join(map(str, p.axes))}: "
+                     f"{_fmt_bytes(p.nbytes)}, blocks {p.blocks}")
+    return lines
+
+
+def _plain_text(e: Explanation) -> str:
+    out: list[str] = []
+    if not e.scopes:
+        out.append("no gradient psums to plan")
+    for s in e.scopes:
+        out.append(_header(s))
+        rows = [_columns()] + [_cells(r) for r in s.rows]
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        for n, r in enumerate(rows):
+            out.append("  ".join(c.ljust(w) if i == 1 else c.rjust(w)
+                                 for i, (c, w) in enumerate(zip(r, widths))))
+            if n == 0:
+                out.append("  ".join("-" * w for w in widths))
+        out.extend(_summary(s))
+        out.append("")
+    out.extend(_others_lines(e))
+    return "\n".join(out).rstrip()
+
+
+def _rich_text(e: Explanation, width: int) -> str:
+    from rich.console import Console
+    from rich.table import Table
+
+    buf = io.StringIO()
+    console = Console(file=buf, width=width, force_terminal=False, color_system=None)
+    if not e.scopes:
+        console.print("no gradient psums to plan")
+    for s in e.scopes:
+        table = Table(title=_header(s), title_justify="left")
+        for i, c in enumerate(_columns()):
+            table.add_column(c, justify="left" if i == 1 else "right", overflow="fold")
+        for r in s.rows:
+            table.add_row(*_cells(r))
+        console.print(table)
+        for line in _summary(s):
+            console.print(line, highlight=False)
+        console.print()
+    for line in _others_lines(e):
+        console.print(line, highlight=False)
+    return buf.getvalue().rstrip()
+
+
+class _CallableModule(type(sys)):
+    """`import libra_jax.explain` binds this module to the name `libra_jax.explain`, which is
+    also the function's public name: calling the module calls the function."""
+
+    def __call__(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Explanation:
+        return explain(fn, *args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

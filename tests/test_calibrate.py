@@ -1,0 +1,168 @@
+"""`libra-jax calibrate`: a tiny calibration yields a profile that `optimize` loads by default,
+bad profiles are rejected with a clear message, and the fits recover known parameters."""
+from __future__ import annotations
+
+import json
+import warnings
+
+import numpy as np
+import pytest
+
+from libra_jax import calibrate, cli, model
+
+pytest.importorskip("scipy")
+
+
+@pytest.fixture(scope="module")
+def tiny_profile(tmp_path_factory, jax_8):
+    path = tmp_path_factory.mktemp("profiles") / "cpu.json"
+    out, doc = calibrate.calibrate(calibrate.TINY, devices=8, progress=False, out=path)
+    assert out == path
+    return path, doc
+
+
+def test_tiny_calibration_writes_a_valid_profile(tiny_profile) -> None:
+    path, doc = tiny_profile
+    profile = model.load_profile(path)
+    assert profile.name == "cpu-calibrated" and profile.form == "nccl-style"
+    assert profile.sources["nccl_style.per_block_gbyte_per_s"].source == "measured"
+    assert profile.sources["device.memory_gbyte_per_s"].source == "measured"
+    cal = json.loads(path.read_text())["calibration"]
+    for key in ("machine", "backend", "jax_version", "date", "samples", "analysis"):
+        assert key in cal, key
+    assert cal["backend"] == "cpu" and cal["workers"] == 8
+    assert len(cal["samples"]["alone"]) == (len(calibrate.TINY.sizes) * len(calibrate.TINY.blocks)
+                                            * calibrate.TINY.reps)
+    fit = cal["analysis"]["alone"]["fit"]
+    assert np.isfinite(fit["rms_rel_error"]) and set(fit["ci95"]) == set(fit["params"])
+    derivation = model.derive(profile, 8)
+    assert set(derivation.cost.slowdown) <= set(calibrate.TINY.blocks)
+    assert all(s >= 1 for s in derivation.cost.slowdown.values())
+    assert "devices 8" in calibrate.summary(doc)
+
+
+def test_optimize_uses_the_calibrated_profile_by_default(tiny_profile, monkeypatch, tmp_path, jax_8) -> None:
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    import libra_jax
+    from conftest import mesh_of
+
+    path, _ = tiny_profile
+    monkeypatch.setenv(model.PROFILE_DIR_ENV, str(path.parent))
+    assert model.calibrated_profile_path("cpu") == path
+    assert model.default_profile("cpu") == str(path)
+    mesh = mesh_of((8,), ("d",))
+
+    def step(w, x):
+        g = jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w) ** 2))(w)
+        return jax.lax.psum(g, "d")
+
+    fn = jax.shard_map(step, mesh=mesh, in_specs=(P(), P("d")), out_specs=P(), check_vma=False)
+    opt = libra_jax.optimize(fn)
+    w, x = jnp.ones((16, 16)), jnp.ones((64, 16))
+    np.testing.assert_array_equal(np.asarray(opt(w, x)), np.asarray(jax.jit(fn)(w, x)))
+    assert opt.last_report.predicted[0]["profile"] == "cpu-calibrated"
+    # Without a calibrated profile: the shipped one.
+    monkeypatch.setenv(model.PROFILE_DIR_ENV, str(tmp_path / "empty"))
+    assert model.default_profile("cpu") == "cpu-host"
+
+
+def _write(tmp_path, doc) -> str:
+    (tmp_path / "cpu.json").write_text(doc if isinstance(doc, str) else json.dumps(doc))
+    return str(tmp_path / "cpu.json")
+
+
+def test_outdated_or_malformed_profiles_are_rejected(tiny_profile, tmp_path, monkeypatch) -> None:
+    _, doc = tiny_profile
+    monkeypatch.setenv(model.PROFILE_DIR_ENV, str(tmp_path))
+    old = dict(doc, schema_version=0)
+    with pytest.raises(ValueError, match=r"'schema_version' must be 1, got 0 \(an outdated profile: re-run "
+                                         r"`libra-jax calibrate`"):
+        model.load_profile(_write(tmp_path, old))
+    with pytest.raises(ValueError, match=r"got 7 \(written by a newer libra_jax"):
+        model.profile_from_dict(dict(doc, schema_version=7))
+    with pytest.raises(ValueError, match=r"field 'calibration' must be an object"):
+        model.profile_from_dict(dict(doc, calibration=[1, 2]))
+    broken = json.loads(json.dumps(doc))
+    del broken["nccl_style"]["per_block_gbyte_per_s"]
+    with pytest.raises(ValueError, match=r"'nccl_style\.per_block_gbyte_per_s' is missing"):
+        model.load_profile(_write(tmp_path, broken))
+    # The default lookup skips a bad calibrated profile with a warning that says why.
+    for bad, why in ((old, "outdated profile"), ("{not json", "not valid JSON"), (broken, "is missing")):
+        _write(tmp_path, bad)
+        model._warned_profiles.clear()
+        with pytest.warns(RuntimeWarning, match=why):
+            assert model.default_profile("cpu") == "cpu-host"
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # once per file
+            assert model.default_profile("cpu") == "cpu-host"
+
+
+def test_refuses_without_two_devices(jax_8, capsys) -> None:
+    with pytest.raises(calibrate.CalibrationError, match="at least 2 devices.*found 1"):
+        calibrate.measure(calibrate.TINY, devices=1, progress=False)
+    assert cli.main(["calibrate", "--devices", "1"]) == 2
+    assert "--devices must be >= 2" in capsys.readouterr().err
+
+
+def test_cli_has_calibrate() -> None:
+    args = cli.build_parser().parse_args(["calibrate", "--quick", "--out", "x.json"])
+    assert args.quick and args.out == "x.json" and args.func is cli._run_calibrate
+
+
+def test_profile_dir_env_and_xdg(monkeypatch, tmp_path) -> None:
+    monkeypatch.delenv(model.PROFILE_DIR_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert model.calibrated_profile_path("cuda") == tmp_path / "libra_jax" / "profiles" / "cuda.json"
+    monkeypatch.setenv(model.PROFILE_DIR_ENV, str(tmp_path / "mine"))
+    assert model.calibrated_profile_path("cpu") == tmp_path / "mine" / "cpu.json"
+
+
+# --- Fits on synthetic samples ------------------------------------------------------------------
+
+
+def test_fit_alone_recovers_known_parameters() -> None:
+    rng = np.random.default_rng(1)
+    sizes = np.array([64, 256, 1024, 4096, 16384]) * 1024.0
+    blocks = np.array([1, 2, 4, 8])
+    b, k = (a.ravel() for a in np.meshgrid(sizes, blocks))
+    true = dict(beta=2e9, link=6e9, p=4.0, lat=30e-6)
+    t = calibrate.alone_time_s(b, k, 8, true["beta"], true["link"], true["p"], true["lat"])
+    fit = calibrate.fit_alone(b, k, t * np.exp(rng.normal(0, 0.01, t.size)), 8)
+    assert fit.params["beta_bytes_per_s"] == pytest.approx(true["beta"], rel=0.05)
+    assert fit.params["link_bytes_per_s"] == pytest.approx(true["link"], rel=0.05)
+    assert fit.params["latency_s"] == pytest.approx(true["lat"], rel=0.15)
+    assert fit.rms_rel_error < 0.02
+    # Overlapped: eta with the solo parameters fixed.
+    ov = calibrate.alone_time_s(b, k, 8, true["beta"], true["link"], true["p"], true["lat"], eta=0.3)
+    eta = calibrate.fit_overlap(b, k, ov, 8, fit).params["eta"]
+    assert eta == pytest.approx(0.3, rel=0.05)
+
+
+def test_fit_slowdown_recovers_units_and_memory_traffic() -> None:
+    k = np.array([1, 2, 3, 4, 6, 8])
+    units = calibrate.fit_slowdown_units(k, 24 / (24 - 2 * k))
+    assert (units.params["compute_units"], units.params["units_per_block"]) in ((24, 2), (12, 1), (36, 3),
+                                                                               (48, 4), (60, 5), (72, 6),
+                                                                               (84, 7), (96, 8))
+    assert units.rms_rel_error < 1e-9
+    bus = 1e9 * k
+    s = 40e9 / (40e9 - 3.0 * bus)
+    mem = calibrate.fit_memory_traffic(k, s, bus, 40e9)
+    assert mem.params["memory_bytes_per_bus_byte"] == pytest.approx(3.0, rel=1e-3)
+
+
+def test_slowdown_from_windows() -> None:
+    rng = np.random.default_rng(2)
+    d = rng.uniform(0.01, 0.05, 50)  # seconds of all-reduce inside the window
+    extra = d * (1 - 1 / 1.5) + rng.normal(0, 1e-4, 50)
+    assert calibrate.slowdown_from_windows(extra, d) == pytest.approx(1.5, rel=0.02)
+    assert calibrate.slowdown_from_windows([], []) == 1.0
+    assert calibrate.slowdown_from_windows([-1.0], [1.0]) == 1.0
+
+
+def test_median_ci() -> None:
+    med, lo, hi = calibrate.median_ci([1.0, 2.0, 3.0, 4.0, 100.0])
+    assert med == 3.0 and lo <= med <= hi

@@ -1,0 +1,36 @@
+"""The examples run a few steps at small sizes, plain and optimized, with matching results."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("optax")
+pytest.importorskip("flax")
+
+pytestmark = pytest.mark.usefixtures("jax_8")
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+sys.path.insert(0, str(EXAMPLES))
+
+import common  # noqa: E402
+
+
+@pytest.mark.parametrize("name, options", [("mlp", {}), ("cnn", {}), ("transformer", {}),
+                                           ("transformer", {"variant": "pmap"})])
+def test_example_trains_with_matching_results(name, options):
+    module = common.load_example(EXAMPLES / f"{name}.py")
+    step, args = module.build(True, **options)
+    res = common.train(step, args, 3, progress=False)
+    plain, opt = res.losses["plain"], res.losses["optimized"]
+    assert len(plain) == len(opt) == 3 and np.all(np.isfinite(plain))
+    np.testing.assert_allclose(opt, plain, rtol=1e-5, atol=1e-6)
+    for a, b in zip(*(__import__("jax").tree.leaves(s) for s in res.states.values())):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
+    assert plain[-1] < plain[0]  # it learns
+    report = res.report
+    assert report is not None and report.num_psums > 0
+    assert any(p.kind == "gradient" for p in report.plans)
+    assert len(res.times["plain"]) == 3 - common.WARMUP

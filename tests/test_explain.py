@@ -1,0 +1,111 @@
+"""libra_jax.explain: the plan with its predicted times, which are planner.simulate's."""
+from __future__ import annotations
+
+import io
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import libra_jax
+from libra_jax import planner
+from libra_jax.explain import Explanation
+
+from conftest import mesh_of, shard
+
+pytestmark = pytest.mark.usefixtures("jax_8")
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def mlp_step():
+    """A data-parallel SGD step in plain JAX, gradients psummed under check_vma=False."""
+    rng = np.random.default_rng(0)
+    sizes = [16, 64, 64, 8]
+    params = {f"layer{i}": {"w": (rng.standard_normal((m, n)) * 0.3).astype(np.float32),
+                            "b": np.zeros(n, np.float32)}
+              for i, (m, n) in enumerate(zip(sizes[:-1], sizes[1:]))}
+
+    def local(params, x):
+        def loss(p):
+            h = x
+            for i in range(len(p)):
+                h = jnp.tanh(h @ p[f"layer{i}"]["w"] + p[f"layer{i}"]["b"])
+            return jnp.mean(h ** 2)
+        loss_value, grads = jax.value_and_grad(loss)(params)
+        grads = jax.tree.map(lambda g: jax.lax.psum(g, "x"), grads)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), jax.lax.pmean(loss_value, "x")
+
+    mesh = mesh_of((8,), ("x",))
+    step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P("x")), out_specs=(P(), P()),
+                                 check_vma=False))
+    x = shard(rng.standard_normal((32, sizes[0])).astype(np.float32), mesh, P("x"))
+    return step, (params, x)
+
+
+def check(e: Explanation) -> None:
+    assert e.scopes
+    for s in e.scopes:
+        assert s.backward_s == pytest.approx(planner.simulate(list(s.layers), list(s.buckets), s.cost),
+                                             rel=1e-12)
+        assert [r.nbytes for r in s.rows] == [sum(s.layers[i].grad_bytes
+                                                  for i in range(b.first, b.last + 1)) for b in s.buckets]
+        assert sum(len(r.tensors) for r in s.rows) == len(s.layers)
+        for r in s.rows:
+            assert r.ready_s <= r.start_s <= r.end_s <= s.backward_s + 1e-15
+            assert 1 <= r.blocks <= libra_jax.MAX_BLOCKS and r.allocation in s.cost.slowdown
+    assert e.backward_s == pytest.approx(sum(s.backward_s for s in e.scopes))
+
+
+def test_explain_plain_jax_step():
+    step, args = mlp_step()
+    out = io.StringIO()
+    e = libra_jax.explain(step, *args, file=out, use_rich=False)
+    check(e)
+    for s in e.scopes:  # with fusion, Libra's plan is never predicted slower than the baselines
+        assert s.backward_s <= min(s.default_s, s.fusion_only_s) * (1 + 1e-9)
+    names = {t for s in e.scopes for r in s.rows for t in r.tensors}
+    assert {f"layer{i}.{k}" for i in range(3) for k in "wb"} <= names, names
+    text = out.getvalue()
+    assert "predicted backward: Libra" in text and "default allocation" in text
+    assert "fusion only" in text and "layer0.w" in text
+    # the report's prediction is the same plan
+    assert e.report.predicted[0]["backward_s"] == pytest.approx(e.scopes[0].backward_s, rel=1e-12)
+
+
+def test_explain_options_and_optimized_functions():
+    step, args = mlp_step()
+    unfused = libra_jax.explain(step, *args, fusion=False, file=None)
+    assert all(len(r.tensors) == 1 for s in unfused.scopes for r in s.rows)
+    check(unfused)
+    opt = libra_jax.optimize(step)
+    again = libra_jax.explain(opt, *args, file=None)  # explains what `opt` wraps
+    assert [len(s.rows) for s in again.scopes] == [len(s.rows)
+                                                  for s in libra_jax.explain(step, *args, file=None).scopes]
+    assert "predicted backward" in str(again)
+
+
+def test_explain_rich_table():
+    pytest.importorskip("rich")
+    step, args = mlp_step()
+    e = libra_jax.explain(step, *args, file=None)
+    text = e.table(use_rich=True)
+    assert "tensors" in text and "layer0.w" in text
+
+
+@pytest.mark.parametrize("name", ["cnn", "transformer"])
+def test_explain_flax_examples(name):
+    pytest.importorskip("flax")
+    pytest.importorskip("optax")
+    sys.path.insert(0, str(EXAMPLES))
+    import common
+
+    step, args = common.load_example(EXAMPLES / f"{name}.py").build(True)
+    e = libra_jax.explain(step, *args, file=None)
+    check(e)
+    names = [t for s in e.scopes for r in s.rows for t in r.tensors]
+    assert any("kernel" in t for t in names), names
