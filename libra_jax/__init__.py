@@ -17,7 +17,7 @@ _LAZY = {
     "pmean": "libra_jax.allreduce",
     "MAX_BLOCKS": "libra_jax.allreduce",
     "optimize": "libra_jax.rewrite",
-    "explain": "libra_jax.explain",
+    "explain": "libra_jax.explanation",
 }
 
 

@@ -336,7 +336,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     module = _load_script(args.script)
     import importlib
 
-    explain_mod = importlib.import_module("libra_jax.explain")
+    explain_mod = importlib.import_module("libra_jax.explanation")
 
     kwargs = {"variant": args.variant} if args.variant else {}
     step, step_args = module.build(args.small, **kwargs)  # type: ignore[attr-defined]

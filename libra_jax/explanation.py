@@ -389,13 +389,3 @@ def _rich_text(e: Explanation, width: int) -> str:
         console.print(line, highlight=False)
     return buf.getvalue().rstrip()
 
-
-class _CallableModule(type(sys)):
-    """`import libra_jax.explain` binds this module to the name `libra_jax.explain`, which is
-    also the function's public name: calling the module calls the function."""
-
-    def __call__(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Explanation:
-        return explain(fn, *args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule

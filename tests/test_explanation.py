@@ -1,4 +1,4 @@
-"""libra_jax.explain: the plan with its predicted times, which are planner.simulate's."""
+"""libra_jax.explanation (`libra_jax.explain`): the plan with its predicted times, which are planner.simulate's."""
 from __future__ import annotations
 
 import io
@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import libra_jax
 from libra_jax import planner
-from libra_jax.explain import Explanation
+from libra_jax.explanation import Explanation
 
 from conftest import mesh_of, shard
 
@@ -109,3 +109,9 @@ def test_explain_flax_examples(name):
     check(e)
     names = [t for s in e.scopes for r in s.rows for t in r.tensors]
     assert any("kernel" in t for t in names), names
+
+
+def test_public_name_survives_module_import():
+    import libra_jax.explanation  # noqa: F401
+
+    assert callable(libra_jax.explain) and libra_jax.explain.__name__ == "explain"
