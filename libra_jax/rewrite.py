@@ -203,7 +203,11 @@ class _Rewriter:
             return jaxpr.replace(eqns=eqns)
         invars = set(jaxpr.invars)
         gradient = _terminal_sites(eqns, sites, jaxpr.outvars)
-        costs = [_roofline_s(eqn, self.profile) for eqn in eqns]
+        # Compute that consumes a gradient all-reduce (the optimizer update) waits for it
+        # and overlaps nothing: it is not part of the backward stream the planner sees.
+        waits = _downstream_of(eqns, [eqns[i].outvars[0] for i in sorted(gradient)])
+        costs = [0.0 if i in waits else _roofline_s(eqn, self.profile)
+                 for i, eqn in enumerate(eqns)]
         replacements: dict[int, Any] = {}
         removed: set[int] = set()
         groups: dict[tuple, list[_Site]] = {}
@@ -378,6 +382,17 @@ def _terminal_sites(eqns: Sequence[Any], sites: Sequence[_Site], outvars: Sequen
         if reaches:
             feeds_psum.update(v for v in eqn.invars if _is_var(v))
     return terminal
+
+
+def _downstream_of(eqns: Sequence[Any], seeds: Sequence[Any]) -> set[int]:
+    """Indices of the equations that (transitively) use one of the `seeds` variables."""
+    tainted = {v for v in seeds if _is_var(v)}
+    out: set[int] = set()
+    for i, eqn in enumerate(eqns):
+        if any(_is_var(v) and v in tainted for v in eqn.invars):
+            out.add(i)
+            tainted.update(v for v in eqn.outvars if _is_var(v))
+    return out
 
 
 def _can_fuse(eqns: Sequence[Any], bucket: Sequence[_Site]) -> bool:

@@ -323,3 +323,29 @@ def test_fusion_off_and_psum_hidden_in_a_later_jit():
     plans = [p for p in opt.last_report.plans
              if p.kind == "gradient" and p.scope.endswith("shard_map")]
     assert len(plans) == 2 and all(len(p.members) == 1 and p.blocks == 2 for p in plans)
+
+
+def test_update_compute_is_not_counted_as_overlap():
+    """Compute that consumes the all-reduced gradients (the optimizer update) cannot overlap
+    them: the planner sees the same backward stream with or without a heavy update."""
+    mesh = mesh_of((8,), ("x",))
+    rng = np.random.default_rng(9)
+    w = rng.standard_normal((64, 64)).astype(np.float32)
+    x = shard(rng.standard_normal((64, 64)).astype(np.float32), mesh, P("x"))
+    def make(update_steps):
+        def body(w, x):
+            g = jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w)))(w)
+            g = jax.lax.psum(g, "x")
+            for _ in range(update_steps):  # depends on g
+                w = jnp.tanh(w @ g)
+            return w
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P("x")), out_specs=P(),
+                                     check_vma=False))
+    layers = []
+    for steps in (0, 20):
+        f = make(steps)
+        opt = optimize(f)
+        jax.tree.map(assert_bitwise, jax.jit(opt)(w, x), f(w, x))
+        (entry,) = opt.last_report.predicted
+        layers.append(entry["layers"])
+    assert layers[0] == layers[1]
