@@ -30,7 +30,7 @@ from jax.extend.core import new_jaxpr_eqn as _new_jaxpr_eqn
 
 __all__ = [
     "ClosedJaxpr", "Jaxpr", "Var", "jaxpr_as_fun", "closed_jaxpr", "jaxprs_in_params",
-    "new_jaxpr_eqn", "mesh_axis_sizes", "Primitive", "Tracer", "ShapedArray", "ir", "hlo", "psum_p", "psum_invariant_p",
+    "new_jaxpr_eqn", "mesh_axis_sizes", "distributed_client", "Primitive", "Tracer", "ShapedArray", "ir", "hlo", "psum_p", "psum_invariant_p",
     "apply_primitive", "deflinear", "register_batcher", "register_lowering", "lower_fun",
     "ir_constant", "ir_tensor_type",
     "check_vma_enabled", "auto_pcast_enabled", "varying_axes", "input_state",
@@ -213,3 +213,10 @@ def new_jaxpr_eqn(invars: list, outvars: list, prim: Primitive, params: dict, ef
 def mesh_axis_sizes(mesh: Any) -> dict:
     """Axis name -> size of a (concrete or abstract) mesh."""
     return dict(mesh.shape)
+
+
+def distributed_client() -> Any:
+    """JAX's distributed key-value store client, or None without `jax.distributed`."""
+    from jax._src import distributed
+
+    return distributed.global_state.client

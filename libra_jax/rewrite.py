@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import json
 import math
 import os
 import warnings
@@ -95,6 +97,7 @@ def optimize(fn: Callable[..., Any] | None = None, *, profile: Any = None, fusio
             closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args, **kwargs)
             rewritten, report = rewrite_jaxpr(closed, profile=options.profile,
                                               fusion=options.fusion, blocks=options.blocks)
+            check_plan_agreement(report, program=str(closed.jaxpr))
             entry = (jax.jit(_compat.jaxpr_as_fun(rewritten)), jax.tree.structure(out_shape),
                      report)
             cache[key] = entry
@@ -129,6 +132,47 @@ class OptimizeReport:
     @property
     def num_psums(self) -> int:
         return sum(len(p.members) for p in self.plans)
+
+    def plan_lines(self) -> list[str]:
+        """One line per planned all-reduce: what every process must agree on."""
+        return [f"{p.scope} axes={p.axes} psums={p.members} bytes={p.nbytes} blocks={p.blocks} "
+                f"kind={p.kind}" for p in self.plans]
+
+
+_agreement_checks: dict[str, int] = {}
+
+
+def check_plan_agreement(report: OptimizeReport, *, program: str) -> None:
+    """Under multi-process JAX, check that every process planned `program` the same way.
+
+    Every process must run the same all-reduces in the same order with the same block
+    counts; profiles may differ from host to host. Each process publishes its plan in
+    JAX's distributed key-value store and compares it with everyone's, so a mismatch is a
+    clear error naming the differing all-reduces instead of a hang or silent skew. A
+    no-op in a single process.
+    """
+    client = _compat.distributed_client()
+    if client is None or jax.process_count() == 1:
+        return
+    tag = hashlib.sha256(program.encode()).hexdigest()[:16]
+    _agreement_checks[tag] = sequence = _agreement_checks.get(tag, 0) + 1
+    prefix = f"libra_jax/plan/{tag}/{sequence}"
+    mine = report.plan_lines()
+    client.key_value_set(f"{prefix}/{jax.process_index()}", json.dumps(mine))
+    timeout_ms = int(allreduce._timeout_s() * 1000)
+    for process in range(jax.process_count()):
+        if process == jax.process_index():
+            continue
+        theirs = json.loads(client.blocking_key_value_get(f"{prefix}/{process}", timeout_ms))
+        if theirs != mine:
+            diff = [f"  here:          {a}\n  process {process}: {b}"
+                    for a, b in zip(mine + ["(none)"] * len(theirs), theirs + ["(none)"] * len(mine))
+                    if a != b]
+            raise RuntimeError(
+                f"libra_jax.optimize: process {jax.process_index()} and process {process} planned "
+                "this step differently, so their all-reduces would not match. Use the same "
+                "profile everywhere (optimize(profile=...)). Differing all-reduces:\n"
+                + "\n".join(diff))
 
 
 def rewrite_jaxpr(closed: Any, *, profile: Any = None, fusion: bool = True,
