@@ -33,21 +33,6 @@ ffi::ErrorOr<std::unique_ptr<CpuAllReduceSite>> Instantiate(
   return std::make_unique<CpuAllReduceSite>(std::string(label));
 }
 
-ffi::ErrorOr<libra::DType> ToEngineDType(ffi::DataType dtype) {
-  switch (dtype) {
-    case ffi::DataType::F32: return libra::DType::kF32;
-    case ffi::DataType::F64: return libra::DType::kF64;
-    case ffi::DataType::BF16: return libra::DType::kBF16;
-    case ffi::DataType::F16: return libra::DType::kF16;
-    case ffi::DataType::S32: return libra::DType::kS32;
-    case ffi::DataType::S64: return libra::DType::kS64;
-    default:
-      return ffi::Unexpected(ffi::Error::InvalidArgument(
-          "libra_jax all-reduce: unsupported element type " +
-          std::to_string(static_cast<int>(dtype))));
-  }
-}
-
 ffi::Error ToFfiError(const libra::Status& status) {
   using Code = libra::Status::Code;
   switch (status.code) {

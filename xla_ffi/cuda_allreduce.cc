@@ -54,20 +54,6 @@ std::size_t CapacityBytes() {
   return lc::kDefaultCapacityBytes;
 }
 
-ffi::ErrorOr<lc::DType> ToCudaDType(ffi::DataType dtype) {
-  switch (dtype) {
-    case ffi::DataType::F32: return lc::DType::kF32;
-    case ffi::DataType::F64: return lc::DType::kF64;
-    case ffi::DataType::BF16: return lc::DType::kBF16;
-    case ffi::DataType::F16: return lc::DType::kF16;
-    case ffi::DataType::S32: return lc::DType::kS32;
-    default:
-      return ffi::Unexpected(ffi::Error::InvalidArgument(
-          "libra_jax CUDA all-reduce: unsupported element type " +
-          std::to_string(static_cast<int>(dtype))));
-  }
-}
-
 std::string Join(const std::vector<int>& v) {
   std::string s = "[";
   for (std::size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + std::to_string(v[i]);
@@ -77,8 +63,11 @@ std::string Join(const std::vector<int>& v) {
 ffi::Error Execute(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                    ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int32_t> devices,
                    int64_t world, int64_t blocks, int64_t algorithm, int64_t timeout_ms) {
-  ffi::ErrorOr<lc::DType> dtype = ToCudaDType(x.element_type());
+  ffi::ErrorOr<lc::DType> dtype = ToEngineDType(x.element_type());
   if (!dtype.has_value()) return dtype.error();
+  if (*dtype == lc::DType::kS64) {
+    return ffi::Error::InvalidArgument("libra_jax CUDA all-reduce: s64 is not supported on GPU");
+  }
   if (out->element_type() != x.element_type() || out->size_bytes() != x.size_bytes()) {
     return ffi::Error::InvalidArgument(
         "libra_jax CUDA all-reduce: output must match the input's type and size");

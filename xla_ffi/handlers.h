@@ -3,11 +3,30 @@
 
 #include <cstddef>
 
+#include <string>
+
+#include "libra/dtype.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace libra_ffi {
+
+// The engine's element type of an XLA buffer type; InvalidArgument for others.
+inline ffi::ErrorOr<libra::DType> ToEngineDType(ffi::DataType dtype) {
+  switch (dtype) {
+    case ffi::DataType::F32: return libra::DType::kF32;
+    case ffi::DataType::F64: return libra::DType::kF64;
+    case ffi::DataType::BF16: return libra::DType::kBF16;
+    case ffi::DataType::F16: return libra::DType::kF16;
+    case ffi::DataType::S32: return libra::DType::kS32;
+    case ffi::DataType::S64: return libra::DType::kS64;
+    default:
+      return ffi::Unexpected(ffi::Error::InvalidArgument(
+          "libra_jax all-reduce: unsupported element type " +
+          std::to_string(static_cast<int>(dtype))));
+  }
+}
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kCpuAllReduceInstantiate);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kCpuAllReduceExecute);

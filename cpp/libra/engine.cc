@@ -301,27 +301,6 @@ std::string RankList(const std::vector<int>& ranks) {
 
 // ---------------------------------------------------------------------------
 
-std::size_t SizeOf(DType dtype) {
-  switch (dtype) {
-    case DType::kF32: case DType::kS32: return 4;
-    case DType::kF64: case DType::kS64: return 8;
-    case DType::kBF16: case DType::kF16: return 2;
-  }
-  return 0;
-}
-
-const char* Name(DType dtype) {
-  switch (dtype) {
-    case DType::kF32: return "f32";
-    case DType::kF64: return "f64";
-    case DType::kBF16: return "bf16";
-    case DType::kF16: return "f16";
-    case DType::kS32: return "s32";
-    case DType::kS64: return "s64";
-  }
-  return "?";
-}
-
 int EffectiveBlocks(std::size_t count, DType dtype, int blocks) {
   return Split(count, dtype, blocks).tasks;
 }

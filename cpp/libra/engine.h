@@ -16,6 +16,8 @@
 #include <string>
 #include <vector>
 
+#include "libra/dtype.h"
+
 namespace libra {
 
 // The largest block count a call may ask for: the size of the reduction pool.
@@ -25,9 +27,6 @@ inline constexpr int kMaxBlocks = 64;
 // ceil(bytes / kMinChunkBytes) blocks. Chunk boundaries are 64-byte aligned.
 inline constexpr std::size_t kMinChunkBytes = 16 * 1024;
 
-enum class DType : int { kF32 = 0, kF64, kBF16, kF16, kS32, kS64 };
-std::size_t SizeOf(DType dtype);
-const char* Name(DType dtype);
 
 struct Status {
   enum class Code { kOk, kInvalidArgument, kDeadlineExceeded, kCancelled, kInternal };

@@ -30,28 +30,6 @@
 
 namespace libra::cuda {
 
-std::size_t SizeOf(DType dtype) {
-  switch (dtype) {
-    case DType::kF32: return 4;
-    case DType::kF64: return 8;
-    case DType::kBF16: return 2;
-    case DType::kF16: return 2;
-    case DType::kS32: return 4;
-  }
-  return 0;
-}
-
-const char* Name(DType dtype) {
-  switch (dtype) {
-    case DType::kF32: return "f32";
-    case DType::kF64: return "f64";
-    case DType::kBF16: return "bf16";
-    case DType::kF16: return "f16";
-    case DType::kS32: return "s32";
-  }
-  return "?";
-}
-
 const char* Name(Algorithm algorithm) {
   switch (algorithm) {
     case Algorithm::kAuto: return "auto";
@@ -333,6 +311,7 @@ KernelFn KernelFor(DType dtype) {
     case DType::kBF16: return AllReduceKernel<__nv_bfloat16>;
     case DType::kF16: return AllReduceKernel<__half>;
     case DType::kS32: return AllReduceKernel<int32_t>;
+    case DType::kS64: break;  // Not served on GPU (the lowering falls back to XLA).
   }
   return nullptr;
 }

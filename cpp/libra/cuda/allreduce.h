@@ -40,6 +40,8 @@
 #include <utility>
 #include <vector>
 
+#include "libra/dtype.h"
+
 namespace libra::cuda {
 
 // The largest block count (grid size) of one call.
@@ -52,9 +54,9 @@ inline constexpr int kVectorBytes = 16;
 // Default staging capacity per round (bytes of one chunk).
 inline constexpr std::size_t kDefaultCapacityBytes = std::size_t{32} << 20;
 
-enum class DType : int { kF32 = 0, kF64, kBF16, kF16, kS32 };
-std::size_t SizeOf(DType dtype);
-const char* Name(DType dtype);
+using libra::DType;  // s64 is not served: KernelFor has no kernel for it.
+using libra::Name;
+using libra::SizeOf;
 
 enum class Algorithm : int { kAuto = 0, kOneShot = 1, kTwoShot = 2 };
 const char* Name(Algorithm algorithm);

@@ -93,6 +93,7 @@ double ToDouble(lc::DType t, const unsigned char* p) {
                              float v; std::memcpy(&v, &u, 4); return v; }
     case lc::DType::kF16: { __half h; std::memcpy(&h, p, 2); return __half2float(h); }
     case lc::DType::kS32: { int32_t v; std::memcpy(&v, p, 4); return v; }
+    case lc::DType::kS64: { int64_t v; std::memcpy(&v, p, 8); return static_cast<double>(v); }
   }
   return 0;
 }
@@ -105,6 +106,7 @@ void FromDouble(lc::DType t, double x, unsigned char* p) {
                              std::memcpy(p, &b, 2); break; }
     case lc::DType::kF16: { __half h = __float2half_rn(static_cast<float>(x)); std::memcpy(p, &h, 2); break; }
     case lc::DType::kS32: { int32_t v = static_cast<int32_t>(x); std::memcpy(p, &v, 4); break; }
+    case lc::DType::kS64: { int64_t v = static_cast<int64_t>(x); std::memcpy(p, &v, 8); break; }
   }
 }
 
