@@ -39,25 +39,28 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_psum_across_two_processes_falls_back_to_xla():
+def run_pair(script: str, args_per_process: list[list[str]]) -> list[str]:
     port = str(free_port())
-    env = {**os.environ, "XLA_FLAGS": ""}
-    procs = [subprocess.Popen([sys.executable, "-c", WORKER, str(pid), port], env=env,
+    env = {**os.environ, "XLA_FLAGS": "", "LIBRA_JAX_TIMEOUT_S": "60"}
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(pid), port, *extra], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for pid in range(2)]
+             for pid, extra in enumerate(args_per_process)]
     outs = []
-    for proc in procs:
-        try:
+    try:
+        for proc in procs:
             out, err = proc.communicate(timeout=180)
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-        assert proc.returncode == 0, err[-3000:]
-        outs.append(out)
-    for out in outs:
-        assert "RESULT [84.0, 92.0, 100.0] True" in out, out
+            assert proc.returncode == 0, err[-3000:]
+            outs.append(out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return outs
 
+
+def test_psum_across_two_processes_falls_back_to_xla():
+    for out in run_pair(WORKER, [[], []]):
+        assert "RESULT [84.0, 92.0, 100.0] True" in out, out
 
 AGREEMENT_WORKER = textwrap.dedent("""
     import sys
@@ -88,25 +91,6 @@ AGREEMENT_WORKER = textwrap.dedent("""
         print("MISMATCH", str(e).replace("\\n", " | "))
     jax.distributed.shutdown()
 """)
-
-
-def run_pair(script: str, args_per_process: list[list[str]]) -> list[str]:
-    port = str(free_port())
-    env = {**os.environ, "XLA_FLAGS": "", "LIBRA_JAX_TIMEOUT_S": "60"}
-    procs = [subprocess.Popen([sys.executable, "-c", script, str(pid), port, *extra], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for pid, extra in enumerate(args_per_process)]
-    outs = []
-    try:
-        for proc in procs:
-            out, err = proc.communicate(timeout=180)
-            assert proc.returncode == 0, err[-3000:]
-            outs.append(out)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    return outs
 
 
 def test_plans_agree_across_processes():
