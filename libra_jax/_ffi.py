@@ -93,6 +93,8 @@ def effective_blocks(count: int, itemsize: int, blocks: int) -> int:
 # --- CUDA -------------------------------------------------------------------
 
 ALLREDUCE_CUDA_TARGET = "libra_allreduce_cuda"
+#: Across processes: NCCL with a per-call CTA limit (cpp/libra/nccl.h).
+ALLREDUCE_NCCL_TARGET = "libra_allreduce_nccl"
 #: Whether the extension was built with the CUDA kernels (nvcc was found).
 HAS_CUDA: bool = bool(getattr(_libra_ffi, "HAS_CUDA", False))
 #: The largest replica group the CUDA kernels serve.

@@ -20,12 +20,12 @@ import math
 import os
 import warnings
 from functools import partial
-from typing import Any, Hashable, Sequence
+from typing import Any, Callable, Hashable, Sequence
 
 import jax
 import numpy as np
 
-from libra_jax import _compat, _ffi
+from libra_jax import _compat, _ffi, _nccl
 
 __all__ = ["psum", "pmean", "default_blocks", "MAX_BLOCKS", "libra_psum_p"]
 
@@ -270,10 +270,14 @@ def _cuda_lowering(ctx: Any, x: Any, *, axes: tuple, blocks: int, inplace: bool,
         return fallback(reason="cuda (libra_jax was built without CUDA)")
     if os.environ.get("LIBRA_JAX_CUDA", "1").strip().lower() in ("0", "false", "off", "no"):
         return fallback(reason="cuda (LIBRA_JAX_CUDA=0)")
-    algorithm = _cuda_algorithm()
     groups = _compat.replica_groups(ctx, axes)
     if groups is None:
         return fallback(reason="cuda in a partially automatic shard_map")
+    devices = _compat.mesh_devices(ctx)
+    if devices is not None and any(d.process_index != jax.process_index() for d in devices):
+        return _nccl_lowering(ctx, x, groups=groups, devices=devices, blocks=blocks,
+                              inplace=inplace, fallback=fallback)
+    algorithm = _cuda_algorithm()
     world = len(groups[0])
     if world > _ffi.CUDA_MAX_RANKS:
         return fallback(reason=f"cuda groups of more than {_ffi.CUDA_MAX_RANKS} GPUs")
@@ -281,14 +285,11 @@ def _cuda_lowering(ctx: Any, x: Any, *, axes: tuple, blocks: int, inplace: bool,
     dtype = np.dtype(aval_in.dtype)
     if dtype not in _CUDA_DTYPES:
         return fallback(reason=f"cuda {dtype.name}")
-    devices = _compat.mesh_devices(ctx)
     if devices is None:
         # An abstract mesh (lowering for export): device i of the mesh is taken
         # to be CUDA device i of the process that runs it.
         ordinals = list(range(1 + max(max(g) for g in groups)))
-    elif any(d.platform != "gpu" or d.process_index != jax.process_index() for d in devices):
-        if any(d.platform == "gpu" for d in devices):
-            return fallback(reason="cuda across processes")
+    elif any(d.platform != "gpu" for d in devices):
         ordinals = list(range(len(devices)))  # Lowering for cuda from a CPU mesh.
     else:
         ordinals = [int(d.local_hardware_id) for d in devices]
@@ -325,6 +326,50 @@ def _cuda_lowering(ctx: Any, x: Any, *, axes: tuple, blocks: int, inplace: bool,
                                    _compat.ir.DenseI64ArrayAttr.get([1]))
         result = _compat.hlo.reshape(_compat.ir_tensor_type(ctx, aval_in.shape, dtype), result)
     return [result]
+
+
+def _nccl_lowering(ctx: Any, x: Any, *, groups: list, devices: Sequence[Any], blocks: int | None,
+                   inplace: bool, fallback: Callable[..., Any]) -> Any:
+    """The `libra_allreduce_nccl` custom call, for groups that span processes:
+    NCCL with `blocks` as the call's CTA limit (cpp/libra/nccl.h).
+
+    Each process lowers its own program: the call's tables map this process's
+    GPUs (by local ordinal) to their communicator and rank. Communicators'
+    unique ids are exchanged now, through JAX's key-value store (libra_jax._nccl).
+    """
+    ok, why = _nccl.available()
+    if not ok:
+        return fallback(reason=f"cuda across processes without NCCL ({why})")
+    aval_in, = ctx.avals_in
+    count = math.prod(aval_in.shape)
+    if count == 0:
+        return [x]
+    world = len(groups[0])
+    if blocks is None:  # Chosen now that the group size is known.
+        nbytes = count * np.dtype(aval_in.dtype).itemsize
+        blocks = default_blocks(nbytes, world, _default_profile("cuda"))
+    me = jax.process_index()
+    local = [d for d in devices if d.process_index == me]
+    # A GPU's local ordinal; a CPU mesh (lowering for cuda in tests) counts its devices.
+    ordinal = {d.id: (int(d.local_hardware_id) if d.platform == "gpu" else i)
+               for i, d in enumerate(local)}
+    comm_ids = np.full(1 + max(ordinal.values(), default=0), -1, np.int64)
+    ranks = np.full(comm_ids.shape, -1, np.int32)
+    for members in groups:
+        if not any(devices[i].process_index == me for i in members):
+            continue
+        comm_id = _nccl.communicator(
+            [devices[i].id for i in members], blocks=blocks,
+            holds_root=devices[members[0]].process_index == me, timeout_s=_timeout_s())
+        for rank, i in enumerate(members):
+            if devices[i].process_index == me:
+                comm_ids[ordinal[devices[i].id]] = comm_id
+                ranks[ordinal[devices[i].id]] = rank
+    _ffi.ensure_cuda_registered()
+    rule = jax.ffi.ffi_lowering(_ffi.ALLREDUCE_NCCL_TARGET,
+                                operand_output_aliases={0: 0} if inplace else {})
+    return rule(ctx, x, comm_ids=comm_ids, ranks=ranks, nranks=np.int64(world),
+                ctas=np.int64(blocks))
 
 
 def _cuda_algorithm() -> int:

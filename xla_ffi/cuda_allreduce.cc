@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "libra/cuda/allreduce.h"
+#include "libra/nccl.h"
 #include "xla_ffi/handlers.h"
 
 namespace libra_ffi {
@@ -152,6 +153,54 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaAllReduce, Execute,
                                   .Attr<int64_t>("algorithm")
                                   .Attr<int64_t>("timeout_ms"),
                               {ffi::Traits::kCmdBufferCompatible});
+
+// --- Across processes: NCCL with the call's block count as its CTA limit -----
+//
+// `comm_ids` and `ranks` are indexed by this process's GPU ordinals: the
+// communicator (registered by libra_jax._nccl at lowering) and rank of each.
+// The first call on a communicator creates it (every rank does, in program
+// order); NCCL needs the call's GPU current for that. Not command-buffer
+// compatible: creation blocks on the host until every rank has joined.
+ffi::Error ExecuteNccl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+                       ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> comm_ids,
+                       ffi::Span<const int32_t> ranks, int64_t nranks, int64_t ctas) {
+  ffi::ErrorOr<lc::DType> dtype = ToEngineDType(x.element_type());
+  if (!dtype.has_value()) return dtype.error();
+  if (out->element_type() != x.element_type() || out->size_bytes() != x.size_bytes()) {
+    return ffi::Error::InvalidArgument(
+        "libra_jax NCCL all-reduce: output must match the input's type and size");
+  }
+  if (device < 0 || static_cast<std::size_t>(device) >= comm_ids.size() ||
+      comm_ids.size() != ranks.size() || comm_ids[device] < 0) {
+    return ffi::Error::InvalidArgument("libra_jax NCCL all-reduce: GPU " +
+                                       std::to_string(device) +
+                                       " has no communicator in this call's tables");
+  }
+  int current = -1;
+  cudaError_t err = cudaGetDevice(&current);
+  if (err == cudaSuccess && current != device) err = cudaSetDevice(device);
+  if (err != cudaSuccess) {
+    return ffi::Error::Internal(std::string("libra_jax NCCL all-reduce: ") +
+                                cudaGetErrorString(err));
+  }
+  const libra::Status status = libra::nccl::Communicators::Get().AllReduce(
+      comm_ids[device], static_cast<int>(nranks), ranks[device], static_cast<int>(ctas),
+      x.untyped_data(), out->untyped_data(), x.element_count(), *dtype, stream);
+  if (current >= 0 && current != device) cudaSetDevice(current);  // best effort restore
+  if (!status.ok()) return ffi::Error::Internal(status.message);
+  return ffi::Error::Success();
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kNcclAllReduce, ExecuteNccl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<ffi::Span<const int64_t>>("comm_ids")
+                                  .Attr<ffi::Span<const int32_t>>("ranks")
+                                  .Attr<int64_t>("nranks")
+                                  .Attr<int64_t>("ctas"));
 
 int CudaEffectiveBlocks(std::size_t bytes, int nranks, int algorithm, int blocks) {
   return lc::EffectiveBlocks(bytes, nranks, static_cast<lc::Algorithm>(algorithm), blocks,

@@ -38,6 +38,8 @@ ffi::TypeId* CpuAllReduceSiteTypeId();
 // The CUDA all-reduce (xla_ffi/cuda_allreduce.cc; built when nvcc is found,
 // which defines LIBRA_WITH_CUDA).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kCudaAllReduce);
+// Across processes: NCCL with a per-call CTA limit (same file).
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kNcclAllReduce);
 // Blocks the CUDA kernel uses for a call (see libra::cuda::EffectiveBlocks).
 int CudaEffectiveBlocks(std::size_t bytes, int nranks, int algorithm, int blocks);
 // The largest team the CUDA kernels serve.

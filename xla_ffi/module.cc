@@ -4,13 +4,17 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/pair.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <cstring>
+#include <stdexcept>
 #include <type_traits>
 #include <vector>
 
 #include "libra/engine.h"
+#include "libra/nccl.h"
 #include "libra/thread_pool.h"
 #include "xla_ffi/handlers.h"
 
@@ -40,6 +44,7 @@ nb::dict CudaRegistrations() {
   nb::dict registrations;
 #ifdef LIBRA_WITH_CUDA
   registrations["libra_allreduce_cuda"] = EncapsulateFfiHandler(libra_ffi::kCudaAllReduce);
+  registrations["libra_allreduce_nccl"] = EncapsulateFfiHandler(libra_ffi::kNcclAllReduce);
 #endif
   return registrations;
 }
@@ -73,6 +78,51 @@ void EngineAllReduceF32(std::vector<F32Array> buffers, int blocks) {
     status = libra::AllReduce(libra::DType::kF32, inputs, outputs, buffers.front().size(), blocks);
   }
   if (!status.ok()) throw nb::value_error(status.message.c_str());
+}
+
+// --- NCCL's control path (libra/nccl.h): usable from Python without a GPU,
+// against any library with NCCL's entry points (tests use a host-memory stub).
+
+const libra::nccl::Library& OpenNccl() {
+  const libra::nccl::Library* library = nullptr;
+  const libra::Status status = libra::nccl::Communicators::Get().Open("", &library);
+  if (!status.ok()) throw std::runtime_error(status.message);
+  return *library;
+}
+
+libra::nccl::UniqueId ToUniqueId(const nb::bytes& raw) {
+  libra::nccl::UniqueId id{};
+  if (raw.size() != id.size()) {
+    throw nb::value_error(("an NCCL unique id has " + std::to_string(id.size()) +
+                           " bytes, got " + std::to_string(raw.size())).c_str());
+  }
+  std::memcpy(id.data(), raw.c_str(), id.size());
+  return id;
+}
+
+using HostArray = nb::ndarray<nb::c_contig, nb::device::cpu>;
+
+libra::DType HostDType(const HostArray& a) {
+  const nb::dlpack::dtype t = a.dtype();
+  if (t == nb::dtype<float>()) return libra::DType::kF32;
+  if (t == nb::dtype<double>()) return libra::DType::kF64;
+  if (t == nb::dtype<int32_t>()) return libra::DType::kS32;
+  if (t == nb::dtype<int64_t>()) return libra::DType::kS64;
+  throw nb::type_error("nccl_allreduce_host: float32, float64, int32 or int64 arrays only");
+}
+
+// One rank's all-reduce, in place on a host array, through the communicator
+// cache (the stream is null: a host-memory library completes the call).
+void NcclAllReduceHost(int64_t comm_id, int nranks, int rank, int ctas, HostArray a) {
+  OpenNccl();
+  const libra::DType dtype = HostDType(a);
+  libra::Status status;
+  {
+    nb::gil_scoped_release release;
+    status = libra::nccl::Communicators::Get().AllReduce(comm_id, nranks, rank, ctas, a.data(),
+                                                         a.data(), a.size(), dtype, nullptr);
+  }
+  if (!status.ok()) throw std::runtime_error(status.message);
 }
 
 }  // namespace
@@ -135,4 +185,36 @@ NB_MODULE(_libra_ffi, m) {
         },
         "The recorded all-reduces (dicts, oldest first), clearing them.");
   m.def("now_us", &libra::NowMicros, "Now, in microseconds on the call records' clock.");
+
+  m.def("nccl_open",
+        [] {
+          const libra::nccl::Library& lib = OpenNccl();
+          return std::make_tuple(lib.path(), lib.version(),
+                                 libra::nccl::VersionString(lib.version()),
+                                 std::string(libra::nccl::Name(lib.route())));
+        },
+        "Loads NCCL once (see libra/nccl.h): (path, version code, version, CTA route); "
+        "RuntimeError naming the problem if it cannot.");
+  m.def("nccl_unique_id",
+        [] {
+          libra::nccl::UniqueId id;
+          const libra::Status status = OpenNccl().GetUniqueId(&id);
+          if (!status.ok()) throw std::runtime_error(status.message);
+          return nb::bytes(id.data(), id.size());
+        },
+        "A new NCCL unique id (bytes).");
+  m.def("nccl_register_id",
+        [](int64_t comm_id, const nb::bytes& raw) {
+          const libra::Status status =
+              libra::nccl::Communicators::Get().RegisterId(comm_id, ToUniqueId(raw));
+          if (!status.ok()) throw nb::value_error(status.message.c_str());
+        },
+        nb::arg("comm_id"), nb::arg("unique_id"),
+        "Registers the unique id of this process's communicator `comm_id`.");
+  m.def("nccl_allreduce_host", &NcclAllReduceHost, nb::arg("comm_id"), nb::arg("nranks"),
+        nb::arg("rank"), nb::arg("ctas"), nb::arg("array"),
+        "One rank's in-place all-reduce of a host array through the communicator cache "
+        "(for tests against a host-memory NCCL).");
+  m.def("nccl_communicators", [] { return libra::nccl::Communicators::Get().size(); },
+        "NCCL communicators this process has created.");
 }

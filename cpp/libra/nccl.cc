@@ -1,0 +1,295 @@
+#include "libra/nccl.h"
+
+#include <dlfcn.h>
+
+#include <climits>
+#include <cstdlib>
+#include <cstring>
+
+namespace libra::nccl {
+namespace {
+
+// NCCL's ABI, as much of it as libra uses (nccl.h is not needed to build).
+constexpr unsigned kApiMagic = 0xcafebeef;   // NCCL_API_MAGIC
+constexpr int kUndefInt = INT_MIN;           // NCCL_CONFIG_UNDEF_INT
+constexpr int kSuccess = 0;                  // ncclSuccess
+constexpr int kSum = 0;                      // ncclSum
+
+struct RawUniqueId {
+  char internal[kUniqueIdBytes];
+};
+
+// ncclConfig_t as of NCCL 2.14, the first with minCTAs/maxCTAs. Later
+// versions append fields; NCCL reads a config by its size and version.
+struct CommConfigV21400 {
+  std::size_t size;
+  unsigned magic;
+  unsigned version;
+  int blocking;
+  int cga_cluster_size;
+  int min_ctas;
+  int max_ctas;
+  const char* net_name;
+};
+constexpr unsigned kCommConfigVersion = 21400;
+
+// ncclCollConfig_t as of NCCL 2.31 (64 bytes, the smallest 2.31 accepts).
+struct CollConfigV23100 {
+  std::size_t size;
+  unsigned magic;
+  unsigned version;
+  void* ext;
+  int min_ctas;
+  int max_ctas;
+  int nvls_ctas;
+  int cga_cluster_size;
+  const char* alg_selection;
+  int force_alg_selection;
+  int cta_policy;
+  uint64_t user_profiler_tag;
+};
+static_assert(sizeof(CollConfigV23100) == 64, "ncclCollConfig_t v2.31 is 64 bytes");
+
+int ToNcclDataType(DType dtype) {
+  switch (dtype) {
+    case DType::kS32: return 2;   // ncclInt32
+    case DType::kS64: return 4;   // ncclInt64
+    case DType::kF16: return 6;   // ncclFloat16
+    case DType::kF32: return 7;   // ncclFloat32
+    case DType::kF64: return 8;   // ncclFloat64
+    case DType::kBF16: return 9;  // ncclBfloat16
+  }
+  return -1;
+}
+
+Status Error(Status::Code code, std::string message) {
+  Status status;
+  status.code = code;
+  status.message = "libra NCCL: " + std::move(message);
+  return status;
+}
+
+}  // namespace
+
+struct Library::Api {
+  using GetVersion = int (*)(int*);
+  using GetUniqueId = int (*)(RawUniqueId*);
+  using CommInitRankConfig = int (*)(void**, int, RawUniqueId, int, CommConfigV21400*);
+  using AllReduce = int (*)(const void*, void*, std::size_t, int, int, void*, void*);
+  using AllReduceConfig = int (*)(const void*, void*, std::size_t, int, int, void*, void*,
+                                  const CollConfigV23100*);
+  using CommDestroy = int (*)(void*);
+  using GetErrorString = const char* (*)(int);
+
+  GetVersion get_version = nullptr;
+  GetUniqueId get_unique_id = nullptr;
+  CommInitRankConfig comm_init_rank_config = nullptr;
+  AllReduce all_reduce = nullptr;
+  AllReduceConfig all_reduce_config = nullptr;  // NCCL >= 2.31 only
+  CommDestroy comm_destroy = nullptr;
+  GetErrorString get_error_string = nullptr;
+};
+
+const char* Name(CtaRoute route) {
+  return route == CtaRoute::kPerCollective ? "per-collective" : "per-communicator";
+}
+
+std::string VersionString(int code) {
+  // NCCL_VERSION(X, Y, Z): X*1000 + Y*100 + Z up to 2.8, X*10000 + Y*100 + Z after.
+  const int major = code >= 10000 ? code / 10000 : code / 1000;
+  const int minor = code >= 10000 ? code / 100 % 100 : code / 100 % 10;
+  return std::to_string(major) + "." + std::to_string(minor) + "." + std::to_string(code % 100);
+}
+
+CtaRoute RouteFor(int version, bool has_per_collective_entry) {
+  return version >= kPerCollectiveVersion && has_per_collective_entry
+             ? CtaRoute::kPerCollective
+             : CtaRoute::kPerCommunicator;
+}
+
+Status Library::Open(const std::string& path, std::unique_ptr<Library>* library) {
+  void* handle = nullptr;
+  std::string name = path;
+  if (path.empty()) {
+    name = "libnccl.so.2";
+    handle = dlopen(name.c_str(), RTLD_NOW | RTLD_NOLOAD);  // XLA's, if loaded
+    if (handle == nullptr) handle = dlopen(name.c_str(), RTLD_NOW | RTLD_LOCAL);
+  } else {
+    handle = dlopen(name.c_str(), RTLD_NOW | RTLD_LOCAL);
+  }
+  if (handle == nullptr) {
+    const char* why = dlerror();
+    return Error(Status::Code::kInternal,
+                 "cannot load " + name + ": " + (why ? why : "unknown error") +
+                     " (install nvidia-nccl-cu13 or set LIBRA_JAX_NCCL_LIBRARY)");
+  }
+  std::unique_ptr<Library> lib(new Library());  // private constructor: no make_unique
+  lib->handle_ = handle;
+  lib->path_ = name;
+  lib->api_ = std::make_unique<Api>();
+  Api& api = *lib->api_;
+  struct Entry {
+    const char* symbol;
+    void** slot;
+    bool required;
+  };
+  const Entry entries[] = {
+      {"ncclGetVersion", reinterpret_cast<void**>(&api.get_version), true},
+      {"ncclGetUniqueId", reinterpret_cast<void**>(&api.get_unique_id), true},
+      {"ncclCommInitRankConfig", reinterpret_cast<void**>(&api.comm_init_rank_config), true},
+      {"ncclAllReduce", reinterpret_cast<void**>(&api.all_reduce), true},
+      {"ncclCommDestroy", reinterpret_cast<void**>(&api.comm_destroy), true},
+      {"ncclGetErrorString", reinterpret_cast<void**>(&api.get_error_string), true},
+      {"ncclAllReduceConfig", reinterpret_cast<void**>(&api.all_reduce_config), false},
+  };
+  for (const Entry& entry : entries) {
+    *entry.slot = dlsym(handle, entry.symbol);
+    if (*entry.slot == nullptr && entry.required) {
+      return Error(Status::Code::kInternal, name + " has no " + entry.symbol +
+                                                " (NCCL >= 2.14 is needed)");
+    }
+  }
+  Status status = lib->Check(api.get_version(&lib->version_), "ncclGetVersion");
+  if (!status.ok()) return status;
+  lib->route_ = RouteFor(lib->version_, api.all_reduce_config != nullptr);
+  *library = std::move(lib);
+  return Status::Ok();
+}
+
+Library::~Library() {
+  if (handle_ != nullptr) dlclose(handle_);
+}
+
+Status Library::Check(int result, const char* what) const {
+  if (result == kSuccess) return Status::Ok();
+  const char* text = api_->get_error_string ? api_->get_error_string(result) : nullptr;
+  return Error(Status::Code::kInternal, std::string(what) + " failed: " +
+                                            (text ? text : "error " + std::to_string(result)));
+}
+
+Status Library::GetUniqueId(UniqueId* id) const {
+  RawUniqueId raw{};
+  Status status = Check(api_->get_unique_id(&raw), "ncclGetUniqueId");
+  if (status.ok()) std::memcpy(id->data(), raw.internal, kUniqueIdBytes);
+  return status;
+}
+
+Status Library::InitRank(const UniqueId& id, int nranks, int rank, int ctas, void** comm) const {
+  if (nranks < 1 || rank < 0 || rank >= nranks) {
+    return Error(Status::Code::kInvalidArgument, "rank " + std::to_string(rank) + " of " +
+                                                     std::to_string(nranks) + " ranks");
+  }
+  CommConfigV21400 config{sizeof(CommConfigV21400), kApiMagic, kCommConfigVersion,
+                          kUndefInt, kUndefInt, kUndefInt, kUndefInt, nullptr};
+  if (ctas > 0) config.min_ctas = config.max_ctas = ctas;
+  RawUniqueId raw;
+  std::memcpy(raw.internal, id.data(), kUniqueIdBytes);
+  return Check(api_->comm_init_rank_config(comm, nranks, raw, rank, &config),
+               "ncclCommInitRankConfig");
+}
+
+Status Library::AllReduce(const void* input, void* output, std::size_t count, DType dtype,
+                          void* comm, int ctas, void* stream) const {
+  const int nccl_dtype = ToNcclDataType(dtype);
+  if (ctas > 0 && route_ == CtaRoute::kPerCollective) {
+    CollConfigV23100 config{sizeof(CollConfigV23100), kApiMagic, kPerCollectiveVersion,
+                            nullptr, ctas, ctas, kUndefInt, kUndefInt, nullptr, 1,
+                            kUndefInt, 0};
+    return Check(api_->all_reduce_config(input, output, count, nccl_dtype, kSum, comm, stream,
+                                         &config),
+                 "ncclAllReduceConfig");
+  }
+  return Check(api_->all_reduce(input, output, count, nccl_dtype, kSum, comm, stream),
+               "ncclAllReduce");
+}
+
+void Library::Destroy(void* comm) const {
+  if (comm != nullptr) api_->comm_destroy(comm);
+}
+
+Communicators& Communicators::Get() {
+  static Communicators* communicators = new Communicators();  // never destroyed
+  return *communicators;
+}
+
+Status Communicators::Open(const std::string& path, const Library** library) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!opened_) {
+    std::string chosen = path;
+    if (chosen.empty()) {
+      const char* env = std::getenv("LIBRA_JAX_NCCL_LIBRARY");
+      if (env != nullptr) chosen = env;
+    }
+    open_status_ = Library::Open(chosen, &library_);
+    opened_ = true;
+  }
+  if (library != nullptr) *library = library_.get();
+  return open_status_;
+}
+
+Status Communicators::RegisterId(int64_t comm_id, const UniqueId& id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto [it, inserted] = ids_.emplace(comm_id, id);
+  if (!inserted && it->second != id) {
+    return Error(Status::Code::kInvalidArgument,
+                 "communicator " + std::to_string(comm_id) + " already has another unique id");
+  }
+  return Status::Ok();
+}
+
+Status Communicators::AllReduce(int64_t comm_id, int nranks, int rank, int ctas,
+                                const void* input, void* output, std::size_t count,
+                                DType dtype, void* stream) {
+  const Library* library = nullptr;
+  Status status = Open("", &library);
+  if (!status.ok()) return status;
+  UniqueId id;
+  std::shared_ptr<Comm> comm;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto found = ids_.find(comm_id);
+    if (found == ids_.end()) {
+      return Error(Status::Code::kInvalidArgument,
+                   "communicator " + std::to_string(comm_id) + " has no unique id");
+    }
+    id = found->second;
+    std::shared_ptr<Comm>& slot = comms_[{comm_id, rank}];
+    if (!slot) slot = std::make_shared<Comm>();
+    comm = slot;
+  }
+  const bool pinned = library->route() == CtaRoute::kPerCommunicator;
+  {
+    // Creation blocks until every rank joins, so it holds this rank's slot
+    // only: other ranks of the process create theirs meanwhile.
+    std::lock_guard<std::mutex> lock(comm->mu);
+    if (comm->handle == nullptr) {
+      status = library->InitRank(id, nranks, rank, pinned ? ctas : 0, &comm->handle);
+      if (!status.ok()) {
+        comm->handle = nullptr;
+        return status;
+      }
+      comm->nranks = nranks;
+      comm->ctas = pinned ? ctas : 0;
+    }
+  }
+  if (comm->nranks != nranks || (pinned && comm->ctas != ctas)) {
+    return Error(Status::Code::kInvalidArgument,
+                 "communicator " + std::to_string(comm_id) + " was created for " +
+                     std::to_string(comm->nranks) + " ranks and " +
+                     std::to_string(comm->ctas) + " CTAs, called with " +
+                     std::to_string(nranks) + " and " + std::to_string(ctas));
+  }
+  return library->AllReduce(input, output, count, dtype, comm->handle, ctas, stream);
+}
+
+std::size_t Communicators::size() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::size_t created = 0;
+  for (auto& [key, comm] : comms_) {
+    std::lock_guard<std::mutex> comm_lock(comm->mu);
+    created += comm->handle != nullptr;
+  }
+  return created;
+}
+
+}  // namespace libra::nccl

@@ -1,0 +1,135 @@
+// libra NCCL: an all-reduce across processes over NCCL, with the call's block
+// count as NCCL's CTA limit. Framework-free and CUDA-free: NCCL is resolved at
+// run time (dlopen/dlsym) and streams are opaque pointers, so the control path
+// (library loading, the version switch, the communicator cache, CTA limits)
+// builds and is tested without a GPU, against a stub library in host memory
+// (tests/nccl_stub.cc).
+//
+// Which NCCL: an explicit path if given ($LIBRA_JAX_NCCL_LIBRARY, e.g. the
+// nvidia-nccl-cu13 wheel's lib/libnccl.so.2); else the libnccl.so.2 already in
+// the process (XLA:GPU loads its own, and one NCCL per process is what NCCL
+// expects), found with RTLD_NOLOAD; else the loader's search for it.
+//
+// How the CTA limit reaches NCCL, by version (ncclGetVersion):
+//   >= 2.31  per collective: ncclAllReduceConfig with an ncclCollConfig_t
+//            whose minCTAs = maxCTAs = the call's blocks; one communicator per
+//            group;
+//   older    per communicator: ncclCommInitRankConfig with an ncclConfig_t
+//            whose minCTAs = maxCTAs = blocks, so one communicator per
+//            (group, block count), made only for the counts plans use.
+// The configs are passed in their oldest layout that has the fields used
+// (NCCL's configs are append-only and versioned by their `size`/`version`).
+//
+// Unique ids travel between processes outside this file (libra_jax._nccl uses
+// JAX's distributed key-value store) and are registered here under a
+// process-local communicator id.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+
+#include "libra/dtype.h"
+#include "libra/engine.h"
+
+namespace libra::nccl {
+
+inline constexpr std::size_t kUniqueIdBytes = 128;  // NCCL_UNIQUE_ID_BYTES
+using UniqueId = std::array<char, kUniqueIdBytes>;
+
+// NCCL_VERSION(2, 31, 0): the first NCCL with per-collective CTA limits.
+inline constexpr int kPerCollectiveVersion = 23100;
+
+enum class CtaRoute : int { kPerCollective = 0, kPerCommunicator = 1 };
+const char* Name(CtaRoute route);
+
+// "2.31.0" for 23100 (and "2.8.4" for the old encoding 2804).
+std::string VersionString(int code);
+
+// The route for a library of `version` that does (or does not) export
+// ncclAllReduceConfig.
+CtaRoute RouteFor(int version, bool has_per_collective_entry);
+
+// The NCCL entry points libra uses, resolved from one shared library.
+class Library {
+ public:
+  // Opens `path`, or (empty) the libnccl.so.2 already loaded, else the
+  // loader's. Fails with a message naming the library and the missing symbol.
+  static Status Open(const std::string& path, std::unique_ptr<Library>* library);
+  ~Library();
+  Library(const Library&) = delete;
+  Library& operator=(const Library&) = delete;
+
+  int version() const { return version_; }
+  CtaRoute route() const { return route_; }
+  const std::string& path() const { return path_; }
+
+  Status GetUniqueId(UniqueId* id) const;
+  // ctas > 0 pins the communicator to that many CTAs (minCTAs = maxCTAs).
+  Status InitRank(const UniqueId& id, int nranks, int rank, int ctas, void** comm) const;
+  // ctas > 0 limits this call (per-collective route only).
+  Status AllReduce(const void* input, void* output, std::size_t count, DType dtype,
+                   void* comm, int ctas, void* stream) const;
+  void Destroy(void* comm) const;
+
+ private:
+  Library() = default;
+  Status Check(int result, const char* what) const;
+
+  void* handle_ = nullptr;
+  std::string path_;
+  int version_ = 0;
+  CtaRoute route_ = CtaRoute::kPerCommunicator;
+  struct Api;
+  std::unique_ptr<Api> api_;
+};
+
+// The process's NCCL: its library, the registered unique ids and the
+// communicators, created on first use and kept for the life of the process.
+// Thread-safe; never destroyed (XLA's threads may call it during exit).
+class Communicators {
+ public:
+  static Communicators& Get();
+
+  // Opens the library once (later calls return the first outcome). `path`
+  // empty: $LIBRA_JAX_NCCL_LIBRARY if set, else the default search.
+  Status Open(const std::string& path, const Library** library);
+
+  // The unique id of communicator `comm_id` (made by one process, passed to
+  // the others). Registering an id twice is an error unless it is the same.
+  Status RegisterId(int64_t comm_id, const UniqueId& id);
+
+  // One rank's part of an all-reduce on communicator `comm_id`; the
+  // communicator is created on first use (a collective call: every rank must
+  // make its first call on it). On the per-communicator route the
+  // communicator is pinned to `ctas` and a later call with other ctas is an
+  // error (the caller gives each block count its own comm_id).
+  Status AllReduce(int64_t comm_id, int nranks, int rank, int ctas, const void* input,
+                   void* output, std::size_t count, DType dtype, void* stream);
+
+  // Communicators created so far (for tests and diagnostics).
+  std::size_t size();
+
+ private:
+  Communicators() = default;
+  struct Comm {
+    std::mutex mu;  // held while the communicator is created
+    void* handle = nullptr;
+    int nranks = 0;
+    int ctas = 0;
+  };
+
+  std::mutex mu_;
+  bool opened_ = false;
+  Status open_status_;
+  std::unique_ptr<Library> library_;
+  std::map<int64_t, UniqueId> ids_;
+  std::map<std::pair<int64_t, int>, std::shared_ptr<Comm>> comms_;  // (comm_id, rank)
+};
+
+}  // namespace libra::nccl

@@ -1,0 +1,212 @@
+// A stand-in for libnccl.so.2 in host memory, for testing libra's NCCL
+// control path (library loading, the version switch, unique ids, the
+// communicator cache, CTA limits) where NCCL cannot run: no GPU, or one.
+//
+// Ranks meet through files in $NCCL_STUB_DIR, so they may be threads of one
+// process or separate processes. Buffers are host memory and the stream is
+// ignored (calls complete before they return). Every communicator creation and
+// collective appends one line to $NCCL_STUB_LOG:
+//   init rank=R nranks=N minCTAs=A maxCTAs=B id=ID
+//   allreduce rank=R count=C dtype=D ctas=K config=0|1 id=ID
+// ($NCCL_STUB_VERSION sets ncclGetVersion, default 23100 = 2.31.0.)
+// Build: g++ -std=c++17 -shared -fPIC -o libnccl_stub.so nccl_stub.cc
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <climits>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace {
+
+constexpr int kSuccess = 0, kSystemError = 2, kInvalidArgument = 4, kRemoteError = 6;
+constexpr unsigned kMagic = 0xcafebeef;
+
+struct UniqueId {
+  char internal[128];
+};
+
+struct CommConfig {  // the fields every ncclConfig_t version starts with
+  size_t size;
+  unsigned magic;
+  unsigned version;
+  int blocking;
+  int cga_cluster_size;
+  int min_ctas;
+  int max_ctas;
+};
+
+struct CollConfig {  // ncclCollConfig_t's leading fields (NCCL 2.31)
+  size_t size;
+  unsigned magic;
+  unsigned version;
+  void* ext;
+  int min_ctas;
+  int max_ctas;
+};
+
+struct Comm {
+  std::string id;
+  int rank = 0;
+  int nranks = 0;
+  int min_ctas = INT_MIN;
+  int max_ctas = INT_MIN;
+  long sequence = 0;
+};
+
+std::string Env(const char* name, const char* fallback) {
+  const char* value = std::getenv(name);
+  return value != nullptr && *value != '\0' ? value : fallback;
+}
+
+void Log(const std::string& line) {
+  const std::string path = Env("NCCL_STUB_LOG", "");
+  if (path.empty()) return;
+  const int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_APPEND, 0644);
+  if (fd < 0) return;
+  const std::string text = line + "\n";
+  if (write(fd, text.data(), text.size()) < 0) { /* best effort */ }
+  close(fd);
+}
+
+std::string Path(const Comm& comm, const std::string& what, int rank) {
+  return Env("NCCL_STUB_DIR", "/tmp") + "/" + comm.id + "." + what + "." + std::to_string(rank);
+}
+
+// Publishes `bytes` as this rank's part of step `what`, then reads every rank's.
+int Exchange(const Comm& comm, const std::string& what, const std::string& bytes,
+             std::vector<std::string>* all) {
+  const std::string mine = Path(comm, what, comm.rank);
+  {
+    std::ofstream out(mine + ".tmp", std::ios::binary);
+    out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+    if (!out) return kSystemError;
+  }
+  if (std::rename((mine + ".tmp").c_str(), mine.c_str()) != 0) return kSystemError;
+  const double timeout_s = std::atof(Env("NCCL_STUB_TIMEOUT_S", "30").c_str());
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::milliseconds(static_cast<long>(timeout_s * 1000));
+  all->assign(comm.nranks, std::string());
+  for (int r = 0; r < comm.nranks; ++r) {
+    std::ifstream in;
+    while (!(in = std::ifstream(Path(comm, what, r), std::ios::binary))) {
+      if (std::chrono::steady_clock::now() > deadline) return kRemoteError;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    (*all)[r].assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  return kSuccess;
+}
+
+template <typename T>
+void SumInRankOrder(const std::vector<std::string>& parts, size_t count, void* out) {
+  std::vector<T> sum(count, T(0));
+  for (const std::string& part : parts) {
+    const T* values = reinterpret_cast<const T*>(part.data());
+    for (size_t i = 0; i < count; ++i) sum[i] += values[i];
+  }
+  std::memcpy(out, sum.data(), count * sizeof(T));
+}
+
+int AllReduce(const void* in, void* out, size_t count, int dtype, int op, Comm* comm,
+              int ctas, bool configured) {
+  size_t itemsize = 0;
+  switch (dtype) {
+    case 2: itemsize = 4; break;  // int32
+    case 4: itemsize = 8; break;  // int64
+    case 7: itemsize = 4; break;  // float32
+    case 8: itemsize = 8; break;  // float64
+    default: return kInvalidArgument;
+  }
+  if (op != 0 || comm == nullptr) return kInvalidArgument;
+  Log("allreduce rank=" + std::to_string(comm->rank) + " count=" + std::to_string(count) +
+      " dtype=" + std::to_string(dtype) + " ctas=" + std::to_string(ctas) +
+      " config=" + std::to_string(configured ? 1 : 0) + " id=" + comm->id);
+  std::vector<std::string> parts;
+  const int result = Exchange(*comm, "step" + std::to_string(comm->sequence++),
+                              std::string(static_cast<const char*>(in), count * itemsize), &parts);
+  if (result != kSuccess) return result;
+  switch (dtype) {
+    case 2: SumInRankOrder<int32_t>(parts, count, out); break;
+    case 4: SumInRankOrder<int64_t>(parts, count, out); break;
+    case 7: SumInRankOrder<float>(parts, count, out); break;
+    case 8: SumInRankOrder<double>(parts, count, out); break;
+  }
+  return kSuccess;
+}
+
+}  // namespace
+
+extern "C" {
+
+int ncclGetVersion(int* version) {
+  *version = std::atoi(Env("NCCL_STUB_VERSION", "23100").c_str());
+  return kSuccess;
+}
+
+int ncclGetUniqueId(UniqueId* id) {
+  std::memset(id->internal, 0, sizeof(id->internal));
+  std::random_device device;
+  std::snprintf(id->internal, sizeof(id->internal), "stub%08x%08x", device(), device());
+  return kSuccess;
+}
+
+int ncclCommInitRankConfig(Comm** comm, int nranks, UniqueId id, int rank, CommConfig* config) {
+  if (config == nullptr || config->magic != kMagic || nranks < 1 || rank < 0 || rank >= nranks) {
+    return kInvalidArgument;
+  }
+  auto created = new Comm();  // a C API hands out raw handles
+  created->id.assign(id.internal, strnlen(id.internal, sizeof(id.internal)));
+  created->rank = rank;
+  created->nranks = nranks;
+  created->min_ctas = config->min_ctas;
+  created->max_ctas = config->max_ctas;
+  Log("init rank=" + std::to_string(rank) + " nranks=" + std::to_string(nranks) +
+      " minCTAs=" + std::to_string(config->min_ctas) +
+      " maxCTAs=" + std::to_string(config->max_ctas) + " id=" + created->id);
+  std::vector<std::string> parts;
+  const int result = Exchange(*created, "init", "", &parts);
+  if (result != kSuccess) {
+    delete created;
+    return result;
+  }
+  *comm = created;
+  return kSuccess;
+}
+
+int ncclAllReduce(const void* in, void* out, size_t count, int dtype, int op, Comm* comm,
+                  void* /*stream*/) {
+  return AllReduce(in, out, count, dtype, op, comm, comm ? comm->max_ctas : 0, false);
+}
+
+int ncclAllReduceConfig(const void* in, void* out, size_t count, int dtype, int op, Comm* comm,
+                        void* /*stream*/, const CollConfig* config) {
+  if (config == nullptr || config->magic != kMagic || config->size < 64) return kInvalidArgument;
+  if (config->min_ctas != config->max_ctas) return kInvalidArgument;
+  return AllReduce(in, out, count, dtype, op, comm, config->max_ctas, true);
+}
+
+int ncclCommDestroy(Comm* comm) {
+  delete comm;
+  return kSuccess;
+}
+
+const char* ncclGetErrorString(int result) {
+  switch (result) {
+    case kSuccess: return "no error";
+    case kSystemError: return "unhandled system error (stub)";
+    case kInvalidArgument: return "invalid argument (stub)";
+    case kRemoteError: return "remote process exited or there was a network error (stub timeout)";
+    default: return "unknown result (stub)";
+  }
+}
+
+}  // extern "C"

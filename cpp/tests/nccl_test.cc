@@ -1,0 +1,119 @@
+// Tests of libra's NCCL control path (libra/nccl.h) against the host-memory
+// stub (nccl_stub.cc, whose path is argv[1]); run under ASan and TSan in CI.
+// Ranks are threads of this process.
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <unistd.h>
+
+#include "libra/nccl.h"
+
+namespace {
+
+int failures = 0;
+int checks = 0;
+
+#define CHECK(cond)                                                              \
+  do {                                                                           \
+    ++checks;                                                                    \
+    if (!(cond)) {                                                               \
+      ++failures;                                                                \
+      std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
+    }                                                                            \
+  } while (0)
+
+namespace nccl = libra::nccl;
+std::string stub_path;
+
+void TestVersions() {
+  CHECK(nccl::VersionString(23100) == "2.31.0");
+  CHECK(nccl::VersionString(22704) == "2.27.4");
+  CHECK(nccl::VersionString(2804) == "2.8.4");
+  CHECK(nccl::RouteFor(23100, true) == nccl::CtaRoute::kPerCollective);
+  CHECK(nccl::RouteFor(23100, false) == nccl::CtaRoute::kPerCommunicator);
+  CHECK(nccl::RouteFor(22999, true) == nccl::CtaRoute::kPerCommunicator);
+}
+
+void TestOpen() {
+  std::unique_ptr<nccl::Library> lib;
+  libra::Status s = nccl::Library::Open("/nonexistent/libnccl.so.2", &lib);
+  CHECK(!s.ok() && s.message.find("cannot load /nonexistent/libnccl.so.2") != std::string::npos);
+  CHECK(lib == nullptr);
+  setenv("NCCL_STUB_VERSION", "22700", 1);
+  s = nccl::Library::Open(stub_path, &lib);
+  CHECK(s.ok() && lib->version() == 22700 && lib->route() == nccl::CtaRoute::kPerCommunicator);
+  setenv("NCCL_STUB_VERSION", "23100", 1);
+  s = nccl::Library::Open(stub_path, &lib);
+  CHECK(s.ok() && lib->route() == nccl::CtaRoute::kPerCollective);
+  void* comm = nullptr;
+  nccl::UniqueId id{};
+  CHECK(!lib->InitRank(id, 2, 2, 0, &comm).ok());  // rank out of range
+}
+
+// Four ranks (threads), 20 calls each with block counts that change per call,
+// through the process's communicator cache (per-collective route).
+void TestCommunicatorsConcurrently() {
+  constexpr int kRanks = 4, kCalls = 20;
+  const nccl::Library* lib = nullptr;
+  nccl::Communicators& comms = nccl::Communicators::Get();
+  CHECK(comms.Open(stub_path, &lib).ok() && lib != nullptr);
+  nccl::UniqueId id{};
+  CHECK(lib->GetUniqueId(&id).ok());
+  CHECK(comms.RegisterId(5, id).ok());
+  CHECK(comms.RegisterId(5, id).ok());  // the same id again is fine
+  nccl::UniqueId other = id;
+  other[0] ^= 1;
+  CHECK(!comms.RegisterId(5, other).ok());
+
+  std::vector<int> wrong(kRanks, 0);
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < kRanks; ++rank) {
+    threads.emplace_back([&, rank] {
+      for (int call = 0; call < kCalls; ++call) {
+        std::vector<float> data(1000, static_cast<float>(rank + call));
+        const int ctas = 1 + call % 5;
+        const libra::Status s = comms.AllReduce(5, kRanks, rank, ctas, data.data(), data.data(),
+                                                data.size(), libra::DType::kF32, nullptr);
+        const float expected = 6.0f + 4.0f * call;  // sum over ranks of rank + call
+        if (!s.ok() || data.front() != expected || data.back() != expected) ++wrong[rank];
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int rank = 0; rank < kRanks; ++rank) CHECK(wrong[rank] == 0);
+  CHECK(comms.size() == kRanks);  // one communicator per rank, whatever the block count
+  std::vector<float> one(4, 1.0f);
+  const libra::Status s = comms.AllReduce(6, 1, 0, 1, one.data(), one.data(), one.size(),
+                                          libra::DType::kF32, nullptr);
+  CHECK(!s.ok() && s.message.find("has no unique id") != std::string::npos);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2) {
+    std::fprintf(stderr, "usage: nccl_test <path of libnccl_stub.so>\n");
+    return 2;
+  }
+  stub_path = argv[1];
+  char dir[] = "/tmp/libra_nccl_test.XXXXXX";
+  if (mkdtemp(dir) == nullptr) return 2;
+  setenv("NCCL_STUB_DIR", dir, 1);
+  const std::pair<const char*, void (*)()> tests[] = {
+      {"versions", TestVersions},
+      {"open", TestOpen},
+      {"communicators", TestCommunicatorsConcurrently},
+  };
+  for (const auto& [name, fn] : tests) {
+    const int before = failures;
+    fn();
+    std::printf("%-20s %s\n", name, failures == before ? "ok" : "FAILED");
+  }
+  std::printf("%d checks, %d failed\n", checks, failures);
+  std::string cleanup = std::string("rm -rf ") + dir;
+  if (std::system(cleanup.c_str()) != 0) std::fprintf(stderr, "could not remove %s\n", dir);
+  return failures == 0 ? 0 : 1;
+}

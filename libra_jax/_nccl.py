@@ -1,0 +1,110 @@
+"""NCCL for all-reduces that span processes on GPUs.
+
+The C++ side (cpp/libra/nccl.h) resolves NCCL at run time, picks how a call's
+block count reaches NCCL (per collective on NCCL >= 2.31, else one communicator
+per block count), and creates and caches communicators on first use. This
+module gives it what only Python has: the unique id of each communicator,
+made by the process that holds the group's rank 0 and fetched by the others
+through JAX's distributed key-value store (the store `jax.distributed` already
+runs, so no extra rendezvous service and no extra port).
+
+Communicators are identified by their members' global device ids (and, on the
+per-communicator route, the block count), so every process derives the same
+key without talking to the others, and a second program over the same devices
+reuses the communicator.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Sequence
+
+from libra_jax import _compat
+from libra_jax import _libra_ffi  # type: ignore[attr-defined]
+
+#: Environment variable naming the NCCL library to use (default: the
+#: libnccl.so.2 already loaded, e.g. by XLA, else the loader's search).
+LIBRARY_ENV = "LIBRA_JAX_NCCL_LIBRARY"
+KEY_PREFIX = "libra_jax/nccl"
+
+
+@dataclasses.dataclass(frozen=True)
+class Library:
+    """The NCCL libra uses: where it came from, its version, and how the CTA limit reaches it."""
+    path: str
+    version_code: int
+    version: str
+    route: str  # "per-collective" (ncclAllReduceConfig) or "per-communicator"
+
+
+_lock = threading.Lock()
+_ids: dict[str, int] = {}
+
+
+def library() -> Library:
+    """Load NCCL (once per process) and describe it; RuntimeError naming the problem."""
+    path, code, version, route = _libra_ffi.nccl_open()
+    return Library(path, int(code), version, route)
+
+
+def available() -> tuple[bool, str]:
+    """Whether NCCL can be used, and if not, why (for a fallback notice)."""
+    try:
+        library()
+    except RuntimeError as e:
+        return False, str(e)
+    return True, ""
+
+
+def communicator_key(global_ids: Sequence[int], blocks: int, route: str) -> str:
+    """The job-wide name of the communicator over `global_ids` (in rank order)."""
+    key = "devices=" + ",".join(str(int(i)) for i in global_ids)
+    return key + (f"/ctas={int(blocks)}" if route == "per-communicator" else "")
+
+
+def communicator(global_ids: Sequence[int], *, blocks: int, holds_root: bool,
+                 timeout_s: float) -> int:
+    """This process's id of the communicator over `global_ids`, its unique id
+    registered with the C++ side.
+
+    The process that holds rank 0 (`holds_root`) makes the unique id and
+    publishes it; the others wait for it at most `timeout_s` (then a
+    RuntimeError naming the group, never a hang). Without `jax.distributed`
+    every member is in this process and the id is made here.
+    """
+    lib = library()
+    key = communicator_key(global_ids, blocks, lib.route)
+    with _lock:
+        if key in _ids:
+            return _ids[key]
+        client = _compat.distributed_client()
+        store_key = f"{KEY_PREFIX}/{key}"
+        if client is None or holds_root:
+            unique_id = _libra_ffi.nccl_unique_id()
+            if client is not None:
+                client.key_value_set_bytes(store_key, unique_id)
+        else:
+            try:
+                unique_id = client.blocking_key_value_get_bytes(store_key,
+                                                                int(timeout_s * 1000))
+            except Exception as e:  # noqa: BLE001 - jaxlib raises its own error types
+                raise RuntimeError(
+                    f"libra_jax: no NCCL unique id for the all-reduce over devices "
+                    f"{list(global_ids)} after {timeout_s:g} s: the process holding its rank 0 "
+                    f"did not publish one (it failed, or runs a different program). "
+                    f"[{type(e).__name__}: {e}]") from e
+        comm_id = len(_ids) + 1
+        _libra_ffi.nccl_register_id(comm_id, bytes(unique_id))
+        _ids[key] = comm_id
+        return comm_id
+
+
+def allreduce_host(comm_id: int, nranks: int, rank: int, blocks: int, array: object) -> None:
+    """One rank's in-place all-reduce of a host numpy array on communicator `comm_id`
+    (the GPU path's control flow with host buffers: for tests against a host NCCL)."""
+    _libra_ffi.nccl_allreduce_host(comm_id, nranks, rank, blocks, array)
+
+
+def communicators_created() -> int:
+    """NCCL communicators this process has created."""
+    return int(_libra_ffi.nccl_communicators())

@@ -1,0 +1,278 @@
+"""NCCL's control path (cpp/libra/nccl.h, libra_jax/_nccl.py) against a stub
+NCCL in host memory (cpp/tests/nccl_stub.cc, built here): library loading and
+its errors, the version switch between per-collective and per-communicator CTA
+limits, the communicator cache, unique ids through JAX's key-value store, and
+the cuda lowering of a psum that spans processes. NCCL itself cannot run here
+(no GPU, and NCCL refuses two ranks on one GPU); the real 2-GPU test at the
+bottom skips without two GPUs.
+
+Each scenario runs in a fresh Python process: a process opens NCCL once."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from test_multiprocess import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+INT_MIN = -2**31
+
+
+@pytest.fixture(scope="session")
+def stub_library(tmp_path_factory) -> Path:
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler to build the NCCL stub")
+    out = tmp_path_factory.mktemp("nccl_stub") / "libnccl_stub.so"
+    subprocess.run([cxx, "-std=c++17", "-O1", "-shared", "-fPIC", "-o", str(out),
+                    str(ROOT / "cpp/tests/nccl_stub.cc")], check=True)
+    return out
+
+
+@pytest.fixture
+def stub_env(stub_library, tmp_path) -> dict:
+    """Environment of a process that uses the stub; its log at env['NCCL_STUB_LOG']."""
+    return {**os.environ, "XLA_FLAGS": "", "LIBRA_JAX_NCCL_LIBRARY": str(stub_library),
+            "NCCL_STUB_DIR": str(tmp_path), "NCCL_STUB_LOG": str(tmp_path / "stub.log"),
+            "NCCL_STUB_TIMEOUT_S": "30", "NCCL_STUB_VERSION": "23100"}
+
+
+def run(script: str, env: dict, *args: str) -> str:
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(script), *args], env=env,
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def log_lines(env: dict, kind: str) -> list[dict]:
+    """The stub's log lines of one kind ("init" or "allreduce"), as dicts."""
+    out = []
+    for line in Path(env["NCCL_STUB_LOG"]).read_text().splitlines():
+        word, *fields = line.split()
+        if word == kind:
+            out.append({k: (v if k == "id" else int(v))
+                        for k, v in (f.split("=", 1) for f in fields)})
+    return out
+
+
+# Two ranks as two threads of one process, three calls with blocks 2, 4, 2.
+THREADED = """
+    import threading, sys
+    import numpy as np
+    from libra_jax import _nccl
+    lib = _nccl.library()
+    print("ROUTE", lib.route, lib.version)
+    results = {}
+    def rank(r):
+        outs = []
+        for blocks in (2, 4, 2):
+            comm = _nccl.communicator([0, 1], blocks=blocks, holds_root=True, timeout_s=5)
+            a = np.arange(6, dtype=np.float32) * (r + 1) + blocks
+            _nccl.allreduce_host(comm, 2, r, blocks, a)
+            outs.append(a.tolist())
+        results[r] = outs
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    [t.start() for t in threads]; [t.join() for t in threads]
+    print("RESULTS", results[0] == results[1], results[0][1])
+    print("COMMUNICATORS", _nccl.communicators_created())
+"""
+
+
+def test_nccl_2_31_limits_each_collective_on_one_communicator(stub_env):
+    out = run(THREADED, stub_env)
+    assert "ROUTE per-collective 2.31.0" in out
+    # rank 0: arange*1+4, rank 1: arange*2+4 -> arange*3 + 8
+    assert "RESULTS True [8.0, 11.0, 14.0, 17.0, 20.0, 23.0]" in out
+    assert "COMMUNICATORS 2" in out  # one per rank, whatever the block count
+    inits = log_lines(stub_env, "init")
+    assert len(inits) == 2 and all(i["minCTAs"] == i["maxCTAs"] == INT_MIN for i in inits)
+    calls = log_lines(stub_env, "allreduce")
+    assert sorted(c["ctas"] for c in calls) == [2, 2, 2, 2, 4, 4]
+    assert all(c["config"] == 1 for c in calls)  # ncclAllReduceConfig
+    assert len({c["id"] for c in calls}) == 1
+
+
+@pytest.mark.parametrize("version, name", [(22704, "2.27.4"), (2804, "2.8.4")])
+def test_older_nccl_gets_one_communicator_per_block_count(stub_env, version, name):
+    stub_env["NCCL_STUB_VERSION"] = str(version)
+    out = run(THREADED, stub_env)
+    assert f"ROUTE per-communicator {name}" in out
+    assert "RESULTS True [8.0, 11.0, 14.0, 17.0, 20.0, 23.0]" in out
+    assert "COMMUNICATORS 4" in out  # 2 ranks x {2, 4} blocks; the second 2 reuses
+    inits = log_lines(stub_env, "init")
+    assert sorted((i["minCTAs"], i["maxCTAs"]) for i in inits) == [(2, 2), (2, 2), (4, 4), (4, 4)]
+    calls = log_lines(stub_env, "allreduce")
+    assert all(c["config"] == 0 for c in calls)  # plain ncclAllReduce
+    by_id = {}
+    for c in calls:
+        by_id.setdefault(c["id"], set()).add(c["ctas"])
+    assert sorted(map(tuple, by_id.values())) == [(2,), (4,)]  # a communicator per count
+
+
+def test_pinned_communicator_refuses_another_block_count(stub_env):
+    stub_env["NCCL_STUB_VERSION"] = "22700"
+    out = run("""
+        import numpy as np
+        from libra_jax import _nccl
+        comm = _nccl.communicator([3], blocks=2, holds_root=True, timeout_s=5)
+        a = np.ones(4, np.int32)
+        _nccl.allreduce_host(comm, 1, 0, 2, a)
+        print("ONE RANK", a.tolist())
+        try:
+            _nccl.allreduce_host(comm, 1, 0, 8, a)
+        except RuntimeError as e:
+            print("ERROR", e)
+    """, stub_env)
+    assert "ONE RANK [1, 1, 1, 1]" in out
+    assert "ERROR libra NCCL: communicator 1 was created for 1 ranks and 2 CTAs, called with 1 and 8" in out
+
+
+@pytest.mark.parametrize("library, message", [
+    ("/nonexistent/libnccl.so.2", "cannot load /nonexistent/libnccl.so.2"),
+    ("libm.so.6", "libm.so.6 has no ncclGetVersion"),
+])
+def test_unusable_library_is_a_clear_error_and_the_lowering_falls_back(stub_env, library,
+                                                                        message):
+    stub_env["LIBRA_JAX_NCCL_LIBRARY"] = library
+    out = run("""
+        from libra_jax import _nccl
+        try:
+            _nccl.library()
+        except RuntimeError as e:
+            print("ERROR", e)
+        print("AVAILABLE", _nccl.available()[0])
+    """, stub_env)
+    assert f"ERROR libra NCCL: {message}" in out
+    assert "AVAILABLE False" in out
+
+
+def test_bad_unique_id_and_unknown_communicator(stub_env):
+    out = run("""
+        import numpy as np
+        from libra_jax import _libra_ffi
+        for call in (lambda: _libra_ffi.nccl_register_id(7, b"short"),
+                     lambda: _libra_ffi.nccl_allreduce_host(99, 1, 0, 1, np.ones(2, np.float32)),
+                     lambda: _libra_ffi.nccl_allreduce_host(1, 1, 0, 1, np.ones(2, np.int8))):
+            try:
+                call()
+            except (ValueError, RuntimeError, TypeError) as e:
+                print(type(e).__name__, e)
+    """, stub_env)
+    assert "ValueError an NCCL unique id has 128 bytes, got 5" in out
+    assert "RuntimeError libra NCCL: communicator 99 has no unique id" in out
+    assert "TypeError nccl_allreduce_host: float32, float64, int32 or int64 arrays only" in out
+
+
+# Two processes x 2 CPU devices through jax.distributed: unique ids through the
+# key-value store, a host all-reduce per process, and the cuda lowering of a
+# psum over the 4 devices of both.
+TWO_PROCESSES = """
+    import sys
+    import jax
+    import numpy as np
+    from jax.sharding import PartitionSpec as P
+    pid, port = int(sys.argv[1]), sys.argv[2]
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.config.update("jax_num_cpu_devices", 2)
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
+                               process_id=pid, initialization_timeout=60)
+    import libra_jax
+    from libra_jax import _nccl
+    comm = _nccl.communicator([10, 11], blocks=4, holds_root=pid == 0, timeout_s=30)
+    a = np.arange(3, dtype=np.float64) + 10 * pid
+    _nccl.allreduce_host(comm, 2, pid, 4, a)
+    print("HOST", a.tolist())
+    if pid == 1:  # nobody holds this group's rank 0: an error after the timeout
+        try:
+            _nccl.communicator([20, 21], blocks=4, holds_root=False, timeout_s=2)
+        except RuntimeError as e:
+            print("TIMEOUT", e)
+    mesh = jax.make_mesh((4,), ("x",))
+    f = jax.jit(jax.shard_map(lambda v: libra_jax.psum(v, "x", blocks=6), mesh=mesh,
+                              in_specs=P("x"), out_specs=P()))
+    x = jax.ShapeDtypeStruct((8, 3), np.float32, sharding=jax.NamedSharding(mesh, P("x")))
+    text = f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    print("HLO", " ".join(l.strip() for l in text.splitlines() if "libra_allreduce" in l))
+    jax.distributed.shutdown()
+"""
+
+
+def test_unique_ids_travel_through_the_key_value_store(stub_env):
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(TWO_PROCESSES), str(pid),
+                               port], env=stub_env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for pid in range(2)]
+    outs = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=180)
+            assert proc.returncode == 0, err[-3000:]
+            outs.append(out)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    for out in outs:
+        assert "HOST [10.0, 12.0, 14.0]" in out, out
+    calls = log_lines(stub_env, "allreduce")
+    assert len(calls) == 2 and len({c["id"] for c in calls}) == 1  # one communicator
+    assert "TIMEOUT libra_jax: no NCCL unique id for the all-reduce over devices [20, 21]" \
+        in outs[1]
+    # Each process lowers its own ranks (devices 0,1 in process 0; 2,3 in process 1).
+    for pid, out in enumerate(outs):
+        hlo = out.split("HLO", 1)[1]
+        assert "@libra_allreduce_nccl" in hlo and "ctas = 6" in hlo and "nranks = 4" in hlo
+        assert f"ranks = dense<[{2 * pid}, {2 * pid + 1}]>" in hlo, hlo
+        assert "@libra_allreduce_cuda" not in hlo
+
+
+# --- On real GPUs (skipped here) --------------------------------------------
+
+GPU_WORKER = """
+    import sys
+    import jax
+    import numpy as np
+    from jax.sharding import PartitionSpec as P
+    pid, port = int(sys.argv[1]), sys.argv[2]
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2,
+                               process_id=pid, local_device_ids=[pid])
+    import libra_jax
+    mesh = jax.make_mesh((2,), ("x",))
+    data = np.arange(2 * 1000, dtype=np.float32).reshape(2, 1000)
+    x = jax.make_array_from_callback(data.shape, jax.NamedSharding(mesh, P("x")),
+                                     lambda i: data[i])
+    for blocks in (1, 4, 16):
+        f = jax.jit(jax.shard_map(lambda v: libra_jax.psum(v, "x", blocks=blocks), mesh=mesh,
+                                  in_specs=P("x"), out_specs=P()))
+        got = np.asarray(f(x).addressable_data(0))
+        assert np.array_equal(got, data.sum(0, keepdims=True)), blocks
+    print("GPU OK")
+    jax.distributed.shutdown()
+"""
+
+
+def _gpu_count() -> int:
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return out.stdout.count("GPU ")
+
+
+@pytest.mark.skipif(_gpu_count() < 2, reason="needs 2 GPUs (NCCL refuses two ranks on one)")
+def test_two_processes_on_two_gpus():
+    env = {**os.environ, "XLA_FLAGS": ""}
+    env.pop("LIBRA_JAX_NCCL_LIBRARY", None)
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(GPU_WORKER), str(pid), port],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for pid in range(2)]
+    for proc in procs:
+        out, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0 and "GPU OK" in out, err[-3000:]
