@@ -8,9 +8,11 @@
 # scikit-build-core and jax with its CUDA plugin must be installed; set PYTHON
 # if `python3` is not the one with jax), runs the GPU tests (tests/test_cuda.py)
 # and the harness (N = 2, 4, 8 virtual ranks on one GPU: correctness against a
-# float64 reference, then time vs bytes x blocks), writing results under $OUT
+# float64 reference, then the contention curves: a GEMM's and a triad's slowdown
+# beside one rank's share of an 8-rank all-reduce vs its blocks, and that
+# share's own slowdown; then time vs bytes x blocks), writing results under $OUT
 # as they come (default /tmp/libra_gpu_check/out):
-#   check.csv, bench.csv   harness results
+#   check.csv, contend.csv, bench.csv   harness results
 #   table.md               the time-vs-blocks table
 #   summary.txt            one line per step
 #   logs.tar.gz            environment, build, pytest and harness logs
@@ -25,7 +27,7 @@ dry_run=0
 case "${1:-}" in
   --dry-run) dry_run=1 ;;
   "") ;;
-  -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+  -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
   *) echo "usage: $0 [--dry-run]" >&2; exit 2 ;;
 esac
 
@@ -136,6 +138,13 @@ if [ "$dry_run" = 0 ] && [ -x "$harness" ]; then
   if [ $rc -eq 0 ]; then note check PASS "$pass passed, $skip skipped (not co-resident)"
   else note check FAIL "rc $rc: $pass passed, $fail failed, $skip skipped"; fi
 
+  timeout 60 "$harness" contend --ranks 8 --bytes 64M --csv "$out/contend.csv" \
+    >> "$logs/harness.log" 2>&1
+  rc=$?
+  rows=$(grep -c '^contend,' "$out/contend.csv" 2>/dev/null)
+  if [ $rc -eq 0 ]; then note contend PASS "$rows contention points"
+  else note contend FAIL "rc $rc after $rows contention points"; fi
+
   bench_budget=$(( $(left) - 25 ))
   if [ "$bench_budget" -gt 10 ]; then
     timeout $((bench_budget + 20)) "$harness" bench --ranks "$ranks" --max-bytes "$max_bytes" \
@@ -149,6 +158,7 @@ if [ "$dry_run" = 0 ] && [ -x "$harness" ]; then
   fi
 elif [ "$dry_run" = 1 ]; then
   note check SKIP "dry run"
+  note contend SKIP "dry run"
   note bench SKIP "dry run"
   # Stand-in timings, to exercise the table step below.
   gpu="DRY RUN (stand-in numbers, not measured)"

@@ -5,6 +5,8 @@
 //   libra_cuda_harness check  [--ranks 2,4,8] [--csv FILE]
 //   libra_cuda_harness bench  [--ranks 2,4,8] [--min-bytes 64K] [--max-bytes 1G]
 //                             [--blocks 1,2,4,8,16,32,64] [--budget-s 120] [--csv FILE]
+//   libra_cuda_harness contend [--ranks 8] [--bytes 64M] [--blocks 1,2,4,8,16,32,64]
+//                             [--csv FILE]
 //   libra_cuda_harness selftest   (host-only checks; runs without a GPU)
 //
 // check: random data, outputs poisoned first, every dtype and algorithm,
@@ -15,6 +17,10 @@
 // independent of block count and algorithm. Prints one CSV line per case and
 // exits non-zero on any failure.
 // bench: median time per all-reduce vs bytes per rank x blocks.
+// contend: the contention curves (see contention.h): for a GEMM and a
+// memory-bound triad beside one rank's share of an all-reduce with k blocks,
+// the compute's slowdown (all-reduce running throughout) and the all-reduce's
+// (compute running throughout), each against its time alone; medians of 5.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime_api.h>
@@ -26,12 +32,14 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "libra/cuda/allreduce.h"
+#include "libra/cuda/contention.h"
 
 namespace lc = libra::cuda;
 
@@ -474,6 +482,126 @@ void Bench(int device, const std::vector<int>& ranks, std::size_t min_bytes,
   }
 }
 
+// --- contend -----------------------------------------------------------------
+
+// Median GPU time (ms) of `launch` on `stream`, over `reps` runs.
+template <typename Launch>
+float MedianMs(cudaStream_t stream, int reps, Launch launch) {
+  cudaEvent_t e0, e1;
+  CHECK_CUDA(cudaEventCreate(&e0));
+  CHECK_CUDA(cudaEventCreate(&e1));
+  std::vector<float> times;
+  for (int i = 0; i < reps; ++i) {
+    CHECK_CUDA(cudaEventRecord(e0, stream));
+    launch();
+    CHECK_CUDA(cudaEventRecord(e1, stream));
+    CHECK_CUDA(cudaEventSynchronize(e1));
+    float ms = 0;
+    CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+    times.push_back(ms);
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  std::sort(times.begin(), times.end());
+  return times[times.size() / 2];
+}
+
+// Runs `fg_reps` launches of `fg` on stream `fg_stream` beside `bg_reps`
+// launches of `bg` on `bg_stream`, both released together by one spin
+// kernel; returns the foreground's elapsed GPU time (ms).
+template <typename Fg, typename Bg>
+float Beside(cudaStream_t fg_stream, int fg_reps, Fg fg, cudaStream_t bg_stream, int bg_reps,
+             Bg bg) {
+  cudaEvent_t go, e0, e1;
+  CHECK_CUDA(cudaEventCreateWithFlags(&go, cudaEventDisableTiming));
+  CHECK_CUDA(cudaEventCreate(&e0));
+  CHECK_CUDA(cudaEventCreate(&e1));
+  CHECK_CUDA(lc::LaunchSpin(200, fg_stream));
+  CHECK_CUDA(cudaEventRecord(go, fg_stream));
+  CHECK_CUDA(cudaStreamWaitEvent(bg_stream, go, 0));
+  for (int i = 0; i < bg_reps; ++i) bg();
+  CHECK_CUDA(cudaEventRecord(e0, fg_stream));
+  for (int i = 0; i < fg_reps; ++i) fg();
+  CHECK_CUDA(cudaEventRecord(e1, fg_stream));
+  CHECK_CUDA(cudaDeviceSynchronize());
+  float ms = 0;
+  CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+  cudaEventDestroy(go);
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  return ms;
+}
+
+template <typename T>
+void Allocate(T** p, std::size_t bytes) {
+  CHECK_CUDA(cudaMalloc(reinterpret_cast<void**>(p), bytes));
+  CHECK_CUDA(cudaMemset(*p, 0, bytes));
+}
+
+void Contend(int n, std::size_t bytes, const std::vector<int>& block_list) {
+  bytes -= bytes % lc::kVectorBytes;
+  const int gemm_n = 4096;
+  const std::size_t gemm_bytes = std::size_t{4} * gemm_n * gemm_n;
+  const std::size_t triad_count = std::size_t{64} << 20;  // 256 MiB per array
+  std::vector<float*> inputs(n);
+  for (float*& p : inputs) Allocate(&p, bytes);
+  float **d_inputs = nullptr, *out = nullptr, *ga = nullptr, *gb = nullptr, *gc = nullptr;
+  float *ta = nullptr, *tb = nullptr, *tc = nullptr;
+  Allocate(&d_inputs, n * sizeof(float*));
+  CHECK_CUDA(cudaMemcpy(d_inputs, inputs.data(), n * sizeof(float*), cudaMemcpyHostToDevice));
+  Allocate(&out, bytes);
+  for (float** p : {&ga, &gb, &gc}) Allocate(p, gemm_bytes);
+  for (float** p : {&ta, &tb, &tc}) Allocate(p, triad_count * 4);
+  cudaStream_t compute_stream, comm_stream;
+  CHECK_CUDA(cudaStreamCreateWithFlags(&compute_stream, cudaStreamNonBlocking));
+  CHECK_CUDA(cudaStreamCreateWithFlags(&comm_stream, cudaStreamNonBlocking));
+  struct Workload {
+    const char* name;
+    std::function<void()> launch;
+  };
+  const Workload workloads[] = {
+      {"gemm", [&] { CHECK_CUDA(lc::LaunchGemm(ga, gb, gc, gemm_n, compute_stream)); }},
+      {"triad", [&] { CHECK_CUDA(lc::LaunchTriad(ta, tb, tc, triad_count, compute_stream)); }},
+  };
+  Emit("contend_header,workload,ranks,bytes,blocks,compute_alone_us,compute_slowdown,"
+       "allreduce_alone_us,allreduce_slowdown");
+  for (const Workload& w : workloads) {
+    w.launch();  // warm-up
+    const float compute_ms = MedianMs(compute_stream, 5, w.launch);
+    for (int blocks : block_list) {
+      auto share = [&] {
+        CHECK_CUDA(lc::LaunchRankShare(d_inputs, n, out, bytes, blocks, comm_stream));
+      };
+      share();
+      const float share_ms = MedianMs(comm_stream, 5, share);
+      // Compute slowdown: ~20 ms of compute inside ~30 ms of all-reduces.
+      const int c_reps = std::max(1, static_cast<int>(20.0f / compute_ms));
+      const int s_cover = std::max(1, static_cast<int>(30.0f / share_ms) + 1);
+      std::vector<float> slow_c, slow_s;
+      for (int rep = 0; rep < 5; ++rep) {
+        slow_c.push_back(Beside(compute_stream, c_reps, w.launch, comm_stream, s_cover, share) /
+                         (c_reps * compute_ms));
+        // All-reduce slowdown: ~20 ms of all-reduces inside ~30 ms of compute.
+        const int s_reps = std::max(1, static_cast<int>(20.0f / share_ms));
+        const int c_cover = std::max(1, static_cast<int>(30.0f / compute_ms) + 1);
+        slow_s.push_back(Beside(comm_stream, s_reps, share, compute_stream, c_cover, w.launch) /
+                         (s_reps * share_ms));
+      }
+      std::sort(slow_c.begin(), slow_c.end());
+      std::sort(slow_s.begin(), slow_s.end());
+      char line[256];
+      std::snprintf(line, sizeof line, "contend,%s,%d,%zu,%d,%.2f,%.4f,%.2f,%.4f", w.name, n,
+                    bytes, blocks, compute_ms * 1000.0, slow_c[2], share_ms * 1000.0, slow_s[2]);
+      Emit(line);
+    }
+  }
+  for (float* p : inputs) cudaFree(p);
+  for (float* p : {out, ga, gb, gc, ta, tb, tc}) cudaFree(p);
+  cudaFree(d_inputs);
+  cudaStreamDestroy(compute_stream);
+  cudaStreamDestroy(comm_stream);
+}
+
 // --- selftest (no GPU needed) ------------------------------------------------
 
 int SelfTest() {
@@ -521,6 +649,7 @@ int main(int argc, char** argv) {
   std::vector<int> ranks = {2, 4, 8};
   std::vector<int> blocks = {1, 2, 4, 8, 16, 32, 64};
   std::size_t min_bytes = 64 << 10, max_bytes = std::size_t{1} << 30;
+  std::size_t contend_bytes = std::size_t{64} << 20;
   double budget_s = 120;
   for (int i = 2; i + 1 < argc; i += 2) {
     const std::string key = argv[i], value = argv[i + 1];
@@ -528,6 +657,7 @@ int main(int argc, char** argv) {
     else if (key == "--blocks") blocks = ParseInts(value);
     else if (key == "--min-bytes") min_bytes = ParseBytes(value);
     else if (key == "--max-bytes") max_bytes = ParseBytes(value);
+    else if (key == "--bytes") contend_bytes = ParseBytes(value);
     else if (key == "--budget-s") budget_s = std::atof(value.c_str());
     else if (key == "--csv") g_csv = std::fopen(value.c_str(), "w");
     else {
@@ -550,6 +680,8 @@ int main(int argc, char** argv) {
     CheckAll(device, ranks);
   } else if (mode == "bench") {
     Bench(device, ranks, min_bytes, max_bytes, blocks, budget_s);
+  } else if (mode == "contend") {
+    Contend(ranks.front(), contend_bytes, blocks);
   } else {
     std::fprintf(stderr, "unknown mode %s\n", mode.c_str());
     return 2;
