@@ -13,6 +13,7 @@
 # share's own slowdown; then time vs bytes x blocks), writing results under $OUT
 # as they come (default /tmp/libra_gpu_check/out):
 #   check.csv, contend.csv, bench.csv   harness results
+#   h200.json              the h200 profile fitted to contend.csv (gpu_profile.py)
 #   table.md               the time-vs-blocks table
 #   summary.txt            one line per step
 #   logs.tar.gz            environment, build, pytest and harness logs
@@ -27,7 +28,7 @@ dry_run=0
 case "${1:-}" in
   --dry-run) dry_run=1 ;;
   "") ;;
-  -h|--help) sed -n '2,23p' "$0"; exit 0 ;;
+  -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
   *) echo "usage: $0 [--dry-run]" >&2; exit 2 ;;
 esac
 
@@ -144,6 +145,12 @@ if [ "$dry_run" = 0 ] && [ -x "$harness" ]; then
   rows=$(grep -c '^contend,' "$out/contend.csv" 2>/dev/null)
   if [ $rc -eq 0 ]; then note contend PASS "$rows contention points"
   else note contend FAIL "rc $rc after $rows contention points"; fi
+  if [ "$python_ok" = 1 ] && [ "${rows:-0}" -gt 0 ]; then
+    if PYTHONPATH=$site "$python" "$repo/benchmarks/gpu_profile.py" "$out/contend.csv" \
+         --gpu "$gpu" --out "$out/h200.json" 2>> "$logs/harness.log"; then
+      note profile PASS "h200.json: contention parameters fitted (copy to libra_jax/profiles/)"
+    else note profile FAIL "see logs/harness.log"; fi
+  fi
 
   bench_budget=$(( $(left) - 25 ))
   if [ "$bench_budget" -gt 10 ]; then

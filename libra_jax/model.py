@@ -201,7 +201,7 @@ def nccl_bus_bandwidth(blocks: int, per_block_bytes_per_s: float, link_bytes_per
     return softmin(blocks * per_block_bytes_per_s * efficiency, link_bytes_per_s, p)
 
 
-def nccl_slowdown(blocks: int, *, compute_units: int, units_per_block: int, memory_bound_fraction: float,
+def nccl_slowdown(blocks: int, *, compute_units: int, units_per_block: float, memory_bound_fraction: float,
                   memory_bytes_per_s: float, comm_memory_bytes_per_s: float) -> float:
     """Compute slowdown from the SMs and HBM bandwidth the collective takes (``inf`` if it takes all)."""
     free_units = compute_units - blocks * units_per_block
@@ -291,7 +291,7 @@ class NcclStyle:
     per_block_bytes_per_s: float
     softmin_p: float
     overlap_block_efficiency: float
-    units_per_block: int
+    units_per_block: float  # SMs (or SM-equivalents, when measured) one block takes from compute
     memory_bytes_per_bus_byte: float
     memory_bound_fraction: float
 
@@ -504,7 +504,7 @@ def profile_from_dict(data: Mapping[str, Any], *, origin: str = "<dict>") -> Pro
             per_block_bytes_per_s=r.number(c, "per_block_gbyte_per_s", p) * BYTES_PER_GBYTE,
             softmin_p=r.number(c, "softmin_p", p),
             overlap_block_efficiency=r.number(c, "overlap_block_efficiency", p, maximum=1.0),
-            units_per_block=r.integer(c, "units_per_block", p),
+            units_per_block=r.number(c, "units_per_block", p, minimum=0.0),
             memory_bytes_per_bus_byte=r.number(c, "memory_bytes_per_bus_byte", p, inclusive=True),
             memory_bound_fraction=r.number(c, "memory_bound_fraction", p, inclusive=True, maximum=1.0),
         )
