@@ -14,6 +14,8 @@
 # as they come (default /tmp/libra_gpu_check/out):
 #   check.csv, contend.csv, bench.csv   harness results
 #   h200.json              the h200 profile fitted to contend.csv (gpu_profile.py)
+#   overlap.md             sync vs stream-annotated vs start/done beside compute
+#                          (gpu_overlap.py)
 #   table.md               the time-vs-blocks table
 #   summary.txt            one line per step
 #   logs.tar.gz            environment, build, pytest and harness logs
@@ -28,7 +30,7 @@ dry_run=0
 case "${1:-}" in
   --dry-run) dry_run=1 ;;
   "") ;;
-  -h|--help) sed -n '2,24p' "$0"; exit 0 ;;
+  -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
   *) echo "usage: $0 [--dry-run]" >&2; exit 2 ;;
 esac
 
@@ -152,6 +154,14 @@ if [ "$dry_run" = 0 ] && [ -x "$harness" ]; then
     else note profile FAIL "see logs/harness.log"; fi
   fi
 
+  if [ "$python_ok" = 1 ]; then
+    (cd "$work" && PYTHONPATH=$site XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 90 \
+       "$python" "$repo/benchmarks/gpu_overlap.py" --out "$out") >> "$logs/overlap.log" 2>&1
+    rc=$?
+    if [ $rc -eq 0 ]; then note overlap PASS "$(grep -c '^| [a-z]' "$out/overlap.md") rows"
+    else note overlap FAIL "rc $rc (see logs/overlap.log)"; fi
+  fi
+
   bench_budget=$(( $(left) - 25 ))
   if [ "$bench_budget" -gt 10 ]; then
     timeout $((bench_budget + 20)) "$harness" bench --ranks "$ranks" --max-bytes "$max_bytes" \
@@ -166,6 +176,7 @@ if [ "$dry_run" = 0 ] && [ -x "$harness" ]; then
 elif [ "$dry_run" = 1 ]; then
   note check SKIP "dry run"
   note contend SKIP "dry run"
+  note overlap SKIP "dry run"
   note bench SKIP "dry run"
   # Stand-in timings, to exercise the table step below.
   gpu="DRY RUN (stand-in numbers, not measured)"

@@ -7,6 +7,7 @@ Tested with jax 0.10.2 and 0.12.x.
 """
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable
 
 import jax
@@ -30,7 +31,7 @@ from jax.extend.core import new_jaxpr_eqn as _new_jaxpr_eqn
 
 __all__ = [
     "ClosedJaxpr", "Jaxpr", "Var", "jaxpr_as_fun", "closed_jaxpr", "jaxprs_in_params",
-    "new_jaxpr_eqn", "mesh_axis_sizes", "distributed_client", "Primitive", "Tracer", "ShapedArray", "ir", "hlo", "psum_p", "psum_invariant_p",
+    "new_jaxpr_eqn", "mesh_axis_sizes", "distributed_client", "on_stream", "Primitive", "Tracer", "ShapedArray", "ir", "hlo", "psum_p", "psum_invariant_p",
     "apply_primitive", "deflinear", "register_batcher", "register_lowering", "lower_fun",
     "ir_constant", "ir_tensor_type",
     "check_vma_enabled", "auto_pcast_enabled", "varying_axes", "input_state",
@@ -220,3 +221,19 @@ def distributed_client() -> Any:
     from jax._src import distributed
 
     return distributed.global_state.client
+
+
+def on_stream(fn: Callable[..., Any], stream: int) -> Callable[..., Any]:
+    """`fn` annotated to run on XLA:GPU's stream `stream` (needs the XLA flag
+    --xla_gpu_experimental_stream_annotation=true). jax < 0.11 takes
+    `compute_on(type)` as a context manager; later versions as a decorator that
+    also names the outputs' memory space."""
+    from jax.experimental.compute_on import compute_on
+
+    compute_type = f"gpu_stream:{stream}"
+    if "out_memory_spaces" not in inspect.signature(compute_on).parameters:
+        def annotated(*args: Any, **kwargs: Any) -> Any:
+            with compute_on(compute_type):
+                return jax.jit(fn)(*args, **kwargs)
+        return annotated
+    return compute_on(compute_type=compute_type, out_memory_spaces=jax.memory.Space.Device)(fn)

@@ -73,7 +73,8 @@ def attr(line: str, name: str) -> str:
 def test_module_reports_cuda_build():
     regs = _libra_ffi.cuda_registrations()
     if _ffi.HAS_CUDA:
-        assert set(regs) == {CUDA_TARGET, _ffi.ALLREDUCE_NCCL_TARGET}
+        assert set(regs) == {CUDA_TARGET, CUDA_TARGET + "_start", CUDA_TARGET + "_done",
+                             _ffi.ALLREDUCE_NCCL_TARGET}
         assert all(type(r).__name__ == "PyCapsule" for r in regs.values())
         assert _libra_ffi.CUDA_MAX_RANKS == _ffi.CUDA_MAX_RANKS == 8
     else:

@@ -1,5 +1,7 @@
-// XLA FFI handler: the CUDA all-reduce custom call (platform "CUDA") over the
-// libra CUDA kernels (cpp/libra/cuda).
+// XLA FFI handlers (platform "CUDA"): the all-reduce over the libra CUDA
+// kernels (cpp/libra/cuda) on XLA's stream, the same kernel as a start/done
+// pair on libra's own stream (to run beside compute), and, across processes,
+// NCCL with a per-call CTA limit (cpp/libra/nccl.h).
 //
 // One handler serves every device of a single-process, multi-GPU program.
 // It knows its GPU from `DeviceOrdinal` and finds its rank and team in the
@@ -61,15 +63,17 @@ std::string Join(const std::vector<int>& v) {
   return s + "]";
 }
 
-ffi::Error Execute(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
-                   ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int32_t> devices,
-                   int64_t world, int64_t blocks, int64_t algorithm, int64_t timeout_ms) {
+// Checks a call, finds (or creates) its team and launches this GPU's kernel
+// on `stream`.
+ffi::Error Launch(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer out,
+                  ffi::Span<const int32_t> devices, int64_t world, int64_t blocks,
+                  int64_t algorithm, int64_t timeout_ms) {
   ffi::ErrorOr<lc::DType> dtype = ToEngineDType(x.element_type());
   if (!dtype.has_value()) return dtype.error();
   if (*dtype == lc::DType::kS64) {
     return ffi::Error::InvalidArgument("libra_jax CUDA all-reduce: s64 is not supported on GPU");
   }
-  if (out->element_type() != x.element_type() || out->size_bytes() != x.size_bytes()) {
+  if (out.element_type() != x.element_type() || out.size_bytes() != x.size_bytes()) {
     return ffi::Error::InvalidArgument(
         "libra_jax CUDA all-reduce: output must match the input's type and size");
   }
@@ -127,7 +131,7 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
   lc::CallArgs call;
   call.dtype = *dtype;
   call.input = x.untyped_data();
-  call.output = out->untyped_data();
+  call.output = out.untyped_data();
   call.bytes = x.size_bytes();
   call.blocks = static_cast<int>(blocks);
   call.algorithm = static_cast<lc::Algorithm>(algorithm);
@@ -136,6 +140,103 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
   if (lc::LaunchAllReduce(team->View(rank), call, stream, &message) != cudaSuccess) {
     return ffi::Error::Internal("libra_jax CUDA all-reduce: " + message);
   }
+  return ffi::Error::Success();
+}
+
+ffi::Error Execute(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+                   ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int32_t> devices,
+                   int64_t world, int64_t blocks, int64_t algorithm, int64_t timeout_ms) {
+  return Launch(stream, device, x, *out, devices, world, blocks, algorithm, timeout_ms);
+}
+
+// --- Start/done: the kernel on libra's own stream, beside XLA's compute ------
+//
+// start makes the GPU's communication stream wait for XLA's stream (the input
+// is ready there), launches the kernel on it and keeps an event for its end,
+// keyed by (GPU, call id); done makes XLA's stream wait for that event. The
+// lowering passes the input to done as well and aliases done's output to
+// start's, so XLA keeps both buffers alive, and unread, until done. Neither is
+// command-buffer compatible: a graph would capture the event hand-off once.
+struct AsyncCalls {
+  std::mutex mu;
+  std::map<int32_t, cudaStream_t> streams;                     // per GPU, never destroyed
+  std::map<std::pair<int32_t, int64_t>, cudaEvent_t> pending;  // (GPU, call id) -> end
+};
+
+AsyncCalls& Async() {
+  static AsyncCalls* calls = new AsyncCalls();  // never destroyed (XLA threads)
+  return *calls;
+}
+
+ffi::Error CudaError(const char* what, cudaError_t err) {
+  return ffi::Error::Internal(std::string("libra_jax CUDA all-reduce: ") + what + ": " +
+                              cudaGetErrorString(err));
+}
+
+ffi::Error ExecuteStart(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+                        ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int32_t> devices,
+                        int64_t world, int64_t blocks, int64_t algorithm, int64_t timeout_ms,
+                        int64_t call_id) {
+  AsyncCalls& calls = Async();
+  cudaStream_t comm = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(calls.mu);
+    if (calls.pending.count({device, call_id})) {
+      return ffi::Error(ffi::ErrorCode::kFailedPrecondition, "libra_jax CUDA all-reduce: call " +
+                                            std::to_string(call_id) +
+                                            " started again before its done");
+    }
+    auto it = calls.streams.find(device);
+    if (it == calls.streams.end()) {
+      int current = -1;
+      cudaError_t err = cudaGetDevice(&current);
+      if (err == cudaSuccess && current != device) err = cudaSetDevice(device);
+      if (err == cudaSuccess) err = cudaStreamCreateWithFlags(&comm, cudaStreamNonBlocking);
+      if (current >= 0 && current != device) cudaSetDevice(current);
+      if (err != cudaSuccess) return CudaError("creating its stream", err);
+      calls.streams.emplace(device, comm);
+    } else {
+      comm = it->second;
+    }
+  }
+  cudaEvent_t ready = nullptr, end = nullptr;
+  cudaError_t err = cudaEventCreateWithFlags(&ready, cudaEventDisableTiming);
+  if (err == cudaSuccess) err = cudaEventRecord(ready, stream);
+  if (err == cudaSuccess) err = cudaStreamWaitEvent(comm, ready, 0);
+  if (ready != nullptr) cudaEventDestroy(ready);  // released once recorded work is done
+  if (err != cudaSuccess) return CudaError("ordering its stream after XLA's", err);
+  ffi::Error launched = Launch(comm, device, x, *out, devices, world, blocks, algorithm,
+                               timeout_ms);
+  if (launched.failure()) return launched;
+  err = cudaEventCreateWithFlags(&end, cudaEventDisableTiming);
+  if (err == cudaSuccess) err = cudaEventRecord(end, comm);
+  if (err != cudaSuccess) {
+    if (end != nullptr) cudaEventDestroy(end);
+    return CudaError("recording its end", err);
+  }
+  std::lock_guard<std::mutex> lock(calls.mu);
+  calls.pending[{device, call_id}] = end;
+  return ffi::Error::Success();
+}
+
+ffi::Error ExecuteDone(cudaStream_t stream, int32_t device, ffi::AnyBuffer /*x*/,
+                       ffi::AnyBuffer /*started*/, ffi::Result<ffi::AnyBuffer> /*out*/,
+                       int64_t call_id) {
+  cudaEvent_t end = nullptr;
+  {
+    AsyncCalls& calls = Async();
+    std::lock_guard<std::mutex> lock(calls.mu);
+    auto it = calls.pending.find({device, call_id});
+    if (it == calls.pending.end()) {
+      return ffi::Error(ffi::ErrorCode::kFailedPrecondition, "libra_jax CUDA all-reduce: done of call " +
+                                            std::to_string(call_id) + " without its start");
+    }
+    end = it->second;
+    calls.pending.erase(it);
+  }
+  const cudaError_t err = cudaStreamWaitEvent(stream, end, 0);
+  cudaEventDestroy(end);
+  if (err != cudaSuccess) return CudaError("waiting for its end", err);
   return ffi::Error::Success();
 }
 
@@ -201,6 +302,28 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kNcclAllReduce, ExecuteNccl,
                                   .Attr<ffi::Span<const int32_t>>("ranks")
                                   .Attr<int64_t>("nranks")
                                   .Attr<int64_t>("ctas"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaAllReduceStart, ExecuteStart,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<ffi::Span<const int32_t>>("devices")
+                                  .Attr<int64_t>("world")
+                                  .Attr<int64_t>("blocks")
+                                  .Attr<int64_t>("algorithm")
+                                  .Attr<int64_t>("timeout_ms")
+                                  .Attr<int64_t>("call_id"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaAllReduceDone, ExecuteDone,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("call_id"));
 
 int CudaEffectiveBlocks(std::size_t bytes, int nranks, int algorithm, int blocks) {
   return lc::EffectiveBlocks(bytes, nranks, static_cast<lc::Algorithm>(algorithm), blocks,

@@ -38,6 +38,9 @@ ffi::TypeId* CpuAllReduceSiteTypeId();
 // The CUDA all-reduce (xla_ffi/cuda_allreduce.cc; built when nvcc is found,
 // which defines LIBRA_WITH_CUDA).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kCudaAllReduce);
+// The same kernel on libra's own stream: start launches, done joins XLA's stream.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kCudaAllReduceStart);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kCudaAllReduceDone);
 // Across processes: NCCL with a per-call CTA limit (same file).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kNcclAllReduce);
 // Blocks the CUDA kernel uses for a call (see libra::cuda::EffectiveBlocks).

@@ -44,6 +44,9 @@ nb::dict CudaRegistrations() {
   nb::dict registrations;
 #ifdef LIBRA_WITH_CUDA
   registrations["libra_allreduce_cuda"] = EncapsulateFfiHandler(libra_ffi::kCudaAllReduce);
+  registrations["libra_allreduce_cuda_start"] =
+      EncapsulateFfiHandler(libra_ffi::kCudaAllReduceStart);
+  registrations["libra_allreduce_cuda_done"] = EncapsulateFfiHandler(libra_ffi::kCudaAllReduceDone);
   registrations["libra_allreduce_nccl"] = EncapsulateFfiHandler(libra_ffi::kNcclAllReduce);
 #endif
   return registrations;

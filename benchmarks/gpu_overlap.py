@@ -1,0 +1,172 @@
+"""Which mechanism lets libra's CUDA all-reduce run beside XLA's compute (one GPU).
+
+    python benchmarks/gpu_overlap.py [--out DIR] [--mib 256] [--reps 7]
+    python benchmarks/gpu_overlap.py --lower-only     # anywhere: lowers for cuda, runs nothing
+
+One jitted step holds a chain of matmuls and, independent of it, libra's
+all-reduce kernel over a 1-GPU team (the FFI target called directly: a psum
+over one device is no call at all). Mechanisms, each with blocks 1, 8 and 32:
+  sync        the plain custom call on XLA's compute stream (the baseline)
+  annotated   the same call under jax.experimental.compute_on("gpu_stream:1"),
+              with --xla_gpu_experimental_stream_annotation=true
+  start/done  libra_allreduce_cuda_start launches on libra's own stream,
+              libra_allreduce_cuda_done makes XLA's stream wait; optimization
+              barriers put the matmuls between them
+For each: the step's median time against compute alone and all-reduce alone,
+and overlap = (compute + all-reduce - both) / min(compute, all-reduce): 0 when
+the two run one after the other, 1 when the shorter one is hidden. The outputs
+are checked (a 1-rank all-reduce returns its input). Results go to
+DIR/overlap.md as they come.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+if "--lower-only" not in sys.argv:
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_gpu_experimental_stream_annotation=true")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from libra_jax import _compat, _ffi  # noqa: E402
+
+BLOCKS = (1, 8, 32)
+
+
+def allreduce(x: jax.Array, blocks: int) -> jax.Array:
+    """libra's kernel on XLA's stream, team of one GPU."""
+    return jax.ffi.ffi_call(_ffi.ALLREDUCE_CUDA_TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype))(
+        x, devices=np.array([0], np.int32), world=np.int64(1), blocks=np.int64(blocks),
+        algorithm=np.int64(0), timeout_ms=np.int64(60_000))
+
+
+def start(x: jax.Array, blocks: int, call_id: int) -> jax.Array:
+    return jax.ffi.ffi_call("libra_allreduce_cuda_start", jax.ShapeDtypeStruct(x.shape, x.dtype))(
+        x, devices=np.array([0], np.int32), world=np.int64(1), blocks=np.int64(blocks),
+        algorithm=np.int64(0), timeout_ms=np.int64(60_000), call_id=np.int64(call_id))
+
+
+def done(x: jax.Array, started: jax.Array, call_id: int) -> jax.Array:
+    return jax.ffi.ffi_call("libra_allreduce_cuda_done",
+                            jax.ShapeDtypeStruct(started.shape, started.dtype),
+                            input_output_aliases={1: 0})(x, started, call_id=np.int64(call_id))
+
+
+def matmuls(a: jax.Array, n: int) -> jax.Array:
+    for _ in range(n):
+        a = jnp.tanh(a @ a) * 0.5
+    return a
+
+
+def steps(n_matmul: int) -> dict:
+    """name -> (blocks -> jitted fn(a, x) -> (compute result, all-reduce result))."""
+    def compute_only(blocks):
+        return jax.jit(lambda a, x: (matmuls(a, n_matmul), x))
+
+    def comm_only(blocks):
+        return jax.jit(lambda a, x: (a, allreduce(x, blocks)))
+
+    def sync(blocks):
+        return jax.jit(lambda a, x: (matmuls(a, n_matmul), allreduce(x, blocks)))
+
+    def annotated(blocks):
+        on_stream_1 = _compat.on_stream(lambda v: allreduce(v, blocks), 1)
+        return jax.jit(lambda a, x: (matmuls(a, n_matmul), on_stream_1(x)))
+
+    def start_done(blocks):
+        def f(a, x):
+            s = start(x, blocks, call_id=blocks)
+            s, a = jax.lax.optimization_barrier((s, a))    # compute after start
+            c = matmuls(a, n_matmul)
+            c, s = jax.lax.optimization_barrier((c, s))    # done after compute
+            return c, done(x, s, call_id=blocks)
+        return jax.jit(f)
+
+    return {"compute": compute_only, "allreduce": comm_only, "sync": sync,
+            "annotated": annotated, "start/done": start_done}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--mib", type=int, default=256, help="all-reduce buffer (MiB)")
+    parser.add_argument("--matmul", type=int, default=4096, help="matmul size")
+    parser.add_argument("--chain", type=int, default=8, help="matmuls per step")
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--lower-only", action="store_true")
+    args = parser.parse_args()
+
+    n = args.mib * (1 << 20) // 4
+    a_spec = jax.ShapeDtypeStruct((args.matmul, args.matmul), jnp.bfloat16)
+    x_spec = jax.ShapeDtypeStruct((n,), jnp.float32)
+    fns = steps(args.chain)
+    if args.lower_only:
+        _ffi.ensure_cuda_registered()
+        for name, make in fns.items():
+            try:
+                text = make(8).trace(a_spec, x_spec).lower(lowering_platforms=("cuda",)).as_text()
+                calls = sorted({w.split("(")[0] for w in text.split("custom_call @")[1:]})
+                print(f"{name:11s} lowers: custom calls {calls}")
+            except Exception as e:  # noqa: BLE001 - report and go on
+                print(f"{name:11s} does not lower for cuda: {type(e).__name__}: {e}"[:300])
+        return 0
+
+    if not jax.devices()[0].platform == "gpu":
+        print("needs a GPU (use --lower-only elsewhere)")
+        return 2
+    _ffi.ensure_cuda_registered()
+    out = Path(args.out) / "overlap.md"
+    a = jax.random.normal(jax.random.key(0), a_spec.shape, a_spec.dtype) * 0.01
+    x = jnp.arange(n, dtype=jnp.float32)
+    lines = [f"# libra CUDA all-reduce beside compute on one {jax.devices()[0].device_kind}",
+             f"\n`python benchmarks/gpu_overlap.py --mib {args.mib} --matmul {args.matmul} "
+             f"--chain {args.chain} --reps {args.reps}`, {time.strftime('%Y-%m-%d')}, "
+             f"jax {jax.__version__}. Median ms of {args.reps} interleaved runs (p10-p90 over "
+             "the step).\n",
+             "| mechanism | blocks | compute ms | all-reduce ms | both ms | overlap | output ok |",
+             "|---|---|---|---|---|---|---|"]
+    out.write_text("\n".join(lines) + "\n")
+    for blocks in BLOCKS:
+        compiled = {}
+        for name, make in fns.items():
+            try:
+                f = make(blocks)
+                r = f(a, x)
+                jax.block_until_ready(r)
+                ok = bool(jnp.array_equal(r[1], x))
+                compiled[name] = (f, ok)
+            except Exception as e:  # noqa: BLE001 - a mechanism that fails is a result
+                compiled[name] = (None, f"{type(e).__name__}: {str(e)[:120]}")
+        times: dict[str, list[float]] = {k: [] for k, (f, _) in compiled.items() if f}
+        for _ in range(args.reps):  # interleaved
+            for name in times:
+                f = compiled[name][0]
+                t0 = time.perf_counter()
+                jax.block_until_ready(f(a, x))
+                times[name].append((time.perf_counter() - t0) * 1e3)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        for name in ("sync", "annotated", "start/done"):
+            f, ok = compiled[name]
+            if f is None:
+                row = f"| {name} | {blocks} | | | | failed | {ok} |"
+            else:
+                c, r, both = med["compute"], med["allreduce"], med[name]
+                overlap = (c + r - both) / min(c, r)
+                spread = np.percentile(times[name], [10, 90])
+                row = (f"| {name} | {blocks} | {c:.2f} | {r:.2f} | {both:.2f} "
+                       f"({spread[0]:.2f}-{spread[1]:.2f}) | {overlap:.2f} | {ok} |")
+            print(row, flush=True)
+            with out.open("a") as fh:
+                fh.write(row + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
