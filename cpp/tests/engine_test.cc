@@ -16,21 +16,9 @@
 #include <vector>
 
 #include "libra/engine.h"
+#include "check.h"
 
 namespace {
-
-int failures = 0;
-int checks = 0;
-
-#define CHECK(cond)                                                   \
-  do {                                                                \
-    ++checks;                                                         \
-    if (!(cond)) {                                                    \
-      ++failures;                                                     \
-      std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__,     \
-                   __LINE__, #cond);                                  \
-    }                                                                 \
-  } while (0)
 
 using libra::DType;
 
@@ -292,7 +280,7 @@ void TestCallRecords() {
 }  // namespace
 
 int main() {
-  const std::pair<const char*, void (*)()> tests[] = {
+  return libra_test::RunTests({
       {"sums", TestSums},
       {"sixteen_bit", TestSixteenBit},
       {"effective_blocks", TestEffectiveBlocks},
@@ -303,12 +291,5 @@ int main() {
       {"destroy_pending", TestDestroyPending},
       {"call_records", TestCallRecords},
       {"fork", TestFork},
-  };
-  for (const auto& [name, fn] : tests) {
-    const int before = failures;
-    fn();
-    std::printf("%-20s %s\n", name, failures == before ? "ok" : "FAILED");
-  }
-  std::printf("%d checks, %d failed\n", checks, failures);
-  return failures == 0 ? 0 : 1;
+  });
 }

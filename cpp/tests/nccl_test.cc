@@ -10,20 +10,9 @@
 #include <unistd.h>
 
 #include "libra/nccl.h"
+#include "check.h"
 
 namespace {
-
-int failures = 0;
-int checks = 0;
-
-#define CHECK(cond)                                                              \
-  do {                                                                           \
-    ++checks;                                                                    \
-    if (!(cond)) {                                                               \
-      ++failures;                                                                \
-      std::fprintf(stderr, "%s:%d: CHECK failed: %s\n", __FILE__, __LINE__, #cond); \
-    }                                                                            \
-  } while (0)
 
 namespace nccl = libra::nccl;
 std::string stub_path;
@@ -102,18 +91,12 @@ int main(int argc, char** argv) {
   char dir[] = "/tmp/libra_nccl_test.XXXXXX";
   if (mkdtemp(dir) == nullptr) return 2;
   setenv("NCCL_STUB_DIR", dir, 1);
-  const std::pair<const char*, void (*)()> tests[] = {
+  const int status = libra_test::RunTests({
       {"versions", TestVersions},
       {"open", TestOpen},
       {"communicators", TestCommunicatorsConcurrently},
-  };
-  for (const auto& [name, fn] : tests) {
-    const int before = failures;
-    fn();
-    std::printf("%-20s %s\n", name, failures == before ? "ok" : "FAILED");
-  }
-  std::printf("%d checks, %d failed\n", checks, failures);
+  });
   std::string cleanup = std::string("rm -rf ") + dir;
   if (std::system(cleanup.c_str()) != 0) std::fprintf(stderr, "could not remove %s\n", dir);
-  return failures == 0 ? 0 : 1;
+  return status;
 }
