@@ -345,9 +345,13 @@ def _nccl_lowering(ctx: Any, x: Any, *, groups: list, devices: Sequence[Any], bl
     if count == 0:
         return [x]
     world = len(groups[0])
-    if blocks is None:  # Chosen now that the group size is known.
+    if blocks is None:
+        # Chosen now that the group size is known, from the shipped profile:
+        # every process must pick the same count (and, on older NCCL, the same
+        # communicator), and a host's own calibration is not shared here
+        # (optimize broadcasts process 0's profile; a bare psum cannot).
         nbytes = count * np.dtype(aval_in.dtype).itemsize
-        blocks = default_blocks(nbytes, world, _default_profile("cuda"))
+        blocks = default_blocks(nbytes, world, DEFAULT_PROFILES["cuda"])
     me = jax.process_index()
     local = [d for d in devices if d.process_index == me]
     # A GPU's local ordinal; a CPU mesh (lowering for cuda in tests) counts its devices.
