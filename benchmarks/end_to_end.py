@@ -32,6 +32,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import libra_jax  # noqa: E402
+from libra_jax import model  # noqa: E402
 
 CONFIGS = [("mlp", {}), ("cnn", {}), ("transformer", {}), ("transformer", {"variant": "pmap"})]
 LOG = re.compile(r"\[libra_jax\] .*?bytes=(\d+) blocks=(\d+) .*?first_arrival_us=(-?\d+) "
@@ -104,6 +105,7 @@ def main() -> None:
     parser.add_argument("--overlap", action="store_true", help="also read the engine's debug log")
     parser.add_argument("--out", default=None, help="write a markdown table here")
     a = parser.parse_args()
+    load_before = os.getloadavg()
     rows = []
     for name, options in CONFIGS:
         if a.only and a.only != name:
@@ -124,10 +126,14 @@ def main() -> None:
     if a.overlap:
         notes = "\n".join(overlap(n, o) for n, o in CONFIGS if not a.only or a.only == n)
         print(notes)
+    load_after = os.getloadavg()
     if a.out:
         cmd = "python benchmarks/end_to_end.py " + " ".join(sys.argv[1:])
+        profile = model.default_profile("cpu")
         text = (f"Command: `{cmd}`\n\nDate: {datetime.date.today()}; jax {jax.__version__}; Python "
-                f"{platform.python_version()}; {os.cpu_count()} CPU cores; 8 host devices.\n"
+                f"{platform.python_version()}; {os.cpu_count()} CPU cores; 8 host devices; profile `{profile}`.\n"
+                f"Load average (1/5/15 min) before: {'/'.join(f'{x:.1f}' for x in load_before)}, after: "
+                f"{'/'.join(f'{x:.1f}' for x in load_after)} (other jobs shared the cores).\n"
                 f"{a.rounds} interleaved rounds of {a.steps} steps per arm after {common.WARMUP} "
                 f"warm-up steps; per-step times.\n\n"
                 "| example | arm | median ms | IQR ms | ratio to plain | ratio p10-p90 |\n"

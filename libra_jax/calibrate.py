@@ -5,9 +5,10 @@ What is measured (CPU host devices; the "blocks" are the engine's worker tasks)
 XLA:CPU runs one multi-device execution at a time, so every measurement is one program, timed by
 the engine's per-call records (:func:`libra_jax._ffi.recording`, one clock for all devices):
 
-* **alone** -- a program that is one ``libra_jax.psum(z, blocks=k)`` of ``S`` bytes per device.
-  Its time is the engine's ``end - start`` (all ranks arrived -> all outputs written); the
-  arrival skew ``start - first_arrival`` is recorded too.
+* **alone** -- a program that is one ``libra_jax.psum(z, blocks=k, inplace=True)`` of ``S`` bytes
+  per device, in place as ``optimize`` runs gradient all-reduces (XLA copies ``z`` first, outside
+  the timed part). Its time is the engine's ``end - start`` (all ranks arrived -> all outputs
+  written); the arrival skew ``start - first_arrival`` is recorded too.
 * **overlapped** -- one program with a marker all-reduce (4 bytes) ``m1``, a compute chain that
   depends on ``m1``, a second marker ``m2`` that depends on the chain's result, and an all-reduce
   of ``S`` bytes with ``k`` blocks on independent data, which XLA issues beside the chain. The
@@ -17,27 +18,45 @@ the engine's per-call records (:func:`libra_jax._ffi.recording`, one clock for a
   the caches).
 * **peak rates** -- the solo chains give the sustained matmul FLOP/s and the streaming bytes/s
   per device, with every device running (as in data-parallel training).
+* **fusion** -- wall-clock time of a small MLP train step (``T`` gradient tensors, ``S`` bytes
+  per device) whose gradients are all-reduced as one fused bucket (``libra_psum_fused``: packed
+  into one buffer, split after) minus that of the same step with one all-reduce per tensor,
+  paired per repetition; once with few big tensors (8 MiB in 8), once with many small ones
+  (1 MiB in 64). Not only the copies: on a host whose cores the devices share, a fused bucket
+  also waits for every device's whole backward pass (measured on a 2-core VM with 8 devices: an
+  isolated 8 MiB pack costs ~2 ms, the same bytes fused in a train step ~10x more), and each
+  all-reduce in a step costs more than alone (its ranks' threads hand off and wake up).
 
 Every configuration is repeated ``reps`` times; each repetition runs all configurations once in
 a shuffled order (interleaved, so drift and noise spread over all of them). Medians come with
 bootstrap 95% confidence intervals.
 
-What is fitted (the ``nccl-style`` form of :mod:`libra_jax.model`)
------------------------------------------------------------------
-* alone: ``t = lat + S / (algo * softmin_p(k * beta, L))`` -> ``beta`` (per_block_gbyte_per_s),
-  ``L`` (intra_node_gbyte_per_s), ``p`` (softmin_p), ``lat`` (base_latency_us, plus the median
-  arrival skew); ``algo = n / (2(n-1))`` as in the model.
-* overlapped: the same with ``k * beta * eta`` -> ``eta`` (overlap_block_efficiency), from the
-  all-reduces that ended inside the compute window.
+What is fitted (the ``fair-share`` form of :mod:`libra_jax.model`)
+------------------------------------------------------------------
+The host's ``P`` cores (``cores``, the CPUs this process may run on) are shared by the devices'
+compute threads and the engine's worker threads; a fair scheduler gives each runnable thread
+``min(1, P / threads)`` of a core.
+
+* alone: ``t = lat + S / (algo * softmin_p(min(k, P) * beta, L))`` -> ``beta``
+  (per_block_gbyte_per_s), ``L`` (intra_node_gbyte_per_s), ``p`` (softmin_p), ``lat``
+  (base_latency_us); ``algo = n / (2(n-1))`` as in the model. The arrival skew is *not* added to
+  the latency: it is the devices' compute finishing at different times on shared cores, which a
+  step's time contains whether or not it all-reduces.
 * slowdown: while an all-reduce is active for ``D`` seconds of the window, compute runs at
   ``1/s`` of its speed, so ``W - C = D (1 - 1/s)``; a least-squares slope per ``k`` gives
-  ``s_mm(k)`` and ``s_mem(k)``. ``s_mm(k) = U / (U - k u)`` -> ``compute_units`` ``U`` and
-  ``units_per_block`` ``u`` (integers, grid search); ``s_mem(k) = H / (H - m bus_overlap(k))``
-  with ``H`` the measured memory bandwidth -> ``memory_bytes_per_bus_byte`` ``m``.
+  ``s_mm(k)`` and ``s_mem(k)``. Both fit one fair-share curve
+  ``s(k) = max(1, (D_c + k)/P) / max(1, D_c/P)`` -> ``compute_threads`` ``D_c`` (the runnable
+  compute threads the k workers compete with).
+* overlapped: no new parameter -- the workers' share ``k min(1, P/(D_c + k))`` of the cores sets
+  their rate -- and the all-reduces that ended inside the compute window check it (reported as
+  the fit error of the overlapped prediction).
+* fusion: ``t_fused - t_per_tensor = c S - (T - 1) h`` for both steps -> ``c`` (seconds per
+  fused byte: ``fusion_copy_gbyte_per_s = 1 / c``) and ``h`` (seconds per further all-reduce in a
+  train step: ``base_latency_us`` when it exceeds the intercept of the alone fit).
 Least squares are on relative (log) residuals (scipy.optimize.least_squares); the fit error is
 the RMS and max relative error over the medians, and bootstrap fits give 95% intervals for the
-parameters. ``memory_bound_fraction`` (a property of the workload, not the machine), the NIC and
-the inter-node latency cannot be measured on one host and stay assumptions.
+parameters. The NIC and the inter-node latency cannot be measured on one host and stay
+assumptions.
 
 Where the profile goes
 ----------------------
@@ -65,8 +84,8 @@ import numpy as np
 from libra_jax import model
 
 __all__ = ["CalibrationError", "Budget", "QUICK", "FULL", "TINY", "calibrate", "run", "fit_alone",
-           "fit_overlap", "fit_slowdown_units", "fit_memory_traffic", "slowdown_from_windows",
-           "build_profile"]
+           "fit_overlap", "fit_slowdown_units", "fit_memory_traffic", "fit_fair_share", "slowdown_from_windows",
+           "fusion_costs", "fusion_analysis", "host_cores", "build_profile"]
 
 KIB, MIB = 1 << 10, 1 << 20
 
@@ -88,14 +107,20 @@ class Budget:
     stream_bytes: int = 8 * MIB
     stream_iters: int = 12
     bootstrap: int = 40
+    pack_bytes: int = 8 * MIB         # gradient bytes per device of the fusion train step, few big tensors
+    pack_tensors: int = 8             # its gradient tensors
+    pack_small_bytes: int = 1 * MIB   # the same with many small tensors
+    pack_small_tensors: int = 64
 
 
 FULL = Budget(sizes=(64 * KIB, 256 * KIB, 1 * MIB, 4 * MIB, 16 * MIB), overlap_sizes=(4 * MIB, 16 * MIB),
               blocks=(1, 2, 3, 4, 6, 8), reps=9)
-QUICK = Budget(sizes=(256 * KIB, 1 * MIB, 4 * MIB), overlap_sizes=(4 * MIB,), blocks=(1, 2, 4), reps=10)
+QUICK = Budget(sizes=(256 * KIB, 1 * MIB, 4 * MIB), overlap_sizes=(4 * MIB,), blocks=(1, 2, 4), reps=10,
+               pack_bytes=4 * MIB, pack_small_bytes=512 * KIB, pack_small_tensors=32)
 #: For tests: seconds, not minutes.
 TINY = Budget(sizes=(64 * KIB, 512 * KIB), overlap_sizes=(256 * KIB,), blocks=(1, 2), reps=2,
-              matmul_n=128, matmul_iters=6, stream_bytes=1 * MIB, stream_iters=4, bootstrap=8)
+              matmul_n=128, matmul_iters=6, stream_bytes=1 * MIB, stream_iters=4, bootstrap=8,
+              pack_bytes=256 * KIB, pack_tensors=4, pack_small_bytes=64 * KIB, pack_small_tensors=8)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -118,7 +143,8 @@ def median_ci(values: Sequence[float], n_boot: int = 200, seed: int = 0) -> tupl
 
 def _softmin_np(x: np.ndarray, y: np.ndarray, p: float) -> np.ndarray:
     hi = np.maximum(x, y)
-    return hi * ((x / hi) ** -p + (y / hi) ** -p) ** (-1.0 / p)
+    tiny = 1e-12  # ratios below it (absurd fit iterates) would overflow the power
+    return hi * (np.maximum(x / hi, tiny) ** -p + np.maximum(y / hi, tiny) ** -p) ** (-1.0 / p)
 
 
 def _least_squares() -> Callable[..., Any]:
@@ -153,15 +179,33 @@ def _errors(pred: np.ndarray, meas: np.ndarray) -> tuple[float, float]:
 
 def alone_time_s(nbytes: np.ndarray, blocks: np.ndarray, workers: int, beta: float, link: float, p: float,
                  lat: float, eta: float = 1.0) -> np.ndarray:
-    """The model's all-reduce time: ``lat + bytes / (algo * softmin_p(k * beta * eta, L))``."""
+    """The model's all-reduce time: ``lat + bytes / (algo * softmin_p(k * beta * eta, L))``.
+
+    ``blocks`` may be fractional: the cores the workers get (the fair-share form passes them).
+    """
     algo = model.ring_algo_factor(workers)
     return lat + nbytes / (algo * _softmin_np(blocks * beta * eta, np.full_like(nbytes, link, dtype=float), p))
 
 
-def fit_alone(nbytes: Sequence[float], blocks: Sequence[int], seconds: Sequence[float], workers: int) -> Fit:
-    """Fit ``beta`` (bytes/s per block), ``link`` (bytes/s), ``p`` and ``lat`` (s) to solo all-reduce times."""
+def host_cores() -> int:
+    """The CPUs this process may run on (the ``cores`` of the fair-share form)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def fit_alone(nbytes: Sequence[float], blocks: Sequence[int], seconds: Sequence[float], workers: int,
+              cores: float | None = None) -> Fit:
+    """Fit ``beta`` (bytes/s per block), ``link`` (bytes/s), ``p`` and ``lat`` (s) to solo all-reduce times.
+
+    With ``cores``, ``k`` workers run on ``min(k, cores)`` cores (the fair-share form); without,
+    on ``k`` (the nccl-style form, where blocks do not share).
+    """
     least_squares = _least_squares()
     b, k, t = (np.asarray(a, float) for a in (nbytes, blocks, seconds))
+    if cores is not None:
+        k = np.minimum(k, float(cores))
     algo = model.ring_algo_factor(workers)
     big = b >= np.median(b)
     rate = float(np.median(b[big] / t[big] / algo))  # rough bus bandwidth
@@ -171,7 +215,7 @@ def fit_alone(nbytes: Sequence[float], blocks: Sequence[int], seconds: Sequence[
         beta, link, p, lat = np.exp(x)
         return np.log(alone_time_s(b, k, workers, beta, link, p, lat) / t)
 
-    lo = np.log([1e3, 1e3, 0.5, 1e-8])
+    lo = np.log([1e3, 1e3, 1.0, 1e-8])  # p >= 1: below, the soft-min falls under both rates
     hi = np.log([1e13, 1e13, 32.0, 1.0])
     best = None
     for p0 in (1.0, 4.0, 16.0):  # a few starts: p is weakly identified
@@ -254,6 +298,82 @@ def fit_memory_traffic(blocks: Sequence[int], slowdowns: Sequence[float], bus_ov
     m = float(r.x[0])
     rms, mx = _errors(pred(m), s)
     return Fit({"memory_bytes_per_bus_byte": m}, rms, mx)
+
+
+def fit_fair_share(blocks: Sequence[int], slowdowns: Sequence[float], cores: float) -> Fit:
+    """``compute_threads`` ``D`` of the fair-share slowdown ``s(k) = max(1, (D + k)/P) / max(1, D/P)``
+    (:func:`libra_jax.model.fair_share_slowdown`) on ``P = cores``, least squares on log residuals.
+
+    ``blocks`` and ``slowdowns`` may hold several workloads' points (one ``D`` for all: the
+    scheduler does not know what the compute threads compute). Slowdowns below 1 count as 1.
+    """
+    least_squares = _least_squares()
+    k = np.asarray(blocks, float)
+    s = np.maximum(np.asarray(slowdowns, float), 1.0)
+    P = float(cores)
+
+    def pred(D: float) -> np.ndarray:
+        return np.maximum(1.0, (D + k) / P) / max(1.0, D / P)
+
+    lo, hi = math.log(0.05), math.log(4096.0)
+    best = None
+    for d0 in (0.5, P, 4 * P, 32 * P):  # a few starts: the curve is flat in D below P
+        x0 = min(max(math.log(d0), lo + 1e-9), hi - 1e-9)
+        r = least_squares(lambda x: np.log(pred(math.exp(x[0])) / s), [x0], bounds=([lo], [hi]),
+                          loss="soft_l1", f_scale=0.1)  # robust: one disturbed window is not a trend
+        if best is None or r.cost < best.cost:
+            best = r
+    D = float(math.exp(best.x[0]))
+    rms, mx = _errors(pred(D), s)
+    return Fit({"compute_threads": D, "cores": P}, rms, mx)
+
+
+def fusion_costs(d_big: float, big: tuple[float, int], d_small: float, small: tuple[float, int]) -> tuple[float, float]:
+    """``(c, h)`` from two train steps' fused-minus-unfused times ``d = c B - (T - 1) h``, one with
+    ``big = (B, T)`` (few big tensors), one with ``small`` (many small ones): ``c`` seconds per
+    fused byte, ``h`` seconds per further all-reduce. Both clipped at 0."""
+    (Bb, Tb), (Bs, Ts) = big, small
+    det = Bb * (Ts - 1) - Bs * (Tb - 1)
+    if det == 0:
+        raise ValueError("the two train steps must differ in bytes per tensor")
+    c = (d_big * (Ts - 1) - d_small * (Tb - 1)) / det
+    c = max(c, 0.0)
+    h = max((c * Bb - d_big) / (Tb - 1), (c * Bs - d_small) / (Ts - 1), 0.0) if Tb > 1 and Ts > 1 else 0.0
+    return c, h
+
+
+def fusion_analysis(rows: Sequence[dict], n_boot: int = 40, seed: int = 0) -> dict[str, Any]:
+    """Per-byte fusion cost and per-all-reduce cost from the paired train-step samples (see
+    :func:`fusion_costs`), with bootstrap 95% intervals; rates are bytes per second (``inf``:
+    no measurable cost)."""
+    pairs: dict[bool, dict[int, dict[bool, float]]] = {False: {}, True: {}}
+    shape: dict[bool, tuple[float, int]] = {}
+    for r in rows:
+        small = bool(r.get("small", False))
+        pairs[small].setdefault(r["rep"], {})[r["fused"]] = r["seconds"]
+        shape[small] = (float(r["bytes"]), int(r["tensors"]))
+    diffs = {k: np.array([p[True] - p[False] for p in v.values() if True in p and False in p]) for k, v in pairs.items()}
+    out: dict[str, Any] = {"shapes": {("small" if k else "big"): list(v) for k, v in shape.items()},
+                           "diff_s": {("small" if k else "big"): median_ci(d) for k, d in diffs.items() if d.size}}
+    if not (diffs[False].size and diffs[True].size):
+        out.update(bytes_per_s=[math.inf] * 3, per_all_reduce_s=[0.0] * 3)
+        return out
+
+    def solve(db: np.ndarray, ds: np.ndarray) -> tuple[float, float]:
+        return fusion_costs(float(np.median(db)), shape[False], float(np.median(ds)), shape[True])
+
+    c, h = solve(diffs[False], diffs[True])
+    rng = np.random.default_rng(seed)
+    boots = [solve(rng.choice(diffs[False], diffs[False].size), rng.choice(diffs[True], diffs[True].size))
+             for _ in range(n_boot)]
+    cs, hs = np.array([b[0] for b in boots]), np.array([b[1] for b in boots])
+
+    def rate(x: float) -> float:
+        return 1.0 / x if x > 0 else math.inf
+
+    out["bytes_per_s"] = [rate(c), rate(float(np.percentile(cs, 97.5))), rate(float(np.percentile(cs, 2.5)))]
+    out["per_all_reduce_s"] = [h, float(np.percentile(hs, 2.5)), float(np.percentile(hs, 97.5))]
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -350,7 +470,7 @@ class _Programs:
     def alone(self, size: int, k: int) -> Callable[[], Any]:
         key = ("alone", size, k)
         if key not in self._cache:
-            fn = self._smap(lambda z: self.psum(z, "c", blocks=k), 1, 1)
+            fn = self._smap(lambda z: self.psum(z, "c", blocks=k, inplace=True), 1, 1)
             z = self.z[size]
             self._cache[key] = lambda: fn(z)
         return self._cache[key]
@@ -379,10 +499,58 @@ class _Programs:
         else:
             def body2(m: Any, a: Any, w: Any, z: Any) -> Any:
                 m = psum(m, "c", blocks=1)
-                return psum(chain(m, a, w), "c", blocks=1), psum(z, "c", blocks=k)
+                return psum(chain(m, a, w), "c", blocks=1), psum(z, "c", blocks=k, inplace=True)
             fn2 = self._smap(body2, 4, 2)
             z = self.z[size]
             self._cache[key] = lambda: fn2(self.marker, self.stream, self.w, z)
+        return self._cache[key]
+
+
+    def pack(self, fused: bool, small: bool = False) -> Callable[[], Any]:
+        """A data-parallel train step whose gradients (``pack_tensors`` of them, ``pack_bytes``
+        in all per device, or the ``pack_small_`` pair: the weights and biases of an MLP) are
+        all-reduced after the backward pass as one fused bucket (``libra_psum_fused``), or each on
+        its own; then an SGD update. The difference of the two: what fusing costs per byte
+        against what each further all-reduce costs in a train step. ``self.pack_layout[small]``
+        is (layers, width, gradient bytes)."""
+        key = ("pack", fused, small)
+        if key not in self._cache:
+            jax, P = self.jax, self.P
+            jnp = jax.numpy
+            from libra_jax.rewrite import libra_psum_fused_p
+
+            b = self.budget
+            nbytes, tensors = (b.pack_small_bytes, b.pack_small_tensors) if small else (b.pack_bytes, b.pack_tensors)
+            layers = max(1, tensors // 2)
+            width = max(8, int(math.sqrt(nbytes / 4 / layers)))
+            batch = 32
+
+            def loss(params: Any, x: Any) -> Any:
+                for w, c in params:
+                    x = jnp.tanh(x @ w + c)
+                return jnp.mean(x * x)
+
+            def body(m: Any, x: Any, params: Any) -> Any:
+                grads = jax.grad(loss)(params, x * m[0])
+                flat, tree = jax.tree.flatten(grads)
+                if fused:
+                    flat = libra_psum_fused_p.bind(*flat, axes=("c",), blocks=1, invariant=False)
+                else:
+                    flat = [self.psum(g, "c", blocks=1) for g in flat]
+                grads = jax.tree.unflatten(tree, flat)
+                return jax.tree.map(lambda p, g: p - 0.01 * g, params, grads)
+
+            rng = np.random.default_rng(0)
+            params = [(jax.numpy.asarray(rng.standard_normal((width, width), np.float32) / width),
+                       jax.numpy.zeros((width,), jax.numpy.float32)) for _ in range(layers)]
+            params = jax.device_put(params, jax.sharding.NamedSharding(self.mesh, P()))
+            x = jax.device_put(rng.standard_normal((self.n * batch, width)).astype(np.float32), self.sharding)
+            fn = jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=(P("c"), P("c"), P()), out_specs=P(),
+                                       check_vma=False))
+            if not hasattr(self, "pack_layout"):
+                self.pack_layout = {}
+            self.pack_layout[small] = (layers, width, sum(w.size + c.size for w, c in params) * 4)
+            self._cache[key] = lambda: fn(self.marker, x, params)
         return self._cache[key]
 
 
@@ -402,16 +570,20 @@ class Samples:
 
     alone: list[dict] = field(default_factory=list)
     overlap: list[dict] = field(default_factory=list)
+    pack: list[dict] = field(default_factory=list)
 
 
 def measure(budget: Budget, *, devices: int | None = 8, progress: bool = True, seed: int = 0) -> tuple[Samples, int]:
     """Run every configuration ``budget.reps`` times, interleaved in a shuffled order per repetition."""
+    import jax
+
     devs = _devices(devices)
     progs = _Programs(devs, budget)
     configs: list[tuple] = [("alone", s, k) for s in budget.sizes for k in budget.blocks]
     for wl in ("matmul", "stream"):
         configs.append(("overlap", wl, None, None))
         configs += [("overlap", wl, s, k) for s in budget.overlap_sizes for k in budget.blocks]
+    configs += [("pack", fused, small) for fused in (True, False) for small in (False, True)]
     bar = _progress(len(configs) * (budget.reps + 1), progress, "calibrate")
     samples = Samples()
     rng = random.Random(seed)
@@ -419,6 +591,17 @@ def measure(budget: Budget, *, devices: int | None = 8, progress: bool = True, s
         order = list(configs)
         rng.shuffle(order)
         for cfg in order:
+            if cfg[0] == "pack":
+                fn = progs.pack(cfg[1], cfg[2])
+                t0 = time.perf_counter()
+                jax.block_until_ready(fn())
+                seconds = time.perf_counter() - t0
+                bar.update(1)
+                if rep:
+                    layers, width, nbytes = progs.pack_layout[cfg[2]]
+                    samples.pack.append({"fused": cfg[1], "small": cfg[2], "rep": rep, "seconds": seconds,
+                                         "bytes": nbytes, "tensors": 2 * layers, "width": width})
+                continue
             fn = progs.alone(cfg[1], cfg[2]) if cfg[0] == "alone" else progs.overlapped(*cfg[1:])
             rec = _records(fn)
             bar.update(1)
@@ -460,28 +643,15 @@ def _medians(rows: Iterable[dict], keys: Sequence[str], value: str) -> dict[tupl
     return out
 
 
-def analyse(samples: Samples, workers: int, budget: Budget, seed: int = 0) -> dict[str, Any]:
-    """Fit the model to the samples; returns the parameters, fit errors, intervals and summaries."""
+def analyse(samples: Samples, workers: int, budget: Budget, seed: int = 0,
+            cores: float | None = None) -> dict[str, Any]:
+    """Fit the model to the samples; returns the parameters, fit errors, intervals and summaries.
+
+    ``cores`` is the host's core count ``P`` (default: :func:`host_cores`).
+    """
     rng = np.random.default_rng(seed)
-    result: dict[str, Any] = {}
-
-    # Solo all-reduces: fit on the per-configuration medians.
-    alone = _medians(samples.alone, ("bytes", "blocks"), "seconds")
-    cfgs = sorted(alone)
-    med = {c: median_ci(alone[c]) for c in cfgs}
-
-    def solo_fit(pick: Callable[[tuple], float]) -> Fit:
-        return fit_alone([c[0] for c in cfgs], [c[1] for c in cfgs], [pick(c) for c in cfgs], workers)
-
-    solo = solo_fit(lambda c: med[c][0])
-    boots = [solo_fit(lambda c: float(np.median(rng.choice(alone[c], len(alone[c]))))).params
-             for _ in range(budget.bootstrap)]
-    solo.ci = {k: (float(np.percentile([b[k] for b in boots], 2.5)), float(np.percentile([b[k] for b in boots], 97.5)))
-               for k in solo.params}
-    skew = float(np.median([s["skew_s"] for s in samples.alone]))
-    result["alone"] = {"fit": solo.as_json(), "arrival_skew_s": skew,
-                       "medians": [{"bytes": c[0], "blocks": c[1], "seconds": med[c][0], "ci95": med[c][1:]}
-                                   for c in cfgs]}
+    P = float(cores or host_cores())
+    result: dict[str, Any] = {"cores": P}
 
     # Compute chains alone: window medians -> peak rates.
     base = {wl: median_ci([s["window_s"] for s in samples.overlap if s["workload"] == wl and s["bytes"] is None])
@@ -496,43 +666,79 @@ def analyse(samples: Samples, workers: int, budget: Budget, seed: int = 0) -> di
                                stream_traffic / base["stream"][1]],
     }
 
-    # Overlapped all-reduces (those that ended inside the compute window) -> eta.
-    inside = [s for s in samples.overlap if s.get("ended_inside")]
-    ov = _medians(inside, ("bytes", "blocks"), "seconds")
-    if ov:
-        ocfg = sorted(ov)
-        overlap = fit_overlap([c[0] for c in ocfg], [c[1] for c in ocfg], [float(np.median(ov[c])) for c in ocfg],
-                              workers, solo)
-        boots = [fit_overlap([c[0] for c in ocfg], [c[1] for c in ocfg],
-                             [float(np.median(rng.choice(ov[c], len(ov[c])))) for c in ocfg], workers, solo).params
-                 for _ in range(budget.bootstrap)]
-        overlap.ci = {"eta": (float(np.percentile([b["eta"] for b in boots], 2.5)),
-                              float(np.percentile([b["eta"] for b in boots], 97.5)))}
-        omed = [{"bytes": c[0], "blocks": c[1], "seconds": median_ci(ov[c])[0], "ci95": median_ci(ov[c])[1:]}
-                for c in ocfg]
-    else:
-        overlap, omed = Fit({"eta": 1.0}, math.nan, math.nan), []
-    result["overlap"] = {"fit": overlap.as_json(), "medians": omed,
-                         "ended_inside_fraction": len(inside) / max(1, sum("seconds" in s for s in samples.overlap))}
-
-    # Slowdown per workload and block count.
-    slow: dict[str, dict[int, float]] = {}
-    for wl in ("matmul", "stream"):
-        C = base[wl][0]
-        slow[wl] = {}
-        for k in budget.blocks:
-            rows = [s for s in samples.overlap if s["workload"] == wl and s["blocks"] == k and "inside_s" in s]
-            slow[wl][k] = slowdown_from_windows([s["window_s"] - C for s in rows], [s["inside_s"] for s in rows])
+    # Slowdown per workload and block count, then one fair-share curve for both workloads.
     ks = list(budget.blocks)
-    units = fit_slowdown_units(ks, [slow["matmul"][k] for k in ks])
-    H = result["peak"]["memory_bytes_per_s"][0]
-    sp = solo.params
-    bus_o = [float(_softmin_np(np.array([k * sp["beta_bytes_per_s"] * overlap.params["eta"]]),
-                               np.array([sp["link_bytes_per_s"]]), sp["softmin_p"])[0]) for k in ks]
-    memory = fit_memory_traffic(ks, [slow["stream"][k] for k in ks], bus_o, H)
+    rows = {(wl, k): [s for s in samples.overlap if s["workload"] == wl and s["blocks"] == k and "inside_s" in s]
+            for wl in ("matmul", "stream") for k in ks}
+
+    def slowdowns(pick: Callable[[list], list]) -> dict[str, dict[int, float]]:
+        out: dict[str, dict[int, float]] = {}
+        for wl in ("matmul", "stream"):
+            C = base[wl][0]
+            out[wl] = {}
+            for k in ks:
+                chosen = pick(rows[(wl, k)])
+                out[wl][k] = slowdown_from_windows([s["window_s"] - C for s in chosen],
+                                                   [s["inside_s"] for s in chosen])
+        return out
+
+    def share_fit(slow: dict[str, dict[int, float]]) -> Fit:
+        return fit_fair_share(ks * 2, [slow["matmul"][k] for k in ks] + [slow["stream"][k] for k in ks], P)
+
+    slow = slowdowns(lambda r: r)
+    share = share_fit(slow)
+    boot_d = [share_fit(slowdowns(lambda r: [r[i] for i in rng.integers(0, len(r), len(r))] if r else r))
+              .params["compute_threads"] for _ in range(budget.bootstrap)]
+    share.ci = {"compute_threads": (float(np.percentile(boot_d, 2.5)), float(np.percentile(boot_d, 97.5)))}
+    D = share.params["compute_threads"]
     result["slowdown"] = {"matmul": {str(k): v for k, v in slow["matmul"].items()},
                           "stream": {str(k): v for k, v in slow["stream"].items()},
-                          "units_fit": units.as_json(), "memory_fit": memory.as_json()}
+                          "fair_share_fit": share.as_json()}
+
+    # All-reduce times, alone and overlapped (those that ended inside the compute window), on
+    # the cores their workers get: min(k, P) alone, k min(1, P / (D + k)) beside compute. One
+    # fit of both: alone, one worker may already reach the cap L, so only the overlapped times
+    # (a fraction of a core per worker) pin the per-worker rate beta.
+    alone = _medians(samples.alone, ("bytes", "blocks"), "seconds")
+    inside = [s for s in samples.overlap if s.get("ended_inside")]
+    ov = _medians(inside, ("bytes", "blocks"), "seconds")
+    points = [("alone", c, alone[c], min(float(c[1]), P)) for c in sorted(alone)]
+    points += [("overlap", c, ov[c], c[1] * min(1.0, P / (D + c[1]))) for c in sorted(ov)]
+    med = [median_ci(p[2]) for p in points]
+
+    def time_fit(pick: Callable[[int], float]) -> Fit:
+        return fit_alone([p[1][0] for p in points], [p[3] for p in points], [pick(i) for i in range(len(points))],
+                         workers)
+
+    solo = time_fit(lambda i: med[i][0])
+    boots = [time_fit(lambda i: float(np.median(rng.choice(points[i][2], len(points[i][2]))))).params
+             for _ in range(budget.bootstrap)]
+    solo.ci = {k: (float(np.percentile([b[k] for b in boots], 2.5)), float(np.percentile([b[k] for b in boots], 97.5)))
+               for k in solo.params}
+    sp = solo.params
+    pred = alone_time_s(np.array([p[1][0] for p in points], float), np.array([p[3] for p in points]), workers,
+                        sp["beta_bytes_per_s"], sp["link_bytes_per_s"], sp["softmin_p"], sp["latency_s"])
+
+    def part(kind: str) -> tuple[list[dict], float, float]:
+        idx = [i for i, p in enumerate(points) if p[0] == kind]
+        rows_ = [{"bytes": points[i][1][0], "blocks": points[i][1][1], "cores": points[i][3],
+                  "seconds": med[i][0], "ci95": list(med[i][1:]), "predicted_s": float(pred[i])} for i in idx]
+        if not idx:
+            return rows_, math.nan, math.nan
+        return (rows_, *_errors(pred[idx], np.array([med[i][0] for i in idx])))
+
+    skew = float(np.median([s["skew_s"] for s in samples.alone]))
+    a_rows, a_rms, a_max = part("alone")
+    o_rows, o_rms, o_max = part("overlap")
+    result["alone"] = {"fit": solo.as_json(), "arrival_skew_s": skew, "medians": a_rows,
+                       "rms_rel_error": a_rms, "max_rel_error": a_max}
+    result["overlap"] = {"prediction": {"rms_rel_error": o_rms, "max_rel_error": o_max}, "medians": o_rows,
+                         "ended_inside_fraction": len(inside) / max(1, sum("seconds" in s for s in samples.overlap))}
+
+    # Fusion: paired (same repetition) train-step times, one fused bucket minus one all-reduce per
+    # tensor, for few big and many small tensors: d = c B - (T - 1) h gives the cost c per fused
+    # byte and the cost h of each further all-reduce in a train step (two equations, two unknowns).
+    result["fusion_copy"] = fusion_analysis(samples.pack, n_boot=budget.bootstrap, seed=seed)
     return result
 
 
@@ -540,37 +746,57 @@ def _q(value: Any, source: str, ref: str) -> dict[str, Any]:
     return {"value": value, "source": source, "ref": ref}
 
 
+#: Where calibration cannot measure the fusion copies (no positive cost): half the streaming
+#: bandwidth, as a pack reads and writes each byte once.
+FUSION_COPY_FALLBACK_TRAFFIC = 2.0
+
+
 def build_profile(analysis: dict[str, Any], *, workers: int, budget: Budget, samples: Samples | None,
                   backend: str = "cpu", meta: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The profile document (valid for :func:`libra_jax.model.profile_from_dict`)."""
+    """The profile document (``fair-share`` form; valid for :func:`libra_jax.model.profile_from_dict`)."""
     solo = analysis["alone"]["fit"]["params"]
-    eta = analysis["overlap"]["fit"]["params"]["eta"]
-    units = analysis["slowdown"]["units_fit"]["params"]
-    m = analysis["slowdown"]["memory_fit"]["params"]["memory_bytes_per_bus_byte"]
+    share = analysis["slowdown"]["fair_share_fit"]["params"]
     flop = analysis["peak"]["flop_per_s"][0]
     mem = analysis["peak"]["memory_bytes_per_s"][0]
-    U, u = int(units["compute_units"]), int(units["units_per_block"])
-    options = [k for k in budget.blocks if k * u < U] or [1]
-    latency_us = (solo["latency_s"] + analysis["alone"]["arrival_skew_s"]) * 1e6
+    copy_rate, copy_lo, _ = analysis["fusion_copy"]["bytes_per_s"]
+    fc = analysis["fusion_copy"]
+    shapes = fc["shapes"]
+    what = ("train steps with " + " and ".join(f"{int(b) >> 10} KiB in {t} gradients" for b, t in shapes.values())
+            + ", one fused bucket vs one all-reduce per tensor, paired")
+    if math.isfinite(copy_rate) and copy_rate > 0:
+        copy_q = _q(copy_rate / model.BYTES_PER_GBYTE, "measured", what)
+    elif math.isfinite(copy_lo) and copy_lo > 0:
+        copy_q = _q(copy_lo / model.BYTES_PER_GBYTE, "measured",
+                    f"{what}: no cost at the median; the lower end of the 95% interval")
+    else:
+        copy_q = _q(mem / FUSION_COPY_FALLBACK_TRAFFIC / model.BYTES_PER_GBYTE, "assumption",
+                    "no measurable fusion cost: half the streaming bandwidth")
+    h = analysis["fusion_copy"]["per_all_reduce_s"][0]
+    if h > solo["latency_s"]:
+        latency_q = _q(h * 1e6, "measured", f"cost of one more all-reduce in a train step (fusion train steps); "
+                                            f"alone, the fitted intercept is {solo['latency_s'] * 1e6:.0f} us")
+    else:
+        latency_q = _q(solo["latency_s"] * 1e6, "measured", "fitted intercept (arrival skew excluded)")
     cal = "measured by libra-jax calibrate"
     doc = {
         "schema_version": model.SCHEMA_VERSION,
         "name": f"{backend}-calibrated",
-        "form": "nccl-style",
+        "form": "fair-share",
         "description": f"Calibrated on {workers} {backend} devices by `libra-jax calibrate` "
                        f"({(meta or {}).get('date', '')}).",
         "notes": [
-            "Measured: all-reduce time vs bytes x blocks alone and while compute runs, compute slowdown vs "
-            "blocks (matmul-bound and memory-bound chains), sustained matmul FLOP/s and streaming bandwidth "
-            "per device with every device running.",
+            "Measured: in-place all-reduce time vs bytes x blocks alone and while compute runs, compute slowdown "
+            "vs blocks (matmul-bound and memory-bound chains), sustained matmul FLOP/s and streaming bandwidth "
+            "per device with every device running, and the cost of packing a fused bucket.",
             "Peak rates are the sustained rates of XLA's kernels, so the efficiencies are 1.",
-            f"Latency is for {workers} ranks (base_latency_us; the per-step latency is not separated).",
-            "memory_bound_fraction, the NIC and inter-node latency cannot be measured on one host: assumptions.",
+            f"Latency is for {workers} ranks (base_latency_us; the per-step latency is not separated); the ranks' "
+            "arrival skew is not in it (a step's time contains it with or without all-reduces).",
+            "The NIC and inter-node latency cannot be measured on one host: assumptions.",
         ],
         "device": {
             "name": f"{backend} device ({platform.processor() or platform.machine()})",
             "compute_unit_kind": "core",
-            "compute_units": _q(U, "measured", f"fitted: matmul slowdown s(k) = U/(U - k*u), u = {u}"),
+            "compute_units": _q(max(1, round(analysis["cores"])), "measured", "cores this process may run on"),
             "peak_dense_tflop_per_s": {
                 "fp32": _q(flop / model.FLOP_PER_TFLOP, "measured", f"{budget.matmul_n}^2 f32 matmul chain, all devices"),
                 "bf16": _q(flop / model.FLOP_PER_TFLOP, "assumption", "as fp32 (not measured)"),
@@ -585,27 +811,30 @@ def build_profile(analysis: dict[str, Any], *, workers: int, budget: Budget, sam
             "intra_node_gbyte_per_s": _q(solo["link_bytes_per_s"] / model.BYTES_PER_GBYTE, "measured",
                                          "fitted bus bandwidth cap L"),
             "nic_gbit_per_s": _q(25, "assumption", "not measurable on one host"),
-            "base_latency_us": _q(latency_us, "measured", "fitted intercept plus median arrival skew"),
+            "base_latency_us": latency_q,
             "intra_node_step_latency_us": _q(0, "measured", "folded into base_latency_us"),
             "inter_node_step_latency_us": _q(15, "assumption", "not measurable on one host"),
         },
-        "nccl_style": {
-            "block_options": _q(options, "measured", "block counts calibrated (those leaving compute units)"),
+        "fair_share": {
+            "block_options": _q(list(budget.blocks), "measured", "block counts calibrated"),
             "threads_per_block": _q(1, "assumption", "one engine worker task per block"),
             "per_block_gbyte_per_s": _q(solo["beta_bytes_per_s"] / model.BYTES_PER_GBYTE, "measured", cal),
             "softmin_p": _q(solo["softmin_p"], "measured", cal),
-            "overlap_block_efficiency": _q(min(1.0, eta), "measured", cal),
-            "units_per_block": _q(u, "measured", cal),
-            "memory_bytes_per_bus_byte": _q(m, "measured", cal),
-            "memory_bound_fraction": _q(0.5, "assumption", "a workload property; 0.5 as the cpu-host profile"),
+            "cores": _q(analysis["cores"], "measured", "CPUs this process may run on"),
+            "compute_threads": _q(share["compute_threads"], "measured",
+                                  "fitted: slowdown max(1, (D+k)/P) / max(1, D/P) of both chains"),
+            "fusion_copy_gbyte_per_s": copy_q,
         },
         "calibration": {
             **(meta or {}),
             "workers": workers,
             "budget": {"sizes": list(budget.sizes), "overlap_sizes": list(budget.overlap_sizes),
-                       "blocks": list(budget.blocks), "reps": budget.reps},
+                       "blocks": list(budget.blocks), "reps": budget.reps, "pack_bytes": budget.pack_bytes,
+                       "pack_tensors": budget.pack_tensors, "pack_small_bytes": budget.pack_small_bytes,
+                       "pack_small_tensors": budget.pack_small_tensors},
             "analysis": analysis,
-            "samples": {"alone": samples.alone, "overlap": samples.overlap} if samples else {},
+            "samples": ({"alone": samples.alone, "overlap": samples.overlap, "pack": samples.pack}
+                        if samples else {}),
         },
     }
     return doc
@@ -630,7 +859,7 @@ def calibrate(budget: Budget = QUICK, *, devices: int | None = 8, progress: bool
 
     t0 = time.perf_counter()
     samples, workers = measure(budget, devices=devices, progress=progress, seed=seed)
-    analysis = analyse(samples, workers, budget, seed=seed)
+    analysis = analyse(samples, workers, budget, seed=seed, cores=host_cores())
     backend = jax.default_backend()
     meta = _meta(backend)
     meta["measure_seconds"] = round(time.perf_counter() - t0, 1)
@@ -649,28 +878,37 @@ def summary(doc: dict[str, Any]) -> str:
     a = doc["calibration"]["analysis"]
     s, sf = a["alone"]["fit"]["params"], a["alone"]["fit"]
     ci = sf["ci95"]
-    o = a["overlap"]["fit"]
+    o = a["overlap"]["prediction"]
+    fs = a["slowdown"]["fair_share_fit"]
+    fc = a["fusion_copy"]
+    rate, rlo, rhi = fc["bytes_per_s"]
     lines = [
-        f"devices {doc['calibration']['workers']} ({doc['calibration']['backend']}), jax {doc['calibration']['jax_version']}",
+        f"devices {doc['calibration']['workers']} ({doc['calibration']['backend']}), {a['cores']:g} cores, "
+        f"jax {doc['calibration']['jax_version']}",
         f"peak      matmul {a['peak']['flop_per_s'][0] / 1e9:.1f} GFLOP/s per device "
         f"(95% CI {a['peak']['flop_per_s'][1] / 1e9:.1f}-{a['peak']['flop_per_s'][2] / 1e9:.1f}), "
         f"stream {a['peak']['memory_bytes_per_s'][0] / 1e9:.2f} GB/s per device "
         f"({a['peak']['memory_bytes_per_s'][1] / 1e9:.2f}-{a['peak']['memory_bytes_per_s'][2] / 1e9:.2f})",
-        f"alone     per block {s['beta_bytes_per_s'] / 1e9:.2f} GB/s "
+        f"all-reduce per worker {s['beta_bytes_per_s'] / 1e9:.2f} GB/s "
         f"({ci['beta_bytes_per_s'][0] / 1e9:.2f}-{ci['beta_bytes_per_s'][1] / 1e9:.2f}), cap L "
         f"{s['link_bytes_per_s'] / 1e9:.2f} GB/s ({ci['link_bytes_per_s'][0] / 1e9:.2f}-{ci['link_bytes_per_s'][1] / 1e9:.2f}), "
-        f"p {s['softmin_p']:.2f}, latency {s['latency_s'] * 1e6:.0f} us + skew {a['alone']['arrival_skew_s'] * 1e6:.0f} us; "
-        f"fit error rms {sf['rms_rel_error'] * 100:.1f}%, max {sf['max_rel_error'] * 100:.1f}%",
-        f"overlap   eta {o['params']['eta']:.3f} (95% CI {o.get('ci95', {}).get('eta', [math.nan] * 2)[0]:.3f}-"
-        f"{o.get('ci95', {}).get('eta', [math.nan] * 2)[1]:.3f}); fit error rms {o['rms_rel_error'] * 100:.1f}%, "
-        f"max {o['max_rel_error'] * 100:.1f}% ({a['overlap']['ended_inside_fraction'] * 100:.0f}% of overlapped "
-        f"all-reduces ended inside the compute window)",
-        "slowdown  matmul " + ", ".join(f"k={k}: {v:.2f}" for k, v in a["slowdown"]["matmul"].items())
-        + f" -> U={a['slowdown']['units_fit']['params']['compute_units']}, u={a['slowdown']['units_fit']['params']['units_per_block']} "
-        f"(fit error rms {a['slowdown']['units_fit']['rms_rel_error'] * 100:.1f}%)",
-        "          stream " + ", ".join(f"k={k}: {v:.2f}" for k, v in a["slowdown"]["stream"].items())
-        + f" -> m={a['slowdown']['memory_fit']['params']['memory_bytes_per_bus_byte']:.2f} "
-        f"(fit error rms {a['slowdown']['memory_fit']['rms_rel_error'] * 100:.1f}%)",
+        f"p {s['softmin_p']:.2f}, latency {s['latency_s'] * 1e6:.0f} us (arrival skew {a['alone']['arrival_skew_s'] * 1e6:.0f} us, "
+        f"not in the latency); one fit of alone and overlapped times: error rms {sf['rms_rel_error'] * 100:.1f}% "
+        f"(alone {a['alone']['rms_rel_error'] * 100:.1f}%, max {a['alone']['max_rel_error'] * 100:.1f}%)",
+        "slowdown  matmul " + ", ".join(f"k={k}: {v:.2f}" for k, v in a["slowdown"]["matmul"].items()),
+        "          stream " + ", ".join(f"k={k}: {v:.2f}" for k, v in a["slowdown"]["stream"].items()),
+        f"          fair share: compute threads D = {fs['params']['compute_threads']:.2f} "
+        f"(95% CI {fs['ci95']['compute_threads'][0]:.2f}-{fs['ci95']['compute_threads'][1]:.2f}); "
+        f"fit error rms {fs['rms_rel_error'] * 100:.1f}%, max {fs['max_rel_error'] * 100:.1f}%",
+        f"overlap   all-reduces beside compute, on their fair share of the cores: error rms {o['rms_rel_error'] * 100:.1f}%, "
+        f"max {o['max_rel_error'] * 100:.1f}% ({a['overlap']['ended_inside_fraction'] * 100:.0f}% ended inside the "
+        "compute window)",
+        "fusion    train steps, fused minus one all-reduce per tensor: "
+        + ", ".join(f"{int(fc['shapes'][k][0]) >> 10} KiB in {fc['shapes'][k][1]} gradients {fc['diff_s'][k][0] * 1e3:+.2f} ms"
+                    for k in fc.get("diff_s", {}))
+        + f" -> fusion costs 1 s per {rate / 1e9:.2f} GB (95% CI {rlo / 1e9:.2f}-{rhi / 1e9:.2f}), one more "
+        f"all-reduce {fc['per_all_reduce_s'][0] * 1e6:.0f} us ({fc['per_all_reduce_s'][1] * 1e6:.0f}-"
+        f"{fc['per_all_reduce_s'][2] * 1e6:.0f})",
     ]
     return "\n".join(lines)
 

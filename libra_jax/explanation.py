@@ -133,9 +133,14 @@ def _scope_plan(entry: dict, report: rewrite.OptimizeReport, names: dict) -> Sco
     default_alloc = cli.default_allocation(derivation)
     if default_alloc not in cost.slowdown:
         default_alloc = max(cost.slowdown)
-    default = planner.plan_default(list(layers), cost, blocks=default_alloc,
-                                   fusion_bytes=HOROVOD_FUSION_BYTES)
-    fusion_only = planner.plan_fusion_only(list(layers), cost, blocks=default_alloc)
+    # The baselines as they would run: a bucket that cannot be one fused all-reduce (`reach`,
+    # see `planner.plan`) is cut, as `optimize` cuts it.
+    reach = entry.get("reach")
+    default_buckets = planner.within_reach(
+        planner.plan_default(list(layers), cost, blocks=default_alloc, fusion_bytes=HOROVOD_FUSION_BYTES).buckets,
+        reach)
+    default = planner.Plan(default_buckets, planner.simulate(list(layers), default_buckets, cost))
+    fusion_only = planner.plan_fusion_only(list(layers), cost, blocks=default_alloc, reach=reach)
     tl = gantt.timeline(list(layers), list(buckets), cost)
     spans = {c.bucket: c for c in tl.collectives}
     members, results = entry["members"], entry["results"]

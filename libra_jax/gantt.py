@@ -38,7 +38,8 @@ class ComputeSpan:
 
 @dataclass(frozen=True)
 class CollectiveSpan:
-    """One all-reduce: latency until ``latency_end``, overlapped transfer until ``solo_start``
+    """One all-reduce: packing a fused bucket until ``pack_end`` (compute stalls; = ``start``
+    for a single tensor), latency until ``latency_end``, overlapped transfer until ``solo_start``
     (= ``latency_end`` when compute had already finished), solo transfer until ``end``."""
 
     bucket: int
@@ -49,6 +50,7 @@ class CollectiveSpan:
     latency_end: float
     solo_start: float
     end: float
+    pack_end: float = math.nan
 
 
 @dataclass(frozen=True)
@@ -74,7 +76,8 @@ def timeline(layers: Sequence["Layer"], buckets: Sequence["Bucket"], cost: "Cost
     if expected != n:
         raise ValueError(f"buckets must tile layers 0..{n - 1}; they stop at {expected - 1}")
 
-    colls = [(j, b, sum(layers[i].grad_bytes for i in range(b.first, b.last + 1)))
+    colls = [(j, b, sum(layers[i].grad_bytes for i in range(b.first, b.last + 1)),
+              sum(layers[i].grad_bytes > 0 for i in range(b.first, b.last + 1)))
              for j, b in enumerate(buckets)]
     colls = [c for c in colls if c[2] > 0]  # a bucket of zero bytes issues no collective
     layer_end = [math.nan] * n
@@ -103,39 +106,44 @@ def timeline(layers: Sequence["Layer"], buckets: Sequence["Bucket"], cost: "Cost
     finish_zero_layers()
     while True:
         if active is None and ci < len(colls):
-            j, b, nbytes = colls[ci]
+            j, b, nbytes, tensors = colls[ci]
             ready = layer_end[b.last]
             if not math.isnan(ready) and ready <= t:
-                active = dict(j=j, b=b, bytes=nbytes, ready=ready, start=t, phase="latency",
-                              rem=cost.latency_s, latency_end=math.nan, solo_start=math.nan)
+                active = dict(j=j, b=b, bytes=nbytes, ready=ready, start=t, phase="pack",
+                              rem=cost.pack_s(nbytes, tensors),
+                              pack_end=math.nan, latency_end=math.nan, solo_start=math.nan)
                 ci += 1
+                if active["rem"] <= 0.0:
+                    active.update(phase="latency", rem=cost.latency_s, pack_end=t)
                 if active["rem"] <= 0.0:
                     active.update(phase="transfer", rem=float(nbytes), latency_end=t)
                     if compute_done:
                         active["solo_start"] = t
         if active is None and compute_done:
             break
+        packing = active is not None and active["phase"] == "pack"
         slow = cost.slowdown[active["b"].blocks] if active is not None else 1.0
-        dt_compute = rem_work * slow if not compute_done else math.inf
+        # While a bucket is packed, the compute stream copies it: no backward progress.
+        dt_compute = rem_work * slow if not compute_done and not packing else math.inf
         if active is None:
             dt_coll = math.inf
-        elif active["phase"] == "latency":
+        elif active["phase"] in ("pack", "latency"):
             dt_coll = active["rem"]
         else:
             bw = (cost.solo_bw if compute_done else cost.overlap_bw)[active["b"].blocks]
             dt_coll = active["rem"] / bw
         dt = min(dt_compute, dt_coll)
         # Advance both streams by dt.
-        if not compute_done:
+        if not compute_done and not packing:
             rem_work -= dt / slow
         if active is not None:
-            if active["phase"] == "latency":
+            if active["phase"] in ("pack", "latency"):
                 active["rem"] -= dt
             else:
                 bw = (cost.solo_bw if compute_done else cost.overlap_bw)[active["b"].blocks]
                 active["rem"] -= dt * bw
         t_prev, t = t, t + dt
-        if not compute_done and t > t_prev:
+        if not compute_done and not packing and t > t_prev:
             compute_spans.append(ComputeSpan(li, t_prev, t, slow))
         compute_event = dt == dt_compute
         coll_event = dt == dt_coll
@@ -146,7 +154,13 @@ def timeline(layers: Sequence["Layer"], buckets: Sequence["Bucket"], cost: "Cost
                 active["solo_start"] = t
         if coll_event:
             assert active is not None
-            if active["phase"] == "latency":
+            if active["phase"] == "pack":
+                active.update(phase="latency", rem=cost.latency_s, pack_end=t)
+                if active["rem"] <= 0.0:
+                    active.update(phase="transfer", rem=float(active["bytes"]), latency_end=t)
+                    if compute_done:
+                        active["solo_start"] = t
+            elif active["phase"] == "latency":
                 active.update(phase="transfer", rem=float(active["bytes"]), latency_end=t)
                 if compute_done:
                     active["solo_start"] = t
@@ -154,7 +168,8 @@ def timeline(layers: Sequence["Layer"], buckets: Sequence["Bucket"], cost: "Cost
                 if math.isnan(active["solo_start"]):
                     active["solo_start"] = t
                 coll_spans.append(CollectiveSpan(active["j"], active["b"].blocks, active["bytes"], active["ready"],
-                                                 active["start"], active["latency_end"], active["solo_start"], t))
+                                                 active["start"], active["latency_end"], active["solo_start"], t,
+                                                 active["pack_end"]))
                 active = None
         if not compute_done and rem_work <= 0.0:
             finish_zero_layers()

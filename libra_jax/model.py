@@ -18,8 +18,8 @@ gives ``B * n / (2(n-1))`` gradient bytes per second, and the latency is
 ``base + (steps - inter_steps) * intra_step + inter_steps * inter_step`` with
 ``inter_steps = 2(nodes-1)`` -- the shape of NCCL's ``tuning.cc`` ring latency.
 
-Two functional forms (chosen by the profile's ``form``)
--------------------------------------------------------
+Three functional forms (chosen by the profile's ``form``)
+---------------------------------------------------------
 ``libra-fit`` -- the curves fitted by the Libra artifact on 2 GPUs at 50 Gb/s, in its own units
 (MiB/ms, ``T`` = total communication threads)::
 
@@ -51,11 +51,36 @@ Transformer Engine gives GEMMs ``sm_count - comm_sms``); the memory-bound fracti
 HBM bandwidth ``H`` minus the collective's traffic, ``m`` HBM bytes per bus byte. Options that
 would take every SM or all of the HBM bandwidth are dropped with a reason.
 
+``fair-share`` -- CPU hosts, where the "blocks" are the engine's worker threads and every device's
+compute threads and the workers share the host's ``P`` cores (``cores``). A fair scheduler gives
+each runnable thread ``min(1, P / threads)`` of a core; with ``D`` busy compute threads
+(``compute_threads``, fitted by calibration)::
+
+    bus_solo(k)    = softmin_p(min(k, P) * beta,                 L)
+    bus_overlap(k) = softmin_p(k * min(1, P / (D + k)) * beta,   L)
+    slowdown(k)    = max(1, (D + k) / P) / max(1, D / P)          ((D + k) / D once D >= P)
+
+``beta`` is one worker's rate with a core to itself. The GPU form's SM partition (``U / (U - k u)``)
+does not describe threads time-sliced on a few cores.
+
+The price of fusion (both analytic forms)
+-----------------------------------------
+A fused bucket (two or more gradients) is packed into one buffer on the compute stream before its
+collective starts: ``pack_s = bytes / fusion_copy_gbyte_per_s`` (``CostModel.pack_s_per_byte``).
+On GPUs it is a datasheet copy rate (half the HBM rate); on CPU hosts calibration measures it in
+train steps, where it is far above the copy itself (a fused bucket waits for every device's whole
+backward pass). ``libra-fit`` prices fusion at nothing, as the paper does.
+
+One time formula for all forms (NCCL ``tuning.cc`` style): a collective of ``b`` bytes costs
+``pack_s + latency + b / bw`` with ``bw`` the solo or overlapped table entry of its allocation, and
+slows overlapped compute by the ``slowdown`` table entry; the per-form tables above fill them.
+
 Profiles
 --------
 JSON files (``libra_jax/profiles/<name>.json``), loaded by name or by path with
 :func:`load_profile`, carry ``schema_version`` (:data:`SCHEMA_VERSION`) and put units in key names
-(``..._gbyte_per_s``, ``..._us``). Every number is a quantity ``{"value": ..., "source": ...}``
+(``..._gbyte_per_s``, ``..._us``); :data:`SCHEMA_CHANGES` says what each version changed, and an
+outdated profile is rejected with that list. Every number is a quantity ``{"value": ..., "source": ...}``
 whose source is ``datasheet``, ``measured`` or ``assumption`` (plus an optional ``ref``/``note``),
 so a reader can tell a vendor figure from a guess. Validation happens on load and raises
 ``ValueError`` naming the missing or malformed field by its dotted path. A profile written by
@@ -86,6 +111,7 @@ __all__ = [
     "NetworkSpec",
     "LibraFit",
     "NcclStyle",
+    "FairShare",
     "Profile",
     "Derivation",
     "PROFILE_DIR",
@@ -106,11 +132,19 @@ __all__ = [
     "libra_slowdown",
     "nccl_bus_bandwidth",
     "nccl_slowdown",
+    "fair_share_core_share",
+    "fair_share_slowdown",
 ]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 SOURCES = ("datasheet", "measured", "assumption")
-FORMS = ("libra-fit", "nccl-style")
+FORMS = ("libra-fit", "nccl-style", "fair-share")
+#: What changed in each schema version (the error for an outdated profile names it).
+SCHEMA_CHANGES = {
+    2: "the 'fair-share' form (CPU hosts) and 'fusion_copy_gbyte_per_s' (the cost of packing a "
+       "fused bucket) in 'nccl_style'; base_latency_us of calibrated CPU profiles no longer "
+       "includes the ranks' arrival skew",
+}
 PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
 
 # Unit conversions (named, so that every scale factor in this file is visible).
@@ -212,6 +246,22 @@ def nccl_slowdown(blocks: int, *, compute_units: int, units_per_block: float, me
             + memory_bound_fraction * memory_bytes_per_s / free_memory)
 
 
+def fair_share_core_share(threads: float, cores: float) -> float:
+    """The fraction of a core each of ``threads`` runnable threads gets on ``cores`` cores under a
+    fair scheduler: ``min(1, cores / threads)``."""
+    if threads <= 0 or cores <= 0:
+        raise ValueError(f"fair share needs positive threads and cores, got {threads} and {cores}")
+    return min(1.0, cores / threads)
+
+
+def fair_share_slowdown(blocks: int, *, compute_threads: float, cores: float) -> float:
+    """Compute slowdown when ``blocks`` worker threads join ``compute_threads`` busy compute
+    threads on ``cores`` cores: ``max(1, (D + k)/P) / max(1, D/P)`` (``(D + k)/D`` once compute
+    alone fills the cores). Workers and compute threads are equal before the scheduler."""
+    return (fair_share_core_share(compute_threads, cores)
+            / fair_share_core_share(compute_threads + blocks, cores))
+
+
 # ----------------------------------------------------------------------------------------------
 # Profile data
 # ----------------------------------------------------------------------------------------------
@@ -294,6 +344,26 @@ class NcclStyle:
     units_per_block: float  # SMs (or SM-equivalents, when measured) one block takes from compute
     memory_bytes_per_bus_byte: float
     memory_bound_fraction: float
+    fusion_copy_bytes_per_s: float  # bucket bytes per second packed into (and split from) one buffer
+
+
+@dataclass(frozen=True)
+class FairShare:
+    """Parameters of the CPU-host form: worker threads and compute threads share the cores.
+
+    ``per_block_bytes_per_s`` is the bus rate of one worker thread with a core to itself,
+    ``cores`` the host's hardware threads (shared by all its devices), ``compute_threads`` the
+    runnable threads the backward pass keeps busy on the host (all devices together),
+    ``fusion_copy_bytes_per_s`` the bucket bytes per second packed into one buffer and split back.
+    """
+
+    block_options: tuple[int, ...]
+    threads_per_block: int
+    per_block_bytes_per_s: float
+    softmin_p: float
+    cores: float
+    compute_threads: float
+    fusion_copy_bytes_per_s: float
 
 
 @dataclass(frozen=True)
@@ -310,6 +380,7 @@ class Profile:
     nccl_style: NcclStyle | None
     notes: tuple[str, ...]
     sources: Mapping[str, Quantity] = field(repr=False)
+    fair_share: FairShare | None = None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -424,13 +495,15 @@ def profile_from_dict(data: Mapping[str, Any], *, origin: str = "<dict>") -> Pro
     if not isinstance(data, Mapping):
         raise ValueError(f"profile {origin}: the document must be a JSON object, got {type(data).__name__}")
     r.no_unknown(data, "", ("schema_version", "name", "description", "form", "device", "network",
-                            "libra_fit", "nccl_style", "calibration"))
+                            "libra_fit", "nccl_style", "fair_share", "calibration"))
     if "schema_version" not in data:
         raise r.fail("schema_version", "is missing")
     version = data["schema_version"]
     if version != SCHEMA_VERSION:
         if isinstance(version, int) and not isinstance(version, bool) and version < SCHEMA_VERSION:
-            why = "an outdated profile: re-run `libra-jax calibrate` or update it (docs/calibration.md)"
+            changes = "; ".join(f"{v}: {SCHEMA_CHANGES[v]}" for v in sorted(SCHEMA_CHANGES) if v > version)
+            why = ("an outdated profile: re-run `libra-jax calibrate` or update it (docs/calibration.md); "
+                   f"changed since: {changes}")
         elif isinstance(version, int) and not isinstance(version, bool):
             why = "written by a newer libra_jax: upgrade libra_jax or re-run `libra-jax calibrate`"
         else:
@@ -479,7 +552,7 @@ def profile_from_dict(data: Mapping[str, Any], *, origin: str = "<dict>") -> Pro
         inter_step_latency_s=r.number(n, "inter_node_step_latency_us", "network.", inclusive=True) * S_PER_US,
     )
 
-    libra_fit = nccl_style = None
+    libra_fit = nccl_style = fair_share = None
     if form == "libra-fit":
         f = r.section(data, "libra_fit", allowed=("reference_link_gbit_per_s", "thread_options",
                                                   "max_threads_per_block", "overlap_bw", "solo_bw", "slowdown"))
@@ -493,10 +566,25 @@ def profile_from_dict(data: Mapping[str, Any], *, origin: str = "<dict>") -> Pro
             slowdown=(r.number(s, "scale", "libra_fit.slowdown."), r.number(s, "intercept", "libra_fit.slowdown."),
                       r.number(s, "slope_per_thread", "libra_fit.slowdown.", inclusive=True)),
         )
+    elif form == "fair-share":
+        c = r.section(data, "fair_share", allowed=("block_options", "threads_per_block", "per_block_gbyte_per_s",
+                                                   "softmin_p", "cores", "compute_threads",
+                                                   "fusion_copy_gbyte_per_s"))
+        p = "fair_share."
+        fair_share = FairShare(
+            block_options=r.options(c, "block_options", p),
+            threads_per_block=r.integer(c, "threads_per_block", p),
+            per_block_bytes_per_s=r.number(c, "per_block_gbyte_per_s", p) * BYTES_PER_GBYTE,
+            softmin_p=r.number(c, "softmin_p", p),
+            cores=r.number(c, "cores", p),
+            compute_threads=r.number(c, "compute_threads", p),
+            fusion_copy_bytes_per_s=r.number(c, "fusion_copy_gbyte_per_s", p) * BYTES_PER_GBYTE,
+        )
     else:
         c = r.section(data, "nccl_style", allowed=("block_options", "threads_per_block", "per_block_gbyte_per_s",
                                                    "softmin_p", "overlap_block_efficiency", "units_per_block",
-                                                   "memory_bytes_per_bus_byte", "memory_bound_fraction"))
+                                                   "memory_bytes_per_bus_byte", "memory_bound_fraction",
+                                                   "fusion_copy_gbyte_per_s"))
         p = "nccl_style."
         nccl_style = NcclStyle(
             block_options=r.options(c, "block_options", p),
@@ -507,10 +595,11 @@ def profile_from_dict(data: Mapping[str, Any], *, origin: str = "<dict>") -> Pro
             units_per_block=r.number(c, "units_per_block", p, minimum=0.0),
             memory_bytes_per_bus_byte=r.number(c, "memory_bytes_per_bus_byte", p, inclusive=True),
             memory_bound_fraction=r.number(c, "memory_bound_fraction", p, inclusive=True, maximum=1.0),
+            fusion_copy_bytes_per_s=r.number(c, "fusion_copy_gbyte_per_s", p) * BYTES_PER_GBYTE,
         )
     return Profile(name=name, origin=origin, form=form, description=description, device=device,
                    network=network, libra_fit=libra_fit, nccl_style=nccl_style, notes=tuple(notes),
-                   sources=dict(r.sources))
+                   sources=dict(r.sources), fair_share=fair_share)
 
 
 #: Directory of calibrated profiles (overrides the per-user cache directory).
@@ -685,6 +774,32 @@ def _nccl_style_options(profile: Profile, link: float, algo: float,
     return solo, overlap, slowdown
 
 
+def _fair_share_options(profile: Profile, link: float,
+                        algo: float) -> tuple[dict[int, float], dict[int, float], dict[int, float]]:
+    c = profile.fair_share
+    assert c is not None
+    solo: dict[int, float] = {}
+    overlap: dict[int, float] = {}
+    slowdown: dict[int, float] = {}
+    for k in c.block_options:
+        cores_alone = k * fair_share_core_share(k, c.cores)  # min(k, P)
+        cores_beside = k * fair_share_core_share(k + c.compute_threads, c.cores)
+        solo[k] = nccl_bus_bandwidth(1, cores_alone * c.per_block_bytes_per_s, link, c.softmin_p) * algo
+        overlap[k] = nccl_bus_bandwidth(1, cores_beside * c.per_block_bytes_per_s, link, c.softmin_p) * algo
+        slowdown[k] = fair_share_slowdown(k, compute_threads=c.compute_threads, cores=c.cores)
+    return solo, overlap, slowdown
+
+
+#: Per form, the bucket bytes per second at which a fused bucket is packed and split back: the
+#: profile's ``fusion_copy_gbyte_per_s``; the Libra artifact's fit prices fusion at nothing (as
+#: the paper does).
+FUSION_COPY_RATE: Mapping[str, Any] = {
+    "libra-fit": lambda profile: math.inf,
+    "nccl-style": lambda profile: profile.nccl_style.fusion_copy_bytes_per_s,
+    "fair-share": lambda profile: profile.fair_share.fusion_copy_bytes_per_s,
+}
+
+
 def derive(profile: Profile | str | Path, workers: int, *, link_gbit_per_s: float | None = None) -> Derivation:
     """Build the cost model of ``profile`` for a ring of ``workers`` ranks.
 
@@ -711,6 +826,10 @@ def derive(profile: Profile | str | Path, workers: int, *, link_gbit_per_s: floa
         scale = link / fit.reference_link_bytes_per_s
         solo, overlap, slowdown = _libra_fit_options(fit, scale, algo, dropped, notes)
         key_unit, tpb = "total_threads", fit.max_threads_per_block
+    elif profile.form == "fair-share":
+        assert profile.fair_share is not None
+        solo, overlap, slowdown = _fair_share_options(profile, link, algo)
+        key_unit, tpb = "blocks", profile.fair_share.threads_per_block
     else:
         assert profile.nccl_style is not None
         solo, overlap, slowdown = _nccl_style_options(profile, link, algo, dropped)
@@ -719,7 +838,7 @@ def derive(profile: Profile | str | Path, workers: int, *, link_gbit_per_s: floa
         reasons = "; ".join(f"{k}: {why}" for k, why in sorted(dropped.items()))
         raise ValueError(f"profile {profile.name!r} leaves no valid allocation for {workers} workers ({reasons})")
     cost = CostModel(latency_s=ring_latency_s(profile.network, workers), solo_bw=solo, overlap_bw=overlap,
-                     slowdown=slowdown)
+                     slowdown=slowdown, pack_s_per_byte=1.0 / FUSION_COPY_RATE[profile.form](profile))
     return Derivation(cost=cost, profile=profile.name, form=profile.form, workers=workers, link_bytes_per_s=link,
                       key_unit=key_unit, threads_per_block=tpb, dropped=dict(sorted(dropped.items())),
                       notes=tuple(notes))

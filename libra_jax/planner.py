@@ -10,10 +10,13 @@ Model (:func:`simulate`, exact)
 Layers run back to back on one compute stream and never wait for communication. A bucket is
 ready when its last layer ends; a bucket of 0 bytes issues no collective. Collectives run one
 at a time in bucket order, each starting at max(ready, previous collective's end). A collective
-with allocation ``k`` spends ``latency_s``, then moves its bytes at ``overlap_bw[k]`` while
-compute still runs and at ``solo_bw[k]`` once compute has finished. While it is active (latency
-included) compute runs at ``1/slowdown[k]`` of full speed. Backward time is the end of the last
-collective or of compute, whichever is later.
+of a fused bucket (two or more non-empty gradients) first packs them into one buffer on the
+compute stream: ``pack_s_per_byte * bytes`` seconds in which compute makes no progress. Then it
+spends ``latency_s``, then moves its bytes at ``overlap_bw[k]`` while compute still runs and at
+``solo_bw[k]`` once compute has finished. While it is active (latency included) compute runs at
+``1/slowdown[k]`` of full speed. Backward time is the end of the last collective or of compute,
+whichever is later. With ``reach``, only buckets whose every gradient may wait for the bucket's
+last one are allowed (:func:`plan`; a gradient used before a later one is computed cannot).
 
 Everything the future depends on after a collective is the pair ``(T, P)``: the time the
 collective ends and the compute *progress* ``P`` reached by then (seconds of full-speed work,
@@ -38,8 +41,11 @@ in one vectorised numpy expression per boundary. Rules, in the order they are ap
   least-lag such state is expanded; a boundary whose states are all idle for every later target
   is collapsed to that single state (``R_t`` only grows with ``t``).
 * *Compute finished.* Once ``P = C`` every remaining layer is ready and contention is over, so
-  the rest is closed form: one bucket at the best ``solo_bw`` (with fusion), or each remaining
-  group at the best ``solo_bw``. Such states become complete plans at once.
+  every remaining bucket runs at the best ``solo_bw``: with fusion, a backward DP over the
+  boundaries (:func:`_tail`, latencies against packing, within ``reach``) gives the best rest
+  from every boundary; without, each remaining group. Such states become complete plans at once.
+* *Reach.* Boundary ``t`` only takes sources from boundaries ``>= lo[t]`` (non-decreasing), so
+  states below it are dropped for good; pre-fused groups never straddle a forbidden join.
 * *Branch and bound.* The best complete plan so far (initially the uniform allocations and the
   MG-WFBP and Horovod baselines) bounds the answer by ``U``; a state is dropped when
   ``T + max(C - P, latency + bytes left / best bandwidth) > U``, and a source boundary stops
@@ -60,6 +66,7 @@ compute done, more bytes at the solo rate) and ``Q >= Q'`` (``pi + d(pi)/slowdow
 ``pi = max(P, R)`` and the final time ``T + C - P`` preserve the order, so Pareto dominance is
 exact. Time-shift invariance (``(T + x, P)`` evolves exactly like ``(T, P)`` delayed by ``x``)
 makes the value of a state ``T + U_t(P)``, which justifies normalisation and idle sources.
+A pack is a time shift of the state at the collective's start, so it keeps both properties.
 Differentiating along a fixed decision sequence, the sensitivity of the final time to ``P`` is
 ``-1`` until an idle start or the end, ``-slowdown (1 - overlap_bw/solo_bw)`` for the one
 collective during which compute ends, and 0 after either, so ``U_t`` is non-increasing and
@@ -125,6 +132,7 @@ __all__ = [
     "plan_fusion_only",
     "plan_mgwfbp",
     "simulate",
+    "within_reach",
 ]
 
 # Constants.
@@ -197,19 +205,26 @@ class CostModel:
     kernels; a profile may use another integer unit such as total threads) and must be the same
     in all three. Bandwidths are in gradient bytes per second: ``solo_bw[k]`` when no compute
     runs, ``overlap_bw[k]`` while compute runs. ``slowdown[k] >= 1`` divides compute speed while a
-    collective with allocation ``k`` is active, its ``latency_s`` included.
+    collective with allocation ``k`` is active, its ``latency_s`` included. ``pack_s_per_byte``
+    prices fused buckets (:meth:`pack_s`): packing them into one buffer takes the compute stream
+    that long before the collective's latency starts (0: fusion is free, as in the paper).
     """
 
     latency_s: float
     solo_bw: Mapping[int, float]
     overlap_bw: Mapping[int, float]
     slowdown: Mapping[int, float]
+    pack_s_per_byte: float = 0.0
 
     def __post_init__(self) -> None:
         lat = self.latency_s
         if not _is_real(lat) or not math.isfinite(lat) or lat < 0:
             raise ValueError(f"CostModel.latency_s must be a finite number >= 0, got {lat!r}")
         object.__setattr__(self, "latency_s", float(lat))
+        pack = self.pack_s_per_byte
+        if not _is_real(pack) or not math.isfinite(pack) or pack < 0:
+            raise ValueError(f"CostModel.pack_s_per_byte must be a finite number >= 0, got {pack!r}")
+        object.__setattr__(self, "pack_s_per_byte", float(pack))
         object.__setattr__(self, "solo_bw", _frozen_table("solo_bw", self.solo_bw, 0.0, strict=True))
         object.__setattr__(self, "overlap_bw", _frozen_table("overlap_bw", self.overlap_bw, 0.0, strict=True))
         object.__setattr__(self, "slowdown", _frozen_table("slowdown", self.slowdown, 1.0, strict=False))
@@ -221,7 +236,15 @@ class CostModel:
 
     def __hash__(self) -> int:
         return hash((self.latency_s, tuple(self.solo_bw.items()), tuple(self.overlap_bw.items()),
-                     tuple(self.slowdown.items())))
+                     tuple(self.slowdown.items()), self.pack_s_per_byte))
+
+    def pack_s(self, nbytes: float, tensors: int) -> float:
+        """Seconds to pack (and unpack) a bucket of ``tensors`` non-empty gradients of ``nbytes``.
+
+        Zero for a single tensor: it is all-reduced where it lies. A fused bucket is copied into
+        one buffer on the compute stream before its collective can start (and split after it).
+        """
+        return self.pack_s_per_byte * nbytes if tensors >= 2 else 0.0
 
     @property
     def keys(self) -> tuple[int, ...]:
@@ -324,15 +347,17 @@ def _grouping_ranges(buckets: Iterable[object], n_layers: int) -> list[tuple[int
 
 
 def _collective(T: float, P: float, ready: float, nbytes: float, lat: float, ob: float, sb: float,
-                s: float, C: float) -> tuple[float, float]:
+                s: float, C: float, pack: float = 0.0) -> tuple[float, float]:
     """One collective issued when the comm stream is free at time ``T`` with progress ``P``.
 
     ``ready`` is the progress at which the bucket's last layer ends. Returns the end time and the
-    progress at that time. Phases: ``lat`` seconds, then bytes at ``ob`` until compute ends and at
-    ``sb`` after; compute runs at ``1/s`` throughout.
+    progress at that time. Phases: ``pack`` seconds of packing on the compute stream (compute makes
+    no progress), ``lat`` seconds, then bytes at ``ob`` until compute ends and at ``sb`` after;
+    compute runs at ``1/s`` from the latency on.
     """
     if P < ready:  # wait for the bucket at full compute speed
         T, P = T + (ready - P), ready
+    T += pack
     busy = (C - P) * s  # wall time compute still needs under this collective's contention
     window = busy - lat  # overlapped transfer time available after the latency
     if window <= 0:  # compute ends during the latency: all bytes at the solo rate
@@ -344,10 +369,11 @@ def _collective(T: float, P: float, ready: float, nbytes: float, lat: float, ob:
 
 
 def _collective_np(T: np.ndarray, P: np.ndarray, ready: float, nbytes: np.ndarray, lat: float, ob: np.ndarray,
-                   sb: np.ndarray, s: np.ndarray, C: float) -> tuple[np.ndarray, np.ndarray]:
+                   sb: np.ndarray, s: np.ndarray, C: float,
+                   pack: np.ndarray | float = 0.0) -> tuple[np.ndarray, np.ndarray]:
     """:func:`_collective` over broadcast arrays (same formula, branch by branch)."""
     late = P < ready
-    T = np.where(late, T + (ready - P), T)
+    T = np.where(late, T + (ready - P), T) + pack
     P = np.where(late, ready, P)
     busy = (C - P) * s
     window = busy - lat
@@ -372,8 +398,9 @@ def _simulate_ranges(comp_prefix: list[float], byte_prefix: list[int], ranges: S
     for (first, last), k in zip(ranges, ks):
         nbytes = byte_prefix[last + 1] - byte_prefix[first]
         if nbytes:
+            tensors = sum(byte_prefix[i + 1] > byte_prefix[i] for i in range(first, last + 1))
             T, P = _collective(T, P, comp_prefix[last + 1], float(nbytes), lat, cost.overlap_bw[k], cost.solo_bw[k],
-                               cost.slowdown[k], C)
+                               cost.slowdown[k], C, cost.pack_s(nbytes, tensors))
     return T + (C - P)
 
 
@@ -429,24 +456,58 @@ def _make_plan(layers: list[Layer], buckets: list[Bucket], cost: CostModel) -> P
 # ---------------------------------------------------------------------------------------------
 
 
+def _check_reach(reach: Sequence[int] | None, n: int) -> list[int] | None:
+    """Validate ``reach``: one integer per layer, ``i <= reach[i] <= n - 1``."""
+    if reach is None:
+        return None
+    reach = list(reach)
+    if len(reach) != n:
+        raise ValueError(f"reach must give one layer index per layer ({n}), got {len(reach)}")
+    for i, r in enumerate(reach):
+        if not _is_int(r) or not i <= r < n:
+            raise ValueError(f"reach[{i}] must be an integer in [{i}, {n - 1}], got {r!r}")
+    return [int(r) for r in reach]
+
+
+def _within_reach(ranges: Ranges, reach: Sequence[int] | None) -> Ranges:
+    """``ranges`` with every bucket that ``reach`` forbids cut, greedily, into allowed ones."""
+    if reach is None:
+        return ranges
+    out: Ranges = []
+    for first, last in ranges:
+        start, limit = first, reach[first]
+        for i in range(first + 1, last + 1):
+            if i > limit:  # layer i may not join the bucket that starts at `start`
+                out.append((start, i - 1))
+                start, limit = i, reach[i]
+            else:
+                limit = min(limit, reach[i])
+        out.append((start, last))
+    return out
+
+
 def plan(layers: Sequence[Layer], cost: CostModel, *, fusion: bool = True,
-         buckets: Sequence[tuple[int, int]] | None = None) -> Plan:
+         buckets: Sequence[tuple[int, int]] | None = None, reach: Sequence[int] | None = None) -> Plan:
     """Minimise backward time over allocations and, with ``fusion``, bucket boundaries.
 
     ``fusion=False`` makes every layer its own bucket; ``buckets=[(first, last), ...]`` keeps
-    that grouping (it takes precedence over ``fusion``) and only chooses allocations. Exact when
-    ``solo_bw[k] >= overlap_bw[k]`` for all ``k``; see the module docstring.
+    that grouping (it takes precedence over ``fusion``) and only chooses allocations. With
+    fusion, ``reach[i]`` (default: the last layer) is the last layer that may share a bucket with
+    layer ``i``: a bucket ``first..last`` is allowed when ``last <= reach[i]`` for every layer
+    ``i < last`` in it (e.g. a gradient that is used before a later one is computed cannot wait
+    for it). Exact when ``solo_bw[k] >= overlap_bw[k]`` for all ``k``; see the module docstring.
     """
     layers = _check_layers(layers)
     cost = _check_cost(cost)
     n = len(layers)
+    reach = _check_reach(reach, n)
     if buckets is not None:
         ranges = _grouping_ranges(buckets, n)
-        cuts, free = [0, *(last + 1 for _, last in ranges)], False
+        cuts, free, reach = [0, *(last + 1 for _, last in ranges)], False, None
     elif fusion:
-        cuts, free = _atoms(layers, ATOMS), True
+        cuts, free = _atoms(layers, ATOMS, reach), True
     else:
-        cuts, free = list(range(n + 1)), False
+        cuts, free, reach = list(range(n + 1)), False, None
     comp = _prefix(l.compute_s for l in layers)
     byts = _byte_prefix(layers)
     groups = [(cuts[i], cuts[i + 1] - 1) for i in range(len(cuts) - 1)]
@@ -455,11 +516,11 @@ def plan(layers: Sequence[Layer], cost: CostModel, *, fusion: bool = True,
     seeds: list[tuple[Ranges, int]] = [(groups, k) for k in cost.keys]
     if free:  # one bucket, and the baselines, so that an inexact search never loses to them
         fixed = [[(0, n - 1)], *(_horovod_ranges(layers, thr) for thr in _HOROVOD_THRESHOLDS)]
-        seeds += [(r, k) for r in fixed for k in cost.keys]
-        seeds += [(_mgwfbp_ranges(comp, byts, cost, k), k) for k in cost.keys]
+        seeds += [(_within_reach(r, reach), k) for r in fixed for k in cost.keys]
+        seeds += [(_within_reach(_mgwfbp_ranges(comp, byts, cost, k), reach), k) for k in cost.keys]
     scored = [(_simulate_ranges(comp, byts, r, [k] * len(r), cost), r, [k] * len(r)) for r, k in seeds]
     upper = min(c[0] for c in scored)
-    found, _ = _search(comp, byts, cuts, free, cost, upper)
+    found, _ = _search(comp, byts, cuts, free, cost, upper, reach=reach)
     if found is not None:
         r, ks = [(b.first, b.last) for b in found], [b.blocks for b in found]
         scored.append((_simulate_ranges(comp, byts, r, ks, cost), r, ks))
@@ -514,12 +575,13 @@ def _thin(E: np.ndarray, Q: np.ndarray, keys: tuple[np.ndarray, ...], lam: float
     return sel[last], (math.inf if lam is None else lam * width)
 
 
-def _atoms(layers: Sequence[Layer], target: int) -> list[int]:
+def _atoms(layers: Sequence[Layer], target: int, reach: Sequence[int] | None = None) -> list[int]:
     """Allowed bucket boundaries: every layer boundary, or about ``target`` pre-fused groups.
 
     Up to ``target`` layers nothing is fused. Beyond, consecutive layers are grouped while their
     share of compute plus their share of bytes stays under ``2 / target`` (a layer above it is a
     group of its own), which gives fewer than ``2 * target`` groups (adjacent groups weigh more than the limit).
+    A group also ends where ``reach`` forbids the next layer to join it (more groups, never fewer).
     """
     n = len(layers)
     if n <= target:
@@ -527,19 +589,74 @@ def _atoms(layers: Sequence[Layer], target: int) -> list[int]:
     C = sum(l.compute_s for l in layers) or 1.0
     B = sum(l.grad_bytes for l in layers) or 1
     limit = 2.0 / target
-    cuts, acc = [0], 0.0
+    cuts, acc, allowed = [0], 0.0, n - 1
     for i, layer in enumerate(layers):
         w = layer.compute_s / C + layer.grad_bytes / B
-        if acc > 0 and acc + w > limit:
+        if (acc > 0 and acc + w > limit) or i > allowed:
             cuts.append(i)
-            acc = 0.0
+            acc, allowed = 0.0, n - 1
         acc += w
+        if reach is not None:
+            allowed = min(allowed, reach[i])
     cuts.append(n)
     return cuts
 
 
+def _lowest_sources(cuts: list[int], reach: Sequence[int] | None) -> np.ndarray:
+    """Per boundary ``t``: the lowest boundary a bucket ending at ``t`` may start from.
+
+    A bucket covering groups ``s..t-1`` is allowed when every layer but its last reaches its last
+    layer. Non-decreasing in ``t``. Without ``reach``: 0 everywhere.
+    """
+    M = len(cuts) - 1
+    lo = np.zeros(M + 1, dtype=np.int64)
+    if reach is None:
+        return lo
+    group_min = [min(reach[cuts[g]:cuts[g + 1]]) for g in range(M)]
+    for t in range(1, M + 1):
+        last = cuts[t] - 1
+        low = min(reach[cuts[t - 1]:last], default=last)  # the group itself (allowed by _atoms)
+        s = t - 1
+        while s > 0 and min(low, group_min[s - 1]) >= last:
+            low = min(low, group_min[s - 1])
+            s -= 1
+        lo[t] = s
+    return np.maximum.accumulate(lo)
+
+
+def _tail(Bc: np.ndarray, Nc: np.ndarray, lo: np.ndarray, free: bool, lat: float, bw: float, key: int,
+          pack_per_byte: float, scale: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The best way to finish once compute is over, from every boundary: all remaining layers are
+    ready and contention is over, so every bucket runs alone at the best solo bandwidth ``bw``
+    (allocation ``key``) and costs ``lat + pack + bytes / bw`` (nothing without bytes).
+
+    With fusion, a backward dynamic program over the boundaries (buckets allowed by ``lo``)
+    chooses the cuts: fewer latencies against the packing of fused buckets. Returns, per
+    boundary, the time, the blocks and buckets (tie keys) and the next cut.
+    """
+    M = len(Bc) - 1
+    t_best = np.zeros(M + 1)
+    blk = np.zeros(M + 1, dtype=np.int64)
+    nb = np.zeros(M + 1, dtype=np.int64)
+    nxt = np.full(M + 1, M, dtype=np.int64)
+    quantum = TIE_RTOL * scale
+    for t in range(M - 1, -1, -1):
+        u = np.arange(t + 1, M + 1) if free else np.array([t + 1])
+        u = u[lo[u] <= t]
+        nbytes = Bc[u] - Bc[t]
+        packed = np.where(Nc[u] - Nc[t] >= 2, nbytes * pack_per_byte, 0.0)
+        some = nbytes > 0
+        time = np.where(some, lat + packed + nbytes / bw, 0.0) + t_best[u]
+        blocks = np.where(some, key, 0) + blk[u]
+        buckets = 1 + nb[u]
+        i = np.lexsort((buckets, blocks, np.round(time / quantum)))[0]
+        t_best[t], blk[t], nb[t], nxt[t] = time[i], blocks[i], buckets[i], u[i]
+    return t_best, blk, nb, nxt
+
+
 def _search(comp: list[float], byts: list[int], cuts: list[int], free: bool, cost: CostModel,
-            upper: float, cap: int = FRONT_CAP) -> tuple[list[Bucket] | None, float]:
+            upper: float, cap: int = FRONT_CAP,
+            reach: Sequence[int] | None = None) -> tuple[list[Bucket] | None, float]:
     """The dynamic program of the module docstring: the best plan it finds and its error bound."""
     keys = np.array(cost.keys, dtype=np.int64)
     K = len(keys)
@@ -554,24 +671,21 @@ def _search(comp: list[float], byts: list[int], cuts: list[int], free: bool, cos
     C = comp[-1]
     R = np.array([comp[c] for c in cuts] + [C])  # ready progress of a bucket ending at each boundary
     Bc = np.array([float(byts[c]) for c in cuts])  # bytes before each boundary
+    nonempty_prefix = _prefix(byts[i + 1] > byts[i] for i in range(len(byts) - 1))
+    Nc = np.array([nonempty_prefix[c] for c in cuts])  # non-empty layers before each boundary
+    lo = _lowest_sources(cuts, reach if free else None)
+    pack_c = cost.pack_s_per_byte
     total = Bc[-1]
-    # Closed-form rest once compute is over, and a lower bound on the communication still due.
+    # Best rest once compute is over, and a lower bound on the communication still due.
     group_bytes = np.diff(Bc)
     nonempty = group_bytes > 0
+    tail_t, tail_blk, tail_nb, tail_next = _tail(Bc, Nc, lo, free, lat, float(sb[best_solo]),
+                                                 int(keys[best_solo]), pack_c, max(upper, C, 1e-300))
     if free:
         rest = total - Bc
-        tail_t = np.where(rest > 0, lat + rest / sb[best_solo], 0.0)
-        tail_blk = np.where(rest > 0, keys[best_solo], 0)
-        tail_nb = np.ones(M + 1, dtype=np.int64)
         comm_lb = np.where(rest > 0, lat + rest / bw_max, 0.0)
     else:
-        def suffix(a: np.ndarray) -> np.ndarray:
-            return np.concatenate([np.cumsum(a[::-1])[::-1], [0]])
-        tail_t = suffix(np.where(nonempty, lat + group_bytes / sb[best_solo], 0.0))
-        tail_blk = suffix(np.where(nonempty, keys[best_solo], 0))
-        tail_nb = suffix(np.ones(M, dtype=np.int64))
-        comm_lb = suffix(np.where(nonempty, lat + group_bytes / bw_max, 0.0))
-    tail_t[M] = tail_blk[M] = tail_nb[M] = 0
+        comm_lb = np.concatenate([np.cumsum(np.where(nonempty, lat + group_bytes / bw_max, 0.0)[::-1])[::-1], [0]])
     rest_lb = (total - Bc) / bw_max  # seconds of bytes still due from each boundary, at best
 
     # Store of every kept state: parent id, allocation index, boundary. Id 0 is the start.
@@ -592,6 +706,10 @@ def _search(comp: list[float], byts: list[int], cuts: list[int], free: bool, cos
     err = 0.0
     one_group = np.zeros(1, dtype=np.int64)
     for t in range(1, M + 1):
+        if free and lo[t] > 0 and sB.size and sB[0] < lo[t]:
+            # Buckets ending here or later cannot start this early (reach): drop those sources.
+            keep = sB >= lo[t]
+            sT, sP, sB, sBlk, sNb, sId, sLoc = (x[keep] for x in (sT, sP, sB, sBlk, sNb, sId, sLoc))
         if sT.size == 0:
             break
         # Sources: per group, the least-lag state among those idle at R[t] (they all start the
@@ -605,7 +723,8 @@ def _search(comp: list[float], byts: list[int], cuts: list[int], free: bool, cos
         src_i = np.concatenate([reps, np.flatnonzero(~idle)])
         T0, P0 = sT[src_i], sP[src_i]
         nbytes = Bc[t] - Bc[sB[src_i]]
-        E, Q = _collective_np(T0[:, None], P0[:, None], Rt, nbytes[:, None], lat, ob, sb, sl, C)
+        packed = np.where(Nc[t] - Nc[sB[src_i]] >= 2, nbytes * pack_c, 0.0)
+        E, Q = _collective_np(T0[:, None], P0[:, None], Rt, nbytes[:, None], lat, ob, sb, sl, C, packed[:, None])
         empty = nbytes == 0
         r = np.arange(E.size)  # row-major index into (source, allocation)
         if empty.any():  # no collective: the state carries over, with the smallest key
@@ -707,12 +826,11 @@ def _search(comp: list[float], byts: list[int], cuts: list[int], free: bool, cos
             first, last = cuts[prev], cuts[tb] - 1
             out.append(Bucket(first, last, kb if byts[last + 1] > byts[first] else int(keys[0])))
             prev = tb
-        if prev < M:  # closed-form rest after compute ended
-            rest_groups = ([(cuts[prev], cuts[-1] - 1)] if free
-                           else [(cuts[i], cuts[i + 1] - 1) for i in range(prev, M)])
-            for first, last in rest_groups:
-                nonzero = byts[last + 1] > byts[first]
-                out.append(Bucket(first, last, int(keys[best_solo]) if nonzero else int(keys[0])))
+        while prev < M:  # the best rest after compute ended (_tail)
+            first, last = cuts[prev], cuts[int(tail_next[prev])] - 1
+            nonzero = byts[last + 1] > byts[first]
+            out.append(Bucket(first, last, int(keys[best_solo]) if nonzero else int(keys[0])))
+            prev = int(tail_next[prev])
         plans.append(out)
     return min(plans, key=lambda b: _plan_key(b, byts)[2]), err
 
@@ -749,13 +867,31 @@ def plan_default(layers: Sequence[Layer], cost: CostModel, *, blocks: int, fusio
     return _make_plan(layers, [Bucket(f, l, k) for f, l in _horovod_ranges(layers, int(fusion_bytes))], cost)
 
 
-def plan_fusion_only(layers: Sequence[Layer], cost: CostModel, *, blocks: int) -> Plan:
-    """The planner with the allocation fixed to ``blocks``: it only chooses bucket boundaries."""
+def plan_fusion_only(layers: Sequence[Layer], cost: CostModel, *, blocks: int,
+                     reach: Sequence[int] | None = None) -> Plan:
+    """The planner with the allocation fixed to ``blocks``: it only chooses bucket boundaries
+    (within ``reach``, as :func:`plan`)."""
     cost = _check_cost(cost)
     k = _check_blocks(blocks, cost)
     fixed = CostModel(latency_s=cost.latency_s, solo_bw={k: cost.solo_bw[k]}, overlap_bw={k: cost.overlap_bw[k]},
-                      slowdown={k: cost.slowdown[k]})
-    return plan(layers, fixed, fusion=True)
+                      slowdown={k: cost.slowdown[k]}, pack_s_per_byte=cost.pack_s_per_byte)
+    return plan(layers, fixed, fusion=True, reach=reach)
+
+
+def within_reach(buckets: Sequence[Bucket], reach: Sequence[int] | None) -> list[Bucket]:
+    """``buckets`` with every bucket that ``reach`` forbids (see :func:`plan`) cut, greedily from
+    its first layer, into allowed ones with the same allocation.
+
+    Why: a plan made without ``reach`` (a baseline, a hand-written plan) runs that way -- a fused
+    bucket whose early gradient is needed before its last one is ready cannot be one all-reduce
+    -- so its predicted time must be that of the cut plan.
+    """
+    buckets = list(buckets)
+    if reach is None:
+        return buckets
+    n = max((b.last for b in buckets), default=-1) + 1
+    reach = _check_reach(reach, n)
+    return [Bucket(f, l, b.blocks) for b in buckets for f, l in _within_reach([(b.first, b.last)], reach)]
 
 
 def _mgwfbp_ranges(comp: list[float], byts: list[int], cost: CostModel, k: int) -> Ranges:
@@ -797,21 +933,26 @@ def plan_mgwfbp(layers: Sequence[Layer], cost: CostModel, *, blocks: int) -> Pla
 
 
 def plan_exhaustive(layers: Sequence[Layer], cost: CostModel, *, fusion: bool = True,
-                    buckets: Sequence[tuple[int, int]] | None = None) -> Plan:
+                    buckets: Sequence[tuple[int, int]] | None = None,
+                    reach: Sequence[int] | None = None) -> Plan:
     """Exact optimum by enumerating every plan (vectorised), with the same tie order as :func:`plan`.
 
     Candidates: ``K (K+1)^(L-1)`` with fusion, ``K^L`` without, ``K^G`` for a fixed grouping of
-    ``G`` buckets. Raises ``ValueError`` if that exceeds ``EXHAUSTIVE_LIMIT``.
+    ``G`` buckets; with fusion, those ``reach`` forbids (see :func:`plan`) are discarded. Raises
+    ``ValueError`` if that exceeds ``EXHAUSTIVE_LIMIT``.
     """
     layers = _check_layers(layers)
     cost = _check_cost(cost)
     n, K = len(layers), len(cost.keys)
+    reach = _check_reach(reach, n)
     if buckets is not None:
         ranges = _grouping_ranges(buckets, n)
         free = False
     else:
         ranges = [(i, i) for i in range(n)]
         free = bool(fusion)
+    if not free:
+        reach = None
     G = len(ranges)
     count = K * (K + 1) ** (n - 1) if free else K ** G
     if count > EXHAUSTIVE_LIMIT:
@@ -836,10 +977,18 @@ def plan_exhaustive(layers: Sequence[Layer], cost: CostModel, *, fusion: bool = 
         T = np.zeros(idx.size)
         P = np.zeros(idx.size)
         acc = np.zeros(idx.size)
+        tensors = np.zeros(idx.size, dtype=np.int64)  # non-empty layers in the open bucket
+        allowed = np.full(idx.size, n - 1)  # the last layer the open bucket may reach
+        ok = np.ones(idx.size, dtype=bool)
         blk = np.zeros(idx.size, dtype=np.int64)
         nb = np.zeros(idx.size, dtype=np.int64)
         for i, (first, last) in enumerate(ranges):
-            acc = acc + float(byts[last + 1] - byts[first])
+            nbytes = float(byts[last + 1] - byts[first])
+            acc = acc + nbytes
+            tensors = tensors + sum(byts[j + 1] > byts[j] for j in range(first, last + 1))
+            if reach is not None:
+                ok &= last <= allowed
+                allowed = np.minimum(allowed, reach[last])
             digit = (idx // weights[i]) % radix[i]
             if free and i < n - 1:
                 close, kk = digit > 0, np.maximum(digit - 1, 0)
@@ -848,12 +997,15 @@ def plan_exhaustive(layers: Sequence[Layer], cost: CostModel, *, fusion: bool = 
             fire = close & (acc > 0)
             if fire.any():
                 kf = kk[fire]
+                packed = np.where(tensors[fire] >= 2, acc[fire] * cost.pack_s_per_byte, 0.0)
                 T[fire], P[fire] = _collective_np(T[fire], P[fire], comp[last + 1], acc[fire], cost.latency_s,
-                                                  ob[kf], sb[kf], sl[kf], C)
+                                                  ob[kf], sb[kf], sl[kf], C, packed)
                 blk[fire] += keys[kf]
             nb += close
             acc = np.where(close, 0.0, acc)
-        total = T + (C - P)
+            tensors = np.where(close, 0, tensors)
+            allowed = np.where(close, n - 1, allowed)
+        total = np.where(ok, T + (C - P), math.inf)
         best_t = min(best_t, float(total.min()))
         tied.append((idx, total, blk, nb))
         tied = [tuple(a[t[1] <= best_t * (1 + TIE_RTOL)] for a in t) for t in tied]

@@ -24,12 +24,18 @@ def tiny_profile(tmp_path_factory, jax_8):
 def test_tiny_calibration_writes_a_valid_profile(tiny_profile) -> None:
     path, doc = tiny_profile
     profile = model.load_profile(path)
-    assert profile.name == "cpu-calibrated" and profile.form == "nccl-style"
-    assert profile.sources["nccl_style.per_block_gbyte_per_s"].source == "measured"
+    assert profile.name == "cpu-calibrated" and profile.form == "fair-share"
+    assert profile.sources["fair_share.per_block_gbyte_per_s"].source == "measured"
+    assert profile.sources["fair_share.compute_threads"].source == "measured"
+    assert profile.fair_share.cores == calibrate.host_cores()
+    assert profile.fair_share.fusion_copy_bytes_per_s > 0
     assert profile.sources["device.memory_gbyte_per_s"].source == "measured"
     cal = json.loads(path.read_text())["calibration"]
     for key in ("machine", "backend", "jax_version", "date", "samples", "analysis"):
         assert key in cal, key
+    assert {s["fused"] for s in cal["samples"]["pack"]} == {True, False}
+    assert len(cal["samples"]["pack"]) == 4 * calibrate.TINY.reps  # fused or not, big or small tensors
+    assert {s["small"] for s in cal["samples"]["pack"]} == {True, False}
     assert cal["backend"] == "cpu" and cal["workers"] == 8
     assert len(cal["samples"]["alone"]) == (len(calibrate.TINY.sizes) * len(calibrate.TINY.blocks)
                                             * calibrate.TINY.reps)
@@ -78,7 +84,7 @@ def test_outdated_or_malformed_profiles_are_rejected(tiny_profile, tmp_path, mon
     _, doc = tiny_profile
     monkeypatch.setenv(model.PROFILE_DIR_ENV, str(tmp_path))
     old = dict(doc, schema_version=0)
-    with pytest.raises(ValueError, match=r"'schema_version' must be 1, got 0 \(an outdated profile: re-run "
+    with pytest.raises(ValueError, match=r"'schema_version' must be 2, got 0 \(an outdated profile: re-run "
                                          r"`libra-jax calibrate`"):
         model.load_profile(_write(tmp_path, old))
     with pytest.raises(ValueError, match=r"got 7 \(written by a newer libra_jax"):
@@ -86,8 +92,8 @@ def test_outdated_or_malformed_profiles_are_rejected(tiny_profile, tmp_path, mon
     with pytest.raises(ValueError, match=r"field 'calibration' must be an object"):
         model.profile_from_dict(dict(doc, calibration=[1, 2]))
     broken = json.loads(json.dumps(doc))
-    del broken["nccl_style"]["per_block_gbyte_per_s"]
-    with pytest.raises(ValueError, match=r"'nccl_style\.per_block_gbyte_per_s' is missing"):
+    del broken["fair_share"]["per_block_gbyte_per_s"]
+    with pytest.raises(ValueError, match=r"'fair_share\.per_block_gbyte_per_s' is missing"):
         model.load_profile(_write(tmp_path, broken))
     # The default lookup skips a bad calibrated profile with a warning that says why.
     for bad, why in ((old, "outdated profile"), ("{not json", "not valid JSON"), (broken, "is missing")):
@@ -166,3 +172,60 @@ def test_slowdown_from_windows() -> None:
 def test_median_ci() -> None:
     med, lo, hi = calibrate.median_ci([1.0, 2.0, 3.0, 4.0, 100.0])
     assert med == 3.0 and lo <= med <= hi
+
+
+@pytest.mark.parametrize("D, P", [(8.0, 2.0), (12.0, 2.0), (3.0, 4.0), (40.0, 16.0)])
+def test_fit_fair_share_recovers_compute_threads(D, P) -> None:
+    rng = np.random.default_rng(int(D * 10 + P))
+    k = np.array([1, 2, 3, 4, 6, 8] * 2)  # two workloads, one curve
+    s = model_slowdowns(k, D, P) * np.exp(rng.normal(0, 0.02, k.size))
+    s[3] *= 5.0  # one disturbed window (another job) must not move the fit much
+    fit = calibrate.fit_fair_share(k, s, P)
+    assert fit.params["compute_threads"] == pytest.approx(D, rel=0.1)
+    assert fit.params["cores"] == P
+
+
+def model_slowdowns(k, D, P):
+    from libra_jax import model
+
+    return np.array([model.fair_share_slowdown(int(b), compute_threads=D, cores=P) for b in k])
+
+
+def test_fit_alone_with_a_core_cap_recovers_the_per_worker_rate() -> None:
+    # Alone, k workers get min(k, P) cores; beside compute, a fraction: those times pin beta.
+    sizes = np.array([256, 1024, 4096]) * 1024.0
+    cores = np.array([0.2, 0.5, 1.0, 2.0, 2.0, 2.0])
+    b, c = (a.ravel() for a in np.meshgrid(sizes, cores))
+    t = calibrate.alone_time_s(b, c, 8, 1.5e9, 2.5e9, 4.0, 40e-6)
+    fit = calibrate.fit_alone(b, c, t, 8)
+    assert fit.params["beta_bytes_per_s"] == pytest.approx(1.5e9, rel=0.03)
+    assert fit.params["link_bytes_per_s"] == pytest.approx(2.5e9, rel=0.05)
+    # cores= caps the block count itself: 8 workers alone run on 2 cores, like 2 workers
+    k = np.array([1, 2, 4, 8] * 3)
+    sz = np.repeat(sizes, 4)
+    t2 = calibrate.alone_time_s(sz, np.minimum(k, 2), 8, 1.5e9, 2.5e9, 4.0, 40e-6)
+    capped = calibrate.fit_alone(sz, k, t2, 8, cores=2.0)
+    assert capped.rms_rel_error < 1e-3
+    assert calibrate.fit_alone(sz, k, t2, 8).rms_rel_error > 10 * capped.rms_rel_error
+
+
+def test_fusion_costs_recover_per_byte_and_per_all_reduce_costs() -> None:
+    c, h = 2.5e-9, 120e-6  # seconds per fused byte, per further all-reduce
+    big, small = (8 << 20, 8), (1 << 20, 64)
+    d = [c * b - (t - 1) * h for b, t in (big, small)]
+    got_c, got_h = calibrate.fusion_costs(d[0], big, d[1], small)
+    assert got_c == pytest.approx(c, rel=1e-9) and got_h == pytest.approx(h, rel=1e-9)
+    # From paired samples, with noise and bootstrap intervals.
+    rng = np.random.default_rng(3)
+    rows = []
+    for rep in range(1, 10):
+        for small_, (b, t), dd in ((False, big, d[0]), (True, small, d[1])):
+            one = 0.05 + rng.normal(0, 1e-4)
+            rows += [{"fused": False, "small": small_, "rep": rep, "seconds": one, "bytes": b, "tensors": t},
+                     {"fused": True, "small": small_, "rep": rep, "seconds": one + dd, "bytes": b, "tensors": t}]
+    out = calibrate.fusion_analysis(rows, n_boot=20)
+    rate, lo, hi = out["bytes_per_s"]
+    assert rate == pytest.approx(1 / c, rel=0.05) and lo <= rate <= hi
+    assert out["per_all_reduce_s"][0] == pytest.approx(h, rel=0.1)
+    with pytest.raises(ValueError):
+        calibrate.fusion_costs(0.0, (8, 2), 0.0, (16, 3))  # same bytes per tensor: not separable

@@ -115,3 +115,36 @@ def test_public_name_survives_module_import():
     import libra_jax.explanation  # noqa: F401
 
     assert callable(libra_jax.explain) and libra_jax.explain.__name__ == "explain"
+
+
+def test_plans_keep_to_what_can_be_fused() -> None:
+    """The loss's pmean comes after the update that uses every gradient: no bucket may hold a
+    gradient and the loss (it could not be one all-reduce). The plan keeps to that (`reach`), so
+    every planned bucket is what runs, and the prediction is of what runs."""
+    step, args = mlp_step()
+    opt = libra_jax.optimize(step)
+    jax.block_until_ready(opt(*args))
+    (entry,) = opt.last_report.predicted
+    reach = entry["reach"]
+    n = len(entry["layers"])
+    assert reach[n - 2] == n - 2  # the last gradient cannot wait for the loss
+    for b in entry["buckets"]:
+        assert all(b.last <= reach[i] for i in range(b.first, b.last))
+    gradient = [p for p in opt.last_report.plans if p.kind == "gradient"]
+    assert len(gradient) == len(entry["buckets"])  # no bucket was cut at rewrite time
+
+
+def test_timeline_prices_packing_like_simulate() -> None:
+    from libra_jax import gantt
+
+    layers = [planner.Layer(1e-3, 1 << 20), planner.Layer(2e-3, 1 << 20), planner.Layer(1e-3, 0)]
+    cost = planner.CostModel(2e-5, {1: 1e9, 2: 2e9}, {1: 5e8, 2: 8e8}, {1: 1.1, 2: 1.4},
+                             pack_s_per_byte=1e-9)
+    for buckets in ([planner.Bucket(0, 1, 2), planner.Bucket(2, 2, 1)], [planner.Bucket(0, 2, 1)],
+                    [planner.Bucket(0, 0, 1), planner.Bucket(1, 2, 2)]):
+        tl = gantt.timeline(layers, buckets, cost)
+        assert tl.backward_s == pytest.approx(planner.simulate(layers, buckets, cost), rel=1e-12)
+        for c in tl.collectives:
+            assert c.start <= c.pack_end <= c.latency_end
+    fused = gantt.timeline(layers, [planner.Bucket(0, 2, 1)], cost).collectives[0]
+    assert fused.pack_end - fused.start == pytest.approx(2 * (1 << 20) * 1e-9)

@@ -198,12 +198,19 @@ def test_nccl_style_values() -> None:
         net.base_latency_s + 28 * net.intra_step_latency_s + 2 * net.inter_step_latency_s)
 
 
+def _small_gpu() -> dict:
+    data = raw("v100")
+    data["device"]["compute_units"]["value"] = 8
+    data["nccl_style"]["units_per_block"]["value"] = 1
+    return data
+
+
 def test_nccl_style_drops_options_that_take_every_sm() -> None:
-    data = raw("cpu-host")
+    data = _small_gpu()
     data["nccl_style"]["block_options"]["value"] = [1, 2, 8, 16]
     d = model.derive(model.profile_from_dict(data), 4)
     assert list(d.cost.slowdown) == [1, 2]
-    assert "occupy all 8 cores" in d.dropped[8] and 16 in d.dropped
+    assert "occupy all 8 SMs" in d.dropped[8] and 16 in d.dropped
 
 
 def test_nccl_style_drops_options_that_take_all_memory_bandwidth() -> None:
@@ -215,7 +222,7 @@ def test_nccl_style_drops_options_that_take_all_memory_bandwidth() -> None:
 
 
 def test_no_valid_option_is_an_error() -> None:
-    data = raw("cpu-host")
+    data = _small_gpu()
     data["nccl_style"]["block_options"]["value"] = [8, 9]
     with pytest.raises(ValueError, match="no valid allocation"):
         model.derive(model.profile_from_dict(data), 4)
@@ -304,7 +311,13 @@ def mutate(name: str, path: str, value: object = None, *, delete: bool = False) 
     ("h200", "device.sm_count", {"value": 1, "source": "datasheet"}, False, r"'device\.sm_count' is not a known field"),
     ("h200", "device.default_dtype", "int4", False, r"'device\.default_dtype' must be one of"),
     ("h200", "form", "magic", False, r"'form' must be one of libra-fit, nccl-style"),
-    ("h200", "schema_version", 2, False, r"'schema_version' must be 1, got 2"),
+    ("h200", "schema_version", 3, False, r"'schema_version' must be 2, got 3"),
+    ("h200", "schema_version", 1, False, r"'schema_version' must be 2, got 1 \(an outdated profile.*changed since: "
+                                         r"2: the 'fair-share' form"),
+    ("h200", "nccl_style.fusion_copy_gbyte_per_s", None, True, r"'nccl_style\.fusion_copy_gbyte_per_s' is missing"),
+    ("cpu-host", "fair_share.compute_threads", None, True, r"'fair_share\.compute_threads' is missing"),
+    ("cpu-host", "fair_share.cores.value", 0, False, r"'fair_share\.cores\.value' must be > 0"),
+    ("cpu-host", "fair_share", None, True, r"field 'fair_share' is missing"),
     ("h200", "schema_version", None, True, r"'schema_version' is missing"),
     ("h200", "nccl_style", None, True, r"field 'nccl_style' is missing"),
     ("libra-testbed", "libra_fit.solo_bw.c", None, True, r"'libra_fit\.solo_bw\.c' is missing"),
@@ -352,3 +365,49 @@ def test_device_rates() -> None:
     assert dev.flop_per_s() == dev.flop_per_s("bf16")
     with pytest.raises(ValueError, match="no peak rate for dtype 'int4'"):
         dev.flop_per_s("int4")
+
+
+# ------------------------------------------------------------------------------------------
+# The fair-share form (CPU hosts) and the price of fusion (schema 2)
+# ------------------------------------------------------------------------------------------
+
+
+def test_fair_share_formulas() -> None:
+    # Compute alone fills the cores (D >= P): k workers slow it by (D + k) / D.
+    assert model.fair_share_slowdown(8, compute_threads=8, cores=2) == pytest.approx(2.0)
+    assert model.fair_share_slowdown(1, compute_threads=8, cores=2) == pytest.approx(9 / 8)
+    # Idle cores absorb workers first: no slowdown until D + k > P.
+    assert model.fair_share_slowdown(2, compute_threads=2, cores=4) == 1.0
+    assert model.fair_share_slowdown(4, compute_threads=2, cores=4) == pytest.approx(1.5)
+    assert model.fair_share_core_share(10, 2) == pytest.approx(0.2)
+    assert model.fair_share_core_share(1, 2) == 1.0
+    with pytest.raises(ValueError):
+        model.fair_share_core_share(0, 2)
+
+
+def test_fair_share_cost_model() -> None:
+    data = raw("cpu-host")
+    fs = data["fair_share"]
+    fs["cores"]["value"], fs["compute_threads"]["value"] = 2, 8
+    fs["per_block_gbyte_per_s"]["value"], fs["softmin_p"]["value"] = 1.0, 64
+    data["network"]["intra_node_gbyte_per_s"]["value"] = 100.0  # the cap does not bind
+    fs["block_options"]["value"] = [1, 2, 4, 8]
+    d = model.derive(model.profile_from_dict(data), 8)
+    algo = model.ring_algo_factor(8)
+    for k in (1, 2, 4, 8):
+        # alone: min(k, P) cores; beside compute: k of the D + k runnable threads' share of P cores
+        assert d.cost.solo_bw[k] == pytest.approx(min(k, 2) * 1e9 * algo, rel=1e-3)
+        assert d.cost.overlap_bw[k] == pytest.approx(k * 2 / (8 + k) * 1e9 * algo, rel=1e-3)
+        assert d.cost.slowdown[k] == pytest.approx((8 + k) / 8)
+    assert d.key_unit == "blocks" and d.form == "fair-share"
+
+
+def test_fusion_is_priced_by_form() -> None:
+    host = model.load_profile("cpu-host")
+    assert model.derive(host, 8).cost.pack_s_per_byte == pytest.approx(
+        1 / host.fair_share.fusion_copy_bytes_per_s)
+    h200 = model.load_profile("h200")
+    assert model.derive(h200, 8).cost.pack_s_per_byte == pytest.approx(
+        1 / h200.nccl_style.fusion_copy_bytes_per_s)
+    assert model.derive("libra-testbed", 8).cost.pack_s_per_byte == 0.0  # the paper's model
+    assert host.sources["fair_share.fusion_copy_gbyte_per_s"].source in model.SOURCES
