@@ -34,3 +34,19 @@ def test_example_trains_with_matching_results(name, options):
     assert report is not None and report.num_psums > 0
     assert any(p.kind == "gradient" for p in report.plans)
     assert len(res.times["plain"]) == 3 - common.WARMUP
+
+
+def test_multiprocess_example_trains_across_two_processes():
+    """examples/multiprocess.py launches itself as 2 processes x 4 devices and trains the MLP;
+    process 0 prints the loss of every step (tests/test_multiprocess.py compares the numbers
+    with a single-process run)."""
+    import subprocess
+
+    proc = subprocess.run([sys.executable, str(EXAMPLES / "multiprocess.py"), "--small",
+                           "--steps", "3"], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    losses = [float(line.split()[3]) for line in proc.stdout.splitlines()
+              if line.startswith("step ")]
+    assert len(losses) == 3 and losses[-1] < losses[0], proc.stdout
+    assert "2 processes x 4 host CPU devices" in proc.stdout
+    assert "the same plan on every process" in proc.stdout
