@@ -660,6 +660,25 @@ def list_profiles() -> list[str]:
     return sorted(p.stem for p in PROFILE_DIR.glob("*.json"))
 
 
+def profile_to_dict(profile: Profile) -> dict[str, Any]:
+    """The JSON document of a validated profile, for ``profile_from_dict`` elsewhere (another
+    process, a file): every number with its provenance, and the text fields. Measurement
+    records (``calibration``) and per-field notes are not kept: nothing reads them to plan."""
+    doc: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "name": profile.name,
+                           "form": profile.form, "description": profile.description,
+                           "notes": list(profile.notes)}
+    for path, q in profile.sources.items():
+        *parents, leaf = path.split(".")
+        node = doc
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = {"value": q.value, "source": q.source, **({"ref": q.ref} if q.ref else {})}
+    device = doc.setdefault("device", {})
+    device.update(name=profile.device.name, compute_unit_kind=profile.device.compute_unit_kind,
+                  default_dtype=profile.device.default_dtype)
+    return doc
+
+
 def load_profile(name_or_path: str | Path) -> Profile:
     """Load and validate a profile: a shipped name (``"h200"``) or a path to a JSON file."""
     text_arg = str(name_or_path)

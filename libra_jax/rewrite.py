@@ -37,7 +37,6 @@ import json
 import math
 import os
 import warnings
-from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 import jax
@@ -162,10 +161,8 @@ def shared_profile(profile: Any, *, program: str) -> Any:
     to different files per host), not a request for mismatched plans. A process whose own
     profile differs from process 0's says so in a one-time warning.
 
-    A `model.Profile` object on process 0 has no JSON document to publish (model.py has no
-    Profile -> JSON): then every process keeps its own and `check_plan_agreement` catches any
-    difference. ``LIBRA_JAX_NO_PROFILE_BROADCAST=1`` (set it on every process) turns the
-    broadcast off. A process that waits longer than ``LIBRA_JAX_TIMEOUT_S`` for process 0's
+    ``LIBRA_JAX_NO_PROFILE_BROADCAST=1`` (set it on every process) turns the broadcast off;
+    `check_plan_agreement` still catches any difference. A process that waits longer than ``LIBRA_JAX_TIMEOUT_S`` for process 0's
     profile raises RuntimeError. A no-op in a single process; returns `profile` or a
     `model.Profile` built from process 0's document.
     """
@@ -197,8 +194,6 @@ def shared_profile(profile: Any, *, program: str) -> Any:
     if "error" in payload:
         raise RuntimeError(f"libra_jax.optimize: process 0 could not load its profile, so no "
                            f"process can plan this step: {payload['error']}")
-    if payload["document"] is None:  # process 0 planned with a Profile object
-        return profile
     theirs = model.profile_from_dict(payload["document"],
                                      origin=f"process 0's profile {payload['name']}")
     try:
@@ -221,19 +216,11 @@ def _profile_label(profile: Any) -> str:
     return repr(os.fspath(profile))
 
 
-def _profile_document(profile: Any) -> Any:
-    """The JSON document of a profile name or path (validated by `model.load_profile`), or
-    None for a `model.Profile` object."""
-    if isinstance(profile, model.Profile):
-        return None
-    model.load_profile(profile)
-    text = os.fspath(profile)
-    path = Path(text)
-    if not (text.endswith(".json") or path.is_file()):  # as model.load_profile resolves names
-        path = model.PROFILE_DIR / f"{text}.json"
-    document = json.loads(path.read_text())
-    document.pop("calibration", None)  # measurement records: large, and no input to planning
-    return document
+def _profile_document(profile: Any) -> dict:
+    """The JSON document of a profile (a name, a path or a `model.Profile`), validated."""
+    if not isinstance(profile, model.Profile):
+        profile = model.load_profile(profile)
+    return model.profile_to_dict(profile)
 
 
 _agreement_checks: dict[str, int] = {}

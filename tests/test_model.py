@@ -411,3 +411,12 @@ def test_fusion_is_priced_by_form() -> None:
         1 / h200.nccl_style.fusion_copy_bytes_per_s)
     assert model.derive("libra-testbed", 8).cost.pack_s_per_byte == 0.0  # the paper's model
     assert host.sources["fair_share.fusion_copy_gbyte_per_s"].source in model.SOURCES
+
+
+@pytest.mark.parametrize("name", model.list_profiles())
+def test_profile_to_dict_round_trips(name):
+    """profile_to_dict gives a document profile_from_dict reads back as the same profile (what
+    optimize publishes to other processes)."""
+    profile = model.load_profile(name)
+    document = json.loads(json.dumps(model.profile_to_dict(profile)))
+    assert model.profile_from_dict(document, origin=profile.origin) == profile

@@ -86,6 +86,9 @@ PSUM_WORKER = PRELUDE + textwrap.dedent("""
 # args: profile ("-" for the default), [profile directory]
 GRAD_WORKER = PRELUDE + GRAD_STEP + textwrap.dedent("""
     profile = None if args[0] == "-" else args[0]
+    if profile and profile.startswith("object:"):  # a model.Profile, not a name
+        from libra_jax import model
+        profile = model.load_profile(profile[len("object:"):])
     if len(args) > 1:
         os.environ["LIBRA_JAX_PROFILE_DIR"] = args[1]
     mesh = jax.make_mesh((8,), ("x",))
@@ -268,10 +271,11 @@ def test_plan_mismatch_is_a_clear_error():
         assert "blocks=" in r.out
 
 
-@pytest.mark.parametrize("how", ["explicit", "calibrated"])
+@pytest.mark.parametrize("how", ["explicit", "object", "calibrated"])
 def test_profile_broadcast_plans_with_process_0s_profile(how, tmp_path):
     """Process 1 asks for another profile, explicitly or by having calibrated differently
-    (its default profile is another file): both plan with process 0's, and process 1 says so."""
+    (its default profile is another file), or process 0 passes a `model.Profile` object: both
+    plan with process 0's, and process 1 says so."""
     from libra_jax import model
 
     cpu_host, plan = reference_grads("cpu-host")
@@ -279,6 +283,8 @@ def test_profile_broadcast_plans_with_process_0s_profile(how, tmp_path):
     assert h100_plan != plan  # else agreement would prove nothing
     if how == "explicit":
         args = [["cpu-host"], ["h100"]]
+    elif how == "object":
+        args = [["object:cpu-host"], ["h100"]]
     else:
         other = tmp_path / "process1"
         other.mkdir()
