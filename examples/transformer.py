@@ -32,12 +32,7 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x):
         mask = nn.make_causal_mask(jnp.ones(x.shape[:2]))
-        # No projection biases (as in PaLM and LLaMA): a key bias shifts every score of a query
-        # by the same amount, which softmax cancels, so its gradient is zero up to rounding, and
-        # Adam turns that rounding noise into full-size steps -- no two compilations of the
-        # same step would agree on it.
-        attention = nn.MultiHeadDotProductAttention(self.heads, use_bias=False)
-        x = x + attention(nn.LayerNorm()(x), mask=mask)
+        x = x + nn.MultiHeadDotProductAttention(self.heads)(nn.LayerNorm()(x), mask=mask)
         h = nn.Dense(4 * self.dim)(nn.LayerNorm()(x))
         return x + nn.Dense(self.dim)(nn.gelu(h))
 

@@ -27,8 +27,17 @@ def test_example_trains_with_matching_results(name, options):
     plain, opt = res.losses["plain"], res.losses["optimized"]
     assert len(plain) == len(opt) == 3 and np.all(np.isfinite(plain))
     np.testing.assert_allclose(opt, plain, rtol=1e-5, atol=1e-6)
-    for a, b in zip(*(__import__("jax").tree.leaves(s) for s in res.states.values())):
-        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-6)
+    import jax
+
+    plain_state, opt_state = (jax.tree.leaves_with_path(s) for s in res.states.values())
+    for (path, a), (_, b) in zip(plain_state, opt_state):
+        name = jax.tree_util.keystr(path)
+        # An attention key bias shifts all of a query's scores alike, which softmax cancels: its
+        # gradient is zero up to rounding, and Adam(W) turns that noise into steps of up to the
+        # learning rate (3e-3) whose sign any recompilation may flip. Bounded, not compared.
+        tol = dict(rtol=0, atol=2 * 3e-3 * 3) if "'key'" in name and "bias" in name else {}
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a),
+                                   **(tol or dict(rtol=1e-5, atol=1e-6)), err_msg=name)
     assert plain[-1] < plain[0]  # it learns
     report = res.report
     assert report is not None and report.num_psums > 0
