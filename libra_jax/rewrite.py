@@ -338,6 +338,8 @@ class _Rewriter:
                  for i, eqn in enumerate(eqns)]
         replacements: dict[int, Any] = {}
         removed: set[int] = set()
+        sink: dict[int, list[int]] = {}  # a fused bucket's position -> what moves after it
+        moved: set[int] = set()
         groups: dict[tuple, list[_Site]] = {}
         for site in sites:
             if site.explicit_blocks is not None:
@@ -365,10 +367,16 @@ class _Rewriter:
                 last = bucket[-1].index
                 replacements[last] = _fused(eqns, bucket, axes, invariant, k)
                 removed.update(site.index for site in bucket[:-1])
+                sink[last] = _sunk(eqns, bucket)
+                moved.update(sink[last])
                 self.report.plans.append(PsumPlan(scope, axes, tuple(s.index for s in bucket),
                                                   sum(s.nbytes for s in bucket), k, "gradient"))
-        new_eqns = [replacements.get(i, eqn) for i, eqn in enumerate(eqns) if i not in removed]
-        return jaxpr.replace(eqns=new_eqns)
+        order: list[int] = []
+        for i in range(len(eqns)):
+            if i not in removed and i not in moved:
+                order.append(i)
+                order.extend(sink.get(i, ()))
+        return jaxpr.replace(eqns=[replacements.get(i, eqns[i]) for i in order])
 
     def plan(self, members: list[_Site], costs: list[float], world: int, scope: str,
              reach: list[int] | None = None) -> Iterable[tuple[list[_Site], int]]:
@@ -527,29 +535,60 @@ def _downstream_of(eqns: Sequence[Any], seeds: Sequence[Any]) -> set[int]:
     return out
 
 
+def _sunk(eqns: Sequence[Any], bucket: Sequence[_Site]) -> list[int]:
+    """The equations between a bucket's first and last member that use (transitively) an
+    earlier member's result. The fused all-reduce lands where the last member was, so these
+    move to just after it; `_reach` guarantees that no member needs them."""
+    first, last = bucket[0].index, bucket[-1].index
+    members = {s.index for s in bucket}
+    tainted = {v for s in bucket[:-1] for v in eqns[s.index].outvars if _is_var(v)}
+    out = []
+    for i in range(first + 1, last):
+        eqn = eqns[i]
+        if i not in members and any(_is_var(v) and v in tainted for v in eqn.invars):
+            out.append(i)
+            tainted.update(v for v in eqn.outvars if _is_var(v))
+    return out
+
+
 def _can_fuse(eqns: Sequence[Any], bucket: Sequence[_Site]) -> bool:
-    """A bucket lands where its last member was: no earlier member's result may be used
-    before that point."""
-    last = bucket[-1].index
-    early = {v for s in bucket[:-1] for v in eqns[s.index].outvars}
-    return not any(_is_var(v) and v in early
-                   for eqn in eqns[bucket[0].index:last + 1] for v in eqn.invars)
+    """Whether the bucket can be one all-reduce where its last member was: the equations that
+    must move after it (`_sunk`) hold no psum (another group's plan may move or fuse it) and
+    no effect (their order with other effects is kept)."""
+    return not any(_is_psum(eqns[i]) or eqns[i].effects for i in _sunk(eqns, bucket))
 
 
 def _reach(eqns: Sequence[Any], members: Sequence[_Site]) -> list[int]:
     """Per member psum, the last member it may share a fused bucket with (`planner.plan`'s
-    `reach`): a fused bucket lands where its last member is (`_can_fuse`), so a member whose
-    result is used at equation `u` can only be fused with members before `u`."""
+    `reach`). A fused bucket lands where its last member is, and what uses an earlier member's
+    result in between moves after it (`_sunk`): so member m reaches up to (not including) the
+    first later member whose operand depends on m's result, or the first effectful equation
+    that does. One pass, with each variable's dependence on members as a bit set."""
     index = [s.index for s in members]
-    owner = {eqns[s.index].outvars[0]: m for m, s in enumerate(members)
-             if _is_var(eqns[s.index].outvars[0])}
-    first_use = [len(eqns)] * len(members)
+    member_of = {i: m for m, i in enumerate(index)}
+    depends: dict[Any, int] = {}
+    limit = [len(members)] * len(members)  # the first member m may not share a bucket with
     for i, eqn in enumerate(eqns):
+        mask = 0
         for v in eqn.invars:
-            m = owner.get(v) if _is_var(v) else None
-            if m is not None and i > index[m] and first_use[m] == len(eqns):
-                first_use[m] = i
-    return [max(m, bisect.bisect_left(index, first_use[m]) - 1) for m in range(len(members))]
+            if _is_var(v):
+                mask |= depends.get(v, 0)
+        m = member_of.get(i)
+        stop = m if m is not None else (bisect.bisect_left(index, i) if eqn.effects else None)
+        if mask and stop is not None:
+            bits = mask
+            while bits:
+                low = bits & -bits
+                j = low.bit_length() - 1
+                limit[j] = min(limit[j], stop)
+                bits ^= low
+        if m is not None:
+            mask |= 1 << m
+        if mask:
+            for v in eqn.outvars:
+                if _is_var(v):
+                    depends[v] = mask
+    return [max(m, limit[m] - 1) for m in range(len(members))]
 
 
 def _single(eqn: Any, site: _Site, blocks: int, invars: set) -> Any:

@@ -349,3 +349,28 @@ def test_update_compute_is_not_counted_as_overlap():
         (entry,) = opt.last_report.predicted
         layers.append(entry["layers"])
     assert layers[0] == layers[1]
+
+
+def test_gradient_used_before_the_next_psum_is_still_fused():
+    """A gradient all-reduce whose result is used at once (a reshape, a scale: what a bias
+    gradient under check_vma gets) still shares a bucket with a later one: the uses move after
+    the fused all-reduce. (`gb` feeds a later psum, so it is no gradient and runs alone.)"""
+    mesh = mesh_of((8,), ("x",))
+
+    def body(w, b, x):
+        gw = jax.lax.psum(jnp.tanh(x @ w), "x")
+        gw = gw.reshape(-1) * 0.5                  # used before the next psum...
+        gb = jax.lax.psum(jnp.sum(x, 0) * b, "x")  # ...which does not depend on it
+        chained = jax.lax.psum(gb * 2.0, "x")      # depends on gb: its own all-reduce
+        return gw, chained
+
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P("x")),
+                                 out_specs=(P(), P()), check_vma=False))
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((16, 16)).astype(np.float32)
+    b = rng.standard_normal(16).astype(np.float32)
+    x = shard(rng.standard_normal((8 * 4, 16)).astype(np.float32), mesh, P("x"))
+    opt = optimize(step)
+    jax.tree.map(assert_bitwise, jax.jit(opt)(w, b, x), step(w, b, x))
+    plans = sorted((len(p.members), p.kind) for p in opt.last_report.plans)
+    assert plans == [(1, "forward"), (2, "gradient")], opt.last_report.plan_lines()
