@@ -333,47 +333,84 @@ def _nccl_lowering(ctx: Any, x: Any, *, groups: list, devices: Sequence[Any], bl
     """The `libra_allreduce_nccl` custom call, for groups that span processes:
     NCCL with `blocks` as the call's CTA limit (cpp/libra/nccl.h).
 
+    Flat: every GPU is one NCCL rank of its group. Hierarchical, when every
+    process holds the same number L > 1 of each group's GPUs (and the kernels
+    serve the buffer): libra's P2P kernels sum inside the process, local GPU j
+    all-reduces slice j of the sum over NCCL with the j-th GPUs of the other
+    processes, and a second P2P pass gathers the slices (xla_ffi/cuda_allreduce.cc).
     Each process lowers its own program: the call's tables map this process's
-    GPUs (by local ordinal) to their communicator and rank. Communicators'
-    unique ids are exchanged now, through JAX's key-value store (libra_jax._nccl).
+    GPUs (by local ordinal) to their communicator, rank and local team.
+    Communicators' unique ids are exchanged now, through JAX's key-value store
+    (libra_jax._nccl).
     """
     ok, why = _nccl.available()
     if not ok:
         return fallback(reason=f"cuda across processes without NCCL ({why})")
     aval_in, = ctx.avals_in
+    dtype = np.dtype(aval_in.dtype)
     count = math.prod(aval_in.shape)
     if count == 0:
         return [x]
     world = len(groups[0])
+    nbytes = count * dtype.itemsize
     if blocks is None:
         # Chosen now that the group size is known, from the shipped profile:
         # every process must pick the same count (and, on older NCCL, the same
         # communicator), and a host's own calibration is not shared here
         # (optimize broadcasts process 0's profile; a bare psum cannot).
-        nbytes = count * np.dtype(aval_in.dtype).itemsize
         blocks = default_blocks(nbytes, world, DEFAULT_PROFILES["cuda"])
     me = jax.process_index()
     local = [d for d in devices if d.process_index == me]
     # A GPU's local ordinal; a CPU mesh (lowering for cuda in tests) counts its devices.
     ordinal = {d.id: (int(d.local_hardware_id) if d.platform == "gpu" else i)
                for i, d in enumerate(local)}
-    comm_ids = np.full(1 + max(ordinal.values(), default=0), -1, np.int64)
-    ranks = np.full(comm_ids.shape, -1, np.int32)
-    for members in groups:
-        if not any(devices[i].process_index == me for i in members):
+    per_process = [_by_process(devices, members) for members in groups]
+    sizes = {len(ids) for g in per_process for ids in g.values()}
+    local_world = sizes.pop() if len(sizes) == 1 else 1
+    if (local_world > _ffi.CUDA_MAX_RANKS or nbytes % _CUDA_VECTOR_BYTES
+            or dtype not in _CUDA_DTYPES):
+        local_world = 1  # flat: one NCCL rank per GPU
+    rows = 1 + max(ordinal.values(), default=0)
+    comm_ids = np.full(rows, -1, np.int64)
+    ranks = np.full(rows, -1, np.int32)
+    teams = np.full((rows, local_world), -1, np.int32)
+    for members, by_process in zip(groups, per_process):
+        if me not in by_process:
             continue
-        comm_id = _nccl.communicator(
-            [devices[i].id for i in members], blocks=blocks,
-            holds_root=devices[members[0]].process_index == me, timeout_s=_timeout_s())
-        for rank, i in enumerate(members):
-            if devices[i].process_index == me:
-                comm_ids[ordinal[devices[i].id]] = comm_id
-                ranks[ordinal[devices[i].id]] = rank
+        if local_world == 1:  # ranks in XLA's group order
+            lines = [([devices[i].id for i in members], [devices[i] for i in members])]
+        else:  # line j: the j-th GPU of every process, processes in group order
+            line_devices = [[devices[ids[j]] for ids in by_process.values()]
+                            for j in range(local_world)]
+            lines = [([d.id for d in ds], ds) for ds in line_devices]
+        for ids, line in lines:
+            if not any(d.process_index == me for d in line):
+                continue
+            comm_id = _nccl.communicator(ids, blocks=blocks,
+                                         holds_root=line[0].process_index == me,
+                                         timeout_s=_timeout_s())
+            for rank, d in enumerate(line):
+                if d.process_index == me:
+                    comm_ids[ordinal[d.id]] = comm_id
+                    ranks[ordinal[d.id]] = rank
+        team = [ordinal[devices[i].id] for i in by_process[me]]
+        for i in by_process[me]:
+            teams[ordinal[devices[i].id]] = team if local_world > 1 else [ordinal[devices[i].id]]
     _ffi.ensure_cuda_registered()
     rule = jax.ffi.ffi_lowering(_ffi.ALLREDUCE_NCCL_TARGET,
                                 operand_output_aliases={0: 0} if inplace else {})
-    return rule(ctx, x, comm_ids=comm_ids, ranks=ranks, nranks=np.int64(world),
-                ctas=np.int64(blocks))
+    return rule(ctx, x, comm_ids=comm_ids, ranks=ranks,
+                nranks=np.int64(world // local_world), ctas=np.int64(blocks),
+                local_teams=teams.reshape(-1), local_world=np.int64(local_world),
+                timeout_ms=np.int64(round(_timeout_s() * 1000)))
+
+
+def _by_process(devices: Sequence[Any], members: Sequence[int]) -> dict[int, list[int]]:
+    """A group's members (indices into `devices`) by process, in group order."""
+    out: dict[int, list[int]] = {}
+    for i in members:
+        out.setdefault(devices[i].process_index, []).append(i)
+    return out
 
 
 def _cuda_algorithm() -> int:

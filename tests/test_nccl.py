@@ -10,6 +10,7 @@ Each scenario runs in a fresh Python process: a process opens NCCL once."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -196,9 +197,12 @@ TWO_PROCESSES = """
     mesh = jax.make_mesh((4,), ("x",))
     f = jax.jit(jax.shard_map(lambda v: libra_jax.psum(v, "x", blocks=6), mesh=mesh,
                               in_specs=P("x"), out_specs=P()))
-    x = jax.ShapeDtypeStruct((8, 3), np.float32, sharding=jax.NamedSharding(mesh, P("x")))
-    text = f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
-    print("HLO", " ".join(l.strip() for l in text.splitlines() if "libra_allreduce" in l))
+    # 2 x 3 floats per GPU (24 bytes): flat; 2 x 4 floats (32 bytes, whole 16-byte vectors):
+    # hierarchical (each process holds 2 of the group's 4 GPUs).
+    for name, cols in (("FLAT", 3), ("HIER", 4)):
+        x = jax.ShapeDtypeStruct((8, cols), np.float32, sharding=jax.NamedSharding(mesh, P("x")))
+        text = f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
+        print(name, " ".join(l.strip() for l in text.splitlines() if "libra_allreduce" in l))
     jax.distributed.shutdown()
 """
 
@@ -226,10 +230,19 @@ def test_unique_ids_travel_through_the_key_value_store(stub_env):
         in outs[1]
     # Each process lowers its own ranks (devices 0,1 in process 0; 2,3 in process 1).
     for pid, out in enumerate(outs):
-        hlo = out.split("HLO", 1)[1]
-        assert "@libra_allreduce_nccl" in hlo and "ctas = 6" in hlo and "nranks = 4" in hlo
-        assert f"ranks = dense<[{2 * pid}, {2 * pid + 1}]>" in hlo, hlo
-        assert "@libra_allreduce_cuda" not in hlo
+        flat = out.split("FLAT", 1)[1].split("HIER", 1)[0]
+        assert "@libra_allreduce_nccl" in flat and "ctas = 6" in flat and "nranks = 4" in flat
+        assert f"ranks = dense<[{2 * pid}, {2 * pid + 1}]>" in flat, flat
+        assert "local_world = 1" in flat
+        # Hierarchical: local GPU j joins the j-th GPUs of the other process (2 ranks, rank =
+        # the process), on its own communicator; the local team is both local GPUs.
+        hier = out.split("HIER", 1)[1]
+        assert "nranks = 2" in hier and "local_world = 2" in hier, hier
+        assert f"ranks = dense<{pid}>" in hier, hier
+        assert "local_teams = dense<[0, 1, 0, 1]>" in hier, hier
+        comm_ids = re.search(r"comm_ids = dense<\[(\d+), (\d+)\]>", hier)
+        assert comm_ids and comm_ids[1] != comm_ids[2], hier
+        assert "@libra_allreduce_cuda" not in flat + hier
 
 
 # --- On real GPUs (skipped here) --------------------------------------------

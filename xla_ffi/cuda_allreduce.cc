@@ -262,9 +262,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaAllReduce, Execute,
 // The first call on a communicator creates it (every rank does, in program
 // order); NCCL needs the call's GPU current for that. Not command-buffer
 // compatible: creation blocks on the host until every rank has joined.
+//
+// Flat (local_world 1): the GPU is one NCCL rank of the whole group.
+// Hierarchical (local_world L > 1: this process holds L GPUs of the group,
+// row `ordinal` of `local_teams` lists them): all on XLA's stream,
+//   1. libra's P2P kernel sums the L local inputs into every local output;
+//   2. local GPU j all-reduces slice j of that sum (HierarchicalSlice) over
+//      NCCL with the j-th GPUs of the other processes (its communicator);
+//   3. each GPU zeroes the slices it does not own, and a second P2P pass sums
+//      them: every GPU gets every slice (an all-gather, exact: x + 0 = x).
+// So NCCL moves 1/L of the buffer per GPU and the P2P kernels the rest.
 ffi::Error ExecuteNccl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                        ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> comm_ids,
-                       ffi::Span<const int32_t> ranks, int64_t nranks, int64_t ctas) {
+                       ffi::Span<const int32_t> ranks, int64_t nranks, int64_t ctas,
+                       ffi::Span<const int32_t> local_teams, int64_t local_world,
+                       int64_t timeout_ms) {
   ffi::ErrorOr<lc::DType> dtype = ToEngineDType(x.element_type());
   if (!dtype.has_value()) return dtype.error();
   if (out->element_type() != x.element_type() || out->size_bytes() != x.size_bytes()) {
@@ -272,7 +284,8 @@ ffi::Error ExecuteNccl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
         "libra_jax NCCL all-reduce: output must match the input's type and size");
   }
   if (device < 0 || static_cast<std::size_t>(device) >= comm_ids.size() ||
-      comm_ids.size() != ranks.size() || comm_ids[device] < 0) {
+      comm_ids.size() != ranks.size() || comm_ids[device] < 0 || local_world < 1 ||
+      local_teams.size() != comm_ids.size() * static_cast<std::size_t>(local_world)) {
     return ffi::Error::InvalidArgument("libra_jax NCCL all-reduce: GPU " +
                                        std::to_string(device) +
                                        " has no communicator in this call's tables");
@@ -284,12 +297,40 @@ ffi::Error ExecuteNccl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
     return ffi::Error::Internal(std::string("libra_jax NCCL all-reduce: ") +
                                 cudaGetErrorString(err));
   }
-  const libra::Status status = libra::nccl::Communicators::Get().AllReduce(
-      comm_ids[device], static_cast<int>(nranks), ranks[device], static_cast<int>(ctas),
-      x.untyped_data(), out->untyped_data(), x.element_count(), *dtype, stream);
+  libra::nccl::Communicators& comms = libra::nccl::Communicators::Get();
+  ffi::Error result = ffi::Error::Success();
+  if (local_world == 1) {
+    const libra::Status status = comms.AllReduce(
+        comm_ids[device], static_cast<int>(nranks), ranks[device], static_cast<int>(ctas),
+        x.untyped_data(), out->untyped_data(), x.element_count(), *dtype, stream);
+    if (!status.ok()) result = ffi::Error::Internal(status.message);
+  } else {
+    const std::size_t row = static_cast<std::size_t>(device * local_world);
+    ffi::Span<const int32_t> team(local_teams.begin() + row, local_world);
+    int j = 0;
+    while (j < local_world && team[j] != device) ++j;
+    const std::size_t itemsize = lc::SizeOf(*dtype);
+    const auto [offset, n] = libra::nccl::HierarchicalSlice(
+        x.element_count(), static_cast<int>(local_world), j);
+    char* base = static_cast<char*>(out->untyped_data());
+    result = Launch(stream, device, x, *out, team, local_world, ctas, 0, timeout_ms);
+    if (result.success() && n > 0) {
+      const libra::Status status = comms.AllReduce(
+          comm_ids[device], static_cast<int>(nranks), ranks[device], static_cast<int>(ctas),
+          base + offset * itemsize, base + offset * itemsize, n, *dtype, stream);
+      if (!status.ok()) result = ffi::Error::Internal(status.message);
+    }
+    if (result.success()) {
+      const std::size_t end = (offset + n) * itemsize;
+      err = cudaMemsetAsync(base, 0, offset * itemsize, stream);
+      if (err == cudaSuccess) err = cudaMemsetAsync(base + end, 0, out->size_bytes() - end, stream);
+      result = err == cudaSuccess ? Launch(stream, device, *out, *out, team, local_world, ctas, 0,
+                                           timeout_ms)
+                                  : CudaError("zeroing the slices of other GPUs", err);
+    }
+  }
   if (current >= 0 && current != device) cudaSetDevice(current);  // best effort restore
-  if (!status.ok()) return ffi::Error::Internal(status.message);
-  return ffi::Error::Success();
+  return result;
 }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kNcclAllReduce, ExecuteNccl,
@@ -301,7 +342,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kNcclAllReduce, ExecuteNccl,
                                   .Attr<ffi::Span<const int64_t>>("comm_ids")
                                   .Attr<ffi::Span<const int32_t>>("ranks")
                                   .Attr<int64_t>("nranks")
-                                  .Attr<int64_t>("ctas"));
+                                  .Attr<int64_t>("ctas")
+                                  .Attr<ffi::Span<const int32_t>>("local_teams")
+                                  .Attr<int64_t>("local_world")
+                                  .Attr<int64_t>("timeout_ms"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaAllReduceStart, ExecuteStart,
                               ffi::Ffi::Bind()

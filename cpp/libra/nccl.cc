@@ -2,6 +2,7 @@
 
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <climits>
 #include <cstdlib>
 #include <cstring>
@@ -105,6 +106,13 @@ CtaRoute RouteFor(int version, bool has_per_collective_entry) {
   return version >= kPerCollectiveVersion && has_per_collective_entry
              ? CtaRoute::kPerCollective
              : CtaRoute::kPerCommunicator;
+}
+
+std::pair<std::size_t, std::size_t> HierarchicalSlice(std::size_t count, int parts, int index) {
+  if (parts < 1 || index < 0 || index >= parts) return {0, 0};
+  const std::size_t per = (count + parts - 1) / parts;
+  const std::size_t offset = std::min(count, per * index);
+  return {offset, std::min(per, count - offset)};
 }
 
 Status Library::Open(const std::string& path, std::unique_ptr<Library>* library) {

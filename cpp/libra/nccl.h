@@ -55,6 +55,11 @@ std::string VersionString(int code);
 // ncclAllReduceConfig.
 CtaRoute RouteFor(int version, bool has_per_collective_entry);
 
+// The part of a buffer of `count` elements that local GPU `index` of `parts`
+// carries across processes in the hierarchical all-reduce (contiguous, in
+// index order, the last ones possibly shorter or empty): {offset, count}.
+std::pair<std::size_t, std::size_t> HierarchicalSlice(std::size_t count, int parts, int index);
+
 // The NCCL entry points libra uses, resolved from one shared library.
 class Library {
  public:

@@ -26,6 +26,23 @@ void TestVersions() {
   CHECK(nccl::RouteFor(22999, true) == nccl::CtaRoute::kPerCommunicator);
 }
 
+void TestHierarchicalSlices() {
+  // Slices tile the buffer in order, whatever the count.
+  for (std::size_t count : {0, 1, 7, 8, 9, 1000}) {
+    for (int parts : {1, 2, 3, 4, 8}) {
+      std::size_t next = 0;
+      for (int j = 0; j < parts; ++j) {
+        const auto [offset, n] = nccl::HierarchicalSlice(count, parts, j);
+        CHECK(offset == next);
+        next = offset + n;
+      }
+      CHECK(next == count);
+    }
+  }
+  CHECK(nccl::HierarchicalSlice(10, 4, 3) == std::make_pair(std::size_t{9}, std::size_t{1}));
+  CHECK(nccl::HierarchicalSlice(10, 4, 4) == std::make_pair(std::size_t{0}, std::size_t{0}));
+}
+
 void TestOpen() {
   std::unique_ptr<nccl::Library> lib;
   libra::Status s = nccl::Library::Open("/nonexistent/libnccl.so.2", &lib);
@@ -93,6 +110,7 @@ int main(int argc, char** argv) {
   setenv("NCCL_STUB_DIR", dir, 1);
   const int status = libra_test::RunTests({
       {"versions", TestVersions},
+      {"hierarchical_slices", TestHierarchicalSlices},
       {"open", TestOpen},
       {"communicators", TestCommunicatorsConcurrently},
   });
