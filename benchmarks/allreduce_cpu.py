@@ -10,11 +10,8 @@ ratios (variant / psum of the same repetition) with their 10th-90th percentiles.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
 import random
-import sys
 import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -24,6 +21,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import libra_jax  # noqa: E402
+import report  # noqa: E402  (benchmarks/report.py)
 
 UNITS = {"KiB": 1 << 10, "MiB": 1 << 20}
 
@@ -101,11 +99,7 @@ def main() -> None:
     parser.add_argument("--sizes", default="1KiB,1MiB,16MiB,64MiB")
     parser.add_argument("--out", default=None, help="also write the markdown table here")
     args = parser.parse_args()
-    lines = [
-        f"Command: `python benchmarks/allreduce_cpu.py {' '.join(sys.argv[1:])}`".rstrip(),
-        "",
-        f"Date: {datetime.date.today()}; jax {jax.__version__}; Python {platform.python_version()}; "
-        f"{os.cpu_count()} CPU cores; 8 host devices (XLA_FLAGS={os.environ['XLA_FLAGS']}).",
+    lines = report.header(f"; 8 host devices (XLA_FLAGS={os.environ['XLA_FLAGS']}).") + [
         f"{args.reps} interleaved repetitions after 2 warm-ups; float32; times per call in ms.",
         "",
         "| per device | variant | median ms | IQR ms | ratio to psum | ratio p10-p90 |",
@@ -116,11 +110,7 @@ def main() -> None:
         rows = summarize(label, times)
         lines += rows
         print("\n".join(rows), flush=True)
-    text = "\n".join(lines) + "\n"
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
-    print(text)
+    report.publish(lines, args.out)
 
 
 if __name__ == "__main__":

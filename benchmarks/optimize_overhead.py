@@ -9,10 +9,7 @@ devices: JAX's own tracing of the step (`jax.make_jaxpr`), and what `optimize` a
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
-import sys
 import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -23,6 +20,8 @@ import numpy as np  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from libra_jax.rewrite import rewrite_jaxpr  # noqa: E402
+
+import report  # noqa: E402  (benchmarks/report.py)
 
 
 def make_step(n_layers: int, width: int):
@@ -56,17 +55,13 @@ def main() -> None:
         t0 = time.perf_counter()
         closed = jax.make_jaxpr(step)(params, x)
         t1 = time.perf_counter()
-        _, report = rewrite_jaxpr(closed, profile="cpu-host")
+        _, rewritten = rewrite_jaxpr(closed, profile="cpu-host")
         t2 = time.perf_counter()
         trace_s.append(t1 - t0)
         rewrite_s.append(t2 - t1)
-    n_psums = report.num_psums
-    buckets = len(report.plans)
-    lines = [
-        f"Command: `python benchmarks/optimize_overhead.py {' '.join(sys.argv[1:])}`".rstrip(),
-        "",
-        f"Date: {datetime.date.today()}; jax {jax.__version__}; Python {platform.python_version()}; "
-        f"{os.cpu_count()} CPU cores. Median (min-max) of {args.reps} runs.",
+    n_psums = rewritten.num_psums
+    buckets = len(rewritten.plans)
+    lines = report.header(f". Median (min-max) of {args.reps} runs.") + [
         "",
         "| gradient tensors | psums rewritten | buckets | JAX tracing s | optimize rewrite + plan s |",
         "|---|---|---|---|---|",
@@ -74,11 +69,7 @@ def main() -> None:
         f"({min(trace_s):.3f}-{max(trace_s):.3f}) | {np.median(rewrite_s):.3f} "
         f"({min(rewrite_s):.3f}-{max(rewrite_s):.3f}) |",
     ]
-    text = "\n".join(lines) + "\n"
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
-    print(text)
+    report.publish(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -486,6 +486,22 @@ def _read_bw_fit(r: _Reader, section: Mapping[str, Any], key: str, prefix: str) 
             r.number(fit, "thread_exponent", p))
 
 
+# The fields the block-count forms (fair-share, nccl-style) share.
+_BLOCK_FORM_KEYS = ("block_options", "threads_per_block", "per_block_gbyte_per_s", "softmin_p",
+                    "fusion_copy_gbyte_per_s")
+
+
+def _block_form_fields(r: _Reader, c: Mapping[str, Any], p: str) -> dict[str, Any]:
+    """The shared fields of a block-count form, read and converted to SI units."""
+    return dict(
+        block_options=r.options(c, "block_options", p),
+        threads_per_block=r.integer(c, "threads_per_block", p),
+        per_block_bytes_per_s=r.number(c, "per_block_gbyte_per_s", p) * BYTES_PER_GBYTE,
+        softmin_p=r.number(c, "softmin_p", p),
+        fusion_copy_bytes_per_s=r.number(c, "fusion_copy_gbyte_per_s", p) * BYTES_PER_GBYTE,
+    )
+
+
 def profile_from_dict(data: Mapping[str, Any], *, origin: str = "<dict>") -> Profile:
     """Validate a parsed profile document and build a :class:`Profile`.
 
@@ -567,35 +583,24 @@ def profile_from_dict(data: Mapping[str, Any], *, origin: str = "<dict>") -> Pro
                       r.number(s, "slope_per_thread", "libra_fit.slowdown.", inclusive=True)),
         )
     elif form == "fair-share":
-        c = r.section(data, "fair_share", allowed=("block_options", "threads_per_block", "per_block_gbyte_per_s",
-                                                   "softmin_p", "cores", "compute_threads",
-                                                   "fusion_copy_gbyte_per_s"))
+        c = r.section(data, "fair_share", allowed=_BLOCK_FORM_KEYS + ("cores", "compute_threads"))
         p = "fair_share."
         fair_share = FairShare(
-            block_options=r.options(c, "block_options", p),
-            threads_per_block=r.integer(c, "threads_per_block", p),
-            per_block_bytes_per_s=r.number(c, "per_block_gbyte_per_s", p) * BYTES_PER_GBYTE,
-            softmin_p=r.number(c, "softmin_p", p),
+            **_block_form_fields(r, c, p),
             cores=r.number(c, "cores", p),
             compute_threads=r.number(c, "compute_threads", p),
-            fusion_copy_bytes_per_s=r.number(c, "fusion_copy_gbyte_per_s", p) * BYTES_PER_GBYTE,
         )
     else:
-        c = r.section(data, "nccl_style", allowed=("block_options", "threads_per_block", "per_block_gbyte_per_s",
-                                                   "softmin_p", "overlap_block_efficiency", "units_per_block",
-                                                   "memory_bytes_per_bus_byte", "memory_bound_fraction",
-                                                   "fusion_copy_gbyte_per_s"))
+        c = r.section(data, "nccl_style", allowed=_BLOCK_FORM_KEYS + (
+            "overlap_block_efficiency", "units_per_block", "memory_bytes_per_bus_byte",
+            "memory_bound_fraction"))
         p = "nccl_style."
         nccl_style = NcclStyle(
-            block_options=r.options(c, "block_options", p),
-            threads_per_block=r.integer(c, "threads_per_block", p),
-            per_block_bytes_per_s=r.number(c, "per_block_gbyte_per_s", p) * BYTES_PER_GBYTE,
-            softmin_p=r.number(c, "softmin_p", p),
+            **_block_form_fields(r, c, p),
             overlap_block_efficiency=r.number(c, "overlap_block_efficiency", p, maximum=1.0),
             units_per_block=r.number(c, "units_per_block", p, minimum=0.0),
             memory_bytes_per_bus_byte=r.number(c, "memory_bytes_per_bus_byte", p, inclusive=True),
             memory_bound_fraction=r.number(c, "memory_bound_fraction", p, inclusive=True, maximum=1.0),
-            fusion_copy_bytes_per_s=r.number(c, "fusion_copy_gbyte_per_s", p) * BYTES_PER_GBYTE,
         )
     return Profile(name=name, origin=origin, form=form, description=description, device=device,
                    network=network, libra_fit=libra_fit, nccl_style=nccl_style, notes=tuple(notes),

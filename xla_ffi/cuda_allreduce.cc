@@ -240,19 +240,24 @@ ffi::Error ExecuteDone(cudaStream_t stream, int32_t device, ffi::AnyBuffer /*x*/
   return ffi::Error::Success();
 }
 
+// The signature of the P2P kernel's call, shared by the synchronous target
+// and start (which adds a call id).
+auto BindKernelCall() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Ctx<ffi::DeviceOrdinal>()
+      .Arg<ffi::AnyBuffer>()
+      .Ret<ffi::AnyBuffer>()
+      .Attr<ffi::Span<const int32_t>>("devices")
+      .Attr<int64_t>("world")
+      .Attr<int64_t>("blocks")
+      .Attr<int64_t>("algorithm")
+      .Attr<int64_t>("timeout_ms");
+}
+
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaAllReduce, Execute,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<ffi::Span<const int32_t>>("devices")
-                                  .Attr<int64_t>("world")
-                                  .Attr<int64_t>("blocks")
-                                  .Attr<int64_t>("algorithm")
-                                  .Attr<int64_t>("timeout_ms"),
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaAllReduce, Execute, BindKernelCall(),
                               {ffi::Traits::kCmdBufferCompatible});
 
 // --- Across processes: NCCL with the call's block count as its CTA limit -----
@@ -348,17 +353,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kNcclAllReduce, ExecuteNccl,
                                   .Attr<int64_t>("timeout_ms"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaAllReduceStart, ExecuteStart,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<ffi::Span<const int32_t>>("devices")
-                                  .Attr<int64_t>("world")
-                                  .Attr<int64_t>("blocks")
-                                  .Attr<int64_t>("algorithm")
-                                  .Attr<int64_t>("timeout_ms")
-                                  .Attr<int64_t>("call_id"));
+                              BindKernelCall().Attr<int64_t>("call_id"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaAllReduceDone, ExecuteDone,
                               ffi::Ffi::Bind()
