@@ -14,8 +14,10 @@
 # as they come (default /tmp/libra_gpu_check/out):
 #   check.csv, contend.csv, bench.csv   harness results
 #   h200.json              the h200 profile fitted to contend.csv (gpu_profile.py)
-#   overlap.md             sync vs stream-annotated vs start/done beside compute
-#                          (gpu_overlap.py)
+#   overlap.md             sync vs stream-annotated vs start/done beside compute,
+#                          and optimize(overlap="sync" vs "start-done") on an MLP
+#                          step: time, bitwise equality, GEMMs XLA schedules
+#                          between each start and its done (gpu_overlap.py)
 #   table.md               the time-vs-blocks table
 #   summary.txt            one line per step
 #   logs.tar.gz            environment, build, pytest and harness logs
@@ -30,7 +32,7 @@ dry_run=0
 case "${1:-}" in
   --dry-run) dry_run=1 ;;
   "") ;;
-  -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
+  -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
   *) echo "usage: $0 [--dry-run]" >&2; exit 2 ;;
 esac
 
@@ -155,7 +157,7 @@ if [ "$dry_run" = 0 ] && [ -x "$harness" ]; then
   fi
 
   if [ "$python_ok" = 1 ]; then
-    (cd "$work" && PYTHONPATH=$site XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 90 \
+    (cd "$work" && PYTHONPATH=$site XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 120 \
        "$python" "$repo/benchmarks/gpu_overlap.py" --out "$out") >> "$logs/overlap.log" 2>&1
     rc=$?
     if [ $rc -eq 0 ]; then note overlap PASS "$(grep -c '^| [a-z]' "$out/overlap.md") rows"

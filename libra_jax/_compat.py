@@ -206,6 +206,11 @@ def jaxprs_in_params(params: dict) -> list[Jaxpr]:
     return list(_jaxprs_in_params(params))
 
 
+def new_var(aval: Any) -> Any:
+    """A fresh jaxpr variable of type `aval`."""
+    return _core.Var(aval)
+
+
 def new_jaxpr_eqn(invars: list, outvars: list, prim: Primitive, params: dict, effects: Any,
                   source_info: Any) -> Any:
     return _new_jaxpr_eqn(invars, outvars, prim, params, effects, source_info)

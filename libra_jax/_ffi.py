@@ -93,6 +93,9 @@ def effective_blocks(count: int, itemsize: int, blocks: int) -> int:
 # --- CUDA -------------------------------------------------------------------
 
 ALLREDUCE_CUDA_TARGET = "libra_allreduce_cuda"
+#: The same kernel on libra's own stream, and the wait for it (libra_jax.overlap).
+ALLREDUCE_CUDA_START_TARGET = "libra_allreduce_cuda_start"
+ALLREDUCE_CUDA_DONE_TARGET = "libra_allreduce_cuda_done"
 #: Across processes: NCCL with a per-call CTA limit (cpp/libra/nccl.h).
 ALLREDUCE_NCCL_TARGET = "libra_allreduce_nccl"
 #: Whether the extension was built with the CUDA kernels (nvcc was found).

@@ -259,32 +259,35 @@ _CUDA_DTYPES = frozenset(
 _CUDA_VECTOR_BYTES = 16
 
 
-def _cuda_lowering(ctx: Any, x: Any, *, axes: tuple, blocks: int, inplace: bool,
-                   invariant: bool) -> Any:
-    """The `libra_allreduce_cuda` custom call: libra's P2P kernels with `blocks`
-    thread blocks, among the GPUs of this process. Falls back to XLA's
-    all-reduce (with a one-time notice) for what the kernels do not serve."""
-    fallback = partial(_xla_lowering, ctx, x, axes=axes, blocks=blocks, inplace=inplace,
-                       invariant=invariant)
+def _cuda_enabled() -> bool:
+    return os.environ.get("LIBRA_JAX_CUDA", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def _cuda_kernel_attrs(ctx: Any, axes: tuple, blocks: int | None) -> tuple[dict | None, str]:
+    """The attributes of libra's P2P kernel call for the psum lowered at `ctx`
+    (among the GPUs of this process), or ``(None, reason)`` where the kernels do
+    not serve it; ``({}, "")`` for an empty buffer (no call needed). Shared by
+    the synchronous call and the start/done pair (`libra_jax.overlap`)."""
     if not _ffi.HAS_CUDA:
-        return fallback(reason="cuda (libra_jax was built without CUDA)")
-    if os.environ.get("LIBRA_JAX_CUDA", "1").strip().lower() in ("0", "false", "off", "no"):
-        return fallback(reason="cuda (LIBRA_JAX_CUDA=0)")
+        return None, "cuda (libra_jax was built without CUDA)"
+    if not _cuda_enabled():
+        return None, "cuda (LIBRA_JAX_CUDA=0)"
     groups = _compat.replica_groups(ctx, axes)
     if groups is None:
-        return fallback(reason="cuda in a partially automatic shard_map")
+        return None, "cuda in a partially automatic shard_map"
     devices = _compat.mesh_devices(ctx)
     if devices is not None and any(d.process_index != jax.process_index() for d in devices):
-        return _nccl_lowering(ctx, x, groups=groups, devices=devices, blocks=blocks,
-                              inplace=inplace, fallback=fallback)
-    algorithm = _cuda_algorithm()
+        return None, "cuda groups that span processes"
     world = len(groups[0])
     if world > _ffi.CUDA_MAX_RANKS:
-        return fallback(reason=f"cuda groups of more than {_ffi.CUDA_MAX_RANKS} GPUs")
+        return None, f"cuda groups of more than {_ffi.CUDA_MAX_RANKS} GPUs"
     aval_in, = ctx.avals_in
     dtype = np.dtype(aval_in.dtype)
     if dtype not in _CUDA_DTYPES:
-        return fallback(reason=f"cuda {dtype.name}")
+        return None, f"cuda {dtype.name}"
+    count = math.prod(aval_in.shape)
+    if count == 0:
+        return {}, ""
     if devices is None:
         # An abstract mesh (lowering for export): device i of the mesh is taken
         # to be CUDA device i of the process that runs it.
@@ -293,15 +296,36 @@ def _cuda_lowering(ctx: Any, x: Any, *, axes: tuple, blocks: int, inplace: bool,
         ordinals = list(range(len(devices)))  # Lowering for cuda from a CPU mesh.
     else:
         ordinals = [int(d.local_hardware_id) for d in devices]
-    table = np.array([ordinals[d] for g in groups for d in g], np.int32)
-
-    count = math.prod(aval_in.shape)
-    if count == 0:
-        return [x]
-    nbytes = count * dtype.itemsize
     if blocks is None:  # Chosen now that the group size is known.
-        blocks = default_blocks(nbytes, world, _default_profile("cuda"))
-    pad = (-nbytes % _CUDA_VECTOR_BYTES) // dtype.itemsize  # kernels move 16-byte vectors
+        blocks = default_blocks(count * dtype.itemsize, world, _default_profile("cuda"))
+    return dict(devices=np.array([ordinals[d] for g in groups for d in g], np.int32),
+                world=np.int64(world), blocks=np.int64(blocks),
+                algorithm=np.int64(_cuda_algorithm()),
+                timeout_ms=np.int64(round(_timeout_s() * 1000))), ""
+
+
+def _cuda_lowering(ctx: Any, x: Any, *, axes: tuple, blocks: int, inplace: bool,
+                   invariant: bool) -> Any:
+    """The `libra_allreduce_cuda` custom call: libra's P2P kernels with `blocks`
+    thread blocks, among the GPUs of this process. Falls back to XLA's
+    all-reduce (with a one-time notice) for what the kernels do not serve."""
+    fallback = partial(_xla_lowering, ctx, x, axes=axes, blocks=blocks, inplace=inplace,
+                       invariant=invariant)
+    groups = _compat.replica_groups(ctx, axes)
+    devices = _compat.mesh_devices(ctx)
+    if (_ffi.HAS_CUDA and _cuda_enabled() and groups is not None and devices is not None
+            and any(d.process_index != jax.process_index() for d in devices)):
+        return _nccl_lowering(ctx, x, groups=groups, devices=devices, blocks=blocks,
+                              inplace=inplace, fallback=fallback)
+    attrs, reason = _cuda_kernel_attrs(ctx, axes, blocks)
+    if attrs is None:
+        return fallback(reason=reason)
+    if not attrs:
+        return [x]
+    aval_in, = ctx.avals_in
+    dtype = np.dtype(aval_in.dtype)
+    count = math.prod(aval_in.shape)
+    pad = (-count * dtype.itemsize % _CUDA_VECTOR_BYTES) // dtype.itemsize  # 16-byte vectors
     _ffi.ensure_cuda_registered()
     operand, call_ctx, aliases = x, ctx, {0: 0} if inplace else {}
     if pad:
@@ -314,12 +338,7 @@ def _cuda_lowering(ctx: Any, x: Any, *, axes: tuple, blocks: int, inplace: bool,
         call_ctx = ctx.replace(avals_in=[flat], avals_out=[flat])
         aliases = {0: 0}  # The padded copy is an intermediate.
     rule = jax.ffi.ffi_lowering(_ffi.ALLREDUCE_CUDA_TARGET, operand_output_aliases=aliases)
-    result, = rule(call_ctx, operand,
-                   devices=table,
-                   world=np.int64(world),
-                   blocks=np.int64(blocks),
-                   algorithm=np.int64(algorithm),
-                   timeout_ms=np.int64(round(_timeout_s() * 1000)))
+    result, = rule(call_ctx, operand, **attrs)
     if pad:
         result = _compat.hlo.slice(result, _compat.ir.DenseI64ArrayAttr.get([0]),
                                    _compat.ir.DenseI64ArrayAttr.get([count]),
@@ -427,7 +446,11 @@ def _xla_lowering(ctx: Any, x: Any, *, axes: tuple, blocks: int, inplace: bool,
     platforms = "/".join(ctx.module_context.platforms)
     _warn_once(f"libra_jax.psum: no Libra all-reduce for {reason or platforms}; "
                "lowering to XLA's all-reduce (blocks ignored).")
-    prim, params = _mirrored(invariant, axes)
+    aval_in, = ctx.avals_in
+    # A buffer packed during lowering (fused, start/done) carries no varying axes: psum's
+    # lowering is the same all-reduce as psum_invariant's and takes it.
+    varying = invariant and set(axes) <= set(_compat.varying_axes(aval_in))
+    prim, params = _mirrored(varying, axes)
     return _compat.lower_fun(partial(prim.bind, **params))(ctx, x)
 
 

@@ -23,7 +23,12 @@ Contract of the rewrite (`rewrite_jaxpr`):
 - A bucket is one `libra_psum_fused` equation placed where its last member
   was; it concatenates its operands per dtype, all-reduces each dtype once,
   and splits them back. Summation is elementwise in rank order either way,
-  so results are bitwise those of the unfused psums.
+  so results are bitwise those of the unfused psums. Equations between the
+  bucket's members that use an earlier member's result move after it.
+- With ``overlap="start-done"`` every gradient bucket (fused or not) is a
+  `libra_psum_start` where its last member was and a `libra_psum_done`, with
+  the uses that moved, just before the first equation that reads a result
+  (`libra_jax.overlap`); the values are the same.
 - Deterministic: everything is visited in jaxpr order; no set or dict
   iteration order, hash or timing enters the plan.
 """
@@ -43,18 +48,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from libra_jax import _compat, allreduce, model, planner
+from libra_jax import _compat, allreduce, model, overlap as _overlap, planner
 
 __all__ = ["optimize", "rewrite_jaxpr", "PsumPlan", "OptimizeReport", "libra_psum_fused_p"]
 
 #: Environment switch that turns `optimize` into a pass-through.
 DISABLE_ENV = "LIBRA_JAX_DISABLE"
+#: Environment default of `optimize(overlap=...)`.
+OVERLAP_ENV = "LIBRA_JAX_OVERLAP"
+#: How a gradient all-reduce is issued: one call ("sync"; on CPU already asynchronous), or
+#: a start/done pair around the compute it overlaps ("start-done", `libra_jax.overlap`).
+OVERLAP_MODES = ("sync", "start-done")
 
 
 # --- Public API ---------------------------------------------------------------
 
 def optimize(fn: Callable[..., Any] | None = None, *, profile: Any = None, fusion: bool = True,
-             blocks: int | None = None, enabled: bool = True) -> Any:
+             blocks: int | None = None, overlap: str | None = None,
+             enabled: bool = True) -> Any:
     """Rewrite the psums of a train step into Libra all-reduces planned at trace time.
 
     Use as ``jax.jit(libra_jax.optimize(step))`` or ``@libra_jax.optimize(profile="h100")``.
@@ -68,6 +79,11 @@ def optimize(fn: Callable[..., Any] | None = None, *, profile: Any = None, fusio
       fusion: fuse gradient psums into buckets (Libra's co-optimisation). False: one
         all-reduce per psum, allocations still planned.
       blocks: fix every planned allocation to this block count and plan fusion only.
+      overlap: "sync" (default) issues each gradient all-reduce as one call; on CPU the
+        engine's call is asynchronous already. "start-done" splits it into a start where
+        the gradients are ready and a done where the result is first needed, so that on a
+        GPU the kernel runs on libra's own stream beside the backward pass (verified by
+        `benchmarks/gpu_check.sh`). None: ``$LIBRA_JAX_OVERLAP``, else "sync".
       enabled: False returns `fn` unchanged (as does ``LIBRA_JAX_DISABLE=1``).
 
     Returns:
@@ -83,7 +99,8 @@ def optimize(fn: Callable[..., Any] | None = None, *, profile: Any = None, fusio
         allreduce._check_blocks(blocks)
     if not enabled:
         return fn
-    options = _Options(profile=profile, fusion=bool(fusion), blocks=blocks)
+    options = _Options(profile=profile, fusion=bool(fusion), blocks=blocks,
+                       overlap=_overlap_mode(overlap))
     cache: dict[Any, tuple[Callable[..., Any], Any, OptimizeReport]] = {}
 
     # Name, docstring and signature of `fn`, but not its attributes: a jitted or
@@ -99,8 +116,8 @@ def optimize(fn: Callable[..., Any] | None = None, *, profile: Any = None, fusio
             closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args, **kwargs)
             program = str(closed.jaxpr)
             profile = shared_profile(options.resolved_profile(), program=program)
-            rewritten, report = rewrite_jaxpr(closed, profile=profile,
-                                              fusion=options.fusion, blocks=options.blocks)
+            rewritten, report = rewrite_jaxpr(closed, profile=profile, fusion=options.fusion,
+                                              blocks=options.blocks, overlap=options.overlap)
             check_plan_agreement(report, program=program)
             entry = (jax.jit(_compat.jaxpr_as_fun(rewritten)), jax.tree.structure(out_shape),
                      report)
@@ -260,10 +277,11 @@ def check_plan_agreement(report: OptimizeReport, *, program: str) -> None:
 
 
 def rewrite_jaxpr(closed: Any, *, profile: Any = None, fusion: bool = True,
-                  blocks: int | None = None) -> tuple[Any, OptimizeReport]:
+                  blocks: int | None = None, overlap: str = "sync") -> tuple[Any, OptimizeReport]:
     """Rewrite `closed` (a ClosedJaxpr) as the module docstring states."""
     report = OptimizeReport()
-    options = _Options(profile=profile, fusion=fusion, blocks=blocks)
+    options = _Options(profile=profile, fusion=fusion, blocks=blocks,
+                       overlap=_overlap_mode(overlap))
     rewriter = _Rewriter(options, report)
     new_jaxpr = rewriter.jaxpr(closed.jaxpr, axis_sizes={}, scope="top", in_loop=False)
     for line in report.skipped:
@@ -278,6 +296,7 @@ class _Options:
     profile: Any
     fusion: bool
     blocks: int | None
+    overlap: str = "sync"
 
     def cache_key(self) -> tuple:
         profile = self.profile
@@ -285,13 +304,25 @@ class _Options:
             profile = ("profile", profile.name, profile.origin, id(profile))
         elif profile is not None:
             profile = ("name", os.fspath(profile))
-        return (profile, self.fusion, self.blocks)
+        return (profile, self.fusion, self.blocks, self.overlap)
 
     def resolved_profile(self) -> Any:
         if self.profile is not None:
             return self.profile
         backend = jax.default_backend()
         return model.default_profile(backend, allreduce.DEFAULT_PROFILES.get(backend, "cpu-host"))
+
+
+def _overlap_mode(overlap: str | None) -> str:
+    if overlap is None:
+        mode = os.environ.get(OVERLAP_ENV, "").strip() or "sync"
+    else:
+        mode = overlap
+    if mode not in OVERLAP_MODES:
+        source = f"${OVERLAP_ENV}" if overlap is None else "overlap"
+        raise ValueError(f"libra_jax.optimize: {source} must be one of "
+                         f"{', '.join(map(repr, OVERLAP_MODES))}, got {mode!r}")
+    return mode
 
 
 def _aval_key(x: Any) -> Any:
@@ -355,28 +386,62 @@ class _Rewriter:
                                                   k, kind))
                 continue
             groups.setdefault((site.axes, site.invariant), []).append(site)
+        split = self.options.overlap == "start-done"
+        dones: dict[int, Any] = {}  # start/done: a start's position -> its done
         for (axes, invariant), members in groups.items():
             for bucket, k in self.plan(members, costs, _world(axis_sizes, axes), scope,
                                        _reach(eqns, members)):
                 if len(bucket) == 1 or not _can_fuse(eqns, bucket):
                     for site in bucket:
-                        replacements[site.index] = _single(eqns[site.index], site, k, invars)
+                        if split:
+                            replacements[site.index], dones[site.index] = _start_done(
+                                eqns, [site], axes, invariant, k)
+                        else:
+                            replacements[site.index] = _single(eqns[site.index], site, k, invars)
                     self.report.plans.extend(
                         PsumPlan(scope, axes, (s.index,), s.nbytes, k, "gradient") for s in bucket)
                     continue
                 last = bucket[-1].index
-                replacements[last] = _fused(eqns, bucket, axes, invariant, k)
+                if split:
+                    replacements[last], dones[last] = _start_done(eqns, bucket, axes, invariant, k)
+                else:
+                    replacements[last] = _fused(eqns, bucket, axes, invariant, k)
                 removed.update(site.index for site in bucket[:-1])
                 sink[last] = _sunk(eqns, bucket)
                 moved.update(sink[last])
                 self.report.plans.append(PsumPlan(scope, axes, tuple(s.index for s in bucket),
                                                   sum(s.nbytes for s in bucket), k, "gradient"))
-        order: list[int] = []
+        out: list[Any] = []
+        # Start/done: each started bucket waits with its done, the uses that moved and, as
+        # they come, every pure equation downstream of its results (the optimizer update),
+        # so the compute in between overlaps the all-reduce. An effect or another
+        # all-reduce reading a waiting result places it (and those started before) first.
+        waiting: list[tuple[set, list[Any]]] = []  # (variables defined, equations)
         for i in range(len(eqns)):
-            if i not in removed and i not in moved:
-                order.append(i)
-                order.extend(sink.get(i, ()))
-        return jaxpr.replace(eqns=[replacements.get(i, eqns[i]) for i in order])
+            if i in removed or i in moved:
+                continue
+            eqn = replacements.get(i, eqns[i])
+            reads = {v for v in eqn.invars if _is_var(v)}
+            needed = [n for n, (defined, _) in enumerate(waiting) if defined & reads]
+            if needed and not (eqn.effects or _is_psum(eqn) or i in dones):
+                defined, group = waiting[needed[-1]]
+                group.append(eqn)
+                defined.update(v for v in eqn.outvars if _is_var(v))
+                continue
+            if needed:
+                for _, group in waiting[:needed[-1] + 1]:
+                    out.extend(group)
+                del waiting[:needed[-1] + 1]
+            out.append(eqn)
+            after = [eqns[j] for j in sink.get(i, ())]
+            if i in dones:
+                group = [dones[i]] + after
+                waiting.append(({v for e in group for v in e.outvars if _is_var(v)}, group))
+            else:
+                out.extend(after)
+        for _, group in waiting:
+            out.extend(group)
+        return jaxpr.replace(eqns=out)
 
     def plan(self, members: list[_Site], costs: list[float], world: int, scope: str,
              reach: list[int] | None = None) -> Iterable[tuple[list[_Site], int]]:
@@ -496,7 +561,8 @@ def _map_jaxprs(value: Any, fn: Callable[[Any], Any]) -> Any:
 
 def _is_psum(eqn: Any) -> bool:
     return (eqn.primitive.name in _PSUM_PRIMITIVES
-            or eqn.primitive in (allreduce.libra_psum_p, libra_psum_fused_p))
+            or eqn.primitive in (allreduce.libra_psum_p, libra_psum_fused_p,
+                                 _overlap.libra_psum_start_p))
 
 
 def _contains_psum(jaxpr: Any) -> bool:
@@ -607,6 +673,27 @@ def _fused(eqns: Sequence[Any], bucket: Sequence[_Site], axes: tuple, invariant:
         [e.invars[0] for e in members], [e.outvars[0] for e in members], libra_psum_fused_p,
         dict(axes=axes, blocks=int(blocks), invariant=invariant), effects,
         members[-1].source_info)
+
+
+def _start_done(eqns: Sequence[Any], bucket: Sequence[_Site], axes: tuple, invariant: bool,
+                blocks: int) -> tuple[Any, Any]:
+    """A bucket as a `libra_psum_start` equation (its operands -> packed buffers in flight)
+    and a `libra_psum_done` equation (those buffers -> the members' results)."""
+    members = [eqns[s.index] for s in bucket]
+    effects = set().union(*(e.effects for e in members))
+    call_id = _overlap.next_call_id()
+    operands = [e.invars[0] for e in members]
+    flat_vars = [_compat.new_var(a) for a in _overlap.packed_avals([v.aval for v in operands])]
+    results = [e.outvars[0] for e in members]
+    start = _compat.new_jaxpr_eqn(
+        operands, flat_vars, _overlap.libra_psum_start_p,
+        dict(axes=axes, blocks=int(blocks), invariant=invariant, call_id=call_id), effects,
+        members[-1].source_info)
+    done = _compat.new_jaxpr_eqn(
+        flat_vars, results, _overlap.libra_psum_done_p,
+        dict(out_avals=tuple(v.aval for v in results), axes=axes, blocks=int(blocks),
+             call_id=call_id), set(), members[-1].source_info)
+    return start, done
 
 
 def _is_var(v: Any) -> bool:

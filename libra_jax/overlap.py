@@ -1,0 +1,192 @@
+"""Start/done all-reduces: a gradient bucket's all-reduce runs beside the backward pass.
+
+`libra_jax.optimize(step, overlap="start-done")` splits each planned gradient all-reduce
+into two equations of the rewritten program:
+
+* ``libra_psum_start(*xs)``, where the bucket's last gradient is ready: packs the bucket
+  (per dtype: flatten, concatenate, zero-pad to 16 bytes) and launches the all-reduce
+  *in place* on the packed buffer. Its results are the packed buffers, in flight.
+* ``libra_psum_done(*flats)``, just before the first equation that reads a result: waits
+  for the all-reduce and splits the buffers into the psums' results.
+
+What runs in between is the compute the all-reduce overlaps. Per platform:
+
+* CUDA: start is the ``libra_allreduce_cuda_start`` custom call (the kernel on libra's own
+  stream, after an event from XLA's stream); done is ``libra_allreduce_cuda_done`` (XLA's
+  stream waits for the kernel's end event) and its output aliases its operand, the packed
+  buffer, so XLA keeps that buffer alive and unread until done. A buffer the kernels do not
+  serve (dtype, group size, groups across processes) is all-reduced synchronously in start
+  (the platform's `libra_psum` lowering), and done only splits it.
+* CPU (and anything else): start is the platform's `libra_psum` lowering, done only splits.
+  On CPU that is already asynchronous: the engine's handler returns a future and XLA's
+  thunk executor runs independent work while the reduction is in flight.
+
+The placement is a data dependency only, which XLA's scheduler may tighten; whether the
+kernel really runs beside compute is what `benchmarks/gpu_check.sh` measures on a GPU.
+`call_id` ties a start to its done (the CUDA handlers key their events by GPU and id), so it
+is unique per pair in the process; a pair inside a loop body is started and waited for in
+each iteration, in order.
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+
+from libra_jax import _compat, _ffi, allreduce
+
+__all__ = ["libra_psum_start_p", "libra_psum_done_p", "packed_layout", "packed_avals",
+           "next_call_id"]
+
+#: Packed buffers are padded to a multiple of this many bytes (the CUDA kernels move
+#: 16-byte vectors).
+PACK_ALIGN_BYTES = 16
+
+_call_ids = itertools.count(1)
+
+
+def next_call_id() -> int:
+    """A fresh id for one start/done pair (each dtype of the bucket uses id * 16 + its index)."""
+    return next(_call_ids)
+
+
+def packed_layout(avals: Sequence[Any]) -> list[tuple[np.dtype, list[int], int]]:
+    """Per dtype, in first-appearance order: (dtype, indices of its operands, padded
+    element count of its packed buffer)."""
+    by_dtype: dict[np.dtype, list[int]] = {}
+    for i, aval in enumerate(avals):
+        by_dtype.setdefault(np.dtype(aval.dtype), []).append(i)
+    out = []
+    for dtype, idx in by_dtype.items():
+        count = sum(int(math.prod(avals[i].shape)) for i in idx)
+        per_vector = max(1, PACK_ALIGN_BYTES // dtype.itemsize)
+        out.append((dtype, idx, -(-count // per_vector) * per_vector))
+    return out
+
+
+# --- start ----------------------------------------------------------------------
+
+libra_psum_start_p = _compat.Primitive("libra_psum_start")
+libra_psum_start_p.multiple_results = True
+
+
+def _start_abstract_eval(*avals: Any, axes: tuple, blocks: int, invariant: bool,
+                         call_id: int) -> Any:
+    effects: set = set()
+    for aval in avals:
+        _, eff = allreduce._abstract_eval(aval, axes=axes, blocks=blocks, inplace=True,
+                                          invariant=invariant)
+        effects |= set(eff)
+    return packed_avals(avals), effects
+
+
+def packed_avals(avals: Sequence[Any]) -> list[Any]:
+    """The types of start's results: one flat, padded buffer per dtype of `avals`."""
+    return [_compat.ShapedArray((n,), dtype) for dtype, _, n in packed_layout(avals)]
+
+
+def _pack(ctx: Any, xs: Sequence[Any], idx: Sequence[int], dtype: np.dtype, padded: int) -> Any:
+    """One flat, zero-padded buffer of the operands `idx` (all of `dtype`)."""
+    ety = _compat.ir.RankedTensorType(xs[idx[0]].type).element_type
+    parts = []
+    for i in idx:
+        n = int(math.prod(ctx.avals_in[i].shape))
+        parts.append(_compat.hlo.reshape(_compat.ir.RankedTensorType.get([n], ety), xs[i]))
+    count = sum(int(math.prod(ctx.avals_in[i].shape)) for i in idx)
+    if padded > count:
+        parts.append(_compat.ir_constant(np.zeros(padded - count, dtype)))
+    if len(parts) == 1:
+        return parts[0]
+    return _compat.hlo.concatenate(parts, _compat.ir.IntegerAttr.get(
+        _compat.ir.IntegerType.get_signless(64), 0))
+
+
+def _start_lowering(sync_rule: Any, *, cuda: bool = False) -> Any:
+    def rule(ctx: Any, *xs: Any, axes: tuple, blocks: int, invariant: bool,
+             call_id: int) -> list[Any]:
+        outs = []
+        for j, (dtype, idx, padded) in enumerate(packed_layout(ctx.avals_in)):
+            flat = _compat.ShapedArray((padded,), dtype)
+            flat_ctx = ctx.replace(primitive=None, avals_in=[flat], avals_out=[flat])
+            packed = _pack(ctx, xs, idx, dtype, padded)
+            attrs = _async_attrs(flat_ctx, axes, blocks) if cuda else None
+            if attrs:
+                _ffi.ensure_cuda_registered()
+                call = jax.ffi.ffi_lowering(_ffi.ALLREDUCE_CUDA_START_TARGET,
+                                            operand_output_aliases={0: 0})
+                result, = call(flat_ctx, packed, call_id=np.int64(call_id * 16 + j), **attrs)
+            else:
+                result, = _as_list(sync_rule(flat_ctx, packed, axes=axes, blocks=blocks,
+                                             inplace=True, invariant=invariant))
+            outs.append(result)
+        return outs
+    return rule
+
+
+# --- done -----------------------------------------------------------------------
+
+libra_psum_done_p = _compat.Primitive("libra_psum_done")
+libra_psum_done_p.multiple_results = True
+
+
+def _done_abstract_eval(*flats: Any, out_avals: tuple, axes: tuple, blocks: int,
+                        call_id: int) -> Any:
+    return list(out_avals), set()
+
+
+def _done_lowering(*, cuda: bool = False) -> Any:
+    def rule(ctx: Any, *flats: Any, out_avals: tuple, axes: tuple, blocks: int,
+             call_id: int) -> list[Any]:
+        outs: list[Any] = [None] * len(out_avals)
+        for j, ((dtype, idx, padded), flat, flat_aval) in enumerate(
+                zip(packed_layout(out_avals), flats, ctx.avals_in)):
+            flat_ctx = ctx.replace(primitive=None, avals_in=[flat_aval], avals_out=[flat_aval])
+            if cuda and _async_attrs(flat_ctx, axes, blocks):
+                call = jax.ffi.ffi_lowering(_ffi.ALLREDUCE_CUDA_DONE_TARGET,
+                                            operand_output_aliases={1: 0})
+                flat, = call(ctx.replace(primitive=None, avals_in=[flat_aval, flat_aval],
+                                         avals_out=[flat_aval]),
+                             flat, flat, call_id=np.int64(call_id * 16 + j))
+            shapes = tuple(out_avals[i].shape for i in idx)
+            offsets = np.cumsum([0] + [int(math.prod(s)) for s in shapes])
+
+            def split(v: Any, shapes=shapes, offsets=offsets) -> Any:
+                return tuple(v[offsets[k]:offsets[k + 1]].reshape(shape)
+                             for k, shape in enumerate(shapes))
+
+            parts = _compat.lower_fun(split, multiple_results=True)(
+                ctx.replace(primitive=None, avals_in=[flat_aval],
+                            avals_out=[out_avals[i] for i in idx]), flat)
+            for i, part in zip(idx, parts):
+                outs[i] = part
+        return outs
+    return rule
+
+
+def _async_attrs(flat_ctx: Any, axes: tuple, blocks: int) -> dict | None:
+    """The kernel call's attributes when start/done can run this packed buffer on libra's
+    stream; None when start all-reduces it synchronously. Start and done decide alike."""
+    attrs, _ = allreduce._cuda_kernel_attrs(flat_ctx, axes, blocks)
+    return attrs or None
+
+
+def _as_list(x: Any) -> list[Any]:
+    return [x] if isinstance(x, _compat.ir.Value) else list(x)
+
+
+libra_psum_start_p.def_impl(functools.partial(_compat.apply_primitive, libra_psum_start_p))
+libra_psum_start_p.def_effectful_abstract_eval(_start_abstract_eval)
+_compat.register_lowering(libra_psum_start_p, _start_lowering(allreduce._xla_lowering))
+_compat.register_lowering(libra_psum_start_p, _start_lowering(allreduce._cpu_lowering),
+                          platform="cpu")
+_compat.register_lowering(libra_psum_start_p,
+                          _start_lowering(allreduce._cuda_lowering, cuda=True), platform="cuda")
+
+libra_psum_done_p.def_impl(functools.partial(_compat.apply_primitive, libra_psum_done_p))
+libra_psum_done_p.def_effectful_abstract_eval(_done_abstract_eval)
+_compat.register_lowering(libra_psum_done_p, _done_lowering())
+_compat.register_lowering(libra_psum_done_p, _done_lowering(cuda=True), platform="cuda")

@@ -1,0 +1,154 @@
+"""Tests of libra_jax.overlap and optimize(overlap="start-done"): the split all-reduce computes
+the same values bit for bit; done waits until a result is needed; the CUDA lowering is the
+start/done custom-call pair (checked by lowering for cuda here; run by benchmarks/gpu_check.sh)."""
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import libra_jax
+from libra_jax import _compat, _ffi, overlap
+from libra_jax.rewrite import optimize, rewrite_jaxpr
+
+from conftest import assert_bitwise, mesh_of, shard
+
+pytestmark = pytest.mark.usefixtures("jax_8")
+
+
+def mlp_step(sizes=(16, 32, 32, 32, 8), dtype=np.float32):
+    """A check_vma data-parallel SGD step (autodiff psums each gradient where it is made)."""
+    rng = np.random.default_rng(0)
+    params = [(rng.standard_normal((m, n)) * 0.3).astype(dtype)
+              for m, n in zip(sizes[:-1], sizes[1:])]
+    mesh = mesh_of((8,), ("x",))
+
+    def local(params, x):
+        def loss(params):
+            h = x
+            for w in params:
+                h = jnp.tanh(h @ w)
+            return jax.lax.pmean(jnp.mean(h * h), "x")
+        loss_value, grads = jax.value_and_grad(loss)(params)
+        return loss_value, [w - 0.1 * g for w, g in zip(params, grads)]
+
+    step = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("x")), out_specs=(P(), P()),
+                         check_vma=True)
+    x = shard(rng.standard_normal((8 * 4, sizes[0])).astype(dtype), mesh, P("x"))
+    return step, (params, x)
+
+
+def eqn_names(jaxpr):
+    """Primitive names of the innermost jaxpr that holds a start (the shard_map body)."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive is overlap.libra_psum_start_p:
+            return [e.primitive.name for e in jaxpr.eqns]
+        for sub in _compat.jaxprs_in_params(eqn.params):
+            names = eqn_names(sub)
+            if names:
+                return names
+    return []
+
+
+def test_start_done_equals_sync_and_plain_bitwise():
+    step, args = mlp_step()
+    plain = jax.jit(step)(*args)
+    sync = jax.jit(optimize(step, overlap="sync"))(*args)
+    split = optimize(step, overlap="start-done")
+    got = jax.jit(split)(*args)
+    jax.tree.map(assert_bitwise, got, sync)
+    jax.tree.map(assert_bitwise, got, plain)
+    assert split.last_report.num_psums >= 5  # four weight gradients and the loss
+
+
+def test_done_waits_until_a_result_is_needed():
+    step, args = mlp_step()
+    closed = jax.make_jaxpr(step)(*args)
+    rewritten, report = rewrite_jaxpr(closed, fusion=False, overlap="start-done")
+    names = eqn_names(rewritten.jaxpr)
+    starts = [i for i, n in enumerate(names) if n == "libra_psum_start"]
+    dones = [i for i, n in enumerate(names) if n == "libra_psum_done"]
+    gradient_buckets = [p for p in report.plans if p.kind == "gradient"]
+    assert len(starts) == len(dones) == len(gradient_buckets) >= 2
+    # Every start comes before the first done, and so does all the backward pass: the
+    # matmuls run while the all-reduces are in flight; only the update waits.
+    assert max(starts) < min(dones)
+    assert max(i for i, n in enumerate(names) if n == "dot_general") < min(dones)
+    assert "libra_psum" not in names and "libra_psum_fused" not in names
+
+
+def test_start_and_done_pack_mixed_dtypes_with_padding():
+    # One bucket of an f32 (5 elements: padded to 8) and a bf16 (3 elements: padded to 8),
+    # packed per dtype, all-reduced, split back: psum's values bit for bit.
+    mesh = mesh_of((8,), ("x",))
+    rng = np.random.default_rng(3)
+    a = shard(rng.standard_normal((8, 5)).astype(np.float32), mesh, P("x"))
+    b = shard(rng.standard_normal((8, 3)).astype(jnp.bfloat16), mesh, P("x"))
+    avals = [jax.core.ShapedArray((1, 5), np.float32), jax.core.ShapedArray((1, 3), jnp.bfloat16)]
+    flat = overlap.packed_avals(avals)
+    assert [(f.shape, f.dtype) for f in flat] == [((8,), np.float32), ((8,), jnp.bfloat16)]
+
+    def body(a, b):
+        started = overlap.libra_psum_start_p.bind(a, b, axes=("x",), blocks=2, invariant=False,
+                                                  call_id=overlap.next_call_id())
+        return tuple(overlap.libra_psum_done_p.bind(
+            *started, out_avals=tuple(avals), axes=("x",), blocks=2, call_id=0))
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P("x")),
+                              out_specs=(P("x"), P("x")), check_vma=False))
+    g = jax.jit(jax.shard_map(lambda a, b: (jax.lax.psum(a, "x"), jax.lax.psum(b, "x")),
+                              mesh=mesh, in_specs=(P("x"), P("x")), out_specs=(P("x"), P("x")),
+                              check_vma=False))
+    jax.tree.map(assert_bitwise, f(a, b), g(a, b))
+
+
+def test_overlap_mode_is_validated(monkeypatch):
+    step, args = mlp_step()
+    with pytest.raises(ValueError, match="overlap must be one of"):
+        optimize(step, overlap="async")
+    monkeypatch.setenv("LIBRA_JAX_OVERLAP", "streams")
+    with pytest.raises(ValueError, match="LIBRA_JAX_OVERLAP"):
+        optimize(step)
+    monkeypatch.setenv("LIBRA_JAX_OVERLAP", "start-done")
+    assert "libra_psum_start" in str(jax.make_jaxpr(optimize(step))(*args))
+    monkeypatch.delenv("LIBRA_JAX_OVERLAP")
+    assert "libra_psum_start" not in str(jax.make_jaxpr(optimize(step))(*args))
+
+
+@pytest.mark.skipif(not _ffi.HAS_CUDA, reason="libra_jax built without CUDA")
+def test_cuda_lowering_is_a_start_done_pair():
+    _ffi.ensure_cuda_registered()
+    step, args = mlp_step()
+    text = jax.jit(optimize(step, fusion=False, overlap="start-done")).trace(*args).lower(
+        lowering_platforms=("cuda",)).as_text()
+    starts = re.findall(r"%(\S+) = stablehlo.custom_call @libra_allreduce_cuda_start\(%(\S+?)\)"
+                        r".*?call_id = (\d+)", text)
+    dones = re.findall(r"stablehlo.custom_call @libra_allreduce_cuda_done\(%(\S+?), %(\S+?)\)"
+                       r".*?call_id = (\d+).*?output_operand_aliases = \[#stablehlo"
+                       r".output_operand_alias<output_tuple_indices = \[\], operand_index = 1",
+                       text)
+    assert len(starts) >= 2 and len(dones) == len(starts)
+    # Each done reads its own start's in-flight buffer and waits for the same call id.
+    by_result = {result: call_id for result, _, call_id in starts}
+    for operand, started, call_id in dones:
+        assert operand == started and by_result[started] == call_id
+    assert len(set(by_result.values())) == len(starts)
+    # Start all-reduces in place: its output aliases the packed buffer.
+    start_lines = [line for line in text.splitlines() if "libra_allreduce_cuda_start" in line]
+    assert all("operand_index = 0" in line for line in start_lines)
+    assert "libra_allreduce_cuda(" not in text and "all_reduce" not in text
+
+
+@pytest.mark.skipif(not _ffi.HAS_CUDA, reason="libra_jax built without CUDA")
+def test_cuda_start_falls_back_to_xla_where_the_kernels_cannot(monkeypatch):
+    _ffi.ensure_cuda_registered()
+    monkeypatch.setenv("LIBRA_JAX_CUDA", "0")
+    step, args = mlp_step()
+    with pytest.warns(UserWarning, match="XLA's all-reduce"):
+        text = jax.jit(optimize(step, overlap="start-done")).trace(*args).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert "libra_allreduce_cuda" not in text and "all_reduce" in text
