@@ -8,6 +8,10 @@ round (interleaved, so drift hits every arm alike); the table gives the median p
 rounds, its IQR, and the median and p10-p90 of the per-round ratio to plain. A third arm,
 `optimize(fusion=False)`, separates the effect of fusion from that of the engine.
 
+`--one-bucket` adds an arm planned with the profile's per-all-reduce latency raised to 1 s: every
+gradient psum in one fused bucket, as XLA's all-reduce combiner does with the plain step's psums
+(a probe of the model's fusion trade-off on this host, not a Libra plan).
+
 `--overlap` also runs one step per example with `LIBRA_JAX_DEBUG=1` in a subprocess and reads the
 engine's per-call log: an all-reduce whose first rank arrived before the previous all-reduce
 ended means that rank computed (the backward pass) while that all-reduce was in flight.
@@ -16,7 +20,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
+import tempfile
 import platform
 import re
 import subprocess
@@ -43,12 +49,25 @@ def label(name: str, options: dict) -> str:
     return name + "".join(f" ({v})" for v in options.values())
 
 
-def bench(name: str, options: dict, rounds: int, steps: int) -> dict:
+def one_bucket_profile() -> str:
+    """The default CPU profile with a 1 s latency per all-reduce, as a file: plans one bucket."""
+    doc = model.profile_to_dict(model.load_profile(model.default_profile("cpu")))
+    doc["name"] += "-one-bucket"
+    doc["network"]["base_latency_us"]["value"] = 1e6
+    path = Path(tempfile.mkdtemp(prefix="libra_e2e_")) / "one-bucket.json"
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
+def bench(name: str, options: dict, rounds: int, steps: int, one_bucket: bool = False) -> dict:
     step, args = common.load_example(name).build(False, **options)
     arms = {"plain": jax.jit(step, donate_argnums=0),
             "optimized": jax.jit(libra_jax.optimize(step), donate_argnums=0),
             "optimized, fusion=False": jax.jit(libra_jax.optimize(step, fusion=False),
                                                donate_argnums=0)}
+    if one_bucket:
+        arms["optimized, one bucket"] = jax.jit(
+            libra_jax.optimize(step, profile=one_bucket_profile()), donate_argnums=0)
     state = {k: common.copy_tree(args[0]) for k in arms}
     batch = args[1:]
     for k, f in arms.items():  # compile + warm up
@@ -103,6 +122,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="steps per arm per round")
     parser.add_argument("--only", default=None, help="one example name")
     parser.add_argument("--overlap", action="store_true", help="also read the engine's debug log")
+    parser.add_argument("--one-bucket", action="store_true",
+                        help="add an arm with every gradient psum in one bucket")
     parser.add_argument("--out", default=None, help="write a markdown table here")
     a = parser.parse_args()
     load_before = os.getloadavg()
@@ -111,7 +132,7 @@ def main() -> None:
         if a.only and a.only != name:
             continue
         t0 = time.perf_counter()
-        res = bench(name, options, a.rounds, a.steps)
+        res = bench(name, options, a.rounds, a.steps, a.one_bucket)
         base = np.asarray(res["plain"])
         for arm, ts in res.items():
             ts = np.asarray(ts)
