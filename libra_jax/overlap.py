@@ -23,15 +23,16 @@ What runs in between is the compute the all-reduce overlaps. Per platform:
 
 The placement is a data dependency only, which XLA's scheduler may tighten; whether the
 kernel really runs beside compute is what `benchmarks/gpu_check.sh` measures on a GPU.
-`call_id` ties a start to its done (the CUDA handlers key their events by GPU and id), so it
-is unique per pair in the process; a pair inside a loop body is started and waited for in
-each iteration, in order.
+`call_id` ties a start to its done (the CUDA handlers key their events by GPU and id). It is
+random (58 bits), so that pairs of different programs, even compiled by other processes and
+loaded from JAX's compilation cache, do not share one; a pair inside a loop body is started and
+waited for in each iteration, in order.
 """
 from __future__ import annotations
 
 import functools
-import itertools
 import math
+import secrets
 from typing import Any, Sequence
 
 import jax
@@ -46,12 +47,9 @@ __all__ = ["libra_psum_start_p", "libra_psum_done_p", "packed_layout", "packed_a
 #: 16-byte vectors).
 PACK_ALIGN_BYTES = 16
 
-_call_ids = itertools.count(1)
-
-
 def next_call_id() -> int:
     """A fresh id for one start/done pair (each dtype of the bucket uses id * 16 + its index)."""
-    return next(_call_ids)
+    return secrets.randbits(58)
 
 
 def packed_layout(avals: Sequence[Any]) -> list[tuple[np.dtype, list[int], int]]:
