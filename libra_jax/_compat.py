@@ -206,6 +206,11 @@ def jaxprs_in_params(params: dict) -> list[Jaxpr]:
     return list(_jaxprs_in_params(params))
 
 
+def ir_values(x: Any) -> list[ir.Value]:
+    """A lowering rule's result (a value, a list of values, or an OpResultList) as a list."""
+    return [x] if isinstance(x, ir.Value) else list(x)
+
+
 def new_var(aval: Any) -> Any:
     """A fresh jaxpr variable of type `aval`."""
     return _core.Var(aval)

@@ -52,16 +52,17 @@ def next_call_id() -> int:
     return secrets.randbits(58)
 
 
-def packed_layout(avals: Sequence[Any]) -> list[tuple[np.dtype, list[int], int]]:
-    """Per dtype, in first-appearance order: (dtype, indices of its operands, padded
-    element count of its packed buffer)."""
+def packed_layout(avals: Sequence[Any], align_bytes: int = PACK_ALIGN_BYTES
+                  ) -> list[tuple[np.dtype, list[int], int]]:
+    """Per dtype, in first-appearance order: (dtype, indices of its operands, element count
+    of its packed buffer, padded to a multiple of `align_bytes`)."""
     by_dtype: dict[np.dtype, list[int]] = {}
     for i, aval in enumerate(avals):
         by_dtype.setdefault(np.dtype(aval.dtype), []).append(i)
     out = []
     for dtype, idx in by_dtype.items():
         count = sum(int(math.prod(avals[i].shape)) for i in idx)
-        per_vector = max(1, PACK_ALIGN_BYTES // dtype.itemsize)
+        per_vector = max(1, align_bytes // dtype.itemsize)
         out.append((dtype, idx, -(-count // per_vector) * per_vector))
     return out
 
@@ -87,20 +88,42 @@ def packed_avals(avals: Sequence[Any]) -> list[Any]:
     return [_compat.ShapedArray((n,), dtype) for dtype, _, n in packed_layout(avals)]
 
 
-def _pack(ctx: Any, xs: Sequence[Any], idx: Sequence[int], dtype: np.dtype, padded: int) -> Any:
-    """One flat, zero-padded buffer of the operands `idx` (all of `dtype`)."""
+def pack(ctx: Any, xs: Sequence[Any], idx: Sequence[int], padded: int) -> Any:
+    """The operands `idx` of a lowering (all of one dtype), flattened and concatenated into
+    one buffer of `padded` elements (zeros after them).
+
+    One `concatenate`: XLA fuses it (with the copy it inserts before an in-place all-reduce)
+    into one loop over the buffer that reads each element from its own operand only. Measured
+    on 8 host devices (2-core VM), 8 MiB per device as 8 fused tensors: +2 ms over one tensor,
+    against +26 ms for the former chain of `dynamic-update-slice`s into a zeroed buffer (zero
+    fill, in-place updates, then that copy fused with the last update into a loop over the
+    whole buffer -- which also evaluated the last operand's fused producer, e.g. a bias
+    gradient's reduction, for every element: 0.5 s per step for the MLP example's 9 MiB
+    bucket); +16 vs +45 ms at 40 tensors, equal at 200. Emitted as HLO directly: it involves
+    no varying-axes typing. Shared by the fused all-reduce (`rewrite.libra_psum_fused_p`)."""
     ety = _compat.ir.RankedTensorType(xs[idx[0]].type).element_type
-    parts = []
-    for i in idx:
-        n = int(math.prod(ctx.avals_in[i].shape))
-        parts.append(_compat.hlo.reshape(_compat.ir.RankedTensorType.get([n], ety), xs[i]))
-    count = sum(int(math.prod(ctx.avals_in[i].shape)) for i in idx)
-    if padded > count:
-        parts.append(_compat.ir_constant(np.zeros(padded - count, dtype)))
+    sizes = [int(math.prod(ctx.avals_in[i].shape)) for i in idx]
+    parts = [_compat.hlo.reshape(_compat.ir.RankedTensorType.get([n], ety), xs[i])
+             for i, n in zip(idx, sizes)]
+    if padded > sum(sizes):
+        dtype = np.dtype(ctx.avals_in[idx[0]].dtype)
+        parts.append(_compat.ir_constant(np.zeros(padded - sum(sizes), dtype)))
     if len(parts) == 1:
         return parts[0]
     return _compat.hlo.concatenate(parts, _compat.ir.IntegerAttr.get(
         _compat.ir.IntegerType.get_signless(64), 0))
+
+
+def split(ctx: Any, flat: Any, flat_aval: Any, out_avals: Sequence[Any]) -> list[Any]:
+    """The inverse of `pack`: `flat` cut into values of `out_avals` (padding dropped)."""
+    shapes = tuple(a.shape for a in out_avals)
+    offsets = np.cumsum([0] + [int(math.prod(s)) for s in shapes])
+
+    def cut(v: Any) -> Any:
+        return tuple(v[offsets[k]:offsets[k + 1]].reshape(shape) for k, shape in enumerate(shapes))
+
+    return list(_compat.lower_fun(cut, multiple_results=True)(
+        ctx.replace(primitive=None, avals_in=[flat_aval], avals_out=list(out_avals)), flat))
 
 
 def _start_lowering(sync_rule: Any, *, cuda: bool = False) -> Any:
@@ -110,7 +133,7 @@ def _start_lowering(sync_rule: Any, *, cuda: bool = False) -> Any:
         for j, (dtype, idx, padded) in enumerate(packed_layout(ctx.avals_in)):
             flat = _compat.ShapedArray((padded,), dtype)
             flat_ctx = ctx.replace(primitive=None, avals_in=[flat], avals_out=[flat])
-            packed = _pack(ctx, xs, idx, dtype, padded)
+            packed = pack(ctx, xs, idx, padded)
             attrs = _async_attrs(flat_ctx, axes, blocks) if cuda else None
             if attrs:
                 _ffi.ensure_cuda_registered()
@@ -118,8 +141,9 @@ def _start_lowering(sync_rule: Any, *, cuda: bool = False) -> Any:
                                             operand_output_aliases={0: 0})
                 result, = call(flat_ctx, packed, call_id=np.int64(call_id * 16 + j), **attrs)
             else:
-                result, = _as_list(sync_rule(flat_ctx, packed, axes=axes, blocks=blocks,
-                                             inplace=True, invariant=invariant))
+                result, = _compat.ir_values(sync_rule(flat_ctx, packed, axes=axes,
+                                                      blocks=blocks, inplace=True,
+                                                      invariant=invariant))
             outs.append(result)
         return outs
     return rule
@@ -149,16 +173,7 @@ def _done_lowering(*, cuda: bool = False) -> Any:
                 flat, = call(ctx.replace(primitive=None, avals_in=[flat_aval, flat_aval],
                                          avals_out=[flat_aval]),
                              flat, flat, call_id=np.int64(call_id * 16 + j))
-            shapes = tuple(out_avals[i].shape for i in idx)
-            offsets = np.cumsum([0] + [int(math.prod(s)) for s in shapes])
-
-            def split(v: Any, shapes=shapes, offsets=offsets) -> Any:
-                return tuple(v[offsets[k]:offsets[k + 1]].reshape(shape)
-                             for k, shape in enumerate(shapes))
-
-            parts = _compat.lower_fun(split, multiple_results=True)(
-                ctx.replace(primitive=None, avals_in=[flat_aval],
-                            avals_out=[out_avals[i] for i in idx]), flat)
+            parts = split(ctx, flat, flat_aval, [out_avals[i] for i in idx])
             for i, part in zip(idx, parts):
                 outs[i] = part
         return outs
@@ -170,10 +185,6 @@ def _async_attrs(flat_ctx: Any, axes: tuple, blocks: int) -> dict | None:
     stream; None when start all-reduces it synchronously. Start and done decide alike."""
     attrs, _ = allreduce._cuda_kernel_attrs(flat_ctx, axes, blocks)
     return attrs or None
-
-
-def _as_list(x: Any) -> list[Any]:
-    return [x] if isinstance(x, _compat.ir.Value) else list(x)
 
 
 libra_psum_start_p.def_impl(functools.partial(_compat.apply_primitive, libra_psum_start_p))
