@@ -374,3 +374,18 @@ def test_gradient_used_before_the_next_psum_is_still_fused():
     jax.tree.map(assert_bitwise, jax.jit(opt)(w, b, x), step(w, b, x))
     plans = sorted((len(p.members), p.kind) for p in opt.last_report.plans)
     assert plans == [(1, "forward"), (2, "gradient")], opt.last_report.plan_lines()
+
+
+def test_fused_bucket_falls_back_to_xla_under_check_vma(monkeypatch):
+    # A fused bucket's packed buffer carries no varying axes: where libra has no kernel (here
+    # cuda with LIBRA_JAX_CUDA=0), XLA's all-reduce must still take it.
+    monkeypatch.setenv("LIBRA_JAX_CUDA", "0")
+    rng = np.random.default_rng(4)
+    params = init(rng, [16, 8, 8, 4])
+    step = data_parallel("check_vma", sgd_step(lambda p, x: jnp.sum(mlp(p, x) ** 2)))
+    opt = optimize(step, blocks=1)
+    with pytest.warns(UserWarning, match="XLA's all-reduce"):
+        text = jax.jit(opt).trace(params, inputs("check_vma", rng)).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert any(len(p.members) > 1 for p in opt.last_report.plans)  # a fused bucket
+    assert "all_reduce" in text and "libra_allreduce" not in text
