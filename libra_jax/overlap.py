@@ -6,8 +6,10 @@ into two equations of the rewritten program:
 * ``libra_psum_start(*xs)``, where the bucket's last gradient is ready: packs the bucket
   (per dtype: flatten, concatenate, zero-pad to 16 bytes) and launches the all-reduce
   *in place* on the packed buffer. Its results are the packed buffers, in flight.
-* ``libra_psum_done(*flats)``, just before the first equation that reads a result: waits
-  for the all-reduce and splits the buffers into the psums' results.
+* ``libra_psum_done(*flats)``, after the rest of the backward pass (`rewrite`: the pure
+  equations downstream of its results, the optimizer update, move with it; an effect or
+  another all-reduce that reads a result places it first): waits for the all-reduce and
+  splits the buffers into the psums' results.
 
 What runs in between is the compute the all-reduce overlaps. Per platform:
 
