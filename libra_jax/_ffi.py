@@ -17,6 +17,9 @@ import jax
 from libra_jax import _libra_ffi  # type: ignore[attr-defined]
 
 ALLREDUCE_CPU_TARGET = "libra_allreduce_cpu"
+#: The same call split in two (libra_jax.overlap): start arrives, done waits.
+ALLREDUCE_CPU_START_TARGET = "libra_allreduce_cpu_start"
+ALLREDUCE_CPU_DONE_TARGET = "libra_allreduce_cpu_done"
 MAX_BLOCKS: int = _libra_ffi.MAX_BLOCKS
 MIN_CHUNK_BYTES: int = _libra_ffi.MIN_CHUNK_BYTES
 
@@ -38,12 +41,18 @@ def _cpu_handlers() -> tuple[dict, dict]:
         lib = ctypes.CDLL(os.path.abspath(path))
         type_id, type_info = lib.LibraCpuAllReduceSiteTypeId, lib.LibraCpuAllReduceSiteTypeInfo
         instantiate, execute = lib.kCpuAllReduceInstantiate, lib.kCpuAllReduceExecute
+        start_instantiate = lib.kCpuAllReduceStartInstantiate
+        start, done = lib.kCpuAllReduceStart, lib.kCpuAllReduceDone
     except (OSError, AttributeError) as e:
         raise RuntimeError(f"{FFI_LIBRARY_ENV}={path}: not a libra_jax FFI library: {e}") from e
     type_id.restype = type_info.restype = ctypes.c_void_p
     site = {"type_id": jax.ffi.pycapsule(type_id()), "type_info": jax.ffi.pycapsule(type_info())}
     cpu = {"instantiate": jax.ffi.pycapsule(instantiate), "execute": jax.ffi.pycapsule(execute)}
-    return {"libra_allreduce_cpu_site": site}, {ALLREDUCE_CPU_TARGET: cpu}
+    cpu_start = {"instantiate": jax.ffi.pycapsule(start_instantiate),
+                 "execute": jax.ffi.pycapsule(start)}
+    return {"libra_allreduce_cpu_site": site}, {ALLREDUCE_CPU_TARGET: cpu,
+                                                ALLREDUCE_CPU_START_TARGET: cpu_start,
+                                                ALLREDUCE_CPU_DONE_TARGET: jax.ffi.pycapsule(done)}
 
 
 def ensure_registered() -> None:

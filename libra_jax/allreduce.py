@@ -215,18 +215,32 @@ def _abstract_eval(aval: Any, *, axes: tuple, blocks: int, inplace: bool,
 
 def _cpu_lowering(ctx: Any, x: Any, *, axes: tuple, blocks: int, inplace: bool,
                   invariant: bool) -> Any:
+    call, reason = _cpu_call(ctx, axes, blocks)
+    if call is None:
+        return _xla_lowering(ctx, x, axes=axes, blocks=blocks, inplace=inplace,
+                             invariant=invariant, reason=reason)
+    rank_group, attrs = call
+    aval_in, = ctx.avals_in
+    call_ctx = ctx.replace(avals_in=[aval_in, _compat.ShapedArray((2,), np.int32)])
+    rule = jax.ffi.ffi_lowering(_ffi.ALLREDUCE_CPU_TARGET,
+                                operand_output_aliases={0: 0} if inplace else {})
+    return rule(call_ctx, x, rank_group, **attrs)
+
+
+def _cpu_call(ctx: Any, axes: tuple, blocks: int | None) -> tuple[tuple | None, str]:
+    """The engine call's (rank, group) operand and attributes for the psum lowered at
+    `ctx`, or ``(None, reason)`` where XLA's all-reduce must do it. Shared by the call
+    and the start/done pair (`libra_jax.overlap`)."""
     groups = _compat.replica_groups(ctx, axes)
     if groups is None:
-        return _xla_lowering(ctx, x, axes=axes, blocks=blocks, inplace=inplace,
-                             invariant=invariant, reason="a partially automatic shard_map")
+        return None, "a partially automatic shard_map"
     devices = _compat.mesh_devices(ctx)
     if devices is not None and any(d.process_index != jax.process_index() for d in devices):
         # The engine meets the devices of this process only; XLA's collectives
         # (gloo on CPU) cross processes. Never wait for ranks that cannot come.
-        return _xla_lowering(ctx, x, axes=axes, blocks=blocks, inplace=inplace,
-                             invariant=invariant, reason="cpu devices of several processes")
+        return None, "cpu devices of several processes"
     _ffi.ensure_registered()
-    aval_in, = ctx.avals_in
+    aval_in = ctx.avals_in[0]
     if blocks is None:  # Chosen now that the group size is known.
         nbytes = math.prod(aval_in.shape) * np.dtype(aval_in.dtype).itemsize
         blocks = default_blocks(nbytes, len(groups[0]), _default_profile("cpu"))
@@ -242,15 +256,9 @@ def _cpu_lowering(ctx: Any, x: Any, *, axes: tuple, blocks: int, inplace: bool,
         _compat.ir_constant(table), [_compat.device_index(ctx), zero],
         _compat.ir.DenseI64ArrayAttr.get([1, 2]))
     rank_group = _compat.hlo.reshape(_compat.ir.RankedTensorType.get([2], i32), row)
-
-    call_ctx = ctx.replace(avals_in=[aval_in, _compat.ShapedArray((2,), np.int32)])
-    rule = jax.ffi.ffi_lowering(_ffi.ALLREDUCE_CPU_TARGET,
-                                operand_output_aliases={0: 0} if inplace else {})
-    return rule(call_ctx, x, rank_group,
-                label=f"psum{tuple(axes)}",
-                world=np.int64(len(groups[0])),
-                blocks=np.int64(blocks),
-                timeout_ms=np.int64(round(_timeout_s() * 1000)))
+    return (rank_group, dict(label=f"psum{tuple(axes)}", world=np.int64(len(groups[0])),
+                             blocks=np.int64(blocks),
+                             timeout_ms=np.int64(round(_timeout_s() * 1000)))), ""
 
 
 _CUDA_ALGORITHMS = {"auto": 0, "oneshot": 1, "twoshot": 2}

@@ -16,15 +16,20 @@ What runs in between is the compute the all-reduce overlaps. Per platform:
 * CUDA: start is the ``libra_allreduce_cuda_start`` custom call (the kernel on libra's own
   stream, after an event from XLA's stream); done is ``libra_allreduce_cuda_done`` (XLA's
   stream waits for the kernel's end event) and its output aliases its operand, the packed
-  buffer, so XLA keeps that buffer alive and unread until done. A buffer the kernels do not
-  serve (dtype, group size, groups across processes) is all-reduced synchronously in start
-  (the platform's `libra_psum` lowering), and done only splits it.
-* CPU (and anything else): start is the platform's `libra_psum` lowering, done only splits.
-  On CPU that is already asynchronous: the engine's handler returns a future and XLA's
-  thunk executor runs independent work while the reduction is in flight.
+  buffer, so XLA keeps that buffer alive and unread until done.
+* CPU: start is ``libra_allreduce_cpu_start``: the device's buffer joins its round and the
+  call returns at once, so nothing is pending in XLA's program while the backward pass runs;
+  the engine reduces when the last rank arrives. done is ``libra_allreduce_cpu_done``: a
+  future for the end of that round (usually over by then), output aliased as on CUDA. (The
+  one-call handler is asynchronous too, but its pending future mid-program costs the CNN
+  example ~10% on 8 devices sharing 2 cores: `benchmarks/results/end_to_end.md`.)
+* A buffer the engine does not serve (CUDA: dtype, group size, groups across processes; CPU:
+  groups across processes) is all-reduced in start by the platform's one-call lowering, and
+  done only splits it; elsewhere (TPU...) the same with XLA's all-reduce.
 
-The placement is a data dependency only, which XLA's scheduler may tighten; whether the
-kernel really runs beside compute is what `benchmarks/gpu_check.sh` measures on a GPU.
+Done has one more operand, the latest start's first gradient: XLA orders by data only, and
+this keeps every done after the last start. On a GPU, whether XLA's schedule keeps the
+kernel beside compute is what `benchmarks/gpu_check.sh` measures.
 `call_id` ties a start to its done (the CUDA handlers key their events by GPU and id). It is
 random (58 bits), so that pairs of different programs, even compiled by other processes and
 loaded from JAX's compilation cache, do not share one; a pair inside a loop body is started and
@@ -128,7 +133,7 @@ def split(ctx: Any, flat: Any, flat_aval: Any, out_avals: Sequence[Any]) -> list
         ctx.replace(primitive=None, avals_in=[flat_aval], avals_out=list(out_avals)), flat))
 
 
-def _start_lowering(sync_rule: Any, *, cuda: bool = False) -> Any:
+def _start_lowering(sync_rule: Any, *, platform: str | None = None) -> Any:
     def rule(ctx: Any, *xs: Any, axes: tuple, blocks: int, invariant: bool,
              call_id: int) -> list[Any]:
         outs = []
@@ -136,19 +141,42 @@ def _start_lowering(sync_rule: Any, *, cuda: bool = False) -> Any:
             flat = _compat.ShapedArray((padded,), dtype)
             flat_ctx = ctx.replace(primitive=None, avals_in=[flat], avals_out=[flat])
             packed = pack(ctx, xs, idx, padded)
-            attrs = _async_attrs(flat_ctx, axes, blocks) if cuda else None
-            if attrs:
-                _ffi.ensure_cuda_registered()
-                call = jax.ffi.ffi_lowering(_ffi.ALLREDUCE_CUDA_START_TARGET,
-                                            operand_output_aliases={0: 0})
-                result, = call(flat_ctx, packed, call_id=np.int64(call_id * 16 + j), **attrs)
-            else:
+            split_call = _split_call(platform, flat_ctx, axes, blocks)
+            if split_call is None:
                 result, = _compat.ir_values(sync_rule(flat_ctx, packed, axes=axes,
                                                       blocks=blocks, inplace=True,
                                                       invariant=invariant))
+            else:
+                target, operands, attrs = split_call
+                call = jax.ffi.ffi_lowering(target, operand_output_aliases={0: 0})
+                call_ctx = ctx.replace(primitive=None, avals_out=[flat], avals_in=[flat] + [
+                    _compat.ShapedArray((2,), np.int32)] * len(operands))
+                result, = call(call_ctx, packed, *operands, call_id=np.int64(call_id * 16 + j),
+                               **attrs)
             outs.append(result)
         return outs
     return rule
+
+
+def _split_call(platform: str | None, flat_ctx: Any, axes: tuple,
+                blocks: int) -> tuple[str, list, dict] | None:
+    """(start target, its operands after the buffer, its attributes) where the platform's
+    engine can split this packed buffer's all-reduce into start and done; None where start
+    all-reduces it with the one-call lowering and done only splits. Start and done decide
+    alike (the same buffer, axes and blocks)."""
+    if platform == "cpu":
+        call, _ = allreduce._cpu_call(flat_ctx, axes, blocks)
+        if call is None:
+            return None
+        rank_group, attrs = call
+        return _ffi.ALLREDUCE_CPU_START_TARGET, [rank_group], attrs
+    if platform == "cuda":
+        attrs, _ = allreduce._cuda_kernel_attrs(flat_ctx, axes, blocks)
+        if not attrs:
+            return None
+        _ffi.ensure_cuda_registered()
+        return _ffi.ALLREDUCE_CUDA_START_TARGET, [], attrs
+    return None
 
 
 # --- done -----------------------------------------------------------------------
@@ -157,19 +185,28 @@ libra_psum_done_p = _compat.Primitive("libra_psum_done")
 libra_psum_done_p.multiple_results = True
 
 
-def _done_abstract_eval(*flats: Any, out_avals: tuple, axes: tuple, blocks: int,
+def _done_abstract_eval(*operands: Any, out_avals: tuple, axes: tuple, blocks: int,
                         call_id: int) -> Any:
     return list(out_avals), set()
 
 
-def _done_lowering(*, cuda: bool = False) -> Any:
-    def rule(ctx: Any, *flats: Any, out_avals: tuple, axes: tuple, blocks: int,
+def _done_lowering(*, platform: str | None = None) -> Any:
+    def rule(ctx: Any, *operands: Any, out_avals: tuple, axes: tuple, blocks: int,
              call_id: int) -> list[Any]:
+        *flats, after = operands  # `after` only orders done after it
         outs: list[Any] = [None] * len(out_avals)
         for j, ((dtype, idx, padded), flat, flat_aval) in enumerate(
                 zip(packed_layout(out_avals), flats, ctx.avals_in)):
             flat_ctx = ctx.replace(primitive=None, avals_in=[flat_aval], avals_out=[flat_aval])
-            if cuda and _async_attrs(flat_ctx, axes, blocks):
+            split_call = _split_call(platform, flat_ctx, axes, blocks)
+            if split_call is not None and platform == "cpu":
+                rank_group = split_call[1][0]
+                call = jax.ffi.ffi_lowering(_ffi.ALLREDUCE_CPU_DONE_TARGET,
+                                            operand_output_aliases={0: 0})
+                flat, = call(ctx.replace(primitive=None, avals_out=[flat_aval], avals_in=[
+                    flat_aval, _compat.ShapedArray((2,), np.int32), ctx.avals_in[-1]]),
+                    flat, rank_group, after, call_id=np.int64(call_id * 16 + j))
+            elif split_call is not None:  # cuda: XLA's stream waits for libra's
                 call = jax.ffi.ffi_lowering(_ffi.ALLREDUCE_CUDA_DONE_TARGET,
                                             operand_output_aliases={1: 0})
                 flat, = call(ctx.replace(primitive=None, avals_in=[flat_aval, flat_aval],
@@ -182,22 +219,18 @@ def _done_lowering(*, cuda: bool = False) -> Any:
     return rule
 
 
-def _async_attrs(flat_ctx: Any, axes: tuple, blocks: int) -> dict | None:
-    """The kernel call's attributes when start/done can run this packed buffer on libra's
-    stream; None when start all-reduces it synchronously. Start and done decide alike."""
-    attrs, _ = allreduce._cuda_kernel_attrs(flat_ctx, axes, blocks)
-    return attrs or None
-
-
 libra_psum_start_p.def_impl(functools.partial(_compat.apply_primitive, libra_psum_start_p))
 libra_psum_start_p.def_effectful_abstract_eval(_start_abstract_eval)
 _compat.register_lowering(libra_psum_start_p, _start_lowering(allreduce._xla_lowering))
-_compat.register_lowering(libra_psum_start_p, _start_lowering(allreduce._cpu_lowering),
+_compat.register_lowering(libra_psum_start_p,
+                          _start_lowering(allreduce._cpu_lowering, platform="cpu"),
                           platform="cpu")
 _compat.register_lowering(libra_psum_start_p,
-                          _start_lowering(allreduce._cuda_lowering, cuda=True), platform="cuda")
+                          _start_lowering(allreduce._cuda_lowering, platform="cuda"),
+                          platform="cuda")
 
 libra_psum_done_p.def_impl(functools.partial(_compat.apply_primitive, libra_psum_done_p))
 libra_psum_done_p.def_effectful_abstract_eval(_done_abstract_eval)
 _compat.register_lowering(libra_psum_done_p, _done_lowering())
-_compat.register_lowering(libra_psum_done_p, _done_lowering(cuda=True), platform="cuda")
+_compat.register_lowering(libra_psum_done_p, _done_lowering(platform="cpu"), platform="cpu")
+_compat.register_lowering(libra_psum_done_p, _done_lowering(platform="cuda"), platform="cuda")

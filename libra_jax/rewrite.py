@@ -414,7 +414,17 @@ class _Rewriter:
         # they come, every pure equation downstream of its results (the optimizer update),
         # so the compute in between overlaps the all-reduce. An effect or another
         # all-reduce reading a waiting result places it (and those started before) first.
+        # A done also reads the latest start's first gradient: XLA orders by data only, and
+        # this keeps every done after the last start (after the backward pass). Not the
+        # start's buffer: a second reader of it would make XLA copy it before it is reduced.
         waiting: list[tuple[set, list[Any]]] = []  # (variables defined, equations)
+        latest: list[Any] = []  # the latest start's first operand
+
+        def place(groups: list[tuple[set, list[Any]]]) -> None:
+            for _, (done, *rest) in groups:
+                out.append(done.replace(invars=[*done.invars[:-1], latest[-1]]))
+                out.extend(rest)
+
         for i in range(len(eqns)):
             if i in removed or i in moved:
                 continue
@@ -427,18 +437,17 @@ class _Rewriter:
                 defined.update(v for v in eqn.outvars if _is_var(v))
                 continue
             if needed:
-                for _, group in waiting[:needed[-1] + 1]:
-                    out.extend(group)
+                place(waiting[:needed[-1] + 1])
                 del waiting[:needed[-1] + 1]
             out.append(eqn)
             after = [eqns[j] for j in sink.get(i, ())]
             if i in dones:
+                latest.append(eqn.invars[0])
                 group = [dones[i]] + after
                 waiting.append(({v for e in group for v in e.outvars if _is_var(v)}, group))
             else:
                 out.extend(after)
-        for _, group in waiting:
-            out.extend(group)
+        place(waiting)
         return jaxpr.replace(eqns=out)
 
     def plan(self, members: list[_Site], costs: list[float], world: int, scope: str,
@@ -676,7 +685,8 @@ def _fused(eqns: Sequence[Any], bucket: Sequence[_Site], axes: tuple, invariant:
 def _start_done(eqns: Sequence[Any], bucket: Sequence[_Site], axes: tuple, invariant: bool,
                 blocks: int) -> tuple[Any, Any]:
     """A bucket as a `libra_psum_start` equation (its operands -> packed buffers in flight)
-    and a `libra_psum_done` equation (those buffers -> the members' results)."""
+    and a `libra_psum_done` equation (those buffers, and one to order it after -> the
+    members' results; `_Rewriter.jaxpr` sets the last)."""
     members = [eqns[s.index] for s in bucket]
     effects = set().union(*(e.effects for e in members))
     call_id = _overlap.next_call_id()
@@ -688,7 +698,7 @@ def _start_done(eqns: Sequence[Any], bucket: Sequence[_Site], axes: tuple, invar
         dict(axes=axes, blocks=int(blocks), invariant=invariant, call_id=call_id), effects,
         members[-1].source_info)
     done = _compat.new_jaxpr_eqn(
-        flat_vars, results, _overlap.libra_psum_done_p,
+        [*flat_vars, flat_vars[0]], results, _overlap.libra_psum_done_p,
         dict(out_avals=tuple(v.aval for v in results), axes=axes, blocks=int(blocks),
              call_id=call_id), set(), members[-1].source_info)
     return start, done

@@ -90,7 +90,8 @@ def test_library_exports_only_the_ffi_symbols(ffi_library):
                          text=True, check=True).stdout
     symbols = sorted(line.split()[-1] for line in out.splitlines() if line.strip())
     assert symbols == ["LibraCpuAllReduceSiteTypeId", "LibraCpuAllReduceSiteTypeInfo",
-                       "kCpuAllReduceExecute", "kCpuAllReduceInstantiate"], symbols
+                       "kCpuAllReduceDone", "kCpuAllReduceExecute", "kCpuAllReduceInstantiate",
+                       "kCpuAllReduceStart", "kCpuAllReduceStartInstantiate"], symbols
 
 
 @pytest.mark.parametrize("library", ["missing", "module"])

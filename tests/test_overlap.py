@@ -63,6 +63,10 @@ def test_start_done_equals_sync_and_plain_bitwise():
     jax.tree.map(assert_bitwise, got, sync)
     jax.tree.map(assert_bitwise, got, plain)
     assert split.last_report.num_psums >= 5  # four weight gradients and the loss
+    hlo = jax.jit(split).lower(*args).as_text()
+    starts = re.findall(r"custom_call @libra_allreduce_cpu_start\(", hlo)
+    assert starts and len(starts) == len(re.findall(r"custom_call @libra_allreduce_cpu_done\(", hlo))
+    assert "libra_allreduce_cpu(" not in hlo
 
 
 def test_done_waits_until_a_result_is_needed():
@@ -92,11 +96,13 @@ def test_start_and_done_pack_mixed_dtypes_with_padding():
     flat = overlap.packed_avals(avals)
     assert [(f.shape, f.dtype) for f in flat] == [((8,), np.float32), ((8,), jnp.bfloat16)]
 
+    call_id = overlap.next_call_id()
+
     def body(a, b):
         started = overlap.libra_psum_start_p.bind(a, b, axes=("x",), blocks=2, invariant=False,
-                                                  call_id=overlap.next_call_id())
+                                                  call_id=call_id)
         return tuple(overlap.libra_psum_done_p.bind(
-            *started, out_avals=tuple(avals), axes=("x",), blocks=2, call_id=0))
+            *started, a, out_avals=tuple(avals), axes=("x",), blocks=2, call_id=call_id))
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P("x")),
                               out_specs=(P("x"), P("x")), check_vma=False))

@@ -10,12 +10,18 @@
 // independent all-reduces).
 #include "xla_ffi/handlers.h"
 
+#include <deque>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <string_view>
+#include <tuple>
 #include <utility>
+#include <vector>
 
 #include "libra/engine.h"
+#include "libra/thread_pool.h"
 
 namespace libra_ffi {
 namespace {
@@ -31,6 +37,13 @@ ffi::ErrorOr<std::unique_ptr<CpuAllReduceSite>> Instantiate(
     std::string_view label, int64_t /*world*/, int64_t /*blocks*/,
     int64_t /*timeout_ms*/) {
   return std::make_unique<CpuAllReduceSite>(std::string(label));
+}
+
+// start's call sites carry one more attribute (call_id) and are instantiated alike.
+ffi::ErrorOr<std::unique_ptr<CpuAllReduceSite>> InstantiateStart(
+    std::string_view label, int64_t world, int64_t blocks, int64_t timeout_ms,
+    int64_t /*call_id*/) {
+  return Instantiate(label, world, blocks, timeout_ms);
 }
 
 ffi::Error ToFfiError(const libra::Status& status) {
@@ -52,21 +65,19 @@ ffi::Future Failed(ffi::Error error) {
   return future;
 }
 
-ffi::Future Execute(ffi::RunId run_id, CpuAllReduceSite* site, ffi::AnyBuffer x,
-                    ffi::Buffer<ffi::S32> rank_group, ffi::Result<ffi::AnyBuffer> out,
-                    std::string_view label, int64_t world, int64_t blocks,
-                    int64_t timeout_ms) {
-  if (site == nullptr) {
-    return Failed(ffi::Error::Internal("libra_jax all-reduce: no call-site state"));
-  }
+// The engine's call for one device's buffers, or what is wrong with them.
+ffi::ErrorOr<libra::CallSpec> MakeSpec(ffi::RunId run_id, ffi::AnyBuffer x,
+                                       ffi::Buffer<ffi::S32> rank_group,
+                                       ffi::Result<ffi::AnyBuffer>& out, int64_t world,
+                                       int64_t blocks, int64_t timeout_ms) {
   ffi::ErrorOr<libra::DType> dtype = ToEngineDType(x.element_type());
-  if (!dtype.has_value()) return Failed(dtype.error());
+  if (!dtype.has_value()) return ffi::Unexpected(dtype.error());
   if (out->element_type() != x.element_type() || out->size_bytes() != x.size_bytes()) {
-    return Failed(ffi::Error::InvalidArgument(
+    return ffi::Unexpected(ffi::Error::InvalidArgument(
         "libra_jax all-reduce: output must match the input's type and size"));
   }
   if (rank_group.element_count() != 2) {
-    return Failed(ffi::Error::InvalidArgument(
+    return ffi::Unexpected(ffi::Error::InvalidArgument(
         "libra_jax all-reduce: the rank operand must hold (rank, group)"));
   }
   libra::CallSpec spec;
@@ -78,10 +89,33 @@ ffi::Future Execute(ffi::RunId run_id, CpuAllReduceSite* site, ffi::AnyBuffer x,
   spec.count = x.element_count();
   spec.blocks = static_cast<int>(blocks);
   spec.timeout_ms = timeout_ms;
+  return spec;
+}
 
+ffi::Future Completed(const libra::Status& status) {
   ffi::Promise promise;
   ffi::Future future(promise);
-  site->rendezvous.Arrive(spec, x.untyped_data(), out->untyped_data(),
+  if (status.ok()) {
+    promise.SetAvailable();
+  } else {
+    promise.SetError(ToFfiError(status));
+  }
+  return future;
+}
+
+ffi::Future Execute(ffi::RunId run_id, CpuAllReduceSite* site, ffi::AnyBuffer x,
+                    ffi::Buffer<ffi::S32> rank_group, ffi::Result<ffi::AnyBuffer> out,
+                    std::string_view /*label*/, int64_t world, int64_t blocks,
+                    int64_t timeout_ms) {
+  if (site == nullptr) {
+    return Failed(ffi::Error::Internal("libra_jax all-reduce: no call-site state"));
+  }
+  ffi::ErrorOr<libra::CallSpec> spec =
+      MakeSpec(run_id, x, rank_group, out, world, blocks, timeout_ms);
+  if (!spec.has_value()) return Failed(spec.error());
+  ffi::Promise promise;
+  ffi::Future future(promise);
+  site->rendezvous.Arrive(*spec, x.untyped_data(), out->untyped_data(),
                           [promise](const libra::Status& status) mutable {
                             if (status.ok()) {
                               promise.SetAvailable();
@@ -92,26 +126,148 @@ ffi::Future Execute(ffi::RunId run_id, CpuAllReduceSite* site, ffi::AnyBuffer x,
   return future;
 }
 
+// --- Start/done (libra_jax.overlap) ------------------------------------------
+//
+// start registers the device's buffer with its round and returns at once, so
+// XLA's program goes on with nothing pending; the reduction runs when the last
+// rank arrives. done, which the rewrite places after the backward pass, returns
+// a future for the end of that round. start's output aliases its input (the
+// packed bucket, reduced in place) and done's aliases that, so XLA keeps the
+// buffer alive, and neither reads nor reuses it, until done.
+
+struct InFlight {
+  std::mutex mu;
+  bool finished = false;
+  libra::Status status;
+  std::vector<ffi::Promise> waiters;
+};
+
+// Started calls by (call id, run, group, rank), oldest first.
+class InFlightCalls {
+ public:
+  using Key = std::tuple<int64_t, int64_t, int64_t, int>;
+
+  void Push(const Key& key, std::shared_ptr<InFlight> call) {
+    std::lock_guard<std::mutex> lock(mu_);
+    calls_[key].push_back(std::move(call));
+  }
+
+  std::shared_ptr<InFlight> Pop(const Key& key) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = calls_.find(key);
+    if (it == calls_.end()) return nullptr;
+    std::shared_ptr<InFlight> call = std::move(it->second.front());
+    it->second.pop_front();
+    if (it->second.empty()) calls_.erase(it);
+    return call;
+  }
+
+  static InFlightCalls& Get() {
+    static libra::NoDestructor<InFlightCalls> calls;  // XLA threads may outlive statics
+    return *calls;
+  }
+
+ private:
+  std::mutex mu_;
+  std::map<Key, std::deque<std::shared_ptr<InFlight>>> calls_;
+};
+
+ffi::Future ExecuteStart(ffi::RunId run_id, CpuAllReduceSite* site, ffi::AnyBuffer x,
+                         ffi::Buffer<ffi::S32> rank_group, ffi::Result<ffi::AnyBuffer> out,
+                         std::string_view /*label*/, int64_t world, int64_t blocks,
+                         int64_t timeout_ms, int64_t call_id) {
+  if (site == nullptr) {
+    return Failed(ffi::Error::Internal("libra_jax all-reduce: no call-site state"));
+  }
+  ffi::ErrorOr<libra::CallSpec> spec =
+      MakeSpec(run_id, x, rank_group, out, world, blocks, timeout_ms);
+  if (!spec.has_value()) return Failed(spec.error());
+  auto call = std::make_shared<InFlight>();
+  InFlightCalls::Get().Push({call_id, spec->run_id, spec->group, spec->rank}, call);
+  site->rendezvous.Arrive(*spec, x.untyped_data(), out->untyped_data(),
+                          [call](const libra::Status& status) {
+                            std::vector<ffi::Promise> waiters;
+                            {
+                              std::lock_guard<std::mutex> lock(call->mu);
+                              call->finished = true;
+                              call->status = status;
+                              waiters.swap(call->waiters);
+                            }
+                            for (ffi::Promise& waiter : waiters) {
+                              if (status.ok()) {
+                                waiter.SetAvailable();
+                              } else {
+                                waiter.SetError(ToFfiError(status));
+                              }
+                            }
+                          });
+  return Completed(libra::Status::Ok());
+}
+
+ffi::Future ExecuteDone(ffi::RunId run_id, ffi::AnyBuffer /*started*/,
+                        ffi::Buffer<ffi::S32> rank_group, ffi::AnyBuffer /*after*/,
+                        ffi::Result<ffi::AnyBuffer> /*out*/, int64_t call_id) {
+  if (rank_group.element_count() != 2) {
+    return Failed(ffi::Error::InvalidArgument(
+        "libra_jax all-reduce: the rank operand must hold (rank, group)"));
+  }
+  const int32_t* rg = rank_group.typed_data();
+  std::shared_ptr<InFlight> call =
+      InFlightCalls::Get().Pop({call_id, run_id.run_id, rg[1], rg[0]});
+  if (call == nullptr) {
+    return Failed(ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                             "libra_jax all-reduce: done of call " + std::to_string(call_id) +
+                                 " without its start"));
+  }
+  std::lock_guard<std::mutex> lock(call->mu);
+  if (call->finished) return Completed(call->status);
+  ffi::Promise promise;
+  ffi::Future future(promise);
+  call->waiters.push_back(std::move(promise));
+  return future;
+}
+
+// The attributes of a call site, shared by the one-call target and start.
+template <typename Binding>
+auto BindSiteAttrs(Binding binding) {
+  return std::move(binding)
+      .template Attr<std::string_view>("label")
+      .template Attr<int64_t>("world")
+      .template Attr<int64_t>("blocks")
+      .template Attr<int64_t>("timeout_ms");
+}
+
+// The signature of the engine call: the one-call target, and start (which adds a call id).
+auto BindEngineCall() {
+  return BindSiteAttrs(ffi::Ffi::Bind()
+                           .Ctx<ffi::RunId>()
+                           .Ctx<ffi::State<CpuAllReduceSite>>()
+                           .Arg<ffi::AnyBuffer>()
+                           .Arg<ffi::Buffer<ffi::S32>>()
+                           .Ret<ffi::AnyBuffer>());
+}
+
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuAllReduceInstantiate, Instantiate,
-                              ffi::Ffi::BindInstantiate()
-                                  .Attr<std::string_view>("label")
-                                  .Attr<int64_t>("world")
-                                  .Attr<int64_t>("blocks")
-                                  .Attr<int64_t>("timeout_ms"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuAllReduceInstantiate, Instantiate, BindSiteAttrs(
+                                  ffi::Ffi::BindInstantiate()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuAllReduceExecute, Execute,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuAllReduceExecute, Execute, BindEngineCall());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuAllReduceStartInstantiate, InstantiateStart,
+                              BindSiteAttrs(ffi::Ffi::BindInstantiate()).Attr<int64_t>("call_id"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuAllReduceStart, ExecuteStart,
+                              BindEngineCall().Attr<int64_t>("call_id"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuAllReduceDone, ExecuteDone,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::RunId>()
-                                  .Ctx<ffi::State<CpuAllReduceSite>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
-                                  .Attr<std::string_view>("label")
-                                  .Attr<int64_t>("world")
-                                  .Attr<int64_t>("blocks")
-                                  .Attr<int64_t>("timeout_ms"));
+                                  .Attr<int64_t>("call_id"));
 
 const XLA_FFI_TypeInfo* CpuAllReduceSiteTypeInfo() {
   static const XLA_FFI_TypeInfo info = ffi::MakeTypeInfo<CpuAllReduceSite>();

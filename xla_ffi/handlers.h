@@ -30,6 +30,11 @@ inline ffi::ErrorOr<libra::DType> ToEngineDType(ffi::DataType dtype) {
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kCpuAllReduceInstantiate);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kCpuAllReduceExecute);
+// The same call split in two (libra_jax.overlap): start arrives and returns at
+// once (instantiated like the call above); done waits for the round's end.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kCpuAllReduceStartInstantiate);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kCpuAllReduceStart);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kCpuAllReduceDone);
 
 // The call-site state type, registered with XLA before the handler.
 const XLA_FFI_TypeInfo* CpuAllReduceSiteTypeInfo();

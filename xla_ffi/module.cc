@@ -33,8 +33,13 @@ nb::dict Registrations() {
   nb::dict cpu_allreduce;
   cpu_allreduce["instantiate"] = EncapsulateFfiHandler(libra_ffi::kCpuAllReduceInstantiate);
   cpu_allreduce["execute"] = EncapsulateFfiHandler(libra_ffi::kCpuAllReduceExecute);
+  nb::dict cpu_start;
+  cpu_start["instantiate"] = EncapsulateFfiHandler(libra_ffi::kCpuAllReduceStartInstantiate);
+  cpu_start["execute"] = EncapsulateFfiHandler(libra_ffi::kCpuAllReduceStart);
   nb::dict registrations;
   registrations["libra_allreduce_cpu"] = cpu_allreduce;
+  registrations["libra_allreduce_cpu_start"] = cpu_start;
+  registrations["libra_allreduce_cpu_done"] = EncapsulateFfiHandler(libra_ffi::kCpuAllReduceDone);
   return registrations;
 }
 
