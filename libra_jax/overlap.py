@@ -54,6 +54,7 @@ __all__ = ["libra_psum_start_p", "libra_psum_done_p", "packed_layout", "packed_a
 #: 16-byte vectors).
 PACK_ALIGN_BYTES = 16
 
+
 def next_call_id() -> int:
     """A fresh id for one start/done pair (each dtype of the bucket uses id * 16 + its index)."""
     return secrets.randbits(58)
