@@ -12,8 +12,10 @@ rounds, its IQR, and the median and p10-p90 of the per-round ratio to plain. A t
 gradient psum in one fused bucket, as XLA's all-reduce combiner does with the plain step's psums
 (a probe of the model's fusion trade-off on this host, not a Libra plan).
 
-`--start-done` adds `optimize(overlap="start-done")`: each all-reduce joins its round
-mid-backward and is waited for after the backward pass (libra_jax/overlap.py).
+The optimized arm is `optimize`'s default, overlap="auto": per bucket, one call or a start/done
+pair, whichever the model prices lower (libra_jax/rewrite.py). `--modes` adds one arm per forced
+mode: overlap="sync" (one call per bucket) and overlap="start-done" (each all-reduce joins its
+round mid-backward and is waited for after the backward pass, libra_jax/overlap.py).
 
 `--overlap` also runs one step per example with `LIBRA_JAX_DEBUG=1` in a subprocess and reads the
 engine's per-call log: an all-reduce whose first rank arrived before the previous all-reduce
@@ -63,7 +65,7 @@ def one_bucket_profile() -> str:
 
 
 def bench(name: str, options: dict, rounds: int, steps: int, one_bucket: bool = False,
-          start_done: bool = False) -> dict:
+          modes: bool = False) -> dict:
     step, args = common.load_example(name).build(False, **options)
     arms = {"plain": jax.jit(step, donate_argnums=0),
             "optimized": jax.jit(libra_jax.optimize(step), donate_argnums=0),
@@ -72,9 +74,10 @@ def bench(name: str, options: dict, rounds: int, steps: int, one_bucket: bool = 
     if one_bucket:
         arms["optimized, one bucket"] = jax.jit(
             libra_jax.optimize(step, profile=one_bucket_profile()), donate_argnums=0)
-    if start_done:
-        arms["optimized, start-done"] = jax.jit(
-            libra_jax.optimize(step, overlap="start-done"), donate_argnums=0)
+    if modes:
+        for mode in ("sync", "start-done"):
+            arms[f"optimized, {mode}"] = jax.jit(libra_jax.optimize(step, overlap=mode),
+                                                 donate_argnums=0)
     state = {k: common.copy_tree(args[0]) for k in arms}
     batch = args[1:]
     for k, f in arms.items():  # compile + warm up
@@ -131,8 +134,8 @@ def main() -> None:
     parser.add_argument("--overlap", action="store_true", help="also read the engine's debug log")
     parser.add_argument("--one-bucket", action="store_true",
                         help="add an arm with every gradient psum in one bucket")
-    parser.add_argument("--start-done", action="store_true",
-                        help="add an arm with overlap='start-done'")
+    parser.add_argument("--modes", action="store_true",
+                        help="add arms with overlap='sync' and overlap='start-done'")
     parser.add_argument("--out", default=None, help="write a markdown table here")
     a = parser.parse_args()
     load_before = os.getloadavg()
@@ -141,7 +144,7 @@ def main() -> None:
         if a.only and a.only != name:
             continue
         t0 = time.perf_counter()
-        res = bench(name, options, a.rounds, a.steps, a.one_bucket, a.start_done)
+        res = bench(name, options, a.rounds, a.steps, a.one_bucket, a.modes)
         base = np.asarray(res["plain"])
         for arm, ts in res.items():
             ts = np.asarray(ts)

@@ -742,6 +742,14 @@ def analyse(samples: Samples, workers: int, budget: Budget, seed: int = 0,
     return result
 
 
+def _shipped_pending_allreduce_q() -> dict:
+    """The shipped CPU profile's cost of a pending all-reduce (`optimize(overlap="auto")`),
+    carried over: calibration does not measure it."""
+    shipped = model.load_profile(model.PROFILE_DIR / "cpu-host.json").sources
+    q = shipped["fair_share.pending_allreduce_us"]
+    return _q(q.value, "assumption", f"not calibrated; from the shipped cpu-host profile: {q.ref}")
+
+
 def _q(value: Any, source: str, ref: str) -> dict[str, Any]:
     return {"value": value, "source": source, "ref": ref}
 
@@ -824,6 +832,7 @@ def build_profile(analysis: dict[str, Any], *, workers: int, budget: Budget, sam
             "compute_threads": _q(share["compute_threads"], "measured",
                                   "fitted: slowdown max(1, (D+k)/P) / max(1, D/P) of both chains"),
             "fusion_copy_gbyte_per_s": copy_q,
+            "pending_allreduce_us": _shipped_pending_allreduce_q(),
         },
         "calibration": {
             **(meta or {}),

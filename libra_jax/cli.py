@@ -302,6 +302,9 @@ def _add_plan(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--variant", default=None, help="passed to build(variant=...) if given")
     p.add_argument("--profile", default=None, help="profile name or JSON path (default: the backend's)")
     p.add_argument("--no-fusion", action="store_true", help="plan allocations only, no fusion")
+    p.add_argument("--overlap", choices=("auto", "sync", "start-done"), default=None,
+                   help="how each gradient all-reduce is issued, as optimize(overlap=...) "
+                        "(default: $LIBRA_JAX_OVERLAP, else auto)")
     p.add_argument("--plain", action="store_true", help="plain-text table even if rich is installed")
     p.add_argument("--gantt", metavar="PNG", default=None,
                    help="draw the predicted timeline (compute with its slowdown, each all-reduce "
@@ -341,7 +344,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     kwargs = {"variant": args.variant} if args.variant else {}
     step, step_args = module.build(args.small, **kwargs)  # type: ignore[attr-defined]
     result = explain_mod.explain(step, *step_args, profile=args.profile, fusion=not args.no_fusion,
-                                 file=sys.stdout, use_rich=False if args.plain else None)
+                                 overlap=args.overlap, file=sys.stdout, use_rich=False if args.plain else None)
     if args.gantt:
         from libra_jax import gantt
 

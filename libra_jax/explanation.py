@@ -34,6 +34,7 @@ class BucketRow:
     nbytes: int                     # bytes per rank
     blocks: int                     # engine blocks (CPU worker tasks / CUDA thread blocks)
     allocation: int                 # the cost model's option (blocks, or total threads)
+    overlap: str                    # issued as one call ("sync") or a start/done pair
     compute_s: float                # compute of its layers (the gradients it carries), full speed
     ready_s: float                  # predicted time its last gradient is ready
     start_s: float                  # predicted start and end of its all-reduce
@@ -97,9 +98,10 @@ class Explanation:
 
 
 def explain(fn: Callable[..., Any], *args: Any, profile: Any = None, fusion: bool = True,
-            blocks: int | None = None, file: TextIO | None = sys.stdout,
-            use_rich: bool | None = None) -> Explanation:
-    """Plan `fn(*args)` as `libra_jax.optimize(fn, profile=..., fusion=..., blocks=...)` would,
+            blocks: int | None = None, overlap: str | None = None,
+            file: TextIO | None = sys.stdout, use_rich: bool | None = None) -> Explanation:
+    """Plan `fn(*args)` as `libra_jax.optimize(fn, profile=..., fusion=..., blocks=...,
+    overlap=...)` would,
     print the plan to `file` (None: print nothing) and return it as an :class:`Explanation`.
 
     `fn` may be jitted, `shard_map`ped, call `jax.pmap`, or be an `optimize`d function (its
@@ -108,7 +110,8 @@ def explain(fn: Callable[..., Any], *args: Any, profile: Any = None, fusion: boo
     if getattr(fn, "last_report", _MISSING) is not _MISSING and hasattr(fn, "__wrapped__"):
         fn = fn.__wrapped__  # an `optimize`d function: explain what it wraps
     closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
-    _, report = rewrite.rewrite_jaxpr(closed, profile=profile, fusion=fusion, blocks=blocks)
+    _, report = rewrite.rewrite_jaxpr(closed, profile=profile, fusion=fusion, blocks=blocks,
+                                      overlap=overlap)
     names = _result_names(closed, out_shape, report)
     scopes = tuple(_scope_plan(entry, report, names) for entry in report.predicted)
     others = tuple(p for p in report.plans if p.kind != "gradient")
@@ -144,16 +147,18 @@ def _scope_plan(entry: dict, report: rewrite.OptimizeReport, names: dict) -> Sco
     tl = gantt.timeline(list(layers), list(buckets), cost)
     spans = {c.bucket: c for c in tl.collectives}
     members, results = entry["members"], entry["results"]
-    engine = {(p.scope, p.members[-1]): p.blocks for p in report.plans if p.kind == "gradient"}
+    planned = {(p.scope, p.members[-1]): p for p in report.plans if p.kind == "gradient"}
     rows = []
     for j, b in enumerate(buckets):
         idx = range(b.first, b.last + 1)
         tensors = tuple(names.get(id(results[i]), _unnamed(results[i], members[i])) for i in idx)
         span = spans.get(j)
+        issued = planned.get((entry["scope"], members[b.last]))
         ready = max((c.end for c in tl.compute if b.first <= c.layer <= b.last), default=0.0)
         rows.append(BucketRow(
             index=j, tensors=tensors, nbytes=sum(layers[i].grad_bytes for i in idx),
-            blocks=engine.get((entry["scope"], members[b.last]), b.blocks), allocation=b.blocks,
+            blocks=getattr(issued, "blocks", b.blocks), allocation=b.blocks,
+            overlap=getattr(issued, "overlap", "sync"),
             compute_s=sum(layers[i].compute_s for i in idx),
             ready_s=span.ready if span else ready,
             start_s=span.start if span else ready, end_s=span.end if span else ready))
@@ -320,14 +325,14 @@ def _header(s: ScopePlan) -> str:
 
 
 def _columns() -> list[str]:
-    return ["#", "tensors (planning order)", "bytes", "blocks", "compute ms", "ready ms",
-            "all-reduce ms", "start-end ms"]
+    return ["#", "tensors (planning order)", "bytes", "blocks", "issued", "compute ms",
+            "ready ms", "all-reduce ms", "start-end ms"]
 
 
 def _cells(r: BucketRow) -> list[str]:
     ms = 1e3
     alloc = f"{r.blocks}" if r.blocks == r.allocation else f"{r.blocks} ({r.allocation})"
-    return [str(r.index), _tensor_list(r.tensors), _fmt_bytes(r.nbytes), alloc,
+    return [str(r.index), _tensor_list(r.tensors), _fmt_bytes(r.nbytes), alloc, r.overlap,
             f"{r.compute_s * ms:.3f}", f"{r.ready_s * ms:.3f}", f"{r.comm_s * ms:.3f}",
             f"{r.start_s * ms:.3f}-{r.end_s * ms:.3f}"]
 

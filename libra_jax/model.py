@@ -355,6 +355,9 @@ class FairShare:
     ``cores`` the host's hardware threads (shared by all its devices), ``compute_threads`` the
     runnable threads the backward pass keeps busy on the host (all devices together),
     ``fusion_copy_bytes_per_s`` the bucket bytes per second packed into one buffer and split back.
+    ``pending_allreduce_s`` (optional) what one all-reduce left pending in XLA:CPU's program
+    while the backward pass runs costs the step; ``optimize(overlap="auto")`` weighs it against
+    the work a start/done pair would defer (`libra_jax.rewrite`). None: not known.
     """
 
     block_options: tuple[int, ...]
@@ -364,6 +367,7 @@ class FairShare:
     cores: float
     compute_threads: float
     fusion_copy_bytes_per_s: float
+    pending_allreduce_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -583,12 +587,15 @@ def profile_from_dict(data: Mapping[str, Any], *, origin: str = "<dict>") -> Pro
                       r.number(s, "slope_per_thread", "libra_fit.slowdown.", inclusive=True)),
         )
     elif form == "fair-share":
-        c = r.section(data, "fair_share", allowed=_BLOCK_FORM_KEYS + ("cores", "compute_threads"))
+        c = r.section(data, "fair_share", allowed=_BLOCK_FORM_KEYS + (
+            "cores", "compute_threads", "pending_allreduce_us"))
         p = "fair_share."
         fair_share = FairShare(
             **_block_form_fields(r, c, p),
             cores=r.number(c, "cores", p),
             compute_threads=r.number(c, "compute_threads", p),
+            pending_allreduce_s=(r.number(c, "pending_allreduce_us", p, inclusive=True) * S_PER_US
+                                 if "pending_allreduce_us" in c else None),
         )
     else:
         c = r.section(data, "nccl_style", allowed=_BLOCK_FORM_KEYS + (

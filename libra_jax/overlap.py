@@ -1,7 +1,8 @@
 """Start/done all-reduces: a gradient bucket's all-reduce runs beside the backward pass.
 
 `libra_jax.optimize(step, overlap="start-done")` splits each planned gradient all-reduce
-into two equations of the rewritten program:
+(``overlap="auto"``, the default: each one the model picks) into two equations of the
+rewritten program:
 
 * ``libra_psum_start(*xs)``, where the bucket's last gradient is ready: packs the bucket
   (per dtype: flatten, concatenate, zero-pad to 16 bytes) and launches the all-reduce
@@ -30,16 +31,17 @@ What runs in between is the compute the all-reduce overlaps. Per platform:
 Done has one more operand, the latest start's first gradient: XLA orders by data only, and
 this keeps every done after the last start. On a GPU, whether XLA's schedule keeps the
 kernel beside compute is what `benchmarks/gpu_check.sh` measures.
-`call_id` ties a start to its done (the CUDA handlers key their events by GPU and id). It is
-random (58 bits), so that pairs of different programs, even compiled by other processes and
-loaded from JAX's compilation cache, do not share one; a pair inside a loop body is started and
-waited for in each iteration, in order.
+`call_id` ties a start to its done: the CPU engine keys a started call by (call id, run id,
+group, rank), a run id being unique per execution; the CUDA handlers key their events by
+(GPU, call id). `optimize` numbers a program's pairs from a fingerprint of the program, so a
+retrace yields the same program (JAX's compilation cache keeps working) and different programs
+do not share ids; a pair inside a loop body is started and waited for in each iteration, in
+order.
 """
 from __future__ import annotations
 
 import functools
 import math
-import secrets
 from typing import Any, Sequence
 
 import jax
@@ -47,17 +49,11 @@ import numpy as np
 
 from libra_jax import _compat, _ffi, allreduce
 
-__all__ = ["libra_psum_start_p", "libra_psum_done_p", "packed_layout", "packed_avals",
-           "next_call_id"]
+__all__ = ["libra_psum_start_p", "libra_psum_done_p", "packed_layout", "packed_avals"]
 
 #: Packed buffers are padded to a multiple of this many bytes (the CUDA kernels move
 #: 16-byte vectors).
 PACK_ALIGN_BYTES = 16
-
-
-def next_call_id() -> int:
-    """A fresh id for one start/done pair (each dtype of the bucket uses id * 16 + its index)."""
-    return secrets.randbits(58)
 
 
 def packed_layout(avals: Sequence[Any], align_bytes: int = PACK_ALIGN_BYTES

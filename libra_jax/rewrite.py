@@ -25,16 +25,19 @@ Contract of the rewrite (`rewrite_jaxpr`):
   and splits them back. Summation is elementwise in rank order either way,
   so results are bitwise those of the unfused psums. Equations between the
   bucket's members that use an earlier member's result move after it.
-- With ``overlap="start-done"`` every gradient bucket (fused or not) is a
+- A gradient bucket (fused or not) is issued either as that one call or as a
   `libra_psum_start` where its last member was and a `libra_psum_done`, with
   the uses that moved, just before the first equation that reads a result
-  (`libra_jax.overlap`); the values are the same.
+  (`libra_jax.overlap`); the values are the same. ``overlap="sync"`` or
+  ``"start-done"`` forces one way; ``"auto"`` (the default) chooses per bucket
+  (`_Rewriter.split_buckets`).
 - Deterministic: everything is visited in jaxpr order; no set or dict
   iteration order, hash or timing enters the plan.
 """
 from __future__ import annotations
 
 import bisect
+import collections
 import dataclasses
 import functools
 import hashlib
@@ -54,9 +57,10 @@ __all__ = ["optimize", "rewrite_jaxpr", "PsumPlan", "OptimizeReport", "libra_psu
 DISABLE_ENV = "LIBRA_JAX_DISABLE"
 #: Environment default of `optimize(overlap=...)`.
 OVERLAP_ENV = "LIBRA_JAX_OVERLAP"
-#: How a gradient all-reduce is issued: one call ("sync"; on CPU already asynchronous), or
-#: a start/done pair around the compute it overlaps ("start-done", `libra_jax.overlap`).
-OVERLAP_MODES = ("sync", "start-done")
+#: How a gradient all-reduce is issued: one call ("sync"; on CPU already asynchronous), a
+#: start/done pair around the compute it overlaps ("start-done", `libra_jax.overlap`), or
+#: per bucket whichever the model prices lower ("auto", `_Rewriter.split_buckets`).
+OVERLAP_MODES = ("auto", "sync", "start-done")
 
 
 # --- Public API ---------------------------------------------------------------
@@ -77,11 +81,14 @@ def optimize(fn: Callable[..., Any] | None = None, *, profile: Any = None, fusio
       fusion: fuse gradient psums into buckets (Libra's co-optimisation). False: one
         all-reduce per psum, allocations still planned.
       blocks: fix every planned allocation to this block count and plan fusion only.
-      overlap: "sync" (default) issues each gradient all-reduce as one call; on CPU the
-        engine's call is asynchronous already. "start-done" splits it into a start where
-        the gradients are ready and a done where the result is first needed, so that on a
-        GPU the kernel runs on libra's own stream beside the backward pass (verified by
-        `benchmarks/gpu_check.sh`). None: ``$LIBRA_JAX_OVERLAP``, else "sync".
+      overlap: "sync" issues each gradient all-reduce as one call (on CPU the engine's
+        call is asynchronous already). "start-done" splits it into a start where the
+        gradients are ready and a done after the backward pass, where the result is first
+        needed (on a GPU the kernel runs on libra's own stream beside the backward pass).
+        "auto" chooses per bucket: a start/done pair where the work it defers (the bucket's
+        optimizer update) is predicted to cost less than leaving the one call pending in
+        the program (the profile's ``pending_allreduce_us``; profiles without it, the GPU
+        ones until measured, issue one call). None: ``$LIBRA_JAX_OVERLAP``, else "auto".
       enabled: False returns `fn` unchanged (as does ``LIBRA_JAX_DISABLE=1``).
 
     Returns:
@@ -92,7 +99,7 @@ def optimize(fn: Callable[..., Any] | None = None, *, profile: Any = None, fusio
     """
     if fn is None:
         return functools.partial(optimize, profile=profile, fusion=fusion, blocks=blocks,
-                                 enabled=enabled)
+                                 overlap=overlap, enabled=enabled)
     if blocks is not None:
         allreduce._check_blocks(blocks)
     if not enabled:
@@ -138,6 +145,7 @@ class PsumPlan:
     nbytes: int                     # bytes per rank
     blocks: int                     # the allocation (engine worker tasks / thread blocks)
     kind: str                       # "gradient", "forward", "loop" or "user"
+    overlap: str = "sync"           # "sync" (one call) or "start-done" (`libra_jax.overlap`)
 
 
 @dataclasses.dataclass
@@ -275,12 +283,13 @@ def check_plan_agreement(report: OptimizeReport, *, program: str) -> None:
 
 
 def rewrite_jaxpr(closed: Any, *, profile: Any = None, fusion: bool = True,
-                  blocks: int | None = None, overlap: str = "sync") -> tuple[Any, OptimizeReport]:
+                  blocks: int | None = None,
+                  overlap: str | None = None) -> tuple[Any, OptimizeReport]:
     """Rewrite `closed` (a ClosedJaxpr) as the module docstring states."""
     report = OptimizeReport()
     options = _Options(profile=profile, fusion=fusion, blocks=blocks,
                        overlap=_overlap_mode(overlap))
-    rewriter = _Rewriter(options, report)
+    rewriter = _Rewriter(options, report, closed)
     new_jaxpr = rewriter.jaxpr(closed.jaxpr, axis_sizes={}, scope="top", in_loop=False)
     for line in report.skipped:
         allreduce._warn_once(f"libra_jax.optimize left an XLA psum in place: {line}")
@@ -294,7 +303,7 @@ class _Options:
     profile: Any
     fusion: bool
     blocks: int | None
-    overlap: str = "sync"
+    overlap: str = "auto"
 
     def cache_key(self) -> tuple:
         profile = self.profile
@@ -313,7 +322,7 @@ class _Options:
 
 def _overlap_mode(overlap: str | None) -> str:
     if overlap is None:
-        mode = os.environ.get(OVERLAP_ENV, "").strip() or "sync"
+        mode = os.environ.get(OVERLAP_ENV, "").strip() or "auto"
     else:
         mode = overlap
     if mode not in OVERLAP_MODES:
@@ -346,10 +355,22 @@ _PSUM_PRIMITIVES = {"psum": False, "psum_invariant": True}
 
 
 class _Rewriter:
-    def __init__(self, options: _Options, report: OptimizeReport) -> None:
+    def __init__(self, options: _Options, report: OptimizeReport, program: Any) -> None:
         self.options = options
         self.report = report
         self.profile = options.resolved_profile()
+        self.program = program  # the ClosedJaxpr being rewritten (for `call_id`)
+        self.calls = 0
+
+    def call_id(self) -> int:
+        """The id of the program's next start/done pair (`libra_jax.overlap`): a fingerprint
+        of the program plus a count. The same program always gets the same ids, so a retrace
+        hits JAX's compilation cache, and different programs do not share ids."""
+        if self.calls == 0:
+            digest = hashlib.blake2b(str(self.program).encode(), digest_size=8).digest()
+            self.fingerprint = int.from_bytes(digest, "little") >> 8
+        self.calls += 1
+        return (self.fingerprint + self.calls) % 2**56
 
     # One jaxpr scope: rewrite sub-jaxprs, then plan and apply this scope's psums.
     def jaxpr(self, jaxpr: Any, *, axis_sizes: dict, scope: str, in_loop: bool) -> Any:
@@ -384,31 +405,36 @@ class _Rewriter:
                                                   k, kind))
                 continue
             groups.setdefault((site.axes, site.invariant), []).append(site)
-        split = self.options.overlap == "start-done"
+        planned = [(axes, invariant, bucket, k)
+                   for (axes, invariant), members in groups.items()
+                   for bucket, k in self.plan(members, costs, _world(axis_sizes, axes), scope,
+                                              _reach(eqns, members))]
+        splits = self.split_buckets(eqns, jaxpr.outvars, [b for _, _, b, _ in planned])
         dones: dict[int, Any] = {}  # start/done: a start's position -> its done
-        for (axes, invariant), members in groups.items():
-            for bucket, k in self.plan(members, costs, _world(axis_sizes, axes), scope,
-                                       _reach(eqns, members)):
-                if len(bucket) == 1 or not _can_fuse(eqns, bucket):
-                    for site in bucket:
-                        if split:
-                            replacements[site.index], dones[site.index] = _start_done(
-                                eqns, [site], axes, invariant, k)
-                        else:
-                            replacements[site.index] = _single(eqns[site.index], site, k, invars)
-                    self.report.plans.extend(
-                        PsumPlan(scope, axes, (s.index,), s.nbytes, k, "gradient") for s in bucket)
-                    continue
-                last = bucket[-1].index
-                if split:
-                    replacements[last], dones[last] = _start_done(eqns, bucket, axes, invariant, k)
-                else:
-                    replacements[last] = _fused(eqns, bucket, axes, invariant, k)
-                removed.update(site.index for site in bucket[:-1])
-                sink[last] = _sunk(eqns, bucket)
-                moved.update(sink[last])
-                self.report.plans.append(PsumPlan(scope, axes, tuple(s.index for s in bucket),
-                                                  sum(s.nbytes for s in bucket), k, "gradient"))
+        for (axes, invariant, bucket, k), split in zip(planned, splits):
+            mode = "start-done" if split else "sync"
+            if len(bucket) == 1 or not _can_fuse(eqns, bucket):
+                for site in bucket:
+                    if split:
+                        replacements[site.index], dones[site.index] = _start_done(
+                            eqns, [site], axes, invariant, k, self.call_id())
+                    else:
+                        replacements[site.index] = _single(eqns[site.index], site, k, invars)
+                self.report.plans.extend(
+                    PsumPlan(scope, axes, (s.index,), s.nbytes, k, "gradient", mode)
+                    for s in bucket)
+                continue
+            last = bucket[-1].index
+            if split:
+                replacements[last], dones[last] = _start_done(
+                    eqns, bucket, axes, invariant, k, self.call_id())
+            else:
+                replacements[last] = _fused(eqns, bucket, axes, invariant, k)
+            removed.update(site.index for site in bucket[:-1])
+            sink[last] = _sunk(eqns, bucket)
+            moved.update(sink[last])
+            self.report.plans.append(PsumPlan(scope, axes, tuple(s.index for s in bucket),
+                                              sum(s.nbytes for s in bucket), k, "gradient", mode))
         out: list[Any] = []
         # Start/done: each started bucket waits with its done, the uses that moved and, as
         # they come, every pure equation downstream of its results (the optimizer update),
@@ -449,6 +475,39 @@ class _Rewriter:
                 out.extend(after)
         place(waiting)
         return jaxpr.replace(eqns=out)
+
+    def split_buckets(self, eqns: Sequence[Any], outvars: Sequence[Any],
+                      buckets: list[list[_Site]]) -> list[bool]:
+        """Per gradient bucket, whether it is issued as a start/done pair (else one call).
+
+        "auto" weighs what each way costs. A start/done pair defers the bucket's own
+        downstream work (its optimizer update) until after the backward pass, where nothing
+        hides it: it costs that work's roofline time. One call lets that work run beside the
+        rest of the backward pass, but leaves the all-reduce pending in the device's program
+        until the last rank arrives: on XLA:CPU that costs the step about the profile's
+        `pending_allreduce_us` (measured, benchmarks/results/end_to_end.md). Profiles without
+        it (the GPU forms, until `benchmarks/gpu_check.sh` has measured start/done) issue
+        one call."""
+        mode = self.options.overlap
+        if mode != "auto":
+            return [mode == "start-done"] * len(buckets)
+        fair_share = _loaded(self.profile).fair_share
+        pending_s = fair_share.pending_allreduce_s if fair_share is not None else None
+        if pending_s is None:
+            return [False] * len(buckets)
+        return [deferred < pending_s for deferred in self.deferred_s(eqns, outvars, buckets)]
+
+    def deferred_s(self, eqns: Sequence[Any], outvars: Sequence[Any],
+                   buckets: list[list[_Site]]) -> list[float]:
+        """Per bucket, the predicted seconds of the work that waits for its all-reduce alone:
+        the pure equations downstream of its results and of no other bucket's, priced as one
+        fused region (`_region_roofline_s`), as XLA fuses an optimizer's elementwise chain."""
+        reached = [_downstream_of(eqns, [eqns[s.index].outvars[0] for s in bucket])
+                   for bucket in buckets]
+        shared = collections.Counter(i for r in reached for i in r)
+        return [_region_roofline_s(eqns, [i for i in sorted(r) if shared[i] == 1
+                                          and not eqns[i].effects], outvars, self.profile)
+                for r in reached]
 
     def plan(self, members: list[_Site], costs: list[float], world: int, scope: str,
              reach: list[int] | None = None) -> Iterable[tuple[list[_Site], int]]:
@@ -683,13 +742,12 @@ def _fused(eqns: Sequence[Any], bucket: Sequence[_Site], axes: tuple, invariant:
 
 
 def _start_done(eqns: Sequence[Any], bucket: Sequence[_Site], axes: tuple, invariant: bool,
-                blocks: int) -> tuple[Any, Any]:
+                blocks: int, call_id: int) -> tuple[Any, Any]:
     """A bucket as a `libra_psum_start` equation (its operands -> packed buffers in flight)
     and a `libra_psum_done` equation (those buffers, and one to order it after -> the
     members' results; `_Rewriter.jaxpr` sets the last)."""
     members = [eqns[s.index] for s in bucket]
     effects = set().union(*(e.effects for e in members))
-    call_id = _overlap.next_call_id()
     operands = [e.invars[0] for e in members]
     flat_vars = [_compat.new_var(a) for a in _overlap.packed_avals([v.aval for v in operands])]
     results = [e.outvars[0] for e in members]
@@ -738,6 +796,23 @@ def _roofline_s(eqn: Any, profile: Any) -> float:
     return max(memory_s, flops / device.flop_per_s()) if flops else memory_s
 
 
+def _region_roofline_s(eqns: Sequence[Any], region: Sequence[int], outvars: Sequence[Any],
+                       profile: Any) -> float:
+    """Seconds of equations `region` run as one fused kernel at the profile's rates: it
+    reads what it uses from outside once and writes what is used outside once (the sum of
+    `_roofline_s` over an elementwise chain counts every intermediate twice)."""
+    inside = set(region)
+    defined = {v for i in region for v in eqns[i].outvars if _is_var(v)}
+    used_outside = {v for i, eqn in enumerate(eqns) if i not in inside
+                    for v in eqn.invars if _is_var(v)} | {v for v in outvars if _is_var(v)}
+    read = {v for i in region for v in eqns[i].invars if _is_var(v) and v not in defined}
+    written = defined & used_outside
+    moved = sum(_nbytes(v.aval) for v in read | written if hasattr(v.aval, "shape"))
+    device = _device(profile)
+    flops = sum(_flops(eqns[i]) for i in region)
+    return max(moved / device.bytes_per_s(), flops / device.flop_per_s())
+
+
 def _flops(eqn: Any) -> float:
     name = eqn.primitive.name
     if name == "dot_general":
@@ -753,14 +828,19 @@ def _flops(eqn: Any) -> float:
 
 
 @functools.lru_cache(maxsize=16)
-def _device_cached(profile: Any) -> Any:
-    return model.load_profile(profile).device
+def _load_cached(profile: Any) -> Any:
+    return model.load_profile(profile)
+
+
+def _loaded(profile: Any) -> Any:
+    """The `model.Profile` of a profile argument (name, path or Profile), loaded once."""
+    if isinstance(profile, model.Profile):
+        return profile
+    return _load_cached(os.fspath(profile))
 
 
 def _device(profile: Any) -> Any:
-    if isinstance(profile, model.Profile):
-        return profile.device
-    return _device_cached(os.fspath(profile))
+    return _loaded(profile).device
 
 
 # --- The fused all-reduce --------------------------------------------------------

@@ -295,6 +295,17 @@ def mutate(name: str, path: str, value: object = None, *, delete: bool = False) 
     return data
 
 
+def test_pending_allreduce_cost_is_optional() -> None:
+    """`optimize(overlap="auto")` reads it; a profile without it (calibrated before it
+    existed, or written by hand) still loads, and says it is not known."""
+    host = model.load_profile("cpu-host")
+    assert host.fair_share.pending_allreduce_s == pytest.approx(
+        raw("cpu-host")["fair_share"]["pending_allreduce_us"]["value"] * 1e-6)
+    without = model.profile_from_dict(mutate("cpu-host", "fair_share.pending_allreduce_us",
+                                             delete=True))
+    assert without.fair_share.pending_allreduce_s is None
+
+
 @pytest.mark.parametrize("name, path, value, delete, message", [
     ("h200", "device.compute_units", None, True, r"field 'device\.compute_units' is missing"),
     ("h200", "network", None, True, r"field 'network' is missing"),
@@ -317,6 +328,8 @@ def mutate(name: str, path: str, value: object = None, *, delete: bool = False) 
     ("h200", "nccl_style.fusion_copy_gbyte_per_s", None, True, r"'nccl_style\.fusion_copy_gbyte_per_s' is missing"),
     ("cpu-host", "fair_share.compute_threads", None, True, r"'fair_share\.compute_threads' is missing"),
     ("cpu-host", "fair_share.cores.value", 0, False, r"'fair_share\.cores\.value' must be > 0"),
+    ("cpu-host", "fair_share.pending_allreduce_us.value", -1, False,
+     r"'fair_share\.pending_allreduce_us\.value' must be >= 0"),
     ("cpu-host", "fair_share", None, True, r"field 'fair_share' is missing"),
     ("h200", "schema_version", None, True, r"'schema_version' is missing"),
     ("h200", "nccl_style", None, True, r"field 'nccl_style' is missing"),

@@ -16,7 +16,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import libra_jax
-from libra_jax import _compat, _ffi, overlap
+from libra_jax import _compat, _ffi, allreduce, model, overlap
 from libra_jax.rewrite import optimize, rewrite_jaxpr
 
 from conftest import assert_bitwise, mesh_of, shard
@@ -90,6 +90,57 @@ def test_done_waits_until_a_result_is_needed():
     assert "libra_psum" not in names and "libra_psum_fused" not in names
 
 
+def with_pending_cost(pending_us):
+    """The CPU host profile with another cost of a pending all-reduce (None: not known)."""
+    doc = model.profile_to_dict(model.load_profile("cpu-host"))
+    if pending_us is None:
+        del doc["fair_share"]["pending_allreduce_us"]
+    else:
+        doc["fair_share"]["pending_allreduce_us"]["value"] = pending_us
+    return model.profile_from_dict(doc, origin=f"pending {pending_us}")
+
+
+def test_auto_splits_the_buckets_whose_deferred_update_costs_less_than_pending():
+    # Layers of 16x512 and 512x8 f32 weights (32 KiB and 16 KiB) and two small ones: their
+    # SGD updates, as one fused region each, move about 3 x their bytes at the profile's
+    # memory rate (11 GB/s): ~9 us and ~4.5 us.
+    step, args = mlp_step(sizes=(16, 512, 8, 8, 8))
+    closed = jax.make_jaxpr(step)(*args)
+
+    def modes(pending_us):
+        _, report = rewrite_jaxpr(closed, profile=with_pending_cost(pending_us), fusion=False,
+                                  overlap="auto")
+        return {p.nbytes: p.overlap for p in report.plans if p.kind == "gradient"}
+
+    assert set(modes(1e6).values()) == {"start-done"}
+    assert set(modes(0).values()) == {"sync"}
+    assert set(modes(None).values()) == {"sync"}  # not known: one call, as before
+    mixed = modes(7)
+    assert mixed[16 * 512 * 4] == "sync" and mixed[512 * 8 * 4] == "start-done"
+    assert mixed[8 * 8 * 4] == "start-done"
+    # The GPU profiles do not know the cost: one call each until a GPU has measured start/done.
+    _, report = rewrite_jaxpr(closed, profile="h200", fusion=False, overlap="auto")
+    assert {p.overlap for p in report.plans if p.kind == "gradient"} == {"sync"}
+    # A mixed plan computes the same values as plain JAX.
+    auto = optimize(step, profile=with_pending_cost(7), fusion=False, overlap="auto")
+    jax.tree.map(assert_bitwise, jax.jit(auto)(*args), jax.jit(step)(*args))
+    assert {p.overlap for p in auto.last_report.plans if p.kind == "gradient"} == \
+        {"sync", "start-done"}
+
+
+def test_a_retrace_gives_the_same_program():
+    # Start/done call ids come from the program, not a random source: JAX's compilation
+    # cache can serve a second process (test_rewrite.test_persistent_compilation_cache).
+    step, args = mlp_step()
+    texts = [jax.jit(optimize(step, overlap="start-done")).lower(*args).as_text()
+             for _ in range(2)]
+    assert "libra_allreduce_cpu_start" in texts[0] and texts[0] == texts[1]
+    other = jax.jit(optimize(mlp_step(sizes=(16, 32, 8))[0], overlap="start-done")).lower(
+        *mlp_step(sizes=(16, 32, 8))[1]).as_text()
+    ids = lambda text: set(re.findall(r"call_id = (\d+)", text))  # noqa: E731
+    assert ids(texts[0]) and not ids(texts[0]) & ids(other)
+
+
 def test_start_and_done_pack_mixed_dtypes_with_padding():
     # One bucket of an f32 (5 elements: padded to 8) and a bf16 (3 elements: padded to 8),
     # packed per dtype, all-reduced, split back: psum's values bit for bit.
@@ -101,7 +152,7 @@ def test_start_and_done_pack_mixed_dtypes_with_padding():
     flat = overlap.packed_avals(avals)
     assert [(f.shape, f.dtype) for f in flat] == [((8,), np.float32), ((8,), jnp.bfloat16)]
 
-    call_id = overlap.next_call_id()
+    call_id = 12345
 
     def body(a, b):
         started = overlap.libra_psum_start_p.bind(a, b, axes=("x",), blocks=2, invariant=False,
@@ -126,7 +177,7 @@ def test_overlap_mode_is_validated(monkeypatch):
         optimize(step)
     monkeypatch.setenv("LIBRA_JAX_OVERLAP", "start-done")
     assert "libra_psum_start" in str(jax.make_jaxpr(optimize(step))(*args))
-    monkeypatch.delenv("LIBRA_JAX_OVERLAP")
+    monkeypatch.setenv("LIBRA_JAX_OVERLAP", "sync")
     assert "libra_psum_start" not in str(jax.make_jaxpr(optimize(step))(*args))
 
 
@@ -158,6 +209,7 @@ def test_cuda_lowering_is_a_start_done_pair():
 def test_cuda_start_falls_back_to_xla_where_the_kernels_cannot(monkeypatch):
     _ffi.ensure_cuda_registered()
     monkeypatch.setenv("LIBRA_JAX_CUDA", "0")
+    monkeypatch.setattr(allreduce, "_warned", set())  # an earlier test may have warned
     step, args = mlp_step()
     with pytest.warns(UserWarning, match="XLA's all-reduce"):
         text = jax.jit(optimize(step, overlap="start-done")).trace(*args).lower(
@@ -168,7 +220,7 @@ def test_cuda_start_falls_back_to_xla_where_the_kernels_cannot(monkeypatch):
 # test_allreduce's script (rank 2 never arrives), with the psum split into start and done.
 START_TIMEOUT_SCRIPT = TIMEOUT_SCRIPT.replace("def body(v):", textwrap.dedent("""\
     from libra_jax import overlap
-    call_id = overlap.next_call_id()
+    call_id = 12345
     def split_psum(u):
         flat = overlap.libra_psum_start_p.bind(u, axes=("x",), blocks=1, invariant=False,
                                                call_id=call_id)
