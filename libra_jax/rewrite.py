@@ -163,7 +163,7 @@ class OptimizeReport:
     def plan_lines(self) -> list[str]:
         """One line per planned all-reduce: what every process must agree on."""
         return [f"{p.scope} axes={p.axes} psums={p.members} bytes={p.nbytes} blocks={p.blocks} "
-                f"kind={p.kind}" for p in self.plans]
+                f"kind={p.kind} overlap={p.overlap}" for p in self.plans]
 
 
 #: Set to 1 (on every process) to plan with each process's own profile under multi-process JAX.
