@@ -360,13 +360,14 @@ class _Rewriter:
         self.report = report
         self.profile = options.resolved_profile()
         self.program = program  # the ClosedJaxpr being rewritten (for `call_id`)
+        self.fingerprint: int | None = None
         self.calls = 0
 
     def call_id(self) -> int:
         """The id of the program's next start/done pair (`libra_jax.overlap`): a fingerprint
         of the program plus a count. The same program always gets the same ids, so a retrace
         hits JAX's compilation cache, and different programs do not share ids."""
-        if self.calls == 0:
+        if self.fingerprint is None:
             digest = hashlib.blake2b(str(self.program).encode(), digest_size=8).digest()
             self.fingerprint = int.from_bytes(digest, "little") >> 8
         self.calls += 1
@@ -505,8 +506,16 @@ class _Rewriter:
         reached = [_downstream_of(eqns, [eqns[s.index].outvars[0] for s in bucket])
                    for bucket in buckets]
         shared = collections.Counter(i for r in reached for i in r)
+        readers: dict[Any, list[int]] = {}
+        for i, eqn in enumerate(eqns):
+            for v in eqn.invars:
+                if _is_var(v):
+                    readers.setdefault(v, []).append(i)
+        for v in outvars:
+            if _is_var(v):
+                readers.setdefault(v, []).append(len(eqns))  # read after the last equation
         return [_region_roofline_s(eqns, [i for i in sorted(r) if shared[i] == 1
-                                          and not eqns[i].effects], outvars, self.profile)
+                                          and not eqns[i].effects], readers, self.profile)
                 for r in reached]
 
     def plan(self, members: list[_Site], costs: list[float], world: int, scope: str,
@@ -796,17 +805,16 @@ def _roofline_s(eqn: Any, profile: Any) -> float:
     return max(memory_s, flops / device.flop_per_s()) if flops else memory_s
 
 
-def _region_roofline_s(eqns: Sequence[Any], region: Sequence[int], outvars: Sequence[Any],
-                       profile: Any) -> float:
+def _region_roofline_s(eqns: Sequence[Any], region: Sequence[int],
+                       readers: dict[Any, list[int]], profile: Any) -> float:
     """Seconds of equations `region` run as one fused kernel at the profile's rates: it
     reads what it uses from outside once and writes what is used outside once (the sum of
-    `_roofline_s` over an elementwise chain counts every intermediate twice)."""
+    `_roofline_s` over an elementwise chain counts every intermediate twice). `readers`:
+    per variable, the positions of the equations that read it (past the end: an output)."""
     inside = set(region)
     defined = {v for i in region for v in eqns[i].outvars if _is_var(v)}
-    used_outside = {v for i, eqn in enumerate(eqns) if i not in inside
-                    for v in eqn.invars if _is_var(v)} | {v for v in outvars if _is_var(v)}
     read = {v for i in region for v in eqns[i].invars if _is_var(v) and v not in defined}
-    written = defined & used_outside
+    written = {v for v in defined if any(j not in inside for j in readers.get(v, ()))}
     moved = sum(_nbytes(v.aval) for v in read | written if hasattr(v.aval, "shape"))
     device = _device(profile)
     flops = sum(_flops(eqns[i]) for i in region)
