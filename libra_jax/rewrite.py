@@ -368,8 +368,7 @@ class _Rewriter:
         of the program plus a count. The same program always gets the same ids, so a retrace
         hits JAX's compilation cache, and different programs do not share ids."""
         if self.fingerprint is None:
-            digest = hashlib.blake2b(str(self.program).encode(), digest_size=8).digest()
-            self.fingerprint = int.from_bytes(digest, "little") >> 8
+            self.fingerprint = _fingerprint(self.program.jaxpr) >> 8
         self.calls += 1
         return (self.fingerprint + self.calls) % 2**56
 
@@ -769,6 +768,23 @@ def _start_done(eqns: Sequence[Any], bucket: Sequence[_Site], axes: tuple, invar
         dict(out_avals=tuple(v.aval for v in results), axes=axes, blocks=int(blocks),
              call_id=call_id), set(), members[-1].source_info)
     return start, done
+
+
+def _fingerprint(jaxpr: Any) -> int:
+    """A 64-bit hash of a jaxpr's structure: every equation's primitive and result types,
+    sub-jaxprs included (printing the jaxpr would take a second for 8000 equations)."""
+    h = hashlib.blake2b(digest_size=8)
+
+    def visit(j: Any) -> None:
+        for eqn in j.eqns:
+            h.update(eqn.primitive.name.encode())
+            for v in eqn.outvars:
+                dtype = getattr(v.aval, "dtype", None)
+                h.update(f"{getattr(v.aval, 'shape', ())}{getattr(dtype, 'char', '')};".encode())
+            for sub in _compat.jaxprs_in_params(eqn.params):
+                visit(getattr(sub, "jaxpr", sub))
+    visit(jaxpr)
+    return int.from_bytes(h.digest(), "little")
 
 
 def _is_var(v: Any) -> bool:
