@@ -33,10 +33,11 @@ this keeps every done after the last start. On a GPU, whether XLA's schedule kee
 kernel beside compute is what `benchmarks/gpu_check.sh` measures.
 `call_id` ties a start to its done: the CPU engine keys a started call by (call id, run id,
 group, rank), a run id being unique per execution; the CUDA handlers key their events by
-(GPU, call id). `optimize` numbers a program's pairs from a fingerprint of the program, so a
-retrace yields the same program (JAX's compilation cache keeps working) and different programs
-do not share ids; a pair inside a loop body is started and waited for in each iteration, in
-order.
+(GPU, call id). `optimize` numbers a program's pairs from a fingerprint of the program's
+structure, so a retrace yields the same program (JAX's compilation cache keeps working) and
+programs of another structure do not share ids. A GPU start whose id is still in flight (the
+same program dispatched from two threads at once) fails with an error rather than mixing the
+two; a pair inside a loop body is started and waited for in each iteration, in order.
 """
 from __future__ import annotations
 

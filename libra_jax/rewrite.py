@@ -365,8 +365,8 @@ class _Rewriter:
 
     def call_id(self) -> int:
         """The id of the program's next start/done pair (`libra_jax.overlap`): a fingerprint
-        of the program plus a count. The same program always gets the same ids, so a retrace
-        hits JAX's compilation cache, and different programs do not share ids."""
+        of the program's structure plus a count. The same program always gets the same ids,
+        so a retrace hits JAX's compilation cache; programs of another structure get others."""
         if self.fingerprint is None:
             self.fingerprint = _fingerprint(self.program.jaxpr) >> 8
         self.calls += 1
