@@ -179,6 +179,8 @@ def test_overlap_mode_is_validated(monkeypatch):
     assert "libra_psum_start" in str(jax.make_jaxpr(optimize(step))(*args))
     monkeypatch.setenv("LIBRA_JAX_OVERLAP", "sync")
     assert "libra_psum_start" not in str(jax.make_jaxpr(optimize(step))(*args))
+    # The decorator form passes overlap on too.
+    assert "libra_psum_start" in str(jax.make_jaxpr(optimize(overlap="start-done")(step))(*args))
 
 
 @pytest.mark.skipif(not _ffi.HAS_CUDA, reason="libra_jax built without CUDA")
