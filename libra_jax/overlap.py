@@ -119,16 +119,21 @@ def pack(ctx: Any, xs: Sequence[Any], idx: Sequence[int], padded: int) -> Any:
         _compat.ir.IntegerType.get_signless(64), 0))
 
 
-def split(ctx: Any, flat: Any, flat_aval: Any, out_avals: Sequence[Any]) -> list[Any]:
-    """The inverse of `pack`: `flat` cut into values of `out_avals` (padding dropped)."""
-    shapes = tuple(a.shape for a in out_avals)
+def split(ctx: Any, flat: Any, flat_aval: Any, out_avals: Sequence[Any], idx: Sequence[int],
+          outs: list[Any]) -> None:
+    """The inverse of `pack`: `flat` cut into the results `idx` of one dtype (padding
+    dropped), each written to its place in `outs`."""
+    shapes = tuple(out_avals[i].shape for i in idx)
     offsets = np.cumsum([0] + [int(math.prod(s)) for s in shapes])
 
     def cut(v: Any) -> Any:
         return tuple(v[offsets[k]:offsets[k + 1]].reshape(shape) for k, shape in enumerate(shapes))
 
-    return list(_compat.lower_fun(cut, multiple_results=True)(
-        ctx.replace(primitive=None, avals_in=[flat_aval], avals_out=list(out_avals)), flat))
+    parts = _compat.lower_fun(cut, multiple_results=True)(
+        ctx.replace(primitive=None, avals_in=[flat_aval],
+                    avals_out=[out_avals[i] for i in idx]), flat)
+    for i, part in zip(idx, parts):
+        outs[i] = part
 
 
 def _start_lowering(sync_rule: Any, *, platform: str | None = None) -> Any:
@@ -210,9 +215,7 @@ def _done_lowering(*, platform: str | None = None) -> Any:
                 flat, = call(ctx.replace(primitive=None, avals_in=[flat_aval, flat_aval],
                                          avals_out=[flat_aval]),
                              flat, flat, call_id=np.int64(call_id * 16 + j))
-            parts = split(ctx, flat, flat_aval, [out_avals[i] for i in idx])
-            for i, part in zip(idx, parts):
-                outs[i] = part
+            split(ctx, flat, flat_aval, out_avals, idx, outs)
         return outs
     return rule
 

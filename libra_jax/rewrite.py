@@ -894,9 +894,7 @@ def _fused_lowering(single_rule: Callable[..., Any]) -> Callable[..., Any]:
                 ctx.replace(primitive=None, avals_in=[flat], avals_out=[flat]),
                 _overlap.pack(ctx, xs, idx, count), axes=axes, blocks=blocks, inplace=True,
                 invariant=invariant))
-            parts = _overlap.split(ctx, reduced, flat, [ctx.avals_out[i] for i in idx])
-            for i, part in zip(idx, parts):
-                outs[i] = part
+            _overlap.split(ctx, reduced, flat, ctx.avals_out, idx, outs)
         return outs
     return rule
 
