@@ -267,8 +267,30 @@ _CUDA_DTYPES = frozenset(
 _CUDA_VECTOR_BYTES = 16
 
 
-def _cuda_enabled() -> bool:
-    return os.environ.get("LIBRA_JAX_CUDA", "1").strip().lower() not in ("0", "false", "off", "no")
+#: The GPU data path switch: which all-reduce a psum lowered for CUDA becomes.
+CUDA_PATH_ENV = "LIBRA_JAX_CUDA"
+#: ``xla`` (the default): XLA's own all-reduce (NCCL, scheduled by XLA); libra's plan is
+#: made and reported, its block counts are not applied. ``p2p``: libra's peer-to-peer
+#: kernels among the GPUs of one process (and, across processes, inside each process with
+#: NCCL between them). ``nccl``: libra's NCCL call with the block count as its CTA limit,
+#: for groups that span processes (in one process: XLA's, until that path exists). None of
+#: libra's GPU paths has run on a GPU yet, so both are opt-in.
+CUDA_PATHS = ("xla", "p2p", "nccl")
+
+
+def cuda_path() -> str:
+    """The GPU data path `$LIBRA_JAX_CUDA` selects (`CUDA_PATHS`); ValueError naming the
+    variable for anything else."""
+    raw = os.environ.get(CUDA_PATH_ENV, "")
+    path = raw.strip().lower() or "xla"
+    if path not in CUDA_PATHS:
+        raise ValueError(f"{CUDA_PATH_ENV} must be one of {', '.join(CUDA_PATHS)}, got {raw!r}")
+    return path
+
+
+def _cuda_default_reason() -> str:
+    return (f"cuda ({CUDA_PATH_ENV}=xla, the default: libra's GPU all-reduces have not run on a "
+            f"GPU yet; {CUDA_PATH_ENV}=p2p or {CUDA_PATH_ENV}=nccl opts in)")
 
 
 def _cuda_kernel_attrs(ctx: Any, axes: tuple, blocks: int | None) -> tuple[dict | None, str]:
@@ -278,8 +300,12 @@ def _cuda_kernel_attrs(ctx: Any, axes: tuple, blocks: int | None) -> tuple[dict 
     the synchronous call and the start/done pair (`libra_jax.overlap`)."""
     if not _ffi.HAS_CUDA:
         return None, "cuda (libra_jax was built without CUDA)"
-    if not _cuda_enabled():
-        return None, "cuda (LIBRA_JAX_CUDA=0)"
+    path = cuda_path()
+    if path == "xla":
+        return None, _cuda_default_reason()
+    if path != "p2p":
+        return None, (f"cuda groups inside one process with {CUDA_PATH_ENV}={path} (libra's "
+                      "NCCL call serves groups that span processes)")
     groups = _compat.replica_groups(ctx, axes)
     if groups is None:
         return None, "cuda in a partially automatic shard_map"
@@ -314,17 +340,21 @@ def _cuda_kernel_attrs(ctx: Any, axes: tuple, blocks: int | None) -> tuple[dict 
 
 def _cuda_lowering(ctx: Any, x: Any, *, axes: tuple, blocks: int, inplace: bool,
                    invariant: bool) -> Any:
-    """The `libra_allreduce_cuda` custom call: libra's P2P kernels with `blocks`
-    thread blocks, among the GPUs of this process. Falls back to XLA's
-    all-reduce (with a one-time notice) for what the kernels do not serve."""
+    """The psum on a GPU, by the data path `cuda_path` selects: XLA's all-reduce (``xla``,
+    the default), the `libra_allreduce_cuda` custom call (``p2p``: libra's P2P kernels with
+    `blocks` thread blocks among the GPUs of this process) or, for groups that span
+    processes, `libra_allreduce_nccl` (``nccl``, and ``p2p`` hierarchically). Falls back to
+    XLA's all-reduce (with a one-time notice) for what the chosen path does not serve."""
     fallback = partial(_xla_lowering, ctx, x, axes=axes, blocks=blocks, inplace=inplace,
                        invariant=invariant)
     groups = _compat.replica_groups(ctx, axes)
     devices = _compat.mesh_devices(ctx)
-    if (_ffi.HAS_CUDA and _cuda_enabled() and groups is not None and devices is not None
+    path = cuda_path()
+    if (_ffi.HAS_CUDA and path != "xla" and groups is not None and devices is not None
             and any(d.process_index != jax.process_index() for d in devices)):
         return _nccl_lowering(ctx, x, groups=groups, devices=devices, blocks=blocks,
-                              inplace=inplace, fallback=fallback)
+                              inplace=inplace, fallback=fallback,
+                              hierarchical=path == "p2p")
     attrs, reason = _cuda_kernel_attrs(ctx, axes, blocks)
     if attrs is None:
         return fallback(reason=reason)
@@ -356,11 +386,12 @@ def _cuda_lowering(ctx: Any, x: Any, *, axes: tuple, blocks: int, inplace: bool,
 
 
 def _nccl_lowering(ctx: Any, x: Any, *, groups: list, devices: Sequence[Any], blocks: int | None,
-                   inplace: bool, fallback: Callable[..., Any]) -> Any:
+                   inplace: bool, fallback: Callable[..., Any], hierarchical: bool) -> Any:
     """The `libra_allreduce_nccl` custom call, for groups that span processes:
     NCCL with `blocks` as the call's CTA limit (cpp/libra/nccl.h).
 
-    Flat: every GPU is one NCCL rank of its group. Hierarchical, when every
+    Flat: every GPU is one NCCL rank of its group. Hierarchical (`hierarchical`: the
+    ``p2p`` path, which opts in to the P2P kernels), when every
     process holds the same number L > 1 of each group's GPUs (and the kernels
     serve the buffer): libra's P2P kernels sum inside the process, local GPU j
     all-reduces slice j of the sum over NCCL with the j-th GPUs of the other
@@ -393,7 +424,7 @@ def _nccl_lowering(ctx: Any, x: Any, *, groups: list, devices: Sequence[Any], bl
                for i, d in enumerate(local)}
     per_process = [_by_process(devices, members) for members in groups]
     sizes = {len(ids) for g in per_process for ids in g.values()}
-    local_world = sizes.pop() if len(sizes) == 1 else 1
+    local_world = sizes.pop() if len(sizes) == 1 and hierarchical else 1
     if (local_world > _ffi.CUDA_MAX_RANKS or nbytes % _CUDA_VECTOR_BYTES
             or dtype not in _CUDA_DTYPES):
         local_world = 1  # flat: one NCCL rank per GPU

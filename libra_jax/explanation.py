@@ -127,12 +127,12 @@ _MISSING = object()
 # --- Per-scope plan -------------------------------------------------------------------------
 
 def _scope_plan(entry: dict, report: rewrite.OptimizeReport, names: dict) -> ScopePlan:
-    from libra_jax import cli, model
+    from libra_jax import cli
 
     layers = tuple(entry["layers"])
     buckets = tuple(entry["buckets"])
     cost = entry["cost"]
-    derivation = model.derive(entry["profile"], entry["world"])
+    derivation = entry["derivation"]
     default_alloc = cli.default_allocation(derivation)
     if default_alloc not in cost.slowdown:
         default_alloc = max(cost.slowdown)
@@ -164,7 +164,7 @@ def _scope_plan(entry: dict, report: rewrite.OptimizeReport, names: dict) -> Sco
             start_s=span.start if span else ready, end_s=span.end if span else ready))
     return ScopePlan(
         scope=entry["scope"], axes=tuple(entry["axes"]), world=entry["world"],
-        profile=str(entry["profile"]), key_unit=entry["key_unit"], layers=layers, buckets=buckets,
+        profile=entry["profile"].name, key_unit=entry["key_unit"], layers=layers, buckets=buckets,
         cost=cost, rows=tuple(rows), backward_s=tl.backward_s, default_s=default.backward_s,
         fusion_only_s=fusion_only.backward_s, default_allocation=default_alloc,
         compute_s=sum(layer.compute_s for layer in layers))

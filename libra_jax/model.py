@@ -96,7 +96,7 @@ import functools
 import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -370,9 +370,16 @@ class FairShare:
     pending_allreduce_s: float | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Profile:
-    """A validated hardware profile. ``sources`` maps each number's dotted path to its provenance."""
+    """A validated hardware profile. ``sources`` maps each number's dotted path to its provenance.
+
+    A value: two profiles are equal, and hash alike, when every field but ``origin`` is
+    equal (the numbers, their provenance in ``sources``, the text fields). ``origin`` (where
+    it was read from) does not take part, so two loads of the same file, a copy of it
+    elsewhere, and the document process 0 broadcasts to the others are one profile.
+    Hashable, so a profile keys caches (``allreduce.default_blocks``) as a name does.
+    """
 
     name: str
     origin: str
@@ -385,6 +392,32 @@ class Profile:
     notes: tuple[str, ...]
     sources: Mapping[str, Quantity] = field(repr=False)
     fair_share: FairShare | None = None
+
+    @functools.cached_property
+    def _identity(self) -> tuple:
+        # Cached: the instance is frozen (dataclasses.replace makes a new one).
+        return tuple((f.name, _frozen(getattr(self, f.name))) for f in fields(self)
+                     if f.name != "origin")
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Profile):
+            return NotImplemented
+        return self is other or self._identity == other._identity
+
+    def __hash__(self) -> int:
+        return hash(self._identity)
+
+
+def _frozen(value: Any) -> Any:
+    """A hashable stand-in for a profile field: mappings and sequences become tuples."""
+    if isinstance(value, Mapping):
+        return tuple(sorted((str(k), _frozen(v)) for k, v in value.items()))
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen(v) for v in value)
+    if hasattr(value, "__dataclass_fields__"):
+        return (type(value).__name__,) + tuple(_frozen(getattr(value, f.name))
+                                               for f in fields(value))
+    return value
 
 
 # ----------------------------------------------------------------------------------------------

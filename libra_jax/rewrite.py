@@ -308,7 +308,7 @@ class _Options:
     def cache_key(self) -> tuple:
         profile = self.profile
         if isinstance(profile, model.Profile):
-            profile = ("profile", profile.name, profile.origin, id(profile))
+            profile = ("profile", profile)  # a value (`model.Profile`): equal ones share
         elif profile is not None:
             profile = ("name", os.fspath(profile))
         return (profile, self.fusion, self.blocks, self.overlap)
@@ -358,7 +358,8 @@ class _Rewriter:
     def __init__(self, options: _Options, report: OptimizeReport, program: Any) -> None:
         self.options = options
         self.report = report
-        self.profile = options.resolved_profile()
+        # Loaded once: the rewrite, its cost estimates and the report share this value.
+        self.profile = _loaded(options.resolved_profile())
         self.program = program  # the ClosedJaxpr being rewritten (for `call_id`)
         self.fingerprint: int | None = None
         self.calls = 0
@@ -544,8 +545,9 @@ class _Rewriter:
         buckets = planner.within_reach(buckets, reach)
         self.report.predicted.append({
             "scope": scope, "layers": layers, "buckets": list(buckets),
-            "backward_s": planner.simulate(layers, buckets, cost), "profile": derivation.profile,
-            "world": world,
+            "backward_s": planner.simulate(layers, buckets, cost),
+            # The loaded profile and its derivation: `explain` reads these, never a name.
+            "profile": self.profile, "derivation": derivation, "world": world,
             # For `libra_jax.explain`: per layer, the psum's equation index and result variable;
             # the cost model and what its keys count.
             "axes": members[0].axes, "members": tuple(s.index for s in members),
@@ -904,3 +906,5 @@ libra_psum_fused_p.def_effectful_abstract_eval(_fused_abstract_eval)
 _compat.register_lowering(libra_psum_fused_p, _fused_lowering(allreduce._xla_lowering))
 _compat.register_lowering(libra_psum_fused_p, _fused_lowering(allreduce._cpu_lowering),
                           platform="cpu")
+_compat.register_lowering(libra_psum_fused_p, _fused_lowering(allreduce._cuda_lowering),
+                          platform="cuda")

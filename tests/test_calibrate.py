@@ -69,7 +69,7 @@ def test_optimize_uses_the_calibrated_profile_by_default(tiny_profile, monkeypat
     opt = libra_jax.optimize(fn)
     w, x = jnp.ones((16, 16)), jnp.ones((64, 16))
     np.testing.assert_array_equal(np.asarray(opt(w, x)), np.asarray(jax.jit(fn)(w, x)))
-    assert opt.last_report.predicted[0]["profile"] == "cpu-calibrated"
+    assert opt.last_report.predicted[0]["profile"].name == "cpu-calibrated"
     # Without a calibrated profile: the shipped one.
     monkeypatch.setenv(model.PROFILE_DIR_ENV, str(tmp_path / "empty"))
     assert model.default_profile("cpu") == "cpu-host"

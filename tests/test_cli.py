@@ -218,3 +218,83 @@ def test_plan_errors(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
     bad.write_text("x = 1\n")
     status, _, err = run(capsys, "plan", str(bad))
     assert status == 2 and "defines no build" in err
+
+
+# --- Profiles other than the shipped names ---------------------------------------------------
+
+PROFILE_SCRIPT = '''
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+def build(small=False):
+    mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:8]), ("data",))
+    rng = np.random.default_rng(0)
+    params = {"w1": rng.standard_normal((8, 32)).astype(np.float32),
+              "w2": rng.standard_normal((32, 4)).astype(np.float32)}
+    def local(p, x):
+        mu = jax.lax.pmean(jnp.mean(x, 0), "data")          # a forward psum
+        total, _ = jax.lax.scan(lambda c, r: (c + jax.lax.psum(r.sum(), "data"), None), 0.0, x)
+        loss, g = jax.value_and_grad(
+            lambda p: jax.lax.pmean(jnp.mean(jnp.tanh((x - mu) @ p["w1"]) @ p["w2"]), "data"))(p)
+        return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), loss + total
+    step = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P()))
+    x = jax.device_put(rng.standard_normal((16, 8)).astype(np.float32), NamedSharding(mesh, P("data")))
+    return step, (params, x)
+'''
+
+
+def _renamed_profile(path, name: str):
+    doc = model.profile_to_dict(model.load_profile("cpu-host"))
+    doc["name"] = name
+    path.write_text(json.dumps(doc))
+    return path
+
+
+@pytest.mark.parametrize("how", ["custom-name file", "calibrated default"])
+def test_profiles_not_shipped_plan_alike_in_optimize_explain_plan_and_simulate(
+        capsys, monkeypatch, tmp_path, jax_8, how) -> None:
+    """A profile file with a name no shipped profile has, and the calibrated default
+    (`libra-jax calibrate` names it cpu-calibrated), plan as the shipped profile with the same
+    numbers does, through optimize, explain, `libra-jax plan` and `libra-jax simulate`.
+    explain and plan reloaded the profile by its name ("unknown profile 'cpu-calibrated'")."""
+    import libra_jax
+
+    script = tmp_path / "step.py"
+    script.write_text(PROFILE_SCRIPT)
+    monkeypatch.setenv("LIBRA_JAX_PROFILE_DIR", str(tmp_path / "profiles"))
+    if how == "calibrated default":
+        (tmp_path / "profiles").mkdir()
+        path = _renamed_profile(tmp_path / "profiles" / "cpu.json", "cpu-calibrated")
+        name, given, argv = "cpu-calibrated", None, []
+    else:
+        path = _renamed_profile(tmp_path / "mine.json", "my-host")
+        name, given, argv = "my-host", str(path), ["--profile", str(path)]
+    step, args = cli._load_script(str(script)).build()
+
+    def plans(profile):
+        opt = libra_jax.optimize(step, profile=profile)
+        jax_8.jit(opt)(*args)
+        explained = libra_jax.explain(step, *args, profile=profile, file=None)
+        return (opt.last_report.plan_lines(), [s.buckets for s in explained.scopes],
+                [s.profile for s in explained.scopes])
+
+    lines, buckets, names = plans(given)
+    ref_lines, ref_buckets, _ = plans("cpu-host")
+    assert lines == ref_lines and buckets == ref_buckets and names == [name]
+    assert {"forward", "loop", "gradient"} <= {line.split("kind=")[1].split()[0] for line in lines}
+
+    status, out, err = run(capsys, "plan", str(script), "--plain", *argv)
+    assert status == 0, err
+    status, ref, err = run(capsys, "plan", str(script), "--plain", "--profile", "cpu-host")
+    assert status == 0, err
+    assert f"profile {name}" in out and out.replace(name, "cpu-host") == ref
+
+    status, out, err = run(capsys, "simulate", "--model", "vgg16", "--profile", str(path),
+                           "--json")
+    assert status == 0, err
+    status, ref, err = run(capsys, "simulate", "--model", "vgg16", "--profile", "cpu-host",
+                           "--json")
+    assert status == 0, err
+    mine, shipped = json.loads(out), json.loads(ref)
+    assert mine.pop("profile") == name and shipped.pop("profile") == "cpu-host"
+    assert mine == shipped

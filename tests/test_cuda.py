@@ -42,6 +42,12 @@ needs_2_gpus = pytest.mark.skipif(not (len(GPUS) >= 2 and _ffi.HAS_CUDA),
                                   reason="needs 2 CUDA GPUs")
 
 
+@pytest.fixture(autouse=True)
+def p2p_path(monkeypatch):
+    """These tests are of libra's P2P kernels: opt in (XLA's all-reduce is the default)."""
+    monkeypatch.setenv("LIBRA_JAX_CUDA", "p2p")
+
+
 @pytest.fixture
 def fresh_warnings(monkeypatch):
     """Forget the one-time notices, so each test sees its own."""
@@ -211,10 +217,38 @@ def test_cuda_fallback_without_cuda_build(monkeypatch, fresh_warnings):
 
 
 @needs_cuda_build
-def test_cuda_fallback_when_switched_off(monkeypatch, fresh_warnings):
-    monkeypatch.setenv("LIBRA_JAX_CUDA", "0")
-    with pytest.warns(UserWarning, match=r"LIBRA_JAX_CUDA=0"):
+@pytest.mark.parametrize("setting", [None, "", "xla", " XLA "])
+def test_cuda_default_path_is_xla_with_a_notice_naming_the_switch(monkeypatch, fresh_warnings,
+                                                                 setting):
+    if setting is None:
+        monkeypatch.delenv("LIBRA_JAX_CUDA")
+    else:
+        monkeypatch.setenv("LIBRA_JAX_CUDA", setting)
+    assert allreduce.cuda_path() == "xla"
+    with pytest.warns(UserWarning, match=r"LIBRA_JAX_CUDA=xla, the default.*not run on a GPU"
+                                         r".*LIBRA_JAX_CUDA=p2p or LIBRA_JAX_CUDA=nccl"):
         _assert_xla_fallback(lower_for_cuda(lambda v: libra_jax.psum(v, "x", blocks=4)))
+    # One-time: the same lowering again says nothing more.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _assert_xla_fallback(lower_for_cuda(lambda v: libra_jax.psum(v * 3.0, "x", blocks=4)))
+
+
+@needs_cuda_build
+def test_cuda_nccl_path_in_one_process_is_xla_for_now(monkeypatch, fresh_warnings):
+    monkeypatch.setenv("LIBRA_JAX_CUDA", "nccl")
+    with pytest.warns(UserWarning, match=r"inside one process with LIBRA_JAX_CUDA=nccl"):
+        _assert_xla_fallback(lower_for_cuda(lambda v: libra_jax.psum(v, "x", blocks=4)))
+
+
+@pytest.mark.parametrize("setting", ["0", "1", "on", "gpu", "p2p,nccl"])
+def test_cuda_path_setting_is_validated(monkeypatch, setting):
+    monkeypatch.setenv("LIBRA_JAX_CUDA", setting)
+    with pytest.raises(ValueError, match=r"LIBRA_JAX_CUDA must be one of xla, p2p, nccl"):
+        allreduce.cuda_path()
+    if _ffi.HAS_CUDA:  # and a lowering for cuda says so, naming the variable
+        with pytest.raises(ValueError, match=r"LIBRA_JAX_CUDA must be one of"):
+            lower_for_cuda(lambda v: libra_jax.psum(v, "x", blocks=4))
 
 
 @needs_cuda_build

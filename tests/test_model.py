@@ -433,3 +433,31 @@ def test_profile_to_dict_round_trips(name):
     profile = model.load_profile(name)
     document = json.loads(json.dumps(model.profile_to_dict(profile)))
     assert model.profile_from_dict(document, origin=profile.origin) == profile
+
+
+# --- A profile is a value --------------------------------------------------------------------
+
+def test_profiles_are_values_equal_by_content_not_origin(tmp_path) -> None:
+    import dataclasses
+
+    a, b = model.load_profile("cpu-host"), model.load_profile("cpu-host")
+    assert a is not b and a == b and hash(a) == hash(b)
+    # The same document elsewhere (a copy; process 0's broadcast) is the same profile.
+    copy_path = tmp_path / "copy.json"
+    copy_path.write_text(json.dumps(model.profile_to_dict(a)))
+    c = model.load_profile(copy_path)
+    assert c.origin != a.origin and c == a and hash(c) == hash(a)
+    assert model.profile_from_dict(model.profile_to_dict(a), origin="<broadcast>") == a
+    assert dataclasses.replace(a, origin="") == a
+    # Any other field, its provenance included, makes another profile.
+    assert a != model.load_profile("h100")
+    assert dataclasses.replace(a, name="other") != a
+    fair = dataclasses.replace(a.fair_share, cores=a.fair_share.cores + 1)
+    assert dataclasses.replace(a, fair_share=fair) != a
+    doc = model.profile_to_dict(a)
+    cores = doc["fair_share"]["cores"]
+    cores["source"] = "measured" if cores["source"] != "measured" else "assumption"
+    assert model.profile_from_dict(doc) != a
+    # Hashable: a profile keys a cache as its name does (allreduce.default_blocks).
+    assert {a: 1}[c] == 1 and len({a, b, c}) == 1
+    assert a != "cpu-host"

@@ -103,7 +103,7 @@ GRAD_WORKER = PRELUDE + GRAD_STEP + textwrap.dedent("""
     if grads is not None:
         report = step.last_report
         print("PLAN", json.dumps(report.plan_lines()))
-        print("PROFILE", json.dumps([p["profile"] for p in report.predicted]))
+        print("PROFILE", json.dumps([p["profile"].name for p in report.predicted]))
         print("RESULT", json.dumps([np.asarray(g.addressable_data(0)).tolist() for g in grads]))
     print("WARNINGS", json.dumps([str(w.message) for w in caught if "profile" in str(w.message)]))
     jax.distributed.shutdown()

@@ -194,15 +194,20 @@ TWO_PROCESSES = """
             _nccl.communicator([20, 21], blocks=4, holds_root=False, timeout_s=2)
         except RuntimeError as e:
             print("TIMEOUT", e)
+    import os
     mesh = jax.make_mesh((4,), ("x",))
-    f = jax.jit(jax.shard_map(lambda v: libra_jax.psum(v, "x", blocks=6), mesh=mesh,
-                              in_specs=P("x"), out_specs=P()))
-    # 2 x 3 floats per GPU (24 bytes): flat; 2 x 4 floats (32 bytes, whole 16-byte vectors):
-    # hierarchical (each process holds 2 of the group's 4 GPUs).
-    for name, cols in (("FLAT", 3), ("HIER", 4)):
+    # Under LIBRA_JAX_CUDA=p2p: 2 x 3 floats per GPU (24 bytes): flat; 2 x 4 floats (32
+    # bytes, whole 16-byte vectors): hierarchical (each process holds 2 of the group's 4
+    # GPUs). Under nccl the 32 bytes are flat; under xla (the default) XLA's all-reduce.
+    for name, path, cols in (("FLAT", "p2p", 3), ("HIER", "p2p", 4), ("NCCL", "nccl", 4),
+                             ("XLA", "xla", 4)):
+        os.environ["LIBRA_JAX_CUDA"] = path
+        f = jax.jit(jax.shard_map(lambda v: libra_jax.psum(v, "x", blocks=6), mesh=mesh,
+                                  in_specs=P("x"), out_specs=P()))
         x = jax.ShapeDtypeStruct((8, cols), np.float32, sharding=jax.NamedSharding(mesh, P("x")))
         text = f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
-        print(name, " ".join(l.strip() for l in text.splitlines() if "libra_allreduce" in l))
+        print(name, " ".join(l.strip() for l in text.splitlines()
+                             if "libra_allreduce" in l or "all_reduce" in l), "END")
     jax.distributed.shutdown()
 """
 
@@ -230,19 +235,26 @@ def test_unique_ids_travel_through_the_key_value_store(stub_env):
         in outs[1]
     # Each process lowers its own ranks (devices 0,1 in process 0; 2,3 in process 1).
     for pid, out in enumerate(outs):
-        flat = out.split("FLAT", 1)[1].split("HIER", 1)[0]
+        flat = out.split("FLAT", 1)[1].split("END", 1)[0]
         assert "@libra_allreduce_nccl" in flat and "ctas = 6" in flat and "nranks = 4" in flat
         assert f"ranks = dense<[{2 * pid}, {2 * pid + 1}]>" in flat, flat
         assert "local_world = 1" in flat
         # Hierarchical: local GPU j joins the j-th GPUs of the other process (2 ranks, rank =
         # the process), on its own communicator; the local team is both local GPUs.
-        hier = out.split("HIER", 1)[1]
+        hier = out.split("HIER", 1)[1].split("END", 1)[0]
         assert "nranks = 2" in hier and "local_world = 2" in hier, hier
         assert f"ranks = dense<{pid}>" in hier, hier
         assert "local_teams = dense<[0, 1, 0, 1]>" in hier, hier
         comm_ids = re.search(r"comm_ids = dense<\[(\d+), (\d+)\]>", hier)
         assert comm_ids and comm_ids[1] != comm_ids[2], hier
         assert "@libra_allreduce_cuda" not in flat + hier
+        # LIBRA_JAX_CUDA=nccl: NCCL across processes, flat (no P2P kernels inside).
+        nccl = out.split("NCCL", 1)[1].split("END", 1)[0]
+        assert "@libra_allreduce_nccl" in nccl and "local_world = 1" in nccl, nccl
+        assert "nranks = 4" in nccl and "@libra_allreduce_cuda" not in nccl, nccl
+        # The default, xla: XLA's all-reduce, no libra call.
+        xla = out.split("XLA", 1)[1].split("END", 1)[0]
+        assert "all_reduce" in xla and "libra_allreduce" not in xla, xla
 
 
 # --- On real GPUs (skipped here) --------------------------------------------
@@ -280,7 +292,7 @@ def _gpu_count() -> int:
 
 @pytest.mark.skipif(_gpu_count() < 2, reason="needs 2 GPUs (NCCL refuses two ranks on one)")
 def test_two_processes_on_two_gpus():
-    env = {**os.environ, "XLA_FLAGS": ""}
+    env = {**os.environ, "XLA_FLAGS": "", "LIBRA_JAX_CUDA": "nccl"}
     env.pop("LIBRA_JAX_NCCL_LIBRARY", None)
     port = str(free_port())
     procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(GPU_WORKER), str(pid), port],

@@ -184,7 +184,8 @@ def test_overlap_mode_is_validated(monkeypatch):
 
 
 @pytest.mark.skipif(not _ffi.HAS_CUDA, reason="libra_jax built without CUDA")
-def test_cuda_lowering_is_a_start_done_pair():
+def test_cuda_lowering_is_a_start_done_pair(monkeypatch):
+    monkeypatch.setenv("LIBRA_JAX_CUDA", "p2p")
     _ffi.ensure_cuda_registered()
     step, args = mlp_step()
     text = jax.jit(optimize(step, fusion=False, overlap="start-done")).trace(*args).lower(
@@ -210,7 +211,7 @@ def test_cuda_lowering_is_a_start_done_pair():
 @pytest.mark.skipif(not _ffi.HAS_CUDA, reason="libra_jax built without CUDA")
 def test_cuda_start_falls_back_to_xla_where_the_kernels_cannot(monkeypatch):
     _ffi.ensure_cuda_registered()
-    monkeypatch.setenv("LIBRA_JAX_CUDA", "0")
+    monkeypatch.setenv("LIBRA_JAX_CUDA", "xla")
     monkeypatch.setattr(allreduce, "_warned", set())  # an earlier test may have warned
     step, args = mlp_step()
     with pytest.warns(UserWarning, match="XLA's all-reduce"):

@@ -378,8 +378,8 @@ def test_gradient_used_before_the_next_psum_is_still_fused():
 
 def test_fused_bucket_falls_back_to_xla_under_check_vma(monkeypatch):
     # A fused bucket's packed buffer carries no varying axes: where libra has no kernel (here
-    # cuda with LIBRA_JAX_CUDA=0), XLA's all-reduce must still take it.
-    monkeypatch.setenv("LIBRA_JAX_CUDA", "0")
+    # cuda with LIBRA_JAX_CUDA=xla), XLA's all-reduce must still take it.
+    monkeypatch.setenv("LIBRA_JAX_CUDA", "xla")
     rng = np.random.default_rng(4)
     params = init(rng, [16, 8, 8, 4])
     step = data_parallel("check_vma", sgd_step(lambda p, x: jnp.sum(mlp(p, x) ** 2)))
@@ -389,3 +389,31 @@ def test_fused_bucket_falls_back_to_xla_under_check_vma(monkeypatch):
             lowering_platforms=("cuda",)).as_text()
     assert any(len(p.members) > 1 for p in opt.last_report.plans)  # a fused bucket
     assert "all_reduce" in text and "libra_allreduce" not in text
+
+
+def test_optimize_with_a_profile_object_plans_forward_and_loop_psums():
+    # A forward pmean (statistics) and a psum in a scan body are given the model's default
+    # blocks, through allreduce.default_blocks' cache: with a model.Profile object that
+    # raised "unhashable type: 'dict'".
+    from libra_jax import model
+
+    rng = np.random.default_rng(7)
+    mesh = mesh_of((8,), ("x",))
+
+    def local(params, x):
+        mu = jax.lax.pmean(jnp.mean(x, 0), "x")
+        total, _ = jax.lax.scan(lambda c, row: (c + jax.lax.psum(row.sum(), "x"), None), 0.0, x)
+        loss, grads = jax.value_and_grad(
+            lambda p: jax.lax.pmean(jnp.mean(mlp(p, x - mu) ** 2), "x"))(params)
+        return loss + total, jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+    step = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("x")), out_specs=(P(), P()))
+    params = init(rng, [16, 8, 4])
+    x = shard(rng.standard_normal((32, 16)).astype(np.float32), mesh, P("x"))
+    by_name = optimize(step, profile="cpu-host")
+    by_value = optimize(step, profile=model.load_profile("cpu-host"))
+    jax.tree.map(assert_bitwise, jax.jit(by_value)(params, x), jax.jit(step)(params, x))
+    jax.jit(by_name)(params, x)
+    kinds = {p.kind for p in by_value.last_report.plans}
+    assert {"forward", "loop", "gradient"} <= kinds, by_value.last_report.plan_lines()
+    assert by_value.last_report.plan_lines() == by_name.last_report.plan_lines()

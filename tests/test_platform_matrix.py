@@ -1,0 +1,216 @@
+"""The platform matrix: every Libra primitive (`libra_psum`, the fused bucket, start/done)
+lowers on every platform with a Libra all-reduce to Libra's calls, carrying the planned block
+counts, and never to XLA's `all_reduce`; where a platform's path does not serve a psum, it
+lowers to XLA's all-reduce with a one-time notice.
+
+Everything here is lowering, so it runs on this machine for `cuda` too. On `cuda` the matrix
+runs once per data path `LIBRA_JAX_CUDA` selects: ``xla`` (the default) expects XLA's
+all-reduce, ``p2p`` Libra's P2P calls, ``nccl`` (one process: XLA's, until libra's NCCL call
+serves one process). In a build without CUDA (`_ffi.HAS_CUDA` false) every `cuda` case
+expects the fallback instead.
+"""
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import libra_jax
+from libra_jax import _compat, _ffi, allreduce, rewrite
+
+from conftest import mesh_of, shard
+
+pytestmark = pytest.mark.usefixtures("jax_8")
+
+PROFILES = {"cpu": "cpu-host", "cuda": "h100"}
+MODES = rewrite.OVERLAP_MODES
+CALL = re.compile(r"stablehlo\.custom_call @(libra_allreduce_\w+)\(.*?blocks = (\d+) : i64"
+                  r"|stablehlo\.custom_call @(libra_allreduce_\w+_done)\(")
+
+
+def two_dtype_step(mesh):
+    """A check_vma data-parallel step whose gradients are f32 and bf16 (one fused bucket of
+    two dtypes under the GPU and CPU profiles), with a forward pmean of the loss."""
+    def local(params, x):
+        def loss(params):
+            h = x
+            for w in params:
+                h = jnp.tanh((h.astype(w.dtype) @ w).astype(jnp.float32))
+            return jax.lax.pmean(jnp.mean(h * h), "x")
+        value, grads = jax.value_and_grad(loss)(params)
+        return value, [w - (0.1 * g).astype(w.dtype) for w, g in zip(params, grads)]
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P("x")), out_specs=(P(), P()),
+                         check_vma=True)
+
+
+def step_args(mesh, abstract: bool):
+    rng = np.random.default_rng(0)
+    params = [rng.standard_normal((16, 32)).astype(np.float32),
+              rng.standard_normal((32, 8)).astype(jnp.bfloat16)]
+    x = rng.standard_normal((8 * mesh.shape["x"], 16)).astype(np.float32)
+    if abstract:
+        return ([jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=jax.NamedSharding(mesh, P()))
+                 for p in params],
+                jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=jax.NamedSharding(mesh, P("x"))))
+    return params, shard(x, mesh, P("x"))
+
+
+def lower(platform, mode, fused, *, mesh=None):
+    """(HLO text, report) of the optimized step lowered for `platform`."""
+    mesh = mesh if mesh is not None else mesh_of((8,), ("x",))
+    abstract = isinstance(mesh, jax.sharding.AbstractMesh)
+    opt = libra_jax.optimize(two_dtype_step(mesh), profile=PROFILES[platform], fusion=fused,
+                             overlap=mode)
+    text = jax.jit(opt).trace(*step_args(mesh, abstract)).lower(
+        lowering_platforms=(platform,)).as_text()
+    return text, opt.last_report
+
+
+def planned_calls(report, closed_dtypes, platform):
+    """The Libra calls the plan asks for: (target, blocks) per dtype of each planned
+    all-reduce (start/done: a start with the blocks and a done; done carries none)."""
+    out = Counter()
+    for plan in report.plans:
+        for _ in sorted(closed_dtypes(plan)):
+            if plan.overlap == "start-done":
+                out[(f"libra_allreduce_{platform}_start", plan.blocks)] += 1
+                out[(f"libra_allreduce_{platform}_done", None)] += 1
+            else:
+                out[(f"libra_allreduce_{platform}", plan.blocks)] += 1
+    return out
+
+
+def lowered_calls(text):
+    out = Counter()
+    for m in CALL.finditer(text):
+        if m.group(3):
+            out[(m.group(3), None)] += 1
+        else:
+            out[(m.group(1), int(m.group(2)))] += 1
+    return out
+
+
+def dtypes_of(mesh):
+    """plan -> the set of dtypes of its members, read from the traced step's jaxpr."""
+    abstract = isinstance(mesh, jax.sharding.AbstractMesh)
+    closed = jax.make_jaxpr(two_dtype_step(mesh))(*step_args(mesh, abstract))
+
+    def scope_eqns(scope):
+        jaxpr = closed.jaxpr
+        for name in scope.split("/")[1:]:
+            eqn = next(e for e in jaxpr.eqns if e.primitive.name == name)
+            sub, = _compat.jaxprs_in_params(eqn.params)
+            jaxpr = getattr(sub, "jaxpr", sub)
+        return jaxpr.eqns
+
+    def dtypes(plan):
+        eqns = scope_eqns(plan.scope)
+        return {np.dtype(eqns[i].invars[0].aval.dtype).name for i in plan.members}
+    return dtypes
+
+
+def cuda_serves(path: str) -> bool:
+    return _ffi.HAS_CUDA and path == "p2p"
+
+
+@pytest.fixture
+def fresh_warnings(monkeypatch):
+    monkeypatch.setattr(allreduce, "_warned", set())
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["single", "fused"])
+@pytest.mark.parametrize("mode", MODES)
+def test_cpu_lowers_every_primitive_to_libra_calls_with_the_planned_blocks(mode, fused):
+    mesh = mesh_of((8,), ("x",))
+    text, report = lower("cpu", mode, fused, mesh=mesh)
+    if fused:  # the case bug 1 was about: one bucket of two dtypes
+        assert any(len(dtypes_of(mesh)(p)) == 2 for p in report.plans), report.plan_lines()
+    if mode == "start-done":
+        assert all(p.overlap == "start-done" for p in report.plans if p.kind == "gradient")
+    assert lowered_calls(text) == planned_calls(report, dtypes_of(mesh), "cpu")
+    assert "all_reduce" not in text
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["single", "fused"])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("path", ["xla", "p2p", "nccl"])
+def test_cuda_lowers_by_the_data_path(monkeypatch, fresh_warnings, path, mode, fused):
+    """p2p: Libra's calls with the planned blocks, no XLA all-reduce. xla (the default) and
+    nccl in one process: XLA's all-reduce, no Libra call, a notice naming the path. Without a
+    CUDA build: the fallback for every path."""
+    monkeypatch.setenv("LIBRA_JAX_CUDA", path)
+    mesh = mesh_of((8,), ("x",))
+    if cuda_serves(path):
+        text, report = lower("cuda", mode, fused, mesh=mesh)
+        if fused:
+            assert any(len(dtypes_of(mesh)(p)) == 2 for p in report.plans), report.plan_lines()
+        assert lowered_calls(text) == planned_calls(report, dtypes_of(mesh), "cuda")
+        assert "all_reduce" not in text
+        return
+    reason = {"xla": "LIBRA_JAX_CUDA=xla, the default",
+              "nccl": "inside one process with LIBRA_JAX_CUDA=nccl"}[path]
+    if not _ffi.HAS_CUDA:
+        reason = "built without CUDA"
+    with pytest.warns(UserWarning, match=re.escape(reason)):
+        text, report = lower("cuda", mode, fused, mesh=mesh)
+    assert report.plans  # planned and reported all the same
+    assert "libra_allreduce" not in text and "all_reduce" in text
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_cuda_p2p_delegates_more_than_8_gpus_to_xla(monkeypatch, fresh_warnings, mode):
+    monkeypatch.setenv("LIBRA_JAX_CUDA", "p2p")
+    mesh = jax.sharding.AbstractMesh((16,), ("x",))
+    reason = ("more than 8 GPUs" if _ffi.HAS_CUDA else "built without CUDA")
+    with pytest.warns(UserWarning, match=reason):
+        text, report = lower("cuda", mode, True, mesh=mesh)
+    assert report.plans and "libra_allreduce" not in text and "all_reduce" in text
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_cuda_p2p_delegates_a_dtype_the_kernels_do_not_serve(monkeypatch, fresh_warnings, mode):
+    # An s64 count psum'd beside f32 gradients: XLA takes the s64, Libra the rest.
+    monkeypatch.setenv("LIBRA_JAX_CUDA", "p2p")
+    mesh = mesh_of((8,), ("x",))
+
+    def local(w, x, n):
+        def loss(w):
+            return jax.lax.pmean(jnp.mean(jnp.tanh(x @ w) ** 2), "x")
+        value, g = jax.value_and_grad(loss)(w)
+        return value, w - 0.1 * g, jax.lax.psum(n, "x")
+
+    step = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("x"), P("x")),
+                         out_specs=(P(), P(), P()), check_vma=True)
+    with jax.enable_x64(True):
+        args = (np.ones((16, 8), np.float32), shard(np.ones((64, 16), np.float32), mesh, P("x")),
+                shard(np.arange(8, dtype=np.int64), mesh, P("x")))
+        opt = libra_jax.optimize(step, profile="h100", overlap=mode)
+        reason = "cuda int64" if _ffi.HAS_CUDA else "built without CUDA"
+        with pytest.warns(UserWarning, match=reason):
+            text = jax.jit(opt).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "all_reduce" in text
+    if _ffi.HAS_CUDA:
+        assert lowered_calls(text), text  # the f32 gradient and loss: Libra's
+        # XLA's all-reduce reduces only 64-bit integers (its reduction body's argument type).
+        ar_types = re.findall(r'"stablehlo.all_reduce".*\n\s*\^bb0\(%\w+: tensor<(\w+)>', text)
+        assert ar_types and set(ar_types) == {"i64"}, ar_types
+
+
+def test_every_libra_primitive_has_a_cpu_and_a_cuda_lowering():
+    """Read from JAX's lowering table: a primitive registered without a platform's rule
+    silently takes the default (XLA's all-reduce) there -- bug 1 of the platform matrix."""
+    from jax._src.interpreters import mlir
+
+    from libra_jax import overlap
+    prims = [allreduce.libra_psum_p, rewrite.libra_psum_fused_p, overlap.libra_psum_start_p,
+             overlap.libra_psum_done_p]
+    for platform in ("cpu", "cuda"):
+        table = mlir._platform_specific_lowerings[platform]
+        missing = [p.name for p in prims if p not in table]
+        assert not missing, (platform, missing)
