@@ -428,7 +428,7 @@ cudaError_t Team::Create(const std::vector<int>& devices, std::size_t capacity_b
       if (!can) {
         if (message) {
           *message = "libra cuda team: GPU " + std::to_string(a) + " cannot access GPU " +
-                     std::to_string(b) + " (no P2P); set LIBRA_JAX_CUDA=0 to use XLA's all-reduce";
+                     std::to_string(b) + " (no P2P); set LIBRA_JAX_CUDA=xla to use XLA's all-reduce";
         }
         return cudaErrorPeerAccessUnsupported;
       }
@@ -536,6 +536,39 @@ std::string Team::TakeError() {
 
 // --- Launches ----------------------------------------------------------------
 
+namespace {
+
+const LaunchApi kCudaLaunchApi = {
+    [](const void* kernel, dim3 grid, dim3 block, void** params, std::size_t shared,
+       cudaStream_t stream) {
+      return cudaLaunchKernel(kernel, grid, block, params, shared, stream);
+    },
+    [](const void* kernel, dim3 grid, dim3 block, void** params, std::size_t shared,
+       cudaStream_t stream) {
+      return cudaLaunchCooperativeKernel(kernel, grid, block, params, shared, stream);
+    },
+    [] { return cudaGetLastError(); },
+};
+LaunchApi g_launch_api = kCudaLaunchApi;
+
+}  // namespace
+
+LaunchApi SetLaunchApiForTesting(const LaunchApi* api) {
+  const LaunchApi previous = g_launch_api;
+  g_launch_api = api ? *api : kCudaLaunchApi;
+  return previous;
+}
+
+cudaError_t LaunchKernel(bool cooperative, const void* kernel, dim3 grid, void** params,
+                         cudaStream_t stream) {
+  const auto launch = cooperative ? g_launch_api.launch_cooperative : g_launch_api.launch;
+  const cudaError_t err = launch(kernel, grid, dim3(kThreads), params, 0, stream);
+  // A launch error (a grid too large to be co-resident, an invalid configuration) is
+  // not sticky: clear it, or the next cudaGetLastError() anywhere reports it again.
+  if (err != cudaSuccess) g_launch_api.get_last_error();
+  return err;
+}
+
 cudaError_t LaunchAllReduce(const TeamView& view, const CallArgs& call, cudaStream_t stream,
                             std::string* message) {
   LIBRA_CUDA_RETURN_IF_ERROR(CheckCall(view, call, message));
@@ -543,8 +576,11 @@ cudaError_t LaunchAllReduce(const TeamView& view, const CallArgs& call, cudaStre
   if (call.bytes == 0) return cudaSuccess;  // the same on every rank: nothing to do
   int blocks = 1;
   const KernelArgs args = MakeArgs(view, call, call.input, call.output, &blocks);
-  KernelFor(call.dtype)<<<blocks, kThreads, 0, stream>>>(args, nullptr);
-  LIBRA_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  KernelArgs grid_args = args;
+  const KernelArgs* no_device_args = nullptr;  // read from `grid_args` (not virtual)
+  void* params[] = {&grid_args, &no_device_args};
+  LIBRA_CUDA_RETURN_IF_ERROR(LaunchKernel(
+      false, reinterpret_cast<const void*>(KernelFor(call.dtype)), dim3(blocks), params, stream));
   return cudaSuccess;
 }
 
@@ -582,10 +618,10 @@ cudaError_t LaunchVirtualAllReduce(const Team& team, const CallArgs& call,
   KernelArgs grid_args = args[0];  // only `blocks` is read in virtual mode
   const KernelArgs* device_args = static_cast<const KernelArgs*>(uploaded);
   void* params[] = {&grid_args, &device_args};
-  LIBRA_CUDA_RETURN_IF_ERROR(cudaLaunchCooperativeKernel(
-      reinterpret_cast<const void*>(KernelFor(call.dtype)), dim3(n * blocks), dim3(kThreads),
-      params, 0, stream));
-  return cudaSuccess;
+  // cudaErrorCooperativeLaunchTooLarge (the grid cannot be co-resident) is returned as is,
+  // and cleared from CUDA's last-error slot, like any failed launch (LaunchKernel).
+  return LaunchKernel(true, reinterpret_cast<const void*>(KernelFor(call.dtype)),
+                      dim3(n * blocks), params, stream);
 }
 
 cudaError_t MaxCoResidentBlocks(int* blocks) {

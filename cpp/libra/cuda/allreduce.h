@@ -175,4 +175,25 @@ cudaError_t LaunchVirtualAllReduce(const Team& team, const CallArgs& call,
 // How many blocks of the all-reduce kernel fit on the current device at once.
 cudaError_t MaxCoResidentBlocks(int* blocks);
 
+// --- Launching ---------------------------------------------------------------
+// Every kernel of this library is launched through LaunchKernel: the outcome
+// is the launch's own result (never a stale error another call left in CUDA's
+// last-error slot), and a failed launch's error is cleared from that slot
+// where it returns, so that a later check (ours, XLA's, a harness's) does not
+// find it. The functions it calls are CUDA's, replaceable for a test (the
+// harness's selftest emulates a failed launch and a stale error without a GPU).
+struct LaunchApi {
+  cudaError_t (*launch)(const void* kernel, dim3 grid, dim3 block, void** params,
+                        std::size_t shared_bytes, cudaStream_t stream);
+  cudaError_t (*launch_cooperative)(const void* kernel, dim3 grid, dim3 block, void** params,
+                                    std::size_t shared_bytes, cudaStream_t stream);
+  cudaError_t (*get_last_error)();
+};
+// Replaces the launch functions (nullptr: CUDA's own) and returns the previous
+// ones. For tests, before any launch; not thread-safe.
+LaunchApi SetLaunchApiForTesting(const LaunchApi* api);
+// Launches `kernel` (kThreads threads per block, no dynamic shared memory).
+cudaError_t LaunchKernel(bool cooperative, const void* kernel, dim3 grid, void** params,
+                         cudaStream_t stream);
+
 }  // namespace libra::cuda

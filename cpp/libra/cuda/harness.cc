@@ -234,12 +234,17 @@ struct Setup {
 struct CaseResult {
   bool ok = true;
   std::string note;
+  bool skipped = false;  // not run (the reason in `note`): neither a pass nor a failure
 };
+
+CaseResult Skipped(std::string why) { return {true, std::move(why), true}; }
+
+const char* Status(const CaseResult& r) { return !r.ok ? "FAIL" : r.skipped ? "SKIP" : "PASS"; }
 
 void Report(const std::string& name, int n, lc::DType t, lc::Algorithm a, std::size_t bytes,
             int blocks, const CaseResult& r, double worst) {
   if (!r.ok) ++g_failures;
-  const char* status = !r.ok ? "FAIL" : r.note == "not co-resident" ? "SKIP" : "PASS";
+  const char* status = Status(r);
   char line[1024];
   std::snprintf(line, sizeof line, "check,%s,%d,%s,%s,%zu,%d,%s,%.3g,%s", name.c_str(), n,
                 lc::Name(t), lc::Name(a), bytes, blocks, status, worst, r.note.c_str());
@@ -250,12 +255,18 @@ CaseResult CheckOutputs(Setup& s, lc::DType t, bool in_place,
                         const std::vector<std::vector<unsigned char>>& host_in,
                         std::vector<unsigned char>* expect, double* worst);
 
+// A graph capture (or its instantiation) that failed: the case is skipped, with why.
+CaseResult CaptureSkipped(cudaError_t launch, cudaError_t end, cudaError_t instantiate) {
+  return Skipped(std::string("graph capture failed: launch ") + cudaGetErrorName(launch) +
+                 ", end capture " + cudaGetErrorName(end) + ", instantiate " +
+                 cudaGetErrorName(instantiate));
+}
+
 // Runs one all-reduce and checks it. `expect` (if not empty) is the result
 // the same inputs gave before: must match bitwise.
 CaseResult RunAndCheck(Setup& s, lc::DType t, int blocks, lc::Algorithm a, bool in_place,
                        const std::vector<std::vector<unsigned char>>& host_in,
                        std::vector<unsigned char>* expect, double* worst) {
-  CaseResult res;
   const int n = s.team->nranks();
   for (int r = 0; r < n; ++r) {
     CHECK_CUDA(cudaMemcpyAsync(s.in[r], host_in[r].data(), s.bytes, cudaMemcpyHostToDevice,
@@ -263,10 +274,7 @@ CaseResult RunAndCheck(Setup& s, lc::DType t, int blocks, lc::Algorithm a, bool 
   }
   s.Poison();
   const cudaError_t err = s.Run(t, blocks, a, in_place);
-  if (err == cudaErrorCooperativeLaunchTooLarge) {
-    res.note = "not co-resident";
-    return res;
-  }
+  if (err == cudaErrorCooperativeLaunchTooLarge) return Skipped("not co-resident");
   CHECK_CUDA(err);
   return CheckOutputs(s, t, in_place, host_in, expect, worst);
 }
@@ -356,12 +364,13 @@ void CheckAll(int device, const std::vector<int>& ranks) {
     if (err == cudaSuccess) err = s.Run(t, 64, lc::Algorithm::kTwoShot);
     if (err == cudaSuccess) err = s.Run(t, 3, lc::Algorithm::kOneShot);
     const cudaError_t end = cudaStreamEndCapture(s.stream, &graph);
-    if (err != cudaSuccess || end != cudaSuccess ||
-        cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess) {
+    const cudaError_t inst =
+        err == cudaSuccess && end == cudaSuccess ? cudaGraphInstantiate(&exec, graph, 0) : err;
+    if (err != cudaSuccess || end != cudaSuccess || inst != cudaSuccess) {
       cudaGetLastError();
-      res.note = std::string("graph capture unsupported: ") + cudaGetErrorString(err) + "/" +
-                 cudaGetErrorString(end);
-      Report("graph", n, t, lc::Algorithm::kOneShot, bytes, 1, res, 0);
+      if (graph != nullptr) cudaGraphDestroy(graph);
+      // Not run: a SKIP with the reason, never a PASS.
+      Report("graph", n, t, lc::Algorithm::kOneShot, bytes, 1, CaptureSkipped(err, end, inst), 0);
       continue;
     }
     std::vector<unsigned char> expect;
@@ -604,6 +613,51 @@ void Contend(int n, std::size_t bytes, const std::vector<int>& block_list) {
 
 // --- selftest (no GPU needed) ------------------------------------------------
 
+// CUDA's launch and last-error slot, emulated: a failed launch records its error in the
+// thread's slot, as CUDA does; cudaGetLastError returns the slot and clears it.
+thread_local cudaError_t g_fake_slot = cudaSuccess;
+thread_local cudaError_t g_fake_launch_result = cudaSuccess;
+cudaError_t FakeLaunch(const void*, dim3, dim3, void**, std::size_t, cudaStream_t) {
+  if (g_fake_launch_result != cudaSuccess) g_fake_slot = g_fake_launch_result;
+  return g_fake_launch_result;
+}
+cudaError_t FakeGetLastError() {
+  const cudaError_t err = g_fake_slot;
+  g_fake_slot = cudaSuccess;
+  return err;
+}
+
+// lc::LaunchKernel judges a launch by its own result and leaves no failed launch's error
+// behind (harness check exited midway: a cooperative grid too large to be co-resident was a
+// SKIP, but its error stayed in the slot and the next LaunchAllReduce read it as its own).
+int LaunchSelfTest() {
+  int bad = 0;
+  auto expect = [&](bool ok, const char* what) {
+    if (!ok) {
+      std::printf("selftest FAIL: %s\n", what);
+      ++bad;
+    }
+  };
+  const lc::LaunchApi fake = {FakeLaunch, FakeLaunch, FakeGetLastError};
+  const lc::LaunchApi real = lc::SetLaunchApiForTesting(&fake);
+  int kernel = 0;  // never called: the fake launch does not run it
+  g_fake_slot = cudaSuccess;
+  g_fake_launch_result = cudaErrorCooperativeLaunchTooLarge;
+  expect(lc::LaunchKernel(true, &kernel, dim3(8 * 64), nullptr, nullptr) ==
+             cudaErrorCooperativeLaunchTooLarge, "a failed launch returns its error");
+  expect(g_fake_slot == cudaSuccess, "a failed launch's error is cleared from the slot");
+  g_fake_launch_result = cudaSuccess;
+  expect(lc::LaunchKernel(false, &kernel, dim3(4), nullptr, nullptr) == cudaSuccess,
+         "the next launch succeeds");
+  g_fake_slot = cudaErrorInvalidValue;  // a stale error someone else left
+  expect(lc::LaunchKernel(false, &kernel, dim3(4), nullptr, nullptr) == cudaSuccess,
+         "a launch is judged by its own result, not a stale error in the slot");
+  expect(g_fake_slot == cudaErrorInvalidValue, "another call's error is left for its owner");
+  g_fake_slot = cudaSuccess;
+  lc::SetLaunchApiForTesting(&real);
+  return bad;
+}
+
 int SelfTest() {
   int bad = 0;
   auto expect = [&](bool ok, const char* what) {
@@ -634,6 +688,17 @@ int SelfTest() {
   expect(Verify(lc::DType::kF32, ins, out, &what) <= 1, "verify accepts the exact sum");
   FromDouble(lc::DType::kF32, 3.5, &out[0]);
   expect(Verify(lc::DType::kF32, ins, out, &what) > 1, "verify rejects a wrong sum");
+  // A case that could not run is a SKIP with its reason, not a PASS (a failed graph capture
+  // was reported PASS) and not a failure.
+  const CaseResult capture = CaptureSkipped(cudaErrorStreamCaptureUnsupported, cudaSuccess,
+                                            cudaSuccess);
+  expect(std::string(Status(capture)) == "SKIP" && capture.note.find("graph capture failed") == 0 &&
+             capture.note.find("cudaErrorStreamCaptureUnsupported") != std::string::npos,
+         "a failed graph capture is a SKIP naming the error");
+  expect(std::string(Status(Skipped("not co-resident"))) == "SKIP", "not co-resident: SKIP");
+  expect(std::string(Status(CaseResult{})) == "PASS", "a run case: PASS");
+  expect(std::string(Status(CaseResult{false, "x"})) == "FAIL", "a failed case: FAIL");
+  bad += LaunchSelfTest();
   std::printf("selftest: %s\n", bad ? "FAIL" : "PASS");
   return bad ? 1 : 0;
 }
