@@ -1,61 +1,98 @@
 #!/usr/bin/env bash
-# The GPU check of libra_jax's CUDA all-reduce, in one script (< 5 minutes).
+# The GPU check of libra_jax's CUDA paths, in one script, under its own budget (< 5 minutes).
 #
 #   bash benchmarks/gpu_check.sh            # on a GPU machine (the `device` tool)
 #   bash benchmarks/gpu_check.sh --dry-run  # anywhere with nvcc: build, host-side checks
 #
-# Builds the project there (no network: nvcc, CMake, ninja, nanobind,
-# scikit-build-core and jax with its CUDA plugin must be installed; set PYTHON
-# if `python3` is not the one with jax), runs the GPU tests (tests/test_cuda.py)
-# and the harness (N = 2, 4, 8 virtual ranks on one GPU: correctness against a
-# float64 reference, then the contention curves: a GEMM's and a triad's slowdown
-# beside one rank's share of an 8-rank all-reduce vs its blocks, and that
-# share's own slowdown; then time vs bytes x blocks), writing results under $OUT
-# as they come (default /tmp/libra_gpu_check/out):
-#   check.csv, contend.csv, bench.csv   harness results
-#   h200.json              the h200 profile fitted to contend.csv (gpu_profile.py)
-#   overlap.md             sync vs stream-annotated vs start/done beside compute,
-#                          and optimize(overlap="sync" vs "start-done") on an MLP
-#                          step: time, bitwise equality, GEMMs XLA schedules
-#                          between each start and its done (gpu_overlap.py)
-#   table.md               the time-vs-blocks table
-#   summary.txt            one line per step
-#   logs.tar.gz            environment, build, pytest and harness logs
-# and prints a short table last. Exit status: 0 if every step passed.
+# Builds the project once (no network: nvcc, CMake, ninja, nanobind, scikit-build-core and
+# jax with its CUDA plugin must be installed; set PYTHON if `python3` is not the one with
+# jax): one CMake build, through pip into a private site directory, makes both the Python
+# extension and the harness. Every step runs from outside the repository (so Python imports
+# the built package, never the source tree), under a timeout cut to the time left, fails
+# soft, and writes as it goes. Steps: the import check, the harness selftest, the CUDA tests
+# (tests/test_cuda.py, tests/test_platform_matrix.py), the harness on the GPU (check: N = 2,
+# 4, 8 virtual ranks against a float64 reference; contend: the contention curves), the
+# curves' fitted profile, start/done beside compute (gpu_overlap.py), the machine's NCCL
+# under libra's CTA limits (gpu_nccl_check.py), and time vs bytes x blocks (bench).
+# libra's GPU data paths are opt-in (LIBRA_JAX_CUDA); this script opts in per step.
+#
+# Results under $OUT (default /tmp/libra_gpu_check/out), at most 6 files, each written as
+# it comes, so a run killed midway still returns them:
+#   summary.txt                one line per step, then the time-vs-blocks table
+#   log.txt                    every step's output, one rolling log (the last 2 MiB)
+#   harness.csv                the harness's check, contend and bench lines
+#   h200-virtual-ranks.json    the h200 profile with contention fitted to the proxy curves
+#                              (a separate, labelled profile: h200.json is not replaced)
+#   overlap.md                 gpu_overlap.py's tables
+# Exit status: 0 if no step failed (a SKIP is not a failure).
 #
 # Environment: PYTHON, OUT, GPU_CHECK_BUDGET_S (total seconds, default 280),
-# GPU_CHECK_MAX_BYTES (largest size timed, default 1G), GPU_CHECK_RANKS
-# (default 2,4,8), CUDA_ARCH (default 90: the H200).
+# GPU_CHECK_MAX_BYTES (largest size timed, default 256M), GPU_CHECK_RANKS (default 2,4,8),
+# CUDA_ARCH (default 90: the H200), GPU_CHECK_WORK (build directory).
 set -uo pipefail
 
 dry_run=0
 case "${1:-}" in
   --dry-run) dry_run=1 ;;
   "") ;;
-  -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
+  -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
   *) echo "usage: $0 [--dry-run]" >&2; exit 2 ;;
 esac
 
 repo=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-/tmp/libra_gpu_check/out}
-logs=$out/logs
 budget=${GPU_CHECK_BUDGET_S:-280}
-max_bytes=${GPU_CHECK_MAX_BYTES:-1G}
+max_bytes=${GPU_CHECK_MAX_BYTES:-256M}
 ranks=${GPU_CHECK_RANKS:-2,4,8}
 arch=${CUDA_ARCH:-90}
 python=${PYTHON:-python3}
-work=${GPU_CHECK_WORK:-/tmp/libra_gpu_check}
-mkdir -p "$out" "$logs" "$work"
+work=${GPU_CHECK_WORK:-/tmp/libra_gpu_check/work}
+mkdir -p "$out" "$work"
 summary=$out/summary.txt
+log=$out/log.txt
+csv=$out/harness.csv
 : > "$summary"
+: > "$log"
+: > "$csv"
 status=0
+reserve=10        # seconds kept back for the table and the summary
+min_step=5        # a step with less time than this is skipped
+max_log=$((2 << 20))
 
 note() {  # note STEP RESULT DETAIL: one line in summary.txt (and on stdout, as it comes)
-  printf '%-14s %-5s %s\n' "$1" "$2" "$3" | tee -a "$summary"
+  printf '%-16s %-5s %s\n' "$1" "$2" "$3" | tee -a "$summary"
   [ "$2" = FAIL ] && status=1
   return 0
 }
 left() { echo $((budget - SECONDS)); }
+
+roll_log() {  # keep the log's last $max_log bytes
+  local size
+  size=$(stat -c %s "$log" 2>/dev/null || echo 0)
+  if [ "$size" -gt "$max_log" ]; then
+    tail -c "$max_log" "$log" > "$work/log.tail" && cat "$work/log.tail" > "$log"
+  fi
+}
+
+# step NAME CAP_S CMD...: runs CMD with a timeout of CAP_S seconds, cut to the time left
+# (less the reserve), its output appended to log.txt. Returns CMD's status (124: timed
+# out); 125 without running it when the budget has no room (the step is noted SKIP).
+step() {
+  local name=$1 cap=$2 t rc
+  shift 2
+  t=$(( $(left) - reserve ))
+  [ "$t" -gt "$cap" ] && t=$cap
+  if [ "$t" -lt "$min_step" ]; then
+    note "$name" SKIP "budget: $(left)s of ${budget}s left"
+    return 125
+  fi
+  echo "=== $name: $* (timeout ${t}s, at ${SECONDS}s) ===" >> "$log"
+  timeout --kill-after=5 "$t" "$@" >> "$log" 2>&1
+  rc=$?
+  [ $rc -eq 124 ] && echo "=== $name: timed out after ${t}s ===" >> "$log"
+  roll_log
+  return $rc
+}
 
 # Where nvcc lives when it is not on PATH.
 if ! command -v nvcc > /dev/null; then
@@ -64,11 +101,13 @@ if ! command -v nvcc > /dev/null; then
   done
 fi
 export CUDACXX=${CUDACXX:-$(command -v nvcc || true)}
+cd "$work" || exit 1  # never the repository: `python -c` would import its source tree
 
 # --- 1. Environment ------------------------------------------------------------
-{
+# shellcheck disable=SC2317  # run through `bash -c` by step
+environment() {
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
-  echo "dry run: $dry_run"
+  echo "dry run: $dry_run; budget ${budget}s"
   echo "repo: $(git -C "$repo" rev-parse --short HEAD 2>/dev/null || echo '?')"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1 || true
   nvidia-smi topo -m 2>&1 | head -20 || true
@@ -77,122 +116,150 @@ export CUDACXX=${CUDACXX:-$(command -v nvcc || true)}
   ninja --version 2>&1
   "$python" -c "import sys, jax, jaxlib; print('python', sys.version.split()[0], 'jax', jax.__version__, 'jaxlib', jaxlib.__version__)" 2>&1
   "$python" -c "import jax; print('devices', jax.devices())" 2>&1 | tail -1
-} > "$logs/env.txt" 2>&1
+}
+export dry_run budget repo python CUDACXX
+export -f environment
+step env 30 bash -c environment
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
-note env INFO "${gpu:-no GPU}; $(grep -m1 '^python' "$logs/env.txt" || echo 'no jax')"
+versions=$(grep -m1 '^python .* jax ' "$log" || echo 'no jax')
+note env INFO "${gpu:-no GPU}; $versions"
 if [ -z "$CUDACXX" ]; then
   note nvcc FAIL "nvcc not found"
   exit 1
 fi
 
-# --- 2. Build: the harness (CMake) and the Python extension (pip) ------------
-harness_dir=$work/harness
-if cmake -S "$repo" -B "$harness_dir" -G Ninja -DLIBRA_BUILD_PYTHON=OFF \
-     -DLIBRA_BUILD_CUDA_HARNESS=ON -DCMAKE_CUDA_ARCHITECTURES="$arch" \
-     > "$logs/build.log" 2>&1 &&
-   cmake --build "$harness_dir" --target libra_cuda_harness >> "$logs/build.log" 2>&1; then
-  note build-harness PASS "$harness_dir/libra_cuda_harness (sm_$arch) at ${SECONDS}s"
-else
-  note build-harness FAIL "see logs/build.log"
-fi
-harness=$harness_dir/libra_cuda_harness
-
+# --- 2. One build: the Python extension and the harness -------------------------
 site=$work/site
+build=$work/build
 rm -rf "$site"
-if "$python" -m pip install --no-deps --no-build-isolation --no-index --no-compile -q \
-     --target "$site" -C build-dir="$work/py-build" \
-     -C cmake.define.CMAKE_CUDA_ARCHITECTURES="$arch" "$repo" >> "$logs/build.log" 2>&1 &&
-   PYTHONPATH=$site "$python" -c \
-     "from libra_jax import _ffi; assert _ffi.HAS_CUDA, 'built without CUDA'" \
-     >> "$logs/build.log" 2>&1; then
-  note build-python PASS "libra_jax with CUDA at ${SECONDS}s"
-  python_ok=1
-else
-  note build-python FAIL "see logs/build.log"
-  python_ok=0
+step build 200 "$python" -m pip install --no-deps --no-build-isolation --no-index --no-compile \
+  -q --target "$site" -C build-dir="$build" -C cmake.define.CMAKE_CUDA_ARCHITECTURES="$arch" \
+  -C cmake.define.LIBRA_BUILD_CUDA_HARNESS=ON "$repo"
+rc=$?
+harness=$build/libra_cuda_harness
+if [ $rc -eq 0 ] && [ -x "$harness" ]; then note build PASS "extension + harness (sm_$arch) at ${SECONDS}s"
+elif [ $rc -ne 125 ]; then note build FAIL "rc $rc (see log.txt)"; fi
+
+# The built package, not the source tree: run from $work, and say where it came from.
+python_ok=0
+if [ $rc -eq 0 ]; then
+  PYTHONPATH=$site step import 60 "$python" -c "
+import libra_jax, sys
+from libra_jax import _ffi
+where = libra_jax.__file__
+assert where.startswith('$site/'), f'imported {where}, not the build in $site'
+assert _ffi.HAS_CUDA, 'built without CUDA'
+print('libra_jax from', where)"
+  rc=$?
+  if [ $rc -eq 0 ]; then note import PASS "libra_jax with CUDA from the build"; python_ok=1
+  elif [ $rc -ne 125 ]; then note import FAIL "rc $rc (see log.txt)"; fi
 fi
 
-# --- 3. Host-side harness checks ----------------------------------------------
+# --- 3. Host-side checks ---------------------------------------------------------
 if [ -x "$harness" ]; then
-  if "$harness" selftest > "$logs/harness.log" 2>&1; then
-    note selftest PASS "harness host-side checks"
-  else
-    note selftest FAIL "see logs/harness.log"
-  fi
+  step selftest 30 "$harness" selftest
+  rc=$?
+  if [ $rc -eq 0 ]; then note selftest PASS "harness host-side checks"
+  elif [ $rc -ne 125 ]; then note selftest FAIL "rc $rc (see log.txt)"; fi
 fi
 
-# --- 4. Tests -----------------------------------------------------------------
+# --- 4. Tests (on a GPU: the kernels too; anywhere: the cuda lowering) ------------
 # Small staging (1 MiB) so that the tests' larger buffers take several rounds.
 if [ "$python_ok" = 1 ]; then
-  (cd "$work" && PYTHONPATH=$site LIBRA_JAX_CUDA_STAGING_MIB=1 XLA_PYTHON_CLIENT_PREALLOCATE=false \
-     timeout 150 "$python" -m pytest -q -p no:cacheprovider -rs "$repo/tests/test_cuda.py") \
-     > "$logs/pytest.log" 2>&1
+  PYTHONPATH=$site LIBRA_JAX_CUDA=p2p LIBRA_JAX_CUDA_STAGING_MIB=1 \
+    XLA_PYTHON_CLIENT_PREALLOCATE=false step pytest 150 "$python" -m pytest -q \
+    -p no:cacheprovider -rs --rootdir "$repo" "$repo/tests/test_cuda.py" \
+    "$repo/tests/test_platform_matrix.py"
   rc=$?
-  counts=$(grep -Eo '[0-9]+ (passed|failed|skipped|errors?)' "$logs/pytest.log" | paste -sd, -)
-  if [ $rc -eq 0 ]; then note pytest PASS "tests/test_cuda.py: ${counts:-?}"
-  else note pytest FAIL "tests/test_cuda.py (rc $rc): ${counts:-?}"; fi
+  counts=$(tail -5 "$log" | grep -Eo '[0-9]+ (passed|failed|skipped|errors?)' | paste -sd, -)
+  if [ $rc -eq 0 ]; then note pytest PASS "test_cuda, test_platform_matrix: ${counts:-?}"
+  elif [ $rc -ne 125 ]; then note pytest FAIL "rc $rc: ${counts:-?}"; fi
 fi
 
-# --- 5. Harness on the GPU -----------------------------------------------------
+# --- 5. On the GPU ------------------------------------------------------------------
 if [ "$dry_run" = 0 ] && [ -x "$harness" ]; then
-  timeout 90 "$harness" check --ranks "$ranks" --csv "$out/check.csv" >> "$logs/harness.log" 2>&1
+  step check 90 "$harness" check --ranks "$ranks" --csv "$csv"
   rc=$?
-  pass=$(grep -c ',PASS,' "$out/check.csv" 2>/dev/null)
-  fail=$(grep -c ',FAIL,' "$out/check.csv" 2>/dev/null)
-  skip=$(grep -c ',SKIP,' "$out/check.csv" 2>/dev/null)
-  if [ $rc -eq 0 ]; then note check PASS "$pass passed, $skip skipped (not co-resident)"
-  else note check FAIL "rc $rc: $pass passed, $fail failed, $skip skipped"; fi
+  pass=$(grep -c '^check,.*,PASS,' "$csv")
+  fail=$(grep -c '^check,.*,FAIL,' "$csv")
+  skip=$(grep -c '^check,.*,SKIP,' "$csv")
+  if [ $rc -eq 0 ]; then note check PASS "$pass passed, $skip skipped (reasons in harness.csv)"
+  elif [ $rc -ne 125 ]; then note check FAIL "rc $rc: $pass passed, $fail failed, $skip skipped"; fi
 
-  timeout 60 "$harness" contend --ranks 8 --bytes 64M --csv "$out/contend.csv" \
-    >> "$logs/harness.log" 2>&1
+  step contend 60 "$harness" contend --ranks 8 --bytes 64M --csv "$csv"
   rc=$?
-  rows=$(grep -c '^contend,' "$out/contend.csv" 2>/dev/null)
+  rows=$(grep -c '^contend,' "$csv")
   if [ $rc -eq 0 ]; then note contend PASS "$rows contention points"
-  else note contend FAIL "rc $rc after $rows contention points"; fi
-  if [ "$python_ok" = 1 ] && [ "${rows:-0}" -gt 0 ]; then
-    if PYTHONPATH=$site "$python" "$repo/benchmarks/gpu_profile.py" "$out/contend.csv" \
-         --gpu "$gpu" --out "$out/h200.json" 2>> "$logs/harness.log"; then
-      note profile PASS "h200.json: contention parameters fitted (copy to libra_jax/profiles/)"
-    else note profile FAIL "see logs/harness.log"; fi
+  elif [ $rc -ne 125 ]; then note contend FAIL "rc $rc after $rows contention points"; fi
+  if [ "$python_ok" = 1 ] && [ "$rows" -gt 0 ]; then
+    PYTHONPATH=$site step profile 30 "$python" "$repo/benchmarks/gpu_profile.py" "$csv" \
+      --gpu "$gpu" --out "$out/h200-virtual-ranks.json"
+    rc=$?
+    if [ $rc -eq 0 ]; then note profile PASS "h200-virtual-ranks.json (proxy curves; h200.json unchanged)"
+    elif [ $rc -ne 125 ]; then note profile FAIL "rc $rc (see log.txt)"; fi
   fi
 
   if [ "$python_ok" = 1 ]; then
-    (cd "$work" && PYTHONPATH=$site XLA_PYTHON_CLIENT_PREALLOCATE=false timeout 120 \
-       "$python" "$repo/benchmarks/gpu_overlap.py" --out "$out") >> "$logs/overlap.log" 2>&1
+    PYTHONPATH=$site LIBRA_JAX_CUDA=p2p XLA_PYTHON_CLIENT_PREALLOCATE=false \
+      step overlap 120 "$python" "$repo/benchmarks/gpu_overlap.py" --out "$out"
     rc=$?
-    if [ $rc -eq 0 ]; then note overlap PASS "$(grep -c '^| [a-z]' "$out/overlap.md") rows"
-    else note overlap FAIL "rc $rc (see logs/overlap.log)"; fi
+    if [ $rc -eq 0 ]; then note overlap PASS "$(grep -c '^| [a-z]' "$out/overlap.md" 2>/dev/null) rows"
+    elif [ $rc -ne 125 ]; then note overlap FAIL "rc $rc (see log.txt)"; fi
+
+    PYTHONPATH=$site step nccl 90 "$python" "$repo/benchmarks/gpu_nccl_check.py"
+    rc=$?
+    grep '^nccl-' "$log" | tail -8 | while read -r what result detail; do
+      note "$what" "$result" "$detail"
+    done
+    [ $rc -ne 0 ] && [ $rc -ne 125 ] && note nccl FAIL "rc $rc (see log.txt)"
   fi
 
-  bench_budget=$(( $(left) - 25 ))
+  # The grid is capped: 2 and 8 ranks, 64 KiB .. $max_bytes, blocks 1..64 in powers of 2.
+  bench_budget=$(( $(left) - reserve - 15 ))
   if [ "$bench_budget" -gt 10 ]; then
-    timeout $((bench_budget + 20)) "$harness" bench --ranks "$ranks" --max-bytes "$max_bytes" \
-      --budget-s "$bench_budget" --csv "$out/bench.csv" >> "$logs/harness.log" 2>&1
+    step bench $((bench_budget + 10)) "$harness" bench --ranks 2,8 --min-bytes 64K \
+      --max-bytes "$max_bytes" --blocks 1,2,4,8,16,32,64 --budget-s "$bench_budget" --csv "$csv"
     rc=$?
-    rows=$(grep -c '^bench,' "$out/bench.csv" 2>/dev/null)
-    if [ $rc -eq 0 ]; then note bench PASS "$rows timings in ${bench_budget}s budget"
-    else note bench FAIL "rc $rc after $rows timings"; fi
+    rows=$(grep -c '^bench,' "$csv")
+    if [ $rc -eq 0 ]; then note bench PASS "$rows timings in a ${bench_budget}s budget"
+    elif [ $rc -ne 125 ]; then note bench FAIL "rc $rc after $rows timings"; fi
   else
-    note bench SKIP "no time left"
+    note bench SKIP "budget: $(left)s of ${budget}s left"
   fi
 elif [ "$dry_run" = 1 ]; then
   note check SKIP "dry run"
   note contend SKIP "dry run"
-  note overlap SKIP "dry run"
-  note bench SKIP "dry run"
-  # Stand-in timings, to exercise the table step below.
-  gpu="DRY RUN (stand-in numbers, not measured)"
-  printf 'bench_header,ranks,algorithm,bytes,blocks,effective_blocks,median_us,algbw_GBps,iters\n' \
-    > "$out/bench.csv"
+  if [ "$python_ok" = 1 ]; then
+    PYTHONPATH=$site step overlap 90 "$python" "$repo/benchmarks/gpu_overlap.py" --lower-only
+    rc=$?
+    if [ $rc -eq 0 ]; then note overlap PASS "dry run: lowered for cuda (--lower-only)"
+    elif [ $rc -ne 125 ]; then note overlap FAIL "rc $rc (see log.txt)"; fi
+    PYTHONPATH=$site step nccl 60 "$python" "$repo/benchmarks/gpu_nccl_check.py" --plan
+    rc=$?
+    if [ $rc -eq 0 ]; then note nccl PASS "dry run: $(grep '^nccl-version' "$log" | tail -1)"
+    elif [ $rc -ne 125 ]; then note nccl FAIL "rc $rc (see log.txt)"; fi
+  fi
+  # The budget's enforcement: a step over its timeout is killed at the timeout.
+  began=$SECONDS
+  step budget-probe "$min_step" sleep 60
+  rc=$?
+  took=$((SECONDS - began))
+  if [ $rc -eq 124 ] && [ "$took" -le $((min_step + 2)) ]; then
+    note budget PASS "a step over its ${min_step}s timeout ended after ${took}s"
+  elif [ $rc -ne 125 ]; then note budget FAIL "rc $rc after ${took}s (timeout ${min_step}s)"; fi
+  note bench SKIP "dry run (stand-in rows exercise the table)"
   printf 'bench,2,oneshot,65536,1,1,9.50,6.90,3\nbench,2,oneshot,65536,8,8,5.00,13.11,3\n' \
-    >> "$out/bench.csv"
+    >> "$csv"
+  gpu="DRY RUN (stand-in numbers, not measured)"
 fi
 
-# --- 6. Table, logs -------------------------------------------------------------
-"$python" - "$out/bench.csv" "$out/table.md" "${gpu:-?}" <<'EOF' > "$work/table.txt" 2>&1 || true
+# --- 6. The table, appended to the summary ---------------------------------------------
+{
+  echo
+  "$python" - "$csv" "${gpu:-?}" <<'EOF' 2>&1 || true
 import collections, csv, sys
-src, dst, gpu = sys.argv[1:4]
-rows = [r for r in csv.reader(open(src)) if r and r[0] == "bench" and r[6]]
+src, gpu = sys.argv[1:3]
+rows = [r for r in csv.reader(open(src)) if r and r[0] == "bench" and len(r) > 6 and r[6]]
 if not rows:
     print("no timings"); sys.exit()
 t = collections.defaultdict(dict)
@@ -201,33 +268,20 @@ for r in rows:
     t[(int(r[1]), r[2], int(r[3]))][int(r[4])] = float(r[6])
 def size(b):
     return f"{b >> 30} GiB" if b >= 1 << 30 else f"{b >> 20} MiB" if b >= 1 << 20 else f"{b >> 10} KiB"
-def table(keys):
-    head = "| ranks | algorithm | bytes/rank | " + " | ".join(f"{b} blk" for b in blocks) + " |"
-    lines = [head, "|" + "---|" * (3 + len(blocks))]
-    for k in keys:
-        best = min(t[k].values())
-        cells = [("**%.1f**" if t[k].get(b) == best else "%.1f") % t[k][b] if b in t[k] else "-"
-                 for b in blocks]
-        lines.append(f"| {k[0]} | {k[1]} | {size(k[2])} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-keys = sorted(t)
-with open(dst, "w") as f:
-    f.write(f"# libra CUDA all-reduce: median µs per call, virtual ranks on one {gpu}\n\n"
-            "All ranks share one GPU's memory, so this times the kernels and the\n"
-            "block count, not NVLink. Bold: fastest block count of the row.\n\n")
-    f.write(table(keys) + "\n")
-short = [k for k in keys if k[0] == max(k[0] for k in keys)]
-print(f"median µs per all-reduce, {short[0][0]} virtual ranks (full table: table.md)")
-print(table(short))
+print(f"libra CUDA all-reduce: median µs per call, virtual ranks on one {gpu}.")
+print("All ranks share one GPU's memory: this times the kernels and the block count, not")
+print("NVLink. Bold: the fastest block count of the row.\n")
+print("| ranks | algorithm | bytes/rank | " + " | ".join(f"{b} blk" for b in blocks) + " |")
+print("|" + "---|" * (3 + len(blocks)))
+for k in sorted(t):
+    best = min(t[k].values())
+    cells = [("**%.1f**" if t[k].get(b) == best else "%.1f") % t[k][b] if b in t[k] else "-"
+             for b in blocks]
+    print(f"| {k[0]} | {k[1]} | {size(k[2])} | " + " | ".join(cells) + " |")
 EOF
-
-rm -f "$out/logs.tar.gz"
-tar -czf "$work/logs.tar.gz" -C "$out" logs && mv "$work/logs.tar.gz" "$out/logs.tar.gz" &&
-  rm -rf "$logs"
+} >> "$summary"
 
 echo
-echo "=== libra_jax GPU check (${SECONDS}s) ==="
+echo "=== libra_jax GPU check (${SECONDS}s of ${budget}s) ==="
 cat "$summary"
-echo
-cat "$work/table.txt"
 exit $status

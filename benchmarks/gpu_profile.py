@@ -1,12 +1,17 @@
 """Write a GPU profile from the CUDA harness's contention curves.
 
-    python benchmarks/gpu_profile.py contend.csv [--base h200] [--out h200.json]
+    python benchmarks/gpu_profile.py harness.csv [--base h200] [--out h200-virtual-ranks.json]
 
 Reads the `contend` lines of `libra_cuda_harness contend` (benchmarks/gpu_check.sh
-writes them to contend.csv), fits the contention parameters of the base profile
-(libra_jax.gpu_calibration) and writes the profile with them marked measured;
-prints the curves and the fit. Copy the result over libra_jax/profiles/h200.json
-and commit it with the run's date and GPU.
+writes them to harness.csv), fits the contention parameters of the base profile
+(libra_jax.gpu_calibration) and writes them, marked measured, as a *separate,
+labelled* profile (default name ``<base>-virtual-ranks``); prints the curves and the fit.
+
+The curves are proxies, so the result never replaces the shipped ``h200.json``: the ranks
+are virtual (local HBM, not NVLink), the contention kernel uses 32 registers per thread
+where the real kernel uses 128, and the compute is a naive fp32 GEMM, not XLA's
+tensor-core GEMMs. Commit it beside the run's results (date, GPU) as evidence; the shipped
+profile changes when real multi-GPU numbers exist.
 """
 from __future__ import annotations
 
@@ -25,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--base", default="h200", help="nccl-style profile to update")
     parser.add_argument("--out", help="where to write the profile (default: stdout)")
     parser.add_argument("--gpu", default="", help="GPU name for the provenance note")
+    parser.add_argument("--name", default=None,
+                        help="the written profile's name (default: <base>-virtual-ranks)")
     args = parser.parse_args(argv)
 
     rows = gpu_calibration.read_contend_csv(args.csv)
@@ -38,6 +45,12 @@ def main(argv: list[str] | None = None) -> int:
     ref = (f"libra_cuda_harness contend on {args.gpu or 'one GPU'}, {date.today()}, "
            f"{rows[0].ranks} virtual ranks x {rows[0].bytes >> 20} MiB (local HBM, not NVLink)")
     profile = gpu_calibration.apply_fit(base, fit, ref=ref)
+    profile["name"] = args.name or f"{Path(args.base).stem}-virtual-ranks"
+    profile["notes"] = list(profile.get("notes", [])) + [
+        f"Contention parameters fitted to proxy curves ({ref}): virtual ranks share one GPU's "
+        "HBM (no NVLink), the contention kernel uses 32 registers per thread (the real kernel "
+        "128), the compute is a naive fp32 GEMM (not XLA's tensor-core GEMMs). Evidence, not "
+        "a replacement for the shipped profile."]
     model.profile_from_dict(profile, origin="fitted")  # refuse to write an invalid profile
 
     print("| workload | blocks | compute slowdown | all-reduce alone µs | all-reduce slowdown |",

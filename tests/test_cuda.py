@@ -430,3 +430,26 @@ def test_cuda_lowering_default_blocks_from_the_model():
     expected = default_blocks((1 << 18) * 4, 8, DEFAULT_PROFILES["cuda"])
     calls = custom_calls(text)
     assert calls and all(f"blocks = {expected} : i64" in line for line in calls)
+
+
+# --- benchmarks/gpu_check.sh's budget (any machine with nvcc) ------------------
+
+@pytest.mark.skipif(not __import__("shutil").which("nvcc"), reason="gpu_check.sh needs nvcc")
+def test_gpu_check_skips_what_its_budget_has_no_room_for(tmp_path):
+    """With 12 s for everything, the environment step runs and every later step is a SKIP
+    naming the budget: the script ends at once, exits 0, and leaves at most 6 files (what
+    comes back from the GPU machine). CI's dry run checks the full run's steps and files."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OUT": str(tmp_path / "out"), "GPU_CHECK_WORK": str(tmp_path / "work"),
+           "PYTHON": sys.executable, "GPU_CHECK_BUDGET_S": "12"}
+    proc = subprocess.run(["bash", str(root / "benchmarks/gpu_check.sh"), "--dry-run"],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = (tmp_path / "out" / "summary.txt").read_text()
+    assert re.search(r"^env +INFO", summary, re.M), summary
+    assert re.search(r"^build +SKIP +budget: -?\d+s of 12s left", summary, re.M), summary
+    assert not re.search(r"^\S+ +(PASS|FAIL)", summary, re.M), summary
+    files = [p for p in (tmp_path / "out").rglob("*") if p.is_file()]
+    assert len(files) <= 6, files

@@ -67,12 +67,18 @@ def test_read_csv_and_malformed_lines(tmp_path):
         gc.read_contend_csv(tmp_path / "none.csv")
 
 
-def test_script_writes_a_valid_h200_profile_marked_measured(tmp_path):
+def test_script_writes_a_separate_labelled_profile_marked_measured(tmp_path):
     write_csv(tmp_path / "c.csv", synthetic_rows(22.0, 0.8, 1.25, 4.0))
+    shipped = (ROOT / "libra_jax/profiles/h200.json").read_bytes()
+    out = tmp_path / "h200-virtual-ranks.json"
     subprocess.run([sys.executable, str(ROOT / "benchmarks/gpu_profile.py"), str(tmp_path / "c.csv"),
-                    "--out", str(tmp_path / "h200.json"), "--gpu", "NVIDIA H200"],
+                    "--out", str(out), "--gpu", "NVIDIA H200"],
                    check=True, capture_output=True, text=True)
-    data = json.loads((tmp_path / "h200.json").read_text())
+    # The proxy curves make their own profile, named and noted as such; h200.json stays.
+    assert (ROOT / "libra_jax/profiles/h200.json").read_bytes() == shipped
+    data = json.loads(out.read_text())
+    assert data["name"] == "h200-virtual-ranks"
+    assert any("proxy curves" in note and "virtual ranks" in note for note in data["notes"])
     section = data["nccl_style"]
     assert section["units_per_block"] == {"value": 1.25, "source": "measured",
                                           "ref": section["units_per_block"]["ref"]}

@@ -153,6 +153,30 @@ def test_unusable_library_is_a_clear_error_and_the_lowering_falls_back(stub_env,
     assert "AVAILABLE False" in out
 
 
+@pytest.mark.parametrize("version, forced, expect", [
+    ("23100", "", "ROUTE per-collective"),
+    ("23100", "per-communicator", "ROUTE per-communicator"),
+    ("23100", "per-collective", "ROUTE per-collective"),
+    ("22700", "per-communicator", "ROUTE per-communicator"),
+    ("22700", "per-collective", "ERROR libra NCCL: LIBRA_JAX_NCCL_CTA_ROUTE=per-collective, "
+                                "but"),
+    ("23100", "per-call", "ERROR libra NCCL: LIBRA_JAX_NCCL_CTA_ROUTE must be per-collective or "
+                          "per-communicator, got 'per-call'"),
+])
+def test_the_cta_route_can_be_forced(stub_env, version, forced, expect):
+    # The GPU check runs each route on the machine's NCCL; an A/B run may force one.
+    stub_env["NCCL_STUB_VERSION"] = version
+    stub_env["LIBRA_JAX_NCCL_CTA_ROUTE"] = forced
+    out = run("""
+        from libra_jax import _nccl
+        try:
+            print("ROUTE", _nccl.library().route)
+        except RuntimeError as e:
+            print("ERROR", e)
+    """, stub_env)
+    assert expect in out, out
+
+
 def test_bad_unique_id_and_unknown_communicator(stub_env):
     out = run("""
         import numpy as np

@@ -160,6 +160,23 @@ Status Library::Open(const std::string& path, std::unique_ptr<Library>* library)
   Status status = lib->Check(api.get_version(&lib->version_), "ncclGetVersion");
   if (!status.ok()) return status;
   lib->route_ = RouteFor(lib->version_, api.all_reduce_config != nullptr);
+  // $LIBRA_JAX_NCCL_CTA_ROUTE forces a route (A/B runs; the GPU check runs each one).
+  const char* forced = std::getenv("LIBRA_JAX_NCCL_CTA_ROUTE");
+  if (forced != nullptr && *forced != '\0') {
+    const std::string want = forced;
+    if (want == Name(CtaRoute::kPerCommunicator)) {
+      lib->route_ = CtaRoute::kPerCommunicator;
+    } else if (want != Name(CtaRoute::kPerCollective)) {
+      return Error(Status::Code::kInvalidArgument,
+                   "LIBRA_JAX_NCCL_CTA_ROUTE must be per-collective or per-communicator, got '" +
+                       want + "'");
+    } else if (lib->route_ != CtaRoute::kPerCollective) {
+      return Error(Status::Code::kInvalidArgument,
+                   "LIBRA_JAX_NCCL_CTA_ROUTE=per-collective, but " + name + " (NCCL " +
+                       VersionString(lib->version_) +
+                       ") has no ncclAllReduceConfig (NCCL >= 2.31 has)");
+    }
+  }
   *library = std::move(lib);
   return Status::Ok();
 }

@@ -9,6 +9,8 @@
 //                             [--csv FILE]
 //   libra_cuda_harness selftest   (host-only checks; runs without a GPU)
 //
+// --csv FILE appends, so every mode's lines can go to one file (gpu_check.sh).
+//
 // check: random data, outputs poisoned first, every dtype and algorithm,
 // chunked rounds (small staging), in place, block counts changing from call
 // to call, CUDA-graph replays, and a rank that never arrives (the timeout
@@ -724,7 +726,7 @@ int main(int argc, char** argv) {
     else if (key == "--max-bytes") max_bytes = ParseBytes(value);
     else if (key == "--bytes") contend_bytes = ParseBytes(value);
     else if (key == "--budget-s") budget_s = std::atof(value.c_str());
-    else if (key == "--csv") g_csv = std::fopen(value.c_str(), "w");
+    else if (key == "--csv") g_csv = std::fopen(value.c_str(), "a");  // one file, all modes
     else {
       std::fprintf(stderr, "unknown option %s\n", key.c_str());
       return 2;

@@ -1,0 +1,154 @@
+"""The machine's real NCCL under libra's CTA limits (one GPU): the check the stub cannot be.
+
+    python benchmarks/gpu_nccl_check.py            # on a GPU machine (benchmarks/gpu_check.sh)
+    python benchmarks/gpu_nccl_check.py --plan     # anywhere: which NCCL, which checks would run
+
+Prints one line per check, ``nccl-<what> PASS|FAIL|SKIP|INFO <detail>`` (gpu_check.sh copies
+them into its summary), and NCCL's own log lines about channels and CTAs after each.
+
+* ``nccl-version``: the NCCL libra loads (``libra_jax._nccl.library``: ``$LIBRA_JAX_NCCL_LIBRARY``,
+  else the libnccl.so.2 already in the process, else the loader's; here, if neither is set, the
+  ``nvidia-nccl-cu13`` wheel's), its version and the CTA route that version gets.
+* ``nccl-<route>``: for each route the version allows (per-collective needs NCCL >= 2.31;
+  per-communicator, forced with ``LIBRA_JAX_NCCL_CTA_ROUTE``, any), in a fresh process: a
+  1-rank communicator on GPU 0 and the ``libra_allreduce_nccl`` custom call, XLA's own handler
+  path, with ctas 1, 4 and 16 on a 1 MiB f32 buffer; a 1-rank sum returns its input, checked
+  bit for bit. ``NCCL_DEBUG=INFO`` lines naming channels or CTAs are printed after it.
+* ``nccl-2-ranks``: a 2-rank all-reduce needs two GPUs (one NCCL rank per GPU: NCCL refuses
+  two ranks of one communicator on one device), so on one GPU it is a SKIP with that reason;
+  with two, tests/test_nccl.py::test_two_processes_on_two_gpus is the check.
+
+Exit status 0 unless a check FAILs.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+CTAS = (1, 4, 16)
+ROUTES = ("per-collective", "per-communicator")
+PER_COLLECTIVE_VERSION = 23100
+
+ONE_RANK = """
+    import os, sys
+    import jax, numpy as np
+    from libra_jax import _ffi, _nccl
+    lib = _nccl.library()
+    print("ROUTE", lib.route, flush=True)
+    gpu = jax.devices("cuda")[0]
+    _ffi.ensure_cuda_registered()
+    x = np.random.default_rng(0).standard_normal(1 << 18).astype(np.float32)  # 1 MiB
+    for ctas in __CTAS__:
+        comm = _nccl.communicator([gpu.id], blocks=ctas, holds_root=True, timeout_s=60)
+        rows = 1 + int(gpu.local_hardware_id)
+        comm_ids = np.full(rows, -1, np.int64); comm_ids[-1] = comm
+        ranks = np.full(rows, -1, np.int32); ranks[-1] = 0
+        teams = np.full(rows, -1, np.int32); teams[-1] = int(gpu.local_hardware_id)
+        call = jax.ffi.ffi_call(_ffi.ALLREDUCE_NCCL_TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype))
+        f = jax.jit(lambda v: call(v, comm_ids=comm_ids, ranks=ranks, nranks=np.int64(1),
+                                   ctas=np.int64(ctas), local_teams=teams,
+                                   local_world=np.int64(1), timeout_ms=np.int64(60000)))
+        y = np.asarray(f(jax.device_put(x, gpu)))
+        ok = y.tobytes() == x.tobytes()
+        print("CTAS", ctas, "OK" if ok else "WRONG", "communicators", _nccl.communicators_created(),
+              flush=True)
+"""
+
+
+def nccl_wheel_library() -> str | None:
+    """The nvidia-nccl-cu13 (or -cu12) wheel's libnccl.so.2, if installed."""
+    try:
+        import nvidia.nccl  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    for base in getattr(nvidia.nccl, "__path__", []):
+        path = Path(base) / "lib" / "libnccl.so.2"
+        if path.is_file():
+            return str(path)
+    return None
+
+
+def say(check: str, result: str, detail: str) -> None:
+    print(f"nccl-{check} {result} {detail}", flush=True)
+
+
+def nccl_log_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines()
+            if "NCCL INFO" in line and re.search(r"channel|CTA|cta", line)][:12]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--plan", action="store_true",
+                        help="load NCCL and say what would run; run nothing on a GPU")
+    parser.add_argument("--timeout-s", type=float, default=60, help="per route (default 60)")
+    args = parser.parse_args(argv)
+
+    env = dict(os.environ)
+    if not env.get("LIBRA_JAX_NCCL_LIBRARY") and (wheel := nccl_wheel_library()):
+        env["LIBRA_JAX_NCCL_LIBRARY"] = wheel
+    probe = subprocess.run(
+        [sys.executable, "-c", "from libra_jax import _nccl; l = _nccl.library(); "
+                               "print(l.path, l.version_code, l.version, l.route)"],
+        env={**env, "LIBRA_JAX_NCCL_CTA_ROUTE": ""}, capture_output=True, text=True, timeout=60)
+    if probe.returncode != 0:
+        tail = (probe.stderr.strip().splitlines() or ["?"])[-1]
+        say("version", "SKIP", f"no usable NCCL: {tail}")
+        return 0
+    path, code, version, route = probe.stdout.split()
+    say("version", "INFO", f"NCCL {version} ({path}); default CTA route {route}")
+    routes = [r for r in ROUTES if r != "per-collective" or int(code) >= PER_COLLECTIVE_VERSION
+              and route == "per-collective"]
+    failed = False
+    for r in ROUTES:
+        if r not in routes:
+            say(r, "SKIP", f"NCCL {version} has no per-collective CTA limit (>= 2.31 has)")
+            continue
+        script = textwrap.dedent(ONE_RANK).replace("__CTAS__", repr(CTAS))
+        if args.plan:
+            compile(script, "<nccl one-rank check>", "exec")  # a dry run still parses it
+            say(r, "SKIP", f"--plan: would run a 1-rank all-reduce with ctas {CTAS}")
+            continue
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-c", script],
+                env={**env, "LIBRA_JAX_NCCL_CTA_ROUTE": r, "LIBRA_JAX_CUDA": "nccl",
+                     "NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT,TUNING,ENV",
+                     "XLA_PYTHON_CLIENT_PREALLOCATE": "false"},
+                capture_output=True, text=True, timeout=args.timeout_s)
+        except subprocess.TimeoutExpired:
+            say(r, "FAIL", f"no answer in {args.timeout_s:g} s")
+            failed = True
+            continue
+        lines = proc.stdout.splitlines()
+        good = [line for line in lines if line.startswith("CTAS") and " OK " in line]
+        if proc.returncode == 0 and len(good) == len(CTAS) and f"ROUTE {r}" in lines:
+            comms = good[-1].split()[-1]
+            say(r, "PASS", f"1 rank, ctas {CTAS}: bitwise, {comms} communicator(s)")
+        else:
+            tail = (proc.stderr.strip().splitlines() or ["?"])[-1]
+            say(r, "FAIL", f"rc {proc.returncode}: {' | '.join(lines[-3:])} {tail}")
+            failed = True
+        for line in nccl_log_lines(proc.stdout + proc.stderr):
+            print("   ", line.strip())
+    gpus = 0
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+        gpus = out.stdout.count("GPU ")
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    if gpus < 2:
+        say("2-ranks", "SKIP", f"{gpus} GPU(s): NCCL takes one GPU per rank of a communicator, "
+                               "so two ranks need two GPUs (tests/test_nccl.py runs it there)")
+    else:
+        say("2-ranks", "SKIP", "two GPUs: tests/test_nccl.py::test_two_processes_on_two_gpus")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
