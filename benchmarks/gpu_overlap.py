@@ -33,6 +33,9 @@ import sys
 import time
 from pathlib import Path
 
+# libra's GPU data paths are opt-in (LIBRA_JAX_CUDA, default xla): this measures the P2P
+# kernels, so it opts in unless told otherwise.
+os.environ.setdefault("LIBRA_JAX_CUDA", "p2p")
 if "--lower-only" not in sys.argv:
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_gpu_experimental_stream_annotation=true")
@@ -179,23 +182,34 @@ def main() -> int:
     x_spec = jax.ShapeDtypeStruct((n,), jnp.float32)
     fns = steps(args.chain)
     if args.lower_only:
+        # Each step must lower to the calls it measures (exit 1 otherwise): a dry run of
+        # what the GPU run would time.
         _ffi.ensure_cuda_registered()
-        for name, make in fns.items():
+        sync_calls = [_ffi.ALLREDUCE_CUDA_TARGET]
+        pair = sorted([_ffi.ALLREDUCE_CUDA_DONE_TARGET, _ffi.ALLREDUCE_CUDA_START_TARGET])
+        expected = {"compute": [], "allreduce": sync_calls, "sync": sync_calls,
+                    "annotated": sync_calls, "start/done": pair,
+                    "optimize overlap=sync": sync_calls, "optimize overlap=start-done": pair}
+        opt, (params, x) = optimize_steps(256, 3, 64)
+        lowerings = {name: (lambda make=make: make(8).trace(a_spec, x_spec))
+                     for name, make in fns.items()}
+        lowerings.update({f"optimize overlap={mode}": (lambda f=f: f.trace(params, x))
+                          for mode, f in opt.items()})
+        wrong = 0
+        for name, trace in lowerings.items():
             try:
-                text = make(8).trace(a_spec, x_spec).lower(lowering_platforms=("cuda",)).as_text()
-                calls = sorted({w.split("(")[0] for w in text.split("custom_call @")[1:]})
-                print(f"{name:11s} lowers: custom calls {calls}")
+                text = trace().lower(lowering_platforms=("cuda",)).as_text()
             except Exception as e:  # noqa: BLE001 - report and go on
                 print(f"{name:11s} does not lower for cuda: {type(e).__name__}: {e}"[:300])
-        opt, (params, x) = optimize_steps(256, 3, 64)
-        for mode, f in opt.items():
-            try:
-                text = f.trace(params, x).lower(lowering_platforms=("cuda",)).as_text()
-                calls = sorted({w.split("(")[0] for w in text.split("custom_call @")[1:]})
-                print(f"optimize overlap={mode} lowers: custom calls {calls}")
-            except Exception as e:  # noqa: BLE001 - report and go on
-                print(f"optimize overlap={mode} does not lower for cuda: {type(e).__name__}: {e}"[:300])
-        return 0
+                wrong += 1
+                continue
+            calls = sorted({w.split("(")[0] for w in text.split("custom_call @")[1:]})
+            ok = calls == expected.get(name, calls)
+            wrong += not ok
+            print(f"{name:11s} lowers: custom calls {calls}" + ("" if ok else
+                  f" -- UNEXPECTED, wanted {expected[name]} (LIBRA_JAX_CUDA="
+                  f"{os.environ.get('LIBRA_JAX_CUDA')})"))
+        return 1 if wrong else 0
 
     if not jax.devices()[0].platform == "gpu":
         print("needs a GPU (use --lower-only elsewhere)")
