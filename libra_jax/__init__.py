@@ -15,6 +15,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "psum": "libra_jax.allreduce",
     "pmean": "libra_jax.allreduce",
+    "patch_lax": "libra_jax.allreduce",
     "MAX_BLOCKS": "libra_jax.allreduce",
     "optimize": "libra_jax.rewrite",
     "explain": "libra_jax.explanation",
@@ -31,4 +32,4 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(list(globals()) + list(_LAZY))
+    return sorted(set(globals()) | set(_LAZY))

@@ -27,13 +27,12 @@ from jax._src.sharding_impls import SPMDAxisContext
 from jax.extend.core import ClosedJaxpr, Jaxpr, Primitive, Var
 from jax.extend.core import jaxpr_as_fun as _jaxpr_as_fun
 from jax.extend.core import jaxprs_in_params as _jaxprs_in_params
-from jax.extend.core import new_jaxpr_eqn as _new_jaxpr_eqn
 
 __all__ = [
     "ClosedJaxpr", "Jaxpr", "Var", "jaxpr_as_fun", "closed_jaxpr", "jaxprs_in_params",
-    "new_jaxpr_eqn", "mesh_axis_sizes", "distributed_client", "on_stream", "Primitive", "Tracer", "ShapedArray", "ir", "hlo", "psum_p", "psum_invariant_p",
+    "mesh_axis_sizes", "distributed_client", "on_stream", "Primitive", "Tracer", "ShapedArray", "ir", "hlo", "psum_p", "psum_invariant_p",
     "apply_primitive", "deflinear", "register_batcher", "register_lowering", "lower_fun",
-    "ir_constant", "ir_tensor_type",
+    "ir_constant", "ir_tensor_type", "jit_static_args",
     "check_vma_enabled", "auto_pcast_enabled", "varying_axes", "input_state",
     "pvary", "skip_size_one_axes", "axis_is_bound", "manual_axes", "replica_groups",
     "mesh_devices", "ffi_target_registration", "device_index", "is_traced_argument", "is_zero_cotangent", "zero_cotangent",
@@ -216,14 +215,19 @@ def new_var(aval: Any) -> Any:
     return _core.Var(aval)
 
 
-def new_jaxpr_eqn(invars: list, outvars: list, prim: Primitive, params: dict, effects: Any,
-                  source_info: Any) -> Any:
-    return _new_jaxpr_eqn(invars, outvars, prim, params, effects, source_info)
-
-
 def mesh_axis_sizes(mesh: Any) -> dict:
     """Axis name -> size of a (concrete or abstract) mesh."""
     return dict(mesh.shape)
+
+
+def jit_static_args(fn: Any) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """The static argument positions and names of a `jax.jit`-ed `fn` (its `PjitInfo`), or
+    empty ones for anything else."""
+    info = getattr(fn, "_jit_info", None)
+    if info is None:
+        return (), ()
+    return (tuple(getattr(info, "static_argnums", ()) or ()),
+            tuple(getattr(info, "static_argnames", ()) or ()))
 
 
 def distributed_client() -> Any:

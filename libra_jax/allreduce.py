@@ -15,19 +15,26 @@ to `jax.lax.psum`, silently.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
 import warnings
 from functools import partial
-from typing import Any, Callable, Hashable, Sequence
+from typing import Any, Callable, Hashable, Iterator, Sequence
 
 import jax
 import numpy as np
 
 from libra_jax import _compat, _ffi, _nccl
 
-__all__ = ["psum", "pmean", "default_blocks", "MAX_BLOCKS", "libra_psum_p"]
+__all__ = ["psum", "pmean", "patch_lax", "default_blocks", "MAX_BLOCKS", "libra_psum_p"]
+
+# JAX's own functions, taken at import: libra_jax calls these (for constants, the axis
+# size, delegated psums), never `jax.lax.psum` by its live name, which code may have
+# patched to `libra_jax.psum` (`patch_lax`).
+_JAX_PSUM = jax.lax.psum
+_JAX_PMEAN = jax.lax.pmean
 
 #: Largest block count (engine worker tasks per all-reduce).
 MAX_BLOCKS: int = _ffi.MAX_BLOCKS
@@ -80,9 +87,7 @@ def psum(x: Any, axis_name: AxisName | Sequence[AxisName], *,
                          axis_index_groups=axis_index_groups)
     for name in axes:
         if not isinstance(name, int) and not _compat.axis_is_bound(name):
-            raise NameError(
-                f"libra_jax.psum: unbound axis name {name!r}. Call it inside jax.shard_map "
-                f"or jax.pmap over a mesh with an axis named {name!r}.")
+            _unbound_axis(x, axis_name, name)
     manual = _compat.manual_axes()
     if any(isinstance(name, int) or name not in manual for name in axes):
         return _delegate(x, axis_name, "axes bound by vmap or positional axes are reduced "
@@ -93,6 +98,27 @@ def psum(x: Any, axis_name: AxisName | Sequence[AxisName], *,
     return jax.tree_util.tree_map(partial(_psum_leaf, axes=axes, blocks=blocks, inplace=inplace), x)
 
 
+@contextlib.contextmanager
+def patch_lax() -> Iterator[None]:
+    """Within the block, `jax.lax.psum` and `jax.lax.pmean` are `libra_jax.psum` and
+    `libra_jax.pmean`: a way to try the drop-in on existing code without editing it. The
+    previous functions come back on exit (also on an error).
+
+    Limits: it acts when code is traced, so a function jitted and traced before the block
+    keeps XLA's psum (trace it inside); a ``from jax.lax import psum`` taken earlier still
+    names JAX's; the psums autodiff inserts (`check_vma`) are not `lax.psum` calls (use
+    `libra_jax.optimize` for those). It does reach library code that calls
+    ``jax.lax.psum``/``pmean`` by that name, such as Flax's BatchNorm with ``axis_name``.
+    It changes a module attribute: not for several threads tracing at once.
+    """
+    saved = jax.lax.psum, jax.lax.pmean
+    jax.lax.psum, jax.lax.pmean = psum, pmean
+    try:
+        yield
+    finally:
+        jax.lax.psum, jax.lax.pmean = saved
+
+
 def pmean(x: Any, axis_name: AxisName | Sequence[AxisName], *,
           axis_index_groups: Sequence[Sequence[int]] | None = None,
           blocks: int | None = None, inplace: bool | None = None) -> Any:
@@ -100,9 +126,9 @@ def pmean(x: Any, axis_name: AxisName | Sequence[AxisName], *,
     if axis_index_groups is not None:
         _check_blocks(blocks)
         return _delegate(x, axis_name, "axis_index_groups is not supported", blocks,
-                         axis_index_groups=axis_index_groups, op=jax.lax.pmean)
+                         axis_index_groups=axis_index_groups, op=_JAX_PMEAN)
     total = psum(x, axis_name, blocks=blocks, inplace=inplace)
-    n = jax.lax.psum(1, axis_name)
+    n = _JAX_PSUM(1, axis_name)
     return jax.tree_util.tree_map(lambda v: v / n, total)
 
 
@@ -144,6 +170,16 @@ def _derive(profile: Any, world: int) -> Any:
 
 # --- Front end helpers ------------------------------------------------------
 
+def engine_dtype(dtype: Any) -> np.dtype | None:
+    """`dtype` as the numpy dtype the engine reduces, or None where it does not: outside
+    `_SUPPORTED_DTYPES`, and JAX's extended dtypes (PRNG keys, ``key<fry>``), which numpy
+    cannot even name."""
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        return None
+    dtype = np.dtype(dtype)
+    return dtype if dtype in _SUPPORTED_DTYPES else None
+
+
 def _check_blocks(blocks: int | None) -> None:
     if blocks is None:
         return
@@ -151,6 +187,19 @@ def _check_blocks(blocks: int | None) -> None:
         raise TypeError(f"libra_jax.psum: blocks must be an int or None, got {blocks!r}")
     if not 1 <= blocks <= MAX_BLOCKS:
         raise ValueError(f"libra_jax.psum: blocks must be in [1, {MAX_BLOCKS}], got {blocks}")
+
+
+def _unbound_axis(x: Any, axis_name: Any, name: Any) -> None:
+    """Raise what `jax.lax.psum` raises for an unbound axis in this context (its message
+    differs between eager and traced code), with libra's hint added."""
+    hint = (f"libra_jax.psum: call it inside jax.shard_map or jax.pmap over a mesh with an "
+            f"axis named {name!r}.")
+    try:
+        _JAX_PSUM(x, axis_name)
+    except Exception as e:  # noqa: BLE001 - whatever JAX raises, as it raises it
+        e.add_note(hint)
+        raise
+    raise NameError(f"unbound axis name: {name}. {hint}")  # JAX accepted it: say so anyway
 
 
 _warned: set[str] = set()
@@ -163,7 +212,7 @@ def _warn_once(message: str) -> None:
 
 
 def _delegate(x: Any, axis_name: Any, reason: str, blocks: int | None, *,
-              op: Any = jax.lax.psum, **kwargs: Any) -> Any:
+              op: Any = _JAX_PSUM, **kwargs: Any) -> Any:
     if blocks is not None:
         raise TypeError(
             f"libra_jax.psum: blocks={blocks} cannot be honoured: {reason}, so this psum is "
@@ -174,14 +223,14 @@ def _delegate(x: Any, axis_name: Any, reason: str, blocks: int | None, *,
 
 def _psum_leaf(leaf: Any, *, axes: tuple, blocks: int | None, inplace: bool | None) -> Any:
     if not isinstance(leaf, _compat.Tracer):
-        return jax.lax.psum(leaf, axes)  # A constant: no communication needed.
+        return _JAX_PSUM(leaf, axes)  # A constant: no communication needed.
     aval = jax.typeof(leaf)
     state = _compat.input_state(aval, axes)
     if state in ("unreduced", "reduced"):
         return _delegate(leaf, axes, f"{state} inputs are not supported", blocks)
-    dtype = np.dtype(aval.dtype)
-    if dtype not in _SUPPORTED_DTYPES:
-        return _delegate(leaf, axes, f"dtype {dtype.name} is not supported by the engine",
+    dtype = engine_dtype(aval.dtype)
+    if dtype is None:
+        return _delegate(leaf, axes, f"dtype {aval.dtype} is not supported by the engine",
                          blocks)
     if inplace is None:
         inplace = not _compat.is_traced_argument(leaf)

@@ -99,17 +99,26 @@ class Explanation:
 
 def explain(fn: Callable[..., Any], *args: Any, profile: Any = None, fusion: bool = True,
             blocks: int | None = None, overlap: str | None = None,
-            file: TextIO | None = sys.stdout, use_rich: bool | None = None) -> Explanation:
-    """Plan `fn(*args)` as `libra_jax.optimize(fn, profile=..., fusion=..., blocks=...,
-    overlap=...)` would,
-    print the plan to `file` (None: print nothing) and return it as an :class:`Explanation`.
+            static_argnums: int | Sequence[int] | None = None,
+            static_argnames: str | Sequence[str] | None = None,
+            file: TextIO | None = sys.stdout, use_rich: bool | None = None,
+            **kwargs: Any) -> Explanation:
+    """Plan `fn(*args, **kwargs)` as `libra_jax.optimize(fn, profile=..., fusion=...,
+    blocks=..., overlap=..., static_argnums=..., static_argnames=...)` would, print the plan
+    to `file` (None: print nothing) and return it as an :class:`Explanation`.
 
     `fn` may be jitted, `shard_map`ped, call `jax.pmap`, or be an `optimize`d function (its
-    original is explained). Nothing is compiled or run.
+    original is explained, with the static arguments it was given). Keyword arguments other
+    than this function's own go to `fn`. Nothing is compiled or run.
     """
+    statics = rewrite.StaticArgs.of(fn, static_argnums, static_argnames)
     if getattr(fn, "last_report", _MISSING) is not _MISSING and hasattr(fn, "__wrapped__"):
+        own = getattr(fn, "static_args", rewrite.StaticArgs())
+        statics = rewrite.StaticArgs(statics.argnums + own.argnums,
+                                     statics.argnames + own.argnames)
         fn = fn.__wrapped__  # an `optimize`d function: explain what it wraps
-    closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    call, (dyn_args, dyn_kwargs), _ = statics.split(fn, args, kwargs)
+    closed, out_shape = jax.make_jaxpr(call, return_shape=True)(*dyn_args, **dyn_kwargs)
     _, report = rewrite.rewrite_jaxpr(closed, profile=profile, fusion=fusion, blocks=blocks,
                                       overlap=overlap)
     names = _result_names(closed, out_shape, report)

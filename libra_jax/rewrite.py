@@ -67,6 +67,8 @@ OVERLAP_MODES = ("auto", "sync", "start-done")
 
 def optimize(fn: Callable[..., Any] | None = None, *, profile: Any = None, fusion: bool = True,
              blocks: int | None = None, overlap: str | None = None,
+             static_argnums: int | Sequence[int] | None = None,
+             static_argnames: str | Sequence[str] | None = None,
              enabled: bool = True) -> Any:
     """Rewrite the psums of a train step into Libra all-reduces planned at trace time.
 
@@ -89,19 +91,28 @@ def optimize(fn: Callable[..., Any] | None = None, *, profile: Any = None, fusio
         optimizer update) is predicted to cost less than leaving the one call pending in
         the program (the profile's ``pending_allreduce_us``; profiles without it, the GPU
         ones until measured, issue one call). None: ``$LIBRA_JAX_OVERLAP``, else "auto".
+      static_argnums, static_argnames: arguments that are not traced, as in `jax.jit`:
+        Python values (a ``train`` flag, a config, a schedule function) passed to `fn` as
+        they are; they must be hashable, and each distinct value is its own program. A
+        jitted `fn`'s own static arguments are taken from it. Under an outer `jax.jit`,
+        mark them static there too: ``jax.jit(optimize(step, static_argnums=2),
+        static_argnums=2)``.
       enabled: False returns `fn` unchanged (as does ``LIBRA_JAX_DISABLE=1``).
 
     Returns:
-      A function with `fn`'s signature and results. Its arguments are handled as by
+      A function with `fn`'s signature and results. Its other arguments are handled as by
       `jax.jit`: array-likes (Python scalars included) are traced, anything else is an
-      error; the rewritten program is cached per argument structure and types, so the
-      same call retraces nothing. ``wrapped.last_report`` holds the latest plan.
+      error; the rewritten program is cached per argument structure and types (and static
+      values), so the same call retraces nothing. ``wrapped.last_report`` holds the
+      latest plan.
     """
     if fn is None:
         return functools.partial(optimize, profile=profile, fusion=fusion, blocks=blocks,
-                                 overlap=overlap, enabled=enabled)
+                                 overlap=overlap, static_argnums=static_argnums,
+                                 static_argnames=static_argnames, enabled=enabled)
     if blocks is not None:
         allreduce._check_blocks(blocks)
+    statics = StaticArgs.of(fn, static_argnums, static_argnames)
     if not enabled:
         return fn
     options = _Options(profile=profile, fusion=bool(fusion), blocks=blocks,
@@ -114,11 +125,13 @@ def optimize(fn: Callable[..., Any] | None = None, *, profile: Any = None, fusio
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
             return fn(*args, **kwargs)
-        leaves, treedef = jax.tree.flatten((args, kwargs))
-        key = (treedef, tuple(_aval_key(x) for x in leaves), options.cache_key())
+        call, dynamic, static_key = statics.split(fn, args, kwargs)
+        leaves, treedef = jax.tree.flatten(dynamic)
+        key = (treedef, tuple(_aval_key(x) for x in leaves), static_key, options.cache_key())
         entry = cache.get(key)
         if entry is None:
-            closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args, **kwargs)
+            closed, out_shape = jax.make_jaxpr(call, return_shape=True)(*dynamic[0],
+                                                                       **dynamic[1])
             program = str(closed.jaxpr)
             profile = shared_profile(options.resolved_profile(), program=program)
             rewritten, report = rewrite_jaxpr(closed, profile=profile, fusion=options.fusion,
@@ -132,7 +145,59 @@ def optimize(fn: Callable[..., Any] | None = None, *, profile: Any = None, fusio
         return jax.tree.unflatten(out_tree, run(*leaves))
 
     wrapped.last_report = None  # type: ignore[attr-defined]
+    wrapped.static_args = statics  # type: ignore[attr-defined]  # for `libra_jax.explain`
     return wrapped
+
+
+@dataclasses.dataclass(frozen=True)
+class StaticArgs:
+    """Which arguments of a step are static, `jax.jit`'s way: by position and by name."""
+
+    argnums: tuple[int, ...] = ()
+    argnames: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, fn: Callable[..., Any], argnums: Any = None, argnames: Any = None
+           ) -> "StaticArgs":
+        """The static arguments given, and a jitted `fn`'s own (`_compat.jit_static_args`)."""
+        nums = (argnums,) if isinstance(argnums, int) else tuple(argnums or ())
+        names = (argnames,) if isinstance(argnames, str) else tuple(argnames or ())
+        if any(isinstance(n, bool) or not isinstance(n, int) for n in nums):
+            raise TypeError(f"libra_jax.optimize: static_argnums must be ints, got {argnums!r}")
+        if any(not isinstance(n, str) for n in names):
+            raise TypeError(f"libra_jax.optimize: static_argnames must be strings, "
+                            f"got {argnames!r}")
+        jit_nums, jit_names = _compat.jit_static_args(fn)
+        return cls(tuple(dict.fromkeys(nums + jit_nums)), tuple(dict.fromkeys(names + jit_names)))
+
+    def split(self, fn: Callable[..., Any], args: tuple, kwargs: dict
+              ) -> tuple[Callable[..., Any], tuple[tuple, dict], tuple]:
+        """(a function of the dynamic arguments that calls `fn` with the static ones in
+        place, the dynamic (args, kwargs), the static values as a hashable cache key)."""
+        if not self.argnums and not self.argnames:
+            return fn, (args, kwargs), ()
+        positions = {n % len(args) if -len(args) <= n < len(args) else n for n in self.argnums}
+        static_pos = {i: args[i] for i in sorted(positions) if 0 <= i < len(args)}
+        static_kw = {k: kwargs[k] for k in self.argnames if k in kwargs}
+        key = (tuple(static_pos.items()), tuple(sorted(static_kw.items())))
+        for where, value in [*((f"argument {i}", v) for i, v in static_pos.items()),
+                             *((f"argument {k!r}", v) for k, v in static_kw.items())]:
+            try:
+                hash(value)
+            except TypeError:
+                raise ValueError(
+                    f"libra_jax.optimize: static {where} is not hashable "
+                    f"({type(value).__name__}): static arguments key the program cache, as "
+                    "in jax.jit; pass a hashable value (a tuple, a frozen dataclass) or make "
+                    "it a traced argument") from None
+        dyn_args = tuple(a for i, a in enumerate(args) if i not in static_pos)
+        dyn_kwargs = {k: v for k, v in kwargs.items() if k not in static_kw}
+
+        def call(*d_args: Any, **d_kwargs: Any) -> Any:
+            it = iter(d_args)
+            full = [static_pos[i] if i in static_pos else next(it) for i in range(len(args))]
+            return fn(*full, **d_kwargs, **static_kw)
+        return call, (dyn_args, dyn_kwargs), key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -574,8 +639,8 @@ class _Rewriter:
                 self.report.skipped.append(f"{name} over positional axes in {scope}")
                 return None
             aval = eqn.invars[0].aval
-            if np.dtype(aval.dtype) not in allreduce._SUPPORTED_DTYPES:
-                self.report.skipped.append(f"{name} of {np.dtype(aval.dtype).name} in {scope}")
+            if allreduce.engine_dtype(aval.dtype) is None:
+                self.report.skipped.append(f"{name} of {aval.dtype} in {scope}")
                 return None
             return _Site(index, axes, _PSUM_PRIMITIVES[name], _nbytes(aval), None,
                          eqn.outvars[0])
@@ -745,10 +810,12 @@ def _fused(eqns: Sequence[Any], bucket: Sequence[_Site], axes: tuple, invariant:
            blocks: int) -> Any:
     members = [eqns[s.index] for s in bucket]
     effects = set().union(*(e.effects for e in members))
-    return _compat.new_jaxpr_eqn(
-        [e.invars[0] for e in members], [e.outvars[0] for e in members], libra_psum_fused_p,
-        dict(axes=axes, blocks=int(blocks), invariant=invariant), effects,
-        members[-1].source_info)
+    # From the last member's equation, so that its context (the mesh JAX checks the psum's
+    # types against, under `jax.set_mesh`) and source info carry over, as `_single`'s do.
+    return members[-1].replace(
+        invars=[e.invars[0] for e in members], outvars=[e.outvars[0] for e in members],
+        primitive=libra_psum_fused_p,
+        params=dict(axes=axes, blocks=int(blocks), invariant=invariant), effects=effects)
 
 
 def _start_done(eqns: Sequence[Any], bucket: Sequence[_Site], axes: tuple, invariant: bool,
@@ -761,14 +828,15 @@ def _start_done(eqns: Sequence[Any], bucket: Sequence[_Site], axes: tuple, invar
     operands = [e.invars[0] for e in members]
     flat_vars = [_compat.new_var(a) for a in _overlap.packed_avals([v.aval for v in operands])]
     results = [e.outvars[0] for e in members]
-    start = _compat.new_jaxpr_eqn(
-        operands, flat_vars, _overlap.libra_psum_start_p,
-        dict(axes=axes, blocks=int(blocks), invariant=invariant, call_id=call_id), effects,
-        members[-1].source_info)
-    done = _compat.new_jaxpr_eqn(
-        [*flat_vars, flat_vars[0]], results, _overlap.libra_psum_done_p,
-        dict(out_avals=tuple(v.aval for v in results), axes=axes, blocks=int(blocks),
-             call_id=call_id), set(), members[-1].source_info)
+    # Both from the last member's equation: its context and source info carry over (`_fused`).
+    start = members[-1].replace(
+        invars=operands, outvars=flat_vars, primitive=_overlap.libra_psum_start_p,
+        params=dict(axes=axes, blocks=int(blocks), invariant=invariant, call_id=call_id),
+        effects=effects)
+    done = members[-1].replace(
+        invars=[*flat_vars, flat_vars[0]], outvars=results, primitive=_overlap.libra_psum_done_p,
+        params=dict(out_avals=tuple(v.aval for v in results), axes=axes, blocks=int(blocks),
+                    call_id=call_id), effects=set())
     return start, done
 
 
@@ -794,7 +862,9 @@ def _is_var(v: Any) -> bool:
 
 
 def _nbytes(aval: Any) -> int:
-    return int(math.prod(aval.shape)) * np.dtype(aval.dtype).itemsize
+    # `dtype.itemsize`, not np.dtype(...): JAX's extended dtypes (a PRNG key's key<fry>, 8
+    # bytes) have one too, and numpy cannot interpret them.
+    return int(math.prod(aval.shape)) * int(getattr(aval.dtype, "itemsize", 0))
 
 
 def _world(axis_sizes: dict, axes: tuple) -> int:

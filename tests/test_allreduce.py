@@ -403,11 +403,82 @@ def test_axis_index_groups_delegated():
     assert_bitwise(ours, theirs)
 
 
-def test_unbound_axis_name():
-    with pytest.raises(NameError, match="unbound axis name 'y'"):
-        run_in_shard_map(lambda v: libra_jax.psum(v, "y"))
-    with pytest.raises(NameError, match="unbound axis name 'x'"):
-        libra_jax.psum(jnp.ones(3), "x")
+def _raised(f):
+    try:
+        f()
+    except Exception as e:  # noqa: BLE001
+        return e
+    raise AssertionError("nothing raised")
+
+
+@pytest.mark.parametrize("where", ["eager", "jit", "shard_map"])
+def test_unbound_axis_name_raises_what_jax_raises(where):
+    # The drop-in's error is JAX's own for the same context (messages differ between eager
+    # and traced code), with libra's hint as a note.
+    def call(op):
+        if where == "eager":
+            return lambda: op(jnp.ones(3), "y")
+        if where == "jit":
+            return lambda: jax.jit(lambda v: op(v, "y"))(jnp.ones(3))
+        return lambda: run_in_shard_map(lambda v: op(v, "y"))
+    ours, theirs = _raised(call(libra_jax.psum)), _raised(call(jax.lax.psum))
+    assert type(ours) is type(theirs) and str(ours) == str(theirs), (ours, theirs)
+    assert any("jax.shard_map or jax.pmap" in n for n in getattr(ours, "__notes__", []))
+    ours = _raised(call(libra_jax.pmean))
+    assert type(ours) is type(theirs) and str(ours) == str(theirs), (ours, theirs)
+
+
+def test_patch_lax_swaps_jax_psum_and_pmean_for_the_block_and_restores_them():
+    # Patching JAX by hand recursed: libra called jax.lax.psum by its live name for constants
+    # and in pmean. JAX's functions are kept from import time; patch_lax scopes the swap.
+    jax_psum, jax_pmean = jax.lax.psum, jax.lax.pmean
+    x = np.arange(8 * 4, dtype=np.float32).reshape(8, 4)
+
+    def body(v):
+        return jax.lax.pmean(jax.lax.psum(v, "x") * 2.0, "x") + jax.lax.psum(1, "x")
+
+    with libra_jax.patch_lax():
+        assert jax.lax.psum is libra_jax.psum and jax.lax.pmean is libra_jax.pmean
+        f = jax.jit(jax.shard_map(body, mesh=mesh_of((8,), ("x",)), in_specs=P("x"),
+                                  out_specs=P("x"), check_vma=False))
+        text = f.lower(x).as_text()
+        ours = f(x)
+    assert jax.lax.psum is jax_psum and jax.lax.pmean is jax_pmean
+    assert "libra_allreduce_cpu" in text and "all_reduce" not in text
+    theirs = jax.jit(jax.shard_map(body, mesh=mesh_of((8,), ("x",)), in_specs=P("x"),
+                                   out_specs=P("x"), check_vma=False))(x)
+    assert_bitwise(ours, theirs)
+    # Restored on an error too; and a patch by hand does not recurse.
+    with pytest.raises(RuntimeError, match="inside"):
+        with libra_jax.patch_lax():
+            raise RuntimeError("inside")
+    assert jax.lax.psum is jax_psum
+    try:
+        jax.lax.psum, jax.lax.pmean = libra_jax.psum, libra_jax.pmean
+        by_hand = jax.jit(jax.shard_map(body, mesh=mesh_of((8,), ("x",)), in_specs=P("x"),
+                                        out_specs=P("x"), check_vma=False))(x)
+    finally:
+        jax.lax.psum, jax.lax.pmean = jax_psum, jax_pmean
+    assert_bitwise(by_hand, theirs)
+
+
+def test_psum_of_a_prng_key_is_delegated_to_jax():
+    # A typed PRNG key's dtype (key<fry>) is no numpy dtype: the drop-in hands it to JAX,
+    # which then does (or refuses) what it does for jax.lax.psum.
+    keys = jax.random.split(jax.random.key(0), 8)
+    theirs = _raised_or_value(lambda: jax.pmap(lambda k: jax.lax.psum(k, "i"), "i")(keys))
+    with pytest.warns(UserWarning, match="key<fry> is not supported by the engine"):
+        ours = _raised_or_value(lambda: jax.pmap(lambda k: libra_jax.psum(k, "i"), "i")(keys))
+    assert type(ours) is type(theirs)
+    if isinstance(theirs, Exception):
+        assert str(ours) == str(theirs)
+
+
+def _raised_or_value(f):
+    try:
+        return f()
+    except Exception as e:  # noqa: BLE001
+        return e
 
 
 @pytest.mark.parametrize("blocks", [0, -1, MAX_BLOCKS + 1])

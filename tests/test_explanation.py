@@ -149,3 +149,11 @@ def test_timeline_prices_packing_like_simulate() -> None:
             assert c.start <= c.pack_end <= c.latency_end
     fused = gantt.timeline(layers, [planner.Bucket(0, 2, 1)], cost).collectives[0]
     assert fused.pack_end - fused.start == pytest.approx(2 * (1 << 20) * 1e-9)
+
+
+def test_dir_lists_each_public_name_once():
+    import libra_jax
+
+    libra_jax.explain  # noqa: B018 - loaded: now a module global as well as a lazy name
+    names = dir(libra_jax)
+    assert len(names) == len(set(names)) and "explain" in names and "patch_lax" in names

@@ -417,3 +417,98 @@ def test_optimize_with_a_profile_object_plans_forward_and_loop_psums():
     kinds = {p.kind for p in by_value.last_report.plans}
     assert {"forward", "loop", "gradient"} <= kinds, by_value.last_report.plan_lines()
     assert by_value.last_report.plan_lines() == by_name.last_report.plan_lines()
+
+
+# --- Code as people write it ---------------------------------------------------------------
+
+def _dropout_step(mesh, key_kind):
+    def local(w, x, key):
+        def loss(w):
+            k = jax.random.fold_in(key, jax.lax.axis_index("x"))
+            h = x @ w
+            keep = jax.random.bernoulli(k, 0.9, h.shape)
+            return jax.lax.pmean(jnp.mean(jnp.where(keep, h, 0.0) ** 2), "x")
+        value, g = jax.value_and_grad(loss)(w)
+        return value, w - 0.1 * g
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P("x"), P()), out_specs=(P(), P()))
+
+
+@pytest.mark.parametrize("key_kind", ["typed", "legacy"])
+def test_a_step_with_random_keys(key_kind):
+    # Dropout: a typed key (key<fry>, an extended dtype numpy cannot name) or a legacy one.
+    mesh = mesh_of((8,), ("x",))
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((16, 8)).astype(np.float32)
+    x = shard(rng.standard_normal((64, 16)).astype(np.float32), mesh, P("x"))
+    key = jax.random.key(3) if key_kind == "typed" else jax.random.PRNGKey(3)
+    step = _dropout_step(mesh, key_kind)
+    opt = optimize(step)
+    jax.tree.map(assert_bitwise, jax.jit(opt)(w, x, key), jax.jit(step)(w, x, key))
+    assert opt.last_report.plans
+    assert libra_jax.explain(step, w, x, key, file=None).scopes
+
+
+@pytest.mark.parametrize("overlap", ["sync", "start-done"])
+def test_a_shard_map_under_jax_set_mesh_with_fused_buckets(overlap):
+    # The fused and start/done equations keep their member's context (the mesh JAX checks
+    # psum types against); without it: "context mesh ... should match the aval mesh".
+    mesh = mesh_of((8,), ("x",))
+    rng = np.random.default_rng(2)
+    params = init(rng, [16, 32, 8])
+
+    def local(params, x):
+        loss, grads = jax.value_and_grad(
+            lambda p: jax.lax.pmean(jnp.mean(mlp(p, x) ** 2), "x"))(params)
+        return loss, jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+    with jax.set_mesh(mesh):
+        x = jax.device_put(rng.standard_normal((64, 16)).astype(np.float32), P("x"))
+        step = jax.shard_map(local, in_specs=(P(), P("x")), out_specs=(P(), P()))
+        opt = optimize(step, overlap=overlap, blocks=1)
+        got, want = jax.jit(opt)(params, x), jax.jit(step)(params, x)
+    jax.tree.map(assert_bitwise, got[0], want[0])
+    assert any(len(p.members) > 1 for p in opt.last_report.plans), opt.last_report.plan_lines()
+    assert all(p.overlap == overlap for p in opt.last_report.plans if p.kind == "gradient")
+
+
+def _configured_step(mesh):
+    def step(w, x, train, *, lr_fn, scale=1.0):
+        def local(w, x):
+            def loss(w):
+                h = x @ w
+                if train:  # a Python bool: must be static
+                    h = h * scale
+                return jax.lax.pmean(jnp.mean(h ** 2), "x")
+            value, g = jax.value_and_grad(loss)(w)
+            return value, w - lr_fn(0) * g
+        return jax.shard_map(local, mesh=mesh, in_specs=(P(), P("x")), out_specs=(P(), P()))(w, x)
+    return step
+
+
+def test_static_arguments_as_jax_jit_takes_them():
+    mesh = mesh_of((8,), ("x",))
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((16, 8)).astype(np.float32)
+    x = shard(rng.standard_normal((64, 16)).astype(np.float32), mesh, P("x"))
+    step = _configured_step(mesh)
+    lr = lambda i: 0.1  # noqa: E731 - a schedule function, as optax passes them
+    want = {train: jax.jit(step, static_argnums=2, static_argnames="lr_fn")(
+        w, x, train, lr_fn=lr, scale=2.0) for train in (True, False)}
+    opt = optimize(step, static_argnums=2, static_argnames="lr_fn")
+    for train in (True, False):  # each value its own program
+        jax.tree.map(assert_bitwise, opt(w, x, train, lr_fn=lr, scale=2.0), want[train])
+    outer = jax.jit(opt, static_argnums=2, static_argnames="lr_fn")
+    jax.tree.map(assert_bitwise, outer(w, x, True, lr_fn=lr, scale=2.0), want[True])
+    # A jitted step's own static arguments are read from it.
+    inner = optimize(jax.jit(step, static_argnums=2, static_argnames="lr_fn"))
+    jax.tree.map(assert_bitwise, inner(w, x, False, lr_fn=lr, scale=2.0), want[False])
+    assert inner.last_report.plans
+    with pytest.raises(ValueError, match=r"static argument 2 is not hashable \(list\)"):
+        opt(w, x, [True], lr_fn=lr)
+    with pytest.raises(TypeError, match="static_argnums must be ints"):
+        optimize(step, static_argnums="train")
+    # explain takes the same static arguments, and the step's keyword arguments.
+    e = libra_jax.explain(step, w, x, True, lr_fn=lr, scale=2.0, static_argnums=2,
+                          static_argnames="lr_fn", file=None)
+    assert e.scopes
+    assert libra_jax.explain(opt, w, x, True, lr_fn=lr, file=None).scopes
