@@ -32,7 +32,7 @@ __all__ = [
     "ClosedJaxpr", "Jaxpr", "Var", "jaxpr_as_fun", "closed_jaxpr", "jaxprs_in_params",
     "mesh_axis_sizes", "distributed_client", "on_stream", "Primitive", "Tracer", "ShapedArray", "ir", "hlo", "psum_p", "psum_invariant_p",
     "apply_primitive", "deflinear", "register_batcher", "register_lowering", "lower_fun",
-    "ir_constant", "ir_tensor_type", "jit_static_args",
+    "ir_constant", "ir_tensor_type", "jit_static_args", "made_by_transpose",
     "check_vma_enabled", "auto_pcast_enabled", "varying_axes", "input_state",
     "pvary", "skip_size_one_axes", "axis_is_bound", "manual_axes", "replica_groups",
     "mesh_devices", "ffi_target_registration", "device_index", "is_traced_argument", "is_zero_cotangent", "zero_cotangent",
@@ -218,6 +218,17 @@ def new_var(aval: Any) -> Any:
 def mesh_axis_sizes(mesh: Any) -> dict:
     """Axis name -> size of a (concrete or abstract) mesh."""
     return dict(mesh.shape)
+
+
+def made_by_transpose(eqn: Any) -> bool:
+    """Whether autodiff's transpose made `eqn` (a `transpose` transform on its name stack:
+    the backward pass of `jax.grad` and friends), or an equation of one of its sub-jaxprs."""
+    stack = getattr(getattr(eqn, "source_info", None), "name_stack", None)
+    for entry in getattr(stack, "stack", ()):
+        if type(entry).__name__ == "Transform" and getattr(entry, "name", None) == "transpose":
+            return True
+    return any(made_by_transpose(e) for sub in jaxprs_in_params(eqn.params)
+               for e in getattr(sub, "jaxpr", sub).eqns)
 
 
 def jit_static_args(fn: Any) -> tuple[tuple[int, ...], tuple[str, ...]]:

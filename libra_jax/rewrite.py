@@ -13,13 +13,19 @@ Contract of the rewrite (`rewrite_jaxpr`):
   that cannot be served (`axis_index_groups`, positional axes) or that hides
   in a higher-order primitive without a rule stays an XLA psum, and a one-time
   warning lists it.
-- Planning happens per jaxpr (one scope = one stream of compute): *gradient*
-  psums, whose results feed no later psum (they go to outputs or to the
-  optimizer update), are handed to the planner in jaxpr order (the order the
-  backward pass produces them), with the compute between them estimated by a
-  roofline of the profile; psums over the same axes are fused into buckets.
-  Other psums (forward statistics) and psums in loop bodies get an
-  allocation from `allreduce.default_blocks` and no fusion.
+- Planning happens per jaxpr (one scope = one stream of compute). A *gradient*
+  psum is one on the backward pass (made by autodiff's transpose, e.g. the psum
+  of a replicated input's cotangent that `check_vma` inserts, or reading a value
+  the backward pass computed, e.g. an explicit `pmean(grads)`) whose result
+  feeds no later psum (it goes to outputs or to the optimizer update); in a
+  scope where no backward pass is visible, every psum whose result feeds no
+  later psum. Gradient psums are handed to the planner in jaxpr order (the
+  order the backward pass produces them), with the compute between them
+  estimated by a roofline of the profile; psums over the same axes are fused
+  into buckets. Other psums (kind "forward": the loss, metrics, forward
+  statistics; "backward": a psum the rest of the backward pass depends on, such
+  as a batch statistic's cotangent) and psums in loop bodies get an allocation
+  from `allreduce.default_blocks` and no fusion.
 - A bucket is one `libra_psum_fused` equation placed where its last member
   was; it concatenates its operands per dtype, all-reduces each dtype once,
   and splits them back. Summation is elementwise in rank order either way,
@@ -209,7 +215,10 @@ class PsumPlan:
     members: tuple[int, ...]        # positions of the psums in the scope's equations
     nbytes: int                     # bytes per rank
     blocks: int                     # the allocation (engine worker tasks / thread blocks)
-    kind: str                       # "gradient", "forward", "loop" or "user"
+    # "gradient" (planned and fused: `_Rewriter.jaxpr`), "backward" (of the backward pass,
+    # feeding more of it: e.g. a batch norm statistic's cotangent), "forward" (the forward
+    # pass, metrics), "loop" (in a loop body) or "user" (blocks= given)
+    kind: str
     overlap: str = "sync"           # "sync" (one call) or "start-done" (`libra_jax.overlap`)
 
 
@@ -446,7 +455,9 @@ class _Rewriter:
         if not sites:
             return jaxpr.replace(eqns=eqns)
         invars = set(jaxpr.invars)
-        gradient = _terminal_sites(eqns, sites, jaxpr.outvars)
+        terminal = _terminal_sites(eqns, sites, jaxpr.outvars)
+        backward = _backward_sites(eqns, sites)
+        gradient = terminal if backward is None else terminal & backward
         # Compute that consumes a gradient all-reduce (the optimizer update) waits for it
         # and overlaps nothing: it is not part of the backward stream the planner sees.
         waits = _downstream_of(eqns, [eqns[i].outvars[0] for i in sorted(gradient)])
@@ -463,7 +474,9 @@ class _Rewriter:
                                                   site.explicit_blocks, "user"))
                 continue
             if in_loop or site.index not in gradient:
-                kind = "loop" if in_loop else "forward"
+                kind = ("loop" if in_loop else
+                        "backward" if backward is not None and site.index in backward
+                        else "forward")
                 k = allreduce.default_blocks(site.nbytes, _world(axis_sizes, site.axes),
                                              self.profile)
                 replacements[site.index] = _single(eqns[site.index], site, k, invars)
@@ -712,9 +725,29 @@ def _contains_psum(jaxpr: Any) -> bool:
                for eqn in jaxpr.eqns)
 
 
+def _backward_sites(eqns: Sequence[Any], sites: Sequence[_Site]) -> set[int] | None:
+    """Indices of the psums on the backward pass: made by autodiff's transpose (the psum of
+    a replicated input's cotangent that `check_vma` inserts) or reading a value that depends
+    on an equation it made (an explicit `pmean(grads)`). None where no equation of the scope
+    was made by a transpose: no backward pass is visible (a hand-written one, or none)."""
+    site_index = {s.index for s in sites}
+    derived: set[Any] = set()
+    seen_backward = False
+    out: set[int] = set()
+    for i, eqn in enumerate(eqns):
+        made = _compat.made_by_transpose(eqn)
+        seen_backward |= made
+        if made or any(_is_var(v) and v in derived for v in eqn.invars):
+            derived.update(v for v in eqn.outvars if _is_var(v))
+            if i in site_index:
+                out.add(i)
+    return out if seen_backward else None
+
+
 def _terminal_sites(eqns: Sequence[Any], sites: Sequence[_Site], outvars: Sequence[Any]) -> set[int]:
-    """Indices of psums whose results feed no later psum: the gradient psums. A later
-    equation with a psum in a sub-jaxpr (a jit, a loop) counts as a psum."""
+    """Indices of psums whose results feed no later psum. A later equation with a psum in
+    a sub-jaxpr (a jit, a loop) counts as a psum. The gradient psums are the terminal psums
+    on the backward pass (`_backward_sites`), or all terminal ones where none is visible."""
     site_index = {s.index for s in sites}
     # Backwards over the equations: does a value (transitively) reach a psum?
     feeds_psum: set[Any] = set()

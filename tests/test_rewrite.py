@@ -512,3 +512,49 @@ def test_static_arguments_as_jax_jit_takes_them():
                           static_argnames="lr_fn", file=None)
     assert e.scopes
     assert libra_jax.explain(opt, w, x, True, lr_fn=lr, file=None).scopes
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_gradients_are_the_psums_of_the_backward_pass_not_metrics_or_statistics(check_vma):
+    # Metrics (loss, accuracy) and batch statistics feed no later psum either; they were
+    # planned (fused, split) as gradients. A gradient psum is one of the backward pass.
+    mesh = mesh_of((8,), ("x",))
+    rng = np.random.default_rng(8)
+
+    def local(w, b, x, y):
+        def loss(w, b):
+            h = x @ w
+            mu = jax.lax.pmean(jnp.mean(h, 0), "x")           # a batch statistic
+            out = jnp.mean((h - mu + b - y) ** 2)
+            return jax.lax.pmean(out, "x") if check_vma else out
+        value, (gw, gb) = jax.value_and_grad(loss, argnums=(0, 1))(w, b)
+        if not check_vma:  # local gradients, averaged by hand
+            gw, gb = jax.lax.pmean((gw, gb), "x")
+            value = jax.lax.pmean(value, "x")
+        acc = jax.lax.pmean(jnp.mean(((x @ w) > 0) == (y > 0)), "x")  # a metric
+        return value, acc, w - 0.1 * gw, b - 0.1 * gb
+
+    step = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P("x"), P("x")),
+                         out_specs=(P(), P(), P(), P()), check_vma=check_vma)
+    args = (rng.standard_normal((4, 2)).astype(np.float32),
+            rng.standard_normal(2).astype(np.float32),
+            shard(rng.standard_normal((64, 4)).astype(np.float32), mesh, P("x")),
+            shard(rng.standard_normal((64, 2)).astype(np.float32), mesh, P("x")))
+    opt = optimize(step)
+    jax.tree.map(assert_bitwise, jax.jit(opt)(*args), jax.jit(step)(*args))
+    body = jax.make_jaxpr(step)(*args).jaxpr.eqns[0].params["jaxpr"]
+    kinds = sorted((p.kind, tuple(body.eqns[i].invars[0].aval.shape))
+                   for p in opt.last_report.plans for i in p.members)
+    assert kinds == sorted([
+        ("forward", (2,)),         # the batch mean
+        ("forward", ()),           # the loss
+        ("forward", ()),           # the accuracy
+        ("backward", (1, 2) if check_vma else (2,)),  # the batch mean's cotangent
+        ("gradient", (4, 2)),      # w
+        ("gradient", (1, 2) if check_vma else (2,)),  # b
+    ]), opt.last_report.plan_lines()
+    gradient_buckets = [p for p in opt.last_report.plans if p.kind == "gradient"]
+    assert sum(len(p.members) for p in gradient_buckets) == 2
+    # explain says how each psum was classified.
+    text = str(libra_jax.explain(step, *args, file=None))
+    assert "forward" in text and "backward" in text
