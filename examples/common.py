@@ -163,7 +163,8 @@ def print_result(res: Result, title: str) -> None:
     if res.report is not None:
         buckets = [p for p in res.report.plans if p.kind == "gradient"]
         print(f"libra_jax.optimize: {res.report.num_psums} psums -> {len(res.report.plans)} "
-              f"all-reduces ({len(buckets)} gradient buckets, blocks "
+              f"all-reduces ({len(buckets)} gradient bucket{'' if len(buckets) == 1 else 's'}, "
+              f"blocks "
               f"{sorted({p.blocks for p in res.report.plans})}); details: libra-jax plan")
 
 

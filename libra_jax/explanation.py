@@ -330,7 +330,11 @@ def _tensor_list(tensors: Sequence[str], limit: int = 60) -> str:
 def _header(s: ScopePlan) -> str:
     return (f"scope {s.scope}, axes {', '.join(map(str, s.axes))}, {s.world} ranks, profile "
             f"{s.profile} (allocation in {s.key_unit.replace('_', ' ')}); "
-            f"{len(s.layers)} gradient psums -> {len(s.buckets)} buckets")
+            f"{_plural(len(s.layers), 'gradient psum')} -> {_plural(len(s.buckets), 'bucket')}")
+
+
+def _plural(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def _columns() -> list[str]:
