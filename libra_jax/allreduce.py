@@ -89,9 +89,14 @@ def psum(x: Any, axis_name: AxisName | Sequence[AxisName], *,
         if not isinstance(name, int) and not _compat.axis_is_bound(name):
             _unbound_axis(x, axis_name, name)
     manual = _compat.manual_axes()
-    if any(isinstance(name, int) or name not in manual for name in axes):
+    mapped = [name for name in axes if not isinstance(name, int) and name in manual]
+    if len(mapped) < len(axes):
+        # Only axes bound by vmap (or positional ones): a sum within each device, no
+        # communication, so nothing to warn about (shape-only traces under vmap, such as
+        # eqx.filter_pmap's, see nothing else). With a mesh axis among them, XLA's
+        # all-reduce does the communication: said once.
         return _delegate(x, axis_name, "axes bound by vmap or positional axes are reduced "
-                         "by XLA", blocks)
+                         "by XLA", blocks, quiet=not mapped)
     axes = _compat.skip_size_one_axes(axes)
     if not axes:
         return x
@@ -189,6 +194,19 @@ def _check_blocks(blocks: int | None) -> None:
         raise ValueError(f"libra_jax.psum: blocks must be in [1, {MAX_BLOCKS}], got {blocks}")
 
 
+def warn_invariant_operand(axes: tuple, who: str) -> None:
+    """Say once that a psum's operand is already the same on every device of `axes` (under
+    `check_vma`), which is almost always a gradient summed twice: `jax.grad` of a
+    replicated parameter already sums its cotangent over the axis, so a psum of it
+    multiplies by the axis size and a pmean leaves that sum, not the mean."""
+    _warn_once(
+        f"{who}: a psum over {', '.join(map(repr, axes))} of an array that is already "
+        "invariant over it (check_vma): the result is the axis size times the array (pmean: "
+        "the array itself). Under jax.shard_map's default check_vma=True, jax.grad already "
+        "sums a replicated parameter's gradient over the axis: pmean the loss inside the "
+        "differentiated function instead, or use check_vma=False for per-device gradients.")
+
+
 def _unbound_axis(x: Any, axis_name: Any, name: Any) -> None:
     """Raise what `jax.lax.psum` raises for an unbound axis in this context (its message
     differs between eager and traced code), with libra's hint added."""
@@ -212,12 +230,13 @@ def _warn_once(message: str) -> None:
 
 
 def _delegate(x: Any, axis_name: Any, reason: str, blocks: int | None, *,
-              op: Any = _JAX_PSUM, **kwargs: Any) -> Any:
+              op: Any = _JAX_PSUM, quiet: bool = False, **kwargs: Any) -> Any:
     if blocks is not None:
         raise TypeError(
             f"libra_jax.psum: blocks={blocks} cannot be honoured: {reason}, so this psum is "
             "done by jax.lax.psum, which has no block count. Drop blocks= here.")
-    _warn_once(f"libra_jax.psum: {reason}; delegating to jax.lax.psum.")
+    if not quiet:
+        _warn_once(f"libra_jax.psum: {reason}; delegating to jax.lax.psum.")
     return op(x, axis_name, **kwargs)
 
 
@@ -239,6 +258,7 @@ def _psum_leaf(leaf: Any, *, axes: tuple, blocks: int | None, inplace: bool | No
         # As lax.psum: make the value varying over every reduced axis first.
         missing = tuple(a for a in axes if a not in _compat.varying_axes(aval))
         if missing:
+            warn_invariant_operand(missing, "libra_jax.psum")
             leaf = _compat.pvary(leaf, missing)
     return libra_psum_p.bind(leaf, axes=axes, blocks=None if blocks is None else int(blocks),
                              inplace=inplace, invariant=invariant)

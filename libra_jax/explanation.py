@@ -186,9 +186,11 @@ def _result_names(closed: Any, out_shape: Any, report: rewrite.OptimizeReport) -
 
     The result is followed through the data flow (into and out of `jit`, `shard_map`,
     `custom_jvp/vjp` and `checkpoint` bodies; conservatively through anything else) to the
-    outputs of the traced function; of the outputs it reaches with its shape, the first in the
-    output tree (the updated parameter comes before the optimizer state that also depends on
-    it) names it. Paths are shortened by their common prefix.
+    outputs of the traced function, through values of its own size only: what a reduction
+    of it (a global gradient norm, read by every update) feeds is not its parameter's. Of
+    the outputs it reaches with its shape, the first in the output tree (the updated
+    parameter comes before the optimizer state that also depends on it) names it. Paths
+    are shortened by their common prefix.
     """
     wanted = {id(v): v for entry in report.predicted for v in entry["results"] if v is not None}
     if not wanted:
@@ -201,7 +203,7 @@ def _result_names(closed: Any, out_shape: Any, report: rewrite.OptimizeReport) -
         for k, eqn in enumerate(jaxpr.eqns):
             for v in eqn.outvars:
                 if id(v) in wanted:
-                    found[id(v)] = _reach_top(jaxpr, {v}, k, chain)
+                    found[id(v)] = _reach_top(jaxpr, {v}, k, chain, _size(v.aval.shape))
             for sub in _aligned_subjaxprs(eqn):
                 visit(sub, chain + [(jaxpr, (k, eqn))])
 
@@ -220,16 +222,24 @@ def _result_names(closed: Any, out_shape: Any, report: rewrite.OptimizeReport) -
     return _shorten(raw)
 
 
-def _reach_top(jaxpr: Any, seeds: set, start: int, chain: list[tuple[Any, Any]]) -> list[int]:
-    """Positions of the top-level outputs that values `seeds` of `jaxpr` reach."""
-    positions = _reach(jaxpr, seeds, start)
+def _reach_top(jaxpr: Any, seeds: set, start: int, chain: list[tuple[Any, Any]],
+               size: int) -> list[int]:
+    """Positions of the top-level outputs that values `seeds` of `jaxpr` reach through
+    values of `size` elements (`_reach`)."""
+    positions = _reach(jaxpr, seeds, start, size)
     for parent, (k, eqn) in reversed(chain):
         outs = {eqn.outvars[i] for i in positions if i < len(eqn.outvars)}
-        positions = _reach(parent, outs, k + 1)
+        positions = _reach(parent, outs, k + 1, size)
     return sorted(positions)
 
 
-def _reach(jaxpr: Any, seeds: set, start: int = 0) -> set[int]:
+def _reach(jaxpr: Any, seeds: set, start: int, size: int) -> set[int]:
+    """Positions of `jaxpr`'s outputs that `seeds` reach, from equation `start` on, through
+    values whose element count is `size` (or that many per device: a pmap's leading axis)."""
+    def same_size(v: Any) -> bool:
+        shape = getattr(getattr(v, "aval", None), "shape", None)
+        return shape is not None and size in (_size(shape), _size(shape[1:]))
+
     live = {id(v) for v in seeds}
     for eqn in jaxpr.eqns[start:]:
         hit = [i for i, v in enumerate(eqn.invars) if _is_var(v) and id(v) in live]
@@ -238,10 +248,11 @@ def _reach(jaxpr: Any, seeds: set, start: int = 0) -> set[int]:
         subs = _aligned_subjaxprs(eqn)
         if len(subs) == 1 and len(subs[0].invars) == len(eqn.invars):
             sub = subs[0]
-            outs = _reach(sub, {sub.invars[i] for i in hit})
+            outs = _reach(sub, {sub.invars[i] for i in hit}, 0, size)
         else:
             outs = set(range(len(eqn.outvars)))
-        live.update(id(eqn.outvars[i]) for i in outs if i < len(eqn.outvars))
+        live.update(id(eqn.outvars[i]) for i in outs
+                    if i < len(eqn.outvars) and same_size(eqn.outvars[i]))
     return {i for i, v in enumerate(jaxpr.outvars) if _is_var(v) and id(v) in live}
 
 

@@ -437,6 +437,7 @@ class _Rewriter:
         self.program = program  # the ClosedJaxpr being rewritten (for `call_id`)
         self.fingerprint: int | None = None
         self.calls = 0
+        self.scope_names: collections.Counter[str] = collections.Counter()
 
     def call_id(self) -> int:
         """The id of the program's next start/done pair (`libra_jax.overlap`): a fingerprint
@@ -454,6 +455,7 @@ class _Rewriter:
                  if (site := self.site(i, eqn, scope)) is not None]
         if not sites:
             return jaxpr.replace(eqns=eqns)
+        _warn_invariant_operands(eqns, sites)
         invars = set(jaxpr.invars)
         terminal = _terminal_sites(eqns, sites, jaxpr.outvars)
         backward = _backward_sites(eqns, sites)
@@ -674,13 +676,20 @@ class _Rewriter:
         sizes = dict(axis_sizes)
         if mesh_param is not None:
             sizes.update(_compat.mesh_axis_sizes(eqn.params[mesh_param]))
-        sub_scope = f"{scope}/{eqn.primitive.name}"
+        base = f"{scope}/{eqn.primitive.name}"
         params = {}
         for name, value in eqn.params.items():
             params[name] = _map_jaxprs(
-                value, lambda j: self.jaxpr(j, axis_sizes=sizes, scope=sub_scope,
+                value, lambda j: self.jaxpr(j, axis_sizes=sizes, scope=self.unique_scope(base),
                                             in_loop=in_loop or loop))
         return eqn.replace(params=params)
+
+    def unique_scope(self, base: str) -> str:
+        """`base`, or ``base#n`` for its n-th sub-jaxpr of the program (two shard_maps in one
+        step, a cond's branches): every scope of a report has its own name."""
+        self.scope_names[base] += 1
+        n = self.scope_names[base]
+        return base if n == 1 else f"{base}#{n}"
 
 
 # Higher-order primitives whose sub-jaxprs are rewritten: name -> (is a loop, mesh param).
@@ -723,6 +732,20 @@ def _contains_psum(jaxpr: Any) -> bool:
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     return any(_is_psum(eqn) or any(_contains_psum(j) for j in _compat.jaxprs_in_params(eqn.params))
                for eqn in jaxpr.eqns)
+
+
+def _warn_invariant_operands(eqns: Sequence[Any], sites: Sequence[_Site]) -> None:
+    """`allreduce.warn_invariant_operand` for a psum whose operand is a `pvary` of the
+    program (not of autodiff's transpose) over its axes: `lax.psum` casts an array that is
+    already invariant that way (under `check_vma`) before summing it."""
+    producer = {v: eqn for eqn in eqns for v in eqn.outvars if _is_var(v)}
+    for site in sites:
+        operand = eqns[site.index].invars[0]
+        cast = producer.get(operand) if _is_var(operand) else None
+        if (cast is not None and cast.primitive.name == "pvary"
+                and not _compat.made_by_transpose(cast)
+                and set(site.axes) <= set(cast.params.get("axes", ()))):
+            allreduce.warn_invariant_operand(site.axes, "libra_jax.optimize")
 
 
 def _backward_sites(eqns: Sequence[Any], sites: Sequence[_Site]) -> set[int] | None:

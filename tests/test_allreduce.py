@@ -185,11 +185,28 @@ def test_vmap_inside_shard_map_and_vmap_axis_delegated():
             return batched
         return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P()))
     assert_bitwise(make(libra_jax.psum)(x), make(jax.lax.psum)(x))
-    # An axis bound by vmap is reduced by XLA, with a warning.
+    # An axis bound by vmap alone is a sum within the device (no communication): JAX's
+    # psum, silently (eqx.filter_pmap traces under vmap for shapes only).
     v = jnp.arange(6.0)
-    with pytest.warns(UserWarning, match="vmap"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         out = jax.vmap(lambda r: libra_jax.psum(r, "v"), axis_name="v")(v)
     np.testing.assert_array_equal(out, np.full(6, 15.0))
+    # With a mesh axis among the axes, XLA's all-reduce communicates: said once.
+    monkey_warned = set(libra_jax.allreduce._warned)
+    libra_jax.allreduce._warned.clear()
+    try:
+        def body(x):
+            return jax.vmap(lambda r: libra_jax.psum(r, ("x", "v")), axis_name="v")(x[0])
+        with pytest.warns(UserWarning, match="axes bound by vmap"):
+            got = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P(),
+                                        check_vma=False))(x)
+    finally:
+        libra_jax.allreduce._warned |= monkey_warned
+    want = jax.jit(jax.shard_map(
+        lambda x: jax.vmap(lambda r: jax.lax.psum(r, ("x", "v")), axis_name="v")(x[0]),
+        mesh=mesh, in_specs=P("x"), out_specs=P(), check_vma=False))(x)
+    assert_bitwise(got, want)
 
 
 def mlp_loss(params, batch):
@@ -641,3 +658,38 @@ def test_call_recording():
     with _ffi.recording() as later:
         pass
     assert later == []
+
+
+def test_a_psum_of_an_already_invariant_gradient_is_warned_about(monkeypatch):
+    # Under check_vma, jax.grad already sums a replicated parameter's gradient over the
+    # axis; pmean-ing it again leaves 8x the mean gradient (README's old snippet did this).
+    monkeypatch.setattr(libra_jax.allreduce, "_warned", set())
+    mesh = mesh_of((8,), ("x",))
+    x = shard(np.arange(32, dtype=np.float32).reshape(8, 4), mesh, P("x"))
+    w = np.ones(4, np.float32)
+
+    def step(pmean):
+        def local(w, x):
+            g = jax.grad(lambda w: jnp.mean(x @ w))(w)   # invariant: already summed
+            return pmean(g, "x"), pmean(x, "x"), jax.lax.psum(1, "x")
+        return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P("x")),
+                                     out_specs=(P(), P(), P())))
+
+    with pytest.warns(UserWarning, match=r"libra_jax.psum: a psum over 'x' of an array that is "
+                                         r"already invariant"):
+        step(libra_jax.pmean)(w, x)
+    monkeypatch.setattr(libra_jax.allreduce, "_warned", set())
+    with pytest.warns(UserWarning, match=r"libra_jax.optimize: a psum over 'x' of an array"):
+        libra_jax.optimize(step(jax.lax.pmean))(w, x)
+    # A varying operand, the axis-size idiom and autodiff's own psums: nothing to say.
+    monkeypatch.setattr(libra_jax.allreduce, "_warned", set())
+
+    def fine(w, x):
+        loss, g = jax.value_and_grad(lambda w: jax.lax.pmean(jnp.mean(x @ w), "x"))(w)
+        return loss, w - g, libra_jax.pmean(x, "x"), jax.lax.psum(1, "x")
+    f = jax.jit(jax.shard_map(fine, mesh=mesh, in_specs=(P(), P("x")),
+                              out_specs=(P(), P(), P(), P())))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        f(w, x)
+        libra_jax.optimize(f)(w, x)

@@ -157,3 +157,34 @@ def test_dir_lists_each_public_name_once():
     libra_jax.explain  # noqa: B018 - loaded: now a module global as well as a lazy name
     names = dir(libra_jax)
     assert len(names) == len(set(names)) and "explain" in names and "patch_lax" in names
+
+
+def test_gradients_are_named_by_their_parameter_under_global_norm_clipping():
+    # A global norm reads every gradient, and every update reads the norm: each gradient
+    # reached every output of its size, so same-sized biases all got one name.
+    optax = pytest.importorskip("optax")
+    rng = np.random.default_rng(4)
+    sizes = [10, 10, 10, 10]
+    params = {f"layer{i}": {"w": (rng.standard_normal((m, n)) * 0.3).astype(np.float32),
+                            "b": np.zeros(n, np.float32)}
+              for i, (m, n) in enumerate(zip(sizes[:-1], sizes[1:]))}
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))
+    state = tx.init(params)
+    mesh = mesh_of((8,), ("x",))
+
+    def local(params, state, x):
+        def loss(p):
+            h = x
+            for i in range(len(p)):
+                h = jnp.tanh(h @ p[f"layer{i}"]["w"] + p[f"layer{i}"]["b"])
+            return jax.lax.pmean(jnp.mean(h ** 2), "x")
+        grads = jax.grad(loss)(params)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P("x")),
+                                 out_specs=(P(), P())))
+    x = shard(rng.standard_normal((32, sizes[0])).astype(np.float32), mesh, P("x"))
+    e = libra_jax.explain(step, params, state, x, fusion=False, file=None)
+    names = sorted(t for s in e.scopes for r in s.rows for t in r.tensors)
+    assert names == sorted(f"layer{i}.{k}" for i in range(3) for k in ("b", "w")), names

@@ -558,3 +558,29 @@ def test_gradients_are_the_psums_of_the_backward_pass_not_metrics_or_statistics(
     # explain says how each psum was classified.
     text = str(libra_jax.explain(step, *args, file=None))
     assert "forward" in text and "backward" in text
+
+
+def test_every_scope_of_a_report_has_its_own_name():
+    # Two shard_maps in one step (and a cond's two branches) were two scopes of one name.
+    mesh = mesh_of((8,), ("x",))
+    rng = np.random.default_rng(9)
+    params = init(rng, [16, 8, 4])
+
+    def local(params, x):
+        grads = jax.grad(lambda p: jax.lax.pmean(jnp.mean(mlp(p, x) ** 2), "x"))(params)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+    sm = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("x")), out_specs=P())
+
+    def step(params, x, flag):
+        params = sm(sm(params, x), x)
+        return jax.lax.cond(flag, lambda p: sm(p, x), lambda p: sm(p, x * 2.0), params)
+
+    x = shard(rng.standard_normal((32, 16)).astype(np.float32), mesh, P("x"))
+    opt = optimize(step)
+    jax.tree.map(assert_bitwise, jax.jit(opt)(params, x, True), jax.jit(step)(params, x, True))
+    scopes = [e["scope"] for e in opt.last_report.predicted]
+    assert len(scopes) == 4 and len(set(scopes)) == 4, scopes
+    assert "top/shard_map" in scopes and "top/shard_map#2" in scopes
+    text = str(libra_jax.explain(step, params, x, True, file=None))
+    assert all(f"scope {s}," in text for s in scopes)
