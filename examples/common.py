@@ -90,31 +90,40 @@ class Result:
     states: dict[str, Any] = field(default_factory=dict)
     report: Any = None  # the optimized step's OptimizeReport
 
-    def identical(self) -> bool:
-        a, b = (jax.tree.leaves(s) for s in self.states.values())
-        return all(np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(a, b))
+    def identical(self, a: str = "plain", b: str = "optimized") -> bool:
+        """Whether arms `a` and `b` ended in bitwise the same state."""
+        x, y = (jax.tree.leaves(self.states[k]) for k in (a, b))
+        return all(np.asarray(u).tobytes() == np.asarray(v).tobytes() for u, v in zip(x, y))
 
     def max_loss_diff(self) -> float:
-        a, b = self.losses.values()
+        a, b = self.losses["plain"], self.losses["optimized"]
         return float(np.max(np.abs(np.subtract(a, b)))) if a else 0.0
 
 
-def compile_pair(step: Callable[..., Any], **optimize_options: Any) -> dict[str, Callable[..., Any]]:
-    """The plain and the optimized step, each jitted with its state donated."""
+def compile_pair(step: Callable[..., Any], *, control: bool = False,
+                 **optimize_options: Any) -> dict[str, Callable[..., Any]]:
+    """The plain and the optimized step, each jitted with its state donated; with `control`,
+    also the optimized program with XLA's all-reduce in Libra's place
+    (``optimize(collectives="xla")``)."""
     import libra_jax
 
     optimized = libra_jax.optimize(step, **optimize_options)
     jitted = jax.jit(optimized, donate_argnums=0)
     jitted.optimized = optimized  # for .last_report
-    return {"plain": jax.jit(step, donate_argnums=0), "optimized": jitted}
+    fns = {"plain": jax.jit(step, donate_argnums=0), "optimized": jitted}
+    if control:
+        fns["control"] = jax.jit(libra_jax.optimize(step, collectives="xla", **optimize_options),
+                                 donate_argnums=0)
+    return fns
 
 
 def train(step: Callable[..., Any], args: tuple, steps: int, *, progress: bool = True,
-          **optimize_options: Any) -> Result:
-    """Train the plain and the optimized step side by side, from the same start, for ``steps``
-    steps each (interleaved, alternating which goes first). The first WARMUP steps compile
-    (the second sees the state placed on the mesh) and are not timed."""
-    fns = compile_pair(step, **optimize_options)
+          control: bool = False, **optimize_options: Any) -> Result:
+    """Train the plain and the optimized step (and with `control`, the control:
+    `compile_pair`) side by side, from the same start, for ``steps`` steps each (interleaved,
+    alternating the order). The first WARMUP steps compile (the second sees the state placed
+    on the mesh) and are not timed."""
+    fns = compile_pair(step, control=control, **optimize_options)
     state0, batch = args[0], tuple(args[1:])
     res = Result(losses={k: [] for k in fns}, times={k: [] for k in fns},
                  states={k: copy_tree(state0) for k in fns})

@@ -549,11 +549,13 @@ def _cuda_algorithm() -> int:
 
 
 def _xla_lowering(ctx: Any, x: Any, *, axes: tuple, blocks: int, inplace: bool,
-                  invariant: bool, reason: str | None = None) -> Any:
-    """XLA's own all-reduce, where the engine has no target; `blocks` is ignored."""
+                  invariant: bool, reason: str | None = None, quiet: bool = False) -> Any:
+    """XLA's own all-reduce, where the engine has no target (or, `quiet`, where it is
+    asked for: `optimize(collectives="xla")`); `blocks` is ignored."""
     platforms = "/".join(ctx.module_context.platforms)
-    _warn_once(f"libra_jax.psum: no Libra all-reduce for {reason or platforms}; "
-               "lowering to XLA's all-reduce (blocks ignored).")
+    if not quiet:
+        _warn_once(f"libra_jax.psum: no Libra all-reduce for {reason or platforms}; "
+                   "lowering to XLA's all-reduce (blocks ignored).")
     aval_in, = ctx.avals_in
     # A buffer packed during lowering (fused, start/done) carries no varying axes: psum's
     # lowering is the same all-reduce as psum_invariant's and takes it.

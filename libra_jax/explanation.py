@@ -187,10 +187,10 @@ def _result_names(closed: Any, out_shape: Any, report: rewrite.OptimizeReport) -
     The result is followed through the data flow (into and out of `jit`, `shard_map`,
     `custom_jvp/vjp` and `checkpoint` bodies; conservatively through anything else) to the
     outputs of the traced function, through values of its own size only: what a reduction
-    of it (a global gradient norm, read by every update) feeds is not its parameter's. Of
-    the outputs it reaches with its shape, the first in the output tree (the updated
-    parameter comes before the optimizer state that also depends on it) names it. Paths
-    are shortened by their common prefix.
+    of it (a global gradient norm, read by every update) feeds is not its parameter's. The
+    path that all the outputs it reaches with its size end with (the updated parameter and
+    its optimizer state: `_common_suffix`) names it, else the first of them in the output
+    tree. Paths are shortened by their common prefix.
     """
     wanted = {id(v): v for entry in report.predicted for v in entry["results"] if v is not None}
     if not wanted:
@@ -218,8 +218,19 @@ def _result_names(closed: Any, out_shape: Any, report: rewrite.OptimizeReport) -
         same = [i for i in positions if out_avals[i] is not None
                 and size in (_size(out_avals[i].shape), _size(out_avals[i].shape[1:]))]
         if same:
-            raw[key] = out_paths[same[0]]
+            raw[key] = _common_suffix([out_paths[i] for i in same]) or out_paths[same[0]]
     return _shorten(raw)
+
+
+def _common_suffix(paths: Sequence[str]) -> str:
+    """The path components every one of `paths` ends with: a gradient reaches its parameter
+    and that parameter's optimizer state (``params.layer0.b``, ``opt.0.mu.layer0.b``,
+    ``opt.acc_grads.layer0.b``), all of which end with the parameter's own path."""
+    split = [p.split(".") for p in paths]
+    n = 0
+    while all(len(p) > n for p in split) and len({p[-1 - n] for p in split}) == 1:
+        n += 1
+    return ".".join(split[0][len(split[0]) - n:]) if n else ""
 
 
 def _reach_top(jaxpr: Any, seeds: set, start: int, chain: list[tuple[Any, Any]],
@@ -249,6 +260,12 @@ def _reach(jaxpr: Any, seeds: set, start: int, size: int) -> set[int]:
         if len(subs) == 1 and len(subs[0].invars) == len(eqn.invars):
             sub = subs[0]
             outs = _reach(sub, {sub.invars[i] for i in hit}, 0, size)
+        elif eqn.primitive.name == "cond" and 0 not in hit:
+            # Operand i + 1 is each branch's input i; outputs align (optax.MultiSteps).
+            outs = set()
+            for branch in eqn.params["branches"]:
+                b = getattr(branch, "jaxpr", branch)
+                outs |= _reach(b, {b.invars[i - 1] for i in hit}, 0, size)
         else:
             outs = set(range(len(eqn.outvars)))
         live.update(id(eqn.outvars[i]) for i in outs

@@ -63,6 +63,9 @@ __all__ = ["optimize", "rewrite_jaxpr", "PsumPlan", "OptimizeReport", "libra_psu
 DISABLE_ENV = "LIBRA_JAX_DISABLE"
 #: Environment default of `optimize(overlap=...)`.
 OVERLAP_ENV = "LIBRA_JAX_OVERLAP"
+#: What carries out the rewritten program's all-reduces: Libra's engine ("libra"), or XLA's
+#: all-reduce in each call's place, the program otherwise the same ("xla": a control).
+COLLECTIVES = ("libra", "xla")
 #: How a gradient all-reduce is issued: one call ("sync"; on CPU already asynchronous), a
 #: start/done pair around the compute it overlaps ("start-done", `libra_jax.overlap`), or
 #: per bucket whichever the model prices lower ("auto", `_Rewriter.split_buckets`).
@@ -75,7 +78,7 @@ def optimize(fn: Callable[..., Any] | None = None, *, profile: Any = None, fusio
              blocks: int | None = None, overlap: str | None = None,
              static_argnums: int | Sequence[int] | None = None,
              static_argnames: str | Sequence[str] | None = None,
-             enabled: bool = True) -> Any:
+             collectives: str = "libra", enabled: bool = True) -> Any:
     """Rewrite the psums of a train step into Libra all-reduces planned at trace time.
 
     Use as ``jax.jit(libra_jax.optimize(step))`` or ``@libra_jax.optimize(profile="h100")``.
@@ -103,6 +106,10 @@ def optimize(fn: Callable[..., Any] | None = None, *, profile: Any = None, fusio
         jitted `fn`'s own static arguments are taken from it. Under an outer `jax.jit`,
         mark them static there too: ``jax.jit(optimize(step, static_argnums=2),
         static_argnums=2)``.
+      collectives: "libra" (default): the engine's calls. "xla": the same rewritten program
+        (buckets packed and split, start/done where they were) with XLA's all-reduce in
+        each call's place: the control that isolates the engine from the rewrite (their
+        results are compared bit for bit in tests/test_corpus.py). Not differentiable.
       enabled: False returns `fn` unchanged (as does ``LIBRA_JAX_DISABLE=1``).
 
     Returns:
@@ -115,9 +122,13 @@ def optimize(fn: Callable[..., Any] | None = None, *, profile: Any = None, fusio
     if fn is None:
         return functools.partial(optimize, profile=profile, fusion=fusion, blocks=blocks,
                                  overlap=overlap, static_argnums=static_argnums,
-                                 static_argnames=static_argnames, enabled=enabled)
+                                 static_argnames=static_argnames, collectives=collectives,
+                                 enabled=enabled)
     if blocks is not None:
         allreduce._check_blocks(blocks)
+    if collectives not in COLLECTIVES:
+        raise ValueError(f"libra_jax.optimize: collectives must be one of "
+                         f"{', '.join(map(repr, COLLECTIVES))}, got {collectives!r}")
     statics = StaticArgs.of(fn, static_argnums, static_argnames)
     if not enabled:
         return fn
@@ -133,7 +144,8 @@ def optimize(fn: Callable[..., Any] | None = None, *, profile: Any = None, fusio
             return fn(*args, **kwargs)
         call, dynamic, static_key = statics.split(fn, args, kwargs)
         leaves, treedef = jax.tree.flatten(dynamic)
-        key = (treedef, tuple(_aval_key(x) for x in leaves), static_key, options.cache_key())
+        key = (treedef, tuple(_aval_key(x) for x in leaves), static_key, options.cache_key(),
+               collectives)
         entry = cache.get(key)
         if entry is None:
             closed, out_shape = jax.make_jaxpr(call, return_shape=True)(*dynamic[0],
@@ -143,6 +155,8 @@ def optimize(fn: Callable[..., Any] | None = None, *, profile: Any = None, fusio
             rewritten, report = rewrite_jaxpr(closed, profile=profile, fusion=options.fusion,
                                               blocks=options.blocks, overlap=options.overlap)
             check_plan_agreement(report, program=program)
+            if collectives == "xla":
+                rewritten = with_xla_collectives(rewritten)
             entry = (jax.jit(_compat.jaxpr_as_fun(rewritten)), jax.tree.structure(out_shape),
                      report)
             cache[key] = entry
@@ -1034,3 +1048,40 @@ _compat.register_lowering(libra_psum_fused_p, _fused_lowering(allreduce._cpu_low
                           platform="cpu")
 _compat.register_lowering(libra_psum_fused_p, _fused_lowering(allreduce._cuda_lowering),
                           platform="cuda")
+
+
+# --- The XLA control: the same program, XLA's all-reduce in each call's place -------------
+
+def _xla_twin(prim: Any, abstract_eval: Callable[..., Any], rule: Callable[..., Any]) -> Any:
+    """A primitive with `prim`'s types and one lowering, `rule`, on every platform."""
+    twin = _compat.Primitive(f"{prim.name}_xla")
+    twin.multiple_results = prim.multiple_results
+    twin.def_impl(functools.partial(_compat.apply_primitive, twin))
+    twin.def_effectful_abstract_eval(abstract_eval)
+    _compat.register_lowering(twin, rule)
+    return twin
+
+
+_quiet_xla = functools.partial(allreduce._xla_lowering, quiet=True)
+_XLA_TWINS = {
+    allreduce.libra_psum_p: _xla_twin(allreduce.libra_psum_p, allreduce._abstract_eval,
+                                      _quiet_xla),
+    libra_psum_fused_p: _xla_twin(libra_psum_fused_p, _fused_abstract_eval,
+                                  _fused_lowering(_quiet_xla)),
+    _overlap.libra_psum_start_p: _xla_twin(_overlap.libra_psum_start_p,
+                                           _overlap._start_abstract_eval,
+                                           _overlap._start_lowering(_quiet_xla)),
+    _overlap.libra_psum_done_p: _xla_twin(_overlap.libra_psum_done_p,
+                                          _overlap._done_abstract_eval, _overlap._done_lowering()),
+}
+
+
+def with_xla_collectives(closed: Any) -> Any:
+    """`closed` (a rewritten ClosedJaxpr) with every Libra all-reduce equation lowering to
+    XLA's all-reduce instead, and nothing else changed (`optimize(collectives="xla")`)."""
+    def visit(jaxpr: Any) -> Any:
+        eqns = [eqn.replace(primitive=_XLA_TWINS.get(eqn.primitive, eqn.primitive),
+                            params={k: _map_jaxprs(v, visit) for k, v in eqn.params.items()})
+                for eqn in jaxpr.eqns]
+        return jaxpr.replace(eqns=eqns)
+    return _compat.closed_jaxpr(visit(closed.jaxpr), closed.consts)

@@ -23,21 +23,16 @@ import common  # noqa: E402
 def test_example_trains_with_matching_results(name, options):
     module = common.load_example(EXAMPLES / f"{name}.py")
     step, args = module.build(True, **options)
-    res = common.train(step, args, 3, progress=False)
+    res = common.train(step, args, 3, progress=False, control=True)
     plain, opt = res.losses["plain"], res.losses["optimized"]
     assert len(plain) == len(opt) == 3 and np.all(np.isfinite(plain))
     np.testing.assert_allclose(opt, plain, rtol=1e-5, atol=1e-6)
-    import jax
-
-    plain_state, opt_state = (jax.tree.leaves_with_path(s) for s in res.states.values())
-    for (path, a), (_, b) in zip(plain_state, opt_state):
-        name = jax.tree_util.keystr(path)
-        # An attention key bias shifts all of a query's scores alike, which softmax cancels: its
-        # gradient is zero up to rounding, and Adam(W) turns that noise into steps of up to the
-        # learning rate (3e-3) whose sign any recompilation may flip. Bounded, not compared.
-        tol = dict(rtol=0, atol=2 * 3e-3 * 3) if "'key'" in name and "bias" in name else {}
-        np.testing.assert_allclose(np.asarray(b), np.asarray(a),
-                                   **(tol or dict(rtol=1e-5, atol=1e-6)), err_msg=name)
+    # The hard criterion: Libra's calls and XLA's all-reduce in their place, in the same
+    # rewritten program, train to bitwise the same state (parameters, optimizer state) and
+    # losses. Plain vs optimized may differ by rounding (XLA fuses the two programs, and
+    # contracts a*b+c, differently: benchmarks/results/trained_state.md reports by how much).
+    assert res.identical("optimized", "control"), name
+    assert res.losses["control"] == opt
     assert plain[-1] < plain[0]  # it learns
     report = res.report
     assert report is not None and report.num_psums > 0

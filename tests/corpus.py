@@ -1,0 +1,276 @@
+"""A corpus of data-parallel train steps written the way people write them (Flax linen with
+BatchNorm under `jax.pmap`, a transformer with dropout, Flax NNX, `jax.set_mesh` with
+autodiff's psums, static configuration, optax chains with clipping, schedules and gradient
+accumulation), small enough for 8 host devices.
+
+Each case builds ``Case(step, state, batch, kwargs, static_argnames)``: ``step(state, *batch,
+**kwargs) -> (state, metrics)``, jitted with the state donated. `pmean` is the function the
+step's own code calls (``jax.lax.pmean`` or ``libra_jax.pmean``: the drop-in by function swap).
+Used by tests/test_corpus.py and benchmarks/corpus.py.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+N = 8  # devices
+
+
+@dataclasses.dataclass
+class Case:
+    step: Callable[..., Any]
+    state: Any
+    batch: tuple
+    kwargs: dict = dataclasses.field(default_factory=dict)
+    static_argnames: tuple[str, ...] = ()
+    pmap: bool = False           # a jax.pmap step (state and batch carry a device axis)
+    autodiff_psums: bool = False  # gradients summed by autodiff (check_vma), not by pmean
+    library_psums: bool = False   # a library's own pmean (Flax BatchNorm): swapping misses it
+    context: Callable[[], Any] = contextlib.nullcontext  # entered around tracing and running
+
+
+def _lax_pmean(x: Any, axis_name: Any) -> Any:
+    """`jax.lax.pmean`, looked up when called (so `libra_jax.patch_lax` reaches it)."""
+    return jax.lax.pmean(x, axis_name)
+
+
+def _mesh() -> jax.sharding.Mesh:
+    return jax.sharding.Mesh(np.array(jax.devices("cpu")[:N]), ("data",))
+
+
+def _shard(x: Any, mesh: jax.sharding.Mesh) -> Any:
+    return jax.device_put(x, NamedSharding(mesh, P("data")))
+
+
+def flax_batchnorm_pmap(pmean: Callable[..., Any] | None = None) -> Case:
+    """Flax linen CNN-ish MLP with BatchNorm (cross-replica statistics, mutable
+    `batch_stats`) under `jax.pmap` with `donate_argnums`; metrics `pmean`ed."""
+    pmean = pmean or _lax_pmean
+    import flax.linen as nn
+    import optax
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x, train: bool = True):
+            x = nn.Dense(32)(x)
+            x = nn.BatchNorm(use_running_average=not train, axis_name="batch", momentum=0.9)(x)
+            x = nn.relu(x)
+            return nn.Dense(4)(x)
+
+    net = Net()
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((N, 8, 16)).astype(np.float32)
+    y = rng.integers(0, 4, (N, 8))
+    variables = net.init(jax.random.key(0), x[0], train=False)
+    tx = optax.sgd(0.1, momentum=0.9)
+    state = {"params": variables["params"], "batch_stats": variables["batch_stats"],
+             "opt": tx.init(variables["params"])}
+
+    def step(state, x, y):
+        def loss_fn(params):
+            logits, updates = net.apply({"params": params, "batch_stats": state["batch_stats"]},
+                                        x, mutable=["batch_stats"])
+            loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+            return loss, (logits, updates["batch_stats"])
+        (loss, (logits, stats)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            state["params"])
+        grads = pmean(grads, "batch")
+        updates, opt = tx.update(grads, state["opt"], state["params"])
+        metrics = {"loss": pmean(loss, "batch"),
+                   "accuracy": pmean(jnp.mean(jnp.argmax(logits, -1) == y), "batch")}
+        return {"params": optax.apply_updates(state["params"], updates), "batch_stats": stats,
+                "opt": opt}, metrics
+
+    replicate = functools.partial(jax.tree.map, lambda a: np.broadcast_to(a, (N, *a.shape)))
+    pstep = jax.pmap(step, axis_name="batch", donate_argnums=0)
+    return Case(pstep, replicate(state), (x, y), pmap=True, library_psums=True)
+
+
+def transformer_dropout(pmean: Callable[..., Any] | None = None) -> Case:
+    """A one-block Flax linen transformer with dropout, its key passed as a keyword argument;
+    `shard_map` with `check_vma=False` and an explicit `pmean` of the gradients (AdamW)."""
+    pmean = pmean or _lax_pmean
+    import flax.linen as nn
+    import optax
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, tokens, train: bool):
+            h = nn.Embed(32, 16)(tokens)
+            h = h + nn.SelfAttention(num_heads=2, dropout_rate=0.1, deterministic=not train)(h)
+            h = nn.LayerNorm()(h)
+            h = h + nn.Dropout(0.1, deterministic=not train)(nn.Dense(16)(h))
+            return nn.Dense(32)(h)
+
+    mesh = _mesh()
+    model = Block()
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, 32, (N * 2, 6))
+    params = model.init(jax.random.key(1), tokens[:2], train=False)["params"]
+    tx = optax.adamw(3e-3)
+    state = {"params": params, "opt": tx.init(params)}
+
+    def local(state, tokens, key):
+        key = jax.random.fold_in(key, jax.lax.axis_index("data"))
+
+        def loss_fn(params):
+            logits = model.apply({"params": params}, tokens, train=True, rngs={"dropout": key})
+            return optax.softmax_cross_entropy_with_integer_labels(
+                logits[:, :-1], tokens[:, 1:]).mean()
+        loss, grads = jax.value_and_grad(loss_fn)(state["params"])
+        grads = pmean(grads, "data")
+        updates, opt = tx.update(grads, state["opt"], state["params"])
+        return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, \
+            {"loss": pmean(loss, "data")}
+
+    sm = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data"), P()), out_specs=(P(), P()),
+                       check_vma=False)
+
+    def step(state, tokens, *, dropout_rng):
+        return sm(state, tokens, dropout_rng)
+
+    return Case(step, state, (_shard(tokens, mesh),), {"dropout_rng": jax.random.key(7)})
+
+
+def nnx_model(pmean: Callable[..., Any] | None = None) -> Case:
+    """A Flax NNX model, split into graph and state, trained functionally in `shard_map`
+    (`check_vma=True`: autodiff inserts the gradient psums; the loss is `pmean`ed inside)."""
+    pmean = pmean or _lax_pmean
+    from flax import nnx
+    import optax
+
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            self.a = nnx.Linear(12, 24, rngs=rngs)
+            self.b = nnx.Linear(24, 3, rngs=rngs)
+
+        def __call__(self, x):
+            return self.b(jax.nn.gelu(self.a(x)))
+
+    graphdef, params = nnx.split(MLP(nnx.Rngs(0)), nnx.Param)
+    mesh = _mesh()
+    tx = optax.adam(1e-2)
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((N * 4, 12)).astype(np.float32)
+    y = rng.standard_normal((N * 4, 3)).astype(np.float32)
+
+    def local(state, x, y):
+        def loss_fn(p):
+            return pmean(jnp.mean((nnx.merge(graphdef, p)(x) - y) ** 2), "data")
+        loss, grads = jax.value_and_grad(loss_fn)(state["params"])
+        updates, opt = tx.update(grads, state["opt"], state["params"])
+        return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, loss
+
+    step = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data"), P("data")),
+                         out_specs=(P(), P()))
+    return Case(step, {"params": params, "opt": tx.init(params)},
+                (_shard(x, mesh), _shard(y, mesh)), autodiff_psums=True)
+
+
+def set_mesh_autodiff(pmean: Callable[..., Any] | None = None) -> Case:
+    """`jax.shard_map` without `mesh=`, under `jax.set_mesh`; gradient psums inserted by
+    autodiff (`check_vma=True`), plain SGD, no psum in the step's own code but the loss's."""
+    pmean = pmean or _lax_pmean
+    mesh = _mesh()
+    rng = np.random.default_rng(3)
+    params = {"w1": (rng.standard_normal((8, 16)) * 0.3).astype(np.float32),
+              "b1": np.zeros(16, np.float32),
+              "w2": (rng.standard_normal((16, 2)) * 0.3).astype(np.float32)}
+    x = rng.standard_normal((N * 4, 8)).astype(np.float32)
+
+    def local(params, x):
+        def loss_fn(p):
+            h = jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"]
+            return pmean(jnp.mean(h ** 2), "data")
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        return jax.tree.map(lambda p, g: p - 0.05 * g, params, grads), loss
+
+    step = jax.shard_map(local, in_specs=(P(), P("data")), out_specs=(P(), P()))
+    return Case(step, params, (_shard(x, mesh),), autodiff_psums=True,
+                context=lambda: jax.set_mesh(mesh))
+
+
+def static_config(pmean: Callable[..., Any] | None = None) -> Case:
+    """Static configuration: a frozen config dataclass, a `train` flag and a learning-rate
+    schedule function, passed by keyword and marked static."""
+    pmean = pmean or _lax_pmean
+    @dataclasses.dataclass(frozen=True)
+    class Config:
+        hidden: int = 16
+        weight_decay: float = 1e-4
+
+    mesh = _mesh()
+    rng = np.random.default_rng(4)
+    params = {"w": (rng.standard_normal((6, 16)) * 0.3).astype(np.float32),
+              "v": (rng.standard_normal((16, 1)) * 0.3).astype(np.float32)}
+    x = rng.standard_normal((N * 4, 6)).astype(np.float32)
+
+    def schedule(i):
+        return 0.1 / (1.0 + i)
+
+    def step(params, x, *, config, train, lr):
+        def local(params, x):
+            def loss_fn(p):
+                h = jax.nn.relu(x @ p["w"])
+                if train:
+                    h = h * 0.9
+                reg = config.weight_decay * sum(jnp.sum(v ** 2) for v in jax.tree.leaves(p))
+                return jnp.mean((h @ p["v"]) ** 2) + reg
+            loss, grads = jax.value_and_grad(loss_fn)(params)
+            grads = pmean(grads, "data")
+            return jax.tree.map(lambda p, g: p - lr(0) * g, params, grads), pmean(loss, "data")
+        return jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P()),
+                             check_vma=False)(params, x)
+
+    return Case(step, params, (_shard(x, mesh),),
+                {"config": Config(), "train": True, "lr": schedule},
+                static_argnames=("config", "train", "lr"))
+
+
+def optax_clip_schedule_accumulate(pmean: Callable[..., Any] | None = None) -> Case:
+    """optax: global-norm clipping (one norm reads every gradient before any update), a
+    warm-up cosine schedule and gradient accumulation (`optax.MultiSteps`)."""
+    pmean = pmean or _lax_pmean
+    import optax
+
+    mesh = _mesh()
+    rng = np.random.default_rng(5)
+    params = {f"layer{i}": {"w": (rng.standard_normal((10, 10)) * 0.3).astype(np.float32),
+                            "b": np.zeros(10, np.float32)} for i in range(3)}
+    schedule = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 10)
+    tx = optax.MultiSteps(optax.chain(optax.clip_by_global_norm(1.0),
+                                      optax.adamw(schedule)), every_k_schedule=2)
+    x = rng.standard_normal((N * 4, 10)).astype(np.float32)
+
+    def local(state, x):
+        def loss_fn(p):
+            h = x
+            for i in range(3):
+                h = jnp.tanh(h @ p[f"layer{i}"]["w"] + p[f"layer{i}"]["b"])
+            return jnp.mean(h ** 2)
+        loss, grads = jax.value_and_grad(loss_fn)(state["params"])
+        grads = pmean(grads, "data")
+        updates, opt = tx.update(grads, state["opt"], state["params"])
+        return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, \
+            pmean(loss, "data")
+
+    step = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P()),
+                         check_vma=False)
+    return Case(step, {"params": params, "opt": tx.init(params)}, (_shard(x, mesh),))
+
+
+CASES: dict[str, Callable[..., Case]] = {
+    "flax-batchnorm-pmap": flax_batchnorm_pmap,
+    "transformer-dropout": transformer_dropout,
+    "nnx": nnx_model,
+    "set-mesh-autodiff": set_mesh_autodiff,
+    "static-config": static_config,
+    "optax-clip-schedule-multisteps": optax_clip_schedule_accumulate,
+}
