@@ -45,20 +45,23 @@ def ulps(a, b):
 
 
 def compare(sa, sb):
-    """(largest ulps, largest relative difference, the leaf's path) over the leaves."""
+    """(largest ulps, its leaf's largest relative and absolute differences, the leaf's path)
+    over the float leaves. Near zero (a gradient that is rounding noise, e.g. an attention key
+    bias's) ulps and relative terms are large for tiny absolute differences: read all three."""
     import jax
     import numpy as np
 
-    worst = (0, 0.0, "")
+    worst = (0, 0.0, 0.0, "")
     for (path, a), (_, b) in zip(jax.tree_util.tree_flatten_with_path(sa)[0],
                                  jax.tree_util.tree_flatten_with_path(sb)[0]):
         a, b = np.asarray(a), np.asarray(b)
         if not np.issubdtype(a.dtype, np.floating):
             continue
         u = ulps(a.astype(np.float32), b.astype(np.float32))
-        rel = float(np.max(np.abs(a.astype(np.float64) - b) / np.maximum(np.abs(a), 1e-30)))
+        diff = np.abs(a.astype(np.float64) - b)
+        rel = float(np.max(diff / np.maximum(np.abs(a), 1e-30)))
         if u > worst[0]:
-            worst = (u, rel, jax.tree_util.keystr(path))
+            worst = (u, rel, float(np.max(diff)), jax.tree_util.keystr(path))
     return worst
 
 
@@ -162,7 +165,8 @@ def main() -> int:
     import jax
 
     load1 = os.getloadavg()
-    fmt = lambda w: "bitwise" if w[0] == 0 else f"{w[0]} ulp ({w[1]:.1e}) `{w[2]}`"  # noqa: E731
+    fmt = lambda w: ("bitwise" if w[0] == 0 else  # noqa: E731
+                     f"{w[0]} ulp, rel {w[1]:.1e}, abs {w[2]:.1e} `{w[3]}`")
     cmd = "python benchmarks/corpus.py" + "".join(
         f" --{k} {getattr(args, k)}" for k in ("steps", "rounds")) + (
         f" --out {args.out}" if args.out else "")
@@ -172,9 +176,10 @@ def main() -> int:
              f"`cpu-host`; {args.steps} steps trained per arm.",
              f"Load average (1/5/15 min) before: {'/'.join(f'{x:.1f}' for x in load0)}, after: "
              f"{'/'.join(f'{x:.1f}' for x in load1)}.", "",
-             "Trained state after the steps (largest difference over the state's float leaves, "
-             "in float32 ulps and relative; the leaf). Required: Libra = its XLA control, bit "
-             "for bit. Reported: plain against optimized and the drop-ins.", "",
+             "Trained state after the steps: the float leaf with the largest difference in "
+             "float32 ulps, with its largest relative and absolute differences. Required: "
+             "Libra = its XLA control, bit for bit. Reported: plain against optimized and the "
+             "drop-ins.", "",
              "| step | flags | Libra vs XLA control | plain vs optimized | plain vs drop-in "
              "(swap) | plain vs drop-in (patch_lax) |", "|---|---|---|---|---|---|"]
     for name in results["default"]:

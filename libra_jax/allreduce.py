@@ -327,7 +327,7 @@ def _cpu_call(ctx: Any, axes: tuple, blocks: int | None) -> tuple[tuple | None, 
     rank_group = _compat.hlo.reshape(_compat.ir.RankedTensorType.get([2], i32), row)
     return (rank_group, dict(label=f"psum{tuple(axes)}", world=np.int64(len(groups[0])),
                              blocks=np.int64(blocks),
-                             timeout_ms=np.int64(round(_timeout_s() * 1000)))), ""
+                             timeout_ms=np.int64(timeout_ms()))), ""
 
 
 _CUDA_ALGORITHMS = {"auto": 0, "oneshot": 1, "twoshot": 2}
@@ -404,7 +404,7 @@ def _cuda_kernel_attrs(ctx: Any, axes: tuple, blocks: int | None) -> tuple[dict 
     return dict(devices=np.array([ordinals[d] for g in groups for d in g], np.int32),
                 world=np.int64(world), blocks=np.int64(blocks),
                 algorithm=np.int64(_cuda_algorithm()),
-                timeout_ms=np.int64(round(_timeout_s() * 1000))), ""
+                timeout_ms=np.int64(timeout_ms())), ""
 
 
 def _cuda_lowering(ctx: Any, x: Any, *, axes: tuple, blocks: int, inplace: bool,
@@ -529,7 +529,7 @@ def _nccl_lowering(ctx: Any, x: Any, *, groups: list, devices: Sequence[Any], bl
     return rule(ctx, x, comm_ids=comm_ids, ranks=ranks,
                 nranks=np.int64(world // local_world), ctas=np.int64(blocks),
                 local_teams=teams.reshape(-1), local_world=np.int64(local_world),
-                timeout_ms=np.int64(round(_timeout_s() * 1000)))
+                timeout_ms=np.int64(timeout_ms()))
 
 
 def _by_process(devices: Sequence[Any], members: Sequence[int]) -> dict[int, list[int]]:
@@ -564,17 +564,40 @@ def _xla_lowering(ctx: Any, x: Any, *, axes: tuple, blocks: int, inplace: bool,
     return _compat.lower_fun(partial(prim.bind, **params))(ctx, x)
 
 
+#: How long a rank waits for the others: `$LIBRA_JAX_TIMEOUT_S` seconds (default 300).
+TIMEOUT_ENV = "LIBRA_JAX_TIMEOUT_S"
+#: The longest finite timeout accepted (116 days): the engine's and the CUDA kernels' clocks
+#: add it to a time stamp in nanoseconds, which must not overflow.
+MAX_TIMEOUT_S = 1e7
+
 def _timeout_s() -> float:
-    raw = os.environ.get("LIBRA_JAX_TIMEOUT_S", "")
+    """`$LIBRA_JAX_TIMEOUT_S` in seconds: inf for "wait forever" (``inf`` or ``0``), else
+    0 < t <= MAX_TIMEOUT_S; anything else is a ValueError naming the variable."""
+    raw = os.environ.get(TIMEOUT_ENV, "").strip()
     if not raw:
         return _DEFAULT_TIMEOUT_S
     try:
         value = float(raw)
     except ValueError:
-        value = -1.0
-    if not value > 0 or not math.isfinite(value):
-        raise ValueError(f"LIBRA_JAX_TIMEOUT_S must be a positive number of seconds, got {raw!r}")
+        value = math.nan
+    if value == 0 or value == math.inf:
+        return math.inf
+    if not 0 < value <= MAX_TIMEOUT_S:
+        raise ValueError(f"{TIMEOUT_ENV} must be a number of seconds in (0, {MAX_TIMEOUT_S:g}], "
+                         f"or inf or 0 to wait forever; got {raw!r}")
     return value
+
+
+def timeout_ms() -> int:
+    """The timeout as the engine's and the CUDA handler's milliseconds: 0 waits forever, and
+    any positive timeout is at least 1 ms (rounded up: 0.4 ms must not become "forever")."""
+    seconds = _timeout_s()
+    return 0 if seconds == math.inf else max(1, math.ceil(seconds * 1000))
+
+
+def kv_timeout_ms() -> int:
+    """The timeout for a wait in JAX's key-value store, in its milliseconds."""
+    return _compat.kv_wait_ms(_timeout_s())
 
 
 def _transpose(ct: Any, x: Any, *, axes: tuple, blocks: int, inplace: bool,

@@ -124,6 +124,8 @@ def optimize(fn: Callable[..., Any] | None = None, *, profile: Any = None, fusio
                                  overlap=overlap, static_argnums=static_argnums,
                                  static_argnames=static_argnames, collectives=collectives,
                                  enabled=enabled)
+    if not callable(fn):
+        raise TypeError(f"libra_jax.optimize: expected a function to optimize, got {fn!r}")
     if blocks is not None:
         allreduce._check_blocks(blocks)
     if collectives not in COLLECTIVES:
@@ -295,7 +297,7 @@ def shared_profile(profile: Any, *, program: str) -> Any:
         return profile
     timeout_s = allreduce._timeout_s()
     try:
-        payload = json.loads(client.blocking_key_value_get(key, int(timeout_s * 1000)))
+        payload = json.loads(client.blocking_key_value_get(key, allreduce.kv_timeout_ms()))
     except Exception as exc:  # noqa: BLE001 - JAX raises its own runtime errors here
         raise RuntimeError(
             f"libra_jax.optimize: process {jax.process_index()} waited {timeout_s:g} s "
@@ -354,7 +356,7 @@ def check_plan_agreement(report: OptimizeReport, *, program: str) -> None:
     prefix = f"libra_jax/plan/{tag}/{sequence}"
     mine = report.plan_lines()
     client.key_value_set(f"{prefix}/{jax.process_index()}", json.dumps(mine))
-    timeout_ms = int(allreduce._timeout_s() * 1000)
+    timeout_ms = allreduce.kv_timeout_ms()
     for process in range(jax.process_count()):
         if process == jax.process_index():
             continue
@@ -374,6 +376,8 @@ def rewrite_jaxpr(closed: Any, *, profile: Any = None, fusion: bool = True,
                   blocks: int | None = None,
                   overlap: str | None = None) -> tuple[Any, OptimizeReport]:
     """Rewrite `closed` (a ClosedJaxpr) as the module docstring states."""
+    if blocks is not None:
+        allreduce._check_blocks(blocks)
     report = OptimizeReport()
     options = _Options(profile=profile, fusion=fusion, blocks=blocks,
                        overlap=_overlap_mode(overlap))

@@ -34,6 +34,8 @@ class Case:
     autodiff_psums: bool = False  # gradients summed by autodiff (check_vma), not by pmean
     library_psums: bool = False   # a library's own pmean (Flax BatchNorm): swapping misses it
     context: Callable[[], Any] = contextlib.nullcontext  # entered around tracing and running
+    # How many psums of each kind `optimize` must find (`rewrite.PsumPlan.kind`).
+    kinds: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 def _lax_pmean(x: Any, axis_name: Any) -> Any:
@@ -90,7 +92,10 @@ def flax_batchnorm_pmap(pmean: Callable[..., Any] | None = None) -> Case:
 
     replicate = functools.partial(jax.tree.map, lambda a: np.broadcast_to(a, (N, *a.shape)))
     pstep = jax.pmap(step, axis_name="batch", donate_argnums=0)
-    return Case(pstep, replicate(state), (x, y), pmap=True, library_psums=True)
+    # 6 parameters; BatchNorm's statistics (one pmean of mean and mean of squares, Flax
+    # concatenates them) and that pmean's cotangent in the backward pass; loss and accuracy.
+    return Case(pstep, replicate(state), (x, y), pmap=True, library_psums=True,
+                kinds={"gradient": 6, "forward": 3, "backward": 1})
 
 
 def transformer_dropout(pmean: Callable[..., Any] | None = None) -> Case:
@@ -136,7 +141,9 @@ def transformer_dropout(pmean: Callable[..., Any] | None = None) -> Case:
     def step(state, tokens, *, dropout_rng):
         return sm(state, tokens, dropout_rng)
 
-    return Case(step, state, (_shard(tokens, mesh),), {"dropout_rng": jax.random.key(7)})
+    # Embed 1, attention 8 (q, k, v, out: kernel and bias), LayerNorm 2, Dense 2 + 2; the loss.
+    return Case(step, state, (_shard(tokens, mesh),), {"dropout_rng": jax.random.key(7)},
+                kinds={"gradient": 15, "forward": 1})
 
 
 def nnx_model(pmean: Callable[..., Any] | None = None) -> Case:
@@ -171,7 +178,8 @@ def nnx_model(pmean: Callable[..., Any] | None = None) -> Case:
     step = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data"), P("data")),
                          out_specs=(P(), P()))
     return Case(step, {"params": params, "opt": tx.init(params)},
-                (_shard(x, mesh), _shard(y, mesh)), autodiff_psums=True)
+                (_shard(x, mesh), _shard(y, mesh)), autodiff_psums=True,
+                kinds={"gradient": 4, "forward": 1})
 
 
 def set_mesh_autodiff(pmean: Callable[..., Any] | None = None) -> Case:
@@ -194,7 +202,7 @@ def set_mesh_autodiff(pmean: Callable[..., Any] | None = None) -> Case:
 
     step = jax.shard_map(local, in_specs=(P(), P("data")), out_specs=(P(), P()))
     return Case(step, params, (_shard(x, mesh),), autodiff_psums=True,
-                context=lambda: jax.set_mesh(mesh))
+                context=lambda: jax.set_mesh(mesh), kinds={"gradient": 3, "forward": 1})
 
 
 def static_config(pmean: Callable[..., Any] | None = None) -> Case:
@@ -231,7 +239,7 @@ def static_config(pmean: Callable[..., Any] | None = None) -> Case:
 
     return Case(step, params, (_shard(x, mesh),),
                 {"config": Config(), "train": True, "lr": schedule},
-                static_argnames=("config", "train", "lr"))
+                static_argnames=("config", "train", "lr"), kinds={"gradient": 2, "forward": 1})
 
 
 def optax_clip_schedule_accumulate(pmean: Callable[..., Any] | None = None) -> Case:
@@ -263,7 +271,8 @@ def optax_clip_schedule_accumulate(pmean: Callable[..., Any] | None = None) -> C
 
     step = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P()),
                          check_vma=False)
-    return Case(step, {"params": params, "opt": tx.init(params)}, (_shard(x, mesh),))
+    return Case(step, {"params": params, "opt": tx.init(params)}, (_shard(x, mesh),),
+                kinds={"gradient": 6, "forward": 1})
 
 
 CASES: dict[str, Callable[..., Case]] = {

@@ -520,10 +520,45 @@ def test_explicit_blocks_on_delegated_psum():
         jax.vmap(lambda r: libra_jax.psum(r, "v", blocks=3), axis_name="v")(jnp.ones(3))
 
 
-def test_bad_timeout_setting(monkeypatch):
-    monkeypatch.setenv("LIBRA_JAX_TIMEOUT_S", "soon")
-    with pytest.raises(ValueError, match="LIBRA_JAX_TIMEOUT_S must be a positive number"):
+@pytest.mark.parametrize("raw", ["soon", "-1", "nan", "-inf", "1e10", "1e300", "1e7.5"])
+def test_bad_timeout_setting(monkeypatch, raw):
+    # Out of range (a clock that would overflow: 1e10 failed healthy programs) or not a
+    # number (1e300 was an OverflowError not naming the variable): a ValueError naming it.
+    monkeypatch.setenv("LIBRA_JAX_TIMEOUT_S", raw)
+    with pytest.raises(ValueError, match=r"LIBRA_JAX_TIMEOUT_S must be a number of seconds in "
+                                         r"\(0, 1e\+07\], or inf or 0 to wait forever"):
         run_in_shard_map(lambda v: libra_jax.psum(v * 3.0, "x"))
+
+
+@pytest.mark.parametrize("raw, ms", [("0.0004", 1), ("0.0015", 2), ("2", 2000), ("", 300000),
+                                     ("0", 0), ("inf", 0), ("1e7", 10**10)])
+def test_timeout_in_milliseconds(monkeypatch, raw, ms):
+    # A tiny positive timeout is at least 1 ms (0.0004 rounded to 0, "wait forever").
+    monkeypatch.setenv("LIBRA_JAX_TIMEOUT_S", raw)
+    assert libra_jax.allreduce.timeout_ms() == ms
+    text = jax.jit(jax.shard_map(lambda v: libra_jax.psum(v * 3.0, "x"), mesh=mesh_of((8,), ("x",)),
+                                 in_specs=P("x"), out_specs=P())).lower(
+        np.ones((8, 2), np.float32)).as_text()
+    assert f"timeout_ms = {ms} : i64" in text
+
+
+def test_the_longest_timeout_serves_a_healthy_program(monkeypatch):
+    monkeypatch.setenv("LIBRA_JAX_TIMEOUT_S", "1e7")
+    x = np.arange(16, dtype=np.float32).reshape(8, 2)
+    got = jax.jit(jax.shard_map(lambda v: libra_jax.psum(v * 1.5, "x"),
+                                mesh=mesh_of((8,), ("x",)), in_specs=P("x"), out_specs=P()))(x)
+    assert_bitwise(got, (x * 1.5).sum(0, keepdims=True))
+
+
+def test_a_tiny_timeout_still_times_out():
+    # 0.0004 s rounded to 0 ms, which the engine reads as "no watchdog": the rank that never
+    # arrives hung the program. Now it is 1 ms, and the error comes at once.
+    script = TIMEOUT_SCRIPT.replace('"1.5"', '"0.0004"')
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "XLA_FLAGS": ""})
+    out = proc.stdout
+    assert "DEADLINE_EXCEEDED" in out or "DeadlineExceeded" in out, out + proc.stderr[-2000:]
+    assert float(out.split("elapsed")[1].split()[0]) < 30, out
 
 
 def test_other_platform_lowers_to_xla_allreduce():

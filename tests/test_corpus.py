@@ -80,7 +80,10 @@ def test_optimized_equals_its_xla_control_and_plain_agrees(name):
     assert leaves_bytes(m_opt) == leaves_bytes(m_ctl), "metrics: Libra vs its XLA control"
     np.testing.assert_allclose(losses(m_opt), losses(m_plain), rtol=1e-5, atol=1e-7)
     report = opt_fn.last_report
-    assert any(p.kind == "gradient" for p in report.plans), report.plan_lines()
+    kinds: dict[str, int] = {}
+    for p in report.plans:
+        kinds[p.kind] = kinds.get(p.kind, 0) + len(p.members)
+    assert kinds == case.kinds, report.plan_lines()  # every psum classified as expected
 
 
 @pytest.mark.parametrize("platform", ["cpu", "cuda"])

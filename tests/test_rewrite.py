@@ -585,3 +585,23 @@ def test_every_scope_of_a_report_has_its_own_name():
     assert "top/shard_map" in scopes and "top/shard_map#2" in scopes
     text = str(libra_jax.explain(step, params, x, True, file=None))
     assert all(f"scope {s}," in text for s in scopes)
+
+
+@pytest.mark.parametrize("blocks, error", [(0, ValueError), (1000, ValueError),
+                                           (1.5, TypeError), (True, TypeError)])
+def test_explain_and_rewrite_jaxpr_validate_blocks_as_optimize_does(blocks, error):
+    rng = np.random.default_rng(11)
+    params = init(rng, [16, 8, 4])
+    step = data_parallel("check_vma", sgd_step(lambda p, x: jnp.sum(mlp(p, x) ** 2)))
+    x = inputs("check_vma", rng)
+    with pytest.raises(error, match="blocks"):
+        optimize(step, blocks=blocks)
+    with pytest.raises(error, match="blocks"):
+        libra_jax.explain(step, params, x, blocks=blocks, file=None)
+    with pytest.raises(error, match="blocks"):
+        rewrite_jaxpr(jax.make_jaxpr(step)(params, x), blocks=blocks)
+
+
+def test_optimize_of_something_not_callable_is_a_type_error():
+    with pytest.raises(TypeError, match="expected a function to optimize, got 3"):
+        optimize(3)
