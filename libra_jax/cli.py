@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -152,6 +153,42 @@ def _alloc_summary(buckets: Sequence[object]) -> str:
 # ----------------------------------------------------------------------------------------------
 
 
+def _positive_float(text: str) -> float:
+    """argparse type: a finite number >= 0 (argparse names the option in its error)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text!r}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text!r}")
+    return value
+
+
+def _check_output(path: str | None, option: str) -> None:
+    """Fail before the work when `path` cannot be written: its folder is missing, or it is a
+    folder itself."""
+    if path is None:
+        return
+    from pathlib import Path
+
+    target = Path(path)
+    if target.is_dir():
+        raise ValueError(f"{option} {path}: is a directory; give a file name")
+    if not target.parent.is_dir():
+        raise ValueError(f"{option} {path}: no such directory {str(target.parent)!r}")
+
+
 def _add_simulate(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "simulate", help="compare Libra with the baselines for one model (no GPU needed)",
@@ -165,11 +202,12 @@ def _add_simulate(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--link-gbps", type=float, default=None,
                    help="override the ring's bottleneck link, Gb/s per direction")
     p.add_argument("--batch", type=int, default=None, help="per-worker batch (default: the artifact's, per model)")
-    p.add_argument("--seq-len", type=int, default=None, help="BERT sequence length (default: 128)")
+    p.add_argument("--seq-len", type=_positive_int, default=None,
+                   help="BERT sequence length (default: 128)")
     p.add_argument("--dtype", default=None, help="compute dtype for peak FLOP/s (default: the profile's)")
     p.add_argument("--default-alloc", type=int, default=None,
                    help="the baselines' fixed allocation (default: 2048 threads, or the largest block option)")
-    p.add_argument("--fusion-mib", type=float, default=HOROVOD_FUSION_MIB,
+    p.add_argument("--fusion-mib", type=_positive_float, default=HOROVOD_FUSION_MIB,
                    help="the default policy's fusion threshold in MiB (default: %(default)s)")
     p.add_argument("--prefuse", type=int, default=DEFAULT_PREFUSE,
                    help="plan fusion over at most this many pre-fused layer groups, as the Libra artifact "
@@ -180,6 +218,7 @@ def _add_simulate(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _run_simulate(args: argparse.Namespace) -> int:
+    _check_output(args.gantt, "--gantt")
     profile = cost_models.load_profile(args.profile)
     derivation = cost_models.derive(profile, args.workers, link_gbit_per_s=args.link_gbps)
     workload = zoo.training_workload(args.model, flop_per_s=profile.device.flop_per_s(args.dtype),
@@ -275,6 +314,7 @@ def _run_calibrate(args: argparse.Namespace) -> int:
         raise ValueError(f"--devices must be >= 2 (an all-reduce needs two ranks), got {args.devices}")
     # Before JAX starts its CPU backend (a no-op if it already has).
     os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={args.devices}")
+    _check_output(args.out, "--out")
     from libra_jax import calibrate
 
     try:
@@ -282,7 +322,7 @@ def _run_calibrate(args: argparse.Namespace) -> int:
                              progress=not args.no_progress)
     except calibrate.CalibrationError as exc:
         print(f"libra-jax calibrate: cannot calibrate: {exc}", file=sys.stderr)
-        return 2
+        return 1
 
 
 # ----------------------------------------------------------------------------------------------
@@ -327,6 +367,8 @@ def _load_script(path: str) -> object:
     if name in sys.modules and getattr(sys.modules[name], "__file__", None) == str(file):
         return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, file)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"{path} is not a Python file (a script defining build(small=False))")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)  # type: ignore[union-attr]
@@ -336,7 +378,13 @@ def _load_script(path: str) -> object:
 
 
 def _run_plan(args: argparse.Namespace) -> int:
+    import inspect
+
+    _check_output(args.gantt, "--gantt")
     module = _load_script(args.script)
+    if args.variant and "variant" not in inspect.signature(module.build).parameters:  # type: ignore[attr-defined]
+        raise ValueError(f"{args.script}: build() takes no variant, so --variant "
+                         f"{args.variant!r} cannot be used")
     import importlib
 
     explain_mod = importlib.import_module("libra_jax.explanation")
@@ -367,24 +415,39 @@ SUBCOMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_simulate
 SUBCOMMANDS.append(_add_calibrate)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage error as one line (``prog: error: ...``) and exit status 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="libra-jax",
-                                     description="Libra: contention-aware all-reduce allocation for JAX.")
-    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    parser = _Parser(prog="libra-jax",
+                     description="Libra: contention-aware all-reduce allocation for JAX.")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True,
+                                       parser_class=_Parser)
     for add in SUBCOMMANDS:
         add(subparsers)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit status (2 for a usage or input error)."""
+    """Run the command line; returns the exit status: 0, 2 for a usage or input error, 1 for
+    an error while running, 130 when interrupted; an error is one line on stderr."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, MissingDependencyError) as exc:
+    except (ValueError, MissingDependencyError) as exc:  # what was asked for cannot be done
         print(f"libra-jax {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"libra-jax {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except (OSError, RuntimeError) as exc:  # it went wrong while running
+        print(f"libra-jax {args.command}: error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

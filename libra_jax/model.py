@@ -425,6 +425,19 @@ def _frozen(value: Any) -> Any:
 # ----------------------------------------------------------------------------------------------
 
 
+def _finite(value: int | float) -> bool:
+    """Finite as a float: JSON's integers are unbounded, and 10**400 is no float."""
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:40] + f"... ({len(text)} characters)"
+
+
 class _Reader:
     """Walks the JSON document; every error names the dotted field path and the profile."""
 
@@ -489,8 +502,8 @@ class _Reader:
         """A finite number ``> minimum`` (``>=`` when inclusive) and ``<= maximum``."""
         path = prefix + key
         value = self.quantity(data, key, prefix).value
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise self.fail(path + ".value", f"must be a finite number, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
+            raise self.fail(path + ".value", f"must be a finite number, got {_short(value)}")
         if value < minimum or (value == minimum and not inclusive):
             bound = ">=" if inclusive else ">"
             raise self.fail(path + ".value", f"must be {bound} {minimum}, got {value!r}")
@@ -501,16 +514,20 @@ class _Reader:
     def integer(self, data: Mapping[str, Any], key: str, prefix: str = "", *, minimum: int = 1) -> int:
         path = prefix + key
         value = self.quantity(data, key, prefix).value
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            raise self.fail(path + ".value", f"must be an integer >= {minimum}, got {value!r}")
+        if (isinstance(value, bool) or not isinstance(value, int) or value < minimum
+                or not _finite(value)):
+            raise self.fail(path + ".value", f"must be an integer >= {minimum} (and a float's "
+                            f"range), got {_short(value)}")
         return value
 
     def options(self, data: Mapping[str, Any], key: str, prefix: str = "") -> tuple[int, ...]:
         path = prefix + key
         value = self.quantity(data, key, prefix).value
         if (not isinstance(value, list) or not value
-                or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in value)):
-            raise self.fail(path + ".value", f"must be a non-empty list of positive integers, got {value!r}")
+                or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 or not _finite(v)
+                       for v in value)):
+            raise self.fail(path + ".value", "must be a non-empty list of positive integers, "
+                            f"got {_short(value)}")
         if sorted(set(value)) != value:
             raise self.fail(path + ".value", f"must be strictly increasing, got {value!r}")
         return tuple(value)
@@ -734,9 +751,13 @@ def load_profile(name_or_path: str | Path) -> Profile:
             raise ValueError(f"unknown profile {text_arg!r}: not a file, and not one of "
                              f"{', '.join(list_profiles())}")
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_bytes().decode("utf-8"))
     except FileNotFoundError:
         raise ValueError(f"profile file {str(path)!r} does not exist") from None
+    except IsADirectoryError:
+        raise ValueError(f"profile {str(path)!r} is a directory, not a JSON file") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"profile {str(path)!r} is not UTF-8 text: {exc}") from None
     except json.JSONDecodeError as exc:
         raise ValueError(f"profile {str(path)!r} is not valid JSON: {exc}") from None
     return profile_from_dict(data, origin=repr(str(path)))

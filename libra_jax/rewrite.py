@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import collections.abc
 import dataclasses
 import functools
 import hashlib
@@ -86,7 +87,8 @@ def optimize(fn: Callable[..., Any] | None = None, *, profile: Any = None, fusio
 
     Args:
       fn: the function; without it, a decorator is returned.
-      profile: the hardware profile (a name, a path or a `model.Profile`); default: the
+      profile: the hardware profile (a name, a path, a `model.Profile` or its JSON document
+        as a dict); default: the
         built-in profile of the default backend (`allreduce.DEFAULT_PROFILES`). Under
         multi-process JAX every process plans with process 0's (`shared_profile`).
       fusion: fuse gradient psums into buckets (Libra's co-optimisation). False: one
@@ -396,6 +398,16 @@ class _Options:
     fusion: bool
     blocks: int | None
     overlap: str = "auto"
+
+    def __post_init__(self) -> None:
+        profile = self.profile
+        if isinstance(profile, collections.abc.Mapping):  # a profile's JSON document
+            object.__setattr__(self, "profile",
+                               model.profile_from_dict(profile, origin="<profile= document>"))
+        elif not (profile is None or isinstance(profile, (str, os.PathLike, model.Profile))):
+            raise TypeError("libra_jax.optimize: profile must be a profile name, a path, a "
+                            "model.Profile or its JSON document (a dict), got "
+                            f"{type(profile).__name__}")
 
     def cache_key(self) -> tuple:
         profile = self.profile

@@ -23,7 +23,10 @@ def test_parser_has_simulate_and_is_extensible() -> None:
     parser = cli.build_parser()
     args = parser.parse_args(["simulate", "--model", "bert-large"])
     assert args.command == "simulate" and args.profile == "libra-testbed" and args.workers == 8
-    assert len(cli.SUBCOMMANDS) >= 1
+    assert [add.__name__ for add in cli.SUBCOMMANDS] == ["_add_simulate", "_add_plan",
+                                                          "_add_calibrate"]
+    commands = parser._subparsers._group_actions[0].choices  # noqa: SLF001
+    assert set(commands) == {"simulate", "plan", "calibrate"}
     with pytest.raises(SystemExit):
         parser.parse_args([])  # a subcommand is required
 
@@ -298,3 +301,57 @@ def test_profiles_not_shipped_plan_alike_in_optimize_explain_plan_and_simulate(
     mine, shipped = json.loads(out), json.loads(ref)
     assert mine.pop("profile") == name and shipped.pop("profile") == "cpu-host"
     assert mine == shipped
+
+
+@pytest.mark.parametrize("argv, status, message", [
+    (["simulate", "--model", "vgg16", "--fusion-mib", "inf"], 2,
+     "argument --fusion-mib: must be a finite number >= 0, got 'inf'"),
+    (["simulate", "--model", "vgg16", "--fusion-mib", "nan"], 2,
+     "argument --fusion-mib: must be a finite number >= 0, got 'nan'"),
+    (["simulate", "--model", "bert-large", "--seq-len", "0"], 2,
+     "argument --seq-len: must be >= 1, got '0'"),
+    (["simulate", "--model", "vgg16", "--gantt", "/nonexistent/dir/x.png"], 2,
+     "--gantt /nonexistent/dir/x.png: no such directory '/nonexistent/dir'"),
+    (["plan", "README.md"], 2, "README.md is not a Python file"),
+    (["calibrate", "--out", "/"], 2, "--out /: is a directory"),
+    (["simulate", "--model", "nope"], 2, "argument --model: invalid choice"),
+])
+def test_misuse_is_one_line_and_its_exit_status(capsys, monkeypatch, argv, status,
+                                                message) -> None:
+    monkeypatch.chdir(cli.__file__.rsplit("/libra_jax/", 1)[0])  # README.md is relative
+    try:
+        got = cli.main(argv)
+    except SystemExit as exc:  # argparse's usage errors
+        got = exc.code
+    out, err = capsys.readouterr()
+    assert got == status and message in err, (got, err)
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_plan_with_a_variant_the_script_does_not_take(capsys, tmp_path, jax_8) -> None:
+    script = tmp_path / "tiny_step.py"
+    script.write_text(PLAN_SCRIPT)
+    status, _, err = run(capsys, "plan", str(script), "--variant", "pmap")
+    assert status == 2 and "build() takes no variant" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_interrupt_and_runtime_errors_are_one_line(capsys, monkeypatch) -> None:
+    def boom(args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(cli, "_run_simulate", boom)
+    parser_args = ["simulate", "--model", "vgg16"]
+    monkeypatch.setattr(cli.argparse.ArgumentParser, "parse_args",
+                        lambda self, argv=None: cli.argparse.Namespace(func=boom,
+                                                                      command="simulate"))
+    assert cli.main(parser_args) == 130
+    assert capsys.readouterr().err.strip() == "libra-jax simulate: interrupted"
+
+    def broken(args):
+        raise RuntimeError("the engine is gone")
+    monkeypatch.setattr(cli.argparse.ArgumentParser, "parse_args",
+                        lambda self, argv=None: cli.argparse.Namespace(func=broken,
+                                                                      command="simulate"))
+    assert cli.main(parser_args) == 1
+    assert capsys.readouterr().err.strip() == ("libra-jax simulate: error: RuntimeError: the "
+                                               "engine is gone")

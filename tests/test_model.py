@@ -461,3 +461,32 @@ def test_profiles_are_values_equal_by_content_not_origin(tmp_path) -> None:
     # Hashable: a profile keys a cache as its name does (allreduce.default_blocks).
     assert {a: 1}[c] == 1 and len({a, b, c}) == 1
     assert a != "cpu-host"
+
+
+def test_profile_numbers_beyond_a_float_name_their_field(tmp_path) -> None:
+    # JSON integers are unbounded: 10**400 was an OverflowError, not a ValueError.
+    doc = model.profile_to_dict(model.load_profile("cpu-host"))
+    doc["network"]["base_latency_us"]["value"] = 10 ** 400
+    with pytest.raises(ValueError, match=r"field 'network.base_latency_us.value' must be a finite "
+                                         r"number, got 1000.*characters\)"):
+        model.profile_from_dict(doc)
+    doc = model.profile_to_dict(model.load_profile("cpu-host"))
+    doc["fair_share"]["block_options"]["value"] = [1, 10 ** 400]
+    with pytest.raises(ValueError, match="field 'fair_share.block_options.value'"):
+        model.profile_from_dict(doc)
+    path = tmp_path / "huge.json"
+    doc = model.profile_to_dict(model.load_profile("cpu-host"))
+    doc["device"]["compute_units"]["value"] = 10 ** 400
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match="field 'device.compute_units.value'"):
+        model.load_profile(path)
+
+
+def test_a_profile_file_that_is_not_utf8_or_is_a_directory_names_the_file(tmp_path) -> None:
+    bad = tmp_path / "latin1.json"
+    bad.write_bytes('{"name": "caf\xe9"}'.encode("latin-1"))
+    with pytest.raises(ValueError, match=r"profile '.*latin1.json' is not UTF-8 text"):
+        model.load_profile(bad)
+    (tmp_path / "dir.json").mkdir()
+    with pytest.raises(ValueError, match=r"profile '.*dir.json' is a directory"):
+        model.load_profile(tmp_path / "dir.json")

@@ -605,3 +605,19 @@ def test_explain_and_rewrite_jaxpr_validate_blocks_as_optimize_does(blocks, erro
 def test_optimize_of_something_not_callable_is_a_type_error():
     with pytest.raises(TypeError, match="expected a function to optimize, got 3"):
         optimize(3)
+
+
+def test_optimize_takes_a_profile_document_and_names_a_bad_profile_argument():
+    from libra_jax import model
+
+    rng = np.random.default_rng(12)
+    params = init(rng, [16, 8, 4])
+    step = data_parallel("check_vma", sgd_step(lambda p, x: jnp.sum(mlp(p, x) ** 2)))
+    x = inputs("check_vma", rng)
+    doc = model.profile_to_dict(model.load_profile("cpu-host"))
+    by_doc, by_name = optimize(step, profile=doc), optimize(step, profile="cpu-host")
+    jax.jit(by_doc)(params, x), jax.jit(by_name)(params, x)
+    assert by_doc.last_report.plan_lines() == by_name.last_report.plan_lines()
+    with pytest.raises(TypeError, match=r"profile must be a profile name, a path, a "
+                                        r"model.Profile or its JSON document \(a dict\), got int"):
+        optimize(step, profile=3)
