@@ -110,6 +110,11 @@ def test_effective_blocks(monkeypatch):
     monkeypatch.setenv("LIBRA_JAX_CUDA_STAGING_MIB", "1")  # 65536 vectors per round
     assert eff(1 << 30, 8, 2, 64) == 16
     assert eff(1 << 30, 2, 1, 64) == 64
+    for bad in ("inf", "1e30", "nan", "0", "lots"):  # a size cast out of range before
+        monkeypatch.setenv("LIBRA_JAX_CUDA_STAGING_MIB", bad)
+        with pytest.raises(ValueError, match=r"LIBRA_JAX_CUDA_STAGING_MIB must be a number of "
+                                             r"MiB in \(0, 65536\]"):
+            eff(1 << 20, 8, 2, 64)
 
 
 # --- The cuda lowering, from this machine ------------------------------------

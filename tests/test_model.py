@@ -490,3 +490,54 @@ def test_a_profile_file_that_is_not_utf8_or_is_a_directory_names_the_file(tmp_pa
     (tmp_path / "dir.json").mkdir()
     with pytest.raises(ValueError, match=r"profile '.*dir.json' is a directory"):
         model.load_profile(tmp_path / "dir.json")
+
+
+# --- Property: any broken field is a ValueError naming it ----------------------------------
+
+def _leaf_paths(doc, prefix=""):
+    """Dotted paths of every quantity's value and every text field of a profile document."""
+    out = []
+    for key, value in doc.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict) and "value" in value and "source" in value:
+            out.append(path)
+        elif isinstance(value, dict):
+            out.extend(_leaf_paths(value, path + "."))
+    return out
+
+
+def _set(doc, path, mutate):
+    *parents, leaf = path.split(".")
+    node = doc
+    for p in parents:
+        node = node[p]
+    if mutate == "remove":
+        del node[leaf]
+    else:
+        node[leaf]["value"] = mutate
+
+
+def test_every_broken_field_of_every_shipped_profile_is_a_value_error_naming_it() -> None:
+    # Exhaustive over (shipped profile, quantity, breakage): ~1,250 documents in about a second.
+    breaks = ["remove", None, "text", -1.0, -(10 ** 400), 10 ** 400, math.nan, math.inf, [], {},
+              True]
+    errors = 0
+    for name in model.list_profiles():
+        original = model.profile_to_dict(model.load_profile(name))
+        for path in _leaf_paths(original):
+            for broken in breaks:
+                doc = copy.deepcopy(original)
+                _set(doc, path, broken)
+                try:
+                    model.profile_from_dict(doc, origin="<mutated>")
+                except ValueError as exc:
+                    # A removed entry may be reported through a field that refers to it (the
+                    # default dtype's peak rate): then that field is named.
+                    named = f"field '{path}" if broken != "remove" else "field '"
+                    assert named in str(exc), (name, path, broken, exc)
+                    errors += 1
+                except Exception as exc:  # noqa: BLE001 - the property: nothing else
+                    raise AssertionError(f"{name}: {path} = {broken!r}: "
+                                         f"{type(exc).__name__}: {exc}") from exc
+                # else: a value some fields accept (a negative exponent, 0 where >= 0)
+    assert errors > 1000

@@ -24,6 +24,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -46,15 +47,10 @@ TeamRegistry& Registry() {
   return *registry;
 }
 
-// LIBRA_JAX_CUDA_STAGING_MIB: staging capacity per round (default 32 MiB).
-std::size_t CapacityBytes() {
-  const char* raw = std::getenv("LIBRA_JAX_CUDA_STAGING_MIB");
-  if (raw != nullptr && *raw != '\0') {
-    char* end = nullptr;
-    const double mib = std::strtod(raw, &end);
-    if (end != raw && mib > 0) return static_cast<std::size_t>(mib * (1 << 20));
-  }
-  return lc::kDefaultCapacityBytes;
+// LIBRA_JAX_CUDA_STAGING_MIB: staging capacity per round (default 32 MiB; libra::StagingBytes).
+libra::Status CapacityBytes(std::size_t* bytes) {
+  return libra::StagingBytes(std::getenv("LIBRA_JAX_CUDA_STAGING_MIB"),
+                             lc::kDefaultCapacityBytes, bytes);
 }
 
 std::string Join(const std::vector<int>& v) {
@@ -119,7 +115,10 @@ ffi::Error Launch(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::An
     } else {
       std::unique_ptr<lc::Team> created;
       std::string message;
-      if (lc::Team::Create(members, CapacityBytes(), &created, &message) != cudaSuccess) {
+      std::size_t capacity = 0;
+      const libra::Status setting = CapacityBytes(&capacity);
+      if (!setting.ok()) return ffi::Error::InvalidArgument(setting.message);
+      if (lc::Team::Create(members, capacity, &created, &message) != cudaSuccess) {
         return ffi::Error::Internal("libra_jax CUDA all-reduce over GPUs " + Join(members) +
                                     ": " + message);
       }
@@ -365,8 +364,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaAllReduceDone, ExecuteDone,
                                   .Attr<int64_t>("call_id"));
 
 int CudaEffectiveBlocks(std::size_t bytes, int nranks, int algorithm, int blocks) {
+  std::size_t capacity = 0;
+  const libra::Status setting = CapacityBytes(&capacity);
+  if (!setting.ok()) throw std::invalid_argument(setting.message);  // a ValueError in Python
   return lc::EffectiveBlocks(bytes, nranks, static_cast<lc::Algorithm>(algorithm), blocks,
-                             CapacityBytes());
+                             capacity);
 }
 
 }  // namespace libra_ffi

@@ -657,4 +657,23 @@ void Rendezvous::Arrive(const CallSpec& spec, const void* input, void* output,
   StartJob(std::move(job));
 }
 
+Status StagingBytes(const char* raw, std::size_t default_bytes, std::size_t* bytes) {
+  if (raw == nullptr || *raw == '\0') {
+    *bytes = default_bytes;
+    return Status::Ok();
+  }
+  char* end = nullptr;
+  const double mib = std::strtod(raw, &end);
+  while (end != nullptr && *end == ' ') ++end;
+  // NaN fails both comparisons; inf and 1e30 fail the second.
+  if (end == raw || *end != '\0' || !(mib > 0) || !(mib <= kMaxStagingMib)) {
+    return Status{Status::Code::kInvalidArgument,
+                  std::string("LIBRA_JAX_CUDA_STAGING_MIB must be a number of MiB in (0, ") +
+                      std::to_string(static_cast<int>(kMaxStagingMib)) + "], got '" + raw + "'"};
+  }
+  const std::size_t vectors = static_cast<std::size_t>(mib * (1 << 20)) / 16;
+  *bytes = (vectors > 0 ? vectors : 1) * 16;
+  return Status::Ok();
+}
+
 }  // namespace libra

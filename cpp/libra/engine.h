@@ -37,6 +37,14 @@ struct Status {
   bool ok() const { return code == Code::kOk; }
 };
 
+// The CUDA kernels' staging per round from $LIBRA_JAX_CUDA_STAGING_MIB (`raw`, may be null):
+// unset or empty gives `default_bytes`; a number of MiB in (0, kMaxStagingMib] gives that many
+// bytes, rounded down to whole 16-byte vectors (at least one); anything else (a word, 0, a
+// negative, inf, nan, 1e30) is an InvalidArgument naming the variable, never a size cast
+// out of range. Host-side (the CUDA handler calls it), so tested without a GPU.
+inline constexpr double kMaxStagingMib = 65536;  // 64 GiB per round
+Status StagingBytes(const char* raw, std::size_t default_bytes, std::size_t* bytes);
+
 // Number of worker tasks that reduce `count` elements when `blocks` are asked
 // for: min(blocks, ceil(bytes / kMinChunkBytes)) (fewer only when 64-byte
 // aligned chunks leave the last one empty); 0 for an empty buffer.

@@ -277,6 +277,24 @@ void TestCallRecords() {
   CHECK(libra::TakeCallRecords().empty());
 }
 
+void TestStagingBytes() {
+  std::size_t bytes = 0;
+  CHECK(libra::StagingBytes(nullptr, 123, &bytes).ok() && bytes == 123);
+  CHECK(libra::StagingBytes("", 123, &bytes).ok() && bytes == 123);
+  CHECK(libra::StagingBytes("32", 0, &bytes).ok() && bytes == (std::size_t{32} << 20));
+  CHECK(libra::StagingBytes("1.5", 0, &bytes).ok() && bytes == (std::size_t{3} << 19));
+  CHECK(libra::StagingBytes("1e-9", 0, &bytes).ok() && bytes == 16);  // one vector at least
+  CHECK(libra::StagingBytes("65536", 0, &bytes).ok() && bytes == (std::size_t{1} << 36));
+  // Each of these was a size cast out of range (undefined) or a silent default.
+  for (const char* bad : {"inf", "nan", "1e30", "0", "-4", "soon", "8 MiB", "65537"}) {
+    bytes = 7;
+    const libra::Status s = libra::StagingBytes(bad, 123, &bytes);
+    CHECK(!s.ok() && s.code == libra::Status::Code::kInvalidArgument);
+    CHECK(s.message.find("LIBRA_JAX_CUDA_STAGING_MIB") != std::string::npos);
+    CHECK(bytes == 7);
+  }
+}
+
 }  // namespace
 
 int main() {
@@ -291,5 +309,6 @@ int main() {
       {"destroy_pending", TestDestroyPending},
       {"call_records", TestCallRecords},
       {"fork", TestFork},
+      {"staging_bytes", TestStagingBytes},
   });
 }
