@@ -245,3 +245,56 @@ def test_cpu_start_whose_rank_never_arrives_fails_at_done():
     assert "DEADLINE_EXCEEDED" in out and "waiting for ranks [2] of 4" in out, out + proc.stderr
     assert float(re.search(r"elapsed ([\d.]+)", out).group(1)) < 60
     assert "after [4.0, 4.0, 4.0]" in out  # a complete all-reduce works afterwards
+
+
+# A start whose execution fails before its done (here: another all-reduce, which rank 2 never
+# reaches, times out in between) leaves its in-flight entry behind; a later start drops entries
+# whose round is over and whose done has not come within the timeout.
+ABANDONED_SCRIPT = textwrap.dedent("""
+    import os, time
+    os.environ["LIBRA_JAX_TIMEOUT_S"] = "1"
+    import jax, numpy as np
+    jax.config.update("jax_num_cpu_devices", 4)
+    from jax.sharding import PartitionSpec as P
+    import libra_jax
+    from libra_jax import _libra_ffi, overlap
+    mesh = jax.make_mesh((4,), ("x",))
+    aval = jax.core.ShapedArray((1, 4), np.float32)
+
+    def body(a, v, fail):
+        started = overlap.libra_psum_start_p.bind(a, axes=("x",), blocks=1, invariant=False,
+                                                  call_id=77)
+        if fail:
+            i = jax.lax.axis_index("x")
+            v = jax.lax.cond(i == 2, lambda u: u, lambda u: libra_jax.psum(u, "x"), v)
+        done, = overlap.libra_psum_done_p.bind(*started, v, out_avals=(aval,), axes=("x",),
+                                               blocks=1, call_id=77)
+        return done + v.sum()
+
+    def program(fail):
+        return jax.jit(jax.shard_map(lambda a, v: body(a, v, fail), mesh=mesh,
+                                     in_specs=(P("x"), P("x")), out_specs=P("x"),
+                                     check_vma=False))
+    x = jax.device_put(np.ones((4, 4), np.float32), jax.NamedSharding(mesh, P("x")))
+    try:
+        np.asarray(program(True)(x, x))
+        print("NO ERROR")
+    except Exception as e:
+        print("FAILED", type(e).__name__)
+    time.sleep(0.2)
+    print("PENDING_AFTER_FAILURE", _libra_ffi.cpu_pending_starts())
+    time.sleep(1.2)  # past the timeout since those rounds ended
+    print("RESULT", np.asarray(program(False)(x, x)).ravel().tolist()[:4])
+    print("PENDING_AFTER_NEXT", _libra_ffi.cpu_pending_starts())
+""")
+
+
+def test_starts_abandoned_by_a_failed_execution_expire():
+    proc = subprocess.run([sys.executable, "-c", ABANDONED_SCRIPT], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "XLA_FLAGS": ""})
+    out = proc.stdout
+    assert "FAILED" in out, out + proc.stderr[-3000:]
+    abandoned = int(out.split("PENDING_AFTER_FAILURE")[1].split()[0])
+    assert abandoned == 3, out  # ranks 0, 1, 3 never reached their done
+    assert "RESULT [8.0, 8.0, 8.0, 8.0]" in out, out  # 4 (the sum) + 4 (v.sum())
+    assert int(out.split("PENDING_AFTER_NEXT")[1].split()[0]) == 0, out

@@ -10,7 +10,9 @@
 // independent all-reduces).
 #include "xla_ffi/handlers.h"
 
+#include <chrono>
 #include <deque>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -138,18 +140,34 @@ ffi::Future Execute(ffi::RunId run_id, CpuAllReduceSite* site, ffi::AnyBuffer x,
 struct InFlight {
   std::mutex mu;
   bool finished = false;
+  std::chrono::steady_clock::time_point finished_at;
   libra::Status status;
   std::vector<ffi::Promise> waiters;
 };
 
 // Started calls by (call id, run, group, rank), oldest first.
+//
+// An execution that fails between a start and its done (another all-reduce timed out, an
+// error in between) never runs that done, and the FFI call cannot see the execution end. So
+// an entry is dropped, at a later start, once its round is over and its done has not come
+// for longer than the timeout: an execution still running would have reached its done by
+// then, as its other ranks' next all-reduce would otherwise have timed out. (Its round is
+// over, so no buffer pointer of it is held.) `Pending` counts entries, for tests.
 class InFlightCalls {
  public:
   using Key = std::tuple<int64_t, int64_t, int64_t, int>;
 
-  void Push(const Key& key, std::shared_ptr<InFlight> call) {
+  void Push(const Key& key, std::shared_ptr<InFlight> call, int64_t timeout_ms) {
     std::lock_guard<std::mutex> lock(mu_);
+    ExpireLocked(timeout_ms);
     calls_[key].push_back(std::move(call));
+  }
+
+  std::size_t Pending() {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::size_t n = 0;
+    for (const auto& [key, calls] : calls_) n += calls.size();
+    return n;
   }
 
   std::shared_ptr<InFlight> Pop(const Key& key) {
@@ -168,6 +186,21 @@ class InFlightCalls {
   }
 
  private:
+  void ExpireLocked(int64_t timeout_ms) {
+    if (timeout_ms <= 0) return;  // no timeout: nothing is known to have failed
+    const auto now = std::chrono::steady_clock::now();
+    const auto limit = std::chrono::milliseconds(timeout_ms);
+    for (auto it = calls_.begin(); it != calls_.end();) {
+      auto& calls = it->second;
+      while (!calls.empty()) {
+        std::lock_guard<std::mutex> lock(calls.front()->mu);
+        if (!calls.front()->finished || now - calls.front()->finished_at < limit) break;
+        calls.pop_front();  // abandoned by a failed execution
+      }
+      it = calls.empty() ? calls_.erase(it) : std::next(it);
+    }
+  }
+
   std::mutex mu_;
   std::map<Key, std::deque<std::shared_ptr<InFlight>>> calls_;
 };
@@ -183,13 +216,14 @@ ffi::Future ExecuteStart(ffi::RunId run_id, CpuAllReduceSite* site, ffi::AnyBuff
       MakeSpec(run_id, x, rank_group, out, world, blocks, timeout_ms);
   if (!spec.has_value()) return Failed(spec.error());
   auto call = std::make_shared<InFlight>();
-  InFlightCalls::Get().Push({call_id, spec->run_id, spec->group, spec->rank}, call);
+  InFlightCalls::Get().Push({call_id, spec->run_id, spec->group, spec->rank}, call, timeout_ms);
   site->rendezvous.Arrive(*spec, x.untyped_data(), out->untyped_data(),
                           [call](const libra::Status& status) {
                             std::vector<ffi::Promise> waiters;
                             {
                               std::lock_guard<std::mutex> lock(call->mu);
                               call->finished = true;
+                              call->finished_at = std::chrono::steady_clock::now();
                               call->status = status;
                               waiters.swap(call->waiters);
                             }
@@ -275,6 +309,8 @@ const XLA_FFI_TypeInfo* CpuAllReduceSiteTypeInfo() {
 }
 
 ffi::TypeId* CpuAllReduceSiteTypeId() { return &CpuAllReduceSite::id; }
+
+std::size_t CpuPendingStarts() { return InFlightCalls::Get().Pending(); }
 
 }  // namespace libra_ffi
 

@@ -40,6 +40,9 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(kCpuAllReduceDone);
 const XLA_FFI_TypeInfo* CpuAllReduceSiteTypeInfo();
 ffi::TypeId* CpuAllReduceSiteTypeId();
 
+// CPU starts whose done has not come yet (entries of the in-flight map, cpu_allreduce.cc).
+std::size_t CpuPendingStarts();
+
 // The CUDA all-reduce (xla_ffi/cuda_allreduce.cc; built when nvcc is found,
 // which defines LIBRA_WITH_CUDA).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kCudaAllReduce);

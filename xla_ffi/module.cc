@@ -162,6 +162,9 @@ NB_MODULE(_libra_ffi, m) {
         },
         nb::arg("count"), nb::arg("itemsize"), nb::arg("blocks"),
         "Worker tasks that reduce `count` elements when `blocks` are asked for.");
+  m.def("cpu_pending_starts", &libra_ffi::CpuPendingStarts,
+        "CPU start/done pairs started and not yet done (abandoned ones expire: "
+        "xla_ffi/cpu_allreduce.cc).");
   m.def("pool_threads",
         [] {
           return std::make_pair(libra::ThreadPool::Reduce().num_threads(),
