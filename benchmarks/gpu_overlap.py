@@ -204,7 +204,9 @@ def main() -> int:
                 wrong += 1
                 continue
             calls = sorted({w.split("(")[0] for w in text.split("custom_call @")[1:]})
-            ok = calls == expected.get(name, calls)
+            # libra's calls, exactly; JAX's own (jax 0.11's stream annotation is the
+            # custom call annotate_device_placement) may come with them.
+            ok = [c for c in calls if c.startswith("libra_")] == expected.get(name, calls)
             wrong += not ok
             print(f"{name:11s} lowers: custom calls {calls}" + ("" if ok else
                   f" -- UNEXPECTED, wanted {expected[name]} (LIBRA_JAX_CUDA="
