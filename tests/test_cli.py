@@ -225,25 +225,17 @@ def test_plan_errors(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
 
 # --- Profiles other than the shipped names ---------------------------------------------------
 
-PROFILE_SCRIPT = '''
-import jax, jax.numpy as jnp, numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
-
-def build(small=False):
-    mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:8]), ("data",))
-    rng = np.random.default_rng(0)
-    params = {"w1": rng.standard_normal((8, 32)).astype(np.float32),
-              "w2": rng.standard_normal((32, 4)).astype(np.float32)}
-    def local(p, x):
-        mu = jax.lax.pmean(jnp.mean(x, 0), "data")          # a forward psum
+# PLAN_SCRIPT's step with a forward psum, a psum in a scan body and check_vma's gradients.
+PROFILE_SCRIPT = PLAN_SCRIPT.replace(
+    """        loss, g = jax.value_and_grad(lambda p: jnp.mean(jnp.tanh(x @ p["w1"]) @ p["w2"]))(p)
+        g = jax.lax.pmean(g, "data")
+        return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), jax.lax.pmean(loss, "data")""",
+    """        mu = jax.lax.pmean(jnp.mean(x, 0), "data")          # a forward psum
         total, _ = jax.lax.scan(lambda c, r: (c + jax.lax.psum(r.sum(), "data"), None), 0.0, x)
         loss, g = jax.value_and_grad(
             lambda p: jax.lax.pmean(jnp.mean(jnp.tanh((x - mu) @ p["w1"]) @ p["w2"]), "data"))(p)
-        return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), loss + total
-    step = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P()))
-    x = jax.device_put(rng.standard_normal((16, 8)).astype(np.float32), NamedSharding(mesh, P("data")))
-    return step, (params, x)
-'''
+        return jax.tree.map(lambda a, b: a - 0.1 * b, p, g), loss + total""").replace(
+    "check_vma=False", "check_vma=True")
 
 
 def _renamed_profile(path, name: str):

@@ -615,6 +615,12 @@ void Contend(int n, std::size_t bytes, const std::vector<int>& block_list) {
 
 // --- selftest (no GPU needed) ------------------------------------------------
 
+// 0, or 1 after saying which selftest check failed.
+int Expect(bool ok, const char* what) {
+  if (!ok) std::printf("selftest FAIL: %s\n", what);
+  return ok ? 0 : 1;
+}
+
 // CUDA's launch and last-error slot, emulated: a failed launch records its error in the
 // thread's slot, as CUDA does; cudaGetLastError returns the slot and clears it.
 thread_local cudaError_t g_fake_slot = cudaSuccess;
@@ -634,12 +640,7 @@ cudaError_t FakeGetLastError() {
 // SKIP, but its error stayed in the slot and the next LaunchAllReduce read it as its own).
 int LaunchSelfTest() {
   int bad = 0;
-  auto expect = [&](bool ok, const char* what) {
-    if (!ok) {
-      std::printf("selftest FAIL: %s\n", what);
-      ++bad;
-    }
-  };
+  auto expect = [&bad](bool ok, const char* what) { bad += Expect(ok, what); };
   const lc::LaunchApi fake = {FakeLaunch, FakeLaunch, FakeGetLastError};
   const lc::LaunchApi real = lc::SetLaunchApiForTesting(&fake);
   int kernel = 0;  // never called: the fake launch does not run it
@@ -662,12 +663,7 @@ int LaunchSelfTest() {
 
 int SelfTest() {
   int bad = 0;
-  auto expect = [&](bool ok, const char* what) {
-    if (!ok) {
-      std::printf("selftest FAIL: %s\n", what);
-      ++bad;
-    }
-  };
+  auto expect = [&bad](bool ok, const char* what) { bad += Expect(ok, what); };
   const std::size_t cap = lc::kDefaultCapacityBytes;
   expect(lc::EffectiveBlocks(16, 2, lc::Algorithm::kOneShot, 64, cap) == 1, "one vector: 1 block");
   expect(lc::EffectiveBlocks(std::size_t{1} << 30, 8, lc::Algorithm::kTwoShot, 64, cap) == 64,
