@@ -53,7 +53,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 import libra_jax  # noqa: E402
 from libra_jax import calibrate, model, planner  # noqa: E402
 
-HOROVOD_FUSION = 64 << 20
 ORIGINAL_PLAN = planner.plan
 SKIPPED: list[str] = []  # workloads that could not be measured, and why
 
@@ -111,7 +110,7 @@ def workloads(names: list[str] | None) -> dict[str, tuple]:
 
 def plan_makers(n_random: int, seed: int) -> dict[str, object]:
     def default(layers, cost, **_):
-        return planner.plan_default(layers, cost, blocks=max(cost.keys), fusion_bytes=HOROVOD_FUSION)
+        return planner.plan_default(layers, cost, blocks=max(cost.keys), fusion_bytes=planner.HOROVOD_FUSION_BYTES)
 
     def fusion_only(layers, cost, **_):
         return planner.plan_fusion_only(layers, cost, blocks=max(cost.keys))

@@ -32,7 +32,7 @@ __all__ = [
     "ClosedJaxpr", "Jaxpr", "Var", "jaxpr_as_fun", "closed_jaxpr", "jaxprs_in_params",
     "mesh_axis_sizes", "distributed_client", "on_stream", "Primitive", "Tracer", "ShapedArray", "ir", "hlo", "psum_p", "psum_invariant_p",
     "apply_primitive", "deflinear", "register_batcher", "register_lowering", "lower_fun",
-    "ir_constant", "ir_tensor_type", "jit_static_args", "made_by_transpose", "kv_wait_ms",
+    "ir_constant", "ir_tensor_type", "jit_static_args", "made_by_transpose", "kv_wait_ms", "is_var",
     "check_vma_enabled", "auto_pcast_enabled", "varying_axes", "input_state",
     "pvary", "skip_size_one_axes", "axis_is_bound", "manual_axes", "replica_groups",
     "mesh_devices", "ffi_target_registration", "device_index", "is_traced_argument", "is_zero_cotangent", "zero_cotangent",
@@ -218,6 +218,11 @@ def new_var(aval: Any) -> Any:
 def mesh_axis_sizes(mesh: Any) -> dict:
     """Axis name -> size of a (concrete or abstract) mesh."""
     return dict(mesh.shape)
+
+
+def is_var(v: Any) -> bool:
+    """Whether a jaxpr atom is a variable (not a literal)."""
+    return isinstance(v, Var)
 
 
 def made_by_transpose(eqn: Any) -> bool:

@@ -26,7 +26,7 @@ from typing import Any, Callable, Hashable, Iterator, Sequence
 import jax
 import numpy as np
 
-from libra_jax import _compat, _ffi, _nccl
+from libra_jax import _compat, _ffi, _nccl, model
 
 __all__ = ["psum", "pmean", "patch_lax", "default_blocks", "MAX_BLOCKS", "libra_psum_p"]
 
@@ -44,8 +44,9 @@ _SUPPORTED_DTYPES = frozenset(
     np.dtype(d) for d in (np.float32, np.float64, jax.numpy.bfloat16, np.float16, np.int32, np.int64)
 )
 _DEFAULT_TIMEOUT_S = 300.0
-#: Built-in profile per platform, used until the backend is calibrated.
-DEFAULT_PROFILES = {"cpu": "cpu-host", "cuda": "h100"}
+#: Built-in profile per platform, used until the backend is calibrated: `model`'s table,
+#: its one home (kept here under this name, which the docs use).
+DEFAULT_PROFILES = model.BUILTIN_PROFILES
 #: With no overlap known, a block costs this fraction of the all-reduce's time
 #: (the SM penalty NCCL's symmetric kernels used).
 BLOCK_PENALTY = 0.025
@@ -161,8 +162,6 @@ def default_blocks(nbytes: int, world: int, profile: Any = "cpu-host") -> int:
 
 def _default_profile(platform: str) -> str:
     """The calibrated profile of `platform` if there is one, else `DEFAULT_PROFILES`'."""
-    from libra_jax import model
-
     return model.default_profile(platform, DEFAULT_PROFILES[platform])
 
 

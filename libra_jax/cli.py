@@ -27,15 +27,14 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from libra_jax import model as cost_models
-from libra_jax import zoo
+from libra_jax import planner, zoo
 from libra_jax.gantt import MissingDependencyError
 
 __all__ = ["main", "build_parser", "SUBCOMMANDS", "POLICIES", "Comparison", "compare_policies",
            "default_allocation", "prefuse_groups"]
 
-HOROVOD_FUSION_MIB = 64  # Horovod 0.20.3's HOROVOD_FUSION_THRESHOLD default (the version Libra patched)
-LIBRA_DEFAULT_THREADS = 2048  # the artifact's "default" baseline: 2048 threads for every group
 BYTES_PER_MIB = 1 << 20
+HOROVOD_FUSION_MIB = planner.HOROVOD_FUSION_BYTES // BYTES_PER_MIB  # --fusion-mib's default
 DEFAULT_PREFUSE = 40  # the artifact's PREPROCESS_LAYER_NUM: layers are pre-fused into 40 groups
 
 # Policy key -> description, in table order.
@@ -49,12 +48,8 @@ POLICIES: dict[str, str] = {
 
 
 def default_allocation(derivation: cost_models.Derivation) -> int:
-    """The baseline's fixed allocation: 2048 threads (the artifact's default) for total-thread
-    profiles, else the largest block option (NCCL opens as many channels as the topology allows)."""
-    keys = sorted(derivation.cost.slowdown)
-    if derivation.key_unit == "total_threads" and LIBRA_DEFAULT_THREADS in keys:
-        return LIBRA_DEFAULT_THREADS
-    return keys[-1]
+    """The baselines' fixed allocation for a derived cost model (`planner.default_allocation`)."""
+    return planner.default_allocation(derivation.cost.slowdown, derivation.key_unit)
 
 
 @dataclass(frozen=True)

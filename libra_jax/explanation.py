@@ -22,7 +22,6 @@ from libra_jax import _compat, gantt, planner, rewrite
 
 __all__ = ["explain", "Explanation", "ScopePlan", "BucketRow"]
 
-HOROVOD_FUSION_BYTES = 64 << 20  # the default policy's fusion threshold (cli.HOROVOD_FUSION_MIB)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,20 +135,18 @@ _MISSING = object()
 # --- Per-scope plan -------------------------------------------------------------------------
 
 def _scope_plan(entry: dict, report: rewrite.OptimizeReport, names: dict) -> ScopePlan:
-    from libra_jax import cli
-
     layers = tuple(entry["layers"])
     buckets = tuple(entry["buckets"])
     cost = entry["cost"]
     derivation = entry["derivation"]
-    default_alloc = cli.default_allocation(derivation)
+    default_alloc = planner.default_allocation(derivation.cost.slowdown, derivation.key_unit)
     if default_alloc not in cost.slowdown:
         default_alloc = max(cost.slowdown)
     # The baselines as they would run: a bucket that cannot be one fused all-reduce (`reach`,
     # see `planner.plan`) is cut, as `optimize` cuts it.
     reach = entry.get("reach")
     default_buckets = planner.within_reach(
-        planner.plan_default(list(layers), cost, blocks=default_alloc, fusion_bytes=HOROVOD_FUSION_BYTES).buckets,
+        planner.plan_default(list(layers), cost, blocks=default_alloc, fusion_bytes=planner.HOROVOD_FUSION_BYTES).buckets,
         reach)
     default = planner.Plan(default_buckets, planner.simulate(list(layers), default_buckets, cost))
     fusion_only = planner.plan_fusion_only(list(layers), cost, blocks=default_alloc, reach=reach)
@@ -298,9 +295,7 @@ def _unnamed(var: Any, index: int) -> str:
     return "scalar (loss?)" if _size(shape) <= 1 else f"psum #{index} {list(shape)}"
 
 
-def _is_var(v: Any) -> bool:
-    return isinstance(v, _compat.Var)
-
+_is_var = _compat.is_var
 
 def _size(shape: Sequence[int]) -> int:
     n = 1

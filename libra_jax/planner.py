@@ -142,7 +142,22 @@ ATOMS = 128  # with fusion, layers beyond this count are pre-fused into about th
 FRONT_CAP = 48  # most states kept per boundary; more are thinned with a bounded loss
 _BOUND_RTOL = 1e-9  # slack on branch-and-bound pruning, far above float rounding of the bounds
 _EXHAUSTIVE_CHUNK = 1 << 16  # candidates simulated per vectorised step in plan_exhaustive
-_HOROVOD_THRESHOLDS = (64 << 20, 128 << 20)  # Horovod fusion thresholds scored as a safety net
+#: Horovod 0.20.3's HOROVOD_FUSION_THRESHOLD default (the version Libra patched): the default
+#: policy's fusion threshold.
+HOROVOD_FUSION_BYTES = 64 << 20
+#: The Libra artifact's "default" baseline allocation: 2048 threads for every group.
+LIBRA_DEFAULT_THREADS = 2048
+_HOROVOD_THRESHOLDS = (HOROVOD_FUSION_BYTES, 2 * HOROVOD_FUSION_BYTES)  # scored as a safety net
+
+
+def default_allocation(options: Iterable[int], key_unit: str) -> int:
+    """The baselines' fixed allocation among a cost model's `options`: 2048 threads (the
+    artifact's default) where allocations count total threads, else the largest option
+    (NCCL opens as many channels as the topology allows)."""
+    keys = sorted(options)
+    if key_unit == "total_threads" and LIBRA_DEFAULT_THREADS in keys:
+        return LIBRA_DEFAULT_THREADS
+    return keys[-1]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -421,7 +421,7 @@ class _Options:
         if self.profile is not None:
             return self.profile
         backend = jax.default_backend()
-        return model.default_profile(backend, allreduce.DEFAULT_PROFILES.get(backend, "cpu-host"))
+        return model.default_profile(backend)
 
 
 def _overlap_mode(overlap: str | None) -> str:
@@ -943,9 +943,7 @@ def _fingerprint(jaxpr: Any) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
-def _is_var(v: Any) -> bool:
-    return isinstance(v, _compat.Var)
-
+_is_var = _compat.is_var
 
 def _nbytes(aval: Any) -> int:
     # `dtype.itemsize`, not np.dtype(...): JAX's extended dtypes (a PRNG key's key<fry>, 8

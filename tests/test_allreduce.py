@@ -370,8 +370,10 @@ def test_engine_uses_its_own_threads():
         np.testing.assert_array_equal(f(x), np.full((1, 1 << 16), 8.0, np.float32))
     # This call's own effect (the pool's counters last the whole process): 8 ranks, 4 tasks.
     assert [(c["world"], c["blocks"], c["tasks"]) for c in calls] == [(8, 4, 4)], calls
+    # The pools exist and run on threads of their own (their size is the host's, not the
+    # call's: 2 on a 2-core machine, where 4 tasks share them).
     reduce_threads, completion_threads = _libra_ffi.pool_threads()
-    assert reduce_threads >= 4 and completion_threads >= 1
+    assert reduce_threads >= 1 and completion_threads >= 1
     names = {open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")}
     assert {"libra-reduce", "libra-complete"} <= names
 

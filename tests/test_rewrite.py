@@ -621,3 +621,13 @@ def test_optimize_takes_a_profile_document_and_names_a_bad_profile_argument():
     with pytest.raises(TypeError, match=r"profile must be a profile name, a path, a "
                                         r"model.Profile or its JSON document \(a dict\), got int"):
         optimize(step, profile=3)
+
+
+def test_the_default_profile_on_a_gpu_backend_is_the_gpu_one(monkeypatch):
+    # jax.default_backend() says "gpu" on CUDA; optimize's table had only "cpu" and "cuda",
+    # so a GPU step was planned with the CPU host profile.
+    from libra_jax import model, rewrite
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    options = rewrite._Options(profile=None, fusion=True, blocks=None)
+    assert options.resolved_profile() == model.BUILTIN_PROFILES["gpu"] == "h100"
