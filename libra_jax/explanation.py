@@ -397,7 +397,7 @@ def _others_lines(e: Explanation) -> list[str]:
 def _plain_text(e: Explanation) -> str:
     out: list[str] = []
     if not e.scopes:
-        out.append("no gradient psums to plan")
+        out.extend(e.report.notes or ["no gradient psums to plan"])
     for s in e.scopes:
         out.append(_header(s))
         rows = [_columns()] + [_cells(r) for r in s.rows]
@@ -420,7 +420,8 @@ def _rich_text(e: Explanation, width: int) -> str:
     buf = io.StringIO()
     console = Console(file=buf, width=width, force_terminal=False, color_system=None)
     if not e.scopes:
-        console.print("no gradient psums to plan")
+        for line in e.report.notes or ["no gradient psums to plan"]:
+            console.print(line)
     for s in e.scopes:
         table = Table(title=_header(s), title_justify="left")
         for i, c in enumerate(_columns()):

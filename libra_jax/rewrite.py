@@ -247,6 +247,7 @@ class OptimizeReport:
     plans: list[PsumPlan] = dataclasses.field(default_factory=list)
     predicted: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     skipped: list[str] = dataclasses.field(default_factory=list)
+    notes: list[str] = dataclasses.field(default_factory=list)  # why nothing was planned
 
     @property
     def num_psums(self) -> int:
@@ -387,6 +388,9 @@ def rewrite_jaxpr(closed: Any, *, profile: Any = None, fusion: bool = True,
     new_jaxpr = rewriter.jaxpr(closed.jaxpr, axis_sizes={}, scope="top", in_loop=False)
     for line in report.skipped:
         allreduce._warn_once(f"libra_jax.optimize left an XLA psum in place: {line}")
+    if not report.plans and not report.skipped and not _maps_devices(closed.jaxpr):
+        report.notes.append(NO_COLLECTIVES_NOTICE)
+        allreduce._warn_once(f"libra_jax.optimize: {NO_COLLECTIVES_NOTICE}")
     return _compat.closed_jaxpr(new_jaxpr, closed.consts), report
 
 
@@ -738,6 +742,25 @@ _RULES: dict[str, tuple[bool, str | None]] = {
     "scan": (True, None),
     "while": (True, None),
 }
+
+
+#: What `optimize` says of a step with no psum and no `shard_map`/`pmap`: a GSPMD step (its
+#: collectives come later, from XLA's partitioner) or a single-device one.
+NO_COLLECTIVES_NOTICE = (
+    "the step has no psum and no jax.shard_map or jax.pmap, so there is nothing to plan. If it "
+    "runs on several devices through shardings (GSPMD: jax.jit with NamedSharding inputs), "
+    "XLA's partitioner inserts its all-reduces after tracing, where optimize cannot see them; "
+    "compute the data-parallel gradient in a jax.shard_map instead (README, 'GSPMD steps').")
+
+
+def _maps_devices(jaxpr: Any) -> bool:
+    """Whether `jaxpr` holds a psum or a `shard_map`/`pmap` (where psums could be)."""
+    for eqn in jaxpr.eqns:
+        if _is_psum(eqn) or eqn.primitive.name in ("shard_map", "xla_pmap", "pmap"):
+            return True
+        if any(_maps_devices(getattr(j, "jaxpr", j)) for j in _compat.jaxprs_in_params(eqn.params)):
+            return True
+    return False
 
 
 def _map_jaxprs(value: Any, fn: Callable[[Any], Any]) -> Any:

@@ -631,3 +631,27 @@ def test_the_default_profile_on_a_gpu_backend_is_the_gpu_one(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     options = rewrite._Options(profile=None, fusion=True, blocks=None)
     assert options.resolved_profile() == model.BUILTIN_PROFILES["gpu"] == "h100"
+
+
+def test_a_gspmd_step_is_said_to_have_nothing_to_plan(monkeypatch):
+    # jax.jit with sharded inputs and no psum: XLA's partitioner makes the all-reduces after
+    # tracing. optimize passed it by in silence, and explain said only "no gradient psums".
+    from libra_jax import allreduce
+
+    monkeypatch.setattr(allreduce, "_warned", set())
+    mesh = mesh_of((8,), ("data",))
+    rng = np.random.default_rng(13)
+    params = init(rng, [16, 8, 4])
+    x = jax.device_put(rng.standard_normal((64, 16)).astype(np.float32),
+                       jax.NamedSharding(mesh, P("data")))
+
+    def step(params, x):
+        grads = jax.grad(lambda p: jnp.mean(mlp(p, x) ** 2))(params)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+    opt = optimize(step)
+    with pytest.warns(UserWarning, match="no psum and no jax.shard_map or jax.pmap.*GSPMD"):
+        out = jax.jit(opt)(params, x)
+    jax.tree.map(assert_bitwise, out, jax.jit(step)(params, x))
+    assert opt.last_report.notes and not opt.last_report.plans
+    assert "GSPMD" in str(libra_jax.explain(step, params, x, file=None))
