@@ -150,19 +150,12 @@ def patched(obj, name, value):
         setattr(obj, name, old)
 
 
-@contextlib.contextmanager
 def identity_all_reduces():
-    """Lower every Libra all-reduce (single and fused) to the identity on CPU while inside."""
-    from libra_jax import _compat, allreduce, rewrite
+    """Lower every Libra all-reduce (single and fused) to the identity on CPU while inside
+    (fused buckets still pack and split)."""
+    from libra_jax.ops import lowering
 
-    _compat.register_lowering(allreduce.libra_psum_p, lambda ctx, x, **_: [x], platform="cpu")
-    _compat.register_lowering(rewrite.libra_psum_fused_p, lambda ctx, *xs, **_: list(xs), platform="cpu")
-    try:
-        yield
-    finally:
-        _compat.register_lowering(allreduce.libra_psum_p, allreduce._cpu_lowering, platform="cpu")
-        _compat.register_lowering(rewrite.libra_psum_fused_p, rewrite._fused_lowering(allreduce._cpu_lowering),
-                                  platform="cpu")
+    return lowering.replaced_rule("cpu", lambda ctx, x, **_: [x])
 
 
 def compile_variants(step, args, profile, makers):

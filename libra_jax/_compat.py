@@ -32,7 +32,7 @@ __all__ = [
     "ClosedJaxpr", "Jaxpr", "Var", "jaxpr_as_fun", "closed_jaxpr", "jaxprs_in_params",
     "mesh_axis_sizes", "distributed_client", "on_stream", "Primitive", "Tracer", "ShapedArray", "ir", "hlo", "psum_p", "psum_invariant_p",
     "apply_primitive", "deflinear", "register_batcher", "register_lowering", "lower_fun",
-    "ir_constant", "ir_tensor_type", "jit_static_args", "made_by_transpose", "kv_wait_ms", "is_var",
+    "ir_constant", "ir_tensor_type", "jit_static_args", "made_by_transpose", "is_var",
     "check_vma_enabled", "auto_pcast_enabled", "varying_axes", "input_state",
     "pvary", "skip_size_one_axes", "axis_is_bound", "manual_axes", "replica_groups",
     "mesh_devices", "ffi_target_registration", "device_index", "is_traced_argument", "is_zero_cotangent", "zero_cotangent",
@@ -244,13 +244,6 @@ def jit_static_args(fn: Any) -> tuple[tuple[int, ...], tuple[str, ...]]:
         return (), ()
     return (tuple(getattr(info, "static_argnums", ()) or ()),
             tuple(getattr(info, "static_argnames", ()) or ()))
-
-
-def kv_wait_ms(seconds: float) -> int:
-    """`seconds` (inf: forever) as the wait of JAX's key-value store's blocking gets: whole
-    milliseconds, at least 1, at most what its C int holds."""
-    most = 2**31 - 1
-    return most if seconds == float("inf") else max(1, min(most, -int(-seconds * 1000 // 1)))
 
 
 def distributed_client() -> Any:

@@ -19,7 +19,7 @@ import dataclasses
 import threading
 from typing import Sequence
 
-from libra_jax import _compat
+from libra_jax import _compat, config
 from libra_jax import _libra_ffi  # type: ignore[attr-defined]
 
 #: Environment variable naming the NCCL library to use (default: the
@@ -86,7 +86,7 @@ def communicator(global_ids: Sequence[int], *, blocks: int, holds_root: bool,
         else:
             try:
                 unique_id = client.blocking_key_value_get_bytes(store_key,
-                                                                _compat.kv_wait_ms(timeout_s))
+                                                                config.kv_wait_ms(timeout_s))
             except Exception as e:  # noqa: BLE001 - jaxlib raises its own error types
                 raise RuntimeError(
                     f"libra_jax: no NCCL unique id for the all-reduce over devices "

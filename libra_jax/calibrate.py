@@ -517,7 +517,7 @@ class _Programs:
         if key not in self._cache:
             jax, P = self.jax, self.P
             jnp = jax.numpy
-            from libra_jax.rewrite import libra_psum_fused_p
+            from libra_jax.ops import libra_psum_fused_p
 
             b = self.budget
             nbytes, tensors = (b.pack_small_bytes, b.pack_small_tensors) if small else (b.pack_bytes, b.pack_tensors)

@@ -96,10 +96,12 @@ import functools
 import json
 import math
 import os
+from types import MappingProxyType
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from libra_jax import config
 from libra_jax.planner import CostModel
 
 __all__ = [
@@ -120,6 +122,8 @@ __all__ = [
     "calibrated_profile_dir",
     "calibrated_profile_path",
     "default_profile",
+    "resolve_profile",
+    "BUILTIN_PROFILES",
     "profile_from_dict",
     "derive",
     "cost_model",
@@ -665,18 +669,8 @@ def profile_from_dict(data: Mapping[str, Any], *, origin: str = "<dict>") -> Pro
 
 
 #: Directory of calibrated profiles (overrides the per-user cache directory).
-PROFILE_DIR_ENV = "LIBRA_JAX_PROFILE_DIR"
-
-
-def calibrated_profile_dir() -> Path:
-    """Where ``libra-jax calibrate`` writes and the default lookup finds calibrated profiles:
-    ``$LIBRA_JAX_PROFILE_DIR``, else ``$XDG_CACHE_HOME/libra_jax/profiles`` (``~/.cache`` without
-    ``XDG_CACHE_HOME``)."""
-    override = os.environ.get(PROFILE_DIR_ENV)
-    if override:
-        return Path(override).expanduser()
-    cache = os.environ.get("XDG_CACHE_HOME") or str(Path("~/.cache").expanduser())
-    return Path(cache) / "libra_jax" / "profiles"
+PROFILE_DIR_ENV = config.PROFILE_DIR_ENV
+calibrated_profile_dir = config.calibrated_profile_dir
 
 
 def calibrated_profile_path(backend: str) -> Path:
@@ -700,7 +694,7 @@ def default_profile(backend: str, builtin: str | None = None) -> str:
         return fallback
     text = str(path)
     try:
-        _load_cached(text, path.stat().st_mtime_ns)
+        _loaded(text)
     except (ValueError, OSError) as exc:
         if text not in _warned_profiles:
             _warned_profiles.add(text)
@@ -712,9 +706,42 @@ def default_profile(backend: str, builtin: str | None = None) -> str:
     return text
 
 
-@functools.lru_cache(maxsize=8)
+@functools.lru_cache(maxsize=16)
 def _load_cached(path: str, mtime_ns: int) -> Profile:
     return load_profile(path)
+
+
+def _loaded(name_or_path: str | os.PathLike[str]) -> Profile:
+    """`load_profile`, read once per file version (path and modification time)."""
+    text = os.fspath(name_or_path)
+    path = Path(text)
+    if not (text.endswith(".json") or path.is_file()):
+        path = PROFILE_DIR / f"{text}.json"
+    try:
+        mtime_ns = path.stat().st_mtime_ns
+    except OSError:
+        return load_profile(text)  # says what is wrong with it
+    return _load_cached(text, mtime_ns)
+
+
+def resolve_profile(profile: Profile | str | os.PathLike[str] | Mapping[str, Any] | None,
+                    backend: str | None = None, *, who: str = "libra_jax") -> Profile:
+    """The one resolution of a ``profile=`` argument into a loaded :class:`Profile`, done once
+    per ``optimize`` trace, ``explain`` or lowered ``psum(blocks=None)``: a Profile is itself;
+    a name or path is loaded (once per file version); a mapping is a profile's JSON document;
+    None is ``backend``'s :func:`default_profile`. Anything else is a TypeError naming `who`."""
+    if isinstance(profile, Profile):
+        return profile
+    if isinstance(profile, Mapping):
+        return profile_from_dict(profile, origin="<profile= document>")
+    if isinstance(profile, (str, os.PathLike)):
+        return _loaded(profile)
+    if profile is None:
+        if backend is None:
+            raise TypeError(f"{who}: profile=None needs a backend to take the default of")
+        return _loaded(default_profile(backend))
+    raise TypeError(f"{who}: profile must be a profile name, a path, a model.Profile or its "
+                    f"JSON document (a dict), got {type(profile).__name__}")
 
 
 def list_profiles() -> list[str]:
@@ -893,8 +920,12 @@ def derive(profile: Profile | str | Path, workers: int, *, link_gbit_per_s: floa
     intra-node link and the NIC. For ``libra-fit`` profiles the link sets ``k = link / reference``
     in the faster-network rule. Raises ``ValueError`` if no option survives.
     """
-    if not isinstance(profile, Profile):
-        profile = load_profile(profile)
+    return _derive(resolve_profile(profile), workers, link_gbit_per_s)
+
+
+@functools.lru_cache(maxsize=256)
+def _derive(profile: Profile, workers: int, link_gbit_per_s: float | None) -> Derivation:
+    """`derive`, once per (profile value, workers, link): a Profile is a hashable value."""
     _check_workers(workers)
     if link_gbit_per_s is None:
         link = profile.network.ring_link_bytes_per_s(workers)
@@ -925,7 +956,8 @@ def derive(profile: Profile | str | Path, workers: int, *, link_gbit_per_s: floa
     cost = CostModel(latency_s=ring_latency_s(profile.network, workers), solo_bw=solo, overlap_bw=overlap,
                      slowdown=slowdown, pack_s_per_byte=1.0 / FUSION_COPY_RATE[profile.form](profile))
     return Derivation(cost=cost, profile=profile.name, form=profile.form, workers=workers, link_bytes_per_s=link,
-                      key_unit=key_unit, threads_per_block=tpb, dropped=dict(sorted(dropped.items())),
+                      key_unit=key_unit, threads_per_block=tpb,
+                      dropped=MappingProxyType(dict(sorted(dropped.items()))),
                       notes=tuple(notes))
 
 

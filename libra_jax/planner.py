@@ -115,11 +115,13 @@ import math
 import numbers
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
 __all__ = [
+    "BLOCK_PENALTY",
+    "no_overlap_allocation",
     "EXHAUSTIVE_LIMIT",
     "TIE_RTOL",
     "Bucket",
@@ -158,6 +160,24 @@ def default_allocation(options: Iterable[int], key_unit: str) -> int:
     if key_unit == "total_threads" and LIBRA_DEFAULT_THREADS in keys:
         return LIBRA_DEFAULT_THREADS
     return keys[-1]
+
+
+#: With no overlap known, a block costs this fraction of the all-reduce's time (the SM
+#: penalty NCCL's symmetric kernels used): `no_overlap_allocation`.
+BLOCK_PENALTY = 0.025
+
+
+def no_overlap_allocation(cost: CostModel, nbytes: float, blocks_of: Callable[[int], int]) -> int:
+    """The allocation of an all-reduce of `nbytes` per rank with no overlapped compute known
+    (``psum(blocks=None)`` outside `optimize`): the option that minimises its predicted time
+    times (1 + `BLOCK_PENALTY` x blocks), `blocks_of(key)` being the option's block count, so
+    that more blocks must buy proportionally more speed. Ties go to fewer blocks."""
+    def score(key: int) -> tuple[float, int]:
+        blocks = blocks_of(key)
+        seconds = cost.latency_s + nbytes / cost.solo_bw[key]
+        return seconds * (1 + BLOCK_PENALTY * blocks), blocks
+
+    return min(sorted(cost.solo_bw), key=score)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -56,21 +56,25 @@ from typing import Any, Callable, Iterable, Sequence
 import jax
 import numpy as np
 
-from libra_jax import _compat, allreduce, model, overlap as _overlap, planner
+from libra_jax import _compat, allreduce, config, model, planner
+from libra_jax.ops import XLA_TWINS, libra_psum_fused_p, libra_psum_p
+from libra_jax.ops import lowering as _lowering
+from libra_jax.ops.base import warn_once
+from libra_jax.ops.start_done import libra_psum_done_p, libra_psum_start_p
 
 __all__ = ["optimize", "rewrite_jaxpr", "PsumPlan", "OptimizeReport", "libra_psum_fused_p"]
 
-#: Environment switch that turns `optimize` into a pass-through.
-DISABLE_ENV = "LIBRA_JAX_DISABLE"
+#: Environment switch that turns `optimize` into a pass-through (`config`).
+DISABLE_ENV = config.DISABLE_ENV
 #: Environment default of `optimize(overlap=...)`.
-OVERLAP_ENV = "LIBRA_JAX_OVERLAP"
+OVERLAP_ENV = config.OVERLAP_ENV
 #: What carries out the rewritten program's all-reduces: Libra's engine ("libra"), or XLA's
 #: all-reduce in each call's place, the program otherwise the same ("xla": a control).
 COLLECTIVES = ("libra", "xla")
 #: How a gradient all-reduce is issued: one call ("sync"; on CPU already asynchronous), a
 #: start/done pair around the compute it overlaps ("start-done", `libra_jax.overlap`), or
 #: per bucket whichever the model prices lower ("auto", `_Rewriter.split_buckets`).
-OVERLAP_MODES = ("auto", "sync", "start-done")
+OVERLAP_MODES = config.OVERLAP_MODES
 
 
 # --- Public API ---------------------------------------------------------------
@@ -129,7 +133,7 @@ def optimize(fn: Callable[..., Any] | None = None, *, profile: Any = None, fusio
     if not callable(fn):
         raise TypeError(f"libra_jax.optimize: expected a function to optimize, got {fn!r}")
     if blocks is not None:
-        allreduce._check_blocks(blocks)
+        allreduce.check_blocks(blocks)
     if collectives not in COLLECTIVES:
         raise ValueError(f"libra_jax.optimize: collectives must be one of "
                          f"{', '.join(map(repr, COLLECTIVES))}, got {collectives!r}")
@@ -137,14 +141,14 @@ def optimize(fn: Callable[..., Any] | None = None, *, profile: Any = None, fusio
     if not enabled:
         return fn
     options = _Options(profile=profile, fusion=bool(fusion), blocks=blocks,
-                       overlap=_overlap_mode(overlap))
+                       overlap=config.overlap_mode(overlap))
     cache: dict[Any, tuple[Callable[..., Any], Any, OptimizeReport]] = {}
 
     # Name, docstring and signature of `fn`, but not its attributes: a jitted or
     # pmapped `fn` carries attributes that would make `jax.jit(wrapped)` compile `fn`.
     @functools.wraps(fn, updated=())
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
+        if config.optimize_disabled():
             return fn(*args, **kwargs)
         call, dynamic, static_key = statics.split(fn, args, kwargs)
         leaves, treedef = jax.tree.flatten(dynamic)
@@ -155,7 +159,7 @@ def optimize(fn: Callable[..., Any] | None = None, *, profile: Any = None, fusio
             closed, out_shape = jax.make_jaxpr(call, return_shape=True)(*dynamic[0],
                                                                        **dynamic[1])
             program = str(closed.jaxpr)
-            profile = shared_profile(options.resolved_profile(), program=program)
+            profile = shared_profile(options.resolved_profile, program=program)
             rewritten, report = rewrite_jaxpr(closed, profile=profile, fusion=options.fusion,
                                               blocks=options.blocks, overlap=options.overlap)
             check_plan_agreement(report, program=program)
@@ -260,11 +264,11 @@ class OptimizeReport:
 
 
 #: Set to 1 (on every process) to plan with each process's own profile under multi-process JAX.
-NO_PROFILE_BROADCAST_ENV = "LIBRA_JAX_NO_PROFILE_BROADCAST"
+NO_PROFILE_BROADCAST_ENV = config.NO_PROFILE_BROADCAST_ENV
 _profile_broadcasts: dict[str, int] = {}
 
 
-def shared_profile(profile: Any, *, program: str) -> Any:
+def shared_profile(resolve: Callable[[], model.Profile], *, program: str) -> model.Profile:
     """Under multi-process JAX, the profile every process plans `program` with: process 0's.
 
     Why: plans must be identical on every process (same all-reduces, same order, same block
@@ -279,28 +283,29 @@ def shared_profile(profile: Any, *, program: str) -> Any:
 
     ``LIBRA_JAX_NO_PROFILE_BROADCAST=1`` (set it on every process) turns the broadcast off;
     `check_plan_agreement` still catches any difference. A process that waits longer than ``LIBRA_JAX_TIMEOUT_S`` for process 0's
-    profile raises RuntimeError. A no-op in a single process; returns `profile` or a
-    `model.Profile` built from process 0's document.
+    profile raises RuntimeError. `resolve` resolves this process's profile (once); in a single
+    process, its result is returned.
     """
     client = _compat.distributed_client()
     if (client is None or jax.process_count() == 1
-            or os.environ.get(NO_PROFILE_BROADCAST_ENV, "") not in ("", "0")):
-        return profile
+            or not config.profile_broadcast()):
+        return resolve()
     tag = hashlib.sha256(program.encode()).hexdigest()[:16]
     _profile_broadcasts[tag] = sequence = _profile_broadcasts.get(tag, 0) + 1
     key = f"libra_jax/profile/{tag}/{sequence}"
     if jax.process_index() == 0:
         try:
-            document = _profile_document(profile)
-        except (ValueError, OSError) as exc:  # tell the others instead of letting them wait
+            profile = resolve()
+            document = model.profile_to_dict(profile)
+        except (ValueError, OSError, TypeError) as exc:  # tell the others, not let them wait
             client.key_value_set(key, json.dumps({"error": str(exc)}))
             raise
         client.key_value_set(key, json.dumps({"name": _profile_label(profile),
                                               "document": document}))
         return profile
-    timeout_s = allreduce._timeout_s()
+    timeout_s = config.timeout_s()
     try:
-        payload = json.loads(client.blocking_key_value_get(key, allreduce.kv_timeout_ms()))
+        payload = json.loads(client.blocking_key_value_get(key, config.kv_timeout_ms()))
     except Exception as exc:  # noqa: BLE001 - JAX raises its own runtime errors here
         raise RuntimeError(
             f"libra_jax.optimize: process {jax.process_index()} waited {timeout_s:g} s "
@@ -313,30 +318,22 @@ def shared_profile(profile: Any, *, program: str) -> Any:
     theirs = model.profile_from_dict(payload["document"],
                                      origin=f"process 0's profile {payload['name']}")
     try:
-        mine = profile if isinstance(profile, model.Profile) else model.load_profile(profile)
-        same = dataclasses.replace(mine, origin="") == dataclasses.replace(theirs, origin="")
-    except (ValueError, OSError):
-        same = False
-    if not same:
-        allreduce._warn_once(
+        mine: model.Profile | None = resolve()
+    except (ValueError, OSError, TypeError):
+        mine = None
+    if mine != theirs:  # equal by value (`model.Profile`: origin aside)
+        warn_once(
             f"libra_jax.optimize: the profile of process {jax.process_index()} "
-            f"({_profile_label(profile)}) differs from process 0's ({payload['name']}); every "
+            f"({_profile_label(mine)}) differs from process 0's ({payload['name']}); every "
             "process plans with process 0's so that their all-reduces match "
             f"({NO_PROFILE_BROADCAST_ENV}=1 turns this off)")
     return theirs
 
 
-def _profile_label(profile: Any) -> str:
-    if isinstance(profile, model.Profile):
-        return f"Profile {profile.name!r}"
-    return repr(os.fspath(profile))
-
-
-def _profile_document(profile: Any) -> dict:
-    """The JSON document of a profile (a name, a path or a `model.Profile`), validated."""
-    if not isinstance(profile, model.Profile):
-        profile = model.load_profile(profile)
-    return model.profile_to_dict(profile)
+def _profile_label(profile: model.Profile | None) -> str:
+    if profile is None:
+        return "which does not load"
+    return f"profile {profile.name!r} from {profile.origin}"
 
 
 _agreement_checks: dict[str, int] = {}
@@ -359,7 +356,7 @@ def check_plan_agreement(report: OptimizeReport, *, program: str) -> None:
     prefix = f"libra_jax/plan/{tag}/{sequence}"
     mine = report.plan_lines()
     client.key_value_set(f"{prefix}/{jax.process_index()}", json.dumps(mine))
-    timeout_ms = allreduce.kv_timeout_ms()
+    timeout_ms = config.kv_timeout_ms()
     for process in range(jax.process_count()):
         if process == jax.process_index():
             continue
@@ -380,17 +377,17 @@ def rewrite_jaxpr(closed: Any, *, profile: Any = None, fusion: bool = True,
                   overlap: str | None = None) -> tuple[Any, OptimizeReport]:
     """Rewrite `closed` (a ClosedJaxpr) as the module docstring states."""
     if blocks is not None:
-        allreduce._check_blocks(blocks)
+        allreduce.check_blocks(blocks)
     report = OptimizeReport()
     options = _Options(profile=profile, fusion=fusion, blocks=blocks,
-                       overlap=_overlap_mode(overlap))
+                       overlap=config.overlap_mode(overlap))
     rewriter = _Rewriter(options, report, closed)
     new_jaxpr = rewriter.jaxpr(closed.jaxpr, axis_sizes={}, scope="top", in_loop=False)
     for line in report.skipped:
-        allreduce._warn_once(f"libra_jax.optimize left an XLA psum in place: {line}")
+        warn_once(f"libra_jax.optimize left an XLA psum in place: {line}")
     if not report.plans and not report.skipped and not _maps_devices(closed.jaxpr):
         report.notes.append(NO_COLLECTIVES_NOTICE)
-        allreduce._warn_once(f"libra_jax.optimize: {NO_COLLECTIVES_NOTICE}")
+        warn_once(f"libra_jax.optimize: {NO_COLLECTIVES_NOTICE}")
     return _compat.closed_jaxpr(new_jaxpr, closed.consts), report
 
 
@@ -404,10 +401,9 @@ class _Options:
     overlap: str = "auto"
 
     def __post_init__(self) -> None:
-        profile = self.profile
-        if isinstance(profile, collections.abc.Mapping):  # a profile's JSON document
-            object.__setattr__(self, "profile",
-                               model.profile_from_dict(profile, origin="<profile= document>"))
+        profile = self.profile  # checked when made; a JSON document is read now, once
+        if isinstance(profile, collections.abc.Mapping):
+            object.__setattr__(self, "profile", model.resolve_profile(profile))
         elif not (profile is None or isinstance(profile, (str, os.PathLike, model.Profile))):
             raise TypeError("libra_jax.optimize: profile must be a profile name, a path, a "
                             "model.Profile or its JSON document (a dict), got "
@@ -421,23 +417,11 @@ class _Options:
             profile = ("name", os.fspath(profile))
         return (profile, self.fusion, self.blocks, self.overlap)
 
-    def resolved_profile(self) -> Any:
-        if self.profile is not None:
-            return self.profile
-        backend = jax.default_backend()
-        return model.default_profile(backend)
-
-
-def _overlap_mode(overlap: str | None) -> str:
-    if overlap is None:
-        mode = os.environ.get(OVERLAP_ENV, "").strip() or "auto"
-    else:
-        mode = overlap
-    if mode not in OVERLAP_MODES:
-        source = f"${OVERLAP_ENV}" if overlap is None else "overlap"
-        raise ValueError(f"libra_jax.optimize: {source} must be one of "
-                         f"{', '.join(map(repr, OVERLAP_MODES))}, got {mode!r}")
-    return mode
+    def resolved_profile(self) -> model.Profile:
+        """The profile as a loaded `model.Profile`: resolved once per trace (None: the
+        default backend's, `model.default_profile`)."""
+        return model.resolve_profile(self.profile, jax.default_backend(),
+                                     who="libra_jax.optimize")
 
 
 def _aval_key(x: Any) -> Any:
@@ -466,8 +450,8 @@ class _Rewriter:
     def __init__(self, options: _Options, report: OptimizeReport, program: Any) -> None:
         self.options = options
         self.report = report
-        # Loaded once: the rewrite, its cost estimates and the report share this value.
-        self.profile = _loaded(options.resolved_profile())
+        # Resolved once: the rewrite, its cost estimates and the report share this value.
+        self.profile = options.resolved_profile()
         self.program = program  # the ClosedJaxpr being rewritten (for `call_id`)
         self.fingerprint: int | None = None
         self.calls = 0
@@ -606,7 +590,7 @@ class _Rewriter:
         mode = self.options.overlap
         if mode != "auto":
             return [mode == "start-done"] * len(buckets)
-        fair_share = _loaded(self.profile).fair_share
+        fair_share = self.profile.fair_share
         pending_s = fair_share.pending_allreduce_s if fair_share is not None else None
         if pending_s is None:
             return [False] * len(buckets)
@@ -693,7 +677,7 @@ class _Rewriter:
                 return None
             return _Site(index, axes, _PSUM_PRIMITIVES[name], _nbytes(aval), None,
                          eqn.outvars[0])
-        if eqn.primitive is allreduce.libra_psum_p:
+        if eqn.primitive is libra_psum_p:
             p = eqn.params
             return _Site(index, tuple(p["axes"]), p["invariant"], _nbytes(eqn.invars[0].aval),
                          p["blocks"], eqn.outvars[0])
@@ -777,8 +761,8 @@ def _map_jaxprs(value: Any, fn: Callable[[Any], Any]) -> Any:
 
 def _is_psum(eqn: Any) -> bool:
     return (eqn.primitive.name in _PSUM_PRIMITIVES
-            or eqn.primitive in (allreduce.libra_psum_p, libra_psum_fused_p,
-                                 _overlap.libra_psum_start_p))
+            or eqn.primitive in (libra_psum_p, libra_psum_fused_p,
+                                 libra_psum_start_p))
 
 
 def _contains_psum(jaxpr: Any) -> bool:
@@ -910,7 +894,7 @@ def _reach(eqns: Sequence[Any], members: Sequence[_Site]) -> list[int]:
 def _single(eqn: Any, site: _Site, blocks: int, invars: set) -> Any:
     operand = eqn.invars[0]
     inplace = not (_is_var(operand) and operand in invars)
-    return eqn.replace(primitive=allreduce.libra_psum_p,
+    return eqn.replace(primitive=libra_psum_p,
                        params=dict(axes=site.axes, blocks=int(blocks), inplace=inplace,
                                    invariant=site.invariant))
 
@@ -935,15 +919,15 @@ def _start_done(eqns: Sequence[Any], bucket: Sequence[_Site], axes: tuple, invar
     members = [eqns[s.index] for s in bucket]
     effects = set().union(*(e.effects for e in members))
     operands = [e.invars[0] for e in members]
-    flat_vars = [_compat.new_var(a) for a in _overlap.packed_avals([v.aval for v in operands])]
+    flat_vars = [_compat.new_var(a) for a in _lowering.packed_avals([v.aval for v in operands])]
     results = [e.outvars[0] for e in members]
     # Both from the last member's equation: its context and source info carry over (`_fused`).
     start = members[-1].replace(
-        invars=operands, outvars=flat_vars, primitive=_overlap.libra_psum_start_p,
+        invars=operands, outvars=flat_vars, primitive=libra_psum_start_p,
         params=dict(axes=axes, blocks=int(blocks), invariant=invariant, call_id=call_id),
         effects=effects)
     done = members[-1].replace(
-        invars=[*flat_vars, flat_vars[0]], outvars=results, primitive=_overlap.libra_psum_done_p,
+        invars=[*flat_vars, flat_vars[0]], outvars=results, primitive=libra_psum_done_p,
         params=dict(out_avals=tuple(v.aval for v in results), axes=axes, blocks=int(blocks),
                     call_id=call_id), effects=set())
     return start, done
@@ -983,7 +967,7 @@ def _world(axis_sizes: dict, axes: tuple) -> int:
 def _roofline_s(eqn: Any, profile: Any) -> float:
     """Seconds of one equation at the profile's sustained rates: FLOPs of matmuls and
     convolutions over peak FLOP/s, bytes moved by anything else over memory bandwidth."""
-    device = _device(profile)
+    device = profile.device
     name = eqn.primitive.name
     if _is_psum(eqn):
         return 0.0
@@ -1011,7 +995,7 @@ def _region_roofline_s(eqns: Sequence[Any], region: Sequence[int],
     read = {v for i in region for v in eqns[i].invars if _is_var(v) and v not in defined}
     written = {v for v in defined if any(j not in inside for j in readers.get(v, ()))}
     moved = sum(_nbytes(v.aval) for v in read | written if hasattr(v.aval, "shape"))
-    device = _device(profile)
+    device = profile.device
     flops = sum(_flops(eqns[i]) for i in region)
     return max(moved / device.bytes_per_s(), flops / device.flop_per_s())
 
@@ -1030,94 +1014,11 @@ def _flops(eqn: Any) -> float:
     return 0.0
 
 
-@functools.lru_cache(maxsize=16)
-def _load_cached(profile: Any) -> Any:
-    return model.load_profile(profile)
-
-
-def _loaded(profile: Any) -> Any:
-    """The `model.Profile` of a profile argument (name, path or Profile), loaded once."""
-    if isinstance(profile, model.Profile):
-        return profile
-    return _load_cached(os.fspath(profile))
-
-
-def _device(profile: Any) -> Any:
-    return _loaded(profile).device
-
-
-# --- The fused all-reduce --------------------------------------------------------
-
-libra_psum_fused_p = _compat.Primitive("libra_psum_fused")
-libra_psum_fused_p.multiple_results = True
-
-
-def _fused_abstract_eval(*avals: Any, axes: tuple, blocks: int, invariant: bool) -> Any:
-    outs, effects = [], set()
-    for aval in avals:
-        out, eff = allreduce._abstract_eval(aval, axes=axes, blocks=blocks, inplace=True,
-                                            invariant=invariant)
-        outs.append(out)
-        effects |= set(eff)
-    return outs, effects
-
-
-def _fused_lowering(single_rule: Callable[..., Any]) -> Callable[..., Any]:
-    """Per dtype: flatten and concatenate the operands, all-reduce once with `single_rule`
-    (the platform's `libra_psum` lowering), split back (`overlap.pack`, `overlap.split`)."""
-    def rule(ctx: Any, *xs: Any, axes: tuple, blocks: int, invariant: bool) -> list[Any]:
-        outs: list[Any] = [None] * len(xs)
-        for dtype, idx, count in _overlap.packed_layout(ctx.avals_in, align_bytes=1):
-            flat = _compat.ShapedArray((count,), dtype)
-            reduced, = _compat.ir_values(single_rule(
-                ctx.replace(primitive=None, avals_in=[flat], avals_out=[flat]),
-                _overlap.pack(ctx, xs, idx, count), axes=axes, blocks=blocks, inplace=True,
-                invariant=invariant))
-            _overlap.split(ctx, reduced, flat, ctx.avals_out, idx, outs)
-        return outs
-    return rule
-
-
-libra_psum_fused_p.def_impl(functools.partial(_compat.apply_primitive, libra_psum_fused_p))
-libra_psum_fused_p.def_effectful_abstract_eval(_fused_abstract_eval)
-_compat.register_lowering(libra_psum_fused_p, _fused_lowering(allreduce._xla_lowering))
-_compat.register_lowering(libra_psum_fused_p, _fused_lowering(allreduce._cpu_lowering),
-                          platform="cpu")
-_compat.register_lowering(libra_psum_fused_p, _fused_lowering(allreduce._cuda_lowering),
-                          platform="cuda")
-
-
-# --- The XLA control: the same program, XLA's all-reduce in each call's place -------------
-
-def _xla_twin(prim: Any, abstract_eval: Callable[..., Any], rule: Callable[..., Any]) -> Any:
-    """A primitive with `prim`'s types and one lowering, `rule`, on every platform."""
-    twin = _compat.Primitive(f"{prim.name}_xla")
-    twin.multiple_results = prim.multiple_results
-    twin.def_impl(functools.partial(_compat.apply_primitive, twin))
-    twin.def_effectful_abstract_eval(abstract_eval)
-    _compat.register_lowering(twin, rule)
-    return twin
-
-
-_quiet_xla = functools.partial(allreduce._xla_lowering, quiet=True)
-_XLA_TWINS = {
-    allreduce.libra_psum_p: _xla_twin(allreduce.libra_psum_p, allreduce._abstract_eval,
-                                      _quiet_xla),
-    libra_psum_fused_p: _xla_twin(libra_psum_fused_p, _fused_abstract_eval,
-                                  _fused_lowering(_quiet_xla)),
-    _overlap.libra_psum_start_p: _xla_twin(_overlap.libra_psum_start_p,
-                                           _overlap._start_abstract_eval,
-                                           _overlap._start_lowering(_quiet_xla)),
-    _overlap.libra_psum_done_p: _xla_twin(_overlap.libra_psum_done_p,
-                                          _overlap._done_abstract_eval, _overlap._done_lowering()),
-}
-
-
 def with_xla_collectives(closed: Any) -> Any:
     """`closed` (a rewritten ClosedJaxpr) with every Libra all-reduce equation lowering to
     XLA's all-reduce instead, and nothing else changed (`optimize(collectives="xla")`)."""
     def visit(jaxpr: Any) -> Any:
-        eqns = [eqn.replace(primitive=_XLA_TWINS.get(eqn.primitive, eqn.primitive),
+        eqns = [eqn.replace(primitive=XLA_TWINS.get(eqn.primitive, eqn.primitive),
                             params={k: _map_jaxprs(v, visit) for k, v in eqn.params.items()})
                 for eqn in jaxpr.eqns]
         return jaxpr.replace(eqns=eqns)

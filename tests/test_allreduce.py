@@ -192,8 +192,8 @@ def test_vmap_inside_shard_map_and_vmap_axis_delegated():
         out = jax.vmap(lambda r: libra_jax.psum(r, "v"), axis_name="v")(v)
     np.testing.assert_array_equal(out, np.full(6, 15.0))
     # With a mesh axis among the axes, XLA's all-reduce communicates: said once.
-    monkey_warned = set(libra_jax.allreduce._warned)
-    libra_jax.allreduce._warned.clear()
+    monkey_warned = set(libra_jax.ops.base._warned)
+    libra_jax.ops.base._warned.clear()
     try:
         def body(x):
             return jax.vmap(lambda r: libra_jax.psum(r, ("x", "v")), axis_name="v")(x[0])
@@ -201,7 +201,7 @@ def test_vmap_inside_shard_map_and_vmap_axis_delegated():
             got = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P(),
                                         check_vma=False))(x)
     finally:
-        libra_jax.allreduce._warned |= monkey_warned
+        libra_jax.ops.base._warned |= monkey_warned
     want = jax.jit(jax.shard_map(
         lambda x: jax.vmap(lambda r: jax.lax.psum(r, ("x", "v")), axis_name="v")(x[0]),
         mesh=mesh, in_specs=P("x"), out_specs=P(), check_vma=False))(x)
@@ -541,7 +541,7 @@ def test_bad_timeout_setting(monkeypatch, raw):
 def test_timeout_in_milliseconds(monkeypatch, raw, ms):
     # A tiny positive timeout is at least 1 ms (0.0004 rounded to 0, "wait forever").
     monkeypatch.setenv("LIBRA_JAX_TIMEOUT_S", raw)
-    assert libra_jax.allreduce.timeout_ms() == ms
+    assert libra_jax.config.timeout_ms() == ms
     text = jax.jit(jax.shard_map(lambda v: libra_jax.psum(v * 3.0, "x"), mesh=mesh_of((8,), ("x",)),
                                  in_specs=P("x"), out_specs=P())).lower(
         np.ones((8, 2), np.float32)).as_text()
@@ -704,7 +704,7 @@ def test_call_recording():
 def test_a_psum_of_an_already_invariant_gradient_is_warned_about(monkeypatch):
     # Under check_vma, jax.grad already sums a replicated parameter's gradient over the
     # axis; pmean-ing it again leaves 8x the mean gradient (README's old snippet did this).
-    monkeypatch.setattr(libra_jax.allreduce, "_warned", set())
+    monkeypatch.setattr("libra_jax.ops.base._warned", set())
     mesh = mesh_of((8,), ("x",))
     x = shard(np.arange(32, dtype=np.float32).reshape(8, 4), mesh, P("x"))
     w = np.ones(4, np.float32)
@@ -719,11 +719,11 @@ def test_a_psum_of_an_already_invariant_gradient_is_warned_about(monkeypatch):
     with pytest.warns(UserWarning, match=r"libra_jax.psum: a psum over 'x' of an array that is "
                                          r"already invariant"):
         step(libra_jax.pmean)(w, x)
-    monkeypatch.setattr(libra_jax.allreduce, "_warned", set())
+    monkeypatch.setattr("libra_jax.ops.base._warned", set())
     with pytest.warns(UserWarning, match=r"libra_jax.optimize: a psum over 'x' of an array"):
         libra_jax.optimize(step(jax.lax.pmean))(w, x)
     # A varying operand, the axis-size idiom and autodiff's own psums: nothing to say.
-    monkeypatch.setattr(libra_jax.allreduce, "_warned", set())
+    monkeypatch.setattr("libra_jax.ops.base._warned", set())
 
     def fine(w, x):
         loss, g = jax.value_and_grad(lambda w: jax.lax.pmean(jnp.mean(x @ w), "x"))(w)

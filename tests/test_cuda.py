@@ -51,7 +51,7 @@ def p2p_path(monkeypatch):
 @pytest.fixture
 def fresh_warnings(monkeypatch):
     """Forget the one-time notices, so each test sees its own."""
-    monkeypatch.setattr(allreduce, "_warned", set())
+    monkeypatch.setattr("libra_jax.ops.base._warned", set())
 
 
 def lower_for_cuda(body, shape=(8, 4), dtype=np.float32, mesh_shape=(8,), names=("x",),
@@ -229,7 +229,7 @@ def test_cuda_default_path_is_xla_with_a_notice_naming_the_switch(monkeypatch, f
         monkeypatch.delenv("LIBRA_JAX_CUDA")
     else:
         monkeypatch.setenv("LIBRA_JAX_CUDA", setting)
-    assert allreduce.cuda_path() == "xla"
+    assert libra_jax.config.cuda_path() == "xla"
     with pytest.warns(UserWarning, match=r"LIBRA_JAX_CUDA=xla, the default.*not run on a GPU"
                                          r".*LIBRA_JAX_CUDA=p2p or LIBRA_JAX_CUDA=nccl"):
         _assert_xla_fallback(lower_for_cuda(lambda v: libra_jax.psum(v, "x", blocks=4)))
@@ -250,7 +250,7 @@ def test_cuda_nccl_path_in_one_process_is_xla_for_now(monkeypatch, fresh_warning
 def test_cuda_path_setting_is_validated(monkeypatch, setting):
     monkeypatch.setenv("LIBRA_JAX_CUDA", setting)
     with pytest.raises(ValueError, match=r"LIBRA_JAX_CUDA must be one of xla, p2p, nccl"):
-        allreduce.cuda_path()
+        libra_jax.config.cuda_path()
     if _ffi.HAS_CUDA:  # and a lowering for cuda says so, naming the variable
         with pytest.raises(ValueError, match=r"LIBRA_JAX_CUDA must be one of"):
             lower_for_cuda(lambda v: libra_jax.psum(v, "x", blocks=4))

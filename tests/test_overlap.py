@@ -1,4 +1,4 @@
-"""Tests of libra_jax.overlap and optimize(overlap="start-done"): the split all-reduce computes
+"""Tests of libra_jax.ops.start_done and optimize(overlap="start-done"): the split all-reduce computes
 the same values bit for bit; done waits until a result is needed; the CUDA lowering is the
 start/done custom-call pair (checked by lowering for cuda here; run by benchmarks/gpu_check.sh)."""
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import libra_jax
-from libra_jax import _compat, _ffi, allreduce, model, overlap
+from libra_jax import _compat, _ffi, allreduce, model, ops
 from libra_jax.rewrite import optimize, rewrite_jaxpr
 
 from conftest import assert_bitwise, mesh_of, shard
@@ -50,7 +50,7 @@ def mlp_step(sizes=(16, 32, 32, 32, 8), dtype=np.float32):
 def eqn_names(jaxpr):
     """Primitive names of the innermost jaxpr that holds a start (the shard_map body)."""
     for eqn in jaxpr.eqns:
-        if eqn.primitive is overlap.libra_psum_start_p:
+        if eqn.primitive is ops.libra_psum_start_p:
             return [e.primitive.name for e in jaxpr.eqns]
         for sub in _compat.jaxprs_in_params(eqn.params):
             names = eqn_names(sub)
@@ -153,15 +153,15 @@ def test_start_and_done_pack_mixed_dtypes_with_padding():
     a = shard(rng.standard_normal((8, 5)).astype(np.float32), mesh, P("x"))
     b = shard(rng.standard_normal((8, 3)).astype(jnp.bfloat16), mesh, P("x"))
     avals = [jax.core.ShapedArray((1, 5), np.float32), jax.core.ShapedArray((1, 3), jnp.bfloat16)]
-    flat = overlap.packed_avals(avals)
+    flat = ops.lowering.packed_avals(avals)
     assert [(f.shape, f.dtype) for f in flat] == [((8,), np.float32), ((8,), jnp.bfloat16)]
 
     call_id = 12345
 
     def body(a, b):
-        started = overlap.libra_psum_start_p.bind(a, b, axes=("x",), blocks=2, invariant=False,
+        started = ops.libra_psum_start_p.bind(a, b, axes=("x",), blocks=2, invariant=False,
                                                   call_id=call_id)
-        return tuple(overlap.libra_psum_done_p.bind(
+        return tuple(ops.libra_psum_done_p.bind(
             *started, a, out_avals=tuple(avals), axes=("x",), blocks=2, call_id=call_id))
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P("x")),
@@ -217,7 +217,7 @@ def test_cuda_lowering_is_a_start_done_pair(monkeypatch):
 def test_cuda_start_falls_back_to_xla_where_the_kernels_cannot(monkeypatch):
     _ffi.ensure_cuda_registered()
     monkeypatch.setenv("LIBRA_JAX_CUDA", "xla")
-    monkeypatch.setattr(allreduce, "_warned", set())  # an earlier test may have warned
+    monkeypatch.setattr("libra_jax.ops.base._warned", set())  # an earlier test may have warned
     step, args = mlp_step()
     with pytest.warns(UserWarning, match="XLA's all-reduce"):
         text = jax.jit(optimize(step, overlap="start-done")).trace(*args).lower(
@@ -227,12 +227,12 @@ def test_cuda_start_falls_back_to_xla_where_the_kernels_cannot(monkeypatch):
 
 # test_allreduce's script (rank 2 never arrives), with the psum split into start and done.
 START_TIMEOUT_SCRIPT = TIMEOUT_SCRIPT.replace("def body(v):", textwrap.dedent("""\
-    from libra_jax import overlap
+    from libra_jax import ops
     call_id = 12345
     def split_psum(u):
-        flat = overlap.libra_psum_start_p.bind(u, axes=("x",), blocks=1, invariant=False,
+        flat = ops.libra_psum_start_p.bind(u, axes=("x",), blocks=1, invariant=False,
                                                call_id=call_id)
-        return overlap.libra_psum_done_p.bind(*flat, u, out_avals=(jax.typeof(u),),
+        return ops.libra_psum_done_p.bind(*flat, u, out_avals=(jax.typeof(u),),
                                               axes=("x",), blocks=1, call_id=call_id)[0]
     def body(v):""")).replace('lambda u: libra_jax.psum(u, "x"), v)', "split_psum, v)")
 
@@ -257,18 +257,18 @@ ABANDONED_SCRIPT = textwrap.dedent("""
     jax.config.update("jax_num_cpu_devices", 4)
     from jax.sharding import PartitionSpec as P
     import libra_jax
-    from libra_jax import _libra_ffi, overlap
+    from libra_jax import _libra_ffi, ops
     mesh = jax.make_mesh((4,), ("x",))
     aval = jax.core.ShapedArray((1, 4), np.float32)
 
     def body(a, v, fail):
-        started = overlap.libra_psum_start_p.bind(a, axes=("x",), blocks=1, invariant=False,
-                                                  call_id=77)
+        started = ops.libra_psum_start_p.bind(a, axes=("x",), blocks=1, invariant=False,
+                                              call_id=77)
         if fail:
             i = jax.lax.axis_index("x")
             v = jax.lax.cond(i == 2, lambda u: u, lambda u: libra_jax.psum(u, "x"), v)
-        done, = overlap.libra_psum_done_p.bind(*started, v, out_avals=(aval,), axes=("x",),
-                                               blocks=1, call_id=77)
+        done, = ops.libra_psum_done_p.bind(*started, v, out_avals=(aval,), axes=("x",),
+                                           blocks=1, call_id=77)
         return done + v.sum()
 
     def program(fail):

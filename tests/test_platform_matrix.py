@@ -121,7 +121,7 @@ def cuda_serves(path: str) -> bool:
 
 @pytest.fixture
 def fresh_warnings(monkeypatch):
-    monkeypatch.setattr(allreduce, "_warned", set())
+    monkeypatch.setattr("libra_jax.ops.base._warned", set())
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["single", "fused"])
@@ -207,9 +207,9 @@ def test_every_libra_primitive_has_a_cpu_and_a_cuda_lowering():
     silently takes the default (XLA's all-reduce) there -- bug 1 of the platform matrix."""
     from jax._src.interpreters import mlir
 
-    from libra_jax import overlap
-    prims = [allreduce.libra_psum_p, rewrite.libra_psum_fused_p, overlap.libra_psum_start_p,
-             overlap.libra_psum_done_p]
+    from libra_jax import ops
+    prims = [allreduce.libra_psum_p, rewrite.libra_psum_fused_p, ops.libra_psum_start_p,
+             ops.libra_psum_done_p]
     for platform in ("cpu", "cuda"):
         table = mlir._platform_specific_lowerings[platform]
         missing = [p.name for p in prims if p not in table]

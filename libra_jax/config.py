@@ -1,0 +1,161 @@
+"""libra_jax's settings from the environment: every ``LIBRA_JAX_*`` variable is read here.
+
+Each setting is read when it is used (at trace or lowering time), not at import, so a test or
+a launcher may set it after importing libra_jax. A value that is not one of the accepted ones is
+a ValueError naming the variable. Pure Python: imports nothing of JAX or the extension, so the
+planner's layer may use it.
+
+=================================  ===========================================================
+``LIBRA_JAX_TIMEOUT_S``            how long a rank waits for the others (`timeout_s`)
+``LIBRA_JAX_CUDA``                 the GPU data path: ``xla`` (default), ``p2p``, ``nccl``
+``LIBRA_JAX_CUDA_ALGORITHM``       the P2P kernels' algorithm: ``auto``, ``oneshot``, ``twoshot``
+``LIBRA_JAX_OVERLAP``              `optimize`'s default ``overlap=``
+``LIBRA_JAX_DISABLE``              ``1``: `optimize` passes every call through unchanged
+``LIBRA_JAX_NO_PROFILE_BROADCAST`` ``1``: each process plans with its own profile
+``LIBRA_JAX_PROFILE_DIR``          where calibrated profiles are written and found
+=================================  ===========================================================
+
+``LIBRA_JAX_FFI_LIBRARY`` (the FFI library to register from) and ``LIBRA_JAX_NCCL_LIBRARY``
+(the NCCL to open) name libraries and are read where they are loaded (``_ffi``, ``_nccl``).
+"""
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+__all__ = [
+    "TIMEOUT_ENV", "DEFAULT_TIMEOUT_S", "MAX_TIMEOUT_S", "timeout_s", "timeout_ms", "kv_wait_ms",
+    "kv_timeout_ms",
+    "CUDA_PATH_ENV", "CUDA_PATHS", "cuda_path", "CUDA_ALGORITHM_ENV", "CUDA_ALGORITHMS",
+    "cuda_algorithm", "OVERLAP_ENV", "OVERLAP_MODES", "overlap_mode", "DISABLE_ENV",
+    "optimize_disabled", "NO_PROFILE_BROADCAST_ENV", "profile_broadcast", "PROFILE_DIR_ENV",
+    "calibrated_profile_dir",
+]
+
+#: How long a rank waits for the others: `$LIBRA_JAX_TIMEOUT_S` seconds (default 300).
+TIMEOUT_ENV = "LIBRA_JAX_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 300.0
+#: The longest finite timeout accepted (116 days): the engine's and the CUDA kernels' clocks
+#: add it to a time stamp in nanoseconds, which must not overflow.
+MAX_TIMEOUT_S = 1e7
+
+#: The GPU data path switch: which all-reduce a psum lowered for CUDA becomes.
+CUDA_PATH_ENV = "LIBRA_JAX_CUDA"
+#: ``xla`` (the default): XLA's own all-reduce (NCCL, scheduled by XLA); libra's plan is
+#: made and reported, its block counts are not applied. ``p2p``: libra's peer-to-peer
+#: kernels among the GPUs of one process (and, across processes, inside each process with
+#: NCCL between them). ``nccl``: libra's NCCL call with the block count as its CTA limit,
+#: for groups that span processes (in one process: XLA's, until that path exists). None of
+#: libra's GPU paths has run on a GPU yet, so both are opt-in.
+CUDA_PATHS = ("xla", "p2p", "nccl")
+
+#: The P2P kernels' algorithm (the value is the kernels' code: 0 chooses by size).
+CUDA_ALGORITHM_ENV = "LIBRA_JAX_CUDA_ALGORITHM"
+CUDA_ALGORITHMS = {"auto": 0, "oneshot": 1, "twoshot": 2}
+
+#: `optimize`'s default ``overlap=``: how a gradient all-reduce is issued. One call
+#: ("sync"; on CPU already asynchronous), a start/done pair around the compute it overlaps
+#: ("start-done", `libra_jax.ops.start_done`), or per bucket whichever the model prices
+#: lower ("auto").
+OVERLAP_ENV = "LIBRA_JAX_OVERLAP"
+OVERLAP_MODES = ("auto", "sync", "start-done")
+
+#: Set (to anything but 0) to turn `optimize` into a pass-through.
+DISABLE_ENV = "LIBRA_JAX_DISABLE"
+#: Set to 1 (on every process) to plan with each process's own profile under multi-process JAX.
+NO_PROFILE_BROADCAST_ENV = "LIBRA_JAX_NO_PROFILE_BROADCAST"
+#: Directory of calibrated profiles (overrides the per-user cache directory).
+PROFILE_DIR_ENV = "LIBRA_JAX_PROFILE_DIR"
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "") not in ("", "0")
+
+
+def timeout_s() -> float:
+    """`$LIBRA_JAX_TIMEOUT_S` in seconds: inf for "wait forever" (``inf`` or ``0``), else
+    0 < t <= MAX_TIMEOUT_S; anything else is a ValueError naming the variable."""
+    raw = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if value == 0 or value == math.inf:
+        return math.inf
+    if not 0 < value <= MAX_TIMEOUT_S:
+        raise ValueError(f"{TIMEOUT_ENV} must be a number of seconds in (0, {MAX_TIMEOUT_S:g}], "
+                         f"or inf or 0 to wait forever; got {raw!r}")
+    return value
+
+
+def timeout_ms() -> int:
+    """The timeout as the engine's and the CUDA handler's milliseconds: 0 waits forever, and
+    any positive timeout is at least 1 ms (rounded up: 0.4 ms must not become "forever")."""
+    seconds = timeout_s()
+    return 0 if seconds == math.inf else max(1, math.ceil(seconds * 1000))
+
+
+def kv_wait_ms(seconds: float) -> int:
+    """`seconds` (inf: forever) as the wait of JAX's key-value store's blocking gets: whole
+    milliseconds, at least 1, at most what its C int holds."""
+    most = 2**31 - 1
+    return most if seconds == math.inf else max(1, min(most, math.ceil(seconds * 1000)))
+
+
+def kv_timeout_ms() -> int:
+    """The timeout for a wait in JAX's key-value store, in its milliseconds."""
+    return kv_wait_ms(timeout_s())
+
+
+def cuda_path() -> str:
+    """The GPU data path `$LIBRA_JAX_CUDA` selects (`CUDA_PATHS`); ValueError naming the
+    variable for anything else."""
+    raw = os.environ.get(CUDA_PATH_ENV, "")
+    path = raw.strip().lower() or "xla"
+    if path not in CUDA_PATHS:
+        raise ValueError(f"{CUDA_PATH_ENV} must be one of {', '.join(CUDA_PATHS)}, got {raw!r}")
+    return path
+
+
+def cuda_algorithm() -> int:
+    """The P2P kernels' algorithm code `$LIBRA_JAX_CUDA_ALGORITHM` selects (default auto)."""
+    raw = os.environ.get(CUDA_ALGORITHM_ENV, "auto").strip().lower() or "auto"
+    if raw not in CUDA_ALGORITHMS:
+        raise ValueError(f"{CUDA_ALGORITHM_ENV} must be one of "
+                         f"{', '.join(CUDA_ALGORITHMS)}, got {raw!r}")
+    return CUDA_ALGORITHMS[raw]
+
+
+def overlap_mode(overlap: str | None, who: str = "libra_jax.optimize") -> str:
+    """`overlap` if given, else `$LIBRA_JAX_OVERLAP`, else "auto"; ValueError naming the source
+    for anything outside `OVERLAP_MODES`."""
+    mode = (os.environ.get(OVERLAP_ENV, "").strip() or "auto") if overlap is None else overlap
+    if mode not in OVERLAP_MODES:
+        source = f"${OVERLAP_ENV}" if overlap is None else "overlap"
+        raise ValueError(f"{who}: {source} must be one of "
+                         f"{', '.join(map(repr, OVERLAP_MODES))}, got {mode!r}")
+    return mode
+
+
+def optimize_disabled() -> bool:
+    """Whether `$LIBRA_JAX_DISABLE` turns `optimize` into a pass-through."""
+    return _flag(DISABLE_ENV)
+
+
+def profile_broadcast() -> bool:
+    """Whether multi-process `optimize` plans with process 0's profile (the default)."""
+    return not _flag(NO_PROFILE_BROADCAST_ENV)
+
+
+def calibrated_profile_dir() -> Path:
+    """Where ``libra-jax calibrate`` writes and the default lookup finds calibrated profiles:
+    ``$LIBRA_JAX_PROFILE_DIR``, else ``$XDG_CACHE_HOME/libra_jax/profiles`` (``~/.cache`` without
+    ``XDG_CACHE_HOME``)."""
+    override = os.environ.get(PROFILE_DIR_ENV)
+    if override:
+        return Path(override).expanduser()
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path("~/.cache").expanduser())
+    return Path(cache) / "libra_jax" / "profiles"

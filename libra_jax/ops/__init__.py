@@ -1,0 +1,21 @@
+"""libra's JAX primitives: one psum, a fused bucket, and a start/done pair.
+
+Layer: imports `libra_jax._compat`, `_ffi`, `_nccl`, `config`, `model` and `planner`; nothing
+above it (`allreduce`, `rewrite`, the tools). Every primitive is wired by one helper
+(`base.register_op`) from its abstract evaluation, its autodiff and batching rules and a
+lowering per platform built from one rule per platform for one buffer's all-reduce
+(`lowering.allreduce_rule`); each has an XLA twin (`XLA_TWINS`) for
+`optimize(collectives="xla")`.
+
+- `psum`: `libra_psum_p`, the psum `jax.lax.psum` would bind, with a block count;
+- `fused`: `libra_psum_fused_p`, a gradient bucket's psums as one all-reduce per dtype;
+- `start_done`: `libra_psum_start_p` / `libra_psum_done_p`, that all-reduce issued where the
+  gradients are ready and waited for where the result is needed.
+"""
+from libra_jax.ops.base import XLA_TWINS, register_op
+from libra_jax.ops.fused import libra_psum_fused_p
+from libra_jax.ops.psum import libra_psum_p
+from libra_jax.ops.start_done import libra_psum_done_p, libra_psum_start_p
+
+__all__ = ["XLA_TWINS", "register_op", "libra_psum_p", "libra_psum_fused_p",
+           "libra_psum_start_p", "libra_psum_done_p"]

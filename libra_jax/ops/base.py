@@ -1,0 +1,73 @@
+"""The one helper that wires a libra primitive into JAX, and what every op shares.
+
+`register_op` gives a primitive its eager implementation, abstract evaluation, optional
+transpose (its JVP is then linear) and batching rule, and a lowering per platform, built by
+the op's `lowering(platform)` from the platform's rule for one buffer's all-reduce
+(`libra_jax.ops.lowering.allreduce_rule`):
+
+* ``None``: every platform without its own rule (TPU, ...): XLA's all-reduce, with a notice;
+* ``"cpu"``, ``"cuda"``: libra's engine and kernels, where they serve the call;
+* ``"xla"``: the op's *XLA twin*, a second primitive with the same types whose one lowering
+  uses XLA's all-reduce on every platform, quietly (`optimize(collectives="xla")`, the
+  control that isolates the engine from the rewrite). `XLA_TWINS` maps each op to it.
+"""
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import Any, Callable, Optional
+
+from libra_jax import _compat
+
+__all__ = ["Platform", "PLATFORMS", "XLA_TWINS", "register_op", "warn_once"]
+
+#: What a lowering is built for: None (the default rule), "cpu", "cuda", or "xla" (the twin).
+Platform = Optional[str]
+#: The platforms an op registers a rule of its own for (None: every other one).
+PLATFORMS: tuple[Platform, ...] = (None, "cpu", "cuda")
+Rule = Callable[..., Any]
+
+#: Each libra primitive -> its XLA twin.
+XLA_TWINS: dict[Any, Any] = {}
+
+
+def _primitive(name: str, abstract_eval: Callable[..., Any], multiple_results: bool) -> Any:
+    prim = _compat.Primitive(name)
+    prim.multiple_results = multiple_results
+    prim.def_impl(functools.partial(_compat.apply_primitive, prim))
+    prim.def_effectful_abstract_eval(abstract_eval)
+    return prim
+
+
+def register_op(name: str, *, abstract_eval: Callable[..., Any],
+                lowering: Callable[[Platform], Rule], multiple_results: bool = False,
+                transpose: Rule | None = None, batcher: Rule | None = None) -> Any:
+    """A new primitive `name`, wired as the module docstring says, and its XLA twin.
+
+    `abstract_eval` returns (types, effects). `transpose(ct, x, **params)` makes the primitive
+    linear (JAX derives its JVP). `batcher(axis_data, vals_in, dims_in, **params)` is a
+    `vmap` rule. The twin is neither differentiable nor batchable: it only ever appears in a
+    rewritten program's jaxpr.
+    """
+    prim = _primitive(name, abstract_eval, multiple_results)
+    if transpose is not None:
+        _compat.deflinear(prim, transpose)
+    if batcher is not None:
+        _compat.register_batcher(prim, batcher)
+    for platform in PLATFORMS:
+        _compat.register_lowering(prim, lowering(platform), platform=platform)
+    twin = _primitive(f"{name}_xla", abstract_eval, multiple_results)
+    _compat.register_lowering(twin, lowering("xla"))
+    XLA_TWINS[prim] = twin
+    return prim
+
+
+_warned: set[str] = set()
+
+
+def warn_once(message: str, stacklevel: int = 4) -> None:
+    """Warn with `message` the first time it is said in this process, and never again: libra's
+    notices come from tracing and lowering, which run again for every new program."""
+    if message not in _warned:
+        _warned.add(message)
+        warnings.warn(message, stacklevel=stacklevel)

@@ -1,0 +1,410 @@
+"""How one buffer's all-reduce is lowered, per platform, and the calls' attributes.
+
+Every libra op (`psum`, `fused`, `start_done`) reduces flat or shaped buffers with one of
+these rules, chosen per platform by `allreduce_rule`:
+
+* `xla_rule`: XLA's own all-reduce, the primitive `jax.lax.psum` would bind (`mirrored`).
+* `cpu_rule`: the engine's ``libra_allreduce_cpu`` custom call (`cpu_call`: its (rank, group)
+  operand and attributes), where the group's devices are this process's.
+* `cuda_rule`: by `$LIBRA_JAX_CUDA` (`config.cuda_path`): XLA's (the default), libra's P2P
+  kernels (`cuda_kernel_attrs`) or, for groups across processes, libra's NCCL call.
+
+Each rule falls back to XLA's all-reduce, with a one-time notice naming why, for what its
+platform does not serve. A psum with ``blocks=None`` gets `default_blocks` here, once the
+group size is known. The packing of several tensors into one buffer per dtype (`pack`,
+`split`) is shared by the fused bucket and start/done.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from functools import partial
+from typing import Any, Callable, Iterator, Sequence
+
+import jax
+import numpy as np
+
+from libra_jax import _compat, _ffi, _nccl, config, model, planner
+from libra_jax.ops.base import Platform, Rule, warn_once
+
+__all__ = ["allreduce_rule", "replaced_rule", "xla_rule", "cpu_rule", "cuda_rule", "cpu_call",
+           "cuda_kernel_attrs", "mirrored", "default_blocks", "default_profile",
+           "packed_layout", "packed_avals", "pack", "split", "MAX_BLOCKS", "CUDA_DTYPES",
+           "CUDA_VECTOR_BYTES", "PACK_ALIGN_BYTES"]
+
+#: Largest block count (engine worker tasks per all-reduce).
+MAX_BLOCKS: int = _ffi.MAX_BLOCKS
+CUDA_DTYPES = frozenset(
+    np.dtype(d) for d in (np.float32, np.float64, jax.numpy.bfloat16, np.float16, np.int32))
+#: The CUDA kernels move 16-byte vectors.
+CUDA_VECTOR_BYTES = 16
+#: Packed buffers are padded to a multiple of this many bytes (the CUDA kernels' vectors).
+PACK_ALIGN_BYTES = CUDA_VECTOR_BYTES
+
+
+def allreduce_rule(platform: Platform) -> Rule:
+    """The rule that lowers one buffer's all-reduce on `platform` (`libra_jax.ops.base`):
+    ``rule(ctx, x, *, axes, blocks, inplace, invariant) -> [result]``. Looked up when a
+    program is lowered, so that `replaced_rule` reaches every op."""
+    if platform not in _RULES:
+        raise ValueError(f"no all-reduce rule for platform {platform!r}")
+
+    def rule(ctx: Any, x: Any, **params: Any) -> Any:
+        return _RULES[platform](ctx, x, **params)
+    return rule
+
+
+@contextlib.contextmanager
+def replaced_rule(platform: Platform, rule: Rule) -> Iterator[None]:
+    """Within the block, programs lowered for `platform` reduce each buffer with `rule`
+    instead (every op: psum, fused bucket, start/done's one-call path). A measurement seam:
+    `benchmarks/model_fidelity.py` lowers all-reduces as the identity to time compute alone."""
+    saved = _RULES[platform]
+    _RULES[platform] = rule
+    try:
+        yield
+    finally:
+        _RULES[platform] = saved
+
+
+def mirrored(invariant: bool, axes: tuple) -> tuple[Any, dict]:
+    """The JAX primitive (and its params) that `libra_psum` stands for."""
+    if invariant:
+        return _compat.psum_invariant_p, {"axes": axes}
+    return _compat.psum_p, {"axes": axes, "axis_index_groups": None}
+
+
+def default_blocks(nbytes: int, world: int, profile: Any = "cpu-host") -> int:
+    """Block count of a psum with `blocks=None` outside `@libra_jax.optimize`: the model's
+    choice with no overlapped compute known (`planner.no_overlap_allocation`), as a launch's
+    block count, 1..MAX_BLOCKS. `profile` is a profile name, path or `model.Profile`."""
+    if world < 2 or nbytes <= 0:
+        return 1
+    derivation = model.derive(profile, world)
+    key = planner.no_overlap_allocation(derivation.cost, nbytes,
+                                        lambda k: derivation.launch_shape(k)[0])
+    return int(min(MAX_BLOCKS, max(1, derivation.launch_shape(key)[0])))
+
+
+def default_profile(platform: str) -> str:
+    """The profile a psum with ``blocks=None`` is lowered with on `platform`: the calibrated
+    one if there is one, else `model.BUILTIN_PROFILES`'."""
+    return model.default_profile(platform)
+
+
+def _timeout_attr() -> dict:
+    """The ``timeout_ms`` attribute every engine, kernel and NCCL call carries."""
+    return {"timeout_ms": np.int64(config.timeout_ms())}
+
+
+def cpu_rule(ctx: Any, x: Any, *, axes: tuple, blocks: int, inplace: bool,
+                  invariant: bool) -> Any:
+    call, reason = cpu_call(ctx, axes, blocks)
+    if call is None:
+        return xla_rule(ctx, x, axes=axes, blocks=blocks, inplace=inplace,
+                             invariant=invariant, reason=reason)
+    rank_group, attrs = call
+    aval_in, = ctx.avals_in
+    call_ctx = ctx.replace(avals_in=[aval_in, _compat.ShapedArray((2,), np.int32)])
+    rule = jax.ffi.ffi_lowering(_ffi.ALLREDUCE_CPU_TARGET,
+                                operand_output_aliases={0: 0} if inplace else {})
+    return rule(call_ctx, x, rank_group, **attrs)
+
+
+def cpu_call(ctx: Any, axes: tuple, blocks: int | None) -> tuple[tuple | None, str]:
+    """The engine call's (rank, group) operand and attributes for the psum lowered at
+    `ctx`, or ``(None, reason)`` where XLA's all-reduce must do it. Shared by the call
+    and the start/done pair (`libra_jax.ops.start_done`)."""
+    groups = _compat.replica_groups(ctx, axes)
+    if groups is None:
+        return None, "a partially automatic shard_map"
+    devices = _compat.mesh_devices(ctx)
+    if devices is not None and any(d.process_index != jax.process_index() for d in devices):
+        # The engine meets the devices of this process only; XLA's collectives
+        # (gloo on CPU) cross processes. Never wait for ranks that cannot come.
+        return None, "cpu devices of several processes"
+    _ffi.ensure_registered()
+    aval_in = ctx.avals_in[0]
+    if blocks is None:  # Chosen now that the group size is known.
+        nbytes = math.prod(aval_in.shape) * np.dtype(aval_in.dtype).itemsize
+        blocks = default_blocks(nbytes, len(groups[0]), default_profile("cpu"))
+    # (rank, group) of every device, looked up by the running device's index:
+    # rank is the position in XLA's replica group, so the summation order is XLA's.
+    table = np.zeros((1 + max(max(g) for g in groups), 2), np.int32)
+    for group_id, members in enumerate(groups):
+        for rank, device in enumerate(members):
+            table[device] = (rank, group_id)
+    i32 = _compat.ir.IntegerType.get_signless(32)
+    zero = _compat.ir_constant(np.int32(0))
+    row = _compat.hlo.dynamic_slice(
+        _compat.ir_constant(table), [_compat.device_index(ctx), zero],
+        _compat.ir.DenseI64ArrayAttr.get([1, 2]))
+    rank_group = _compat.hlo.reshape(_compat.ir.RankedTensorType.get([2], i32), row)
+    return (rank_group, dict(label=f"psum{tuple(axes)}", world=np.int64(len(groups[0])),
+                             blocks=np.int64(blocks),
+                             **_timeout_attr())), ""
+
+
+def _cuda_default_reason() -> str:
+    return (f"cuda ({config.CUDA_PATH_ENV}=xla, the default: libra's GPU all-reduces have not run on a "
+            f"GPU yet; {config.CUDA_PATH_ENV}=p2p or {config.CUDA_PATH_ENV}=nccl opts in)")
+
+
+def cuda_kernel_attrs(ctx: Any, axes: tuple, blocks: int | None) -> tuple[dict | None, str]:
+    """The attributes of libra's P2P kernel call for the psum lowered at `ctx`
+    (among the GPUs of this process), or ``(None, reason)`` where the kernels do
+    not serve it; ``({}, "")`` for an empty buffer (no call needed). Shared by
+    the synchronous call and the start/done pair (`libra_jax.ops.start_done`)."""
+    if not _ffi.HAS_CUDA:
+        return None, "cuda (libra_jax was built without CUDA)"
+    path = config.cuda_path()
+    if path == "xla":
+        return None, _cuda_default_reason()
+    if path != "p2p":
+        return None, (f"cuda groups inside one process with {config.CUDA_PATH_ENV}={path} (libra's "
+                      "NCCL call serves groups that span processes)")
+    groups = _compat.replica_groups(ctx, axes)
+    if groups is None:
+        return None, "cuda in a partially automatic shard_map"
+    devices = _compat.mesh_devices(ctx)
+    if devices is not None and any(d.process_index != jax.process_index() for d in devices):
+        return None, "cuda groups that span processes"
+    world = len(groups[0])
+    if world > _ffi.CUDA_MAX_RANKS:
+        return None, f"cuda groups of more than {_ffi.CUDA_MAX_RANKS} GPUs"
+    aval_in, = ctx.avals_in
+    dtype = np.dtype(aval_in.dtype)
+    if dtype not in CUDA_DTYPES:
+        return None, f"cuda {dtype.name}"
+    count = math.prod(aval_in.shape)
+    if count == 0:
+        return {}, ""
+    if devices is None:
+        # An abstract mesh (lowering for export): device i of the mesh is taken
+        # to be CUDA device i of the process that runs it.
+        ordinals = list(range(1 + max(max(g) for g in groups)))
+    elif any(d.platform != "gpu" for d in devices):
+        ordinals = list(range(len(devices)))  # Lowering for cuda from a CPU mesh.
+    else:
+        ordinals = [int(d.local_hardware_id) for d in devices]
+    if blocks is None:  # Chosen now that the group size is known.
+        blocks = default_blocks(count * dtype.itemsize, world, default_profile("cuda"))
+    return dict(devices=np.array([ordinals[d] for g in groups for d in g], np.int32),
+                world=np.int64(world), blocks=np.int64(blocks),
+                algorithm=np.int64(config.cuda_algorithm()),
+                **_timeout_attr()), ""
+
+
+def cuda_rule(ctx: Any, x: Any, *, axes: tuple, blocks: int, inplace: bool,
+                   invariant: bool) -> Any:
+    """The psum on a GPU, by the data path `cuda_path` selects: XLA's all-reduce (``xla``,
+    the default), the `libra_allreduce_cuda` custom call (``p2p``: libra's P2P kernels with
+    `blocks` thread blocks among the GPUs of this process) or, for groups that span
+    processes, `libra_allreduce_nccl` (``nccl``, and ``p2p`` hierarchically). Falls back to
+    XLA's all-reduce (with a one-time notice) for what the chosen path does not serve."""
+    fallback = partial(xla_rule, ctx, x, axes=axes, blocks=blocks, inplace=inplace,
+                       invariant=invariant)
+    groups = _compat.replica_groups(ctx, axes)
+    devices = _compat.mesh_devices(ctx)
+    path = config.cuda_path()
+    if (_ffi.HAS_CUDA and path != "xla" and groups is not None and devices is not None
+            and any(d.process_index != jax.process_index() for d in devices)):
+        return _nccl_rule(ctx, x, groups=groups, devices=devices, blocks=blocks,
+                              inplace=inplace, fallback=fallback,
+                              hierarchical=path == "p2p")
+    attrs, reason = cuda_kernel_attrs(ctx, axes, blocks)
+    if attrs is None:
+        return fallback(reason=reason)
+    if not attrs:
+        return [x]
+    aval_in, = ctx.avals_in
+    dtype = np.dtype(aval_in.dtype)
+    count = math.prod(aval_in.shape)
+    pad = (-count * dtype.itemsize % CUDA_VECTOR_BYTES) // dtype.itemsize  # 16-byte vectors
+    _ffi.ensure_cuda_registered()
+    operand, call_ctx, aliases = x, ctx, {0: 0} if inplace else {}
+    if pad:
+        flat = _compat.ShapedArray((count + pad,), dtype)
+        flat_type = _compat.ir_tensor_type(ctx, (count,), dtype)
+        operand = _compat.hlo.pad(
+            _compat.hlo.reshape(flat_type, x), _compat.ir_constant(np.zeros((), dtype)),
+            _compat.ir.DenseI64ArrayAttr.get([0]), _compat.ir.DenseI64ArrayAttr.get([pad]),
+            _compat.ir.DenseI64ArrayAttr.get([0]))
+        call_ctx = ctx.replace(avals_in=[flat], avals_out=[flat])
+        aliases = {0: 0}  # The padded copy is an intermediate.
+    rule = jax.ffi.ffi_lowering(_ffi.ALLREDUCE_CUDA_TARGET, operand_output_aliases=aliases)
+    result, = rule(call_ctx, operand, **attrs)
+    if pad:
+        result = _compat.hlo.slice(result, _compat.ir.DenseI64ArrayAttr.get([0]),
+                                   _compat.ir.DenseI64ArrayAttr.get([count]),
+                                   _compat.ir.DenseI64ArrayAttr.get([1]))
+        result = _compat.hlo.reshape(_compat.ir_tensor_type(ctx, aval_in.shape, dtype), result)
+    return [result]
+
+
+def _nccl_rule(ctx: Any, x: Any, *, groups: list, devices: Sequence[Any], blocks: int | None,
+                   inplace: bool, fallback: Callable[..., Any], hierarchical: bool) -> Any:
+    """The `libra_allreduce_nccl` custom call, for groups that span processes:
+    NCCL with `blocks` as the call's CTA limit (cpp/libra/nccl.h).
+
+    Flat: every GPU is one NCCL rank of its group. Hierarchical (`hierarchical`: the
+    ``p2p`` path, which opts in to the P2P kernels), when every
+    process holds the same number L > 1 of each group's GPUs (and the kernels
+    serve the buffer): libra's P2P kernels sum inside the process, local GPU j
+    all-reduces slice j of the sum over NCCL with the j-th GPUs of the other
+    processes, and a second P2P pass gathers the slices (xla_ffi/cuda_allreduce.cc).
+    Each process lowers its own program: the call's tables map this process's
+    GPUs (by local ordinal) to their communicator, rank and local team.
+    Communicators' unique ids are exchanged now, through JAX's key-value store
+    (libra_jax._nccl).
+    """
+    ok, why = _nccl.available()
+    if not ok:
+        return fallback(reason=f"cuda across processes without NCCL ({why})")
+    aval_in, = ctx.avals_in
+    dtype = np.dtype(aval_in.dtype)
+    count = math.prod(aval_in.shape)
+    if count == 0:
+        return [x]
+    world = len(groups[0])
+    nbytes = count * dtype.itemsize
+    if blocks is None:
+        # Chosen now that the group size is known, from the shipped profile:
+        # every process must pick the same count (and, on older NCCL, the same
+        # communicator), and a host's own calibration is not shared here
+        # (optimize broadcasts process 0's profile; a bare psum cannot).
+        blocks = default_blocks(nbytes, world, model.BUILTIN_PROFILES["cuda"])
+    me = jax.process_index()
+    local = [d for d in devices if d.process_index == me]
+    # A GPU's local ordinal; a CPU mesh (lowering for cuda in tests) counts its devices.
+    ordinal = {d.id: (int(d.local_hardware_id) if d.platform == "gpu" else i)
+               for i, d in enumerate(local)}
+    per_process = [_by_process(devices, members) for members in groups]
+    sizes = {len(ids) for g in per_process for ids in g.values()}
+    local_world = sizes.pop() if len(sizes) == 1 and hierarchical else 1
+    if (local_world > _ffi.CUDA_MAX_RANKS or nbytes % CUDA_VECTOR_BYTES
+            or dtype not in CUDA_DTYPES):
+        local_world = 1  # flat: one NCCL rank per GPU
+    rows = 1 + max(ordinal.values(), default=0)
+    comm_ids = np.full(rows, -1, np.int64)
+    ranks = np.full(rows, -1, np.int32)
+    teams = np.full((rows, local_world), -1, np.int32)
+    for members, by_process in zip(groups, per_process):
+        if me not in by_process:
+            continue
+        if local_world == 1:  # ranks in XLA's group order
+            lines = [([devices[i].id for i in members], [devices[i] for i in members])]
+        else:  # line j: the j-th GPU of every process, processes in group order
+            line_devices = [[devices[ids[j]] for ids in by_process.values()]
+                            for j in range(local_world)]
+            lines = [([d.id for d in ds], ds) for ds in line_devices]
+        for ids, line in lines:
+            if not any(d.process_index == me for d in line):
+                continue
+            comm_id = _nccl.communicator(ids, blocks=blocks,
+                                         holds_root=line[0].process_index == me,
+                                         timeout_s=config.timeout_s())
+            for rank, d in enumerate(line):
+                if d.process_index == me:
+                    comm_ids[ordinal[d.id]] = comm_id
+                    ranks[ordinal[d.id]] = rank
+        team = [ordinal[devices[i].id] for i in by_process[me]]
+        for i in by_process[me]:
+            teams[ordinal[devices[i].id]] = team if local_world > 1 else [ordinal[devices[i].id]]
+    _ffi.ensure_cuda_registered()
+    rule = jax.ffi.ffi_lowering(_ffi.ALLREDUCE_NCCL_TARGET,
+                                operand_output_aliases={0: 0} if inplace else {})
+    return rule(ctx, x, comm_ids=comm_ids, ranks=ranks,
+                nranks=np.int64(world // local_world), ctas=np.int64(blocks),
+                local_teams=teams.reshape(-1), local_world=np.int64(local_world),
+                **_timeout_attr())
+
+
+def _by_process(devices: Sequence[Any], members: Sequence[int]) -> dict[int, list[int]]:
+    """A group's members (indices into `devices`) by process, in group order."""
+    out: dict[int, list[int]] = {}
+    for i in members:
+        out.setdefault(devices[i].process_index, []).append(i)
+    return out
+
+
+def xla_rule(ctx: Any, x: Any, *, axes: tuple, blocks: int, inplace: bool,
+                  invariant: bool, reason: str | None = None, quiet: bool = False) -> Any:
+    """XLA's own all-reduce, where the engine has no target (or, `quiet`, where it is
+    asked for: `optimize(collectives="xla")`); `blocks` is ignored."""
+    platforms = "/".join(ctx.module_context.platforms)
+    if not quiet:
+        warn_once(f"libra_jax.psum: no Libra all-reduce for {reason or platforms}; "
+                   "lowering to XLA's all-reduce (blocks ignored).")
+    aval_in, = ctx.avals_in
+    # A buffer packed during lowering (fused, start/done) carries no varying axes: psum's
+    # lowering is the same all-reduce as psum_invariant's and takes it.
+    varying = invariant and set(axes) <= set(_compat.varying_axes(aval_in))
+    prim, params = mirrored(varying, axes)
+    return _compat.lower_fun(partial(prim.bind, **params))(ctx, x)
+
+
+
+_RULES: dict[Platform, Rule] = {None: xla_rule, "cpu": cpu_rule, "cuda": cuda_rule,
+                                "xla": partial(xla_rule, quiet=True)}
+
+
+# --- Packing: one buffer per dtype ----------------------------------------------------
+
+def packed_layout(avals: Sequence[Any], align_bytes: int = PACK_ALIGN_BYTES
+                  ) -> list[tuple[np.dtype, list[int], int]]:
+    """Per dtype, in first-appearance order: (dtype, indices of its operands, element count
+    of its packed buffer, padded to a multiple of `align_bytes`)."""
+    by_dtype: dict[np.dtype, list[int]] = {}
+    for i, aval in enumerate(avals):
+        by_dtype.setdefault(np.dtype(aval.dtype), []).append(i)
+    out = []
+    for dtype, idx in by_dtype.items():
+        count = sum(int(math.prod(avals[i].shape)) for i in idx)
+        per_vector = max(1, align_bytes // dtype.itemsize)
+        out.append((dtype, idx, -(-count // per_vector) * per_vector))
+    return out
+
+
+def packed_avals(avals: Sequence[Any]) -> list[Any]:
+    """The types of start's results: one flat, padded buffer per dtype of `avals`."""
+    return [_compat.ShapedArray((n,), dtype) for dtype, _, n in packed_layout(avals)]
+
+
+def pack(ctx: Any, xs: Sequence[Any], idx: Sequence[int], padded: int) -> Any:
+    """The operands `idx` of a lowering (all of one dtype), flattened and concatenated into
+    one buffer of `padded` elements (zeros after them).
+
+    One `concatenate`: XLA fuses it (with the copy it inserts before an in-place all-reduce)
+    into one loop over the buffer that reads each element from its own operand only; a chain
+    of `dynamic-update-slice`s into a zeroed buffer was measured slower (the fused copy
+    re-evaluated the last operand's producer for every element). Emitted as HLO directly: it
+    involves no varying-axes typing."""
+    ety = _compat.ir.RankedTensorType(xs[idx[0]].type).element_type
+    sizes = [int(math.prod(ctx.avals_in[i].shape)) for i in idx]
+    parts = [_compat.hlo.reshape(_compat.ir.RankedTensorType.get([n], ety), xs[i])
+             for i, n in zip(idx, sizes)]
+    if padded > sum(sizes):
+        dtype = np.dtype(ctx.avals_in[idx[0]].dtype)
+        parts.append(_compat.ir_constant(np.zeros(padded - sum(sizes), dtype)))
+    if len(parts) == 1:
+        return parts[0]
+    return _compat.hlo.concatenate(parts, _compat.ir.IntegerAttr.get(
+        _compat.ir.IntegerType.get_signless(64), 0))
+
+
+def split(ctx: Any, flat: Any, flat_aval: Any, out_avals: Sequence[Any], idx: Sequence[int],
+          outs: list[Any]) -> None:
+    """The inverse of `pack`: `flat` cut into the results `idx` of one dtype (padding
+    dropped), each written to its place in `outs`."""
+    shapes = tuple(out_avals[i].shape for i in idx)
+    offsets = np.cumsum([0] + [int(math.prod(s)) for s in shapes])
+
+    def cut(v: Any) -> Any:
+        return tuple(v[offsets[k]:offsets[k + 1]].reshape(shape) for k, shape in enumerate(shapes))
+
+    parts = _compat.lower_fun(cut, multiple_results=True)(
+        ctx.replace(primitive=None, avals_in=[flat_aval],
+                    avals_out=[out_avals[i] for i in idx]), flat)
+    for i, part in zip(idx, parts):
+        outs[i] = part

@@ -1,0 +1,52 @@
+"""`libra_psum`: one psum, all-reduced by Libra's engine with a given block count.
+
+The primitive stands for exactly the psum `jax.lax.psum` would bind (`psum_invariant` under
+`shard_map(check_vma=True)`, `psum` otherwise, `lowering.mirrored`): its abstract evaluation
+*is* that primitive's, so output types (shape, dtype, weak type, varying axes) and effects
+are the same by construction; so are its transpose and batching. It differs in its lowering
+(`libra_jax.ops.lowering`). Params: ``axes`` (mesh axis names), ``blocks`` (an int, or None
+for `lowering.default_blocks`), ``inplace`` (the result aliases the operand), ``invariant``
+(it stands for `psum_invariant`).
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from libra_jax import _compat
+from libra_jax.ops import lowering
+from libra_jax.ops.base import register_op
+
+__all__ = ["libra_psum_p", "psum_abstract_eval"]
+
+
+def psum_abstract_eval(aval: Any, *, axes: tuple, blocks: int | None, inplace: bool,
+                       invariant: bool) -> Any:
+    """(type, effects) of one buffer's psum: the mirrored JAX primitive's."""
+    prim, params = lowering.mirrored(invariant, axes)
+    return prim.abstract_eval(aval, **params)
+
+
+def _transpose(ct: Any, x: Any, *, axes: tuple, blocks: int | None, inplace: bool,
+               invariant: bool) -> tuple:
+    if _compat.is_zero_cotangent(ct):
+        return (_compat.zero_cotangent(x),)
+    if invariant:  # psum_invariant's transpose: the cotangent, cast to varying.
+        return (_compat.pvary(ct, axes),)
+    # psum's transpose is psum (psum = psum + pbroadcast).
+    return (libra_psum_p.bind(ct, axes=axes, blocks=blocks, inplace=True, invariant=False),)
+
+
+def _batcher(axis_data: Any, vals_in: Sequence[Any], dims_in: Sequence[Any], *,
+             axes: tuple, blocks: int | None, inplace: bool, invariant: bool) -> tuple[Any, Any]:
+    (x,), (dim,) = vals_in, dims_in
+    if axis_data.name in axes:
+        # A vmapped axis among the reduced ones is reduced by XLA, as lax.psum does.
+        prim, params = lowering.mirrored(invariant, axes)
+        return _compat.jax_batcher(prim)(axis_data, vals_in, dims_in, **params)
+    return libra_psum_p.bind(x, axes=axes, blocks=blocks, inplace=inplace,
+                             invariant=invariant), dim
+
+
+libra_psum_p = register_op("libra_psum", abstract_eval=psum_abstract_eval,
+                           lowering=lowering.allreduce_rule, transpose=_transpose,
+                           batcher=_batcher)

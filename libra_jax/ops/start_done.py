@@ -1,0 +1,159 @@
+"""`libra_psum_start` / `libra_psum_done`: a gradient bucket's all-reduce beside the backward pass.
+
+Start/done all-reduces: a gradient bucket's all-reduce runs beside the backward pass.
+
+`libra_jax.optimize(step, overlap="start-done")` splits each planned gradient all-reduce
+(``overlap="auto"``, the default: each one the model picks) into two equations of the
+rewritten program:
+
+* ``libra_psum_start(*xs)``, where the bucket's last gradient is ready: packs the bucket
+  (per dtype: flatten, concatenate, zero-pad to 16 bytes) and launches the all-reduce
+  *in place* on the packed buffer. Its results are the packed buffers, in flight.
+* ``libra_psum_done(*flats)``, after the rest of the backward pass (`rewrite`: the pure
+  equations downstream of its results, the optimizer update, move with it; an effect or
+  another all-reduce that reads a result places it first): waits for the all-reduce and
+  splits the buffers into the psums' results.
+
+What runs in between is the compute the all-reduce overlaps. Per platform:
+
+* CUDA: start is the ``libra_allreduce_cuda_start`` custom call (the kernel on libra's own
+  stream, after an event from XLA's stream); done is ``libra_allreduce_cuda_done`` (XLA's
+  stream waits for the kernel's end event) and its output aliases its operand, the packed
+  buffer, so XLA keeps that buffer alive and unread until done.
+* CPU: start is ``libra_allreduce_cpu_start``: the device's buffer joins its round and the
+  call returns at once, so nothing is pending in XLA's program while the backward pass runs;
+  the engine reduces when the last rank arrives. done is ``libra_allreduce_cpu_done``: a
+  future for the end of that round (usually over by then), output aliased as on CUDA. (The
+  one-call handler is asynchronous too, but its future pending mid-program has a cost:
+  `benchmarks/results/end_to_end.md`.)
+* A buffer the engine does not serve (CUDA: dtype, group size, groups across processes; CPU:
+  groups across processes) is all-reduced in start by the platform's one-call lowering, and
+  done only splits it; elsewhere (TPU...) the same with XLA's all-reduce.
+
+Done has one more operand, the latest start's first gradient: XLA orders by data only, and
+this keeps every done after the last start. On a GPU, whether XLA's schedule keeps the
+kernel beside compute is what `benchmarks/gpu_check.sh` measures.
+`call_id` ties a start to its done: the CPU engine keys a started call by (call id, run id,
+group, rank), a run id being unique per execution; the CUDA handlers key their events by
+(GPU, call id). `optimize` numbers a program's pairs from a fingerprint of the program's
+structure, so a retrace yields the same program (JAX's compilation cache keeps working) and
+programs of another structure do not share ids. A GPU start whose id is still in flight (the
+same program dispatched from two threads at once) fails with an error rather than mixing the
+two; a pair inside a loop body is started and waited for in each iteration, in order.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from libra_jax import _compat, _ffi
+from libra_jax.ops import lowering
+from libra_jax.ops.base import Platform, Rule, register_op
+from libra_jax.ops.psum import psum_abstract_eval
+
+__all__ = ["libra_psum_start_p", "libra_psum_done_p"]
+
+
+# --- start ----------------------------------------------------------------------
+
+def start_abstract_eval(*avals: Any, axes: tuple, blocks: int, invariant: bool,
+                        call_id: int) -> Any:
+    effects: set = set()
+    for aval in avals:
+        _, eff = psum_abstract_eval(aval, axes=axes, blocks=blocks, inplace=True,
+                                    invariant=invariant)
+        effects |= set(eff)
+    return lowering.packed_avals(avals), effects
+
+
+def _start_lowering(platform: Platform) -> Rule:
+    sync_rule = lowering.allreduce_rule(platform)
+    engine = platform if platform in ("cpu", "cuda") else None
+
+    def rule(ctx: Any, *xs: Any, axes: tuple, blocks: int, invariant: bool,
+             call_id: int) -> list[Any]:
+        outs = []
+        for j, (dtype, idx, padded) in enumerate(lowering.packed_layout(ctx.avals_in)):
+            flat = _compat.ShapedArray((padded,), dtype)
+            flat_ctx = ctx.replace(primitive=None, avals_in=[flat], avals_out=[flat])
+            packed = lowering.pack(ctx, xs, idx, padded)
+            split_call = _split_call(engine, flat_ctx, axes, blocks)
+            if split_call is None:
+                result, = _compat.ir_values(sync_rule(flat_ctx, packed, axes=axes,
+                                                      blocks=blocks, inplace=True,
+                                                      invariant=invariant))
+            else:
+                target, operands, attrs = split_call
+                call = jax.ffi.ffi_lowering(target, operand_output_aliases={0: 0})
+                call_ctx = ctx.replace(primitive=None, avals_out=[flat], avals_in=[flat] + [
+                    _compat.ShapedArray((2,), np.int32)] * len(operands))
+                result, = call(call_ctx, packed, *operands, call_id=np.int64(call_id * 16 + j),
+                               **attrs)
+            outs.append(result)
+        return outs
+    return rule
+
+
+def _split_call(platform: str | None, flat_ctx: Any, axes: tuple,
+                blocks: int) -> tuple[str, list, dict] | None:
+    """(start target, its operands after the buffer, its attributes) where the platform's
+    engine can split this packed buffer's all-reduce into start and done; None where start
+    all-reduces it with the one-call lowering and done only splits. Start and done decide
+    alike (the same buffer, axes and blocks)."""
+    if platform == "cpu":
+        call, _ = lowering.cpu_call(flat_ctx, axes, blocks)
+        if call is None:
+            return None
+        rank_group, attrs = call
+        return _ffi.ALLREDUCE_CPU_START_TARGET, [rank_group], attrs
+    if platform == "cuda":
+        attrs, _ = lowering.cuda_kernel_attrs(flat_ctx, axes, blocks)
+        if not attrs:
+            return None
+        _ffi.ensure_cuda_registered()
+        return _ffi.ALLREDUCE_CUDA_START_TARGET, [], attrs
+    return None
+
+
+# --- done -----------------------------------------------------------------------
+
+def done_abstract_eval(*operands: Any, out_avals: tuple, axes: tuple, blocks: int,
+                       call_id: int) -> Any:
+    return list(out_avals), set()
+
+
+def _done_lowering(platform: Platform) -> Rule:
+    engine = platform if platform in ("cpu", "cuda") else None
+
+    def rule(ctx: Any, *operands: Any, out_avals: tuple, axes: tuple, blocks: int,
+             call_id: int) -> list[Any]:
+        *flats, after = operands  # `after` only orders done after it
+        outs: list[Any] = [None] * len(out_avals)
+        for j, ((dtype, idx, padded), flat, flat_aval) in enumerate(
+                zip(lowering.packed_layout(out_avals), flats, ctx.avals_in)):
+            flat_ctx = ctx.replace(primitive=None, avals_in=[flat_aval], avals_out=[flat_aval])
+            split_call = _split_call(engine, flat_ctx, axes, blocks)
+            if split_call is not None and engine == "cpu":
+                rank_group = split_call[1][0]
+                call = jax.ffi.ffi_lowering(_ffi.ALLREDUCE_CPU_DONE_TARGET,
+                                            operand_output_aliases={0: 0})
+                flat, = call(ctx.replace(primitive=None, avals_out=[flat_aval], avals_in=[
+                    flat_aval, _compat.ShapedArray((2,), np.int32), ctx.avals_in[-1]]),
+                    flat, rank_group, after, call_id=np.int64(call_id * 16 + j))
+            elif split_call is not None:  # cuda: XLA's stream waits for libra's
+                call = jax.ffi.ffi_lowering(_ffi.ALLREDUCE_CUDA_DONE_TARGET,
+                                            operand_output_aliases={1: 0})
+                flat, = call(ctx.replace(primitive=None, avals_in=[flat_aval, flat_aval],
+                                         avals_out=[flat_aval]),
+                             flat, flat, call_id=np.int64(call_id * 16 + j))
+            lowering.split(ctx, flat, flat_aval, out_avals, idx, outs)
+        return outs
+    return rule
+
+
+libra_psum_start_p = register_op("libra_psum_start", abstract_eval=start_abstract_eval,
+                                 lowering=_start_lowering, multiple_results=True)
+libra_psum_done_p = register_op("libra_psum_done", abstract_eval=done_abstract_eval,
+                                lowering=_done_lowering, multiple_results=True)
