@@ -15,7 +15,7 @@ gradient psum in one fused bucket, as XLA's all-reduce combiner does with the pl
 The optimized arm is `optimize`'s default, overlap="auto": per bucket, one call or a start/done
 pair, whichever the model prices lower (libra_jax/rewrite.py). `--modes` adds one arm per forced
 mode: overlap="sync" (one call per bucket) and overlap="start-done" (each all-reduce joins its
-round mid-backward and is waited for after the backward pass, libra_jax/overlap.py).
+round mid-backward and is waited for after the backward pass, libra_jax/ops/start_done.py).
 
 `--overlap` also runs one step per example with `LIBRA_JAX_DEBUG=1` in a subprocess and reads the
 engine's per-call log: an all-reduce whose first rank arrived before the previous all-reduce

@@ -1,24 +1,56 @@
 """libra_jax: contention-aware all-reduce for data-parallel JAX (Libra, INFOCOM 2023).
 
-The pure-Python parts (``libra_jax.planner``, ``libra_jax.model``) import without JAX
-or the compiled extension; the JAX front end is loaded on first attribute access.
+The public API is `__all__`; the documented modules are `libra_jax.model` (profiles and the
+contention model), `libra_jax.planner` (the dynamic program), `libra_jax.config` (the
+``LIBRA_JAX_*`` settings), `libra_jax.calibrate`, and `libra_jax.ops` (the primitives).
+
+Layers, lowest first; a module imports only from its own layer or below
+(`tests/test_layout.py` checks it):
+
+1. pure Python, no JAX: `config`, `planner`, `model`, `zoo`, `gantt`, `gpu_calibration`;
+2. JAX and the extension: `_compat`, `_ffi`, `_nccl`;
+3. the primitives: `ops`;
+4. the front ends: `allreduce` (`psum`), `rewrite` (`optimize`);
+5. tools: `explanation`, `calibrate`, `cli`.
+
+The JAX front end is loaded on first attribute access, so that ``import libra_jax.planner``
+needs neither JAX nor the compiled extension.
 """
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-# Public name -> module that defines it. Loaded lazily so that `import libra_jax.planner`
-# needs neither JAX nor the compiled extension.
+if TYPE_CHECKING:  # what a type checker sees; at run time they load lazily (`__getattr__`)
+    from libra_jax.allreduce import MAX_BLOCKS, default_blocks, patch_lax, pmean, psum
+    from libra_jax.explanation import Explanation, explain
+    from libra_jax.model import Profile, load_profile
+    from libra_jax.rewrite import OptimizeReport, PsumPlan, optimize, rewrite_jaxpr
+
+__all__ = [
+    "psum", "pmean", "patch_lax", "default_blocks", "MAX_BLOCKS",
+    "optimize", "rewrite_jaxpr", "OptimizeReport", "PsumPlan",
+    "explain", "Explanation",
+    "Profile", "load_profile",
+]
+
+# Public name -> module that defines it.
 _LAZY = {
     "psum": "libra_jax.allreduce",
     "pmean": "libra_jax.allreduce",
     "patch_lax": "libra_jax.allreduce",
+    "default_blocks": "libra_jax.allreduce",
     "MAX_BLOCKS": "libra_jax.allreduce",
     "optimize": "libra_jax.rewrite",
+    "rewrite_jaxpr": "libra_jax.rewrite",
+    "OptimizeReport": "libra_jax.rewrite",
+    "PsumPlan": "libra_jax.rewrite",
     "explain": "libra_jax.explanation",
+    "Explanation": "libra_jax.explanation",
+    "Profile": "libra_jax.model",
+    "load_profile": "libra_jax.model",
 }
 
 

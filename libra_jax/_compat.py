@@ -8,7 +8,8 @@ Tested with jax 0.10.2 and 0.12.x.
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -30,13 +31,15 @@ from jax.extend.core import jaxprs_in_params as _jaxprs_in_params
 
 __all__ = [
     "ClosedJaxpr", "Jaxpr", "Var", "jaxpr_as_fun", "closed_jaxpr", "jaxprs_in_params",
-    "mesh_axis_sizes", "distributed_client", "on_stream", "Primitive", "Tracer", "ShapedArray", "ir", "hlo", "psum_p", "psum_invariant_p",
+    "mesh_axis_sizes", "distributed_client", "on_stream", "Primitive", "Tracer", "ShapedArray", "ir", "hlo",
+    "psum_p", "psum_invariant_p",
     "apply_primitive", "deflinear", "register_batcher", "register_lowering", "lower_fun",
     "ir_constant", "ir_tensor_type", "jit_static_args", "made_by_transpose", "is_var",
     "check_vma_enabled", "auto_pcast_enabled", "varying_axes", "input_state",
     "pvary", "skip_size_one_axes", "axis_is_bound", "manual_axes", "replica_groups",
-    "mesh_devices", "ffi_target_registration", "device_index", "is_traced_argument", "is_zero_cotangent", "zero_cotangent",
-    "jax_version",
+    "mesh_devices", "ffi_target_registration", "device_index", "is_traced_argument", "is_zero_cotangent",
+    "zero_cotangent",
+    "jax_version", "PSUM_PRIMITIVES", "DEVICE_MAPS", "HigherOrder", "HIGHER_ORDER",
 ]
 
 Tracer = _core.Tracer
@@ -44,6 +47,40 @@ ShapedArray = _core.ShapedArray
 psum_p: Primitive = _parallel.psum_p
 psum_invariant_p: Primitive = _parallel.psum_invariant_p
 jax_version: tuple[int, ...] = tuple(int(p) for p in jax.__version__.split(".")[:3])
+
+
+# --- JAX's primitive names -------------------------------------------------------
+
+#: JAX's psum primitives -> whether the primitive is `psum_invariant` (check_vma's).
+PSUM_PRIMITIVES: dict[str, bool] = {"psum": False, "psum_invariant": True}
+#: Primitives that map a function over devices (where psums can be bound).
+DEVICE_MAPS = ("shard_map", "xla_pmap", "pmap")
+
+
+class HigherOrder(NamedTuple):
+    """What libra needs to know of a JAX higher-order primitive."""
+    loop: bool  # its body may run many times (scan, while)
+    mesh_param: str | None  # the param holding the mesh that binds its axes
+    aligned: str | None  # the param holding a sub-jaxpr whose inputs and outputs are the
+    #                      equation's, position by position (None: not so, e.g. cond, scan)
+
+
+#: The higher-order primitives whose sub-jaxprs `optimize` rewrites and `explain` follows.
+HIGHER_ORDER: dict[str, HigherOrder] = {
+    "jit": HigherOrder(False, None, "jaxpr"),
+    "pjit": HigherOrder(False, None, "jaxpr"),
+    "closed_call": HigherOrder(False, None, "call_jaxpr"),
+    "core_call": HigherOrder(False, None, "call_jaxpr"),
+    "remat2": HigherOrder(False, None, "jaxpr"),
+    "checkpoint": HigherOrder(False, None, "jaxpr"),
+    "custom_jvp_call": HigherOrder(False, None, "call_jaxpr"),
+    "custom_vjp_call": HigherOrder(False, None, "call_jaxpr"),
+    "custom_vjp_call_jaxpr": HigherOrder(False, None, "fun_jaxpr"),
+    "cond": HigherOrder(False, None, None),
+    "shard_map": HigherOrder(False, "mesh", "jaxpr"),
+    "scan": HigherOrder(True, None, None),
+    "while": HigherOrder(True, None, None),
+}
 
 
 # --- Primitive rules --------------------------------------------------------
@@ -84,7 +121,7 @@ def lower_fun(fun: Callable[..., Any], multiple_results: bool = False) -> Callab
     return _mlir.lower_fun(fun, multiple_results=multiple_results)
 
 
-def ir_constant(value: np.ndarray) -> ir.Value:
+def ir_constant(value: np.ndarray | np.generic) -> ir.Value:
     return _mlir.ir_constant(value)
 
 
@@ -266,4 +303,6 @@ def on_stream(fn: Callable[..., Any], stream: int) -> Callable[..., Any]:
             with compute_on(compute_type):
                 return jax.jit(fn)(*args, **kwargs)
         return annotated
-    return compute_on(compute_type=compute_type, out_memory_spaces=jax.memory.Space.Device)(fn)
+    # Typed for one jax version only: the ignore is unused on the other.
+    return compute_on(compute_type=compute_type,  # type: ignore[call-arg, unused-ignore]
+                      out_memory_spaces=jax.memory.Space.Device)(fn)

@@ -10,11 +10,11 @@ import contextlib
 import ctypes
 import os
 import threading
-from typing import Iterator
+from collections.abc import Iterator
 
 import jax
 
-from libra_jax import _libra_ffi  # type: ignore[attr-defined]
+from libra_jax import _libra_ffi
 
 ALLREDUCE_CPU_TARGET = "libra_allreduce_cpu"
 #: The same call split in two (libra_jax.overlap): start arrives, done waits.

@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Sequence
+from collections.abc import Sequence
 
-from libra_jax import _compat, config
-from libra_jax import _libra_ffi  # type: ignore[attr-defined]
+from libra_jax import (
+    _compat,
+    _libra_ffi,
+    config,
+)
 
 #: Environment variable naming the NCCL library to use (default: the
 #: libnccl.so.2 already loaded, e.g. by XLA, else the loader's search).
@@ -87,7 +90,7 @@ def communicator(global_ids: Sequence[int], *, blocks: int, holds_root: bool,
             try:
                 unique_id = client.blocking_key_value_get_bytes(store_key,
                                                                 config.kv_wait_ms(timeout_s))
-            except Exception as e:  # noqa: BLE001 - jaxlib raises its own error types
+            except Exception as e:
                 raise RuntimeError(
                     f"libra_jax: no NCCL unique id for the all-reduce over devices "
                     f"{list(global_ids)} after {timeout_s:g} s: the process holding its rank 0 "

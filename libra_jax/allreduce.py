@@ -16,8 +16,9 @@ to `jax.lax.psum`, silently.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Hashable, Iterator, Sequence
 from functools import partial
-from typing import Any, Hashable, Iterator, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -182,7 +183,7 @@ def _unbound_axis(x: Any, axis_name: Any, name: Any) -> None:
             f"axis named {name!r}.")
     try:
         _JAX_PSUM(x, axis_name)
-    except Exception as e:  # noqa: BLE001 - whatever JAX raises, as it raises it
+    except Exception as e:
         e.add_note(hint)
         raise
     raise NameError(f"unbound axis name: {name}. {hint}")  # JAX accepted it: say so anyway

@@ -75,9 +75,10 @@ import platform
 import random
 import sys
 import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -128,7 +129,7 @@ TINY = Budget(sizes=(64 * KIB, 512 * KIB), overlap_sizes=(256 * KIB,), blocks=(1
 # ----------------------------------------------------------------------------------------------
 
 
-def median_ci(values: Sequence[float], n_boot: int = 200, seed: int = 0) -> tuple[float, float, float]:
+def median_ci(values: Sequence[float] | np.ndarray, n_boot: int = 200, seed: int = 0) -> tuple[float, float, float]:
     """Median and a bootstrap 95% interval of the median."""
     v = np.asarray(values, float)
     if v.size == 0:
@@ -195,7 +196,7 @@ def host_cores() -> int:
         return os.cpu_count() or 1
 
 
-def fit_alone(nbytes: Sequence[float], blocks: Sequence[int], seconds: Sequence[float], workers: int,
+def fit_alone(nbytes: Sequence[float], blocks: Sequence[float], seconds: Sequence[float], workers: int,
               cores: float | None = None) -> Fit:
     """Fit ``beta`` (bytes/s per block), ``link`` (bytes/s), ``p`` and ``lat`` (s) to solo all-reduce times.
 
@@ -224,6 +225,7 @@ def fit_alone(nbytes: Sequence[float], blocks: Sequence[int], seconds: Sequence[
         r = least_squares(resid, np.clip(x, lo + 1e-9, hi - 1e-9), bounds=(lo, hi))
         if best is None or r.cost < best.cost:
             best = r
+    assert best is not None  # the loop ran at least once
     beta, link, p, lat = (float(v) for v in np.exp(best.x))
     rms, mx = _errors(alone_time_s(b, k, workers, beta, link, p, lat), t)
     return Fit({"beta_bytes_per_s": beta, "link_bytes_per_s": link, "softmin_p": p, "latency_s": lat}, rms, mx)
@@ -323,6 +325,7 @@ def fit_fair_share(blocks: Sequence[int], slowdowns: Sequence[float], cores: flo
                           loss="soft_l1", f_scale=0.1)  # robust: one disturbed window is not a trend
         if best is None or r.cost < best.cost:
             best = r
+    assert best is not None  # the loop ran at least once
     D = float(math.exp(best.x[0]))
     rms, mx = _errors(pred(D), s)
     return Fit({"compute_threads": D, "cores": P}, rms, mx)
@@ -352,7 +355,8 @@ def fusion_analysis(rows: Sequence[dict], n_boot: int = 40, seed: int = 0) -> di
         small = bool(r.get("small", False))
         pairs[small].setdefault(r["rep"], {})[r["fused"]] = r["seconds"]
         shape[small] = (float(r["bytes"]), int(r["tensors"]))
-    diffs = {k: np.array([p[True] - p[False] for p in v.values() if True in p and False in p]) for k, v in pairs.items()}
+    diffs = {k: np.array([p[True] - p[False] for p in v.values() if True in p and False in p])
+             for k, v in pairs.items()}
     out: dict[str, Any] = {"shapes": {("small" if k else "big"): list(v) for k, v in shape.items()},
                            "diff_s": {("small" if k else "big"): median_ci(d) for k, d in diffs.items() if d.size}}
     if not (diffs[False].size and diffs[True].size):
@@ -427,7 +431,7 @@ def _devices(n: int | None) -> list[Any]:
     if n is not None:
         try:
             jax.config.update("jax_num_cpu_devices", n)
-        except Exception:  # noqa: BLE001 - the backend is up: keep what it has
+        except Exception:
             pass
     devices = jax.devices("cpu")
     if n is not None:
@@ -444,7 +448,8 @@ class _Programs:
 
     def __init__(self, devices: list[Any], budget: Budget) -> None:
         import jax
-        from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+        from jax.sharding import Mesh, NamedSharding
+        from jax.sharding import PartitionSpec as P
 
         import libra_jax
 
@@ -806,7 +811,8 @@ def build_profile(analysis: dict[str, Any], *, workers: int, budget: Budget, sam
             "compute_unit_kind": "core",
             "compute_units": _q(max(1, round(analysis["cores"])), "measured", "cores this process may run on"),
             "peak_dense_tflop_per_s": {
-                "fp32": _q(flop / model.FLOP_PER_TFLOP, "measured", f"{budget.matmul_n}^2 f32 matmul chain, all devices"),
+                "fp32": _q(flop / model.FLOP_PER_TFLOP, "measured",
+                           f"{budget.matmul_n}^2 f32 matmul chain, all devices"),
                 "bf16": _q(flop / model.FLOP_PER_TFLOP, "assumption", "as fp32 (not measured)"),
             },
             "memory_gbyte_per_s": _q(mem / model.BYTES_PER_GBYTE, "measured", "streaming a*c+1 chain, all devices"),
@@ -858,7 +864,7 @@ def _meta(backend: str) -> dict[str, Any]:
                         "processor": platform.processor(), "cpu_count": os.cpu_count(),
                         "python": platform.python_version()},
             "backend": backend, "jax_version": jax.__version__, "libra_jax_version": libra_jax.__version__,
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
 
 
 def calibrate(budget: Budget = QUICK, *, devices: int | None = 8, progress: bool = True,
@@ -900,8 +906,10 @@ def summary(doc: dict[str, Any]) -> str:
         f"({a['peak']['memory_bytes_per_s'][1] / 1e9:.2f}-{a['peak']['memory_bytes_per_s'][2] / 1e9:.2f})",
         f"all-reduce per worker {s['beta_bytes_per_s'] / 1e9:.2f} GB/s "
         f"({ci['beta_bytes_per_s'][0] / 1e9:.2f}-{ci['beta_bytes_per_s'][1] / 1e9:.2f}), cap L "
-        f"{s['link_bytes_per_s'] / 1e9:.2f} GB/s ({ci['link_bytes_per_s'][0] / 1e9:.2f}-{ci['link_bytes_per_s'][1] / 1e9:.2f}), "
-        f"p {s['softmin_p']:.2f}, latency {s['latency_s'] * 1e6:.0f} us (arrival skew {a['alone']['arrival_skew_s'] * 1e6:.0f} us, "
+        f"{s['link_bytes_per_s'] / 1e9:.2f} GB/s "
+        f"({ci['link_bytes_per_s'][0] / 1e9:.2f}-{ci['link_bytes_per_s'][1] / 1e9:.2f}), "
+        f"p {s['softmin_p']:.2f}, latency {s['latency_s'] * 1e6:.0f} us "
+        f"(arrival skew {a['alone']['arrival_skew_s'] * 1e6:.0f} us, "
         f"not in the latency); one fit of alone and overlapped times: error rms {sf['rms_rel_error'] * 100:.1f}% "
         f"(alone {a['alone']['rms_rel_error'] * 100:.1f}%, max {a['alone']['max_rel_error'] * 100:.1f}%)",
         "slowdown  matmul " + ", ".join(f"k={k}: {v:.2f}" for k, v in a["slowdown"]["matmul"].items()),
@@ -909,11 +917,13 @@ def summary(doc: dict[str, Any]) -> str:
         f"          fair share: compute threads D = {fs['params']['compute_threads']:.2f} "
         f"(95% CI {fs['ci95']['compute_threads'][0]:.2f}-{fs['ci95']['compute_threads'][1]:.2f}); "
         f"fit error rms {fs['rms_rel_error'] * 100:.1f}%, max {fs['max_rel_error'] * 100:.1f}%",
-        f"overlap   all-reduces beside compute, on their fair share of the cores: error rms {o['rms_rel_error'] * 100:.1f}%, "
+        f"overlap   all-reduces beside compute, on their fair share of the cores: "
+        f"error rms {o['rms_rel_error'] * 100:.1f}%, "
         f"max {o['max_rel_error'] * 100:.1f}% ({a['overlap']['ended_inside_fraction'] * 100:.0f}% ended inside the "
         "compute window)",
         "fusion    train steps, fused minus one all-reduce per tensor: "
-        + ", ".join(f"{int(fc['shapes'][k][0]) >> 10} KiB in {fc['shapes'][k][1]} gradients {fc['diff_s'][k][0] * 1e3:+.2f} ms"
+        + ", ".join(f"{int(fc['shapes'][k][0]) >> 10} KiB in {fc['shapes'][k][1]} gradients "
+                    f"{fc['diff_s'][k][0] * 1e3:+.2f} ms"
                     for k in fc.get("diff_s", {}))
         + f" -> fusion costs 1 s per {rate / 1e9:.2f} GB (95% CI {rlo / 1e9:.2f}-{rhi / 1e9:.2f}), one more "
         f"all-reduce {fc['per_all_reduce_s'][0] * 1e6:.0f} us ({fc['per_all_reduce_s'][1] * 1e6:.0f}-"

@@ -23,8 +23,8 @@ import argparse
 import json
 import math
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 from libra_jax import model as cost_models
 from libra_jax import planner, zoo
@@ -56,12 +56,12 @@ def default_allocation(derivation: cost_models.Derivation) -> int:
 class Comparison:
     """Plans of every policy in :data:`POLICIES` for one workload and cost model."""
 
-    plans: dict[str, object]
+    plans: dict[str, planner.Plan]
     default_alloc: int
     fusion_bytes: int
 
     def backward_s(self, policy: str) -> float:
-        return self.plans[policy].backward_s  # type: ignore[attr-defined]
+        return self.plans[policy].backward_s
 
     def best_baseline(self) -> str:
         """The fastest of the baselines (everything except the two Libra policies)."""
@@ -93,7 +93,7 @@ def prefuse_groups(layers: Sequence[object], groups: int) -> list[tuple[int, int
     return out
 
 
-def compare_policies(layers: Sequence[object], cost: object, *, default_alloc: int,
+def compare_policies(layers: Sequence[planner.Layer], cost: planner.CostModel, *, default_alloc: int,
                      fusion_bytes: int = HOROVOD_FUSION_MIB * BYTES_PER_MIB,
                      prefuse: int = DEFAULT_PREFUSE) -> Comparison:
     """Plan ``layers`` under every policy of :data:`POLICIES`.
@@ -102,8 +102,6 @@ def compare_policies(layers: Sequence[object], cost: object, *, default_alloc: i
     :func:`prefuse_groups` of at most ``prefuse`` groups (0: the exact layers); their buckets are
     mapped back to layer indices and every reported time is ``simulate`` on the exact layers.
     """
-    from libra_jax import planner
-
     layers = list(layers)
     default = planner.plan_default(layers, cost, blocks=default_alloc, fusion_bytes=fusion_bytes)
     grouping = [(b.first, b.last) for b in default.buckets]
@@ -112,14 +110,14 @@ def compare_policies(layers: Sequence[object], cost: object, *, default_alloc: i
         coarse = [planner.Layer(sum(layers[i].compute_s for i in range(a, z + 1)),
                                 sum(layers[i].grad_bytes for i in range(a, z + 1))) for a, z in groups]
 
-        def exact(plan: object) -> object:
+        def exact(plan: planner.Plan) -> planner.Plan:
             buckets = [planner.Bucket(groups[b.first][0], groups[b.last][1], b.blocks)
-                       for b in plan.buckets]  # type: ignore[attr-defined]
+                       for b in plan.buckets]
             return planner.Plan(buckets, planner.simulate(layers, buckets, cost))
     else:
         coarse = layers
 
-        def exact(plan: object) -> object:
+        def exact(plan: planner.Plan) -> planner.Plan:
             return plan
     plans = {
         "default": default,
@@ -249,7 +247,8 @@ def _run_simulate(args: argparse.Namespace) -> int:
     else:
         print(f"model     {args.model}: {len(workload.layers)} layers, {workload.grad_bytes / BYTES_PER_MIB:.1f} MiB "
               f"of gradients, batch {workload.batch}")
-        print(f"compute   forward {workload.forward_s * 1e3:.2f} ms, backward {workload.backward_compute_s * 1e3:.2f} ms, "
+        print(f"compute   forward {workload.forward_s * 1e3:.2f} ms, "
+              f"backward {workload.backward_compute_s * 1e3:.2f} ms, "
               f"optimizer {workload.optimizer_s * 1e3:.2f} ms (full speed, {profile.device.name})")
         print(f"profile   {profile.name} ({profile.form}), {args.workers} workers, link "
               f"{derivation.link_bytes_per_s * 8 / 1e9:g} Gb/s, latency {derivation.cost.latency_s * 1e6:.1f} us, "
@@ -259,15 +258,18 @@ def _run_simulate(args: argparse.Namespace) -> int:
         for note in derivation.notes:
             print(f"note      {note}")
         print()
-        header = f"{'policy':<13} {'buckets':>7} {'allocations':<40} {'backward ms':>11} {'vs default':>10} {'iteration ms':>12}"
+        header = (f"{'policy':<13} {'buckets':>7} {'allocations':<40} {'backward ms':>11} {'vs default':>10} "
+                  f"{'iteration ms':>12}")
         print(header)
         print("-" * len(header))
         for name, plan in comparison.plans.items():
-            print(f"{name:<13} {len(plan.buckets):>7} {_alloc_summary(plan.buckets):<40} {plan.backward_s * 1e3:>11.2f} "
+            print(f"{name:<13} {len(plan.buckets):>7} {_alloc_summary(plan.buckets):<40} "
+                  f"{plan.backward_s * 1e3:>11.2f} "
                   f"{(plan.backward_s / base - 1) * 100:>+9.1f}% {(fixed + plan.backward_s) * 1e3:>12.2f}")
         libra = comparison.backward_s("libra")
         print()
-        print(f"Libra vs best baseline ({best_baseline}): backward {(1 - libra / comparison.backward_s(best_baseline)) * 100:.1f}% "
+        gain = (1 - libra / comparison.backward_s(best_baseline)) * 100
+        print(f"Libra vs best baseline ({best_baseline}): backward {gain:.1f}% "
               f"lower, iteration speedup {(fixed + comparison.backward_s(best_baseline)) / (fixed + libra):.3f}x")
     if args.gantt:
         from libra_jax import gantt
@@ -366,7 +368,7 @@ def _load_script(path: str) -> object:
         raise ValueError(f"{path} is not a Python file (a script defining build(small=False))")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    spec.loader.exec_module(module)
     if not callable(getattr(module, "build", None)):
         raise ValueError(f"{path} defines no build(small=False) -> (step, args)")
     return module

@@ -14,7 +14,8 @@ from __future__ import annotations
 import dataclasses
 import io
 import sys
-from typing import Any, Callable, Sequence, TextIO
+from collections.abc import Callable, Sequence
+from typing import Any, TextIO
 
 import jax
 
@@ -146,7 +147,8 @@ def _scope_plan(entry: dict, report: rewrite.OptimizeReport, names: dict) -> Sco
     # see `planner.plan`) is cut, as `optimize` cuts it.
     reach = entry.get("reach")
     default_buckets = planner.within_reach(
-        planner.plan_default(list(layers), cost, blocks=default_alloc, fusion_bytes=planner.HOROVOD_FUSION_BYTES).buckets,
+        planner.plan_default(list(layers), cost, blocks=default_alloc,
+                             fusion_bytes=planner.HOROVOD_FUSION_BYTES).buckets,
         reach)
     default = planner.Plan(default_buckets, planner.simulate(list(layers), default_buckets, cost))
     fusion_only = planner.plan_fusion_only(list(layers), cost, blocks=default_alloc, reach=reach)
@@ -212,8 +214,8 @@ def _result_names(closed: Any, out_shape: Any, report: rewrite.OptimizeReport) -
             continue  # a scalar (the loss): no parameter
         # Same number of elements (bias gradients may carry extra unit axes; pmap outputs a
         # leading device axis unless out_axes=None).
-        same = [i for i in positions if out_avals[i] is not None
-                and size in (_size(out_avals[i].shape), _size(out_avals[i].shape[1:]))]
+        same = [i for i in positions if (aval := out_avals[i]) is not None
+                and size in (_size(aval.shape), _size(aval.shape[1:]))]
         if same:
             raw[key] = _common_suffix([out_paths[i] for i in same]) or out_paths[same[0]]
     return _shorten(raw)
@@ -250,7 +252,7 @@ def _reach(jaxpr: Any, seeds: set, start: int, size: int) -> set[int]:
 
     live = {id(v) for v in seeds}
     for eqn in jaxpr.eqns[start:]:
-        hit = [i for i, v in enumerate(eqn.invars) if _is_var(v) and id(v) in live]
+        hit = [i for i, v in enumerate(eqn.invars) if _compat.is_var(v) and id(v) in live]
         if not hit:
             continue
         subs = _aligned_subjaxprs(eqn)
@@ -267,21 +269,16 @@ def _reach(jaxpr: Any, seeds: set, start: int, size: int) -> set[int]:
             outs = set(range(len(eqn.outvars)))
         live.update(id(eqn.outvars[i]) for i in outs
                     if i < len(eqn.outvars) and same_size(eqn.outvars[i]))
-    return {i for i, v in enumerate(jaxpr.outvars) if _is_var(v) and id(v) in live}
-
-
-# Sub-jaxprs whose inputs and outputs are the equation's, position by position.
-_ALIGNED = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr",
-            "shard_map": "jaxpr", "checkpoint": "jaxpr", "remat2": "jaxpr",
-            "custom_jvp_call": "call_jaxpr", "custom_vjp_call": "call_jaxpr",
-            "custom_vjp_call_jaxpr": "fun_jaxpr"}
+    return {i for i, v in enumerate(jaxpr.outvars) if _compat.is_var(v) and id(v) in live}
 
 
 def _aligned_subjaxprs(eqn: Any) -> list[Any]:
-    name = _ALIGNED.get(eqn.primitive.name)
+    rule = _compat.HIGHER_ORDER.get(eqn.primitive.name)
+    if rule is None:
+        return []
+    name = rule.aligned
     if name is None:
-        return [getattr(j, "jaxpr", j) for j in _compat.jaxprs_in_params(eqn.params)] \
-            if eqn.primitive.name in rewrite._RULES else []
+        return [getattr(j, "jaxpr", j) for j in _compat.jaxprs_in_params(eqn.params)]
     value = eqn.params.get(name)
     if value is None:
         value = eqn.params.get("fun_jaxpr", eqn.params.get("call_jaxpr"))
@@ -295,7 +292,6 @@ def _unnamed(var: Any, index: int) -> str:
     return "scalar (loss?)" if _size(shape) <= 1 else f"psum #{index} {list(shape)}"
 
 
-_is_var = _compat.is_var
 
 def _size(shape: Sequence[int]) -> int:
     n = 1

@@ -12,9 +12,10 @@ to install it.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover
     from libra_jax.planner import Bucket, CostModel, Layer
@@ -61,7 +62,7 @@ class Timeline:
     backward_s: float
 
 
-def timeline(layers: Sequence["Layer"], buckets: Sequence["Bucket"], cost: "CostModel") -> Timeline:
+def timeline(layers: Sequence[Layer], buckets: Sequence[Bucket], cost: CostModel) -> Timeline:
     """Replay the planner's semantics for ``buckets`` (which must tile ``layers``) under ``cost``."""
     n = len(layers)
     if n == 0:

@@ -26,8 +26,9 @@ import copy
 import csv
 import dataclasses
 import statistics
+from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 #: Blocks below this many are taken as the linear (unsaturated) part of the rate curve.
 LINEAR_BLOCKS = 8

@@ -96,10 +96,11 @@ import functools
 import json
 import math
 import os
-from types import MappingProxyType
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from types import MappingProxyType
+from typing import Any
 
 from libra_jax import config
 from libra_jax.planner import CostModel
@@ -189,7 +190,7 @@ def ring_algo_factor(workers: int) -> float:
     return workers / (2.0 * (workers - 1))
 
 
-def ring_latency_s(network: "NetworkSpec", workers: int) -> float:
+def ring_latency_s(network: NetworkSpec, workers: int) -> float:
     """Latency of one ring all-reduce: base plus one hop latency per step (NCCL tuning.cc shape).
 
     Steps that cross nodes (``2(nodes-1)`` of them) pay the inter-node hop latency, the others
@@ -198,7 +199,8 @@ def ring_latency_s(network: "NetworkSpec", workers: int) -> float:
     steps = ring_steps(workers)
     nodes = math.ceil(workers / network.devices_per_node)
     inter = 2 * (nodes - 1)
-    return network.base_latency_s + (steps - inter) * network.intra_step_latency_s + inter * network.inter_step_latency_s
+    return (network.base_latency_s + (steps - inter) * network.intra_step_latency_s
+            + inter * network.inter_step_latency_s)
 
 
 # ----------------------------------------------------------------------------------------------

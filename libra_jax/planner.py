@@ -113,9 +113,10 @@ from __future__ import annotations
 import itertools
 import math
 import numbers
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import TypeGuard
 
 import numpy as np
 
@@ -185,7 +186,7 @@ def no_overlap_allocation(cost: CostModel, nbytes: float, blocks_of: Callable[[i
 # ---------------------------------------------------------------------------------------------
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[numbers.Integral]:
     return type(value) is int or (isinstance(value, numbers.Integral) and not isinstance(value, bool))
 
 
@@ -499,7 +500,7 @@ def _check_reach(reach: Sequence[int] | None, n: int) -> list[int] | None:
     if len(reach) != n:
         raise ValueError(f"reach must give one layer index per layer ({n}), got {len(reach)}")
     for i, r in enumerate(reach):
-        if not _is_int(r) or not i <= r < n:
+        if not _is_int(r) or not i <= int(r) < n:
             raise ValueError(f"reach[{i}] must be an integer in [{i}, {n - 1}], got {r!r}")
     return [int(r) for r in reach]
 
@@ -767,12 +768,15 @@ def _search(comp: list[float], byts: list[int], cuts: list[int], free: bool, cos
             Q[empty] = P0[empty, None]
             valid = np.ones(E.shape, dtype=bool)
             valid[empty, 1:] = False
-            valid = valid.ravel()
-            E, Q, r = E.ravel()[valid], Q.ravel()[valid], r[valid]
+            keep = valid.ravel()
+            E, Q, r = E.ravel()[keep], Q.ravel()[keep], r[keep]
         else:
             E, Q = E.ravel(), Q.ravel()
 
-        def tie_keys(r: np.ndarray) -> tuple[np.ndarray, ...]:
+        # Bound now: called in this iteration only, but B023 cannot know that.
+        def tie_keys(r: np.ndarray, src_i: np.ndarray = src_i, sBlk: np.ndarray = sBlk,
+                     nbytes: np.ndarray = nbytes, sNb: np.ndarray = sNb,
+                     sId: np.ndarray = sId) -> tuple[np.ndarray, ...]:
             row, kk = np.divmod(r, K)
             src = src_i[row]
             blk = sBlk[src] + np.where(nbytes[row] > 0, keys[kk], 0)
@@ -1006,7 +1010,7 @@ def plan_exhaustive(layers: Sequence[Layer], cost: CostModel, *, fusion: bool = 
     radix = [K + 1] * (n - 1) + [K] if free else [K] * G
     weights = np.cumprod([1, *radix[:-1]]).astype(np.int64)
     best_t = math.inf
-    tied: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []  # codes, times, blocks, buckets
+    tied: list[tuple[np.ndarray, ...]] = []  # codes, times, blocks, buckets
     for lo in range(0, count, _EXHAUSTIVE_CHUNK):
         idx = np.arange(lo, min(count, lo + _EXHAUSTIVE_CHUNK), dtype=np.int64)
         T = np.zeros(idx.size)

@@ -9,7 +9,7 @@ Contract of the rewrite (`rewrite_jaxpr`):
   of a `libra_psum_fused` bucket.
 - Scope: psums are found in the jaxpr and, recursively, in the sub-jaxprs of
   `jit`, `shard_map`, `scan`, `while`, `cond`, `checkpoint` (remat),
-  `custom_jvp_call`, `custom_vjp_call` and `closed_call` (`_RULES`). A psum
+  `custom_jvp_call`, `custom_vjp_call` and `closed_call` (`_compat.HIGHER_ORDER`). A psum
   that cannot be served (`axis_index_groups`, positional axes) or that hides
   in a higher-order primitive without a rule stays an XLA psum, and a one-time
   warning lists it.
@@ -51,10 +51,10 @@ import hashlib
 import json
 import math
 import os
-from typing import Any, Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import jax
-import numpy as np
 
 from libra_jax import _compat, allreduce, config, model, planner
 from libra_jax.ops import XLA_TWINS, libra_psum_fused_p, libra_psum_p
@@ -186,7 +186,7 @@ class StaticArgs:
 
     @classmethod
     def of(cls, fn: Callable[..., Any], argnums: Any = None, argnames: Any = None
-           ) -> "StaticArgs":
+           ) -> StaticArgs:
         """The static arguments given, and a jitted `fn`'s own (`_compat.jit_static_args`)."""
         nums = (argnums,) if isinstance(argnums, int) else tuple(argnums or ())
         names = (argnames,) if isinstance(argnames, str) else tuple(argnames or ())
@@ -282,9 +282,9 @@ def shared_profile(resolve: Callable[[], model.Profile], *, program: str) -> mod
     profile differs from process 0's says so in a one-time warning.
 
     ``LIBRA_JAX_NO_PROFILE_BROADCAST=1`` (set it on every process) turns the broadcast off;
-    `check_plan_agreement` still catches any difference. A process that waits longer than ``LIBRA_JAX_TIMEOUT_S`` for process 0's
-    profile raises RuntimeError. `resolve` resolves this process's profile (once); in a single
-    process, its result is returned.
+    `check_plan_agreement` still catches any difference. A process that waits longer than
+    ``LIBRA_JAX_TIMEOUT_S`` for process 0's profile raises RuntimeError. `resolve` resolves
+    this process's profile (once); in a single process, its result is returned.
     """
     client = _compat.distributed_client()
     if (client is None or jax.process_count() == 1
@@ -306,7 +306,7 @@ def shared_profile(resolve: Callable[[], model.Profile], *, program: str) -> mod
     timeout_s = config.timeout_s()
     try:
         payload = json.loads(client.blocking_key_value_get(key, config.kv_timeout_ms()))
-    except Exception as exc:  # noqa: BLE001 - JAX raises its own runtime errors here
+    except Exception as exc:
         raise RuntimeError(
             f"libra_jax.optimize: process {jax.process_index()} waited {timeout_s:g} s "
             "(LIBRA_JAX_TIMEOUT_S) for process 0's profile and got none: process 0 may have "
@@ -443,7 +443,6 @@ class _Site:
     result: Any = None              # the psum's result variable (for `libra_jax.explain`)
 
 
-_PSUM_PRIMITIVES = {"psum": False, "psum_invariant": True}
 
 
 class _Rewriter:
@@ -554,12 +553,12 @@ class _Rewriter:
             if i in removed or i in moved:
                 continue
             eqn = replacements.get(i, eqns[i])
-            reads = {v for v in eqn.invars if _is_var(v)}
+            reads = {v for v in eqn.invars if _compat.is_var(v)}
             needed = [n for n, (defined, _) in enumerate(waiting) if defined & reads]
             if needed and not (eqn.effects or _is_psum(eqn) or i in dones):
                 defined, group = waiting[needed[-1]]
                 group.append(eqn)
-                defined.update(v for v in eqn.outvars if _is_var(v))
+                defined.update(v for v in eqn.outvars if _compat.is_var(v))
                 continue
             if needed:
                 place(waiting[:needed[-1] + 1])
@@ -569,7 +568,7 @@ class _Rewriter:
             if i in dones:
                 latest.append(eqn.invars[0])
                 group = [dones[i]] + after
-                waiting.append(({v for e in group for v in e.outvars if _is_var(v)}, group))
+                waiting.append(({v for e in group for v in e.outvars if _compat.is_var(v)}, group))
             else:
                 out.extend(after)
         place(waiting)
@@ -607,10 +606,10 @@ class _Rewriter:
         readers: dict[Any, list[int]] = {}
         for i, eqn in enumerate(eqns):
             for v in eqn.invars:
-                if _is_var(v):
+                if _compat.is_var(v):
                     readers.setdefault(v, []).append(i)
         for v in outvars:
-            if _is_var(v):
+            if _compat.is_var(v):
                 readers.setdefault(v, []).append(len(eqns))  # read after the last equation
         return [_region_roofline_s(eqns, [i for i in sorted(r) if shared[i] == 1
                                           and not eqns[i].effects], readers, self.profile)
@@ -629,10 +628,10 @@ class _Rewriter:
                                         grad_bytes=int(site.nbytes)))
             start = site.index + 1
         cost = derivation.cost
-        if self.options.blocks is not None:
+        fixed = self.options.blocks
+        if fixed is not None:
             # The profile's option nearest the fixed block count stands for it in the model.
-            key = min(cost.slowdown, key=lambda k: (abs(derivation.launch_shape(k)[0]
-                                                        - self.options.blocks), k))
+            key = min(cost.slowdown, key=lambda k: (abs(derivation.launch_shape(k)[0] - fixed), k))
             if self.options.fusion:
                 buckets = planner.plan_fusion_only(layers, cost, blocks=key, reach=reach).buckets
             else:
@@ -663,7 +662,7 @@ class _Rewriter:
 
     def site(self, index: int, eqn: Any, scope: str) -> _Site | None:
         name = eqn.primitive.name
-        if name in _PSUM_PRIMITIVES:
+        if name in _compat.PSUM_PRIMITIVES:
             axes = tuple(eqn.params["axes"])
             if eqn.params.get("axis_index_groups") is not None:
                 self.report.skipped.append(f"{name} with axis_index_groups in {scope}")
@@ -675,7 +674,7 @@ class _Rewriter:
             if allreduce.engine_dtype(aval.dtype) is None:
                 self.report.skipped.append(f"{name} of {aval.dtype} in {scope}")
                 return None
-            return _Site(index, axes, _PSUM_PRIMITIVES[name], _nbytes(aval), None,
+            return _Site(index, axes, _compat.PSUM_PRIMITIVES[name], _nbytes(aval), None,
                          eqn.outvars[0])
         if eqn.primitive is libra_psum_p:
             p = eqn.params
@@ -684,13 +683,13 @@ class _Rewriter:
         return None
 
     def sub_jaxprs(self, eqn: Any, axis_sizes: dict, scope: str, in_loop: bool) -> Any:
-        rule = _RULES.get(eqn.primitive.name)
+        rule = _compat.HIGHER_ORDER.get(eqn.primitive.name)
         if rule is None:
             if any(_contains_psum(j) for j in _compat.jaxprs_in_params(eqn.params)):
                 self.report.skipped.append(
                     f"psum inside '{eqn.primitive.name}' (no rewrite rule) in {scope}")
             return eqn
-        loop, mesh_param = rule
+        loop, mesh_param = rule.loop, rule.mesh_param
         sizes = dict(axis_sizes)
         if mesh_param is not None:
             sizes.update(_compat.mesh_axis_sizes(eqn.params[mesh_param]))
@@ -710,24 +709,6 @@ class _Rewriter:
         return base if n == 1 else f"{base}#{n}"
 
 
-# Higher-order primitives whose sub-jaxprs are rewritten: name -> (is a loop, mesh param).
-_RULES: dict[str, tuple[bool, str | None]] = {
-    "jit": (False, None),
-    "pjit": (False, None),
-    "closed_call": (False, None),
-    "core_call": (False, None),
-    "remat2": (False, None),
-    "checkpoint": (False, None),
-    "custom_jvp_call": (False, None),
-    "custom_vjp_call": (False, None),
-    "custom_vjp_call_jaxpr": (False, None),
-    "cond": (False, None),
-    "shard_map": (False, "mesh"),
-    "scan": (True, None),
-    "while": (True, None),
-}
-
-
 #: What `optimize` says of a step with no psum and no `shard_map`/`pmap`: a GSPMD step (its
 #: collectives come later, from XLA's partitioner) or a single-device one.
 NO_COLLECTIVES_NOTICE = (
@@ -740,7 +721,7 @@ NO_COLLECTIVES_NOTICE = (
 def _maps_devices(jaxpr: Any) -> bool:
     """Whether `jaxpr` holds a psum or a `shard_map`/`pmap` (where psums could be)."""
     for eqn in jaxpr.eqns:
-        if _is_psum(eqn) or eqn.primitive.name in ("shard_map", "xla_pmap", "pmap"):
+        if _is_psum(eqn) or eqn.primitive.name in _compat.DEVICE_MAPS:
             return True
         if any(_maps_devices(getattr(j, "jaxpr", j)) for j in _compat.jaxprs_in_params(eqn.params)):
             return True
@@ -760,7 +741,7 @@ def _map_jaxprs(value: Any, fn: Callable[[Any], Any]) -> Any:
 
 
 def _is_psum(eqn: Any) -> bool:
-    return (eqn.primitive.name in _PSUM_PRIMITIVES
+    return (eqn.primitive.name in _compat.PSUM_PRIMITIVES
             or eqn.primitive in (libra_psum_p, libra_psum_fused_p,
                                  libra_psum_start_p))
 
@@ -775,10 +756,10 @@ def _warn_invariant_operands(eqns: Sequence[Any], sites: Sequence[_Site]) -> Non
     """`allreduce.warn_invariant_operand` for a psum whose operand is a `pvary` of the
     program (not of autodiff's transpose) over its axes: `lax.psum` casts an array that is
     already invariant that way (under `check_vma`) before summing it."""
-    producer = {v: eqn for eqn in eqns for v in eqn.outvars if _is_var(v)}
+    producer = {v: eqn for eqn in eqns for v in eqn.outvars if _compat.is_var(v)}
     for site in sites:
         operand = eqns[site.index].invars[0]
-        cast = producer.get(operand) if _is_var(operand) else None
+        cast = producer.get(operand) if _compat.is_var(operand) else None
         if (cast is not None and cast.primitive.name == "pvary"
                 and not _compat.made_by_transpose(cast)
                 and set(site.axes) <= set(cast.params.get("axes", ()))):
@@ -797,8 +778,8 @@ def _backward_sites(eqns: Sequence[Any], sites: Sequence[_Site]) -> set[int] | N
     for i, eqn in enumerate(eqns):
         made = _compat.made_by_transpose(eqn)
         seen_backward |= made
-        if made or any(_is_var(v) and v in derived for v in eqn.invars):
-            derived.update(v for v in eqn.outvars if _is_var(v))
+        if made or any(_compat.is_var(v) and v in derived for v in eqn.invars):
+            derived.update(v for v in eqn.outvars if _compat.is_var(v))
             if i in site_index:
                 out.add(i)
     return out if seen_backward else None
@@ -816,22 +797,22 @@ def _terminal_sites(eqns: Sequence[Any], sites: Sequence[_Site], outvars: Sequen
         eqn = eqns[i]
         hides_psum = any(_contains_psum(j) for j in _compat.jaxprs_in_params(eqn.params))
         reaches = (i in site_index or hides_psum
-                   or any(_is_var(v) and v in feeds_psum for v in eqn.outvars))
-        if i in site_index and not any(v in feeds_psum for v in eqn.outvars if _is_var(v)):
+                   or any(_compat.is_var(v) and v in feeds_psum for v in eqn.outvars))
+        if i in site_index and not any(v in feeds_psum for v in eqn.outvars if _compat.is_var(v)):
             terminal.add(i)
         if reaches:
-            feeds_psum.update(v for v in eqn.invars if _is_var(v))
+            feeds_psum.update(v for v in eqn.invars if _compat.is_var(v))
     return terminal
 
 
 def _downstream_of(eqns: Sequence[Any], seeds: Sequence[Any]) -> set[int]:
     """Indices of the equations that (transitively) use one of the `seeds` variables."""
-    tainted = {v for v in seeds if _is_var(v)}
+    tainted = {v for v in seeds if _compat.is_var(v)}
     out: set[int] = set()
     for i, eqn in enumerate(eqns):
-        if any(_is_var(v) and v in tainted for v in eqn.invars):
+        if any(_compat.is_var(v) and v in tainted for v in eqn.invars):
             out.add(i)
-            tainted.update(v for v in eqn.outvars if _is_var(v))
+            tainted.update(v for v in eqn.outvars if _compat.is_var(v))
     return out
 
 
@@ -841,13 +822,13 @@ def _sunk(eqns: Sequence[Any], bucket: Sequence[_Site]) -> list[int]:
     move to just after it; `_reach` guarantees that no member needs them."""
     first, last = bucket[0].index, bucket[-1].index
     members = {s.index for s in bucket}
-    tainted = {v for s in bucket[:-1] for v in eqns[s.index].outvars if _is_var(v)}
+    tainted = {v for s in bucket[:-1] for v in eqns[s.index].outvars if _compat.is_var(v)}
     out = []
     for i in range(first + 1, last):
         eqn = eqns[i]
-        if i not in members and any(_is_var(v) and v in tainted for v in eqn.invars):
+        if i not in members and any(_compat.is_var(v) and v in tainted for v in eqn.invars):
             out.append(i)
-            tainted.update(v for v in eqn.outvars if _is_var(v))
+            tainted.update(v for v in eqn.outvars if _compat.is_var(v))
     return out
 
 
@@ -871,7 +852,7 @@ def _reach(eqns: Sequence[Any], members: Sequence[_Site]) -> list[int]:
     for i, eqn in enumerate(eqns):
         mask = 0
         for v in eqn.invars:
-            if _is_var(v):
+            if _compat.is_var(v):
                 mask |= depends.get(v, 0)
         m = member_of.get(i)
         stop = m if m is not None else (bisect.bisect_left(index, i) if eqn.effects else None)
@@ -886,14 +867,14 @@ def _reach(eqns: Sequence[Any], members: Sequence[_Site]) -> list[int]:
             mask |= 1 << m
         if mask:
             for v in eqn.outvars:
-                if _is_var(v):
+                if _compat.is_var(v):
                     depends[v] = mask
     return [max(m, limit[m] - 1) for m in range(len(members))]
 
 
 def _single(eqn: Any, site: _Site, blocks: int, invars: set) -> Any:
     operand = eqn.invars[0]
-    inplace = not (_is_var(operand) and operand in invars)
+    inplace = not (_compat.is_var(operand) and operand in invars)
     return eqn.replace(primitive=libra_psum_p,
                        params=dict(axes=site.axes, blocks=int(blocks), inplace=inplace,
                                    invariant=site.invariant))
@@ -950,7 +931,6 @@ def _fingerprint(jaxpr: Any) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
-_is_var = _compat.is_var
 
 def _nbytes(aval: Any) -> int:
     # `dtype.itemsize`, not np.dtype(...): JAX's extended dtypes (a PRNG key's key<fry>, 8
@@ -991,8 +971,8 @@ def _region_roofline_s(eqns: Sequence[Any], region: Sequence[int],
     `_roofline_s` over an elementwise chain counts every intermediate twice). `readers`:
     per variable, the positions of the equations that read it (past the end: an output)."""
     inside = set(region)
-    defined = {v for i in region for v in eqns[i].outvars if _is_var(v)}
-    read = {v for i in region for v in eqns[i].invars if _is_var(v) and v not in defined}
+    defined = {v for i in region for v in eqns[i].outvars if _compat.is_var(v)}
+    read = {v for i in region for v in eqns[i].invars if _compat.is_var(v) and v not in defined}
     written = {v for v in defined if any(j not in inside for j in readers.get(v, ()))}
     moved = sum(_nbytes(v.aval) for v in read | written if hasattr(v.aval, "shape"))
     device = profile.device

@@ -30,8 +30,9 @@ element); :func:`backward_layers` takes the larger of the FLOP time and the byte
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover - import for type checkers only
     from libra_jax.planner import Layer
@@ -347,7 +348,7 @@ def get_model(name: str, **kwargs: int | float) -> ModelSpec:
         builder = _BUILDERS[name]
     except KeyError:
         raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODEL_NAMES)}") from None
-    return builder(**kwargs)  # type: ignore[arg-type]
+    return builder(**kwargs)
 
 
 def _roofline_s(flops: float, act_bytes: float, weight_bytes: float, batch: int,
@@ -363,7 +364,7 @@ def _check_rates(batch: int, flop_per_s: float, bytes_per_s: float) -> None:
             raise ValueError(f"{label} must be positive and finite, got {value}")
 
 
-def backward_layers(spec: ModelSpec, *, batch: int, flop_per_s: float, bytes_per_s: float) -> list["Layer"]:
+def backward_layers(spec: ModelSpec, *, batch: int, flop_per_s: float, bytes_per_s: float) -> list[Layer]:
     """The model's backward pass as planner layers, in backward order (first = finishes first).
 
     Each parameterised op becomes one :class:`~libra_jax.planner.Layer` whose gradient is ready
@@ -429,7 +430,7 @@ class Workload:
 
     model: str
     batch: int
-    layers: tuple["Layer", ...]
+    layers: tuple[Layer, ...]
     forward_s: float
     optimizer_s: float
 

@@ -15,14 +15,15 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from libra_jax import _compat
 
 __all__ = ["Platform", "PLATFORMS", "XLA_TWINS", "register_op", "warn_once"]
 
 #: What a lowering is built for: None (the default rule), "cpu", "cuda", or "xla" (the twin).
-Platform = Optional[str]
+Platform = str | None
 #: The platforms an op registers a rule of its own for (None: every other one).
 PLATFORMS: tuple[Platform, ...] = (None, "cpu", "cuda")
 Rule = Callable[..., Any]

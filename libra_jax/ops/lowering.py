@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -233,7 +234,7 @@ def cuda_rule(ctx: Any, x: Any, *, axes: tuple, blocks: int, inplace: bool,
         call_ctx = ctx.replace(avals_in=[flat], avals_out=[flat])
         aliases = {0: 0}  # The padded copy is an intermediate.
     rule = jax.ffi.ffi_lowering(_ffi.ALLREDUCE_CUDA_TARGET, operand_output_aliases=aliases)
-    result, = rule(call_ctx, operand, **attrs)
+    result, = _compat.ir_values(rule(call_ctx, operand, **attrs))
     if pad:
         result = _compat.hlo.slice(result, _compat.ir.DenseI64ArrayAttr.get([0]),
                                    _compat.ir.DenseI64ArrayAttr.get([count]),
@@ -242,7 +243,7 @@ def cuda_rule(ctx: Any, x: Any, *, axes: tuple, blocks: int, inplace: bool,
     return [result]
 
 
-def _nccl_rule(ctx: Any, x: Any, *, groups: list, devices: Sequence[Any], blocks: int | None,
+def _nccl_rule(ctx: Any, x: Any, *, groups: Sequence[Sequence[int]], devices: Sequence[Any], blocks: int | None,
                    inplace: bool, fallback: Callable[..., Any], hierarchical: bool) -> Any:
     """The `libra_allreduce_nccl` custom call, for groups that span processes:
     NCCL with `blocks` as the call's CTA limit (cpp/libra/nccl.h).
@@ -382,8 +383,8 @@ def pack(ctx: Any, xs: Sequence[Any], idx: Sequence[int], padded: int) -> Any:
     involves no varying-axes typing."""
     ety = _compat.ir.RankedTensorType(xs[idx[0]].type).element_type
     sizes = [int(math.prod(ctx.avals_in[i].shape)) for i in idx]
-    parts = [_compat.hlo.reshape(_compat.ir.RankedTensorType.get([n], ety), xs[i])
-             for i, n in zip(idx, sizes)]
+    parts: list[Any] = [_compat.hlo.reshape(_compat.ir.RankedTensorType.get([n], ety), xs[i])
+                        for i, n in zip(idx, sizes)]
     if padded > sum(sizes):
         dtype = np.dtype(ctx.avals_in[idx[0]].dtype)
         parts.append(_compat.ir_constant(np.zeros(padded - sum(sizes), dtype)))

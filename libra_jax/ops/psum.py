@@ -10,7 +10,8 @@ for `lowering.default_blocks`), ``inplace`` (the result aliases the operand), ``
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from libra_jax import _compat
 from libra_jax.ops import lowering

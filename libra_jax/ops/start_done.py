@@ -89,8 +89,8 @@ def _start_lowering(platform: Platform) -> Rule:
                 call = jax.ffi.ffi_lowering(target, operand_output_aliases={0: 0})
                 call_ctx = ctx.replace(primitive=None, avals_out=[flat], avals_in=[flat] + [
                     _compat.ShapedArray((2,), np.int32)] * len(operands))
-                result, = call(call_ctx, packed, *operands, call_id=np.int64(call_id * 16 + j),
-                               **attrs)
+                result, = _compat.ir_values(call(
+                    call_ctx, packed, *operands, call_id=np.int64(call_id * 16 + j), **attrs))
             outs.append(result)
         return outs
     return rule
@@ -131,7 +131,7 @@ def _done_lowering(platform: Platform) -> Rule:
              call_id: int) -> list[Any]:
         *flats, after = operands  # `after` only orders done after it
         outs: list[Any] = [None] * len(out_avals)
-        for j, ((dtype, idx, padded), flat, flat_aval) in enumerate(
+        for j, ((_, idx, _), flat, flat_aval) in enumerate(
                 zip(lowering.packed_layout(out_avals), flats, ctx.avals_in)):
             flat_ctx = ctx.replace(primitive=None, avals_in=[flat_aval], avals_out=[flat_aval])
             split_call = _split_call(engine, flat_ctx, axes, blocks)

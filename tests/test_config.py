@@ -1,0 +1,95 @@
+"""Tests of libra_jax.config: every LIBRA_JAX_* setting read in one place, and a bad value is a
+ValueError naming its variable (the timeout's end-to-end effects: tests/test_allreduce.py)."""
+from __future__ import annotations
+
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from libra_jax import config
+
+PACKAGE = Path(config.__file__).parent
+
+
+def test_only_config_reads_libra_settings_from_the_environment():
+    # One home: a module other than config that reads a LIBRA_JAX_* variable would be a second
+    # place its parsing and its error live (the libraries' paths are read where they load).
+    allowed = {"config.py": None, "_ffi.py": {"LIBRA_JAX_FFI_LIBRARY"},
+               "_nccl.py": {"LIBRA_JAX_NCCL_LIBRARY"}}
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        text = path.read_text()
+        if "os.environ" not in text and "getenv" not in text:
+            continue
+        names = set(re.findall(r'"(LIBRA_JAX_[A-Z_]+)"', text))
+        rel = str(path.relative_to(PACKAGE))
+        if rel in allowed and (allowed[rel] is None or names <= allowed[rel]):
+            continue
+        if names:
+            found[rel] = sorted(names)
+    assert not found, found
+
+
+@pytest.mark.parametrize("raw, seconds", [("", 300.0), ("2.5", 2.5), ("0", math.inf),
+                                          ("inf", math.inf), ("1e7", 1e7), (" 3 ", 3.0)])
+def test_timeout_seconds(monkeypatch, raw, seconds):
+    monkeypatch.setenv(config.TIMEOUT_ENV, raw)
+    assert config.timeout_s() == seconds
+
+
+@pytest.mark.parametrize("seconds, ms", [(0.0004, 1), (1.0005, 1001), (300, 300_000),
+                                         (1e7, 2**31 - 1), (math.inf, 2**31 - 1)])
+def test_key_value_waits_are_whole_milliseconds_a_c_int_holds(seconds, ms):
+    assert config.kv_wait_ms(seconds) == ms
+
+
+@pytest.mark.parametrize("name, read, raw", [
+    (config.CUDA_PATH_ENV, config.cuda_path, "nvlink"),
+    (config.CUDA_ALGORITHM_ENV, config.cuda_algorithm, "threeshot"),
+    (config.OVERLAP_ENV, lambda: config.overlap_mode(None), "later"),
+    (config.TIMEOUT_ENV, config.timeout_s, "soon"),
+])
+def test_a_bad_value_names_its_variable(monkeypatch, name, read, raw):
+    monkeypatch.setenv(name, raw)
+    with pytest.raises(ValueError, match=re.escape(name)):
+        read()
+
+
+def test_choices_and_their_defaults(monkeypatch):
+    for name in (config.CUDA_PATH_ENV, config.CUDA_ALGORITHM_ENV, config.OVERLAP_ENV,
+                 config.DISABLE_ENV, config.NO_PROFILE_BROADCAST_ENV):
+        monkeypatch.delenv(name, raising=False)
+    assert config.cuda_path() == "xla"
+    assert config.cuda_algorithm() == 0
+    assert config.overlap_mode(None) == "auto"
+    assert config.overlap_mode("sync") == "sync"
+    assert not config.optimize_disabled() and config.profile_broadcast()
+    monkeypatch.setenv(config.CUDA_PATH_ENV, " P2P ")
+    monkeypatch.setenv(config.CUDA_ALGORITHM_ENV, "twoshot")
+    monkeypatch.setenv(config.DISABLE_ENV, "1")
+    monkeypatch.setenv(config.NO_PROFILE_BROADCAST_ENV, "1")
+    assert config.cuda_path() == "p2p" and config.cuda_algorithm() == 2
+    assert config.optimize_disabled() and not config.profile_broadcast()
+    monkeypatch.setenv(config.DISABLE_ENV, "0")
+    assert not config.optimize_disabled()
+    with pytest.raises(ValueError, match="overlap must be one of"):
+        config.overlap_mode("later")
+
+
+def test_calibrated_profile_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv(config.PROFILE_DIR_ENV, str(tmp_path))
+    assert config.calibrated_profile_dir() == tmp_path
+    monkeypatch.delenv(config.PROFILE_DIR_ENV)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert config.calibrated_profile_dir() == tmp_path / "cache" / "libra_jax" / "profiles"
+
+
+def test_config_is_read_when_used_not_at_import():
+    code = ("import os; from libra_jax import config; os.environ['LIBRA_JAX_TIMEOUT_S'] = '7'; "
+            "print(config.timeout_ms())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "7000"
