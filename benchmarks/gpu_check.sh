@@ -128,7 +128,7 @@ if [ -z "$CUDACXX" ]; then
   exit 1
 fi
 
-# --- 2. One build: the Python extension and the harness -------------------------
+# --- 2. One build: the Python extension and the harness (cpp/tools/harness.cc) ---
 site=$work/site
 build=$work/build
 rm -rf "$site"

@@ -16,10 +16,14 @@ import jax
 
 from libra_jax import _libra_ffi
 
-ALLREDUCE_CPU_TARGET = "libra_allreduce_cpu"
+#: Role ("cpu", "cpu_start", "cpu_done", "cuda", "cuda_start", "cuda_done", "nccl") -> FFI
+#: target name, from the extension's one registration table (xla_ffi/registry.cc), which
+#: also names the CUDA targets in a build without CUDA.
+TARGETS: dict[str, str] = dict(_libra_ffi.TARGETS)
+ALLREDUCE_CPU_TARGET = TARGETS["cpu"]
 #: The same call split in two (libra_jax.overlap): start arrives, done waits.
-ALLREDUCE_CPU_START_TARGET = "libra_allreduce_cpu_start"
-ALLREDUCE_CPU_DONE_TARGET = "libra_allreduce_cpu_done"
+ALLREDUCE_CPU_START_TARGET = TARGETS["cpu_start"]
+ALLREDUCE_CPU_DONE_TARGET = TARGETS["cpu_done"]
 MAX_BLOCKS: int = _libra_ffi.MAX_BLOCKS
 MIN_CHUNK_BYTES: int = _libra_ffi.MIN_CHUNK_BYTES
 
@@ -32,27 +36,80 @@ _registered = False
 FFI_LIBRARY_ENV = "LIBRA_JAX_FFI_LIBRARY"
 
 
+# The layout of xla_ffi/registry.h's structs (LibraFfiRegistry() of a shared library).
+_STAGES = ("instantiate", "prepare", "initialize", "execute")
+
+
+class _Target(ctypes.Structure):
+    _fields_ = [("role", ctypes.c_char_p), ("name", ctypes.c_char_p),
+                ("platform", ctypes.c_char_p)] + [(stage, ctypes.c_void_p) for stage in _STAGES]
+
+
+class _Type(ctypes.Structure):
+    _fields_ = [("name", ctypes.c_char_p), ("platform", ctypes.c_char_p),
+                ("type_id", ctypes.CFUNCTYPE(ctypes.c_void_p)),
+                ("type_info", ctypes.CFUNCTYPE(ctypes.c_void_p))]
+
+
+class _Table(ctypes.Structure):
+    _fields_ = [("version", ctypes.c_int), ("num_targets", ctypes.c_int),
+                ("targets", ctypes.POINTER(_Target)), ("num_types", ctypes.c_int),
+                ("types", ctypes.POINTER(_Type))]
+
+
+def library_registry(path: str) -> tuple[list[dict], list[dict]]:
+    """The registration table of the FFI library at `path` (LibraFfiRegistry()).
+
+    Returns (targets, types): targets as `_libra_ffi.registry()` lists them, each with
+    `handlers` (stage -> address) added; types as {name, platform, type_id, type_info}
+    (addresses). RuntimeError if `path` is not a libra_jax FFI library of this version."""
+    try:
+        lib = ctypes.CDLL(os.path.abspath(path))
+        accessor = lib.LibraFfiRegistry
+    except (OSError, AttributeError) as e:
+        raise RuntimeError(f"{FFI_LIBRARY_ENV}={path}: not a libra_jax FFI library: {e}") from e
+    accessor.restype = ctypes.POINTER(_Table)
+    accessor.argtypes = []
+    table = accessor()
+    if not table or table.contents.version != _libra_ffi.REGISTRY_VERSION:
+        version = table.contents.version if table else None
+        raise RuntimeError(f"{FFI_LIBRARY_ENV}={path}: not a libra_jax FFI library: registry "
+                           f"version {version}, expected {_libra_ffi.REGISTRY_VERSION}")
+    table = table.contents
+    targets = []
+    for t in table.targets[:table.num_targets]:
+        handlers = {stage: getattr(t, stage) for stage in _STAGES if getattr(t, stage)}
+        targets.append({"role": t.role.decode(), "name": t.name.decode(),
+                        "platform": t.platform.decode(),
+                        "stages": [stage for stage in _STAGES if stage in handlers],
+                        "handlers": handlers})
+    types = [{"name": t.name.decode(), "platform": t.platform.decode(),
+              "type_id": t.type_id(), "type_info": t.type_info()}
+             for t in table.types[:table.num_types]]
+    return targets, types
+
+
 def _cpu_handlers() -> tuple[dict, dict]:
     """FFI types and CPU targets (name -> capsules): the module's, or $LIBRA_JAX_FFI_LIBRARY's."""
     path = os.environ.get(FFI_LIBRARY_ENV)
     if not path:
         return _libra_ffi.types(), _libra_ffi.registrations()
-    try:
-        lib = ctypes.CDLL(os.path.abspath(path))
-        type_id, type_info = lib.LibraCpuAllReduceSiteTypeId, lib.LibraCpuAllReduceSiteTypeInfo
-        instantiate, execute = lib.kCpuAllReduceInstantiate, lib.kCpuAllReduceExecute
-        start_instantiate = lib.kCpuAllReduceStartInstantiate
-        start, done = lib.kCpuAllReduceStart, lib.kCpuAllReduceDone
-    except (OSError, AttributeError) as e:
-        raise RuntimeError(f"{FFI_LIBRARY_ENV}={path}: not a libra_jax FFI library: {e}") from e
-    type_id.restype = type_info.restype = ctypes.c_void_p
-    site = {"type_id": jax.ffi.pycapsule(type_id()), "type_info": jax.ffi.pycapsule(type_info())}
-    cpu = {"instantiate": jax.ffi.pycapsule(instantiate), "execute": jax.ffi.pycapsule(execute)}
-    cpu_start = {"instantiate": jax.ffi.pycapsule(start_instantiate),
-                 "execute": jax.ffi.pycapsule(start)}
-    return {"libra_allreduce_cpu_site": site}, {ALLREDUCE_CPU_TARGET: cpu,
-                                                ALLREDUCE_CPU_START_TARGET: cpu_start,
-                                                ALLREDUCE_CPU_DONE_TARGET: jax.ffi.pycapsule(done)}
+    targets, types = library_registry(path)
+    cpu = [t for t in targets if t["platform"] == "cpu" and "execute" in t["handlers"]]
+    names = {t["role"]: t["name"] for t in cpu}
+    want = {t["role"]: t["name"] for t in _libra_ffi.registry() if t["platform"] == "cpu"}
+    if names != want:
+        raise RuntimeError(f"{FFI_LIBRARY_ENV}={path}: not a libra_jax FFI library of this "
+                           f"version: its CPU targets are {names}, the module's {want}")
+    registrations: dict = {}
+    for t in cpu:
+        capsules = {stage: jax.ffi.pycapsule(address) for stage, address in t["handlers"].items()}
+        # A bare capsule for an execute-only target, as the module gives it.
+        registrations[t["name"]] = capsules if len(capsules) > 1 else capsules["execute"]
+    sites = {t["name"]: {"type_id": jax.ffi.pycapsule(t["type_id"]),
+                         "type_info": jax.ffi.pycapsule(t["type_info"])}
+             for t in types if t["platform"] == "cpu"}
+    return sites, registrations
 
 
 def ensure_registered() -> None:
@@ -101,12 +158,12 @@ def effective_blocks(count: int, itemsize: int, blocks: int) -> int:
 
 # --- CUDA -------------------------------------------------------------------
 
-ALLREDUCE_CUDA_TARGET = "libra_allreduce_cuda"
+ALLREDUCE_CUDA_TARGET = TARGETS["cuda"]
 #: The same kernel on libra's own stream, and the wait for it (libra_jax.overlap).
-ALLREDUCE_CUDA_START_TARGET = "libra_allreduce_cuda_start"
-ALLREDUCE_CUDA_DONE_TARGET = "libra_allreduce_cuda_done"
+ALLREDUCE_CUDA_START_TARGET = TARGETS["cuda_start"]
+ALLREDUCE_CUDA_DONE_TARGET = TARGETS["cuda_done"]
 #: Across processes: NCCL with a per-call CTA limit (cpp/libra/nccl.h).
-ALLREDUCE_NCCL_TARGET = "libra_allreduce_nccl"
+ALLREDUCE_NCCL_TARGET = TARGETS["nccl"]
 #: Whether the extension was built with the CUDA kernels (nvcc was found).
 HAS_CUDA: bool = bool(getattr(_libra_ffi, "HAS_CUDA", False))
 #: The largest replica group the CUDA kernels serve.

@@ -1,6 +1,6 @@
 """A GPU profile from the CUDA harness's contention curves.
 
-`libra_cuda_harness contend` (cpp/libra/cuda/harness.cc, run by
+`libra_cuda_harness contend` (cpp/tools/harness.cc, run by
 benchmarks/gpu_check.sh) measures, on one GPU, one rank's share of an
 all-reduce with k blocks beside a GEMM and beside a memory-bound triad: the
 compute's slowdown, the all-reduce's own slowdown, and the all-reduce's time

@@ -11,6 +11,7 @@ LIBRA_JAX_BAZEL_OUTPUT_USER_ROOT, if set, is passed to Bazel as
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -20,7 +21,15 @@ from pathlib import Path
 import pytest
 
 import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+import libra_jax
 from libra_jax import _ffi, _libra_ffi
+from libra_jax.rewrite import optimize
+
+from conftest import mesh_of, shard
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -90,7 +99,7 @@ def test_library_exports_only_the_ffi_symbols(ffi_library):
                          text=True, check=True).stdout
     symbols = sorted(line.split()[-1] for line in out.splitlines() if line.strip())
     assert symbols == ["LibraCpuAllReduceSiteTypeId", "LibraCpuAllReduceSiteTypeInfo",
-                       "kCpuAllReduceDone", "kCpuAllReduceExecute", "kCpuAllReduceInstantiate",
+                       "LibraFfiRegistry", "kCpuAllReduceDone", "kCpuAllReduceExecute", "kCpuAllReduceInstantiate",
                        "kCpuAllReduceStart", "kCpuAllReduceStartInstantiate"], symbols
 
 
@@ -101,3 +110,81 @@ def test_bad_library_is_a_clear_error(monkeypatch, tmp_path, library):
     monkeypatch.setenv(_ffi.FFI_LIBRARY_ENV, str(path))
     with pytest.raises(RuntimeError, match="LIBRA_JAX_FFI_LIBRARY=.*not a libra_jax FFI library"):
         _ffi._cpu_handlers()
+
+
+# --- The one registration table (xla_ffi/registry.cc) -----------------------
+
+def test_library_and_module_tables_name_the_same_targets(ffi_library):
+    targets, types = _ffi.library_registry(str(ffi_library))
+    module = _libra_ffi.registry()
+    named = [(t["role"], t["name"], t["platform"]) for t in targets]
+    assert named == [(t["role"], t["name"], t["platform"]) for t in module]
+    assert [t["name"] for t in types] == list(_libra_ffi.types())
+    assert all(t["type_id"] and t["type_info"] for t in types)
+    stages = {t["name"]: t["stages"] for t in module}
+    for t in targets:
+        # The CPU targets have the same stages in both; the Bazel library has no CUDA.
+        assert t["stages"] == (stages[t["name"]] if t["platform"] == "cpu" else []), t
+        assert set(t["handlers"]) == set(t["stages"])
+    # The module registers exactly the table's built targets, under the table's names.
+    built = {t["name"] for t in module if t["stages"]}
+    assert set(_libra_ffi.registrations()) | set(_libra_ffi.cuda_registrations()) == built
+    assert {t["name"] for t in module if t["platform"] == "cpu"} == set(_libra_ffi.registrations())
+    # Registering from the library gives the same names and stages as from the module.
+    os.environ[_ffi.FFI_LIBRARY_ENV] = str(ffi_library)
+    try:
+        lib_types, lib_targets = _ffi._cpu_handlers()
+    finally:
+        del os.environ[_ffi.FFI_LIBRARY_ENV]
+    mod_types, mod_targets = _libra_ffi.types(), _libra_ffi.registrations()
+    assert list(lib_types) == list(mod_types)
+    assert {n: sorted(v) if isinstance(v, dict) else None for n, v in lib_targets.items()} == \
+           {n: sorted(v) if isinstance(v, dict) else None for n, v in mod_targets.items()}
+
+
+def test_python_target_names_come_from_the_table():
+    table = {t["role"]: t["name"] for t in _libra_ffi.registry()}
+    assert _ffi.TARGETS == _libra_ffi.TARGETS == table
+    assert set(table) == {"cpu", "cpu_start", "cpu_done", "cuda", "cuda_start", "cuda_done",
+                          "nccl"}
+    constants = {n: getattr(_ffi, n) for n in dir(_ffi) if re.fullmatch(r"ALLREDUCE_\w+_TARGET", n)}
+    assert sorted(constants.values()) == sorted(table.values()), constants
+    # Every constant libra_jax's lowerings use is one of them.
+    package = Path(libra_jax.__file__).parent
+    used = {m for p in package.glob("*.py")
+            for m in re.findall(r"_ffi\.(ALLREDUCE_\w+_TARGET)", p.read_text())}
+    assert used and used <= set(constants), used - set(constants)
+
+
+@pytest.mark.usefixtures("jax_8")
+@pytest.mark.parametrize("platform", ["cpu", "cuda"])
+def test_every_target_python_lowers_to_is_in_the_table(monkeypatch, platform):
+    monkeypatch.setenv("LIBRA_JAX_CUDA", "p2p")  # libra's kernels on cuda, not XLA's all-reduce
+    table = set(_libra_ffi.TARGETS.values())
+    mesh = mesh_of((8,), ("x",))
+    rng = np.random.default_rng(0)
+    params = [(rng.standard_normal((m, n)) * 0.3).astype(np.float32)
+              for m, n in ((16, 32), (32, 32), (32, 8))]
+    x = shard(rng.standard_normal((32, 16)).astype(np.float32), mesh, P("x"))
+
+    def local(params, x):
+        def loss(params):
+            h = x
+            for w in params:
+                h = jnp.tanh(h @ w)
+            return jax.lax.pmean(jnp.mean(h * h), "x")
+        loss_value, grads = jax.value_and_grad(loss)(params)
+        return loss_value, [w - 0.1 * g for w, g in zip(params, grads)]
+
+    step = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("x")), out_specs=(P(), P()))
+    psum = jax.shard_map(lambda v: libra_jax.psum(v, "x", blocks=2), mesh=mesh,
+                         in_specs=P("x"), out_specs=P())
+    called = set()
+    for f, args in ((psum, (x,)), (optimize(step, fusion=False, overlap="start-done"), (params, x))):
+        text = jax.jit(f).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+        called |= set(re.findall(r"custom_call @(libra_\w+)\(", text))
+    assert called <= table, called - table
+    if platform == "cpu" or _ffi.HAS_CUDA:  # without CUDA the cuda lowering is XLA's psum
+        kind = "cpu" if platform == "cpu" else "cuda"
+        assert called == {_ffi.TARGETS[kind], _ffi.TARGETS[kind + "_start"],
+                          _ffi.TARGETS[kind + "_done"]}, called

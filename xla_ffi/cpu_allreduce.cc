@@ -24,6 +24,7 @@
 
 #include "libra/engine.h"
 #include "libra/thread_pool.h"
+#include "xla_ffi/registry.h"  // the state type's C accessors
 
 namespace libra_ffi {
 namespace {
@@ -314,8 +315,8 @@ std::size_t CpuPendingStarts() { return InFlightCalls::Get().Pending(); }
 
 }  // namespace libra_ffi
 
-// The state type as C symbols, for a plain shared library loaded with ctypes
-// (the Bazel build; LIBRA_JAX_FFI_LIBRARY in libra_jax/_ffi.py).
+// The state type as C symbols: the registration table's (registry.cc), and
+// exported by the Bazel library libra_jax_ffi.so as they were before the table.
 extern "C" XLA_FFI_TypeId* LibraCpuAllReduceSiteTypeId() {
   return libra_ffi::CpuAllReduceSiteTypeId();
 }

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "libra/cuda/allreduce.h"
+#include "libra/engine.h"  // StagingBytes
 #include "libra/nccl.h"
 #include "xla_ffi/handlers.h"
 

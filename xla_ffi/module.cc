@@ -17,6 +17,7 @@
 #include "libra/nccl.h"
 #include "libra/thread_pool.h"
 #include "xla_ffi/handlers.h"
+#include "xla_ffi/registry.h"
 
 namespace nb = nanobind;
 
@@ -29,42 +30,83 @@ nb::capsule EncapsulateFfiHandler(T* fn) {
   return nb::capsule(reinterpret_cast<void*>(fn));
 }
 
-nb::dict Registrations() {
-  nb::dict cpu_allreduce;
-  cpu_allreduce["instantiate"] = EncapsulateFfiHandler(libra_ffi::kCpuAllReduceInstantiate);
-  cpu_allreduce["execute"] = EncapsulateFfiHandler(libra_ffi::kCpuAllReduceExecute);
-  nb::dict cpu_start;
-  cpu_start["instantiate"] = EncapsulateFfiHandler(libra_ffi::kCpuAllReduceStartInstantiate);
-  cpu_start["execute"] = EncapsulateFfiHandler(libra_ffi::kCpuAllReduceStart);
-  nb::dict registrations;
-  registrations["libra_allreduce_cpu"] = cpu_allreduce;
-  registrations["libra_allreduce_cpu_start"] = cpu_start;
-  registrations["libra_allreduce_cpu_done"] = EncapsulateFfiHandler(libra_ffi::kCpuAllReduceDone);
-  return registrations;
+// A target's handlers as jax.ffi.register_ffi_target takes them: a bare
+// capsule for an execute-only target, else {stage: capsule}.
+nb::object TargetHandlers(const LibraFfiTarget& target) {
+  if (!target.instantiate && !target.prepare && !target.initialize) {
+    return EncapsulateFfiHandler(target.execute);
+  }
+  nb::dict stages;
+  if (target.instantiate) stages["instantiate"] = EncapsulateFfiHandler(target.instantiate);
+  if (target.prepare) stages["prepare"] = EncapsulateFfiHandler(target.prepare);
+  if (target.initialize) stages["initialize"] = EncapsulateFfiHandler(target.initialize);
+  stages["execute"] = EncapsulateFfiHandler(target.execute);
+  return stages;
 }
 
-// The CUDA targets (platform "CUDA"); empty in a build without nvcc. Exported
-// from here so that the linker keeps the handlers.
-nb::dict CudaRegistrations() {
+const LibraFfiTable& Table() {
+  const LibraFfiTable* table = LibraFfiRegistry();
+  if (table == nullptr || table->version != kLibraFfiRegistryVersion) {
+    throw std::runtime_error("libra_jax: no FFI registration table of version " +
+                             std::to_string(kLibraFfiRegistryVersion));
+  }
+  return *table;
+}
+
+// The table's targets of `platform` that this build has (name -> handlers).
+nb::dict Registrations(const char* platform) {
+  const LibraFfiTable& table = Table();
   nb::dict registrations;
-#ifdef LIBRA_WITH_CUDA
-  registrations["libra_allreduce_cuda"] = EncapsulateFfiHandler(libra_ffi::kCudaAllReduce);
-  registrations["libra_allreduce_cuda_start"] =
-      EncapsulateFfiHandler(libra_ffi::kCudaAllReduceStart);
-  registrations["libra_allreduce_cuda_done"] = EncapsulateFfiHandler(libra_ffi::kCudaAllReduceDone);
-  registrations["libra_allreduce_nccl"] = EncapsulateFfiHandler(libra_ffi::kNcclAllReduce);
-#endif
+  for (int i = 0; i < table.num_targets; ++i) {
+    const LibraFfiTarget& target = table.targets[i];
+    if (target.execute == nullptr || std::strcmp(target.platform, platform) != 0) continue;
+    registrations[target.name] = TargetHandlers(target);
+  }
   return registrations;
 }
 
 nb::dict Types() {
-  nb::dict site;
-  site["type_id"] = nb::capsule(reinterpret_cast<void*>(libra_ffi::CpuAllReduceSiteTypeId()));
-  site["type_info"] = nb::capsule(
-      reinterpret_cast<void*>(const_cast<XLA_FFI_TypeInfo*>(libra_ffi::CpuAllReduceSiteTypeInfo())));
+  const LibraFfiTable& table = Table();
   nb::dict types;
-  types["libra_allreduce_cpu_site"] = site;
+  for (int i = 0; i < table.num_types; ++i) {
+    const LibraFfiType& type = table.types[i];
+    nb::dict capsules;
+    capsules["type_id"] = nb::capsule(reinterpret_cast<void*>(type.type_id()));
+    capsules["type_info"] =
+        nb::capsule(reinterpret_cast<void*>(const_cast<XLA_FFI_TypeInfo*>(type.type_info())));
+    types[type.name] = capsules;
+  }
   return types;
+}
+
+// The table as Python data: one dict per target (role, name, platform, and the
+// stages this build has a handler for), in the table's order.
+nb::list Registry() {
+  const LibraFfiTable& table = Table();
+  nb::list targets;
+  for (int i = 0; i < table.num_targets; ++i) {
+    const LibraFfiTarget& target = table.targets[i];
+    nb::list stages;
+    if (target.instantiate) stages.append("instantiate");
+    if (target.prepare) stages.append("prepare");
+    if (target.initialize) stages.append("initialize");
+    if (target.execute) stages.append("execute");
+    nb::dict entry;
+    entry["role"] = target.role;
+    entry["name"] = target.name;
+    entry["platform"] = target.platform;
+    entry["stages"] = stages;
+    targets.append(entry);
+  }
+  return targets;
+}
+
+// Role -> target name, for every target of the table (built or not).
+nb::dict TargetNames() {
+  const LibraFfiTable& table = Table();
+  nb::dict names;
+  for (int i = 0; i < table.num_targets; ++i) names[table.targets[i].role] = table.targets[i].name;
+  return names;
 }
 
 using F32Array = nb::ndarray<float, nb::c_contig, nb::device::cpu>;
@@ -137,10 +179,16 @@ void NcclAllReduceHost(int64_t comm_id, int nranks, int rank, int ctas, HostArra
 
 NB_MODULE(_libra_ffi, m) {
   m.doc() = "XLA FFI handlers of libra_jax and the engine's constants.";
-  m.def("registrations", &Registrations, "FFI targets: name -> {stage: capsule}.");
+  // Everything below comes from the one table (xla_ffi/registry.cc).
+  m.def("registrations", [] { return Registrations(kLibraFfiPlatformCpu); },
+        "CPU FFI targets: name -> {stage: capsule}, or a capsule (execute only).");
   m.def("types", &Types, "FFI types: name -> {'type_id', 'type_info'} capsules.");
-  m.def("cuda_registrations", &CudaRegistrations,
+  m.def("cuda_registrations", [] { return Registrations(kLibraFfiPlatformCuda); },
         "CUDA FFI targets: name -> capsule ({} without CUDA).");
+  m.def("registry", &Registry,
+        "The FFI targets' table: [{'role', 'name', 'platform', 'stages'}], stages built here.");
+  m.attr("TARGETS") = TargetNames();
+  m.attr("REGISTRY_VERSION") = kLibraFfiRegistryVersion;
 #ifdef LIBRA_WITH_CUDA
   m.attr("HAS_CUDA") = true;
   m.attr("CUDA_MAX_RANKS") = libra_ffi::kCudaMaxRanks;

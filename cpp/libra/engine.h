@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "libra/dtype.h"
+#include "libra/status.h"
 
 namespace libra {
 
@@ -26,16 +27,6 @@ inline constexpr int kMaxBlocks = 64;
 // smaller): asking for more blocks than bytes / kMinChunkBytes gives
 // ceil(bytes / kMinChunkBytes) blocks. Chunk boundaries are 64-byte aligned.
 inline constexpr std::size_t kMinChunkBytes = 16 * 1024;
-
-
-struct Status {
-  enum class Code { kOk, kInvalidArgument, kDeadlineExceeded, kCancelled, kInternal };
-  Code code = Code::kOk;
-  std::string message;
-
-  static Status Ok() { return {}; }
-  bool ok() const { return code == Code::kOk; }
-};
 
 // The CUDA kernels' staging per round from $LIBRA_JAX_CUDA_STAGING_MIB (`raw`, may be null):
 // unset or empty gives `default_bytes`; a number of MiB in (0, kMaxStagingMib] gives that many

@@ -35,7 +35,7 @@
 #include <utility>
 
 #include "libra/dtype.h"
-#include "libra/engine.h"
+#include "libra/status.h"
 
 namespace libra::nccl {
 

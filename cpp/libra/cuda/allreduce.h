@@ -116,7 +116,7 @@ class Team {
   // of this thread is being captured (switches to relaxed capture mode).
   static cudaError_t Create(const std::vector<int>& devices, std::size_t capacity_bytes,
                             std::unique_ptr<Team>* team, std::string* message);
-  // `nranks` virtual ranks on one device (for the harness).
+  // `nranks` virtual ranks on one device (for the harness, cpp/tools/harness.cc).
   static cudaError_t CreateVirtual(int device, int nranks, std::size_t capacity_bytes,
                                    std::unique_ptr<Team>* team, std::string* message);
   ~Team();

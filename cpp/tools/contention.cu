@@ -1,4 +1,4 @@
-#include "libra/cuda/contention.h"
+#include "tools/contention.h"
 
 #include "libra/cuda/allreduce.h"
 

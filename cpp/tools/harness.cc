@@ -41,7 +41,7 @@
 #include <vector>
 
 #include "libra/cuda/allreduce.h"
-#include "libra/cuda/contention.h"
+#include "tools/contention.h"
 
 namespace lc = libra::cuda;
 

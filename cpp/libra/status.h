@@ -1,0 +1,19 @@
+// The outcome of a libra call: a code and, for an error, a message naming the
+// problem. Shared by the engine, NCCL's control path and the FFI handlers
+// (which turn it into an XLA error); no dependencies beyond the standard library.
+#pragma once
+
+#include <string>
+
+namespace libra {
+
+struct Status {
+  enum class Code { kOk, kInvalidArgument, kDeadlineExceeded, kCancelled, kInternal };
+  Code code = Code::kOk;
+  std::string message;
+
+  static Status Ok() { return {}; }
+  bool ok() const { return code == Code::kOk; }
+};
+
+}  // namespace libra

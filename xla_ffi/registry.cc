@@ -1,0 +1,56 @@
+// The table of FFI targets and types (registry.h): the only place their names
+// are written.
+#include "xla_ffi/registry.h"
+
+#include <iterator>
+
+#include "xla_ffi/handlers.h"
+
+namespace {
+
+namespace lf = libra_ffi;  // the handler symbols (handlers.h)
+
+// A CUDA handler, or null in a build without CUDA (the target keeps its name).
+#ifdef LIBRA_WITH_CUDA
+#define LIBRA_CUDA_HANDLER(handler) handler
+#else
+#define LIBRA_CUDA_HANDLER(handler) nullptr
+#endif
+
+constexpr LibraFfiTarget kTargets[] = {
+    // role, name, platform, instantiate, prepare, initialize, execute
+    {"cpu", "libra_allreduce_cpu", kLibraFfiPlatformCpu, lf::kCpuAllReduceInstantiate, nullptr,
+     nullptr, lf::kCpuAllReduceExecute},
+    // The same call split in two (libra_jax.overlap): start arrives, done waits.
+    {"cpu_start", "libra_allreduce_cpu_start", kLibraFfiPlatformCpu,
+     lf::kCpuAllReduceStartInstantiate, nullptr, nullptr, lf::kCpuAllReduceStart},
+    {"cpu_done", "libra_allreduce_cpu_done", kLibraFfiPlatformCpu, nullptr, nullptr, nullptr,
+     lf::kCpuAllReduceDone},
+    {"cuda", "libra_allreduce_cuda", kLibraFfiPlatformCuda, nullptr, nullptr, nullptr,
+     LIBRA_CUDA_HANDLER(lf::kCudaAllReduce)},
+    // The same kernel on libra's own stream, and the wait for it (libra_jax.overlap).
+    {"cuda_start", "libra_allreduce_cuda_start", kLibraFfiPlatformCuda, nullptr, nullptr, nullptr,
+     LIBRA_CUDA_HANDLER(lf::kCudaAllReduceStart)},
+    {"cuda_done", "libra_allreduce_cuda_done", kLibraFfiPlatformCuda, nullptr, nullptr, nullptr,
+     LIBRA_CUDA_HANDLER(lf::kCudaAllReduceDone)},
+    // Across processes: NCCL with a per-call CTA limit (cpp/libra/nccl.h).
+    {"nccl", "libra_allreduce_nccl", kLibraFfiPlatformCuda, nullptr, nullptr, nullptr,
+     LIBRA_CUDA_HANDLER(lf::kNcclAllReduce)},
+};
+
+#undef LIBRA_CUDA_HANDLER
+
+constexpr LibraFfiType kTypes[] = {
+    {"libra_allreduce_cpu_site", kLibraFfiPlatformCpu, LibraCpuAllReduceSiteTypeId,
+     LibraCpuAllReduceSiteTypeInfo},
+};
+
+constexpr LibraFfiTable kTable = {
+    kLibraFfiRegistryVersion,
+    static_cast<int>(std::size(kTargets)), kTargets,
+    static_cast<int>(std::size(kTypes)), kTypes,
+};
+
+}  // namespace
+
+extern "C" const LibraFfiTable* LibraFfiRegistry() { return &kTable; }
