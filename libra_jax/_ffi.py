@@ -21,7 +21,7 @@ from libra_jax import _libra_ffi
 #: also names the CUDA targets in a build without CUDA.
 TARGETS: dict[str, str] = dict(_libra_ffi.TARGETS)
 ALLREDUCE_CPU_TARGET = TARGETS["cpu"]
-#: The same call split in two (libra_jax.overlap): start arrives, done waits.
+#: The same call split in two (libra_jax.ops.start_done): start arrives, done waits.
 ALLREDUCE_CPU_START_TARGET = TARGETS["cpu_start"]
 ALLREDUCE_CPU_DONE_TARGET = TARGETS["cpu_done"]
 MAX_BLOCKS: int = _libra_ffi.MAX_BLOCKS
@@ -159,7 +159,7 @@ def effective_blocks(count: int, itemsize: int, blocks: int) -> int:
 # --- CUDA -------------------------------------------------------------------
 
 ALLREDUCE_CUDA_TARGET = TARGETS["cuda"]
-#: The same kernel on libra's own stream, and the wait for it (libra_jax.overlap).
+#: The same kernel on libra's own stream, and the wait for it (libra_jax.ops.start_done).
 ALLREDUCE_CUDA_START_TARGET = TARGETS["cuda_start"]
 ALLREDUCE_CUDA_DONE_TARGET = TARGETS["cuda_done"]
 #: Across processes: NCCL with a per-call CTA limit (cpp/libra/nccl.h).

@@ -34,7 +34,7 @@ Contract of the rewrite (`rewrite_jaxpr`):
 - A gradient bucket (fused or not) is issued either as that one call or as a
   `libra_psum_start` where its last member was and a `libra_psum_done`, with
   the uses that moved, just before the first equation that reads a result
-  (`libra_jax.overlap`); the values are the same. ``overlap="sync"`` or
+  (`libra_jax.ops.start_done`); the values are the same. ``overlap="sync"`` or
   ``"start-done"`` forces one way; ``"auto"`` (the default) chooses per bucket
   (`_Rewriter.split_buckets`).
 - Deterministic: everything is visited in jaxpr order; no set or dict
@@ -72,7 +72,7 @@ OVERLAP_ENV = config.OVERLAP_ENV
 #: all-reduce in each call's place, the program otherwise the same ("xla": a control).
 COLLECTIVES = ("libra", "xla")
 #: How a gradient all-reduce is issued: one call ("sync"; on CPU already asynchronous), a
-#: start/done pair around the compute it overlaps ("start-done", `libra_jax.overlap`), or
+#: start/done pair around the compute it overlaps ("start-done", `libra_jax.ops.start_done`), or
 #: per bucket whichever the model prices lower ("auto", `_Rewriter.split_buckets`).
 OVERLAP_MODES = config.OVERLAP_MODES
 
@@ -241,7 +241,7 @@ class PsumPlan:
     # feeding more of it: e.g. a batch norm statistic's cotangent), "forward" (the forward
     # pass, metrics), "loop" (in a loop body) or "user" (blocks= given)
     kind: str
-    overlap: str = "sync"           # "sync" (one call) or "start-done" (`libra_jax.overlap`)
+    overlap: str = "sync"           # "sync" (one call) or "start-done" (`libra_jax.ops.start_done`)
 
 
 @dataclasses.dataclass
@@ -457,7 +457,7 @@ class _Rewriter:
         self.scope_names: collections.Counter[str] = collections.Counter()
 
     def call_id(self) -> int:
-        """The id of the program's next start/done pair (`libra_jax.overlap`): a fingerprint
+        """The id of the program's next start/done pair (`libra_jax.ops.start_done`): a fingerprint
         of the program's structure plus a count. The same program always gets the same ids,
         so a retrace hits JAX's compilation cache; programs of another structure get others."""
         if self.fingerprint is None:

@@ -151,7 +151,7 @@ def test_python_target_names_come_from_the_table():
     assert sorted(constants.values()) == sorted(table.values()), constants
     # Every constant libra_jax's lowerings use is one of them.
     package = Path(libra_jax.__file__).parent
-    used = {m for p in package.glob("*.py")
+    used = {m for p in package.rglob("*.py")
             for m in re.findall(r"_ffi\.(ALLREDUCE_\w+_TARGET)", p.read_text())}
     assert used and used <= set(constants), used - set(constants)
 

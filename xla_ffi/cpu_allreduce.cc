@@ -129,7 +129,7 @@ ffi::Future Execute(ffi::RunId run_id, CpuAllReduceSite* site, ffi::AnyBuffer x,
   return future;
 }
 
-// --- Start/done (libra_jax.overlap) ------------------------------------------
+// --- Start/done (libra_jax.ops.start_done) ------------------------------------------
 //
 // start registers the device's buffer with its round and returns at once, so
 // XLA's program goes on with nothing pending; the reduction runs when the last

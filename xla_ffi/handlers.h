@@ -30,7 +30,7 @@ inline ffi::ErrorOr<libra::DType> ToEngineDType(ffi::DataType dtype) {
 
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kCpuAllReduceInstantiate);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kCpuAllReduceExecute);
-// The same call split in two (libra_jax.overlap): start arrives and returns at
+// The same call split in two (libra_jax.ops.start_done): start arrives and returns at
 // once (instantiated like the call above); done waits for the round's end.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kCpuAllReduceStartInstantiate);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kCpuAllReduceStart);

@@ -21,14 +21,14 @@ constexpr LibraFfiTarget kTargets[] = {
     // role, name, platform, instantiate, prepare, initialize, execute
     {"cpu", "libra_allreduce_cpu", kLibraFfiPlatformCpu, lf::kCpuAllReduceInstantiate, nullptr,
      nullptr, lf::kCpuAllReduceExecute},
-    // The same call split in two (libra_jax.overlap): start arrives, done waits.
+    // The same call split in two (libra_jax.ops.start_done): start arrives, done waits.
     {"cpu_start", "libra_allreduce_cpu_start", kLibraFfiPlatformCpu,
      lf::kCpuAllReduceStartInstantiate, nullptr, nullptr, lf::kCpuAllReduceStart},
     {"cpu_done", "libra_allreduce_cpu_done", kLibraFfiPlatformCpu, nullptr, nullptr, nullptr,
      lf::kCpuAllReduceDone},
     {"cuda", "libra_allreduce_cuda", kLibraFfiPlatformCuda, nullptr, nullptr, nullptr,
      LIBRA_CUDA_HANDLER(lf::kCudaAllReduce)},
-    // The same kernel on libra's own stream, and the wait for it (libra_jax.overlap).
+    // The same kernel on libra's own stream, and the wait for it (libra_jax.ops.start_done).
     {"cuda_start", "libra_allreduce_cuda_start", kLibraFfiPlatformCuda, nullptr, nullptr, nullptr,
      LIBRA_CUDA_HANDLER(lf::kCudaAllReduceStart)},
     {"cuda_done", "libra_allreduce_cuda_done", kLibraFfiPlatformCuda, nullptr, nullptr, nullptr,
