@@ -445,6 +445,94 @@ class _Site:
 
 
 
+@dataclasses.dataclass
+class _Edits:
+    """What one scope's rewrite changes, by equation position; `_schedule` applies it."""
+
+    replacements: dict[int, Any] = dataclasses.field(default_factory=dict)
+    removed: set[int] = dataclasses.field(default_factory=set)  # fused into a later member
+    sink: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # moves after a bucket
+    dones: dict[int, Any] = dataclasses.field(default_factory=dict)  # a start's -> its done
+
+    @property
+    def moved(self) -> set[int]:
+        return {j for after in self.sink.values() for j in after}
+
+
+def _gradient_sites(eqns: Sequence[Any], sites: Sequence[_Site], outvars: Sequence[Any]
+                    ) -> tuple[set[int], set[int] | None]:
+    """(the gradient psums, the backward psums or None where no backward pass is visible):
+    a gradient psum is on the backward pass (`_backward_sites`) and feeds no later psum
+    (`_terminal_sites`); with no backward pass visible, every terminal psum."""
+    terminal = _terminal_sites(eqns, sites, outvars)
+    backward = _backward_sites(eqns, sites)
+    return (terminal if backward is None else terminal & backward), backward
+
+
+def _kinds(sites: Sequence[_Site], gradient: set[int], backward: set[int] | None,
+           in_loop: bool) -> dict[int, str]:
+    """Each site's kind, by its equation's position: "user" (an explicit block count),
+    "loop" (in a loop body), "gradient" (planned), "backward" or "forward"."""
+    kinds = {}
+    for site in sites:
+        if site.explicit_blocks is not None:
+            kind = "user"
+        elif in_loop:
+            kind = "loop"
+        elif site.index in gradient:
+            kind = "gradient"
+        else:
+            kind = "backward" if backward is not None and site.index in backward else "forward"
+        kinds[site.index] = kind
+    return kinds
+
+
+def _schedule(eqns: Sequence[Any], edits: _Edits) -> list[Any]:
+    """The scope's equations with `edits` applied, in order.
+
+    Start/done: each started bucket waits with its done, the uses that moved and, as they
+    come, every pure equation downstream of its results (the optimizer update), so the
+    compute in between overlaps the all-reduce. An effect or another all-reduce reading a
+    waiting result places it (and those started before) first. A done also reads the latest
+    start's first gradient: XLA orders by data only, and this keeps every done after the last
+    start (after the backward pass). Not the start's buffer: a second reader of it would make
+    XLA copy it before it is reduced."""
+    out: list[Any] = []
+    waiting: list[tuple[set, list[Any]]] = []  # (variables defined, equations)
+    latest: list[Any] = []  # the latest start's first operand
+    skipped = edits.removed | edits.moved
+
+    def place(groups: list[tuple[set, list[Any]]]) -> None:
+        for _, (done, *rest) in groups:
+            out.append(done.replace(invars=[*done.invars[:-1], latest[-1]]))
+            out.extend(rest)
+
+    for i in range(len(eqns)):
+        if i in skipped:
+            continue
+        eqn = edits.replacements.get(i, eqns[i])
+        reads = {v for v in eqn.invars if _compat.is_var(v)}
+        needed = [n for n, (defined, _) in enumerate(waiting) if defined & reads]
+        if needed and not (eqn.effects or _is_psum(eqn) or i in edits.dones):
+            defined, group = waiting[needed[-1]]
+            group.append(eqn)
+            defined.update(v for v in eqn.outvars if _compat.is_var(v))
+            continue
+        if needed:
+            place(waiting[:needed[-1] + 1])
+            del waiting[:needed[-1] + 1]
+        out.append(eqn)
+        after = [eqns[j] for j in edits.sink.get(i, ())]
+        if i in edits.dones:
+            latest.append(eqn.invars[0])
+            group = [edits.dones[i]] + after
+            waiting.append(({v for e in group for v in e.outvars if _compat.is_var(v)}, group))
+        else:
+            out.extend(after)
+    place(waiting)
+    return out
+
+
 class _Rewriter:
     def __init__(self, options: _Options, report: OptimizeReport, program: Any) -> None:
         self.options = options
@@ -465,7 +553,8 @@ class _Rewriter:
         self.calls += 1
         return (self.fingerprint + self.calls) % 2**56
 
-    # One jaxpr scope: rewrite sub-jaxprs, then plan and apply this scope's psums.
+    # One jaxpr scope, in phases: rewrite sub-jaxprs, find the psum sites, classify them,
+    # plan the gradient ones, turn the plan into edits, schedule the equations.
     def jaxpr(self, jaxpr: Any, *, axis_sizes: dict, scope: str, in_loop: bool) -> Any:
         eqns = [self.sub_jaxprs(eqn, axis_sizes, scope, in_loop) for eqn in jaxpr.eqns]
         sites = [site for i, eqn in enumerate(eqns)
@@ -473,106 +562,64 @@ class _Rewriter:
         if not sites:
             return jaxpr.replace(eqns=eqns)
         _warn_invariant_operands(eqns, sites)
-        invars = set(jaxpr.invars)
-        terminal = _terminal_sites(eqns, sites, jaxpr.outvars)
-        backward = _backward_sites(eqns, sites)
-        gradient = terminal if backward is None else terminal & backward
+        gradient, backward = _gradient_sites(eqns, sites, jaxpr.outvars)
+        kinds = _kinds(sites, gradient, backward, in_loop)
         # Compute that consumes a gradient all-reduce (the optimizer update) waits for it
         # and overlaps nothing: it is not part of the backward stream the planner sees.
         waits = _downstream_of(eqns, [eqns[i].outvars[0] for i in sorted(gradient)])
         costs = [0.0 if i in waits else _roofline_s(eqn, self.profile)
                  for i, eqn in enumerate(eqns)]
-        replacements: dict[int, Any] = {}
-        removed: set[int] = set()
-        sink: dict[int, list[int]] = {}  # a fused bucket's position -> what moves after it
-        moved: set[int] = set()
+        edits = _Edits()
+        invars = set(jaxpr.invars)
         groups: dict[tuple, list[_Site]] = {}
-        for site in sites:
-            if site.explicit_blocks is not None:
-                self.report.plans.append(PsumPlan(scope, site.axes, (site.index,), site.nbytes,
-                                                  site.explicit_blocks, "user"))
+        for site in sites:  # in jaxpr order: the report lists them so
+            kind = kinds[site.index]
+            if kind == "gradient":
+                groups.setdefault((site.axes, site.invariant), []).append(site)
                 continue
-            if in_loop or site.index not in gradient:
-                kind = ("loop" if in_loop else
-                        "backward" if backward is not None and site.index in backward
-                        else "forward")
+            k = site.explicit_blocks
+            if k is None:
                 k = allreduce.default_blocks(site.nbytes, _world(axis_sizes, site.axes),
                                              self.profile)
-                replacements[site.index] = _single(eqns[site.index], site, k, invars)
-                self.report.plans.append(PsumPlan(scope, site.axes, (site.index,), site.nbytes,
-                                                  k, kind))
-                continue
-            groups.setdefault((site.axes, site.invariant), []).append(site)
+                edits.replacements[site.index] = _single(eqns[site.index], site, k, invars)
+            self.report.plans.append(PsumPlan(scope, site.axes, (site.index,), site.nbytes,
+                                              k, kind))
         planned = [(axes, invariant, bucket, k)
                    for (axes, invariant), members in groups.items()
                    for bucket, k in self.plan(members, costs, _world(axis_sizes, axes), scope,
                                               _reach(eqns, members))]
         splits = self.split_buckets(eqns, jaxpr.outvars, [b for _, _, b, _ in planned])
-        dones: dict[int, Any] = {}  # start/done: a start's position -> its done
         for (axes, invariant, bucket, k), split in zip(planned, splits):
-            mode = "start-done" if split else "sync"
-            if len(bucket) == 1 or not _can_fuse(eqns, bucket):
-                for site in bucket:
-                    if split:
-                        replacements[site.index], dones[site.index] = _start_done(
-                            eqns, [site], axes, invariant, k, self.call_id())
-                    else:
-                        replacements[site.index] = _single(eqns[site.index], site, k, invars)
-                self.report.plans.extend(
-                    PsumPlan(scope, axes, (s.index,), s.nbytes, k, "gradient", mode)
-                    for s in bucket)
-                continue
-            last = bucket[-1].index
-            if split:
-                replacements[last], dones[last] = _start_done(
-                    eqns, bucket, axes, invariant, k, self.call_id())
-            else:
-                replacements[last] = _fused(eqns, bucket, axes, invariant, k)
-            removed.update(site.index for site in bucket[:-1])
-            sink[last] = _sunk(eqns, bucket)
-            moved.update(sink[last])
-            self.report.plans.append(PsumPlan(scope, axes, tuple(s.index for s in bucket),
-                                              sum(s.nbytes for s in bucket), k, "gradient", mode))
-        out: list[Any] = []
-        # Start/done: each started bucket waits with its done, the uses that moved and, as
-        # they come, every pure equation downstream of its results (the optimizer update),
-        # so the compute in between overlaps the all-reduce. An effect or another
-        # all-reduce reading a waiting result places it (and those started before) first.
-        # A done also reads the latest start's first gradient: XLA orders by data only, and
-        # this keeps every done after the last start (after the backward pass). Not the
-        # start's buffer: a second reader of it would make XLA copy it before it is reduced.
-        waiting: list[tuple[set, list[Any]]] = []  # (variables defined, equations)
-        latest: list[Any] = []  # the latest start's first operand
+            self.edit_bucket(eqns, bucket, axes, invariant, k, split, scope, invars, edits)
+        return jaxpr.replace(eqns=_schedule(eqns, edits))
 
-        def place(groups: list[tuple[set, list[Any]]]) -> None:
-            for _, (done, *rest) in groups:
-                out.append(done.replace(invars=[*done.invars[:-1], latest[-1]]))
-                out.extend(rest)
-
-        for i in range(len(eqns)):
-            if i in removed or i in moved:
-                continue
-            eqn = replacements.get(i, eqns[i])
-            reads = {v for v in eqn.invars if _compat.is_var(v)}
-            needed = [n for n, (defined, _) in enumerate(waiting) if defined & reads]
-            if needed and not (eqn.effects or _is_psum(eqn) or i in dones):
-                defined, group = waiting[needed[-1]]
-                group.append(eqn)
-                defined.update(v for v in eqn.outvars if _compat.is_var(v))
-                continue
-            if needed:
-                place(waiting[:needed[-1] + 1])
-                del waiting[:needed[-1] + 1]
-            out.append(eqn)
-            after = [eqns[j] for j in sink.get(i, ())]
-            if i in dones:
-                latest.append(eqn.invars[0])
-                group = [dones[i]] + after
-                waiting.append(({v for e in group for v in e.outvars if _compat.is_var(v)}, group))
-            else:
-                out.extend(after)
-        place(waiting)
-        return jaxpr.replace(eqns=out)
+    def edit_bucket(self, eqns: Sequence[Any], bucket: list[_Site], axes: tuple,
+                    invariant: bool, k: int, split: bool, scope: str, invars: set,
+                    edits: _Edits) -> None:
+        """The edits that issue one planned gradient bucket: fused (or, where its members
+        cannot be one call, each alone), as one call or a start/done pair; and its report."""
+        mode = "start-done" if split else "sync"
+        if len(bucket) == 1 or not _can_fuse(eqns, bucket):
+            for site in bucket:
+                if split:
+                    edits.replacements[site.index], edits.dones[site.index] = _start_done(
+                        eqns, [site], axes, invariant, k, self.call_id())
+                else:
+                    edits.replacements[site.index] = _single(eqns[site.index], site, k, invars)
+            self.report.plans.extend(
+                PsumPlan(scope, axes, (s.index,), s.nbytes, k, "gradient", mode)
+                for s in bucket)
+            return
+        last = bucket[-1].index
+        if split:
+            edits.replacements[last], edits.dones[last] = _start_done(
+                eqns, bucket, axes, invariant, k, self.call_id())
+        else:
+            edits.replacements[last] = _fused(eqns, bucket, axes, invariant, k)
+        edits.removed.update(site.index for site in bucket[:-1])
+        edits.sink[last] = _sunk(eqns, bucket)
+        self.report.plans.append(PsumPlan(scope, axes, tuple(s.index for s in bucket),
+                                          sum(s.nbytes for s in bucket), k, "gradient", mode))
 
     def split_buckets(self, eqns: Sequence[Any], outvars: Sequence[Any],
                       buckets: list[list[_Site]]) -> list[bool]:

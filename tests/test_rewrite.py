@@ -656,3 +656,67 @@ def test_a_gspmd_step_is_said_to_have_nothing_to_plan(monkeypatch):
     jax.tree.map(assert_bitwise, out, jax.jit(step)(params, x))
     assert opt.last_report.notes and not opt.last_report.plans
     assert "GSPMD" in str(libra_jax.explain(step, params, x, file=None))
+
+
+# --- The rewriter's phases, each on a toy jaxpr -----------------------------------------
+
+def _inner_jaxpr(fn, *args):
+    """The body of `fn` under a shard_map over 8 devices (axis "i"), as the rewriter sees it."""
+    mesh = mesh_of((8,), ("i",))
+    closed = jax.make_jaxpr(jax.shard_map(fn, mesh=mesh, in_specs=P("i"), out_specs=P(),
+                                          check_vma=False))(*args)
+    eqn, = [e for e in closed.jaxpr.eqns if e.primitive.name == "shard_map"]
+    return eqn.params["jaxpr"]
+
+
+def _sites(jaxpr):
+    from libra_jax import rewrite
+
+    rewriter = rewrite._Rewriter(rewrite._Options(profile="cpu-host", fusion=True, blocks=None),
+                                 rewrite.OptimizeReport(), None)
+    return [s for i, e in enumerate(jaxpr.eqns) if (s := rewriter.site(i, e, "top")) is not None]
+
+
+def test_phase_sites_and_classification_on_a_toy_jaxpr():
+    from libra_jax import rewrite
+
+    def fn(x):
+        a = jax.lax.psum(x * 2.0, "i")                   # feeds a later psum: not terminal
+        b = jax.lax.psum(a * 3.0, "i")                   # terminal
+        c = libra_jax.psum(x + 1.0, "i", blocks=5)       # explicit blocks
+        return b + c
+
+    jaxpr = _inner_jaxpr(fn, np.ones((8, 4), np.float32))
+    sites = _sites(jaxpr)
+    assert [s.explicit_blocks for s in sites] == [None, None, 5]
+    gradient, backward = rewrite._gradient_sites(jaxpr.eqns, sites, jaxpr.outvars)
+    assert backward is None  # no transpose in sight: every terminal psum is a gradient one
+    a, b, c = (s.index for s in sites)
+    assert gradient == {b, c}
+    assert rewrite._kinds(sites, gradient, backward, in_loop=False) == {
+        a: "forward", b: "gradient", c: "user"}
+    assert rewrite._kinds(sites, gradient, backward, in_loop=True) == {
+        a: "loop", b: "loop", c: "user"}
+    assert rewrite._kinds(sites, {b}, {a, b}, in_loop=False) == {
+        a: "backward", b: "gradient", c: "user"}
+
+
+def test_phase_schedule_applies_edits_in_order():
+    from libra_jax import rewrite
+
+    def fn(x):
+        a = jax.lax.psum(x * 2.0, "i")
+        y = a + 1.0                     # uses a: must move after a bucket that takes a
+        b = jax.lax.psum(x * 3.0, "i")
+        return y + b
+
+    jaxpr = _inner_jaxpr(fn, np.ones((8, 4), np.float32))
+    eqns = list(jaxpr.eqns)
+    assert rewrite._schedule(eqns, rewrite._Edits()) == eqns  # no edits: unchanged
+    a, b = (s.index for s in _sites(jaxpr))
+    uses = [i for i, e in enumerate(eqns) if a < i < b and e.primitive.name == "add"]
+    edits = rewrite._Edits(removed={a}, sink={b: uses})
+    out = rewrite._schedule(eqns, edits)
+    assert eqns[a] not in out
+    assert out.index(eqns[b]) < out.index(eqns[uses[0]])  # the use moved after the bucket
+    assert len(out) == len(eqns) - 1
