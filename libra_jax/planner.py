@@ -110,6 +110,8 @@ in vectorised chunks and refuses more than ``EXHAUSTIVE_LIMIT``.
 """
 from __future__ import annotations
 
+import dataclasses
+import functools
 import itertools
 import math
 import numbers
@@ -690,188 +692,262 @@ def _tail(Bc: np.ndarray, Nc: np.ndarray, lo: np.ndarray, free: bool, lat: float
     return t_best, blk, nb, nxt
 
 
-def _search(comp: list[float], byts: list[int], cuts: list[int], free: bool, cost: CostModel,
-            upper: float, cap: int = FRONT_CAP,
-            reach: Sequence[int] | None = None) -> tuple[list[Bucket] | None, float]:
-    """The dynamic program of the module docstring: the best plan it finds and its error bound."""
-    keys = np.array(cost.keys, dtype=np.int64)
-    K = len(keys)
-    ob = np.array([cost.overlap_bw[k] for k in cost.keys])
-    sb = np.array([cost.solo_bw[k] for k in cost.keys])
-    sl = np.array([cost.slowdown[k] for k in cost.keys])
-    lat = cost.latency_s
-    lam = _lipschitz(cost)
-    bw_max = float(max(ob.max(), sb.max()))
-    best_solo = int(np.argmax(sb))  # first maximum: the fewest blocks among the fastest
-    M = len(cuts) - 1
-    C = comp[-1]
-    R = np.array([comp[c] for c in cuts] + [C])  # ready progress of a bucket ending at each boundary
-    Bc = np.array([float(byts[c]) for c in cuts])  # bytes before each boundary
-    nonempty_prefix = _prefix(byts[i + 1] > byts[i] for i in range(len(byts) - 1))
-    Nc = np.array([nonempty_prefix[c] for c in cuts])  # non-empty layers before each boundary
-    lo = _lowest_sources(cuts, reach if free else None)
-    pack_c = cost.pack_s_per_byte
-    total = Bc[-1]
-    # Best rest once compute is over, and a lower bound on the communication still due.
-    group_bytes = np.diff(Bc)
-    nonempty = group_bytes > 0
-    tail_t, tail_blk, tail_nb, tail_next = _tail(Bc, Nc, lo, free, lat, float(sb[best_solo]),
-                                                 int(keys[best_solo]), pack_c, max(upper, C, 1e-300))
-    if free:
-        rest = total - Bc
-        comm_lb = np.where(rest > 0, lat + rest / bw_max, 0.0)
-    else:
-        comm_lb = np.concatenate([np.cumsum(np.where(nonempty, lat + group_bytes / bw_max, 0.0)[::-1])[::-1], [0]])
-    rest_lb = (total - Bc) / bw_max  # seconds of bytes still due from each boundary, at best
+@dataclass
+class _Front:
+    """The live states of the search, one entry per state, grouped by boundary (ascending) and by
+    progress within a group: time ``T``, progress ``P``, boundary ``B``, blocks and buckets so
+    far (tie keys), the state's id in the store, and ``loc``: the offset within the group of the
+    least-lag (``T - P``) state among the group's states up to this one."""
 
-    # Store of every kept state: parent id, allocation index, boundary. Id 0 is the start.
-    parents: list[np.ndarray] = [np.array([-1])]
-    kidx: list[np.ndarray] = [np.array([0])]
-    bound: list[np.ndarray] = [np.array([0])]
-    n_states = 1
-    # Live states, grouped by boundary (ascending) and by progress within a group: time,
-    # progress, boundary, blocks so far, buckets so far, id, and ``loc``: the offset within the
-    # group of the least-lag (T - P) state among the group's states up to this one.
-    start = float(R[1])  # normalised: compute runs alone up to the first ready time
-    sT, sP = np.array([start]), np.array([start])
-    sB, sBlk, sNb = (np.zeros(1, dtype=np.int64) for _ in range(3))
-    sId, sLoc = np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64)
-    upper_b = upper * (1 + _BOUND_RTOL)
-    fin: list[tuple] = []  # (time, blocks, buckets, src id, k index, boundary) of complete plans
-    best_t = math.inf
-    err = 0.0
-    one_group = np.zeros(1, dtype=np.int64)
-    for t in range(1, M + 1):
-        if free and lo[t] > 0 and sB.size and sB[0] < lo[t]:
-            # Buckets ending here or later cannot start this early (reach): drop those sources.
-            keep = sB >= lo[t]
-            sT, sP, sB, sBlk, sNb, sId, sLoc = (x[keep] for x in (sT, sP, sB, sBlk, sNb, sId, sLoc))
-        if sT.size == 0:
-            break
-        # Sources: per group, the least-lag state among those idle at R[t] (they all start the
-        # bucket at R[t] and differ only by a time shift), plus every busy state.
-        Rt = float(R[t])
-        starts = np.flatnonzero(np.concatenate(([True], sB[1:] != sB[:-1]))) if free else one_group
-        idle = sP <= Rt
+    T: np.ndarray
+    P: np.ndarray
+    B: np.ndarray
+    blk: np.ndarray
+    nb: np.ndarray
+    id: np.ndarray
+    loc: np.ndarray
+
+    def _fields(self) -> tuple[np.ndarray, ...]:
+        return self.T, self.P, self.B, self.blk, self.nb, self.id, self.loc
+
+    @property
+    def size(self) -> int:
+        return int(self.T.size)
+
+    def take(self, sel: np.ndarray) -> _Front:
+        return _Front(*(x[sel] for x in self._fields()))
+
+    def extended(self, other: _Front) -> _Front:
+        return _Front(*(np.concatenate((a, b)) for a, b in zip(self._fields(), other._fields())))
+
+    def group_starts(self) -> np.ndarray:
+        return np.flatnonzero(np.concatenate(([True], self.B[1:] != self.B[:-1])))
+
+
+class _Search:
+    """The dynamic program of the module docstring, as its named steps (`run` applies them per
+    boundary): `sources` (idle sources), `expand` (one collective per source and allocation, with
+    normalisation), `finish` (compute finished), `bound`, `grow` (dominance and cap, into the
+    front), `prune` (reach and bound on sources, idle groups collapsed), `backtrack`."""
+
+    def __init__(self, comp: list[float], byts: list[int], cuts: list[int], free: bool, cost: CostModel,
+                 upper: float, cap: int, reach: Sequence[int] | None) -> None:
+        self.byts, self.cuts, self.free, self.upper, self.cap = byts, cuts, free, upper, cap
+        self.keys = np.array(cost.keys, dtype=np.int64)
+        self.ob = np.array([cost.overlap_bw[k] for k in cost.keys])
+        self.sb = np.array([cost.solo_bw[k] for k in cost.keys])
+        self.sl = np.array([cost.slowdown[k] for k in cost.keys])
+        self.lat = cost.latency_s
+        self.lam = _lipschitz(cost)
+        bw_max = float(max(self.ob.max(), self.sb.max()))
+        self.best_solo = int(np.argmax(self.sb))  # first maximum: the fewest blocks among the fastest
+        self.M = len(cuts) - 1
+        self.C = C = comp[-1]
+        self.R = np.array([comp[c] for c in cuts] + [C])  # ready progress of a bucket ending at each boundary
+        self.Bc = Bc = np.array([float(byts[c]) for c in cuts])  # bytes before each boundary
+        nonempty_prefix = _prefix(byts[i + 1] > byts[i] for i in range(len(byts) - 1))
+        self.Nc = np.array([nonempty_prefix[c] for c in cuts])  # non-empty layers before each boundary
+        self.lo = _lowest_sources(cuts, reach if free else None)
+        self.pack_c = cost.pack_s_per_byte
+        total = Bc[-1]
+        # Best rest once compute is over, and a lower bound on the communication still due.
+        group_bytes = np.diff(Bc)
+        nonempty = group_bytes > 0
+        self.tail_t, self.tail_blk, self.tail_nb, self.tail_next = _tail(
+            Bc, self.Nc, self.lo, free, self.lat, float(self.sb[self.best_solo]),
+            int(self.keys[self.best_solo]), self.pack_c, max(upper, C, 1e-300))
+        if free:
+            rest = total - Bc
+            self.comm_lb = np.where(rest > 0, self.lat + rest / bw_max, 0.0)
+        else:
+            self.comm_lb = np.concatenate(
+                [np.cumsum(np.where(nonempty, self.lat + group_bytes / bw_max, 0.0)[::-1])[::-1], [0]])
+        self.rest_lb = (total - Bc) / bw_max  # seconds of bytes still due from each boundary, at best
+        # Store of every kept state: parent id, allocation index, boundary. Id 0 is the start.
+        self.parents: list[np.ndarray] = [np.array([-1])]
+        self.kidx: list[np.ndarray] = [np.array([0])]
+        self.bound_of: list[np.ndarray] = [np.array([0])]
+        self.n_states = 1
+        self.upper_b = upper * (1 + _BOUND_RTOL)
+        self.fin: list[tuple] = []  # (time, blocks, buckets, src id, k index, boundary) of complete plans
+        self.best_t = math.inf
+        self.err = 0.0
+
+    def run(self) -> tuple[list[Bucket] | None, float]:
+        start = float(self.R[1])  # normalised: compute runs alone up to the first ready time
+        zeros = np.zeros(1, dtype=np.int64)
+        front = _Front(np.array([start]), np.array([start]), zeros, zeros, zeros, zeros, zeros)
+        for t in range(1, self.M + 1):
+            if self.free and self.lo[t] > 0 and front.size and front.B[0] < self.lo[t]:
+                # Buckets ending here or later cannot start this early (reach): drop those sources.
+                front = front.take(front.B >= self.lo[t])
+            if front.size == 0:
+                break
+            src_i = self.sources(front, t)
+            E, Q, r, nbytes = self.expand(front, src_i, t)
+            tie = functools.partial(self.tie_keys, front, src_i, nbytes)
+            E, Q, r = self.finish(t, E, Q, r, tie)
+            if t == self.M:
+                break
+            E, Q, r = self.bound(t, *self.normalise(t, E, Q), r)
+            front = self.grow(front, t, E, Q, r, tie)
+            if self.free and front.size:
+                front = self.prune(front, t)
+        return self.backtrack()
+
+    def sources(self, front: _Front, t: int) -> np.ndarray:
+        """Idle sources: per group, the least-lag state among those idle at ``R[t]`` (they all start
+        the bucket at ``R[t]`` and differ only by a time shift), plus every busy state."""
+        Rt = float(self.R[t])
+        starts = front.group_starts() if self.free else np.zeros(1, dtype=np.int64)
+        idle = front.P <= Rt
         cnt = np.add.reduceat(idle.astype(np.int64), starts)
         has = cnt > 0
-        reps = starts[has] + sLoc[starts[has] + cnt[has] - 1]
-        src_i = np.concatenate([reps, np.flatnonzero(~idle)])
-        T0, P0 = sT[src_i], sP[src_i]
-        nbytes = Bc[t] - Bc[sB[src_i]]
-        packed = np.where(Nc[t] - Nc[sB[src_i]] >= 2, nbytes * pack_c, 0.0)
-        E, Q = _collective_np(T0[:, None], P0[:, None], Rt, nbytes[:, None], lat, ob, sb, sl, C, packed[:, None])
+        reps = starts[has] + front.loc[starts[has] + cnt[has] - 1]
+        return np.concatenate([reps, np.flatnonzero(~idle)])
+
+    def expand(self, front: _Front, src_i: np.ndarray, t: int
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Every source times every allocation: the bucket from the source's boundary to ``t``
+        (packed if fused). Returns (E, Q, r, bytes per source), ``r`` the row-major index into
+        (source, allocation); a bucket of no bytes carries its state over, with the smallest key."""
+        T0, P0 = front.T[src_i], front.P[src_i]
+        nbytes = self.Bc[t] - self.Bc[front.B[src_i]]
+        packed = np.where(self.Nc[t] - self.Nc[front.B[src_i]] >= 2, nbytes * self.pack_c, 0.0)
+        E, Q = _collective_np(T0[:, None], P0[:, None], float(self.R[t]), nbytes[:, None], self.lat,
+                              self.ob, self.sb, self.sl, self.C, packed[:, None])
         empty = nbytes == 0
-        r = np.arange(E.size)  # row-major index into (source, allocation)
-        if empty.any():  # no collective: the state carries over, with the smallest key
+        r = np.arange(E.size)
+        if empty.any():
             E[empty] = T0[empty, None]
             Q[empty] = P0[empty, None]
             valid = np.ones(E.shape, dtype=bool)
             valid[empty, 1:] = False
             keep = valid.ravel()
-            E, Q, r = E.ravel()[keep], Q.ravel()[keep], r[keep]
-        else:
-            E, Q = E.ravel(), Q.ravel()
+            return E.ravel()[keep], Q.ravel()[keep], r[keep], nbytes
+        return E.ravel(), Q.ravel(), r, nbytes
 
-        # Bound now: called in this iteration only, but B023 cannot know that.
-        def tie_keys(r: np.ndarray, src_i: np.ndarray = src_i, sBlk: np.ndarray = sBlk,
-                     nbytes: np.ndarray = nbytes, sNb: np.ndarray = sNb,
-                     sId: np.ndarray = sId) -> tuple[np.ndarray, ...]:
-            row, kk = np.divmod(r, K)
-            src = src_i[row]
-            blk = sBlk[src] + np.where(nbytes[row] > 0, keys[kk], 0)
-            return blk, sNb[src] + 1, sId[src], kk
+    def tie_keys(self, front: _Front, src_i: np.ndarray, nbytes: np.ndarray, r: np.ndarray
+                 ) -> tuple[np.ndarray, ...]:
+        """(blocks, buckets, source id, allocation index) of the new states ``r``."""
+        row, kk = np.divmod(r, len(self.keys))
+        src = src_i[row]
+        blk = front.blk[src] + np.where(nbytes[row] > 0, self.keys[kk], 0)
+        return blk, front.nb[src] + 1, front.id[src], kk
 
-        done = Q >= C
-        if t == M:
+    def finish(self, t: int, E: np.ndarray, Q: np.ndarray, r: np.ndarray,
+               tie: Callable[[np.ndarray], tuple[np.ndarray, ...]]
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Compute finished (or the last boundary): the state becomes a complete plan with the best
+        rest (`_tail`); kept among the plans within a tie of the best. Returns the other states."""
+        done = Q >= self.C
+        if t == self.M:
             done[:] = True
-        if done.any():
-            ft = E[done] + (C - Q[done]) + tail_t[t]
-            m = float(ft.min())
-            if m < best_t:
-                best_t = m
-                fin = [f for f in fin if f[0] <= best_t * (1 + TIE_RTOL)]
-                upper_b = min(upper_b, best_t * (1 + _BOUND_RTOL))
-            keep = ft <= best_t * (1 + TIE_RTOL)
-            blk, nb, src, kk = tie_keys(r[done][keep])
-            for f, b, c, s, k in zip(ft[keep], blk + tail_blk[t], nb + tail_nb[t], src, kk):
-                fin.append((float(f), int(b), int(c), int(s), int(k), t))
-            live = ~done
-            E, Q, r = E[live], Q[live], r[live]
-        if t == M:
-            break
-        nxt = float(R[t + 1])
+        if not done.any():
+            return E, Q, r
+        ft = E[done] + (self.C - Q[done]) + self.tail_t[t]
+        m = float(ft.min())
+        if m < self.best_t:
+            self.best_t = m
+            self.fin = [f for f in self.fin if f[0] <= self.best_t * (1 + TIE_RTOL)]
+            self.upper_b = min(self.upper_b, self.best_t * (1 + _BOUND_RTOL))
+        keep = ft <= self.best_t * (1 + TIE_RTOL)
+        blk, nb, src, kk = tie(r[done][keep])
+        for f, b, c, s, k in zip(ft[keep], blk + self.tail_blk[t], nb + self.tail_nb[t], src, kk):
+            self.fin.append((float(f), int(b), int(c), int(s), int(k), t))
+        live = ~done
+        return E[live], Q[live], r[live]
+
+    def normalise(self, t: int, E: np.ndarray, Q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """No collective starts before the next bucket's ready progress: ``(T + R - P, R)``."""
+        nxt = float(self.R[t + 1])
         late = Q < nxt
-        E = np.where(late, E + (nxt - Q), E)
-        Q = np.where(late, nxt, Q)
-        ok = E + np.maximum(C - Q, comm_lb[t]) <= upper_b
-        E, Q, r = E[ok], Q[ok], r[ok]
-        if E.size:
-            blk, nb, src, kk = tie_keys(r)
-            sel, loss = _thin(E, Q, (blk, nb, src, kk), lam, cap, max(upper, C, 1e-300))
-            err += loss
-            E, Q, blk, nb, src, kk = (x[sel] for x in (E, Q, blk, nb, src, kk))
-            lag = E - Q
-            run = np.minimum.accumulate(lag)
-            first_min = np.concatenate(([True], lag[1:] < run[:-1]))
-            loc = np.maximum.accumulate(np.where(first_min, np.arange(E.size), 0))
-            ids = np.arange(n_states, n_states + E.size)
-            n_states += E.size
-            parents.append(src)
-            kidx.append(kk)
-            bound.append(np.full(E.size, t))
-            grp = np.full(E.size, t, dtype=np.int64)
-            if free:
-                sT, sP, sB = np.concatenate((sT, E)), np.concatenate((sP, Q)), np.concatenate((sB, grp))
-                sBlk, sNb = np.concatenate((sBlk, blk)), np.concatenate((sNb, nb))
-                sId, sLoc = np.concatenate((sId, ids)), np.concatenate((sLoc, loc))
-            else:
-                sT, sP, sB, sBlk, sNb, sId, sLoc = E, Q, grp, blk, nb, ids, loc
-        elif not free:
-            sT = sT[:0]
-        if free and sT.size:
-            # Drop what can no longer beat the bound; collapse groups idle from now on to their
-            # least-lag state (R only grows, so both are for good).
-            lb = sT + np.maximum(nxt - sP, 0.0) + rest_lb[sB]
-            starts = np.flatnonzero(np.concatenate(([True], sB[1:] != sB[:-1])))
-            sizes = np.diff(np.append(starts, sT.size))
-            g_alive = np.minimum.reduceat(lb, starts) <= upper_b
-            g_idle = np.maximum.reduceat(sP, starts) <= nxt
-            g_rep = starts + sLoc[starts + sizes - 1]
-            keep = np.repeat(g_alive & ~g_idle, sizes)
-            keep[g_rep[g_alive & g_idle]] = True
-            if not keep.all():
-                collapsed = np.zeros(sT.size, dtype=bool)
-                collapsed[g_rep[g_alive & g_idle]] = True
-                sLoc = np.where(collapsed, 0, sLoc)
-                sT, sP, sB, sBlk, sNb, sId, sLoc = (x[keep] for x in (sT, sP, sB, sBlk, sNb, sId, sLoc))
-    if not fin:
-        return None, err
-    par = np.concatenate(parents)
-    kid = np.concatenate(kidx)
-    bnd = np.concatenate(bound)
-    fin.sort(key=lambda f: (f[1], f[2]))
-    lead = [f for f in fin if f[1:3] == fin[0][1:3]]
-    plans = []
-    for f in lead:
-        _, _, _, s, k, t = f
-        steps = [(t, int(keys[k]))]
-        while s > 0:
-            steps.append((int(bnd[s]), int(keys[kid[s]])))
-            s = int(par[s])
-        steps.reverse()
-        out, prev = [], 0
-        for tb, kb in steps:
-            first, last = cuts[prev], cuts[tb] - 1
-            out.append(Bucket(first, last, kb if byts[last + 1] > byts[first] else int(keys[0])))
-            prev = tb
-        while prev < M:  # the best rest after compute ended (_tail)
-            first, last = cuts[prev], cuts[int(tail_next[prev])] - 1
-            nonzero = byts[last + 1] > byts[first]
-            out.append(Bucket(first, last, int(keys[best_solo]) if nonzero else int(keys[0])))
-            prev = int(tail_next[prev])
-        plans.append(out)
-    return min(plans, key=lambda b: _plan_key(b, byts)[2]), err
+        return np.where(late, E + (nxt - Q), E), np.where(late, nxt, Q)
+
+    def bound(self, t: int, E: np.ndarray, Q: np.ndarray, r: np.ndarray
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Branch and bound: drop states that cannot beat the best complete plan."""
+        ok = E + np.maximum(self.C - Q, self.comm_lb[t]) <= self.upper_b
+        return E[ok], Q[ok], r[ok]
+
+    def grow(self, front: _Front, t: int, E: np.ndarray, Q: np.ndarray, r: np.ndarray,
+             tie: Callable[[np.ndarray], tuple[np.ndarray, ...]]) -> _Front:
+        """Dominance and cap (`_thin`) on the new states at ``t``, stored and added to the front
+        (with fusion; a fixed grouping's front is only the new states)."""
+        if not E.size:
+            return front if self.free else front.take(np.zeros(0, dtype=np.int64))
+        blk, nb, src, kk = tie(r)
+        sel, loss = _thin(E, Q, (blk, nb, src, kk), self.lam, self.cap, max(self.upper, self.C, 1e-300))
+        self.err += loss
+        E, Q, blk, nb, src, kk = (x[sel] for x in (E, Q, blk, nb, src, kk))
+        lag = E - Q
+        run = np.minimum.accumulate(lag)
+        first_min = np.concatenate(([True], lag[1:] < run[:-1]))
+        loc = np.maximum.accumulate(np.where(first_min, np.arange(E.size), 0))
+        ids = np.arange(self.n_states, self.n_states + E.size)
+        self.n_states += E.size
+        self.parents.append(src)
+        self.kidx.append(kk)
+        self.bound_of.append(np.full(E.size, t))
+        new = _Front(E, Q, np.full(E.size, t, dtype=np.int64), blk, nb, ids, loc)
+        return front.extended(new) if self.free else new
+
+    def prune(self, front: _Front, t: int) -> _Front:
+        """Drop what can no longer beat the bound; collapse groups idle from now on to their
+        least-lag state (R only grows, so both are for good)."""
+        nxt = float(self.R[t + 1])
+        lb = front.T + np.maximum(nxt - front.P, 0.0) + self.rest_lb[front.B]
+        starts = front.group_starts()
+        sizes = np.diff(np.append(starts, front.size))
+        g_alive = np.minimum.reduceat(lb, starts) <= self.upper_b
+        g_idle = np.maximum.reduceat(front.P, starts) <= nxt
+        g_rep = starts + front.loc[starts + sizes - 1]
+        keep = np.repeat(g_alive & ~g_idle, sizes)
+        keep[g_rep[g_alive & g_idle]] = True
+        if keep.all():
+            return front
+        collapsed = np.zeros(front.size, dtype=bool)
+        collapsed[g_rep[g_alive & g_idle]] = True
+        return dataclasses.replace(front, loc=np.where(collapsed, 0, front.loc)).take(keep)
+
+    def backtrack(self) -> tuple[list[Bucket] | None, float]:
+        """The best complete plan's buckets (ties: fewest blocks, then buckets, then bytes order),
+        from its store path and the tail, and the error bound."""
+        fin, keys, cuts, byts, M = self.fin, self.keys, self.cuts, self.byts, self.M
+        if not fin:
+            return None, self.err
+        par = np.concatenate(self.parents)
+        kid = np.concatenate(self.kidx)
+        bnd = np.concatenate(self.bound_of)
+        fin.sort(key=lambda f: (f[1], f[2]))
+        lead = [f for f in fin if f[1:3] == fin[0][1:3]]
+        plans = []
+        for f in lead:
+            _, _, _, s, k, t = f
+            steps = [(t, int(keys[k]))]
+            while s > 0:
+                steps.append((int(bnd[s]), int(keys[kid[s]])))
+                s = int(par[s])
+            steps.reverse()
+            out, prev = [], 0
+            for tb, kb in steps:
+                first, last = cuts[prev], cuts[tb] - 1
+                out.append(Bucket(first, last, kb if byts[last + 1] > byts[first] else int(keys[0])))
+                prev = tb
+            while prev < M:  # the best rest after compute ended (_tail)
+                first, last = cuts[prev], cuts[int(self.tail_next[prev])] - 1
+                nonzero = byts[last + 1] > byts[first]
+                out.append(Bucket(first, last, int(keys[self.best_solo]) if nonzero else int(keys[0])))
+                prev = int(self.tail_next[prev])
+            plans.append(out)
+        return min(plans, key=lambda b: _plan_key(b, byts)[2]), self.err
+
+
+def _search(comp: list[float], byts: list[int], cuts: list[int], free: bool, cost: CostModel,
+            upper: float, cap: int = FRONT_CAP,
+            reach: Sequence[int] | None = None) -> tuple[list[Bucket] | None, float]:
+    """The dynamic program of the module docstring: the best plan it finds and its error bound."""
+    return _Search(comp, byts, cuts, free, cost, upper, cap, reach).run()
 
 
 # ---------------------------------------------------------------------------------------------
