@@ -96,11 +96,11 @@ import functools
 import json
 import math
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, NamedTuple
 
 from libra_jax import config
 from libra_jax.planner import CostModel
@@ -628,46 +628,53 @@ def profile_from_dict(data: Mapping[str, Any], *, origin: str = "<dict>") -> Pro
         inter_step_latency_s=r.number(n, "inter_node_step_latency_us", "network.", inclusive=True) * S_PER_US,
     )
 
-    libra_fit = nccl_style = fair_share = None
-    if form == "libra-fit":
-        f = r.section(data, "libra_fit", allowed=("reference_link_gbit_per_s", "thread_options",
-                                                  "max_threads_per_block", "overlap_bw", "solo_bw", "slowdown"))
-        s = r.section(f, "slowdown", "libra_fit.", ("scale", "intercept", "slope_per_thread"))
-        libra_fit = LibraFit(
-            reference_link_bytes_per_s=r.number(f, "reference_link_gbit_per_s", "libra_fit.") * BYTES_PER_GBIT,
-            thread_options=r.options(f, "thread_options", "libra_fit."),
-            max_threads_per_block=r.integer(f, "max_threads_per_block", "libra_fit."),
-            overlap_bw=_read_bw_fit(r, f, "overlap_bw", "libra_fit."),
-            solo_bw=_read_bw_fit(r, f, "solo_bw", "libra_fit."),
-            slowdown=(r.number(s, "scale", "libra_fit.slowdown."), r.number(s, "intercept", "libra_fit.slowdown."),
-                      r.number(s, "slope_per_thread", "libra_fit.slowdown.", inclusive=True)),
-        )
-    elif form == "fair-share":
-        c = r.section(data, "fair_share", allowed=_BLOCK_FORM_KEYS + (
-            "cores", "compute_threads", "pending_allreduce_us"))
-        p = "fair_share."
-        fair_share = FairShare(
-            **_block_form_fields(r, c, p),
-            cores=r.number(c, "cores", p),
-            compute_threads=r.number(c, "compute_threads", p),
-            pending_allreduce_s=(r.number(c, "pending_allreduce_us", p, inclusive=True) * S_PER_US
-                                 if "pending_allreduce_us" in c else None),
-        )
-    else:
-        c = r.section(data, "nccl_style", allowed=_BLOCK_FORM_KEYS + (
-            "overlap_block_efficiency", "units_per_block", "memory_bytes_per_bus_byte",
-            "memory_bound_fraction"))
-        p = "nccl_style."
-        nccl_style = NcclStyle(
-            **_block_form_fields(r, c, p),
-            overlap_block_efficiency=r.number(c, "overlap_block_efficiency", p, maximum=1.0),
-            units_per_block=r.number(c, "units_per_block", p, minimum=0.0),
-            memory_bytes_per_bus_byte=r.number(c, "memory_bytes_per_bus_byte", p, inclusive=True),
-            memory_bound_fraction=r.number(c, "memory_bound_fraction", p, inclusive=True, maximum=1.0),
-        )
+    spec = FORM_TABLE[form]
+    sections: dict[str, Any] = {f.section: None for f in FORM_TABLE.values()}
+    sections[spec.section] = spec.read(r, data)
     return Profile(name=name, origin=origin, form=form, description=description, device=device,
-                   network=network, libra_fit=libra_fit, nccl_style=nccl_style, notes=tuple(notes),
-                   sources=dict(r.sources), fair_share=fair_share)
+                   network=network, notes=tuple(notes), sources=dict(r.sources), **sections)
+
+
+def _read_libra_fit(r: _Reader, data: Mapping[str, Any]) -> LibraFit:
+    f = r.section(data, "libra_fit", allowed=("reference_link_gbit_per_s", "thread_options",
+                                              "max_threads_per_block", "overlap_bw", "solo_bw", "slowdown"))
+    s = r.section(f, "slowdown", "libra_fit.", ("scale", "intercept", "slope_per_thread"))
+    return LibraFit(
+        reference_link_bytes_per_s=r.number(f, "reference_link_gbit_per_s", "libra_fit.") * BYTES_PER_GBIT,
+        thread_options=r.options(f, "thread_options", "libra_fit."),
+        max_threads_per_block=r.integer(f, "max_threads_per_block", "libra_fit."),
+        overlap_bw=_read_bw_fit(r, f, "overlap_bw", "libra_fit."),
+        solo_bw=_read_bw_fit(r, f, "solo_bw", "libra_fit."),
+        slowdown=(r.number(s, "scale", "libra_fit.slowdown."), r.number(s, "intercept", "libra_fit.slowdown."),
+                  r.number(s, "slope_per_thread", "libra_fit.slowdown.", inclusive=True)),
+    )
+
+
+def _read_fair_share(r: _Reader, data: Mapping[str, Any]) -> FairShare:
+    c = r.section(data, "fair_share", allowed=_BLOCK_FORM_KEYS + (
+        "cores", "compute_threads", "pending_allreduce_us"))
+    p = "fair_share."
+    return FairShare(
+        **_block_form_fields(r, c, p),
+        cores=r.number(c, "cores", p),
+        compute_threads=r.number(c, "compute_threads", p),
+        pending_allreduce_s=(r.number(c, "pending_allreduce_us", p, inclusive=True) * S_PER_US
+                             if "pending_allreduce_us" in c else None),
+    )
+
+
+def _read_nccl_style(r: _Reader, data: Mapping[str, Any]) -> NcclStyle:
+    c = r.section(data, "nccl_style", allowed=_BLOCK_FORM_KEYS + (
+        "overlap_block_efficiency", "units_per_block", "memory_bytes_per_bus_byte",
+        "memory_bound_fraction"))
+    p = "nccl_style."
+    return NcclStyle(
+        **_block_form_fields(r, c, p),
+        overlap_block_efficiency=r.number(c, "overlap_block_efficiency", p, maximum=1.0),
+        units_per_block=r.number(c, "units_per_block", p, minimum=0.0),
+        memory_bytes_per_bus_byte=r.number(c, "memory_bytes_per_bus_byte", p, inclusive=True),
+        memory_bound_fraction=r.number(c, "memory_bound_fraction", p, inclusive=True, maximum=1.0),
+    )
 
 
 #: Directory of calibrated profiles (overrides the per-user cache directory).
@@ -828,8 +835,14 @@ class Derivation:
         return max(1, key // self.threads_per_block), min(self.threads_per_block, key)
 
 
-def _libra_fit_options(fit: LibraFit, scale: float, algo: float, dropped: dict[int, str],
-                       notes: list[str]) -> tuple[dict[int, float], dict[int, float], dict[int, float]]:
+_OptionTables = tuple[dict[int, float], dict[int, float], dict[int, float]]  # solo, overlap, slowdown
+
+
+def _libra_fit_options(profile: Profile, link: float, algo: float, dropped: dict[int, str],
+                       notes: list[str]) -> _OptionTables:
+    fit = profile.libra_fit
+    assert fit is not None
+    scale = link / fit.reference_link_bytes_per_s
     solo: dict[int, float] = {}
     overlap: dict[int, float] = {}
     slowdown: dict[int, float] = {}
@@ -861,8 +874,8 @@ def _libra_fit_options(fit: LibraFit, scale: float, algo: float, dropped: dict[i
     return solo, overlap, slowdown
 
 
-def _nccl_style_options(profile: Profile, link: float, algo: float,
-                        dropped: dict[int, str]) -> tuple[dict[int, float], dict[int, float], dict[int, float]]:
+def _nccl_style_options(profile: Profile, link: float, algo: float, dropped: dict[int, str],
+                        notes: list[str]) -> _OptionTables:
     c = profile.nccl_style
     assert c is not None
     dev = profile.device
@@ -888,8 +901,8 @@ def _nccl_style_options(profile: Profile, link: float, algo: float,
     return solo, overlap, slowdown
 
 
-def _fair_share_options(profile: Profile, link: float,
-                        algo: float) -> tuple[dict[int, float], dict[int, float], dict[int, float]]:
+def _fair_share_options(profile: Profile, link: float, algo: float, dropped: dict[int, str],
+                        notes: list[str]) -> _OptionTables:
     c = profile.fair_share
     assert c is not None
     solo: dict[int, float] = {}
@@ -904,14 +917,31 @@ def _fair_share_options(profile: Profile, link: float,
     return solo, overlap, slowdown
 
 
-#: Per form, the bucket bytes per second at which a fused bucket is packed and split back: the
-#: profile's ``fusion_copy_gbyte_per_s``; the Libra artifact's fit prices fusion at nothing (as
-#: the paper does).
-FUSION_COPY_RATE: Mapping[str, Any] = {
-    "libra-fit": lambda profile: math.inf,
-    "nccl-style": lambda profile: profile.nccl_style.fusion_copy_bytes_per_s,
-    "fair-share": lambda profile: profile.fair_share.fusion_copy_bytes_per_s,
-}
+class _Form(NamedTuple):
+    """One profile form: its section of the document (and field of :class:`Profile`), how it is
+    read, and how it becomes a cost model's options, keys and fusion cost."""
+
+    section: str
+    read: Callable[[_Reader, Mapping[str, Any]], Any]
+    options: Callable[[Profile, float, float, dict[int, str], list[str]], _OptionTables]
+    key_unit: str  # what the cost model's keys count
+    threads_per_block: Callable[[Any], int]  # of the section's value
+    #: The bucket bytes per second at which a fused bucket is packed and split back: the
+    #: profile's ``fusion_copy_gbyte_per_s``; the Libra artifact's fit prices fusion at nothing
+    #: (as the paper does).
+    fusion_copy_rate: Callable[[Any], float]
+
+
+#: Every form, by name: the one place a form is dispatched on.
+FORM_TABLE: Mapping[str, _Form] = MappingProxyType({
+    "libra-fit": _Form("libra_fit", _read_libra_fit, _libra_fit_options, "total_threads",
+                       lambda f: f.max_threads_per_block, lambda f: math.inf),
+    "nccl-style": _Form("nccl_style", _read_nccl_style, _nccl_style_options, "blocks",
+                        lambda f: f.threads_per_block, lambda f: f.fusion_copy_bytes_per_s),
+    "fair-share": _Form("fair_share", _read_fair_share, _fair_share_options, "blocks",
+                        lambda f: f.threads_per_block, lambda f: f.fusion_copy_bytes_per_s),
+})
+assert tuple(FORM_TABLE) == FORMS
 
 
 def derive(profile: Profile | str | Path, workers: int, *, link_gbit_per_s: float | None = None) -> Derivation:
@@ -938,25 +968,15 @@ def _derive(profile: Profile, workers: int, link_gbit_per_s: float | None) -> De
     algo = ring_algo_factor(workers)
     dropped: dict[int, str] = {}
     notes: list[str] = []
-    if profile.form == "libra-fit":
-        fit = profile.libra_fit
-        assert fit is not None
-        scale = link / fit.reference_link_bytes_per_s
-        solo, overlap, slowdown = _libra_fit_options(fit, scale, algo, dropped, notes)
-        key_unit, tpb = "total_threads", fit.max_threads_per_block
-    elif profile.form == "fair-share":
-        assert profile.fair_share is not None
-        solo, overlap, slowdown = _fair_share_options(profile, link, algo)
-        key_unit, tpb = "blocks", profile.fair_share.threads_per_block
-    else:
-        assert profile.nccl_style is not None
-        solo, overlap, slowdown = _nccl_style_options(profile, link, algo, dropped)
-        key_unit, tpb = "blocks", profile.nccl_style.threads_per_block
+    spec = FORM_TABLE[profile.form]
+    section = getattr(profile, spec.section)
+    solo, overlap, slowdown = spec.options(profile, link, algo, dropped, notes)
+    key_unit, tpb = spec.key_unit, spec.threads_per_block(section)
     if not slowdown:
         reasons = "; ".join(f"{k}: {why}" for k, why in sorted(dropped.items()))
         raise ValueError(f"profile {profile.name!r} leaves no valid allocation for {workers} workers ({reasons})")
     cost = CostModel(latency_s=ring_latency_s(profile.network, workers), solo_bw=solo, overlap_bw=overlap,
-                     slowdown=slowdown, pack_s_per_byte=1.0 / FUSION_COPY_RATE[profile.form](profile))
+                     slowdown=slowdown, pack_s_per_byte=1.0 / spec.fusion_copy_rate(section))
     return Derivation(cost=cost, profile=profile.name, form=profile.form, workers=workers, link_bytes_per_s=link,
                       key_unit=key_unit, threads_per_block=tpb,
                       dropped=MappingProxyType(dict(sorted(dropped.items()))),
