@@ -1,9 +1,9 @@
 """A plan's predicted timeline, and a Gantt chart of it.
 
-:func:`timeline` replays the planner's simulation semantics (``libra_jax.planner.simulate``) event
-by event and records what happens when: each stretch of compute with the speed it ran at, and each
-collective's latency, overlapped and solo phases. Its end time equals ``simulate`` (the tests check
-this), so the chart shows exactly what the planner optimised.
+:func:`timeline` cuts the planner's own timeline (``libra_jax.planner.timeline``: the formula
+``simulate`` uses, phase by phase) into what a chart shows: each stretch of a layer's compute with
+the speed it ran at, and each collective's packing, latency, overlapped and solo phases. Its end
+time is ``simulate``'s, so the chart shows exactly what the planner optimised.
 
 :func:`draw` renders the timeline with matplotlib, which is an optional dependency: it is imported
 only when a chart is drawn, and its absence raises a :class:`MissingDependencyError` that says how
@@ -11,6 +11,7 @@ to install it.
 """
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -63,120 +64,38 @@ class Timeline:
 
 
 def timeline(layers: Sequence[Layer], buckets: Sequence[Bucket], cost: CostModel) -> Timeline:
-    """Replay the planner's semantics for ``buckets`` (which must tile ``layers``) under ``cost``."""
-    n = len(layers)
-    if n == 0:
-        raise ValueError("layers must not be empty")
-    expected = 0
-    for b in buckets:
-        if b.first != expected or b.last < b.first or b.last >= n:
-            raise ValueError(f"buckets must tile layers 0..{n - 1} in order; got {b}")
-        if b.blocks not in cost.slowdown:
-            raise ValueError(f"bucket {b} uses allocation {b.blocks}, which is not in the cost model")
-        expected = b.last + 1
-    if expected != n:
-        raise ValueError(f"buckets must tile layers 0..{n - 1}; they stop at {expected - 1}")
+    """The chart's spans of ``buckets`` (which must tile ``layers``) under ``cost``: the planner's
+    own timeline (:func:`libra_jax.planner.timeline`), its compute progress cut at layer ends."""
+    from libra_jax import planner
 
-    colls = [(j, b, sum(layers[i].grad_bytes for i in range(b.first, b.last + 1)),
-              sum(layers[i].grad_bytes > 0 for i in range(b.first, b.last + 1)))
-             for j, b in enumerate(buckets)]
-    colls = [c for c in colls if c[2] > 0]  # a bucket of zero bytes issues no collective
-    layer_end = [math.nan] * n
+    tl = planner.timeline(layers, buckets, cost)
+    ends = list(itertools.accumulate((layer.compute_s for layer in layers), initial=0.0))
 
-    compute_spans: list[ComputeSpan] = []
-    coll_spans: list[CollectiveSpan] = []
-    t = 0.0
-    li = 0  # current layer
-    rem_work = layers[0].compute_s
-    seg_start = 0.0
-    compute_done = False
-    ci = 0  # next collective
-    active: dict | None = None
+    def time_at(progress: float) -> float:
+        """When compute first reached `progress` (the end of a layer: its gradient is ready)."""
+        for t0, t1, p0, p1, _ in tl.compute:
+            if p1 >= progress and p1 > p0:
+                if progress <= p0 or progress == p1:
+                    return t0 if progress <= p0 else t1
+                return t0 + (t1 - t0) * (progress - p0) / (p1 - p0)
+        return 0.0 if progress <= 0 else tl.compute_end
 
-    def finish_zero_layers() -> None:
-        nonlocal li, rem_work, compute_done, seg_start
-        while not compute_done and rem_work <= 0.0:
-            layer_end[li] = t
-            li += 1
-            if li == n:
-                compute_done = True
-            else:
-                rem_work = layers[li].compute_s
-            seg_start = t
-
-    finish_zero_layers()
-    while True:
-        if active is None and ci < len(colls):
-            j, b, nbytes, tensors = colls[ci]
-            ready = layer_end[b.last]
-            if not math.isnan(ready) and ready <= t:
-                active = dict(j=j, b=b, bytes=nbytes, ready=ready, start=t, phase="pack",
-                              rem=cost.pack_s(nbytes, tensors),
-                              pack_end=math.nan, latency_end=math.nan, solo_start=math.nan)
-                ci += 1
-                if active["rem"] <= 0.0:
-                    active.update(phase="latency", rem=cost.latency_s, pack_end=t)
-                if active["rem"] <= 0.0:
-                    active.update(phase="transfer", rem=float(nbytes), latency_end=t)
-                    if compute_done:
-                        active["solo_start"] = t
-        if active is None and compute_done:
-            break
-        packing = active is not None and active["phase"] == "pack"
-        slow = cost.slowdown[active["b"].blocks] if active is not None else 1.0
-        # While a bucket is packed, the compute stream copies it: no backward progress.
-        dt_compute = rem_work * slow if not compute_done and not packing else math.inf
-        if active is None:
-            dt_coll = math.inf
-        elif active["phase"] in ("pack", "latency"):
-            dt_coll = active["rem"]
-        else:
-            bw = (cost.solo_bw if compute_done else cost.overlap_bw)[active["b"].blocks]
-            dt_coll = active["rem"] / bw
-        dt = min(dt_compute, dt_coll)
-        # Advance both streams by dt.
-        if not compute_done and not packing:
-            rem_work -= dt / slow
-        if active is not None:
-            if active["phase"] in ("pack", "latency"):
-                active["rem"] -= dt
-            else:
-                bw = (cost.solo_bw if compute_done else cost.overlap_bw)[active["b"].blocks]
-                active["rem"] -= dt * bw
-        t_prev, t = t, t + dt
-        if not compute_done and not packing and t > t_prev:
-            compute_spans.append(ComputeSpan(li, t_prev, t, slow))
-        compute_event = dt == dt_compute
-        coll_event = dt == dt_coll
-        if compute_event:
-            rem_work = 0.0
-            finish_zero_layers()
-            if compute_done and active is not None and active["phase"] == "transfer" and not coll_event:
-                active["solo_start"] = t
-        if coll_event:
-            assert active is not None
-            if active["phase"] == "pack":
-                active.update(phase="latency", rem=cost.latency_s, pack_end=t)
-                if active["rem"] <= 0.0:
-                    active.update(phase="transfer", rem=float(active["bytes"]), latency_end=t)
-                    if compute_done:
-                        active["solo_start"] = t
-            elif active["phase"] == "latency":
-                active.update(phase="transfer", rem=float(active["bytes"]), latency_end=t)
-                if compute_done:
-                    active["solo_start"] = t
-            else:
-                if math.isnan(active["solo_start"]):
-                    active["solo_start"] = t
-                coll_spans.append(CollectiveSpan(active["j"], active["b"].blocks, active["bytes"], active["ready"],
-                                                 active["start"], active["latency_end"], active["solo_start"], t,
-                                                 active["pack_end"]))
-                active = None
-        if not compute_done and rem_work <= 0.0:
-            finish_zero_layers()
-    compute_end = max(layer_end)
-    end = max([compute_end] + [c.end for c in coll_spans])
-    return Timeline(tuple(_merge(compute_spans)), tuple(coll_spans), compute_end, end)
+    spans: list[ComputeSpan] = []
+    for t0, t1, p0, p1, slowdown in tl.compute:
+        if p1 <= p0:
+            continue  # a bucket being packed: no progress
+        for layer in range(len(layers)):
+            a, b = max(p0, ends[layer]), min(p1, ends[layer + 1])
+            if b > a:  # the segment's own end where the layer runs to it: spans join exactly
+                spans.append(ComputeSpan(layer, t0 if a == p0 else t0 + (a - p0) * slowdown,
+                                         t1 if b == p1 else t0 + (b - p0) * slowdown, slowdown))
+    collectives = tuple(
+        # A collective never starts before it is ready (min: against interpolation's rounding).
+        CollectiveSpan(j, blocks, nbytes, min(ph.start, time_at(ends[buckets[j].last + 1])), ph.start,
+                       ph.latency_end,
+                       ph.solo_start, ph.end, ph.pack_end)
+        for j, blocks, nbytes, ph in tl.collectives)
+    return Timeline(tuple(_merge(spans)), collectives, tl.compute_end, tl.backward_s)
 
 
 def _merge(spans: list[ComputeSpan]) -> list[ComputeSpan]:

@@ -118,7 +118,7 @@ import numbers
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import TypeGuard
+from typing import NamedTuple, TypeGuard
 
 import numpy as np
 
@@ -137,6 +137,9 @@ __all__ = [
     "plan_fusion_only",
     "plan_mgwfbp",
     "simulate",
+    "timeline",
+    "Timeline",
+    "Phases",
     "within_reach",
 ]
 
@@ -384,26 +387,49 @@ def _grouping_ranges(buckets: Iterable[object], n_layers: int) -> list[tuple[int
 # ---------------------------------------------------------------------------------------------
 
 
-def _collective(T: float, P: float, ready: float, nbytes: float, lat: float, ob: float, sb: float,
-                s: float, C: float, pack: float = 0.0) -> tuple[float, float]:
+class Phases(NamedTuple):
+    """One collective's phases as the model times them (:func:`_phases`): issued at ``start``
+    with compute progress ``progress_start``; packing (compute stalls) until ``pack_end``,
+    latency until ``latency_end``, overlapped transfer until ``solo_start`` (= ``latency_end``
+    when compute had finished, = ``end`` when the transfer ended first), solo transfer until
+    ``end``, with compute progress ``progress_end`` then."""
+
+    start: float
+    progress_start: float
+    pack_end: float
+    latency_end: float
+    solo_start: float
+    end: float
+    progress_end: float
+
+
+def _phases(T: float, P: float, ready: float, nbytes: float, lat: float, ob: float, sb: float,
+            s: float, C: float, pack: float = 0.0) -> Phases:
     """One collective issued when the comm stream is free at time ``T`` with progress ``P``.
 
-    ``ready`` is the progress at which the bucket's last layer ends. Returns the end time and the
-    progress at that time. Phases: ``pack`` seconds of packing on the compute stream (compute makes
-    no progress), ``lat`` seconds, then bytes at ``ob`` until compute ends and at ``sb`` after;
-    compute runs at ``1/s`` from the latency on.
+    ``ready`` is the progress at which the bucket's last layer ends. Phases: ``pack`` seconds of
+    packing on the compute stream (compute makes no progress), ``lat`` seconds, then bytes at
+    ``ob`` until compute ends and at ``sb`` after; compute runs at ``1/s`` from the latency on.
     """
     if P < ready:  # wait for the bucket at full compute speed
         T, P = T + (ready - P), ready
+    start, P0 = T, P
     T += pack
     busy = (C - P) * s  # wall time compute still needs under this collective's contention
     window = busy - lat  # overlapped transfer time available after the latency
     if window <= 0:  # compute ends during the latency: all bytes at the solo rate
-        return T + lat + nbytes / sb, C
+        return Phases(start, P0, T, T + lat, T + lat, T + lat + nbytes / sb, C)
     if nbytes <= window * ob:  # the transfer ends while compute still runs
         d = lat + nbytes / ob
-        return T + d, min(C, P + d / s)
-    return T + busy + (nbytes - window * ob) / sb, C
+        return Phases(start, P0, T, T + lat, T + d, T + d, min(C, P + d / s))
+    return Phases(start, P0, T, T + lat, T + busy, T + busy + (nbytes - window * ob) / sb, C)
+
+
+def _collective(T: float, P: float, ready: float, nbytes: float, lat: float, ob: float, sb: float,
+                s: float, C: float, pack: float = 0.0) -> tuple[float, float]:
+    """(end time, progress then) of :func:`_phases`."""
+    ph = _phases(T, P, ready, nbytes, lat, ob, sb, s, C, pack)
+    return ph.end, ph.progress_end
 
 
 def _collective_np(T: np.ndarray, P: np.ndarray, ready: float, nbytes: np.ndarray, lat: float, ob: np.ndarray,
@@ -457,6 +483,62 @@ def simulate(layers: Sequence[Layer], buckets: Sequence[Bucket], cost: CostModel
     _check_tiling(ranges, len(layers))
     return _simulate_ranges(_prefix(l.compute_s for l in layers), _byte_prefix(layers), ranges,
                             [b.blocks for b in buckets], cost)
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """A plan as the model times it (:func:`timeline`): each non-empty bucket's collective
+    (``collectives``: bucket index, blocks, bytes, its :class:`Phases`) and the compute stream as
+    segments ``(t0, t1, progress at t0, progress at t1, slowdown)`` of constant speed, in time
+    order, back to back from 0 until compute ends (slowdown inf: a bucket being packed on the
+    compute stream, no progress; after compute ends, only those). ``backward_s`` equals
+    :func:`simulate`."""
+
+    collectives: tuple[tuple[int, int, int, Phases], ...]
+    compute: tuple[tuple[float, float, float, float, float], ...]
+    compute_end: float
+    backward_s: float
+
+
+def timeline(layers: Sequence[Layer], buckets: Sequence[Bucket], cost: CostModel) -> Timeline:
+    """The phases of every collective of ``buckets`` and the compute stream's progress over time,
+    from the same formula :func:`simulate` uses (:func:`_phases`)."""
+    layers = _check_layers(layers)
+    if not layers:
+        raise ValueError("layers must not be empty")
+    ranges = [(b.first, b.last) for b in buckets]
+    _check_tiling(ranges, len(layers))
+    for b in buckets:
+        if b.blocks not in cost.slowdown:
+            raise ValueError(f"bucket {b} uses allocation {b.blocks}, which is not in the cost model")
+    comp, byts = _prefix(l.compute_s for l in layers), _byte_prefix(layers)
+    C, lat = comp[-1], cost.latency_s
+    T = P = 0.0
+    colls: list[tuple[int, int, int, Phases]] = []
+    segments: list[tuple[float, float, float, float, float]] = []
+    for j, b in enumerate(buckets):
+        nbytes = byts[b.last + 1] - byts[b.first]
+        if not nbytes:
+            continue
+        k = b.blocks
+        tensors = sum(byts[i + 1] > byts[i] for i in range(b.first, b.last + 1))
+        ph = _phases(T, P, comp[b.last + 1], float(nbytes), lat, cost.overlap_bw[k], cost.solo_bw[k],
+                     cost.slowdown[k], C, cost.pack_s(nbytes, tensors))
+        if ph.start > T:  # waited for the bucket: compute alone at full speed
+            segments.append((T, ph.start, P, ph.progress_start, 1.0))
+        if ph.pack_end > ph.start:
+            segments.append((ph.start, ph.pack_end, ph.progress_start, ph.progress_start, math.inf))
+        # Contended from the end of packing until compute ends or the collective does.
+        compute_stop = (ph.end if ph.progress_end < C
+                        else ph.pack_end + (C - ph.progress_start) * cost.slowdown[k])
+        if ph.progress_end > ph.progress_start:
+            segments.append((ph.pack_end, compute_stop, ph.progress_start, ph.progress_end, cost.slowdown[k]))
+        colls.append((j, k, nbytes, ph))
+        T, P = ph.end, ph.progress_end
+    if P < C:
+        segments.append((T, T + (C - P), P, C, 1.0))
+    compute_end = next((seg[1] for seg in reversed(segments) if seg[3] >= C), 0.0) if C > 0 else 0.0
+    return Timeline(tuple(colls), tuple(segments), compute_end, T + (C - P))
 
 
 def _byte_prefix(layers: Sequence[Layer]) -> list[int]:

@@ -649,3 +649,34 @@ def test_cost_model_pack_validation():
     with pytest.raises(ValueError, match="pack_s_per_byte"):
         CostModel(0.0, {1: 1.0}, {1: 1.0}, {1: 1.0}, pack_s_per_byte=-1.0)
     assert hash(CostModel(0.0, {1: 1.0}, {1: 1.0}, {1: 1.0}, 1e-9)) != hash(CostModel(0.0, {1: 1.0}, {1: 1.0}, {1: 1.0}))
+
+
+def test_timeline_is_simulate_phase_by_phase():
+    # The Gantt chart is drawn from planner.timeline, the same formula as simulate (no second
+    # event simulator): the same backward time, exactly, and phases in order.
+    import random
+
+    rng = random.Random(3)
+    for _ in range(300):
+        n = rng.randint(1, 10)
+        layers = [planner.Layer(rng.choice([0.0, rng.random() * 1e-3]),
+                                rng.choice([0, rng.randrange(1, 1 << 22)])) for _ in range(n)]
+        keys = sorted(rng.sample([1, 2, 4, 8], rng.randint(1, 3)))
+        solo = {k: rng.uniform(1e9, 2e10) for k in keys}
+        cost = planner.CostModel(rng.choice([0.0, 1e-5]), solo,
+                                 {k: solo[k] * rng.uniform(0.3, 1.0) for k in keys},
+                                 {k: rng.uniform(1.0, 3.0) for k in keys},
+                                 pack_s_per_byte=rng.choice([0.0, 1e-10]))
+        cuts = sorted(rng.sample(range(1, n), rng.randint(0, n - 1))) if n > 1 else []
+        bounds = [0, *cuts, n]
+        buckets = [planner.Bucket(a, b - 1, rng.choice(keys)) for a, b in zip(bounds, bounds[1:])]
+        tl = planner.timeline(layers, buckets, cost)
+        assert tl.backward_s == planner.simulate(layers, buckets, cost)
+        for _, _, _, ph in tl.collectives:
+            assert ph.start <= ph.pack_end <= ph.latency_end <= ph.solo_start <= ph.end
+        t, progress = 0.0, 0.0
+        for t0, t1, p0, p1, slowdown in tl.compute:  # in order; back to back until compute ends
+            assert (t0 == t if progress < tl.compute[-1][3] else t0 >= t)
+            assert t1 >= t0 and p1 >= p0 == progress and slowdown >= 1.0
+            t, progress = t1, p1
+        assert progress == pytest.approx(sum(l.compute_s for l in layers), rel=1e-12, abs=1e-18)
