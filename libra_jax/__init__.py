@@ -11,7 +11,7 @@ Layers, lowest first; a module imports only from its own layer or below
 2. JAX and the extension: `_compat`, `_ffi`, `_nccl`;
 3. the primitives: `ops`;
 4. the front ends: `allreduce` (`psum`), `rewrite` (`optimize`);
-5. tools: `explanation`, `calibrate`, `cli`.
+5. tools: `explanation`, `calibrate` (its fits, `calibrate.fit`, are pure), `cli`.
 
 The JAX front end is loaded on first attribute access, so that ``import libra_jax.planner``
 needs neither JAX nor the compiled extension.

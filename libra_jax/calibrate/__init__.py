@@ -1,0 +1,135 @@
+"""`libra-jax calibrate`: measure the contention model on the running backend and fit a profile.
+
+What is measured (CPU host devices; the "blocks" are the engine's worker tasks)
+-------------------------------------------------------------------------------
+XLA:CPU runs one multi-device execution at a time, so every measurement is one program, timed by
+the engine's per-call records (:func:`libra_jax._ffi.recording`, one clock for all devices):
+
+* **alone** -- a program that is one ``libra_jax.psum(z, blocks=k, inplace=True)`` of ``S`` bytes
+  per device, in place as ``optimize`` runs gradient all-reduces (XLA copies ``z`` first, outside
+  the timed part). Its time is the engine's ``end - start`` (all ranks arrived -> all outputs
+  written); the arrival skew ``start - first_arrival`` is recorded too.
+* **overlapped** -- one program with a marker all-reduce (4 bytes) ``m1``, a compute chain that
+  depends on ``m1``, a second marker ``m2`` that depends on the chain's result, and an all-reduce
+  of ``S`` bytes with ``k`` blocks on independent data, which XLA issues beside the chain. The
+  compute window is ``m2.start - m1.end`` (the slowest device's chain); the same program without
+  the all-reduce gives the chain's solo time ``C``. Two chains: a **matmul-bound** one (square
+  f32 matmuls) and a **memory-bound** one (a streaming ``a * c + 1`` over a buffer larger than
+  the caches).
+* **peak rates** -- the solo chains give the sustained matmul FLOP/s and the streaming bytes/s
+  per device, with every device running (as in data-parallel training).
+* **fusion** -- wall-clock time of a small MLP train step (``T`` gradient tensors, ``S`` bytes
+  per device) whose gradients are all-reduced as one fused bucket (``libra_psum_fused``: packed
+  into one buffer, split after) minus that of the same step with one all-reduce per tensor,
+  paired per repetition; once with few big tensors (8 MiB in 8), once with many small ones
+  (1 MiB in 64). Not only the copies: on a host whose cores the devices share, a fused bucket
+  also waits for every device's whole backward pass (measured on a 2-core VM with 8 devices: an
+  isolated 8 MiB pack costs ~2 ms, the same bytes fused in a train step ~10x more), and each
+  all-reduce in a step costs more than alone (its ranks' threads hand off and wake up).
+
+Every configuration is repeated ``reps`` times; each repetition runs all configurations once in
+a shuffled order (interleaved, so drift and noise spread over all of them). Medians come with
+bootstrap 95% confidence intervals.
+
+What is fitted (the ``fair-share`` form of :mod:`libra_jax.model`)
+------------------------------------------------------------------
+The host's ``P`` cores (``cores``, the CPUs this process may run on) are shared by the devices'
+compute threads and the engine's worker threads; a fair scheduler gives each runnable thread
+``min(1, P / threads)`` of a core.
+
+* alone: ``t = lat + S / (algo * softmin_p(min(k, P) * beta, L))`` -> ``beta``
+  (per_block_gbyte_per_s), ``L`` (intra_node_gbyte_per_s), ``p`` (softmin_p), ``lat``
+  (base_latency_us); ``algo = n / (2(n-1))`` as in the model. The arrival skew is *not* added to
+  the latency: it is the devices' compute finishing at different times on shared cores, which a
+  step's time contains whether or not it all-reduces.
+* slowdown: while an all-reduce is active for ``D`` seconds of the window, compute runs at
+  ``1/s`` of its speed, so ``W - C = D (1 - 1/s)``; a least-squares slope per ``k`` gives
+  ``s_mm(k)`` and ``s_mem(k)``. Both fit one fair-share curve
+  ``s(k) = max(1, (D_c + k)/P) / max(1, D_c/P)`` -> ``compute_threads`` ``D_c`` (the runnable
+  compute threads the k workers compete with).
+* overlapped: no new parameter -- the workers' share ``k min(1, P/(D_c + k))`` of the cores sets
+  their rate -- and the all-reduces that ended inside the compute window check it (reported as
+  the fit error of the overlapped prediction).
+* fusion: ``t_fused - t_per_tensor = c S - (T - 1) h`` for both steps -> ``c`` (seconds per
+  fused byte: ``fusion_copy_gbyte_per_s = 1 / c``) and ``h`` (seconds per further all-reduce in a
+  train step: ``base_latency_us`` when it exceeds the intercept of the alone fit).
+Least squares are on relative (log) residuals (scipy.optimize.least_squares); the fit error is
+the RMS and max relative error over the medians, and bootstrap fits give 95% intervals for the
+parameters. The NIC and the inter-node latency cannot be measured on one host and stay
+assumptions.
+
+Where the profile goes
+----------------------
+:func:`libra_jax.model.calibrated_profile_path`: ``$LIBRA_JAX_PROFILE_DIR/<backend>.json`` if
+that variable is set, else ``$XDG_CACHE_HOME/libra_jax/profiles/<backend>.json`` (``~/.cache``
+without ``XDG_CACHE_HOME``). ``optimize`` and ``psum(blocks=None)`` use it by default
+(:func:`libra_jax.model.default_profile`).
+
+Layout: `fit` (pure fits, no JAX), `measure` (the budget and the timed programs), `build` (the
+analysis and the profile document); this module runs them (`calibrate`, `run`) and re-exports
+their public names.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from libra_jax import model
+from libra_jax.calibrate.build import analyse, build_profile, host_meta, summary
+from libra_jax.calibrate.fit import (
+    CalibrationError,
+    Fit,
+    alone_time_s,
+    fit_alone,
+    fit_fair_share,
+    fit_memory_traffic,
+    fit_overlap,
+    fit_slowdown_units,
+    fusion_analysis,
+    fusion_costs,
+    host_cores,
+    median_ci,
+    slowdown_from_windows,
+)
+from libra_jax.calibrate.measure import FULL, KIB, MIB, QUICK, TINY, Budget, Samples, measure
+
+__all__ = [
+    "CalibrationError", "Budget", "QUICK", "FULL", "TINY", "calibrate", "run", "fit_alone",
+    "fit_overlap", "fit_slowdown_units", "fit_memory_traffic", "fit_fair_share",
+    "slowdown_from_windows", "fusion_costs", "fusion_analysis", "host_cores", "build_profile",
+    "median_ci", "alone_time_s", "Fit", "Samples", "measure", "analyse", "summary", "KIB", "MIB",
+]
+
+
+def calibrate(budget: Budget = QUICK, *, devices: int | None = 8, progress: bool = True,
+              out: str | os.PathLike | None = None, seed: int = 0) -> tuple[Path, dict[str, Any]]:
+    """Measure, fit, validate and write the profile; returns (path, document)."""
+    import jax
+
+    t0 = time.perf_counter()
+    samples, workers = measure(budget, devices=devices, progress=progress, seed=seed)
+    analysis = analyse(samples, workers, budget, seed=seed, cores=host_cores())
+    backend = jax.default_backend()
+    meta = host_meta(backend)
+    meta["measure_seconds"] = round(time.perf_counter() - t0, 1)
+    doc = build_profile(analysis, workers=workers, budget=budget, samples=samples, backend=backend, meta=meta)
+    path = Path(out) if out is not None else model.calibrated_profile_path(backend)
+    model.profile_from_dict(doc, origin=repr(str(path)))  # never write a profile that will not load
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    os.replace(tmp, path)
+    return path, doc
+
+
+def run(*, quick: bool = False, out: str | None = None, devices: int | None = 8, progress: bool = True,
+        budget: Budget | None = None) -> int:
+    """The ``calibrate`` subcommand's body."""
+    budget = budget or (QUICK if quick else FULL)
+    path, doc = calibrate(budget, devices=devices, progress=progress, out=out)
+    print(summary(doc))
+    print(f"profile   wrote {path}")
+    return 0

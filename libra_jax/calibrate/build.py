@@ -1,0 +1,298 @@
+"""Calibration's profile: the fits applied to the measured samples (`analyse`), and the profile
+document built from them (`build_profile`), every number with its provenance; `summary` says it
+in a few lines."""
+from __future__ import annotations
+
+import datetime
+import math
+import os
+import platform
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from libra_jax import model
+from libra_jax.calibrate.fit import (
+    Fit,
+    alone_time_s,
+    fit_alone,
+    fit_fair_share,
+    fusion_analysis,
+    host_cores,
+    median_ci,
+    relative_errors,
+    slowdown_from_windows,
+)
+from libra_jax.calibrate.measure import Budget, Samples
+
+
+def _medians(rows: Iterable[dict], keys: Sequence[str], value: str) -> dict[tuple, list[float]]:
+    out: dict[tuple, list[float]] = {}
+    for r in rows:
+        if value in r:
+            out.setdefault(tuple(r[k] for k in keys), []).append(r[value])
+    return out
+
+
+def analyse(samples: Samples, workers: int, budget: Budget, seed: int = 0,
+            cores: float | None = None) -> dict[str, Any]:
+    """Fit the model to the samples; returns the parameters, fit errors, intervals and summaries.
+
+    ``cores`` is the host's core count ``P`` (default: :func:`host_cores`).
+    """
+    rng = np.random.default_rng(seed)
+    P = float(cores or host_cores())
+    result: dict[str, Any] = {"cores": P}
+
+    # Compute chains alone: window medians -> peak rates.
+    base = {wl: median_ci([s["window_s"] for s in samples.overlap if s["workload"] == wl and s["bytes"] is None])
+            for wl in ("matmul", "stream")}
+    n_mm = budget.matmul_n
+    flops = budget.matmul_iters * 2.0 * n_mm**3
+    stream_traffic = budget.stream_iters * 2.0 * budget.stream_bytes
+    result["peak"] = {
+        "matmul_chain_s": base["matmul"], "stream_chain_s": base["stream"],
+        "flop_per_s": [flops / base["matmul"][0], flops / base["matmul"][2], flops / base["matmul"][1]],
+        "memory_bytes_per_s": [stream_traffic / base["stream"][0], stream_traffic / base["stream"][2],
+                               stream_traffic / base["stream"][1]],
+    }
+
+    # Slowdown per workload and block count, then one fair-share curve for both workloads.
+    ks = list(budget.blocks)
+    rows = {(wl, k): [s for s in samples.overlap if s["workload"] == wl and s["blocks"] == k and "inside_s" in s]
+            for wl in ("matmul", "stream") for k in ks}
+
+    def slowdowns(pick: Callable[[list], list]) -> dict[str, dict[int, float]]:
+        out: dict[str, dict[int, float]] = {}
+        for wl in ("matmul", "stream"):
+            C = base[wl][0]
+            out[wl] = {}
+            for k in ks:
+                chosen = pick(rows[(wl, k)])
+                out[wl][k] = slowdown_from_windows([s["window_s"] - C for s in chosen],
+                                                   [s["inside_s"] for s in chosen])
+        return out
+
+    def share_fit(slow: dict[str, dict[int, float]]) -> Fit:
+        return fit_fair_share(ks * 2, [slow["matmul"][k] for k in ks] + [slow["stream"][k] for k in ks], P)
+
+    slow = slowdowns(lambda r: r)
+    share = share_fit(slow)
+    boot_d = [share_fit(slowdowns(lambda r: [r[i] for i in rng.integers(0, len(r), len(r))] if r else r))
+              .params["compute_threads"] for _ in range(budget.bootstrap)]
+    share.ci = {"compute_threads": (float(np.percentile(boot_d, 2.5)), float(np.percentile(boot_d, 97.5)))}
+    D = share.params["compute_threads"]
+    result["slowdown"] = {"matmul": {str(k): v for k, v in slow["matmul"].items()},
+                          "stream": {str(k): v for k, v in slow["stream"].items()},
+                          "fair_share_fit": share.as_json()}
+
+    # All-reduce times, alone and overlapped (those that ended inside the compute window), on
+    # the cores their workers get: min(k, P) alone, k min(1, P / (D + k)) beside compute. One
+    # fit of both: alone, one worker may already reach the cap L, so only the overlapped times
+    # (a fraction of a core per worker) pin the per-worker rate beta.
+    alone = _medians(samples.alone, ("bytes", "blocks"), "seconds")
+    inside = [s for s in samples.overlap if s.get("ended_inside")]
+    ov = _medians(inside, ("bytes", "blocks"), "seconds")
+    points = [("alone", c, alone[c], min(float(c[1]), P)) for c in sorted(alone)]
+    points += [("overlap", c, ov[c], c[1] * min(1.0, P / (D + c[1]))) for c in sorted(ov)]
+    med = [median_ci(p[2]) for p in points]
+
+    def time_fit(pick: Callable[[int], float]) -> Fit:
+        return fit_alone([p[1][0] for p in points], [p[3] for p in points], [pick(i) for i in range(len(points))],
+                         workers)
+
+    solo = time_fit(lambda i: med[i][0])
+    boots = [time_fit(lambda i: float(np.median(rng.choice(points[i][2], len(points[i][2]))))).params
+             for _ in range(budget.bootstrap)]
+    solo.ci = {k: (float(np.percentile([b[k] for b in boots], 2.5)), float(np.percentile([b[k] for b in boots], 97.5)))
+               for k in solo.params}
+    sp = solo.params
+    pred = alone_time_s(np.array([p[1][0] for p in points], float), np.array([p[3] for p in points]), workers,
+                        sp["beta_bytes_per_s"], sp["link_bytes_per_s"], sp["softmin_p"], sp["latency_s"])
+
+    def part(kind: str) -> tuple[list[dict], float, float]:
+        idx = [i for i, p in enumerate(points) if p[0] == kind]
+        rows_ = [{"bytes": points[i][1][0], "blocks": points[i][1][1], "cores": points[i][3],
+                  "seconds": med[i][0], "ci95": list(med[i][1:]), "predicted_s": float(pred[i])} for i in idx]
+        if not idx:
+            return rows_, math.nan, math.nan
+        return (rows_, *relative_errors(pred[idx], np.array([med[i][0] for i in idx])))
+
+    skew = float(np.median([s["skew_s"] for s in samples.alone]))
+    a_rows, a_rms, a_max = part("alone")
+    o_rows, o_rms, o_max = part("overlap")
+    result["alone"] = {"fit": solo.as_json(), "arrival_skew_s": skew, "medians": a_rows,
+                       "rms_rel_error": a_rms, "max_rel_error": a_max}
+    result["overlap"] = {"prediction": {"rms_rel_error": o_rms, "max_rel_error": o_max}, "medians": o_rows,
+                         "ended_inside_fraction": len(inside) / max(1, sum("seconds" in s for s in samples.overlap))}
+
+    # Fusion: paired (same repetition) train-step times, one fused bucket minus one all-reduce per
+    # tensor, for few big and many small tensors: d = c B - (T - 1) h gives the cost c per fused
+    # byte and the cost h of each further all-reduce in a train step (two equations, two unknowns).
+    result["fusion_copy"] = fusion_analysis(samples.pack, n_boot=budget.bootstrap, seed=seed)
+    return result
+
+
+def _shipped_pending_allreduce_q() -> dict:
+    """The shipped CPU profile's cost of a pending all-reduce (`optimize(overlap="auto")`),
+    carried over: calibration does not measure it."""
+    shipped = model.load_profile(model.PROFILE_DIR / "cpu-host.json").sources
+    q = shipped["fair_share.pending_allreduce_us"]
+    return _q(q.value, "assumption", f"not calibrated; from the shipped cpu-host profile: {q.ref}")
+
+
+def _q(value: Any, source: str, ref: str) -> dict[str, Any]:
+    return {"value": value, "source": source, "ref": ref}
+
+
+#: Where calibration cannot measure the fusion copies (no positive cost): half the streaming
+#: bandwidth, as a pack reads and writes each byte once.
+FUSION_COPY_FALLBACK_TRAFFIC = 2.0
+
+
+def build_profile(analysis: dict[str, Any], *, workers: int, budget: Budget, samples: Samples | None,
+                  backend: str = "cpu", meta: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The profile document (``fair-share`` form; valid for :func:`libra_jax.model.profile_from_dict`)."""
+    solo = analysis["alone"]["fit"]["params"]
+    share = analysis["slowdown"]["fair_share_fit"]["params"]
+    flop = analysis["peak"]["flop_per_s"][0]
+    mem = analysis["peak"]["memory_bytes_per_s"][0]
+    copy_rate, copy_lo, _ = analysis["fusion_copy"]["bytes_per_s"]
+    fc = analysis["fusion_copy"]
+    shapes = fc["shapes"]
+    what = ("train steps with " + " and ".join(f"{int(b) >> 10} KiB in {t} gradients" for b, t in shapes.values())
+            + ", one fused bucket vs one all-reduce per tensor, paired")
+    if math.isfinite(copy_rate) and copy_rate > 0:
+        copy_q = _q(copy_rate / model.BYTES_PER_GBYTE, "measured", what)
+    elif math.isfinite(copy_lo) and copy_lo > 0:
+        copy_q = _q(copy_lo / model.BYTES_PER_GBYTE, "measured",
+                    f"{what}: no cost at the median; the lower end of the 95% interval")
+    else:
+        copy_q = _q(mem / FUSION_COPY_FALLBACK_TRAFFIC / model.BYTES_PER_GBYTE, "assumption",
+                    "no measurable fusion cost: half the streaming bandwidth")
+    h = analysis["fusion_copy"]["per_all_reduce_s"][0]
+    if h > solo["latency_s"]:
+        latency_q = _q(h * 1e6, "measured", f"cost of one more all-reduce in a train step (fusion train steps); "
+                                            f"alone, the fitted intercept is {solo['latency_s'] * 1e6:.0f} us")
+    else:
+        latency_q = _q(solo["latency_s"] * 1e6, "measured", "fitted intercept (arrival skew excluded)")
+    cal = "measured by libra-jax calibrate"
+    doc = {
+        "schema_version": model.SCHEMA_VERSION,
+        "name": f"{backend}-calibrated",
+        "form": "fair-share",
+        "description": f"Calibrated on {workers} {backend} devices by `libra-jax calibrate` "
+                       f"({(meta or {}).get('date', '')}).",
+        "notes": [
+            "Measured: in-place all-reduce time vs bytes x blocks alone and while compute runs, compute slowdown "
+            "vs blocks (matmul-bound and memory-bound chains), sustained matmul FLOP/s and streaming bandwidth "
+            "per device with every device running, and the cost of packing a fused bucket.",
+            "Peak rates are the sustained rates of XLA's kernels, so the efficiencies are 1.",
+            f"Latency is for {workers} ranks (base_latency_us; the per-step latency is not separated); the ranks' "
+            "arrival skew is not in it (a step's time contains it with or without all-reduces).",
+            "The NIC and inter-node latency cannot be measured on one host: assumptions.",
+        ],
+        "device": {
+            "name": f"{backend} device ({platform.processor() or platform.machine()})",
+            "compute_unit_kind": "core",
+            "compute_units": _q(max(1, round(analysis["cores"])), "measured", "cores this process may run on"),
+            "peak_dense_tflop_per_s": {
+                "fp32": _q(flop / model.FLOP_PER_TFLOP, "measured",
+                           f"{budget.matmul_n}^2 f32 matmul chain, all devices"),
+                "bf16": _q(flop / model.FLOP_PER_TFLOP, "assumption", "as fp32 (not measured)"),
+            },
+            "memory_gbyte_per_s": _q(mem / model.BYTES_PER_GBYTE, "measured", "streaming a*c+1 chain, all devices"),
+            "compute_efficiency": _q(1.0, "measured", "the peak above is already sustained"),
+            "memory_efficiency": _q(1.0, "measured", "the bandwidth above is already sustained"),
+            "default_dtype": "fp32",
+        },
+        "network": {
+            "devices_per_node": _q(workers, "measured", "devices of this host"),
+            "intra_node_gbyte_per_s": _q(solo["link_bytes_per_s"] / model.BYTES_PER_GBYTE, "measured",
+                                         "fitted bus bandwidth cap L"),
+            "nic_gbit_per_s": _q(25, "assumption", "not measurable on one host"),
+            "base_latency_us": latency_q,
+            "intra_node_step_latency_us": _q(0, "measured", "folded into base_latency_us"),
+            "inter_node_step_latency_us": _q(15, "assumption", "not measurable on one host"),
+        },
+        "fair_share": {
+            "block_options": _q(list(budget.blocks), "measured", "block counts calibrated"),
+            "threads_per_block": _q(1, "assumption", "one engine worker task per block"),
+            "per_block_gbyte_per_s": _q(solo["beta_bytes_per_s"] / model.BYTES_PER_GBYTE, "measured", cal),
+            "softmin_p": _q(solo["softmin_p"], "measured", cal),
+            "cores": _q(analysis["cores"], "measured", "CPUs this process may run on"),
+            "compute_threads": _q(share["compute_threads"], "measured",
+                                  "fitted: slowdown max(1, (D+k)/P) / max(1, D/P) of both chains"),
+            "fusion_copy_gbyte_per_s": copy_q,
+            "pending_allreduce_us": _shipped_pending_allreduce_q(),
+        },
+        "calibration": {
+            **(meta or {}),
+            "workers": workers,
+            "budget": {"sizes": list(budget.sizes), "overlap_sizes": list(budget.overlap_sizes),
+                       "blocks": list(budget.blocks), "reps": budget.reps, "pack_bytes": budget.pack_bytes,
+                       "pack_tensors": budget.pack_tensors, "pack_small_bytes": budget.pack_small_bytes,
+                       "pack_small_tensors": budget.pack_small_tensors},
+            "analysis": analysis,
+            "samples": ({"alone": samples.alone, "overlap": samples.overlap, "pack": samples.pack}
+                        if samples else {}),
+        },
+    }
+    return doc
+
+
+def host_meta(backend: str) -> dict[str, Any]:
+    import jax
+
+    import libra_jax
+
+    return {"machine": {"node": platform.node(), "system": platform.system(), "machine": platform.machine(),
+                        "processor": platform.processor(), "cpu_count": os.cpu_count(),
+                        "python": platform.python_version()},
+            "backend": backend, "jax_version": jax.__version__, "libra_jax_version": libra_jax.__version__,
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
+
+
+def summary(doc: dict[str, Any]) -> str:
+    """Human-readable results of a calibration."""
+    a = doc["calibration"]["analysis"]
+    s, sf = a["alone"]["fit"]["params"], a["alone"]["fit"]
+    ci = sf["ci95"]
+    o = a["overlap"]["prediction"]
+    fs = a["slowdown"]["fair_share_fit"]
+    fc = a["fusion_copy"]
+    rate, rlo, rhi = fc["bytes_per_s"]
+    lines = [
+        f"devices {doc['calibration']['workers']} ({doc['calibration']['backend']}), {a['cores']:g} cores, "
+        f"jax {doc['calibration']['jax_version']}",
+        f"peak      matmul {a['peak']['flop_per_s'][0] / 1e9:.1f} GFLOP/s per device "
+        f"(95% CI {a['peak']['flop_per_s'][1] / 1e9:.1f}-{a['peak']['flop_per_s'][2] / 1e9:.1f}), "
+        f"stream {a['peak']['memory_bytes_per_s'][0] / 1e9:.2f} GB/s per device "
+        f"({a['peak']['memory_bytes_per_s'][1] / 1e9:.2f}-{a['peak']['memory_bytes_per_s'][2] / 1e9:.2f})",
+        f"all-reduce per worker {s['beta_bytes_per_s'] / 1e9:.2f} GB/s "
+        f"({ci['beta_bytes_per_s'][0] / 1e9:.2f}-{ci['beta_bytes_per_s'][1] / 1e9:.2f}), cap L "
+        f"{s['link_bytes_per_s'] / 1e9:.2f} GB/s "
+        f"({ci['link_bytes_per_s'][0] / 1e9:.2f}-{ci['link_bytes_per_s'][1] / 1e9:.2f}), "
+        f"p {s['softmin_p']:.2f}, latency {s['latency_s'] * 1e6:.0f} us "
+        f"(arrival skew {a['alone']['arrival_skew_s'] * 1e6:.0f} us, "
+        f"not in the latency); one fit of alone and overlapped times: error rms {sf['rms_rel_error'] * 100:.1f}% "
+        f"(alone {a['alone']['rms_rel_error'] * 100:.1f}%, max {a['alone']['max_rel_error'] * 100:.1f}%)",
+        "slowdown  matmul " + ", ".join(f"k={k}: {v:.2f}" for k, v in a["slowdown"]["matmul"].items()),
+        "          stream " + ", ".join(f"k={k}: {v:.2f}" for k, v in a["slowdown"]["stream"].items()),
+        f"          fair share: compute threads D = {fs['params']['compute_threads']:.2f} "
+        f"(95% CI {fs['ci95']['compute_threads'][0]:.2f}-{fs['ci95']['compute_threads'][1]:.2f}); "
+        f"fit error rms {fs['rms_rel_error'] * 100:.1f}%, max {fs['max_rel_error'] * 100:.1f}%",
+        f"overlap   all-reduces beside compute, on their fair share of the cores: "
+        f"error rms {o['rms_rel_error'] * 100:.1f}%, "
+        f"max {o['max_rel_error'] * 100:.1f}% ({a['overlap']['ended_inside_fraction'] * 100:.0f}% ended inside the "
+        "compute window)",
+        "fusion    train steps, fused minus one all-reduce per tensor: "
+        + ", ".join(f"{int(fc['shapes'][k][0]) >> 10} KiB in {fc['shapes'][k][1]} gradients "
+                    f"{fc['diff_s'][k][0] * 1e3:+.2f} ms"
+                    for k in fc.get("diff_s", {}))
+        + f" -> fusion costs 1 s per {rate / 1e9:.2f} GB (95% CI {rlo / 1e9:.2f}-{rhi / 1e9:.2f}), one more "
+        f"all-reduce {fc['per_all_reduce_s'][0] * 1e6:.0f} us ({fc['per_all_reduce_s'][1] * 1e6:.0f}-"
+        f"{fc['per_all_reduce_s'][2] * 1e6:.0f})",
+    ]
+    return "\n".join(lines)

@@ -1,0 +1,264 @@
+"""Calibration's fits: the cost model's parameters from measured times (pure: numpy, and scipy
+when a fit runs; no JAX), so profiles can be refit anywhere from recorded samples."""
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from libra_jax import model
+
+
+class CalibrationError(RuntimeError):
+    """Calibration cannot measure on this backend (e.g. fewer than two devices)."""
+
+
+def median_ci(values: Sequence[float] | np.ndarray, n_boot: int = 200, seed: int = 0) -> tuple[float, float, float]:
+    """Median and a bootstrap 95% interval of the median."""
+    v = np.asarray(values, float)
+    if v.size == 0:
+        return math.nan, math.nan, math.nan
+    med = float(np.median(v))
+    if v.size == 1:
+        return med, med, med
+    rng = np.random.default_rng(seed)
+    boots = np.median(rng.choice(v, size=(n_boot, v.size), replace=True), axis=1)
+    return med, float(np.percentile(boots, 2.5)), float(np.percentile(boots, 97.5))
+
+
+def _softmin_np(x: np.ndarray, y: np.ndarray, p: float) -> np.ndarray:
+    hi = np.maximum(x, y)
+    tiny = 1e-12  # ratios below it (absurd fit iterates) would overflow the power
+    return hi * (np.maximum(x / hi, tiny) ** -p + np.maximum(y / hi, tiny) ** -p) ** (-1.0 / p)
+
+
+def _least_squares() -> Callable[..., Any]:
+    try:
+        from scipy.optimize import least_squares
+    except ImportError as exc:  # pragma: no cover - scipy is in the calibrate extra
+        raise CalibrationError("fitting needs scipy: pip install scipy (or libra_jax[calibrate])") from exc
+    return least_squares
+
+
+@dataclass
+class Fit:
+    params: dict[str, float]
+    rms_rel_error: float
+    max_rel_error: float
+    ci: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+    def as_json(self) -> dict[str, Any]:
+        return {"params": self.params, "rms_rel_error": self.rms_rel_error, "max_rel_error": self.max_rel_error,
+                "ci95": {k: list(v) for k, v in self.ci.items()}}
+
+
+def relative_errors(pred: np.ndarray, meas: np.ndarray) -> tuple[float, float]:
+    """(rms, max) of the relative errors of `pred` against the measured `meas`."""
+    rel = pred / meas - 1.0
+    return float(np.sqrt(np.mean(rel**2))), float(np.max(np.abs(rel)))
+
+
+def alone_time_s(nbytes: np.ndarray, blocks: np.ndarray, workers: int, beta: float, link: float, p: float,
+                 lat: float, eta: float = 1.0) -> np.ndarray:
+    """The model's all-reduce time: ``lat + bytes / (algo * softmin_p(k * beta * eta, L))``.
+
+    ``blocks`` may be fractional: the cores the workers get (the fair-share form passes them).
+    """
+    algo = model.ring_algo_factor(workers)
+    return lat + nbytes / (algo * _softmin_np(blocks * beta * eta, np.full_like(nbytes, link, dtype=float), p))
+
+
+def host_cores() -> int:
+    """The CPUs this process may run on (the ``cores`` of the fair-share form)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def fit_alone(nbytes: Sequence[float], blocks: Sequence[float], seconds: Sequence[float], workers: int,
+              cores: float | None = None) -> Fit:
+    """Fit ``beta`` (bytes/s per block), ``link`` (bytes/s), ``p`` and ``lat`` (s) to solo all-reduce times.
+
+    With ``cores``, ``k`` workers run on ``min(k, cores)`` cores (the fair-share form); without,
+    on ``k`` (the nccl-style form, where blocks do not share).
+    """
+    least_squares = _least_squares()
+    b, k, t = (np.asarray(a, float) for a in (nbytes, blocks, seconds))
+    if cores is not None:
+        k = np.minimum(k, float(cores))
+    algo = model.ring_algo_factor(workers)
+    big = b >= np.median(b)
+    rate = float(np.median(b[big] / t[big] / algo))  # rough bus bandwidth
+    x0 = np.log([rate / max(1.0, float(np.median(k))), rate * 2, 4.0, max(float(np.min(t)) * 0.3, 1e-6)])
+
+    def resid(x: np.ndarray) -> np.ndarray:
+        beta, link, p, lat = np.exp(x)
+        return np.log(alone_time_s(b, k, workers, beta, link, p, lat) / t)
+
+    lo = np.log([1e3, 1e3, 1.0, 1e-8])  # p >= 1: below, the soft-min falls under both rates
+    hi = np.log([1e13, 1e13, 32.0, 1.0])
+    best = None
+    for p0 in (1.0, 4.0, 16.0):  # a few starts: p is weakly identified
+        x = x0.copy()
+        x[2] = math.log(p0)
+        r = least_squares(resid, np.clip(x, lo + 1e-9, hi - 1e-9), bounds=(lo, hi))
+        if best is None or r.cost < best.cost:
+            best = r
+    assert best is not None  # the loop ran at least once
+    beta, link, p, lat = (float(v) for v in np.exp(best.x))
+    rms, mx = relative_errors(alone_time_s(b, k, workers, beta, link, p, lat), t)
+    return Fit({"beta_bytes_per_s": beta, "link_bytes_per_s": link, "softmin_p": p, "latency_s": lat}, rms, mx)
+
+
+def fit_overlap(nbytes: Sequence[float], blocks: Sequence[int], seconds: Sequence[float], workers: int,
+                solo: Fit) -> Fit:
+    """Fit ``eta`` (overlap_block_efficiency, <= 1) with the solo fit's other parameters fixed."""
+    least_squares = _least_squares()
+    b, k, t = (np.asarray(a, float) for a in (nbytes, blocks, seconds))
+    s = solo.params
+
+    def pred(eta: float) -> np.ndarray:
+        return alone_time_s(b, k, workers, s["beta_bytes_per_s"], s["link_bytes_per_s"], s["softmin_p"],
+                            s["latency_s"], eta)
+
+    r = least_squares(lambda x: np.log(pred(math.exp(x[0])) / t), [math.log(0.5)],
+                      bounds=([math.log(1e-4)], [0.0]))
+    eta = float(math.exp(r.x[0]))
+    rms, mx = relative_errors(pred(eta), t)
+    return Fit({"eta": eta}, rms, mx)
+
+
+def slowdown_from_windows(extra_s: Sequence[float], overlap_s: Sequence[float]) -> float:
+    """``s`` from ``W - C = D (1 - 1/s)``: the least-squares slope through the origin, as ``1/(1-slope)``.
+
+    ``extra_s`` are window times minus the solo chain time, ``overlap_s`` the all-reduce seconds inside
+    the window. Capped at 100 (a slope >= 0.99: compute all but stopped).
+    """
+    w, d = np.asarray(extra_s, float), np.asarray(overlap_s, float)
+    if d.size == 0 or float(np.sum(d * d)) == 0.0:
+        return 1.0
+    slope = float(np.sum(w * d) / np.sum(d * d))
+    slope = min(max(slope, 0.0), 0.99)
+    return 1.0 / (1.0 - slope)
+
+
+def fit_slowdown_units(blocks: Sequence[int], slowdowns: Sequence[float], *, max_units: int = 512,
+                       max_per_block: int = 16) -> Fit:
+    """Integers ``U`` (compute units) and ``u`` (units per block) for ``s(k) = U / (U - k u)`` (grid search)."""
+    k = np.asarray(blocks, float)
+    s = np.maximum(np.asarray(slowdowns, float), 1.0)
+    best: tuple[float, int, int] | None = None
+    for u in range(1, max_per_block + 1):
+        U = np.arange(int(k.max()) * u + 1, max_units + 1, dtype=float)
+        if U.size == 0:
+            continue
+        pred = U[:, None] / (U[:, None] - k[None, :] * u)
+        cost = np.sum(np.log(pred / s[None, :]) ** 2, axis=1)
+        i = int(np.argmin(cost))
+        if best is None or cost[i] < best[0] - 1e-12:
+            best = (float(cost[i]), int(U[i]), u)
+    assert best is not None
+    _, U_, u_ = best
+    rms, mx = relative_errors(U_ / (U_ - k * u_), s)
+    return Fit({"compute_units": U_, "units_per_block": u_}, rms, mx)
+
+
+def fit_memory_traffic(blocks: Sequence[int], slowdowns: Sequence[float], bus_overlap_bytes_per_s: Sequence[float],
+                       memory_bytes_per_s: float) -> Fit:
+    """``m`` (memory bytes per bus byte) for ``s(k) = H / (H - m bus_overlap(k))`` (least squares)."""
+    least_squares = _least_squares()
+    s = np.maximum(np.asarray(slowdowns, float), 1.0)
+    bus = np.asarray(bus_overlap_bytes_per_s, float)
+    H = float(memory_bytes_per_s)
+    m_max = 0.999 * H / float(bus.max())
+
+    def pred(m: float) -> np.ndarray:
+        return H / (H - m * bus)
+
+    r = least_squares(lambda x: np.log(pred(x[0]) / s), [min(1.0, m_max / 2)], bounds=([0.0], [m_max]))
+    m = float(r.x[0])
+    rms, mx = relative_errors(pred(m), s)
+    return Fit({"memory_bytes_per_bus_byte": m}, rms, mx)
+
+
+def fit_fair_share(blocks: Sequence[int], slowdowns: Sequence[float], cores: float) -> Fit:
+    """``compute_threads`` ``D`` of the fair-share slowdown ``s(k) = max(1, (D + k)/P) / max(1, D/P)``
+    (:func:`libra_jax.model.fair_share_slowdown`) on ``P = cores``, least squares on log residuals.
+
+    ``blocks`` and ``slowdowns`` may hold several workloads' points (one ``D`` for all: the
+    scheduler does not know what the compute threads compute). Slowdowns below 1 count as 1.
+    """
+    least_squares = _least_squares()
+    k = np.asarray(blocks, float)
+    s = np.maximum(np.asarray(slowdowns, float), 1.0)
+    P = float(cores)
+
+    def pred(D: float) -> np.ndarray:
+        return np.maximum(1.0, (D + k) / P) / max(1.0, D / P)
+
+    lo, hi = math.log(0.05), math.log(4096.0)
+    best = None
+    for d0 in (0.5, P, 4 * P, 32 * P):  # a few starts: the curve is flat in D below P
+        x0 = min(max(math.log(d0), lo + 1e-9), hi - 1e-9)
+        r = least_squares(lambda x: np.log(pred(math.exp(x[0])) / s), [x0], bounds=([lo], [hi]),
+                          loss="soft_l1", f_scale=0.1)  # robust: one disturbed window is not a trend
+        if best is None or r.cost < best.cost:
+            best = r
+    assert best is not None  # the loop ran at least once
+    D = float(math.exp(best.x[0]))
+    rms, mx = relative_errors(pred(D), s)
+    return Fit({"compute_threads": D, "cores": P}, rms, mx)
+
+
+def fusion_costs(d_big: float, big: tuple[float, int], d_small: float, small: tuple[float, int]) -> tuple[float, float]:
+    """``(c, h)`` from two train steps' fused-minus-unfused times ``d = c B - (T - 1) h``, one with
+    ``big = (B, T)`` (few big tensors), one with ``small`` (many small ones): ``c`` seconds per
+    fused byte, ``h`` seconds per further all-reduce. Both clipped at 0."""
+    (Bb, Tb), (Bs, Ts) = big, small
+    det = Bb * (Ts - 1) - Bs * (Tb - 1)
+    if det == 0:
+        raise ValueError("the two train steps must differ in bytes per tensor")
+    c = (d_big * (Ts - 1) - d_small * (Tb - 1)) / det
+    c = max(c, 0.0)
+    h = max((c * Bb - d_big) / (Tb - 1), (c * Bs - d_small) / (Ts - 1), 0.0) if Tb > 1 and Ts > 1 else 0.0
+    return c, h
+
+
+def fusion_analysis(rows: Sequence[dict], n_boot: int = 40, seed: int = 0) -> dict[str, Any]:
+    """Per-byte fusion cost and per-all-reduce cost from the paired train-step samples (see
+    :func:`fusion_costs`), with bootstrap 95% intervals; rates are bytes per second (``inf``:
+    no measurable cost)."""
+    pairs: dict[bool, dict[int, dict[bool, float]]] = {False: {}, True: {}}
+    shape: dict[bool, tuple[float, int]] = {}
+    for r in rows:
+        small = bool(r.get("small", False))
+        pairs[small].setdefault(r["rep"], {})[r["fused"]] = r["seconds"]
+        shape[small] = (float(r["bytes"]), int(r["tensors"]))
+    diffs = {k: np.array([p[True] - p[False] for p in v.values() if True in p and False in p])
+             for k, v in pairs.items()}
+    out: dict[str, Any] = {"shapes": {("small" if k else "big"): list(v) for k, v in shape.items()},
+                           "diff_s": {("small" if k else "big"): median_ci(d) for k, d in diffs.items() if d.size}}
+    if not (diffs[False].size and diffs[True].size):
+        out.update(bytes_per_s=[math.inf] * 3, per_all_reduce_s=[0.0] * 3)
+        return out
+
+    def solve(db: np.ndarray, ds: np.ndarray) -> tuple[float, float]:
+        return fusion_costs(float(np.median(db)), shape[False], float(np.median(ds)), shape[True])
+
+    c, h = solve(diffs[False], diffs[True])
+    rng = np.random.default_rng(seed)
+    boots = [solve(rng.choice(diffs[False], diffs[False].size), rng.choice(diffs[True], diffs[True].size))
+             for _ in range(n_boot)]
+    cs, hs = np.array([b[0] for b in boots]), np.array([b[1] for b in boots])
+
+    def rate(x: float) -> float:
+        return 1.0 / x if x > 0 else math.inf
+
+    out["bytes_per_s"] = [rate(c), rate(float(np.percentile(cs, 97.5))), rate(float(np.percentile(cs, 2.5)))]
+    out["per_all_reduce_s"] = [h, float(np.percentile(hs, 2.5)), float(np.percentile(hs, 97.5))]
+    return out

@@ -1,0 +1,303 @@
+"""Calibration's measurements: the budget (sizes, block counts, repetitions) and the programs that
+time all-reduces alone and beside compute on this host's devices, read from the engine's own call
+records (`libra_jax._ffi.recording`). Imports JAX when it measures, not before."""
+from __future__ import annotations
+
+import math
+import random
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from libra_jax.calibrate.fit import CalibrationError
+
+KIB, MIB = 1 << 10, 1 << 20
+
+
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What one calibration run measures."""
+
+    sizes: tuple[int, ...]            # bytes per device of the solo all-reduces
+    overlap_sizes: tuple[int, ...]    # bytes per device of the overlapped all-reduces
+    blocks: tuple[int, ...]
+    reps: int
+    matmul_n: int = 256
+    matmul_iters: int = 16
+    stream_bytes: int = 8 * MIB
+    stream_iters: int = 12
+    bootstrap: int = 40
+    pack_bytes: int = 8 * MIB         # gradient bytes per device of the fusion train step, few big tensors
+    pack_tensors: int = 8             # its gradient tensors
+    pack_small_bytes: int = 1 * MIB   # the same with many small tensors
+    pack_small_tensors: int = 64
+
+
+FULL = Budget(sizes=(64 * KIB, 256 * KIB, 1 * MIB, 4 * MIB, 16 * MIB), overlap_sizes=(4 * MIB, 16 * MIB),
+              blocks=(1, 2, 3, 4, 6, 8), reps=9)
+
+
+QUICK = Budget(sizes=(256 * KIB, 1 * MIB, 4 * MIB), overlap_sizes=(4 * MIB,), blocks=(1, 2, 4), reps=10,
+               pack_bytes=4 * MIB, pack_small_bytes=512 * KIB, pack_small_tensors=32)
+
+
+#: For tests: seconds, not minutes.
+TINY = Budget(sizes=(64 * KIB, 512 * KIB), overlap_sizes=(256 * KIB,), blocks=(1, 2), reps=2,
+              matmul_n=128, matmul_iters=6, stream_bytes=1 * MIB, stream_iters=4, bootstrap=8,
+              pack_bytes=256 * KIB, pack_tensors=4, pack_small_bytes=64 * KIB, pack_small_tensors=8)
+
+
+def _progress(total: int, enabled: bool, desc: str) -> Any:
+    """A tqdm bar if tqdm is installed, else plain lines every 10%."""
+    if not enabled:
+        return _Silent()
+    try:
+        from tqdm.auto import tqdm
+
+        return tqdm(total=total, desc=desc, unit="run", file=sys.stderr)
+    except ImportError:
+        return _Lines(total, desc)
+
+
+class _Silent:
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def set_postfix_str(self, s: str) -> None:
+        pass
+
+
+class _Lines(_Silent):
+    def __init__(self, total: int, desc: str) -> None:
+        self.total, self.desc, self.done, self.shown = total, desc, 0, -1
+
+    def update(self, n: int = 1) -> None:
+        self.done += n
+        tenth = 10 * self.done // max(1, self.total)
+        if tenth != self.shown:
+            self.shown = tenth
+            print(f"{self.desc}: {self.done}/{self.total} runs", file=sys.stderr, flush=True)
+
+
+def _devices(n: int | None) -> list[Any]:
+    import jax
+
+    backend = jax.default_backend()
+    if backend != "cpu":
+        raise CalibrationError(
+            f"calibration measures CPU host devices; the default backend is {backend!r}, whose "
+            "calibration is not implemented yet (benchmarks/gpu_check.sh measures GPU all-reduce times)")
+    if n is not None:
+        try:
+            jax.config.update("jax_num_cpu_devices", n)
+        except Exception:
+            pass
+    devices = jax.devices("cpu")
+    if n is not None:
+        devices = devices[:n]
+    if len(devices) < 2:
+        raise CalibrationError(
+            f"calibration needs at least 2 devices to all-reduce among, found {len(devices)}; on CPU "
+            "set XLA_FLAGS=--xla_force_host_platform_device_count=8 (or jax_num_cpu_devices) before JAX starts")
+    return devices
+
+
+class _Programs:
+    """The jitted measurement programs over ``n`` devices."""
+
+    def __init__(self, devices: list[Any], budget: Budget) -> None:
+        import jax
+        from jax.sharding import Mesh, NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        import libra_jax
+
+        self.jax, self.P, self.psum = jax, P, libra_jax.psum
+        self.n = len(devices)
+        self.mesh = Mesh(np.array(devices), ("c",))
+        self.sharding = NamedSharding(self.mesh, P("c"))
+        self.budget = budget
+        n, b = self.n, budget
+        put = lambda a: jax.device_put(a, self.sharding)  # noqa: E731
+        self.marker = put(np.ones((n,), np.float32))
+        self.w = put(np.tile(np.eye(b.matmul_n, dtype=np.float32), (n, 1)))
+        self.stream = put(np.ones((n * (b.stream_bytes // 4),), np.float32))
+        sizes = sorted(set(b.sizes) | set(b.overlap_sizes))
+        self.z = {s: put(np.zeros((n * (s // 4),), np.float32)) for s in sizes}
+        self._cache: dict[tuple, Any] = {}
+
+    def _smap(self, body: Callable[..., Any], n_in: int, n_out: int) -> Any:
+        P = self.P
+        return self.jax.jit(self.jax.shard_map(body, mesh=self.mesh, in_specs=(P("c"),) * n_in,
+                                               out_specs=(P(),) * n_out if n_out > 1 else P(), check_vma=False))
+
+    def alone(self, size: int, k: int) -> Callable[[], Any]:
+        key = ("alone", size, k)
+        if key not in self._cache:
+            fn = self._smap(lambda z: self.psum(z, "c", blocks=k, inplace=True), 1, 1)
+            z = self.z[size]
+            self._cache[key] = lambda: fn(z)
+        return self._cache[key]
+
+    def overlapped(self, workload: str, size: int | None, k: int | None) -> Callable[[], Any]:
+        key = ("overlap", workload, size, k)
+        if key in self._cache:
+            return self._cache[key]
+        jax, b, psum = self.jax, self.budget, self.psum
+
+        def chain(m: Any, a: Any, w: Any) -> Any:
+            if workload == "matmul":
+                a = w * m[0]
+                a = jax.lax.fori_loop(0, b.matmul_iters, lambda i, a: a @ w, a)
+                return a[:1, :1].reshape(-1)
+            a = a * m[0]
+            a = jax.lax.fori_loop(0, b.stream_iters, lambda i, a: a * 0.5 + 1.0, a)
+            return a[:1]
+
+        if size is None:
+            def body(m: Any, a: Any, w: Any) -> Any:
+                m = psum(m, "c", blocks=1)
+                return psum(chain(m, a, w), "c", blocks=1)
+            fn = self._smap(body, 3, 1)
+            self._cache[key] = lambda: fn(self.marker, self.stream, self.w)
+        else:
+            def body2(m: Any, a: Any, w: Any, z: Any) -> Any:
+                m = psum(m, "c", blocks=1)
+                return psum(chain(m, a, w), "c", blocks=1), psum(z, "c", blocks=k, inplace=True)
+            fn2 = self._smap(body2, 4, 2)
+            z = self.z[size]
+            self._cache[key] = lambda: fn2(self.marker, self.stream, self.w, z)
+        return self._cache[key]
+
+
+    def pack(self, fused: bool, small: bool = False) -> Callable[[], Any]:
+        """A data-parallel train step whose gradients (``pack_tensors`` of them, ``pack_bytes``
+        in all per device, or the ``pack_small_`` pair: the weights and biases of an MLP) are
+        all-reduced after the backward pass as one fused bucket (``libra_psum_fused``), or each on
+        its own; then an SGD update. The difference of the two: what fusing costs per byte
+        against what each further all-reduce costs in a train step. ``self.pack_layout[small]``
+        is (layers, width, gradient bytes)."""
+        key = ("pack", fused, small)
+        if key not in self._cache:
+            jax, P = self.jax, self.P
+            jnp = jax.numpy
+            from libra_jax.ops import libra_psum_fused_p
+
+            b = self.budget
+            nbytes, tensors = (b.pack_small_bytes, b.pack_small_tensors) if small else (b.pack_bytes, b.pack_tensors)
+            layers = max(1, tensors // 2)
+            width = max(8, int(math.sqrt(nbytes / 4 / layers)))
+            batch = 32
+
+            def loss(params: Any, x: Any) -> Any:
+                for w, c in params:
+                    x = jnp.tanh(x @ w + c)
+                return jnp.mean(x * x)
+
+            def body(m: Any, x: Any, params: Any) -> Any:
+                grads = jax.grad(loss)(params, x * m[0])
+                flat, tree = jax.tree.flatten(grads)
+                if fused:
+                    flat = libra_psum_fused_p.bind(*flat, axes=("c",), blocks=1, invariant=False)
+                else:
+                    flat = [self.psum(g, "c", blocks=1) for g in flat]
+                grads = jax.tree.unflatten(tree, flat)
+                return jax.tree.map(lambda p, g: p - 0.01 * g, params, grads)
+
+            rng = np.random.default_rng(0)
+            params = [(jax.numpy.asarray(rng.standard_normal((width, width), np.float32) / width),
+                       jax.numpy.zeros((width,), jax.numpy.float32)) for _ in range(layers)]
+            params = jax.device_put(params, jax.sharding.NamedSharding(self.mesh, P()))
+            x = jax.device_put(rng.standard_normal((self.n * batch, width)).astype(np.float32), self.sharding)
+            fn = jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=(P("c"), P("c"), P()), out_specs=P(),
+                                       check_vma=False))
+            if not hasattr(self, "pack_layout"):
+                self.pack_layout = {}
+            self.pack_layout[small] = (layers, width, sum(w.size + c.size for w, c in params) * 4)
+            self._cache[key] = lambda: fn(self.marker, x, params)
+        return self._cache[key]
+
+
+def _records(fn: Callable[[], Any]) -> list[dict]:
+    import jax
+
+    from libra_jax import _ffi
+
+    with _ffi.recording() as rec:
+        jax.block_until_ready(fn())
+    return rec
+
+
+@dataclass
+class Samples:
+    """Raw samples: one dict per run (kept in the profile)."""
+
+    alone: list[dict] = field(default_factory=list)
+    overlap: list[dict] = field(default_factory=list)
+    pack: list[dict] = field(default_factory=list)
+
+
+def measure(budget: Budget, *, devices: int | None = 8, progress: bool = True, seed: int = 0) -> tuple[Samples, int]:
+    """Run every configuration ``budget.reps`` times, interleaved in a shuffled order per repetition."""
+    import jax
+
+    devs = _devices(devices)
+    progs = _Programs(devs, budget)
+    configs: list[tuple] = [("alone", s, k) for s in budget.sizes for k in budget.blocks]
+    for wl in ("matmul", "stream"):
+        configs.append(("overlap", wl, None, None))
+        configs += [("overlap", wl, s, k) for s in budget.overlap_sizes for k in budget.blocks]
+    configs += [("pack", fused, small) for fused in (True, False) for small in (False, True)]
+    bar = _progress(len(configs) * (budget.reps + 1), progress, "calibrate")
+    samples = Samples()
+    rng = random.Random(seed)
+    for rep in range(budget.reps + 1):  # repetition 0 compiles and warms up
+        order = list(configs)
+        rng.shuffle(order)
+        for cfg in order:
+            if cfg[0] == "pack":
+                fn = progs.pack(cfg[1], cfg[2])
+                t0 = time.perf_counter()
+                jax.block_until_ready(fn())
+                seconds = time.perf_counter() - t0
+                bar.update(1)
+                if rep:
+                    layers, width, nbytes = progs.pack_layout[cfg[2]]
+                    samples.pack.append({"fused": cfg[1], "small": cfg[2], "rep": rep, "seconds": seconds,
+                                         "bytes": nbytes, "tensors": 2 * layers, "width": width})
+                continue
+            fn = progs.alone(cfg[1], cfg[2]) if cfg[0] == "alone" else progs.overlapped(*cfg[1:])
+            rec = _records(fn)
+            bar.update(1)
+            if rep == 0:
+                continue
+            if cfg[0] == "alone":
+                r = max(rec, key=lambda r: r["bytes"])
+                samples.alone.append({"bytes": cfg[1], "blocks": cfg[2], "rep": rep,
+                                      "seconds": (r["end_us"] - r["start_us"]) * 1e-6,
+                                      "skew_s": (r["start_us"] - r["first_arrival_us"]) * 1e-6})
+                continue
+            _, wl, size, k = cfg
+            markers = sorted((r for r in rec if r["bytes"] == 4), key=lambda r: r["start_us"])
+            if len(markers) < 2:
+                continue
+            w0, w1 = markers[0]["end_us"], markers[-1]["start_us"]
+            s = {"workload": wl, "bytes": size, "blocks": k, "rep": rep, "window_s": (w1 - w0) * 1e-6}
+            big = [r for r in rec if r["bytes"] != 4]
+            if big:
+                r = big[0]
+                s["seconds"] = (r["end_us"] - r["start_us"]) * 1e-6
+                s["inside_s"] = max(0, min(r["end_us"], w1) - max(r["start_us"], w0)) * 1e-6
+                s["ended_inside"] = bool(w0 <= r["start_us"] and r["end_us"] <= w1)
+            samples.overlap.append(s)
+    bar.close()
+    return samples, len(devs)
