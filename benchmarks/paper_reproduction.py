@@ -4,7 +4,7 @@
 
 Data-parallel training of VGG16, ResNet152, Xception and BERT-large (exact per-layer gradient
 sizes and FLOPs from ``libra_jax.zoo``) on the ``libra-testbed`` profile (the artifact's fits),
-under five policies (``libra_jax.cli.POLICIES``):
+under five policies (``libra_jax.planner.POLICIES``):
 
 * default      -- Horovod-NCCL: 2048 threads for every bucket, Horovod 0.20.3's 64 MiB fusion;
 * mgwfbp       -- MG-WFBP merging at 2048 threads (the paper's "fusion only" baseline);
@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from libra_jax import cli, model, zoo  # noqa: E402
+from libra_jax import model, planner, zoo  # noqa: E402
 
 PROFILE = "libra-testbed"
 MODELS = ("vgg16", "resnet152", "xception", "bert-large")
@@ -78,9 +78,9 @@ def run_one(args: tuple[str, int, float, int | None]) -> Run:
     derivation = model.derive(profile, workers, link_gbit_per_s=link)
     w = zoo.training_workload(name, flop_per_s=profile.device.flop_per_s(), bytes_per_s=profile.device.bytes_per_s(),
                               batch=batch)
-    alloc = cli.default_allocation(derivation)
+    alloc = derivation.default_allocation()
     t0 = time.perf_counter()
-    comparison = cli.compare_policies(w.layers, derivation.cost, default_alloc=alloc)
+    comparison = planner.compare_policies(w.layers, derivation.cost, default_alloc=alloc)
     elapsed = time.perf_counter() - t0
     return Run(name, workers, link, w.batch,
                {k: p.backward_s for k, p in comparison.plans.items()},
@@ -202,8 +202,8 @@ def exact_check(name: str = "bert-large") -> tuple[float, float, float]:
     profile = model.load_profile(PROFILE)
     cost = model.derive(profile, 8, link_gbit_per_s=50).cost
     w = zoo.training_workload(name, flop_per_s=profile.device.flop_per_s(), bytes_per_s=profile.device.bytes_per_s())
-    alloc = cli.default_allocation(model.derive(profile, 8, link_gbit_per_s=50))
-    coarse = cli.compare_policies(w.layers, cost, default_alloc=alloc).backward_s("libra")
+    alloc = model.derive(profile, 8, link_gbit_per_s=50).default_allocation()
+    coarse = planner.compare_policies(w.layers, cost, default_alloc=alloc).backward_s("libra")
     t0 = time.perf_counter()
     exact = planner.plan(list(w.layers), cost, fusion=True).backward_s
     return coarse, exact, time.perf_counter() - t0
@@ -288,7 +288,7 @@ def discussion(main50: list[Run], main100: list[Run], scale: list[Run], sweep: l
         "those pushed toward it gain more, and so do communication-bound ones, because the default's 2048 "
         "threads no longer come close to saturating the faster link.",
         f"7. **Planning granularity.** Like the artifact (40 pre-fused groups), the fusion-searching policies plan "
-        f"over at most {cli.DEFAULT_PREFUSE} pre-fused layer groups, then are evaluated on the exact layers. "
+        f"over at most {planner.DEFAULT_PREFUSE} pre-fused layer groups, then are evaluated on the exact layers. "
         f"For BERT-large (8 workers, 50 Gb/s) planning all {len(zoo.training_workload('bert-large', flop_per_s=1e12, bytes_per_s=1e12).layers)} "
         f"layers gives {exact * 1e3:.2f} ms vs {coarse * 1e3:.2f} ms pre-fused ({(coarse / exact - 1) * 100:.2f}% apart; "
         f"the exact plan took {exact_s:.2f} s). Planning every layer is now fast too (under a second for "

@@ -24,110 +24,15 @@ import json
 import math
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from libra_jax import model as cost_models
 from libra_jax import planner, zoo
 from libra_jax.gantt import MissingDependencyError
 
-__all__ = ["main", "build_parser", "SUBCOMMANDS", "POLICIES", "Comparison", "compare_policies",
-           "default_allocation", "prefuse_groups"]
+__all__ = ["main", "build_parser", "SUBCOMMANDS"]
 
 BYTES_PER_MIB = 1 << 20
 HOROVOD_FUSION_MIB = planner.HOROVOD_FUSION_BYTES // BYTES_PER_MIB  # --fusion-mib's default
-DEFAULT_PREFUSE = 40  # the artifact's PREPROCESS_LAYER_NUM: layers are pre-fused into 40 groups
-
-# Policy key -> description, in table order.
-POLICIES: dict[str, str] = {
-    "default": "Horovod-NCCL: fixed allocation, 64 MiB fusion",
-    "mgwfbp": "fusion only: MG-WFBP merge, fixed allocation",
-    "fusion-only": "fusion only: planner grouping, fixed allocation",
-    "libra-alloc": "Libra allocation, default grouping",
-    "libra": "Libra: allocation co-optimised with fusion",
-}
-
-
-def default_allocation(derivation: cost_models.Derivation) -> int:
-    """The baselines' fixed allocation for a derived cost model (`planner.default_allocation`)."""
-    return planner.default_allocation(derivation.cost.slowdown, derivation.key_unit)
-
-
-@dataclass(frozen=True)
-class Comparison:
-    """Plans of every policy in :data:`POLICIES` for one workload and cost model."""
-
-    plans: dict[str, planner.Plan]
-    default_alloc: int
-    fusion_bytes: int
-
-    def backward_s(self, policy: str) -> float:
-        return self.plans[policy].backward_s
-
-    def best_baseline(self) -> str:
-        """The fastest of the baselines (everything except the two Libra policies)."""
-        return min(("default", "mgwfbp", "fusion-only"), key=self.backward_s)
-
-
-def prefuse_groups(layers: Sequence[object], groups: int) -> list[tuple[int, int]]:
-    """Cut ``layers`` into at most ``groups`` contiguous groups of about equal weight.
-
-    A layer's weight is the mean of its share of the backward compute and of the gradient bytes,
-    so both long compute stretches and large gradients stay resolved. This is the Libra artifact's
-    pre-fusion step (it plans 40 pre-fused groups); any plan over the groups is a valid plan over
-    the layers, and :func:`compare_policies` evaluates it on the exact layers.
-    """
-    if groups < 1:
-        raise ValueError(f"groups must be >= 1, got {groups}")
-    n = len(layers)
-    total_c = sum(l.compute_s for l in layers) or 1.0  # type: ignore[attr-defined]
-    total_b = sum(l.grad_bytes for l in layers) or 1  # type: ignore[attr-defined]
-    out: list[tuple[int, int]] = []
-    first, c, b = 0, 0.0, 0
-    for i, layer in enumerate(layers):
-        c += layer.compute_s  # type: ignore[attr-defined]
-        b += layer.grad_bytes  # type: ignore[attr-defined]
-        share = 0.5 * (c / total_c + b / total_b)
-        if i == n - 1 or (share >= (len(out) + 1) / groups - 1e-12 and len(out) < groups - 1):
-            out.append((first, i))
-            first = i + 1
-    return out
-
-
-def compare_policies(layers: Sequence[planner.Layer], cost: planner.CostModel, *, default_alloc: int,
-                     fusion_bytes: int = HOROVOD_FUSION_MIB * BYTES_PER_MIB,
-                     prefuse: int = DEFAULT_PREFUSE) -> Comparison:
-    """Plan ``layers`` under every policy of :data:`POLICIES`.
-
-    The fusion-searching planner policies (``fusion-only`` and ``libra``) plan over
-    :func:`prefuse_groups` of at most ``prefuse`` groups (0: the exact layers); their buckets are
-    mapped back to layer indices and every reported time is ``simulate`` on the exact layers.
-    """
-    layers = list(layers)
-    default = planner.plan_default(layers, cost, blocks=default_alloc, fusion_bytes=fusion_bytes)
-    grouping = [(b.first, b.last) for b in default.buckets]
-    if prefuse and len(layers) > prefuse:
-        groups = prefuse_groups(layers, prefuse)
-        coarse = [planner.Layer(sum(layers[i].compute_s for i in range(a, z + 1)),
-                                sum(layers[i].grad_bytes for i in range(a, z + 1))) for a, z in groups]
-
-        def exact(plan: planner.Plan) -> planner.Plan:
-            buckets = [planner.Bucket(groups[b.first][0], groups[b.last][1], b.blocks)
-                       for b in plan.buckets]
-            return planner.Plan(buckets, planner.simulate(layers, buckets, cost))
-    else:
-        coarse = layers
-
-        def exact(plan: planner.Plan) -> planner.Plan:
-            return plan
-    plans = {
-        "default": default,
-        "mgwfbp": planner.plan_mgwfbp(layers, cost, blocks=default_alloc),
-        "fusion-only": exact(planner.plan_fusion_only(coarse, cost, blocks=default_alloc)),
-        "libra-alloc": planner.plan(layers, cost, buckets=grouping),
-        "libra": exact(planner.plan(coarse, cost, fusion=True)),
-    }
-    return Comparison(plans, default_alloc, fusion_bytes)
-
 
 def _alloc_summary(buckets: Sequence[object]) -> str:
     """Allocations of non-empty runs, e.g. ``2048x3 1024 512x2``."""
@@ -202,7 +107,7 @@ def _add_simulate(subparsers: argparse._SubParsersAction) -> None:
                    help="the baselines' fixed allocation (default: 2048 threads, or the largest block option)")
     p.add_argument("--fusion-mib", type=_positive_float, default=HOROVOD_FUSION_MIB,
                    help="the default policy's fusion threshold in MiB (default: %(default)s)")
-    p.add_argument("--prefuse", type=int, default=DEFAULT_PREFUSE,
+    p.add_argument("--prefuse", type=int, default=planner.DEFAULT_PREFUSE,
                    help="plan fusion over at most this many pre-fused layer groups, as the Libra artifact "
                         "does; 0 plans the exact layers (slower) (default: %(default)s)")
     p.add_argument("--gantt", metavar="PNG", default=None, help="write a Gantt chart of Libra's plan")
@@ -217,7 +122,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
     workload = zoo.training_workload(args.model, flop_per_s=profile.device.flop_per_s(args.dtype),
                                      bytes_per_s=profile.device.bytes_per_s(), batch=args.batch,
                                      seq_len=args.seq_len)
-    default_alloc = args.default_alloc if args.default_alloc is not None else default_allocation(derivation)
+    default_alloc = args.default_alloc if args.default_alloc is not None else derivation.default_allocation()
     if default_alloc not in derivation.cost.slowdown:
         raise ValueError(f"--default-alloc {default_alloc} is not an option; options: "
                          f"{', '.join(map(str, sorted(derivation.cost.slowdown)))}")
@@ -225,8 +130,8 @@ def _run_simulate(args: argparse.Namespace) -> int:
         raise ValueError(f"--prefuse must be >= 0, got {args.prefuse}")
     if args.fusion_mib < 0:
         raise ValueError(f"--fusion-mib must be >= 0, got {args.fusion_mib}")
-    comparison = compare_policies(workload.layers, derivation.cost, default_alloc=default_alloc,
-                                  fusion_bytes=round(args.fusion_mib * BYTES_PER_MIB), prefuse=args.prefuse)
+    comparison = planner.compare_policies(workload.layers, derivation.cost, default_alloc=default_alloc,
+                                          fusion_bytes=round(args.fusion_mib * BYTES_PER_MIB), prefuse=args.prefuse)
     fixed = workload.forward_s + workload.optimizer_s
     base = comparison.backward_s("default")
     best_baseline = comparison.best_baseline()

@@ -140,7 +140,7 @@ def _scope_plan(entry: dict, report: rewrite.OptimizeReport, names: dict) -> Sco
     buckets = tuple(entry["buckets"])
     cost = entry["cost"]
     derivation = entry["derivation"]
-    default_alloc = planner.default_allocation(derivation.cost.slowdown, derivation.key_unit)
+    default_alloc = derivation.default_allocation()
     if default_alloc not in cost.slowdown:
         default_alloc = max(cost.slowdown)
     # The baselines as they would run: a bucket that cannot be one fused all-reduce (`reach`,

@@ -104,6 +104,7 @@ from typing import Any, NamedTuple
 
 from libra_jax import config
 from libra_jax.planner import CostModel
+from libra_jax.planner import default_allocation as planner_default_allocation
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -821,6 +822,11 @@ class Derivation:
     threads_per_block: int
     dropped: Mapping[int, str]
     notes: tuple[str, ...]
+
+    def default_allocation(self) -> int:
+        """The baselines' fixed allocation among this cost model's options
+        (`planner.default_allocation`)."""
+        return planner_default_allocation(self.cost.slowdown, self.key_unit)
 
     def launch_shape(self, key: int) -> tuple[int, int]:
         """(blocks, threads per block) that realise allocation ``key`` in a kernel launch.

@@ -124,6 +124,14 @@ import numpy as np
 
 __all__ = [
     "BLOCK_PENALTY",
+    "HOROVOD_FUSION_BYTES",
+    "LIBRA_DEFAULT_THREADS",
+    "default_allocation",
+    "POLICIES",
+    "Comparison",
+    "compare_policies",
+    "prefuse_groups",
+    "DEFAULT_PREFUSE",
     "no_overlap_allocation",
     "EXHAUSTIVE_LIMIT",
     "TIE_RTOL",
@@ -1127,6 +1135,100 @@ def plan_mgwfbp(layers: Sequence[Layer], cost: CostModel, *, blocks: int) -> Pla
 # ---------------------------------------------------------------------------------------------
 # Exhaustive reference
 # ---------------------------------------------------------------------------------------------
+
+
+# ---------------------------------------------------------------------------------------------
+# The policies compared (the paper's table; ``libra-jax simulate``)
+# ---------------------------------------------------------------------------------------------
+
+#: The Libra artifact's PREPROCESS_LAYER_NUM: layers are pre-fused into 40 groups.
+DEFAULT_PREFUSE = 40
+
+# Policy key -> description, in table order.
+POLICIES: dict[str, str] = {
+    "default": "Horovod-NCCL: fixed allocation, 64 MiB fusion",
+    "mgwfbp": "fusion only: MG-WFBP merge, fixed allocation",
+    "fusion-only": "fusion only: planner grouping, fixed allocation",
+    "libra-alloc": "Libra allocation, default grouping",
+    "libra": "Libra: allocation co-optimised with fusion",
+}
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Plans of every policy in :data:`POLICIES` for one workload and cost model."""
+
+    plans: dict[str, Plan]
+    default_alloc: int
+    fusion_bytes: int
+
+    def backward_s(self, policy: str) -> float:
+        return self.plans[policy].backward_s
+
+    def best_baseline(self) -> str:
+        """The fastest of the baselines (everything except the two Libra policies)."""
+        return min(("default", "mgwfbp", "fusion-only"), key=self.backward_s)
+
+
+def prefuse_groups(layers: Sequence[Layer], groups: int) -> list[tuple[int, int]]:
+    """Cut ``layers`` into at most ``groups`` contiguous groups of about equal weight.
+
+    A layer's weight is the mean of its share of the backward compute and of the gradient bytes,
+    so both long compute stretches and large gradients stay resolved. This is the Libra artifact's
+    pre-fusion step (it plans 40 pre-fused groups); any plan over the groups is a valid plan over
+    the layers, and :func:`compare_policies` evaluates it on the exact layers.
+    """
+    if groups < 1:
+        raise ValueError(f"groups must be >= 1, got {groups}")
+    n = len(layers)
+    total_c = sum(l.compute_s for l in layers) or 1.0
+    total_b = sum(l.grad_bytes for l in layers) or 1
+    out: list[tuple[int, int]] = []
+    first, c, b = 0, 0.0, 0
+    for i, layer in enumerate(layers):
+        c += layer.compute_s
+        b += layer.grad_bytes
+        share = 0.5 * (c / total_c + b / total_b)
+        if i == n - 1 or (share >= (len(out) + 1) / groups - 1e-12 and len(out) < groups - 1):
+            out.append((first, i))
+            first = i + 1
+    return out
+
+
+def compare_policies(layers: Sequence[Layer], cost: CostModel, *, default_alloc: int,
+                     fusion_bytes: int = HOROVOD_FUSION_BYTES,
+                     prefuse: int = DEFAULT_PREFUSE) -> Comparison:
+    """Plan ``layers`` under every policy of :data:`POLICIES`.
+
+    The fusion-searching planner policies (``fusion-only`` and ``libra``) plan over
+    :func:`prefuse_groups` of at most ``prefuse`` groups (0: the exact layers); their buckets are
+    mapped back to layer indices and every reported time is ``simulate`` on the exact layers.
+    """
+    layers = list(layers)
+    default = plan_default(layers, cost, blocks=default_alloc, fusion_bytes=fusion_bytes)
+    grouping = [(b.first, b.last) for b in default.buckets]
+    if prefuse and len(layers) > prefuse:
+        groups = prefuse_groups(layers, prefuse)
+        coarse = [Layer(sum(layers[i].compute_s for i in range(a, z + 1)),
+                                sum(layers[i].grad_bytes for i in range(a, z + 1))) for a, z in groups]
+
+        def exact(plan: Plan) -> Plan:
+            buckets = [Bucket(groups[b.first][0], groups[b.last][1], b.blocks)
+                       for b in plan.buckets]
+            return Plan(buckets, simulate(layers, buckets, cost))
+    else:
+        coarse = layers
+
+        def exact(plan: Plan) -> Plan:
+            return plan
+    plans = {
+        "default": default,
+        "mgwfbp": plan_mgwfbp(layers, cost, blocks=default_alloc),
+        "fusion-only": exact(plan_fusion_only(coarse, cost, blocks=default_alloc)),
+        "libra-alloc": plan(layers, cost, buckets=grouping),
+        "libra": exact(plan(coarse, cost, fusion=True)),
+    }
+    return Comparison(plans, default_alloc, fusion_bytes)
 
 
 def plan_exhaustive(layers: Sequence[Layer], cost: CostModel, *, fusion: bool = True,

@@ -22,7 +22,7 @@ PROFILES = ("libra-testbed", "h200", "cpu-host")
 
 
 def zoo_plans() -> dict[str, list[str]]:
-    from libra_jax import cli, model, zoo
+    from libra_jax import model, planner, zoo
 
     out = {}
     for name in zoo.MODEL_NAMES:
@@ -31,8 +31,8 @@ def zoo_plans() -> dict[str, list[str]]:
             derivation = model.derive(profile, 8)
             workload = zoo.training_workload(name, flop_per_s=profile.device.flop_per_s(),
                                              bytes_per_s=profile.device.bytes_per_s())
-            comparison = cli.compare_policies(workload.layers, derivation.cost,
-                                              default_alloc=cli.default_allocation(derivation))
+            comparison = planner.compare_policies(workload.layers, derivation.cost,
+                                                  default_alloc=derivation.default_allocation())
             out[f"zoo/{name}/{profile_name}"] = [
                 f"{policy}: " + " ".join(f"{b.first}-{b.last}@{b.blocks}" for b in plan.buckets)
                 for policy, plan in sorted(comparison.plans.items())]

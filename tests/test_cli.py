@@ -35,7 +35,7 @@ def test_simulate_issue_example(capsys: pytest.CaptureFixture[str]) -> None:
     status, out, _ = run(capsys, "simulate", "--model", "bert-large", "--profile", "libra-testbed",
                          "--workers", "8")
     assert status == 0
-    for policy in cli.POLICIES:
+    for policy in planner.POLICIES:
         assert f"\n{policy} " in out
     assert "Libra vs best baseline" in out
     assert "total_threads" in out
@@ -48,7 +48,7 @@ def test_simulate_json(capsys: pytest.CaptureFixture[str]) -> None:
     data = json.loads(out)
     assert data["profile"] == "h200" and data["workers"] == 16 and data["key_unit"] == "blocks"
     times = {name: p["backward_s"] for name, p in data["policies"].items()}
-    assert set(times) == set(cli.POLICIES)
+    assert set(times) == set(planner.POLICIES)
     assert all(t > 0 for t in times.values())
     # Libra with the default's grouping can always fall back to the default allocation
     assert times["libra-alloc"] <= times["default"] * (1 + 1e-9)
@@ -99,12 +99,12 @@ def test_prefuse_groups_tile_the_layers() -> None:
     rng = random.Random(3)
     layers = [planner.Layer(rng.random() * 1e-3, rng.randrange(0, 1 << 22)) for _ in range(97)]
     for groups in (1, 5, 40, 97, 200):
-        cut = cli.prefuse_groups(layers, groups)
+        cut = planner.prefuse_groups(layers, groups)
         assert 1 <= len(cut) <= min(groups, len(layers))
         assert cut[0][0] == 0 and cut[-1][1] == len(layers) - 1
         assert all(a[1] + 1 == b[0] for a, b in zip(cut, cut[1:]))
     with pytest.raises(ValueError):
-        cli.prefuse_groups(layers, 0)
+        planner.prefuse_groups(layers, 0)
 
 
 # ------------------------------------------------------------------------------------------
