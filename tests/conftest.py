@@ -46,3 +46,29 @@ def jax_8():
     jax = _jax()
     assert len(jax.devices("cpu")) == 8, "tests need 8 host devices"
     return jax
+
+
+def mlp_step(sizes=(16, 32, 32, 32, 8), dtype=np.float32):
+    """A check_vma data-parallel SGD step (autodiff psums each gradient where it is made)."""
+    jax = _jax()
+    import jax.numpy as jnp
+    from jax.sharding import PartitionSpec as P
+
+    rng = np.random.default_rng(0)
+    params = [(rng.standard_normal((m, n)) * 0.3).astype(dtype)
+              for m, n in zip(sizes[:-1], sizes[1:])]
+    mesh = mesh_of((8,), ("x",))
+
+    def local(params, x):
+        def loss(params):
+            h = x
+            for w in params:
+                h = jnp.tanh(h @ w)
+            return jax.lax.pmean(jnp.mean(h * h), "x")
+        loss_value, grads = jax.value_and_grad(loss)(params)
+        return loss_value, [w - 0.1 * g for w, g in zip(params, grads)]
+
+    step = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("x")), out_specs=(P(), P()),
+                         check_vma=True)
+    x = shard(rng.standard_normal((8 * 4, sizes[0])).astype(dtype), mesh, P("x"))
+    return step, (params, x)

@@ -21,15 +21,13 @@ from pathlib import Path
 import pytest
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 from jax.sharding import PartitionSpec as P
 
 import libra_jax
 from libra_jax import _ffi, _libra_ffi
 from libra_jax.rewrite import optimize
 
-from conftest import mesh_of, shard
+from conftest import mesh_of, mlp_step
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -162,21 +160,7 @@ def test_every_target_python_lowers_to_is_in_the_table(monkeypatch, platform):
     monkeypatch.setenv("LIBRA_JAX_CUDA", "p2p")  # libra's kernels on cuda, not XLA's all-reduce
     table = set(_libra_ffi.TARGETS.values())
     mesh = mesh_of((8,), ("x",))
-    rng = np.random.default_rng(0)
-    params = [(rng.standard_normal((m, n)) * 0.3).astype(np.float32)
-              for m, n in ((16, 32), (32, 32), (32, 8))]
-    x = shard(rng.standard_normal((32, 16)).astype(np.float32), mesh, P("x"))
-
-    def local(params, x):
-        def loss(params):
-            h = x
-            for w in params:
-                h = jnp.tanh(h @ w)
-            return jax.lax.pmean(jnp.mean(h * h), "x")
-        loss_value, grads = jax.value_and_grad(loss)(params)
-        return loss_value, [w - 0.1 * g for w, g in zip(params, grads)]
-
-    step = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("x")), out_specs=(P(), P()))
+    step, (params, x) = mlp_step(sizes=(16, 32, 32, 8))
     psum = jax.shard_map(lambda v: libra_jax.psum(v, "x", blocks=2), mesh=mesh,
                          in_specs=P("x"), out_specs=P())
     called = set()

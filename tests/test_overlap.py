@@ -15,36 +15,13 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-import libra_jax
-from libra_jax import _compat, _ffi, allreduce, model, ops
+from libra_jax import _compat, _ffi, model, ops
 from libra_jax.rewrite import optimize, rewrite_jaxpr
 
-from conftest import assert_bitwise, mesh_of, shard
+from conftest import assert_bitwise, mesh_of, mlp_step, shard
 from test_allreduce import TIMEOUT_SCRIPT
 
 pytestmark = pytest.mark.usefixtures("jax_8")
-
-
-def mlp_step(sizes=(16, 32, 32, 32, 8), dtype=np.float32):
-    """A check_vma data-parallel SGD step (autodiff psums each gradient where it is made)."""
-    rng = np.random.default_rng(0)
-    params = [(rng.standard_normal((m, n)) * 0.3).astype(dtype)
-              for m, n in zip(sizes[:-1], sizes[1:])]
-    mesh = mesh_of((8,), ("x",))
-
-    def local(params, x):
-        def loss(params):
-            h = x
-            for w in params:
-                h = jnp.tanh(h @ w)
-            return jax.lax.pmean(jnp.mean(h * h), "x")
-        loss_value, grads = jax.value_and_grad(loss)(params)
-        return loss_value, [w - 0.1 * g for w, g in zip(params, grads)]
-
-    step = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("x")), out_specs=(P(), P()),
-                         check_vma=True)
-    x = shard(rng.standard_normal((8 * 4, sizes[0])).astype(dtype), mesh, P("x"))
-    return step, (params, x)
 
 
 def eqn_names(jaxpr):

@@ -93,6 +93,18 @@ def default_profile(platform: str) -> str:
     return model.default_profile(platform)
 
 
+def _groups_in_this_process(ctx: Any, axes: tuple) -> tuple[Any, Any, str]:
+    """(XLA's replica groups of `axes`, the mesh's devices or None, "") where every device of
+    the mesh is this process's; (None, None, why) where libra's in-process calls cannot serve."""
+    groups = _compat.replica_groups(ctx, axes)
+    if groups is None:
+        return None, None, "in a partially automatic shard_map"
+    devices = _compat.mesh_devices(ctx)
+    if devices is not None and any(d.process_index != jax.process_index() for d in devices):
+        return None, None, "devices of several processes"
+    return groups, devices, ""
+
+
 def _timeout_attr() -> dict:
     """The ``timeout_ms`` attribute every engine, kernel and NCCL call carries."""
     return {"timeout_ms": np.int64(config.timeout_ms())}
@@ -116,14 +128,11 @@ def cpu_call(ctx: Any, axes: tuple, blocks: int | None) -> tuple[tuple | None, s
     """The engine call's (rank, group) operand and attributes for the psum lowered at
     `ctx`, or ``(None, reason)`` where XLA's all-reduce must do it. Shared by the call
     and the start/done pair (`libra_jax.ops.start_done`)."""
-    groups = _compat.replica_groups(ctx, axes)
+    groups, devices, reason = _groups_in_this_process(ctx, axes)
     if groups is None:
-        return None, "a partially automatic shard_map"
-    devices = _compat.mesh_devices(ctx)
-    if devices is not None and any(d.process_index != jax.process_index() for d in devices):
-        # The engine meets the devices of this process only; XLA's collectives
-        # (gloo on CPU) cross processes. Never wait for ranks that cannot come.
-        return None, "cpu devices of several processes"
+        # The engine meets the devices of this process only; XLA's collectives (gloo on CPU)
+        # cross processes. Never wait for ranks that cannot come.
+        return None, f"cpu {reason}"
     _ffi.ensure_registered()
     aval_in = ctx.avals_in[0]
     if blocks is None:  # Chosen now that the group size is known.
@@ -164,12 +173,9 @@ def cuda_kernel_attrs(ctx: Any, axes: tuple, blocks: int | None) -> tuple[dict |
     if path != "p2p":
         return None, (f"cuda groups inside one process with {config.CUDA_PATH_ENV}={path} (libra's "
                       "NCCL call serves groups that span processes)")
-    groups = _compat.replica_groups(ctx, axes)
+    groups, devices, reason = _groups_in_this_process(ctx, axes)
     if groups is None:
-        return None, "cuda in a partially automatic shard_map"
-    devices = _compat.mesh_devices(ctx)
-    if devices is not None and any(d.process_index != jax.process_index() for d in devices):
-        return None, "cuda groups that span processes"
+        return None, f"cuda {reason}"
     world = len(groups[0])
     if world > _ffi.CUDA_MAX_RANKS:
         return None, f"cuda groups of more than {_ffi.CUDA_MAX_RANKS} GPUs"
