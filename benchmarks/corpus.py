@@ -67,12 +67,13 @@ def compare(sa, sb):
 
 def measure(steps: int, rounds: int) -> dict:
     """Run in a process whose XLA_FLAGS are set: every case's numbers."""
-    sys.path.insert(0, str(ROOT / "tests"))
     import jax
     import numpy as np
 
     import libra_jax
-    from corpus import CASES
+    from report import load_file
+
+    CASES = load_file(ROOT / "tests" / "corpus.py", "libra_corpus").CASES
 
     def fresh(tree):
         return jax.tree.map(np.array, tree)

@@ -36,8 +36,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
-import common  # noqa: E402  (8 host devices)
+from report import load_file  # noqa: E402
+
+common = load_file(ROOT / "examples" / "common.py", "common")  # (8 host devices)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -98,7 +99,9 @@ def bench(name: str, options: dict, rounds: int, steps: int, one_bucket: bool = 
 
 def overlap(name: str, options: dict) -> str:
     """Run one example under LIBRA_JAX_DEBUG=1 and summarise its all-reduce timestamps."""
-    code = (f"import sys; sys.path.insert(0, {str(ROOT / 'examples')!r}); import common, jax, libra_jax\n"
+    code = (f"import importlib.util, sys, jax, libra_jax\n"
+            f"spec = importlib.util.spec_from_file_location('common', {str(ROOT / 'examples' / 'common.py')!r})\n"
+            "common = importlib.util.module_from_spec(spec); spec.loader.exec_module(common)\n"
             f"step, args = common.load_example({name!r}).build(False, **{options!r})\n"
             "for fusion in (True, False):\n"
             "    f = jax.jit(libra_jax.optimize(step, fusion=fusion)); s = common.copy_tree(args[0])\n"

@@ -43,7 +43,6 @@ from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "examples"))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -89,8 +88,9 @@ def deep_mlp(layers: int = 8, width: int = 768, batch: int = 32):
 def workloads(names: list[str] | None) -> dict[str, tuple]:
     out = {}
     try:
-        import common
+        from report import load_file
 
+        common = load_file(ROOT / "examples" / "common.py", "common")
         found = sorted(p.stem for p in (ROOT / "examples").glob("*.py") if p.stem not in ("common", "demo"))
         for name in found:
             if names and name not in names:

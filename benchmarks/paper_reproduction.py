@@ -30,9 +30,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from libra_jax import model, planner, zoo  # noqa: E402
+from libra_jax import model, planner, zoo
 
 PROFILE = "libra-testbed"
 MODELS = ("vgg16", "resnet152", "xception", "bert-large")

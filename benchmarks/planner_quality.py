@@ -13,19 +13,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-from libra_jax import planner  # noqa: E402
-from libra_jax.planner import (CostModel, Layer, plan, plan_default, plan_exhaustive,  # noqa: E402
-                               plan_fusion_only, plan_mgwfbp)
+from planner_speed import libra_cost, random_layers  # a sibling: on sys.path as the script's folder
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from planner_speed import libra_cost, random_layers  # noqa: E402
+from libra_jax import planner
+from libra_jax.planner import CostModel, Layer, plan, plan_default, plan_exhaustive, plan_fusion_only, plan_mgwfbp
 
 MIB = 1 << 20
 

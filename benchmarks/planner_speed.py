@@ -14,13 +14,10 @@ import math
 import statistics
 import time
 
-import sys
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-from libra_jax.planner import CostModel, Layer, plan  # noqa: E402
+from libra_jax.planner import CostModel, Layer, plan
 
 MIB = 1 << 20
 THREADS = (64, 128, 256, 512, 1024, 1536, 2048, 3072)  # option ladder, subsets taken from the end

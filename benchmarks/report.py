@@ -3,12 +3,17 @@ machine it ran on (so the table can be reproduced and judged), then the file it 
 from __future__ import annotations
 
 import datetime
+import importlib.util
 import os
 import platform
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import jax
+
+#: The repository's root: benchmarks read the examples and the test corpus from it.
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def header(machine: str) -> list[str]:
@@ -17,6 +22,20 @@ def header(machine: str) -> list[str]:
     return [f"Command: `python {script} {' '.join(sys.argv[1:])}`".rstrip(), "",
             f"Date: {datetime.date.today()}; jax {jax.__version__}; "
             f"Python {platform.python_version()}; {os.cpu_count()} CPU cores{machine}"]
+
+
+def load_file(path: Path, name: str) -> ModuleType:
+    """The Python file at `path` imported as module `name` (kept in `sys.modules`): the examples
+    and the test corpus are files, not an installed package, and no benchmark edits `sys.path`."""
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"{path} is not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def publish(lines: list[str], out: str | None) -> None:
