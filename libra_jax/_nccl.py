@@ -37,7 +37,11 @@ class Library:
     path: str
     version_code: int
     version: str
-    route: str  # "per-collective" (ncclAllReduceConfig) or "per-communicator"
+    #: "per-collective" (ncclAllReduceConfig, >= 2.31), "per-communicator" (a communicator per
+    #: block count, 2.17-2.30) or "none" (older: the block count cannot be honoured).
+    route: str
+    #: The largest per-call CTA limit libra asks of it (0: none); block counts above are capped.
+    max_ctas: int
 
 
 _lock = threading.Lock()
@@ -46,8 +50,8 @@ _ids: dict[str, int] = {}
 
 def library() -> Library:
     """Load NCCL (once per process) and describe it; RuntimeError naming the problem."""
-    path, code, version, route = _libra_ffi.nccl_open()
-    return Library(path, int(code), version, route)
+    path, code, version, route, max_ctas = _libra_ffi.nccl_open()
+    return Library(path, int(code), version, route, int(max_ctas))
 
 
 def available() -> tuple[bool, str]:

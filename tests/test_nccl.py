@@ -85,35 +85,91 @@ THREADED = """
 """
 
 
-def test_nccl_2_31_limits_each_collective_on_one_communicator(stub_env):
-    out = run(THREADED, stub_env)
-    assert "ROUTE per-collective 2.31.0" in out
-    # rank 0: arange*1+4, rank 1: arange*2+4 -> arange*3 + 8
-    assert "RESULTS True [8.0, 11.0, 14.0, 17.0, 20.0, 23.0]" in out
-    assert "COMMUNICATORS 2" in out  # one per rank, whatever the block count
-    inits = log_lines(stub_env, "init")
-    assert len(inits) == 2 and all(i["minCTAs"] == i["maxCTAs"] == INT_MIN for i in inits)
-    calls = log_lines(stub_env, "allreduce")
-    assert sorted(c["ctas"] for c in calls) == [2, 2, 2, 2, 4, 4]
-    assert all(c["config"] == 1 for c in calls)  # ncclAllReduceConfig
-    assert len({c["id"] for c in calls}) == 1
-
-
-@pytest.mark.parametrize("version, name", [(22704, "2.27.4"), (2804, "2.8.4")])
-def test_older_nccl_gets_one_communicator_per_block_count(stub_env, version, name):
+# The version matrix: what reaches NCCL for blocks 2, 4, 2 on two ranks. The stub keeps NCCL's
+# rules (cpp/tests/nccl_stub.cc): CTA fields read from a config of version >= 21700 by a library
+# >= 2.17 only, a collective on at most its communicator's channels (2 by default, as on a PCIe
+# machine), ncclAllReduceConfig from 2.31 only. So `ctas` (what ran) == `asked` only when libra
+# configures NCCL right. Before the fix: the config said version 21400, so 2.17-2.30 ran every
+# call on 2 CTAs (defect 1); 2.31's communicators had no CTA range, so a call asking 4 ran on 2
+# (defect 3).
+@pytest.mark.parametrize("version, name, route", [
+    (21400, "2.14.0", "none"),
+    (21700, "2.17.0", "per-communicator"), (22400, "2.24.0", "per-communicator"),
+    (22500, "2.25.0", "per-communicator"), (22600, "2.26.0", "per-communicator"),
+    (23000, "2.30.0", "per-communicator"),
+    (23100, "2.31.0", "per-collective"),
+])
+def test_what_reaches_nccl_by_version(stub_env, version, name, route):
     stub_env["NCCL_STUB_VERSION"] = str(version)
     out = run(THREADED, stub_env)
-    assert f"ROUTE per-communicator {name}" in out
+    assert f"ROUTE {route} {name}" in out, out
+    # rank 0: arange*1+4, rank 1: arange*2+4 -> arange*3 + 8, whatever reaches NCCL
     assert "RESULTS True [8.0, 11.0, 14.0, 17.0, 20.0, 23.0]" in out
-    assert "COMMUNICATORS 4" in out  # 2 ranks x {2, 4} blocks; the second 2 reuses
-    inits = log_lines(stub_env, "init")
-    assert sorted((i["minCTAs"], i["maxCTAs"]) for i in inits) == [(2, 2), (2, 2), (4, 4), (4, 4)]
-    calls = log_lines(stub_env, "allreduce")
-    assert all(c["config"] == 0 for c in calls)  # plain ncclAllReduce
-    by_id = {}
-    for c in calls:
-        by_id.setdefault(c["id"], set()).add(c["ctas"])
-    assert sorted(map(tuple, by_id.values())) == [(2,), (4,)]  # a communicator per count
+    inits, calls = log_lines(stub_env, "init"), log_lines(stub_env, "allreduce")
+    if route == "none":  # the block count cannot be honoured: one communicator, no limits
+        assert "COMMUNICATORS 2" in out
+        assert all(i["minCTAs"] == i["maxCTAs"] == INT_MIN for i in inits)
+        assert all(c["asked"] == 0 and c["config"] == 0 for c in calls)
+        return
+    assert sorted(c["ctas"] for c in calls) == [2, 2, 2, 2, 4, 4]  # every call ran as asked
+    if route == "per-communicator":  # one communicator per (group, block count)
+        assert "COMMUNICATORS 4" in out  # 2 ranks x {2, 4} blocks; the second 2 reuses
+        assert sorted((i["minCTAs"], i["maxCTAs"]) for i in inits) == [(2, 2), (2, 2), (4, 4),
+                                                                       (4, 4)]
+        assert all(c["config"] == 0 for c in calls)  # plain ncclAllReduce
+        by_id = {}
+        for c in calls:
+            by_id.setdefault(c["id"], set()).add(c["ctas"])
+        assert sorted(map(tuple, by_id.values())) == [(2,), (4,)]  # a communicator per count
+    else:  # one communicator per group, made with the channels of every per-call limit
+        assert "COMMUNICATORS 2" in out
+        assert [(i["minCTAs"], i["maxCTAs"], i["channels"]) for i in inits] == [(32, 32, 32)] * 2
+        assert sorted(c["asked"] for c in calls) == [2, 2, 2, 2, 4, 4]
+        assert all(c["config"] == 1 for c in calls)  # ncclAllReduceConfig
+        assert len({c["id"] for c in calls}) == 1
+
+
+@pytest.mark.parametrize("version, most", [(22400, 32), (22500, 64), (23100, 32)])
+def test_block_counts_above_what_nccl_honours_are_capped_and_said(stub_env, version, most):
+    # NCCL's channel maximum is 32 up to 2.24 and 64 from 2.25; per collective (2.31) libra's
+    # communicators have 32 channels. The lowering caps a larger count (said once); the C++ side
+    # refuses one that gets past it, never lets NCCL clip it in silence.
+    stub_env["NCCL_STUB_VERSION"] = str(version)
+    out = run(f"""
+        import warnings
+        import numpy as np
+        from libra_jax import _nccl
+        from libra_jax.ops import lowering
+        print("MAX", _nccl.library().max_ctas)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            print("CAPPED", lowering.nccl_blocks({most} + 8), lowering.nccl_blocks({most}),
+                  lowering.nccl_blocks(3))
+        print("SAID", len(caught), str(caught[0].message) if caught else "")
+        comm = _nccl.communicator([7], blocks={most} + 8, holds_root=True, timeout_s=5)
+        try:
+            _nccl.allreduce_host(comm, 1, 0, {most} + 8, np.ones(4, np.float32))
+        except RuntimeError as e:
+            print("ERROR", e)
+    """, stub_env)
+    assert f"MAX {most}" in out
+    assert f"CAPPED {most} {most} 3" in out
+    assert f"SAID 1 libra_jax: NCCL" in out and f"at most {most} CTAs per all-reduce" in out, out
+    assert f"{most + 8} CTAs" in out.split("ERROR", 1)[1], out
+
+
+def test_nccl_below_2_17_says_the_block_count_cannot_be_honoured(stub_env):
+    stub_env["NCCL_STUB_VERSION"] = "21400"
+    out = run("""
+        import warnings
+        from libra_jax.ops import lowering
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            print("BLOCKS", lowering.nccl_blocks(8), lowering.nccl_blocks(4))
+        print("SAID", len(caught), caught[0].message)
+    """, stub_env)
+    assert "BLOCKS 8 4" in out
+    assert "SAID 1 libra_jax: NCCL 2.14.0 cannot limit an all-reduce's CTAs (NCCL >= 2.17" in out
 
 
 def test_pinned_communicator_refuses_another_block_count(stub_env):
@@ -162,6 +218,8 @@ def test_unusable_library_is_a_clear_error_and_the_lowering_falls_back(stub_env,
                                 "but"),
     ("23100", "per-call", "ERROR libra NCCL: LIBRA_JAX_NCCL_CTA_ROUTE must be per-collective or "
                           "per-communicator, got 'per-call'"),
+    ("21400", "per-communicator", "ERROR libra NCCL: LIBRA_JAX_NCCL_CTA_ROUTE=per-communicator, "
+                                  "but"),
 ])
 def test_the_cta_route_can_be_forced(stub_env, version, forced, expect):
     # The GPU check runs each route on the machine's NCCL; an A/B run may force one.

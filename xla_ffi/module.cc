@@ -250,9 +250,10 @@ NB_MODULE(_libra_ffi, m) {
           const libra::nccl::Library& lib = OpenNccl();
           return std::make_tuple(lib.path(), lib.version(),
                                  libra::nccl::VersionString(lib.version()),
-                                 std::string(libra::nccl::Name(lib.route())));
+                                 std::string(libra::nccl::Name(lib.route())), lib.max_ctas());
         },
-        "Loads NCCL once (see libra/nccl.h): (path, version code, version, CTA route); "
+        "Loads NCCL once (see libra/nccl.h): (path, version code, version, CTA route, the "
+        "largest per-call CTA limit it honours, 0 for none); "
         "RuntimeError naming the problem if it cannot.");
   m.def("nccl_unique_id",
         [] {

@@ -20,9 +20,10 @@ struct RawUniqueId {
   char internal[kUniqueIdBytes];
 };
 
-// ncclConfig_t as of NCCL 2.14, the first with minCTAs/maxCTAs. Later
+// ncclConfig_t as of NCCL 2.17 (ncclConfig_v21700), the first with
+// minCTAs/maxCTAs: NCCL resets them in a config whose version is older. Later
 // versions append fields; NCCL reads a config by its size and version.
-struct CommConfigV21400 {
+struct CommConfigV21700 {
   std::size_t size;
   unsigned magic;
   unsigned version;
@@ -32,7 +33,7 @@ struct CommConfigV21400 {
   int max_ctas;
   const char* net_name;
 };
-constexpr unsigned kCommConfigVersion = 21400;
+constexpr unsigned kCommConfigVersion = kCtaConfigVersion;
 
 // ncclCollConfig_t as of NCCL 2.31 (64 bytes, the smallest 2.31 accepts).
 struct CollConfigV23100 {
@@ -75,7 +76,7 @@ Status Error(Status::Code code, std::string message) {
 struct Library::Api {
   using GetVersion = int (*)(int*);
   using GetUniqueId = int (*)(RawUniqueId*);
-  using CommInitRankConfig = int (*)(void**, int, RawUniqueId, int, CommConfigV21400*);
+  using CommInitRankConfig = int (*)(void**, int, RawUniqueId, int, CommConfigV21700*);
   using AllReduce = int (*)(const void*, void*, std::size_t, int, int, void*, void*);
   using AllReduceConfig = int (*)(const void*, void*, std::size_t, int, int, void*, void*,
                                   const CollConfigV23100*);
@@ -92,7 +93,26 @@ struct Library::Api {
 };
 
 const char* Name(CtaRoute route) {
-  return route == CtaRoute::kPerCollective ? "per-collective" : "per-communicator";
+  switch (route) {
+    case CtaRoute::kPerCollective: return "per-collective";
+    case CtaRoute::kPerCommunicator: return "per-communicator";
+    case CtaRoute::kNone: return "none";
+  }
+  return "none";
+}
+
+int MaxCtas(int version) {
+  if (version < kCtaConfigVersion) return 0;
+  return version < kWideChannelsVersion ? 32 : 64;
+}
+
+int CallCtasLimit(int version, CtaRoute route) {
+  switch (route) {
+    case CtaRoute::kPerCollective: return std::min(kCommCtas, MaxCtas(version));
+    case CtaRoute::kPerCommunicator: return MaxCtas(version);
+    case CtaRoute::kNone: return 0;
+  }
+  return 0;
 }
 
 std::string VersionString(int code) {
@@ -103,6 +123,7 @@ std::string VersionString(int code) {
 }
 
 CtaRoute RouteFor(int version, bool has_per_collective_entry) {
+  if (version < kCtaConfigVersion) return CtaRoute::kNone;
   return version >= kPerCollectiveVersion && has_per_collective_entry
              ? CtaRoute::kPerCollective
              : CtaRoute::kPerCommunicator;
@@ -165,6 +186,11 @@ Status Library::Open(const std::string& path, std::unique_ptr<Library>* library)
   if (forced != nullptr && *forced != '\0') {
     const std::string want = forced;
     if (want == Name(CtaRoute::kPerCommunicator)) {
+      if (lib->route_ == CtaRoute::kNone) {
+        return Error(Status::Code::kInvalidArgument,
+                     "LIBRA_JAX_NCCL_CTA_ROUTE=per-communicator, but " + name + " (NCCL " +
+                         VersionString(lib->version_) + ") has no CTA limit (NCCL >= 2.17 has)");
+      }
       lib->route_ = CtaRoute::kPerCommunicator;
     } else if (want != Name(CtaRoute::kPerCollective)) {
       return Error(Status::Code::kInvalidArgument,
@@ -204,7 +230,14 @@ Status Library::InitRank(const UniqueId& id, int nranks, int rank, int ctas, voi
     return Error(Status::Code::kInvalidArgument, "rank " + std::to_string(rank) + " of " +
                                                      std::to_string(nranks) + " ranks");
   }
-  CommConfigV21400 config{sizeof(CommConfigV21400), kApiMagic, kCommConfigVersion,
+  if (ctas > 0 && ctas > MaxCtas(version_)) {
+    return Error(Status::Code::kInvalidArgument,
+                 std::to_string(ctas) + " CTAs: NCCL " + VersionString(version_) +
+                     (MaxCtas(version_) == 0 ? " has no CTA limit (NCCL >= 2.17 has)"
+                                             : " runs a collective on at most " +
+                                                   std::to_string(MaxCtas(version_))));
+  }
+  CommConfigV21700 config{sizeof(CommConfigV21700), kApiMagic, kCommConfigVersion,
                           kUndefInt, kUndefInt, kUndefInt, kUndefInt, nullptr};
   if (ctas > 0) config.min_ctas = config.max_ctas = ctas;
   RawUniqueId raw;
@@ -282,19 +315,30 @@ Status Communicators::AllReduce(int64_t comm_id, int nranks, int rank, int ctas,
     if (!slot) slot = std::make_shared<Comm>();
     comm = slot;
   }
-  const bool pinned = library->route() == CtaRoute::kPerCommunicator;
+  const CtaRoute route = library->route();
+  const bool pinned = route == CtaRoute::kPerCommunicator;
+  if (route == CtaRoute::kNone) ctas = 0;  // cannot be honoured (libra_jax says so once)
+  if (ctas > library->max_ctas()) {
+    return Error(Status::Code::kInvalidArgument,
+                 "communicator " + std::to_string(comm_id) + ": " + std::to_string(ctas) +
+                     " CTAs, above the " + std::to_string(library->max_ctas()) + " that NCCL " +
+                     VersionString(library->version()) + " is asked for on the " + Name(route) +
+                     " route");
+  }
+  // Per collective: the communicator has the channels of the largest per-call limit.
+  const int comm_ctas = pinned ? ctas : route == CtaRoute::kPerCollective ? library->max_ctas() : 0;
   {
     // Creation blocks until every rank joins, so it holds this rank's slot
     // only: other ranks of the process create theirs meanwhile.
     std::lock_guard<std::mutex> lock(comm->mu);
     if (comm->handle == nullptr) {
-      status = library->InitRank(id, nranks, rank, pinned ? ctas : 0, &comm->handle);
+      status = library->InitRank(id, nranks, rank, comm_ctas, &comm->handle);
       if (!status.ok()) {
         comm->handle = nullptr;
         return status;
       }
       comm->nranks = nranks;
-      comm->ctas = pinned ? ctas : 0;
+      comm->ctas = comm_ctas;
     }
   }
   if (comm->nranks != nranks || (pinned && comm->ctas != ctas)) {

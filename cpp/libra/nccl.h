@@ -11,14 +11,21 @@
 // expects), found with RTLD_NOLOAD; else the loader's search for it.
 //
 // How the CTA limit reaches NCCL, by version (ncclGetVersion):
-//   >= 2.31  per collective: ncclAllReduceConfig with an ncclCollConfig_t
-//            whose minCTAs = maxCTAs = the call's blocks; one communicator per
-//            group;
-//   older    per communicator: ncclCommInitRankConfig with an ncclConfig_t
-//            whose minCTAs = maxCTAs = blocks, so one communicator per
-//            (group, block count), made only for the counts plans use.
-// The configs are passed in their oldest layout that has the fields used
-// (NCCL's configs are append-only and versioned by their `size`/`version`).
+//   >= 2.31    per collective: ncclAllReduceConfig with an ncclCollConfig_t
+//              whose minCTAs = maxCTAs = the call's blocks; one communicator
+//              per group, made with minCTAs = maxCTAs = CommCtas(version), so
+//              that it has the channels every per-call limit up to that asks
+//              for (a collective never runs on more CTAs than its
+//              communicator's channels: a larger limit would be clipped);
+//   2.17-2.30  per communicator: ncclCommInitRankConfig with an ncclConfig_t
+//              whose minCTAs = maxCTAs = blocks, so one communicator per
+//              (group, block count), made only for the counts plans use;
+//   older      none: the config has no CTA fields (they arrived in
+//              ncclConfig_v21700), so the block count cannot be honoured.
+// The configs are passed in their oldest layout that has the fields used,
+// with that layout's version (NCCL's configs are append-only; NCCL reads a
+// config by its `size` and resets the fields its `version` predates).
+// A limit above the version's channel maximum (MaxCtas) is an error.
 //
 // Unique ids travel between processes outside this file (libra_jax._nccl uses
 // JAX's distributed key-value store) and are registered here under a
@@ -44,8 +51,16 @@ using UniqueId = std::array<char, kUniqueIdBytes>;
 
 // NCCL_VERSION(2, 31, 0): the first NCCL with per-collective CTA limits.
 inline constexpr int kPerCollectiveVersion = 23100;
+// NCCL_VERSION(2, 17, 0): the first ncclConfig_t with minCTAs/maxCTAs.
+inline constexpr int kCtaConfigVersion = 21700;
+// NCCL_VERSION(2, 25, 0): MAXCHANNELS grew from 32 to 64.
+inline constexpr int kWideChannelsVersion = 22500;
+// The channels a per-collective communicator is made with (and so the largest
+// per-call limit it honours): NCCL allocates buffers per channel, so this
+// bounds each communicator's memory; libra's GPU profiles use up to 32.
+inline constexpr int kCommCtas = 32;
 
-enum class CtaRoute : int { kPerCollective = 0, kPerCommunicator = 1 };
+enum class CtaRoute : int { kPerCollective = 0, kPerCommunicator = 1, kNone = 2 };
 const char* Name(CtaRoute route);
 
 // "2.31.0" for 23100 (and "2.8.4" for the old encoding 2804).
@@ -54,6 +69,13 @@ std::string VersionString(int code);
 // The route for a library of `version` that does (or does not) export
 // ncclAllReduceConfig.
 CtaRoute RouteFor(int version, bool has_per_collective_entry);
+
+// The most CTAs (channels) one collective of NCCL `version` may run on: 0 below
+// 2.17 (no CTA limit at all), 32 up to 2.24, 64 from 2.25.
+int MaxCtas(int version);
+
+// The largest per-call limit libra asks of NCCL `version` on `route`.
+int CallCtasLimit(int version, CtaRoute route);
 
 // The part of a buffer of `count` elements that local GPU `index` of `parts`
 // carries across processes in the hierarchical all-reduce (contiguous, in
@@ -72,10 +94,13 @@ class Library {
 
   int version() const { return version_; }
   CtaRoute route() const { return route_; }
+  // The largest per-call CTA limit this library honours (0: none).
+  int max_ctas() const { return CallCtasLimit(version_, route_); }
   const std::string& path() const { return path_; }
 
   Status GetUniqueId(UniqueId* id) const;
-  // ctas > 0 pins the communicator to that many CTAs (minCTAs = maxCTAs).
+  // ctas > 0 pins the communicator to that many CTAs (minCTAs = maxCTAs);
+  // an error above MaxCtas(version) or where the route has no CTA limit.
   Status InitRank(const UniqueId& id, int nranks, int rank, int ctas, void** comm) const;
   // ctas > 0 limits this call (per-collective route only).
   Status AllReduce(const void* input, void* output, std::size_t count, DType dtype,

@@ -6,13 +6,25 @@
 // process or separate processes. Buffers are host memory and the stream is
 // ignored (calls complete before they return). Every communicator creation and
 // collective appends one line to $NCCL_STUB_LOG:
-//   init rank=R nranks=N minCTAs=A maxCTAs=B id=ID
-//   allreduce rank=R count=C dtype=D ctas=K config=0|1 id=ID
+//   init rank=R nranks=N minCTAs=A maxCTAs=B channels=H id=ID
+//   allreduce rank=R count=C dtype=D ctas=K asked=Q config=0|1 id=ID
 // ($NCCL_STUB_VERSION sets ncclGetVersion, default 23100 = 2.31.0.)
+//
+// It keeps NCCL's rules that libra must get right (NCCL 2.17-2.31 docs and
+// headers), so that a test against it fails where NCCL would ignore a limit:
+// - minCTAs/maxCTAs are read only from a config of version >= 21700 and by a
+//   library >= 2.17 (older ones reset or lack them: logged as undefined);
+// - a communicator's channels are the topology's ($NCCL_STUB_CHANNELS, default
+//   2, as on a PCIe machine) raised to minCTAs and cut to maxCTAs and to the
+//   version's MAXCHANNELS (32 up to 2.24, 64 from 2.25);
+// - a collective runs on at most its communicator's channels: a larger
+//   per-call limit is clipped (`ctas` is what ran, `asked` what was asked);
+// - ncclAllReduceConfig exists from 2.31 only (ncclInvalidUsage before).
 // Build: g++ -std=c++17 -shared -fPIC -o libnccl_stub.so nccl_stub.cc
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <climits>
 #include <cstdint>
@@ -27,7 +39,10 @@
 
 namespace {
 
-constexpr int kSuccess = 0, kSystemError = 2, kInvalidArgument = 4, kRemoteError = 6;
+constexpr int kSuccess = 0, kSystemError = 2, kInvalidArgument = 4, kInvalidUsage = 5,
+              kRemoteError = 6;
+constexpr int kCtaConfigVersion = 21700, kWideChannelsVersion = 22500,
+              kPerCollectiveVersion = 23100;
 constexpr unsigned kMagic = 0xcafebeef;
 
 struct UniqueId {
@@ -59,6 +74,7 @@ struct Comm {
   int nranks = 0;
   int min_ctas = INT_MIN;
   int max_ctas = INT_MIN;
+  int channels = 0;  // what a collective on it may run on
   long sequence = 0;
 };
 
@@ -66,6 +82,10 @@ std::string Env(const char* name, const char* fallback) {
   const char* value = std::getenv(name);
   return value != nullptr && *value != '\0' ? value : fallback;
 }
+
+int Version() { return std::atoi(Env("NCCL_STUB_VERSION", "23100").c_str()); }
+
+int MaxChannels() { return Version() < kWideChannelsVersion ? 32 : 64; }
 
 void Log(const std::string& line) {
   const std::string path = Env("NCCL_STUB_LOG", "");
@@ -117,7 +137,7 @@ void SumInRankOrder(const std::vector<std::string>& parts, size_t count, void* o
 }
 
 int AllReduce(const void* in, void* out, size_t count, int dtype, int op, Comm* comm,
-              int ctas, bool configured) {
+              int asked, bool configured) {
   size_t itemsize = 0;
   switch (dtype) {
     case 2: itemsize = 4; break;  // int32
@@ -127,9 +147,11 @@ int AllReduce(const void* in, void* out, size_t count, int dtype, int op, Comm* 
     default: return kInvalidArgument;
   }
   if (op != 0 || comm == nullptr) return kInvalidArgument;
+  const int ctas = asked > 0 ? std::min(asked, comm->channels) : comm->channels;
   Log("allreduce rank=" + std::to_string(comm->rank) + " count=" + std::to_string(count) +
       " dtype=" + std::to_string(dtype) + " ctas=" + std::to_string(ctas) +
-      " config=" + std::to_string(configured ? 1 : 0) + " id=" + comm->id);
+      " asked=" + std::to_string(asked) + " config=" + std::to_string(configured ? 1 : 0) +
+      " id=" + comm->id);
   std::vector<std::string> parts;
   const int result = Exchange(*comm, "step" + std::to_string(comm->sequence++),
                               std::string(static_cast<const char*>(in), count * itemsize), &parts);
@@ -148,7 +170,7 @@ int AllReduce(const void* in, void* out, size_t count, int dtype, int op, Comm* 
 extern "C" {
 
 int ncclGetVersion(int* version) {
-  *version = std::atoi(Env("NCCL_STUB_VERSION", "23100").c_str());
+  *version = Version();
   return kSuccess;
 }
 
@@ -167,11 +189,18 @@ int ncclCommInitRankConfig(Comm** comm, int nranks, UniqueId id, int rank, CommC
   created->id.assign(id.internal, strnlen(id.internal, sizeof(id.internal)));
   created->rank = rank;
   created->nranks = nranks;
-  created->min_ctas = config->min_ctas;
-  created->max_ctas = config->max_ctas;
+  if (config->version >= kCtaConfigVersion && Version() >= kCtaConfigVersion) {
+    created->min_ctas = config->min_ctas;
+    created->max_ctas = config->max_ctas;
+  }  // else NCCL resets (or has no) minCTAs/maxCTAs
+  int channels = std::atoi(Env("NCCL_STUB_CHANNELS", "2").c_str());
+  if (created->min_ctas != INT_MIN) channels = std::max(channels, created->min_ctas);
+  if (created->max_ctas != INT_MIN) channels = std::min(channels, created->max_ctas);
+  created->channels = std::max(1, std::min(channels, MaxChannels()));
   Log("init rank=" + std::to_string(rank) + " nranks=" + std::to_string(nranks) +
-      " minCTAs=" + std::to_string(config->min_ctas) +
-      " maxCTAs=" + std::to_string(config->max_ctas) + " id=" + created->id);
+      " minCTAs=" + std::to_string(created->min_ctas) +
+      " maxCTAs=" + std::to_string(created->max_ctas) +
+      " channels=" + std::to_string(created->channels) + " id=" + created->id);
   std::vector<std::string> parts;
   const int result = Exchange(*created, "init", "", &parts);
   if (result != kSuccess) {
@@ -184,11 +213,12 @@ int ncclCommInitRankConfig(Comm** comm, int nranks, UniqueId id, int rank, CommC
 
 int ncclAllReduce(const void* in, void* out, size_t count, int dtype, int op, Comm* comm,
                   void* /*stream*/) {
-  return AllReduce(in, out, count, dtype, op, comm, comm ? comm->max_ctas : 0, false);
+  return AllReduce(in, out, count, dtype, op, comm, 0, false);
 }
 
 int ncclAllReduceConfig(const void* in, void* out, size_t count, int dtype, int op, Comm* comm,
                         void* /*stream*/, const CollConfig* config) {
+  if (Version() < kPerCollectiveVersion) return kInvalidUsage;  // not in this NCCL
   if (config == nullptr || config->magic != kMagic || config->size < 64) return kInvalidArgument;
   if (config->min_ctas != config->max_ctas) return kInvalidArgument;
   return AllReduce(in, out, count, dtype, op, comm, config->max_ctas, true);
@@ -204,6 +234,7 @@ const char* ncclGetErrorString(int result) {
     case kSuccess: return "no error";
     case kSystemError: return "unhandled system error (stub)";
     case kInvalidArgument: return "invalid argument (stub)";
+    case kInvalidUsage: return "invalid usage (stub: not in this NCCL version)";
     case kRemoteError: return "remote process exited or there was a network error (stub timeout)";
     default: return "unknown result (stub)";
   }

@@ -24,6 +24,10 @@ void TestVersions() {
   CHECK(nccl::RouteFor(23100, true) == nccl::CtaRoute::kPerCollective);
   CHECK(nccl::RouteFor(23100, false) == nccl::CtaRoute::kPerCommunicator);
   CHECK(nccl::RouteFor(22999, true) == nccl::CtaRoute::kPerCommunicator);
+  CHECK(nccl::RouteFor(21700, false) == nccl::CtaRoute::kPerCommunicator);
+  CHECK(nccl::RouteFor(21699, true) == nccl::CtaRoute::kNone);
+  CHECK(nccl::MaxCtas(21400) == 0 && nccl::MaxCtas(21700) == 32 && nccl::MaxCtas(22499) == 32);
+  CHECK(nccl::MaxCtas(22500) == 64 && nccl::MaxCtas(23100) == 64);
 }
 
 void TestHierarchicalSlices() {
@@ -57,6 +61,48 @@ void TestOpen() {
   void* comm = nullptr;
   nccl::UniqueId id{};
   CHECK(!lib->InitRank(id, 2, 2, 0, &comm).ok());  // rank out of range
+}
+
+std::string ReadFile(const std::string& path) {
+  std::string text;
+  if (FILE* f = std::fopen(path.c_str(), "r")) {
+    char buffer[4096];
+    std::size_t n;
+    while ((n = std::fread(buffer, 1, sizeof buffer, f)) > 0) text.append(buffer, n);
+    std::fclose(f);
+  }
+  return text;
+}
+
+// What reaches the stub (which keeps NCCL's version rules): the CTA fields of a
+// pinned communicator on 2.17-2.30, the channel maximum, no limit below 2.17.
+void TestCtaLimitsReachNccl() {
+  const std::string log = std::string(std::getenv("NCCL_STUB_DIR")) + "/cta.log";
+  setenv("NCCL_STUB_LOG", log.c_str(), 1);
+  std::unique_ptr<nccl::Library> lib;
+  const std::pair<const char*, int> versions[] = {{"21700", 32}, {"22400", 32}, {"23000", 64}};
+  for (const auto& [version, most] : versions) {
+    setenv("NCCL_STUB_VERSION", version, 1);
+    CHECK(nccl::Library::Open(stub_path, &lib).ok());
+    CHECK(lib->route() == nccl::CtaRoute::kPerCommunicator && lib->max_ctas() == most);
+    nccl::UniqueId id{};
+    CHECK(lib->GetUniqueId(&id).ok());
+    void* comm = nullptr;
+    CHECK(lib->InitRank(id, 1, 0, 4, &comm).ok());
+    lib->Destroy(comm);
+    CHECK(ReadFile(log).find("minCTAs=4 maxCTAs=4 channels=4") != std::string::npos);
+    std::remove(log.c_str());
+    CHECK(!lib->InitRank(id, 1, 0, most + 1, &comm).ok());  // above the channel maximum
+  }
+  setenv("NCCL_STUB_VERSION", "22500", 1);
+  CHECK(nccl::Library::Open(stub_path, &lib).ok() && lib->max_ctas() == 64);
+  setenv("NCCL_STUB_VERSION", "23100", 1);
+  CHECK(nccl::Library::Open(stub_path, &lib).ok() && lib->max_ctas() == nccl::kCommCtas);
+  setenv("NCCL_STUB_VERSION", "21600", 1);
+  CHECK(nccl::Library::Open(stub_path, &lib).ok());
+  CHECK(lib->route() == nccl::CtaRoute::kNone && lib->max_ctas() == 0);
+  unsetenv("NCCL_STUB_LOG");
+  setenv("NCCL_STUB_VERSION", "23100", 1);
 }
 
 // Four ranks (threads), 20 calls each with block counts that change per call,
@@ -112,6 +158,7 @@ int main(int argc, char** argv) {
       {"versions", TestVersions},
       {"hierarchical_slices", TestHierarchicalSlices},
       {"open", TestOpen},
+      {"cta_limits_reach_nccl", TestCtaLimitsReachNccl},
       {"communicators", TestCommunicatorsConcurrently},
   });
   std::string cleanup = std::string("rm -rf ") + dir;

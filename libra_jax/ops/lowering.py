@@ -281,6 +281,7 @@ def _nccl_rule(ctx: Any, x: Any, *, groups: Sequence[Sequence[int]], devices: Se
         # communicator), and a host's own calibration is not shared here
         # (optimize broadcasts process 0's profile; a bare psum cannot).
         blocks = default_blocks(nbytes, world, model.BUILTIN_PROFILES["cuda"])
+    blocks = nccl_blocks(blocks)
     me = jax.process_index()
     local = [d for d in devices if d.process_index == me]
     # A GPU's local ordinal; a CPU mesh (lowering for cuda in tests) counts its devices.
@@ -325,6 +326,23 @@ def _nccl_rule(ctx: Any, x: Any, *, groups: Sequence[Sequence[int]], devices: Se
                 nranks=np.int64(world // local_world), ctas=np.int64(blocks),
                 local_teams=teams.reshape(-1), local_world=np.int64(local_world),
                 **_timeout_attr())
+
+
+def nccl_blocks(blocks: int) -> int:
+    """`blocks` as the CTA limit the loaded NCCL is asked for: capped at its largest
+    (`_nccl.Library.max_ctas`: the version's channel maximum, or the channels a per-collective
+    communicator is made with), said once; below NCCL 2.17 none can be honoured, said once."""
+    lib = _nccl.library()
+    if lib.max_ctas == 0:
+        warn_once(f"libra_jax: NCCL {lib.version} cannot limit an all-reduce's CTAs (NCCL >= "
+                  "2.17 can): block counts are not honoured on this path.")
+        return blocks
+    if blocks > lib.max_ctas:
+        warn_once(f"libra_jax: NCCL {lib.version} ({lib.route} CTA limits) is asked for at most "
+                  f"{lib.max_ctas} CTAs per all-reduce; block counts above it run with "
+                  f"{lib.max_ctas}.")
+        return lib.max_ctas
+    return blocks
 
 
 def _by_process(devices: Sequence[Any], members: Sequence[int]) -> dict[int, list[int]]:
