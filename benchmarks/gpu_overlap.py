@@ -56,16 +56,23 @@ def allreduce(x: jax.Array, blocks: int) -> jax.Array:
         algorithm=np.int64(0), timeout_ms=np.int64(60_000))
 
 
-def start(x: jax.Array, blocks: int, call_id: int) -> jax.Array:
-    return jax.ffi.ffi_call(_ffi.ALLREDUCE_CUDA_START_TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype))(
+TOKEN = jax.ShapeDtypeStruct((1,), np.int32)  # start's second result, done's second operand
+
+
+def start(x: jax.Array, blocks: int, call_id: int) -> tuple[jax.Array, jax.Array]:
+    """The kernel on libra's stream, in place on `x`: (the buffer in flight, its token)."""
+    return jax.ffi.ffi_call(_ffi.ALLREDUCE_CUDA_START_TARGET,
+                            (jax.ShapeDtypeStruct(x.shape, x.dtype), TOKEN),
+                            input_output_aliases={0: 0})(
         x, devices=np.array([0], np.int32), world=np.int64(1), blocks=np.int64(blocks),
         algorithm=np.int64(0), timeout_ms=np.int64(60_000), call_id=np.int64(call_id))
 
 
-def done(x: jax.Array, started: jax.Array, call_id: int) -> jax.Array:
+def done(started: jax.Array, token: jax.Array, call_id: int) -> jax.Array:
+    """XLA's stream waits for the kernel; the buffer is read by done only (no copy)."""
     return jax.ffi.ffi_call(_ffi.ALLREDUCE_CUDA_DONE_TARGET,
                             jax.ShapeDtypeStruct(started.shape, started.dtype),
-                            input_output_aliases={1: 0})(x, started, call_id=np.int64(call_id))
+                            input_output_aliases={0: 0})(started, token, call_id=np.int64(call_id))
 
 
 def matmuls(a: jax.Array, n: int) -> jax.Array:
@@ -91,11 +98,11 @@ def steps(n_matmul: int) -> dict:
 
     def start_done(blocks):
         def f(a, x):
-            s = start(x, blocks, call_id=blocks)
-            s, a = jax.lax.optimization_barrier((s, a))    # compute after start
+            s, token = start(x, blocks, call_id=blocks)
+            s, token, a = jax.lax.optimization_barrier((s, token, a))  # compute after start
             c = matmuls(a, n_matmul)
-            c, s = jax.lax.optimization_barrier((c, s))    # done after compute
-            return c, done(x, s, call_id=blocks)
+            c, token = jax.lax.optimization_barrier((c, token))        # done after compute
+            return c, done(s, token, call_id=blocks)
         return jax.jit(f)
 
     return {"compute": compute_only, "allreduce": comm_only, "sync": sync,

@@ -60,7 +60,7 @@ from libra_jax import _compat, allreduce, config, model, planner
 from libra_jax.ops import XLA_TWINS, libra_psum_fused_p, libra_psum_p
 from libra_jax.ops import lowering as _lowering
 from libra_jax.ops.base import warn_once
-from libra_jax.ops.start_done import libra_psum_done_p, libra_psum_start_p
+from libra_jax.ops.start_done import TOKEN_AVAL, libra_psum_done_p, libra_psum_start_p
 
 __all__ = ["optimize", "rewrite_jaxpr", "PsumPlan", "OptimizeReport", "libra_psum_fused_p"]
 
@@ -493,13 +493,13 @@ def _schedule(eqns: Sequence[Any], edits: _Edits) -> list[Any]:
     Start/done: each started bucket waits with its done, the uses that moved and, as they
     come, every pure equation downstream of its results (the optimizer update), so the
     compute in between overlaps the all-reduce. An effect or another all-reduce reading a
-    waiting result places it (and those started before) first. A done also reads the latest
-    start's first gradient: XLA orders by data only, and this keeps every done after the last
-    start (after the backward pass). Not the start's buffer: a second reader of it would make
-    XLA copy it before it is reduced."""
+    waiting result places it (and those started before) first. A done's last operand is the
+    latest start's token: XLA orders by data only, and this keeps every done after the last
+    start (after the backward pass), with no buffer passed twice (a second reader of the
+    in-flight buffer would make XLA copy it while it is reduced)."""
     out: list[Any] = []
     waiting: list[tuple[set, list[Any]]] = []  # (variables defined, equations)
-    latest: list[Any] = []  # the latest start's first operand
+    latest: list[Any] = []  # the latest start's token
     skipped = edits.removed | edits.moved
 
     def place(groups: list[tuple[set, list[Any]]]) -> None:
@@ -524,7 +524,7 @@ def _schedule(eqns: Sequence[Any], edits: _Edits) -> list[Any]:
         out.append(eqn)
         after = [eqns[j] for j in edits.sink.get(i, ())]
         if i in edits.dones:
-            latest.append(eqn.invars[0])
+            latest.append(eqn.outvars[-1])
             group = [edits.dones[i]] + after
             waiting.append(({v for e in group for v in e.outvars if _compat.is_var(v)}, group))
         else:
@@ -941,21 +941,22 @@ def _fused(eqns: Sequence[Any], bucket: Sequence[_Site], axes: tuple, invariant:
 
 def _start_done(eqns: Sequence[Any], bucket: Sequence[_Site], axes: tuple, invariant: bool,
                 blocks: int, call_id: int) -> tuple[Any, Any]:
-    """A bucket as a `libra_psum_start` equation (its operands -> packed buffers in flight)
-    and a `libra_psum_done` equation (those buffers, and one to order it after -> the
-    members' results; `_Rewriter.jaxpr` sets the last)."""
+    """A bucket as a `libra_psum_start` equation (its operands -> packed buffers in flight and
+    a token) and a `libra_psum_done` equation (those buffers and a token -> the members'
+    results; `_schedule` makes the token the latest start's)."""
     members = [eqns[s.index] for s in bucket]
     effects = set().union(*(e.effects for e in members))
     operands = [e.invars[0] for e in members]
     flat_vars = [_compat.new_var(a) for a in _lowering.packed_avals([v.aval for v in operands])]
+    token = _compat.new_var(TOKEN_AVAL)
     results = [e.outvars[0] for e in members]
     # Both from the last member's equation: its context and source info carry over (`_fused`).
     start = members[-1].replace(
-        invars=operands, outvars=flat_vars, primitive=libra_psum_start_p,
+        invars=operands, outvars=[*flat_vars, token], primitive=libra_psum_start_p,
         params=dict(axes=axes, blocks=int(blocks), invariant=invariant, call_id=call_id),
         effects=effects)
     done = members[-1].replace(
-        invars=[*flat_vars, flat_vars[0]], outvars=results, primitive=libra_psum_done_p,
+        invars=[*flat_vars, token], outvars=results, primitive=libra_psum_done_p,
         params=dict(out_avals=tuple(v.aval for v in results), axes=axes, blocks=int(blocks),
                     call_id=call_id), effects=set())
     return start, done

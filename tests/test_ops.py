@@ -74,7 +74,7 @@ def test_the_timeout_attribute_is_built_in_one_place(monkeypatch):
     start_done = jax.jit(jax.shard_map(
         lambda v: ops.libra_psum_done_p.bind(
             *ops.libra_psum_start_p.bind(v, axes=("x",), blocks=1, invariant=False, call_id=5),
-            v, out_avals=(jax.typeof(v),), axes=("x",), blocks=1, call_id=5)[0],
+            out_avals=(jax.typeof(v),), axes=("x",), blocks=1, call_id=5)[0],
         mesh=mesh_of((8,), ("x",)), in_specs=P("x"), out_specs=P("x"), check_vma=False)).lower(
         np.ones((8, 4), np.float32)).as_text()
     for text in (_lowered(_step), start_done):

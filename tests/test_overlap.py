@@ -138,8 +138,9 @@ def test_start_and_done_pack_mixed_dtypes_with_padding():
     def body(a, b):
         started = ops.libra_psum_start_p.bind(a, b, axes=("x",), blocks=2, invariant=False,
                                                   call_id=call_id)
+        assert len(started) == 3  # a buffer per dtype, and the token
         return tuple(ops.libra_psum_done_p.bind(
-            *started, a, out_avals=tuple(avals), axes=("x",), blocks=2, call_id=call_id))
+            *started, out_avals=tuple(avals), axes=("x",), blocks=2, call_id=call_id))
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P("x")),
                               out_specs=(P("x"), P("x")), check_vma=False))
@@ -171,18 +172,26 @@ def test_cuda_lowering_is_a_start_done_pair(monkeypatch):
     step, args = mlp_step()
     text = jax.jit(optimize(step, fusion=False, overlap="start-done")).trace(*args).lower(
         lowering_platforms=("cuda",)).as_text()
-    starts = re.findall(r"%(\S+) = stablehlo.custom_call @libra_allreduce_cuda_start\(%(\S+?)\)"
+    starts = re.findall(r"%(\S+):2 = stablehlo.custom_call @libra_allreduce_cuda_start\(%(\S+?)\)"
                         r".*?call_id = (\d+)", text)
     dones = re.findall(r"stablehlo.custom_call @libra_allreduce_cuda_done\(%(\S+?), %(\S+?)\)"
                        r".*?call_id = (\d+).*?output_operand_aliases = \[#stablehlo"
-                       r".output_operand_alias<output_tuple_indices = \[\], operand_index = 1",
+                       r".output_operand_alias<output_tuple_indices = \[\], operand_index = 0",
                        text)
     assert len(starts) >= 2 and len(dones) == len(starts)
-    # Each done reads its own start's in-flight buffer and waits for the same call id.
+    # Each done reads its own start's in-flight buffer (aliased to its output) and waits for
+    # the same call id; its other operand is the latest start's token (orders it after it).
     by_result = {result: call_id for result, _, call_id in starts}
-    for operand, started, call_id in dones:
-        assert operand == started and by_result[started] == call_id
+    latest = starts[-1][0]
+    for buffer, token, call_id in dones:
+        result, _, index = buffer.partition("#")
+        assert index == "0" and by_result[result] == call_id
+        assert token == f"{latest}#1"
     assert len(set(by_result.values())) == len(starts)
+    # The in-flight buffer has one reader, done: a second one (done(%s, %s) before) makes
+    # XLA's copy insertion copy it on XLA's stream while the kernel may still write it.
+    for result in by_result:
+        assert len(re.findall(rf"%{result}#0\b", text)) == 1, result  # read by done only
     # Start all-reduces in place: its output aliases the packed buffer.
     start_lines = [line for line in text.splitlines() if "libra_allreduce_cuda_start" in line]
     assert all("operand_index = 0" in line for line in start_lines)
@@ -209,8 +218,8 @@ START_TIMEOUT_SCRIPT = TIMEOUT_SCRIPT.replace("def body(v):", textwrap.dedent(""
     def split_psum(u):
         flat = ops.libra_psum_start_p.bind(u, axes=("x",), blocks=1, invariant=False,
                                                call_id=call_id)
-        return ops.libra_psum_done_p.bind(*flat, u, out_avals=(jax.typeof(u),),
-                                              axes=("x",), blocks=1, call_id=call_id)[0]
+        return ops.libra_psum_done_p.bind(*flat, out_avals=(jax.typeof(u),),
+                                          axes=("x",), blocks=1, call_id=call_id)[0]
     def body(v):""")).replace('lambda u: libra_jax.psum(u, "x"), v)', "split_psum, v)")
 
 
@@ -244,7 +253,8 @@ ABANDONED_SCRIPT = textwrap.dedent("""
         if fail:
             i = jax.lax.axis_index("x")
             v = jax.lax.cond(i == 2, lambda u: u, lambda u: libra_jax.psum(u, "x"), v)
-        done, = ops.libra_psum_done_p.bind(*started, v, out_avals=(aval,), axes=("x",),
+        started, v = jax.lax.optimization_barrier((started, v))  # done after v's psum
+        done, = ops.libra_psum_done_p.bind(*started, out_avals=(aval,), axes=("x",),
                                            blocks=1, call_id=77)
         return done + v.sum()
 
@@ -275,3 +285,21 @@ def test_starts_abandoned_by_a_failed_execution_expire():
     assert abandoned == 3, out  # ranks 0, 1, 3 never reached their done
     assert "RESULT [8.0, 8.0, 8.0, 8.0]" in out, out  # 4 (the sum) + 4 (v.sum())
     assert int(out.split("PENDING_AFTER_NEXT")[1].split()[0]) == 0, out
+
+
+def test_xla_copies_no_in_flight_buffer():
+    # Compiled by XLA (CPU): each done's buffer operand is its start's result itself, never a
+    # copy that XLA would make (and fill while the all-reduce may still write the buffer) for a
+    # second reader; its token is the latest start's.
+    step, args = mlp_step()
+    hlo = jax.jit(optimize(step, fusion=False, overlap="start-done")).lower(*args).compile().as_text()
+    starts = re.findall(r"(%\S+) = \(\S+, s32\[1\]\{0\}\) custom-call\(.*?"
+                        r'custom_call_target="libra_allreduce_cpu_start"', hlo)
+    elements = {name: (tuple_, index) for name, tuple_, index in re.findall(
+        r"(%get-tuple-element\S*) = \S+ get-tuple-element\((%\S+?)\), index=(\d)", hlo)}
+    dones = re.findall(r"custom-call\((%\S+?), \S+?, (%\S+?)\), "
+                       r'custom_call_target="libra_allreduce_cpu_done"', hlo)
+    assert len(starts) >= 2 and len(dones) == len(starts), hlo
+    for buffer, token in dones:
+        assert elements[buffer][0] in starts and elements[buffer][1] == "0", (buffer, hlo)
+        assert elements[token][1] == "1", token

@@ -136,7 +136,8 @@ ffi::Future Execute(ffi::RunId run_id, CpuAllReduceSite* site, ffi::AnyBuffer x,
 // rank arrives. done, which the rewrite places after the backward pass, returns
 // a future for the end of that round. start's output aliases its input (the
 // packed bucket, reduced in place) and done's aliases that, so XLA keeps the
-// buffer alive, and neither reads nor reuses it, until done.
+// buffer alive, and neither reads nor reuses it, until done. start also writes
+// a token, done's last operand (the latest start's): it orders done by data.
 
 struct InFlight {
   std::mutex mu;
@@ -208,11 +209,13 @@ class InFlightCalls {
 
 ffi::Future ExecuteStart(ffi::RunId run_id, CpuAllReduceSite* site, ffi::AnyBuffer x,
                          ffi::Buffer<ffi::S32> rank_group, ffi::Result<ffi::AnyBuffer> out,
-                         std::string_view /*label*/, int64_t world, int64_t blocks,
-                         int64_t timeout_ms, int64_t call_id) {
+                         ffi::Result<ffi::Buffer<ffi::S32>> token, std::string_view /*label*/,
+                         int64_t world, int64_t blocks, int64_t timeout_ms, int64_t call_id) {
   if (site == nullptr) {
     return Failed(ffi::Error::Internal("libra_jax all-reduce: no call-site state"));
   }
+  // The token only orders done after this start (by data); its value means nothing.
+  for (std::size_t i = 0; i < token->element_count(); ++i) token->typed_data()[i] = 0;
   ffi::ErrorOr<libra::CallSpec> spec =
       MakeSpec(run_id, x, rank_group, out, world, blocks, timeout_ms);
   if (!spec.has_value()) return Failed(spec.error());
@@ -240,7 +243,7 @@ ffi::Future ExecuteStart(ffi::RunId run_id, CpuAllReduceSite* site, ffi::AnyBuff
 }
 
 ffi::Future ExecuteDone(ffi::RunId run_id, ffi::AnyBuffer /*started*/,
-                        ffi::Buffer<ffi::S32> rank_group, ffi::AnyBuffer /*after*/,
+                        ffi::Buffer<ffi::S32> rank_group, ffi::AnyBuffer /*token*/,
                         ffi::Result<ffi::AnyBuffer> /*out*/, int64_t call_id) {
   if (rank_group.element_count() != 2) {
     return Failed(ffi::Error::InvalidArgument(
@@ -292,8 +295,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuAllReduceExecute, Execute, BindEngineCall());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuAllReduceStartInstantiate, InstantiateStart,
                               BindSiteAttrs(ffi::Ffi::BindInstantiate()).Attr<int64_t>("call_id"));
 
+// Start: the engine call's operands, its result (in place) and a token for done.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuAllReduceStart, ExecuteStart,
-                              BindEngineCall().Attr<int64_t>("call_id"));
+                              BindSiteAttrs(ffi::Ffi::Bind()
+                                                .Ctx<ffi::RunId>()
+                                                .Ctx<ffi::State<CpuAllReduceSite>>()
+                                                .Arg<ffi::AnyBuffer>()
+                                                .Arg<ffi::Buffer<ffi::S32>>()
+                                                .Ret<ffi::AnyBuffer>()
+                                                .Ret<ffi::Buffer<ffi::S32>>())
+                                  .Attr<int64_t>("call_id"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuAllReduceDone, ExecuteDone,
                               ffi::Ffi::Bind()

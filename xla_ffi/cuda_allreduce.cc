@@ -153,10 +153,14 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
 //
 // start makes the GPU's communication stream wait for XLA's stream (the input
 // is ready there), launches the kernel on it and keeps an event for its end,
-// keyed by (GPU, call id); done makes XLA's stream wait for that event. The
-// lowering passes the input to done as well and aliases done's output to
-// start's, so XLA keeps both buffers alive, and unread, until done. Neither is
-// command-buffer compatible: a graph would capture the event hand-off once.
+// keyed by (GPU, call id); done makes XLA's stream wait for that event.
+// start's output aliases its input (the packed bucket, reduced in place) and
+// done's output aliases that buffer, its only reader: so XLA keeps it alive and
+// unread until done, and copies nothing (a second reader of it, as done(s, s)
+// was, makes copy insertion copy it on XLA's stream while the kernel may still
+// write it). done's other operand is a token written by the latest start, which
+// orders every done after the last start. Neither is command-buffer compatible:
+// a graph would capture the event hand-off once.
 struct AsyncCalls {
   std::mutex mu;
   std::map<int32_t, cudaStream_t> streams;                     // per GPU, never destroyed
@@ -174,9 +178,9 @@ ffi::Error CudaError(const char* what, cudaError_t err) {
 }
 
 ffi::Error ExecuteStart(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
-                        ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int32_t> devices,
-                        int64_t world, int64_t blocks, int64_t algorithm, int64_t timeout_ms,
-                        int64_t call_id) {
+                        ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> token,
+                        ffi::Span<const int32_t> devices, int64_t world, int64_t blocks,
+                        int64_t algorithm, int64_t timeout_ms, int64_t call_id) {
   AsyncCalls& calls = Async();
   cudaStream_t comm = nullptr;
   {
@@ -214,13 +218,19 @@ ffi::Error ExecuteStart(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
     if (end != nullptr) cudaEventDestroy(end);
     return CudaError("recording its end", err);
   }
+  // The token only orders done after this start (by data): written on XLA's stream.
+  err = cudaMemsetAsync(token->untyped_data(), 0, token->size_bytes(), stream);
+  if (err != cudaSuccess) {
+    cudaEventDestroy(end);
+    return CudaError("writing its token", err);
+  }
   std::lock_guard<std::mutex> lock(calls.mu);
   calls.pending[{device, call_id}] = end;
   return ffi::Error::Success();
 }
 
-ffi::Error ExecuteDone(cudaStream_t stream, int32_t device, ffi::AnyBuffer /*x*/,
-                       ffi::AnyBuffer /*started*/, ffi::Result<ffi::AnyBuffer> /*out*/,
+ffi::Error ExecuteDone(cudaStream_t stream, int32_t device, ffi::AnyBuffer /*started*/,
+                       ffi::AnyBuffer /*token*/, ffi::Result<ffi::AnyBuffer> /*out*/,
                        int64_t call_id) {
   cudaEvent_t end = nullptr;
   {
@@ -352,8 +362,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kNcclAllReduce, ExecuteNccl,
                                   .Attr<int64_t>("local_world")
                                   .Attr<int64_t>("timeout_ms"));
 
+// Start: the kernel call's operand, its result (in place) and a token for done.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaAllReduceStart, ExecuteStart,
-                              BindKernelCall().Attr<int64_t>("call_id"));
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<ffi::Span<const int32_t>>("devices")
+                                  .Attr<int64_t>("world")
+                                  .Attr<int64_t>("blocks")
+                                  .Attr<int64_t>("algorithm")
+                                  .Attr<int64_t>("timeout_ms")
+                                  .Attr<int64_t>("call_id"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaAllReduceDone, ExecuteDone,
                               ffi::Ffi::Bind()

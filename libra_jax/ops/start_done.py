@@ -30,8 +30,9 @@ What runs in between is the compute the all-reduce overlaps. Per platform:
   groups across processes) is all-reduced in start by the platform's one-call lowering, and
   done only splits it; elsewhere (TPU...) the same with XLA's all-reduce.
 
-Done has one more operand, the latest start's first gradient: XLA orders by data only, and
-this keeps every done after the last start. On a GPU, whether XLA's schedule keeps the
+Start has one more result, a token (`TOKEN_AVAL`), and done one more operand, the latest
+start's token: XLA orders by data only, so this keeps every done after the last start, while
+the in-flight buffer has one reader, done, which XLA therefore never copies. On a GPU, whether XLA's schedule keeps the
 kernel beside compute is what `benchmarks/gpu_check.sh` measures.
 `call_id` ties a start to its done: the CPU engine keys a started call by (call id, run id,
 group, rank), a run id being unique per execution; the CUDA handlers key their events by
@@ -53,7 +54,12 @@ from libra_jax.ops import lowering
 from libra_jax.ops.base import Platform, Rule, register_op
 from libra_jax.ops.psum import psum_abstract_eval
 
-__all__ = ["libra_psum_start_p", "libra_psum_done_p"]
+__all__ = ["libra_psum_start_p", "libra_psum_done_p", "TOKEN_AVAL"]
+
+#: Start's last result and done's last operand: written by start, it orders done after the
+#: latest start by data (XLA orders by data only), and no buffer is passed twice (a second
+#: reader of the in-flight buffer would make XLA copy it while it is being reduced).
+TOKEN_AVAL = _compat.ShapedArray((1,), np.int32)
 
 
 # --- start ----------------------------------------------------------------------
@@ -65,7 +71,7 @@ def start_abstract_eval(*avals: Any, axes: tuple, blocks: int, invariant: bool,
         _, eff = psum_abstract_eval(aval, axes=axes, blocks=blocks, inplace=True,
                                     invariant=invariant)
         effects |= set(eff)
-    return lowering.packed_avals(avals), effects
+    return [*lowering.packed_avals(avals), TOKEN_AVAL], effects
 
 
 def _start_lowering(platform: Platform) -> Rule:
@@ -75,6 +81,7 @@ def _start_lowering(platform: Platform) -> Rule:
     def rule(ctx: Any, *xs: Any, axes: tuple, blocks: int, invariant: bool,
              call_id: int) -> list[Any]:
         outs = []
+        token = None  # the last split call's; a constant where start reduced in one call
         for j, (dtype, idx, padded) in enumerate(lowering.packed_layout(ctx.avals_in)):
             flat = _compat.ShapedArray((padded,), dtype)
             flat_ctx = ctx.replace(primitive=None, avals_in=[flat], avals_out=[flat])
@@ -87,12 +94,15 @@ def _start_lowering(platform: Platform) -> Rule:
             else:
                 target, operands, attrs = split_call
                 call = jax.ffi.ffi_lowering(target, operand_output_aliases={0: 0})
-                call_ctx = ctx.replace(primitive=None, avals_out=[flat], avals_in=[flat] + [
-                    _compat.ShapedArray((2,), np.int32)] * len(operands))
-                result, = _compat.ir_values(call(
+                call_ctx = ctx.replace(primitive=None, avals_out=[flat, TOKEN_AVAL],
+                                       avals_in=[flat] + [
+                                           _compat.ShapedArray((2,), np.int32)] * len(operands))
+                result, token = _compat.ir_values(call(
                     call_ctx, packed, *operands, call_id=np.int64(call_id * 16 + j), **attrs))
             outs.append(result)
-        return outs
+        if token is None:
+            token = _compat.ir_constant(np.zeros(TOKEN_AVAL.shape, TOKEN_AVAL.dtype))
+        return [*outs, token]
     return rule
 
 
@@ -129,7 +139,7 @@ def _done_lowering(platform: Platform) -> Rule:
 
     def rule(ctx: Any, *operands: Any, out_avals: tuple, axes: tuple, blocks: int,
              call_id: int) -> list[Any]:
-        *flats, after = operands  # `after` only orders done after it
+        *flats, token = operands  # the latest start's token: orders done after it
         outs: list[Any] = [None] * len(out_avals)
         for j, ((_, idx, _), flat, flat_aval) in enumerate(
                 zip(lowering.packed_layout(out_avals), flats, ctx.avals_in)):
@@ -141,13 +151,14 @@ def _done_lowering(platform: Platform) -> Rule:
                                             operand_output_aliases={0: 0})
                 flat, = call(ctx.replace(primitive=None, avals_out=[flat_aval], avals_in=[
                     flat_aval, _compat.ShapedArray((2,), np.int32), ctx.avals_in[-1]]),
-                    flat, rank_group, after, call_id=np.int64(call_id * 16 + j))
+                    flat, rank_group, token, call_id=np.int64(call_id * 16 + j))
             elif split_call is not None:  # cuda: XLA's stream waits for libra's
+                # The in-flight buffer once (aliased to the output), and the token: no copy.
                 call = jax.ffi.ffi_lowering(_ffi.ALLREDUCE_CUDA_DONE_TARGET,
-                                            operand_output_aliases={1: 0})
-                flat, = call(ctx.replace(primitive=None, avals_in=[flat_aval, flat_aval],
+                                            operand_output_aliases={0: 0})
+                flat, = call(ctx.replace(primitive=None, avals_in=[flat_aval, ctx.avals_in[-1]],
                                          avals_out=[flat_aval]),
-                             flat, flat, call_id=np.int64(call_id * 16 + j))
+                             flat, token, call_id=np.int64(call_id * 16 + j))
             lowering.split(ctx, flat, flat_aval, out_avals, idx, outs)
         return outs
     return rule
