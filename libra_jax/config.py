@@ -45,9 +45,9 @@ CUDA_PATH_ENV = "LIBRA_JAX_CUDA"
 #: ``xla`` (the default): XLA's own all-reduce (NCCL, scheduled by XLA); libra's plan is
 #: made and reported, its block counts are not applied. ``p2p``: libra's peer-to-peer
 #: kernels among the GPUs of one process (and, across processes, inside each process with
-#: NCCL between them). ``nccl``: libra's NCCL call with the block count as its CTA limit,
-#: for groups that span processes (in one process: XLA's, until that path exists). None of
-#: libra's GPU paths has run on a GPU yet, so both are opt-in.
+#: NCCL between them). ``nccl``: libra's NCCL call with the block count as its CTA limit, in
+#: one process and across processes (one call on XLA's stream: start/done for NCCL is to come).
+#: None of libra's GPU paths has run on a GPU yet, so both are opt-in.
 CUDA_PATHS = ("xla", "p2p", "nccl")
 
 #: The P2P kernels' algorithm (the value is the kernels' code: 0 chooses by size).

@@ -240,9 +240,12 @@ def test_cuda_default_path_is_xla_with_a_notice_naming_the_switch(monkeypatch, f
 
 
 @needs_cuda_build
-def test_cuda_nccl_path_in_one_process_is_xla_for_now(monkeypatch, fresh_warnings):
+def test_cuda_nccl_path_on_an_abstract_mesh_is_xla_with_a_notice(monkeypatch, fresh_warnings):
+    # LIBRA_JAX_CUDA=nccl lowered for export (an abstract mesh): NCCL's communicators need the
+    # devices, so XLA's all-reduce. A concrete mesh without NCCL: test_platform_matrix; with
+    # NCCL (the stub): tests/test_nccl.py.
     monkeypatch.setenv("LIBRA_JAX_CUDA", "nccl")
-    with pytest.warns(UserWarning, match=r"inside one process with LIBRA_JAX_CUDA=nccl"):
+    with pytest.warns(UserWarning, match=r"LIBRA_JAX_CUDA=nccl on an abstract mesh"):
         _assert_xla_fallback(lower_for_cuda(lambda v: libra_jax.psum(v, "x", blocks=4)))
 
 

@@ -339,6 +339,63 @@ def test_unique_ids_travel_through_the_key_value_store(stub_env):
         assert "all_reduce" in xla and "libra_allreduce" not in xla, xla
 
 
+# One process, LIBRA_JAX_CUDA=nccl: every GPU of the group is an NCCL rank of one communicator
+# (made here, no key-value store), lowered for cuda from a CPU mesh of 2, 4 and 8 devices; a
+# bare psum and optimize's plans in each overlap mode: only libra's NCCL call, with the planned
+# block counts as its CTA limits.
+IN_PROCESS = """
+    import os, re, sys
+    os.environ["LIBRA_JAX_CUDA"] = "nccl"
+    import jax, jax.numpy as jnp, numpy as np
+    jax.config.update("jax_num_cpu_devices", 8)
+    from jax.sharding import PartitionSpec as P
+    import libra_jax
+    from libra_jax import _ffi
+    print("HAS_CUDA", _ffi.HAS_CUDA)
+    for n in (2, 4, 8):
+        mesh = jax.make_mesh((n,), ("x",), devices=jax.devices()[:n])
+        f = jax.jit(jax.shard_map(lambda v: libra_jax.psum(v, "x", blocks=6), mesh=mesh,
+                                  in_specs=P("x"), out_specs=P()))
+        x = jax.ShapeDtypeStruct((n, 8), np.float32, sharding=jax.NamedSharding(mesh, P("x")))
+        text = f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
+        calls = re.findall(r"custom_call @(libra_\\w+)\\(.*?ctas = (\\d+).*?nranks = (\\d+)"
+                           r".*?ranks = dense<([^>]*)>", text)
+        print("PSUM", n, calls, "all_reduce" in text)
+        rng = np.random.default_rng(0)
+        params = [jnp.asarray(rng.standard_normal((8, 8)), jnp.float32) for _ in range(3)]
+        def local(params, v):
+            def loss(params):
+                h = v
+                for w in params:
+                    h = jnp.tanh(h @ w)
+                return jax.lax.pmean(jnp.mean(h * h), "x")
+            return jax.value_and_grad(loss)(params)
+        step = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("x")), out_specs=(P(), P()))
+        batch = jax.ShapeDtypeStruct((4 * n, 8), np.float32,
+                                     sharding=jax.NamedSharding(mesh, P("x")))
+        for mode in ("sync", "start-done", "auto"):
+            opt = libra_jax.optimize(step, overlap=mode)
+            text = jax.jit(opt).trace(params, batch).lower(lowering_platforms=("cuda",)).as_text()
+            names = sorted(set(re.findall(r"custom_call @(libra_\\w+)", text)))
+            ctas = sorted({int(c) for c in re.findall(r"ctas = (\\d+)", text)})
+            planned = sorted({p.blocks for p in opt.last_report.plans})
+            print("STEP", n, mode, names, ctas == planned, "all_reduce" in text)
+"""
+
+
+def test_nccl_path_in_one_process(stub_env):
+    out = run(IN_PROCESS, stub_env)
+    if "HAS_CUDA False" in out:
+        pytest.skip("libra_jax built without CUDA: the cuda lowering is XLA's")
+    for n in (2, 4, 8):
+        line = next(l for l in out.splitlines() if l.startswith(f"PSUM {n} "))
+        ranks = ", ".join(map(str, range(n)))
+        assert f"('libra_allreduce_nccl', '6', '{n}', '[{ranks}]')" in line, line
+        assert line.endswith("False"), line  # no XLA all-reduce
+        for mode in ("sync", "start-done", "auto"):
+            assert f"STEP {n} {mode} ['libra_allreduce_nccl'] True False" in out, out
+
+
 # --- On real GPUs (skipped here) --------------------------------------------
 
 GPU_WORKER = """

@@ -5,8 +5,8 @@ lowers to XLA's all-reduce with a one-time notice.
 
 Everything here is lowering, so it runs on this machine for `cuda` too. On `cuda` the matrix
 runs once per data path `LIBRA_JAX_CUDA` selects: ``xla`` (the default) expects XLA's
-all-reduce, ``p2p`` Libra's P2P calls, ``nccl`` (one process: XLA's, until libra's NCCL call
-serves one process). In a build without CUDA (`_ffi.HAS_CUDA` false) every `cuda` case
+all-reduce, ``p2p`` Libra's P2P calls, ``nccl`` libra's NCCL call where NCCL loads (here: the
+stub, tests/test_nccl.py), else XLA's with a notice. In a build without CUDA (`_ffi.HAS_CUDA` false) every `cuda` case
 expects the fallback instead.
 """
 from __future__ import annotations
@@ -141,10 +141,11 @@ def test_cpu_lowers_every_primitive_to_libra_calls_with_the_planned_blocks(mode,
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("path", ["xla", "p2p", "nccl"])
 def test_cuda_lowers_by_the_data_path(monkeypatch, fresh_warnings, path, mode, fused):
-    """p2p: Libra's calls with the planned blocks, no XLA all-reduce. xla (the default) and
-    nccl in one process: XLA's all-reduce, no Libra call, a notice naming the path. Without a
-    CUDA build: the fallback for every path."""
+    """p2p: Libra's calls with the planned blocks, no XLA all-reduce. xla (the default), and
+    nccl where NCCL does not load: XLA's all-reduce, no Libra call, a notice naming why.
+    Without a CUDA build: the fallback for every path."""
     monkeypatch.setenv("LIBRA_JAX_CUDA", path)
+    monkeypatch.setenv("LIBRA_JAX_NCCL_LIBRARY", "/nonexistent/libnccl.so.2")
     mesh = mesh_of((8,), ("x",))
     if cuda_serves(path):
         text, report = lower("cuda", mode, fused, mesh=mesh)
@@ -154,7 +155,7 @@ def test_cuda_lowers_by_the_data_path(monkeypatch, fresh_warnings, path, mode, f
         assert "all_reduce" not in text
         return
     reason = {"xla": "LIBRA_JAX_CUDA=xla, the default",
-              "nccl": "inside one process with LIBRA_JAX_CUDA=nccl"}[path]
+              "nccl": "cuda without NCCL"}[path]
     if not _ffi.HAS_CUDA:
         reason = "built without CUDA"
     with pytest.warns(UserWarning, match=re.escape(reason)):

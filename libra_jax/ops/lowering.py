@@ -170,9 +170,9 @@ def cuda_kernel_attrs(ctx: Any, axes: tuple, blocks: int | None) -> tuple[dict |
     path = config.cuda_path()
     if path == "xla":
         return None, _cuda_default_reason()
-    if path != "p2p":
-        return None, (f"cuda groups inside one process with {config.CUDA_PATH_ENV}={path} (libra's "
-                      "NCCL call serves groups that span processes)")
+    if path != "p2p":  # nccl, where the mesh's devices are not known (an abstract mesh)
+        return None, (f"cuda with {config.CUDA_PATH_ENV}={path} on an abstract mesh (libra's "
+                      "NCCL call needs the mesh's devices)")
     groups, devices, reason = _groups_in_this_process(ctx, axes)
     if groups is None:
         return None, f"cuda {reason}"
@@ -206,16 +206,18 @@ def cuda_rule(ctx: Any, x: Any, *, axes: tuple, blocks: int, inplace: bool,
                    invariant: bool) -> Any:
     """The psum on a GPU, by the data path `cuda_path` selects: XLA's all-reduce (``xla``,
     the default), the `libra_allreduce_cuda` custom call (``p2p``: libra's P2P kernels with
-    `blocks` thread blocks among the GPUs of this process) or, for groups that span
-    processes, `libra_allreduce_nccl` (``nccl``, and ``p2p`` hierarchically). Falls back to
-    XLA's all-reduce (with a one-time notice) for what the chosen path does not serve."""
+    `blocks` thread blocks among the GPUs of this process; across processes, hierarchically
+    with NCCL between them) or `libra_allreduce_nccl` (``nccl``: NCCL with `blocks` as its CTA
+    limit, in one process and across processes, every GPU one NCCL rank). Falls back to XLA's
+    all-reduce (with a one-time notice) for what the chosen path does not serve."""
     fallback = partial(xla_rule, ctx, x, axes=axes, blocks=blocks, inplace=inplace,
                        invariant=invariant)
     groups = _compat.replica_groups(ctx, axes)
     devices = _compat.mesh_devices(ctx)
     path = config.cuda_path()
     if (_ffi.HAS_CUDA and path != "xla" and groups is not None and devices is not None
-            and any(d.process_index != jax.process_index() for d in devices)):
+            and (path == "nccl"
+                 or any(d.process_index != jax.process_index() for d in devices))):
         return _nccl_rule(ctx, x, groups=groups, devices=devices, blocks=blocks,
                               inplace=inplace, fallback=fallback,
                               hierarchical=path == "p2p")
@@ -251,8 +253,9 @@ def cuda_rule(ctx: Any, x: Any, *, axes: tuple, blocks: int, inplace: bool,
 
 def _nccl_rule(ctx: Any, x: Any, *, groups: Sequence[Sequence[int]], devices: Sequence[Any], blocks: int | None,
                    inplace: bool, fallback: Callable[..., Any], hierarchical: bool) -> Any:
-    """The `libra_allreduce_nccl` custom call, for groups that span processes:
-    NCCL with `blocks` as the call's CTA limit (cpp/libra/nccl.h).
+    """The `libra_allreduce_nccl` custom call: NCCL with `blocks` as the call's CTA limit
+    (cpp/libra/nccl.h), for the ``nccl`` path (in one process or across) and for groups of the
+    ``p2p`` path that span processes.
 
     Flat: every GPU is one NCCL rank of its group. Hierarchical (`hierarchical`: the
     ``p2p`` path, which opts in to the P2P kernels), when every
@@ -267,7 +270,7 @@ def _nccl_rule(ctx: Any, x: Any, *, groups: Sequence[Sequence[int]], devices: Se
     """
     ok, why = _nccl.available()
     if not ok:
-        return fallback(reason=f"cuda across processes without NCCL ({why})")
+        return fallback(reason=f"cuda without NCCL ({why})")
     aval_in, = ctx.avals_in
     dtype = np.dtype(aval_in.dtype)
     count = math.prod(aval_in.shape)
