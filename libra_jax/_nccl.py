@@ -108,8 +108,10 @@ def communicator(global_ids: Sequence[int], *, blocks: int, holds_root: bool,
 
 def allreduce_host(comm_id: int, nranks: int, rank: int, blocks: int, array: object) -> None:
     """One rank's in-place all-reduce of a host numpy array on communicator `comm_id`
-    (the GPU path's control flow with host buffers: for tests against a host NCCL)."""
-    _libra_ffi.nccl_allreduce_host(comm_id, nranks, rank, blocks, array)
+    (the GPU path's control flow with host buffers: for tests against a host NCCL). A rank
+    that never joins is a RuntimeError after `LIBRA_JAX_TIMEOUT_S`, as on the GPU path."""
+    _libra_ffi.nccl_allreduce_host(comm_id, nranks, rank, blocks, array,
+                                   timeout_ms=config.timeout_ms())
 
 
 def communicators_created() -> int:

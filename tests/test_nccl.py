@@ -172,6 +172,29 @@ def test_nccl_below_2_17_says_the_block_count_cannot_be_honoured(stub_env):
     assert "SAID 1 libra_jax: NCCL 2.14.0 cannot limit an all-reduce's CTAs (NCCL >= 2.17" in out
 
 
+def test_a_rank_that_never_joins_is_an_error_after_the_timeout(stub_env):
+    # NCCL waits forever for a missing rank; libra's communicators are non-blocking, polled, and
+    # aborted after LIBRA_JAX_TIMEOUT_S (defect 4). The stub's own timeout is far longer.
+    stub_env["LIBRA_JAX_TIMEOUT_S"] = "0.5"
+    stub_env["NCCL_STUB_TIMEOUT_S"] = "120"
+    out = run("""
+        import numpy as np
+        from libra_jax import _nccl
+        comm = _nccl.communicator([40, 41], blocks=2, holds_root=True, timeout_s=5)
+        try:
+            _nccl.allreduce_host(comm, 2, 0, 2, np.ones(4, np.float32))  # rank 1 never comes
+        except RuntimeError as e:
+            print("ERROR", e)
+        print("COMMUNICATORS", _nccl.communicators_created())
+    """, stub_env)
+    assert ("ERROR libra NCCL: creating the communicator of rank 0 of 2: not every rank arrived "
+            "within 500 ms (LIBRA_JAX_TIMEOUT_S); the communicator was aborted") in out, out
+    assert "COMMUNICATORS 0" in out  # aborted and forgotten
+    assert [line.split()[0] for line in Path(stub_env["NCCL_STUB_LOG"]).read_text().splitlines()
+            ] == ["init", "abort"]
+    assert log_lines(stub_env, "init")[0]["blocking"] == 0  # a non-blocking communicator
+
+
 def test_pinned_communicator_refuses_another_block_count(stub_env):
     stub_env["NCCL_STUB_VERSION"] = "22700"
     out = run("""

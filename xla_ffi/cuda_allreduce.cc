@@ -287,6 +287,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaAllReduce, Execute, BindKernelCall(),
 //   3. each GPU zeroes the slices it does not own, and a second P2P pass sums
 //      them: every GPU gets every slice (an all-gather, exact: x + 0 = x).
 // So NCCL moves 1/L of the buffer per GPU and the P2P kernels the rest.
+// A failed NCCL call as XLA's error: a rank that never joined is DEADLINE_EXCEEDED, as on CPU.
+ffi::Error NcclError(const libra::Status& status) {
+  return status.code == libra::Status::Code::kDeadlineExceeded
+             ? ffi::Error(ffi::ErrorCode::kDeadlineExceeded, status.message)
+             : ffi::Error::Internal(status.message);
+}
+
 ffi::Error ExecuteNccl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                        ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> comm_ids,
                        ffi::Span<const int32_t> ranks, int64_t nranks, int64_t ctas,
@@ -317,8 +324,8 @@ ffi::Error ExecuteNccl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
   if (local_world == 1) {
     const libra::Status status = comms.AllReduce(
         comm_ids[device], static_cast<int>(nranks), ranks[device], static_cast<int>(ctas),
-        x.untyped_data(), out->untyped_data(), x.element_count(), *dtype, stream);
-    if (!status.ok()) result = ffi::Error::Internal(status.message);
+        x.untyped_data(), out->untyped_data(), x.element_count(), *dtype, stream, timeout_ms);
+    if (!status.ok()) result = NcclError(status);
   } else {
     const std::size_t row = static_cast<std::size_t>(device * local_world);
     ffi::Span<const int32_t> team(local_teams.begin() + row, local_world);
@@ -332,8 +339,8 @@ ffi::Error ExecuteNccl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
     if (result.success() && n > 0) {
       const libra::Status status = comms.AllReduce(
           comm_ids[device], static_cast<int>(nranks), ranks[device], static_cast<int>(ctas),
-          base + offset * itemsize, base + offset * itemsize, n, *dtype, stream);
-      if (!status.ok()) result = ffi::Error::Internal(status.message);
+          base + offset * itemsize, base + offset * itemsize, n, *dtype, stream, timeout_ms);
+      if (!status.ok()) result = NcclError(status);
     }
     if (result.success()) {
       const std::size_t end = (offset + n) * itemsize;

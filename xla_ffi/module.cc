@@ -163,14 +163,16 @@ libra::DType HostDType(const HostArray& a) {
 
 // One rank's all-reduce, in place on a host array, through the communicator
 // cache (the stream is null: a host-memory library completes the call).
-void NcclAllReduceHost(int64_t comm_id, int nranks, int rank, int ctas, HostArray a) {
+void NcclAllReduceHost(int64_t comm_id, int nranks, int rank, int ctas, HostArray a,
+                       int64_t timeout_ms) {
   OpenNccl();
   const libra::DType dtype = HostDType(a);
   libra::Status status;
   {
     nb::gil_scoped_release release;
     status = libra::nccl::Communicators::Get().AllReduce(comm_id, nranks, rank, ctas, a.data(),
-                                                         a.data(), a.size(), dtype, nullptr);
+                                                         a.data(), a.size(), dtype, nullptr,
+                                                         timeout_ms);
   }
   if (!status.ok()) throw std::runtime_error(status.message);
 }
@@ -272,7 +274,7 @@ NB_MODULE(_libra_ffi, m) {
         nb::arg("comm_id"), nb::arg("unique_id"),
         "Registers the unique id of this process's communicator `comm_id`.");
   m.def("nccl_allreduce_host", &NcclAllReduceHost, nb::arg("comm_id"), nb::arg("nranks"),
-        nb::arg("rank"), nb::arg("ctas"), nb::arg("array"),
+        nb::arg("rank"), nb::arg("ctas"), nb::arg("array"), nb::arg("timeout_ms") = 0,
         "One rank's in-place all-reduce of a host array through the communicator cache "
         "(for tests against a host-memory NCCL).");
   m.def("nccl_communicators", [] { return libra::nccl::Communicators::Get().size(); },

@@ -3,9 +3,11 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <chrono>
 #include <climits>
 #include <cstdlib>
 #include <cstring>
+#include <thread>
 
 namespace libra::nccl {
 namespace {
@@ -14,6 +16,7 @@ namespace {
 constexpr unsigned kApiMagic = 0xcafebeef;   // NCCL_API_MAGIC
 constexpr int kUndefInt = INT_MIN;           // NCCL_CONFIG_UNDEF_INT
 constexpr int kSuccess = 0;                  // ncclSuccess
+constexpr int kInProgress = 7;               // ncclInProgress (non-blocking communicators)
 constexpr int kSum = 0;                      // ncclSum
 
 struct RawUniqueId {
@@ -81,6 +84,8 @@ struct Library::Api {
   using AllReduceConfig = int (*)(const void*, void*, std::size_t, int, int, void*, void*,
                                   const CollConfigV23100*);
   using CommDestroy = int (*)(void*);
+  using CommAbort = int (*)(void*);
+  using CommGetAsyncError = int (*)(void*, int*);
   using GetErrorString = const char* (*)(int);
 
   GetVersion get_version = nullptr;
@@ -89,6 +94,8 @@ struct Library::Api {
   AllReduce all_reduce = nullptr;
   AllReduceConfig all_reduce_config = nullptr;  // NCCL >= 2.31 only
   CommDestroy comm_destroy = nullptr;
+  CommAbort comm_abort = nullptr;
+  CommGetAsyncError comm_get_async_error = nullptr;
   GetErrorString get_error_string = nullptr;
 };
 
@@ -168,6 +175,8 @@ Status Library::Open(const std::string& path, std::unique_ptr<Library>* library)
       {"ncclCommInitRankConfig", reinterpret_cast<void**>(&api.comm_init_rank_config), true},
       {"ncclAllReduce", reinterpret_cast<void**>(&api.all_reduce), true},
       {"ncclCommDestroy", reinterpret_cast<void**>(&api.comm_destroy), true},
+      {"ncclCommAbort", reinterpret_cast<void**>(&api.comm_abort), true},
+      {"ncclCommGetAsyncError", reinterpret_cast<void**>(&api.comm_get_async_error), true},
       {"ncclGetErrorString", reinterpret_cast<void**>(&api.get_error_string), true},
       {"ncclAllReduceConfig", reinterpret_cast<void**>(&api.all_reduce_config), false},
   };
@@ -225,7 +234,8 @@ Status Library::GetUniqueId(UniqueId* id) const {
   return status;
 }
 
-Status Library::InitRank(const UniqueId& id, int nranks, int rank, int ctas, void** comm) const {
+Status Library::InitRank(const UniqueId& id, int nranks, int rank, int ctas, void** comm,
+                         int64_t timeout_ms) const {
   if (nranks < 1 || rank < 0 || rank >= nranks) {
     return Error(Status::Code::kInvalidArgument, "rank " + std::to_string(rank) + " of " +
                                                      std::to_string(nranks) + " ranks");
@@ -237,32 +247,83 @@ Status Library::InitRank(const UniqueId& id, int nranks, int rank, int ctas, voi
                                              : " runs a collective on at most " +
                                                    std::to_string(MaxCtas(version_))));
   }
+  // Non-blocking (blocking = 0): creation returns at once and completes as the ranks arrive,
+  // so a rank that never does turns into an error after the timeout instead of a hang.
   CommConfigV21700 config{sizeof(CommConfigV21700), kApiMagic, kCommConfigVersion,
-                          kUndefInt, kUndefInt, kUndefInt, kUndefInt, nullptr};
+                          0, kUndefInt, kUndefInt, kUndefInt, nullptr};
   if (ctas > 0) config.min_ctas = config.max_ctas = ctas;
   RawUniqueId raw;
   std::memcpy(raw.internal, id.data(), kUniqueIdBytes);
-  return Check(api_->comm_init_rank_config(comm, nranks, raw, rank, &config),
-               "ncclCommInitRankConfig");
+  *comm = nullptr;
+  const int started = api_->comm_init_rank_config(comm, nranks, raw, rank, &config);
+  if (started != kSuccess && started != kInProgress) {
+    if (*comm != nullptr) api_->comm_abort(*comm);
+    *comm = nullptr;
+    return Check(started, "ncclCommInitRankConfig");
+  }
+  const Status status = Wait(*comm, timeout_ms,
+                             "creating the communicator of rank " + std::to_string(rank) +
+                                 " of " + std::to_string(nranks));
+  if (!status.ok()) *comm = nullptr;  // aborted by Wait
+  return status;
+}
+
+Status Library::Wait(void* comm, int64_t timeout_ms, const std::string& what) const {
+  using Clock = std::chrono::steady_clock;
+  const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
+  auto pause = std::chrono::microseconds(50);
+  for (;;) {
+    int state = kInProgress;
+    const int queried = api_->comm_get_async_error(comm, &state);
+    if (queried != kSuccess) state = queried;
+    if (state == kSuccess) return Status::Ok();
+    if (state != kInProgress) {
+      const Status failed = Check(state, what.c_str());
+      api_->comm_abort(comm);
+      return failed;
+    }
+    if (timeout_ms > 0 && Clock::now() >= deadline) {
+      api_->comm_abort(comm);  // frees NCCL's resources; the communicator is gone
+      return Error(Status::Code::kDeadlineExceeded,
+                   what + ": not every rank arrived within " + std::to_string(timeout_ms) +
+                       " ms (LIBRA_JAX_TIMEOUT_S); the communicator was aborted");
+    }
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::microseconds(20000));
+  }
 }
 
 Status Library::AllReduce(const void* input, void* output, std::size_t count, DType dtype,
-                          void* comm, int ctas, void* stream) const {
+                          void* comm, int ctas, void* stream, int64_t timeout_ms,
+                          bool* aborted) const {
+  if (aborted != nullptr) *aborted = false;
   const int nccl_dtype = ToNcclDataType(dtype);
+  int result = kSuccess;
+  const char* what = "ncclAllReduce";
   if (ctas > 0 && route_ == CtaRoute::kPerCollective) {
     CollConfigV23100 config{sizeof(CollConfigV23100), kApiMagic, kPerCollectiveVersion,
                             nullptr, ctas, ctas, kUndefInt, kUndefInt, nullptr, 1,
                             kUndefInt, 0};
-    return Check(api_->all_reduce_config(input, output, count, nccl_dtype, kSum, comm, stream,
-                                         &config),
-                 "ncclAllReduceConfig");
+    what = "ncclAllReduceConfig";
+    result = api_->all_reduce_config(input, output, count, nccl_dtype, kSum, comm, stream,
+                                     &config);
+  } else {
+    result = api_->all_reduce(input, output, count, nccl_dtype, kSum, comm, stream);
   }
-  return Check(api_->all_reduce(input, output, count, nccl_dtype, kSum, comm, stream),
-               "ncclAllReduce");
+  // On a non-blocking communicator the call may still be enqueueing: wait for that, bounded
+  // (Wait aborts the communicator where it fails).
+  if (result != kInProgress) return Check(result, what);
+  const Status status = Wait(comm, timeout_ms, what);
+  if (aborted != nullptr) *aborted = !status.ok();
+  return status;
 }
 
 void Library::Destroy(void* comm) const {
   if (comm != nullptr) api_->comm_destroy(comm);
+}
+
+void Library::Abort(void* comm) const {
+  if (comm != nullptr) api_->comm_abort(comm);
 }
 
 Communicators& Communicators::Get() {
@@ -297,7 +358,7 @@ Status Communicators::RegisterId(int64_t comm_id, const UniqueId& id) {
 
 Status Communicators::AllReduce(int64_t comm_id, int nranks, int rank, int ctas,
                                 const void* input, void* output, std::size_t count,
-                                DType dtype, void* stream) {
+                                DType dtype, void* stream, int64_t timeout_ms) {
   const Library* library = nullptr;
   Status status = Open("", &library);
   if (!status.ok()) return status;
@@ -332,7 +393,7 @@ Status Communicators::AllReduce(int64_t comm_id, int nranks, int rank, int ctas,
     // only: other ranks of the process create theirs meanwhile.
     std::lock_guard<std::mutex> lock(comm->mu);
     if (comm->handle == nullptr) {
-      status = library->InitRank(id, nranks, rank, comm_ctas, &comm->handle);
+      status = library->InitRank(id, nranks, rank, comm_ctas, &comm->handle, timeout_ms);
       if (!status.ok()) {
         comm->handle = nullptr;
         return status;
@@ -348,7 +409,14 @@ Status Communicators::AllReduce(int64_t comm_id, int nranks, int rank, int ctas,
                      std::to_string(comm->ctas) + " CTAs, called with " +
                      std::to_string(nranks) + " and " + std::to_string(ctas));
   }
-  return library->AllReduce(input, output, count, dtype, comm->handle, ctas, stream);
+  bool aborted = false;
+  const Status done = library->AllReduce(input, output, count, dtype, comm->handle, ctas, stream,
+                                         timeout_ms, &aborted);
+  if (aborted) {  // the communicator is gone: forget it
+    std::lock_guard<std::mutex> lock(comm->mu);
+    comm->handle = nullptr;
+  }
+  return done;
 }
 
 std::size_t Communicators::size() {

@@ -100,16 +100,26 @@ class Library {
 
   Status GetUniqueId(UniqueId* id) const;
   // ctas > 0 pins the communicator to that many CTAs (minCTAs = maxCTAs);
-  // an error above MaxCtas(version) or where the route has no CTA limit.
-  Status InitRank(const UniqueId& id, int nranks, int rank, int ctas, void** comm) const;
-  // ctas > 0 limits this call (per-collective route only).
+  // an error above MaxCtas(version). The communicator is non-blocking: if not
+  // every rank has joined within timeout_ms (0: wait forever), it is aborted
+  // and the result is kDeadlineExceeded.
+  Status InitRank(const UniqueId& id, int nranks, int rank, int ctas, void** comm,
+                  int64_t timeout_ms = 0) const;
+  // ctas > 0 limits this call (per-collective route only). Where NCCL is still
+  // enqueueing it (ncclInProgress), waits at most timeout_ms, then aborts.
+  // `aborted` (optional) says whether it aborted the communicator.
   Status AllReduce(const void* input, void* output, std::size_t count, DType dtype,
-                   void* comm, int ctas, void* stream) const;
+                   void* comm, int ctas, void* stream, int64_t timeout_ms = 0,
+                   bool* aborted = nullptr) const;
   void Destroy(void* comm) const;
+  void Abort(void* comm) const;
 
  private:
   Library() = default;
   Status Check(int result, const char* what) const;
+  // Polls the communicator's async state until it is not in progress; after
+  // timeout_ms (> 0) aborts it and fails with kDeadlineExceeded naming `what`.
+  Status Wait(void* comm, int64_t timeout_ms, const std::string& what) const;
 
   void* handle_ = nullptr;
   std::string path_;
@@ -139,8 +149,12 @@ class Communicators {
   // make its first call on it). On the per-communicator route the
   // communicator is pinned to `ctas` and a later call with other ctas is an
   // error (the caller gives each block count its own comm_id).
+  // timeout_ms bounds the communicator's creation (and an enqueue still in
+  // progress): a rank that never joins turns into kDeadlineExceeded, and the
+  // communicator is aborted and forgotten (0: wait forever).
   Status AllReduce(int64_t comm_id, int nranks, int rank, int ctas, const void* input,
-                   void* output, std::size_t count, DType dtype, void* stream);
+                   void* output, std::size_t count, DType dtype, void* stream,
+                   int64_t timeout_ms = 0);
 
   // Communicators created so far (for tests and diagnostics).
   std::size_t size();

@@ -19,12 +19,16 @@
 //   version's MAXCHANNELS (32 up to 2.24, 64 from 2.25);
 // - a collective runs on at most its communicator's channels: a larger
 //   per-call limit is clipped (`ctas` is what ran, `asked` what was asked);
-// - ncclAllReduceConfig exists from 2.31 only (ncclInvalidUsage before).
+// - ncclAllReduceConfig exists from 2.31 only (ncclInvalidUsage before);
+// - a non-blocking config (blocking = 0) makes creation return ncclInProgress
+//   and complete in the background; ncclCommGetAsyncError reports its state,
+//   ncclCommAbort stops it (logged: abort rank=R id=ID).
 // Build: g++ -std=c++17 -shared -fPIC -o libnccl_stub.so nccl_stub.cc
 #include <fcntl.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <climits>
 #include <cstdint>
@@ -32,6 +36,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <memory>
 #include <random>
 #include <string>
 #include <thread>
@@ -40,7 +45,7 @@
 namespace {
 
 constexpr int kSuccess = 0, kSystemError = 2, kInvalidArgument = 4, kInvalidUsage = 5,
-              kRemoteError = 6;
+              kRemoteError = 6, kInProgress = 7;
 constexpr int kCtaConfigVersion = 21700, kWideChannelsVersion = 22500,
               kPerCollectiveVersion = 23100;
 constexpr unsigned kMagic = 0xcafebeef;
@@ -76,6 +81,9 @@ struct Comm {
   int max_ctas = INT_MIN;
   int channels = 0;  // what a collective on it may run on
   long sequence = 0;
+  // Shared with a non-blocking creation's thread, which may outlive an aborted Comm.
+  std::shared_ptr<std::atomic<int>> state = std::make_shared<std::atomic<int>>(0);
+  std::shared_ptr<std::atomic<bool>> aborted = std::make_shared<std::atomic<bool>>(false);
 };
 
 std::string Env(const char* name, const char* fallback) {
@@ -104,6 +112,7 @@ std::string Path(const Comm& comm, const std::string& what, int rank) {
 // Publishes `bytes` as this rank's part of step `what`, then reads every rank's.
 int Exchange(const Comm& comm, const std::string& what, const std::string& bytes,
              std::vector<std::string>* all) {
+  const std::atomic<bool>& aborted = *comm.aborted;
   const std::string mine = Path(comm, what, comm.rank);
   {
     std::ofstream out(mine + ".tmp", std::ios::binary);
@@ -118,7 +127,7 @@ int Exchange(const Comm& comm, const std::string& what, const std::string& bytes
   for (int r = 0; r < comm.nranks; ++r) {
     std::ifstream in;
     while (!(in = std::ifstream(Path(comm, what, r), std::ios::binary))) {
-      if (std::chrono::steady_clock::now() > deadline) return kRemoteError;
+      if (std::chrono::steady_clock::now() > deadline || aborted.load()) return kRemoteError;
       std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
     (*all)[r].assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
@@ -197,10 +206,21 @@ int ncclCommInitRankConfig(Comm** comm, int nranks, UniqueId id, int rank, CommC
   if (created->min_ctas != INT_MIN) channels = std::max(channels, created->min_ctas);
   if (created->max_ctas != INT_MIN) channels = std::min(channels, created->max_ctas);
   created->channels = std::max(1, std::min(channels, MaxChannels()));
+  const bool blocking = config->blocking != 0;  // NCCL_CONFIG_UNDEF_INT (INT_MIN): blocking
   Log("init rank=" + std::to_string(rank) + " nranks=" + std::to_string(nranks) +
       " minCTAs=" + std::to_string(created->min_ctas) +
       " maxCTAs=" + std::to_string(created->max_ctas) +
-      " channels=" + std::to_string(created->channels) + " id=" + created->id);
+      " channels=" + std::to_string(created->channels) +
+      " blocking=" + std::to_string(blocking ? 1 : 0) + " id=" + created->id);
+  if (!blocking) {  // complete in the background, as NCCL's non-blocking init does
+    created->state->store(kInProgress);
+    std::thread([copy = *created] {
+      std::vector<std::string> parts;
+      copy.state->store(Exchange(copy, "init", "", &parts));
+    }).detach();
+    *comm = created;
+    return kInProgress;
+  }
   std::vector<std::string> parts;
   const int result = Exchange(*created, "init", "", &parts);
   if (result != kSuccess) {
@@ -225,6 +245,20 @@ int ncclAllReduceConfig(const void* in, void* out, size_t count, int dtype, int 
 }
 
 int ncclCommDestroy(Comm* comm) {
+  delete comm;
+  return kSuccess;
+}
+
+int ncclCommGetAsyncError(Comm* comm, int* state) {
+  if (comm == nullptr || state == nullptr) return kInvalidArgument;
+  *state = comm->state->load();
+  return kSuccess;
+}
+
+int ncclCommAbort(Comm* comm) {
+  if (comm == nullptr) return kSuccess;
+  Log("abort rank=" + std::to_string(comm->rank) + " id=" + comm->id);
+  comm->aborted->store(true);
   delete comm;
   return kSuccess;
 }

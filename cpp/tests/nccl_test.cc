@@ -105,6 +105,28 @@ void TestCtaLimitsReachNccl() {
   setenv("NCCL_STUB_VERSION", "23100", 1);
 }
 
+// A rank that never joins: creation is non-blocking, so it fails after the timeout with
+// kDeadlineExceeded and the communicator is aborted (the stub logs it), never a hang; the
+// cache forgets it.
+void TestMissingRankTimesOut() {
+  const std::string log = std::string(std::getenv("NCCL_STUB_DIR")) + "/timeout.log";
+  setenv("NCCL_STUB_LOG", log.c_str(), 1);
+  const nccl::Library* lib = nullptr;
+  nccl::Communicators& comms = nccl::Communicators::Get();
+  CHECK(comms.Open(stub_path, &lib).ok() && lib != nullptr);
+  nccl::UniqueId id{};
+  CHECK(lib->GetUniqueId(&id).ok());
+  CHECK(comms.RegisterId(9, id).ok());
+  std::vector<float> data(8, 1.0f);
+  const libra::Status s = comms.AllReduce(9, 2, 0, 2, data.data(), data.data(), data.size(),
+                                          libra::DType::kF32, nullptr, /*timeout_ms=*/200);
+  // libra's timeout (the stub's own, 30 s, would be an internal "remote error").
+  CHECK(s.code == libra::Status::Code::kDeadlineExceeded);
+  CHECK(s.message.find("not every rank arrived within 200 ms") != std::string::npos);
+  CHECK(ReadFile(log).find("abort rank=0") != std::string::npos);
+  unsetenv("NCCL_STUB_LOG");
+}
+
 // Four ranks (threads), 20 calls each with block counts that change per call,
 // through the process's communicator cache (per-collective route).
 void TestCommunicatorsConcurrently() {
@@ -160,6 +182,7 @@ int main(int argc, char** argv) {
       {"open", TestOpen},
       {"cta_limits_reach_nccl", TestCtaLimitsReachNccl},
       {"communicators", TestCommunicatorsConcurrently},
+      {"missing_rank_times_out", TestMissingRankTimesOut},
   });
   std::string cleanup = std::string("rm -rf ") + dir;
   if (std::system(cleanup.c_str()) != 0) std::fprintf(stderr, "could not remove %s\n", dir);
