@@ -30,7 +30,7 @@ __all__ = [
     "CUDA_PATH_ENV", "CUDA_PATHS", "cuda_path", "CUDA_ALGORITHM_ENV", "CUDA_ALGORITHMS",
     "cuda_algorithm", "OVERLAP_ENV", "OVERLAP_MODES", "overlap_mode", "DISABLE_ENV",
     "optimize_disabled", "NO_PROFILE_BROADCAST_ENV", "profile_broadcast", "PROFILE_DIR_ENV",
-    "calibrated_profile_dir",
+    "calibrated_profile_dir", "NCCL_CTA_ENVS", "nccl_cta_overrides",
 ]
 
 #: How long a rank waits for the others: `$LIBRA_JAX_TIMEOUT_S` seconds (default 300).
@@ -148,6 +148,16 @@ def optimize_disabled() -> bool:
 def profile_broadcast() -> bool:
     """Whether multi-process `optimize` plans with process 0's profile (the default)."""
     return not _flag(NO_PROFILE_BROADCAST_ENV)
+
+
+#: NCCL's own settings that override the CTA limits libra passes (NCCL reads them itself).
+NCCL_CTA_ENVS = ("NCCL_MIN_CTAS", "NCCL_MAX_CTAS")
+
+
+def nccl_cta_overrides() -> dict[str, str]:
+    """NCCL's CTA settings present in the environment (`NCCL_CTA_ENVS`), by name: NCCL applies
+    them over every communicator's and collective's configuration."""
+    return {name: os.environ[name] for name in NCCL_CTA_ENVS if os.environ.get(name, "").strip()}
 
 
 def calibrated_profile_dir() -> Path:

@@ -158,6 +158,19 @@ def test_block_counts_above_what_nccl_honours_are_capped_and_said(stub_env, vers
     assert f"{most + 8} CTAs" in out.split("ERROR", 1)[1], out
 
 
+def test_nccl_cta_settings_in_the_environment_are_said(stub_env):
+    stub_env["NCCL_MAX_CTAS"] = "4"
+    out = run("""
+        import warnings
+        from libra_jax.ops import lowering
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            lowering.nccl_blocks(8), lowering.nccl_blocks(2)
+        print("SAID", len(caught), caught[0].message)
+    """, stub_env)
+    assert "SAID 1 libra_jax: NCCL_MAX_CTAS=4 in the environment: NCCL applies it over" in out
+
+
 def test_nccl_below_2_17_says_the_block_count_cannot_be_honoured(stub_env):
     stub_env["NCCL_STUB_VERSION"] = "21400"
     out = run("""

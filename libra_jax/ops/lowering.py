@@ -336,6 +336,11 @@ def nccl_blocks(blocks: int) -> int:
     (`_nccl.Library.max_ctas`: the version's channel maximum, or the channels a per-collective
     communicator is made with), said once; below NCCL 2.17 none can be honoured, said once."""
     lib = _nccl.library()
+    overrides = config.nccl_cta_overrides()
+    if overrides:
+        settings = ", ".join(f"{k}={v}" for k, v in overrides.items())
+        warn_once(f"libra_jax: {settings} in the environment: NCCL applies it over the block "
+                  "counts libra passes as CTA limits.")
     if lib.max_ctas == 0:
         warn_once(f"libra_jax: NCCL {lib.version} cannot limit an all-reduce's CTAs (NCCL >= "
                   "2.17 can): block counts are not honoured on this path.")
