@@ -67,7 +67,8 @@ without ``XDG_CACHE_HOME``). ``optimize`` and ``psum(blocks=None)`` use it by de
 
 Layout: `fit` (pure fits, no JAX), `measure` (the budget and the timed programs), `build` (the
 analysis and the profile document); this module runs them (`calibrate`, `run`) and re-exports
-their public names.
+their public names. Layer (the tools'): may import `model`, `config`, `planner`, and JAX and
+`libra_jax._ffi` when it measures; `fit` imports only `model` and numpy (scipy when it fits).
 """
 from __future__ import annotations
 
