@@ -48,8 +48,9 @@ def jax_8():
     return jax
 
 
-def mlp_step(sizes=(16, 32, 32, 32, 8), dtype=np.float32):
-    """A check_vma data-parallel SGD step (autodiff psums each gradient where it is made)."""
+def mlp_step(sizes=(16, 32, 32, 32, 8), dtype=np.float32, devices=8):
+    """A check_vma data-parallel SGD step (autodiff psums each gradient where it is made) on
+    the first `devices` CPU devices, and its arguments (a batch of 4 rows per device)."""
     jax = _jax()
     import jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
@@ -57,7 +58,7 @@ def mlp_step(sizes=(16, 32, 32, 32, 8), dtype=np.float32):
     rng = np.random.default_rng(0)
     params = [(rng.standard_normal((m, n)) * 0.3).astype(dtype)
               for m, n in zip(sizes[:-1], sizes[1:])]
-    mesh = mesh_of((8,), ("x",))
+    mesh = mesh_of((devices,), ("x",))
 
     def local(params, x):
         def loss(params):
@@ -70,5 +71,5 @@ def mlp_step(sizes=(16, 32, 32, 32, 8), dtype=np.float32):
 
     step = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("x")), out_specs=(P(), P()),
                          check_vma=True)
-    x = shard(rng.standard_normal((8 * 4, sizes[0])).astype(dtype), mesh, P("x"))
+    x = shard(rng.standard_normal((devices * 4, sizes[0])).astype(dtype), mesh, P("x"))
     return step, (params, x)

@@ -154,7 +154,7 @@ def test_block_counts_above_what_nccl_honours_are_capped_and_said(stub_env, vers
     """, stub_env)
     assert f"MAX {most}" in out
     assert f"CAPPED {most} {most} 3" in out
-    assert f"SAID 1 libra_jax: NCCL" in out and f"at most {most} CTAs per all-reduce" in out, out
+    assert "SAID 1 libra_jax: NCCL" in out and f"at most {most} CTAs per all-reduce" in out, out
     assert f"{most + 8} CTAs" in out.split("ERROR", 1)[1], out
 
 
@@ -382,11 +382,13 @@ def test_unique_ids_travel_through_the_key_value_store(stub_env):
 IN_PROCESS = """
     import os, re, sys
     os.environ["LIBRA_JAX_CUDA"] = "nccl"
-    import jax, jax.numpy as jnp, numpy as np
+    import jax, numpy as np
     jax.config.update("jax_num_cpu_devices", 8)
     from jax.sharding import PartitionSpec as P
     import libra_jax
     from libra_jax import _ffi
+    sys.path.insert(0, sys.argv[1])  # the tests' folder, for conftest's MLP step
+    from conftest import mlp_step
     print("HAS_CUDA", _ffi.HAS_CUDA)
     for n in (2, 4, 8):
         mesh = jax.make_mesh((n,), ("x",), devices=jax.devices()[:n])
@@ -397,21 +399,10 @@ IN_PROCESS = """
         calls = re.findall(r"custom_call @(libra_\\w+)\\(.*?ctas = (\\d+).*?nranks = (\\d+)"
                            r".*?ranks = dense<([^>]*)>", text)
         print("PSUM", n, calls, "all_reduce" in text)
-        rng = np.random.default_rng(0)
-        params = [jnp.asarray(rng.standard_normal((8, 8)), jnp.float32) for _ in range(3)]
-        def local(params, v):
-            def loss(params):
-                h = v
-                for w in params:
-                    h = jnp.tanh(h @ w)
-                return jax.lax.pmean(jnp.mean(h * h), "x")
-            return jax.value_and_grad(loss)(params)
-        step = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("x")), out_specs=(P(), P()))
-        batch = jax.ShapeDtypeStruct((4 * n, 8), np.float32,
-                                     sharding=jax.NamedSharding(mesh, P("x")))
+        step, args = mlp_step(devices=n)
         for mode in ("sync", "start-done", "auto"):
             opt = libra_jax.optimize(step, overlap=mode)
-            text = jax.jit(opt).trace(params, batch).lower(lowering_platforms=("cuda",)).as_text()
+            text = jax.jit(opt).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
             names = sorted(set(re.findall(r"custom_call @(libra_\\w+)", text)))
             ctas = sorted({int(c) for c in re.findall(r"ctas = (\\d+)", text)})
             planned = sorted({p.blocks for p in opt.last_report.plans})
@@ -420,7 +411,7 @@ IN_PROCESS = """
 
 
 def test_nccl_path_in_one_process(stub_env):
-    out = run(IN_PROCESS, stub_env)
+    out = run(IN_PROCESS, stub_env, str(Path(__file__).parent))
     if "HAS_CUDA False" in out:
         pytest.skip("libra_jax built without CUDA: the cuda lowering is XLA's")
     for n in (2, 4, 8):

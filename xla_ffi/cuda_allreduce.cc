@@ -26,6 +26,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "libra/cuda/allreduce.h"
@@ -250,20 +251,27 @@ ffi::Error ExecuteDone(cudaStream_t stream, int32_t device, ffi::AnyBuffer /*sta
   return ffi::Error::Success();
 }
 
-// The signature of the P2P kernel's call, shared by the synchronous target
-// and start (which adds a call id).
-auto BindKernelCall() {
+// The P2P kernel's attributes, shared by the synchronous target and start.
+template <typename Binding>
+auto BindKernelAttrs(Binding binding) {
+  return std::move(binding)
+      .template Attr<ffi::Span<const int32_t>>("devices")
+      .template Attr<int64_t>("world")
+      .template Attr<int64_t>("blocks")
+      .template Attr<int64_t>("algorithm")
+      .template Attr<int64_t>("timeout_ms");
+}
+
+// The kernel call's context and buffer (start adds its token result).
+auto BindKernelBuffers() {
   return ffi::Ffi::Bind()
       .Ctx<ffi::PlatformStream<cudaStream_t>>()
       .Ctx<ffi::DeviceOrdinal>()
       .Arg<ffi::AnyBuffer>()
-      .Ret<ffi::AnyBuffer>()
-      .Attr<ffi::Span<const int32_t>>("devices")
-      .Attr<int64_t>("world")
-      .Attr<int64_t>("blocks")
-      .Attr<int64_t>("algorithm")
-      .Attr<int64_t>("timeout_ms");
+      .Ret<ffi::AnyBuffer>();
 }
+
+auto BindKernelCall() { return BindKernelAttrs(BindKernelBuffers()); }
 
 }  // namespace
 
@@ -371,17 +379,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kNcclAllReduce, ExecuteNccl,
 
 // Start: the kernel call's operand, its result (in place) and a token for done.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaAllReduceStart, ExecuteStart,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<ffi::Span<const int32_t>>("devices")
-                                  .Attr<int64_t>("world")
-                                  .Attr<int64_t>("blocks")
-                                  .Attr<int64_t>("algorithm")
-                                  .Attr<int64_t>("timeout_ms")
+                              BindKernelAttrs(BindKernelBuffers().Ret<ffi::AnyBuffer>())
                                   .Attr<int64_t>("call_id"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaAllReduceDone, ExecuteDone,
