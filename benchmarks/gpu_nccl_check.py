@@ -12,8 +12,9 @@ them into its summary), and NCCL's own log lines about channels and CTAs after e
 * ``nccl-<route>``: for each route the version allows (per-collective needs NCCL >= 2.31;
   per-communicator, forced with ``LIBRA_JAX_NCCL_CTA_ROUTE``, any), in a fresh process: a
   1-rank communicator on GPU 0 and the ``libra_allreduce_nccl`` custom call, XLA's own handler
-  path, with ctas 1, 4 and 16 on a 1 MiB f32 buffer; a 1-rank sum returns its input, checked
-  bit for bit. ``NCCL_DEBUG=INFO`` lines naming channels or CTAs are printed after it.
+  path (the communicator made at XLA's initialize stage, the call on libra's stream), and the
+  same as ``libra_allreduce_nccl_start`` + ``libra_allreduce_cuda_done``, with ctas 1, 4 and
+  16 on a 1 MiB f32 buffer; a 1-rank sum returns its input, checked bit for bit. ``NCCL_DEBUG=INFO`` lines naming channels or CTAs are printed after it.
 * ``nccl-2-ranks``: a 2-rank all-reduce needs two GPUs (one NCCL rank per GPU: NCCL refuses
   two ranks of one communicator on one device), so on one GPU it is a SKIP with that reason;
   with two, tests/test_nccl.py::test_two_processes_on_two_gpus is the check.
@@ -48,15 +49,24 @@ ONE_RANK = """
         rows = 1 + int(gpu.local_hardware_id)
         comm_ids = np.full(rows, -1, np.int64); comm_ids[-1] = comm
         ranks = np.full(rows, -1, np.int32); ranks[-1] = 0
-        teams = np.full(rows, -1, np.int32); teams[-1] = int(gpu.local_hardware_id)
-        call = jax.ffi.ffi_call(_ffi.ALLREDUCE_NCCL_TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype))
-        f = jax.jit(lambda v: call(v, comm_ids=comm_ids, ranks=ranks, nranks=np.int64(1),
-                                   ctas=np.int64(ctas), local_teams=teams,
-                                   local_world=np.int64(1), timeout_ms=np.int64(60000)))
-        y = np.asarray(f(jax.device_put(x, gpu)))
-        ok = y.tobytes() == x.tobytes()
-        print("CTAS", ctas, "OK" if ok else "WRONG", "communicators", _nccl.communicators_created(),
-              flush=True)
+        attrs = dict(comm_ids=comm_ids, ranks=ranks, nranks=np.int64(1), ctas=np.int64(ctas),
+                     timeout_ms=np.int64(60000))
+        aval = jax.ShapeDtypeStruct(x.shape, x.dtype)
+        token = jax.ShapeDtypeStruct((1,), np.int32)
+        call = jax.ffi.ffi_call(_ffi.ALLREDUCE_NCCL_TARGET, aval)
+        # The same as start/done: NCCL on libra's stream, then XLA's stream waits for it.
+        start = jax.ffi.ffi_call(_ffi.ALLREDUCE_NCCL_START_TARGET, (aval, token),
+                                 input_output_aliases={0: 0})
+        done = jax.ffi.ffi_call(_ffi.ALLREDUCE_CUDA_DONE_TARGET, aval,
+                                input_output_aliases={0: 0})
+        f = jax.jit(lambda v: call(v, **attrs))
+        g = jax.jit(lambda v: done(*start(v + 0, call_id=np.int64(1), **attrs),
+                                   call_id=np.int64(1)))
+        xs = jax.device_put(x, gpu)
+        ok = np.asarray(f(xs)).tobytes() == x.tobytes()
+        split = np.asarray(g(xs)).tobytes() == x.tobytes()
+        print("CTAS", ctas, "OK" if ok else "WRONG", "start/done", "OK" if split else "WRONG",
+              "communicators", _nccl.communicators_created(), flush=True)
 """
 
 
@@ -126,10 +136,11 @@ def main(argv: list[str] | None = None) -> int:
             failed = True
             continue
         lines = proc.stdout.splitlines()
-        good = [line for line in lines if line.startswith("CTAS") and " OK " in line]
+        good = [line for line in lines if line.startswith("CTAS") and "WRONG" not in line]
         if proc.returncode == 0 and len(good) == len(CTAS) and f"ROUTE {r}" in lines:
             comms = good[-1].split()[-1]
-            say(r, "PASS", f"1 rank, ctas {CTAS}: bitwise, {comms} communicator(s)")
+            say(r, "PASS", f"1 rank, ctas {CTAS}, one call and start/done: bitwise, {comms} "
+                           "communicator(s)")
         else:
             tail = (proc.stderr.strip().splitlines() or ["?"])[-1]
             say(r, "FAIL", f"rc {proc.returncode}: {' | '.join(lines[-3:])} {tail}")

@@ -23,6 +23,12 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
+# NCCL reads NCCL_LAUNCH_ORDER_IMPLICIT once, at the process's first NCCL launch (XLA's
+# included): where libra's NCCL path is chosen, ask for it now, before any program runs.
+from libra_jax import config as _config  # pure Python: no JAX, no extension
+
+_config.request_nccl_launch_order()
+
 if TYPE_CHECKING:  # what a type checker sees; at run time they load lazily (`__getattr__`)
     from libra_jax.allreduce import MAX_BLOCKS, default_blocks, patch_lax, pmean, psum
     from libra_jax.explanation import Explanation, explain

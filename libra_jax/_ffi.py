@@ -162,8 +162,10 @@ ALLREDUCE_CUDA_TARGET = TARGETS["cuda"]
 #: The same kernel on libra's own stream, and the wait for it (libra_jax.ops.start_done).
 ALLREDUCE_CUDA_START_TARGET = TARGETS["cuda_start"]
 ALLREDUCE_CUDA_DONE_TARGET = TARGETS["cuda_done"]
-#: Across processes: NCCL with a per-call CTA limit (cpp/libra/nccl.h).
+#: NCCL with a per-call CTA limit (cpp/libra/nccl.h) on libra's stream, and its start
+#: (whose done is ALLREDUCE_CUDA_DONE_TARGET).
 ALLREDUCE_NCCL_TARGET = TARGETS["nccl"]
+ALLREDUCE_NCCL_START_TARGET = TARGETS["nccl_start"]
 #: Whether the extension was built with the CUDA kernels (nvcc was found).
 HAS_CUDA: bool = bool(getattr(_libra_ffi, "HAS_CUDA", False))
 #: The largest replica group the CUDA kernels serve.

@@ -1,9 +1,9 @@
-"""NCCL for all-reduces that span processes on GPUs.
+"""NCCL for libra's GPU all-reduces (the ``nccl`` path, and groups across processes).
 
 The C++ side (cpp/libra/nccl.h) resolves NCCL at run time, picks how a call's
 block count reaches NCCL (per collective on NCCL >= 2.31, else one communicator
-per block count), and creates and caches communicators on first use. This
-module gives it what only Python has: the unique id of each communicator,
+per block count), and creates and caches communicators when XLA initialises a
+program. This module gives it what only Python has: the unique id of each communicator,
 made by the process that holds the group's rank 0 and fetched by the others
 through JAX's distributed key-value store (the store `jax.distributed` already
 runs, so no extra rendezvous service and no extra port).
@@ -42,6 +42,18 @@ class Library:
     route: str
     #: The largest per-call CTA limit libra asks of it (0: none); block counts above are capped.
     max_ctas: int
+
+    @property
+    def launch_order(self) -> str:
+        """How this NCCL orders the launches of several communicators on one GPU (libra's
+        and XLA's), without which they may deadlock: "config" (>= 2.31: libra's communicators
+        ask for it, XLA's through NCCL_LAUNCH_ORDER_IMPLICIT), "env" (2.26-2.30: only
+        through NCCL_LAUNCH_ORDER_IMPLICIT=1) or "streams" (older: only stream dependencies;
+        libra's calls are ordered on its one stream per GPU, XLA's are not ordered with them).
+        """
+        if self.version_code >= 23100:
+            return "config"
+        return "env" if self.version_code >= 22600 else "streams"
 
 
 _lock = threading.Lock()

@@ -30,7 +30,8 @@ __all__ = [
     "CUDA_PATH_ENV", "CUDA_PATHS", "cuda_path", "CUDA_ALGORITHM_ENV", "CUDA_ALGORITHMS",
     "cuda_algorithm", "OVERLAP_ENV", "OVERLAP_MODES", "overlap_mode", "DISABLE_ENV",
     "optimize_disabled", "NO_PROFILE_BROADCAST_ENV", "profile_broadcast", "PROFILE_DIR_ENV",
-    "calibrated_profile_dir", "NCCL_CTA_ENVS", "nccl_cta_overrides",
+    "calibrated_profile_dir", "NCCL_CTA_ENVS", "nccl_cta_overrides", "NCCL_LAUNCH_ORDER_ENV",
+    "nccl_launch_order_implicit", "request_nccl_launch_order",
 ]
 
 #: How long a rank waits for the others: `$LIBRA_JAX_TIMEOUT_S` seconds (default 300).
@@ -44,9 +45,9 @@ MAX_TIMEOUT_S = 1e7
 CUDA_PATH_ENV = "LIBRA_JAX_CUDA"
 #: ``xla`` (the default): XLA's own all-reduce (NCCL, scheduled by XLA); libra's plan is
 #: made and reported, its block counts are not applied. ``p2p``: libra's peer-to-peer
-#: kernels among the GPUs of one process (and, across processes, inside each process with
-#: NCCL between them). ``nccl``: libra's NCCL call with the block count as its CTA limit, in
-#: one process and across processes (one call on XLA's stream: start/done for NCCL is to come).
+#: kernels among the GPUs of one process (groups across processes: libra's NCCL call).
+#: ``nccl``: libra's NCCL call with the block count as its CTA limit, in one process and
+#: across processes, every GPU one NCCL rank, on libra's own stream (one call, or start/done).
 #: None of libra's GPU paths has run on a GPU yet, so both are opt-in.
 CUDA_PATHS = ("xla", "p2p", "nccl")
 
@@ -152,6 +153,29 @@ def profile_broadcast() -> bool:
 
 #: NCCL's own settings that override the CTA limits libra passes (NCCL reads them itself).
 NCCL_CTA_ENVS = ("NCCL_MIN_CTAS", "NCCL_MAX_CTAS")
+
+
+#: NCCL's switch (2.26+) that orders a GPU's communicators' launches by the host's launch
+#: order, without which several communicators on one GPU may deadlock (libra/streams.h).
+NCCL_LAUNCH_ORDER_ENV = "NCCL_LAUNCH_ORDER_IMPLICIT"
+
+
+def nccl_launch_order_implicit() -> bool:
+    """Whether `$NCCL_LAUNCH_ORDER_IMPLICIT` asks NCCL for implicit launch order (``1``)."""
+    return os.environ.get(NCCL_LAUNCH_ORDER_ENV, "").strip() == "1"
+
+
+def request_nccl_launch_order() -> bool:
+    """Set ``NCCL_LAUNCH_ORDER_IMPLICIT=1`` where libra's NCCL path is chosen
+    (`$LIBRA_JAX_CUDA` ``nccl`` or ``p2p``) and the variable is unset; True if it set it.
+    NCCL reads it once, at the process's first NCCL launch (XLA's included), so libra_jax
+    calls this when it is imported; a value the user set is left alone. A malformed
+    `$LIBRA_JAX_CUDA` is reported where it is used (`cuda_path`), not here."""
+    chosen = os.environ.get(CUDA_PATH_ENV, "").strip().lower() in ("nccl", "p2p")
+    if not chosen or os.environ.get(NCCL_LAUNCH_ORDER_ENV, "").strip():
+        return False
+    os.environ[NCCL_LAUNCH_ORDER_ENV] = "1"
+    return True
 
 
 def nccl_cta_overrides() -> dict[str, str]:

@@ -73,3 +73,35 @@ def mlp_step(sizes=(16, 32, 32, 32, 8), dtype=np.float32, devices=8):
                          check_vma=True)
     x = shard(rng.standard_normal((devices * 4, sizes[0])).astype(dtype), mesh, P("x"))
     return step, (params, x)
+
+
+def check_start_done_pairs(text: str, start: str, call: str) -> int:
+    """Asserts the structure of the CUDA start/done pairs in a lowered program's `text` (the
+    fix of the stale-data defect: done(s, s) made XLA copy the in-flight buffer on its stream
+    while the all-reduce could still write it): each `start` custom call all-reduces in place
+    (its output aliases the packed buffer); each ``libra_allreduce_cuda_done`` reads its own
+    start's buffer, aliased to its output, under the same call id, and the latest start's
+    token; the buffer has no other reader. `call` is the one-call target, used once (the
+    loss's pmean, never split). Returns the number of pairs."""
+    import re
+    starts = re.findall(rf"%(\S+):2 = stablehlo.custom_call @{start}\(%(\S+?)\)"
+                        r".*?call_id = (\d+)", text)
+    dones = re.findall(r"stablehlo.custom_call @libra_allreduce_cuda_done\(%(\S+?), %(\S+?)\)"
+                       r".*?call_id = (\d+).*?output_operand_aliases = \[#stablehlo"
+                       r".output_operand_alias<output_tuple_indices = \[\], operand_index = 0",
+                       text)
+    assert starts and len(dones) == len(starts), (starts, dones)
+    by_result = {result: call_id for result, _, call_id in starts}
+    latest = starts[-1][0]
+    for buffer, token, call_id in dones:
+        result, _, index = buffer.partition("#")
+        assert index == "0" and by_result[result] == call_id
+        assert token == f"{latest}#1"
+    assert len(set(by_result.values())) == len(starts)
+    for result in by_result:
+        assert len(re.findall(rf"%{result}#0\b", text)) == 1, result  # read by done only
+    start_lines = [line for line in text.splitlines() if f"@{start}(" in line]
+    assert all("operand_index = 0" in line for line in start_lines)
+    assert len(re.findall(rf"@{call}\(", text)) == 1 and "all_reduce" not in text
+    return len(starts)
+

@@ -144,7 +144,7 @@ def test_python_target_names_come_from_the_table():
     table = {t["role"]: t["name"] for t in _libra_ffi.registry()}
     assert _ffi.TARGETS == _libra_ffi.TARGETS == table
     assert set(table) == {"cpu", "cpu_start", "cpu_done", "cuda", "cuda_start", "cuda_done",
-                          "nccl"}
+                          "nccl", "nccl_start"}
     constants = {n: getattr(_ffi, n) for n in dir(_ffi) if re.fullmatch(r"ALLREDUCE_\w+_TARGET", n)}
     assert sorted(constants.values()) == sorted(table.values()), constants
     # Every constant libra_jax's lowerings use is one of them.

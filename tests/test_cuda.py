@@ -80,8 +80,11 @@ def test_module_reports_cuda_build():
     regs = _libra_ffi.cuda_registrations()
     if _ffi.HAS_CUDA:
         assert set(regs) == {CUDA_TARGET, CUDA_TARGET + "_start", CUDA_TARGET + "_done",
-                             _ffi.ALLREDUCE_NCCL_TARGET}
-        assert all(type(r).__name__ == "PyCapsule" for r in regs.values())
+                             _ffi.ALLREDUCE_NCCL_TARGET, _ffi.ALLREDUCE_NCCL_START_TARGET}
+        # NCCL's targets also have an initialize stage (communicators made before a program runs).
+        nccl = {_ffi.ALLREDUCE_NCCL_TARGET, _ffi.ALLREDUCE_NCCL_START_TARGET}
+        assert all(type(r).__name__ == "PyCapsule" for n, r in regs.items() if n not in nccl)
+        assert all(sorted(regs[n]) == ["execute", "initialize"] for n in nccl)
         assert _libra_ffi.CUDA_MAX_RANKS == _ffi.CUDA_MAX_RANKS == 8
     else:
         assert regs == {}

@@ -185,6 +185,73 @@ def test_nccl_below_2_17_says_the_block_count_cannot_be_honoured(stub_env):
     assert "SAID 1 libra_jax: NCCL 2.14.0 cannot limit an all-reduce's CTAs (NCCL >= 2.17" in out
 
 
+# Several communicators on one GPU (libra's, one per block count on 2.17-2.30, and XLA's own)
+# need one launch order (defect 5): libra issues on one stream per GPU (the C++ test
+# launch_order), asks NCCL >= 2.31 per communicator, and sets NCCL_LAUNCH_ORDER_IMPLICIT=1 when
+# imported with its NCCL path chosen (NCCL reads it at its first launch, XLA's included).
+LAUNCH_ORDER = """
+    import os, warnings
+    print("ENV", os.environ.get("NCCL_LAUNCH_ORDER_IMPLICIT"))
+    import jax, numpy as np
+    from jax.sharding import PartitionSpec as P
+    import libra_jax
+    print("ENV", os.environ.get("NCCL_LAUNCH_ORDER_IMPLICIT"))
+    mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
+    f = jax.jit(jax.shard_map(lambda v: libra_jax.psum(v, "x", blocks=2), mesh=mesh,
+                              in_specs=P("x"), out_specs=P()))
+    x = jax.ShapeDtypeStruct((2, 8), np.float32, sharding=jax.NamedSharding(mesh, P("x")))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        text = f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    print("CALL", "@libra_allreduce_nccl" in text)
+    print("SAID", [str(w.message) for w in caught if "order" in str(w.message)])
+"""
+
+
+@pytest.mark.parametrize("version, preset, env, said", [
+    ("22400", None, "1", "orders several communicators on one GPU by stream dependencies only"),
+    ("22600", None, "1", None),          # set by libra_jax's import: nothing to say
+    ("22600", "0", "0", "NCCL_LAUNCH_ORDER_IMPLICIT is not 1: NCCL 2.26.0 does not order"),
+    ("23100", None, "1", None),
+    ("23100", "0", "0", "NCCL_LAUNCH_ORDER_IMPLICIT is not 1: NCCL 2.31.0 does not order"),
+])
+def test_launch_order_is_asked_for_and_said_where_it_is_missing(stub_env, version, preset, env,
+                                                                said):
+    stub_env.update(NCCL_STUB_VERSION=version, LIBRA_JAX_CUDA="nccl",
+                    XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    stub_env.pop("NCCL_LAUNCH_ORDER_IMPLICIT", None)
+    if preset is not None:
+        stub_env["NCCL_LAUNCH_ORDER_IMPLICIT"] = preset  # the user's value is left alone
+    out = run(LAUNCH_ORDER, stub_env)
+    if "CALL False" in out:
+        pytest.skip("libra_jax built without CUDA: the cuda lowering is XLA's")
+    assert f"ENV {preset}\nENV {env}\n" in out, out
+    notices = out.split("SAID", 1)[1]
+    assert (said in notices) if said else notices.strip() == "[]", out
+
+
+def test_launch_order_is_left_alone_without_libra_nccl_path(stub_env):
+    stub_env.pop("NCCL_LAUNCH_ORDER_IMPLICIT", None)
+    for path in ("", "xla"):
+        stub_env["LIBRA_JAX_CUDA"] = path
+        out = run("""
+            import os, libra_jax
+            print("ENV", os.environ.get("NCCL_LAUNCH_ORDER_IMPLICIT"))
+        """, stub_env)
+        assert "ENV None" in out, out
+
+
+def test_nccl_targets_make_communicators_when_xla_initialises_the_program():
+    # The initialize stage runs on every device's thread before the program does: communicators
+    # are made then (cpp/libra/nccl.h Communicators::Prepare), not in the middle of a program.
+    from libra_jax import _ffi, _libra_ffi
+    stages = {t["name"]: t["stages"] for t in _libra_ffi.registry()}
+    if not _ffi.HAS_CUDA:
+        pytest.skip("libra_jax built without CUDA")
+    for target in (_ffi.ALLREDUCE_NCCL_TARGET, _ffi.ALLREDUCE_NCCL_START_TARGET):
+        assert stages[target] == ["initialize", "execute"], stages
+
+
 def test_a_rank_that_never_joins_is_an_error_after_the_timeout(stub_env):
     # NCCL waits forever for a missing rank; libra's communicators are non-blocking, polled, and
     # aborted after LIBRA_JAX_TIMEOUT_S (defect 4). The stub's own timeout is far longer.
@@ -314,10 +381,11 @@ TWO_PROCESSES = """
             print("TIMEOUT", e)
     import os
     mesh = jax.make_mesh((4,), ("x",))
-    # Under LIBRA_JAX_CUDA=p2p: 2 x 3 floats per GPU (24 bytes): flat; 2 x 4 floats (32
-    # bytes, whole 16-byte vectors): hierarchical (each process holds 2 of the group's 4
-    # GPUs). Under nccl the 32 bytes are flat; under xla (the default) XLA's all-reduce.
-    for name, path, cols in (("FLAT", "p2p", 3), ("HIER", "p2p", 4), ("NCCL", "nccl", 4),
+    # Under LIBRA_JAX_CUDA=p2p, a group across processes is NCCL's, flat (every GPU one
+    # rank), whatever the buffer: 2 x 3 floats per GPU, and 2 x 4 (whole 16-byte vectors:
+    # the hierarchical P2P + NCCL stages were here before). Under nccl the same; under xla
+    # (the default) XLA's all-reduce.
+    for name, path, cols in (("FLAT", "p2p", 3), ("P2P", "p2p", 4), ("NCCL", "nccl", 4),
                              ("XLA", "xla", 4)):
         os.environ["LIBRA_JAX_CUDA"] = path
         f = jax.jit(jax.shard_map(lambda v: libra_jax.psum(v, "x", blocks=6), mesh=mesh,
@@ -353,23 +421,12 @@ def test_unique_ids_travel_through_the_key_value_store(stub_env):
         in outs[1]
     # Each process lowers its own ranks (devices 0,1 in process 0; 2,3 in process 1).
     for pid, out in enumerate(outs):
-        flat = out.split("FLAT", 1)[1].split("END", 1)[0]
-        assert "@libra_allreduce_nccl" in flat and "ctas = 6" in flat and "nranks = 4" in flat
-        assert f"ranks = dense<[{2 * pid}, {2 * pid + 1}]>" in flat, flat
-        assert "local_world = 1" in flat
-        # Hierarchical: local GPU j joins the j-th GPUs of the other process (2 ranks, rank =
-        # the process), on its own communicator; the local team is both local GPUs.
-        hier = out.split("HIER", 1)[1].split("END", 1)[0]
-        assert "nranks = 2" in hier and "local_world = 2" in hier, hier
-        assert f"ranks = dense<{pid}>" in hier, hier
-        assert "local_teams = dense<[0, 1, 0, 1]>" in hier, hier
-        comm_ids = re.search(r"comm_ids = dense<\[(\d+), (\d+)\]>", hier)
-        assert comm_ids and comm_ids[1] != comm_ids[2], hier
-        assert "@libra_allreduce_cuda" not in flat + hier
-        # LIBRA_JAX_CUDA=nccl: NCCL across processes, flat (no P2P kernels inside).
-        nccl = out.split("NCCL", 1)[1].split("END", 1)[0]
-        assert "@libra_allreduce_nccl" in nccl and "local_world = 1" in nccl, nccl
-        assert "nranks = 4" in nccl and "@libra_allreduce_cuda" not in nccl, nccl
+        for name in ("FLAT", "P2P", "NCCL"):
+            call = out.split(name, 1)[1].split("END", 1)[0]
+            assert "@libra_allreduce_nccl" in call and "ctas = 6" in call, call
+            assert "nranks = 4" in call and "@libra_allreduce_cuda" not in call, call
+            assert f"ranks = dense<[{2 * pid}, {2 * pid + 1}]>" in call, call
+            assert "local_world" not in call and "local_teams" not in call, call
         # The default, xla: XLA's all-reduce, no libra call.
         xla = out.split("XLA", 1)[1].split("END", 1)[0]
         assert "all_reduce" in xla and "libra_allreduce" not in xla, xla
@@ -388,7 +445,7 @@ IN_PROCESS = """
     import libra_jax
     from libra_jax import _ffi
     sys.path.insert(0, sys.argv[1])  # the tests' folder, for conftest's MLP step
-    from conftest import mlp_step
+    from conftest import check_start_done_pairs, mlp_step
     print("HAS_CUDA", _ffi.HAS_CUDA)
     for n in (2, 4, 8):
         mesh = jax.make_mesh((n,), ("x",), devices=jax.devices()[:n])
@@ -406,7 +463,10 @@ IN_PROCESS = """
             names = sorted(set(re.findall(r"custom_call @(libra_\\w+)", text)))
             ctas = sorted({int(c) for c in re.findall(r"ctas = (\\d+)", text)})
             planned = sorted({p.blocks for p in opt.last_report.plans})
-            print("STEP", n, mode, names, ctas == planned, "all_reduce" in text)
+            split = sum(p.overlap == "start-done" for p in opt.last_report.plans)
+            pairs = (check_start_done_pairs(text, "libra_allreduce_nccl_start",
+                                            "libra_allreduce_nccl") if split else 0)
+            print("STEP", n, mode, names, ctas == planned, "all_reduce" in text, pairs == split)
 """
 
 
@@ -419,8 +479,13 @@ def test_nccl_path_in_one_process(stub_env):
         ranks = ", ".join(map(str, range(n)))
         assert f"('libra_allreduce_nccl', '6', '{n}', '[{ranks}]')" in line, line
         assert line.endswith("False"), line  # no XLA all-reduce
-        for mode in ("sync", "start-done", "auto"):
-            assert f"STEP {n} {mode} ['libra_allreduce_nccl'] True False" in out, out
+        assert f"STEP {n} sync ['libra_allreduce_nccl'] True False True" in out, out
+        # Start/done on NCCL: start on libra's stream, the kernels' done; no copy of the
+        # in-flight buffer (conftest.check_start_done_pairs). "auto" splits what the model
+        # prices lower split (here every gradient bucket).
+        for mode in ("start-done", "auto"):
+            assert (f"STEP {n} {mode} ['libra_allreduce_cuda_done', 'libra_allreduce_nccl', "
+                    "'libra_allreduce_nccl_start'] True False True") in out, out
 
 
 # --- On real GPUs (skipped here) --------------------------------------------

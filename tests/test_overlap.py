@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 from libra_jax import _compat, _ffi, model, ops
 from libra_jax.rewrite import optimize, rewrite_jaxpr
 
-from conftest import assert_bitwise, mesh_of, mlp_step, shard
+from conftest import assert_bitwise, check_start_done_pairs, mesh_of, mlp_step, shard
 from test_allreduce import TIMEOUT_SCRIPT
 
 pytestmark = pytest.mark.usefixtures("jax_8")
@@ -172,31 +172,9 @@ def test_cuda_lowering_is_a_start_done_pair(monkeypatch):
     step, args = mlp_step()
     text = jax.jit(optimize(step, fusion=False, overlap="start-done")).trace(*args).lower(
         lowering_platforms=("cuda",)).as_text()
-    starts = re.findall(r"%(\S+):2 = stablehlo.custom_call @libra_allreduce_cuda_start\(%(\S+?)\)"
-                        r".*?call_id = (\d+)", text)
-    dones = re.findall(r"stablehlo.custom_call @libra_allreduce_cuda_done\(%(\S+?), %(\S+?)\)"
-                       r".*?call_id = (\d+).*?output_operand_aliases = \[#stablehlo"
-                       r".output_operand_alias<output_tuple_indices = \[\], operand_index = 0",
-                       text)
-    assert len(starts) >= 2 and len(dones) == len(starts)
     # Each done reads its own start's in-flight buffer (aliased to its output) and waits for
     # the same call id; its other operand is the latest start's token (orders it after it).
-    by_result = {result: call_id for result, _, call_id in starts}
-    latest = starts[-1][0]
-    for buffer, token, call_id in dones:
-        result, _, index = buffer.partition("#")
-        assert index == "0" and by_result[result] == call_id
-        assert token == f"{latest}#1"
-    assert len(set(by_result.values())) == len(starts)
-    # The in-flight buffer has one reader, done: a second one (done(%s, %s) before) makes
-    # XLA's copy insertion copy it on XLA's stream while the kernel may still write it.
-    for result in by_result:
-        assert len(re.findall(rf"%{result}#0\b", text)) == 1, result  # read by done only
-    # Start all-reduces in place: its output aliases the packed buffer.
-    start_lines = [line for line in text.splitlines() if "libra_allreduce_cuda_start" in line]
-    assert all("operand_index = 0" in line for line in start_lines)
-    # One plain call: the loss's pmean (forward, never split); no XLA all-reduce.
-    assert len(re.findall(r"libra_allreduce_cuda\(", text)) == 1 and "all_reduce" not in text
+    assert check_start_done_pairs(text, "libra_allreduce_cuda_start", "libra_allreduce_cuda") >= 2
 
 
 @pytest.mark.skipif(not _ffi.HAS_CUDA, reason="libra_jax built without CUDA")

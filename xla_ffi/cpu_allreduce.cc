@@ -49,17 +49,6 @@ ffi::ErrorOr<std::unique_ptr<CpuAllReduceSite>> InstantiateStart(
   return Instantiate(label, world, blocks, timeout_ms);
 }
 
-ffi::Error ToFfiError(const libra::Status& status) {
-  using Code = libra::Status::Code;
-  switch (status.code) {
-    case Code::kOk: return ffi::Error::Success();
-    case Code::kInvalidArgument: return ffi::Error(ffi::ErrorCode::kInvalidArgument, status.message);
-    case Code::kDeadlineExceeded: return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, status.message);
-    case Code::kCancelled: return ffi::Error(ffi::ErrorCode::kCancelled, status.message);
-    case Code::kInternal: break;
-  }
-  return ffi::Error(ffi::ErrorCode::kInternal, status.message);
-}
 
 ffi::Future Failed(ffi::Error error) {
   ffi::Promise promise;

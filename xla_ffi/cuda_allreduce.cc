@@ -1,7 +1,8 @@
 // XLA FFI handlers (platform "CUDA"): the all-reduce over the libra CUDA
 // kernels (cpp/libra/cuda) on XLA's stream, the same kernel as a start/done
-// pair on libra's own stream (to run beside compute), and, across processes,
-// NCCL with a per-call CTA limit (cpp/libra/nccl.h).
+// pair on libra's own stream (to run beside compute, libra/streams.h), and
+// NCCL with a per-call CTA limit (cpp/libra/nccl.h), in one process or across
+// processes, always on libra's stream: as one call or as start/done.
 //
 // One handler serves every device of a single-process, multi-GPU program.
 // It knows its GPU from `DeviceOrdinal` and finds its rank and team in the
@@ -32,6 +33,7 @@
 #include "libra/cuda/allreduce.h"
 #include "libra/engine.h"  // StagingBytes
 #include "libra/nccl.h"
+#include "libra/streams.h"
 #include "xla_ffi/handlers.h"
 
 namespace libra_ffi {
@@ -152,25 +154,58 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
 
 // --- Start/done: the kernel on libra's own stream, beside XLA's compute ------
 //
-// start makes the GPU's communication stream wait for XLA's stream (the input
-// is ready there), launches the kernel on it and keeps an event for its end,
-// keyed by (GPU, call id); done makes XLA's stream wait for that event.
-// start's output aliases its input (the packed bucket, reduced in place) and
-// done's output aliases that buffer, its only reader: so XLA keeps it alive and
-// unread until done, and copies nothing (a second reader of it, as done(s, s)
-// was, makes copy insertion copy it on XLA's stream while the kernel may still
-// write it). done's other operand is a token written by the latest start, which
-// orders every done after the last start. Neither is command-buffer compatible:
-// a graph would capture the event hand-off once.
-struct AsyncCalls {
-  std::mutex mu;
-  std::map<int32_t, cudaStream_t> streams;                     // per GPU, never destroyed
-  std::map<std::pair<int32_t, int64_t>, cudaEvent_t> pending;  // (GPU, call id) -> end
+// start makes libra's stream on the GPU wait for XLA's stream (the input is
+// ready there), launches the kernel on it and keeps an event for its end,
+// keyed by (GPU, call id); done makes XLA's stream wait for that event
+// (libra/streams.h). start's output aliases its input (the packed bucket,
+// reduced in place) and done's output aliases that buffer, its only reader: so
+// XLA keeps it alive and unread until done, and copies nothing (a second reader
+// of it, as done(s, s) was, makes copy insertion copy it on XLA's stream while
+// the kernel may still write it). done's other operand is a token written by
+// the latest start, which orders every done after the last start. Neither is
+// command-buffer compatible: a graph would capture the event hand-off once.
+// NCCL's start/done (below) share the stream and the hand-off.
+
+libra::Status CudaStatus(const char* what, cudaError_t err) {
+  return libra::Status::Error(libra::Status::Code::kInternal,
+                              std::string(what) + ": " + cudaGetErrorString(err));
+}
+
+// The CUDA runtime calls of libra's streams.
+const libra::StreamOps kCudaStreamOps = {
+    /*create=*/[](int device, void** stream) {
+      int current = -1;
+      cudaError_t err = cudaGetDevice(&current);
+      if (err == cudaSuccess && current != device) err = cudaSetDevice(device);
+      cudaStream_t created = nullptr;
+      if (err == cudaSuccess) err = cudaStreamCreateWithFlags(&created, cudaStreamNonBlocking);
+      if (current >= 0 && current != device) cudaSetDevice(current);
+      *stream = created;
+      return err == cudaSuccess ? libra::Status::Ok()
+                                : CudaStatus("cudaStreamCreateWithFlags", err);
+    },
+    /*record=*/[](void* stream, void** event) {
+      cudaEvent_t created = nullptr;
+      cudaError_t err = cudaEventCreateWithFlags(&created, cudaEventDisableTiming);
+      if (err == cudaSuccess) err = cudaEventRecord(created, static_cast<cudaStream_t>(stream));
+      if (err != cudaSuccess) {
+        if (created != nullptr) cudaEventDestroy(created);
+        return CudaStatus("cudaEventRecord", err);
+      }
+      *event = created;
+      return libra::Status::Ok();
+    },
+    /*wait=*/[](void* stream, void* event) {
+      const cudaError_t err = cudaStreamWaitEvent(static_cast<cudaStream_t>(stream),
+                                                  static_cast<cudaEvent_t>(event), 0);
+      cudaEventDestroy(static_cast<cudaEvent_t>(event));  // released once its work is done
+      return err == cudaSuccess ? libra::Status::Ok() : CudaStatus("cudaStreamWaitEvent", err);
+    },
 };
 
-AsyncCalls& Async() {
-  static AsyncCalls* calls = new AsyncCalls();  // never destroyed (XLA threads)
-  return *calls;
+libra::SideStreams& Side() {
+  static libra::SideStreams* streams = new libra::SideStreams(kCudaStreamOps);  // never destroyed
+  return *streams;
 }
 
 ffi::Error CudaError(const char* what, cudaError_t err) {
@@ -178,77 +213,39 @@ ffi::Error CudaError(const char* what, cudaError_t err) {
                               cudaGetErrorString(err));
 }
 
+// The token only orders done after this start (by data): written on XLA's stream.
+ffi::Error WriteToken(cudaStream_t stream, ffi::AnyBuffer token) {
+  const cudaError_t err = cudaMemsetAsync(token.untyped_data(), 0, token.size_bytes(), stream);
+  return err == cudaSuccess ? ffi::Error::Success() : CudaError("writing its token", err);
+}
+
+ffi::Error Prefixed(const char* prefix, const libra::Status& status) {
+  libra::Status named = status;
+  named.message = std::string(prefix) + named.message;
+  return ToFfiError(named);
+}
+
 ffi::Error ExecuteStart(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                         ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> token,
                         ffi::Span<const int32_t> devices, int64_t world, int64_t blocks,
                         int64_t algorithm, int64_t timeout_ms, int64_t call_id) {
-  AsyncCalls& calls = Async();
-  cudaStream_t comm = nullptr;
-  {
-    std::lock_guard<std::mutex> lock(calls.mu);
-    if (calls.pending.count({device, call_id})) {
-      return ffi::Error(ffi::ErrorCode::kFailedPrecondition, "libra_jax CUDA all-reduce: call " +
-                                            std::to_string(call_id) +
-                                            " started again before its done");
-    }
-    auto it = calls.streams.find(device);
-    if (it == calls.streams.end()) {
-      int current = -1;
-      cudaError_t err = cudaGetDevice(&current);
-      if (err == cudaSuccess && current != device) err = cudaSetDevice(device);
-      if (err == cudaSuccess) err = cudaStreamCreateWithFlags(&comm, cudaStreamNonBlocking);
-      if (current >= 0 && current != device) cudaSetDevice(current);
-      if (err != cudaSuccess) return CudaError("creating its stream", err);
-      calls.streams.emplace(device, comm);
-    } else {
-      comm = it->second;
-    }
-  }
-  cudaEvent_t ready = nullptr, end = nullptr;
-  cudaError_t err = cudaEventCreateWithFlags(&ready, cudaEventDisableTiming);
-  if (err == cudaSuccess) err = cudaEventRecord(ready, stream);
-  if (err == cudaSuccess) err = cudaStreamWaitEvent(comm, ready, 0);
-  if (ready != nullptr) cudaEventDestroy(ready);  // released once recorded work is done
-  if (err != cudaSuccess) return CudaError("ordering its stream after XLA's", err);
-  ffi::Error launched = Launch(comm, device, x, *out, devices, world, blocks, algorithm,
-                               timeout_ms);
+  ffi::Error launched = ffi::Error::Success();
+  const libra::Status status = Side().Start(device, call_id, stream, [&](void* side) {
+    launched = Launch(static_cast<cudaStream_t>(side), device, x, *out, devices, world, blocks,
+                      algorithm, timeout_ms);
+    return launched.success() ? libra::Status::Ok()
+                              : libra::Status::Error(libra::Status::Code::kInternal, "launch");
+  });
   if (launched.failure()) return launched;
-  err = cudaEventCreateWithFlags(&end, cudaEventDisableTiming);
-  if (err == cudaSuccess) err = cudaEventRecord(end, comm);
-  if (err != cudaSuccess) {
-    if (end != nullptr) cudaEventDestroy(end);
-    return CudaError("recording its end", err);
-  }
-  // The token only orders done after this start (by data): written on XLA's stream.
-  err = cudaMemsetAsync(token->untyped_data(), 0, token->size_bytes(), stream);
-  if (err != cudaSuccess) {
-    cudaEventDestroy(end);
-    return CudaError("writing its token", err);
-  }
-  std::lock_guard<std::mutex> lock(calls.mu);
-  calls.pending[{device, call_id}] = end;
-  return ffi::Error::Success();
+  if (!status.ok()) return Prefixed("libra_jax CUDA all-reduce: ", status);
+  return WriteToken(stream, *token);
 }
 
 ffi::Error ExecuteDone(cudaStream_t stream, int32_t device, ffi::AnyBuffer /*started*/,
                        ffi::AnyBuffer /*token*/, ffi::Result<ffi::AnyBuffer> /*out*/,
                        int64_t call_id) {
-  cudaEvent_t end = nullptr;
-  {
-    AsyncCalls& calls = Async();
-    std::lock_guard<std::mutex> lock(calls.mu);
-    auto it = calls.pending.find({device, call_id});
-    if (it == calls.pending.end()) {
-      return ffi::Error(ffi::ErrorCode::kFailedPrecondition, "libra_jax CUDA all-reduce: done of call " +
-                                            std::to_string(call_id) + " without its start");
-    }
-    end = it->second;
-    calls.pending.erase(it);
-  }
-  const cudaError_t err = cudaStreamWaitEvent(stream, end, 0);
-  cudaEventDestroy(end);
-  if (err != cudaSuccess) return CudaError("waiting for its end", err);
-  return ffi::Error::Success();
+  const libra::Status status = Side().Done(device, call_id, stream);
+  return status.ok() ? ffi::Error::Success() : Prefixed("libra_jax CUDA all-reduce: ", status);
 }
 
 // The P2P kernel's attributes, shared by the synchronous target and start.
@@ -273,109 +270,155 @@ auto BindKernelBuffers() {
 
 auto BindKernelCall() { return BindKernelAttrs(BindKernelBuffers()); }
 
-}  // namespace
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaAllReduce, Execute, BindKernelCall(),
-                              {ffi::Traits::kCmdBufferCompatible});
-
-// --- Across processes: NCCL with the call's block count as its CTA limit -----
+// --- NCCL with the call's block count as its CTA limit -----------------------
 //
 // `comm_ids` and `ranks` are indexed by this process's GPU ordinals: the
-// communicator (registered by libra_jax._nccl at lowering) and rank of each.
-// The first call on a communicator creates it (every rank does, in program
-// order); NCCL needs the call's GPU current for that. Not command-buffer
-// compatible: creation blocks on the host until every rank has joined.
-//
-// Flat (local_world 1): the GPU is one NCCL rank of the whole group.
-// Hierarchical (local_world L > 1: this process holds L GPUs of the group,
-// row `ordinal` of `local_teams` lists them): all on XLA's stream,
-//   1. libra's P2P kernel sums the L local inputs into every local output;
-//   2. local GPU j all-reduces slice j of that sum (HierarchicalSlice) over
-//      NCCL with the j-th GPUs of the other processes (its communicator);
-//   3. each GPU zeroes the slices it does not own, and a second P2P pass sums
-//      them: every GPU gets every slice (an all-gather, exact: x + 0 = x).
-// So NCCL moves 1/L of the buffer per GPU and the P2P kernels the rest.
-// A failed NCCL call as XLA's error: a rank that never joined is DEADLINE_EXCEEDED, as on CPU.
-ffi::Error NcclError(const libra::Status& status) {
-  return status.code == libra::Status::Code::kDeadlineExceeded
-             ? ffi::Error(ffi::ErrorCode::kDeadlineExceeded, status.message)
-             : ffi::Error::Internal(status.message);
+// communicator (registered by libra_jax._nccl at lowering) and rank of each;
+// every GPU is one rank of its group. Communicators are made when XLA
+// initialises the program (the initialize stage, before anything runs: every
+// rank makes them, in the program's order), else on the first call; NCCL
+// needs the call's GPU current for that. Every NCCL call runs on libra's
+// stream of the GPU (libra/streams.h): the one-call form makes XLA's stream
+// wait for it at once, start/done (libra_allreduce_nccl_start, then
+// libra_allreduce_cuda_done, the kernels' done) later. Not command-buffer
+// compatible: creation waits on the host for every rank.
+
+// This GPU's (communicator, rank) in the call's tables, or InvalidArgument.
+ffi::ErrorOr<std::pair<int64_t, int>> NcclRank(int32_t device, ffi::Span<const int64_t> comm_ids,
+                                               ffi::Span<const int32_t> ranks) {
+  if (device < 0 || static_cast<std::size_t>(device) >= comm_ids.size() ||
+      comm_ids.size() != ranks.size() || comm_ids[device] < 0) {
+    return ffi::Unexpected(ffi::Error::InvalidArgument(
+        "libra_jax NCCL all-reduce: GPU " + std::to_string(device) +
+        " has no communicator in this call's tables"));
+  }
+  return std::make_pair(comm_ids[device], static_cast<int>(ranks[device]));
+}
+
+// Runs `body` with `device` current (NCCL creates and launches on the current GPU).
+template <typename Body>
+ffi::Error OnDevice(int32_t device, Body body) {
+  int current = -1;
+  cudaError_t err = cudaGetDevice(&current);
+  if (err == cudaSuccess && current != device) err = cudaSetDevice(device);
+  if (err != cudaSuccess) return CudaError("making its GPU current", err);
+  ffi::Error result = body();
+  if (current >= 0 && current != device) cudaSetDevice(current);  // best effort restore
+  return result;
+}
+
+// The NCCL call's buffers and attributes, shared by the one-call form and start.
+struct NcclCall {
+  int32_t device;
+  ffi::AnyBuffer x;
+  ffi::AnyBuffer out;
+  ffi::Span<const int64_t> comm_ids;
+  ffi::Span<const int32_t> ranks;
+  int64_t nranks, ctas, timeout_ms;
+
+  // Checks it and issues it on `side` (called by SideStreams).
+  ffi::Error Issue(cudaStream_t side) const {
+    ffi::ErrorOr<lc::DType> dtype = ToEngineDType(x.element_type());
+    if (!dtype.has_value()) return dtype.error();
+    if (out.element_type() != x.element_type() || out.size_bytes() != x.size_bytes()) {
+      return ffi::Error::InvalidArgument(
+          "libra_jax NCCL all-reduce: output must match the input's type and size");
+    }
+    ffi::ErrorOr<std::pair<int64_t, int>> me = NcclRank(device, comm_ids, ranks);
+    if (!me.has_value()) return me.error();
+    const libra::Status status = libra::nccl::Communicators::Get().AllReduce(
+        me->first, static_cast<int>(nranks), me->second, static_cast<int>(ctas),
+        x.untyped_data(), out.untyped_data(), x.element_count(), *dtype, side, timeout_ms);
+    return ToFfiError(status);
+  }
+};
+
+// Runs `call` on libra's stream through `run` (SideStreams::Call or Start).
+template <typename Run>
+ffi::Error IssueNccl(const NcclCall& call, Run run) {
+  return OnDevice(call.device, [&] {
+    ffi::Error issued = ffi::Error::Success();
+    const libra::Status status = run([&](void* side) {
+      issued = call.Issue(static_cast<cudaStream_t>(side));
+      return issued.success() ? libra::Status::Ok()
+                              : libra::Status::Error(libra::Status::Code::kInternal, "issue");
+    });
+    if (issued.failure()) return issued;
+    return status.ok() ? ffi::Error::Success()
+                       : Prefixed("libra_jax NCCL all-reduce: ", status);
+  });
+}
+
+// The initialize stage: this GPU's communicator, before the program runs.
+ffi::Error InitializeNccl(int32_t device, ffi::RemainingArgs, ffi::RemainingRets,
+                          ffi::Span<const int64_t> comm_ids,
+                          ffi::Span<const int32_t> ranks, int64_t nranks, int64_t ctas,
+                          int64_t timeout_ms) {
+  ffi::ErrorOr<std::pair<int64_t, int>> me = NcclRank(device, comm_ids, ranks);
+  if (!me.has_value()) return me.error();
+  return OnDevice(device, [&] {
+    return ToFfiError(libra::nccl::Communicators::Get().Prepare(
+        me->first, static_cast<int>(nranks), me->second, static_cast<int>(ctas), timeout_ms));
+  });
+}
+
+ffi::Error InitializeNcclStart(int32_t device, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                               ffi::Span<const int64_t> comm_ids,
+                               ffi::Span<const int32_t> ranks, int64_t nranks, int64_t ctas,
+                               int64_t timeout_ms, int64_t /*call_id*/) {
+  return InitializeNccl(device, args, rets, comm_ids, ranks, nranks, ctas, timeout_ms);
 }
 
 ffi::Error ExecuteNccl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                        ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> comm_ids,
                        ffi::Span<const int32_t> ranks, int64_t nranks, int64_t ctas,
-                       ffi::Span<const int32_t> local_teams, int64_t local_world,
                        int64_t timeout_ms) {
-  ffi::ErrorOr<lc::DType> dtype = ToEngineDType(x.element_type());
-  if (!dtype.has_value()) return dtype.error();
-  if (out->element_type() != x.element_type() || out->size_bytes() != x.size_bytes()) {
-    return ffi::Error::InvalidArgument(
-        "libra_jax NCCL all-reduce: output must match the input's type and size");
-  }
-  if (device < 0 || static_cast<std::size_t>(device) >= comm_ids.size() ||
-      comm_ids.size() != ranks.size() || comm_ids[device] < 0 || local_world < 1 ||
-      local_teams.size() != comm_ids.size() * static_cast<std::size_t>(local_world)) {
-    return ffi::Error::InvalidArgument("libra_jax NCCL all-reduce: GPU " +
-                                       std::to_string(device) +
-                                       " has no communicator in this call's tables");
-  }
-  int current = -1;
-  cudaError_t err = cudaGetDevice(&current);
-  if (err == cudaSuccess && current != device) err = cudaSetDevice(device);
-  if (err != cudaSuccess) {
-    return ffi::Error::Internal(std::string("libra_jax NCCL all-reduce: ") +
-                                cudaGetErrorString(err));
-  }
-  libra::nccl::Communicators& comms = libra::nccl::Communicators::Get();
-  ffi::Error result = ffi::Error::Success();
-  if (local_world == 1) {
-    const libra::Status status = comms.AllReduce(
-        comm_ids[device], static_cast<int>(nranks), ranks[device], static_cast<int>(ctas),
-        x.untyped_data(), out->untyped_data(), x.element_count(), *dtype, stream, timeout_ms);
-    if (!status.ok()) result = NcclError(status);
-  } else {
-    const std::size_t row = static_cast<std::size_t>(device * local_world);
-    ffi::Span<const int32_t> team(local_teams.begin() + row, local_world);
-    int j = 0;
-    while (j < local_world && team[j] != device) ++j;
-    const std::size_t itemsize = lc::SizeOf(*dtype);
-    const auto [offset, n] = libra::nccl::HierarchicalSlice(
-        x.element_count(), static_cast<int>(local_world), j);
-    char* base = static_cast<char*>(out->untyped_data());
-    result = Launch(stream, device, x, *out, team, local_world, ctas, 0, timeout_ms);
-    if (result.success() && n > 0) {
-      const libra::Status status = comms.AllReduce(
-          comm_ids[device], static_cast<int>(nranks), ranks[device], static_cast<int>(ctas),
-          base + offset * itemsize, base + offset * itemsize, n, *dtype, stream, timeout_ms);
-      if (!status.ok()) result = NcclError(status);
-    }
-    if (result.success()) {
-      const std::size_t end = (offset + n) * itemsize;
-      err = cudaMemsetAsync(base, 0, offset * itemsize, stream);
-      if (err == cudaSuccess) err = cudaMemsetAsync(base + end, 0, out->size_bytes() - end, stream);
-      result = err == cudaSuccess ? Launch(stream, device, *out, *out, team, local_world, ctas, 0,
-                                           timeout_ms)
-                                  : CudaError("zeroing the slices of other GPUs", err);
-    }
-  }
-  if (current >= 0 && current != device) cudaSetDevice(current);  // best effort restore
-  return result;
+  const NcclCall call{device, x, *out, comm_ids, ranks, nranks, ctas, timeout_ms};
+  return IssueNccl(call, [&](auto issue) { return Side().Call(device, stream, issue); });
 }
 
+ffi::Error ExecuteNcclStart(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+                            ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> token,
+                            ffi::Span<const int64_t> comm_ids, ffi::Span<const int32_t> ranks,
+                            int64_t nranks, int64_t ctas, int64_t timeout_ms, int64_t call_id) {
+  const NcclCall call{device, x, *out, comm_ids, ranks, nranks, ctas, timeout_ms};
+  ffi::Error issued =
+      IssueNccl(call, [&](auto issue) { return Side().Start(device, call_id, stream, issue); });
+  if (issued.failure()) return issued;
+  return WriteToken(stream, *token);
+}
+
+// The NCCL call's attributes, in every stage.
+template <typename Binding>
+auto BindNcclAttrs(Binding binding) {
+  return std::move(binding)
+      .template Attr<ffi::Span<const int64_t>>("comm_ids")
+      .template Attr<ffi::Span<const int32_t>>("ranks")
+      .template Attr<int64_t>("nranks")
+      .template Attr<int64_t>("ctas")
+      .template Attr<int64_t>("timeout_ms");
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaAllReduce, Execute, BindKernelCall(),
+                              {ffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kNcclAllReduce, ExecuteNccl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<ffi::Span<const int64_t>>("comm_ids")
-                                  .Attr<ffi::Span<const int32_t>>("ranks")
-                                  .Attr<int64_t>("nranks")
-                                  .Attr<int64_t>("ctas")
-                                  .Attr<ffi::Span<const int32_t>>("local_teams")
-                                  .Attr<int64_t>("local_world")
-                                  .Attr<int64_t>("timeout_ms"));
+                              BindNcclAttrs(BindKernelBuffers()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kNcclAllReduceInitialize, InitializeNccl,
+                              BindNcclAttrs(ffi::Ffi::BindInitialize()
+                                                .Ctx<ffi::DeviceOrdinal>()
+                                                .RemainingArgs()
+                                                .RemainingRets()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kNcclAllReduceStart, ExecuteNcclStart,
+                              BindNcclAttrs(BindKernelBuffers().Ret<ffi::AnyBuffer>())
+                                  .Attr<int64_t>("call_id"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kNcclAllReduceStartInitialize, InitializeNcclStart,
+                              BindNcclAttrs(ffi::Ffi::BindInitialize()
+                                                .Ctx<ffi::DeviceOrdinal>()
+                                                .RemainingArgs()
+                                                .RemainingRets())
+                                  .Attr<int64_t>("call_id"));
 
 // Start: the kernel call's operand, its result (in place) and a token for done.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaAllReduceStart, ExecuteStart,

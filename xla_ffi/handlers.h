@@ -6,11 +6,28 @@
 #include <string>
 
 #include "libra/dtype.h"
+#include "libra/status.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace libra_ffi {
+
+// A libra outcome as XLA's error (the same codes; kOk is success).
+inline ffi::Error ToFfiError(const libra::Status& status) {
+  using Code = libra::Status::Code;
+  switch (status.code) {
+    case Code::kOk: return ffi::Error::Success();
+    case Code::kInvalidArgument: return ffi::Error(ffi::ErrorCode::kInvalidArgument, status.message);
+    case Code::kFailedPrecondition:
+      return ffi::Error(ffi::ErrorCode::kFailedPrecondition, status.message);
+    case Code::kDeadlineExceeded:
+      return ffi::Error(ffi::ErrorCode::kDeadlineExceeded, status.message);
+    case Code::kCancelled: return ffi::Error(ffi::ErrorCode::kCancelled, status.message);
+    case Code::kInternal: break;
+  }
+  return ffi::Error(ffi::ErrorCode::kInternal, status.message);
+}
 
 // The engine's element type of an XLA buffer type; InvalidArgument for others.
 inline ffi::ErrorOr<libra::DType> ToEngineDType(ffi::DataType dtype) {
@@ -49,8 +66,13 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(kCudaAllReduce);
 // The same kernel on libra's own stream: start launches, done joins XLA's stream.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kCudaAllReduceStart);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kCudaAllReduceDone);
-// Across processes: NCCL with a per-call CTA limit (same file).
+// NCCL with a per-call CTA limit on libra's stream (same file), as one call and
+// as a start (done is kCudaAllReduceDone); each makes its communicator when XLA
+// initialises the program (the initialize stage).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kNcclAllReduce);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kNcclAllReduceInitialize);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kNcclAllReduceStart);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kNcclAllReduceStartInitialize);
 // Blocks the CUDA kernel uses for a call (see libra::cuda::EffectiveBlocks).
 int CudaEffectiveBlocks(std::size_t bytes, int nranks, int algorithm, int blocks);
 // The largest team the CUDA kernels serve.

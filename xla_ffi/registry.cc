@@ -33,9 +33,13 @@ constexpr LibraFfiTarget kTargets[] = {
      LIBRA_CUDA_HANDLER(lf::kCudaAllReduceStart)},
     {"cuda_done", "libra_allreduce_cuda_done", kLibraFfiPlatformCuda, nullptr, nullptr, nullptr,
      LIBRA_CUDA_HANDLER(lf::kCudaAllReduceDone)},
-    // Across processes: NCCL with a per-call CTA limit (cpp/libra/nccl.h).
-    {"nccl", "libra_allreduce_nccl", kLibraFfiPlatformCuda, nullptr, nullptr, nullptr,
-     LIBRA_CUDA_HANDLER(lf::kNcclAllReduce)},
+    // NCCL with a per-call CTA limit (cpp/libra/nccl.h) on libra's stream, as one call
+    // and as a start (its done is cuda_done); communicators made at initialization.
+    {"nccl", "libra_allreduce_nccl", kLibraFfiPlatformCuda, nullptr, nullptr,
+     LIBRA_CUDA_HANDLER(lf::kNcclAllReduceInitialize), LIBRA_CUDA_HANDLER(lf::kNcclAllReduce)},
+    {"nccl_start", "libra_allreduce_nccl_start", kLibraFfiPlatformCuda, nullptr, nullptr,
+     LIBRA_CUDA_HANDLER(lf::kNcclAllReduceStartInitialize),
+     LIBRA_CUDA_HANDLER(lf::kNcclAllReduceStart)},
 };
 
 #undef LIBRA_CUDA_HANDLER

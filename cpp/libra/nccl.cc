@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <climits>
+#include <cstddef>
 #include <cstdlib>
 #include <cstring>
 #include <thread>
@@ -23,20 +24,41 @@ struct RawUniqueId {
   char internal[kUniqueIdBytes];
 };
 
-// ncclConfig_t as of NCCL 2.17 (ncclConfig_v21700), the first with
-// minCTAs/maxCTAs: NCCL resets them in a config whose version is older. Later
-// versions append fields; NCCL reads a config by its size and version.
-struct CommConfigV21700 {
+// ncclConfig_t as of NCCL 2.31 (ncclConfig_v23100), up to launchOrderImplicit,
+// the last field libra sets (offsets checked against the nvidia-nccl-cu12
+// 2.31.2 wheel's nccl.h). NCCL copies a config up to its own size and resets
+// the fields its `version` predates (minCTAs/maxCTAs below 2.17), so this one
+// layout, with version 2.31, serves every NCCL from 2.17 on: an older NCCL
+// reads the fields it knows and ignores the rest. Unset fields are
+// NCCL_CONFIG_UNDEF_INT / NULL, as NCCL_CONFIG_INITIALIZER leaves them.
+struct CommConfigV23100 {
   std::size_t size;
   unsigned magic;
   unsigned version;
   int blocking;
   int cga_cluster_size;
-  int min_ctas;
-  int max_ctas;
-  const char* net_name;
+  int min_ctas;             // 2.17
+  int max_ctas;             // 2.17
+  const char* net_name;     // 2.17
+  int split_share;          // 2.18
+  int traffic_class;        // 2.25
+  const char* comm_name;
+  int collnet_enable;       // 2.27
+  int cta_policy;
+  int shrink_share;
+  int nvls_ctas;
+  int channels_per_net_peer;  // 2.28
+  int nvlink_centric_sched;
+  int graph_usage_mode;     // 2.29
+  int num_rma_ctx;
+  int max_p2p_peers;        // 2.30
+  int graph_stream_ordering;  // 2.30.5
+  int launch_order_implicit;  // 2.31
 };
-constexpr unsigned kCommConfigVersion = kCtaConfigVersion;
+static_assert(offsetof(CommConfigV23100, split_share) == 40, "ncclConfig_t.splitShare");
+static_assert(offsetof(CommConfigV23100, launch_order_implicit) == 96,
+              "ncclConfig_t.launchOrderImplicit (nccl.h 2.31.2)");
+constexpr unsigned kCommConfigVersion = kPerCollectiveVersion;
 
 // ncclCollConfig_t as of NCCL 2.31 (64 bytes, the smallest 2.31 accepts).
 struct CollConfigV23100 {
@@ -54,6 +76,23 @@ struct CollConfigV23100 {
   uint64_t user_profiler_tag;
 };
 static_assert(sizeof(CollConfigV23100) == 64, "ncclCollConfig_t v2.31 is 64 bytes");
+
+CommConfigV23100 UnsetCommConfig() {
+  CommConfigV23100 config;
+  std::memset(&config, 0, sizeof config);  // pointers NULL (NCCL_CONFIG_UNDEF_PTR)
+  config.size = sizeof config;
+  config.magic = kApiMagic;
+  config.version = kCommConfigVersion;
+  int* const ints[] = {&config.blocking, &config.cga_cluster_size, &config.min_ctas,
+                       &config.max_ctas, &config.split_share, &config.traffic_class,
+                       &config.collnet_enable, &config.cta_policy, &config.shrink_share,
+                       &config.nvls_ctas, &config.channels_per_net_peer,
+                       &config.nvlink_centric_sched, &config.graph_usage_mode,
+                       &config.num_rma_ctx, &config.max_p2p_peers,
+                       &config.graph_stream_ordering, &config.launch_order_implicit};
+  for (int* field : ints) *field = kUndefInt;
+  return config;
+}
 
 int ToNcclDataType(DType dtype) {
   switch (dtype) {
@@ -79,7 +118,7 @@ Status Error(Status::Code code, std::string message) {
 struct Library::Api {
   using GetVersion = int (*)(int*);
   using GetUniqueId = int (*)(RawUniqueId*);
-  using CommInitRankConfig = int (*)(void**, int, RawUniqueId, int, CommConfigV21700*);
+  using CommInitRankConfig = int (*)(void**, int, RawUniqueId, int, CommConfigV23100*);
   using AllReduce = int (*)(const void*, void*, std::size_t, int, int, void*, void*);
   using AllReduceConfig = int (*)(const void*, void*, std::size_t, int, int, void*, void*,
                                   const CollConfigV23100*);
@@ -134,13 +173,6 @@ CtaRoute RouteFor(int version, bool has_per_collective_entry) {
   return version >= kPerCollectiveVersion && has_per_collective_entry
              ? CtaRoute::kPerCollective
              : CtaRoute::kPerCommunicator;
-}
-
-std::pair<std::size_t, std::size_t> HierarchicalSlice(std::size_t count, int parts, int index) {
-  if (parts < 1 || index < 0 || index >= parts) return {0, 0};
-  const std::size_t per = (count + parts - 1) / parts;
-  const std::size_t offset = std::min(count, per * index);
-  return {offset, std::min(per, count - offset)};
 }
 
 Status Library::Open(const std::string& path, std::unique_ptr<Library>* library) {
@@ -249,9 +281,13 @@ Status Library::InitRank(const UniqueId& id, int nranks, int rank, int ctas, voi
   }
   // Non-blocking (blocking = 0): creation returns at once and completes as the ranks arrive,
   // so a rank that never does turns into an error after the timeout instead of a hang.
-  CommConfigV21700 config{sizeof(CommConfigV21700), kApiMagic, kCommConfigVersion,
-                          0, kUndefInt, kUndefInt, kUndefInt, nullptr};
+  CommConfigV23100 config = UnsetCommConfig();
+  config.blocking = 0;
   if (ctas > 0) config.min_ctas = config.max_ctas = ctas;
+  // NCCL >= 2.31 orders this communicator's kernels after those of the GPU's other
+  // communicators in host launch order (libra issues in program order, see
+  // libra/streams.h); older ones ignore the field (NCCL_LAUNCH_ORDER_IMPLICIT instead).
+  config.launch_order_implicit = 1;
   RawUniqueId raw;
   std::memcpy(raw.internal, id.data(), kUniqueIdBytes);
   *comm = nullptr;
@@ -356,9 +392,9 @@ Status Communicators::RegisterId(int64_t comm_id, const UniqueId& id) {
   return Status::Ok();
 }
 
-Status Communicators::AllReduce(int64_t comm_id, int nranks, int rank, int ctas,
-                                const void* input, void* output, std::size_t count,
-                                DType dtype, void* stream, int64_t timeout_ms) {
+Status Communicators::Prepare(int64_t comm_id, int nranks, int rank, int ctas,
+                              int64_t timeout_ms, std::shared_ptr<Comm>* made,
+                              const Library** opened) {
   const Library* library = nullptr;
   Status status = Open("", &library);
   if (!status.ok()) return status;
@@ -389,7 +425,7 @@ Status Communicators::AllReduce(int64_t comm_id, int nranks, int rank, int ctas,
   // Per collective: the communicator has the channels of the largest per-call limit.
   const int comm_ctas = pinned ? ctas : route == CtaRoute::kPerCollective ? library->max_ctas() : 0;
   {
-    // Creation blocks until every rank joins, so it holds this rank's slot
+    // Creation waits until every rank joins, so it holds this rank's slot
     // only: other ranks of the process create theirs meanwhile.
     std::lock_guard<std::mutex> lock(comm->mu);
     if (comm->handle == nullptr) {
@@ -409,6 +445,24 @@ Status Communicators::AllReduce(int64_t comm_id, int nranks, int rank, int ctas,
                      std::to_string(comm->ctas) + " CTAs, called with " +
                      std::to_string(nranks) + " and " + std::to_string(ctas));
   }
+  if (made != nullptr) *made = std::move(comm);
+  if (opened != nullptr) *opened = library;
+  return Status::Ok();
+}
+
+Status Communicators::Prepare(int64_t comm_id, int nranks, int rank, int ctas,
+                              int64_t timeout_ms) {
+  return Prepare(comm_id, nranks, rank, ctas, timeout_ms, nullptr, nullptr);
+}
+
+Status Communicators::AllReduce(int64_t comm_id, int nranks, int rank, int ctas,
+                                const void* input, void* output, std::size_t count,
+                                DType dtype, void* stream, int64_t timeout_ms) {
+  std::shared_ptr<Comm> comm;
+  const Library* library = nullptr;
+  const Status status = Prepare(comm_id, nranks, rank, ctas, timeout_ms, &comm, &library);
+  if (!status.ok()) return status;
+  if (library->route() == CtaRoute::kNone) ctas = 0;
   bool aborted = false;
   const Status done = library->AllReduce(input, output, count, dtype, comm->handle, ctas, stream,
                                          timeout_ms, &aborted);

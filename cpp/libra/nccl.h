@@ -1,5 +1,5 @@
-// libra NCCL: an all-reduce across processes over NCCL, with the call's block
-// count as NCCL's CTA limit. Framework-free and CUDA-free: NCCL is resolved at
+// libra NCCL: an all-reduce over NCCL (in one process or across processes,
+// every GPU one rank), with the call's block count as NCCL's CTA limit. Framework-free and CUDA-free: NCCL is resolved at
 // run time (dlopen/dlsym) and streams are opaque pointers, so the control path
 // (library loading, the version switch, the communicator cache, CTA limits)
 // builds and is tested without a GPU, against a stub library in host memory
@@ -22,10 +22,16 @@
 //              (group, block count), made only for the counts plans use;
 //   older      none: the config has no CTA fields (they arrived in
 //              ncclConfig_v21700), so the block count cannot be honoured.
-// The configs are passed in their oldest layout that has the fields used,
-// with that layout's version (NCCL's configs are append-only; NCCL reads a
-// config by its `size` and resets the fields its `version` predates).
+// The communicator's config is passed in the 2.31 layout with version 2.31
+// (NCCL's configs are append-only; NCCL copies a config up to its own size and
+// resets the fields its `version` predates), the collective's in its only one.
 // A limit above the version's channel maximum (MaxCtas) is an error.
+//
+// Several communicators on one GPU (one per block count on 2.17-2.30, and
+// XLA's own) need one launch order (libra/streams.h): libra issues its calls on
+// one stream per GPU in program order, and asks NCCL for implicit launch order
+// (the communicator's launchOrderImplicit, read from 2.31; from 2.26 to 2.30
+// NCCL_LAUNCH_ORDER_IMPLICIT=1 in the environment, which libra_jax sets).
 //
 // Unique ids travel between processes outside this file (libra_jax._nccl uses
 // JAX's distributed key-value store) and are registered here under a
@@ -76,11 +82,6 @@ int MaxCtas(int version);
 
 // The largest per-call limit libra asks of NCCL `version` on `route`.
 int CallCtasLimit(int version, CtaRoute route);
-
-// The part of a buffer of `count` elements that local GPU `index` of `parts`
-// carries across processes in the hierarchical all-reduce (contiguous, in
-// index order, the last ones possibly shorter or empty): {offset, count}.
-std::pair<std::size_t, std::size_t> HierarchicalSlice(std::size_t count, int parts, int index);
 
 // The NCCL entry points libra uses, resolved from one shared library.
 class Library {
@@ -144,9 +145,16 @@ class Communicators {
   // the others). Registering an id twice is an error unless it is the same.
   Status RegisterId(int64_t comm_id, const UniqueId& id);
 
-  // One rank's part of an all-reduce on communicator `comm_id`; the
-  // communicator is created on first use (a collective call: every rank must
-  // make its first call on it). On the per-communicator route the
+  // Creates this rank's communicator `comm_id` if it does not exist yet (a
+  // collective call: every rank makes it, in the same order of communicators),
+  // with the CTA configuration of `ctas` on its route (below). The FFI
+  // handlers call it when XLA initialises a program, so that communicators
+  // are made before the program runs, not in the middle of it.
+  Status Prepare(int64_t comm_id, int nranks, int rank, int ctas, int64_t timeout_ms = 0);
+
+  // One rank's part of an all-reduce on communicator `comm_id`, issued on
+  // `stream`; the communicator is prepared first (made where Prepare has not
+  // made it yet). On the per-communicator route the
   // communicator is pinned to `ctas` and a later call with other ctas is an
   // error (the caller gives each block count its own comm_id).
   // timeout_ms bounds the communicator's creation (and an enqueue still in
@@ -167,6 +175,9 @@ class Communicators {
     int nranks = 0;
     int ctas = 0;
   };
+
+  Status Prepare(int64_t comm_id, int nranks, int rank, int ctas, int64_t timeout_ms,
+                 std::shared_ptr<Comm>* comm, const Library** library);
 
   std::mutex mu_;
   bool opened_ = false;

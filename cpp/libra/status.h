@@ -4,15 +4,24 @@
 #pragma once
 
 #include <string>
+#include <utility>
 
 namespace libra {
 
 struct Status {
-  enum class Code { kOk, kInvalidArgument, kDeadlineExceeded, kCancelled, kInternal };
+  enum class Code {
+    kOk,
+    kInvalidArgument,
+    kFailedPrecondition,  // a call out of order (a done without its start)
+    kDeadlineExceeded,
+    kCancelled,
+    kInternal,
+  };
   Code code = Code::kOk;
   std::string message;
 
   static Status Ok() { return {}; }
+  static Status Error(Code code, std::string message) { return {code, std::move(message)}; }
   bool ok() const { return code == Code::kOk; }
 };
 

@@ -6,8 +6,8 @@
 // process or separate processes. Buffers are host memory and the stream is
 // ignored (calls complete before they return). Every communicator creation and
 // collective appends one line to $NCCL_STUB_LOG:
-//   init rank=R nranks=N minCTAs=A maxCTAs=B channels=H id=ID
-//   allreduce rank=R count=C dtype=D ctas=K asked=Q config=0|1 id=ID
+//   init rank=R nranks=N minCTAs=A maxCTAs=B channels=H blocking=0|1 implicit=0|1 id=ID
+//   allreduce rank=R count=C dtype=D ctas=K asked=Q config=0|1 stream=S id=ID
 // ($NCCL_STUB_VERSION sets ncclGetVersion, default 23100 = 2.31.0.)
 //
 // It keeps NCCL's rules that libra must get right (NCCL 2.17-2.31 docs and
@@ -22,7 +22,12 @@
 // - ncclAllReduceConfig exists from 2.31 only (ncclInvalidUsage before);
 // - a non-blocking config (blocking = 0) makes creation return ncclInProgress
 //   and complete in the background; ncclCommGetAsyncError reports its state,
-//   ncclCommAbort stops it (logged: abort rank=R id=ID).
+//   ncclCommAbort stops it (logged: abort rank=R id=ID);
+// - every rank of a communicator asks for the same CTA configuration (else
+//   creation fails, logged: mismatch ...);
+// - launches on several communicators of one device need one order (Ordered
+//   below: the same stream, or implicit launch order where the version has it);
+//   a launch without one fails (logged: hazard ...), where NCCL might hang.
 // Build: g++ -std=c++17 -shared -fPIC -o libnccl_stub.so nccl_stub.cc
 #include <fcntl.h>
 #include <unistd.h>
@@ -31,6 +36,7 @@
 #include <atomic>
 #include <chrono>
 #include <climits>
+#include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -47,22 +53,29 @@ namespace {
 constexpr int kSuccess = 0, kSystemError = 2, kInvalidArgument = 4, kInvalidUsage = 5,
               kRemoteError = 6, kInProgress = 7;
 constexpr int kCtaConfigVersion = 21700, kWideChannelsVersion = 22500,
-              kPerCollectiveVersion = 23100;
+              kImplicitOrderVersion = 22600, kPerCollectiveVersion = 23100;
 constexpr unsigned kMagic = 0xcafebeef;
 
 struct UniqueId {
   char internal[128];
 };
 
-struct CommConfig {  // the fields every ncclConfig_t version starts with
+struct CommConfig {  // ncclConfig_t (2.31) up to launchOrderImplicit; read up to `size`
   size_t size;
   unsigned magic;
   unsigned version;
   int blocking;
   int cga_cluster_size;
-  int min_ctas;
+  int min_ctas;  // 2.17
   int max_ctas;
+  const char* net_name;
+  int split_share;  // 2.18
+  int traffic_class;
+  const char* comm_name;
+  int unread[10];   // 2.27-2.30.5
+  int launch_order_implicit;  // 2.31
 };
+static_assert(offsetof(CommConfig, launch_order_implicit) == 96, "ncclConfig_t 2.31 layout");
 
 struct CollConfig {  // ncclCollConfig_t's leading fields (NCCL 2.31)
   size_t size;
@@ -80,6 +93,7 @@ struct Comm {
   int min_ctas = INT_MIN;
   int max_ctas = INT_MIN;
   int channels = 0;  // what a collective on it may run on
+  bool launch_order_implicit = false;
   long sequence = 0;
   // Shared with a non-blocking creation's thread, which may outlive an aborted Comm.
   std::shared_ptr<std::atomic<int>> state = std::make_shared<std::atomic<int>>(0);
@@ -145,8 +159,31 @@ void SumInRankOrder(const std::vector<std::string>& parts, size_t count, void* o
   std::memcpy(out, sum.data(), count * sizeof(T));
 }
 
+// NCCL's rule for several communicators on one device ("Using multiple NCCL
+// communicators concurrently"): their launches need one order. Before 2.26
+// only a stream dependency gives it (here: the same stream as the device's
+// previous launch on another communicator); from 2.26 NCCL_LAUNCH_ORDER_IMPLICIT=1
+// makes host launch order it, from 2.31 also both communicators'
+// launchOrderImplicit. A device is a host thread here (one thread per device,
+// as XLA runs them). A launch without an order is refused, where NCCL might hang.
+struct LastLaunch {
+  std::string id;
+  void* stream = nullptr;
+  bool implicit = false;
+};
+thread_local LastLaunch last_launch;
+
+bool Ordered(const Comm& comm, void* stream) {
+  const LastLaunch& last = last_launch;
+  if (last.id.empty() || last.id == comm.id || last.stream == stream) return true;
+  if (Version() >= kImplicitOrderVersion && Env("NCCL_LAUNCH_ORDER_IMPLICIT", "0") == "1") {
+    return true;
+  }
+  return Version() >= kPerCollectiveVersion && comm.launch_order_implicit && last.implicit;
+}
+
 int AllReduce(const void* in, void* out, size_t count, int dtype, int op, Comm* comm,
-              int asked, bool configured) {
+              void* stream, int asked, bool configured) {
   size_t itemsize = 0;
   switch (dtype) {
     case 2: itemsize = 4; break;  // int32
@@ -156,11 +193,17 @@ int AllReduce(const void* in, void* out, size_t count, int dtype, int op, Comm* 
     default: return kInvalidArgument;
   }
   if (op != 0 || comm == nullptr) return kInvalidArgument;
+  if (!Ordered(*comm, stream)) {
+    Log("hazard rank=" + std::to_string(comm->rank) + " id=" + comm->id +
+        " after=" + last_launch.id + " (another communicator on another stream, no launch order)");
+    return kInvalidUsage;
+  }
+  last_launch = {comm->id, stream, comm->launch_order_implicit};
   const int ctas = asked > 0 ? std::min(asked, comm->channels) : comm->channels;
   Log("allreduce rank=" + std::to_string(comm->rank) + " count=" + std::to_string(count) +
       " dtype=" + std::to_string(dtype) + " ctas=" + std::to_string(ctas) +
       " asked=" + std::to_string(asked) + " config=" + std::to_string(configured ? 1 : 0) +
-      " id=" + comm->id);
+      " stream=" + std::to_string(reinterpret_cast<uintptr_t>(stream)) + " id=" + comm->id);
   std::vector<std::string> parts;
   const int result = Exchange(*comm, "step" + std::to_string(comm->sequence++),
                               std::string(static_cast<const char*>(in), count * itemsize), &parts);
@@ -170,6 +213,24 @@ int AllReduce(const void* in, void* out, size_t count, int dtype, int op, Comm* 
     case 4: SumInRankOrder<int64_t>(parts, count, out); break;
     case 7: SumInRankOrder<float>(parts, count, out); break;
     case 8: SumInRankOrder<double>(parts, count, out); break;
+  }
+  return kSuccess;
+}
+
+// Creation: every rank must ask for the same configuration (NCCL builds one set
+// of channels for the communicator); a rank that asked for another is refused.
+int Join(const Comm& comm) {
+  const std::string mine = std::to_string(comm.min_ctas) + "/" + std::to_string(comm.max_ctas) +
+                           "/" + std::to_string(comm.launch_order_implicit);
+  std::vector<std::string> all;
+  const int result = Exchange(comm, "init", mine, &all);
+  if (result != kSuccess) return result;
+  for (int r = 0; r < comm.nranks; ++r) {
+    if (all[r] != mine) {
+      Log("mismatch rank=" + std::to_string(comm.rank) + " config=" + mine + " rank" +
+          std::to_string(r) + "=" + all[r] + " id=" + comm.id);
+      return kInvalidUsage;
+    }
   }
   return kSuccess;
 }
@@ -202,6 +263,10 @@ int ncclCommInitRankConfig(Comm** comm, int nranks, UniqueId id, int rank, CommC
     created->min_ctas = config->min_ctas;
     created->max_ctas = config->max_ctas;
   }  // else NCCL resets (or has no) minCTAs/maxCTAs
+  if (Version() >= kPerCollectiveVersion && config->version >= kPerCollectiveVersion &&
+      config->size >= offsetof(CommConfig, launch_order_implicit) + sizeof(int)) {
+    created->launch_order_implicit = config->launch_order_implicit == 1;
+  }
   int channels = std::atoi(Env("NCCL_STUB_CHANNELS", "2").c_str());
   if (created->min_ctas != INT_MIN) channels = std::max(channels, created->min_ctas);
   if (created->max_ctas != INT_MIN) channels = std::min(channels, created->max_ctas);
@@ -211,18 +276,16 @@ int ncclCommInitRankConfig(Comm** comm, int nranks, UniqueId id, int rank, CommC
       " minCTAs=" + std::to_string(created->min_ctas) +
       " maxCTAs=" + std::to_string(created->max_ctas) +
       " channels=" + std::to_string(created->channels) +
-      " blocking=" + std::to_string(blocking ? 1 : 0) + " id=" + created->id);
+      " blocking=" + std::to_string(blocking ? 1 : 0) +
+      " implicit=" + std::to_string(created->launch_order_implicit ? 1 : 0) +
+      " id=" + created->id);
   if (!blocking) {  // complete in the background, as NCCL's non-blocking init does
     created->state->store(kInProgress);
-    std::thread([copy = *created] {
-      std::vector<std::string> parts;
-      copy.state->store(Exchange(copy, "init", "", &parts));
-    }).detach();
+    std::thread([copy = *created] { copy.state->store(Join(copy)); }).detach();
     *comm = created;
     return kInProgress;
   }
-  std::vector<std::string> parts;
-  const int result = Exchange(*created, "init", "", &parts);
+  const int result = Join(*created);
   if (result != kSuccess) {
     delete created;
     return result;
@@ -232,16 +295,16 @@ int ncclCommInitRankConfig(Comm** comm, int nranks, UniqueId id, int rank, CommC
 }
 
 int ncclAllReduce(const void* in, void* out, size_t count, int dtype, int op, Comm* comm,
-                  void* /*stream*/) {
-  return AllReduce(in, out, count, dtype, op, comm, 0, false);
+                  void* stream) {
+  return AllReduce(in, out, count, dtype, op, comm, stream, 0, false);
 }
 
 int ncclAllReduceConfig(const void* in, void* out, size_t count, int dtype, int op, Comm* comm,
-                        void* /*stream*/, const CollConfig* config) {
+                        void* stream, const CollConfig* config) {
   if (Version() < kPerCollectiveVersion) return kInvalidUsage;  // not in this NCCL
   if (config == nullptr || config->magic != kMagic || config->size < 64) return kInvalidArgument;
   if (config->min_ctas != config->max_ctas) return kInvalidArgument;
-  return AllReduce(in, out, count, dtype, op, comm, config->max_ctas, true);
+  return AllReduce(in, out, count, dtype, op, comm, stream, config->max_ctas, true);
 }
 
 int ncclCommDestroy(Comm* comm) {

@@ -1,8 +1,10 @@
 // Tests of libra's NCCL control path (libra/nccl.h) against the host-memory
 // stub (nccl_stub.cc, whose path is argv[1]); run under ASan and TSan in CI.
 // Ranks are threads of this process.
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -10,6 +12,7 @@
 #include <unistd.h>
 
 #include "libra/nccl.h"
+#include "libra/streams.h"
 #include "check.h"
 
 namespace {
@@ -28,23 +31,6 @@ void TestVersions() {
   CHECK(nccl::RouteFor(21699, true) == nccl::CtaRoute::kNone);
   CHECK(nccl::MaxCtas(21400) == 0 && nccl::MaxCtas(21700) == 32 && nccl::MaxCtas(22499) == 32);
   CHECK(nccl::MaxCtas(22500) == 64 && nccl::MaxCtas(23100) == 64);
-}
-
-void TestHierarchicalSlices() {
-  // Slices tile the buffer in order, whatever the count.
-  for (std::size_t count : {0, 1, 7, 8, 9, 1000}) {
-    for (int parts : {1, 2, 3, 4, 8}) {
-      std::size_t next = 0;
-      for (int j = 0; j < parts; ++j) {
-        const auto [offset, n] = nccl::HierarchicalSlice(count, parts, j);
-        CHECK(offset == next);
-        next = offset + n;
-      }
-      CHECK(next == count);
-    }
-  }
-  CHECK(nccl::HierarchicalSlice(10, 4, 3) == std::make_pair(std::size_t{9}, std::size_t{1}));
-  CHECK(nccl::HierarchicalSlice(10, 4, 4) == std::make_pair(std::size_t{0}, std::size_t{0}));
 }
 
 void TestOpen() {
@@ -165,6 +151,226 @@ void TestCommunicatorsConcurrently() {
   CHECK(!s.ok() && s.message.find("has no unique id") != std::string::npos);
 }
 
+// --- libra's streams (libra/streams.h) with a recording fake of the runtime ----
+//
+// Streams are numbered 100 + device; events count up from 1 and remember the
+// stream they were recorded on. The record of operations is what a GPU run
+// would do, in order: "record S -> E", "wait S E".
+struct FakeRuntime {
+  std::mutex mu;
+  std::vector<std::string> ops;
+  uintptr_t next_event = 1;
+  int created = 0;
+};
+FakeRuntime fake;
+
+void* AsPointer(uintptr_t v) { return reinterpret_cast<void*>(v); }
+uintptr_t AsNumber(void* p) { return reinterpret_cast<uintptr_t>(p); }
+void* XlaStream(int device) { return AsPointer(10 + device); }
+
+libra::StreamOps FakeOps() {
+  libra::StreamOps ops;
+  ops.create = [](int device, void** stream) {
+    std::lock_guard<std::mutex> lock(fake.mu);
+    ++fake.created;
+    *stream = AsPointer(100 + device);
+    return libra::Status::Ok();
+  };
+  ops.record = [](void* stream, void** event) {
+    std::lock_guard<std::mutex> lock(fake.mu);
+    *event = AsPointer(fake.next_event++);
+    fake.ops.push_back("record " + std::to_string(AsNumber(stream)) + " -> " +
+                       std::to_string(AsNumber(*event)));
+    return libra::Status::Ok();
+  };
+  ops.wait = [](void* stream, void* event) {
+    std::lock_guard<std::mutex> lock(fake.mu);
+    fake.ops.push_back("wait " + std::to_string(AsNumber(stream)) + " " +
+                       std::to_string(AsNumber(event)));
+    return libra::Status::Ok();
+  };
+  return ops;
+}
+
+// Start issues on libra's stream after XLA's, done makes XLA's stream wait for its end;
+// the one-call form does both; ids pair starts with dones, and errors name the call.
+void TestSideStreams() {
+  fake.ops.clear();
+  fake.next_event = 1;
+  fake.created = 0;
+  libra::SideStreams side(FakeOps());
+  std::vector<uintptr_t> issued_on;
+  auto issue = [&](void* s) {
+    issued_on.push_back(AsNumber(s));
+    return libra::Status::Ok();
+  };
+  CHECK(side.Start(0, 7, XlaStream(0), issue).ok());
+  CHECK(side.pending() == 1);
+  const libra::Status again = side.Start(0, 7, XlaStream(0), issue);
+  CHECK(again.code == libra::Status::Code::kFailedPrecondition);
+  CHECK(again.message.find("call 7 on GPU 0 started again") != std::string::npos);
+  CHECK(side.Start(1, 7, XlaStream(1), issue).ok());  // the same id on another GPU
+  CHECK(side.Done(0, 7, XlaStream(0)).ok());
+  const libra::Status lone = side.Done(0, 7, XlaStream(0));
+  CHECK(lone.code == libra::Status::Code::kFailedPrecondition);
+  CHECK(lone.message.find("without its start") != std::string::npos);
+  CHECK(side.Done(1, 7, XlaStream(1)).ok() && side.pending() == 0);
+  CHECK(side.Call(0, XlaStream(0), issue).ok());
+  CHECK((issued_on == std::vector<uintptr_t>{100, 101, 100}));  // libra's stream, never XLA's
+  CHECK(fake.created == 2);  // one stream per GPU, reused
+  // The refused start queues nothing: its id is checked first.
+  const std::vector<std::string> expected = {
+      "record 10 -> 1", "wait 100 1", "record 100 -> 2",   // start on GPU 0
+      "record 11 -> 3", "wait 101 3", "record 101 -> 4",   // start on GPU 1
+      "wait 10 2",                                         // done on GPU 0
+      "wait 11 4",                                         // done on GPU 1
+      "record 10 -> 5", "wait 100 5", "record 100 -> 6", "wait 10 6",  // one call
+  };
+  CHECK(fake.ops == expected);
+  const libra::Status failed = side.Start(0, 8, XlaStream(0), [](void*) {
+    return libra::Status::Error(libra::Status::Code::kInternal, "no");
+  });
+  CHECK(!failed.ok() && side.pending() == 0);  // a failed issue leaves nothing pending
+}
+
+// Per-thread counts of failures, checked on the main thread (CHECK is not thread-safe).
+struct RankOutcome {
+  int wrong = 0;
+  std::string error;
+};
+
+// Several communicators on the same GPUs need one launch order (NCCL's rule, which the
+// stub keeps). Two ranks (threads, one per "GPU") run a program of four all-reduces on
+// two communicators, A B A B, as 2.17-2.30 do (one communicator per block count):
+// issued straight on two different streams, the stub refuses the second communicator's
+// launch; through libra's side streams (one per GPU) it is ordered on every version, and
+// NCCL_LAUNCH_ORDER_IMPLICIT (2.26+) orders it without that.
+void TestLaunchOrder() {
+  struct Case {
+    const char* version;
+    bool side_streams;
+    bool implicit_env;
+    bool ordered;
+  };
+  const Case cases[] = {
+      {"22400", false, false, false}, {"22400", true, false, true},
+      {"22600", false, false, false}, {"22600", false, true, true},
+      {"22600", true, false, true},   {"22400", false, true, false},  // 2.24 has no env
+  };
+  for (const Case& c : cases) {
+    setenv("NCCL_STUB_VERSION", c.version, 1);
+    if (c.implicit_env) setenv("NCCL_LAUNCH_ORDER_IMPLICIT", "1", 1);
+    std::unique_ptr<nccl::Library> lib;
+    CHECK(nccl::Library::Open(stub_path, &lib).ok());
+    nccl::UniqueId ids[2];
+    CHECK(lib->GetUniqueId(&ids[0]).ok() && lib->GetUniqueId(&ids[1]).ok());
+    libra::SideStreams side(FakeOps());
+    std::vector<RankOutcome> outcomes(2);
+    std::vector<std::thread> threads;
+    for (int rank = 0; rank < 2; ++rank) {
+      threads.emplace_back([&, rank] {
+        void* comms[2] = {nullptr, nullptr};
+        for (int k = 0; k < 2; ++k) {
+          const libra::Status made = lib->InitRank(ids[k], 2, rank, 2 + 2 * k, &comms[k], 10000);
+          if (!made.ok()) outcomes[rank].error = made.message;
+        }
+        if (!outcomes[rank].error.empty()) return;
+        for (int call = 0; call < 4; ++call) {
+          const int k = call % 2;
+          std::vector<float> data(16, 1.0f);
+          auto issue = [&](void* stream) {
+            return lib->AllReduce(data.data(), data.data(), data.size(), libra::DType::kF32,
+                                  comms[k], 0, stream);
+          };
+          // Straight: communicator k's calls on a stream of its own (k + 1).
+          const libra::Status s = c.side_streams ? side.Call(rank, XlaStream(rank), issue)
+                                                 : issue(AsPointer(1 + k));
+          if (!s.ok()) {
+            outcomes[rank].error = s.message;
+            break;
+          }
+          if (data[0] != 2.0f) ++outcomes[rank].wrong;
+        }
+        for (void* comm : comms) lib->Abort(comm);
+      });
+    }
+    for (std::thread& t : threads) t.join();
+    for (const RankOutcome& o : outcomes) {
+      CHECK(o.wrong == 0);
+      CHECK(o.error.empty() == c.ordered);
+      if (!c.ordered) CHECK(o.error.find("invalid usage") != std::string::npos);
+    }
+    unsetenv("NCCL_LAUNCH_ORDER_IMPLICIT");
+  }
+  setenv("NCCL_STUB_VERSION", "23100", 1);
+}
+
+// On 2.31 libra asks every communicator for implicit launch order (launchOrderImplicit),
+// so even two streams are ordered; Prepare makes the communicator before the first call,
+// which then makes none.
+void TestPrepareThenCall() {
+  const std::string log = std::string(std::getenv("NCCL_STUB_DIR")) + "/prepare.log";
+  setenv("NCCL_STUB_LOG", log.c_str(), 1);
+  const nccl::Library* lib = nullptr;
+  nccl::Communicators& comms = nccl::Communicators::Get();
+  CHECK(comms.Open(stub_path, &lib).ok() && lib->version() == 23100);
+  nccl::UniqueId a{}, b{};
+  CHECK(lib->GetUniqueId(&a).ok() && lib->GetUniqueId(&b).ok());
+  CHECK(comms.RegisterId(21, a).ok() && comms.RegisterId(22, b).ok());
+  std::vector<RankOutcome> outcomes(2);
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < 2; ++rank) {
+    threads.emplace_back([&, rank] {
+      for (int64_t id : {21, 22}) {
+        const libra::Status s = comms.Prepare(id, 2, rank, 4, 10000);
+        if (!s.ok()) outcomes[rank].error = s.message;
+      }
+      for (int call = 0; call < 4; ++call) {
+        std::vector<float> data(8, 1.0f + rank);
+        const libra::Status s =
+            comms.AllReduce(21 + call % 2, 2, rank, 4, data.data(), data.data(), data.size(),
+                            libra::DType::kF32, AsPointer(1 + call % 2), 10000);
+        if (!s.ok()) outcomes[rank].error = s.message;
+        if (data[7] != 3.0f) ++outcomes[rank].wrong;
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (const RankOutcome& o : outcomes) CHECK(o.error.empty() && o.wrong == 0);
+  const std::string text = ReadFile(log);
+  std::size_t inits = 0, implicit = 0;
+  for (std::size_t at = text.find("init "); at != std::string::npos; at = text.find("init ", at + 1)) {
+    ++inits;
+    const std::size_t end = text.find('\n', at);
+    implicit += text.substr(at, end - at).find("implicit=1") != std::string::npos;
+  }
+  CHECK(inits == 4 && implicit == 4);  // made by Prepare only, all with implicit order
+  CHECK(text.find("hazard") == std::string::npos);
+  unsetenv("NCCL_STUB_LOG");
+}
+
+// Every rank must ask for the same CTA configuration: the stub refuses a communicator
+// whose ranks disagree, as a mismatch NCCL would turn into a hang or a wrong channel count.
+void TestSameConfigOnEveryRank() {
+  setenv("NCCL_STUB_VERSION", "22400", 1);
+  std::unique_ptr<nccl::Library> lib;
+  CHECK(nccl::Library::Open(stub_path, &lib).ok());
+  nccl::UniqueId id{};
+  CHECK(lib->GetUniqueId(&id).ok());
+  std::vector<RankOutcome> outcomes(2);
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < 2; ++rank) {
+    threads.emplace_back([&, rank] {
+      void* comm = nullptr;
+      const libra::Status s = lib->InitRank(id, 2, rank, rank == 0 ? 2 : 4, &comm, 10000);
+      if (!s.ok()) outcomes[rank].error = s.message;
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (const RankOutcome& o : outcomes) CHECK(o.error.find("invalid usage") != std::string::npos);
+  setenv("NCCL_STUB_VERSION", "23100", 1);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -178,11 +384,14 @@ int main(int argc, char** argv) {
   setenv("NCCL_STUB_DIR", dir, 1);
   const int status = libra_test::RunTests({
       {"versions", TestVersions},
-      {"hierarchical_slices", TestHierarchicalSlices},
       {"open", TestOpen},
       {"cta_limits_reach_nccl", TestCtaLimitsReachNccl},
       {"communicators", TestCommunicatorsConcurrently},
       {"missing_rank_times_out", TestMissingRankTimesOut},
+      {"side_streams", TestSideStreams},
+      {"launch_order", TestLaunchOrder},
+      {"prepare_then_call", TestPrepareThenCall},
+      {"same_config_on_every_rank", TestSameConfigOnEveryRank},
   });
   std::string cleanup = std::string("rm -rf ") + dir;
   if (std::system(cleanup.c_str()) != 0) std::fprintf(stderr, "could not remove %s\n", dir);

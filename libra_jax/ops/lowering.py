@@ -6,8 +6,8 @@ these rules, chosen per platform by `allreduce_rule`:
 * `xla_rule`: XLA's own all-reduce, the primitive `jax.lax.psum` would bind (`mirrored`).
 * `cpu_rule`: the engine's ``libra_allreduce_cpu`` custom call (`cpu_call`: its (rank, group)
   operand and attributes), where the group's devices are this process's.
-* `cuda_rule`: by `$LIBRA_JAX_CUDA` (`config.cuda_path`): XLA's (the default), libra's P2P
-  kernels (`cuda_kernel_attrs`) or, for groups across processes, libra's NCCL call.
+* `cuda_rule`: by `$LIBRA_JAX_CUDA` (`config.cuda_path`, `cuda_call`): XLA's (the default),
+  libra's P2P kernels (`cuda_kernel_attrs`) or libra's NCCL call (`nccl_attrs`).
 
 Each rule falls back to XLA's all-reduce, with a one-time notice naming why, for what its
 platform does not serve. A psum with ``blocks=None`` gets `default_blocks` here, once the
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from functools import partial
 from typing import Any
 
@@ -29,14 +29,16 @@ from libra_jax import _compat, _ffi, _nccl, config, model, planner
 from libra_jax.ops.base import Platform, Rule, warn_once
 
 __all__ = ["allreduce_rule", "replaced_rule", "xla_rule", "cpu_rule", "cuda_rule", "cpu_call",
-           "cuda_kernel_attrs", "mirrored", "default_blocks", "default_profile",
-           "packed_layout", "packed_avals", "pack", "split", "MAX_BLOCKS", "CUDA_DTYPES",
-           "CUDA_VECTOR_BYTES", "PACK_ALIGN_BYTES"]
+           "cuda_call", "cuda_kernel_attrs", "nccl_attrs", "nccl_blocks", "mirrored",
+           "default_blocks", "default_profile", "packed_layout", "packed_avals", "pack", "split",
+           "MAX_BLOCKS", "CUDA_DTYPES", "NCCL_DTYPES", "CUDA_VECTOR_BYTES", "PACK_ALIGN_BYTES"]
 
 #: Largest block count (engine worker tasks per all-reduce).
 MAX_BLOCKS: int = _ffi.MAX_BLOCKS
 CUDA_DTYPES = frozenset(
     np.dtype(d) for d in (np.float32, np.float64, jax.numpy.bfloat16, np.float16, np.int32))
+#: What libra's NCCL call reduces (cpp/libra/nccl.cc: ToNcclDataType).
+NCCL_DTYPES = CUDA_DTYPES | {np.dtype(np.int64)}
 #: The CUDA kernels move 16-byte vectors.
 CUDA_VECTOR_BYTES = 16
 #: Packed buffers are padded to a multiple of this many bytes (the CUDA kernels' vectors).
@@ -202,35 +204,53 @@ def cuda_kernel_attrs(ctx: Any, axes: tuple, blocks: int | None) -> tuple[dict |
                 **_timeout_attr()), ""
 
 
-def cuda_rule(ctx: Any, x: Any, *, axes: tuple, blocks: int, inplace: bool,
-                   invariant: bool) -> Any:
-    """The psum on a GPU, by the data path `cuda_path` selects: XLA's all-reduce (``xla``,
-    the default), the `libra_allreduce_cuda` custom call (``p2p``: libra's P2P kernels with
-    `blocks` thread blocks among the GPUs of this process; across processes, hierarchically
-    with NCCL between them) or `libra_allreduce_nccl` (``nccl``: NCCL with `blocks` as its CTA
-    limit, in one process and across processes, every GPU one NCCL rank). Falls back to XLA's
-    all-reduce (with a one-time notice) for what the chosen path does not serve."""
-    fallback = partial(xla_rule, ctx, x, axes=axes, blocks=blocks, inplace=inplace,
-                       invariant=invariant)
+def cuda_call(ctx: Any, axes: tuple, blocks: int | None) -> tuple[str | None, dict, str]:
+    """The libra call that all-reduces the buffer lowered at `ctx` on a GPU, as
+    ``(target, attributes, "")``: `libra_allreduce_nccl` (the ``nccl`` path, and groups of the
+    ``p2p`` path that span processes) or `libra_allreduce_cuda` (``p2p``, the P2P kernels);
+    ``("", {}, "")`` for an empty buffer (no call needed); ``(None, {}, reason)`` where XLA's
+    all-reduce must do it. Shared by the one call (`cuda_rule`) and start/done
+    (`libra_jax.ops.start_done`, which maps the target to its start)."""
+    if not _ffi.HAS_CUDA:
+        return None, {}, "cuda (libra_jax was built without CUDA)"
+    path = config.cuda_path()
+    if path == "xla":
+        return None, {}, _cuda_default_reason()
     groups = _compat.replica_groups(ctx, axes)
     devices = _compat.mesh_devices(ctx)
-    path = config.cuda_path()
-    if (_ffi.HAS_CUDA and path != "xla" and groups is not None and devices is not None
-            and (path == "nccl"
-                 or any(d.process_index != jax.process_index() for d in devices))):
-        return _nccl_rule(ctx, x, groups=groups, devices=devices, blocks=blocks,
-                              inplace=inplace, fallback=fallback,
-                              hierarchical=path == "p2p")
+    if (groups is not None and devices is not None
+            and (path == "nccl" or any(d.process_index != jax.process_index() for d in devices))):
+        attrs, reason = nccl_attrs(ctx, groups, devices, blocks)
+        if attrs is None:
+            return None, {}, reason
+        return (_ffi.ALLREDUCE_NCCL_TARGET if attrs else ""), attrs, ""
     attrs, reason = cuda_kernel_attrs(ctx, axes, blocks)
     if attrs is None:
-        return fallback(reason=reason)
-    if not attrs:
+        return None, {}, reason
+    return (_ffi.ALLREDUCE_CUDA_TARGET if attrs else ""), attrs, ""
+
+
+def cuda_rule(ctx: Any, x: Any, *, axes: tuple, blocks: int, inplace: bool,
+                   invariant: bool) -> Any:
+    """The psum on a GPU, by the data path `cuda_path` selects (`cuda_call`): XLA's all-reduce
+    (``xla``, the default), libra's P2P kernels with `blocks` thread blocks among the GPUs of
+    this process (``p2p``) or NCCL with `blocks` as its CTA limit (``nccl``, in one process and
+    across processes; ``p2p``'s groups across processes too), every GPU one NCCL rank. Falls
+    back to XLA's all-reduce (with a one-time notice) for what the chosen path does not serve."""
+    target, attrs, reason = cuda_call(ctx, axes, blocks)
+    if target is None:
+        return xla_rule(ctx, x, axes=axes, blocks=blocks, inplace=inplace,
+                        invariant=invariant, reason=reason)
+    if not target:
         return [x]
+    _ffi.ensure_cuda_registered()
+    if target == _ffi.ALLREDUCE_NCCL_TARGET:  # any dtype and length NCCL takes
+        rule = jax.ffi.ffi_lowering(target, operand_output_aliases={0: 0} if inplace else {})
+        return rule(ctx, x, **attrs)
     aval_in, = ctx.avals_in
     dtype = np.dtype(aval_in.dtype)
     count = math.prod(aval_in.shape)
     pad = (-count * dtype.itemsize % CUDA_VECTOR_BYTES) // dtype.itemsize  # 16-byte vectors
-    _ffi.ensure_cuda_registered()
     operand, call_ctx, aliases = x, ctx, {0: 0} if inplace else {}
     if pad:
         flat = _compat.ShapedArray((count + pad,), dtype)
@@ -241,7 +261,7 @@ def cuda_rule(ctx: Any, x: Any, *, axes: tuple, blocks: int, inplace: bool,
             _compat.ir.DenseI64ArrayAttr.get([0]))
         call_ctx = ctx.replace(avals_in=[flat], avals_out=[flat])
         aliases = {0: 0}  # The padded copy is an intermediate.
-    rule = jax.ffi.ffi_lowering(_ffi.ALLREDUCE_CUDA_TARGET, operand_output_aliases=aliases)
+    rule = jax.ffi.ffi_lowering(target, operand_output_aliases=aliases)
     result, = _compat.ir_values(rule(call_ctx, operand, **attrs))
     if pad:
         result = _compat.hlo.slice(result, _compat.ir.DenseI64ArrayAttr.get([0]),
@@ -251,84 +271,58 @@ def cuda_rule(ctx: Any, x: Any, *, axes: tuple, blocks: int, inplace: bool,
     return [result]
 
 
-def _nccl_rule(ctx: Any, x: Any, *, groups: Sequence[Sequence[int]], devices: Sequence[Any], blocks: int | None,
-                   inplace: bool, fallback: Callable[..., Any], hierarchical: bool) -> Any:
-    """The `libra_allreduce_nccl` custom call: NCCL with `blocks` as the call's CTA limit
-    (cpp/libra/nccl.h), for the ``nccl`` path (in one process or across) and for groups of the
-    ``p2p`` path that span processes.
+def nccl_attrs(ctx: Any, groups: Sequence[Sequence[int]], devices: Sequence[Any],
+               blocks: int | None) -> tuple[dict | None, str]:
+    """The attributes of the `libra_allreduce_nccl` call (and its start) for the psum lowered
+    at `ctx` over XLA's replica `groups` of the mesh's `devices`: NCCL with `blocks` as the
+    call's CTA limit (cpp/libra/nccl.h), every GPU one rank of its group, ranks in XLA's group
+    order; ``({}, "")`` for an empty buffer; ``(None, reason)`` without NCCL.
 
-    Flat: every GPU is one NCCL rank of its group. Hierarchical (`hierarchical`: the
-    ``p2p`` path, which opts in to the P2P kernels), when every
-    process holds the same number L > 1 of each group's GPUs (and the kernels
-    serve the buffer): libra's P2P kernels sum inside the process, local GPU j
-    all-reduces slice j of the sum over NCCL with the j-th GPUs of the other
-    processes, and a second P2P pass gathers the slices (xla_ffi/cuda_allreduce.cc).
-    Each process lowers its own program: the call's tables map this process's
-    GPUs (by local ordinal) to their communicator, rank and local team.
-    Communicators' unique ids are exchanged now, through JAX's key-value store
-    (libra_jax._nccl).
+    Each process lowers its own program: the call's tables map this process's GPUs (by local
+    ordinal) to their communicator and rank. Communicators' unique ids are exchanged now,
+    through JAX's key-value store (`libra_jax._nccl`); the communicators themselves are made
+    when XLA initialises the program (the handlers' initialize stage).
     """
     ok, why = _nccl.available()
     if not ok:
-        return fallback(reason=f"cuda without NCCL ({why})")
-    aval_in, = ctx.avals_in
+        return None, f"cuda without NCCL ({why})"
+    aval_in = ctx.avals_in[0]
     dtype = np.dtype(aval_in.dtype)
+    if dtype not in NCCL_DTYPES:
+        return None, f"cuda {dtype.name} over NCCL"
     count = math.prod(aval_in.shape)
     if count == 0:
-        return [x]
+        return {}, ""
     world = len(groups[0])
-    nbytes = count * dtype.itemsize
     if blocks is None:
         # Chosen now that the group size is known, from the shipped profile:
         # every process must pick the same count (and, on older NCCL, the same
         # communicator), and a host's own calibration is not shared here
         # (optimize broadcasts process 0's profile; a bare psum cannot).
-        blocks = default_blocks(nbytes, world, model.BUILTIN_PROFILES["cuda"])
+        blocks = default_blocks(count * dtype.itemsize, world, model.BUILTIN_PROFILES["cuda"])
     blocks = nccl_blocks(blocks)
+    _say_launch_order(_nccl.library())
     me = jax.process_index()
     local = [d for d in devices if d.process_index == me]
     # A GPU's local ordinal; a CPU mesh (lowering for cuda in tests) counts its devices.
     ordinal = {d.id: (int(d.local_hardware_id) if d.platform == "gpu" else i)
                for i, d in enumerate(local)}
-    per_process = [_by_process(devices, members) for members in groups]
-    sizes = {len(ids) for g in per_process for ids in g.values()}
-    local_world = sizes.pop() if len(sizes) == 1 and hierarchical else 1
-    if (local_world > _ffi.CUDA_MAX_RANKS or nbytes % CUDA_VECTOR_BYTES
-            or dtype not in CUDA_DTYPES):
-        local_world = 1  # flat: one NCCL rank per GPU
     rows = 1 + max(ordinal.values(), default=0)
     comm_ids = np.full(rows, -1, np.int64)
     ranks = np.full(rows, -1, np.int32)
-    teams = np.full((rows, local_world), -1, np.int32)
-    for members, by_process in zip(groups, per_process):
-        if me not in by_process:
+    for members in groups:
+        line = [devices[i] for i in members]
+        if not any(d.process_index == me for d in line):
             continue
-        if local_world == 1:  # ranks in XLA's group order
-            lines = [([devices[i].id for i in members], [devices[i] for i in members])]
-        else:  # line j: the j-th GPU of every process, processes in group order
-            line_devices = [[devices[ids[j]] for ids in by_process.values()]
-                            for j in range(local_world)]
-            lines = [([d.id for d in ds], ds) for ds in line_devices]
-        for ids, line in lines:
-            if not any(d.process_index == me for d in line):
-                continue
-            comm_id = _nccl.communicator(ids, blocks=blocks,
-                                         holds_root=line[0].process_index == me,
-                                         timeout_s=config.timeout_s())
-            for rank, d in enumerate(line):
-                if d.process_index == me:
-                    comm_ids[ordinal[d.id]] = comm_id
-                    ranks[ordinal[d.id]] = rank
-        team = [ordinal[devices[i].id] for i in by_process[me]]
-        for i in by_process[me]:
-            teams[ordinal[devices[i].id]] = team if local_world > 1 else [ordinal[devices[i].id]]
-    _ffi.ensure_cuda_registered()
-    rule = jax.ffi.ffi_lowering(_ffi.ALLREDUCE_NCCL_TARGET,
-                                operand_output_aliases={0: 0} if inplace else {})
-    return rule(ctx, x, comm_ids=comm_ids, ranks=ranks,
-                nranks=np.int64(world // local_world), ctas=np.int64(blocks),
-                local_teams=teams.reshape(-1), local_world=np.int64(local_world),
-                **_timeout_attr())
+        comm_id = _nccl.communicator([d.id for d in line], blocks=blocks,
+                                     holds_root=line[0].process_index == me,
+                                     timeout_s=config.timeout_s())
+        for rank, d in enumerate(line):
+            if d.process_index == me:
+                comm_ids[ordinal[d.id]] = comm_id
+                ranks[ordinal[d.id]] = rank
+    return dict(comm_ids=comm_ids, ranks=ranks, nranks=np.int64(world),
+                ctas=np.int64(blocks), **_timeout_attr()), ""
 
 
 def nccl_blocks(blocks: int) -> int:
@@ -353,12 +347,20 @@ def nccl_blocks(blocks: int) -> int:
     return blocks
 
 
-def _by_process(devices: Sequence[Any], members: Sequence[int]) -> dict[int, list[int]]:
-    """A group's members (indices into `devices`) by process, in group order."""
-    out: dict[int, list[int]] = {}
-    for i in members:
-        out.setdefault(devices[i].process_index, []).append(i)
-    return out
+def _say_launch_order(lib: _nccl.Library) -> None:
+    """Once, where the loaded NCCL may not order libra's communicators with XLA's (several
+    communicators on one GPU need one launch order: cpp/libra/streams.h)."""
+    if lib.launch_order == "streams":
+        warn_once(f"libra_jax: NCCL {lib.version} orders several communicators on one GPU by "
+                  "stream dependencies only: libra's NCCL calls are ordered on its one stream "
+                  "per GPU, but XLA's own collectives on the same GPUs are not ordered with "
+                  "them and may deadlock with them (NCCL >= 2.26 with "
+                  f"{config.NCCL_LAUNCH_ORDER_ENV}=1 orders both).")
+    elif not config.nccl_launch_order_implicit():
+        warn_once(f"libra_jax: {config.NCCL_LAUNCH_ORDER_ENV} is not 1: NCCL {lib.version} "
+                  "does not order libra's NCCL calls with XLA's collectives on the same GPU, "
+                  "which may deadlock (libra_jax sets it to 1 when imported with "
+                  f"{config.CUDA_PATH_ENV}=nccl or p2p, unless it is set).")
 
 
 def xla_rule(ctx: Any, x: Any, *, axes: tuple, blocks: int, inplace: bool,

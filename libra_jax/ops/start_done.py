@@ -16,10 +16,12 @@ rewritten program:
 
 What runs in between is the compute the all-reduce overlaps. Per platform:
 
-* CUDA: start is the ``libra_allreduce_cuda_start`` custom call (the kernel on libra's own
-  stream, after an event from XLA's stream); done is ``libra_allreduce_cuda_done`` (XLA's
-  stream waits for the kernel's end event) and its output aliases its operand, the packed
-  buffer, so XLA keeps that buffer alive and unread until done.
+* CUDA: start is the ``libra_allreduce_cuda_start`` custom call (the P2P kernel on libra's
+  own stream, after an event from XLA's stream) or, on the ``nccl`` path,
+  ``libra_allreduce_nccl_start`` (NCCL's all-reduce on that stream); done is
+  ``libra_allreduce_cuda_done`` for both (XLA's stream waits for the call's end event) and
+  its output aliases its operand, the packed buffer, so XLA keeps that buffer alive and
+  unread until done.
 * CPU: start is ``libra_allreduce_cpu_start``: the device's buffer joins its round and the
   call returns at once, so nothing is pending in XLA's program while the backward pass runs;
   the engine reduces when the last rank arrives. done is ``libra_allreduce_cpu_done``: a
@@ -119,12 +121,18 @@ def _split_call(platform: str | None, flat_ctx: Any, axes: tuple,
         rank_group, attrs = call
         return _ffi.ALLREDUCE_CPU_START_TARGET, [rank_group], attrs
     if platform == "cuda":
-        attrs, _ = lowering.cuda_kernel_attrs(flat_ctx, axes, blocks)
-        if not attrs:
+        target, attrs, _ = lowering.cuda_call(flat_ctx, axes, blocks)
+        if not target:
             return None
         _ffi.ensure_cuda_registered()
-        return _ffi.ALLREDUCE_CUDA_START_TARGET, [], attrs
+        return _CUDA_STARTS[target], [], attrs
     return None
+
+
+#: The start of each CUDA call; both end with the same done (`libra_allreduce_cuda_done`:
+#: XLA's stream waits for the end of the call on libra's stream).
+_CUDA_STARTS = {_ffi.ALLREDUCE_CUDA_TARGET: _ffi.ALLREDUCE_CUDA_START_TARGET,
+                _ffi.ALLREDUCE_NCCL_TARGET: _ffi.ALLREDUCE_NCCL_START_TARGET}
 
 
 # --- done -----------------------------------------------------------------------
