@@ -63,6 +63,7 @@ class ScopePlan:
     fusion_only_s: float            # planner's fusion at the default allocation
     default_allocation: int
     compute_s: float                # backward compute at full speed
+    limit: str = ""                 # a cap on the blocks of an all-reduce, and why (or "")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,7 +176,7 @@ def _scope_plan(entry: dict, report: rewrite.OptimizeReport, names: dict) -> Sco
         profile=entry["profile"].name, key_unit=entry["key_unit"], layers=layers, buckets=buckets,
         cost=cost, rows=tuple(rows), backward_s=tl.backward_s, default_s=default.backward_s,
         fusion_only_s=fusion_only.backward_s, default_allocation=default_alloc,
-        compute_s=sum(layer.compute_s for layer in layers))
+        compute_s=sum(layer.compute_s for layer in layers), limit=entry.get("limit", ""))
 
 
 # --- Which parameter does a gradient psum update? ---------------------------------------------
@@ -377,7 +378,8 @@ def _summary(s: ScopePlan) -> list[str]:
     return [f"predicted backward: Libra {s.backward_s * ms:.3f} ms (compute alone "
             f"{s.compute_s * ms:.3f} ms)",
             f"  default allocation ({s.default_allocation}, 64 MiB fusion): {vs(s.default_s)}",
-            f"  fusion only (allocation {s.default_allocation}): {vs(s.fusion_only_s)}"]
+            f"  fusion only (allocation {s.default_allocation}): {vs(s.fusion_only_s)}"
+            ] + ([f"  {s.limit}"] if s.limit else [])
 
 
 def _others_lines(e: Explanation) -> list[str]:

@@ -950,20 +950,28 @@ FORM_TABLE: Mapping[str, _Form] = MappingProxyType({
 assert tuple(FORM_TABLE) == FORMS
 
 
-def derive(profile: Profile | str | Path, workers: int, *, link_gbit_per_s: float | None = None) -> Derivation:
+def derive(profile: Profile | str | Path, workers: int, *, link_gbit_per_s: float | None = None,
+           max_blocks: int | None = None, max_blocks_why: str = "") -> Derivation:
     """Build the cost model of ``profile`` for a ring of ``workers`` ranks.
 
     ``link_gbit_per_s`` overrides the ring's bottleneck link (per direction, per device); by
     default it is the intra-node link when all workers fit in one node, else the slower of the
     intra-node link and the NIC. For ``libra-fit`` profiles the link sets ``k = link / reference``
-    in the faster-network rule. Raises ``ValueError`` if no option survives.
+    in the faster-network rule. ``max_blocks`` drops the options that launch more blocks
+    than the data path may take (`libra_jax.rewrite`: the loaded NCCL's CTA limit), each with
+    ``max_blocks_why`` as its reason in `Derivation.dropped`. Raises ``ValueError`` if no
+    option survives.
     """
-    return _derive(resolve_profile(profile), workers, link_gbit_per_s)
+    if max_blocks is not None and (isinstance(max_blocks, bool) or not isinstance(max_blocks, int)
+                                   or max_blocks < 1):
+        raise ValueError(f"max_blocks must be a positive integer, got {max_blocks!r}")
+    return _derive(resolve_profile(profile), workers, link_gbit_per_s, max_blocks, max_blocks_why)
 
 
 @functools.lru_cache(maxsize=256)
-def _derive(profile: Profile, workers: int, link_gbit_per_s: float | None) -> Derivation:
-    """`derive`, once per (profile value, workers, link): a Profile is a hashable value."""
+def _derive(profile: Profile, workers: int, link_gbit_per_s: float | None,
+            max_blocks: int | None = None, max_blocks_why: str = "") -> Derivation:
+    """`derive`, once per (profile value, workers, link, cap): a Profile is a hashable value."""
     _check_workers(workers)
     if link_gbit_per_s is None:
         link = profile.network.ring_link_bytes_per_s(workers)
@@ -978,6 +986,13 @@ def _derive(profile: Profile, workers: int, link_gbit_per_s: float | None) -> De
     section = getattr(profile, spec.section)
     solo, overlap, slowdown = spec.options(profile, link, algo, dropped, notes)
     key_unit, tpb = spec.key_unit, spec.threads_per_block(section)
+    if max_blocks is not None:
+        for key in list(slowdown):
+            blocks = key if key_unit == "blocks" else max(1, key // tpb)
+            if blocks > max_blocks:
+                dropped[key] = (f"{blocks} blocks, above the {max_blocks} the all-reduce may take"
+                                + (f" ({max_blocks_why})" if max_blocks_why else ""))
+                del solo[key], overlap[key], slowdown[key]
     if not slowdown:
         reasons = "; ".join(f"{k}: {why}" for k, why in sorted(dropped.items()))
         raise ValueError(f"profile {profile.name!r} leaves no valid allocation for {workers} workers ({reasons})")

@@ -56,7 +56,7 @@ from typing import Any
 
 import jax
 
-from libra_jax import _compat, allreduce, config, model, planner
+from libra_jax import _compat, _nccl, allreduce, config, model, planner
 from libra_jax.ops import XLA_TWINS, libra_psum_fused_p, libra_psum_p
 from libra_jax.ops import lowering as _lowering
 from libra_jax.ops.base import warn_once
@@ -263,6 +263,20 @@ class OptimizeReport:
                 f"kind={p.kind} overlap={p.overlap}" for p in self.plans]
 
 
+def block_cap(profile: model.Profile) -> tuple[int | None, str]:
+    """The most blocks one all-reduce of a GPU plan may take, and why: on the ``nccl`` path the
+    loaded NCCL's CTA limit (`libra_jax._nccl.Library.max_ctas`: a larger count would run with
+    that many CTAs, so the planner must not price it); ``(None, "")`` otherwise (CPU profiles,
+    the other paths, no NCCL, or an NCCL that cannot limit CTAs at all)."""
+    if profile.form == "fair-share" or config.cuda_path() != "nccl" or not _nccl.available()[0]:
+        return None, ""
+    lib = _nccl.library()
+    if lib.max_ctas == 0:
+        return None, ""
+    return lib.max_ctas, (f"NCCL {lib.version} ({lib.route} CTA limits) runs an all-reduce on "
+                          f"at most {lib.max_ctas} CTAs")
+
+
 #: Set to 1 (on every process) to plan with each process's own profile under multi-process JAX.
 NO_PROFILE_BROADCAST_ENV = config.NO_PROFILE_BROADCAST_ENV
 _profile_broadcasts: dict[str, int] = {}
@@ -339,11 +353,31 @@ def _profile_label(profile: model.Profile | None) -> str:
 _agreement_checks: dict[str, int] = {}
 
 
+def data_path_lines() -> list[str]:
+    """What every process must also agree on where libra's GPU path is chosen (`$LIBRA_JAX_CUDA`
+    ``p2p`` or ``nccl``): the NCCL it loaded and how block counts reach it (version, CTA route
+    and limit, launch order, NCCL's own CTA settings), which decide each call's CTA limit and
+    communicators (one per block count on 2.17-2.30). None under ``xla``."""
+    path = config.cuda_path()
+    if path == "xla":
+        return []
+    line = f"data path: LIBRA_JAX_CUDA={path}"
+    if not _nccl.available()[0]:
+        return [f"{line} NCCL=none"]
+    lib = _nccl.library()
+    overrides = " ".join(f"{k}={v}" for k, v in config.nccl_cta_overrides().items())
+    return [f"{line} NCCL={lib.version} route={lib.route} max_ctas={lib.max_ctas} "
+            f"launch_order={lib.launch_order} "
+            f"{config.NCCL_LAUNCH_ORDER_ENV}={int(config.nccl_launch_order_implicit())}"
+            + (f" {overrides}" if overrides else "")]
+
+
 def check_plan_agreement(report: OptimizeReport, *, program: str) -> None:
     """Under multi-process JAX, check that every process planned `program` the same way.
 
     Every process must run the same all-reduces in the same order with the same block
-    counts; profiles may differ from host to host. Each process publishes its plan in
+    counts, and on libra's GPU path with the same NCCL configuration (`data_path_lines`);
+    profiles may differ from host to host. Each process publishes its plan in
     JAX's distributed key-value store and compares it with everyone's, so a mismatch is a
     clear error naming the differing all-reduces instead of a hang or silent skew. A
     no-op in a single process.
@@ -354,7 +388,7 @@ def check_plan_agreement(report: OptimizeReport, *, program: str) -> None:
     tag = hashlib.sha256(program.encode()).hexdigest()[:16]
     _agreement_checks[tag] = sequence = _agreement_checks.get(tag, 0) + 1
     prefix = f"libra_jax/plan/{tag}/{sequence}"
-    mine = report.plan_lines()
+    mine = report.plan_lines() + data_path_lines()
     client.key_value_set(f"{prefix}/{jax.process_index()}", json.dumps(mine))
     timeout_ms = config.kv_timeout_ms()
     for process in range(jax.process_count()):
@@ -368,8 +402,8 @@ def check_plan_agreement(report: OptimizeReport, *, program: str) -> None:
             raise RuntimeError(
                 f"libra_jax.optimize: process {jax.process_index()} and process {process} planned "
                 "this step differently, so their all-reduces would not match. Use the same "
-                "profile everywhere (optimize(profile=...)). Differing all-reduces:\n"
-                + "\n".join(diff))
+                "profile everywhere (optimize(profile=...)), and the same LIBRA_JAX_CUDA and "
+                "NCCL. Differing all-reduces:\n" + "\n".join(diff))
 
 
 def rewrite_jaxpr(closed: Any, *, profile: Any = None, fusion: bool = True,
@@ -668,7 +702,8 @@ class _Rewriter:
         `reach` (`_reach`): which psums can share a fused bucket; the plan keeps to it."""
         if world < 2:
             return [([site], 1) for site in members]
-        derivation = model.derive(self.profile, world)
+        cap, cap_why = block_cap(self.profile)
+        derivation = model.derive(self.profile, world, max_blocks=cap, max_blocks_why=cap_why)
         layers, start = [], 0
         for site in members:
             layers.append(planner.Layer(compute_s=float(sum(costs[start:site.index])),
@@ -697,6 +732,11 @@ class _Rewriter:
             "axes": members[0].axes, "members": tuple(s.index for s in members),
             "results": tuple(s.result for s in members), "cost": cost,
             "key_unit": derivation.key_unit, "reach": reach,
+            # Said where the cap took an option away.
+            "limit": (f"block counts at most {cap}: {cap_why}"
+                      if cap is not None and any(cap_why in why
+                                                 for why in derivation.dropped.values())
+                      else ""),
         })
         out = []
         for bucket in buckets:

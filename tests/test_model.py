@@ -541,3 +541,22 @@ def test_every_broken_field_of_every_shipped_profile_is_a_value_error_naming_it(
                                          f"{type(exc).__name__}: {exc}") from exc
                 # else: a value some fields accept (a negative exponent, 0 where >= 0)
     assert errors > 1000
+
+
+@pytest.mark.parametrize("name, cap, kept", [
+    ("h100", 8, [1, 2, 4, 8]),              # blocks
+    ("libra-testbed", 2, [64, 128, 256, 512, 1024]),  # total threads: blocks = T // 512
+])
+def test_derive_drops_options_above_a_block_cap(name, cap, kept) -> None:
+    """`max_blocks`: the options that would launch more blocks than the data path may take
+    (the loaded NCCL's CTA limit, `libra_jax.rewrite.block_cap`) are dropped, with the reason."""
+    full = model.derive(name, 8)
+    capped = model.derive(name, 8, max_blocks=cap, max_blocks_why="NCCL 2.24.0 says so")
+    assert sorted(capped.cost.slowdown) == kept
+    assert set(full.cost.slowdown) - set(kept) == set(capped.dropped) - set(full.dropped)
+    for key in set(capped.dropped) - set(full.dropped):
+        assert f"above the {cap} the all-reduce may take (NCCL 2.24.0 says so)" in \
+            capped.dropped[key]
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="max_blocks must be a positive integer"):
+            model.derive(name, 8, max_blocks=bad)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from test_multiprocess import free_port
+from test_multiprocess import GRAD_WORKER, free_port, run_processes
 
 ROOT = Path(__file__).resolve().parents[1]
 INT_MIN = -2**31
@@ -156,6 +156,47 @@ def test_block_counts_above_what_nccl_honours_are_capped_and_said(stub_env, vers
     assert f"CAPPED {most} {most} 3" in out
     assert "SAID 1 libra_jax: NCCL" in out and f"at most {most} CTAs per all-reduce" in out, out
     assert f"{most + 8} CTAs" in out.split("ERROR", 1)[1], out
+
+
+# Defect 3's planner half: on the nccl path the planner is offered no block count above what the
+# loaded NCCL honours (a larger one would run on fewer CTAs than priced), and `explain` says so.
+# The profile is h100 with one more option, 64 blocks, which NCCL 2.24 (32 at most) drops.
+CAPPED_PLAN = """
+    import json, os, sys
+    os.environ["LIBRA_JAX_CUDA"] = "nccl"
+    import jax, numpy as np
+    jax.config.update("jax_num_cpu_devices", 8)
+    import libra_jax
+    from libra_jax import model
+    sys.path.insert(0, sys.argv[1])
+    from conftest import mlp_step
+    doc = json.loads((model.PROFILE_DIR / "h100.json").read_text())
+    doc["nccl_style"]["block_options"]["value"] = [1, 2, 4, 8, 16, 32, 64]
+    doc["name"] = "h100-64"
+    path = os.path.join(sys.argv[2], "h100-64.json")
+    open(path, "w").write(json.dumps(doc))
+    print("OPTIONS", sorted(model.derive(path, 8).cost.slowdown))
+    step, args = mlp_step(sizes=(1024, 4096, 4096, 8))  # large gradients: many blocks pay
+    e = libra_jax.explain(step, *args, profile=path, file=None)
+    print("BLOCKS", sorted({r.blocks for s in e.scopes for r in s.rows}))
+    print("TABLE", str(e))
+"""
+
+
+@pytest.mark.parametrize("version, most", [("22400", 32), ("22500", None)])
+def test_the_planner_offers_no_block_count_above_what_nccl_honours(stub_env, tmp_path, version,
+                                                                    most):
+    stub_env["NCCL_STUB_VERSION"] = version
+    out = run(CAPPED_PLAN, stub_env, str(Path(__file__).parent), str(tmp_path))
+    assert "OPTIONS [1, 2, 4, 8, 16, 32, 64]" in out, out  # the profile offers 64 ...
+    blocks = eval(out.split("BLOCKS", 1)[1].splitlines()[0])
+    if most is None:  # 2.25+: 64 channels, nothing capped, nothing said; the plan takes 64
+        assert "block counts at most" not in out, out
+        assert 64 in blocks, out
+        return
+    assert max(blocks) <= most, out  # ... the plan never takes it on 2.24
+    assert (f"block counts at most {most}: NCCL 2.24.0 (per-communicator CTA limits) runs an "
+            f"all-reduce on at most {most} CTAs") in out, out
 
 
 def test_nccl_cta_settings_in_the_environment_are_said(stub_env):
@@ -430,6 +471,24 @@ def test_unique_ids_travel_through_the_key_value_store(stub_env):
         # The default, xla: XLA's all-reduce, no libra call.
         xla = out.split("XLA", 1)[1].split("END", 1)[0]
         assert "all_reduce" in xla and "libra_allreduce" not in xla, xla
+
+
+@pytest.mark.parametrize("versions, agree", [(("23100", "23100"), True),
+                                              (("22400", "23100"), False)])
+def test_plan_agreement_covers_the_nccl_configuration(stub_env, versions, agree):
+    """Two processes that plan alike but load different NCCLs (2.24: a communicator per block
+    count; 2.31: per-collective limits) would issue different communicators and CTA limits:
+    optimize's plan agreement names the difference (cpu-host plans: the data path only)."""
+    runs = run_processes(GRAD_WORKER, [["cpu-host"], ["cpu-host"]],
+                         env={**stub_env, "LIBRA_JAX_CUDA": "nccl"},
+                         env_per_process=[{"NCCL_STUB_VERSION": v} for v in versions])
+    for r in runs:
+        if agree:
+            assert "ERROR" not in r.out and "PLAN" in r.out, r.out
+        else:
+            assert "planned this step differently" in r.out, r.out
+            assert "NCCL=2.24.0 route=per-communicator" in r.out, r.out
+            assert "NCCL=2.31.0 route=per-collective" in r.out, r.out
 
 
 # One process, LIBRA_JAX_CUDA=nccl: every GPU of the group is an NCCL rank of one communicator
