@@ -42,6 +42,10 @@ class Library:
     route: str
     #: The largest per-call CTA limit libra asks of it (0: none); block counts above are capped.
     max_ctas: int
+    #: On the per-communicator route: whether each block count's communicator is split from
+    #: the group's with shared resources (NCCL >= 2.18: one unique id and the memory of one
+    #: communicator per group) or made on its own (2.17: a unique id and buffers each).
+    splits: bool = False
 
     @property
     def launch_order(self) -> str:
@@ -62,8 +66,8 @@ _ids: dict[str, int] = {}
 
 def library() -> Library:
     """Load NCCL (once per process) and describe it; RuntimeError naming the problem."""
-    path, code, version, route, max_ctas = _libra_ffi.nccl_open()
-    return Library(path, int(code), version, route, int(max_ctas))
+    path, code, version, route, max_ctas, splits = _libra_ffi.nccl_open()
+    return Library(path, int(code), version, route, int(max_ctas), bool(splits))
 
 
 def available() -> tuple[bool, str]:
@@ -75,10 +79,13 @@ def available() -> tuple[bool, str]:
     return True, ""
 
 
-def communicator_key(global_ids: Sequence[int], blocks: int, route: str) -> str:
-    """The job-wide name of the communicator over `global_ids` (in rank order)."""
+def communicator_key(global_ids: Sequence[int], blocks: int, lib: Library) -> str:
+    """The job-wide name of the communicator over `global_ids` (in rank order): one per
+    group, or per (group, block count) where each block count needs a unique id of its own
+    (the per-communicator route without splits, NCCL 2.17)."""
     key = "devices=" + ",".join(str(int(i)) for i in global_ids)
-    return key + (f"/ctas={int(blocks)}" if route == "per-communicator" else "")
+    own = lib.route == "per-communicator" and not lib.splits
+    return key + (f"/ctas={int(blocks)}" if own else "")
 
 
 def communicator(global_ids: Sequence[int], *, blocks: int, holds_root: bool,
@@ -92,7 +99,7 @@ def communicator(global_ids: Sequence[int], *, blocks: int, holds_root: bool,
     every member is in this process and the id is made here.
     """
     lib = library()
-    key = communicator_key(global_ids, blocks, lib.route)
+    key = communicator_key(global_ids, blocks, lib)
     with _lock:
         if key in _ids:
             return _ids[key]

@@ -367,7 +367,7 @@ def data_path_lines() -> list[str]:
     lib = _nccl.library()
     overrides = " ".join(f"{k}={v}" for k, v in config.nccl_cta_overrides().items())
     return [f"{line} NCCL={lib.version} route={lib.route} max_ctas={lib.max_ctas} "
-            f"launch_order={lib.launch_order} "
+            f"splits={int(lib.splits)} launch_order={lib.launch_order} "
             f"{config.NCCL_LAUNCH_ORDER_ENV}={int(config.nccl_launch_order_implicit())}"
             + (f" {overrides}" if overrides else "")]
 

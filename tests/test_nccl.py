@@ -52,12 +52,12 @@ def run(script: str, env: dict, *args: str) -> str:
 
 
 def log_lines(env: dict, kind: str) -> list[dict]:
-    """The stub's log lines of one kind ("init" or "allreduce"), as dicts."""
+    """The stub's log lines of one kind ("init", "split" or "allreduce"), as dicts."""
     out = []
     for line in Path(env["NCCL_STUB_LOG"]).read_text().splitlines():
         word, *fields = line.split()
         if word == kind:
-            out.append({k: (v if k == "id" else int(v))
+            out.append({k: (v if k in ("id", "parent") else int(v))
                         for k, v in (f.split("=", 1) for f in fields)})
     return out
 
@@ -94,7 +94,8 @@ THREADED = """
 # (defect 3).
 @pytest.mark.parametrize("version, name, route", [
     (21400, "2.14.0", "none"),
-    (21700, "2.17.0", "per-communicator"), (22400, "2.24.0", "per-communicator"),
+    (21700, "2.17.0", "per-communicator"), (21800, "2.18.0", "per-communicator"),
+    (22400, "2.24.0", "per-communicator"),
     (22500, "2.25.0", "per-communicator"), (22600, "2.26.0", "per-communicator"),
     (23000, "2.30.0", "per-communicator"),
     (23100, "2.31.0", "per-collective"),
@@ -113,14 +114,23 @@ def test_what_reaches_nccl_by_version(stub_env, version, name, route):
         return
     assert sorted(c["ctas"] for c in calls) == [2, 2, 2, 2, 4, 4]  # every call ran as asked
     if route == "per-communicator":  # one communicator per (group, block count)
-        assert "COMMUNICATORS 4" in out  # 2 ranks x {2, 4} blocks; the second 2 reuses
-        assert sorted((i["minCTAs"], i["maxCTAs"]) for i in inits) == [(2, 2), (2, 2), (4, 4),
-                                                                       (4, 4)]
         assert all(c["config"] == 0 for c in calls)  # plain ncclAllReduce
         by_id = {}
         for c in calls:
             by_id.setdefault(c["id"], set()).add(c["ctas"])
         assert sorted(map(tuple, by_id.values())) == [(2,), (4,)]  # a communicator per count
+        splits = log_lines(stub_env, "split")
+        if version < 21800:  # 2.17: each its own communicator (and unique id, and buffers)
+            assert "COMMUNICATORS 4" in out  # 2 ranks x {2, 4} blocks; the second 2 reuses
+            assert sorted((i["minCTAs"], i["maxCTAs"]) for i in inits) == [(2, 2), (2, 2),
+                                                                           (4, 4), (4, 4)]
+            assert not splits and sum(i["mem"] for i in inits) == 2 * (2 + 4)
+        else:  # 2.18+: the first count's communicator, the other split from it, shared
+            assert "COMMUNICATORS 4" in out
+            assert sorted((i["minCTAs"], i["maxCTAs"]) for i in inits) == [(2, 2), (2, 2)]
+            assert [(p["minCTAs"], p["channels"], p["share"]) for p in splits] == [(4, 4, 1)] * 2
+            # Memory: channels with buffers per rank = the largest count (4), not 2 + 4.
+            assert sum(i["mem"] for i in inits) + sum(p["mem"] for p in splits) == 2 * 4
     else:  # one communicator per group, made with the channels of every per-call limit
         assert "COMMUNICATORS 2" in out
         assert [(i["minCTAs"], i["maxCTAs"], i["channels"]) for i in inits] == [(32, 32, 32)] * 2
@@ -316,8 +326,11 @@ def test_a_rank_that_never_joins_is_an_error_after_the_timeout(stub_env):
     assert log_lines(stub_env, "init")[0]["blocking"] == 0  # a non-blocking communicator
 
 
-def test_pinned_communicator_refuses_another_block_count(stub_env):
-    stub_env["NCCL_STUB_VERSION"] = "22700"
+@pytest.mark.parametrize("version", ["21700", "22700"])
+def test_another_block_count_on_a_pinned_communicator(stub_env, version):
+    # 2.17: a communicator pinned to its CTAs refuses another count (libra_jax gives each count
+    # its own communicator id); 2.18+: the other count runs on a child split from it.
+    stub_env["NCCL_STUB_VERSION"] = version
     out = run("""
         import numpy as np
         from libra_jax import _nccl
@@ -327,11 +340,19 @@ def test_pinned_communicator_refuses_another_block_count(stub_env):
         print("ONE RANK", a.tolist())
         try:
             _nccl.allreduce_host(comm, 1, 0, 8, a)
+            print("EIGHT", a.tolist(), _nccl.communicators_created())
         except RuntimeError as e:
             print("ERROR", e)
     """, stub_env)
     assert "ONE RANK [1, 1, 1, 1]" in out
-    assert "ERROR libra NCCL: communicator 1 was created for 1 ranks and 2 CTAs, called with 1 and 8" in out
+    if version == "21700":
+        assert ("ERROR libra NCCL: communicator 1 was created for 1 ranks and 2 CTAs, called "
+                "with 1 and 8") in out, out
+    else:
+        assert "EIGHT [1, 1, 1, 1] 2" in out, out
+        split, = log_lines(stub_env, "split")
+        assert (split["minCTAs"], split["maxCTAs"], split["share"]) == (8, 8, 1)
+        assert [c["ctas"] for c in log_lines(stub_env, "allreduce")] == [2, 8]
 
 
 @pytest.mark.parametrize("library, message", [

@@ -252,10 +252,12 @@ NB_MODULE(_libra_ffi, m) {
           const libra::nccl::Library& lib = OpenNccl();
           return std::make_tuple(lib.path(), lib.version(),
                                  libra::nccl::VersionString(lib.version()),
-                                 std::string(libra::nccl::Name(lib.route())), lib.max_ctas());
+                                 std::string(libra::nccl::Name(lib.route())), lib.max_ctas(),
+                                 lib.splits());
         },
         "Loads NCCL once (see libra/nccl.h): (path, version code, version, CTA route, the "
-        "largest per-call CTA limit it honours, 0 for none); "
+        "largest per-call CTA limit it honours, 0 for none, whether per-block-count "
+        "communicators are split from the group's); "
         "RuntimeError naming the problem if it cannot.");
   m.def("nccl_unique_id",
         [] {

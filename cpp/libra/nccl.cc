@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <thread>
+#include <vector>
 
 namespace libra::nccl {
 namespace {
@@ -106,6 +107,25 @@ int ToNcclDataType(DType dtype) {
   return -1;
 }
 
+// Result slots of splits abandoned mid-way, which NCCL's thread may still write: kept for
+// the life of the process (reachable, so not a leak), never read.
+class Slots {
+ public:
+  void Keep(void** slot) {
+    std::lock_guard<std::mutex> lock(mu_);
+    slots_.emplace_back(slot);
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<std::unique_ptr<void*>> slots_;
+};
+
+Slots& AbandonedSlots() {
+  static Slots* slots = new Slots();  // never destroyed
+  return *slots;
+}
+
 Status Error(Status::Code code, std::string message) {
   Status status;
   status.code = code;
@@ -125,6 +145,7 @@ struct Library::Api {
   using CommDestroy = int (*)(void*);
   using CommAbort = int (*)(void*);
   using CommGetAsyncError = int (*)(void*, int*);
+  using CommSplit = int (*)(void*, int, int, void**, CommConfigV23100*);
   using GetErrorString = const char* (*)(int);
 
   GetVersion get_version = nullptr;
@@ -132,6 +153,7 @@ struct Library::Api {
   CommInitRankConfig comm_init_rank_config = nullptr;
   AllReduce all_reduce = nullptr;
   AllReduceConfig all_reduce_config = nullptr;  // NCCL >= 2.31 only
+  CommSplit comm_split = nullptr;                // NCCL >= 2.18 only
   CommDestroy comm_destroy = nullptr;
   CommAbort comm_abort = nullptr;
   CommGetAsyncError comm_get_async_error = nullptr;
@@ -211,6 +233,7 @@ Status Library::Open(const std::string& path, std::unique_ptr<Library>* library)
       {"ncclCommGetAsyncError", reinterpret_cast<void**>(&api.comm_get_async_error), true},
       {"ncclGetErrorString", reinterpret_cast<void**>(&api.get_error_string), true},
       {"ncclAllReduceConfig", reinterpret_cast<void**>(&api.all_reduce_config), false},
+      {"ncclCommSplit", reinterpret_cast<void**>(&api.comm_split), false},
   };
   for (const Entry& entry : entries) {
     *entry.slot = dlsym(handle, entry.symbol);
@@ -222,6 +245,7 @@ Status Library::Open(const std::string& path, std::unique_ptr<Library>* library)
   Status status = lib->Check(api.get_version(&lib->version_), "ncclGetVersion");
   if (!status.ok()) return status;
   lib->route_ = RouteFor(lib->version_, api.all_reduce_config != nullptr);
+  lib->splits_ = lib->version_ >= kSplitShareVersion && api.comm_split != nullptr;
   // $LIBRA_JAX_NCCL_CTA_ROUTE forces a route (A/B runs; the GPU check runs each one).
   const char* forced = std::getenv("LIBRA_JAX_NCCL_CTA_ROUTE");
   if (forced != nullptr && *forced != '\0') {
@@ -302,6 +326,79 @@ Status Library::InitRank(const UniqueId& id, int nranks, int rank, int ctas, voi
                                  " of " + std::to_string(nranks));
   if (!status.ok()) *comm = nullptr;  // aborted by Wait
   return status;
+}
+
+Status Library::Split(void* parent, int rank, int ctas, void** child,
+                      int64_t timeout_ms) const {
+  if (!splits_) {
+    return Error(Status::Code::kInvalidArgument,
+                 "NCCL " + VersionString(version_) + " has no ncclCommSplit with shared "
+                 "resources (NCCL >= 2.18 has)");
+  }
+  if (ctas < 1 || ctas > MaxCtas(version_)) {
+    return Error(Status::Code::kInvalidArgument,
+                 std::to_string(ctas) + " CTAs: NCCL " + VersionString(version_) +
+                     " runs a collective on 1 to " + std::to_string(MaxCtas(version_)));
+  }
+  CommConfigV23100 config = UnsetCommConfig();
+  config.blocking = 0;
+  config.min_ctas = config.max_ctas = ctas;
+  config.split_share = 1;  // the parent's buffers, proxy and stream: memory of one communicator
+  config.launch_order_implicit = 1;
+  // Every rank of the parent splits, in the same order, with one color: the child has the
+  // parent's ranks. A non-blocking split sets *child when it completes; its progress and
+  // errors show on the parent (NCCL: "a split may be stopped by aborting the parent").
+  // NCCL's thread stores the child there when the split completes, maybe after a timeout
+  // here: the slot lives on the heap and is kept (8 bytes, in AbandonedSlots) unless the
+  // split is over.
+  void** made = new void*(nullptr);
+  const int started = api_->comm_split(parent, 0, rank, made, &config);
+  if (started != kSuccess && started != kInProgress) {
+    delete made;
+    return Check(started, "ncclCommSplit");
+  }
+  using Clock = std::chrono::steady_clock;
+  const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
+  auto pause = std::chrono::microseconds(50);
+  const std::string what = "splitting the communicator of rank " + std::to_string(rank) +
+                           " for " + std::to_string(ctas) + " CTAs";
+  for (;;) {
+    void* const ready = __atomic_load_n(made, __ATOMIC_ACQUIRE);
+    int state = kInProgress;
+    if (ready != nullptr) {
+      const int queried = api_->comm_get_async_error(ready, &state);
+      if (queried != kSuccess) state = queried;
+      if (state == kSuccess) {
+        *child = ready;
+        delete made;
+        return Status::Ok();
+      }
+    } else {
+      const int queried = api_->comm_get_async_error(parent, &state);
+      if (queried != kSuccess) state = queried;
+      if (state == kSuccess) state = kInProgress;  // the parent is fine: the child is coming
+    }
+    if (state != kInProgress) {
+      if (ready != nullptr) {
+        api_->comm_abort(ready);
+        delete made;  // set: the split is over
+      }
+      return Check(state, what.c_str());
+    }
+    if (timeout_ms > 0 && Clock::now() >= deadline) {
+      if (ready != nullptr) {
+        api_->comm_abort(ready);
+        delete made;
+      } else {
+        AbandonedSlots().Keep(made);  // NCCL may still write it
+      }
+      return Error(Status::Code::kDeadlineExceeded,
+                   what + ": not every rank arrived within " + std::to_string(timeout_ms) +
+                       " ms (LIBRA_JAX_TIMEOUT_S); the group's communicator was aborted");
+    }
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::microseconds(20000));
+  }
 }
 
 Status Library::Wait(void* comm, int64_t timeout_ms, const std::string& what) const {
@@ -393,7 +490,7 @@ Status Communicators::RegisterId(int64_t comm_id, const UniqueId& id) {
 }
 
 Status Communicators::Prepare(int64_t comm_id, int nranks, int rank, int ctas,
-                              int64_t timeout_ms, std::shared_ptr<Comm>* made,
+                              int64_t timeout_ms, std::shared_ptr<Comm>* made, void** handle,
                               const Library** opened) {
   const Library* library = nullptr;
   Status status = Open("", &library);
@@ -413,7 +510,6 @@ Status Communicators::Prepare(int64_t comm_id, int nranks, int rank, int ctas,
     comm = slot;
   }
   const CtaRoute route = library->route();
-  const bool pinned = route == CtaRoute::kPerCommunicator;
   if (route == CtaRoute::kNone) ctas = 0;  // cannot be honoured (libra_jax says so once)
   if (ctas > library->max_ctas()) {
     return Error(Status::Code::kInvalidArgument,
@@ -422,21 +518,26 @@ Status Communicators::Prepare(int64_t comm_id, int nranks, int rank, int ctas,
                      VersionString(library->version()) + " is asked for on the " + Name(route) +
                      " route");
   }
-  // Per collective: the communicator has the channels of the largest per-call limit.
-  const int comm_ctas = pinned ? ctas : route == CtaRoute::kPerCollective ? library->max_ctas() : 0;
-  {
-    // Creation waits until every rank joins, so it holds this rank's slot
-    // only: other ranks of the process create theirs meanwhile.
-    std::lock_guard<std::mutex> lock(comm->mu);
-    if (comm->handle == nullptr) {
-      status = library->InitRank(id, nranks, rank, comm_ctas, &comm->handle, timeout_ms);
-      if (!status.ok()) {
-        comm->handle = nullptr;
-        return status;
-      }
-      comm->nranks = nranks;
-      comm->ctas = comm_ctas;
+  // Per collective: the group's communicator has the channels of the largest limit, so
+  // every call's limit fits in it. Per communicator: it is pinned to the first call's CTAs;
+  // without splits (2.17) that is all (libra_jax gives each block count its own id), from
+  // 2.18 each other block count gets a child split from it that shares its resources (NCCL
+  // allocates a channel's buffers once for the group: its memory is that of the largest
+  // block count used, not the sum).
+  const bool pinned = route == CtaRoute::kPerCommunicator && !library->splits();
+  const bool split = route == CtaRoute::kPerCommunicator && library->splits();
+  const int comm_ctas = route == CtaRoute::kPerCollective ? library->max_ctas() : ctas;
+  // Creation waits until every rank joins, so it holds this rank's slot only: other ranks
+  // of the process create theirs meanwhile.
+  std::lock_guard<std::mutex> lock(comm->mu);
+  if (comm->handle == nullptr) {
+    status = library->InitRank(id, nranks, rank, comm_ctas, &comm->handle, timeout_ms);
+    if (!status.ok()) {
+      comm->handle = nullptr;
+      return status;
     }
+    comm->nranks = nranks;
+    comm->ctas = comm_ctas;
   }
   if (comm->nranks != nranks || (pinned && comm->ctas != ctas)) {
     return Error(Status::Code::kInvalidArgument,
@@ -445,14 +546,35 @@ Status Communicators::Prepare(int64_t comm_id, int nranks, int rank, int ctas,
                      std::to_string(comm->ctas) + " CTAs, called with " +
                      std::to_string(nranks) + " and " + std::to_string(ctas));
   }
+  void* chosen = comm->handle;
+  if (split && ctas > 0 && ctas != comm->ctas) {
+    void*& child = comm->children[ctas];
+    if (child == nullptr) {
+      status = library->Split(comm->handle, rank, ctas, &child, timeout_ms);
+      if (!status.ok()) {
+        child = nullptr;
+        Forget(*library, comm.get());  // the split may have stopped half-way on some ranks
+        return status;
+      }
+    }
+    chosen = child;
+  }
+  if (handle != nullptr) *handle = chosen;
   if (made != nullptr) *made = std::move(comm);
   if (opened != nullptr) *opened = library;
   return Status::Ok();
 }
 
+void Communicators::Forget(const Library& library, Comm* comm) {
+  for (auto& [ctas, child] : comm->children) library.Abort(child);
+  comm->children.clear();
+  library.Abort(comm->handle);
+  comm->handle = nullptr;
+}
+
 Status Communicators::Prepare(int64_t comm_id, int nranks, int rank, int ctas,
                               int64_t timeout_ms) {
-  return Prepare(comm_id, nranks, rank, ctas, timeout_ms, nullptr, nullptr);
+  return Prepare(comm_id, nranks, rank, ctas, timeout_ms, nullptr, nullptr, nullptr);
 }
 
 Status Communicators::AllReduce(int64_t comm_id, int nranks, int rank, int ctas,
@@ -460,14 +582,21 @@ Status Communicators::AllReduce(int64_t comm_id, int nranks, int rank, int ctas,
                                 DType dtype, void* stream, int64_t timeout_ms) {
   std::shared_ptr<Comm> comm;
   const Library* library = nullptr;
-  const Status status = Prepare(comm_id, nranks, rank, ctas, timeout_ms, &comm, &library);
+  void* handle = nullptr;
+  const Status status =
+      Prepare(comm_id, nranks, rank, ctas, timeout_ms, &comm, &handle, &library);
   if (!status.ok()) return status;
   if (library->route() == CtaRoute::kNone) ctas = 0;
   bool aborted = false;
-  const Status done = library->AllReduce(input, output, count, dtype, comm->handle, ctas, stream,
+  const Status done = library->AllReduce(input, output, count, dtype, handle, ctas, stream,
                                          timeout_ms, &aborted);
-  if (aborted) {  // the communicator is gone: forget it
+  if (aborted) {  // that communicator is gone: forget the group's (its children share it)
     std::lock_guard<std::mutex> lock(comm->mu);
+    if (handle != comm->handle) library->Abort(comm->handle);
+    for (auto& [n, child] : comm->children) {
+      if (child != handle) library->Abort(child);
+    }
+    comm->children.clear();
     comm->handle = nullptr;
   }
   return done;
@@ -478,7 +607,7 @@ std::size_t Communicators::size() {
   std::size_t created = 0;
   for (auto& [key, comm] : comms_) {
     std::lock_guard<std::mutex> comm_lock(comm->mu);
-    created += comm->handle != nullptr;
+    created += (comm->handle != nullptr) + comm->children.size();
   }
   return created;
 }

@@ -17,9 +17,15 @@
 //              that it has the channels every per-call limit up to that asks
 //              for (a collective never runs on more CTAs than its
 //              communicator's channels: a larger limit would be clipped);
-//   2.17-2.30  per communicator: ncclCommInitRankConfig with an ncclConfig_t
-//              whose minCTAs = maxCTAs = blocks, so one communicator per
-//              (group, block count), made only for the counts plans use;
+//   2.17-2.30  per communicator: a communicator whose ncclConfig_t has
+//              minCTAs = maxCTAs = blocks, one per (group, block count), made
+//              only for the counts plans use. From 2.18 the group's first one
+//              is made from its unique id and the others are split from it
+//              (ncclCommSplit, splitShare = 1): they share its proxy, stream
+//              and per-channel buffers (NCCL allocates a channel's once for
+//              all of them), so the group's memory is that of its largest
+//              block count, not the sum. On 2.17 each is a communicator of its
+//              own (its own unique id and buffers);
 //   older      none: the config has no CTA fields (they arrived in
 //              ncclConfig_v21700), so the block count cannot be honoured.
 // The communicator's config is passed in the 2.31 layout with version 2.31
@@ -59,6 +65,8 @@ using UniqueId = std::array<char, kUniqueIdBytes>;
 inline constexpr int kPerCollectiveVersion = 23100;
 // NCCL_VERSION(2, 17, 0): the first ncclConfig_t with minCTAs/maxCTAs.
 inline constexpr int kCtaConfigVersion = 21700;
+// NCCL_VERSION(2, 18, 0): ncclCommSplit, with splitShare (shared resources).
+inline constexpr int kSplitShareVersion = 21800;
 // NCCL_VERSION(2, 25, 0): MAXCHANNELS grew from 32 to 64.
 inline constexpr int kWideChannelsVersion = 22500;
 // The channels a per-collective communicator is made with (and so the largest
@@ -97,6 +105,9 @@ class Library {
   CtaRoute route() const { return route_; }
   // The largest per-call CTA limit this library honours (0: none).
   int max_ctas() const { return CallCtasLimit(version_, route_); }
+  // Whether per-block-count communicators are split from one per group with shared
+  // resources (ncclCommSplit with splitShare: NCCL >= 2.18 and the symbol).
+  bool splits() const { return splits_; }
   const std::string& path() const { return path_; }
 
   Status GetUniqueId(UniqueId* id) const;
@@ -106,6 +117,11 @@ class Library {
   // and the result is kDeadlineExceeded.
   Status InitRank(const UniqueId& id, int nranks, int rank, int ctas, void** comm,
                   int64_t timeout_ms = 0) const;
+  // A child of `parent` (this rank's; every rank splits, in the same order) pinned to
+  // `ctas` CTAs and sharing the parent's resources (splitShare = 1): its proxy, stream and
+  // per-channel buffers, so a block count costs only the channels the group lacked.
+  // kDeadlineExceeded (the child aborted) if not every rank splits within timeout_ms.
+  Status Split(void* parent, int rank, int ctas, void** child, int64_t timeout_ms = 0) const;
   // ctas > 0 limits this call (per-collective route only). Where NCCL is still
   // enqueueing it (ncclInProgress), waits at most timeout_ms, then aborts.
   // `aborted` (optional) says whether it aborted the communicator.
@@ -126,6 +142,7 @@ class Library {
   std::string path_;
   int version_ = 0;
   CtaRoute route_ = CtaRoute::kPerCommunicator;
+  bool splits_ = false;
   struct Api;
   std::unique_ptr<Api> api_;
 };
@@ -170,14 +187,19 @@ class Communicators {
  private:
   Communicators() = default;
   struct Comm {
-    std::mutex mu;  // held while the communicator is created
+    std::mutex mu;  // held while the communicator (or a child) is created
     void* handle = nullptr;
     int nranks = 0;
     int ctas = 0;
+    std::map<int, void*> children;  // per other block count, split from handle (2.18-2.30)
   };
 
+  // Prepare, giving the group's communicator, the handle a call of `ctas` runs on (the
+  // group's or a child's) and the library.
   Status Prepare(int64_t comm_id, int nranks, int rank, int ctas, int64_t timeout_ms,
-                 std::shared_ptr<Comm>* comm, const Library** library);
+                 std::shared_ptr<Comm>* comm, void** handle, const Library** library);
+  // Aborts a group's communicator and its children (comm->mu held).
+  static void Forget(const Library& library, Comm* comm);
 
   std::mutex mu_;
   bool opened_ = false;

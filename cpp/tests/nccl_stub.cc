@@ -6,7 +6,8 @@
 // process or separate processes. Buffers are host memory and the stream is
 // ignored (calls complete before they return). Every communicator creation and
 // collective appends one line to $NCCL_STUB_LOG:
-//   init rank=R nranks=N minCTAs=A maxCTAs=B channels=H blocking=0|1 implicit=0|1 id=ID
+//   init rank=R nranks=N minCTAs=A maxCTAs=B channels=H blocking=0|1 implicit=0|1 mem=M id=ID
+//   split rank=R parent=ID minCTAs=A maxCTAs=B channels=H share=0|1 implicit=0|1 mem=M id=ID
 //   allreduce rank=R count=C dtype=D ctas=K asked=Q config=0|1 stream=S id=ID
 // ($NCCL_STUB_VERSION sets ncclGetVersion, default 23100 = 2.31.0.)
 //
@@ -23,6 +24,8 @@
 // - a non-blocking config (blocking = 0) makes creation return ncclInProgress
 //   and complete in the background; ncclCommGetAsyncError reports its state,
 //   ncclCommAbort stops it (logged: abort rank=R id=ID);
+// - ncclCommSplit from 2.18 only; with splitShare a child shares its parent's
+//   per-channel buffers (logged mem=: the channels it added) and abort flag;
 // - every rank of a communicator asks for the same CTA configuration (else
 //   creation fails, logged: mismatch ...);
 // - launches on several communicators of one device need one order (Ordered
@@ -52,7 +55,7 @@ namespace {
 
 constexpr int kSuccess = 0, kSystemError = 2, kInvalidArgument = 4, kInvalidUsage = 5,
               kRemoteError = 6, kInProgress = 7;
-constexpr int kCtaConfigVersion = 21700, kWideChannelsVersion = 22500,
+constexpr int kCtaConfigVersion = 21700, kSplitVersion = 21800, kWideChannelsVersion = 22500,
               kImplicitOrderVersion = 22600, kPerCollectiveVersion = 23100;
 constexpr unsigned kMagic = 0xcafebeef;
 
@@ -94,6 +97,11 @@ struct Comm {
   int max_ctas = INT_MIN;
   int channels = 0;  // what a collective on it may run on
   bool launch_order_implicit = false;
+  bool blocking = true;
+  int splits = 0;  // children split from it so far
+  // Channels whose buffers exist, shared by a communicator and the children that share its
+  // resources (NCCL allocates a channel's once for all of them).
+  std::shared_ptr<std::atomic<int>> allocated = std::make_shared<std::atomic<int>>(0);
   long sequence = 0;
   // Shared with a non-blocking creation's thread, which may outlive an aborted Comm.
   std::shared_ptr<std::atomic<int>> state = std::make_shared<std::atomic<int>>(0);
@@ -235,6 +243,32 @@ int Join(const Comm& comm) {
   return kSuccess;
 }
 
+// Reads a config as NCCL does (by size and version) into `comm`: CTA range, launch order;
+// its channels: the topology's ($NCCL_STUB_CHANNELS) raised to minCTAs, cut to maxCTAs and
+// to the version's MAXCHANNELS. Returns whether it asks to share its parent's resources.
+bool ReadConfig(const CommConfig* config, Comm* comm) {
+  bool share = false;
+  if (config != nullptr) {
+    if (config->version >= kCtaConfigVersion && Version() >= kCtaConfigVersion) {
+      comm->min_ctas = config->min_ctas;
+      comm->max_ctas = config->max_ctas;
+    }  // else NCCL resets (or has no) minCTAs/maxCTAs
+    if (Version() >= kPerCollectiveVersion && config->version >= kPerCollectiveVersion &&
+        config->size >= offsetof(CommConfig, launch_order_implicit) + sizeof(int)) {
+      comm->launch_order_implicit = config->launch_order_implicit == 1;
+    }
+    share = Version() >= kSplitVersion &&
+            config->size >= offsetof(CommConfig, split_share) + sizeof(int) &&
+            config->split_share == 1;
+    comm->blocking = config->blocking != 0;  // NCCL_CONFIG_UNDEF_INT (INT_MIN): blocking
+  }
+  int channels = std::atoi(Env("NCCL_STUB_CHANNELS", "2").c_str());
+  if (comm->min_ctas != INT_MIN) channels = std::max(channels, comm->min_ctas);
+  if (comm->max_ctas != INT_MIN) channels = std::min(channels, comm->max_ctas);
+  comm->channels = std::max(1, std::min(channels, MaxChannels()));
+  return share;
+}
+
 }  // namespace
 
 extern "C" {
@@ -259,26 +293,17 @@ int ncclCommInitRankConfig(Comm** comm, int nranks, UniqueId id, int rank, CommC
   created->id.assign(id.internal, strnlen(id.internal, sizeof(id.internal)));
   created->rank = rank;
   created->nranks = nranks;
-  if (config->version >= kCtaConfigVersion && Version() >= kCtaConfigVersion) {
-    created->min_ctas = config->min_ctas;
-    created->max_ctas = config->max_ctas;
-  }  // else NCCL resets (or has no) minCTAs/maxCTAs
-  if (Version() >= kPerCollectiveVersion && config->version >= kPerCollectiveVersion &&
-      config->size >= offsetof(CommConfig, launch_order_implicit) + sizeof(int)) {
-    created->launch_order_implicit = config->launch_order_implicit == 1;
-  }
-  int channels = std::atoi(Env("NCCL_STUB_CHANNELS", "2").c_str());
-  if (created->min_ctas != INT_MIN) channels = std::max(channels, created->min_ctas);
-  if (created->max_ctas != INT_MIN) channels = std::min(channels, created->max_ctas);
-  created->channels = std::max(1, std::min(channels, MaxChannels()));
-  const bool blocking = config->blocking != 0;  // NCCL_CONFIG_UNDEF_INT (INT_MIN): blocking
+  ReadConfig(config, created);
+  created->allocated->store(created->channels);
+  const bool blocking = created->blocking;
+  // mem: the channels whose buffers this communicator allocates (NCCL allocates per channel).
   Log("init rank=" + std::to_string(rank) + " nranks=" + std::to_string(nranks) +
       " minCTAs=" + std::to_string(created->min_ctas) +
       " maxCTAs=" + std::to_string(created->max_ctas) +
       " channels=" + std::to_string(created->channels) +
       " blocking=" + std::to_string(blocking ? 1 : 0) +
       " implicit=" + std::to_string(created->launch_order_implicit ? 1 : 0) +
-      " id=" + created->id);
+      " mem=" + std::to_string(created->channels) + " id=" + created->id);
   if (!blocking) {  // complete in the background, as NCCL's non-blocking init does
     created->state->store(kInProgress);
     std::thread([copy = *created] { copy.state->store(Join(copy)); }).detach();
@@ -305,6 +330,56 @@ int ncclAllReduceConfig(const void* in, void* out, size_t count, int dtype, int 
   if (config == nullptr || config->magic != kMagic || config->size < 64) return kInvalidArgument;
   if (config->min_ctas != config->max_ctas) return kInvalidArgument;
   return AllReduce(in, out, count, dtype, op, comm, stream, config->max_ctas, true);
+}
+
+// ncclCommSplit (2.18+), every rank with color 0: a child with the parent's ranks. With
+// splitShare = 1 it shares the parent's resources: its per-channel buffers (a child
+// allocates only the channels the group has not: mem=), and its abort flag. Non-blocking (the
+// parent's mode or the config's): returns ncclInProgress, *newcomm is set when the split
+// completes, and a failure shows on the parent's async state.
+int ncclCommSplit(Comm* parent, int color, int key, Comm** newcomm, CommConfig* config) {
+  if (Version() < kSplitVersion) return kInvalidUsage;  // not in this NCCL
+  if (parent == nullptr || newcomm == nullptr || color != 0) return kInvalidArgument;
+  if (config != nullptr && config->magic != kMagic) return kInvalidArgument;
+  *newcomm = nullptr;
+  auto child = std::make_unique<Comm>();
+  child->id = parent->id + ".split" + std::to_string(++parent->splits);
+  child->rank = key;
+  child->nranks = parent->nranks;
+  child->blocking = parent->blocking;
+  const bool share = ReadConfig(config, child.get());
+  int mem = child->channels;
+  if (share) {
+    child->aborted = parent->aborted;
+    child->allocated = parent->allocated;
+    const int had = child->allocated->load();
+    mem = std::max(0, child->channels - had);
+    child->allocated->store(std::max(had, child->channels));
+  } else {
+    child->allocated->store(child->channels);
+  }
+  Log("split rank=" + std::to_string(child->rank) + " parent=" + parent->id +
+      " minCTAs=" + std::to_string(child->min_ctas) +
+      " maxCTAs=" + std::to_string(child->max_ctas) +
+      " channels=" + std::to_string(child->channels) + " share=" + std::to_string(share) +
+      " implicit=" + std::to_string(child->launch_order_implicit ? 1 : 0) +
+      " mem=" + std::to_string(mem) + " id=" + child->id);
+  if (child->blocking) {
+    const int result = Join(*child);
+    if (result != kSuccess) return result;
+    *newcomm = child.release();
+    return kSuccess;
+  }
+  std::thread([made = child.release(), newcomm, state = parent->state] {
+    const int result = Join(*made);
+    if (result == kSuccess) {
+      __atomic_store_n(newcomm, made, __ATOMIC_RELEASE);
+    } else {
+      state->store(result);
+      delete made;
+    }
+  }).detach();
+  return kInProgress;
 }
 
 int ncclCommDestroy(Comm* comm) {

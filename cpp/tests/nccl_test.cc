@@ -371,6 +371,68 @@ void TestSameConfigOnEveryRank() {
   setenv("NCCL_STUB_VERSION", "23100", 1);
 }
 
+// 2.18-2.30: a group's communicators per block count are split from its first one with
+// shared resources; the stub counts the channels whose buffers each adds (mem=): the
+// largest count's, not the sum. A rank that never splits is kDeadlineExceeded, not a hang.
+void TestSplitSharesResources() {
+  const std::string log = std::string(std::getenv("NCCL_STUB_DIR")) + "/split.log";
+  setenv("NCCL_STUB_LOG", log.c_str(), 1);
+  setenv("NCCL_STUB_VERSION", "22700", 1);
+  std::unique_ptr<nccl::Library> lib;
+  CHECK(nccl::Library::Open(stub_path, &lib).ok() && lib->splits());
+  nccl::UniqueId id{};
+  CHECK(lib->GetUniqueId(&id).ok());
+  std::vector<RankOutcome> outcomes(2);
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < 2; ++rank) {
+    threads.emplace_back([&, rank] {
+      void* parent = nullptr;
+      libra::Status s = lib->InitRank(id, 2, rank, 4, &parent, 10000);
+      std::vector<void*> children;
+      for (int ctas : {2, 8, 1}) {
+        void* child = nullptr;
+        if (s.ok()) s = lib->Split(parent, rank, ctas, &child, 10000);
+        children.push_back(child);
+      }
+      for (void* comm : children) {
+        std::vector<float> data(4, 1.0f);
+        if (s.ok()) s = lib->AllReduce(data.data(), data.data(), 4, libra::DType::kF32, comm, 0,
+                                       AsPointer(7));
+        if (s.ok() && data[3] != 2.0f) ++outcomes[rank].wrong;
+      }
+      if (!s.ok()) outcomes[rank].error = s.message;
+      // Rank 1 never makes a fourth split: rank 0's times out.
+      if (rank == 0 && s.ok()) {
+        void* child = nullptr;
+        const libra::Status late = lib->Split(parent, rank, 16, &child, 200);
+        if (late.code != libra::Status::Code::kDeadlineExceeded) outcomes[0].error = "no timeout";
+        if (late.message.find("splitting the communicator of rank 0 for 16 CTAs") ==
+            std::string::npos) {
+          outcomes[0].error = late.message;
+        }
+      }
+      for (void* comm : children) lib->Abort(comm);
+      lib->Abort(parent);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (const RankOutcome& o : outcomes) CHECK(o.error.empty() && o.wrong == 0);
+  const std::string text = ReadFile(log);
+  int mem = 0, shared = 0;
+  for (std::size_t at = text.find(" mem="); at != std::string::npos;
+       at = text.find(" mem=", at + 1)) {
+    mem += std::atoi(text.c_str() + at + 5);
+  }
+  for (std::size_t at = text.find("share=1"); at != std::string::npos;
+       at = text.find("share=1", at + 1)) {
+    ++shared;
+  }
+  CHECK(shared == 2 * 3 + 1);  // every split shares (the late one of rank 0 too)
+  CHECK(mem == 2 * 16 - 8);    // per rank: 4, +4 for 8 CTAs, 0, 0 for 1; rank 0: +8 for 16
+  unsetenv("NCCL_STUB_LOG");
+  setenv("NCCL_STUB_VERSION", "23100", 1);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -392,6 +454,7 @@ int main(int argc, char** argv) {
       {"launch_order", TestLaunchOrder},
       {"prepare_then_call", TestPrepareThenCall},
       {"same_config_on_every_rank", TestSameConfigOnEveryRank},
+      {"split_shares_resources", TestSplitSharesResources},
   });
   std::string cleanup = std::string("rm -rf ") + dir;
   if (std::system(cleanup.c_str()) != 0) std::fprintf(stderr, "could not remove %s\n", dir);
