@@ -91,6 +91,13 @@ def test_module_reports_cuda_build():
 
 
 @needs_cuda_build
+def test_cuda_pending_starts_are_counted():
+    # libra's streams' pending map (libra/streams.h; its expiry is tested in C++:
+    # cpp/tests/nccl_test.cc stale_starts_expire); nothing has started here.
+    assert _libra_ffi.cuda_pending_starts() == 0
+
+
+@needs_cuda_build
 def test_cuda_target_registers_with_jax_for_cuda():
     assert _ffi.ensure_cuda_registered()
     assert _ffi.ensure_cuda_registered()  # idempotent

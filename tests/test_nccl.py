@@ -456,6 +456,21 @@ TWO_PROCESSES = """
         text = f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
         print(name, " ".join(l.strip() for l in text.splitlines()
                              if "libra_allreduce" in l or "all_reduce" in l), "END")
+    # optimize across the processes, each overlap mode, on the nccl path.
+    import re
+    import jax.numpy as jnp
+    os.environ["LIBRA_JAX_CUDA"] = "nccl"
+    def local(w, v):
+        return jax.lax.psum(jax.grad(lambda w: jnp.sum(jnp.tanh(v @ w) ** 2))(w), "x")
+    step = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("x")), out_specs=P(),
+                         check_vma=False)
+    w = jax.ShapeDtypeStruct((4, 4), np.float32, sharding=jax.NamedSharding(mesh, P()))
+    x = jax.ShapeDtypeStruct((8, 4), np.float32, sharding=jax.NamedSharding(mesh, P("x")))
+    for mode in ("sync", "start-done", "auto"):
+        opt = libra_jax.optimize(step, overlap=mode)
+        text = jax.jit(opt).trace(w, x).lower(lowering_platforms=("cuda",)).as_text()
+        print("OPT", mode, sorted(set(re.findall(r"custom_call @(libra_\\w+)", text))),
+              sorted(set(re.findall(r" ranks = dense<([^>]*)>", text))), "END")
     jax.distributed.shutdown()
 """
 
@@ -489,6 +504,13 @@ def test_unique_ids_travel_through_the_key_value_store(stub_env):
             assert "nranks = 4" in call and "@libra_allreduce_cuda" not in call, call
             assert f"ranks = dense<[{2 * pid}, {2 * pid + 1}]>" in call, call
             assert "local_world" not in call and "local_teams" not in call, call
+        # optimize's buckets: NCCL's call or its start and the kernels' done, this process's
+        # ranks (2 of 4); "auto" splits what the model prices lower split.
+        mine = f"['[{2 * pid}, {2 * pid + 1}]']"
+        assert f"OPT sync ['libra_allreduce_nccl'] {mine} END" in out, out
+        for mode in ("start-done", "auto"):
+            assert (f"OPT {mode} ['libra_allreduce_cuda_done', 'libra_allreduce_nccl_start'] "
+                    f"{mine} END") in out, out
         # The default, xla: XLA's all-reduce, no libra call.
         xla = out.split("XLA", 1)[1].split("END", 1)[0]
         assert "all_reduce" in xla and "libra_allreduce" not in xla, xla
@@ -536,6 +558,13 @@ IN_PROCESS = """
         calls = re.findall(r"custom_call @(libra_\\w+)\\(.*?ctas = (\\d+).*?nranks = (\\d+)"
                            r".*?ranks = dense<([^>]*)>", text)
         print("PSUM", n, calls, "all_reduce" in text)
+        # Communicator choice: two block counts over one group, one program.
+        g = jax.jit(jax.shard_map(lambda v: (libra_jax.psum(v, "x", blocks=2),
+                                             libra_jax.psum(v * 2, "x", blocks=6)),
+                                  mesh=mesh, in_specs=P("x"), out_specs=(P(), P())))
+        text = g.trace(x).lower(lowering_platforms=("cuda",)).as_text()
+        comms = re.findall(r"comm_ids = dense<([^>]*)> : tensor<[^>]*>, ctas = (\\d+)", text)
+        print("COMMS", n, len({ids for ids, _ in comms}), sorted({int(c) for _, c in comms}))
         step, args = mlp_step(devices=n)
         for mode in ("sync", "start-done", "auto"):
             opt = libra_jax.optimize(step, overlap=mode)
@@ -550,11 +579,16 @@ IN_PROCESS = """
 """
 
 
-def test_nccl_path_in_one_process(stub_env):
+@pytest.mark.parametrize("version, communicators", [("21700", 2), ("22700", 1), ("23100", 1)])
+def test_nccl_path_in_one_process(stub_env, version, communicators):
+    # Communicators per group in the lowered program: one per block count on 2.17 (each its own
+    # unique id), one per group from 2.18 (children split at run time) and on 2.31.
+    stub_env["NCCL_STUB_VERSION"] = version
     out = run(IN_PROCESS, stub_env, str(Path(__file__).parent))
     if "HAS_CUDA False" in out:
         pytest.skip("libra_jax built without CUDA: the cuda lowering is XLA's")
     for n in (2, 4, 8):
+        assert f"COMMS {n} {communicators} [2, 6]" in out, out
         line = next(l for l in out.splitlines() if l.startswith(f"PSUM {n} "))
         ranks = ", ".join(map(str, range(n)))
         assert f"('libra_allreduce_nccl', '6', '{n}', '[{ranks}]')" in line, line

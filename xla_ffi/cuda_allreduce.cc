@@ -164,7 +164,10 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
 // the kernel may still write it). done's other operand is a token written by
 // the latest start, which orders every done after the last start. Neither is
 // command-buffer compatible: a graph would capture the event hand-off once.
-// NCCL's start/done (below) share the stream and the hand-off.
+// NCCL's start/done (below) share the stream and the hand-off. A start whose
+// execution failed before its done leaves its entry; a later start drops it once
+// its work has ended and its done is overdue (SideStreams::Start), and
+// cuda_pending_starts() counts the entries.
 
 libra::Status CudaStatus(const char* what, cudaError_t err) {
   return libra::Status::Error(libra::Status::Code::kInternal,
@@ -201,6 +204,11 @@ const libra::StreamOps kCudaStreamOps = {
       cudaEventDestroy(static_cast<cudaEvent_t>(event));  // released once its work is done
       return err == cudaSuccess ? libra::Status::Ok() : CudaStatus("cudaStreamWaitEvent", err);
     },
+    /*query=*/[](void* event) {
+      const cudaError_t err = cudaEventQuery(static_cast<cudaEvent_t>(event));
+      return err == cudaSuccess ? 1 : err == cudaErrorNotReady ? 0 : -1;
+    },
+    /*release=*/[](void* event) { cudaEventDestroy(static_cast<cudaEvent_t>(event)); },
 };
 
 libra::SideStreams& Side() {
@@ -230,12 +238,15 @@ ffi::Error ExecuteStart(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                         ffi::Span<const int32_t> devices, int64_t world, int64_t blocks,
                         int64_t algorithm, int64_t timeout_ms, int64_t call_id) {
   ffi::Error launched = ffi::Error::Success();
-  const libra::Status status = Side().Start(device, call_id, stream, [&](void* side) {
-    launched = Launch(static_cast<cudaStream_t>(side), device, x, *out, devices, world, blocks,
-                      algorithm, timeout_ms);
-    return launched.success() ? libra::Status::Ok()
-                              : libra::Status::Error(libra::Status::Code::kInternal, "launch");
-  });
+  const libra::Status status = Side().Start(
+      device, call_id, stream,
+      [&](void* side) {
+        launched = Launch(static_cast<cudaStream_t>(side), device, x, *out, devices, world,
+                          blocks, algorithm, timeout_ms);
+        return launched.success() ? libra::Status::Ok()
+                                  : libra::Status::Error(libra::Status::Code::kInternal, "launch");
+      },
+      timeout_ms);
   if (launched.failure()) return launched;
   if (!status.ok()) return Prefixed("libra_jax CUDA all-reduce: ", status);
   return WriteToken(stream, *token);
@@ -326,9 +337,12 @@ struct NcclCall {
     }
     ffi::ErrorOr<std::pair<int64_t, int>> me = NcclRank(device, comm_ids, ranks);
     if (!me.has_value()) return me.error();
-    const libra::Status status = libra::nccl::Communicators::Get().AllReduce(
+    libra::nccl::Communicators& comms = libra::nccl::Communicators::Get();
+    libra::Status status = comms.AllReduce(
         me->first, static_cast<int>(nranks), me->second, static_cast<int>(ctas),
         x.untyped_data(), out.untyped_data(), x.element_count(), *dtype, side, timeout_ms);
+    // Enqueued: a peer that never comes is the watchdog's to end (libra/nccl.h).
+    if (status.ok()) status = comms.Watch(me->first, me->second, side, timeout_ms, kCudaStreamOps);
     return ToFfiError(status);
   }
 };
@@ -383,7 +397,9 @@ ffi::Error ExecuteNcclStart(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
                             int64_t nranks, int64_t ctas, int64_t timeout_ms, int64_t call_id) {
   const NcclCall call{device, x, *out, comm_ids, ranks, nranks, ctas, timeout_ms};
   ffi::Error issued =
-      IssueNccl(call, [&](auto issue) { return Side().Start(device, call_id, stream, issue); });
+      IssueNccl(call, [&](auto issue) {
+        return Side().Start(device, call_id, stream, issue, timeout_ms);
+      });
   if (issued.failure()) return issued;
   return WriteToken(stream, *token);
 }
@@ -433,6 +449,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaAllReduceDone, ExecuteDone,
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("call_id"));
+
+std::size_t CudaPendingStarts() { return Side().pending(); }
 
 int CudaEffectiveBlocks(std::size_t bytes, int nranks, int algorithm, int blocks) {
   std::size_t capacity = 0;

@@ -73,6 +73,8 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(kNcclAllReduce);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kNcclAllReduceInitialize);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kNcclAllReduceStart);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kNcclAllReduceStartInitialize);
+// CUDA (and NCCL) starts whose done has not come yet (libra's streams' pending map).
+std::size_t CudaPendingStarts();
 // Blocks the CUDA kernel uses for a call (see libra::cuda::EffectiveBlocks).
 int CudaEffectiveBlocks(std::size_t bytes, int nranks, int algorithm, int blocks);
 // The largest team the CUDA kernels serve.

@@ -194,6 +194,9 @@ NB_MODULE(_libra_ffi, m) {
 #ifdef LIBRA_WITH_CUDA
   m.attr("HAS_CUDA") = true;
   m.attr("CUDA_MAX_RANKS") = libra_ffi::kCudaMaxRanks;
+  m.def("cuda_pending_starts", &libra_ffi::CudaPendingStarts,
+        "CUDA and NCCL start/done pairs started and not yet done (stale ones expire: "
+        "libra/streams.h).");
   m.def("cuda_effective_blocks", &libra_ffi::CudaEffectiveBlocks, nb::arg("bytes"),
         nb::arg("nranks"), nb::arg("algorithm"), nb::arg("blocks"),
         "Blocks the CUDA kernel launches for a call (algorithm: 0 auto, 1 one-shot, "

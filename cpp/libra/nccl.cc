@@ -451,6 +451,16 @@ Status Library::AllReduce(const void* input, void* output, std::size_t count, DT
   return status;
 }
 
+std::string Library::AsyncError(void* comm) const {
+  int state = kSuccess;
+  const int queried = api_->comm_get_async_error(comm, &state);
+  if (queried != kSuccess) state = queried;
+  if (state == kSuccess || state == kInProgress) return "";
+  const char* text = api_->get_error_string ? api_->get_error_string(state) : nullptr;
+  return std::string("NCCL reported an asynchronous error: ") +
+         (text ? text : "error " + std::to_string(state));
+}
+
 void Library::Destroy(void* comm) const {
   if (comm != nullptr) api_->comm_destroy(comm);
 }
@@ -530,6 +540,7 @@ Status Communicators::Prepare(int64_t comm_id, int nranks, int rank, int ctas,
   // Creation waits until every rank joins, so it holds this rank's slot only: other ranks
   // of the process create theirs meanwhile.
   std::lock_guard<std::mutex> lock(comm->mu);
+  if (!comm->failed.empty()) return Error(Status::Code::kDeadlineExceeded, comm->failed);
   if (comm->handle == nullptr) {
     status = library->InitRank(id, nranks, rank, comm_ctas, &comm->handle, timeout_ms);
     if (!status.ok()) {
@@ -600,6 +611,96 @@ Status Communicators::AllReduce(int64_t comm_id, int nranks, int rank, int ctas,
     comm->handle = nullptr;
   }
   return done;
+}
+
+Status Communicators::Watch(int64_t comm_id, int rank, void* stream, int64_t timeout_ms,
+                            const StreamOps& ops) {
+  if (timeout_ms <= 0) return Status::Ok();
+  std::shared_ptr<Comm> comm;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = comms_.find({comm_id, rank});
+    if (it == comms_.end()) return Status::Ok();
+    comm = it->second;
+  }
+  void* handle = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(comm->mu);
+    handle = comm->handle;
+  }
+  if (handle == nullptr) return Status::Ok();
+  void* event = nullptr;
+  const Status recorded = ops.record(stream, &event);
+  if (!recorded.ok()) return recorded;
+  std::lock_guard<std::mutex> lock(watch_mu_);
+  if (!watching_) {
+    watching_ = true;
+    std::thread([this] { WatchLoop(); }).detach();  // lives as long as the process
+  }
+  watched_.push_back({std::move(comm), handle, event, ops,
+                      std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms),
+                      timeout_ms,
+                      "communicator " + std::to_string(comm_id) + ", rank " +
+                          std::to_string(rank)});
+  watch_cv_.notify_one();
+  return Status::Ok();
+}
+
+void Communicators::WatchLoop() {
+  const Library* library = nullptr;
+  Open("", &library);  // opened already: a Watch follows a call
+  std::unique_lock<std::mutex> lock(watch_mu_);
+  for (;;) {
+    watch_cv_.wait_for(lock, std::chrono::milliseconds(10));
+    const auto now = std::chrono::steady_clock::now();
+    for (std::size_t i = 0; i < watched_.size();) {
+      Watched& w = watched_[i];
+      const int done = w.ops.query(w.event);
+      std::string failed;
+      if (done == 0 && now >= w.deadline) {
+        failed = "libra NCCL: " + w.what + ": an all-reduce enqueued on the GPU did not end "
+                 "within " + std::to_string(w.timeout_ms) +
+                 " ms (LIBRA_JAX_TIMEOUT_S): a peer never reached it; libra's watchdog aborted "
+                 "the group's communicators on this GPU (restart the job to use them again)";
+      } else if (done == 0 && library != nullptr) {
+        // Busy (a communicator of the group being made): look again next round.
+        std::unique_lock<std::mutex> comm_lock(w.comm->mu, std::try_to_lock);
+        if (!comm_lock.owns_lock()) {
+          ++i;
+          continue;
+        }
+        bool live = w.comm->handle == w.handle;
+        for (const auto& [ctas, child] : w.comm->children) live = live || child == w.handle;
+        if (!live) {  // aborted meanwhile (a failed call): nothing left to watch
+          w.ops.release(w.event);
+          watched_.erase(watched_.begin() + static_cast<std::ptrdiff_t>(i));
+          continue;
+        }
+        failed = library->AsyncError(w.handle);
+        if (!failed.empty()) failed = "libra NCCL: " + w.what + ": " + failed;
+      } else if (done < 0) {
+        failed = "libra NCCL: " + w.what + ": the GPU reported an error for an all-reduce";
+      }
+      if (done == 0 && failed.empty()) {
+        ++i;
+        continue;
+      }
+      if (!failed.empty() && library != nullptr) {
+        std::lock_guard<std::mutex> comm_lock(w.comm->mu);
+        if (w.comm->failed.empty()) {
+          w.comm->failed = failed;
+          if (w.comm->handle != nullptr) Forget(*library, w.comm.get());
+        }
+      }
+      w.ops.release(w.event);  // an aborted kernel ends too: the event completes
+      watched_.erase(watched_.begin() + static_cast<std::ptrdiff_t>(i));
+    }
+  }
+}
+
+std::size_t Communicators::watched() {
+  std::lock_guard<std::mutex> lock(watch_mu_);
+  return watched_.size();
 }
 
 std::size_t Communicators::size() {

@@ -39,12 +39,20 @@
 // (the communicator's launchOrderImplicit, read from 2.31; from 2.26 to 2.30
 // NCCL_LAUNCH_ORDER_IMPLICIT=1 in the environment, which libra_jax sets).
 //
+// Timeouts (LIBRA_JAX_TIMEOUT_S): communicators are non-blocking, so creation,
+// splits and an enqueue still in progress are polled and aborted after the
+// timeout; a collective enqueued on the GPU whose peer never comes is ended by
+// the watchdog thread (Communicators::Watch), which aborts the group's
+// communicators on that rank.
+//
 // Unique ids travel between processes outside this file (libra_jax._nccl uses
 // JAX's distributed key-value store) and are registered here under a
 // process-local communicator id.
 #pragma once
 
 #include <array>
+#include <chrono>
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <map>
@@ -52,9 +60,11 @@
 #include <mutex>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "libra/dtype.h"
 #include "libra/status.h"
+#include "libra/streams.h"
 
 namespace libra::nccl {
 
@@ -130,6 +140,8 @@ class Library {
                    bool* aborted = nullptr) const;
   void Destroy(void* comm) const;
   void Abort(void* comm) const;
+  // The communicator's asynchronous error as a message ("" while none).
+  std::string AsyncError(void* comm) const;
 
  private:
   Library() = default;
@@ -181,6 +193,18 @@ class Communicators {
                    void* output, std::size_t count, DType dtype, void* stream,
                    int64_t timeout_ms = 0);
 
+  // Watches the call just issued on `stream` by this rank of `comm_id`: a collective
+  // enqueued on the GPU whose peer never comes would spin there for ever, so the
+  // process's watchdog thread polls its end (an event recorded now with `ops`) and, after
+  // timeout_ms, aborts the group's communicators on this rank (NCCL's kernels see the abort
+  // flag and return) and every later call on them fails with kDeadlineExceeded naming it.
+  // An asynchronous NCCL error (ncclCommGetAsyncError) aborts them alike. timeout_ms 0:
+  // not watched.
+  Status Watch(int64_t comm_id, int rank, void* stream, int64_t timeout_ms,
+               const StreamOps& ops);
+  // Calls being watched (for tests and diagnostics).
+  std::size_t watched();
+
   // Communicators created so far (for tests and diagnostics).
   std::size_t size();
 
@@ -192,7 +216,19 @@ class Communicators {
     int nranks = 0;
     int ctas = 0;
     std::map<int, void*> children;  // per other block count, split from handle (2.18-2.30)
+    std::string failed;  // set when the watchdog aborted them: every later call fails
   };
+  struct Watched {
+    std::shared_ptr<Comm> comm;
+    void* handle;
+    void* event;
+    StreamOps ops;
+    std::chrono::steady_clock::time_point deadline;
+    int64_t timeout_ms;
+    std::string what;
+  };
+  // The watchdog thread's loop (started on the first Watch, never stopped).
+  void WatchLoop();
 
   // Prepare, giving the group's communicator, the handle a call of `ctas` runs on (the
   // group's or a child's) and the library.
@@ -207,6 +243,10 @@ class Communicators {
   std::unique_ptr<Library> library_;
   std::map<int64_t, UniqueId> ids_;
   std::map<std::pair<int64_t, int>, std::shared_ptr<Comm>> comms_;  // (comm_id, rank)
+  std::mutex watch_mu_;
+  std::condition_variable watch_cv_;
+  std::vector<Watched> watched_;
+  bool watching_ = false;
 };
 
 }  // namespace libra::nccl

@@ -41,10 +41,28 @@ Status SideStreams::Issue(int device, void* xla, const std::function<Status(void
   return status.ok() ? status : Failed(status, "recording the call's end");
 }
 
+bool SideStreams::Stale(const Pending& p, std::chrono::steady_clock::time_point now,
+                        bool same_id) const {
+  const bool overdue = p.expire_ms > 0 ? now - p.started > std::chrono::milliseconds(p.expire_ms)
+                                       : same_id;
+  return overdue && ops_.query != nullptr && ops_.query(p.end) == 1;
+}
+
 Status SideStreams::Start(int device, int64_t call_id, void* xla,
-                          const std::function<Status(void*)>& issue) {
+                          const std::function<Status(void*)>& issue, int64_t expire_ms) {
   {
     std::lock_guard<std::mutex> lock(mu_);
+    const auto now = std::chrono::steady_clock::now();
+    for (auto it = pending_.begin(); it != pending_.end();) {
+      const bool same = it->first == std::make_pair(device, call_id);
+      if (Stale(it->second, now, same)) {  // its execution failed before its done
+        if (ops_.release != nullptr) ops_.release(it->second.end);
+        it = pending_.erase(it);
+        ++expired_;
+      } else {
+        ++it;
+      }
+    }
     if (pending_.count({device, call_id})) {
       return Status::Error(Status::Code::kFailedPrecondition,
                            "call " + std::to_string(call_id) + " on GPU " +
@@ -57,7 +75,7 @@ Status SideStreams::Start(int device, int64_t call_id, void* xla,
   const Status status = Issue(device, xla, issue, &end);
   if (!status.ok()) return status;
   std::lock_guard<std::mutex> lock(mu_);
-  pending_[{device, call_id}] = end;
+  pending_[{device, call_id}] = {end, std::chrono::steady_clock::now(), expire_ms};
   return Status::Ok();
 }
 
@@ -71,7 +89,7 @@ Status SideStreams::Done(int device, int64_t call_id, void* xla) {
                            "done of call " + std::to_string(call_id) + " on GPU " +
                                std::to_string(device) + " without its start");
     }
-    end = it->second;
+    end = it->second.end;
     pending_.erase(it);
   }
   const Status status = ops_.wait(xla, end);
@@ -89,6 +107,11 @@ Status SideStreams::Call(int device, void* xla, const std::function<Status(void*
 std::size_t SideStreams::pending() {
   std::lock_guard<std::mutex> lock(mu_);
   return pending_.size();
+}
+
+std::size_t SideStreams::expired() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return expired_;
 }
 
 }  // namespace libra

@@ -19,6 +19,7 @@
 // a GPU.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -38,6 +39,11 @@ struct StreamOps {
   Status (*record)(void* stream, void** event) = nullptr;
   // Makes `stream` wait for `event`, then releases the event.
   Status (*wait)(void* stream, void* event) = nullptr;
+  // Whether the work before `event` is done: 1 done, 0 not yet, -1 an error (the NCCL
+  // watchdog's poll, libra/nccl.h).
+  int (*query)(void* event) = nullptr;
+  // Releases an event nobody waits for.
+  void (*release)(void* event) = nullptr;
 };
 
 class SideStreams {
@@ -48,9 +54,13 @@ class SideStreams {
 
   // Issues `issue(side)` on libra's stream of `device` after the work queued on
   // `xla` so far (its inputs are ready there) and keeps the end of it under
-  // (device, call_id) for Done. A call id still pending is an error.
+  // (device, call_id) for Done. A call id still pending is an error, unless that
+  // call is stale: its work has ended and its done has not come within
+  // `expire_ms` (an execution that failed between its start and its done; 0, no
+  // timeout: as soon as its work has ended). Stale entries of other calls are
+  // dropped too (where they have an expiry), so none outlives a failed execution.
   Status Start(int device, int64_t call_id, void* xla,
-               const std::function<Status(void* side)>& issue);
+               const std::function<Status(void* side)>& issue, int64_t expire_ms = 0);
   // Makes `xla` wait for the end of call (device, call_id).
   Status Done(int device, int64_t call_id, void* xla);
   // Start and Done at once: one call that runs on libra's stream while XLA's
@@ -59,16 +69,27 @@ class SideStreams {
 
   // libra's stream on `device`, created on first use and never destroyed.
   Status Stream(int device, void** stream);
-  // Calls started and not yet done.
+  // Calls started and not yet done (stale ones until a later start drops them), and
+  // how many stale ones were dropped so far.
   std::size_t pending();
+  std::size_t expired();
 
  private:
   Status Issue(int device, void* xla, const std::function<Status(void*)>& issue, void** end);
 
+  struct Pending {
+    void* end;  // the call's end event
+    std::chrono::steady_clock::time_point started;
+    int64_t expire_ms;
+  };
+  // Whether `p`'s work has ended and its done is overdue (mu_ held).
+  bool Stale(const Pending& p, std::chrono::steady_clock::time_point now, bool same_id) const;
+
   const StreamOps ops_;
   std::mutex mu_;
-  std::map<int, void*> streams_;                          // per GPU
-  std::map<std::pair<int, int64_t>, void*> pending_;      // (GPU, call id) -> end event
+  std::map<int, void*> streams_;                           // per GPU
+  std::map<std::pair<int, int64_t>, Pending> pending_;     // (GPU, call id)
+  std::size_t expired_ = 0;
 };
 
 }  // namespace libra

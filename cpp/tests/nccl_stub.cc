@@ -28,6 +28,8 @@
 //   per-channel buffers (logged mem=: the channels it added) and abort flag;
 // - every rank of a communicator asks for the same CTA configuration (else
 //   creation fails, logged: mismatch ...);
+// - with $NCCL_STUB_ASYNC=1 collectives are enqueued and run on their stream's
+//   worker thread (ncclStubStreamPending counts them), as kernels on a GPU;
 // - launches on several communicators of one device need one order (Ordered
 //   below: the same stream, or implicit launch order where the version has it);
 //   a launch without one fails (logged: hazard ...), where NCCL might hang.
@@ -38,6 +40,11 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <map>
+#include <mutex>
 #include <climits>
 #include <cstddef>
 #include <cstdint>
@@ -190,6 +197,43 @@ bool Ordered(const Comm& comm, void* stream) {
   return Version() >= kPerCollectiveVersion && comm.launch_order_implicit && last.implicit;
 }
 
+// $NCCL_STUB_ASYNC=1: a collective is enqueued, as on a GPU: it returns at once and runs on
+// its stream's worker thread, in order (a "kernel"); ncclStubStreamPending(stream) counts
+// what is still running there (the tests' stand-in for cudaEventQuery). An aborted
+// communicator makes its collective in flight return. Workers live as long as the process.
+struct Worker {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<std::function<void()>> tasks;
+  int pending = 0;
+};
+
+std::mutex workers_mu;
+std::map<void*, Worker*>* workers = new std::map<void*, Worker*>();  // never destroyed
+
+Worker& WorkerOf(void* stream) {
+  std::lock_guard<std::mutex> lock(workers_mu);
+  Worker*& worker = (*workers)[stream];
+  if (worker == nullptr) {
+    worker = new Worker();
+    std::thread([w = worker] {
+      for (;;) {
+        std::function<void()> task;
+        {
+          std::unique_lock<std::mutex> lock(w->mu);
+          w->cv.wait(lock, [w] { return !w->tasks.empty(); });
+          task = std::move(w->tasks.front());
+          w->tasks.pop_front();
+        }
+        task();
+        std::lock_guard<std::mutex> lock(w->mu);
+        --w->pending;
+      }
+    }).detach();
+  }
+  return *worker;
+}
+
 int AllReduce(const void* in, void* out, size_t count, int dtype, int op, Comm* comm,
               void* stream, int asked, bool configured) {
   size_t itemsize = 0;
@@ -212,16 +256,29 @@ int AllReduce(const void* in, void* out, size_t count, int dtype, int op, Comm* 
       " dtype=" + std::to_string(dtype) + " ctas=" + std::to_string(ctas) +
       " asked=" + std::to_string(asked) + " config=" + std::to_string(configured ? 1 : 0) +
       " stream=" + std::to_string(reinterpret_cast<uintptr_t>(stream)) + " id=" + comm->id);
-  std::vector<std::string> parts;
-  const int result = Exchange(*comm, "step" + std::to_string(comm->sequence++),
-                              std::string(static_cast<const char*>(in), count * itemsize), &parts);
-  if (result != kSuccess) return result;
-  switch (dtype) {
-    case 2: SumInRankOrder<int32_t>(parts, count, out); break;
-    case 4: SumInRankOrder<int64_t>(parts, count, out); break;
-    case 7: SumInRankOrder<float>(parts, count, out); break;
-    case 8: SumInRankOrder<double>(parts, count, out); break;
-  }
+  // What runs "on the GPU": a copy of the communicator's identity (an aborted Comm is freed).
+  auto run = [copy = *comm, step = comm->sequence++, in, out, count, dtype, itemsize] {
+    std::vector<std::string> parts;
+    const int result = Exchange(copy, "step" + std::to_string(step),
+                                std::string(static_cast<const char*>(in), count * itemsize),
+                                &parts);
+    if (result != kSuccess) return result;
+    switch (dtype) {
+      case 2: SumInRankOrder<int32_t>(parts, count, out); break;
+      case 4: SumInRankOrder<int64_t>(parts, count, out); break;
+      case 7: SumInRankOrder<float>(parts, count, out); break;
+      case 8: SumInRankOrder<double>(parts, count, out); break;
+    }
+    return kSuccess;
+  };
+  if (Env("NCCL_STUB_ASYNC", "0") != "1") return run();
+  Worker& worker = WorkerOf(stream);
+  std::lock_guard<std::mutex> lock(worker.mu);
+  ++worker.pending;
+  worker.tasks.push_back([run, comm_id = comm->id] {
+    if (run() != kSuccess) Log("failed id=" + comm_id + " (aborted, or a peer never came)");
+  });
+  worker.cv.notify_one();
   return kSuccess;
 }
 
@@ -399,6 +456,13 @@ int ncclCommAbort(Comm* comm) {
   comm->aborted->store(true);
   delete comm;
   return kSuccess;
+}
+
+// The stub's own: collectives still running on `stream` (NCCL_STUB_ASYNC=1).
+int ncclStubStreamPending(void* stream) {
+  Worker& worker = WorkerOf(stream);
+  std::lock_guard<std::mutex> lock(worker.mu);
+  return worker.pending;
 }
 
 const char* ncclGetErrorString(int result) {

@@ -1,6 +1,7 @@
 // Tests of libra's NCCL control path (libra/nccl.h) against the host-memory
 // stub (nccl_stub.cc, whose path is argv[1]); run under ASan and TSan in CI.
 // Ranks are threads of this process.
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -9,6 +10,7 @@
 #include <thread>
 #include <vector>
 
+#include <dlfcn.h>
 #include <unistd.h>
 
 #include "libra/nccl.h"
@@ -161,6 +163,8 @@ struct FakeRuntime {
   std::vector<std::string> ops;
   uintptr_t next_event = 1;
   int created = 0;
+  bool work_ended = false;  // what query says of every event
+  int released = 0;
 };
 FakeRuntime fake;
 
@@ -188,6 +192,14 @@ libra::StreamOps FakeOps() {
     fake.ops.push_back("wait " + std::to_string(AsNumber(stream)) + " " +
                        std::to_string(AsNumber(event)));
     return libra::Status::Ok();
+  };
+  ops.query = [](void*) {
+    std::lock_guard<std::mutex> lock(fake.mu);
+    return fake.work_ended ? 1 : 0;
+  };
+  ops.release = [](void*) {
+    std::lock_guard<std::mutex> lock(fake.mu);
+    ++fake.released;
   };
   return ops;
 }
@@ -231,6 +243,39 @@ void TestSideStreams() {
     return libra::Status::Error(libra::Status::Code::kInternal, "no");
   });
   CHECK(!failed.ok() && side.pending() == 0);  // a failed issue leaves nothing pending
+}
+
+// A start whose execution failed before its done (the done never comes) leaves its entry.
+// A later start of the same call drops it once its work has ended and its done is overdue
+// (the call's timeout; at once without one), and other calls' overdue entries go too; one
+// whose work is still running is kept (the same program twice at once is still refused).
+void TestStaleStartsExpire() {
+  fake.ops.clear();
+  fake.work_ended = false;
+  fake.released = 0;
+  libra::SideStreams side(FakeOps());
+  auto issue = [](void*) { return libra::Status::Ok(); };
+  CHECK(side.Start(0, 1, XlaStream(0), issue, /*expire_ms=*/50).ok());
+  CHECK(side.Start(0, 2, XlaStream(0), issue, 50).ok());   // its done never comes either
+  CHECK(side.Start(1, 3, XlaStream(1), issue, 0).ok());    // no timeout
+  CHECK(side.pending() == 3);
+  // Running, or not yet overdue: refused, nothing dropped.
+  CHECK(side.Start(0, 1, XlaStream(0), issue, 50).code ==
+        libra::Status::Code::kFailedPrecondition);
+  fake.work_ended = true;
+  CHECK(side.Start(0, 1, XlaStream(0), issue, 50).code ==
+        libra::Status::Code::kFailedPrecondition);  // ended, but its done may still come
+  CHECK(side.expired() == 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(80));
+  CHECK(side.Start(0, 1, XlaStream(0), issue, 50).ok());  // overdue: dropped, started anew
+  CHECK(side.expired() == 2 && fake.released == 2);       // calls 1 and 2 (3 has no timeout)
+  CHECK(side.pending() == 2);
+  CHECK(side.Start(1, 3, XlaStream(1), issue, 0).ok());   // no timeout: dropped once ended
+  CHECK(side.expired() == 3 && side.pending() == 2);
+  CHECK(side.Done(0, 1, XlaStream(0)).ok() && side.Done(1, 3, XlaStream(1)).ok());
+  CHECK(side.pending() == 0);
+  CHECK(side.Done(0, 2, XlaStream(0)).code == libra::Status::Code::kFailedPrecondition);
+  fake.work_ended = false;
 }
 
 // Per-thread counts of failures, checked on the main thread (CHECK is not thread-safe).
@@ -433,6 +478,89 @@ void TestSplitSharesResources() {
   setenv("NCCL_STUB_VERSION", "23100", 1);
 }
 
+// The watchdog (Communicators::Watch) on collectives that are enqueued, as on a GPU
+// (NCCL_STUB_ASYNC=1: the stub runs them on a worker per stream). Events are the stub's
+// stream counters: done when nothing is pending on the stream.
+int (*stream_pending)(void*) = nullptr;
+
+libra::StreamOps StubEventOps() {
+  libra::StreamOps ops = FakeOps();
+  ops.record = [](void* stream, void** event) {
+    *event = stream;  // the stream stands for its event: done when it has nothing pending
+    return libra::Status::Ok();
+  };
+  ops.query = [](void* event) { return stream_pending(event) == 0 ? 1 : 0; };
+  ops.release = [](void*) {};
+  return ops;
+}
+
+bool WaitUntilUnwatched(nccl::Communicators& comms) {
+  for (int i = 0; i < 500 && comms.watched() > 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return comms.watched() == 0;
+}
+
+// Two ranks make communicator 42 and run an all-reduce on it: watched, it ends, nothing is
+// aborted. On communicator 41 rank 1 never comes to the all-reduce that rank 0 enqueued:
+// after the timeout the watchdog aborts rank 0's communicator (the "kernel" returns) and
+// every later call on it is kDeadlineExceeded naming what happened, not a hang.
+void TestWatchdog() {
+  const std::string log = std::string(std::getenv("NCCL_STUB_DIR")) + "/watchdog.log";
+  setenv("NCCL_STUB_LOG", log.c_str(), 1);
+  setenv("NCCL_STUB_ASYNC", "1", 1);
+  void* stub = dlopen(stub_path.c_str(), RTLD_NOW);
+  CHECK(stub != nullptr);
+  stream_pending = reinterpret_cast<int (*)(void*)>(dlsym(stub, "ncclStubStreamPending"));
+  CHECK(stream_pending != nullptr);
+  const nccl::Library* lib = nullptr;
+  nccl::Communicators& comms = nccl::Communicators::Get();
+  CHECK(comms.Open(stub_path, &lib).ok());
+  nccl::UniqueId a{}, b{};
+  CHECK(lib->GetUniqueId(&a).ok() && lib->GetUniqueId(&b).ok());
+  CHECK(comms.RegisterId(41, a).ok() && comms.RegisterId(42, b).ok());
+  const libra::StreamOps ops = StubEventOps();
+  std::vector<RankOutcome> outcomes(2);
+  std::vector<std::vector<float>> data(2, std::vector<float>(8, 1.0f));
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < 2; ++rank) {
+    threads.emplace_back([&, rank] {
+      void* stream = AsPointer(0x50 + rank);
+      libra::Status s = comms.Prepare(41, 2, rank, 2, 10000);
+      if (s.ok()) s = comms.AllReduce(42, 2, rank, 2, data[rank].data(), data[rank].data(), 8,
+                                      libra::DType::kF32, stream, 10000);
+      if (s.ok()) s = comms.Watch(42, rank, stream, 5000, ops);
+      if (!s.ok()) outcomes[rank].error = s.message;
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (const RankOutcome& o : outcomes) CHECK(o.error.empty());
+  CHECK(WaitUntilUnwatched(comms));
+  CHECK(data[0][7] == 2.0f && data[1][7] == 2.0f);
+  CHECK(ReadFile(log).find("abort") == std::string::npos);
+
+  std::vector<float> lone(8, 1.0f);
+  void* stream = AsPointer(0x60);
+  CHECK(comms.AllReduce(41, 2, 0, 2, lone.data(), lone.data(), 8, libra::DType::kF32, stream,
+                        300).ok());  // enqueued: returns at once
+  CHECK(comms.Watch(41, 0, stream, 300, ops).ok());
+  CHECK(WaitUntilUnwatched(comms));
+  CHECK(ReadFile(log).find("abort rank=0") != std::string::npos);
+  for (int call = 0; call < 2; ++call) {
+    const libra::Status s = comms.AllReduce(41, 2, 0, 2, lone.data(), lone.data(), 8,
+                                            libra::DType::kF32, stream, 300);
+    CHECK(s.code == libra::Status::Code::kDeadlineExceeded);
+    CHECK(s.message.find("did not end within 300 ms") != std::string::npos);
+    CHECK(s.message.find("watchdog aborted") != std::string::npos);
+  }
+  for (int i = 0; i < 500 && stream_pending(stream) > 0; ++i) {  // the aborted "kernel" ended
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  CHECK(stream_pending(stream) == 0);
+  unsetenv("NCCL_STUB_ASYNC");
+  unsetenv("NCCL_STUB_LOG");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -451,10 +579,12 @@ int main(int argc, char** argv) {
       {"communicators", TestCommunicatorsConcurrently},
       {"missing_rank_times_out", TestMissingRankTimesOut},
       {"side_streams", TestSideStreams},
+      {"stale_starts_expire", TestStaleStartsExpire},
       {"launch_order", TestLaunchOrder},
       {"prepare_then_call", TestPrepareThenCall},
       {"same_config_on_every_rank", TestSameConfigOnEveryRank},
       {"split_shares_resources", TestSplitSharesResources},
+      {"watchdog", TestWatchdog},
   });
   std::string cleanup = std::string("rm -rf ") + dir;
   if (std::system(cleanup.c_str()) != 0) std::fprintf(stderr, "could not remove %s\n", dir);

@@ -42,7 +42,10 @@ group, rank), a run id being unique per execution; the CUDA handlers key their e
 structure, so a retrace yields the same program (JAX's compilation cache keeps working) and
 programs of another structure do not share ids. A GPU start whose id is still in flight (the
 same program dispatched from two threads at once) fails with an error rather than mixing the
-two; a pair inside a loop body is started and waited for in each iteration, in order.
+two; a pair inside a loop body is started and waited for in each iteration, in order. A start
+whose execution failed before its done leaves its entry behind, on either platform; a later
+start drops it once its all-reduce has ended and its done has not come within the timeout
+(``_libra_ffi.cpu_pending_starts`` / ``cuda_pending_starts`` count the entries).
 """
 from __future__ import annotations
 
