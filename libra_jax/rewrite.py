@@ -104,8 +104,9 @@ def optimize(fn: Callable[..., Any] | None = None, *, profile: Any = None, fusio
         needed (on a GPU the kernel runs on libra's own stream beside the backward pass).
         "auto" chooses per bucket: a start/done pair where the work it defers (the bucket's
         optimizer update) is predicted to cost less than leaving the one call pending in
-        the program (the profile's ``pending_allreduce_us``; profiles without it, the GPU
-        ones until measured, issue one call). None: ``$LIBRA_JAX_OVERLAP``, else "auto".
+        the program (the profile's ``pending_allreduce_us``); on a GPU under
+        ``LIBRA_JAX_CUDA=nccl`` always a pair; other GPU profiles, until measured, issue one
+        call. None: ``$LIBRA_JAX_OVERLAP``, else "auto".
       static_argnums, static_argnames: arguments that are not traced, as in `jax.jit`:
         Python values (a ``train`` flag, a config, a schedule function) passed to `fn` as
         they are; they must be hashable, and each distinct value is its own program. A
@@ -664,13 +665,17 @@ class _Rewriter:
         hides it: it costs that work's roofline time. One call lets that work run beside the
         rest of the backward pass, but leaves the all-reduce pending in the device's program
         until the last rank arrives: on XLA:CPU that costs the step about the profile's
-        `pending_allreduce_us` (measured, benchmarks/results/end_to_end.md). Profiles without
-        it (the GPU forms, until `benchmarks/gpu_check.sh` has measured start/done) issue
-        one call."""
+        `pending_allreduce_us` (measured, benchmarks/results/end_to_end.md). On a GPU under
+        ``LIBRA_JAX_CUDA=nccl`` every bucket is a pair: libra's NCCL call as one call makes
+        XLA's stream wait for it at once, which serialises it with the backward pass. Other
+        profiles without `pending_allreduce_us` (the GPU forms on the other paths, until
+        `benchmarks/gpu_check.sh` has measured start/done) issue one call."""
         mode = self.options.overlap
         if mode != "auto":
             return [mode == "start-done"] * len(buckets)
         fair_share = self.profile.fair_share
+        if fair_share is None and config.cuda_path() == "nccl":
+            return [True] * len(buckets)
         pending_s = fair_share.pending_allreduce_s if fair_share is not None else None
         if pending_s is None:
             return [False] * len(buckets)

@@ -516,6 +516,26 @@ def test_unique_ids_travel_through_the_key_value_store(stub_env):
         assert "all_reduce" in xla and "libra_allreduce" not in xla, xla
 
 
+@pytest.mark.parametrize("path, overlap", [("nccl", "start-done"), ("xla", "sync"),
+                                           ("p2p", "sync")])
+def test_auto_issues_nccl_buckets_as_start_done(stub_env, path, overlap):
+    """optimize's default (overlap="auto") on a GPU profile: under LIBRA_JAX_CUDA=nccl every
+    gradient bucket is a start/done pair (one call would make XLA's stream wait for NCCL at
+    once); the other paths keep one call until start/done is measured on a GPU."""
+    stub_env["LIBRA_JAX_CUDA"] = path
+    out = run("""
+        import jax, sys
+        jax.config.update("jax_num_cpu_devices", 8)
+        import libra_jax
+        sys.path.insert(0, sys.argv[1])
+        from conftest import mlp_step
+        step, args = mlp_step()
+        e = libra_jax.explain(step, *args, profile="h100", file=None)
+        print("OVERLAP", sorted({r.overlap for s in e.scopes for r in s.rows}))
+    """, stub_env, str(Path(__file__).parent))
+    assert f"OVERLAP ['{overlap}']" in out, out
+
+
 @pytest.mark.parametrize("versions, agree", [(("23100", "23100"), True),
                                               (("22400", "23100"), False)])
 def test_plan_agreement_covers_the_nccl_configuration(stub_env, versions, agree):
