@@ -5,12 +5,24 @@ devices: JAX's own tracing of the step (`jax.make_jaxpr`), and what `optimize` a
 (`rewrite_jaxpr`: finding the psums, the roofline, planning, fusion). Median of repeated runs.
 
     python benchmarks/optimize_overhead.py [--tensors 1000] [--reps 5] [--out FILE]
+        [--baseline COMMIT]
+
+``--baseline COMMIT`` also times that commit's `rewrite_jaxpr` on the same traced step: the
+commit is checked out in a temporary worktree and run in its own processes (its libra_jax
+imported from there, this build's extension beside it), alternating with processes of this
+tree, ``--rounds`` of each.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import shutil
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
@@ -42,13 +54,75 @@ def make_step(n_layers: int, width: int):
     return step, params, x
 
 
+def measure(tensors: int, reps: int) -> list[float]:
+    """`rewrite_jaxpr`'s seconds on the step, `reps` times after one warm-up, in this process
+    (whichever libra_jax it imports)."""
+    step, params, x = make_step(tensors // 2, 32)
+    closed = jax.make_jaxpr(step)(params, x)
+    rewrite_jaxpr(closed, profile="cpu-host")
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        rewrite_jaxpr(closed, profile="cpu-host")
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def worktree(commit: str) -> Path:
+    """`commit` checked out in a temporary worktree, with this build's extension copied in."""
+    import libra_jax._libra_ffi as ext  # this build's
+
+    path = Path(tempfile.mkdtemp(prefix="libra_base_")) / "tree"
+    subprocess.run(["git", "worktree", "add", "-q", "--detach", str(path), commit],
+                   cwd=report.ROOT, check=True)
+    shutil.copy(ext.__file__, path / "libra_jax")
+    return path
+
+
+def in_process(tree: Path | None, tensors: int, reps: int) -> list[float]:
+    """`measure` in a fresh process of `tree`'s libra_jax (None: this tree's). The base runs
+    without site processing, so that this checkout's editable install does not shadow it."""
+    site = next(p for p in sys.path if p.endswith("site-packages"))
+    prefix = f"import sys; sys.path[:0] = [{str(tree)!r}, {site!r}]; " if tree else ""
+    code = (prefix + f"sys.path.insert(0, {str(Path(__file__).parent)!r}); " if tree else
+            f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); ")
+    code += ("import json, optimize_overhead as o; "
+             f"print('TIMES', json.dumps(o.measure({tensors}, {reps})))")
+    cmd = [sys.executable, *(["-S"] if tree else []), "-c", code]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=os.environ).stdout
+    return json.loads(out.split("TIMES", 1)[1])
+
+
+def compare(commit: str, tensors: int, reps: int, rounds: int) -> list[str]:
+    tree = worktree(commit)
+    try:
+        mine: list[float] = []
+        base: list[float] = []
+        for _ in range(rounds):  # alternate, so that load hits both alike
+            mine += in_process(None, tensors, reps)
+            base += in_process(tree, tensors, reps)
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=report.ROOT,
+                       check=False)
+    med = lambda v: float(np.median(v))  # noqa: E731
+    return ["", f"### This tree against `{commit}` ({rounds} alternating processes of each, "
+                f"{reps} rewrites per process after a warm-up; s, median (min-max))", "",
+            "| gradient tensors | this tree | base | this / base |", "|---|---|---|---|",
+            f"| {tensors} | {med(mine):.3f} ({min(mine):.3f}-{max(mine):.3f}) | "
+            f"{med(base):.3f} ({min(base):.3f}-{max(base):.3f}) | {med(mine) / med(base):.2f} |"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tensors", type=int, default=1000)
     parser.add_argument("--width", type=int, default=32)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--baseline", default=None, help="a commit to time alongside")
+    parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
+    with open("/proc/loadavg") as f:
+        load = " ".join(f.read().split()[:3])
     trace_s, rewrite_s = [], []
     for _ in range(args.reps):
         step, params, x = make_step(args.tensors // 2, args.width)  # fresh: no trace cache
@@ -61,7 +135,7 @@ def main() -> None:
         rewrite_s.append(t2 - t1)
     n_psums = rewritten.num_psums
     buckets = len(rewritten.plans)
-    lines = report.header(f". Median (min-max) of {args.reps} runs.") + [
+    lines = report.header(f"; load average {load}. Median (min-max) of {args.reps} runs.") + [
         "",
         "| gradient tensors | psums rewritten | buckets | JAX tracing s | optimize rewrite + plan s |",
         "|---|---|---|---|---|",
@@ -69,6 +143,8 @@ def main() -> None:
         f"({min(trace_s):.3f}-{max(trace_s):.3f}) | {np.median(rewrite_s):.3f} "
         f"({min(rewrite_s):.3f}-{max(rewrite_s):.3f}) |",
     ]
+    if args.baseline:
+        lines += compare(args.baseline, args.tensors, args.reps, args.rounds)
     report.publish(lines, args.out)
 
 

@@ -463,17 +463,28 @@ def _prefix(values: Iterable[float]) -> list[float]:
 
 
 def _simulate_ranges(comp_prefix: list[float], byte_prefix: list[int], ranges: Sequence[tuple[int, int]],
-                     ks: Sequence[int], cost: CostModel) -> float:
+                     ks: Sequence[int], cost: CostModel,
+                     tensor_prefix: Sequence[int] | None = None) -> float:
+    """`simulate` on prefix sums; `tensor_prefix` (`_tensor_prefix`, made here if not given)
+    counts the layers with bytes, so that a plan scored many times counts them once."""
     C = comp_prefix[-1]
     lat = cost.latency_s
     T = P = 0.0
+    if tensor_prefix is None:
+        tensor_prefix = _tensor_prefix(byte_prefix)
     for (first, last), k in zip(ranges, ks):
         nbytes = byte_prefix[last + 1] - byte_prefix[first]
         if nbytes:
-            tensors = sum(byte_prefix[i + 1] > byte_prefix[i] for i in range(first, last + 1))
+            tensors = tensor_prefix[last + 1] - tensor_prefix[first]
             T, P = _collective(T, P, comp_prefix[last + 1], float(nbytes), lat, cost.overlap_bw[k], cost.solo_bw[k],
                                cost.slowdown[k], C, cost.pack_s(nbytes, tensors))
     return T + (C - P)
+
+
+def _tensor_prefix(byte_prefix: Sequence[int]) -> list[int]:
+    """Prefix counts of the layers that have bytes (the tensors a bucket packs)."""
+    return [0, *itertools.accumulate(int(byte_prefix[i + 1] > byte_prefix[i])
+                                     for i in range(len(byte_prefix) - 1))]
 
 
 def simulate(layers: Sequence[Layer], buckets: Sequence[Bucket], cost: CostModel) -> float:
@@ -646,12 +657,14 @@ def plan(layers: Sequence[Layer], cost: CostModel, *, fusion: bool = True,
         fixed = [[(0, n - 1)], *(_horovod_ranges(layers, thr) for thr in _HOROVOD_THRESHOLDS)]
         seeds += [(_within_reach(r, reach), k) for r in fixed for k in cost.keys]
         seeds += [(_within_reach(_mgwfbp_ranges(comp, byts, cost, k), reach), k) for k in cost.keys]
-    scored = [(_simulate_ranges(comp, byts, r, [k] * len(r), cost), r, [k] * len(r)) for r, k in seeds]
+    tensors = _tensor_prefix(byts)
+    scored = [(_simulate_ranges(comp, byts, r, [k] * len(r), cost, tensors), r, [k] * len(r))
+              for r, k in seeds]
     upper = min(c[0] for c in scored)
     found, _ = _search(comp, byts, cuts, free, cost, upper, reach=reach)
     if found is not None:
         r, ks = [(b.first, b.last) for b in found], [b.blocks for b in found]
-        scored.append((_simulate_ranges(comp, byts, r, ks, cost), r, ks))
+        scored.append((_simulate_ranges(comp, byts, r, ks, cost, tensors), r, ks))
     return _make_plan(layers, _best(scored, byts), cost)
 
 
@@ -667,19 +680,22 @@ def _lipschitz(cost: CostModel) -> float | None:
     return max(1.0, max(cost.slowdown[k] * (1.0 - cost.overlap_bw[k] / cost.solo_bw[k]) for k in cost.keys))
 
 
-def _thin(E: np.ndarray, Q: np.ndarray, keys: tuple[np.ndarray, ...], lam: float | None,
-          cap: int, scale: float) -> tuple[np.ndarray, float]:
+def _thin(E: np.ndarray, Q: np.ndarray, keys: Callable[[np.ndarray], tuple[np.ndarray, ...]],
+          lam: float | None, cap: int, scale: float) -> tuple[np.ndarray, float]:
     """Indices of the states to keep (progress ascending) and the time this may cost.
 
     Exact: Pareto dominance, then the Lipschitz rule (a state with less progress dominates one
     with more when ``T + lam * (P' - P) <= T'``). Bounded: if more than ``cap`` remain, keep the
     most advanced state of each of ``cap`` equal progress cells, costing at most ``lam * width``.
+    ``keys(indices)`` gives those states' tie keys, asked only for the states the sort sees.
     """
     # Compare on a grid of TIE_RTOL * scale so that states equal up to rounding tie, and the tie
     # keys (blocks, buckets, then the path) decide between them.
     quantum = TIE_RTOL * scale
     E, Q = np.round(E / quantum), np.round(Q / quantum)
-    order = np.lexsort((*keys[::-1], E, -Q))  # progress descending, then time, then tie keys
+    live = _beaten_from_above(E, Q)
+    order = live[np.lexsort((*keys(live)[::-1], E[live], -Q[live]))]
+    # progress descending, then time, then tie keys
     Es = E[order]
     keep = np.empty(order.size, dtype=bool)
     keep[0] = True
@@ -701,6 +717,28 @@ def _thin(E: np.ndarray, Q: np.ndarray, keys: tuple[np.ndarray, ...], lam: float
     last[-1] = True
     last[:-1] = cell[1:] != cell[:-1]
     return sel[last], (math.inf if lam is None else lam * width)
+
+
+def _beaten_from_above(E: np.ndarray, Q: np.ndarray) -> np.ndarray:
+    """Indices of the states (rounded times ``E``, progress ``Q``) that no state of a higher
+    cell of progress matches or beats on time (cells: about half as many as states, equal
+    widths between the least progress and the most).
+
+    A prefilter for `_thin`'s sort on every key, which is its cost: a state dropped here has a
+    state of strictly more progress and no more time, so the Pareto step would drop it too,
+    and what it dominates that state dominates as well: the selection is the same. Linear
+    passes only (no sort).
+    """
+    cells = max(64, E.size // 2)
+    lo, hi = float(Q.min()), float(Q.max())
+    if E.size <= 64 or hi <= lo:
+        return np.arange(E.size)
+    cell = ((Q - lo) * (cells / (hi - lo))).astype(np.int64)  # monotone in Q
+    np.minimum(cell, cells - 1, out=cell)
+    best = np.full(cells + 1, np.inf)
+    np.minimum.at(best, cell, E)
+    best = np.minimum.accumulate(best[::-1])[::-1]  # the best time in this cell or above
+    return np.flatnonzero(E < best[cell + 1])
 
 
 def _atoms(layers: Sequence[Layer], target: int, reach: Sequence[int] | None = None) -> list[int]:
@@ -966,10 +1004,11 @@ class _Search:
         (with fusion; a fixed grouping's front is only the new states)."""
         if not E.size:
             return front if self.free else front.take(np.zeros(0, dtype=np.int64))
-        blk, nb, src, kk = tie(r)
-        sel, loss = _thin(E, Q, (blk, nb, src, kk), self.lam, self.cap, max(self.upper, self.C, 1e-300))
+        sel, loss = _thin(E, Q, lambda idx: tie(r[idx]), self.lam, self.cap,
+                          max(self.upper, self.C, 1e-300))
         self.err += loss
-        E, Q, blk, nb, src, kk = (x[sel] for x in (E, Q, blk, nb, src, kk))
+        E, Q, r = E[sel], Q[sel], r[sel]
+        blk, nb, src, kk = tie(r)
         lag = E - Q
         run = np.minimum.accumulate(lag)
         first_min = np.concatenate(([True], lag[1:] < run[:-1]))

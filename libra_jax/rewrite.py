@@ -416,11 +416,13 @@ def rewrite_jaxpr(closed: Any, *, profile: Any = None, fusion: bool = True,
     report = OptimizeReport()
     options = _Options(profile=profile, fusion=fusion, blocks=blocks,
                        overlap=config.overlap_mode(overlap))
-    rewriter = _Rewriter(options, report, closed)
-    new_jaxpr = rewriter.jaxpr(closed.jaxpr, axis_sizes={}, scope="top", in_loop=False)
+    with _compat.memoized_sub_jaxprs():
+        rewriter = _Rewriter(options, report, closed)
+        new_jaxpr = rewriter.jaxpr(closed.jaxpr, axis_sizes={}, scope="top", in_loop=False)
+        maps_devices = _maps_devices(closed.jaxpr)
     for line in report.skipped:
         warn_once(f"libra_jax.optimize left an XLA psum in place: {line}")
-    if not report.plans and not report.skipped and not _maps_devices(closed.jaxpr):
+    if not report.plans and not report.skipped and not maps_devices:
         report.notes.append(NO_COLLECTIVES_NOTICE)
         warn_once(f"libra_jax.optimize: {NO_COLLECTIVES_NOTICE}")
     return _compat.closed_jaxpr(new_jaxpr, closed.consts), report
@@ -1010,18 +1012,25 @@ def _start_done(eqns: Sequence[Any], bucket: Sequence[_Site], axes: tuple, invar
 def _fingerprint(jaxpr: Any) -> int:
     """A 64-bit hash of a jaxpr's structure: every equation's primitive and result types,
     sub-jaxprs included (printing the jaxpr would take a second for 8000 equations)."""
-    h = hashlib.blake2b(digest_size=8)
+    parts: list[str] = []
+    types: dict[Any, str] = {}  # per aval: programs repeat a few types many times
+
+    def type_of(aval: Any) -> str:
+        text = types.get(aval)
+        if text is None:
+            dtype = getattr(aval, "dtype", None)
+            text = types[aval] = f"{getattr(aval, 'shape', ())}{getattr(dtype, 'char', '')};"
+        return text
 
     def visit(j: Any) -> None:
         for eqn in j.eqns:
-            h.update(eqn.primitive.name.encode())
-            for v in eqn.outvars:
-                dtype = getattr(v.aval, "dtype", None)
-                h.update(f"{getattr(v.aval, 'shape', ())}{getattr(dtype, 'char', '')};".encode())
+            parts.append(eqn.primitive.name)
+            parts.extend(type_of(v.aval) for v in eqn.outvars)
             for sub in _compat.jaxprs_in_params(eqn.params):
                 visit(getattr(sub, "jaxpr", sub))
     visit(jaxpr)
-    return int.from_bytes(h.digest(), "little")
+    digest = hashlib.blake2b("".join(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
 
 
 
