@@ -199,7 +199,12 @@ def _add_calibrate(subparsers: argparse._SubParsersAction) -> None:
                     "slowdown vs blocks, peak compute rate and memory bandwidth on the current backend; fit "
                     "the model and write a profile that optimize and psum(blocks=None) then use by default "
                     "(docs/calibration.md).")
-    p.add_argument("--quick", action="store_true", help="fewer sizes, blocks and repetitions (about 10-30 s)")
+    p.add_argument("--quick", action="store_true",
+                   help="fewer sizes, blocks and repetitions (about 10-30 s): a smoke test, "
+                        "written beside the default profile, not as it, unless --install")
+    p.add_argument("--install", action="store_true",
+                   help="install a --quick profile as the default (a full one is installed when it "
+                        "passes the quality gate)")
     p.add_argument("--out", metavar="PATH", default=None,
                    help="write the profile here (default: $LIBRA_JAX_PROFILE_DIR/<backend>.json, else "
                         "$XDG_CACHE_HOME/libra_jax/profiles/<backend>.json)")
@@ -221,7 +226,7 @@ def _run_calibrate(args: argparse.Namespace) -> int:
 
     try:
         return calibrate.run(quick=args.quick, out=args.out, devices=args.devices,
-                             progress=not args.no_progress)
+                             progress=not args.no_progress, install=args.install)
     except calibrate.CalibrationError as exc:
         print(f"libra-jax calibrate: cannot calibrate: {exc}", file=sys.stderr)
         return 1

@@ -16,7 +16,9 @@ pytest.importorskip("scipy")
 @pytest.fixture(scope="module")
 def tiny_profile(tmp_path_factory, jax_8):
     path = tmp_path_factory.mktemp("profiles") / "cpu.json"
-    out, doc = calibrate.calibrate(calibrate.TINY, devices=8, progress=False, out=path)
+    with warnings.catch_warnings():  # a tiny budget fails the quality gate: said, written anyway
+        warnings.simplefilter("ignore")
+        out, doc = calibrate.calibrate(calibrate.TINY, devices=8, progress=False, out=path)
     assert out == path
     return path, doc
 
@@ -40,7 +42,14 @@ def test_tiny_calibration_writes_a_valid_profile(tiny_profile) -> None:
     assert len(cal["samples"]["alone"]) == (len(calibrate.TINY.sizes) * len(calibrate.TINY.blocks)
                                             * calibrate.TINY.reps)
     fit = cal["analysis"]["alone"]["fit"]
-    assert np.isfinite(fit["rms_rel_error"]) and set(fit["ci95"]) == set(fit["params"])
+    assert np.isfinite(fit["rms_rel_error"])
+    assert set(fit["ci95"]) == set(fit["params"]) - {"softmin_p"}  # p is fixed, not fitted
+    assert fit["params"]["softmin_p"] == calibrate.fit.SOFTMIN_P
+    assert np.isfinite(cal["analysis"]["alone"]["free_softmin_p_fit"]["rms_rel_error"])
+    q = cal["quality"]
+    assert q["passed"] == (not q["failures"]) and q["limits"] == calibrate.GATE_LIMITS
+    assert set(q["conditions"]) == {"before", "after", "steal_fraction", "reference_drift"}
+    assert q["conditions"]["before"]["reference_s"] > 0
     derivation = model.derive(profile, 8)
     assert set(derivation.cost.slowdown) <= set(calibrate.TINY.blocks)
     assert all(s >= 1 for s in derivation.cost.slowdown.values())
@@ -229,3 +238,79 @@ def test_fusion_costs_recover_per_byte_and_per_all_reduce_costs() -> None:
     assert out["per_all_reduce_s"][0] == pytest.approx(h, rel=0.1)
     with pytest.raises(ValueError):
         calibrate.fusion_costs(0.0, (8, 2), 0.0, (16, 3))  # same bytes per tensor: not separable
+
+
+def _good_analysis(doc: dict) -> dict:
+    """The tiny run's analysis, with the numbers of a good full run on a quiet 2-core VM."""
+    import copy
+    a = copy.deepcopy(doc["calibration"]["analysis"])
+    fit = a["alone"]["fit"]
+    fit["rms_rel_error"] = 0.21
+    fit["ci95"] = {"beta_bytes_per_s": [13e9, 27e9], "link_bytes_per_s": [5.0e9, 6.1e9],
+                   "latency_s": [20e-6, 60e-6]}
+    share = a["slowdown"]["fair_share_fit"]
+    share["params"]["compute_threads"] = 10.3
+    share["ci95"] = {"compute_threads": [7.7, 12.4]}
+    return a
+
+
+QUIET = {"steal_fraction": 0.0, "reference_drift": 0.03, "before": {"others_runnable": 0.0},
+         "after": {"others_runnable": 0.0}}
+
+
+@pytest.mark.parametrize("change, named", [
+    (lambda a, c: None, None),
+    (lambda a, c: a["slowdown"]["fair_share_fit"]["params"].update(compute_threads=0.8),
+     "compute threads 0.8 for 8 devices"),
+    (lambda a, c: a["slowdown"]["fair_share_fit"]["params"].update(compute_threads=40.1),
+     "compute threads 40.1 for 8 devices"),
+    (lambda a, c: a["alone"]["fit"]["ci95"].update(link_bytes_per_s=[0.85e9, 5501e9]),
+     "link_bytes_per_s 95% interval"),
+    (lambda a, c: a["alone"]["fit"]["ci95"].update(link_bytes_per_s=[0.30e9, float("inf")]),
+     "link_bytes_per_s 95% interval"),
+    (lambda a, c: a["alone"]["fit"].update(rms_rel_error=0.58), "fit error rms 58% > 35%"),
+    (lambda a, c: c.update(steal_fraction=0.12), "12.0% of the host's CPU time was stolen"),
+    (lambda a, c: c.update(reference_drift=0.4), "reference computation ran 40% apart"),
+    (lambda a, c: c.update(before={"others_runnable": 2.0}), "2 other threads were runnable"),
+])
+def test_the_quality_gate_refuses_the_bad_runs_seen(tiny_profile, change, named) -> None:
+    """The gate's limits (`build.GATE_LIMITS`) against the bad runs of the issue: D = 0.8 and
+    40 on 8 devices, L intervals of 0.85-5501 GB/s and 0.30-inf, a 58% fit error, and a host
+    that others were using (steal time, the reference computation's drift). A good run passes."""
+    _, doc = tiny_profile
+    analysis, conditions = _good_analysis(doc), dict(QUIET)
+    change(analysis, conditions)
+    failures = calibrate.quality(analysis, 8, conditions)
+    if named is None:
+        assert failures == []
+    else:
+        assert len(failures) == 1 and named in failures[0], failures
+
+
+def test_a_failing_or_quick_calibration_is_not_installed(jax_8, monkeypatch, tmp_path) -> None:
+    """Only a full calibration that passes the gate becomes the default profile; a failing one
+    is written as cpu.rejected.json and a smoke test (quick) as cpu.quick.json, each with a
+    warning saying why, unless install=True for the smoke test."""
+    monkeypatch.setenv("LIBRA_JAX_PROFILE_DIR", str(tmp_path))
+    monkeypatch.setattr(calibrate, "quality", lambda *a: ["all-reduce fit error rms 58% > 35%"])
+    with pytest.warns(UserWarning, match="not installed as the default profile.*58%"):
+        path, _ = calibrate.calibrate(calibrate.TINY, devices=8, progress=False)
+    assert path == tmp_path / "cpu.rejected.json" and not (tmp_path / "cpu.json").exists()
+    monkeypatch.setattr(calibrate, "quality", lambda *a: [])
+    with pytest.warns(UserWarning, match="a quick calibration is a smoke test"):
+        path, _ = calibrate.calibrate(calibrate.TINY, devices=8, progress=False)
+    assert path == tmp_path / "cpu.quick.json" and not (tmp_path / "cpu.json").exists()
+    path, doc = calibrate.calibrate(calibrate.TINY, devices=8, progress=False, install=True)
+    assert path == tmp_path / "cpu.json" and doc["calibration"]["quality"]["passed"]
+    assert model.default_profile("cpu") == str(path) or model.load_profile(path)
+
+
+def test_host_conditions_are_measured() -> None:
+    c = calibrate.Conditions()
+    c.start()
+    got = c.finish()
+    assert got["before"]["reference_s"] > 0 and got["after"]["reference_s"] > 0
+    assert got["steal_fraction"] is None or 0.0 <= got["steal_fraction"] <= 1.0
+    assert got["reference_drift"] >= 0
+    assert got["before"]["others_runnable"] is None or got["before"]["others_runnable"] >= 0
+

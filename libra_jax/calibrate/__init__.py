@@ -79,7 +79,14 @@ from pathlib import Path
 from typing import Any
 
 from libra_jax import model
-from libra_jax.calibrate.build import analyse, build_profile, host_meta, summary
+from libra_jax.calibrate.build import (
+    GATE_LIMITS,
+    analyse,
+    build_profile,
+    host_meta,
+    quality,
+    summary,
+)
 from libra_jax.calibrate.fit import (
     CalibrationError,
     Fit,
@@ -95,29 +102,74 @@ from libra_jax.calibrate.fit import (
     median_ci,
     slowdown_from_windows,
 )
-from libra_jax.calibrate.measure import FULL, KIB, MIB, QUICK, TINY, Budget, Samples, measure
+from libra_jax.calibrate.measure import (
+    FULL,
+    KIB,
+    MIB,
+    QUICK,
+    TINY,
+    Budget,
+    Conditions,
+    Samples,
+    measure,
+    reference_seconds,
+)
 
 __all__ = [
     "CalibrationError", "Budget", "QUICK", "FULL", "TINY", "calibrate", "run", "fit_alone",
     "fit_overlap", "fit_slowdown_units", "fit_memory_traffic", "fit_fair_share",
     "slowdown_from_windows", "fusion_costs", "fusion_analysis", "host_cores", "build_profile",
     "median_ci", "alone_time_s", "Fit", "Samples", "measure", "analyse", "summary", "KIB", "MIB",
+    "quality", "GATE_LIMITS", "Conditions", "reference_seconds",
 ]
 
 
 def calibrate(budget: Budget = QUICK, *, devices: int | None = 8, progress: bool = True,
-              out: str | os.PathLike | None = None, seed: int = 0) -> tuple[Path, dict[str, Any]]:
-    """Measure, fit, validate and write the profile; returns (path, document)."""
+              out: str | os.PathLike | None = None, seed: int = 0,
+              install: bool | None = None) -> tuple[Path, dict[str, Any]]:
+    """Measure, fit, validate and write the profile; returns (path, document).
+
+    Where it goes: `out` if given. Else the default profile's path
+    (`model.calibrated_profile_path`), where `optimize` finds it, if it is installed: it
+    passes the quality gate (`build.quality`: fit error, interval widths, compute threads, the
+    host's steal time and a reference computation before and after) and the budget is not a
+    smoke test (`Budget.smoke`, e.g. `QUICK`) unless `install` is True. A profile that is not
+    installed is written beside the default as ``<backend>.rejected.json`` (failed the gate) or
+    ``<backend>.quick.json`` (a smoke test), with a warning naming why. The document records
+    the gate's verdict and the host's conditions (``calibration.quality``)."""
+    import warnings
+
     import jax
 
     t0 = time.perf_counter()
+    conditions = Conditions()
+    conditions.start()
     samples, workers = measure(budget, devices=devices, progress=progress, seed=seed)
+    host = conditions.finish()
     analysis = analyse(samples, workers, budget, seed=seed, cores=host_cores())
     backend = jax.default_backend()
     meta = host_meta(backend)
     meta["measure_seconds"] = round(time.perf_counter() - t0, 1)
+    failures = quality(analysis, workers, host)
+    meta["quality"] = {"passed": not failures, "failures": failures, "limits": GATE_LIMITS,
+                       "conditions": host}
     doc = build_profile(analysis, workers=workers, budget=budget, samples=samples, backend=backend, meta=meta)
-    path = Path(out) if out is not None else model.calibrated_profile_path(backend)
+    if out is not None:
+        path = Path(out)
+        if failures:
+            warnings.warn(f"libra-jax calibrate: the profile at {path} fails the quality gate: "
+                          + "; ".join(failures), stacklevel=2)
+    else:
+        path = model.calibrated_profile_path(backend)
+        if failures:
+            path = path.with_name(f"{backend}.rejected.json")
+            warnings.warn("libra-jax calibrate: not installed as the default profile (it fails the "
+                          f"quality gate: {'; '.join(failures)}); written to {path}", stacklevel=2)
+        elif budget.smoke and not install:
+            path = path.with_name(f"{backend}.quick.json")
+            warnings.warn("libra-jax calibrate: a quick calibration is a smoke test, not installed as "
+                          f"the default profile (--install installs it); written to {path}",
+                          stacklevel=2)
     model.profile_from_dict(doc, origin=repr(str(path)))  # never write a profile that will not load
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")
@@ -127,10 +179,10 @@ def calibrate(budget: Budget = QUICK, *, devices: int | None = 8, progress: bool
 
 
 def run(*, quick: bool = False, out: str | None = None, devices: int | None = 8, progress: bool = True,
-        budget: Budget | None = None) -> int:
+        budget: Budget | None = None, install: bool = False) -> int:
     """The ``calibrate`` subcommand's body."""
     budget = budget or (QUICK if quick else FULL)
-    path, doc = calibrate(budget, devices=devices, progress=progress, out=out)
+    path, doc = calibrate(budget, devices=devices, progress=progress, out=out, install=install)
     print(summary(doc))
     print(f"profile   wrote {path}")
     return 0

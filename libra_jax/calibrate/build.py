@@ -14,6 +14,7 @@ import numpy as np
 
 from libra_jax import model
 from libra_jax.calibrate.fit import (
+    SOFTMIN_P,
     Fit,
     alone_time_s,
     fit_alone,
@@ -98,15 +99,16 @@ def analyse(samples: Samples, workers: int, budget: Budget, seed: int = 0,
     points += [("overlap", c, ov[c], c[1] * min(1.0, P / (D + c[1]))) for c in sorted(ov)]
     med = [median_ci(p[2]) for p in points]
 
-    def time_fit(pick: Callable[[int], float]) -> Fit:
+    def time_fit(pick: Callable[[int], float], sharpness: float | None = SOFTMIN_P) -> Fit:
         return fit_alone([p[1][0] for p in points], [p[3] for p in points], [pick(i) for i in range(len(points))],
-                         workers)
+                         workers, softmin_p=sharpness)
 
     solo = time_fit(lambda i: med[i][0])
+    free = time_fit(lambda i: med[i][0], None)  # p fitted too: what fixing it costs, same samples
     boots = [time_fit(lambda i: float(np.median(rng.choice(points[i][2], len(points[i][2]))))).params
              for _ in range(budget.bootstrap)]
     solo.ci = {k: (float(np.percentile([b[k] for b in boots], 2.5)), float(np.percentile([b[k] for b in boots], 97.5)))
-               for k in solo.params}
+               for k in solo.params if k not in FIXED_PARAMETERS}
     sp = solo.params
     pred = alone_time_s(np.array([p[1][0] for p in points], float), np.array([p[3] for p in points]), workers,
                         sp["beta_bytes_per_s"], sp["link_bytes_per_s"], sp["softmin_p"], sp["latency_s"])
@@ -123,7 +125,8 @@ def analyse(samples: Samples, workers: int, budget: Budget, seed: int = 0,
     a_rows, a_rms, a_max = part("alone")
     o_rows, o_rms, o_max = part("overlap")
     result["alone"] = {"fit": solo.as_json(), "arrival_skew_s": skew, "medians": a_rows,
-                       "rms_rel_error": a_rms, "max_rel_error": a_max}
+                       "rms_rel_error": a_rms, "max_rel_error": a_max,
+                       "free_softmin_p_fit": free.as_json()}
     result["overlap"] = {"prediction": {"rms_rel_error": o_rms, "max_rel_error": o_max}, "medians": o_rows,
                          "ended_inside_fraction": len(inside) / max(1, sum("seconds" in s for s in samples.overlap))}
 
@@ -220,7 +223,8 @@ def build_profile(analysis: dict[str, Any], *, workers: int, budget: Budget, sam
             "block_options": _q(list(budget.blocks), "measured", "block counts calibrated"),
             "threads_per_block": _q(1, "assumption", "one engine worker task per block"),
             "per_block_gbyte_per_s": _q(solo["beta_bytes_per_s"] / model.BYTES_PER_GBYTE, "measured", cal),
-            "softmin_p": _q(solo["softmin_p"], "measured", cal),
+            "softmin_p": _q(solo["softmin_p"], "assumption",
+                            "fixed (calibrate.fit.SOFTMIN_P): the data pin beta and L, not p as well"),
             "cores": _q(analysis["cores"], "measured", "CPUs this process may run on"),
             "compute_threads": _q(share["compute_threads"], "measured",
                                   "fitted: slowdown max(1, (D+k)/P) / max(1, D/P) of both chains"),
@@ -240,6 +244,71 @@ def build_profile(analysis: dict[str, Any], *, workers: int, budget: Budget, sam
         },
     }
     return doc
+
+
+#: What a calibration must meet to be installed as the default profile (`quality`). A run that
+#: fails is still written (with a warning naming what failed), next to the default, not as it.
+GATE_LIMITS: dict[str, Any] = {
+    # the joint fit of alone and overlapped all-reduce times (a bad run seen: 58%)
+    "fit_rms_max": 0.35,
+    # each fitted parameter's 95% interval, high / low (bad runs seen: 0.85-5501 and 0.30-inf GB/s)
+    "interval_ratio_max": 8.0,
+    # compute threads per device (one device runs one to two; bad runs seen: 0.1 and 5)
+    "compute_threads_per_device": [0.5, 3.0],
+    # the host's CPU time stolen by other tenants during the measurements
+    "steal_fraction_max": 0.05,
+    # the reference computation after the measurements against before
+    "reference_drift_max": 0.25,
+    # threads runnable besides calibration's, before or after it, per core
+    "others_runnable_per_core_max": 0.5,
+}
+
+
+#: Parameters calibration does not fit (no interval to judge).
+FIXED_PARAMETERS = frozenset({"softmin_p"})
+
+
+def quality(analysis: dict[str, Any], workers: int,
+            conditions: dict[str, Any] | None) -> list[str]:
+    """Why the fitted profile should not become the default: one line per limit it exceeds
+    (`GATE_LIMITS`), naming the quantity and the limit; empty when it meets them all."""
+    lim = GATE_LIMITS
+    failed = []
+    fit = analysis["alone"]["fit"]
+    if not fit["rms_rel_error"] <= lim["fit_rms_max"]:
+        failed.append(f"all-reduce fit error rms {fit['rms_rel_error'] * 100:.0f}% > "
+                      f"{lim['fit_rms_max'] * 100:.0f}%")
+    share = analysis["slowdown"]["fair_share_fit"]
+    intervals = {**fit["ci95"], **share["ci95"]}
+    for name, (lo, hi) in intervals.items():
+        if name in FIXED_PARAMETERS:
+            continue
+        ratio = hi / lo if lo > 0 else math.inf
+        if not ratio <= lim["interval_ratio_max"]:
+            failed.append(f"{name} 95% interval {lo:.3g}-{hi:.3g} (x{ratio:.3g}) wider than "
+                          f"x{lim['interval_ratio_max']:g}")
+    per_device = share["params"]["compute_threads"] / max(1, workers)
+    lo, hi = lim["compute_threads_per_device"]
+    if not lo <= per_device <= hi:
+        failed.append(f"compute threads {share['params']['compute_threads']:.3g} for {workers} "
+                      f"devices ({per_device:.2f} per device) outside {lo:g}-{hi:g} per device")
+    if conditions:
+        steal = conditions.get("steal_fraction")
+        if steal is not None and steal > lim["steal_fraction_max"]:
+            failed.append(f"{steal * 100:.1f}% of the host's CPU time was stolen by other tenants "
+                          f"(> {lim['steal_fraction_max'] * 100:.0f}%)")
+        cores = analysis.get("cores") or 1
+        for when in ("before", "after"):
+            others = (conditions.get(when) or {}).get("others_runnable")
+            if others is not None and others / cores > lim["others_runnable_per_core_max"]:
+                failed.append(f"{others:g} other threads were runnable on {cores:g} cores {when} "
+                              "the measurements: something else was using the host")
+                break
+        drift = conditions.get("reference_drift")
+        if drift is not None and drift > lim["reference_drift_max"]:
+            failed.append(f"the reference computation ran {drift * 100:.0f}% apart before and after "
+                          f"(> {lim['reference_drift_max'] * 100:.0f}%): the host was not quiet")
+    return failed
 
 
 def host_meta(backend: str) -> dict[str, Any]:
@@ -274,7 +343,9 @@ def summary(doc: dict[str, Any]) -> str:
         f"({ci['beta_bytes_per_s'][0] / 1e9:.2f}-{ci['beta_bytes_per_s'][1] / 1e9:.2f}), cap L "
         f"{s['link_bytes_per_s'] / 1e9:.2f} GB/s "
         f"({ci['link_bytes_per_s'][0] / 1e9:.2f}-{ci['link_bytes_per_s'][1] / 1e9:.2f}), "
-        f"p {s['softmin_p']:.2f}, latency {s['latency_s'] * 1e6:.0f} us "
+        f"p {s['softmin_p']:.2f} (fixed; free: error rms "
+        f"{a['alone'].get('free_softmin_p_fit', sf)['rms_rel_error'] * 100:.1f}%), "
+        f"latency {s['latency_s'] * 1e6:.0f} us "
         f"(arrival skew {a['alone']['arrival_skew_s'] * 1e6:.0f} us, "
         f"not in the latency); one fit of alone and overlapped times: error rms {sf['rms_rel_error'] * 100:.1f}% "
         f"(alone {a['alone']['rms_rel_error'] * 100:.1f}%, max {a['alone']['max_rel_error'] * 100:.1f}%)",
@@ -295,4 +366,15 @@ def summary(doc: dict[str, Any]) -> str:
         f"all-reduce {fc['per_all_reduce_s'][0] * 1e6:.0f} us ({fc['per_all_reduce_s'][1] * 1e6:.0f}-"
         f"{fc['per_all_reduce_s'][2] * 1e6:.0f})",
     ]
+    q = doc["calibration"].get("quality")
+    if q is not None:
+        cond = q.get("conditions") or {}
+        steal = cond.get("steal_fraction")
+        drift = cond.get("reference_drift")
+        lines.append("host      " + ", ".join([
+            f"steal {steal * 100:.1f}%" if steal is not None else "steal unknown",
+            f"reference computation {drift * 100:.0f}% apart before/after"
+            if drift is not None else "reference unknown"]))
+        lines.append("quality   " + ("passed" if q["passed"] else
+                                     "FAILED: " + "; ".join(q["failures"])))
     return "\n".join(lines)

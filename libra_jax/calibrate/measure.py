@@ -18,11 +18,10 @@ from libra_jax.calibrate.fit import CalibrationError
 KIB, MIB = 1 << 10, 1 << 20
 
 
-
-
 @dataclass(frozen=True)
 class Budget:
-    """What one calibration run measures."""
+    """What one calibration run measures. A ``smoke`` budget (`QUICK`, `TINY`) checks that
+    calibration works; its profile is not installed as the default unless asked."""
 
     sizes: tuple[int, ...]            # bytes per device of the solo all-reduces
     overlap_sizes: tuple[int, ...]    # bytes per device of the overlapped all-reduces
@@ -37,6 +36,7 @@ class Budget:
     pack_tensors: int = 8             # its gradient tensors
     pack_small_bytes: int = 1 * MIB   # the same with many small tensors
     pack_small_tensors: int = 64
+    smoke: bool = False
 
 
 FULL = Budget(sizes=(64 * KIB, 256 * KIB, 1 * MIB, 4 * MIB, 16 * MIB), overlap_sizes=(4 * MIB, 16 * MIB),
@@ -44,13 +44,100 @@ FULL = Budget(sizes=(64 * KIB, 256 * KIB, 1 * MIB, 4 * MIB, 16 * MIB), overlap_s
 
 
 QUICK = Budget(sizes=(256 * KIB, 1 * MIB, 4 * MIB), overlap_sizes=(4 * MIB,), blocks=(1, 2, 4), reps=10,
-               pack_bytes=4 * MIB, pack_small_bytes=512 * KIB, pack_small_tensors=32)
+               pack_bytes=4 * MIB, pack_small_bytes=512 * KIB, pack_small_tensors=32, smoke=True)
 
 
 #: For tests: seconds, not minutes.
 TINY = Budget(sizes=(64 * KIB, 512 * KIB), overlap_sizes=(256 * KIB,), blocks=(1, 2), reps=2,
               matmul_n=128, matmul_iters=6, stream_bytes=1 * MIB, stream_iters=4, bootstrap=8,
-              pack_bytes=256 * KIB, pack_tensors=4, pack_small_bytes=64 * KIB, pack_small_tensors=8)
+              pack_bytes=256 * KIB, pack_tensors=4, pack_small_bytes=64 * KIB, pack_small_tensors=8,
+              smoke=True)
+
+
+# --- What the host was doing -------------------------------------------------------------------
+#
+# On a shared VM the load average need not show co-tenants: the hypervisor's steal time
+# (/proc/stat) and a fixed computation timed before and after the measurements do; the threads
+# runnable besides this one (procs_running) show a competing process on this host.
+
+def _cpu_jiffies() -> tuple[int, int] | None:
+    """(steal, total) CPU time of the host so far, in jiffies (/proc/stat); None elsewhere."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu" or len(fields) < 9:
+        return None
+    values = [int(v) for v in fields[1:]]
+    return values[7], sum(values[:8])  # user nice system idle iowait irq softirq steal
+
+
+def _others_runnable(samples: int = 9, pause_s: float = 0.02) -> float | None:
+    """Median count of runnable threads other than this one (/proc/stat ``procs_running``,
+    sampled): a process competing for the cores shows here at once, where the load average
+    lags by a minute."""
+    counts = []
+    for _ in range(samples):
+        try:
+            with open("/proc/stat") as f:
+                line = next((l for l in f if l.startswith("procs_running")), "")
+        except OSError:
+            return None
+        if not line:
+            return None
+        counts.append(int(line.split()[1]) - 1)  # this thread, reading
+        time.sleep(pause_s)
+    return float(np.median(counts))
+
+
+def _load_average() -> list[float] | None:
+    try:
+        with open("/proc/loadavg") as f:
+            return [float(v) for v in f.read().split()[:3]]
+    except (OSError, ValueError):
+        return None
+
+
+def reference_seconds(repeat: int = 9) -> float:
+    """Fastest of `repeat` timings of a fixed single-threaded computation (twenty streaming
+    passes over 4 MiB with numpy; no BLAS, whose threads would react to other work): the same
+    on a quiet host, slower when something takes its core or memory bandwidth. The fastest,
+    not the median: noise only ever adds time."""
+    v = np.ones(1 << 19)
+    best = math.inf
+    for _ in range(repeat):
+        t = time.perf_counter()
+        for _ in range(20):
+            float(np.multiply(v, 1.0001).sum())
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+class Conditions:
+    """The host's conditions over a calibration: `start` before the measurements, `finish`
+    after; `finish` returns what is recorded in the profile (`build.quality` judges it)."""
+
+    def __init__(self) -> None:
+        self._jiffies: tuple[int, int] | None = None
+        self._before: dict[str, Any] = {}
+
+    def start(self) -> None:
+        self._before = {"load_average": _load_average(), "others_runnable": _others_runnable(),
+                        "reference_s": reference_seconds()}
+        self._jiffies = _cpu_jiffies()
+
+    def finish(self) -> dict[str, Any]:
+        jiffies = _cpu_jiffies()
+        time.sleep(0.5)  # XLA's and the engine's threads go idle after the last measurement
+        steal = None
+        if self._jiffies is not None and jiffies is not None and jiffies[1] > self._jiffies[1]:
+            steal = (jiffies[0] - self._jiffies[0]) / (jiffies[1] - self._jiffies[1])
+        after = {"load_average": _load_average(), "others_runnable": _others_runnable(),
+                 "reference_s": reference_seconds()}
+        ref0, ref1 = self._before.get("reference_s"), after["reference_s"]
+        return {"before": self._before, "after": after, "steal_fraction": steal,
+                "reference_drift": (abs(ref1 / ref0 - 1.0) if ref0 else None)}
 
 
 def _progress(total: int, enabled: bool, desc: str) -> Any:
