@@ -174,12 +174,17 @@ def build_profile(analysis: dict[str, Any], *, workers: int, budget: Budget, sam
     else:
         copy_q = _q(mem / FUSION_COPY_FALLBACK_TRAFFIC / model.BYTES_PER_GBYTE, "assumption",
                     "no measurable fusion cost: half the streaming bandwidth")
+    # The one definition of the per-all-reduce latency (the shipped cpu-host's too): what one
+    # more all-reduce costs a train step, from the paired fusion train steps. The alone fit's
+    # intercept (the engine's own latency, arrival skew excluded) stands in only where those
+    # steps give no positive cost.
     h = analysis["fusion_copy"]["per_all_reduce_s"][0]
-    if h > solo["latency_s"]:
-        latency_q = _q(h * 1e6, "measured", f"cost of one more all-reduce in a train step (fusion train steps); "
-                                            f"alone, the fitted intercept is {solo['latency_s'] * 1e6:.0f} us")
+    if math.isfinite(h) and h > 0:
+        latency_q = _q(h * 1e6, "measured", f"cost of one more all-reduce in a train step (paired fusion train "
+                                            f"steps); alone, the fitted intercept is {solo['latency_s'] * 1e6:.0f} us")
     else:
-        latency_q = _q(solo["latency_s"] * 1e6, "measured", "fitted intercept (arrival skew excluded)")
+        latency_q = _q(solo["latency_s"] * 1e6, "measured",
+                       "fitted intercept of the alone times (the fusion train steps gave no positive cost)")
     cal = "measured by libra-jax calibrate"
     doc = {
         "schema_version": model.SCHEMA_VERSION,
