@@ -30,6 +30,7 @@ from libra_jax import config as _config  # pure Python: no JAX, no extension
 _config.request_nccl_launch_order()
 
 if TYPE_CHECKING:  # what a type checker sees; at run time they load lazily (`__getattr__`)
+    from libra_jax._ffi import build_info
     from libra_jax.allreduce import MAX_BLOCKS, default_blocks, patch_lax, pmean, psum
     from libra_jax.explanation import Explanation, explain
     from libra_jax.model import Profile, load_profile
@@ -40,10 +41,12 @@ __all__ = [
     "optimize", "rewrite_jaxpr", "OptimizeReport", "PsumPlan",
     "explain", "Explanation",
     "Profile", "load_profile",
+    "build_info",
 ]
 
 # Public name -> module that defines it.
 _LAZY = {
+    "build_info": "libra_jax._ffi",
     "psum": "libra_jax.allreduce",
     "pmean": "libra_jax.allreduce",
     "patch_lax": "libra_jax.allreduce",

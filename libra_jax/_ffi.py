@@ -11,6 +11,7 @@ import ctypes
 import os
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import jax
 
@@ -186,6 +187,34 @@ def ensure_cuda_registered() -> bool:
                 jax.ffi.register_ffi_target(name, target, platform="CUDA", api_version=1)
             _cuda_registered = True
     return HAS_CUDA
+
+
+def build_info() -> dict[str, Any]:
+    """What this build of libra_jax can do on a GPU, and what it finds at run time.
+
+    ``cuda``: whether the CUDA calls were compiled (they are when the build finds a CUDA
+    compiler); with them, the compiler's path and version and the GPU architectures built for.
+    ``nccl``: the NCCL libra loads at run time (`libra_jax._nccl`): its path, version and CTA
+    route, or why there is none. A GPU user whose build has no CUDA calls gets XLA's all-reduce,
+    with a one-time notice, whatever ``LIBRA_JAX_CUDA`` says."""
+    from libra_jax import _nccl, config
+
+    info: dict[str, Any] = {"version": _package_version(), "cuda": HAS_CUDA,
+                            "cuda_path": config.cuda_path()}
+    info.update(getattr(_libra_ffi, "CUDA_BUILD", {}))
+    ok, why = _nccl.available()
+    if ok:
+        lib = _nccl.library()
+        info["nccl"] = {"path": lib.path, "version": lib.version, "route": lib.route,
+                        "max_ctas": lib.max_ctas}
+    else:
+        info["nccl"] = {"error": why}
+    return info
+
+
+def _package_version() -> str:
+    from libra_jax import __version__
+    return __version__
 
 
 def cuda_effective_blocks(nbytes: int, nranks: int, algorithm: int, blocks: int) -> int:

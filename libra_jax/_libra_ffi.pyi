@@ -2,6 +2,7 @@
 from typing import Any
 
 HAS_CUDA: bool
+CUDA_BUILD: dict[str, str]  # CUDA builds only: cuda_compiler, cuda_version, cuda_architectures
 CUDA_MAX_RANKS: int
 MAX_BLOCKS: int
 MIN_CHUNK_BYTES: int

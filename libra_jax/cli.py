@@ -330,8 +330,11 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from libra_jax import __version__
+
     parser = _Parser(prog="libra-jax",
                      description="Libra: contention-aware all-reduce allocation for JAX.")
+    parser.add_argument("--version", action="version", version=f"libra-jax {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True,
                                        parser_class=_Parser)
     for add in SUBCOMMANDS:

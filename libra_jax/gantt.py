@@ -5,9 +5,10 @@
 the speed it ran at, and each collective's packing, latency, overlapped and solo phases. Its end
 time is ``simulate``'s, so the chart shows exactly what the planner optimised.
 
-:func:`draw` renders the timeline with matplotlib, which is an optional dependency: it is imported
-only when a chart is drawn, and its absence raises a :class:`MissingDependencyError` that says how
-to install it.
+:func:`chart` renders the timeline with matplotlib (a Figure with a legend, every bucket named)
+and :func:`draw` writes it to a file. matplotlib is an optional dependency: it is imported only
+when a chart is drawn, without pyplot (so the user's backend is left alone), and its absence
+raises a :class:`MissingDependencyError` that says how to install it.
 """
 from __future__ import annotations
 
@@ -16,12 +17,13 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
     from libra_jax.planner import Bucket, CostModel, Layer
 
-__all__ = ["ComputeSpan", "CollectiveSpan", "Timeline", "timeline", "draw", "MissingDependencyError"]
+__all__ = ["ComputeSpan", "CollectiveSpan", "Timeline", "timeline", "chart", "draw", "LEGEND",
+           "MissingDependencyError"]
 
 
 class MissingDependencyError(ImportError):
@@ -109,50 +111,94 @@ def _merge(spans: list[ComputeSpan]) -> list[ComputeSpan]:
     return out
 
 
-def _pyplot():
+def _figure_class() -> Any:
+    """matplotlib's Figure, drawn without pyplot (so without choosing a backend for the user:
+    a notebook keeps its own)."""
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from matplotlib.figure import Figure
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise MissingDependencyError(
             "drawing a Gantt chart needs matplotlib, which is not installed; "
             "install it with `pip install matplotlib` (or the package's `plot` extra)") from exc
-    return plt
+    return Figure
 
 
-def draw(tl: Timeline, path: str | Path, *, title: str = "", key_unit: str = "blocks") -> Path:
-    """Write a Gantt chart of ``tl`` to ``path`` (PNG, or any format matplotlib infers).
+#: The chart's parts, as its legend names them.
+LEGEND = ("compute (darker: slowed by a collective)", "all-reduce latency",
+          "all-reduce beside compute", "all-reduce alone")
+#: A bucket narrower than this share of the backward pass is listed under the chart, not labelled.
+LABEL_MIN_SHARE = 0.03
 
-    Row "compute": each layer's stretches, darker where a collective slowed it (label: slowdown).
-    Row "all-reduce": each collective, hatched during its latency, light while overlapped with
-    compute, dark once alone; labelled with its allocation in ``key_unit``.
+
+def chart(tl: Timeline, *, title: str = "", key_unit: str = "blocks") -> Any:
+    """The Gantt chart of ``tl`` as a matplotlib Figure (what `draw` writes).
+
+    Row "compute": each layer's stretches, darker where a collective slowed it. Row
+    "all-reduce": each collective (bucket ``#i``, in order), hatched during its latency, light
+    while overlapped with compute, dark once alone. Every bucket is named: on the bar when it is
+    wide enough (``#i: allocation``), else in the list under the chart, with its times.
     """
-    plt = _pyplot()
+    figure = _figure_class()  # first: says how to install matplotlib if it is missing
+    from matplotlib import cm
+    from matplotlib.patches import Patch
+
+    fig = figure(figsize=(12, 3.6))
+    ax = fig.add_subplot()
     ms = 1e3
-    fig, ax = plt.subplots(figsize=(12, 3.2))
     max_slow = max([s.slowdown for s in tl.compute] + [1.0])
     for s in tl.compute:
         shade = 0.25 + 0.65 * ((s.slowdown - 1.0) / (max_slow - 1.0) if max_slow > 1 else 0.0)
-        ax.barh(1, (s.end - s.start) * ms, left=s.start * ms, height=0.6, color=plt.cm.Oranges(shade),
+        ax.barh(1, (s.end - s.start) * ms, left=s.start * ms, height=0.6, color=cm.Oranges(shade),
                 linewidth=0)
+    listed = []
     for c in tl.collectives:
         ax.barh(0, (c.latency_end - c.start) * ms, left=c.start * ms, height=0.6, color="lightgray",
                 hatch="///", edgecolor="gray", linewidth=0.3)
         ax.barh(0, (c.solo_start - c.latency_end) * ms, left=c.latency_end * ms, height=0.6,
-                color=plt.cm.Blues(0.45), edgecolor="white", linewidth=0.3)
-        ax.barh(0, (c.end - c.solo_start) * ms, left=c.solo_start * ms, height=0.6, color=plt.cm.Blues(0.85),
-                edgecolor="white", linewidth=0.3)
-        if (c.end - c.start) > 0.03 * tl.backward_s:
-            ax.text((c.start + c.end) / 2 * ms, 0, f"{c.blocks}", ha="center", va="center", fontsize=7,
+                color=cm.Blues(0.45), edgecolor="white", linewidth=0.3)
+        ax.barh(0, (c.end - c.solo_start) * ms, left=c.solo_start * ms, height=0.6,
+                color=cm.Blues(0.85), edgecolor="white", linewidth=0.3)
+        ax.axvline(c.start * ms, ymin=0.05, ymax=0.45, color="black", linewidth=0.4)
+        name = f"#{c.bucket}: {c.blocks}"
+        if (c.end - c.start) > LABEL_MIN_SHARE * tl.backward_s:
+            ax.text((c.start + c.end) / 2 * ms, 0, name, ha="center", va="center", fontsize=7,
                     color="black")
-    ax.set_yticks([0, 1], [f"all-reduce\n(label: {key_unit})", f"compute\n(darker: slower,\nup to {max_slow:.2f}x)"])
+        else:
+            listed.append(f"{name} {c.start * ms:.2f}-{c.end * ms:.2f}")
+    ax.set_yticks([0, 1], [f"all-reduce\n(#bucket: {key_unit})",
+                           f"compute\n(up to {max_slow:.2f}x slower)"])
     ax.set_xlabel("time since backward start (ms)")
     ax.set_xlim(0, tl.backward_s * ms * 1.01)
+    ax.set_ylim(-0.6, 1.9)
     ax.set_title(title or f"predicted backward pass: {tl.backward_s * ms:.2f} ms")
-    fig.tight_layout()
+    handles = [Patch(color=cm.Oranges(0.6)), Patch(facecolor="lightgray", hatch="///",
+                                                 edgecolor="gray"),
+               Patch(color=cm.Blues(0.45)), Patch(color=cm.Blues(0.85))]
+    ax.legend(handles, LEGEND, loc="upper center", ncol=4, fontsize=7, frameon=False,
+              bbox_to_anchor=(0.5, 1.0))
+    if listed:
+        text = "narrow buckets (ms): " + ", ".join(listed)
+        lines = _wrap(text, 190)
+        fig.text(0.01, 0.01, "\n".join(lines), fontsize=6, va="bottom")
+        fig.tight_layout(rect=(0, 0.04 + 0.03 * len(lines), 1, 1))
+    else:
+        fig.tight_layout()
+    return fig
+
+
+def _wrap(text: str, width: int) -> list[str]:
+    lines, line = [], ""
+    for word in text.split(" "):
+        if line and len(line) + 1 + len(word) > width:
+            lines.append(line)
+            line = word
+        else:
+            line = f"{line} {word}" if line else word
+    return lines + [line]
+
+
+def draw(tl: Timeline, path: str | Path, *, title: str = "", key_unit: str = "blocks") -> Path:
+    """Write `chart` of ``tl`` to ``path`` (PNG, or any format matplotlib infers)."""
     path = Path(path)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    chart(tl, title=title, key_unit=key_unit).savefig(path, dpi=120)
     return path

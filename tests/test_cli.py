@@ -347,3 +347,46 @@ def test_interrupt_and_runtime_errors_are_one_line(capsys, monkeypatch) -> None:
     assert cli.main(parser_args) == 1
     assert capsys.readouterr().err.strip() == ("libra-jax simulate: error: RuntimeError: the "
                                                "engine is gone")
+
+
+def test_version_has_one_source() -> None:
+    """`libra-jax --version`, `python -m libra_jax --version` and the installed metadata all
+    give `libra_jax.__version__` (pyproject reads it from libra_jax/__init__.py)."""
+    import importlib.metadata
+    import subprocess
+    import sys
+
+    import libra_jax
+
+    assert importlib.metadata.version("libra_jax") == libra_jax.__version__
+    for cmd in ([sys.executable, "-m", "libra_jax", "--version"],):
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0 and proc.stdout.strip() == f"libra-jax {libra_jax.__version__}"
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--version"])
+    assert exit_.value.code == 0
+
+
+def test_gantt_chart_has_a_legend_and_names_every_bucket() -> None:
+    """VGG16's plan has buckets too narrow to label on the bar (the 256 and 4096 ones were
+    invisible): each is then listed under the chart; the legend names every part. The chart
+    is drawn without pyplot, so the user's matplotlib backend stays as it was."""
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    from libra_jax import zoo
+
+    backend = matplotlib.get_backend()
+    profile = model.load_profile("libra-testbed")
+    derivation = model.derive(profile, 8)
+    w = zoo.training_workload("vgg16", flop_per_s=profile.device.flop_per_s(),
+                              bytes_per_s=profile.device.bytes_per_s())
+    plan = planner.plan(list(w.layers), derivation.cost)
+    tl = gantt.timeline(list(w.layers), plan.buckets, derivation.cost)
+    fig = gantt.chart(tl)
+    ax = fig.axes[0]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == list(gantt.LEGEND)
+    texts = " ".join(t.get_text() for t in ax.texts) + " ".join(t.get_text() for t in fig.texts)
+    for c in tl.collectives:
+        assert f"#{c.bucket}: {c.blocks}" in texts, c.bucket
+    assert matplotlib.get_backend() == backend

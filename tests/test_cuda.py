@@ -2,6 +2,7 @@
 (on any machine), and the kernels through JAX on GPUs (skipped without one)."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -471,3 +472,19 @@ def test_gpu_check_skips_what_its_budget_has_no_room_for(tmp_path):
     assert not re.search(r"^\S+ +(PASS|FAIL)", summary, re.M), summary
     files = [p for p in (tmp_path / "out").rglob("*") if p.is_file()]
     assert len(files) <= 6, files
+
+
+def test_build_info_says_what_the_build_has():
+    # In a subprocess: build_info opens NCCL, once per process (here: one that does not load).
+    code = "import json, libra_jax; print('INFO', json.dumps(libra_jax.build_info()))"
+    env = {**os.environ, "LIBRA_JAX_NCCL_LIBRARY": "/nonexistent/libnccl.so.2", "XLA_FLAGS": ""}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    info = json.loads(proc.stdout.split("INFO", 1)[1])
+    assert info["version"] == libra_jax.__version__ and info["cuda"] == _ffi.HAS_CUDA
+    assert info["cuda_path"] in ("xla", "p2p", "nccl")
+    assert "cannot load /nonexistent/libnccl.so.2" in info["nccl"]["error"]
+    if _ffi.HAS_CUDA:  # the compiler CMake used, its version and the archs built for
+        assert info["cuda_compiler"].endswith("nvcc") and info["cuda_version"][:2].isdigit()
+        assert "90" in info["cuda_architectures"]

@@ -193,6 +193,13 @@ NB_MODULE(_libra_ffi, m) {
   m.attr("REGISTRY_VERSION") = kLibraFfiRegistryVersion;
 #ifdef LIBRA_WITH_CUDA
   m.attr("HAS_CUDA") = true;
+  {
+    nb::dict build;
+    build["cuda_compiler"] = LIBRA_BUILD_CUDA_COMPILER;
+    build["cuda_version"] = LIBRA_BUILD_CUDA_VERSION;
+    build["cuda_architectures"] = LIBRA_BUILD_CUDA_ARCHS;
+    m.attr("CUDA_BUILD") = build;
+  }
   m.attr("CUDA_MAX_RANKS") = libra_ffi::kCudaMaxRanks;
   m.def("cuda_pending_starts", &libra_ffi::CudaPendingStarts,
         "CUDA and NCCL start/done pairs started and not yet done (stale ones expire: "
