@@ -62,11 +62,24 @@ std::string ReadFile(const std::string& path) {
   return text;
 }
 
+// Points the stub's log at `name` in the test directory; returns its path.
+std::string StubLog(const char* name) {
+  const std::string log = std::string(std::getenv("NCCL_STUB_DIR")) + "/" + name;
+  setenv("NCCL_STUB_LOG", log.c_str(), 1);
+  return log;
+}
+
+// The process's communicator cache, its library opened on the stub.
+nccl::Communicators& StubCommunicators(const nccl::Library** lib) {
+  nccl::Communicators& comms = nccl::Communicators::Get();
+  CHECK(comms.Open(stub_path, lib).ok() && *lib != nullptr);
+  return comms;
+}
+
 // What reaches the stub (which keeps NCCL's version rules): the CTA fields of a
 // pinned communicator on 2.17-2.30, the channel maximum, no limit below 2.17.
 void TestCtaLimitsReachNccl() {
-  const std::string log = std::string(std::getenv("NCCL_STUB_DIR")) + "/cta.log";
-  setenv("NCCL_STUB_LOG", log.c_str(), 1);
+  const std::string log = StubLog("cta.log");
   std::unique_ptr<nccl::Library> lib;
   const std::pair<const char*, int> versions[] = {{"21700", 32}, {"22400", 32}, {"23000", 64}};
   for (const auto& [version, most] : versions) {
@@ -97,11 +110,9 @@ void TestCtaLimitsReachNccl() {
 // kDeadlineExceeded and the communicator is aborted (the stub logs it), never a hang; the
 // cache forgets it.
 void TestMissingRankTimesOut() {
-  const std::string log = std::string(std::getenv("NCCL_STUB_DIR")) + "/timeout.log";
-  setenv("NCCL_STUB_LOG", log.c_str(), 1);
+  const std::string log = StubLog("timeout.log");
   const nccl::Library* lib = nullptr;
-  nccl::Communicators& comms = nccl::Communicators::Get();
-  CHECK(comms.Open(stub_path, &lib).ok() && lib != nullptr);
+  nccl::Communicators& comms = StubCommunicators(&lib);
   nccl::UniqueId id{};
   CHECK(lib->GetUniqueId(&id).ok());
   CHECK(comms.RegisterId(9, id).ok());
@@ -120,8 +131,7 @@ void TestMissingRankTimesOut() {
 void TestCommunicatorsConcurrently() {
   constexpr int kRanks = 4, kCalls = 20;
   const nccl::Library* lib = nullptr;
-  nccl::Communicators& comms = nccl::Communicators::Get();
-  CHECK(comms.Open(stub_path, &lib).ok() && lib != nullptr);
+  nccl::Communicators& comms = StubCommunicators(&lib);
   nccl::UniqueId id{};
   CHECK(lib->GetUniqueId(&id).ok());
   CHECK(comms.RegisterId(5, id).ok());
@@ -354,11 +364,10 @@ void TestLaunchOrder() {
 // so even two streams are ordered; Prepare makes the communicator before the first call,
 // which then makes none.
 void TestPrepareThenCall() {
-  const std::string log = std::string(std::getenv("NCCL_STUB_DIR")) + "/prepare.log";
-  setenv("NCCL_STUB_LOG", log.c_str(), 1);
+  const std::string log = StubLog("prepare.log");
   const nccl::Library* lib = nullptr;
-  nccl::Communicators& comms = nccl::Communicators::Get();
-  CHECK(comms.Open(stub_path, &lib).ok() && lib->version() == 23100);
+  nccl::Communicators& comms = StubCommunicators(&lib);
+  CHECK(lib->version() == 23100);
   nccl::UniqueId a{}, b{};
   CHECK(lib->GetUniqueId(&a).ok() && lib->GetUniqueId(&b).ok());
   CHECK(comms.RegisterId(21, a).ok() && comms.RegisterId(22, b).ok());
@@ -420,8 +429,7 @@ void TestSameConfigOnEveryRank() {
 // shared resources; the stub counts the channels whose buffers each adds (mem=): the
 // largest count's, not the sum. A rank that never splits is kDeadlineExceeded, not a hang.
 void TestSplitSharesResources() {
-  const std::string log = std::string(std::getenv("NCCL_STUB_DIR")) + "/split.log";
-  setenv("NCCL_STUB_LOG", log.c_str(), 1);
+  const std::string log = StubLog("split.log");
   setenv("NCCL_STUB_VERSION", "22700", 1);
   std::unique_ptr<nccl::Library> lib;
   CHECK(nccl::Library::Open(stub_path, &lib).ok() && lib->splits());
@@ -506,16 +514,14 @@ bool WaitUntilUnwatched(nccl::Communicators& comms) {
 // after the timeout the watchdog aborts rank 0's communicator (the "kernel" returns) and
 // every later call on it is kDeadlineExceeded naming what happened, not a hang.
 void TestWatchdog() {
-  const std::string log = std::string(std::getenv("NCCL_STUB_DIR")) + "/watchdog.log";
-  setenv("NCCL_STUB_LOG", log.c_str(), 1);
+  const std::string log = StubLog("watchdog.log");
   setenv("NCCL_STUB_ASYNC", "1", 1);
   void* stub = dlopen(stub_path.c_str(), RTLD_NOW);
   CHECK(stub != nullptr);
   stream_pending = reinterpret_cast<int (*)(void*)>(dlsym(stub, "ncclStubStreamPending"));
   CHECK(stream_pending != nullptr);
   const nccl::Library* lib = nullptr;
-  nccl::Communicators& comms = nccl::Communicators::Get();
-  CHECK(comms.Open(stub_path, &lib).ok());
+  nccl::Communicators& comms = StubCommunicators(&lib);
   nccl::UniqueId a{}, b{};
   CHECK(lib->GetUniqueId(&a).ok() && lib->GetUniqueId(&b).ok());
   CHECK(comms.RegisterId(41, a).ok() && comms.RegisterId(42, b).ok());
