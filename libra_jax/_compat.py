@@ -8,9 +8,10 @@ Tested with jax 0.10.2 and 0.12.x.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import inspect
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -33,7 +34,7 @@ from jax.extend.core import jaxprs_in_params as _jaxprs_in_params
 
 __all__ = [
     "ClosedJaxpr", "Jaxpr", "Var", "jaxpr_as_fun", "closed_jaxpr", "jaxprs_in_params",
-    "memoized_sub_jaxprs",
+    "memoized_sub_jaxprs", "register_psum_rooflines",
     "mesh_axis_sizes", "distributed_client", "on_stream", "Primitive", "Tracer", "ShapedArray", "ir", "hlo",
     "psum_p", "psum_invariant_p",
     "apply_primitive", "deflinear", "register_batcher", "register_lowering", "lower_fun",
@@ -336,3 +337,32 @@ def on_stream(fn: Callable[..., Any], stream: int) -> Callable[..., Any]:
     # Typed for one jax version only: the ignore is unused on the other.
     return compute_on(compute_type=compute_type,  # type: ignore[call-arg, unused-ignore]
                       out_memory_spaces=jax.memory.Space.Device)(fn)
+
+
+# --- jax.experimental.roofline ---------------------------------------------------------
+
+def register_psum_rooflines(reducing: Sequence[Any], waiting: Sequence[Any]) -> bool:
+    """Make `jax.experimental.roofline` count libra's all-reduces as the all-reduces they are:
+    each of `reducing` (its operands all-reduced over its ``axes``) with the rule JAX has for
+    its own psum, each of `waiting` (a done: its start was counted) as free. False, and
+    nothing registered, where this JAX has no roofline or no psum rule."""
+    try:  # the module: the package's `roofline` is its function of that name
+        _roofline: Any = importlib.import_module("jax.experimental.roofline.roofline")
+    except ImportError:  # pragma: no cover - depends on the JAX version
+        return False
+    rules = getattr(_roofline, "_rooflines", None)
+    psum_rule = rules.get(psum_invariant_p) if isinstance(rules, dict) else None
+    if psum_rule is None:
+        return False
+
+    def reduce_rule(ctx: Any, *args: Any, axes: tuple, **params: Any) -> Any:
+        return psum_rule(ctx, *args, axes=axes)
+
+    def free_rule(ctx: Any, *args: Any, **params: Any) -> Any:
+        return _roofline.RooflineResult()
+
+    for prim in reducing:
+        _roofline.register_roofline(prim)(reduce_rule)
+    for prim in waiting:
+        _roofline.register_roofline(prim)(free_rule)
+    return True

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import shutil
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
@@ -84,8 +85,11 @@ class Explanation:
     def fusion_only_s(self) -> float:
         return sum(s.fusion_only_s for s in self.scopes)
 
-    def table(self, *, use_rich: bool | None = None, width: int = 120) -> str:
-        """The explanation as text (rich's rendering when available and not disabled)."""
+    def table(self, *, use_rich: bool | None = None, width: int | None = None) -> str:
+        """The explanation as text (rich's rendering when available and not disabled), `width`
+        columns wide (default: the terminal's, 120 where there is none)."""
+        if width is None:
+            width = shutil.get_terminal_size((120, 24)).columns
         if use_rich is None or use_rich:
             try:
                 return _rich_text(self, width)

@@ -15,7 +15,7 @@ import libra_jax
 from libra_jax import planner
 from libra_jax.explanation import Explanation
 
-from conftest import mesh_of, shard
+from conftest import mesh_of, mlp_step, shard
 
 pytestmark = pytest.mark.usefixtures("jax_8")
 
@@ -93,7 +93,7 @@ def test_explain_rich_table():
     pytest.importorskip("rich")
     step, args = mlp_step()
     e = libra_jax.explain(step, *args, file=None)
-    text = e.table(use_rich=True)
+    text = e.table(use_rich=True, width=120)  # the terminal's width by default
     assert "tensors" in text and "layer0.w" in text
 
 
@@ -188,3 +188,17 @@ def test_gradients_are_named_by_their_parameter_under_global_norm_clipping():
     e = libra_jax.explain(step, params, state, x, fusion=False, file=None)
     names = sorted(t for s in e.scopes for r in s.rows for t in r.tensors)
     assert names == sorted(f"layer{i}.{k}" for i in range(3) for k in ("b", "w")), names
+
+
+def test_table_uses_the_terminals_width(monkeypatch) -> None:
+    """An 80-column terminal gets an 80-column table (rich's rendering), not a fixed 120."""
+    pytest.importorskip("rich")
+    import os
+
+    monkeypatch.setenv("COLUMNS", "80")
+    step, args = mlp_step()
+    e = libra_jax.explain(step, *args, file=None)
+    assert max(len(line) for line in e.table(use_rich=True).splitlines()) <= 80
+    monkeypatch.setenv("COLUMNS", "150")
+    assert os.environ["COLUMNS"] == "150"
+    assert max(len(line) for line in e.table(use_rich=True).splitlines()) > 80

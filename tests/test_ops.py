@@ -90,3 +90,35 @@ def test_default_blocks_matches_the_planners_rule():
         assert lowering.default_blocks(nbytes, 8) == min(lowering.MAX_BLOCKS,
                                                          d.launch_shape(key)[0])
     assert lowering.default_blocks(0, 8) == lowering.default_blocks(1 << 20, 1) == 1
+
+
+def test_jax_roofline_counts_libra_all_reduces_as_psums(jax_8) -> None:
+    """`jax.experimental.roofline` sees a Libra psum, a fused bucket and a start/done pair as
+    the all-reduces they are: the ICI bytes of XLA's psum of the same operands (a done adds
+    nothing); before, it skipped them and reported none."""
+    roofline = pytest.importorskip("jax.experimental.roofline")
+    mesh = mesh_of((8,), ("x",))
+    a = jax.ShapeDtypeStruct((8, 64), np.float32)
+    b = jax.ShapeDtypeStruct((8, 32), np.float32)
+
+    def split_pair(u, v):
+        flats = ops.libra_psum_start_p.bind(u, v, axes=("x",), blocks=2, invariant=False,
+                                            call_id=7)
+        return tuple(ops.libra_psum_done_p.bind(*flats, out_avals=(jax.typeof(u), jax.typeof(v)),
+                                                axes=("x",), blocks=2, call_id=7))
+
+    bodies = {
+        "xla": lambda u, v: (jax.lax.psum(u, "x"), jax.lax.psum(v, "x")),
+        "psum": lambda u, v: (libra_jax.psum(u, "x", blocks=2), libra_jax.psum(v, "x", blocks=3)),
+        "fused": lambda u, v: tuple(ops.libra_psum_fused_p.bind(
+            u, v, axes=("x",), blocks=2, invariant=False)),
+        "start-done": split_pair,
+    }
+    got = {}
+    for name, body in bodies.items():
+        _, result = roofline.roofline(body, mesh=mesh, in_specs=(P("x"), P("x")),
+                                      out_specs=(P("x"), P("x")))(a, b)
+        got[name] = dict(result.ici_bytes)
+    assert got["xla"] and sum(got["xla"].values()) > 0
+    for name in ("psum", "fused", "start-done"):
+        assert got[name] == got["xla"], (name, got)

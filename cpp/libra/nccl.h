@@ -183,9 +183,10 @@ class Communicators {
 
   // One rank's part of an all-reduce on communicator `comm_id`, issued on
   // `stream`; the communicator is prepared first (made where Prepare has not
-  // made it yet). On the per-communicator route the
-  // communicator is pinned to `ctas` and a later call with other ctas is an
-  // error (the caller gives each block count its own comm_id).
+  // made it yet). On the per-communicator route the group's communicator is
+  // pinned to its first call's `ctas`; a call with other ctas runs on a child
+  // split from it (2.18+), and is an error on 2.17 (where the caller gives
+  // each block count its own comm_id).
   // timeout_ms bounds the communicator's creation (and an enqueue still in
   // progress): a rank that never joins turns into kDeadlineExceeded, and the
   // communicator is aborted and forgotten (0: wait forever).

@@ -11,11 +11,18 @@ lowering per platform built from one rule per platform for one buffer's all-redu
 - `fused`: `libra_psum_fused_p`, a gradient bucket's psums as one all-reduce per dtype;
 - `start_done`: `libra_psum_start_p` / `libra_psum_done_p`, that all-reduce issued where the
   gradients are ready and waited for where the result is needed.
+
+`jax.experimental.roofline` counts each as the all-reduce it is (`_compat.register_psum_rooflines`).
 """
+from libra_jax import _compat
 from libra_jax.ops.base import XLA_TWINS, register_op
 from libra_jax.ops.fused import libra_psum_fused_p
 from libra_jax.ops.psum import libra_psum_p
 from libra_jax.ops.start_done import libra_psum_done_p, libra_psum_start_p
+
+# JAX's roofline counts them as its psum (a start for its bucket, its done as nothing).
+_compat.register_psum_rooflines([libra_psum_p, libra_psum_fused_p, libra_psum_start_p],
+                                [libra_psum_done_p])
 
 __all__ = ["XLA_TWINS", "register_op", "libra_psum_p", "libra_psum_fused_p",
            "libra_psum_start_p", "libra_psum_done_p"]
