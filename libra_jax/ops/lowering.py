@@ -157,6 +157,15 @@ def cpu_call(ctx: Any, axes: tuple, blocks: int | None) -> tuple[tuple | None, s
                              **_timeout_attr())), ""
 
 
+def _buffer_served(ctx: Any, dtypes: frozenset, path: str) -> tuple[np.dtype, int, str]:
+    """The lowered buffer's dtype and element count, and why a GPU call with `dtypes` does not
+    serve it ("" where it does): the check every GPU call's attributes start with."""
+    aval_in = ctx.avals_in[0]
+    dtype = np.dtype(aval_in.dtype)
+    reason = "" if dtype in dtypes else f"cuda {dtype.name}{path}"
+    return dtype, math.prod(aval_in.shape), reason
+
+
 def _cuda_default_reason() -> str:
     return (f"cuda ({config.CUDA_PATH_ENV}=xla, the default: libra's GPU all-reduces have not run on a "
             f"GPU yet; {config.CUDA_PATH_ENV}=p2p or {config.CUDA_PATH_ENV}=nccl opts in)")
@@ -181,11 +190,9 @@ def cuda_kernel_attrs(ctx: Any, axes: tuple, blocks: int | None) -> tuple[dict |
     world = len(groups[0])
     if world > _ffi.CUDA_MAX_RANKS:
         return None, f"cuda groups of more than {_ffi.CUDA_MAX_RANKS} GPUs"
-    aval_in, = ctx.avals_in
-    dtype = np.dtype(aval_in.dtype)
-    if dtype not in CUDA_DTYPES:
-        return None, f"cuda {dtype.name}"
-    count = math.prod(aval_in.shape)
+    dtype, count, reason = _buffer_served(ctx, CUDA_DTYPES, "")
+    if reason:
+        return None, reason
     if count == 0:
         return {}, ""
     if devices is None:
@@ -286,11 +293,9 @@ def nccl_attrs(ctx: Any, groups: Sequence[Sequence[int]], devices: Sequence[Any]
     ok, why = _nccl.available()
     if not ok:
         return None, f"cuda without NCCL ({why})"
-    aval_in = ctx.avals_in[0]
-    dtype = np.dtype(aval_in.dtype)
-    if dtype not in NCCL_DTYPES:
-        return None, f"cuda {dtype.name} over NCCL"
-    count = math.prod(aval_in.shape)
+    dtype, count, reason = _buffer_served(ctx, NCCL_DTYPES, " over NCCL")
+    if reason:
+        return None, reason
     if count == 0:
         return {}, ""
     world = len(groups[0])
