@@ -10,7 +10,8 @@ Layers, lowest first; a module imports only from its own layer or below
 1. pure Python, no JAX: `config`, `planner`, `model`, `zoo`, `gantt`, `gpu_calibration`;
 2. JAX and the extension: `_compat`, `_ffi`, `_nccl`;
 3. the primitives: `ops`;
-4. the front ends: `allreduce` (`psum`), `rewrite` (`optimize`);
+4. the front ends: `allreduce` (`psum`), `rewrite` (`optimize`), `data_parallel`
+   (`value_and_grad` for GSPMD steps);
 5. tools: `explanation`, `calibrate` (its fits, `calibrate.fit`, are pure), `cli`.
 
 The JAX front end is loaded on first attribute access, so that ``import libra_jax.planner``
@@ -32,6 +33,7 @@ _config.request_nccl_launch_order()
 if TYPE_CHECKING:  # what a type checker sees; at run time they load lazily (`__getattr__`)
     from libra_jax._ffi import build_info
     from libra_jax.allreduce import MAX_BLOCKS, default_blocks, patch_lax, pmean, psum
+    from libra_jax.data_parallel import grad, value_and_grad
     from libra_jax.explanation import Explanation, explain
     from libra_jax.model import Profile, load_profile
     from libra_jax.rewrite import OptimizeReport, PsumPlan, optimize, rewrite_jaxpr
@@ -39,6 +41,7 @@ if TYPE_CHECKING:  # what a type checker sees; at run time they load lazily (`__
 __all__ = [
     "psum", "pmean", "patch_lax", "default_blocks", "MAX_BLOCKS",
     "optimize", "rewrite_jaxpr", "OptimizeReport", "PsumPlan",
+    "value_and_grad", "grad",
     "explain", "Explanation",
     "Profile", "load_profile",
     "build_info",
@@ -56,6 +59,8 @@ _LAZY = {
     "rewrite_jaxpr": "libra_jax.rewrite",
     "OptimizeReport": "libra_jax.rewrite",
     "PsumPlan": "libra_jax.rewrite",
+    "value_and_grad": "libra_jax.data_parallel",
+    "grad": "libra_jax.data_parallel",
     "explain": "libra_jax.explanation",
     "Explanation": "libra_jax.explanation",
     "Profile": "libra_jax.model",

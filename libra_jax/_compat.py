@@ -43,7 +43,7 @@ __all__ = [
     "pvary", "skip_size_one_axes", "axis_is_bound", "manual_axes", "replica_groups",
     "mesh_devices", "ffi_target_registration", "device_index", "is_traced_argument", "is_zero_cotangent",
     "zero_cotangent",
-    "jax_version", "PSUM_PRIMITIVES", "DEVICE_MAPS", "HigherOrder", "HIGHER_ORDER",
+    "jax_version", "PSUM_PRIMITIVES", "DEVICE_MAPS", "OTHER_COLLECTIVES", "HigherOrder", "HIGHER_ORDER",
 ]
 
 Tracer = _core.Tracer
@@ -59,6 +59,13 @@ jax_version: tuple[int, ...] = tuple(int(p) for p in jax.__version__.split(".")[
 PSUM_PRIMITIVES: dict[str, bool] = {"psum": False, "psum_invariant": True}
 #: Primitives that map a function over devices (where psums can be bound).
 DEVICE_MAPS = ("shard_map", "xla_pmap", "pmap")
+#: JAX's collectives other than psum (name -> what a user calls it), which `optimize` leaves to
+#: XLA: `reduce_scatter` is `psum_scatter`, the gradient collective of sharded parameters.
+OTHER_COLLECTIVES: dict[str, str] = {
+    "reduce_scatter": "psum_scatter", "all_gather": "all_gather",
+    "all_gather_invariant": "all_gather", "all_to_all": "all_to_all", "ppermute": "ppermute",
+    "pmax": "pmax", "pmin": "pmin", "ragged_all_to_all": "ragged_all_to_all",
+}
 
 
 class HigherOrder(NamedTuple):

@@ -125,7 +125,8 @@ def explain(fn: Callable[..., Any], *args: Any, profile: Any = None, fusion: boo
     call, (dyn_args, dyn_kwargs), _ = statics.split(fn, args, kwargs)
     closed, out_shape = jax.make_jaxpr(call, return_shape=True)(*dyn_args, **dyn_kwargs)
     _, report = rewrite.rewrite_jaxpr(closed, profile=profile, fusion=fusion, blocks=blocks,
-                                      overlap=overlap)
+                                      overlap=overlap,
+                                      inputs=jax.tree.leaves((dyn_args, dyn_kwargs)))
     names = _result_names(closed, out_shape, report)
     scopes = tuple(_scope_plan(entry, report, names) for entry in report.predicted)
     others = tuple(p for p in report.plans if p.kind != "gradient")
@@ -387,12 +388,15 @@ def _summary(s: ScopePlan) -> list[str]:
 
 
 def _others_lines(e: Explanation) -> list[str]:
-    if not e.others:
-        return []
-    lines = ["other all-reduces (not planned with the backward pass):"]
+    lines = []
+    if e.others:
+        lines.append("other all-reduces (not planned with the backward pass):")
     for p in e.others:
         lines.append(f"  {p.kind:<8} {p.scope} axes {', '.join(map(str, p.axes))}: "
                      f"{_fmt_bytes(p.nbytes)}, blocks {p.blocks}")
+    if e.report.unplanned:
+        lines.append("collectives left to XLA (optimize plans psums only): "
+                     + "; ".join(e.report.unplanned))
     return lines
 
 

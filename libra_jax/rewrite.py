@@ -162,7 +162,8 @@ def optimize(fn: Callable[..., Any] | None = None, *, profile: Any = None, fusio
             program = str(closed.jaxpr)
             profile = shared_profile(options.resolved_profile, program=program)
             rewritten, report = rewrite_jaxpr(closed, profile=profile, fusion=options.fusion,
-                                              blocks=options.blocks, overlap=options.overlap)
+                                              blocks=options.blocks, overlap=options.overlap,
+                                              inputs=leaves)
             check_plan_agreement(report, program=program)
             if collectives == "xla":
                 rewritten = with_xla_collectives(rewritten)
@@ -253,6 +254,9 @@ class OptimizeReport:
     predicted: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     skipped: list[str] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)  # why nothing was planned
+    # Collectives other than psum (`_compat.OTHER_COLLECTIVES`), left to XLA: one line per
+    # kind, axes and scope, with its count.
+    unplanned: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def num_psums(self) -> int:
@@ -408,9 +412,13 @@ def check_plan_agreement(report: OptimizeReport, *, program: str) -> None:
 
 
 def rewrite_jaxpr(closed: Any, *, profile: Any = None, fusion: bool = True,
-                  blocks: int | None = None,
-                  overlap: str | None = None) -> tuple[Any, OptimizeReport]:
-    """Rewrite `closed` (a ClosedJaxpr) as the module docstring states."""
+                  blocks: int | None = None, overlap: str | None = None,
+                  inputs: Sequence[Any] = ()) -> tuple[Any, OptimizeReport]:
+    """Rewrite `closed` (a ClosedJaxpr) as the module docstring states.
+
+    `inputs`: the values `closed` was traced from (arrays or tracers), where known. Only their
+    shardings are read: a step with no psum whose inputs are sharded is a GSPMD step, and the
+    notice says so (`gspmd_notice`)."""
     if blocks is not None:
         allreduce.check_blocks(blocks)
     report = OptimizeReport()
@@ -422,9 +430,15 @@ def rewrite_jaxpr(closed: Any, *, profile: Any = None, fusion: bool = True,
         maps_devices = _maps_devices(closed.jaxpr)
     for line in report.skipped:
         warn_once(f"libra_jax.optimize left an XLA psum in place: {line}")
+    counts = collections.Counter(rewriter.unplanned)
+    report.unplanned = [f"{what}" + (f" (x{n})" if n > 1 else "") for what, n in counts.items()]
+    if report.unplanned:
+        warn_once("libra_jax.optimize plans psums only; these collectives stay XLA's: "
+                  + "; ".join(report.unplanned) + ". " + UNPLANNED_NOTICE)
     if not report.plans and not report.skipped and not maps_devices:
-        report.notes.append(NO_COLLECTIVES_NOTICE)
-        warn_once(f"libra_jax.optimize: {NO_COLLECTIVES_NOTICE}")
+        notice = gspmd_notice([*(v.aval for v in closed.jaxpr.invars), *inputs])
+        report.notes.append(notice)
+        warn_once(f"libra_jax.optimize: {notice}")
     return _compat.closed_jaxpr(new_jaxpr, closed.consts), report
 
 
@@ -580,6 +594,7 @@ class _Rewriter:
         self.fingerprint: int | None = None
         self.calls = 0
         self.scope_names: collections.Counter[str] = collections.Counter()
+        self.unplanned: list[str] = []  # `OptimizeReport.unplanned`, one entry per equation
 
     def call_id(self) -> int:
         """The id of the program's next start/done pair (`libra_jax.ops.start_done`): a fingerprint
@@ -594,6 +609,12 @@ class _Rewriter:
     # plan the gradient ones, turn the plan into edits, schedule the equations.
     def jaxpr(self, jaxpr: Any, *, axis_sizes: dict, scope: str, in_loop: bool) -> Any:
         eqns = [self.sub_jaxprs(eqn, axis_sizes, scope, in_loop) for eqn in jaxpr.eqns]
+        for eqn in eqns:
+            other = _compat.OTHER_COLLECTIVES.get(eqn.primitive.name)
+            if other is not None:
+                axes = eqn.params.get("axis_name", eqn.params.get("axes"))
+                axes = tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
+                self.unplanned.append(f"{other} over {axes} in {scope}")
         sites = [site for i, eqn in enumerate(eqns)
                  if (site := self.site(i, eqn, scope)) is not None]
         if not sites:
@@ -803,13 +824,42 @@ class _Rewriter:
         return base if n == 1 else f"{base}#{n}"
 
 
-#: What `optimize` says of a step with no psum and no `shard_map`/`pmap`: a GSPMD step (its
-#: collectives come later, from XLA's partitioner) or a single-device one.
-NO_COLLECTIVES_NOTICE = (
-    "the step has no psum and no jax.shard_map or jax.pmap, so there is nothing to plan. If it "
-    "runs on several devices through shardings (GSPMD: jax.jit with NamedSharding inputs), "
-    "XLA's partitioner inserts its all-reduces after tracing, where optimize cannot see them; "
-    "compute the data-parallel gradient in a jax.shard_map instead (README, 'GSPMD steps').")
+#: Where `optimize`'s notices point a GSPMD step: the route that puts its gradient
+#: all-reduces in the traced program (`libra_jax.data_parallel`).
+GSPMD_ROUTE = ("to have its gradient all-reduces planned, compute the gradient with "
+               "libra_jax.value_and_grad(loss_fn, axis_name=...) in jax.value_and_grad's place "
+               "(README, 'GSPMD steps')")
+#: Why the collectives of sharded parameters are not planned.
+UNPLANNED_NOTICE = ("A sharded parameter's gradient (FSDP, ZeRO) is a psum_scatter "
+                    "(reduce-scatter), which libra_jax does not plan; its psums it does.")
+
+
+def gspmd_notice(values: Iterable[Any]) -> str:
+    """What `optimize` says of a step with no psum and no `shard_map`/`pmap`: with inputs
+    sharded over a mesh (their avals' or arrays' `NamedSharding`; a `jax.set_mesh` context),
+    a GSPMD step, whose collectives XLA's partitioner inserts after tracing; else possibly a
+    single-device step."""
+    axes: dict[str, None] = {}
+    for value in values:
+        sharding = getattr(value, "sharding", None)
+        spec = getattr(sharding, "spec", None)
+        if spec is None:
+            continue
+        for entry in spec:
+            for name in (entry if isinstance(entry, tuple) else (entry,)):
+                if name is not None:
+                    axes[str(name)] = None
+    context = jax.sharding.get_abstract_mesh()
+    if axes or not context.empty:
+        where = (f"its inputs are sharded over mesh axes {tuple(axes)}" if axes
+                 else f"it is traced under the mesh {dict(context.shape)}")
+        return (f"the step has no psum and {where}: a GSPMD step, whose all-reduces XLA's "
+                "partitioner inserts after tracing, where optimize cannot see them, so it "
+                f"is left as it is; {GSPMD_ROUTE}")
+    return ("the step has no psum and no jax.shard_map or jax.pmap, so there is nothing to "
+            "plan. If it runs on several devices through shardings (GSPMD: jax.jit with "
+            "NamedSharding inputs), XLA's partitioner inserts its all-reduces after tracing, "
+            f"where optimize cannot see them; {GSPMD_ROUTE}")
 
 
 def _maps_devices(jaxpr: Any) -> bool:

@@ -48,6 +48,22 @@ def check_readme_intro(ns: dict) -> None:
     assert np.abs(want["b"]).max() > 0.1  # a step that moved
 
 
+def check_readme_gspmd(ns: dict) -> None:
+    """The GSPMD step through the route is the GSPMD step (`jax.value_and_grad`), and its
+    all-reduces are Libra's."""
+    jax_ = ns["jax"]
+    zero = {"w": jnp.zeros((4, 1)), "b": jnp.zeros(1)}
+    loss, grads = jax.value_and_grad(ns["loss_fn"])(zero, tuple(map(np.asarray, ns["batch"])))
+    for k in zero:  # one device, all 64 rows: summation order differs
+        np.testing.assert_allclose(np.asarray(ns["params"][k]), np.asarray(-0.1 * grads[k]),
+                                   rtol=2e-6, atol=1e-7)
+    np.testing.assert_allclose(float(ns["loss"]), float(loss), rtol=2e-6)
+    assert np.abs(np.asarray(grads["b"])).max() > 0.1  # a step that moved
+    with jax_.set_mesh(ns["mesh"]):
+        text = ns["fast_step"].lower(ns["params"], ns["opt_state"], ns["batch"]).as_text()
+    assert "libra_allreduce_cpu" in text and "all_reduce" not in text
+
+
 def check_readme_optimize(ns: dict) -> None:
     """The optimized step is the plain step's second update, and runs Libra's calls."""
     batch, first = ns["batch"], ns["params_before"]
@@ -60,7 +76,8 @@ def check_readme_optimize(ns: dict) -> None:
     assert "libra_allreduce_cpu" in text and "all_reduce" not in text
 
 
-CHECKS = {"readme-intro": check_readme_intro, "readme-optimize": check_readme_optimize}
+CHECKS = {"readme-intro": check_readme_intro, "readme-optimize": check_readme_optimize,
+          "readme-gspmd": check_readme_gspmd}
 
 
 def test_every_python_block_is_marked():

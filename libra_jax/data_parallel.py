@@ -1,0 +1,294 @@
+"""`libra_jax.value_and_grad`: a data-parallel gradient that `optimize` can plan, for GSPMD code.
+
+In a GSPMD step (`jax.jit` over `NamedSharding` inputs, no psum) XLA's partitioner inserts the
+gradient all-reduces after tracing, where `optimize` cannot see them. This module's
+`value_and_grad(loss_fn, axis_name="data")` computes the same gradient with the all-reduces in
+the traced program: it takes `jax.value_and_grad` *outside* a `jax.shard_map` of the
+`pmean`ed loss, with the differentiated arguments replicated (``P()``) and the others split
+along their leading (batch) dimension (``P(axis_name)``). Autodiff's transpose then sums each
+replicated parameter's cotangent over the axis (the psums of `check_vma`): those are the
+gradient all-reduces `optimize` plans. (Taking the gradient inside the shard_map and then
+`pmean`ing it is wrong under `check_vma`: the gradient is already summed, and the pmean would
+scale it again.)
+
+Contract (what the tests check, tests/test_data_parallel.py):
+
+- Under `jax.jit`, the value, gradients and a mean metric in `aux` are bitwise those of
+  ``jax.jit(jax.value_and_grad(loss_fn))`` on the same sharded inputs, for a loss that is a
+  mean over the batch's examples (each shard's mean, averaged: equal shard sizes, and the
+  divisions are by powers of two in the tests; in general the two may differ in the last bit).
+- Differentiated arguments must be replicated over the mesh: a sharded one (FSDP, tensor
+  parallelism) would be all-gathered by ``P()`` in silence, so it is refused where its
+  sharding is visible (a concrete array, or an explicit-sharding mesh's traced value). Under
+  `jax.jit` on an auto-sharding mesh a traced value carries no sharding: there the check is
+  yours.
+- Other arguments are split along their leading dimension (it must divide by the axis's
+  size); 0-d leaves (scalars, a typed PRNG key) are replicated. ``in_specs`` overrides this,
+  one spec (or pytree of specs) per positional argument, as in `jax.shard_map`. On an
+  explicit-sharding mesh, inputs whose sharding differs from their spec are resharded
+  (`jax.reshard`), as the auto-sharding partitioner would do.
+- The shard_map is manual over every mesh axis: on a 2-D mesh (``data`` x ``model``) with
+  replicated parameters each ``model`` shard computes its ``data`` shard's loss, as GSPMD does
+  with replicated parameters, and the all-reduces are Libra's.
+- Semantics that change from GSPMD's global batch (documented in the README, not detected):
+  anything that couples examples across the batch sees one shard only: batch-norm statistics
+  are per shard, an in-batch contrastive loss has per-shard negatives, a token-weighted
+  loss with padding becomes a mean of shard means (not the global token mean); a PRNG key
+  argument is replicated, so dropout draws the same mask on every shard (fold
+  ``jax.lax.axis_index(axis_name)`` into it for distinct masks: the bits still differ
+  from GSPMD's).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from libra_jax import _compat
+
+__all__ = ["value_and_grad", "grad"]
+
+
+def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0,
+                   has_aux: bool = False, *, axis_name: str | Sequence[str] = "data",
+                   mesh: Any = None, in_specs: Any = None) -> Callable[..., Any]:
+    """`jax.value_and_grad` of a data-parallel loss, with its all-reduces where `optimize` sees them.
+
+    Use it in place of `jax.value_and_grad` in a GSPMD train step; then
+    ``jax.jit(libra_jax.optimize(step))`` plans the gradient all-reduces (the module docstring
+    states the contract).
+
+    Args:
+      fun: the per-batch loss, as for `jax.value_and_grad`: a scalar float (and aux, with
+        `has_aux`) computed from the batch it is given; here it sees one shard of the batch.
+      argnums, has_aux: as in `jax.value_and_grad`. The differentiated arguments must be
+        replicated over the mesh.
+      axis_name: the mesh axis (or axes) the batch is split over.
+      mesh: the `jax.sharding.Mesh`; default: the context mesh (`jax.set_mesh`), else the
+        mesh of the inputs' `NamedSharding`.
+      in_specs: per positional argument, its `PartitionSpec` (or a pytree prefix of them);
+        default: ``P()`` for the differentiated arguments, ``P(axis_name)`` for the other
+        leaves, ``P()`` for 0-d ones.
+
+    Returns:
+      A function of `fun`'s arguments returning ``(value, grads)`` (``((value, aux), grads)``
+      with `has_aux`). The value is the loss averaged over the axis (`jax.lax.pmean`); so are
+      aux's float leaves; aux's other leaves must be the same on every shard. Keyword arguments
+      are passed to `fun` whole, on every shard.
+    """
+    argnums_t = _check_argnums(argnums)
+    axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+    if not axes or not all(isinstance(a, str) for a in axes):
+        raise TypeError(f"libra_jax.value_and_grad: axis_name must be a mesh axis name or a "
+                        f"sequence of them, got {axis_name!r}")
+    jitted: dict[Any, Callable[..., Any]] = {}
+
+    def route(*args: Any, **kwargs: Any) -> Any:
+        if any(i >= len(args) for i in argnums_t):
+            raise TypeError(f"libra_jax.value_and_grad: argnums {argnums_t} but only "
+                            f"{len(args)} positional arguments")
+        the_mesh = _mesh(mesh, args)
+        missing = [a for a in axes if a not in the_mesh.axis_names]
+        if missing:
+            raise ValueError(f"libra_jax.value_and_grad: axis_name {missing[0]!r} is not an axis "
+                             f"of the mesh {dict(the_mesh.shape)}")
+        specs = _specs(args, argnums_t, axes, the_mesh, in_specs)
+        _check_replicated(args, argnums_t, specs)
+
+        def run(*args: Any) -> Any:
+            args = tuple(_reshard(a, s, the_mesh) for a, s in zip(args, specs))
+            loss = jax.shard_map(_local_loss(fun, kwargs, has_aux, axes), mesh=the_mesh,
+                                 in_specs=specs, out_specs=P())
+            return jax.value_and_grad(loss, argnums, has_aux)(*args)
+
+        if any(isinstance(leaf, _compat.Tracer) for leaf in jax.tree.leaves((args, kwargs))):
+            return run(*args)  # already traced (under jit, grad...): the caller compiles it
+        # Eagerly: one compiled program (an explicit-sharding mesh needs jit for its scalars).
+        key = (the_mesh, jax.tree.structure(args), tuple(jax.tree.leaves(
+            specs, is_leaf=lambda s: isinstance(s, P))), _hashable(kwargs))
+        if key not in jitted:
+            jitted[key] = jax.jit(run)
+        return jitted[key](*args)
+
+    route.__name__ = f"value_and_grad({getattr(fun, '__name__', 'fun')})"
+    route.__doc__ = fun.__doc__
+    return route
+
+
+def grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False, *,
+         axis_name: str | Sequence[str] = "data", mesh: Any = None,
+         in_specs: Any = None) -> Callable[..., Any]:
+    """`jax.grad` of a data-parallel loss: `value_and_grad` without the value (``(grads, aux)``
+    with `has_aux`, as `jax.grad` returns)."""
+    both = value_and_grad(fun, argnums, has_aux, axis_name=axis_name, mesh=mesh,
+                          in_specs=in_specs)
+
+    def gradient(*args: Any, **kwargs: Any) -> Any:
+        value, grads = both(*args, **kwargs)
+        return (grads, value[1]) if has_aux else grads
+
+    gradient.__name__ = f"grad({getattr(fun, '__name__', 'fun')})"
+    return gradient
+
+
+# --- The pieces -----------------------------------------------------------------------
+
+def _check_argnums(argnums: Any) -> tuple[int, ...]:
+    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    if not nums or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in nums):
+        raise TypeError(f"libra_jax.value_and_grad: argnums must be a non-negative int or a "
+                        f"sequence of them, got {argnums!r}")
+    return nums
+
+
+def _local_loss(fun: Callable[..., Any], kwargs: dict, has_aux: bool, axes: tuple
+                ) -> Callable[..., Any]:
+    """The per-shard loss, averaged over `axes`: the function the shard_map maps."""
+    def local(*args: Any) -> Any:
+        out = fun(*args, **kwargs)
+        loss, aux = out if has_aux else (out, None)
+        shape, dtype = np.shape(loss), jax.numpy.result_type(loss)
+        if shape != () or not jax.numpy.issubdtype(dtype, np.floating):
+            raise TypeError(f"libra_jax.value_and_grad: the loss must be a float scalar (as "
+                            f"for jax.value_and_grad), got {dtype}{list(shape)}")
+        loss = jax.lax.pmean(loss, axes)
+        if not has_aux:
+            return loss
+        return loss, jax.tree_util.tree_map_with_path(lambda p, v: _mean_aux(p, v, axes), aux)
+    return local
+
+
+def _mean_aux(path: Any, value: Any, axes: tuple) -> Any:
+    value = jax.numpy.asarray(value)
+    if jax.numpy.issubdtype(value.dtype, np.inexact):
+        return jax.lax.pmean(value, axes)
+    varying = set(axes) & _compat.varying_axes(jax.typeof(value))
+    if varying:
+        raise TypeError(
+            f"libra_jax.value_and_grad: aux{jax.tree_util.keystr(path)} is a {value.dtype} that "
+            f"differs from shard to shard (it varies over {sorted(varying)}); float aux is "
+            "averaged over the batch's shards, other aux must be the same on every shard: "
+            "return it as a float, or psum it yourself in the loss")
+    return value
+
+
+def _mesh(mesh: Any, args: tuple) -> Any:
+    """The mesh to map over: the argument, the context's (`jax.set_mesh`), or the inputs'."""
+    if mesh is not None:
+        if not isinstance(mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
+            raise TypeError(f"libra_jax.value_and_grad: mesh must be a jax.sharding.Mesh, got "
+                            f"{type(mesh).__name__}")
+        return mesh
+    context = jax.sharding.get_abstract_mesh()
+    if not context.empty:
+        return context
+    for leaf in jax.tree.leaves(args):
+        sharding = getattr(leaf, "sharding", None)  # a concrete array's
+        if isinstance(sharding, jax.sharding.NamedSharding):
+            return sharding.mesh
+        sharding = getattr(_typeof(leaf), "sharding", None)  # an explicit mesh's traced value
+        if sharding is not None and not sharding.mesh.empty:
+            return sharding.mesh
+    raise ValueError("libra_jax.value_and_grad: no mesh: pass mesh=, call it under "
+                     "jax.set_mesh(mesh), or give it inputs placed with a NamedSharding")
+
+
+def _specs(args: tuple, argnums: tuple, axes: tuple, mesh: Any, in_specs: Any) -> tuple:
+    """Per positional argument, its spec tree: `in_specs`, or the default rule."""
+    if in_specs is not None:
+        specs = tuple(in_specs) if isinstance(in_specs, (tuple, list)) else (in_specs,)
+        if len(specs) != len(args):
+            raise ValueError(f"libra_jax.value_and_grad: in_specs has {len(specs)} entries for "
+                             f"{len(args)} positional arguments")
+        return specs
+    batch = axes[0] if len(axes) == 1 else axes
+    shards = math.prod(dict(mesh.shape)[a] for a in axes)
+
+    def spec(i: int, path: Any, leaf: Any) -> P:
+        ndim = np.ndim(leaf)
+        if i in argnums or ndim == 0:
+            return P()
+        rows = np.shape(leaf)[0]
+        if rows % shards:
+            raise ValueError(
+                f"libra_jax.value_and_grad: argument {i}{jax.tree_util.keystr(path)} has leading "
+                f"dimension {rows}, which does not split over the {shards} shards of "
+                f"{axes if len(axes) > 1 else axes[0]!r}; every non-differentiated array is "
+                "split along its leading (batch) dimension unless in_specs says otherwise")
+        return P(batch)
+    return tuple(jax.tree_util.tree_map_with_path(lambda p, x, i=i: spec(i, p, x), a)
+                 for i, a in enumerate(args))
+
+
+def _check_replicated(args: tuple, argnums: tuple, specs: tuple) -> None:
+    """Refuse a differentiated argument that is not replicated (`P()` would all-gather it, and
+    its gradient would be one shard's alone were its spec not ``P()``)."""
+    for i in argnums:
+        leaves = jax.tree_util.tree_flatten_with_path(args[i])[0]
+        spec_leaves = jax.tree.leaves(specs[i], is_leaf=lambda s: isinstance(s, P))
+        if any(s != P() for s in spec_leaves):
+            raise ValueError(f"libra_jax.value_and_grad: in_specs gives differentiated argument "
+                             f"{i} a sharded spec; its gradient would be one shard's: "
+                             "differentiated arguments must be P() (replicated)")
+        for path, leaf in leaves:
+            where = f"argument {i}{jax.tree_util.keystr(path)}"
+            sharding = getattr(leaf, "sharding", None)
+            if isinstance(leaf, jax.Array) and not isinstance(leaf, _compat.Tracer):
+                replicated = sharding is None or sharding.is_fully_replicated
+            else:
+                aval_sharding = getattr(_typeof(leaf), "sharding", None)
+                replicated = aval_sharding is None or all(
+                    d is None for d in getattr(aval_sharding, "spec", ()))
+            if not replicated:
+                raise ValueError(
+                    f"libra_jax.value_and_grad: {where} is sharded ({_sharding_text(leaf)}); "
+                    "differentiated arguments must be replicated over the mesh: a sharded "
+                    "parameter (FSDP, tensor parallelism) would be all-gathered on every step, "
+                    "and its gradient collective is a reduce-scatter, which libra_jax does not "
+                    "plan. Keep jax.value_and_grad (GSPMD) for sharded parameters")
+
+
+def _reshard(arg: Any, spec_tree: Any, mesh: Any) -> Any:
+    """`arg` with each leaf placed as its spec says, where the mesh is explicit (jax checks
+    shard_map inputs there; an auto mesh's partitioner reshards by itself)."""
+    if jax.sharding.AxisType.Explicit not in mesh.axis_types:
+        return arg
+
+    def place(spec: P, leaf: Any) -> Any:
+        sharding = getattr(_typeof(leaf), "sharding", None)
+        if sharding is not None and not sharding.mesh.empty and _same_spec(sharding.spec, spec):
+            return leaf
+        return jax.reshard(leaf, jax.sharding.NamedSharding(mesh, spec))
+    return jax.tree.map(place, spec_tree, arg, is_leaf=lambda s: isinstance(s, P))
+
+
+def _same_spec(a: Any, b: P) -> bool:
+    x, y = tuple(a), tuple(b)
+    n = max(len(x), len(y))
+    return x + (None,) * (n - len(x)) == y + (None,) * (n - len(y))
+
+
+def _typeof(x: Any) -> Any:
+    try:
+        return jax.typeof(x)
+    except TypeError:
+        return None
+
+
+def _sharding_text(leaf: Any) -> str:
+    sharding = getattr(leaf, "sharding", None) or getattr(_typeof(leaf), "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    return f"spec {spec}" if spec is not None else str(sharding)
+
+
+def _hashable(kwargs: dict) -> Any:
+    try:
+        key = tuple(sorted(kwargs.items()))
+        hash(key)
+        return key
+    except TypeError:
+        return id(kwargs)  # unhashable keyword values: no reuse across calls

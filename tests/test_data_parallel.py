@@ -1,0 +1,350 @@
+"""`libra_jax.value_and_grad`: a GSPMD step's gradient, bitwise, with all-reduces `optimize` plans.
+
+Each test runs the same step written two ways on the same sharded inputs: as GSPMD code
+(``jax.value_and_grad``: XLA's partitioner inserts the all-reduces) and through the route
+(``libra_jax.value_and_grad``), and compares them bit for bit; then `optimize` must plan the
+route's all-reduces as Libra calls, lowered for `cpu` and for `cuda`.
+"""
+from __future__ import annotations
+
+import contextlib
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import libra_jax
+from libra_jax import _ffi
+
+from conftest import assert_bitwise
+
+pytestmark = pytest.mark.usefixtures("jax_8")
+
+AXIS_TYPES = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}
+
+
+def make_mesh(shape=(8,), names=("data",), kind="auto"):
+    n = int(np.prod(shape))
+    devices = np.array(jax.devices("cpu")[:n]).reshape(shape)
+    return jax.sharding.Mesh(devices, names, axis_types=(AXIS_TYPES[kind],) * len(shape))
+
+
+def put(tree, mesh, spec):
+    return jax.device_put(tree, NamedSharding(mesh, spec))
+
+
+# --- The steps, each written for GSPMD; `grad_fn` is the only difference ----------------------
+
+def mlp_loss(params, x, y):
+    h = x
+    for w, b in params[:-1]:
+        h = jnp.tanh(h @ w + b)
+    w, b = params[-1]
+    return jnp.mean((h @ w + b - y) ** 2)
+
+
+def mlp_params(rng, sizes=(16, 32, 8)):
+    return [(jnp.asarray(rng.standard_normal((a, b)) / np.sqrt(a), jnp.float32),
+             jnp.zeros((b,), jnp.float32)) for a, b in zip(sizes[:-1], sizes[1:])]
+
+
+class CNN(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Conv(8, (3, 3))(x))
+        x = x.mean(axis=(1, 2))
+        return nn.Dense(10)(nn.relu(nn.Dense(32)(x)))
+
+
+def flax_loss(params, x, labels):
+    logits = CNN().apply({"params": params}, x)
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    return loss, {"accuracy": jnp.mean(jnp.argmax(logits, -1) == labels)}
+
+
+def optax_step(grad_fn, tx):
+    """A Flax + optax train step with `grad_fn` in `jax.value_and_grad`'s place."""
+    def step(params, opt_state, x, labels):
+        (loss, metrics), grads = grad_fn(flax_loss, has_aux=True)(params, x, labels)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss, metrics
+    return step
+
+
+def flax_state(mesh, batch, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((batch, 8, 8, 3)).astype(np.float32)
+    labels = rng.integers(0, 10, (batch,)).astype(np.int32)
+    params = CNN().init(jax.random.key(seed), x[:1])["params"]
+    tx = optax.adam(1e-3)
+    return tx, put(params, mesh, P()), put(x, mesh, P("data")), put(labels, mesh, P("data"))
+
+
+def route(fn, **kw):
+    return libra_jax.value_and_grad(fn, axis_name="data", **kw)
+
+
+# --- Equal to the GSPMD step ------------------------------------------------------------------
+
+def mesh_context(mesh):
+    """`jax.set_mesh` for an explicit mesh (jax needs it to jit optax's init there)."""
+    explicit = AxisType.Explicit in mesh.axis_types
+    return jax.set_mesh(mesh) if explicit else contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("kind", ["auto", "explicit"])
+@pytest.mark.parametrize("batch", [64, 128, 512])
+def test_flax_value_grad_and_metric_are_bitwise_gspmds(kind, batch):
+    # GSPMD's step on the auto mesh (on an explicit one, jax 0.12 cannot shard optax's
+    # cross-entropy); the route's on either.
+    _, params, x, labels = flax_state(make_mesh(kind="auto"), batch)
+    want = jax.jit(jax.value_and_grad(flax_loss, has_aux=True))(params, x, labels)
+    _, params, x, labels = flax_state(make_mesh(kind=kind), batch)
+    got = jax.jit(route(flax_loss, has_aux=True))(params, x, labels)
+    jax.tree.map(assert_bitwise, got, want)
+
+
+def max_ulps(a, b) -> int:
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.dtype == b.dtype == np.float32 and a.shape == b.shape
+    return int(np.max(np.abs(a.view(np.int32).astype(np.int64) - b.view(np.int32).astype(np.int64))))
+
+
+@pytest.mark.parametrize("kind", ["auto", "explicit"])
+def test_optax_step_under_jit_with_donation_matches_the_gspmd_step(kind):
+    """The whole step: its gradients are bitwise GSPMD's (above), but XLA compiles the update
+    around its own all-reduce differently in the two programs, so the parameters differ in the
+    last bits (measured on jax 0.10.2: at most 2 ulp after 3 Adam steps, 8 after 5; 0 when the
+    gradients are outputs too; optimized, 12 after 3). An Adam step moves a parameter by about
+    1e5 ulp, so 32 ulp still catches a gradient that is wrong at all. Optimized, the route's
+    step is bitwise its control (the same rewritten program with XLA's all-reduce, README
+    "What bitwise means") and as close to GSPMD's."""
+    tx = optax.adam(1e-3)
+    outs = []
+    for mesh, step in ((make_mesh(), optax_step(jax.value_and_grad, tx)),  # as above
+                       (make_mesh(kind=kind), optax_step(route, tx)),
+                       (make_mesh(kind=kind), libra_jax.optimize(optax_step(route, tx))),
+                       (make_mesh(kind=kind), libra_jax.optimize(optax_step(route, tx),
+                                                                 collectives="xla"))):
+        _, params, x, labels = flax_state(mesh, 128)
+        with mesh_context(mesh):
+            opt_state = jax.jit(tx.init)(params)
+            p, s = jax.tree.map(jnp.copy, (params, opt_state))  # donated below
+            run = jax.jit(step, donate_argnums=(0, 1))
+            for _ in range(3):
+                p, s, loss, metrics = run(p, s, x, labels)
+        outs.append((p, s, loss, metrics))
+    gspmd, routed, optimized, control = outs
+    jax.tree.map(assert_bitwise, optimized, control)
+    for got in (routed, optimized):
+        ulps = jax.tree.leaves(jax.tree.map(max_ulps, got[0], gspmd[0]))
+        assert max(ulps) <= 32, ulps
+        np.testing.assert_array_max_ulp(got[2], gspmd[2], maxulp=32)  # the last step's loss
+    moved = jax.tree.leaves(jax.tree.map(max_ulps, gspmd[0], params))
+    assert min(moved) > 1000, moved
+
+
+@pytest.mark.parametrize("kind", ["auto", "explicit"])
+def test_plain_value_and_grad_with_argnums_is_bitwise_gspmd(kind):
+    mesh = make_mesh(kind=kind)
+    rng = np.random.default_rng(1)
+    params = put(mlp_params(rng), mesh, P())
+    x = put(rng.standard_normal((64, 16)).astype(np.float32), mesh, P("data"))
+    y = put(rng.standard_normal((64, 8)).astype(np.float32), mesh, P("data"))
+    want = jax.jit(jax.value_and_grad(mlp_loss))(params, x, y)
+    jax.tree.map(assert_bitwise, jax.jit(route(mlp_loss))(params, x, y), want)
+    # Called without jit: the route compiles its own program (the same one).
+    jax.tree.map(assert_bitwise, route(mlp_loss)(params, x, y), want)
+    # Two differentiated arguments (argnums), and grad's form of result.
+    def scaled(params, scale, x, y):
+        return scale * mlp_loss(params, x, y)
+    scale = put(jnp.float32(0.5), mesh, P())
+    want = jax.jit(jax.grad(scaled, argnums=(0, 1)))(params, scale, x, y)
+    got = jax.jit(libra_jax.grad(scaled, argnums=(0, 1)))(params, scale, x, y)
+    jax.tree.map(assert_bitwise, got, want)
+
+
+def test_two_dimensional_mesh_with_replicated_parameters():
+    """On a data x model mesh, the route maps every axis (XLA's all-reduce would otherwise be
+    the fallback of a partly manual shard_map) and stays bitwise GSPMD's."""
+    mesh = make_mesh((4, 2), ("data", "model"))
+    rng = np.random.default_rng(2)
+    params = put(mlp_params(rng), mesh, P())
+    x = put(rng.standard_normal((32, 16)).astype(np.float32), mesh, P("data"))
+    y = put(rng.standard_normal((32, 8)).astype(np.float32), mesh, P("data"))
+    want = jax.jit(jax.value_and_grad(mlp_loss))(params, x, y)
+    opt = libra_jax.optimize(route(mlp_loss))
+    jax.tree.map(assert_bitwise, jax.jit(opt)(params, x, y), want)
+    gradient = [p for p in opt.last_report.plans if p.kind == "gradient"]
+    assert gradient and all(p.axes == ("data",) for p in gradient), opt.last_report.plan_lines()
+    text = jax.jit(opt).lower(params, x, y).as_text()
+    assert "libra_allreduce" in text and "all_reduce" not in text
+
+
+def test_the_mesh_comes_from_set_mesh_or_the_inputs():
+    mesh = make_mesh(kind="explicit")
+    rng = np.random.default_rng(3)
+    params = put(mlp_params(rng), mesh, P())
+    x = rng.standard_normal((64, 16)).astype(np.float32)
+    y = rng.standard_normal((64, 8)).astype(np.float32)
+    want = jax.jit(jax.value_and_grad(mlp_loss))(params, put(x, mesh, P("data")),
+                                                 put(y, mesh, P("data")))
+    # Numpy batches (replicated when traced) are resharded to the batch spec on an explicit mesh.
+    with jax.set_mesh(mesh):
+        got = jax.jit(route(mlp_loss))(jax.tree.map(np.asarray, params), x, y)
+    jax.tree.map(assert_bitwise, got, want)
+    got = jax.jit(route(mlp_loss))(params, put(x, mesh, P()), put(y, mesh, P("data")))
+    jax.tree.map(assert_bitwise, got, want)
+
+
+# --- optimize plans the route ----------------------------------------------------------------
+
+def test_optimize_plans_the_routes_all_reduces_on_cpu():
+    mesh = make_mesh()
+    tx, params, x, labels = flax_state(mesh, 64)
+    opt_state = jax.jit(tx.init)(params)
+    step = optax_step(route, tx)
+    want = jax.jit(step)(params, opt_state, x, labels)
+    opt = libra_jax.optimize(step)
+    got = jax.jit(opt, donate_argnums=(0, 1))(*jax.tree.map(jnp.copy, (params, opt_state)),
+                                            x, labels)
+    jax.tree.map(assert_bitwise, got, want)
+    report = opt.last_report
+    gradient = [p for p in report.plans if p.kind == "gradient"]
+    n_params = len(jax.tree.leaves(params))
+    assert sum(len(p.members) for p in gradient) >= n_params, report.plan_lines()
+    assert not report.notes
+    text = jax.jit(opt).lower(params, opt_state, x, labels).as_text()
+    assert "all_reduce" not in text and "libra_allreduce" in text
+
+
+@pytest.mark.parametrize("mode", ["sync", "start-done"])
+def test_route_lowers_for_cuda_to_libra_calls_on_the_p2p_path(monkeypatch, mode):
+    if not _ffi.HAS_CUDA:
+        pytest.skip("built without CUDA: the cuda lowering falls back to XLA's all-reduce")
+    monkeypatch.setenv("LIBRA_JAX_CUDA", "p2p")
+    mesh = make_mesh()
+    rng = np.random.default_rng(4)
+    params = put(mlp_params(rng), mesh, P())
+    x = put(rng.standard_normal((64, 16)).astype(np.float32), mesh, P("data"))
+    y = put(rng.standard_normal((64, 8)).astype(np.float32), mesh, P("data"))
+    opt = libra_jax.optimize(route(mlp_loss), profile="h100", overlap=mode)
+    text = jax.jit(opt).trace(params, x, y).lower(lowering_platforms=("cuda",)).as_text()
+    calls = re.findall(r"custom_call @(libra_allreduce_\w+)", text)
+    gradient = [p for p in opt.last_report.plans if p.kind == "gradient"]
+    assert gradient and calls, opt.last_report.plan_lines()
+    assert "all_reduce" not in text
+    if mode == "start-done":
+        assert "libra_allreduce_cuda_start" in calls or any("start" in c for c in calls), calls
+
+
+# --- What it refuses, clearly ----------------------------------------------------------------
+
+def test_sharded_parameters_are_refused():
+    mesh = make_mesh()
+    rng = np.random.default_rng(5)
+    params = put(mlp_params(rng, (16, 32, 8)), mesh, P("data"))  # FSDP-like: rows split
+    x = put(rng.standard_normal((64, 16)).astype(np.float32), mesh, P("data"))
+    y = put(rng.standard_normal((64, 8)).astype(np.float32), mesh, P("data"))
+    with pytest.raises(ValueError, match=r"argument 0\[0\]\[0\] is sharded.*must be replicated"):
+        route(mlp_loss)(params, x, y)
+    explicit = make_mesh(kind="explicit")  # traced values carry their sharding there
+    params = put(mlp_params(rng, (16, 32, 8)), explicit, P("data"))
+    with pytest.raises(ValueError, match="is sharded.*reduce-scatter"):
+        jax.jit(route(mlp_loss))(params, put(x, explicit, P("data")), put(y, explicit, P("data")))
+    with pytest.raises(ValueError, match="differentiated arguments must be P()"):
+        route(mlp_loss, in_specs=(P("data"), P("data"), P("data")))(
+            put(mlp_params(rng), mesh, P()), x, y)
+
+
+def test_bad_calls_say_what_is_wrong():
+    mesh = make_mesh()
+    rng = np.random.default_rng(6)
+    params = put(mlp_params(rng), mesh, P())
+    x = put(rng.standard_normal((64, 16)).astype(np.float32), mesh, P("data"))
+    y = put(rng.standard_normal((64, 8)).astype(np.float32), mesh, P("data"))
+    with pytest.raises(ValueError, match="'batch' is not an axis of the mesh"):
+        libra_jax.value_and_grad(mlp_loss, axis_name="batch")(params, x, y)
+    with pytest.raises(ValueError, match=r"argument 1 has leading dimension 60, which does not "
+                                         r"split over the 8 shards"):
+        jax.jit(route(mlp_loss))(params, np.zeros((60, 16), np.float32),
+                                 np.zeros((60, 8), np.float32))
+    with pytest.raises(ValueError, match="no mesh"):
+        route(mlp_loss)(jax.tree.map(np.asarray, params), np.asarray(x), np.asarray(y))
+    with pytest.raises(TypeError, match="loss must be a float scalar"):
+        jax.jit(route(lambda p, x, y: (x @ p[0][0])))(params, x, y)
+    with pytest.raises(TypeError, match="argnums"):
+        libra_jax.value_and_grad(mlp_loss, argnums=-1)
+    with pytest.raises(TypeError, match=r"argnums \(3,\) but only 3 positional"):
+        libra_jax.value_and_grad(mlp_loss, argnums=3)(params, x, y)
+    with pytest.raises(ValueError, match="in_specs has 2 entries for 3"):
+        route(mlp_loss, in_specs=(P(), P("data")))(params, x, y)
+
+    def counts(p, x, y):
+        return mlp_loss(p, x, y), {"n": jnp.sum(x[:, 0] > 0).astype(jnp.int32)}
+    with pytest.raises(TypeError, match=r"aux\['n'\] is a int32 that differs from shard"):
+        jax.jit(route(counts, has_aux=True))(params, x, y)
+
+
+# --- What optimize says of GSPMD steps and of collectives it does not plan --------------------
+
+def test_optimize_names_the_route_for_a_gspmd_step(monkeypatch):
+    monkeypatch.setattr("libra_jax.ops.base._warned", set())
+    mesh = make_mesh()
+    rng = np.random.default_rng(7)
+    params = put(mlp_params(rng), mesh, P())
+    x = put(rng.standard_normal((64, 16)).astype(np.float32), mesh, P("data"))
+    y = put(rng.standard_normal((64, 8)).astype(np.float32), mesh, P("data"))
+    step = jax.value_and_grad(mlp_loss)
+    opt = libra_jax.optimize(step)
+    with pytest.warns(UserWarning, match=r"inputs are sharded over mesh axes \('data',\): a "
+                                         r"GSPMD step.*libra_jax.value_and_grad"):
+        jax.tree.map(assert_bitwise, opt(params, x, y), jax.jit(step)(params, x, y))
+    assert not opt.last_report.plans
+    text = str(libra_jax.explain(step, params, x, y, file=None))
+    assert "GSPMD step" in text and "libra_jax.value_and_grad" in text
+    # Under jit on an auto mesh the tracers carry no sharding, but a jax.set_mesh context does,
+    # and so do an explicit mesh's tracers.
+    monkeypatch.setattr("libra_jax.ops.base._warned", set())
+    with jax.set_mesh(mesh), pytest.warns(UserWarning, match="traced under the mesh"):
+        jax.jit(libra_jax.optimize(step))(params, x, y)
+    monkeypatch.setattr("libra_jax.ops.base._warned", set())
+    explicit = make_mesh(kind="explicit")
+    with pytest.warns(UserWarning, match=r"sharded over mesh axes \('data',\)"):
+        jax.jit(libra_jax.optimize(step))(put(params, explicit, P()), put(x, explicit, P("data")),
+                                          put(y, explicit, P("data")))
+
+
+def test_optimize_says_once_which_collectives_it_leaves_to_xla(monkeypatch):
+    """An FSDP-style shard_map step: the parameter is all-gathered forward, and its gradient
+    is autodiff's reduce-scatter; optimize plans the loss psum and names the rest."""
+    monkeypatch.setattr("libra_jax.ops.base._warned", set())
+    mesh = make_mesh()
+
+    def local(w, x):
+        def loss(w):
+            full = jax.lax.all_gather(w, "data", tiled=True)
+            return jax.lax.pmean(jnp.mean(jnp.tanh(x @ full) ** 2), "data")
+        value, g = jax.value_and_grad(loss)(w)
+        return value, w - 0.1 * g
+
+    step = jax.shard_map(local, mesh=mesh, in_specs=(P("data"), P("data")),
+                         out_specs=(P(), P("data")))
+    w = put(np.ones((16, 8), np.float32), mesh, P("data"))
+    x = put(np.ones((64, 16), np.float32), mesh, P("data"))
+    opt = libra_jax.optimize(step)
+    with pytest.warns(UserWarning, match=r"plans psums only; these collectives stay XLA's: "
+                                         r"all_gather over \('data',\) in top/shard_map; "
+                                         r"psum_scatter over \('data',\).*FSDP"):
+        jax.tree.map(assert_bitwise, jax.jit(opt)(w, x), jax.jit(step)(w, x))
+    report = opt.last_report
+    assert report.unplanned == ["all_gather over ('data',) in top/shard_map",
+                                "psum_scatter over ('data',) in top/shard_map"]
+    assert report.plans  # the loss's psum
+    assert "collectives left to XLA" in str(libra_jax.explain(step, w, x, file=None))
