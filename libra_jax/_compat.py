@@ -19,6 +19,7 @@ import numpy as np
 from jax._src import config as _config
 from jax._src import core as _core
 from jax._src import dispatch as _dispatch
+from jax._src import mesh as _mesh_lib
 from jax._src.interpreters import ad as _ad
 from jax._src.interpreters import batching as _batching
 from jax._src.interpreters import mlir as _mlir
@@ -40,7 +41,7 @@ __all__ = [
     "apply_primitive", "deflinear", "register_batcher", "register_lowering", "lower_fun",
     "ir_constant", "ir_tensor_type", "jit_static_args", "made_by_transpose", "is_var",
     "check_vma_enabled", "auto_pcast_enabled", "varying_axes", "input_state",
-    "pvary", "skip_size_one_axes", "axis_is_bound", "manual_axes", "replica_groups",
+    "pvary", "skip_size_one_axes", "axis_is_bound", "context_mesh", "manual_axes", "replica_groups",
     "mesh_devices", "ffi_target_registration", "device_index", "is_traced_argument", "is_zero_cotangent",
     "zero_cotangent",
     "jax_version", "PSUM_PRIMITIVES", "DEVICE_MAPS", "OTHER_COLLECTIVES", "HigherOrder", "HIGHER_ORDER",
@@ -178,6 +179,12 @@ def skip_size_one_axes(axes: tuple) -> tuple:
 
 def axis_is_bound(name: Any) -> bool:
     return bool(_core.get_axis_env().axis_exists(name))
+
+
+def context_mesh() -> jax.sharding.Mesh | None:
+    """The concrete mesh of a `jax.set_mesh` context, or None."""
+    mesh = _mesh_lib.get_concrete_mesh()
+    return None if mesh is None or mesh.empty else mesh
 
 
 def manual_axes() -> frozenset:

@@ -177,20 +177,28 @@ def _mean_aux(path: Any, value: Any, axes: tuple) -> Any:
 
 
 def _mesh(mesh: Any, args: tuple) -> Any:
-    """The mesh to map over: the argument, the context's (`jax.set_mesh`), or the inputs'."""
+    """The mesh to map over: the argument, the context's (`jax.set_mesh`), or the inputs'.
+    A concrete mesh (with devices) is preferred to an abstract one: libra's NCCL path needs
+    the devices to make its communicators, and under `jax.jit` traced inputs carry only an
+    abstract mesh."""
     if mesh is not None:
         if not isinstance(mesh, (jax.sharding.Mesh, jax.sharding.AbstractMesh)):
             raise TypeError(f"libra_jax.value_and_grad: mesh must be a jax.sharding.Mesh, got "
                             f"{type(mesh).__name__}")
         return mesh
-    context = jax.sharding.get_abstract_mesh()
-    if not context.empty:
+    context = _compat.context_mesh()
+    if context is not None:
         return context
-    for leaf in jax.tree.leaves(args):
-        sharding = getattr(leaf, "sharding", None)  # a concrete array's
+    leaves = jax.tree.leaves(args)
+    for leaf in leaves:  # a concrete array's
+        sharding = None if isinstance(leaf, _compat.Tracer) else getattr(leaf, "sharding", None)
         if isinstance(sharding, jax.sharding.NamedSharding):
             return sharding.mesh
-        sharding = getattr(_typeof(leaf), "sharding", None)  # an explicit mesh's traced value
+    abstract = jax.sharding.get_abstract_mesh()
+    if not abstract.empty:
+        return abstract
+    for leaf in leaves:  # a traced value's (an explicit mesh's)
+        sharding = getattr(_typeof(leaf), "sharding", None)
         if sharding is not None and not sharding.mesh.empty:
             return sharding.mesh
     raise ValueError("libra_jax.value_and_grad: no mesh: pass mesh=, call it under "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+from pathlib import Path
 
 import flax.linen as nn
 import jax
@@ -23,6 +24,7 @@ import libra_jax
 from libra_jax import _ffi
 
 from conftest import assert_bitwise
+from test_nccl import run, stub_env, stub_library  # noqa: F401  (the stub's fixtures)
 
 pytestmark = pytest.mark.usefixtures("jax_8")
 
@@ -242,6 +244,38 @@ def test_route_lowers_for_cuda_to_libra_calls_on_the_p2p_path(monkeypatch, mode)
     assert "all_reduce" not in text
     if mode == "start-done":
         assert "libra_allreduce_cuda_start" in calls or any("start" in c for c in calls), calls
+
+
+# The NCCL path, against the stub of libnccl (tests/test_nccl.py): in a process of its own.
+NCCL_ROUTE = """
+    import re, sys
+    import jax, numpy as np
+    jax.config.update("jax_num_cpu_devices", 8)
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    import libra_jax
+    sys.path.insert(0, sys.argv[1])
+    from test_data_parallel import make_mesh, mlp_loss, mlp_params
+    mesh = make_mesh()
+    put = lambda t, s: jax.device_put(t, NamedSharding(mesh, s))
+    rng = np.random.default_rng(4)
+    args = (put(mlp_params(rng), P()), put(rng.standard_normal((64, 16)).astype(np.float32), P("data")),
+            put(rng.standard_normal((64, 8)).astype(np.float32), P("data")))
+    opt = libra_jax.optimize(libra_jax.value_and_grad(mlp_loss), profile="h100")
+    with jax.set_mesh(mesh):  # a concrete mesh: NCCL's communicators need its devices
+        text = jax.jit(opt).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    print("CALLS", sorted(set(re.findall(r"custom_call @(libra_allreduce_\\w+)", text))))
+    print("XLA", "all_reduce" in text)
+    print("GRADIENT", sorted({p.overlap for p in opt.last_report.plans if p.kind == "gradient"}))
+"""
+
+
+def test_route_lowers_for_cuda_to_nccl_calls_on_the_nccl_path(stub_env):
+    if not _ffi.HAS_CUDA:
+        pytest.skip("built without CUDA: the cuda lowering falls back to XLA's all-reduce")
+    stub_env["LIBRA_JAX_CUDA"] = "nccl"
+    out = run(NCCL_ROUTE, stub_env, str(Path(__file__).parent))
+    assert "CALLS ['libra_allreduce_cuda_done', 'libra_allreduce_nccl_start']" in out, out
+    assert "XLA False" in out and "GRADIENT ['start-done']" in out, out
 
 
 # --- What it refuses, clearly ----------------------------------------------------------------

@@ -183,7 +183,9 @@ def cuda_kernel_attrs(ctx: Any, axes: tuple, blocks: int | None) -> tuple[dict |
         return None, _cuda_default_reason()
     if path != "p2p":  # nccl, where the mesh's devices are not known (an abstract mesh)
         return None, (f"cuda with {config.CUDA_PATH_ENV}={path} on an abstract mesh (libra's "
-                      "NCCL call needs the mesh's devices)")
+                      "NCCL call needs the mesh's devices: give shard_map or "
+                      "libra_jax.value_and_grad a jax.sharding.Mesh, or trace under "
+                      "jax.set_mesh)")
     groups, devices, reason = _groups_in_this_process(ctx, axes)
     if groups is None:
         return None, f"cuda {reason}"
