@@ -40,6 +40,7 @@ __all__ = [
     "psum_p", "psum_invariant_p",
     "apply_primitive", "deflinear", "register_batcher", "register_lowering", "lower_fun",
     "ir_constant", "ir_tensor_type", "jit_static_args", "made_by_transpose", "is_var",
+    "is_dropped", "with_varying", "scan_num_carry",
     "check_vma_enabled", "auto_pcast_enabled", "varying_axes", "input_state",
     "pvary", "skip_size_one_axes", "axis_is_bound", "context_mesh", "manual_axes", "replica_groups",
     "mesh_devices", "ffi_target_registration", "device_index", "is_traced_argument", "is_zero_cotangent",
@@ -305,6 +306,28 @@ def mesh_axis_sizes(mesh: Any) -> dict:
 def is_var(v: Any) -> bool:
     """Whether a jaxpr atom is a variable (not a literal)."""
     return isinstance(v, Var)
+
+
+def is_dropped(v: Any) -> bool:
+    """Whether an equation's output variable is unused (``_`` in a jaxpr)."""
+    return isinstance(v, _core.DropVar)
+
+
+def scan_num_carry(params: dict) -> int:
+    """How many of a `scan` body's outputs (and equation's) are the carry, the rest being ys."""
+    if "num_carry" in params:
+        return int(params["num_carry"])
+    return len(params["ft_out"].unpack()[0].vals)  # jax >= 0.11: the scan's flat trees
+
+
+def with_varying(aval: Any, axes: Sequence[Any]) -> Any:
+    """`aval` typed as varying over `axes` too (an unreduced value under `check_vma`)."""
+    mat = getattr(aval, "mat", None)
+    if mat is not None:  # jax >= 0.11: the manual axis type
+        return aval.update(manual_axis_type=mat.update(varying=mat.varying | frozenset(axes)))
+    if not hasattr(aval, "vma"):
+        return aval
+    return aval.update(vma=frozenset(aval.vma) | frozenset(axes))
 
 
 def made_by_transpose(eqn: Any) -> bool:

@@ -103,13 +103,13 @@ class Explanation:
 
 
 def explain(fn: Callable[..., Any], *args: Any, profile: Any = None, fusion: bool = True,
-            blocks: int | None = None, overlap: str | None = None,
+            blocks: int | None = None, overlap: str | None = None, loops: str = "auto",
             static_argnums: int | Sequence[int] | None = None,
             static_argnames: str | Sequence[str] | None = None,
             file: TextIO | None = sys.stdout, use_rich: bool | None = None,
             **kwargs: Any) -> Explanation:
     """Plan `fn(*args, **kwargs)` as `libra_jax.optimize(fn, profile=..., fusion=...,
-    blocks=..., overlap=..., static_argnums=..., static_argnames=...)` would, print the plan
+    blocks=..., overlap=..., loops=..., static_argnums=..., static_argnames=...)` would, print the plan
     to `file` (None: print nothing) and return it as an :class:`Explanation`.
 
     `fn` may be jitted, `shard_map`ped, call `jax.pmap`, or be an `optimize`d function (its
@@ -125,7 +125,7 @@ def explain(fn: Callable[..., Any], *args: Any, profile: Any = None, fusion: boo
     call, (dyn_args, dyn_kwargs), _ = statics.split(fn, args, kwargs)
     closed, out_shape = jax.make_jaxpr(call, return_shape=True)(*dyn_args, **dyn_kwargs)
     _, report = rewrite.rewrite_jaxpr(closed, profile=profile, fusion=fusion, blocks=blocks,
-                                      overlap=overlap,
+                                      overlap=overlap, loops=loops,
                                       inputs=jax.tree.leaves((dyn_args, dyn_kwargs)))
     names = _result_names(closed, out_shape, report)
     scopes = tuple(_scope_plan(entry, report, names) for entry in report.predicted)
@@ -394,6 +394,16 @@ def _others_lines(e: Explanation) -> list[str]:
     for p in e.others:
         lines.append(f"  {p.kind:<8} {p.scope} axes {', '.join(map(str, p.axes))}: "
                      f"{_fmt_bytes(p.nbytes)}, blocks {p.blocks}")
+    if e.report.loops:
+        lines.append("loops (scans whose psums can leave the body; libra_jax.loops):")
+    for loop in e.report.loops:
+        done = ("hoisted: one all-reduce of every iteration's slices after the loop"
+                if loop.choice == "hoist" else f"kept in the loop, {loop.blocks} blocks")
+        kept = f"; {loop.kept} other psum(s) stay in the body" if loop.kept else ""
+        lines.append(f"  {loop.scope} equation {loop.index}: scan of {loop.length}, {loop.psums} psum(s) of "
+                     f"{_fmt_bytes(loop.nbytes)} per iteration: {done} (predicted loop "
+                     f"{loop.hoisted_s * 1e3:.3f} ms hoisted, {loop.in_loop_s * 1e3:.3f} ms in the "
+                     f"loop){kept}")
     if e.report.unplanned:
         lines.append("collectives left to XLA (optimize plans psums only): "
                      + "; ".join(e.report.unplanned))

@@ -56,13 +56,14 @@ from typing import Any
 
 import jax
 
-from libra_jax import _compat, _nccl, allreduce, config, model, planner
+from libra_jax import _compat, _nccl, allreduce, config, loops, model, planner
 from libra_jax.ops import XLA_TWINS, libra_psum_fused_p, libra_psum_p
 from libra_jax.ops import lowering as _lowering
 from libra_jax.ops.base import warn_once
 from libra_jax.ops.start_done import TOKEN_AVAL, libra_psum_done_p, libra_psum_start_p
 
-__all__ = ["optimize", "rewrite_jaxpr", "PsumPlan", "OptimizeReport", "libra_psum_fused_p"]
+__all__ = ["optimize", "rewrite_jaxpr", "PsumPlan", "LoopPlan", "OptimizeReport",
+           "libra_psum_fused_p"]
 
 #: Environment switch that turns `optimize` into a pass-through (`config`).
 DISABLE_ENV = config.DISABLE_ENV
@@ -80,7 +81,7 @@ OVERLAP_MODES = config.OVERLAP_MODES
 # --- Public API ---------------------------------------------------------------
 
 def optimize(fn: Callable[..., Any] | None = None, *, profile: Any = None, fusion: bool = True,
-             blocks: int | None = None, overlap: str | None = None,
+             blocks: int | None = None, overlap: str | None = None, loops: str = "auto",
              static_argnums: int | Sequence[int] | None = None,
              static_argnames: str | Sequence[str] | None = None,
              collectives: str = "libra", enabled: bool = True) -> Any:
@@ -107,6 +108,11 @@ def optimize(fn: Callable[..., Any] | None = None, *, profile: Any = None, fusio
         the program (the profile's ``pending_allreduce_us``); on a GPU under
         ``LIBRA_JAX_CUDA=nccl`` always a pair; other GPU profiles, until measured, issue one
         call. None: ``$LIBRA_JAX_OVERLAP``, else "auto".
+      loops: what happens to a `scan` body's psums that may leave the loop (a stacked
+        weight's gradient slice: `libra_jax.loops`): "hoist" all-reduces the stacked slices
+        once after the loop, planned with the other gradients (bitwise the same); "in-loop"
+        keeps one all-reduce per iteration in the body, with the model's block count for
+        the loop; "auto" (default) takes whichever the model predicts faster.
       static_argnums, static_argnames: arguments that are not traced, as in `jax.jit`:
         Python values (a ``train`` flag, a config, a schedule function) passed to `fn` as
         they are; they must be hashable, and each distinct value is its own program. A
@@ -128,7 +134,7 @@ def optimize(fn: Callable[..., Any] | None = None, *, profile: Any = None, fusio
     """
     if fn is None:
         return functools.partial(optimize, profile=profile, fusion=fusion, blocks=blocks,
-                                 overlap=overlap, static_argnums=static_argnums,
+                                 overlap=overlap, loops=loops, static_argnums=static_argnums,
                                  static_argnames=static_argnames, collectives=collectives,
                                  enabled=enabled)
     if not callable(fn):
@@ -142,7 +148,7 @@ def optimize(fn: Callable[..., Any] | None = None, *, profile: Any = None, fusio
     if not enabled:
         return fn
     options = _Options(profile=profile, fusion=bool(fusion), blocks=blocks,
-                       overlap=config.overlap_mode(overlap))
+                       overlap=config.overlap_mode(overlap), loops=_loop_mode(loops))
     cache: dict[Any, tuple[Callable[..., Any], Any, OptimizeReport]] = {}
 
     # Name, docstring and signature of `fn`, but not its attributes: a jitted or
@@ -163,7 +169,7 @@ def optimize(fn: Callable[..., Any] | None = None, *, profile: Any = None, fusio
             profile = shared_profile(options.resolved_profile, program=program)
             rewritten, report = rewrite_jaxpr(closed, profile=profile, fusion=options.fusion,
                                               blocks=options.blocks, overlap=options.overlap,
-                                              inputs=leaves)
+                                              loops=options.loops, inputs=leaves)
             check_plan_agreement(report, program=program)
             if collectives == "xla":
                 rewritten = with_xla_collectives(rewritten)
@@ -246,6 +252,24 @@ class PsumPlan:
     overlap: str = "sync"           # "sync" (one call) or "start-done" (`libra_jax.ops.start_done`)
 
 
+@dataclasses.dataclass(frozen=True)
+class LoopPlan:
+    """What `optimize` did with one `scan` whose body psums could leave the loop (`loops`)."""
+
+    scope: str                      # the scope the scan equation is in
+    index: int                      # its position among the scope's equations
+    length: int                     # iterations
+    psums: int                      # the body's hoistable psums (kept ones are not counted)
+    nbytes: int                     # their bytes per iteration, per rank
+    # "hoist": all-reduced after the loop, planned with the scope's gradients; "in-loop":
+    # each iteration's all-reduce in the body, with `blocks`
+    choice: str
+    blocks: int                     # the in-loop block count (the model's best for the loop)
+    in_loop_s: float                # predicted seconds of the loop, all-reduces in the body
+    hoisted_s: float                # ... and of the loop then one all-reduce of every layer's
+    kept: int = 0                   # psums left in the body (into the carry, read there)
+
+
 @dataclasses.dataclass
 class OptimizeReport:
     """What the rewrite did: every planned all-reduce, and what it left alone."""
@@ -257,6 +281,7 @@ class OptimizeReport:
     # Collectives other than psum (`_compat.OTHER_COLLECTIVES`), left to XLA: one line per
     # kind, axes and scope, with its count.
     unplanned: list[str] = dataclasses.field(default_factory=list)
+    loops: list[LoopPlan] = dataclasses.field(default_factory=list)
 
     @property
     def num_psums(self) -> int:
@@ -264,8 +289,10 @@ class OptimizeReport:
 
     def plan_lines(self) -> list[str]:
         """One line per planned all-reduce: what every process must agree on."""
-        return [f"{p.scope} axes={p.axes} psums={p.members} bytes={p.nbytes} blocks={p.blocks} "
-                f"kind={p.kind} overlap={p.overlap}" for p in self.plans]
+        return ([f"{p.scope} axes={p.axes} psums={p.members} bytes={p.nbytes} blocks={p.blocks} "
+                 f"kind={p.kind} overlap={p.overlap}" for p in self.plans]
+                + [f"{p.scope} loop={p.index} psums={p.psums} {p.choice} blocks={p.blocks}"
+                   for p in self.loops])
 
 
 def block_cap(profile: model.Profile) -> tuple[int | None, str]:
@@ -412,7 +439,7 @@ def check_plan_agreement(report: OptimizeReport, *, program: str) -> None:
 
 
 def rewrite_jaxpr(closed: Any, *, profile: Any = None, fusion: bool = True,
-                  blocks: int | None = None, overlap: str | None = None,
+                  blocks: int | None = None, overlap: str | None = None, loops: str = "auto",
                   inputs: Sequence[Any] = ()) -> tuple[Any, OptimizeReport]:
     """Rewrite `closed` (a ClosedJaxpr) as the module docstring states.
 
@@ -423,7 +450,7 @@ def rewrite_jaxpr(closed: Any, *, profile: Any = None, fusion: bool = True,
         allreduce.check_blocks(blocks)
     report = OptimizeReport()
     options = _Options(profile=profile, fusion=fusion, blocks=blocks,
-                       overlap=config.overlap_mode(overlap))
+                       overlap=config.overlap_mode(overlap), loops=_loop_mode(loops))
     with _compat.memoized_sub_jaxprs():
         rewriter = _Rewriter(options, report, closed)
         new_jaxpr = rewriter.jaxpr(closed.jaxpr, axis_sizes={}, scope="top", in_loop=False)
@@ -444,12 +471,24 @@ def rewrite_jaxpr(closed: Any, *, profile: Any = None, fusion: bool = True,
 
 # --- Options ------------------------------------------------------------------
 
+#: `optimize(loops=...)`: what happens to the psums that may leave a scan body (`loops`).
+LOOP_MODES = ("auto", "hoist", "in-loop")
+
+
+def _loop_mode(loops: str) -> str:
+    if loops not in LOOP_MODES:
+        raise ValueError(f"libra_jax.optimize: loops must be one of "
+                         f"{', '.join(map(repr, LOOP_MODES))}, got {loops!r}")
+    return loops
+
+
 @dataclasses.dataclass(frozen=True)
 class _Options:
     profile: Any
     fusion: bool
     blocks: int | None
     overlap: str = "auto"
+    loops: str = "auto"
 
     def __post_init__(self) -> None:
         profile = self.profile  # checked when made; a JSON document is read now, once
@@ -466,7 +505,7 @@ class _Options:
             profile = ("profile", profile)  # a value (`model.Profile`): equal ones share
         elif profile is not None:
             profile = ("name", os.fspath(profile))
-        return (profile, self.fusion, self.blocks, self.overlap)
+        return (profile, self.fusion, self.blocks, self.overlap, self.loops)
 
     def resolved_profile(self) -> model.Profile:
         """The profile as a loaded `model.Profile`: resolved once per trace (None: the
@@ -595,6 +634,8 @@ class _Rewriter:
         self.calls = 0
         self.scope_names: collections.Counter[str] = collections.Counter()
         self.unplanned: list[str] = []  # `OptimizeReport.unplanned`, one entry per equation
+        # id of a scan body kept with its all-reduces -> the block count chosen for the loop
+        self.loop_blocks: dict[int, int] = {}
 
     def call_id(self) -> int:
         """The id of the program's next start/done pair (`libra_jax.ops.start_done`): a fingerprint
@@ -608,7 +649,8 @@ class _Rewriter:
     # One jaxpr scope, in phases: rewrite sub-jaxprs, find the psum sites, classify them,
     # plan the gradient ones, turn the plan into edits, schedule the equations.
     def jaxpr(self, jaxpr: Any, *, axis_sizes: dict, scope: str, in_loop: bool) -> Any:
-        eqns = [self.sub_jaxprs(eqn, axis_sizes, scope, in_loop) for eqn in jaxpr.eqns]
+        eqns = self.hoist_loops(jaxpr.eqns, axis_sizes, scope)
+        eqns = [self.sub_jaxprs(eqn, axis_sizes, scope, in_loop) for eqn in eqns]
         for eqn in eqns:
             other = _compat.OTHER_COLLECTIVES.get(eqn.primitive.name)
             if other is not None:
@@ -636,9 +678,11 @@ class _Rewriter:
                 groups.setdefault((site.axes, site.invariant), []).append(site)
                 continue
             k = site.explicit_blocks
-            if k is None:
-                k = allreduce.default_blocks(site.nbytes, _world(axis_sizes, site.axes),
-                                             self.profile)
+            if k is None:  # a loop kept with its all-reduces has the model's count for it
+                k = self.loop_blocks.get(id(jaxpr)) if kind == "loop" else None
+                if k is None:
+                    k = allreduce.default_blocks(site.nbytes, _world(axis_sizes, site.axes),
+                                                 self.profile)
                 edits.replacements[site.index] = _single(eqns[site.index], site, k, invars)
             self.report.plans.append(PsumPlan(scope, site.axes, (site.index,), site.nbytes,
                                               k, kind))
@@ -650,6 +694,67 @@ class _Rewriter:
         for (axes, invariant, bucket, k), split in zip(planned, splits):
             self.edit_bucket(eqns, bucket, axes, invariant, k, split, scope, invars, edits)
         return jaxpr.replace(eqns=_schedule(eqns, edits))
+
+    def hoist_loops(self, eqns: Sequence[Any], axis_sizes: dict, scope: str) -> list[Any]:
+        """The scope's equations with each scan's hoistable psums (`loops.hoistable`) taken out
+        of the loop where `loop_plan` says so; the others' loops get its block count."""
+        out: list[Any] = []
+        for eqn in eqns:
+            hoists = [h for h in loops.hoistable(eqn) if all(a in axis_sizes for a in h.axes)]
+            hoists = [h for h in hoists if hoists and h.axes == hoists[0].axes]
+            if not hoists or _world(axis_sizes, hoists[0].axes) < 2:
+                out.append(eqn)
+                continue
+            plan = self.loop_plan(eqn, hoists, _world(axis_sizes, hoists[0].axes), scope,
+                                  len(out))
+            self.report.loops.append(plan)
+            if plan.choice == "hoist":
+                out.extend(loops.hoist(eqn, hoists))
+            else:
+                self.loop_blocks[id(eqn.params["jaxpr"].jaxpr)] = plan.blocks
+                out.append(eqn)
+        return out
+
+    def loop_plan(self, eqn: Any, hoists: list[loops.Hoist], world: int, scope: str,
+                  index: int) -> LoopPlan:
+        """Hoist or keep one scan's all-reduces: the model's predicted time of the loop with one
+        (unfused) all-reduce per hoistable psum per iteration, overlapping the rest of that
+        iteration, at the best block count for the loop; against the loop's compute followed
+        by one all-reduce of every iteration's slices (what hoisting gives before the planner
+        fuses and overlaps it with the scope's other gradients: an upper bound)."""
+        body = eqn.params["jaxpr"].jaxpr
+        length = int(eqn.params["length"])
+        costs = [_roofline_s(e, self.profile) for e in body.eqns]
+        layers, start = [], 0
+        for h in sorted(hoists, key=lambda h: h.psum):
+            layers.append(planner.Layer(compute_s=float(sum(costs[start:h.psum])),
+                                        grad_bytes=h.nbytes))
+            start = h.psum + 1
+        layers.append(planner.Layer(compute_s=float(sum(costs[start:])), grad_bytes=0))
+        cap, cap_why = block_cap(self.profile)
+        derivation = model.derive(self.profile, world, max_blocks=cap, max_blocks_why=cap_why)
+        cost = derivation.cost
+        nbytes = sum(h.nbytes for h in hoists)
+        whole = [planner.Layer(compute_s=length * sum(layer.compute_s for layer in layers),
+                               grad_bytes=length * nbytes)]
+
+        def in_loop_s(key: int) -> float:
+            return length * planner.simulate(
+                layers, [planner.Bucket(i, i, key) for i in range(len(layers))], cost)
+
+        def hoisted_s(key: int) -> float:
+            return planner.simulate(whole, [planner.Bucket(0, 0, key)], cost)
+
+        best_in = min(cost.keys, key=lambda k: (in_loop_s(k), k))
+        best_hoisted = min(hoisted_s(k) for k in cost.keys)
+        choice = self.options.loops
+        if choice == "auto":
+            choice = "hoist" if best_hoisted <= in_loop_s(best_in) else "in-loop"
+        blocks = self.options.blocks or min(allreduce.MAX_BLOCKS,
+                                            max(1, derivation.launch_shape(best_in)[0]))
+        total = sum(e.primitive.name in _compat.PSUM_PRIMITIVES for e in body.eqns)
+        return LoopPlan(scope, index, length, len(hoists), nbytes, choice, blocks,
+                        in_loop_s(best_in), best_hoisted, total - len(hoists))
 
     def edit_bucket(self, eqns: Sequence[Any], bucket: list[_Site], axes: tuple,
                     invariant: bool, k: int, split: bool, scope: str, invars: set,

@@ -36,6 +36,9 @@ class Case:
     context: Callable[[], Any] = contextlib.nullcontext  # entered around tracing and running
     # How many psums of each kind `optimize` must find (`rewrite.PsumPlan.kind`).
     kinds: dict[str, int] = dataclasses.field(default_factory=dict)
+    # Per scan whose psums could leave the loop, `optimize`'s choice (`rewrite.LoopPlan`).
+    loops: tuple[str, ...] = ()
+    drop_in: bool = True  # the step's own code has a psum a drop-in can take over
 
 
 def _lax_pmean(x: Any, axis_name: Any) -> Any:
@@ -275,6 +278,122 @@ def optax_clip_schedule_accumulate(pmean: Callable[..., Any] | None = None) -> C
                 kinds={"gradient": 6, "forward": 1})
 
 
+def flax_nn_scan(pmean: Callable[..., Any] | None = None) -> Case:
+    """Scan over layers, Flax's way: `nn.scan` over 4 identical blocks (stacked parameters),
+    in `shard_map` with `check_vma=True` (autodiff's gradient psums sit in the backward scan's
+    body), optax Adam."""
+    pmean = pmean or _lax_pmean
+    import flax.linen as nn
+    import optax
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, h, _):
+            return h + jnp.tanh(nn.Dense(24)(nn.LayerNorm()(h))), None
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.Dense(24)(x)
+            h, _ = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
+                           length=4)()(h, None)
+            return nn.Dense(2)(h)
+
+    net = Net()
+    mesh = _mesh()
+    rng = np.random.default_rng(6)
+    x = rng.standard_normal((N * 4, 10)).astype(np.float32)
+    y = rng.standard_normal((N * 4, 2)).astype(np.float32)
+    params = net.init(jax.random.key(6), x[:1])["params"]
+    tx = optax.adam(1e-2)
+
+    def local(state, x, y):
+        def loss_fn(p):
+            return pmean(jnp.mean((net.apply({"params": p}, x) - y) ** 2), "data")
+        loss, grads = jax.value_and_grad(loss_fn)(state["params"])
+        updates, opt = tx.update(grads, state["opt"], state["params"])
+        return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, loss
+
+    step = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data"), P("data")),
+                         out_specs=(P(), P()))
+    # Dense in 2, Dense out 2, the scanned block's Dense 2 and LayerNorm 2, hoisted; the loss.
+    return Case(step, {"params": params, "opt": tx.init(params)},
+                (_shard(x, mesh), _shard(y, mesh)), autodiff_psums=True,
+                kinds={"gradient": 8, "forward": 1}, loops=("hoist",))
+
+
+def stacked_scan_shared(pmean: Callable[..., Any] | None = None) -> Case:
+    """Scan over layers, by hand (MaxText-style): `lax.scan` over stacked weights that also
+    closes over one weight every layer shares. The stacked weights' psums leave the loop; the
+    shared weight's cotangent accumulates in the carry, so its psum stays in the body."""
+    pmean = pmean or _lax_pmean
+    mesh = _mesh()
+    rng = np.random.default_rng(7)
+    L, D = 6, 16
+    params = {"layers": {"w": (rng.standard_normal((L, D, D)) * 0.2).astype(np.float32),
+                         "b": np.zeros((L, D), np.float32)},
+              "shared": (rng.standard_normal((D, D)) * 0.2).astype(np.float32),
+              "head": (rng.standard_normal((D, 1)) * 0.2).astype(np.float32)}
+    x = rng.standard_normal((N * 4, D)).astype(np.float32)
+
+    def local(params, x):
+        def loss_fn(p):
+            def layer(h, w):
+                return jnp.tanh(h @ w["w"] + w["b"]) + 0.1 * (h @ p["shared"]), None
+            h, _ = jax.lax.scan(layer, x, p["layers"])
+            return pmean(jnp.mean((h @ p["head"]) ** 2), "data")
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        return jax.tree.map(lambda a, g: a - 0.05 * g, params, grads), loss
+
+    step = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P()))
+    # head, and the stacked w and b (hoisted): gradient; the shared weight's psum: in the loop.
+    return Case(step, params, (_shard(x, mesh),), autodiff_psums=True,
+                kinds={"gradient": 3, "loop": 1, "forward": 1}, loops=("hoist",))
+
+
+def gspmd_route(pmean: Callable[..., Any] | None = None) -> Case:
+    """A GSPMD step (`jax.jit` over `NamedSharding` inputs under `jax.set_mesh`, no psum of its
+    own) with its gradient taken by `libra_jax.value_and_grad` in `jax.value_and_grad`'s place;
+    Flax linen MLP, optax AdamW, an accuracy metric in `aux`."""
+    del pmean  # a GSPMD step calls no pmean: nothing for a drop-in to swap
+    import flax.linen as nn
+    import optax
+
+    import libra_jax
+
+    class MLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(4)(nn.gelu(nn.Dense(32)(x)))
+
+    net = MLP()
+    mesh = _mesh()
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((N * 4, 12)).astype(np.float32)
+    labels = rng.integers(0, 4, (N * 4,)).astype(np.int32)
+    params = net.init(jax.random.key(8), x[:1])["params"]
+    tx = optax.adamw(1e-2)
+
+    def loss_fn(p, x, labels):
+        logits = net.apply({"params": p}, x)
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+        return loss, {"accuracy": jnp.mean(jnp.argmax(logits, -1) == labels)}
+
+    def step(state, x, labels):
+        (loss, metrics), grads = libra_jax.value_and_grad(loss_fn, has_aux=True)(
+            state["params"], x, labels)
+        updates, opt = tx.update(grads, state["opt"], state["params"])
+        return ({"params": optax.apply_updates(state["params"], updates), "opt": opt},
+                {"loss": loss, **metrics})
+
+    state = jax.device_put({"params": params, "opt": tx.init(params)}, NamedSharding(mesh, P()))
+    # 4 parameters, in the backward shard_map; the loss and the accuracy, pmean'ed by the
+    # route in the forward shard_map, where no backward pass shows (rewrite's rule: planned).
+    return Case(step, state, (_shard(x, mesh), _shard(labels, mesh)), autodiff_psums=True,
+                context=lambda: jax.set_mesh(mesh), kinds={"gradient": 6},
+                drop_in=False)
+
+
 CASES: dict[str, Callable[..., Case]] = {
     "flax-batchnorm-pmap": flax_batchnorm_pmap,
     "transformer-dropout": transformer_dropout,
@@ -282,4 +401,7 @@ CASES: dict[str, Callable[..., Case]] = {
     "set-mesh-autodiff": set_mesh_autodiff,
     "static-config": static_config,
     "optax-clip-schedule-multisteps": optax_clip_schedule_accumulate,
+    "flax-nn-scan": flax_nn_scan,
+    "stacked-scan-shared": stacked_scan_shared,
+    "gspmd-route": gspmd_route,
 }

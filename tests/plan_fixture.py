@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import sys
 from pathlib import Path
 
@@ -63,6 +64,9 @@ def _portable(lines: list[str]) -> list[str]:
     (the jaxprs do): how many psums a bucket holds stays."""
     out = []
     for line in lines:
+        if " loop=" in line:  # a loop's choice (`rewrite.LoopPlan`): its scan's position too
+            out.append(re.sub(r" loop=\d+", " loop", line))
+            continue
         head, rest = line.split(" psums=(", 1)
         members, tail = rest.split(")", 1)
         out.append(f"{head} psums={len([m for m in members.split(',') if m.strip()])}{tail}")

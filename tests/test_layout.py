@@ -23,7 +23,7 @@ LAYERS: dict[str, int] = {
     **dict.fromkeys(["_compat", "_ffi", "_nccl", "_libra_ffi"], 2),
     **dict.fromkeys(["ops", "ops.base", "ops.lowering", "ops.psum", "ops.fused",
                      "ops.start_done"], 3),
-    **dict.fromkeys(["allreduce", "rewrite", "overlap", "data_parallel"], 4),
+    **dict.fromkeys(["allreduce", "rewrite", "overlap", "data_parallel", "loops"], 4),
     **dict.fromkeys(["explanation", "calibrate", "calibrate.measure", "calibrate.build", "cli",
                      "__main__"], 5),
 }
