@@ -222,7 +222,10 @@ constexpr std::size_t kCapacityBytes = std::size_t{4} * lc::kThreads * lc::kVect
 void TestRanksAlgorithmsBlocksAndTails() {
   for (int n : {2, 4, 8}) {
     EmulatedTeam team(n, kCapacityBytes);
-    const std::size_t wrong = RunTeam(team, MixedProgram(team.capacity));
+    std::vector<Call> program = MixedProgram(team.capacity);
+    const std::vector<Call> once = program;
+    for (int i = 0; i < 2; ++i) program.insert(program.end(), once.begin(), once.end());
+    const std::size_t wrong = RunTeam(team, program);
     CHECK(wrong == 0);
     CHECK(!team.Failed());
     if (wrong) std::fprintf(stderr, "  %d ranks: %zu wrong elements\n", n, wrong);
@@ -290,7 +293,7 @@ std::size_t RunTwoStreams(int n, bool shared, uint64_t timeout_ns, bool* failed)
 }
 
 void TestTwoStreamsPerRankEachWithItsTeam() {
-  for (int n : {2, 4}) {
+  for (int n : {2, 4, 8}) {
     bool failed = true;
     CHECK(RunTwoStreams(n, /*shared=*/false, 0, &failed) == 0);
     CHECK(!failed);
