@@ -59,18 +59,10 @@ namespace lc = libra::cuda;
 enum StreamKind : int { kXlaStream = 0, kLibraStream = 1 };
 const char* StreamName(int stream) { return stream == kXlaStream ? "XLA's" : "libra's"; }
 
-// A group's teams on one stream, one generation after another.
-struct TeamSlot {
-  lc::TeamGenerations generations;
-  int generation = -1;          // of `team`
-  std::shared_ptr<lc::Team> team;
-  // Per rank: the execution of its latest call and how many calls it made in it.
-  std::map<int, std::pair<int64_t, uint32_t>> calls;
-};
-
 struct TeamRegistry {
   std::mutex mu;
-  std::map<std::pair<std::vector<int>, int>, std::unique_ptr<TeamSlot>> teams;
+  // Per (GPUs, stream): the group's team on that stream, across errors.
+  std::map<std::pair<std::vector<int>, int>, std::unique_ptr<lc::TeamSlot<lc::Team>>> teams;
   lc::CoResidency co_residency;
   std::map<int, int> co_resident_blocks;  // per GPU: of the per-rank kernels
 };
@@ -150,47 +142,41 @@ ffi::Error Launch(cudaStream_t stream, int stream_kind, int32_t device, int64_t 
   const std::string group = "libra_jax CUDA all-reduce over GPUs " + Join(members) + " (" +
                             StreamName(stream_kind) + " stream)";
   std::shared_ptr<lc::Team> team;
-  uint32_t call_index = 0;  // of this call in its execution, on this rank and team
+  uint32_t signature = 0;  // of this call (its execution and index in it, on this team)
   {
     TeamRegistry& registry = Registry();
     std::lock_guard<std::mutex> lock(registry.mu);
-    std::unique_ptr<TeamSlot>& slot = registry.teams[{members, stream_kind}];
-    if (!slot) slot = std::make_unique<TeamSlot>();
-    int generation = 0;
-    std::string failure;
-    if (!slot->generations.Enter(run, &generation, &failure)) {
-      return ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
-                        group + ": this execution met a failed call: " + failure +
-                            " (LIBRA_JAX_TIMEOUT_S); it fails on every GPU of the group, "
-                            "and the next execution gets a fresh team");
-    }
-    if (generation != slot->generation) {  // the first call, or after a failure
-      if (slot->team) slot->team->Abandon();  // its kernels may still hold its memory
-      slot->team.reset();
-      slot->calls.clear();
-      std::unique_ptr<lc::Team> created;
-      std::string message;
+    std::unique_ptr<lc::TeamSlot<lc::Team>>& slot = registry.teams[{members, stream_kind}];
+    if (!slot) slot = std::make_unique<lc::TeamSlot<lc::Team>>();
+    std::string message;
+    const auto create = [&](std::string* why) -> std::shared_ptr<lc::Team> {
       std::size_t capacity = 0;
       const libra::Status setting = CapacityBytes(&capacity);
-      if (!setting.ok()) return ffi::Error::InvalidArgument(setting.message);
-      if (lc::Team::Create(members, capacity, &created, &message) != cudaSuccess) {
-        return ffi::Error::Internal(group + ": " + message);
+      if (!setting.ok()) {
+        *why = setting.message;
+        return nullptr;
       }
-      slot->team = std::move(created);
-      slot->generation = generation;
+      std::unique_ptr<lc::Team> created;
+      if (lc::Team::Create(members, capacity, &created, why) != cudaSuccess) return nullptr;
+      return std::shared_ptr<lc::Team>(std::move(created));
+    };
+    const auto failure = [](const lc::Team& t) { return t.Failure(); };
+    const auto retire = [](lc::Team& t) { t.Abandon(); };  // its kernels may still hold it
+    switch (slot->Enter(run, rank, create, failure, retire, &team, &signature, &message)) {
+      case lc::TeamSlot<lc::Team>::Outcome::kLaunch: break;
+      case lc::TeamSlot<lc::Team>::Outcome::kDoomed:
+        return ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
+                          group + ": this execution met a failed call: " + message +
+                              " (LIBRA_JAX_TIMEOUT_S); it fails on every GPU of the group, "
+                              "and the next execution gets a fresh team");
+      case lc::TeamSlot<lc::Team>::Outcome::kFailedNow:
+        return ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
+                          group + ": an earlier call failed: " + message +
+                              " (LIBRA_JAX_TIMEOUT_S); this execution fails on every GPU of the "
+                              "group, and the next one gets a fresh team");
+      case lc::TeamSlot<lc::Team>::Outcome::kCreateError:
+        return ffi::Error::Internal(group + ": " + message);
     }
-    team = slot->team;
-    const std::string failed = team->Failure();
-    if (!failed.empty()) {
-      slot->generations.Fail(generation, failed);
-      return ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
-                        group + ": an earlier call failed: " + failed +
-                            " (LIBRA_JAX_TIMEOUT_S); this execution fails on every GPU of the "
-                            "group, and the next one gets a fresh team");
-    }
-    std::pair<int64_t, uint32_t>& calls = slot->calls[rank];
-    if (calls.first != run) calls = {run, 0};
-    call_index = calls.second++;
     // The co-residency bound: libra's spinning kernels on this GPU, all streams.
     ffi::ErrorOr<int> capacity = CoResidentBlocks(registry, device);
     if (!capacity.has_value()) return capacity.error();
@@ -212,7 +198,7 @@ ffi::Error Launch(cudaStream_t stream, int stream_kind, int32_t device, int64_t 
   call.blocks = static_cast<int>(blocks);
   call.algorithm = static_cast<lc::Algorithm>(algorithm);
   call.timeout_ns = timeout_ms > 0 ? static_cast<uint64_t>(timeout_ms) * 1000000u : 0;
-  call.signature = lc::CallSignature(run, call_index);
+  call.signature = signature;
   std::string message;
   if (lc::LaunchAllReduce(team->View(rank), call, stream, &message) != cudaSuccess) {
     return ffi::Error::Internal("libra_jax CUDA all-reduce: " + message);

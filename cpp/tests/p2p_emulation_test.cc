@@ -302,45 +302,44 @@ void TestTwoStreamsPerRankEachWithItsTeam() {
 
 // --- Abort and recovery ------------------------------------------------------
 //
-// The handler's logic (xla_ffi/cuda_allreduce.cc's Launch) over emulated
-// teams: per call, TeamGenerations says which team generation serves the
-// call's execution (or that the call fails); a team whose error record is set
-// is failed and, for the executions that never met it, replaced.
+// The handler's per-call logic (lc::TeamSlot, which xla_ffi/cuda_allreduce.cc's
+// Launch calls) over emulated teams: which team generation serves a call's
+// execution, or that the call fails; a team whose error record is set is
+// failed and, for the executions that never met it, replaced.
 class EmulatedRegistry {
  public:
   EmulatedRegistry(int n, std::size_t capacity_bytes) : n_(n), capacity_bytes_(capacity_bytes) {}
 
-  // One call of execution `run` (its `index`-th on this team) from `rank`.
-  // False where the call fails (XLA ends the rank's execution there).
-  bool Call(int64_t run, uint32_t index, int rank, const Call& call, const Vec* in, Vec* out,
+  // One call of execution `run` from `rank`. False where the call fails (XLA
+  // ends the rank's execution there).
+  bool Call(int64_t run, int rank, const Call& call, const Vec* in, Vec* out,
             uint64_t timeout_ns, int* generation) {
     std::shared_ptr<EmulatedTeam> team;
-    {
-      std::string failure;
-      if (!gens_.Enter(run, generation, &failure)) return false;
-      std::lock_guard<std::mutex> lock(mu_);
-      if (*generation >= static_cast<int>(teams_.size())) {
-        teams_.resize(*generation + 1);
-      }
-      if (!teams_[*generation]) teams_[*generation] = std::make_shared<EmulatedTeam>(n_, capacity_bytes_);
-      team = teams_[*generation];
-    }
-    if (team->Failed()) {  // an earlier kernel gave up: this team is dead
-      gens_.Fail(*generation, "timed out");
+    uint32_t signature = 0;
+    std::string message;
+    const auto create = [this](std::string*) {
+      return std::make_shared<EmulatedTeam>(n_, capacity_bytes_);
+    };
+    const auto failure = [](const EmulatedTeam& t) {
+      return t.Failed() ? std::string(t.ErrorKind() == 1 ? "another call" : "timed out")
+                        : std::string();
+    };
+    const auto retire = [](EmulatedTeam&) {};
+    if (slot_.Enter(run, rank, create, failure, retire, &team, &signature, &message) !=
+        lc::TeamSlot<EmulatedTeam>::Outcome::kLaunch) {
       return false;
     }
+    *generation = slot_.generation();
     RunKernel(lc::MakeRankCall(team->View(rank), call.algorithm, call.vectors * lc::kVectorBytes,
-                               call.blocks, in, out, timeout_ns, lc::CallSignature(run, index)));
+                               call.blocks, in, out, timeout_ns, signature));
     return true;
   }
-
-  lc::TeamGenerations gens_;
+  int generation() { return slot_.generation(); }
 
  private:
   const int n_;
   const std::size_t capacity_bytes_;
-  std::mutex mu_;
-  std::vector<std::shared_ptr<EmulatedTeam>> teams_;
+  lc::TeamSlot<EmulatedTeam> slot_;
 };
 
 void TestAbortThenRecoveryOnEveryRank() {
@@ -374,7 +373,7 @@ void TestAbortThenRecoveryOnEveryRank() {
           for (std::size_t v = 0; v < call.vectors; ++v) {
             for (int e = 0; e < 4; ++e) in[v].w[e] = Input(id, r, v * 4 + e);
           }
-          if (!registry.Call(run, c, r, call, in.data(), out.data(), timeout_ns,
+          if (!registry.Call(run, r, call, in.data(), out.data(), timeout_ns,
                              &generation[r][run])) {
             outcome[r][run] = 0;
             break;
@@ -394,7 +393,7 @@ void TestAbortThenRecoveryOnEveryRank() {
     });
   }
   for (auto& t : ranks) t.join();
-  CHECK(registry.gens_.generation() >= 1);  // the dead team was replaced
+  CHECK(registry.generation() >= 1);  // the dead team was replaced
   for (int r = 0; r < n; ++r) {
     CHECK(outcome[r][1] == 1);  // before the failure
     CHECK(outcome[r][2] == 0);  // the failed execution fails on every rank

@@ -57,6 +57,7 @@
 #include <algorithm>
 #include <deque>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <utility>
@@ -493,6 +494,60 @@ class TeamGenerations {
   std::string failure_;
   std::deque<int64_t> runs_;    // executions that called on the current generation
   std::deque<int64_t> doomed_;  // executions that called on a dead generation
+};
+
+// One replica group's team on one stream, across errors: the handler's
+// per-call logic (xla_ffi/cuda_allreduce.cc), run by the emulation too.
+// Enter gives a call of execution `run` from `rank` its team and signature:
+// the team of its generation (TeamGenerations), made by `create` where the
+// generation is new (the old one is passed to `retire`: its kernels may still
+// hold its memory); a team whose error record is set (`failure` not empty) is
+// failed there. The signature counts this rank's calls in the execution.
+template <class Team>
+class TeamSlot {
+ public:
+  enum class Outcome {
+    kLaunch,       // launch on `team` with `signature`
+    kDoomed,       // the execution met a failed call before: fail (message: why)
+    kFailedNow,    // the team's record is set: fail (message: the record)
+    kCreateError,  // `create` failed (message: its)
+  };
+  template <class Create, class Failure, class Retire>
+  Outcome Enter(int64_t run, int rank, Create create, Failure failure, Retire retire,
+                std::shared_ptr<Team>* team, uint32_t* signature, std::string* message) {
+    std::lock_guard<std::mutex> lock(mu_);
+    int generation = 0;
+    if (!generations_.Enter(run, &generation, message)) return Outcome::kDoomed;
+    if (generation != generation_ || !team_) {  // the first call, or after a failure
+      if (team_) retire(*team_);
+      team_.reset();
+      calls_.clear();
+      std::shared_ptr<Team> created = create(message);
+      if (!created) return Outcome::kCreateError;
+      team_ = std::move(created);
+      generation_ = generation;
+    }
+    const std::string failed = failure(*team_);
+    if (!failed.empty()) {
+      generations_.Fail(generation, failed);
+      if (message) *message = failed;
+      return Outcome::kFailedNow;
+    }
+    std::pair<int64_t, uint32_t>& calls = calls_[rank];
+    if (calls.first != run) calls = {run, 0};
+    *signature = CallSignature(run, calls.second++);
+    *team = team_;
+    return Outcome::kLaunch;
+  }
+  int generation() { return generations_.generation(); }
+
+ private:
+  std::mutex mu_;
+  TeamGenerations generations_;
+  int generation_ = -1;  // of team_
+  std::shared_ptr<Team> team_;
+  // Per rank: the execution of its latest call and how many calls it made in it.
+  std::map<int, std::pair<int64_t, uint32_t>> calls_;
 };
 
 // The co-residency bound of libra's spinning kernels on each GPU. A libra
