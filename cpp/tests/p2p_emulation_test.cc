@@ -17,6 +17,8 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
+#include <mutex>
 #include <cstdio>
 #include <cstring>
 #include <functional>
@@ -121,7 +123,15 @@ struct EmulatedTeam {
     return v;
   }
   bool Failed() const { return __atomic_load_n(&error.code, __ATOMIC_ACQUIRE) != 0; }
-  uint32_t ErrorKind() const { return error.kind; }
+  // What Team::Failure says: the record's kind once it is written (code 1), else that it
+  // is being written (its fields are the claimer's until then).
+  std::string Failure() const {
+    switch (__atomic_load_n(&error.code, __ATOMIC_ACQUIRE)) {
+      case 0: return {};
+      case 1: return error.kind == 1 ? "a peer in another call" : "timed out";
+      default: return "being written";
+    }
+  }
 
   const int nranks;
   const std::size_t capacity;
@@ -320,9 +330,13 @@ class EmulatedRegistry {
     const auto create = [this](std::string*) {
       return std::make_shared<EmulatedTeam>(n_, capacity_bytes_);
     };
-    const auto failure = [](const EmulatedTeam& t) {
-      return t.Failed() ? std::string(t.ErrorKind() == 1 ? "another call" : "timed out")
-                        : std::string();
+    const auto failure = [this](const EmulatedTeam& t) {
+      std::string why = t.Failure();
+      if (!why.empty()) {
+        std::lock_guard<std::mutex> lock(mu_);
+        failures_.push_back(why);
+      }
+      return why;
     };
     const auto retire = [](EmulatedTeam&) {};
     if (slot_.Enter(run, rank, create, failure, retire, &team, &signature, &message) !=
@@ -335,22 +349,42 @@ class EmulatedRegistry {
     return true;
   }
   int generation() { return slot_.generation(); }
+  std::vector<std::string> failures() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return failures_;
+  }
 
  private:
   const int n_;
   const std::size_t capacity_bytes_;
   lc::TeamSlot<EmulatedTeam> slot_;
+  std::mutex mu_;
+  std::vector<std::string> failures_;  // what each failed call found
 };
 
-void TestAbortThenRecoveryOnEveryRank() {
-  // Executions 1..6 of a program of 3 calls on 4 ranks. In execution 2 rank 3
-  // never makes its call 1 (its execution failed before it) and ends there;
-  // the others time out in call 1 or find rank 3's next execution in their
-  // call (its signature), so the team is dead; every execution that touched
-  // it fails, and every rank's next one runs on a fresh team, with right sums.
+// Executions 1..6 of a program of 3 calls on 4 ranks. In execution 2 rank 3
+// never makes its call 1 (its execution failed before it) and ends there. Then
+// either it goes on at once, and the others find its next execution's call in
+// their call 1 (its signature), or it is away for `away` (longer than the
+// timeout), and the others time out in call 1. Either way the team is dead;
+// every execution that touched it fails, and every rank's next one runs on a
+// fresh team, with right sums. Returns what the failed calls found.
+// With `in_step`, every execution starts once every rank has ended the one
+// before (a program that waits for each step's result); without, each rank
+// runs its executions back to back (dispatch running ahead).
+std::vector<std::string> AbortThenRecovery(uint64_t timeout_ns, std::chrono::milliseconds away,
+                                           bool in_step) {
   const int n = 4;
-  const uint64_t timeout_ns = 5'000'000'000;  // 5 s: a peer in another call is found at once
   EmulatedRegistry registry(n, kCapacityBytes);
+  std::mutex step_mu;
+  std::condition_variable step_cv;
+  int ended = 0;  // rank-executions ended
+  const auto end_step = [&](int run) {
+    std::unique_lock<std::mutex> lock(step_mu);
+    ++ended;
+    step_cv.notify_all();
+    step_cv.wait(lock, [&] { return ended >= n * run; });
+  };
   const std::vector<Call> program = {{700, lc::Algorithm::kOneShot, 2},
                                      {2 * lc::kThreads * 4 + 3, lc::Algorithm::kTwoShot, 3},
                                      {50, lc::Algorithm::kOneShot, 1}};
@@ -365,6 +399,7 @@ void TestAbortThenRecoveryOnEveryRank() {
         for (uint32_t c = 0; c < program.size(); ++c) {
           if (run == 2 && r == 3 && c == 1) {
             outcome[r][run] = 0;
+            std::this_thread::sleep_for(away);
             break;  // rank 3's execution 2 ends before its call 1
           }
           const Call& call = program[c];
@@ -389,6 +424,7 @@ void TestAbortThenRecoveryOnEveryRank() {
           }
           if (!right && outcome[r][run] == 1) outcome[r][run] = -1;
         }
+        if (in_step) end_step(run);
       }
     });
   }
@@ -404,6 +440,26 @@ void TestAbortThenRecoveryOnEveryRank() {
     CHECK(generation[r][kRuns] == generation[0][kRuns] && generation[r][kRuns] >= 1);
     if (outcome[r][kRuns] != 1) std::fprintf(stderr, "  rank %d: last execution failed\n", r);
   }
+  return registry.failures();
+}
+
+bool Found(const std::vector<std::string>& failures, const std::string& what) {
+  return std::find(failures.begin(), failures.end(), what) != failures.end();
+}
+
+void TestAbortThenRecoveryOnEveryRank() {
+  // 5 s: a peer in another call is found at once, long before the timeout.
+  const std::vector<std::string> found = AbortThenRecovery(5'000'000'000, {}, false);
+  CHECK(Found(found, "a peer in another call"));
+  CHECK(!Found(found, "timed out"));
+}
+
+void TestTimeoutThenRecoveryOnEveryRank() {
+  // Rank 3 away for 3 s, the others give up after 1 s; each execution waits for
+  // the one before on every rank (later calls, with every rank there, are far from it).
+  const std::vector<std::string> found =
+      AbortThenRecovery(1'000'000'000, std::chrono::milliseconds(3000), true);
+  CHECK(Found(found, "timed out"));
 }
 
 void TestTeamGenerations() {
@@ -457,6 +513,7 @@ int main(int argc, char** argv) {
       {"two_streams_per_rank", TestTwoStreamsPerRankEachWithItsTeam},
       {"team_generations", TestTeamGenerations},
       {"abort_then_recovery", TestAbortThenRecoveryOnEveryRank},
+      {"timeout_then_recovery", TestTimeoutThenRecoveryOnEveryRank},
       {"co_residency_bound", TestCoResidencyBound},
   });
 }
