@@ -13,7 +13,9 @@
 # (tests/test_cuda.py, tests/test_platform_matrix.py), the harness on the GPU (check: N = 2,
 # 4, 8 virtual ranks against a float64 reference; contend: the contention curves), the
 # curves' fitted profile, start/done beside compute (gpu_overlap.py), the machine's NCCL
-# under libra's CTA limits (gpu_nccl_check.py), and time vs bytes x blocks (bench).
+# under libra's CTA limits (gpu_nccl_check.py), whether jaxlib's command buffers capture custom
+# calls and keep libra's P2P call out (gpu_overlap.py --command-buffers), and time vs bytes x
+# blocks (bench).
 # libra's GPU data paths are opt-in (LIBRA_JAX_CUDA); this script opts in per step.
 #
 # Results under $OUT (default /tmp/libra_gpu_check/out), at most 6 files, each written as
@@ -35,7 +37,7 @@ dry_run=0
 case "${1:-}" in
   --dry-run) dry_run=1 ;;
   "") ;;
-  -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
+  -h|--help) sed -n '2,33p' "$0"; exit 0 ;;
   *) echo "usage: $0 [--dry-run]" >&2; exit 2 ;;
 esac
 
@@ -206,6 +208,15 @@ if [ "$dry_run" = 0 ] && [ -x "$harness" ]; then
     if [ $rc -eq 0 ]; then note overlap PASS "$(grep -c '^| [a-z]' "$out/overlap.md" 2>/dev/null) rows"
     elif [ $rc -ne 125 ]; then note overlap FAIL "rc $rc (see log.txt)"; fi
 
+    # Whether jaxlib's command buffers capture custom calls at all, and that libra's P2P
+    # call (not command-buffer compatible) stays out of them.
+    PYTHONPATH=$site step cmdbuf 45 "$python" "$repo/benchmarks/gpu_overlap.py" --command-buffers
+    rc=$?
+    grep '^cmdbuf-' "$log" | tail -2 | while read -r what result detail; do
+      note "$what" "$result" "$detail"
+    done
+    [ $rc -ne 0 ] && [ $rc -ne 125 ] && note cmdbuf FAIL "rc $rc (see log.txt)"
+
     PYTHONPATH=$site step nccl 90 "$python" "$repo/benchmarks/gpu_nccl_check.py"
     rc=$?
     grep '^nccl-' "$log" | tail -8 | while read -r what result detail; do
@@ -229,6 +240,7 @@ if [ "$dry_run" = 0 ] && [ -x "$harness" ]; then
 elif [ "$dry_run" = 1 ]; then
   note check SKIP "dry run"
   note contend SKIP "dry run"
+  note cmdbuf SKIP "dry run (compiles for a GPU)"
   if [ "$python_ok" = 1 ]; then
     PYTHONPATH=$site step overlap 90 "$python" "$repo/benchmarks/gpu_overlap.py" --lower-only
     rc=$?

@@ -23,6 +23,13 @@ overlap="start-done": step time, whether the results are bitwise equal, and,
 from XLA's scheduled HLO, how many GEMMs run between each start and its done
 (0: XLA pulled done up to its start, and nothing can overlap).
 Results go to DIR/overlap.md as they come.
+
+    python benchmarks/gpu_overlap.py --command-buffers   # on a GPU: what command buffers take
+
+compiles a step with the kernel call beside a fusion under XLA's command buffers for fusions,
+cuBLAS and custom calls, and prints `cmdbuf-*` lines (benchmarks/gpu_check.sh notes them):
+whether this jaxlib makes command buffers at all there, and whether libra's call (not
+command-buffer compatible: its errors and signatures are the handler's, per call) stays out.
 """
 from __future__ import annotations
 
@@ -36,7 +43,11 @@ from pathlib import Path
 # libra's GPU data paths are opt-in (LIBRA_JAX_CUDA, default xla): this measures the P2P
 # kernels, so it opts in unless told otherwise.
 os.environ.setdefault("LIBRA_JAX_CUDA", "p2p")
-if "--lower-only" not in sys.argv:
+if "--command-buffers" in sys.argv:
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUSTOM_CALL"
+                               + " --xla_gpu_graph_min_graph_size=1")
+elif "--lower-only" not in sys.argv:
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_gpu_experimental_stream_annotation=true")
 
@@ -107,6 +118,26 @@ def steps(n_matmul: int) -> dict:
 
     return {"compute": compute_only, "allreduce": comm_only, "sync": sync,
             "annotated": annotated, "start/done": start_done}
+
+
+def command_buffer_lines() -> list[str]:
+    """`cmdbuf-*` lines: the optimized HLO of a step with libra's call beside a fusion, under
+    command buffers for fusions, cuBLAS and custom calls (XLA_FLAGS set at import)."""
+    a = jnp.ones((256, 256), jnp.float32)
+    x = jnp.arange(1 << 16, dtype=jnp.float32)
+    step = jax.jit(lambda a, x: (jnp.tanh(a @ a) * 2, allreduce(x, 8) + 1))
+    compiled = step.lower(a, x).compile()
+    hlo = compiled.as_text()
+    # Computations, each "name (...) -> ... {" up to its closing "}" at the line start.
+    bodies = [c for c in hlo.split("\n}\n") if "command_buffer" in c.split("{", 1)[0]]
+    inside = [c for c in bodies if _ffi.ALLREDUCE_CUDA_TARGET in c]
+    c, y = step(a, x)
+    right = bool(jnp.array_equal(y, x + 1))  # a 1-GPU sum is its input
+    return [f"cmdbuf-made INFO {len(bodies)} command-buffer computation(s) in the step "
+            f"(jax {jax.__version__}, FUSION,CUBLAS,CUSTOM_CALL)",
+            f"cmdbuf-libra {'FAIL' if inside else 'PASS'} libra_allreduce_cuda "
+            f"{'inside a command buffer' if inside else 'outside every command buffer'}; "
+            f"output {'right' if right else 'WRONG'}"]
 
 
 def optimize_steps(width: int, layers: int, batch: int) -> tuple[dict, tuple]:
@@ -182,7 +213,16 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=8, help="optimize: MLP layers")
     parser.add_argument("--batch", type=int, default=8192, help="optimize: batch")
     parser.add_argument("--lower-only", action="store_true")
+    parser.add_argument("--command-buffers", action="store_true")
     args = parser.parse_args()
+    if args.command_buffers:
+        if jax.devices()[0].platform != "gpu":
+            print("needs a GPU")
+            return 2
+        _ffi.ensure_cuda_registered()
+        lines = command_buffer_lines()
+        print("\n".join(lines))
+        return 1 if any(" FAIL " in line for line in lines) else 0
 
     n = args.mib * (1 << 20) // 4
     a_spec = jax.ShapeDtypeStruct((args.matmul, args.matmul), jnp.bfloat16)

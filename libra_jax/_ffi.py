@@ -217,6 +217,16 @@ def _package_version() -> str:
     return __version__
 
 
+def cuda_peer_access(devices: list[int]) -> bool | None:
+    """Whether every pair of these CUDA devices (ordinals) can access each other's memory,
+    which the P2P kernels need; None where CUDA cannot say (no GPU here: lowering for export
+    or from a CPU mesh), and the handler finds out when it makes the team."""
+    if not HAS_CUDA:
+        return None
+    found = int(_libra_ffi.cuda_peer_access(list(devices)))
+    return None if found < 0 else bool(found)
+
+
 def cuda_effective_blocks(nbytes: int, nranks: int, algorithm: int, blocks: int) -> int:
     """Blocks the CUDA kernel launches for a call (algorithm: 0 auto, 1 one-shot,
     2 two-shot), given this process's staging capacity."""

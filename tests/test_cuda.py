@@ -278,6 +278,37 @@ def test_cuda_fallback_for_more_than_8_gpus(fresh_warnings):
 
 
 @needs_cuda_build
+def test_cuda_fallback_without_peer_access(monkeypatch, fresh_warnings):
+    # The kernels read their peers' memory: GPUs without P2P between them get XLA's
+    # all-reduce, with a notice naming them (not an error from the handler at run time).
+    asked = []
+    monkeypatch.setattr(_ffi, "cuda_peer_access", lambda devices: asked.append(devices) or False)
+    with pytest.warns(UserWarning, match=r"cuda GPUs \[0, 1, 2, 3, 4, 5, 6, 7\] without peer "
+                                         r"access"):
+        _assert_xla_fallback(lower_for_cuda(lambda v: libra_jax.psum(v, "x", blocks=4)))
+    assert asked == [list(range(8))]
+
+
+@needs_cuda_build
+def test_cuda_peer_access_unknown_without_a_gpu():
+    # No GPU here: CUDA cannot say, and the lowering keeps the kernels (the handler checks).
+    if not GPUS:
+        assert _ffi.cuda_peer_access([0, 1]) is None
+    assert _ffi.cuda_peer_access([0]) in (True, None)
+
+
+@needs_cuda_build
+def test_p2p_handlers_are_not_command_buffer_compatible():
+    # Read as XLA reads them (the FFI metadata call): a graph replay would neither refresh
+    # a call's signature nor report its kernel's error, so the P2P calls must stay out of
+    # command buffers (bit 0: XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE).
+    traits = _ffi._libra_ffi.handler_traits()
+    for target in (_ffi.ALLREDUCE_CUDA_TARGET, _ffi.ALLREDUCE_CUDA_START_TARGET):
+        assert target in traits
+        assert traits[target] & 1 == 0, target
+
+
+@needs_cuda_build
 def test_cuda_fallback_for_s64(fresh_warnings):
     with jax.enable_x64(True):
         with pytest.warns(UserWarning, match="no Libra all-reduce for cuda int64"):

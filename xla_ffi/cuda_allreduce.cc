@@ -8,16 +8,30 @@
 // It knows its GPU from `DeviceOrdinal` and finds its rank and team in the
 // `devices` attribute: the CUDA ordinals of every replica group, group after
 // group, each in rank order (XLA's order). Teams are created on first use,
-// once per process and set of GPUs (staging memory, flags and the peers'
-// pointers, with peer access enabled), by whichever member gets there first:
-// no host rendezvous, then or later. A call only launches one kernel on XLA's
-// stream, whose round counters live on the GPU, so the handler is safe to
-// capture in a CUDA graph (kCmdBufferCompatible).
+// once per process, set of GPUs and stream (staging memory, flags and the
+// peers' pointers, with peer access enabled), by whichever member gets there
+// first: no host rendezvous, then or later.
 //
-// A kernel that timed out waiting for a peer leaves a record in host-mapped
-// memory; the next call on that team returns it as DEADLINE_EXCEEDED and the
-// team is replaced by a fresh one (the old memory is leaked: kernels may still
-// hold it).
+// One team per stream: a synchronous call runs on XLA's stream, a start on
+// libra's; the calls of one stream follow the program's order on every GPU,
+// but two streams' kernels may interleave differently on each, and a team's
+// rounds pair the n-th call of every rank (libra/cuda/protocol.h). So XLA's
+// stream and libra's stream each get their own team of every group (twice
+// the staging memory). This assumes XLA issues every synchronous call of a
+// device on one stream (its compute stream).
+//
+// Not command-buffer compatible: each call carries host state (its execution's
+// RunId and its index in it, the signature its kernel checks against every
+// peer's), and a graph replay would neither refresh that nor report a
+// kernel's error, which the handler reads when called.
+//
+// A kernel that timed out waiting for a peer, or found a peer in another call,
+// leaves a record in host-mapped memory and ends; its team is dead (every later
+// kernel on it ends at once). A call that finds the record fails with
+// DEADLINE_EXCEEDED, and so does every later call of each execution that made a
+// call on the dead team, on every GPU; the next execution that never touched
+// it gets a fresh team on every GPU, from its first call (lc::TeamGenerations;
+// the old memory is leaked: kernels may still hold it).
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
@@ -41,9 +55,16 @@ namespace {
 
 namespace lc = libra::cuda;
 
+// The streams a team serves: XLA's (the synchronous call) and libra's (start).
+enum StreamKind : int { kXlaStream = 0, kLibraStream = 1 };
+const char* StreamName(int stream) { return stream == kXlaStream ? "XLA's" : "libra's"; }
+
 struct TeamRegistry {
   std::mutex mu;
-  std::map<std::vector<int>, std::shared_ptr<lc::Team>> teams;
+  // Per (GPUs, stream): the group's team on that stream, across errors.
+  std::map<std::pair<std::vector<int>, int>, std::unique_ptr<lc::TeamSlot<lc::Team>>> teams;
+  lc::CoResidency co_residency;
+  std::map<int, int> co_resident_blocks;  // per GPU: of the per-rank kernels
 };
 
 TeamRegistry& Registry() {
@@ -63,11 +84,29 @@ std::string Join(const std::vector<int>& v) {
   return s + "]";
 }
 
-// Checks a call, finds (or creates) its team and launches this GPU's kernel
-// on `stream`.
-ffi::Error Launch(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::AnyBuffer out,
-                  ffi::Span<const int32_t> devices, int64_t world, int64_t blocks,
-                  int64_t algorithm, int64_t timeout_ms) {
+// How many blocks of the per-rank kernels fit on `device` at once (cached).
+ffi::ErrorOr<int> CoResidentBlocks(TeamRegistry& registry, int device) {
+  auto it = registry.co_resident_blocks.find(device);
+  if (it != registry.co_resident_blocks.end()) return it->second;
+  int current = -1, blocks = 0;
+  cudaError_t err = cudaGetDevice(&current);
+  if (err == cudaSuccess && current != device) err = cudaSetDevice(device);
+  if (err == cudaSuccess) err = lc::MaxCoResidentBlocks(&blocks);
+  if (current >= 0 && current != device) cudaSetDevice(current);
+  if (err != cudaSuccess) {
+    return ffi::Unexpected(ffi::Error::Internal(
+        std::string("libra_jax CUDA all-reduce: querying co-resident blocks: ") +
+        cudaGetErrorString(err)));
+  }
+  registry.co_resident_blocks[device] = blocks;
+  return blocks;
+}
+
+// Checks a call of execution `run`, finds (or creates) its team on `stream_kind`
+// and launches this GPU's kernel on `stream`.
+ffi::Error Launch(cudaStream_t stream, int stream_kind, int32_t device, int64_t run,
+                  ffi::AnyBuffer x, ffi::AnyBuffer out, ffi::Span<const int32_t> devices,
+                  int64_t world, int64_t blocks, int64_t algorithm, int64_t timeout_ms) {
   ffi::ErrorOr<lc::DType> dtype = ToEngineDType(x.element_type());
   if (!dtype.has_value()) return dtype.error();
   if (*dtype == lc::DType::kS64) {
@@ -100,34 +139,54 @@ ffi::Error Launch(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::An
   const std::size_t first = index - index % w;
   std::vector<int> members(devices.begin() + first, devices.begin() + first + w);
 
+  const std::string group = "libra_jax CUDA all-reduce over GPUs " + Join(members) + " (" +
+                            StreamName(stream_kind) + " stream)";
   std::shared_ptr<lc::Team> team;
+  uint32_t signature = 0;  // of this call (its execution and index in it, on this team)
   {
     TeamRegistry& registry = Registry();
     std::lock_guard<std::mutex> lock(registry.mu);
-    auto it = registry.teams.find(members);
-    if (it != registry.teams.end()) {
-      team = it->second;
-      const std::string timeout = team->TakeError();
-      if (!timeout.empty()) {
-        team->Abandon();
-        registry.teams.erase(it);
-        return ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
-                          "libra_jax CUDA all-reduce over GPUs " + Join(members) +
-                              ": an earlier call failed: " + timeout +
-                              " (LIBRA_JAX_TIMEOUT_S); the team was reset");
-      }
-    } else {
-      std::unique_ptr<lc::Team> created;
-      std::string message;
+    std::unique_ptr<lc::TeamSlot<lc::Team>>& slot = registry.teams[{members, stream_kind}];
+    if (!slot) slot = std::make_unique<lc::TeamSlot<lc::Team>>();
+    std::string message;
+    const auto create = [&](std::string* why) -> std::shared_ptr<lc::Team> {
       std::size_t capacity = 0;
       const libra::Status setting = CapacityBytes(&capacity);
-      if (!setting.ok()) return ffi::Error::InvalidArgument(setting.message);
-      if (lc::Team::Create(members, capacity, &created, &message) != cudaSuccess) {
-        return ffi::Error::Internal("libra_jax CUDA all-reduce over GPUs " + Join(members) +
-                                    ": " + message);
+      if (!setting.ok()) {
+        *why = setting.message;
+        return nullptr;
       }
-      team = std::move(created);
-      registry.teams.emplace(members, team);
+      std::unique_ptr<lc::Team> created;
+      if (lc::Team::Create(members, capacity, &created, why) != cudaSuccess) return nullptr;
+      return std::shared_ptr<lc::Team>(std::move(created));
+    };
+    const auto failure = [](const lc::Team& t) { return t.Failure(); };
+    const auto retire = [](lc::Team& t) { t.Abandon(); };  // its kernels may still hold it
+    switch (slot->Enter(run, rank, create, failure, retire, &team, &signature, &message)) {
+      case lc::TeamSlot<lc::Team>::Outcome::kLaunch: break;
+      case lc::TeamSlot<lc::Team>::Outcome::kDoomed:
+        return ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
+                          group + ": this execution met a failed call: " + message +
+                              " (LIBRA_JAX_TIMEOUT_S); it fails on every GPU of the group, "
+                              "and the next execution gets a fresh team");
+      case lc::TeamSlot<lc::Team>::Outcome::kFailedNow:
+        return ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
+                          group + ": an earlier call failed: " + message +
+                              " (LIBRA_JAX_TIMEOUT_S); this execution fails on every GPU of the "
+                              "group, and the next one gets a fresh team");
+      case lc::TeamSlot<lc::Team>::Outcome::kCreateError:
+        return ffi::Error::Internal(group + ": " + message);
+    }
+    // The co-residency bound: libra's spinning kernels on this GPU, all streams.
+    ffi::ErrorOr<int> capacity = CoResidentBlocks(registry, device);
+    if (!capacity.has_value()) return capacity.error();
+    const int effective =
+        lc::EffectiveBlocks(x.size_bytes(), static_cast<int>(world),
+                            static_cast<lc::Algorithm>(algorithm), static_cast<int>(blocks),
+                            team->capacity_bytes());
+    std::string crowded;
+    if (!registry.co_residency.Admit(device, stream_kind, effective, *capacity, &crowded)) {
+      return ffi::Error(ffi::ErrorCode::kResourceExhausted, group + ": " + crowded);
     }
   }
 
@@ -139,6 +198,7 @@ ffi::Error Launch(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::An
   call.blocks = static_cast<int>(blocks);
   call.algorithm = static_cast<lc::Algorithm>(algorithm);
   call.timeout_ns = timeout_ms > 0 ? static_cast<uint64_t>(timeout_ms) * 1000000u : 0;
+  call.signature = signature;
   std::string message;
   if (lc::LaunchAllReduce(team->View(rank), call, stream, &message) != cudaSuccess) {
     return ffi::Error::Internal("libra_jax CUDA all-reduce: " + message);
@@ -146,10 +206,11 @@ ffi::Error Launch(cudaStream_t stream, int32_t device, ffi::AnyBuffer x, ffi::An
   return ffi::Error::Success();
 }
 
-ffi::Error Execute(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+ffi::Error Execute(cudaStream_t stream, int32_t device, ffi::RunId run, ffi::AnyBuffer x,
                    ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int32_t> devices,
                    int64_t world, int64_t blocks, int64_t algorithm, int64_t timeout_ms) {
-  return Launch(stream, device, x, *out, devices, world, blocks, algorithm, timeout_ms);
+  return Launch(stream, kXlaStream, device, run.run_id, x, *out, devices, world, blocks,
+                algorithm, timeout_ms);
 }
 
 // --- Start/done: the kernel on libra's own stream, beside XLA's compute ------
@@ -181,11 +242,11 @@ const libra::StreamOps kCudaStreamOps = {
       cudaError_t err = cudaGetDevice(&current);
       if (err == cudaSuccess && current != device) err = cudaSetDevice(device);
       cudaStream_t created = nullptr;
-      if (err == cudaSuccess) err = cudaStreamCreateWithFlags(&created, cudaStreamNonBlocking);
+      std::string message = "cudaSetDevice";
+      if (err == cudaSuccess) err = lc::CreatePriorityStream(&created, &message);
       if (current >= 0 && current != device) cudaSetDevice(current);
       *stream = created;
-      return err == cudaSuccess ? libra::Status::Ok()
-                                : CudaStatus("cudaStreamCreateWithFlags", err);
+      return err == cudaSuccess ? libra::Status::Ok() : CudaStatus(message.c_str(), err);
     },
     /*record=*/[](void* stream, void** event) {
       cudaEvent_t created = nullptr;
@@ -233,7 +294,7 @@ ffi::Error Prefixed(const char* prefix, const libra::Status& status) {
   return ToFfiError(named);
 }
 
-ffi::Error ExecuteStart(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
+ffi::Error ExecuteStart(cudaStream_t stream, int32_t device, ffi::RunId run, ffi::AnyBuffer x,
                         ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> token,
                         ffi::Span<const int32_t> devices, int64_t world, int64_t blocks,
                         int64_t algorithm, int64_t timeout_ms, int64_t call_id) {
@@ -241,8 +302,8 @@ ffi::Error ExecuteStart(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
   const libra::Status status = Side().Start(
       device, call_id, stream,
       [&](void* side) {
-        launched = Launch(static_cast<cudaStream_t>(side), device, x, *out, devices, world,
-                          blocks, algorithm, timeout_ms);
+        launched = Launch(static_cast<cudaStream_t>(side), kLibraStream, device, run.run_id, x,
+                          *out, devices, world, blocks, algorithm, timeout_ms);
         return launched.success() ? libra::Status::Ok()
                                   : libra::Status::Error(libra::Status::Code::kInternal, "launch");
       },
@@ -270,7 +331,20 @@ auto BindKernelAttrs(Binding binding) {
       .template Attr<int64_t>("timeout_ms");
 }
 
-// The kernel call's context and buffer (start adds its token result).
+// The P2P kernel call's context (with the execution's RunId) and buffer
+// (start adds its token result).
+auto BindP2PBuffers() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Ctx<ffi::DeviceOrdinal>()
+      .Ctx<ffi::RunId>()
+      .Arg<ffi::AnyBuffer>()
+      .Ret<ffi::AnyBuffer>();
+}
+
+auto BindKernelCall() { return BindKernelAttrs(BindP2PBuffers()); }
+
+// The NCCL call's context and buffer (start adds its token result).
 auto BindKernelBuffers() {
   return ffi::Ffi::Bind()
       .Ctx<ffi::PlatformStream<cudaStream_t>>()
@@ -278,8 +352,6 @@ auto BindKernelBuffers() {
       .Arg<ffi::AnyBuffer>()
       .Ret<ffi::AnyBuffer>();
 }
-
-auto BindKernelCall() { return BindKernelAttrs(BindKernelBuffers()); }
 
 // --- NCCL with the call's block count as its CTA limit -----------------------
 //
@@ -417,8 +489,8 @@ auto BindNcclAttrs(Binding binding) {
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaAllReduce, Execute, BindKernelCall(),
-                              {ffi::Traits::kCmdBufferCompatible});
+// Not command-buffer compatible (see the top of this file).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaAllReduce, Execute, BindKernelCall());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kNcclAllReduce, ExecuteNccl,
                               BindNcclAttrs(BindKernelBuffers()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kNcclAllReduceInitialize, InitializeNccl,
@@ -438,7 +510,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kNcclAllReduceStartInitialize, InitializeNcclStart
 
 // Start: the kernel call's operand, its result (in place) and a token for done.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaAllReduceStart, ExecuteStart,
-                              BindKernelAttrs(BindKernelBuffers().Ret<ffi::AnyBuffer>())
+                              BindKernelAttrs(BindP2PBuffers().Ret<ffi::AnyBuffer>())
                                   .Attr<int64_t>("call_id"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaAllReduceDone, ExecuteDone,
@@ -451,6 +523,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaAllReduceDone, ExecuteDone,
                                   .Attr<int64_t>("call_id"));
 
 std::size_t CudaPendingStarts() { return Side().pending(); }
+
+int CudaPeerAccess(const std::vector<int>& devices) {
+  for (int a : devices) {
+    for (int b : devices) {
+      if (a == b) continue;
+      int can = 0;
+      if (cudaDeviceCanAccessPeer(&can, a, b) != cudaSuccess) {
+        cudaGetLastError();  // not sticky: clear it
+        return -1;
+      }
+      if (!can) return 0;
+    }
+  }
+  return 1;
+}
 
 int CudaEffectiveBlocks(std::size_t bytes, int nranks, int algorithm, int blocks) {
   std::size_t capacity = 0;

@@ -4,6 +4,7 @@
 #include <cstddef>
 
 #include <string>
+#include <vector>
 
 #include "libra/dtype.h"
 #include "libra/status.h"
@@ -77,6 +78,9 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(kNcclAllReduceStartInitialize);
 std::size_t CudaPendingStarts();
 // Blocks the CUDA kernel uses for a call (see libra::cuda::EffectiveBlocks).
 int CudaEffectiveBlocks(std::size_t bytes, int nranks, int algorithm, int blocks);
+// 1 if every pair of `devices` has peer access, 0 if a pair has not, -1 if
+// CUDA cannot say (no GPU, a bad ordinal): the P2P path's lowering check.
+int CudaPeerAccess(const std::vector<int>& devices);
 // The largest team the CUDA kernels serve.
 inline constexpr int kCudaMaxRanks = 8;
 

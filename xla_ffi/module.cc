@@ -65,6 +65,31 @@ nb::dict Registrations(const char* platform) {
   return registrations;
 }
 
+// Each target's handler traits (XLA_FFI_Handler_Traits bits), as XLA reads
+// them: the handler called with the metadata extension (no execution).
+nb::dict HandlerTraits() {
+  const LibraFfiTable& table = Table();
+  nb::dict traits;
+  for (int i = 0; i < table.num_targets; ++i) {
+    const LibraFfiTarget& target = table.targets[i];
+    if (target.execute == nullptr) continue;
+    XLA_FFI_Metadata metadata = {};
+    metadata.struct_size = XLA_FFI_Metadata_STRUCT_SIZE;
+    XLA_FFI_Metadata_Extension extension = {};
+    extension.extension_base.struct_size = XLA_FFI_Metadata_Extension_STRUCT_SIZE;
+    extension.extension_base.type = XLA_FFI_Extension_Metadata;
+    extension.metadata = &metadata;
+    XLA_FFI_CallFrame frame = {};
+    frame.struct_size = XLA_FFI_CallFrame_STRUCT_SIZE;
+    frame.extension_start = &extension.extension_base;
+    if (target.execute(&frame) != nullptr) {  // only on a struct-size mismatch
+      throw std::runtime_error(std::string("libra_jax: no metadata from ") + target.name);
+    }
+    traits[target.name] = static_cast<uint32_t>(metadata.traits);
+  }
+  return traits;
+}
+
 nb::dict Types() {
   const LibraFfiTable& table = Table();
   nb::dict types;
@@ -185,6 +210,9 @@ NB_MODULE(_libra_ffi, m) {
   m.def("registrations", [] { return Registrations(kLibraFfiPlatformCpu); },
         "CPU FFI targets: name -> {stage: capsule}, or a capsule (execute only).");
   m.def("types", &Types, "FFI types: name -> {'type_id', 'type_info'} capsules.");
+  m.def("handler_traits", &HandlerTraits,
+        "Each target's XLA_FFI_Handler_Traits bits (1: command-buffer compatible), read "
+        "through the FFI metadata call.");
   m.def("cuda_registrations", [] { return Registrations(kLibraFfiPlatformCuda); },
         "CUDA FFI targets: name -> capsule ({} without CUDA).");
   m.def("registry", &Registry,
@@ -204,6 +232,9 @@ NB_MODULE(_libra_ffi, m) {
   m.def("cuda_pending_starts", &libra_ffi::CudaPendingStarts,
         "CUDA and NCCL start/done pairs started and not yet done (stale ones expire: "
         "libra/streams.h).");
+  m.def("cuda_peer_access", &libra_ffi::CudaPeerAccess, nb::arg("devices"),
+        "1 if every pair of these CUDA devices can access each other's memory, 0 if one "
+        "cannot, -1 if CUDA cannot say (no GPU).");
   m.def("cuda_effective_blocks", &libra_ffi::CudaEffectiveBlocks, nb::arg("bytes"),
         nb::arg("nranks"), nb::arg("algorithm"), nb::arg("blocks"),
         "Blocks the CUDA kernel launches for a call (algorithm: 0 auto, 1 one-shot, "

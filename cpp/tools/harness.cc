@@ -353,7 +353,7 @@ void CheckAll(int device, const std::vector<int>& ranks) {
     for (int r = 0; r < n; ++r) {
       CHECK_CUDA(cudaMemcpy(s.in[r], host_in[r].data(), bytes, cudaMemcpyHostToDevice));
     }
-    // Upload each call's arguments before capturing (uploads are synchronous).
+    // Each call once before capturing (the calls are kernel parameters: nothing to upload).
     CHECK_CUDA(s.Run(t, 1, lc::Algorithm::kOneShot));
     CHECK_CUDA(s.Run(t, 64, lc::Algorithm::kTwoShot));
     CHECK_CUDA(s.Run(t, 3, lc::Algorithm::kOneShot));
@@ -431,8 +431,8 @@ void Bench(int device, const std::vector<int>& ranks, std::size_t min_bytes,
   auto elapsed = [&] {
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   };
-  int co_resident = 0;
-  CHECK_CUDA(lc::MaxCoResidentBlocks(&co_resident));
+  int co_resident = 0;  // the virtual-rank kernel's (1 block a SM)
+  CHECK_CUDA(lc::MaxCoResidentBlocks(&co_resident, /*virtual_team=*/true));
   Emit("bench_header,ranks,algorithm,bytes,blocks,effective_blocks,median_us,algbw_GBps,iters");
   const lc::Algorithm algos[] = {lc::Algorithm::kOneShot, lc::Algorithm::kTwoShot};
   for (int n : ranks) {
@@ -661,6 +661,31 @@ int LaunchSelfTest() {
   return bad;
 }
 
+// libra's stream is created at the device's greatest priority (CUDA's numbers: lower is
+// higher; it was created at the default priority, behind compute's waiting blocks).
+int g_fake_priority = 1;
+int StreamSelfTest() {
+  int bad = 0;
+  lc::LaunchApi fake = {FakeLaunch, FakeLaunch, FakeGetLastError};
+  fake.stream_priority_range = [](int* least, int* greatest) {
+    *least = 0;
+    *greatest = -5;
+    return cudaSuccess;
+  };
+  fake.create_stream = [](cudaStream_t* stream, unsigned int flags, int priority) {
+    g_fake_priority = flags == cudaStreamNonBlocking ? priority : 1;
+    *stream = nullptr;
+    return cudaSuccess;
+  };
+  const lc::LaunchApi real = lc::SetLaunchApiForTesting(&fake);
+  cudaStream_t stream;
+  std::string message;
+  bad += Expect(lc::CreatePriorityStream(&stream, &message) == cudaSuccess && g_fake_priority == -5,
+                "libra's stream: non-blocking, at the greatest priority");
+  lc::SetLaunchApiForTesting(&real);
+  return bad;
+}
+
 int SelfTest() {
   int bad = 0;
   auto expect = [&bad](bool ok, const char* what) { bad += Expect(ok, what); };
@@ -697,6 +722,7 @@ int SelfTest() {
   expect(std::string(Status(CaseResult{})) == "PASS", "a run case: PASS");
   expect(std::string(Status(CaseResult{false, "x"})) == "FAIL", "a failed case: FAIL");
   bad += LaunchSelfTest();
+  bad += StreamSelfTest();
   std::printf("selftest: %s\n", bad ? "FAIL" : "PASS");
   return bad ? 1 : 0;
 }
@@ -733,11 +759,14 @@ int main(int argc, char** argv) {
   CHECK_CUDA(cudaSetDevice(device));
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDeviceProperties(&prop, device));
-  int co_resident = 0;
+  int co_resident = 0, virtual_co_resident = 0;
   CHECK_CUDA(lc::MaxCoResidentBlocks(&co_resident));
+  CHECK_CUDA(lc::MaxCoResidentBlocks(&virtual_co_resident, /*virtual_team=*/true));
   char line[1024];
-  std::snprintf(line, sizeof line, "device,%s,sm_%d%d,%d SMs,%d co-resident blocks", prop.name,
-                prop.major, prop.minor, prop.multiProcessorCount, co_resident);
+  std::snprintf(line, sizeof line,
+                "device,%s,sm_%d%d,%d SMs,%d co-resident blocks,%d of the virtual-rank kernel",
+                prop.name, prop.major, prop.minor, prop.multiProcessorCount, co_resident,
+                virtual_co_resident);
   Emit(line);
   if (mode == "check") {
     CheckAll(device, ranks);

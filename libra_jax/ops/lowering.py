@@ -205,6 +205,10 @@ def cuda_kernel_attrs(ctx: Any, axes: tuple, blocks: int | None) -> tuple[dict |
         ordinals = list(range(len(devices)))  # Lowering for cuda from a CPU mesh.
     else:
         ordinals = [int(d.local_hardware_id) for d in devices]
+    for g in groups:  # The kernels read peers' memory: without P2P, XLA's all-reduce.
+        members = [ordinals[d] for d in g]
+        if len(members) > 1 and _ffi.cuda_peer_access(members) is False:
+            return None, f"cuda GPUs {members} without peer access (P2P) between them"
     if blocks is None:  # Chosen now that the group size is known.
         blocks = default_blocks(count * dtype.itemsize, world, default_profile("cuda"))
     return dict(devices=np.array([ordinals[d] for g in groups for d in g], np.int32),

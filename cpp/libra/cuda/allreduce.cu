@@ -1,23 +1,7 @@
-// libra CUDA all-reduce kernels and team memory (see allreduce.h).
-//
-// Why re-using a staging half is safe. Round t writes half (t & 1), which
-// round t - 2 used last; a peer still reading that half would be in round
-// t - 2. Every block takes part in every barrier of its kernel, and a block
-// owns the same tiles in every round of a kernel (tile-cyclic positions,
-// relative to fixed offsets: segment s of a two-shot chunk always starts at
-// s * capacity / n), so a partial last chunk only uses a subset of a block's
-// usual tiles.
-//  - Within one kernel: this rank's block b passed round t - 1's barrier, so
-//    every peer's block b had signalled round t - 1, so it had finished its
-//    reads of round t - 2, which touched only block b's tiles.
-//  - Across kernels (block counts and algorithms may differ): if round t is
-//    the first of this rank's kernel, this rank's previous kernel completed,
-//    so all its blocks passed round t - 1's barrier, so each peer's blocks
-//    signalled round t - 1, so each peer's round t - 2 is over. Otherwise the
-//    first case applies, and a peer that signalled from a newer kernel has
-//    completed its older ones.
-// A peer can be at most one round ahead when it writes a flag, so waits use
-// `flag - round >= 0` (wrap-safe) rather than equality.
+// libra CUDA all-reduce kernels and team memory (see allreduce.h). The
+// protocol itself (and why re-using a staging half is safe) is
+// libra/cuda/protocol.h; this file gives it the GPU's memory operations
+// (DeviceOps) and instantiates it.
 #include "libra/cuda/allreduce.h"
 
 #include <cuda_bf16.h>
@@ -39,53 +23,9 @@ const char* Name(Algorithm algorithm) {
   return "?";
 }
 
-Algorithm ChooseAlgorithm(std::size_t bytes, int nranks) {
-  if (nranks <= 2) return Algorithm::kOneShot;
-  if (nranks <= 4 && bytes < (std::size_t{512} << 10)) return Algorithm::kOneShot;
-  if (bytes < (std::size_t{256} << 10)) return Algorithm::kOneShot;
-  return Algorithm::kTwoShot;
-}
-
-namespace {
-
-std::size_t CapacityVectors(std::size_t capacity_bytes, int nranks) {
-  const std::size_t n = static_cast<std::size_t>(std::max(nranks, 1));
-  const std::size_t vectors = capacity_bytes / kVectorBytes / n * n;
-  return std::max(vectors, n);
-}
-
-Algorithm Resolve(Algorithm algorithm, std::size_t bytes, int nranks) {
-  return algorithm == Algorithm::kAuto ? ChooseAlgorithm(bytes, nranks) : algorithm;
-}
-
-}  // namespace
-
-int EffectiveBlocks(std::size_t bytes, int nranks, Algorithm algorithm, int blocks,
-                    std::size_t capacity_bytes) {
-  nranks = std::max(nranks, 1);
-  const std::size_t capacity = CapacityVectors(capacity_bytes, nranks);
-  const std::size_t per_round = std::min(bytes / kVectorBytes, capacity);
-  std::size_t work = per_round;  // vectors a block count is spread over
-  if (Resolve(algorithm, bytes, nranks) == Algorithm::kTwoShot) {
-    work = (per_round + nranks - 1) / nranks;
-  }
-  const std::size_t tiles = std::max<std::size_t>(1, (work + kThreads - 1) / kThreads);
-  return static_cast<int>(std::min<std::size_t>(std::clamp(blocks, 1, kMaxBlocks), tiles));
-}
-
 // --- Device code -------------------------------------------------------------
 
 namespace {
-
-struct KernelArgs {
-  TeamView view;
-  const uint4* input;
-  uint4* output;
-  std::size_t vectors;
-  int two_shot;
-  int blocks;  // grid size of one rank
-  uint64_t timeout_ns;
-};
 
 template <typename T> struct Accumulate;
 template <> struct Accumulate<float> {
@@ -114,203 +54,162 @@ template <> struct Accumulate<int32_t> {
   static __device__ __forceinline__ int32_t From(A a) { return static_cast<int32_t>(a); }
 };
 
-// Sum of vals[0..n) element-wise, from +0, in rank order.
+// An element-wise sum of 16-byte vectors of T, in T's accumulator type.
 template <typename T>
-__device__ __forceinline__ uint4 SumVectors(const uint4 (&vals)[kMaxRanks], int n) {
-  constexpr int kElems = kVectorBytes / sizeof(T);
+struct VectorSum {
+  static constexpr int kElems = kVectorBytes / sizeof(T);
   using A = typename Accumulate<T>::A;
-  A acc[kElems];
+  struct Acc {
+    A e[kElems];
+  };
+  static __device__ __forceinline__ Acc Zero() {
+    Acc acc;
 #pragma unroll
-  for (int e = 0; e < kElems; ++e) acc[e] = A(0);
-#pragma unroll
-  for (int r = 0; r < kMaxRanks; ++r) {
-    if (r < n) {
-      T x[kElems];
-      memcpy(x, &vals[r], kVectorBytes);
-#pragma unroll
-      for (int e = 0; e < kElems; ++e) acc[e] = acc[e] + Accumulate<T>::To(x[e]);
-    }
+    for (int e = 0; e < kElems; ++e) acc.e[e] = A(0);
+    return acc;
   }
-  T y[kElems];
+  static __device__ __forceinline__ void Add(Acc& acc, uint4 v) {
+    T x[kElems];
+    memcpy(x, &v, kVectorBytes);
 #pragma unroll
-  for (int e = 0; e < kElems; ++e) y[e] = Accumulate<T>::From(acc[e]);
-  uint4 out;
-  memcpy(&out, y, kVectorBytes);
-  return out;
-}
-
-__device__ __forceinline__ void StoreRelease(uint32_t* address, uint32_t value) {
-  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(address), "r"(value) : "memory");
-}
-
-__device__ __forceinline__ uint32_t LoadAcquire(const uint32_t* address) {
-  uint32_t value;
-  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(value) : "l"(address) : "memory");
-  return value;
-}
-
-__device__ __forceinline__ uint64_t GlobalTimerNs() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
-// Block `block` of this rank meets block `block` of every rank at `round`.
-// Returns false if the wait was abandoned (timeout here or elsewhere).
-__device__ bool Barrier(const KernelArgs& a, int stage, int block, uint32_t round,
-                        int* aborted) {
-  __syncthreads();
-  const int t = threadIdx.x;
-  const int n = a.view.nranks;
-  if (t < n) {
-    const int slot = (stage * kMaxBlocks + block) * kMaxRanks;
-    __threadfence_system();  // this block's staging writes, before the flag
-    StoreRelease(a.view.member[t].flags + slot + a.view.rank, round);
-    const uint32_t* mine = a.view.member[a.view.rank].flags + slot + t;
-    const uint64_t start = a.timeout_ns ? GlobalTimerNs() : 0;
-    uint32_t spins = 0;
-    while (static_cast<int32_t>(LoadAcquire(mine) - round) < 0) {
-      if ((++spins & 1023u) != 0) continue;
-      if (*aborted || a.view.error->code != 0) {  // given up elsewhere
-        *aborted = 1;
-        break;
-      }
-      if (a.timeout_ns && GlobalTimerNs() - start > a.timeout_ns) {
-        ErrorRecord* e = a.view.error;
-        e->rank = a.view.rank;
-        e->block = block;
-        e->peer = t;
-        e->round = round;
-        e->stage = stage;
-        __threadfence_system();
-        e->code = 1;
-        __threadfence_system();
-        *aborted = 1;
-        break;
-      }
-    }
+    for (int e = 0; e < kElems; ++e) acc.e[e] = acc.e[e] + Accumulate<T>::To(x[e]);
   }
-  __syncthreads();
-  return *aborted == 0;
-}
+  static __device__ __forceinline__ uint4 Finish(const Acc& acc) {
+    T y[kElems];
+#pragma unroll
+    for (int e = 0; e < kElems; ++e) y[e] = Accumulate<T>::From(acc.e[e]);
+    uint4 out;
+    memcpy(&out, y, kVectorBytes);
+    return out;
+  }
+};
 
-__device__ __forceinline__ std::size_t MinSize(std::size_t a, std::size_t b) { return a < b ? a : b; }
-
+// The GPU's memory operations for the protocol (protocol.h): one thread a
+// lane, flags with system-scope release/acquire (peers on other GPUs read
+// and write them), peer staging read through L2 only (ld.global.cg: L1 is
+// not coherent with a peer's writes).
 template <typename T>
-__device__ void AllReduceRank(const KernelArgs& a, int block) {
-  __shared__ int aborted;
-  const int t = threadIdx.x;
-  if (t == 0) aborted = 0;
-  const int n = a.view.nranks;
-  const int rank = a.view.rank;
-  const std::size_t cap = a.view.capacity_vectors;
-  const std::size_t segcap = cap / n;
-  const std::size_t half_stride = cap + segcap;
-  const std::size_t step = static_cast<std::size_t>(a.blocks) * kThreads;
-  const std::size_t first = static_cast<std::size_t>(block) * kThreads + t;
-  uint32_t* counters = a.view.member[rank].counters;
-  const uint32_t base = *reinterpret_cast<volatile uint32_t*>(&counters[0]);
-  const std::size_t rounds = (a.vectors + cap - 1) / cap;
+struct DeviceOps {
+  using Vec = uint4;
+  static constexpr int kLanes = kThreads;
+  static constexpr uint32_t kPollEvery = 1024;  // spins between error/timeout checks
 
-  const uint4* peer[kMaxRanks];
-#pragma unroll
-  for (int r = 0; r < kMaxRanks; ++r) {
-    peer[r] = r < n ? static_cast<const uint4*>(a.view.member[r].staging) : nullptr;
+  __device__ __forceinline__ int FirstLane() const { return threadIdx.x; }
+  __device__ __forceinline__ void SyncBlock() const { __syncthreads(); }
+  __device__ __forceinline__ void FenceSystem() const { __threadfence_system(); }
+  __device__ __forceinline__ void Pause() const {}
+  __device__ __forceinline__ void StoreRelease(uint32_t* address, uint32_t value) const {
+    asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(address), "r"(value) : "memory");
   }
-  uint4* const mine = static_cast<uint4*>(a.view.member[rank].staging);
-  __syncthreads();
-
-  for (std::size_t k = 0; k < rounds; ++k) {
-    const uint32_t round = base + static_cast<uint32_t>(k) + 1;
-    const std::size_t half = (round & 1u) * half_stride;
-    const std::size_t off = k * cap;
-    const std::size_t vc = MinSize(cap, a.vectors - off);
-    const uint4* in = a.input + off;
-    uint4* out = a.output + off;
-    uint4 vals[kMaxRanks];
-
-    if (!a.two_shot) {
-      for (std::size_t v = first; v < vc; v += step) mine[half + v] = in[v];
-      if (!Barrier(a, 0, block, round, &aborted)) break;
-      for (std::size_t v = first; v < vc; v += step) {
-#pragma unroll
-        for (int r = 0; r < kMaxRanks; ++r) {
-          if (r < n) vals[r] = __ldcg(peer[r] + half + v);
-        }
-        out[v] = SumVectors<T>(vals, n);
-      }
-      continue;
-    }
-
-    // Two-shot: segment s of the chunk is [s * seg, s * seg + len(s)) and lives
-    // at s * segcap in the staging half; this rank reduces segment `rank`.
-    const std::size_t seg = (vc + n - 1) / n;
-    auto len = [&](int s) {
-      const std::size_t begin = MinSize(vc, static_cast<std::size_t>(s) * seg);
-      return MinSize(seg, vc - begin);
-    };
-    for (int s = 0; s < n; ++s) {
-      const std::size_t ls = len(s);
-      for (std::size_t v = first; v < ls; v += step) {
-        mine[half + s * segcap + v] = in[s * seg + v];
-      }
-    }
-    if (!Barrier(a, 0, block, round, &aborted)) break;
-    const std::size_t own = len(rank);
-    for (std::size_t v = first; v < own; v += step) {
-#pragma unroll
-      for (int r = 0; r < kMaxRanks; ++r) {
-        if (r < n) vals[r] = __ldcg(peer[r] + half + rank * segcap + v);
-      }
-      const uint4 sum = SumVectors<T>(vals, n);
-      mine[half + cap + v] = sum;
-      out[rank * seg + v] = sum;
-    }
-    if (!Barrier(a, 1, block, round, &aborted)) break;
-    for (int s = 0; s < n; ++s) {
-      if (s == rank) continue;
-      const std::size_t ls = len(s);
-      for (std::size_t v = first; v < ls; v += step) {
-        out[s * seg + v] = __ldcg(peer[s] + half + cap + v);
-      }
-    }
+  __device__ __forceinline__ uint32_t LoadAcquire(const uint32_t* address) const {
+    uint32_t value;
+    asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(value) : "l"(address) : "memory");
+    return value;
   }
-
-  // The last block to finish advances the round counter for the next call.
-  __syncthreads();
-  if (t == 0) {
+  __device__ __forceinline__ uint64_t NowNs() const {
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+  }
+  __device__ __forceinline__ Vec LoadInput(const Vec* p) const { return *p; }
+  __device__ __forceinline__ Vec LoadPeer(const Vec* p) const { return __ldcg(p); }
+  __device__ __forceinline__ void Store(Vec* p, Vec v) const { *p = v; }
+  // A peer's signature word: read past L1 (not coherent with the peer's write).
+  __device__ __forceinline__ uint32_t Load(const uint32_t* p) const { return __ldcv(p); }
+  __device__ __forceinline__ void Store(uint32_t* p, uint32_t v) const {
+    *reinterpret_cast<volatile uint32_t*>(p) = v;
+  }
+  // Sums in T's accumulator (fp32 for bf16/f16; wrapping for s32), from +0.
+  using Acc = typename VectorSum<T>::Acc;
+  __device__ __forceinline__ Acc Zero() const { return VectorSum<T>::Zero(); }
+  __device__ __forceinline__ void Add(Acc& acc, Vec v) const { VectorSum<T>::Add(acc, v); }
+  __device__ __forceinline__ Vec Finish(const Acc& acc) const { return VectorSum<T>::Finish(acc); }
+  // The round counter, written by the previous kernel on this stream.
+  __device__ __forceinline__ uint32_t LoadCounter(uint32_t* counters) const {
+    return *reinterpret_cast<volatile uint32_t*>(&counters[0]);
+  }
+  // Whether this block is the kernel's last to finish (then resets the count).
+  __device__ __forceinline__ bool ArriveDone(uint32_t* counters, int blocks) const {
     __threadfence();
-    const uint32_t done = atomicAdd(&counters[1], 1u);
-    if (done == static_cast<uint32_t>(a.blocks) - 1) {
-      counters[1] = 0;
-      atomicExch(&counters[0], base + static_cast<uint32_t>(rounds));
-      __threadfence();
-    }
+    if (atomicAdd(&counters[1], 1u) != static_cast<uint32_t>(blocks) - 1) return false;
+    counters[1] = 0;
+    return true;
   }
+  __device__ __forceinline__ void PublishRound(uint32_t* counters, uint32_t round) const {
+    atomicExch(&counters[0], round);
+    __threadfence();
+  }
+  __device__ __forceinline__ uint32_t ErrorCode(const ErrorRecord* e) const { return e->code; }
+  // The record is in host-mapped memory that every GPU of the team writes.
+  __device__ __forceinline__ bool ClaimError(ErrorRecord* e) const {
+    return atomicCAS_system(const_cast<unsigned int*>(&e->code), 0u, 2u) == 0u;
+  }
+  __device__ __forceinline__ void PublishError(ErrorRecord* e) const {
+    __threadfence_system();
+    e->code = 1;
+    __threadfence_system();
+  }
+};
+
+// One rank of a team of at most N ranks per launch. 512 threads and at least
+// kMinBlocksPerSm blocks per SM: at most 64 registers a thread (protocol.h
+// says why; cpp/tools/kernel_resources.py checks it for every build arch).
+template <typename T, int N>
+__global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) AllReduceKernel(RankCall call) {
+  __shared__ int aborted;
+  if (threadIdx.x == 0) aborted = 0;
+  DeviceOps<T> ops;
+  protocol::RankBody<N>(ops, call, blockIdx.x, &aborted);
 }
 
-// One rank per launch (`virtual_args` null), or a virtual team launched as
-// one grid of nranks x blocks blocks: block i serves rank i / blocks.
+// Every rank of a virtual team (N ranks on one GPU, the harness's) as one
+// cooperative grid of N x blocks blocks: block i serves rank i / blocks. The
+// calls are a kernel parameter (constant bank, indexed where used; a copy in
+// registers or shared memory spills), so a captured graph keeps its own.
+struct VirtualCalls {
+  RankCall call[kMaxRanks];
+};
+static_assert(sizeof(VirtualCalls) <= 4000, "kernel parameters are limited to 4 KiB");
+
+// Its own resource choice: 1 block per SM (up to 128 registers). At 64, the
+// indexed reads of its calls spill 8-48 bytes (nvcc 13); it is the harness's
+// (N ranks' correctness and timings on one GPU), not the path XLA calls, so
+// what a Libra block costs beside compute is measured on AllReduceKernel.
+inline constexpr int kVirtualBlocksPerSm = 1;
+
+template <typename T, int N>
+__global__ void __launch_bounds__(kThreads, kVirtualBlocksPerSm)
+    VirtualAllReduceKernel(VirtualCalls calls) {
+  __shared__ int aborted;
+  if (threadIdx.x == 0) aborted = 0;
+  DeviceOps<T> ops;
+  const int blocks = calls.call[0].blocks;
+  protocol::RankBody<N>(ops, calls.call[blockIdx.x / blocks], blockIdx.x % blocks, &aborted);
+}
+
+// The instantiation of team size `nranks`: N = 4 up to 4 ranks, else 8 (an
+// N = 2 form spills on sm_80 at 64 registers, and would save little: the
+// loops over ranks are bounded by n, not N). The virtual-rank kernel (the
+// harness's) is instantiated for N = 8 only.
+int KernelRanks(int nranks) { return nranks <= 4 ? 4 : 8; }
+
 template <typename T>
-__global__ void __launch_bounds__(kThreads, 1) AllReduceKernel(KernelArgs args,
-                                                            const KernelArgs* virtual_args) {
-  if (virtual_args == nullptr) {
-    AllReduceRank<T>(args, blockIdx.x);
-  } else {
-    const int blocks = args.blocks;
-    AllReduceRank<T>(virtual_args[blockIdx.x / blocks], blockIdx.x % blocks);
+const void* KernelOf(int nranks, bool virtual_team) {
+  if (virtual_team) return reinterpret_cast<const void*>(VirtualAllReduceKernel<T, kMaxRanks>);
+  switch (KernelRanks(nranks)) {
+    case 4: return reinterpret_cast<const void*>(AllReduceKernel<T, 4>);
+    default: return reinterpret_cast<const void*>(AllReduceKernel<T, 8>);
   }
 }
 
-using KernelFn = void (*)(KernelArgs, const KernelArgs*);
-
-KernelFn KernelFor(DType dtype) {
+// The kernel for a dtype and team size; nullptr for a dtype not served.
+const void* KernelFor(DType dtype, int nranks, bool virtual_team = false) {
   switch (dtype) {
-    case DType::kF32: return AllReduceKernel<float>;
-    case DType::kF64: return AllReduceKernel<double>;
-    case DType::kBF16: return AllReduceKernel<__nv_bfloat16>;
-    case DType::kF16: return AllReduceKernel<__half>;
-    case DType::kS32: return AllReduceKernel<int32_t>;
+    case DType::kF32: return KernelOf<float>(nranks, virtual_team);
+    case DType::kF64: return KernelOf<double>(nranks, virtual_team);
+    case DType::kBF16: return KernelOf<__nv_bfloat16>(nranks, virtual_team);
+    case DType::kF16: return KernelOf<__half>(nranks, virtual_team);
+    case DType::kS32: return KernelOf<int32_t>(nranks, virtual_team);
     case DType::kS64: break;  // Not served on GPU (the lowering falls back to XLA).
   }
   return nullptr;
@@ -367,7 +266,7 @@ cudaError_t CheckCall(const TeamView& view, const CallArgs& call, std::string* m
     return invalid("libra cuda all-reduce: the byte count must be a multiple of 16, got " +
                    std::to_string(call.bytes));
   }
-  if (call.bytes % SizeOf(call.dtype) != 0 || KernelFor(call.dtype) == nullptr) {
+  if (call.bytes % SizeOf(call.dtype) != 0 || KernelFor(call.dtype, view.nranks) == nullptr) {
     return invalid("libra cuda all-reduce: bad dtype");
   }
   return cudaSuccess;
@@ -382,20 +281,11 @@ cudaError_t CheckPointers(const void* input, const void* output, std::string* me
   return cudaSuccess;
 }
 
-KernelArgs MakeArgs(const TeamView& view, const CallArgs& call, const void* input,
-                    void* output, int* blocks) {
-  const Algorithm algorithm = Resolve(call.algorithm, call.bytes, view.nranks);
-  *blocks = EffectiveBlocks(call.bytes, view.nranks, algorithm, call.blocks,
-                            view.capacity_vectors * kVectorBytes);
-  KernelArgs a;
-  std::memset(static_cast<void*>(&a), 0, sizeof a);  // compared bytewise by virtual launches
-  a.view = view;
-  a.input = static_cast<const uint4*>(input);
-  a.output = static_cast<uint4*>(output);
-  a.vectors = call.bytes / kVectorBytes;
-  a.two_shot = algorithm == Algorithm::kTwoShot ? 1 : 0;
-  a.blocks = *blocks;
-  a.timeout_ns = call.timeout_ns;
+RankCall MakeArgs(const TeamView& view, const CallArgs& call, const void* input,
+                  void* output, int* blocks) {
+  const RankCall a = MakeRankCall(view, call.algorithm, call.bytes, call.blocks, input, output,
+                                  call.timeout_ns, call.signature);
+  *blocks = a.blocks;
   return a;
 }
 
@@ -468,7 +358,7 @@ cudaError_t Team::Allocate(std::string* message) {
   const int n = nranks();
   const std::size_t segcap = capacity_vectors_ / n;
   const std::size_t staging_bytes = 2 * (capacity_vectors_ + segcap) * kVectorBytes;
-  const std::size_t flag_bytes = sizeof(uint32_t) * 2 * kMaxBlocks * kMaxRanks;
+  const std::size_t flag_bytes = sizeof(uint32_t) * kFlagWords;
   memory_.assign(n, RankMemory{});
   LIBRA_CUDA_RETURN_IF_ERROR(cudaSetDevice(devices_[0]));
   LIBRA_CUDA_RETURN_IF_ERROR(cudaHostAlloc(reinterpret_cast<void**>(&error_host_),
@@ -505,9 +395,6 @@ Team::~Team() {
     cudaFree(memory_[r].flags);
     cudaFree(memory_[r].counters);
   }
-  if (!virtual_args_.empty() && cudaSetDevice(devices_[0]) == cudaSuccess) {
-    for (auto& entry : virtual_args_) cudaFree(entry.second);
-  }
   if (error_host_ != nullptr) cudaFreeHost(const_cast<ErrorRecord*>(error_host_));
   if (restore) cudaSetDevice(current);
 }
@@ -522,15 +409,22 @@ TeamView Team::View(int rank) const {
   return view;
 }
 
-std::string Team::TakeError() {
+std::string Team::Failure() const {
   if (error_host_ == nullptr || error_host_->code == 0) return {};
   const ErrorRecord& e = *error_host_;
-  std::string text = "rank " + std::to_string(e.rank) + " (GPU " +
-                     std::to_string(e.rank < devices_.size() ? devices_[e.rank] : -1) +
-                     "), block " + std::to_string(e.block) + ", timed out waiting for rank " +
-                     std::to_string(e.peer) + " at round " + std::to_string(e.round) +
-                     (e.stage ? " (mid barrier)" : " (start barrier)");
-  error_host_->code = 0;
+  if (e.code != 1) return "a rank timed out (its record was still being written)";
+  return "rank " + std::to_string(e.rank) + " (GPU " +
+         std::to_string(e.rank < devices_.size() ? devices_[e.rank] : -1) + "), block " +
+         std::to_string(e.block) +
+         (e.kind == 1 ? ", found rank " + std::to_string(e.peer) + " in another call"
+                      : ", timed out waiting for rank " + std::to_string(e.peer)) +
+         " at round " + std::to_string(e.round) +
+         (e.stage ? " (mid barrier)" : " (start barrier)");
+}
+
+std::string Team::TakeError() {
+  std::string text = Failure();
+  if (error_host_ != nullptr) error_host_->code = 0;
   return text;
 }
 
@@ -559,6 +453,23 @@ LaunchApi SetLaunchApiForTesting(const LaunchApi* api) {
   return previous;
 }
 
+cudaError_t CreatePriorityStream(cudaStream_t* stream, std::string* message) {
+  const auto range = g_launch_api.stream_priority_range
+                         ? g_launch_api.stream_priority_range
+                         : [](int* least, int* greatest) {
+                             return cudaDeviceGetStreamPriorityRange(least, greatest);
+                           };
+  const auto create = g_launch_api.create_stream
+                          ? g_launch_api.create_stream
+                          : [](cudaStream_t* s, unsigned int flags, int priority) {
+                              return cudaStreamCreateWithPriority(s, flags, priority);
+                            };
+  int least = 0, greatest = 0;
+  LIBRA_CUDA_RETURN_IF_ERROR(range(&least, &greatest));
+  LIBRA_CUDA_RETURN_IF_ERROR(create(stream, cudaStreamNonBlocking, greatest));
+  return cudaSuccess;
+}
+
 cudaError_t LaunchKernel(bool cooperative, const void* kernel, dim3 grid, void** params,
                          cudaStream_t stream) {
   const auto launch = cooperative ? g_launch_api.launch_cooperative : g_launch_api.launch;
@@ -575,12 +486,10 @@ cudaError_t LaunchAllReduce(const TeamView& view, const CallArgs& call, cudaStre
   LIBRA_CUDA_RETURN_IF_ERROR(CheckPointers(call.input, call.output, message));
   if (call.bytes == 0) return cudaSuccess;  // the same on every rank: nothing to do
   int blocks = 1;
-  const KernelArgs args = MakeArgs(view, call, call.input, call.output, &blocks);
-  KernelArgs grid_args = args;
-  const KernelArgs* no_device_args = nullptr;  // read from `grid_args` (not virtual)
-  void* params[] = {&grid_args, &no_device_args};
-  LIBRA_CUDA_RETURN_IF_ERROR(LaunchKernel(
-      false, reinterpret_cast<const void*>(KernelFor(call.dtype)), dim3(blocks), params, stream));
+  RankCall args = MakeArgs(view, call, call.input, call.output, &blocks);
+  void* params[] = {&args};
+  LIBRA_CUDA_RETURN_IF_ERROR(
+      LaunchKernel(false, KernelFor(call.dtype, view.nranks), dim3(blocks), params, stream));
   return cudaSuccess;
 }
 
@@ -596,42 +505,40 @@ cudaError_t LaunchVirtualAllReduce(const Team& team, const CallArgs& call,
   }
   if (call.bytes == 0) return cudaSuccess;
   int blocks = 1;
-  std::vector<KernelArgs> args(n);
+  std::vector<RankCall> args(n);
   for (int r = 0; r < n; ++r) {
     const TeamView view = team.View(r);
     LIBRA_CUDA_RETURN_IF_ERROR(CheckCall(view, call, message));
     LIBRA_CUDA_RETURN_IF_ERROR(CheckPointers(inputs[r], outputs[r], message));
     args[r] = MakeArgs(view, call, inputs[r], outputs[r], &blocks);
   }
-  const unsigned char* bytes = reinterpret_cast<const unsigned char*>(args.data());
-  const std::vector<unsigned char> key(bytes, bytes + sizeof(KernelArgs) * n);
-  void* uploaded = nullptr;
-  for (const auto& entry : team.virtual_args_) {
-    if (entry.first == key) uploaded = entry.second;
-  }
-  if (uploaded == nullptr) {
-    LIBRA_CUDA_RETURN_IF_ERROR(cudaMalloc(&uploaded, key.size()));
-    team.virtual_args_.emplace_back(key, uploaded);
-    LIBRA_CUDA_RETURN_IF_ERROR(
-        cudaMemcpy(uploaded, key.data(), key.size(), cudaMemcpyHostToDevice));
-  }
-  KernelArgs grid_args = args[0];  // only `blocks` is read in virtual mode
-  const KernelArgs* device_args = static_cast<const KernelArgs*>(uploaded);
-  void* params[] = {&grid_args, &device_args};
+  VirtualCalls calls;
+  std::memset(static_cast<void*>(&calls), 0, sizeof calls);
+  for (int r = 0; r < n; ++r) calls.call[r] = args[r];
+  void* params[] = {&calls};
   // cudaErrorCooperativeLaunchTooLarge (the grid cannot be co-resident) is returned as is,
   // and cleared from CUDA's last-error slot, like any failed launch (LaunchKernel).
-  return LaunchKernel(true, reinterpret_cast<const void*>(KernelFor(call.dtype)),
-                      dim3(n * blocks), params, stream);
+  return LaunchKernel(true, KernelFor(call.dtype, n, /*virtual_team=*/true), dim3(n * blocks),
+                      params, stream);
 }
 
-cudaError_t MaxCoResidentBlocks(int* blocks) {
+cudaError_t MaxCoResidentBlocks(int* blocks, bool virtual_team) {
   std::string* message = nullptr;
-  int device = 0, per_sm = 0, sms = 0;
+  int device = 0, sms = 0, least = 0;
   LIBRA_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
   LIBRA_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  LIBRA_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-      &per_sm, reinterpret_cast<const void*>(AllReduceKernel<float>), kThreads, 0));
-  *blocks = per_sm * sms;
+  const DType dtypes[] = {DType::kF32, DType::kF64, DType::kBF16, DType::kF16, DType::kS32};
+  bool any = false;
+  for (DType dtype : dtypes) {
+    for (int nranks : {4, 8}) {
+      int per_sm = 0;
+      LIBRA_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+          &per_sm, KernelFor(dtype, nranks, virtual_team), kThreads, 0));
+      least = any ? std::min(least, per_sm) : per_sm;
+      any = true;
+    }
+  }
+  *blocks = least * sms;
   return cudaSuccess;
 }
 

@@ -8,27 +8,15 @@
 // pointers are exchanged once, when the team is created (in one process,
 // with peer access enabled, a peer's device pointer is usable as is).
 //
-// One call on every rank, in the same order on every rank, with the same
-// element count, dtype, algorithm and block count (true of an SPMD program):
-//   per round (one chunk of at most `capacity` bytes)
-//     copy-in:  each block copies its tiles of the input into its staging half
-//     barrier:  block b signals block b of every peer (release, system scope),
-//               then waits for block b of every peer (acquire, system scope)
-//     one-shot: block b sums its tiles over all ranks, in rank order 0..n-1,
-//               and writes the output
-//     two-shot: block b sums its tiles of this rank's segment (reduce-scatter)
-//               into a result area, barrier again, then copies the other
-//               segments' results from their owners (all-gather)
-// Flags carry round numbers taken from a device-resident counter that the
-// last block of each kernel advances, so no host state changes per call:
-// CUDA-graph replays and changing block counts keep every rank in step. The
-// staging half alternates with the round's parity and a block always owns the
-// same tiles (tile-cyclic, offsets independent of the chunk size), which is
-// what makes re-using a half two rounds later safe (see allreduce.cu).
+// The protocol (rounds, flags, staging, barriers, abort) is in
+// libra/cuda/protocol.h, one source for these kernels and for the CPU
+// emulation that tests it under ThreadSanitizer (cpp/tests/p2p_emulation_test.cc).
 //
 // A wait that exceeds the call's timeout writes an error record to
-// host-mapped memory and the kernel finishes without its result; the host
-// reads the record at the next call (Team::TakeError). Never __trap().
+// host-mapped memory and the kernel finishes without its result; from then on
+// the team is dead (every later kernel on it ends at once) and the host reads
+// the record (Team::Failure) and replaces the team (protocol.h's
+// TeamGenerations says when). Never __trap().
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -40,17 +28,11 @@
 #include <utility>
 #include <vector>
 
+#include "libra/cuda/protocol.h"
 #include "libra/dtype.h"
 
 namespace libra::cuda {
 
-// The largest block count (grid size) of one call.
-inline constexpr int kMaxBlocks = 64;
-// The largest team.
-inline constexpr int kMaxRanks = 8;
-// Threads per block; each moves 16-byte vectors.
-inline constexpr int kThreads = 512;
-inline constexpr int kVectorBytes = 16;
 // Default staging capacity per round (bytes of one chunk).
 inline constexpr std::size_t kDefaultCapacityBytes = std::size_t{32} << 20;
 
@@ -58,43 +40,9 @@ using libra::DType;  // s64 is not served: KernelFor has no kernel for it.
 using libra::Name;
 using libra::SizeOf;
 
-enum class Algorithm : int { kAuto = 0, kOneShot = 1, kTwoShot = 2 };
+// Algorithm, ChooseAlgorithm, EffectiveBlocks, ErrorRecord, RankMemory,
+// TeamView: libra/cuda/protocol.h.
 const char* Name(Algorithm algorithm);
-
-// One-shot for 2 ranks and small buffers, two-shot otherwise (vLLM's rule).
-Algorithm ChooseAlgorithm(std::size_t bytes, int nranks);
-
-// Blocks a call uses: min(blocks, tiles of work per round), at least 1. A
-// tile is kThreads vectors; extra blocks would only wait at the barriers.
-int EffectiveBlocks(std::size_t bytes, int nranks, Algorithm algorithm, int blocks,
-                    std::size_t capacity_bytes);
-
-// Error record in host-mapped memory, shared by the team's ranks. `code` is
-// written last; 0 means no error.
-struct ErrorRecord {
-  volatile uint32_t code;   // 1: a barrier wait timed out
-  volatile uint32_t rank;   // the waiting rank
-  volatile uint32_t block;  // its block
-  volatile uint32_t peer;   // the rank it waited for
-  volatile uint32_t round;  // the round number it waited for
-  volatile uint32_t stage;  // 0: start barrier, 1: two-shot mid barrier
-};
-
-// What a kernel needs to know of one rank (device pointers).
-struct RankMemory {
-  void* staging = nullptr;     // 2 halves x (capacity + capacity / n) bytes
-  uint32_t* flags = nullptr;   // [2 stages][kMaxBlocks][kMaxRanks], written by peers
-  uint32_t* counters = nullptr;  // [0]: last round, [1]: blocks done (local only)
-};
-
-// A rank's view of its team: its peers' memory and its own rank.
-struct TeamView {
-  int nranks = 0;
-  int rank = 0;
-  std::size_t capacity_vectors = 0;  // per round; a multiple of nranks
-  RankMemory member[kMaxRanks];
-  ErrorRecord* error = nullptr;      // device pointer to the host-mapped record
-};
 
 // One rank's part of one call.
 struct CallArgs {
@@ -105,6 +53,7 @@ struct CallArgs {
   int blocks = 1;               // 1..kMaxBlocks
   Algorithm algorithm = Algorithm::kAuto;
   uint64_t timeout_ns = 0;      // 0: wait forever
+  uint32_t signature = 0;       // the same on every rank for one call (CallSignature)
 };
 
 // The GPU memory of a team. Not thread-safe; a team is used by one call at a
@@ -128,7 +77,11 @@ class Team {
   std::size_t capacity_bytes() const { return capacity_vectors_ * kVectorBytes; }
   TeamView View(int rank) const;
 
-  // The error record written by a timed-out kernel, cleared; empty if none.
+  // The error record written by a timed-out kernel; empty if none. The record
+  // stays: the team is dead (its kernels end at once) and is to be replaced.
+  std::string Failure() const;
+  // Failure(), then clears the record so the team serves again (the harness's
+  // timeout check, where every rank's kernel has ended).
   std::string TakeError();
   // Leak the device memory at destruction (kernels may still use it).
   void Abandon() { abandoned_ = true; }
@@ -143,11 +96,7 @@ class Team {
   ErrorRecord* error_host_ = nullptr;
   ErrorRecord* error_device_ = nullptr;
   bool abandoned_ = false;
-  // Virtual teams: per-rank kernel arguments in device memory, one buffer per
-  // distinct call (so that a captured CUDA graph keeps its own), with the
-  // host copy each was uploaded from.
   bool virtual_ = false;
-  mutable std::vector<std::pair<std::vector<unsigned char>, void*>> virtual_args_;
 
   friend cudaError_t LaunchVirtualAllReduce(const Team&, const CallArgs&,
                                             const std::vector<const void*>&,
@@ -163,17 +112,18 @@ cudaError_t LaunchAllReduce(const TeamView& view, const CallArgs& call, cudaStre
 // Launches every rank of a virtual team as one cooperative grid of
 // nranks x blocks blocks on the current device (so all ranks are
 // co-resident); `inputs`/`outputs` hold one buffer per rank
-// (`call.input`/`call.output` are ignored). The first launch of a new
-// (call, buffers) combination uploads its arguments synchronously, so make
-// it once before capturing a graph. Returns
+// (`call.input`/`call.output` are ignored); every rank's call is a kernel
+// parameter, so a captured graph keeps its own. Returns
 // cudaErrorCooperativeLaunchTooLarge when the grid cannot be co-resident.
 cudaError_t LaunchVirtualAllReduce(const Team& team, const CallArgs& call,
                                    const std::vector<const void*>& inputs,
                                    const std::vector<void*>& outputs, cudaStream_t stream,
                                    std::string* message);
 
-// How many blocks of the all-reduce kernel fit on the current device at once.
-cudaError_t MaxCoResidentBlocks(int* blocks);
+// How many blocks of the all-reduce kernels fit on the current device at once
+// (the least over the kernels' instantiations): of the per-rank kernels (at
+// least kMinBlocksPerSm a SM), or of the virtual-rank kernel (1 a SM).
+cudaError_t MaxCoResidentBlocks(int* blocks, bool virtual_team = false);
 
 // --- Launching ---------------------------------------------------------------
 // Every kernel of this library is launched through LaunchKernel: the outcome
@@ -188,10 +138,17 @@ struct LaunchApi {
   cudaError_t (*launch_cooperative)(const void* kernel, dim3 grid, dim3 block, void** params,
                                     std::size_t shared_bytes, cudaStream_t stream);
   cudaError_t (*get_last_error)();
+  // For CreatePriorityStream (null: CUDA's).
+  cudaError_t (*stream_priority_range)(int* least, int* greatest) = nullptr;
+  cudaError_t (*create_stream)(cudaStream_t* stream, unsigned int flags, int priority) = nullptr;
 };
 // Replaces the launch functions (nullptr: CUDA's own) and returns the previous
 // ones. For tests, before any launch; not thread-safe.
 LaunchApi SetLaunchApiForTesting(const LaunchApi* api);
+// A non-blocking stream at the device's greatest priority on the current
+// device: libra's stream (libra/streams.h), whose kernels spin at barriers
+// until every peer's run, so its blocks go ahead of compute's waiting ones.
+cudaError_t CreatePriorityStream(cudaStream_t* stream, std::string* message);
 // Launches `kernel` (kThreads threads per block, no dynamic shared memory).
 cudaError_t LaunchKernel(bool cooperative, const void* kernel, dim3 grid, void** params,
                          cudaStream_t stream);
