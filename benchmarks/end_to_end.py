@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-from report import load_file  # noqa: E402
+from report import interleaved_steps, load_file  # noqa: E402
 
 common = load_file(ROOT / "examples" / "common.py", "common")  # (8 host devices)
 
@@ -81,20 +81,7 @@ def bench(name: str, options: dict, rounds: int, steps: int, one_bucket: bool = 
                                                  donate_argnums=0)
     state = {k: common.copy_tree(args[0]) for k in arms}
     batch = args[1:]
-    for k, f in arms.items():  # compile + warm up
-        for _ in range(common.WARMUP):
-            state[k], loss = f(state[k], *batch)
-            float(loss)
-    per_step: dict[str, list[float]] = {k: [] for k in arms}
-    names = list(arms)
-    for r in range(rounds):
-        for k in names[r % len(names):] + names[:r % len(names)]:
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                state[k], loss = arms[k](state[k], *batch)
-            float(loss)
-            per_step[k].append((time.perf_counter() - t0) / steps)
-    return per_step
+    return interleaved_steps(arms, state, batch, rounds, steps, common.WARMUP)
 
 
 def overlap(name: str, options: dict) -> str:

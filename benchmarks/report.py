@@ -38,6 +38,30 @@ def load_file(path: Path, name: str) -> ModuleType:
     return module
 
 
+def interleaved_steps(arms: dict, state: dict, batch: tuple, rounds: int, steps: int,
+                      warmup: int) -> dict[str, list[float]]:
+    """Per arm, its per-step seconds in each of `rounds` rounds of `steps` train steps, after
+    `warmup` steps. An arm is ``f(state, *batch) -> (state, loss)`` (donating its state,
+    `state[arm]`, updated in place); each round runs every arm, in an order that rotates from
+    round to round, so drift hits every arm alike."""
+    import time
+
+    for k, f in arms.items():  # compile + warm up
+        for _ in range(warmup):
+            state[k], loss = f(state[k], *batch)
+            float(loss)
+    per_step: dict[str, list[float]] = {k: [] for k in arms}
+    names = list(arms)
+    for r in range(rounds):
+        for k in names[r % len(names):] + names[:r % len(names)]:
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                state[k], loss = arms[k](state[k], *batch)
+            float(loss)
+            per_step[k].append((time.perf_counter() - t0) / steps)
+    return per_step
+
+
 def publish(lines: list[str], out: str | None) -> None:
     """Print the table, and write it to `out` when given."""
     text = "\n".join(lines) + "\n"

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
@@ -28,7 +27,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
-from report import header, publish  # noqa: E402
+from report import header, interleaved_steps, publish  # noqa: E402
 
 import libra_jax  # noqa: E402
 
@@ -107,23 +106,12 @@ def bench(name: str, rounds: int, steps: int) -> list[str]:
             "optimized, loops=in-loop": libra_jax.optimize(step, loops="in-loop")}
     arms = {"plain": jax.jit(step, donate_argnums=0),
             **{k: jax.jit(f, donate_argnums=0) for k, f in opts.items()}}
-    state = {k: jax.tree.map(np.array, state0) for k in arms}
-    for k, f in arms.items():
-        for _ in range(WARMUP):
-            state[k], loss = f(state[k], *batch)
-            float(loss)
     calls = {k: len(re.findall(r"custom_call @libra_allreduce_\w+",
                                f.lower(jax.tree.map(np.array, state0), *batch).as_text()))
              for k, f in arms.items()}
-    times: dict[str, list[float]] = {k: [] for k in arms}
+    state = {k: jax.tree.map(np.array, state0) for k in arms}
+    times = interleaved_steps(arms, state, batch, rounds, steps, WARMUP)
     names = list(arms)
-    for r in range(rounds):
-        for k in names[r % len(names):] + names[:r % len(names)]:
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                state[k], loss = arms[k](state[k], *batch)
-            float(loss)
-            times[k].append((time.perf_counter() - t0) / steps)
     base = np.asarray(times["plain"])
     rows = []
     for k in names:
