@@ -386,6 +386,24 @@ def _summary(s: ScopePlan) -> list[str]:
             ] + ([f"  {s.limit}"] if s.limit else [])
 
 
+def _prediction_lines(e: Explanation) -> list[str]:
+    """What the predicted times above cover, and (on CPU) where a measured gain comes from
+    instead: the plan's predicted gain there is a few percent while a train step measures
+    ~10-20% faster (README "When it helps"; benchmarks/results/end_to_end.md, allreduce_cpu.md)."""
+    if not e.scopes:
+        return []
+    lines = ["what the prediction covers: the contention model's backward time (each bucket's "
+             "all-reduce at its block count, the compute it overlaps slowed by those blocks), "
+             "for this plan against the two baselines above; not how an all-reduce's result is "
+             "written, nor the fixed cost of each call beyond the profile's latency"]
+    if jax.default_backend() == "cpu":
+        lines.append("on CPU a measured gain comes mostly from outside this prediction: libra's "
+                     "in-place all-reduce writes no fresh output buffers (XLA's psum page-faults "
+                     "a new one on every call) and fusion issues fewer all-reduces "
+                     "(benchmarks/results/end_to_end.md, allreduce_cpu.md)")
+    return lines
+
+
 def _others_lines(e: Explanation) -> list[str]:
     if not e.others:
         return []
@@ -411,6 +429,7 @@ def _plain_text(e: Explanation) -> str:
                 out.append("  ".join("-" * w for w in widths))
         out.extend(_summary(s))
         out.append("")
+    out.extend(_prediction_lines(e))
     out.extend(_others_lines(e))
     return "\n".join(out).rstrip()
 
@@ -434,7 +453,7 @@ def _rich_text(e: Explanation, width: int) -> str:
         for line in _summary(s):
             console.print(line, highlight=False)
         console.print()
-    for line in _others_lines(e):
+    for line in _prediction_lines(e) + _others_lines(e):
         console.print(line, highlight=False)
     return buf.getvalue().rstrip()
 
