@@ -87,7 +87,10 @@ class Explanation:
 
     def table(self, *, use_rich: bool | None = None, width: int | None = None) -> str:
         """The explanation as text (rich's rendering when available and not disabled), `width`
-        columns wide (default: the terminal's, 120 where there is none)."""
+        columns wide (default: the terminal's, 120 where there is none).
+
+        rich is used where installed, not required: the plain table (aligned columns, the
+        terminal's width) keeps the package's dependencies at jax and numpy."""
         if width is None:
             width = shutil.get_terminal_size((120, 24)).columns
         if use_rich is None or use_rich:
@@ -199,7 +202,9 @@ def _result_names(closed: Any, out_shape: Any, report: rewrite.OptimizeReport) -
     wanted = {id(v): v for entry in report.predicted for v in entry["results"] if v is not None}
     if not wanted:
         return {}
-    out_paths = [_path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(out_shape)[0]]
+    # "params.Dense_0.kernel": jax's own spelling of a key path (a dict key, attribute or index).
+    out_paths = [jax.tree_util.keystr(p, simple=True, separator=".")
+                 for p, _ in jax.tree_util.tree_flatten_with_path(out_shape)[0]]
     out_avals = [getattr(v, "aval", None) for v in closed.jaxpr.outvars]
     found: dict[int, list[int]] = {}
 
@@ -303,18 +308,6 @@ def _size(shape: Sequence[int]) -> int:
     for d in shape:
         n *= int(d)
     return n
-
-
-def _path_str(path: Sequence[Any]) -> str:
-    parts = []
-    for k in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(k, attr):
-                parts.append(str(getattr(k, attr)))
-                break
-        else:
-            parts.append(str(k))
-    return ".".join(parts)
 
 
 def _shorten(paths: dict[int, str]) -> dict[int, str]:
