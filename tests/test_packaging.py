@@ -123,3 +123,40 @@ def test_readme_counts_what_compat_imports_from_private_jax():
     text = (ROOT / "README.md").read_text()
     count = re.search(r"imports (\d+) names from private `jax\._src` modules", text)
     assert count and int(count.group(1)) == len(_private_jax_imports()), sorted(_private_jax_imports())
+
+
+def _configure(tmp_path: Path, site: Path, from_wheels: str):
+    """CMake's configure step alone (no extension, no CUDA language wanted by the test)
+    with a Python whose site-packages hold `site`."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("cmake") is None:
+        pytest.skip("needs cmake")
+    env = {k: v for k, v in os.environ.items() if k != "CUDACXX"}
+    env["PYTHONPATH"] = str(site)
+    return subprocess.run(
+        ["cmake", "-S", str(ROOT), "-B", str(tmp_path / f"build-{from_wheels}"),
+         "-DLIBRA_BUILD_PYTHON=OFF", f"-DPython_EXECUTABLE={sys.executable}",
+         f"-DLIBRA_CUDA_FROM_WHEELS={from_wheels}"],
+        capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_cmake_passes_over_an_incomplete_cuda_wheel_tree_and_on_names_what_is_missing(tmp_path):
+    """nvidia-cuda-nvcc without the CCCL wheel cannot compile cuda_fp16.h: AUTO must not take
+    it (a build that worked with a system toolkit keeps working), ON must say what is missing."""
+    tree = tmp_path / "site" / "nvidia" / "cu13"
+    for part in ("bin/nvcc", "nvvm/bin/cicc", "include/cuda_runtime.h", "include/crt/host_config.h",
+                 "lib/libcudart_static.a"):  # no include/cccl/nv/target
+        (tree / part).parent.mkdir(parents=True, exist_ok=True)
+        (tree / part).write_text("")
+    (tree / "bin" / "nvcc").chmod(0o755)
+    on = _configure(tmp_path, tmp_path / "site", "ON")
+    assert on.returncode != 0
+    assert "LIBRA_CUDA_FROM_WHEELS=ON but" in on.stderr and "include/cccl/nv/target" in on.stderr
+    auto = _configure(tmp_path, tmp_path / "site", "AUTO")
+    assert auto.returncode == 0, auto.stderr[-2000:]
+    assert "not using the nvidia-cuda-nvcc wheel" in auto.stdout
+    assert str(tree / "bin" / "nvcc") not in auto.stdout  # not the compiler CMake checked
