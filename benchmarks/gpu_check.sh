@@ -29,6 +29,8 @@
 # Exit status: 0 if no step failed (a SKIP is not a failure).
 #
 # Environment: PYTHON, OUT, GPU_CHECK_BUDGET_S (total seconds, default 280),
+# LIBRA_CUDA_FROM_WHEELS (ON: compile with $PYTHON's nvidia-cuda-nvcc wheel; default AUTO:
+# the wheel only where no other nvcc is found),
 # GPU_CHECK_MAX_BYTES (largest size timed, default 256M), GPU_CHECK_RANKS (default 2,4,8),
 # CUDA_ARCH (default 90: the H200), GPU_CHECK_WORK (build directory).
 set -uo pipefail
@@ -96,13 +98,25 @@ step() {
   return $rc
 }
 
-# Where nvcc lives when it is not on PATH.
+# Which nvcc: LIBRA_CUDA_FROM_WHEELS=ON takes the nvidia-cuda-nvcc wheel in $python's
+# site-packages (CMakeLists.txt's discovery; what a pip-only JAX GPU user has), as does a
+# machine with no toolkit at all; else nvcc on PATH or under /usr/local/cuda.
+wheel_nvcc=$("$python" -c "import importlib.util as u, os; s = u.find_spec('nvidia'); print(next((p for d in (s.submodule_search_locations if s else []) for p in [os.path.join(d, 'cu13', 'bin', 'nvcc')] if os.path.isfile(p)), ''))" 2>/dev/null || true)
+from_wheels=${LIBRA_CUDA_FROM_WHEELS:-AUTO}
 if ! command -v nvcc > /dev/null; then
   for d in /usr/local/cuda/bin /usr/local/cuda-*/bin; do
     [ -x "$d/nvcc" ] && export PATH=$d:$PATH && break
   done
 fi
-export CUDACXX=${CUDACXX:-$(command -v nvcc || true)}
+if [ "$from_wheels" = AUTO ] && [ -z "${CUDACXX:-}" ] && ! command -v nvcc > /dev/null &&
+   [ -n "$wheel_nvcc" ]; then
+  from_wheels=ON
+fi
+if [ "$from_wheels" = ON ]; then
+  export CUDACXX=$wheel_nvcc  # empty: no wheel (the build step then fails, saying so)
+else
+  export CUDACXX=${CUDACXX:-$(command -v nvcc || true)}
+fi
 cd "$work" || exit 1  # never the repository: `python -c` would import its source tree
 
 # --- 1. Environment ------------------------------------------------------------
@@ -126,7 +140,7 @@ gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
 versions=$(grep -m1 '^python .* jax ' "$log" || echo 'no jax')
 note env INFO "${gpu:-no GPU}; $versions"
 if [ -z "$CUDACXX" ]; then
-  note nvcc FAIL "nvcc not found"
+  note nvcc FAIL "nvcc not found (LIBRA_CUDA_FROM_WHEELS=$from_wheels)"
   exit 1
 fi
 
@@ -136,7 +150,8 @@ build=$work/build
 rm -rf "$site"
 step build 200 "$python" -m pip install --no-deps --no-build-isolation --no-index --no-compile \
   -q --target "$site" -C build-dir="$build" -C cmake.define.CMAKE_CUDA_ARCHITECTURES="$arch" \
-  -C cmake.define.LIBRA_BUILD_CUDA_HARNESS=ON "$repo"
+  -C cmake.define.LIBRA_BUILD_CUDA_HARNESS=ON -C cmake.define.LIBRA_CUDA_FROM_WHEELS="$from_wheels" \
+  "$repo"
 rc=$?
 harness=$build/libra_cuda_harness
 if [ $rc -eq 0 ] && [ -x "$harness" ]; then note build PASS "extension + harness (sm_$arch) at ${SECONDS}s"
@@ -151,9 +166,14 @@ from libra_jax import _ffi
 where = libra_jax.__file__
 assert where.startswith('$site/'), f'imported {where}, not the build in $site'
 assert _ffi.HAS_CUDA, 'built without CUDA'
-print('libra_jax from', where)"
+compiler = libra_jax.build_info()['cuda_compiler']
+if '$from_wheels' == 'ON':  # the wheel's nvcc, not a system toolkit CMake could also find
+    assert compiler == '$CUDACXX', f'compiled with {compiler}, not the wheel\'s $CUDACXX'
+print('libra_jax from', where, 'compiled with', compiler)"
   rc=$?
-  if [ $rc -eq 0 ]; then note import PASS "libra_jax with CUDA from the build"; python_ok=1
+  if [ $rc -eq 0 ]; then
+    note import PASS "libra_jax with CUDA from the build, nvcc $([ "$from_wheels" = ON ] && echo "from the wheel: ")$CUDACXX"
+    python_ok=1
   elif [ $rc -ne 125 ]; then note import FAIL "rc $rc (see log.txt)"; fi
 fi
 

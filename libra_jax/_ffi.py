@@ -193,7 +193,9 @@ def build_info() -> dict[str, Any]:
     """What this build of libra_jax can do on a GPU, and what it finds at run time.
 
     ``cuda``: whether the CUDA calls were compiled (they are when the build finds a CUDA
-    compiler); with them, the compiler's path and version and the GPU architectures built for.
+    compiler: a system toolkit, or the nvidia-cuda-nvcc wheel in the building Python's
+    site-packages, README "CUDA build with pip's CUDA"); with them, the compiler's path and
+    version and the GPU architectures built for.
     ``nccl``: the NCCL libra loads at run time (`libra_jax._nccl`): its path, version and CTA
     route, or why there is none. A GPU user whose build has no CUDA calls gets XLA's all-reduce,
     with a one-time notice, whatever ``LIBRA_JAX_CUDA`` says."""

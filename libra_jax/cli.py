@@ -260,6 +260,9 @@ def _add_plan(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _load_script(path: str) -> object:
+    """The script as a module. Not `runpy.run_path`: it leaves the script's folder off
+    sys.path (examples/*.py import their common.py from there) and returns a dict of globals,
+    not a module kept in sys.modules (which a second load of the same file reuses)."""
     import importlib.util
     import os
     from pathlib import Path

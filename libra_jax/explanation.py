@@ -87,7 +87,10 @@ class Explanation:
 
     def table(self, *, use_rich: bool | None = None, width: int | None = None) -> str:
         """The explanation as text (rich's rendering when available and not disabled), `width`
-        columns wide (default: the terminal's, 120 where there is none)."""
+        columns wide (default: the terminal's, 120 where there is none).
+
+        rich is used where installed, not required: the plain table (aligned columns, the
+        terminal's width) keeps the package's dependencies at jax and numpy."""
         if width is None:
             width = shutil.get_terminal_size((120, 24)).columns
         if use_rich is None or use_rich:
@@ -200,7 +203,9 @@ def _result_names(closed: Any, out_shape: Any, report: rewrite.OptimizeReport) -
     wanted = {id(v): v for entry in report.predicted for v in entry["results"] if v is not None}
     if not wanted:
         return {}
-    out_paths = [_path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(out_shape)[0]]
+    # "params.Dense_0.kernel": jax's own spelling of a key path (a dict key, attribute or index).
+    out_paths = [jax.tree_util.keystr(p, simple=True, separator=".")
+                 for p, _ in jax.tree_util.tree_flatten_with_path(out_shape)[0]]
     out_avals = [getattr(v, "aval", None) for v in closed.jaxpr.outvars]
     found: dict[int, list[int]] = {}
 
@@ -306,18 +311,6 @@ def _size(shape: Sequence[int]) -> int:
     return n
 
 
-def _path_str(path: Sequence[Any]) -> str:
-    parts = []
-    for k in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(k, attr):
-                parts.append(str(getattr(k, attr)))
-                break
-        else:
-            parts.append(str(k))
-    return ".".join(parts)
-
-
 def _shorten(paths: dict[int, str]) -> dict[int, str]:
     """Drop the leading components all paths share (e.g. ``0.0.params.``)."""
     split = {k: v.split(".") for k, v in paths.items()}
@@ -387,6 +380,24 @@ def _summary(s: ScopePlan) -> list[str]:
             ] + ([f"  {s.limit}"] if s.limit else [])
 
 
+def _prediction_lines(e: Explanation) -> list[str]:
+    """What the predicted times above cover, and (on CPU) where a measured gain comes from
+    instead: the plan's predicted gain there is a few percent while a train step measures
+    ~10-20% faster (README "When it helps"; benchmarks/results/end_to_end.md, allreduce_cpu.md)."""
+    if not e.scopes:
+        return []
+    lines = ["what the prediction covers: the contention model's backward time (each bucket's "
+             "all-reduce at its block count, the compute it overlaps slowed by those blocks), "
+             "for this plan against the two baselines above; not how an all-reduce's result is "
+             "written, nor the fixed cost of each call beyond the profile's latency"]
+    if jax.default_backend() == "cpu":
+        lines.append("on CPU a measured gain comes mostly from outside this prediction: libra's "
+                     "in-place all-reduce writes no fresh output buffers (XLA's psum page-faults "
+                     "a new one on every call) and fusion issues fewer all-reduces "
+                     "(benchmarks/results/end_to_end.md, allreduce_cpu.md)")
+    return lines
+
+
 def _others_lines(e: Explanation) -> list[str]:
     lines = []
     if e.others:
@@ -425,6 +436,7 @@ def _plain_text(e: Explanation) -> str:
                 out.append("  ".join("-" * w for w in widths))
         out.extend(_summary(s))
         out.append("")
+    out.extend(_prediction_lines(e))
     out.extend(_others_lines(e))
     return "\n".join(out).rstrip()
 
@@ -448,7 +460,7 @@ def _rich_text(e: Explanation, width: int) -> str:
         for line in _summary(s):
             console.print(line, highlight=False)
         console.print()
-    for line in _others_lines(e):
+    for line in _prediction_lines(e) + _others_lines(e):
         console.print(line, highlight=False)
     return buf.getvalue().rstrip()
 

@@ -472,6 +472,7 @@ def test_gpu_timeout_is_reported_at_the_next_call():
     assert "DEADLINE_EXCEEDED" in out or "DeadlineExceeded" in out or "deadline" in out.lower()
 
 
+@needs_cuda_build
 def test_cuda_lowering_default_blocks_from_the_model():
     """blocks=None: the h100 profile's choice for this size and group, recorded in the HLO."""
     from libra_jax.allreduce import DEFAULT_PROFILES, default_blocks

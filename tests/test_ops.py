@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from conftest import assert_bitwise, mesh_of
+from conftest import assert_bitwise, mesh_of, shard
 from jax.sharding import PartitionSpec as P
 
 import libra_jax
@@ -122,3 +122,25 @@ def test_jax_roofline_counts_libra_all_reduces_as_psums(jax_8) -> None:
     assert got["xla"] and sum(got["xla"].values()) > 0
     for name in ("psum", "fused", "start-done"):
         assert got[name] == got["xla"], (name, got)
+
+
+def test_jax_roofline_flops_of_a_libra_step_are_xlas(jax_8) -> None:
+    """The roofline's FLOPs of a step with a Libra psum equal XLA's cost_analysis() of the
+    compiled step (FLOPs only: XLA counts bytes after fusion, the roofline before). Both count
+    the two matmuls and nothing for libra's all-reduce (a custom call to XLA); the roofline's
+    psum rule counts no FLOPs either, where XLA counts its all-reduce's additions."""
+    roofline = pytest.importorskip("jax.experimental.roofline")
+    mesh = mesh_of((8,), ("x",))
+    x = shard(np.ones((64, 128), np.float32), mesh, P("x"))
+    w = shard(np.ones((128, 256), np.float32), mesh, P())
+
+    def body(x, w):
+        return libra_jax.psum(x.T @ (x @ w), "x", blocks=2)
+
+    specs = dict(mesh=mesh, in_specs=(P("x"), P()), out_specs=P())
+    _, result = roofline.roofline(body, **specs)(x, w)
+    cost = jax.jit(jax.shard_map(body, **specs)).lower(x, w).compile().cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    matmuls = 2 * (2 * 8 * 128 * 256)  # per device: its 8 rows of x
+    assert result.unfused_flops == matmuls
+    assert cost["flops"] == matmuls

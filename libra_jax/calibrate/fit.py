@@ -18,7 +18,12 @@ class CalibrationError(RuntimeError):
 
 
 def median_ci(values: Sequence[float] | np.ndarray, n_boot: int = 200, seed: int = 0) -> tuple[float, float, float]:
-    """Median and a bootstrap 95% interval of the median."""
+    """Median and a bootstrap 95% interval of the median (the percentile method).
+
+    By hand, not `scipy.stats.bootstrap`: scipy's default interval is BCa, another method, which
+    would move every committed calibration table and the quality gate's interval-width limits
+    (calibrate.build) that were set on these intervals; and this module is pure (numpy only),
+    while scipy is the optional [calibrate] extra's."""
     v = np.asarray(values, float)
     if v.size == 0:
         return math.nan, math.nan, math.nan

@@ -141,7 +141,10 @@ class Conditions:
 
 
 def _progress(total: int, enabled: bool, desc: str) -> Any:
-    """A tqdm bar if tqdm is installed, else plain lines every 10%."""
+    """A tqdm bar if tqdm is installed, else plain lines every 10%.
+
+    tqdm stays optional (the [calibrate] extra) rather than a dependency: the package itself
+    needs only jax and numpy, and the fallback is these few lines."""
     if not enabled:
         return _Silent()
     try:
