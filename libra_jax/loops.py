@@ -95,6 +95,11 @@ def hoist(eqn: Any, hoists: Sequence[Hoist]) -> list[Any]:
     closed = eqn.params["jaxpr"]
     body = closed.jaxpr
     by_psum = {h.psum: h for h in hoists}
+
+    def unreduced(aval: Any, h: Hoist) -> Any:  # typed varying only where types say so
+        invariant = _compat.PSUM_PRIMITIVES[body.eqns[h.psum].primitive.name]
+        return _compat.with_varying(aval, h.axes) if invariant else aval
+
     in_chain = {i: h for h in hoists for i in h.chain}
     subst: dict[Any, Any] = {}
     eqns = []
@@ -103,8 +108,7 @@ def hoist(eqn: Any, hoists: Sequence[Hoist]) -> list[Any]:
             subst[e.outvars[0]] = e.invars[0]  # its readers get the unreduced operand
             continue
         if i in in_chain:
-            axes = in_chain[i].axes
-            outvars = [_compat.new_var(_compat.with_varying(v.aval, axes)) for v in e.outvars]
+            outvars = [_compat.new_var(unreduced(v.aval, in_chain[i])) for v in e.outvars]
             subst.update(zip(e.outvars, outvars))
             e = e.replace(invars=[subst.get(v, v) if _compat.is_var(v) else v
                                   for v in e.invars], outvars=outvars)
@@ -115,7 +119,7 @@ def hoist(eqn: Any, hoists: Sequence[Hoist]) -> list[Any]:
     psums = []
     for h in hoists:
         old = outvars[h.output]
-        outvars[h.output] = new = _compat.new_var(_compat.with_varying(old.aval, h.axes))
+        outvars[h.output] = new = _compat.new_var(unreduced(old.aval, h))
         if _compat.is_var(old) and not _compat.is_dropped(old):
             psums.append(body.eqns[h.psum].replace(invars=[new], outvars=[old]))
     scan = eqn.replace(params={**eqn.params, "jaxpr": _compat.closed_jaxpr(new_body,

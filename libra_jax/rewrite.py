@@ -24,8 +24,18 @@ Contract of the rewrite (`rewrite_jaxpr`):
   estimated by a roofline of the profile; psums over the same axes are fused
   into buckets. Other psums (kind "forward": the loss, metrics, forward
   statistics; "backward": a psum the rest of the backward pass depends on, such
-  as a batch statistic's cotangent) and psums in loop bodies get an allocation
-  from `allreduce.default_blocks` and no fusion.
+  as a batch statistic's cotangent) get an allocation from
+  `allreduce.default_blocks` and no fusion.
+- Loops: a `scan` body's psums whose result only goes, by data movement, into a
+  stacked output (a stacked weight's gradient slice, `libra_jax.loops`) are
+  hoisted before the scope is planned: the scan returns the slices unreduced and
+  one psum of the stacked array follows it, a psum of this scope like any other
+  (bitwise the same: the sum is elementwise). `loops="auto"` hoists where the
+  model prices that lower than one all-reduce per iteration (`_Rewriter.loop_plan`)
+  and otherwise gives the loop's psums the block count it found best for the
+  loop. Other psums in loop bodies (a shared weight's, accumulated in the carry)
+  get `allreduce.default_blocks` and no fusion; a loop body never holds a
+  start/done pair.
 - A bucket is one `libra_psum_fused` equation placed where its last member
   was; it concatenates its operands per dtype, all-reduces each dtype once,
   and splits them back. Summation is elementwise in rank order either way,
