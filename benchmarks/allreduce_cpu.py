@@ -44,21 +44,53 @@ def variants(mesh):
         return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x")),
                        donate_argnums=0)
 
-    out = {"psum": (replicated(lambda v: jax.lax.psum(v, "x")), False)}
+    out = {"psum": (replicated(lambda v: jax.lax.psum(v, "x")), False),
+           "libra default": (replicated(lambda v: libra_jax.psum(v, "x")), False)}
     for k in (1, 2, 4, 8):
         out[f"libra k={k}"] = (replicated(lambda v, k=k: libra_jax.psum(v, "x", blocks=k)), False)
     out["psum donated"] = (in_place(lambda v: jax.lax.psum(v, "x")), True)
+    out["libra in place default"] = (
+        in_place(lambda v: libra_jax.psum(v, "x", inplace=True)), True)
     out["libra in place k=4"] = (
         in_place(lambda v: libra_jax.psum(v, "x", blocks=4, inplace=True)), True)
     return out
 
 
-def measure(size: int, reps: int, warmup: int = 2) -> dict[str, list[float]]:
+def floors(size: int, reps: int) -> dict[str, float]:
+    """This machine's floor for an all-reduce of `size` bytes per device over 8 devices, in
+    seconds, measured now with numpy (one thread): in place, the 8 inputs read and the 8
+    results written at the stream bandwidth of ``np.add(a, b, out=c)``; not in place, the 8
+    reads at that bandwidth plus writing 8 fresh ``np.empty`` buffers of `size` (their pages
+    are first touched, as a fresh output's are)."""
+    n = size // 4
+    a, b, c = (np.ones(max(n, 1), np.float32) for _ in range(3))
+    src = np.ones(max(n, 1), np.float32)
+    adds, fresh = [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        np.add(a, b, out=c)
+        adds.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        outs = [np.empty_like(src) for _ in range(8)]
+        for o in outs:
+            np.copyto(o, src)
+        fresh.append(time.perf_counter() - t0)
+        del outs
+    bandwidth = 3 * 4 * max(n, 1) / float(np.median(adds))
+    return {"bandwidth": bandwidth, "in place": 16 * size / bandwidth,
+            "not in place": 8 * size / bandwidth + float(np.median(fresh))}
+
+
+def measure(size: int, reps: int, warmup: int = 2, only: str | None = None
+            ) -> dict[str, list[float]]:
     mesh = jax.make_mesh((8,), ("x",))
     sharding = NamedSharding(mesh, P("x"))
     host = np.random.default_rng(0).standard_normal((8, size // 4)).astype(np.float32)
     shared = jax.device_put(host, sharding)
     fns = variants(mesh)
+    if only:
+        keep = {"psum", *only.split(",")}
+        fns = {k: v for k, v in fns.items() if k in keep}
     expected = np.asarray(fns["psum"][0](shared))[0]
     times: dict[str, list[float]] = {name: [] for name in fns}
     for rep in range(warmup + reps):
@@ -97,6 +129,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--sizes", default="1KiB,1MiB,16MiB,64MiB")
+    parser.add_argument("--only", default=None, help="comma-separated variants (psum always)")
     parser.add_argument("--out", default=None, help="also write the markdown table here")
     args = parser.parse_args()
     lines = report.header(f"; 8 host devices (XLA_FLAGS={os.environ['XLA_FLAGS']}).") + [
@@ -105,12 +138,27 @@ def main() -> None:
         "| per device | variant | median ms | IQR ms | ratio to psum | ratio p10-p90 |",
         "|---|---|---|---|---|---|",
     ]
+    floor_rows = ["", "The floor, measured in the same run (`floors`): in place, 8 reads and 8 writes "
+                  "at numpy's one-thread add bandwidth; not in place, the 8 reads plus writing 8 "
+                  "fresh buffers. Ratio: the variant's median over the floor.", "",
+                  "| per device | bandwidth GB/s | floor in place ms | floor not in place ms | "
+                  "default / floor | in place default / floor |", "|---|---|---|---|---|---|"]
     for label in args.sizes.split(","):
-        times = measure(parse_size(label), args.reps)
+        size = parse_size(label)
+        times = measure(size, args.reps, only=args.only)
         rows = summarize(label, times)
         lines += rows
         print("\n".join(rows), flush=True)
-    report.publish(lines, args.out)
+        floor = floors(size, args.reps)
+        default = np.median(times["libra default"]) if "libra default" in times else float("nan")
+        inplace = (np.median(times["libra in place default"])
+                   if "libra in place default" in times else float("nan"))
+        floor_rows.append(f"| {label} | {floor['bandwidth'] / 1e9:.1f} | "
+                          f"{floor['in place'] * 1e3:.3f} | {floor['not in place'] * 1e3:.3f} | "
+                          f"{default / floor['not in place']:.2f} | "
+                          f"{inplace / floor['in place']:.2f} |")
+        print(floor_rows[-1], flush=True)
+    report.publish(lines + floor_rows, args.out)
 
 
 if __name__ == "__main__":

@@ -54,7 +54,14 @@ template <typename T>
 void TestPlainSum(DType dtype, int n, std::size_t count, int blocks, bool in_place) {
   std::mt19937_64 rng(n * 1000 + count + blocks);
   std::vector<std::vector<T>> in(n, std::vector<T>(count));
-  for (auto& v : in) for (auto& x : v) x = static_cast<T>(static_cast<int64_t>(rng() % 2001) - 1000) / T(8);
+  // Magnitudes 2^-20..2^20 apart, so that the sum's rounding depends on the order: only the
+  // rank-order sum matches `expected` bit for bit.
+  for (auto& v : in) {
+    for (auto& x : v) {
+      x = std::ldexp(static_cast<T>(static_cast<int64_t>(rng() % 2001) - 1000) / T(8),
+                     static_cast<int>(rng() % 41) - 20);
+    }
+  }
   std::vector<T> expected(count);
   for (std::size_t i = 0; i < count; ++i) {
     T acc = T(0) + in[0][i];
@@ -77,7 +84,9 @@ void TestPlainSum(DType dtype, int n, std::size_t count, int blocks, bool in_pla
 }
 
 void TestSums() {
-  for (int n : {1, 2, 3, 5, 8}) {
+  // Up to 8 ranks are summed in one pass in registers, more in groups of 8 (9, 11, 17: two
+  // and three groups, the last partial): every count gives the rank-order sum.
+  for (int n : {1, 2, 3, 5, 8, 9, 11, 17}) {
     for (std::size_t count : {std::size_t{0}, std::size_t{1}, std::size_t{7}, std::size_t{4097},
                               std::size_t{100003}}) {
       for (int blocks : {1, 2, 3, libra::kMaxBlocks}) {
