@@ -54,6 +54,23 @@ def _shard(x: Any, mesh: jax.sharding.Mesh) -> Any:
     return jax.device_put(x, NamedSharding(mesh, P("data")))
 
 
+def _mse_step(predict: Callable[..., Any], tx: Any, mesh: jax.sharding.Mesh,
+              pmean: Callable[..., Any]) -> Callable[..., Any]:
+    """A `check_vma` shard_map step of a mean-squared-error regression: the loss `pmean`ed
+    inside (autodiff sums the gradients), an optax update; state ``{"params", "opt"}``."""
+    import optax
+
+    def local(state, x, y):
+        def loss_fn(p):
+            return pmean(jnp.mean((predict(p, x) - y) ** 2), "data")
+        loss, grads = jax.value_and_grad(loss_fn)(state["params"])
+        updates, opt = tx.update(grads, state["opt"], state["params"])
+        return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, loss
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data"), P("data")),
+                         out_specs=(P(), P()))
+
+
 def flax_batchnorm_pmap(pmean: Callable[..., Any] | None = None) -> Case:
     """Flax linen CNN-ish MLP with BatchNorm (cross-replica statistics, mutable
     `batch_stats`) under `jax.pmap` with `donate_argnums`; metrics `pmean`ed."""
@@ -171,15 +188,7 @@ def nnx_model(pmean: Callable[..., Any] | None = None) -> Case:
     x = rng.standard_normal((N * 4, 12)).astype(np.float32)
     y = rng.standard_normal((N * 4, 3)).astype(np.float32)
 
-    def local(state, x, y):
-        def loss_fn(p):
-            return pmean(jnp.mean((nnx.merge(graphdef, p)(x) - y) ** 2), "data")
-        loss, grads = jax.value_and_grad(loss_fn)(state["params"])
-        updates, opt = tx.update(grads, state["opt"], state["params"])
-        return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, loss
-
-    step = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data"), P("data")),
-                         out_specs=(P(), P()))
+    step = _mse_step(lambda p, x: nnx.merge(graphdef, p)(x), tx, mesh, pmean)
     return Case(step, {"params": params, "opt": tx.init(params)},
                 (_shard(x, mesh), _shard(y, mesh)), autodiff_psums=True,
                 kinds={"gradient": 4, "forward": 1})
@@ -307,15 +316,7 @@ def flax_nn_scan(pmean: Callable[..., Any] | None = None) -> Case:
     params = net.init(jax.random.key(6), x[:1])["params"]
     tx = optax.adam(1e-2)
 
-    def local(state, x, y):
-        def loss_fn(p):
-            return pmean(jnp.mean((net.apply({"params": p}, x) - y) ** 2), "data")
-        loss, grads = jax.value_and_grad(loss_fn)(state["params"])
-        updates, opt = tx.update(grads, state["opt"], state["params"])
-        return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, loss
-
-    step = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data"), P("data")),
-                         out_specs=(P(), P()))
+    step = _mse_step(lambda p, x: net.apply({"params": p}, x), tx, mesh, pmean)
     # Dense in 2, Dense out 2, the scanned block's Dense 2 and LayerNorm 2, hoisted; the loss.
     return Case(step, {"params": params, "opt": tx.init(params)},
                 (_shard(x, mesh), _shard(y, mesh)), autodiff_psums=True,
