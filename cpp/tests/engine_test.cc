@@ -84,8 +84,7 @@ void TestPlainSum(DType dtype, int n, std::size_t count, int blocks, bool in_pla
 }
 
 void TestSums() {
-  // Up to 8 ranks are summed in one pass in registers, more in groups of 8 (9, 11, 17: two
-  // and three groups, the last partial): every count gives the rank-order sum.
+  // Rank counts past 8 too (9, 11, 17): every count gives the rank-order sum.
   for (int n : {1, 2, 3, 5, 8, 9, 11, 17}) {
     for (std::size_t count : {std::size_t{0}, std::size_t{1}, std::size_t{7}, std::size_t{4097},
                               std::size_t{100003}}) {
