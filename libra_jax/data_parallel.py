@@ -107,9 +107,13 @@ def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0,
 
         if any(isinstance(leaf, _compat.Tracer) for leaf in jax.tree.leaves((args, kwargs))):
             return run(*args)  # already traced (under jit, grad...): the caller compiles it
-        # Eagerly: one compiled program (an explicit-sharding mesh needs jit for its scalars).
+        # Eagerly: one compiled program (an explicit-sharding mesh needs jit for its scalars),
+        # kept per mesh, argument structure, specs and keyword values; with a keyword value that
+        # cannot key a cache (an array), compiled for this call alone.
         key = (the_mesh, jax.tree.structure(args), tuple(jax.tree.leaves(
             specs, is_leaf=lambda s: isinstance(s, P))), _hashable(kwargs))
+        if key[-1] is None:
+            return jax.jit(run)(*args)
         if key not in jitted:
             jitted[key] = jax.jit(run)
         return jitted[key](*args)
@@ -293,10 +297,11 @@ def _sharding_text(leaf: Any) -> str:
     return f"spec {spec}" if spec is not None else str(sharding)
 
 
-def _hashable(kwargs: dict) -> Any:
+def _hashable(kwargs: dict) -> tuple | None:
+    """`kwargs` as a cache key, or None where a value is unhashable."""
     try:
         key = tuple(sorted(kwargs.items()))
         hash(key)
         return key
     except TypeError:
-        return id(kwargs)  # unhashable keyword values: no reuse across calls
+        return None

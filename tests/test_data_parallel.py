@@ -161,8 +161,13 @@ def test_plain_value_and_grad_with_argnums_is_bitwise_gspmd(kind):
     y = put(rng.standard_normal((64, 8)).astype(np.float32), mesh, P("data"))
     want = jax.jit(jax.value_and_grad(mlp_loss))(params, x, y)
     jax.tree.map(assert_bitwise, jax.jit(route(mlp_loss))(params, x, y), want)
-    # Called without jit: the route compiles its own program (the same one).
+    # Called without jit: the route compiles its own program (the same one), also with a
+    # keyword argument (passed whole to every shard) that cannot key its cache.
     jax.tree.map(assert_bitwise, route(mlp_loss)(params, x, y), want)
+    scaled_loss = route(lambda p, x, y, *, scale: scale * mlp_loss(p, x, y))
+    for scale in (1.0, 2.0):
+        value, _ = scaled_loss(params, x, y, scale=np.float32(scale) * np.ones(()))
+        np.testing.assert_allclose(value, scale * want[0], rtol=1e-6)
     # Two differentiated arguments (argnums), and grad's form of result.
     def scaled(params, scale, x, y):
         return scale * mlp_loss(params, x, y)
