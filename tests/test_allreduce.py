@@ -87,6 +87,39 @@ def test_bitwise_equal_large_and_special_values(dtype):
     assert not np.signbit(np.asarray(a2, np.float32)[0, 0])
 
 
+# NaN bit patterns per dtype: two positive quiet NaNs with distinct payloads (A, B), a
+# negative one (C), +inf, -inf. f16's payloads are canonical: XLA's f16 add keeps them on
+# jax >= 0.12 and canonicalizes them before, so only the sign shows which NaN won.
+_NAN_BITS = {
+    np.float32: (np.uint32, [0x7FC00001, 0x7FC00002, 0xFFC00003, 0x7F800000, 0xFF800000]),
+    np.float64: (np.uint64, [0x7FF8000000000001, 0x7FF8000000000002, 0xFFF8000000000003,
+                             0x7FF0000000000000, 0xFFF0000000000000]),
+    jnp.bfloat16: (np.uint16, [0x7FC1, 0x7FC2, 0xFFC3, 0x7F80, 0xFF80]),
+    np.float16: (np.uint16, [0x7E00, 0x7E00, 0xFE00, 0x7C00, 0xFC00]),
+}
+
+
+@pytest.mark.parametrize("dtype", list(_NAN_BITS), ids=lambda d: np.dtype(d).name)
+def test_which_nan_wins_is_lax_psums(dtype):
+    """Where two NaNs meet, x86 returns the first operand's; XLA's psum returns the later
+    rank's for f32, f64, bf16 and the earlier rank's for f16. Each column below is one
+    meeting, 67 elements long so both the vector steps and the element-wise tail see it."""
+    bits, (a, b, c, inf, ninf) = _NAN_BITS[dtype]
+    one = int(np.array(1.0, dtype).view(bits))
+    columns = [[a, b], [b, a], [one, a, b], [c, a], [a, c], [inf, ninf], [inf, ninf, a],
+               [a, inf, ninf], [c, inf, ninf, b]]
+    mesh = mesh_of((8,), ("x",))
+    f = both_psums(mesh, "x", P("x"), P())
+    for column in columns:
+        x = np.array(column + [0] * (8 - len(column)), bits).view(dtype)
+        x = np.repeat(x.reshape(8, 1), 67, axis=1)
+        with jax.enable_x64(True):
+            (ours,), (theirs,) = f(shard(x, mesh, P("x")))
+        assert ours.dtype == np.dtype(dtype)
+        assert_bitwise(ours, theirs)
+        assert np.isnan(np.asarray(ours, np.float32)).all(), column
+
+
 @pytest.mark.parametrize("check_vma", [True, False])
 def test_check_vma_modes_and_types(check_vma):
     mesh = mesh_of((8,), ("x",))

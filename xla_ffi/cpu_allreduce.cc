@@ -105,6 +105,7 @@ ffi::Future Execute(ffi::RunId run_id, CpuAllReduceSite* site, ffi::AnyBuffer x,
   ffi::ErrorOr<libra::CallSpec> spec =
       MakeSpec(run_id, x, rank_group, out, world, blocks, timeout_ms);
   if (!spec.has_value()) return Failed(spec.error());
+  spec->reduce_on_caller = true;  // this call's future is waited for anyway
   ffi::Promise promise;
   ffi::Future future(promise);
   site->rendezvous.Arrive(*spec, x.untyped_data(), out->untyped_data(),

@@ -3,10 +3,12 @@
 //
 // A participant is one device's share of a collective: its rank, its input and
 // output buffers, and a callback. The last of `world` participants to arrive
-// starts the reduction on the engine's own pool, split into `blocks` worker
-// tasks over disjoint element ranges; each task sums the inputs in rank order
-// and writes the result to every output. Nobody blocks: callers are told of
-// completion (or failure) through their callback, run on a completion thread.
+// starts the reduction, split into `blocks` worker tasks over disjoint element
+// ranges, on the engine's own pool (one of them on its own thread when it asks
+// to, `reduce_on_caller`); each task sums the inputs in rank order and writes
+// the result to every output. Nobody waits for another participant: callers are
+// told of completion (or failure) through their callback, run on a completion
+// thread (or, for a caller that reduced the last chunk itself, on its own).
 #pragma once
 
 #include <cstddef>
@@ -68,6 +70,12 @@ struct CallSpec {
   std::size_t count = 0;  // Elements per participant.
   int blocks = 1;         // Requested worker tasks, 1..kMaxBlocks.
   int64_t timeout_ms = 0;  // Give up on absent ranks after this long.
+  // The caller waits for this call anyway (the one-call custom call, not a
+  // start): if it arrives last, its thread reduces one chunk itself, and if that
+  // chunk is the last to finish, its callback runs before Arrive returns. This
+  // saves a thread hand-off each way; a start, which must return at once so
+  // its program goes on computing, leaves it false.
+  bool reduce_on_caller = false;
 };
 
 using DoneCallback = std::function<void(const Status&)>;

@@ -135,6 +135,31 @@ void TestSixteenBit() {
   CHECK(o1[0] == 0x0002);
 }
 
+// Where two NaNs meet, the result is XLA's psum's (tests/test_allreduce.py measures XLA):
+// the later rank's NaN for f32, f64 and bf16, the earlier rank's for f16. Both in a vector
+// step and in the element-wise tail (19 elements: one step of 16, 3 left).
+void TestWhichNaNWins() {
+#if defined(__x86_64__)
+  auto check_f32 = [](uint32_t first, uint32_t second, uint32_t want) {
+    std::vector<uint32_t> a(19, first), b(19, second), o1(19), o2(19);
+    CHECK(libra::AllReduce(DType::kF32, {a.data(), b.data()}, {o1.data(), o2.data()}, 19, 1).ok());
+    for (uint32_t v : o2) CHECK(v == want);
+  };
+  check_f32(0x7fc00001, 0x7fc00002, 0x7fc00002);
+  check_f32(0xffc00003, 0x7fc00001, 0x7fc00001);
+  std::vector<uint64_t> d1(11, 0x7ff8000000000001), d2(11, 0x7ff8000000000002), q1(11), q2(11);
+  CHECK(libra::AllReduce(DType::kF64, {d1.data(), d2.data()}, {q1.data(), q2.data()}, 11, 1).ok());
+  for (uint64_t v : q1) CHECK(v == 0x7ff8000000000002);
+  // 16-bit results keep only the sign of a NaN: bf16's is the later rank's, f16's the earlier.
+  std::vector<uint16_t> neg(19, 0xffc3), pos(19, 0x7fc1), h1(19), h2(19);
+  CHECK(libra::AllReduce(DType::kBF16, {neg.data(), pos.data()}, {h1.data(), h2.data()}, 19, 1).ok());
+  for (uint16_t v : h1) CHECK(v == 0x7fc0);
+  std::vector<uint16_t> hneg(19, 0xfe00), hpos(19, 0x7e00);
+  CHECK(libra::AllReduce(DType::kF16, {hneg.data(), hpos.data()}, {h1.data(), h2.data()}, 19, 1).ok());
+  for (uint16_t v : h1) CHECK(v == 0xfe00);
+#endif
+}
+
 void TestEffectiveBlocks() {
   CHECK(libra::EffectiveBlocks(0, DType::kF32, 8) == 0);
   CHECK(libra::EffectiveBlocks(256, DType::kF32, 8) == 1);            // 1 KiB
@@ -189,6 +214,41 @@ void TestRendezvousRounds() {
     for (int r = 0; r < kWorld; ++r)
       for (int it = 0; it < kIters; ++it)
         CHECK(data[r * kIters + it][kCount - 1] == 15.0f + 600.0f * it);
+  }
+}
+
+// reduce_on_caller: the last arrival reduces on its own thread; with one block its callback
+// has run when Arrive returns, on that thread, and everyone else's through the pool.
+void TestReduceOnCaller() {
+  for (int blocks : {1, 4}) {
+    constexpr int kWorld = 3;
+    constexpr std::size_t kCount = 1 << 16;  // 256 KiB: up to 4 tasks
+    libra::Rendezvous site("caller");
+    std::vector<std::vector<float>> data(kWorld, std::vector<float>(kCount));
+    for (int r = 0; r < kWorld; ++r) std::fill(data[r].begin(), data[r].end(), float(r + 1));
+    Latch latch(kWorld - 1);
+    std::atomic<bool> own_done{false};
+    std::thread::id own_thread;
+    for (int r = 0; r < kWorld; ++r) {
+      libra::CallSpec spec = Spec(r, kWorld, kCount);
+      spec.blocks = blocks;
+      spec.reduce_on_caller = true;
+      libra::DoneCallback done = latch.Callback();
+      if (r == kWorld - 1) {
+        done = [&](const libra::Status& s) {
+          CHECK(s.ok());
+          own_thread = std::this_thread::get_id();
+          own_done = true;
+        };
+      }
+      site.Arrive(spec, data[r].data(), data[r].data(), std::move(done));
+    }
+    CHECK(latch.Wait());
+    for (auto& s : latch.statuses()) CHECK(s.ok());
+    if (blocks == 1) CHECK(own_done && own_thread == std::this_thread::get_id());
+    for (int i = 0; i < 200 && !own_done; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    CHECK(own_done);
+    for (auto& v : data) CHECK(v.front() == 6.0f && v.back() == 6.0f);
   }
 }
 
@@ -309,6 +369,8 @@ int main() {
   return libra_test::RunTests({
       {"sums", TestSums},
       {"sixteen_bit", TestSixteenBit},
+      {"which_nan_wins", TestWhichNaNWins},
+      {"reduce_on_caller", TestReduceOnCaller},
       {"effective_blocks", TestEffectiveBlocks},
       {"bad_arguments", TestBadArguments},
       {"rendezvous_rounds", TestRendezvousRounds},
