@@ -3,7 +3,9 @@
 For each per-device size, every variant is run once per repetition, in a
 shuffled order, after warm-up; the table gives each variant's median time, its
 interquartile range, and its ratio to psum: the median of the per-repetition
-ratios (variant / psum of the same repetition) with their 10th-90th percentiles.
+ratios (variant / psum of the same repetition) with their 10th-90th percentiles, and the
+median of the process's page faults per call (fresh output pages are first touched in the
+call: at 64 MiB each of XLA's outputs is a fresh mapping).
 
     python benchmarks/allreduce_cpu.py [--reps 15] [--sizes 1KiB,1MiB,16MiB,64MiB] [--out FILE]
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import resource
 import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -89,7 +92,8 @@ def floors(size: int, reps: int) -> dict[str, float]:
 
 
 def measure(size: int, reps: int, warmup: int = 2, only: str | None = None
-            ) -> dict[str, list[float]]:
+            ) -> tuple[dict[str, list[float]], dict[str, list[int]]]:
+    """(seconds per call, page faults per call) of each variant, over `reps` rounds."""
     mesh = jax.make_mesh((8,), ("x",))
     sharding = NamedSharding(mesh, P("x"))
     host = np.random.default_rng(0).standard_normal((8, size // 4)).astype(np.float32)
@@ -100,6 +104,7 @@ def measure(size: int, reps: int, warmup: int = 2, only: str | None = None
         fns = {k: v for k, v in fns.items() if k in keep}
     expected = np.asarray(fns["psum"][0](shared))[0]
     times: dict[str, list[float]] = {name: [] for name in fns}
+    faults: dict[str, list[int]] = {name: [] for name in fns}
     for rep in range(warmup + reps):
         order = list(fns)
         random.Random(rep).shuffle(order)
@@ -107,19 +112,23 @@ def measure(size: int, reps: int, warmup: int = 2, only: str | None = None
             fn, donates = fns[name]
             x = jax.device_put(host, sharding) if donates else shared
             x.block_until_ready()
+            faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             t0 = time.perf_counter()
             out = fn(x)
             out.block_until_ready()
             elapsed = time.perf_counter() - t0
+            faulted = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0
             if rep == 0:  # Every variant computes the same bits.
                 assert np.asarray(out)[0].tobytes() == expected.tobytes(), name
             if rep >= warmup:
                 times[name].append(elapsed)
+                faults[name].append(faulted)
             del out, x
-    return times
+    return times, faults
 
 
-def summarize(size_label: str, times: dict[str, list[float]]) -> list[str]:
+def summarize(size_label: str, times: dict[str, list[float]], faults: dict[str, list[int]]
+              ) -> list[str]:
     base = np.array(times["psum"])
     rows = []
     for name, ts in times.items():
@@ -128,7 +137,7 @@ def summarize(size_label: str, times: dict[str, list[float]]) -> list[str]:
         q1, q3 = np.percentile(ts * 1e3, [25, 75])
         r10, r50, r90 = np.percentile(ratios, [10, 50, 90])
         rows.append(f"| {size_label} | {name} | {np.median(ts) * 1e3:.3f} | {q1:.3f}-{q3:.3f} | "
-                    f"{r50:.2f} | {r10:.2f}-{r90:.2f} |")
+                    f"{r50:.2f} | {r10:.2f}-{r90:.2f} | {np.median(faults[name]):.0f} |")
     return rows
 
 
@@ -142,8 +151,8 @@ def main() -> None:
     lines = report.header(f"; 8 host devices (XLA_FLAGS={os.environ['XLA_FLAGS']}).") + [
         f"{args.reps} interleaved repetitions after 2 warm-ups; float32; times per call in ms.",
         "",
-        "| per device | variant | median ms | IQR ms | ratio to psum | ratio p10-p90 |",
-        "|---|---|---|---|---|---|",
+        "| per device | variant | median ms | IQR ms | ratio to psum | ratio p10-p90 | page faults |",
+        "|---|---|---|---|---|---|---|",
     ]
     floor_rows = ["", "The floor, measured in the same run (`floors`): in place, 8 reads and 8 writes "
                   "at numpy's one-thread add bandwidth; not in place, the 8 reads plus writing 8 "
@@ -152,8 +161,8 @@ def main() -> None:
                   "default / floor | in place default / floor |", "|---|---|---|---|---|---|"]
     for label in args.sizes.split(","):
         size = parse_size(label)
-        times = measure(size, args.reps, only=args.only)
-        rows = summarize(label, times)
+        times, faults = measure(size, args.reps, only=args.only)
+        rows = summarize(label, times, faults)
         lines += rows
         print("\n".join(rows), flush=True)
         floor = floors(size, args.reps)

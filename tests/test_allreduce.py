@@ -120,6 +120,21 @@ def test_which_nan_wins_is_lax_psums(dtype):
         assert np.isnan(np.asarray(ours, np.float32)).all(), column
 
 
+def test_bitwise_with_streaming_stores():
+    """Outputs totalling `kStreamingOutputBytes` (32 MiB) or more are written past the caches
+    (engine.h); in place ones are not. Both, over 4 MiB + 12 bytes per device, are lax.psum."""
+    rng = np.random.default_rng(3)
+    mesh = mesh_of((8,), ("x",))
+    x = shard(random_array(rng, (8, (1 << 20) + 3), np.float32), mesh, P("x"))
+    f = both_psums(mesh, "x", P("x"), P(), blocks=3)
+    (ours,), (theirs,) = f(x)
+    assert_bitwise(ours, theirs)
+    in_place = jax.jit(jax.shard_map(
+        lambda v: jax.lax.pcast(libra_jax.psum(v * 2, "x", inplace=True), "x", to="varying"),
+        mesh=mesh, in_specs=P("x"), out_specs=P("x")))
+    assert_bitwise(np.asarray(in_place(x))[:1], np.asarray(theirs)[:1] * 2)
+
+
 @pytest.mark.parametrize("check_vma", [True, False])
 def test_check_vma_modes_and_types(check_vma):
     mesh = mesh_of((8,), ("x",))

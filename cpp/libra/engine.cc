@@ -18,6 +18,10 @@
 
 #include "libra/thread_pool.h"
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 namespace libra {
 namespace {
 
@@ -134,10 +138,31 @@ V Load(const void* p) {
   return v;
 }
 
+// Writes one step (64 bytes, 16-byte aligned) around the caches: a large call's outputs
+// would leave them before anyone reads them, and a store that misses first reads the line
+// it overwrites. Visible to other threads after StreamFence.
+template <typename T, typename V>
+void StoreStep(T* out, const V (&step)[4]) {
+#if defined(__x86_64__)
+  for (int k = 0; k < 4; ++k) {
+    _mm_stream_si128(reinterpret_cast<__m128i*>(out) + k, reinterpret_cast<__m128i>(step[k]));
+  }
+#else
+  std::memcpy(out, step, kStepBytes);
+#endif
+}
+
+void StreamFence() {
+#if defined(__x86_64__)
+  _mm_sfence();
+#endif
+}
+
 // f32, f64, s32, s64: steps of four 16-byte vectors (V), then the rest element by element.
+// `stream`: outputs that are not their rank's input are written with StoreStep.
 template <typename T, typename V, typename Add>
 void SumVectors(const void* const* inputs, void* const* outputs, int n,
-                std::size_t begin, std::size_t end, Add add) {
+                std::size_t begin, std::size_t end, bool stream, Add add) {
   constexpr std::size_t kStep = kStepBytes / sizeof(T);
   constexpr std::size_t kLanes = sizeof(V) / sizeof(T);
   std::size_t i = begin;
@@ -148,9 +173,15 @@ void SumVectors(const void* const* inputs, void* const* outputs, int n,
       for (int k = 0; k < 4; ++k) sum[k] = add(sum[k], Load<V>(x + k * kLanes));
     }
     for (int r = 0; r < n; ++r) {
-      std::memcpy(static_cast<T*>(outputs[r]) + i, sum, kStepBytes);
+      T* out = static_cast<T*>(outputs[r]) + i;
+      if (stream && out != static_cast<const T*>(inputs[r]) + i) {
+        StoreStep(out, sum);
+      } else {
+        std::memcpy(out, sum, kStepBytes);
+      }
     }
   }
+  if (stream) StreamFence();
   for (; i < end; ++i) {
     T sum = T(0);
     for (int r = 0; r < n; ++r) sum = add(sum, static_cast<const T*>(inputs[r])[i]);
@@ -315,8 +346,9 @@ void FinishJob(const std::shared_ptr<Job>& job, bool on_caller) {
 void RunTask(const std::shared_ptr<Job>& job, int task, bool on_caller) {
   const std::size_t begin = task * job->chunking.per_task;
   const std::size_t end = std::min(job->spec.count, begin + job->chunking.per_task);
+  const bool stream = job->spec.world * job->spec.count * SizeOf(job->spec.dtype) >= kStreamingOutputBytes;
   ReduceRange(job->spec.dtype, job->inputs.data(), job->outputs.data(), job->spec.world,
-              begin, end);
+              begin, end, stream);
   if (job->remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) FinishJob(job, on_caller);
 }
 
@@ -373,12 +405,22 @@ int EffectiveBlocks(std::size_t count, DType dtype, int blocks) {
 }
 
 void ReduceRange(DType dtype, const void* const* inputs, void* const* outputs,
-                 int n, std::size_t begin, std::size_t end) {
+                 int n, std::size_t begin, std::size_t end, bool streaming_stores) {
+  // Streaming stores need 16-byte aligned steps: every output (XLA's are 64-byte aligned)
+  // and `begin` (chunks start on cache lines).
+  bool stream = streaming_stores;
+  for (int r = 0; r < n && stream; ++r) {
+    stream = (reinterpret_cast<uintptr_t>(outputs[r]) + begin * SizeOf(dtype)) % 16 == 0;
+  }
   switch (dtype) {
-    case DType::kF32: return SumVectors<float, F32x4>(inputs, outputs, n, begin, end, InputFirst{});
-    case DType::kF64: return SumVectors<double, F64x2>(inputs, outputs, n, begin, end, InputFirst{});
-    case DType::kS32: return SumVectors<uint32_t, U32x4>(inputs, outputs, n, begin, end, Wrapping{});
-    case DType::kS64: return SumVectors<uint64_t, U64x2>(inputs, outputs, n, begin, end, Wrapping{});
+    case DType::kF32:
+      return SumVectors<float, F32x4>(inputs, outputs, n, begin, end, stream, InputFirst{});
+    case DType::kF64:
+      return SumVectors<double, F64x2>(inputs, outputs, n, begin, end, stream, InputFirst{});
+    case DType::kS32:
+      return SumVectors<uint32_t, U32x4>(inputs, outputs, n, begin, end, stream, Wrapping{});
+    case DType::kS64:
+      return SumVectors<uint64_t, U64x2>(inputs, outputs, n, begin, end, stream, Wrapping{});
     case DType::kBF16: return SumBf16(inputs, outputs, n, begin, end);
     case DType::kF16: return SumF16(inputs, outputs, n, begin, end);
   }

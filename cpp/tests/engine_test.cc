@@ -96,6 +96,27 @@ void TestSums() {
       }
     }
   }
+  // Outputs totalling kStreamingOutputBytes or more take streaming stores: the same bits.
+  const std::size_t streamed = libra::kStreamingOutputBytes / (3 * sizeof(float)) + 21;
+  for (bool in_place : {false, true}) TestPlainSum<float>(DType::kF32, 3, streamed, 2, in_place);
+  TestPlainSum<int64_t>(DType::kS64, 2, libra::kStreamingOutputBytes / 16 + 3, 3, false);
+  {
+    // An output that is not 16-byte aligned takes plain stores, and one in place beside
+    // others that are not: still the rank-order sum everywhere.
+    const std::size_t count = streamed;
+    std::vector<float> a(count, 1.5f), b(count, 2.25f), c(count, -0.75f);
+    std::vector<float> oa(count + 1), ob(count + 1);
+    std::vector<const void*> ins = {a.data(), b.data(), c.data()};
+    for (int misaligned : {0, 1}) {
+      std::vector<void*> outs = {oa.data() + misaligned, ob.data(), c.data()};
+      CHECK(libra::AllReduce(DType::kF32, ins, outs, count, 2).ok());
+      for (void* o : outs) {
+        const float* got = static_cast<const float*>(o);
+        CHECK(got[0] == 3.0f && got[count / 2] == 3.0f && got[count - 1] == 3.0f);
+      }
+      std::fill(c.begin(), c.end(), -0.75f);
+    }
+  }
   // Integers wrap instead of overflowing.
   std::vector<int32_t> a = {INT32_MAX, -5}, b = {1, 3};
   std::vector<const void*> ins = {a.data(), b.data()};
