@@ -81,11 +81,12 @@ struct CallSpec {
   std::size_t count = 0;  // Elements per participant.
   int blocks = 1;         // Requested worker tasks, 1..kMaxBlocks.
   int64_t timeout_ms = 0;  // Give up on absent ranks after this long.
-  // The caller waits for this call anyway (the one-call custom call, not a
-  // start): if it arrives last, its thread reduces one chunk itself, and if that
-  // chunk is the last to finish, its callback runs before Arrive returns. This
-  // saves a thread hand-off each way; a start, which must return at once so
-  // its program goes on computing, leaves it false.
+  // The caller's thread has nothing else to do until this call completes: if
+  // it arrives last, it reduces one chunk itself, and if that chunk is the last
+  // to finish, its callback runs before Arrive returns (a thread hand-off less
+  // each way). The synchronous AllReduce sets it. XLA's handlers leave it false:
+  // their thread goes on with the program's independent compute meanwhile,
+  // which measured faster in a train step (xla_ffi/cpu_allreduce.cc).
   bool reduce_on_caller = false;
 };
 
