@@ -248,7 +248,10 @@ void TestReduceOnCaller() {
     std::vector<std::vector<float>> data(kWorld, std::vector<float>(kCount));
     for (int r = 0; r < kWorld; ++r) std::fill(data[r].begin(), data[r].end(), float(r + 1));
     Latch latch(kWorld - 1);
+    // Written by whichever thread completes the caller (CHECK is not thread-safe), read
+    // after own_done.
     std::atomic<bool> own_done{false};
+    bool own_ok = false;
     std::thread::id own_thread;
     for (int r = 0; r < kWorld; ++r) {
       libra::CallSpec spec = Spec(r, kWorld, kCount);
@@ -257,18 +260,20 @@ void TestReduceOnCaller() {
       libra::DoneCallback done = latch.Callback();
       if (r == kWorld - 1) {
         done = [&](const libra::Status& s) {
-          CHECK(s.ok());
+          own_ok = s.ok();
           own_thread = std::this_thread::get_id();
-          own_done = true;
+          own_done.store(true);
         };
       }
       site.Arrive(spec, data[r].data(), data[r].data(), std::move(done));
     }
     CHECK(latch.Wait());
     for (auto& s : latch.statuses()) CHECK(s.ok());
-    if (blocks == 1) CHECK(own_done && own_thread == std::this_thread::get_id());
-    for (int i = 0; i < 200 && !own_done; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    CHECK(own_done);
+    if (blocks == 1) CHECK(own_done.load() && own_thread == std::this_thread::get_id());
+    for (int i = 0; i < 200 && !own_done.load(); ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    CHECK(own_done.load() && own_ok);
     for (auto& v : data) CHECK(v.front() == 6.0f && v.back() == 6.0f);
   }
 }
