@@ -3,12 +3,12 @@
 //
 // A participant is one device's share of a collective: its rank, its input and
 // output buffers, and a callback. The last of `world` participants to arrive
-// starts the reduction, split into `blocks` worker tasks over disjoint element
-// ranges, on the engine's own pool (one of them on its own thread when it asks
-// to, `reduce_on_caller`); each task sums the inputs in rank order and writes
-// the result to every output. Nobody waits for another participant: callers are
-// told of completion (or failure) through their callback, run on a completion
-// thread (or, for a caller that reduced the last chunk itself, on its own).
+// starts the reduction: `blocks` worker tasks on the engine's own pool (one of
+// them on its own thread when it asks to, `reduce_on_caller`) claim disjoint
+// pieces of the element range in turn; each piece is summed over the inputs in
+// rank order and written to every output. Nobody waits for another participant:
+// callers are told of completion (or failure) through their callback, run on a
+// completion thread (or, for a caller whose task finished last, on its own).
 #pragma once
 
 #include <cstddef>
@@ -27,7 +27,8 @@ namespace libra {
 inline constexpr int kMaxBlocks = 64;
 // A block never gets fewer bytes than this (unless the buffer itself is
 // smaller): asking for more blocks than bytes / kMinChunkBytes gives
-// ceil(bytes / kMinChunkBytes) blocks. Chunk boundaries are 64-byte aligned.
+// ceil(bytes / kMinChunkBytes) blocks. The pieces the blocks claim are no
+// smaller either, and start on 64-byte boundaries.
 inline constexpr std::size_t kMinChunkBytes = 16 * 1024;
 
 // The CUDA kernels' staging per round from $LIBRA_JAX_CUDA_STAGING_MIB (`raw`, may be null):
@@ -82,8 +83,8 @@ struct CallSpec {
   int blocks = 1;         // Requested worker tasks, 1..kMaxBlocks.
   int64_t timeout_ms = 0;  // Give up on absent ranks after this long.
   // The caller's thread has nothing else to do until this call completes: if
-  // it arrives last, it reduces one chunk itself, and if that chunk is the last
-  // to finish, its callback runs before Arrive returns (a thread hand-off less
+  // it arrives last, it runs one of the worker tasks itself, and if that task
+  // is the last to finish, its callback runs before Arrive returns (a thread hand-off less
   // each way). The synchronous AllReduce sets it. XLA's handlers leave it false:
   // their thread goes on with the program's independent compute meanwhile,
   // which measured faster in a train step (xla_ffi/cpu_allreduce.cc).

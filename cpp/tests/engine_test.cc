@@ -11,8 +11,9 @@
 #include <random>
 #include <string>
 #include <thread>
-#include <unistd.h>
+#include <sys/mman.h>
 #include <sys/wait.h>
+#include <unistd.h>
 #include <vector>
 
 #include "libra/engine.h"
@@ -116,6 +117,31 @@ void TestSums() {
       }
       std::fill(c.begin(), c.end(), -0.75f);
     }
+  }
+  {
+    // Large outputs in fresh mappings are populated before the stores (PopulateIfFresh):
+    // one never touched, starting 64 bytes into its mapping as malloc's do, one whose first
+    // pages were written (left to fault), one in place. The sum lands in all of them.
+    const std::size_t count = streamed, bytes = count * sizeof(float) + 8192;
+    std::vector<float> a(count, 1.5f), b(count, 2.25f), c(count, -0.75f);
+    char* fresh[2];
+    for (char*& m : fresh) {
+      m = static_cast<char*>(mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
+                                  MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
+      CHECK(m != MAP_FAILED);
+    }
+    std::memset(fresh[1], 0x7f, 3 * 4096);
+    std::vector<const void*> ins = {a.data(), b.data(), c.data()};
+    std::vector<void*> outs = {fresh[0] + 64, fresh[1] + 64, c.data()};
+    CHECK(libra::AllReduce(DType::kF32, ins, outs, count, 3).ok());
+    for (void* o : outs) {
+      const float* got = static_cast<const float*>(o);
+      bool all = true;
+      for (std::size_t i = 0; i < count; ++i) all = all && got[i] == 3.0f;
+      CHECK(all);
+    }
+    CHECK(a[0] == 1.5f && a[count - 1] == 1.5f && b[count - 1] == 2.25f);
+    for (char* m : fresh) munmap(m, bytes);
   }
   // Integers wrap instead of overflowing.
   std::vector<int32_t> a = {INT32_MAX, -5}, b = {1, 3};
