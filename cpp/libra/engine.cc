@@ -295,11 +295,45 @@ struct Job {
   Clock::time_point first_arrival, start;
 };
 
+// Each callback on a completion thread of its own: for callers told from a
+// thread that must not run their continuations (an arrival, the watchdog).
 void CompleteAll(std::vector<DoneCallback> callbacks, const Status& status) {
   for (DoneCallback& done : callbacks) {
     if (!done) continue;
     ThreadPool::Completion().Schedule(
         [done = std::move(done), status] { done(status); });
+  }
+}
+
+// The callbacks of a finished job, run in rank order by the reduce thread that
+// finished it, with one helper on the completion pool standing by: the helper
+// takes the next callback when the running one takes long (a continuation
+// that computes, or waits for another device) and leaves a new helper standing
+// by while more remain. So short continuations run back to back on a thread
+// already awake, and a long one delays the others by one wake-up, as when each
+// had its own thread. 1 MiB x 8 ranks in XLA's calls on the 2-core VM (median
+// of 10): the last callback returned 196 us after the reduction with one
+// thread each, 56-120 us run back to back.
+struct Completions {
+  std::vector<DoneCallback> callbacks;
+  Status status;
+  std::atomic<std::size_t> next{0};
+  std::atomic<bool> helper_standing_by{false};
+};
+
+void RunCompletions(const std::shared_ptr<Completions>& c) {
+  const std::size_t n = c->callbacks.size();
+  for (;;) {
+    const std::size_t i = c->next.fetch_add(1, std::memory_order_relaxed);
+    if (i >= n) return;
+    if (i + 1 < n && !c->helper_standing_by.exchange(true, std::memory_order_relaxed)) {
+      ThreadPool::Completion().Schedule([c] {
+        c->helper_standing_by.store(false, std::memory_order_relaxed);
+        RunCompletions(c);
+      });
+    }
+    DoneCallback done = std::move(c->callbacks[i]);  // This thread's alone: it claimed i.
+    if (done) done(c->status);
   }
 }
 
@@ -335,8 +369,11 @@ void Record(const Job& job, Clock::time_point end) {
   while (log.records.size() > log.capacity) log.records.pop_front();
 }
 
-// `on_caller`: the thread finishing the job is job->caller's, inside its Arrive.
-void FinishJob(const std::shared_ptr<Job>& job, bool on_caller) {
+// The thread that finishes a job: an arrival's, inside its Arrive (a job with nothing to
+// reduce), the caller's that ran a task (reduce_on_caller), or a reduce pool thread's.
+enum class FinishedOn { kArrival, kCaller, kReduceTask };
+
+void FinishJob(const std::shared_ptr<Job>& job, FinishedOn on) {
   Record(*job, Clock::now());
   if (DebugLoggingEnabled()) {
     const Clock::time_point end = Clock::now();
@@ -354,10 +391,24 @@ void FinishJob(const std::shared_ptr<Job>& job, bool on_caller) {
                  static_cast<long long>(MicrosSinceStart(job->start) - MicrosSinceStart(job->first_arrival)),
                  static_cast<long long>(MicrosSinceStart(end) - MicrosSinceStart(job->start)));
   }
-  DoneCallback own;
-  if (on_caller) own = std::move(job->done[job->caller]);
-  CompleteAll(std::move(job->done), Status::Ok());
-  if (own) own(Status::Ok());
+  switch (on) {
+    case FinishedOn::kArrival:
+      return CompleteAll(std::move(job->done), Status::Ok());
+    case FinishedOn::kCaller: {
+      DoneCallback own = std::move(job->done[job->caller]);
+      CompleteAll(std::move(job->done), Status::Ok());
+      if (own) own(Status::Ok());
+      return;
+    }
+    case FinishedOn::kReduceTask: {
+      // Continuations may run long here: the reduce pool may start another thread meanwhile.
+      ThreadPool::Reduce().ReleaseCurrentThread();
+      auto completions = std::make_shared<Completions>();
+      completions->callbacks = std::move(job->done);
+      completions->status = Status::Ok();
+      return RunCompletions(completions);
+    }
+  }
 }
 
 // A large output XLA has just allocated is usually a fresh mapping (glibc maps
@@ -410,18 +461,19 @@ void RunTask(const std::shared_ptr<Job>& job, bool on_caller) {
     if (piece >= job->chunking.pieces) break;
     ReducePiece(*job, piece);
   }
-  if (job->remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) FinishJob(job, on_caller);
+  if (job->remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+    FinishJob(job, on_caller ? FinishedOn::kCaller : FinishedOn::kReduceTask);
+  }
 }
 
 // Starts the reduction: one task per block, on the reduce pool except one
 // when the caller (the last arrival) reduces on its own thread; whoever
-// finishes last hands every callback to the completion pool (its own, on the
-// caller's thread, it runs itself).
+// finishes last runs the callbacks (FinishJob).
 void StartJob(std::shared_ptr<Job> job) {
   job->start = Clock::now();
   job->chunking = Split(job->spec.count, job->spec.dtype, job->spec.blocks);
   if (job->chunking.tasks == 0) {
-    FinishJob(job, job->caller >= 0);
+    FinishJob(job, job->caller >= 0 ? FinishedOn::kCaller : FinishedOn::kArrival);
     return;
   }
   job->remaining.store(job->chunking.tasks);

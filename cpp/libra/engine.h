@@ -7,8 +7,10 @@
 // them on its own thread when it asks to, `reduce_on_caller`) claim disjoint
 // pieces of the element range in turn; each piece is summed over the inputs in
 // rank order and written to every output. Nobody waits for another participant:
-// callers are told of completion (or failure) through their callback, run on a
-// completion thread (or, for a caller whose task finished last, on its own).
+// callers are told of completion (or failure) through their callback, run by
+// the reduce thread that finished (one after another, with a completion thread
+// standing by to take over from one that runs long), or, for a caller whose task
+// finished last, on its own thread; errors on completion threads.
 #pragma once
 
 #include <cstddef>

@@ -41,7 +41,7 @@ void ThreadPool::Schedule(Task task) {
   if (static_cast<int>(shared->queue.size()) > shared->idle &&
       shared->threads < max_threads_) {
     try {
-      std::thread(WorkerLoop, shared, name_).detach();
+      std::thread(WorkerLoop, shared, name_, max_threads_).detach();
       ++shared->threads;
     } catch (const std::system_error&) {
       if (shared->threads == 0) {  // No thread can ever run it: run it here.
@@ -56,12 +56,25 @@ void ThreadPool::Schedule(Task task) {
   shared->cv.notify_one();
 }
 
+namespace {
+// The pool state of the task running on this thread, and whether it released the thread.
+thread_local void* current_shared = nullptr;
+thread_local bool current_released = false;
+}  // namespace
+
+void ThreadPool::ReleaseCurrentThread() {
+  if (current_shared != shared_.get() || current_released) return;
+  std::lock_guard<std::mutex> lock(shared_->mu);
+  --shared_->threads;
+  current_released = true;
+}
+
 int ThreadPool::num_threads() const {
   std::lock_guard<std::mutex> lock(shared_->mu);
   return shared_->threads;
 }
 
-void ThreadPool::WorkerLoop(std::shared_ptr<Shared> shared, std::string name) {
+void ThreadPool::WorkerLoop(std::shared_ptr<Shared> shared, std::string name, int max_threads) {
   pthread_setname_np(pthread_self(), name.substr(0, 15).c_str());
   std::unique_lock<std::mutex> lock(shared->mu);
   for (;;) {
@@ -73,9 +86,16 @@ void ThreadPool::WorkerLoop(std::shared_ptr<Shared> shared, std::string name) {
     Task task = std::move(shared->queue.front());
     shared->queue.pop_front();
     lock.unlock();
+    current_shared = shared.get();
     task();
     task = nullptr;  // Release captures before taking the lock again.
+    current_shared = nullptr;
     lock.lock();
+    if (current_released) {
+      current_released = false;
+      if (shared->threads >= max_threads) return;  // Replaced meanwhile: this one ends.
+      ++shared->threads;
+    }
   }
 }
 

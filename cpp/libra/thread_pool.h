@@ -36,8 +36,16 @@ class ThreadPool {
   // outnumber idle threads, so up to `max_threads` tasks run concurrently.
   void Schedule(Task task);
 
-  // Threads started so far (idle or busy).
+  // Threads started so far (idle or busy), not counting released ones.
   int num_threads() const;
+
+  // Called inside a task of this pool, on its thread: the thread stops counting
+  // against max_threads until the task returns, so the pool may start another
+  // meanwhile. For a task that goes on to run callers' continuations, which may
+  // take long (or wait on other devices' progress, which may need this pool).
+  // When the task returns, the thread rejoins the pool if it has room, else it
+  // ends. No effect on any other thread.
+  void ReleaseCurrentThread();
 
   // Pool for reduction tasks: one task per block.
   static ThreadPool& Reduce();
@@ -52,7 +60,7 @@ class ThreadPool {
     int threads = 0;
     int idle = 0;
   };
-  static void WorkerLoop(std::shared_ptr<Shared> shared, std::string name);
+  static void WorkerLoop(std::shared_ptr<Shared> shared, std::string name, int max_threads);
   void ResetAfterFork();
   friend void ResetPoolsAfterFork();
 

@@ -304,6 +304,80 @@ void TestReduceOnCaller() {
   }
 }
 
+// What callbacks that wait for each other share; held by each callback, so that a failing
+// test (one timed out) leaves nothing dangling.
+struct WaitingCallbacks {
+  std::mutex mu;
+  std::condition_variable cv;
+  int started = 0, met = 0, finished = 0;
+  bool last_done = false;
+};
+
+// Callbacks run back to back on the thread that finished the reduction, but one that waits
+// (a continuation waiting for another device) does not hold the others up: here each waits
+// until all of them have started, which only a helper taking the next one allows.
+void TestCallbacksThatWait() {
+  constexpr int kWorld = 8;
+  constexpr std::size_t kCount = 1 << 14;
+  libra::Rendezvous site("waiting callbacks");
+  auto data = std::make_shared<std::vector<std::vector<float>>>(
+      kWorld, std::vector<float>(kCount, 1.0f));
+  auto shared = std::make_shared<WaitingCallbacks>();
+  for (int r = 0; r < kWorld; ++r) {
+    site.Arrive(Spec(r, kWorld, kCount), (*data)[r].data(), (*data)[r].data(),
+                [shared, data](const libra::Status& status) {
+                  std::unique_lock<std::mutex> lock(shared->mu);
+                  ++shared->started;
+                  shared->cv.notify_all();
+                  if (shared->cv.wait_for(lock, std::chrono::seconds(5),
+                                          [&] { return shared->started == kWorld; }) &&
+                      status.ok()) {
+                    ++shared->met;
+                  }
+                  ++shared->finished;
+                  shared->cv.notify_all();
+                });
+  }
+  std::unique_lock<std::mutex> lock(shared->mu);
+  CHECK(shared->cv.wait_for(lock, std::chrono::seconds(60),
+                            [&] { return shared->finished == kWorld; }));
+  CHECK(shared->met == kWorld);
+  for (auto& v : *data) CHECK(v.front() == 8.0f && v.back() == 8.0f);
+}
+
+// A reduce thread that runs callbacks is released from the pool's count: with as many
+// callbacks waiting as the pool has threads, a further all-reduce (the one they wait for)
+// still gets a thread and completes.
+void TestReduceThreadsReleased() {
+  libra::Rendezvous site("released");
+  constexpr int kHeld = libra::kMaxBlocks;
+  auto data = std::make_shared<std::vector<std::vector<float>>>(kHeld + 1,
+                                                                std::vector<float>(16, 1.0f));
+  auto shared = std::make_shared<WaitingCallbacks>();
+  libra::CallSpec spec = Spec(0, 1, 16);
+  spec.blocks = 1;
+  for (int i = 0; i < kHeld; ++i) {
+    site.Arrive(spec, (*data)[i].data(), (*data)[i].data(), [shared, data](const libra::Status&) {
+      std::unique_lock<std::mutex> lock(shared->mu);
+      if (shared->cv.wait_for(lock, std::chrono::seconds(20), [&] { return shared->last_done; })) {
+        ++shared->met;
+      }
+      ++shared->finished;
+      shared->cv.notify_all();
+    });
+  }
+  site.Arrive(spec, (*data)[kHeld].data(), (*data)[kHeld].data(),
+              [shared, data](const libra::Status&) {
+                std::lock_guard<std::mutex> lock(shared->mu);
+                shared->last_done = true;
+                shared->cv.notify_all();
+              });
+  std::unique_lock<std::mutex> lock(shared->mu);
+  CHECK(shared->cv.wait_for(lock, std::chrono::seconds(60),
+                            [&] { return shared->finished == kHeld; }));
+  CHECK(shared->last_done && shared->met == kHeld);
+}
+
 // A rank that never arrives: the others fail with a message naming it, late
 // arrivals are turned away, and the next run works.
 void TestTimeout() {
@@ -423,6 +497,8 @@ int main() {
       {"sixteen_bit", TestSixteenBit},
       {"which_nan_wins", TestWhichNaNWins},
       {"reduce_on_caller", TestReduceOnCaller},
+      {"callbacks_that_wait", TestCallbacksThatWait},
+      {"reduce_threads_released", TestReduceThreadsReleased},
       {"effective_blocks", TestEffectiveBlocks},
       {"bad_arguments", TestBadArguments},
       {"rendezvous_rounds", TestRendezvousRounds},
