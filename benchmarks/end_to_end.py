@@ -86,9 +86,8 @@ def bench(name: str, options: dict, rounds: int, steps: int, one_bucket: bool = 
 
 def overlap(name: str, options: dict) -> str:
     """Run one example under LIBRA_JAX_DEBUG=1 and summarise its all-reduce timestamps."""
-    code = (f"import importlib.util, sys, jax, libra_jax\n"
-            f"spec = importlib.util.spec_from_file_location('common', {str(ROOT / 'examples' / 'common.py')!r})\n"
-            "common = importlib.util.module_from_spec(spec); spec.loader.exec_module(common)\n"
+    code = (f"import sys; sys.path.insert(0, {str(ROOT / 'examples')!r})\n"
+            "import common, jax, libra_jax\n"
             f"step, args = common.load_example({name!r}).build(False, **{options!r})\n"
             "for fusion in (True, False):\n"
             "    f = jax.jit(libra_jax.optimize(step, fusion=fusion)); s = common.copy_tree(args[0])\n"
@@ -97,8 +96,11 @@ def overlap(name: str, options: dict) -> str:
             "        s, l = f(s, *args[1:]); float(l)\n"
             "        if i == 2: print('@@END', file=sys.stderr, flush=True)\n")
     env = dict(os.environ, LIBRA_JAX_DEBUG="1")
-    err = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=900).stderr
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=900)
+    if run.returncode != 0:  # A silent empty section would read as "no all-reduces".
+        raise RuntimeError(f"the debug-log run of {name} failed:\n{run.stderr[-2000:]}")
+    err = run.stderr
     out = []
     for part in err.split("@@STEP")[1:]:
         fusion = part.split()[0]

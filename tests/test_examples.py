@@ -54,3 +54,17 @@ def test_multiprocess_example_trains_across_two_processes():
     assert len(losses) == 3 and losses[-1] < losses[0], proc.stdout
     assert "2 processes x 4 host CPU devices" in proc.stdout
     assert "the same plan on every process" in proc.stdout
+
+
+def test_end_to_end_reads_the_engine_debug_log():
+    # benchmarks/end_to_end.py --overlap runs an example under LIBRA_JAX_DEBUG=1 in a child
+    # process; that child once failed on import and the committed table's section came out
+    # empty. Now a failing child raises, and a working one yields each arm's all-reduces.
+    sys.path.insert(0, str(EXAMPLES.parent / "benchmarks"))
+    import end_to_end
+
+    lines = end_to_end.overlap("mlp", {}).splitlines()
+    assert [line.split(":")[0] for line in lines] == ["- mlp, fusion=True", "- mlp, fusion=False"]
+    for line in lines:
+        count = int(line.split(": ")[1].split()[0])
+        assert count >= 2, line
