@@ -144,23 +144,3 @@ def test_jax_roofline_flops_of_a_libra_step_are_xlas(jax_8) -> None:
     matmuls = 2 * (2 * 8 * 128 * 256)  # per device: its 8 rows of x
     assert result.unfused_flops == matmuls
     assert cost["flops"] == matmuls
-
-
-def test_a_bucket_is_packed_without_a_concatenate(jax_8) -> None:
-    # XLA:CPU emits a concatenate of 8 operands or more as a slow loop (the MLP's one-bucket
-    # step took 2.4 s instead of 0.06 s), so `lowering.pack` writes each operand into a zeroed
-    # buffer with dynamic-update-slice; the bits are the same.
-    mesh = mesh_of((8,), ("x",))
-    xs = [shard(np.arange(8 * n, dtype=np.float32).reshape(8, n) + i, mesh, P("x"))
-          for i, n in enumerate((3, 5, 16, 1, 7, 2, 9, 4, 6))]
-    fused = jax.jit(jax.shard_map(
-        lambda *v: tuple(ops.libra_psum_fused_p.bind(*v, axes=("x",), blocks=2, invariant=False)),
-        mesh=mesh, in_specs=(P("x"),) * len(xs), out_specs=(P("x"),) * len(xs), check_vma=False))
-    text = fused.lower(*xs).as_text()
-    assert "concatenate" not in text
-    assert text.count("dynamic_update_slice") == len(xs)
-    plain = jax.jit(jax.shard_map(lambda *v: tuple(jax.lax.psum(u, "x") for u in v), mesh=mesh,
-                                  in_specs=(P("x"),) * len(xs), out_specs=(P("x"),) * len(xs),
-                                  check_vma=False))
-    for got, want in zip(fused(*xs), plain(*xs)):
-        assert_bitwise(got, want)

@@ -418,31 +418,25 @@ def packed_avals(avals: Sequence[Any]) -> list[Any]:
 
 
 def pack(ctx: Any, xs: Sequence[Any], idx: Sequence[int], padded: int) -> Any:
-    """The operands `idx` of a lowering (all of one dtype), flattened and written one after
-    another into one buffer of `padded` elements (zeros after them).
+    """The operands `idx` of a lowering (all of one dtype), flattened and concatenated into
+    one buffer of `padded` elements (zeros after them).
 
-    A chain of `dynamic-update-slice`s into a zeroed buffer, not one `concatenate`: XLA:CPU
-    (jax 0.10.2) emits a concatenate of 8 operands or more as a slow loop. Measured on the 2-core
-    VM, one device, the MLP's 8 gradients (2.37M f32) into one buffer: concatenate 30-51 ms
-    (1.3-1.7 ms with 6 or 7 of them), the chain 1.6 ms; the MLP example's step with every
-    gradient in one bucket 2.36 s against 0.055 s (`end_to_end.py --one-bucket`: 16-49x plain
-    before, 1.18x after). Emitted as HLO directly: it involves no varying-axes typing."""
+    One `concatenate`: XLA fuses it (with the copy it inserts before an in-place all-reduce)
+    into one loop over the buffer that reads each element from its own operand only; a chain
+    of `dynamic-update-slice`s into a zeroed buffer was measured slower (the fused copy
+    re-evaluated the last operand's producer for every element). Emitted as HLO directly: it
+    involves no varying-axes typing."""
     ety = _compat.ir.RankedTensorType(xs[idx[0]].type).element_type
     sizes = [int(math.prod(ctx.avals_in[i].shape)) for i in idx]
     parts: list[Any] = [_compat.hlo.reshape(_compat.ir.RankedTensorType.get([n], ety), xs[i])
                         for i, n in zip(idx, sizes)]
-    if len(parts) == 1 and padded == sizes[0]:
+    if padded > sum(sizes):
+        dtype = np.dtype(ctx.avals_in[idx[0]].dtype)
+        parts.append(_compat.ir_constant(np.zeros(padded - sum(sizes), dtype)))
+    if len(parts) == 1:
         return parts[0]
-    dtype = np.dtype(ctx.avals_in[idx[0]].dtype)
-    flat = _compat.hlo.broadcast_in_dim(
-        _compat.ir.RankedTensorType.get([padded], ety), _compat.ir_constant(np.zeros((), dtype)),
-        _compat.ir.DenseI64ArrayAttr.get([]))
-    index = np.int64 if padded >= 2**31 else np.int32
-    offset = 0
-    for part, n in zip(parts, sizes):
-        flat = _compat.hlo.dynamic_update_slice(flat, part, [_compat.ir_constant(index(offset))])
-        offset += n
-    return flat
+    return _compat.hlo.concatenate(parts, _compat.ir.IntegerAttr.get(
+        _compat.ir.IntegerType.get_signless(64), 0))
 
 
 def split(ctx: Any, flat: Any, flat_aval: Any, out_avals: Sequence[Any], idx: Sequence[int],
