@@ -192,6 +192,91 @@ void SumVectors(const void* const* inputs, void* const* outputs, int n,
   }
 }
 
+// The same steps with 32-byte vectors (AVX2), where the CPU has them: the same additions,
+// element by element and in the same operand order, in half the instructions. Sums of
+// cache-resident buffers are bound by instructions, not by memory: 1 MiB x 8 ranks, one
+// thread, on the 2-core VM (an AMD EPYC), 557-655 us with 16-byte vectors, 326-432 us with
+// these. Compiled for AVX2 by attribute and chosen at run time (ReduceVectorBytes).
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define LIBRA_HAVE_AVX2 1
+#define LIBRA_AVX2 __attribute__((target("avx2")))
+
+struct InputFirstF32x8 {
+  LIBRA_AVX2 __m256i operator()(__m256i sum, __m256i input) const {
+    __m256 a = _mm256_castsi256_ps(input);
+    const __m256 b = _mm256_castsi256_ps(sum);
+    asm("vaddps %2, %1, %0" : "=x"(a) : "x"(a), "x"(b));  // a + b, a's NaN
+    return _mm256_castps_si256(a);
+  }
+};
+struct InputFirstF64x4 {
+  LIBRA_AVX2 __m256i operator()(__m256i sum, __m256i input) const {
+    __m256d a = _mm256_castsi256_pd(input);
+    const __m256d b = _mm256_castsi256_pd(sum);
+    asm("vaddpd %2, %1, %0" : "=x"(a) : "x"(a), "x"(b));
+    return _mm256_castpd_si256(a);
+  }
+};
+struct WrappingU32x8 {
+  LIBRA_AVX2 __m256i operator()(__m256i sum, __m256i input) const {
+    return _mm256_add_epi32(sum, input);
+  }
+};
+struct WrappingU64x4 {
+  LIBRA_AVX2 __m256i operator()(__m256i sum, __m256i input) const {
+    return _mm256_add_epi64(sum, input);
+  }
+};
+
+// Steps of two 32-byte vectors; the element-wise rest as SumVectors does it. `stream`
+// needs every output 32-byte aligned at `begin`.
+template <typename T, typename V, typename Add, typename Add256>
+LIBRA_AVX2 void SumVectorsAvx2(const void* const* inputs, void* const* outputs, int n,
+                               std::size_t begin, std::size_t end, bool stream, Add add,
+                               Add256 add256) {
+  constexpr std::size_t kStep = kStepBytes / sizeof(T);
+  constexpr std::size_t kLanes = 32 / sizeof(T);
+  std::size_t i = begin;
+  for (; i + kStep <= end; i += kStep) {
+    __m256i sum[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+    for (int r = 0; r < n; ++r) {
+      const T* x = static_cast<const T*>(inputs[r]) + i;
+      for (int k = 0; k < 2; ++k) {
+        sum[k] = add256(sum[k], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + k * kLanes)));
+      }
+    }
+    for (int r = 0; r < n; ++r) {
+      T* out = static_cast<T*>(outputs[r]) + i;
+      __m256i* o = reinterpret_cast<__m256i*>(out);
+      if (stream && out != static_cast<const T*>(inputs[r]) + i) {
+        _mm256_stream_si256(o, sum[0]);
+        _mm256_stream_si256(o + 1, sum[1]);
+      } else {
+        _mm256_storeu_si256(o, sum[0]);
+        _mm256_storeu_si256(o + 1, sum[1]);
+      }
+    }
+  }
+  if (stream) StreamFence();
+  if (i < end) SumVectors<T, V>(inputs, outputs, n, i, end, false, add);
+}
+#undef LIBRA_AVX2
+#endif
+
+bool CpuHasAvx2() {
+#if defined(LIBRA_HAVE_AVX2)
+  static const bool has = __builtin_cpu_supports("avx2");
+  return has;
+#else
+  return false;
+#endif
+}
+
+std::atomic<int>& VectorBytes() {
+  static std::atomic<int> bytes{CpuHasAvx2() ? 32 : 16};
+  return bytes;
+}
+
 // bf16: accumulated in f32 (input first, as XLA), rounded once. Steps of 16 elements.
 void SumBf16(const void* const* inputs, void* const* outputs, int n,
              std::size_t begin, std::size_t end) {
@@ -519,12 +604,33 @@ int EffectiveBlocks(std::size_t count, DType dtype, int blocks) {
 
 void ReduceRange(DType dtype, const void* const* inputs, void* const* outputs,
                  int n, std::size_t begin, std::size_t end, bool streaming_stores) {
-  // Streaming stores need 16-byte aligned steps: every output (XLA's are 64-byte aligned)
-  // and `begin` (chunks start on cache lines).
+  // Streaming stores need aligned steps (16 or 32 bytes, the vectors' width): every output
+  // (XLA's are 64-byte aligned) and `begin` (chunks start on cache lines).
+  const int width = VectorBytes().load(std::memory_order_relaxed);
   bool stream = streaming_stores;
   for (int r = 0; r < n && stream; ++r) {
-    stream = (reinterpret_cast<uintptr_t>(outputs[r]) + begin * SizeOf(dtype)) % 16 == 0;
+    stream = (reinterpret_cast<uintptr_t>(outputs[r]) + begin * SizeOf(dtype)) % width == 0;
   }
+#if defined(LIBRA_HAVE_AVX2)
+  if (width == 32) {
+    switch (dtype) {
+      case DType::kF32:
+        return SumVectorsAvx2<float, F32x4>(inputs, outputs, n, begin, end, stream,
+                                            InputFirst{}, InputFirstF32x8{});
+      case DType::kF64:
+        return SumVectorsAvx2<double, F64x2>(inputs, outputs, n, begin, end, stream,
+                                             InputFirst{}, InputFirstF64x4{});
+      case DType::kS32:
+        return SumVectorsAvx2<uint32_t, U32x4>(inputs, outputs, n, begin, end, stream,
+                                               Wrapping{}, WrappingU32x8{});
+      case DType::kS64:
+        return SumVectorsAvx2<uint64_t, U64x2>(inputs, outputs, n, begin, end, stream,
+                                               Wrapping{}, WrappingU64x4{});
+      default:
+        break;
+    }
+  }
+#endif
   switch (dtype) {
     case DType::kF32:
       return SumVectors<float, F32x4>(inputs, outputs, n, begin, end, stream, InputFirst{});
@@ -537,6 +643,14 @@ void ReduceRange(DType dtype, const void* const* inputs, void* const* outputs,
     case DType::kBF16: return SumBf16(inputs, outputs, n, begin, end);
     case DType::kF16: return SumF16(inputs, outputs, n, begin, end);
   }
+}
+
+int ReduceVectorBytes() { return VectorBytes().load(std::memory_order_relaxed); }
+
+bool SetReduceVectorBytes(int bytes) {
+  if (bytes != 16 && !(bytes == 32 && CpuHasAvx2())) return false;
+  VectorBytes().store(bytes, std::memory_order_relaxed);
+  return true;
 }
 
 Status AllReduce(DType dtype, const std::vector<const void*>& inputs,

@@ -68,6 +68,13 @@ inline constexpr std::size_t kStreamingOutputBytes = std::size_t{32} << 20;
 void ReduceRange(DType dtype, const void* const* inputs, void* const* outputs,
                  int n, std::size_t begin, std::size_t end, bool streaming_stores = false);
 
+// The width of the vectors ReduceRange sums f32, f64, s32 and s64 with: 32 bytes (AVX2)
+// where the CPU has them, else 16. The bits are the same either way; tests run both.
+int ReduceVectorBytes();
+// Sets it for the whole process: 16, or 32 where the CPU has AVX2; false (and unchanged)
+// otherwise. For tests and benchmarks.
+bool SetReduceVectorBytes(int bytes);
+
 // Synchronous all-reduce of n buffers with `blocks` worker tasks on the
 // engine's pool (for tests and benchmarks of the engine itself).
 Status AllReduce(DType dtype, const std::vector<const void*>& inputs,

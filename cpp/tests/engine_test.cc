@@ -207,6 +207,77 @@ void TestWhichNaNWins() {
 #endif
 }
 
+// The widths ReduceRange can sum with on this CPU (16 always, 32 with AVX2).
+std::vector<int> VectorWidths() {
+  std::vector<int> widths = {16};
+  const int initial = libra::ReduceVectorBytes();
+  if (libra::SetReduceVectorBytes(32)) widths.push_back(32);
+  CHECK(libra::SetReduceVectorBytes(initial));
+  return widths;
+}
+
+// Each test of the sums' bits, at every vector width: the one XLA's tests see is the
+// CPU's widest, so the others are checked here alone.
+template <void (*Test)()>
+void AtEveryWidth() {
+  const int initial = libra::ReduceVectorBytes();
+  for (int width : VectorWidths()) {
+    CHECK(libra::SetReduceVectorBytes(width));
+    Test();
+  }
+  CHECK(libra::SetReduceVectorBytes(initial));
+}
+
+// Arbitrary bit patterns (NaN payloads of both signs, infinities, subnormals, -0 among
+// them), at both widths, with and without streaming stores: the same bytes in every output.
+template <typename T>
+void CompareWidths(DType dtype) {
+  const std::vector<int> widths = VectorWidths();
+  std::mt19937_64 rng(static_cast<uint64_t>(dtype) + 7);
+  const T specials[] = {static_cast<T>(0x7fc00001u), static_cast<T>(0xffc00002u),
+                        static_cast<T>(0x7f800000u), static_cast<T>(0x80000000u),
+                        static_cast<T>(0x00000001u), static_cast<T>(0x7ff8000000000003ull),
+                        static_cast<T>(0xfff0000000000000ull)};
+  for (int n : {2, 3, 8}) {
+    for (std::size_t count : {std::size_t{5}, std::size_t{67}, std::size_t{4099}}) {
+      std::vector<std::vector<T>> in(n, std::vector<T>(count));
+      for (auto& v : in) {
+        for (auto& x : v) x = rng() % 4 == 0 ? specials[rng() % 7] : static_cast<T>(rng());
+      }
+      std::vector<const void*> ins;
+      for (auto& v : in) ins.push_back(v.data());
+      std::vector<std::vector<std::vector<T>>> results;
+      for (int width : widths) {
+        CHECK(libra::SetReduceVectorBytes(width));
+        for (bool stream : {false, true}) {
+          std::vector<std::vector<T>> out(n, std::vector<T>(count + 8));
+          std::vector<void*> outs;
+          for (auto& v : out) outs.push_back(v.data());
+          libra::ReduceRange(dtype, ins.data(), outs.data(), n, 0, count, stream);
+          results.push_back(std::move(out));
+        }
+      }
+      for (const auto& result : results) {
+        for (int r = 0; r < n; ++r) {
+          CHECK(std::memcmp(result[r].data(), results[0][0].data(), count * sizeof(T)) == 0);
+        }
+      }
+    }
+  }
+  CHECK(libra::SetReduceVectorBytes(widths.back()));
+}
+
+void TestVectorWidths() {
+  CHECK(!libra::SetReduceVectorBytes(8) && !libra::SetReduceVectorBytes(64));
+  CompareWidths<uint32_t>(DType::kF32);
+  CompareWidths<uint64_t>(DType::kF64);
+  CompareWidths<uint32_t>(DType::kS32);
+  CompareWidths<uint64_t>(DType::kS64);
+  std::printf("  vector widths:");
+  for (int width : VectorWidths()) std::printf(" %d", width);
+  std::printf(" bytes\n");
+}
+
 void TestEffectiveBlocks() {
   CHECK(libra::EffectiveBlocks(0, DType::kF32, 8) == 0);
   CHECK(libra::EffectiveBlocks(256, DType::kF32, 8) == 1);            // 1 KiB
@@ -493,9 +564,10 @@ void TestStagingBytes() {
 
 int main() {
   return libra_test::RunTests({
-      {"sums", TestSums},
+      {"sums", AtEveryWidth<TestSums>},
       {"sixteen_bit", TestSixteenBit},
-      {"which_nan_wins", TestWhichNaNWins},
+      {"which_nan_wins", AtEveryWidth<TestWhichNaNWins>},
+      {"vector_widths", TestVectorWidths},
       {"reduce_on_caller", TestReduceOnCaller},
       {"callbacks_that_wait", TestCallbacksThatWait},
       {"reduce_threads_released", TestReduceThreadsReleased},
