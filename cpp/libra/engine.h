@@ -59,8 +59,8 @@ inline constexpr std::size_t kStreamingOutputBytes = std::size_t{32} << 20;
 // outputs[r]. Each element is read from all inputs before any output is
 // written, so outputs[r] == inputs[r] (in place) is safe. `streaming_stores`:
 // outputs that are not in place are written past the caches (f32, f64, s32,
-// s64, on x86, where every output is 16-byte aligned at `begin`); the values
-// are the same either way.
+// s64, on x86, where every output is aligned to the vectors' width at `begin`,
+// ReduceVectorBytes); the values are the same either way.
 //  - f32, f64: IEEE sums, left to right;
 //  - bf16: accumulated in f32, rounded once (round to nearest even);
 //  - f16: rounded to f16 after every addition;
@@ -68,11 +68,12 @@ inline constexpr std::size_t kStreamingOutputBytes = std::size_t{32} << 20;
 void ReduceRange(DType dtype, const void* const* inputs, void* const* outputs,
                  int n, std::size_t begin, std::size_t end, bool streaming_stores = false);
 
-// The width of the vectors ReduceRange sums f32, f64, s32 and s64 with: 32 bytes (AVX2)
-// where the CPU has them, else 16. The bits are the same either way; tests run both.
+// The width of the vectors ReduceRange sums with: 32 bytes (AVX2, and F16C for f16) where
+// the CPU has them, else 16 (bf16 and f16 then partly element by element).
+// The bits are the same either way; tests run both.
 int ReduceVectorBytes();
-// Sets it for the whole process: 16, or 32 where the CPU has AVX2; false (and unchanged)
-// otherwise. For tests and benchmarks.
+// Sets it for the whole process: 16, or 32 where the CPU has AVX2 and F16C; false (and
+// unchanged) otherwise. For tests and benchmarks.
 bool SetReduceVectorBytes(int bytes);
 
 // Synchronous all-reduce of n buffers with `blocks` worker tasks on the

@@ -228,21 +228,20 @@ void AtEveryWidth() {
   CHECK(libra::SetReduceVectorBytes(initial));
 }
 
-// Arbitrary bit patterns (NaN payloads of both signs, infinities, subnormals, -0 among
-// them), at both widths, with and without streaming stores: the same bytes in every output.
+// Arbitrary bit patterns and `specials` among them (NaN payloads of both signs, infinities,
+// subnormals, -0), at both widths, with and without streaming stores: the same bytes in every
+// output.
 template <typename T>
-void CompareWidths(DType dtype) {
+void CompareWidths(DType dtype, const std::vector<T>& specials) {
   const std::vector<int> widths = VectorWidths();
   std::mt19937_64 rng(static_cast<uint64_t>(dtype) + 7);
-  const T specials[] = {static_cast<T>(0x7fc00001u), static_cast<T>(0xffc00002u),
-                        static_cast<T>(0x7f800000u), static_cast<T>(0x80000000u),
-                        static_cast<T>(0x00000001u), static_cast<T>(0x7ff8000000000003ull),
-                        static_cast<T>(0xfff0000000000000ull)};
-  for (int n : {2, 3, 8}) {
+  for (int n : {1, 2, 3, 8}) {
     for (std::size_t count : {std::size_t{5}, std::size_t{67}, std::size_t{4099}}) {
       std::vector<std::vector<T>> in(n, std::vector<T>(count));
       for (auto& v : in) {
-        for (auto& x : v) x = rng() % 4 == 0 ? specials[rng() % 7] : static_cast<T>(rng());
+        for (auto& x : v) {
+          x = rng() % 4 == 0 ? specials[rng() % specials.size()] : static_cast<T>(rng());
+        }
       }
       std::vector<const void*> ins;
       for (auto& v : in) ins.push_back(v.data());
@@ -269,10 +268,23 @@ void CompareWidths(DType dtype) {
 
 void TestVectorWidths() {
   CHECK(!libra::SetReduceVectorBytes(8) && !libra::SetReduceVectorBytes(64));
-  CompareWidths<uint32_t>(DType::kF32);
-  CompareWidths<uint64_t>(DType::kF64);
-  CompareWidths<uint32_t>(DType::kS32);
-  CompareWidths<uint64_t>(DType::kS64);
+  CompareWidths<uint32_t>(DType::kF32, {0x7fc00001u, 0xffc00002u, 0x7f800001u, 0x7f800000u,
+                                        0xff800000u, 0x80000000u, 0x00000001u, 0x7f7fffffu});
+  CompareWidths<uint64_t>(DType::kF64, {0x7ff8000000000003ull, 0xfff0000000000001ull,
+                                        0x7ff0000000000000ull, 0x8000000000000000ull,
+                                        0x0000000000000001ull});
+  CompareWidths<uint32_t>(DType::kS32, {0x7fffffffu, 0x80000000u, 0xffffffffu});
+  CompareWidths<uint64_t>(DType::kS64, {0x7fffffffffffffffull, 0x8000000000000000ull});
+  // f16: quiet and signalling NaNs with payloads, infinities, the largest finite (sums
+  // overflow), subnormals of both signs, -0, and values whose sums round (ties to even).
+  CompareWidths<uint16_t>(DType::kF16, {0x7e01, 0xfe00, 0x7d00, 0xfc01, 0x7c00, 0xfc00, 0x7bff,
+                                        0xfbff, 0x0001, 0x8001, 0x03ff, 0x8000, 0x6800, 0x3c00,
+                                        0x0400});
+  // bf16: NaNs of both signs with payloads (sums of them made canonical), infinities, the
+  // largest finite, subnormals, -0, and sums that round (ties to even).
+  CompareWidths<uint16_t>(DType::kBF16, {0x7fc1, 0xffc3, 0x7f81, 0x7f80, 0xff80, 0x7f7f,
+                                         0xff7f, 0x0001, 0x8001, 0x8000, 0x3f80, 0x3b80,
+                                         0x3b81});
   std::printf("  vector widths:");
   for (int width : VectorWidths()) std::printf(" %d", width);
   std::printf(" bytes\n");
@@ -565,7 +577,7 @@ void TestStagingBytes() {
 int main() {
   return libra_test::RunTests({
       {"sums", AtEveryWidth<TestSums>},
-      {"sixteen_bit", TestSixteenBit},
+      {"sixteen_bit", AtEveryWidth<TestSixteenBit>},
       {"which_nan_wins", AtEveryWidth<TestWhichNaNWins>},
       {"vector_widths", TestVectorWidths},
       {"reduce_on_caller", TestReduceOnCaller},
