@@ -889,7 +889,9 @@ class Watchdog {
       shared_->started = true;
       std::thread(Loop, shared_).detach();
     }
-    shared_->cv.notify_one();
+    // Woken only for a deadline before the one it sleeps to: the next round's deadline is
+    // usually later, so a loop of calls does not wake it (and take a core) at every call.
+    if (deadline < shared_->wakes_at) shared_->cv.notify_one();
     return id;
   }
 
@@ -924,6 +926,9 @@ class Watchdog {
     std::map<uint64_t, Entry> entries;
     uint64_t last_id = 0;
     bool started = false;
+    // When the watchdog will look at the deadlines next: min() while it is awake (it looks
+    // before it sleeps), max() while it waits for a first entry.
+    Clock::time_point wakes_at = Clock::time_point::min();
   };
 
   static std::vector<std::shared_ptr<Shared>>& Graveyard() {
@@ -936,12 +941,16 @@ class Watchdog {
     std::unique_lock<std::mutex> lock(shared->mu);
     for (;;) {
       if (shared->deadlines.empty()) {
+        shared->wakes_at = Clock::time_point::max();
         shared->cv.wait(lock);
+        shared->wakes_at = Clock::time_point::min();
         continue;
       }
       const auto [deadline, id] = *shared->deadlines.begin();
       if (Clock::now() < deadline) {
+        shared->wakes_at = deadline;
         shared->cv.wait_until(lock, deadline);
+        shared->wakes_at = Clock::time_point::min();
         continue;
       }
       shared->deadlines.erase(shared->deadlines.begin());

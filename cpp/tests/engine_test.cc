@@ -490,6 +490,23 @@ void TestTimeout() {
   CHECK(next.Wait());
   for (auto& st : next.statuses()) CHECK(st.ok());
   CHECK(a[0] == 6.0f && b[9] == 6.0f && c[5] == 6.0f);
+
+  // The watchdog sleeps to the earliest deadline and is woken only for an earlier one: a
+  // round with a short timeout, registered while it sleeps to a long one, still expires on
+  // time; the long one then completes.
+  libra::Rendezvous slow("slow"), quick("quick");
+  Latch long_round(2), short_round(1);
+  libra::CallSpec l0 = Spec(0, 2, 10), l1 = Spec(1, 2, 10), q0 = Spec(0, 2, 10);
+  l0.timeout_ms = l1.timeout_ms = 600000;
+  q0.timeout_ms = 200;
+  slow.Arrive(l0, a.data(), a.data(), long_round.Callback());
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));  // Asleep to the long deadline.
+  quick.Arrive(q0, c.data(), c.data(), short_round.Callback());
+  CHECK(short_round.Wait(std::chrono::seconds(10)));
+  CHECK(short_round.statuses()[0].code == libra::Status::Code::kDeadlineExceeded);
+  slow.Arrive(l1, b.data(), b.data(), long_round.Callback());
+  CHECK(long_round.Wait());
+  for (auto& st : long_round.statuses()) CHECK(st.ok());
 }
 
 void TestMismatch() {
