@@ -7,7 +7,8 @@ ratios (variant / psum of the same repetition) with their 10th-90th percentiles,
 median of the process's page faults per call (fresh output pages are first touched in the
 call: at 64 MiB each of XLA's outputs is a fresh mapping).
 
-    python benchmarks/allreduce_cpu.py [--reps 15] [--sizes 1KiB,1MiB,16MiB,64MiB] [--out FILE]
+    python benchmarks/allreduce_cpu.py [--reps 15] [--sizes 1KiB,1MiB,16MiB,64MiB]
+        [--dtypes bfloat16,float16] [--dtype-sizes 1MiB,16MiB] [--out FILE]
 """
 from __future__ import annotations
 
@@ -91,12 +92,15 @@ def floors(size: int, reps: int) -> dict[str, float]:
             "not in place": 8 * size / bandwidth + float(np.median(fresh))}
 
 
-def measure(size: int, reps: int, warmup: int = 2, only: str | None = None
-            ) -> tuple[dict[str, list[float]], dict[str, list[int]]]:
-    """(seconds per call, page faults per call) of each variant, over `reps` rounds."""
+def measure(size: int, reps: int, warmup: int = 2, only: str | None = None,
+            dtype: str = "float32") -> tuple[dict[str, list[float]], dict[str, list[int]]]:
+    """(seconds per call, page faults per call) of each variant, over `reps` rounds, on
+    `size` bytes per device of `dtype`."""
     mesh = jax.make_mesh((8,), ("x",))
     sharding = NamedSharding(mesh, P("x"))
-    host = np.random.default_rng(0).standard_normal((8, size // 4)).astype(np.float32)
+    itemsize = np.dtype(jax.numpy.dtype(dtype)).itemsize
+    host = np.random.default_rng(0).standard_normal((8, size // itemsize)).astype(
+        jax.numpy.dtype(dtype))
     shared = jax.device_put(host, sharding)
     fns = variants(mesh)
     if only:
@@ -146,6 +150,10 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--sizes", default="1KiB,1MiB,16MiB,64MiB")
     parser.add_argument("--only", default=None, help="comma-separated variants (psum always)")
+    parser.add_argument("--dtypes", default="bfloat16,float16",
+                        help="16-bit dtypes measured after the float32 table (psum and libra "
+                             "default, at --dtype-sizes); empty for none")
+    parser.add_argument("--dtype-sizes", default="1MiB,16MiB")
     parser.add_argument("--out", default=None, help="also write the markdown table here")
     args = parser.parse_args()
     lines = report.header(f"; 8 host devices (XLA_FLAGS={os.environ['XLA_FLAGS']}).") + [
@@ -174,7 +182,21 @@ def main() -> None:
                           f"{default / floor['not in place']:.2f} | "
                           f"{inplace / floor['in place']:.2f} |")
         print(floor_rows[-1], flush=True)
-    report.publish(lines + floor_rows, args.out)
+    dtype_rows = []
+    if args.dtypes:
+        dtype_rows = ["", "Other dtypes (the same bytes per device, psum and libra default only, "
+                      "interleaved as above):", "",
+                      "| per device | dtype | variant | median ms | IQR ms | ratio to psum | "
+                      "ratio p10-p90 | page faults |", "|---|---|---|---|---|---|---|---|"]
+        for dtype in args.dtypes.split(","):
+            for label in args.dtype_sizes.split(","):
+                times, faults = measure(parse_size(label), args.reps, only="libra default",
+                                        dtype=dtype)
+                rows = [row.replace(f"| {label} |", f"| {label} | {dtype} |", 1)
+                        for row in summarize(label, times, faults)]
+                dtype_rows += rows
+                print("\n".join(rows), flush=True)
+    report.publish(lines + floor_rows + dtype_rows, args.out)
 
 
 if __name__ == "__main__":
