@@ -17,6 +17,7 @@
 #include <sstream>
 #include <thread>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 
 #include "libra/thread_pool.h"
@@ -323,26 +324,70 @@ void SumF16(const void* const* inputs, void* const* outputs, int n,
 }
 
 #if defined(LIBRA_HAVE_AVX2)
-// bf16 eight lanes at a time, the same operations as SumBf16: widened exactly (a shift),
-// accumulated in f32 with the input first, rounded once as FloatToBf16 rounds (to nearest
-// even, NaN made canonical: sign | 0x7fc0). 4 MiB of bf16 per device x 8 ranks, default
-// blocks, in XLA's calls on the 2-core VM: 9.9-10.9 ms with SumBf16, 5.0 ms with this
-// (jax.lax.psum 14-25 ms).
-LIBRA_AVX2 __m256i RoundToBf16(__m256 sum) {
-  const __m256i u = _mm256_castps_si256(sum);
-  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
-                                         _mm256_set1_epi32(0x7f800000));
-  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  const __m256i rounded = _mm256_srli_epi32(
-      _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd)), 16);
-  const __m256i canonical = _mm256_or_si256(
-      _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x8000)),
-      _mm256_set1_epi32(0x7fc0));
-  return _mm256_blendv_epi8(rounded, canonical, nan);  // 16-bit results in 32-bit lanes
-}
+// bf16 and f16 eight lanes at a time (SumHalfAvx2), the same operations as SumBf16 and SumF16.
+// A format gives the widening of eight values to f32 (exact), one accumulation, and the
+// rounding of a step's sums back to its 16 bits.
+//
+// bf16: widened by a shift, accumulated in f32 with the input first, rounded once as
+// FloatToBf16 rounds (to nearest even, NaN made canonical: sign | 0x7fc0). 4 MiB of bf16 per
+// device x 8 ranks, default blocks, in XLA's calls on the 2-core VM: 9.9-10.9 ms with
+// SumBf16, 5.0 ms with this (jax.lax.psum 14-25 ms).
+struct Bf16Avx2 {
+  LIBRA_AVX2 static __m256 Widen(__m128i half) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
+  }
+  LIBRA_AVX2 static __m256 Accumulate(__m256 sum, __m256 input) {
+    asm("vaddps %2, %1, %0" : "=x"(input) : "x"(input), "x"(sum));  // input + sum, input's NaN
+    return input;
+  }
+  LIBRA_AVX2 static __m256i Round(__m256 sum) {  // 16-bit results in 32-bit lanes
+    const __m256i u = _mm256_castps_si256(sum);
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                           _mm256_set1_epi32(0x7f800000));
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i rounded = _mm256_srli_epi32(
+        _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), odd)), 16);
+    const __m256i canonical = _mm256_or_si256(
+        _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x8000)),
+        _mm256_set1_epi32(0x7fc0));
+    return _mm256_blendv_epi8(rounded, canonical, nan);
+  }
+  LIBRA_AVX2 static __m256i Narrow(const __m256 (&sum)[2]) {
+    // Packing works within 128-bit halves (0-3, 8-11, 4-7, 12-15); the permute restores order.
+    return _mm256_permute4x64_epi64(_mm256_packus_epi32(Round(sum[0]), Round(sum[1])), 0xd8);
+  }
+};
 
-LIBRA_AVX2 void SumBf16Avx2(const void* const* inputs, void* const* outputs, int n,
-                            std::size_t begin, std::size_t end) {
+// f16: an f32 addition, the sum first, rounded to f16 (to nearest even) after each; NaN
+// results made canonical at the end (sign | 0x7e00), as FloatToF16 does. Payloads can differ
+// along the way, but an addition's NaN is its first NaN operand's, so the sign that survives
+// is the same. 4 MiB of f16 per device x 8 ranks, as above: 52 ms with SumF16, 4.0-5.6 ms
+// with this (jax.lax.psum 26-32 ms).
+struct F16Avx2 {
+  LIBRA_AVX2 static __m256 Widen(__m128i half) { return _mm256_cvtph_ps(half); }
+  LIBRA_AVX2 static __m256 Accumulate(__m256 sum, __m256 input) {
+    asm("vaddps %2, %1, %0" : "=x"(sum) : "x"(sum), "x"(input));  // sum + input, sum's NaN
+    return _mm256_cvtph_ps(_mm256_cvtps_ph(sum, _MM_FROUND_TO_NEAREST_INT));
+  }
+  LIBRA_AVX2 static __m128i Round(__m256 sum) {
+    const __m128i h = _mm256_cvtps_ph(sum, _MM_FROUND_TO_NEAREST_INT);  // exact: f16 values
+    const __m128i nan = _mm_cmpgt_epi16(_mm_and_si128(h, _mm_set1_epi16(0x7fff)),
+                                        _mm_set1_epi16(0x7c00));
+    const __m128i canonical = _mm_or_si128(
+        _mm_and_si128(h, _mm_set1_epi16(static_cast<int16_t>(0x8000))), _mm_set1_epi16(0x7e00));
+    return _mm_blendv_epi8(h, canonical, nan);
+  }
+  LIBRA_AVX2 static __m256i Narrow(const __m256 (&sum)[2]) {
+    return _mm256_set_m128i(Round(sum[1]), Round(sum[0]));
+  }
+};
+
+// Steps of 16 elements; the rest element by element (`rest`, the 16-bit kernel of the format).
+template <typename Format>
+LIBRA_AVX2 void SumHalfAvx2(const void* const* inputs, void* const* outputs, int n,
+                            std::size_t begin, std::size_t end,
+                            void (*rest)(const void* const*, void* const*, int, std::size_t,
+                                         std::size_t)) {
   constexpr std::size_t kStep = 16;
   std::size_t i = begin;
   for (; i + kStep <= end; i += kStep) {
@@ -351,64 +396,51 @@ LIBRA_AVX2 void SumBf16Avx2(const void* const* inputs, void* const* outputs, int
       const uint16_t* x = static_cast<const uint16_t*>(inputs[r]) + i;
       for (int k = 0; k < 2; ++k) {
         const __m128i half = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + 8 * k));
-        __m256 input = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(half), 16));
-        asm("vaddps %2, %1, %0" : "=x"(input) : "x"(input), "x"(sum[k]));  // input's NaN
-        sum[k] = input;
+        sum[k] = Format::Accumulate(sum[k], Format::Widen(half));
       }
     }
-    // Packing works within 128-bit halves: 0-3, 8-11, 4-7, 12-15; the permute restores order.
-    const __m256i packed = _mm256_permute4x64_epi64(
-        _mm256_packus_epi32(RoundToBf16(sum[0]), RoundToBf16(sum[1])), 0xd8);
+    const __m256i result = Format::Narrow(sum);
     for (int r = 0; r < n; ++r) {
       _mm256_storeu_si256(
-          reinterpret_cast<__m256i*>(static_cast<uint16_t*>(outputs[r]) + i), packed);
+          reinterpret_cast<__m256i*>(static_cast<uint16_t*>(outputs[r]) + i), result);
     }
   }
-  if (i < end) SumBf16(inputs, outputs, n, i, end);
+  if (i < end) rest(inputs, outputs, n, i, end);
 }
 
-// f16 eight lanes at a time (F16C), the same operations as SumF16: an f32 addition, the sum
-// first, rounded to f16 (to nearest even) after each; NaN results made canonical at the end
-// (sign | 0x7e00), as FloatToF16 does. Payloads can differ along the way, but an addition's
-// NaN is its first NaN operand's, so the sign that survives is the same. 4 MiB of f16 per
-// device x 8 ranks, as above: 52 ms with SumF16, 4.0-5.6 ms with this (jax.lax.psum 26-32 ms).
+LIBRA_AVX2 void SumBf16Avx2(const void* const* inputs, void* const* outputs, int n,
+                            std::size_t begin, std::size_t end) {
+  SumHalfAvx2<Bf16Avx2>(inputs, outputs, n, begin, end, SumBf16);
+}
 LIBRA_AVX2 void SumF16Avx2(const void* const* inputs, void* const* outputs, int n,
                            std::size_t begin, std::size_t end) {
-  constexpr std::size_t kStep = 16;
-  const __m128i magnitude = _mm_set1_epi16(0x7fff);
-  const __m128i infinity = _mm_set1_epi16(0x7c00);
-  const __m128i sign = _mm_set1_epi16(static_cast<int16_t>(0x8000));
-  const __m128i quiet = _mm_set1_epi16(0x7e00);
-  std::size_t i = begin;
-  for (; i + kStep <= end; i += kStep) {
-    __m256 sum[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (int r = 0; r < n; ++r) {
-      const uint16_t* x = static_cast<const uint16_t*>(inputs[r]) + i;
-      for (int k = 0; k < 2; ++k) {
-        const __m256 input =
-            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + 8 * k)));
-        __m256 s = sum[k];
-        asm("vaddps %2, %1, %0" : "=x"(s) : "x"(s), "x"(input));  // s + input, s's NaN
-        sum[k] = _mm256_cvtph_ps(_mm256_cvtps_ph(s, _MM_FROUND_TO_NEAREST_INT));
-      }
-    }
-    __m128i result[2];
-    for (int k = 0; k < 2; ++k) {
-      const __m128i h = _mm256_cvtps_ph(sum[k], _MM_FROUND_TO_NEAREST_INT);
-      const __m128i nan = _mm_cmpgt_epi16(_mm_and_si128(h, magnitude), infinity);
-      const __m128i canonical = _mm_or_si128(_mm_and_si128(h, sign), quiet);
-      result[k] = _mm_blendv_epi8(h, canonical, nan);
-    }
-    for (int r = 0; r < n; ++r) {
-      __m128i* out = reinterpret_cast<__m128i*>(static_cast<uint16_t*>(outputs[r]) + i);
-      _mm_storeu_si128(out, result[0]);
-      _mm_storeu_si128(out + 1, result[1]);
-    }
-  }
-  if (i < end) SumF16(inputs, outputs, n, i, end);
+  SumHalfAvx2<F16Avx2>(inputs, outputs, n, begin, end, SumF16);
 }
 #undef LIBRA_AVX2
+#else
+// Without the wide kernels VectorBytes() is 16: these stand-ins are never chosen.
+template <typename T, typename V, typename Add, typename Add256>
+void SumVectorsAvx2(const void* const* inputs, void* const* outputs, int n, std::size_t begin,
+                    std::size_t end, bool stream, Add add, Add256 add256);  // Not defined.
+using InputFirstF32x8 = void;
+using InputFirstF64x4 = void;
+using WrappingU32x8 = void;
+using WrappingU64x4 = void;
+constexpr auto SumBf16Avx2 = SumBf16;
+constexpr auto SumF16Avx2 = SumF16;
 #endif
+
+// f32, f64, s32 or s64 with 32-byte vectors (`wide`) or 16-byte ones.
+template <typename T, typename V, typename Add, typename Add256>
+void SumAtWidth(bool wide, const void* const* inputs, void* const* outputs, int n,
+                std::size_t begin, std::size_t end, bool stream) {
+  if constexpr (!std::is_void_v<Add256>) {
+    if (wide) {
+      return SumVectorsAvx2<T, V>(inputs, outputs, n, begin, end, stream, Add{}, Add256{});
+    }
+  }
+  SumVectors<T, V>(inputs, outputs, n, begin, end, stream, Add{});
+}
 
 // ---------------------------------------------------------------------------
 // Splitting a buffer into worker tasks.
@@ -699,41 +731,24 @@ void ReduceRange(DType dtype, const void* const* inputs, void* const* outputs,
   for (int r = 0; r < n && stream; ++r) {
     stream = (reinterpret_cast<uintptr_t>(outputs[r]) + begin * SizeOf(dtype)) % width == 0;
   }
-#if defined(LIBRA_HAVE_AVX2)
-  if (width == 32) {
-    switch (dtype) {
-      case DType::kF32:
-        return SumVectorsAvx2<float, F32x4>(inputs, outputs, n, begin, end, stream,
-                                            InputFirst{}, InputFirstF32x8{});
-      case DType::kF64:
-        return SumVectorsAvx2<double, F64x2>(inputs, outputs, n, begin, end, stream,
-                                             InputFirst{}, InputFirstF64x4{});
-      case DType::kS32:
-        return SumVectorsAvx2<uint32_t, U32x4>(inputs, outputs, n, begin, end, stream,
-                                               Wrapping{}, WrappingU32x8{});
-      case DType::kS64:
-        return SumVectorsAvx2<uint64_t, U64x2>(inputs, outputs, n, begin, end, stream,
-                                               Wrapping{}, WrappingU64x4{});
-      case DType::kBF16:
-        return SumBf16Avx2(inputs, outputs, n, begin, end);
-      case DType::kF16:
-        return SumF16Avx2(inputs, outputs, n, begin, end);
-      default:
-        break;
-    }
-  }
-#endif
+  const bool wide = width == 32;
   switch (dtype) {
     case DType::kF32:
-      return SumVectors<float, F32x4>(inputs, outputs, n, begin, end, stream, InputFirst{});
+      return SumAtWidth<float, F32x4, InputFirst, InputFirstF32x8>(wide, inputs, outputs, n,
+                                                                   begin, end, stream);
     case DType::kF64:
-      return SumVectors<double, F64x2>(inputs, outputs, n, begin, end, stream, InputFirst{});
+      return SumAtWidth<double, F64x2, InputFirst, InputFirstF64x4>(wide, inputs, outputs, n,
+                                                                    begin, end, stream);
     case DType::kS32:
-      return SumVectors<uint32_t, U32x4>(inputs, outputs, n, begin, end, stream, Wrapping{});
+      return SumAtWidth<uint32_t, U32x4, Wrapping, WrappingU32x8>(wide, inputs, outputs, n,
+                                                                  begin, end, stream);
     case DType::kS64:
-      return SumVectors<uint64_t, U64x2>(inputs, outputs, n, begin, end, stream, Wrapping{});
-    case DType::kBF16: return SumBf16(inputs, outputs, n, begin, end);
-    case DType::kF16: return SumF16(inputs, outputs, n, begin, end);
+      return SumAtWidth<uint64_t, U64x2, Wrapping, WrappingU64x4>(wide, inputs, outputs, n,
+                                                                  begin, end, stream);
+    case DType::kBF16:
+      return (wide ? SumBf16Avx2 : SumBf16)(inputs, outputs, n, begin, end);
+    case DType::kF16:
+      return (wide ? SumF16Avx2 : SumF16)(inputs, outputs, n, begin, end);
   }
 }
 
