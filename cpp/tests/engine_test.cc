@@ -10,6 +10,7 @@
 #include <mutex>
 #include <random>
 #include <string>
+#include <memory>
 #include <thread>
 #include <sys/mman.h>
 #include <sys/wait.h>
@@ -250,17 +251,24 @@ void CompareWidths(DType dtype, const std::vector<T>& specials) {
       for (int width : widths) {
         CHECK(libra::SetReduceVectorBytes(width));
         for (bool stream : {false, true}) {
-          std::vector<std::vector<T>> out(n, std::vector<T>(count + 8));
+          // 64-byte aligned outputs, as XLA's are, so that streaming stores are taken.
+          std::vector<std::vector<T>> out(n, std::vector<T>(count + 64));
           std::vector<void*> outs;
-          for (auto& v : out) outs.push_back(v.data());
+          for (auto& v : out) {
+            void* p = v.data();
+            std::size_t space = v.size() * sizeof(T);
+            outs.push_back(std::align(64, count * sizeof(T), p, space));
+          }
           libra::ReduceRange(dtype, ins.data(), outs.data(), n, 0, count, stream);
-          results.push_back(std::move(out));
+          std::vector<std::vector<T>> got;
+          for (void* o : outs) {
+            got.emplace_back(static_cast<const T*>(o), static_cast<const T*>(o) + count);
+          }
+          results.push_back(std::move(got));
         }
       }
       for (const auto& result : results) {
-        for (int r = 0; r < n; ++r) {
-          CHECK(std::memcmp(result[r].data(), results[0][0].data(), count * sizeof(T)) == 0);
-        }
+        for (int r = 0; r < n; ++r) CHECK(result[r] == results[0][0]);
       }
     }
   }
