@@ -18,7 +18,9 @@ import random
 import resource
 import time
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+from libra_jax.config import xla_flags  # noqa: E402  (pure Python: JAX does not start)
+
+os.environ["XLA_FLAGS"] = xla_flags(8)  # the caller's flags kept
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import report  # noqa: E402  (benchmarks/report.py)
+from libra_jax.config import xla_flags  # noqa: E402
 
 PARAMS = [  # (column, where in the analysis, scale, format)
     ("D", ("slowdown", "fair_share_fit", "params", "compute_threads"), 1.0, "{:.2f}"),
@@ -46,7 +47,7 @@ def burn(stop: float) -> None:
 
 
 def calibrate_once(out: Path) -> dict:
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    env = {**os.environ, "XLA_FLAGS": xla_flags(8)}
     cmd = [str(Path(sys.executable).parent / "libra-jax"), "calibrate", "--out", str(out),
            "--no-progress"]
     t = time.perf_counter()

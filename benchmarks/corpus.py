@@ -26,6 +26,8 @@ import sys
 import time
 from pathlib import Path
 
+from libra_jax.config import xla_flags
+
 ROOT = Path(__file__).resolve().parents[1]
 FLAGS = {"default": "", "no FMA contraction": "--xla_cpu_max_isa=AVX"}
 
@@ -154,7 +156,7 @@ def main() -> int:
     results = {}
     for label, flag in FLAGS.items():
         env = {**os.environ,
-               "XLA_FLAGS": f"--xla_force_host_platform_device_count=8 {flag}".strip()}
+               "XLA_FLAGS": xla_flags(8, f"{os.environ.get('XLA_FLAGS', '')} {flag}")}
         proc = subprocess.run([sys.executable, __file__, "--measure", "--steps", str(args.steps),
                                "--rounds", str(args.rounds)], env=env, capture_output=True,
                               text=True)

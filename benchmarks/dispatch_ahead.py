@@ -24,6 +24,7 @@ import os, sys, time
 import jax, numpy as np
 from jax.sharding import PartitionSpec as P
 import libra_jax
+from libra_jax.config import xla_flags
 which, n = sys.argv[1], int(sys.argv[2])
 mesh = jax.make_mesh((8,), ("x",))
 psum = libra_jax.psum if which == "libra" else jax.lax.psum
@@ -45,7 +46,7 @@ except Exception as e:
 
 
 def run(which: str, n: int, timeout_s: float) -> str:
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
+    env = {**os.environ, "XLA_FLAGS": xla_flags(8),
            "LIBRA_JAX_TIMEOUT_S": str(timeout_s)}
     t0 = time.time()
     try:

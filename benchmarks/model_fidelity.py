@@ -41,7 +41,9 @@ import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+from libra_jax.config import xla_flags  # noqa: E402  (pure Python: JAX does not start)
+
+os.environ["XLA_FLAGS"] = xla_flags(8)  # the caller's flags kept
 ROOT = Path(__file__).resolve().parents[1]
 
 import jax  # noqa: E402

@@ -24,7 +24,9 @@ import tempfile
 import time
 from pathlib import Path
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+from libra_jax.config import xla_flags  # noqa: E402  (pure Python: JAX does not start)
+
+os.environ["XLA_FLAGS"] = xla_flags(8)  # the caller's flags kept
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

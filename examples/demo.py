@@ -1,5 +1,9 @@
 """Demo: one data-parallel training step on 8 host CPU devices, with jax.lax.psum
-and with libra_jax.psum: the same parameters bit for bit, and the time of each.
+and with libra_jax.psum: the same parameters within class 3's bound, and the time of each.
+
+Every psum returns jax.lax.psum's bits, but the two steps are two programs, which XLA may
+compile differently around the all-reduce (README "What bitwise means", class 3): the
+parameters are compared with `libra_jax.testing.codegen_error`, and are often bitwise too.
 
     python examples/demo.py [--steps 20] [--hidden 1024]
 """
@@ -9,7 +13,9 @@ import argparse
 import os
 import time
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+from libra_jax.config import xla_flags  # noqa: E402  (pure Python: JAX does not start)
+
+os.environ["XLA_FLAGS"] = xla_flags(8)  # the caller's flags kept
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -17,6 +23,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import libra_jax  # noqa: E402
+from libra_jax import testing  # noqa: E402
 
 
 def init_params(key: jax.Array, sizes: list[int]) -> list[dict[str, jax.Array]]:
@@ -75,15 +82,18 @@ def main() -> None:
                 times[name].append(time.perf_counter() - t0)
             losses[name].append(loss)
 
-    same = all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(state["jax.lax.psum"]),
-                                                    jax.tree.leaves(state["libra_jax.psum"])))
+    errors = testing.codegen_errors(state["libra_jax.psum"], state["jax.lax.psum"])
+    worst = max(errors.values())
+    bitwise = all(np.asarray(a).tobytes() == np.asarray(b).tobytes() for a, b in
+                  zip(jax.tree.leaves(state["jax.lax.psum"]), jax.tree.leaves(state["libra_jax.psum"])))
     for name in steps:
         ts = np.array(times[name]) * 1e3
         print(f"{name:>15}: loss {losses[name][0]:.4f} -> {losses[name][-1]:.4f}, "
               f"step {np.median(ts):.2f} ms median (IQR {np.percentile(ts, 25):.2f}-"
               f"{np.percentile(ts, 75):.2f}) over {len(ts)} steps")
-    print(f"parameters after {args.steps + 2} steps identical bit for bit: {same}")
-    if not same:
+    print(f"parameters after {args.steps + 2} steps: largest difference {worst:.3g} x eps x "
+          f"max|leaf| (bound {testing.CODEGEN_ULPS}); identical bit for bit: {bitwise}")
+    if not worst <= testing.CODEGEN_ULPS:
         raise SystemExit(1)
 
 

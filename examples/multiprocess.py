@@ -24,6 +24,8 @@ import subprocess
 import sys
 import time
 
+from libra_jax.config import xla_flags
+
 EXAMPLES = os.path.dirname(os.path.abspath(__file__))
 TOTAL_DEVICES = 8  # what examples/mlp.py trains on (common.DEVICES)
 
@@ -62,7 +64,7 @@ def launch(ns: argparse.Namespace) -> int:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     # jax_num_cpu_devices sets the devices per process; a forced count from XLA_FLAGS must not.
-    env = {**os.environ, "XLA_FLAGS": ""}
+    env = {**os.environ, "XLA_FLAGS": xla_flags(None)}
     common = [sys.executable, os.path.abspath(__file__), "--processes", str(ns.processes),
               "--steps", str(ns.steps), "--coordinator", f"127.0.0.1:{port}",
               "--heartbeat-timeout", str(ns.heartbeat_timeout)] + (["--small"] if ns.small else [])

@@ -2,7 +2,8 @@
 
 The public API is `__all__`; the documented modules are `libra_jax.model` (profiles and the
 contention model), `libra_jax.planner` (the dynamic program), `libra_jax.config` (the
-``LIBRA_JAX_*`` settings), `libra_jax.calibrate`, and `libra_jax.ops` (the primitives).
+``LIBRA_JAX_*`` settings), `libra_jax.calibrate`, `libra_jax.ops` (the primitives) and
+`libra_jax.testing` (comparing a step with its plain form: what is bitwise, and the bound).
 
 Layers, lowest first; a module imports only from its own layer or below
 (`tests/test_layout.py` checks it):
@@ -12,7 +13,7 @@ Layers, lowest first; a module imports only from its own layer or below
 3. the primitives: `ops`;
 4. the front ends: `allreduce` (`psum`), `rewrite` (`optimize`), `data_parallel`
    (`value_and_grad` for GSPMD steps);
-5. tools: `explanation`, `calibrate` (its fits, `calibrate.fit`, are pure), `cli`.
+5. tools: `explanation`, `calibrate` (its fits, `calibrate.fit`, are pure), `cli`, `testing`.
 
 The JAX front end is loaded on first attribute access, so that ``import libra_jax.planner``
 needs neither JAX nor the compiled extension.

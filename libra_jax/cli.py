@@ -25,8 +25,8 @@ import math
 import sys
 from collections.abc import Callable, Sequence
 
+from libra_jax import config, planner, zoo
 from libra_jax import model as cost_models
-from libra_jax import planner, zoo
 from libra_jax.gantt import MissingDependencyError
 
 __all__ = ["main", "build_parser", "SUBCOMMANDS"]
@@ -220,7 +220,7 @@ def _run_calibrate(args: argparse.Namespace) -> int:
     if args.devices < 2:
         raise ValueError(f"--devices must be >= 2 (an all-reduce needs two ranks), got {args.devices}")
     # Before JAX starts its CPU backend (a no-op if it already has).
-    os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={args.devices}")
+    os.environ["XLA_FLAGS"] = config.xla_flags(args.devices)  # the caller's flags kept
     _check_output(args.out, "--out")
     from libra_jax import calibrate
 
@@ -267,7 +267,7 @@ def _load_script(path: str) -> object:
     import os
     from pathlib import Path
 
-    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    os.environ["XLA_FLAGS"] = config.xla_flags(8)  # the caller's flags kept
     file = Path(path).resolve()
     if not file.is_file():
         raise ValueError(f"no such file: {path}")

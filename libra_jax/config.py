@@ -17,6 +17,10 @@ planner's layer may use it.
 
 ``LIBRA_JAX_FFI_LIBRARY`` (the FFI library to register from) and ``LIBRA_JAX_NCCL_LIBRARY``
 (the NCCL to open) name libraries and are read where they are loaded (``_ffi``, ``_nccl``).
+
+XLA's own ``XLA_FLAGS`` is not libra's, but the CLI, the examples, the benchmarks and the tests
+all need host devices from it: `xla_flags` is the one place that edits it, keeping every flag
+the caller gave (an ISA limit such as ``--xla_cpu_max_isa=AVX2`` must reach the program).
 """
 from __future__ import annotations
 
@@ -31,7 +35,7 @@ __all__ = [
     "cuda_algorithm", "OVERLAP_ENV", "OVERLAP_MODES", "overlap_mode", "DISABLE_ENV",
     "optimize_disabled", "NO_PROFILE_BROADCAST_ENV", "profile_broadcast", "PROFILE_DIR_ENV",
     "calibrated_profile_dir", "NCCL_CTA_ENVS", "nccl_cta_overrides", "NCCL_LAUNCH_ORDER_ENV",
-    "nccl_launch_order_implicit", "request_nccl_launch_order",
+    "nccl_launch_order_implicit", "request_nccl_launch_order", "HOST_DEVICES_FLAG", "xla_flags",
 ]
 
 #: How long a rank waits for the others: `$LIBRA_JAX_TIMEOUT_S` seconds (default 300).
@@ -193,3 +197,27 @@ def calibrated_profile_dir() -> Path:
         return Path(override).expanduser()
     cache = os.environ.get("XDG_CACHE_HOME") or str(Path("~/.cache").expanduser())
     return Path(cache) / "libra_jax" / "profiles"
+
+
+#: XLA's flag that splits the host CPU into that many devices.
+HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count"
+
+
+def xla_flags(host_devices: int | None, flags: str | None = None) -> str:
+    """`flags` (default ``$XLA_FLAGS``) with the forced host device count as asked, every other
+    flag kept in its place.
+
+    ``host_devices=n`` adds ``--xla_force_host_platform_device_count=n`` where the flags force
+    no count (a count the caller forced is theirs, and kept); ``None`` removes the forced count,
+    for a process whose devices come from elsewhere (``jax_num_cpu_devices``,
+    ``jax.distributed``). Set the result as ``XLA_FLAGS`` before JAX starts its CPU backend."""
+    if host_devices is not None and (isinstance(host_devices, bool) or
+                                     not isinstance(host_devices, int) or host_devices < 1):
+        raise ValueError(f"host_devices must be a positive int or None, got {host_devices!r}")
+    words = (os.environ.get("XLA_FLAGS", "") if flags is None else flags).split()
+    forced = [w for w in words if w == HOST_DEVICES_FLAG or w.startswith(HOST_DEVICES_FLAG + "=")]
+    if host_devices is None:
+        words = [w for w in words if w not in forced]
+    elif not forced:
+        words.append(f"{HOST_DEVICES_FLAG}={host_devices}")
+    return " ".join(words)

@@ -3,7 +3,9 @@
 Contract of the rewrite (`rewrite_jaxpr`):
 
 - Input: a closed jaxpr. Output: a closed jaxpr with the same input and output
-  types that computes the same values bit for bit, in which every psum that
+  types whose equations compute the same values bit for bit (each psum's result
+  is `jax.lax.psum`'s; compiled, XLA may still fuse and contract the two programs
+  differently: README "What bitwise means", class 3), in which every psum that
   can be served (`psum`, `psum_invariant`, and `libra_psum` without an
   explicit block count) is a `libra_psum` with a planned block count, or part
   of a `libra_psum_fused` bucket.
@@ -30,7 +32,7 @@ Contract of the rewrite (`rewrite_jaxpr`):
   stacked output (a stacked weight's gradient slice, `libra_jax.loops`) are
   hoisted before the scope is planned: the scan returns the slices unreduced and
   one psum of the stacked array follows it, a psum of this scope like any other
-  (bitwise the same: the sum is elementwise). `loops="auto"` hoists where the
+  (the same sums: summation is elementwise). `loops="auto"` hoists where the
   model prices that lower than one all-reduce per iteration (`_Rewriter.loop_plan`)
   and otherwise gives the loop's psums the block count it found best for the
   loop. Other psums in loop bodies (a shared weight's, accumulated in the carry)
@@ -120,7 +122,7 @@ def optimize(fn: Callable[..., Any] | None = None, *, profile: Any = None, fusio
         call. None: ``$LIBRA_JAX_OVERLAP``, else "auto".
       loops: what happens to a `scan` body's psums that may leave the loop (a stacked
         weight's gradient slice: `libra_jax.loops`): "hoist" all-reduces the stacked slices
-        once after the loop, planned with the other gradients (bitwise the same); "in-loop"
+        once after the loop, planned with the other gradients (the same sums); "in-loop"
         keeps one all-reduce per iteration in the body, with the model's block count for
         the loop; "auto" (default) takes whichever the model predicts faster.
       static_argnums, static_argnames: arguments that are not traced, as in `jax.jit`:

@@ -4,13 +4,19 @@ from __future__ import annotations
 import os
 import tempfile
 
-# Before JAX starts its CPU backend (also for subprocesses spawned by tests).
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+from libra_jax.config import xla_flags  # pure Python: JAX does not start
+
+# Before JAX starts its CPU backend (also for subprocesses spawned by tests): 8 host devices,
+# and every flag the caller gave kept (CI's --xla_cpu_max_isa runs need theirs to reach XLA).
+os.environ["XLA_FLAGS"] = xla_flags(8)
 # A user's calibrated profile must not change what the tests expect.
 os.environ["LIBRA_JAX_PROFILE_DIR"] = tempfile.mkdtemp(prefix="libra_jax_test_profiles_")
 
 import numpy as np
 import pytest
+
+from libra_jax import testing
+from libra_jax.testing import assert_bitwise  # noqa: F401  (the tests import it from here)
 
 
 def _jax():
@@ -33,12 +39,27 @@ def shard(x, mesh, spec):
     return jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))
 
 
-def assert_bitwise(a, b) -> None:
-    """Same dtype, shape and bytes (NaNs with the same payload compare equal)."""
-    a, b = np.asarray(a), np.asarray(b)
-    assert a.dtype == b.dtype, (a.dtype, b.dtype)
-    assert a.shape == b.shape, (a.shape, b.shape)
-    assert a.tobytes() == b.tobytes(), f"max |diff| = {np.max(np.abs(a.astype(np.float64) - b.astype(np.float64)))}"
+# --- Comparing results: the three classes of README "What bitwise means" ---------------------
+# (libra_jax.testing): classes 1 and 2 (by construction; the same program but the collective)
+# are bitwise, class 3 (two programs: by XLA's code generation) is within CODEGEN_ULPS.
+
+#: Where assert_codegen_close appends what it measured (a JSON line per leaf), for
+#: benchmarks/codegen_bounds.py's table; unset in ordinary runs.
+CODEGEN_RECORD_ENV = "CODEGEN_BOUNDS_RECORD"
+
+
+def assert_codegen_close(got, want) -> None:
+    """libra_jax.testing.assert_codegen_close, recording each leaf's error where
+    $CODEGEN_BOUNDS_RECORD names a file (before asserting: a failure is recorded too)."""
+    import json
+
+    record = os.environ.get(CODEGEN_RECORD_ENV)
+    if record:
+        test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" (", 1)[0]
+        with open(record, "a") as f:
+            for leaf, error in testing.codegen_errors(got, want).items():
+                f.write(json.dumps({"test": test, "leaf": leaf, "error": error}) + "\n")
+    testing.assert_codegen_close(got, want)
 
 
 @pytest.fixture(scope="session")

@@ -108,7 +108,8 @@ def collect() -> dict[str, list[str]]:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    from libra_jax.config import xla_flags
+    os.environ["XLA_FLAGS"] = xla_flags(8)
     if sys.argv[1:] != ["--write"]:
         print(__doc__)
         raise SystemExit(2)

@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 import libra_jax
 from libra_jax import _libra_ffi
 from libra_jax.allreduce import MAX_BLOCKS, default_blocks
+from libra_jax.config import xla_flags
 
 from conftest import assert_bitwise, mesh_of, shard
 
@@ -609,7 +610,7 @@ def test_a_tiny_timeout_still_times_out():
     # arrives hung the program. Now it is 1 ms, and the error comes at once.
     script = TIMEOUT_SCRIPT.replace('"1.5"', '"0.0004"')
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=120, env={**os.environ, "XLA_FLAGS": ""})
+                          timeout=120, env={**os.environ, "XLA_FLAGS": xla_flags(None)})
     out = proc.stdout
     assert "DEADLINE_EXCEEDED" in out or "DeadlineExceeded" in out, out + proc.stderr[-2000:]
     assert float(out.split("elapsed")[1].split()[0]) < 30, out
@@ -664,7 +665,7 @@ TIMEOUT_SCRIPT = textwrap.dedent("""
 def test_participant_that_never_arrives_times_out():
     proc = subprocess.run([sys.executable, "-c", TIMEOUT_SCRIPT], capture_output=True,
                           text=True, timeout=120,
-                          env={**os.environ, "XLA_FLAGS": ""})
+                          env={**os.environ, "XLA_FLAGS": xla_flags(None)})
     out = proc.stdout
     assert "JaxRuntimeError" in out, out + proc.stderr
     assert "DEADLINE_EXCEEDED" in out
@@ -701,7 +702,7 @@ DEBUG_SCRIPT = textwrap.dedent("""
 
 
 def test_debug_log():
-    env = {**os.environ, "XLA_FLAGS": "", "LIBRA_JAX_DEBUG": "1"}
+    env = {**os.environ, "XLA_FLAGS": xla_flags(None), "LIBRA_JAX_DEBUG": "1"}
     proc = subprocess.run([sys.executable, "-c", DEBUG_SCRIPT], capture_output=True, text=True,
                           timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr
@@ -717,7 +718,7 @@ def test_ctrl_c_during_a_wait_is_not_swallowed():
     script = TIMEOUT_SCRIPT.replace('"1.5"', '"4"').replace(
         "t0 = time.time()", "t0 = time.time(); print('waiting', flush=True)")
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "XLA_FLAGS": ""})
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "XLA_FLAGS": xla_flags(None)})
     assert proc.stdout.readline().strip() == "waiting"
     import signal, time
     time.sleep(1.0)

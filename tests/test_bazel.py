@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 import libra_jax
 from libra_jax import _ffi, _libra_ffi
 from libra_jax.rewrite import optimize
+from libra_jax.config import xla_flags
 
 from conftest import mesh_of, mlp_step
 
@@ -81,7 +82,7 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_allreduce_from_bazel_library(ffi_library):
-    env = {**os.environ, "XLA_FLAGS": "", _ffi.FFI_LIBRARY_ENV: str(ffi_library)}
+    env = {**os.environ, "XLA_FLAGS": xla_flags(None), _ffi.FFI_LIBRARY_ENV: str(ffi_library)}
     proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
                           timeout=300, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -3,6 +3,7 @@ ValueError naming its variable (the timeout's end-to-end effects: tests/test_all
 from __future__ import annotations
 
 import math
+import os
 import re
 import subprocess
 import sys
@@ -93,3 +94,27 @@ def test_config_is_read_when_used_not_at_import():
             "print(config.timeout_ms())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "7000"
+
+
+def test_xla_flags_keeps_the_callers_flags_and_adds_a_device_count_only_if_missing():
+    isa = "--xla_cpu_max_isa=AVX2"
+    count = "--xla_force_host_platform_device_count"
+    assert config.xla_flags(8, "") == f"{count}=8"
+    assert config.xla_flags(8, isa) == f"{isa} {count}=8"  # setdefault dropped the count
+    assert config.xla_flags(8, f"{count}=4 {isa}") == f"{count}=4 {isa}"  # theirs, kept
+    assert config.xla_flags(None, f"{count}=8 {isa}") == isa  # ="" dropped the ISA limit
+    assert config.xla_flags(2, config.xla_flags(None, f"{count}=8 {isa}")) == f"{isa} {count}=2"
+    for bad in (0, -1, True, 2.0, "8"):
+        with pytest.raises(ValueError, match="host_devices must be a positive int"):
+            config.xla_flags(bad, "")
+
+
+def test_the_suite_adds_its_devices_to_the_callers_xla_flags():
+    # CI's --xla_cpu_max_isa runs: conftest (setdefault before) kept the ISA limit and lost
+    # the 8 devices; a subprocess test's XLA_FLAGS="" then dropped the ISA limit.
+    script = ("import os, sys; sys.path.insert(0, sys.argv[1]); import conftest; "
+              "print(os.environ['XLA_FLAGS'])")
+    env = {**os.environ, "XLA_FLAGS": "--xla_cpu_max_isa=AVX"}
+    out = subprocess.run([sys.executable, "-c", script, str(Path(__file__).parent)], env=env,
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    assert out.split() == ["--xla_cpu_max_isa=AVX", "--xla_force_host_platform_device_count=8"]

@@ -1,16 +1,17 @@
 """`optimize`, `explain` and the drop-ins on the corpus of real-world-style steps (corpus.py).
 
 Per step, jitted with its state donated:
-* the hard criterion: the optimized program with Libra's calls and the same rewritten program
-  with XLA's all-reduce in their place (``optimize(collectives="xla")``) train to bitwise the
-  same state and metrics; plain vs optimized losses agree to float32 rounding (the trained state
-  may differ by rounding: XLA fuses the two programs differently; reported, not required, in
-  benchmarks/results/trained_state.md);
+* the hard criterion (class 2 of README "What bitwise means"): the optimized program with
+  Libra's calls and the same rewritten program with XLA's all-reduce in their place
+  (``optimize(collectives="xla")``) train to bitwise the same state and metrics;
+* plain vs optimized (class 3: two programs, which XLA fuses and contracts differently per
+  CPU): the losses within the bound; the trained state may differ by more after adaptive
+  optimizer steps (reported, not required, in benchmarks/results/corpus.md);
 * lowered for `cpu` and (``LIBRA_JAX_CUDA=p2p``) for `cuda`: Libra calls carrying the planned
   blocks, and no XLA all-reduce left;
 * `explain` runs and names every gradient by its parameter's path;
 * the drop-in, by function swap (the step's code calls `libra_jax.pmean`) and by
-  `libra_jax.patch_lax()`: Libra calls in the program, losses as plain's.
+  `libra_jax.patch_lax()`: Libra calls in the program, losses within the bound of plain's.
 
 CI: the full comparison (STEPS steps) on jax 0.10.2 (or with LIBRA_JAX_CORPUS_FULL=1); other
 JAX versions run one step.
@@ -30,6 +31,7 @@ from libra_jax.rewrite import optimize
 pytest.importorskip("flax")
 pytest.importorskip("optax")
 
+from conftest import assert_codegen_close  # noqa: E402
 from corpus import CASES  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("jax_8")
@@ -56,8 +58,8 @@ def leaves_bytes(tree):
 
 
 def losses(metrics):
-    return np.array([np.asarray(jax.tree.leaves(m)[0 if not isinstance(m, dict) else 0])
-                     .reshape(-1)[0] for m in metrics], np.float64)
+    """Each step's loss (the metrics' first leaf), in its own dtype."""
+    return np.stack([np.asarray(jax.tree.leaves(m)[0]).reshape(-1)[0] for m in metrics])
 
 
 def jitted(fn, case):
@@ -78,7 +80,7 @@ def test_optimized_equals_its_xla_control_and_plain_agrees(name):
         s_plain, m_plain = train(plain, case, STEPS)
     assert leaves_bytes(s_opt) == leaves_bytes(s_ctl), "state: Libra vs its XLA control"
     assert leaves_bytes(m_opt) == leaves_bytes(m_ctl), "metrics: Libra vs its XLA control"
-    np.testing.assert_allclose(losses(m_opt), losses(m_plain), rtol=1e-5, atol=1e-7)
+    assert_codegen_close(losses(m_opt), losses(m_plain))
     report = opt_fn.last_report
     kinds: dict[str, int] = {}
     for p in report.plans:
@@ -149,4 +151,4 @@ def test_the_drop_in_runs_libra_calls(name, how):
     # reach a library's own pmean (patch_lax does).
     if not case.autodiff_psums and not (case.library_psums and how == "function swap"):
         assert "all_reduce" not in text
-    np.testing.assert_allclose(losses(m_drop), losses(m_plain), rtol=1e-5, atol=1e-7)
+    assert_codegen_close(losses(m_drop), losses(m_plain))

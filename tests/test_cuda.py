@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 import libra_jax
 from libra_jax import _compat, _ffi, _libra_ffi, allreduce
+from libra_jax.config import xla_flags
 
 from conftest import _jax
 
@@ -509,7 +510,7 @@ def test_gpu_check_skips_what_its_budget_has_no_room_for(tmp_path):
 def test_build_info_says_what_the_build_has():
     # In a subprocess: build_info opens NCCL, once per process (here: one that does not load).
     code = "import json, libra_jax; print('INFO', json.dumps(libra_jax.build_info()))"
-    env = {**os.environ, "LIBRA_JAX_NCCL_LIBRARY": "/nonexistent/libnccl.so.2", "XLA_FLAGS": ""}
+    env = {**os.environ, "LIBRA_JAX_NCCL_LIBRARY": "/nonexistent/libnccl.so.2", "XLA_FLAGS": xla_flags(None)}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]

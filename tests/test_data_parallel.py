@@ -1,9 +1,11 @@
-"""`libra_jax.value_and_grad`: a GSPMD step's gradient, bitwise, with all-reduces `optimize` plans.
+"""`libra_jax.value_and_grad`: a GSPMD step's gradient, with all-reduces `optimize` plans.
 
 Each test runs the same step written two ways on the same sharded inputs: as GSPMD code
 (``jax.value_and_grad``: XLA's partitioner inserts the all-reduces) and through the route
-(``libra_jax.value_and_grad``), and compares them bit for bit; then `optimize` must plan the
-route's all-reduces as Libra calls, lowered for `cpu` and for `cuda`.
+(``libra_jax.value_and_grad``). They are two programs, so they agree within class 3's bound
+(README "What bitwise means": XLA's code generation differs per CPU), not bit for bit; the
+optimized route is bitwise its XLA control. Then `optimize` must plan the route's all-reduces
+as Libra calls, lowered for `cpu` and for `cuda`.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 import libra_jax
 from libra_jax import _ffi
 
-from conftest import assert_bitwise
+from conftest import assert_bitwise, assert_codegen_close
 from test_nccl import run, stub_env, stub_library  # noqa: F401  (the stub's fixtures)
 
 pytestmark = pytest.mark.usefixtures("jax_8")
@@ -102,14 +104,14 @@ def mesh_context(mesh):
 
 @pytest.mark.parametrize("kind", ["auto", "explicit"])
 @pytest.mark.parametrize("batch", [64, 128, 512])
-def test_flax_value_grad_and_metric_are_bitwise_gspmds(kind, batch):
+def test_flax_value_grad_and_metric_match_gspmds(kind, batch):
     # GSPMD's step on the auto mesh (on an explicit one, jax 0.12 cannot shard optax's
     # cross-entropy); the route's on either.
     _, params, x, labels = flax_state(make_mesh(kind="auto"), batch)
     want = jax.jit(jax.value_and_grad(flax_loss, has_aux=True))(params, x, labels)
     _, params, x, labels = flax_state(make_mesh(kind=kind), batch)
     got = jax.jit(route(flax_loss, has_aux=True))(params, x, labels)
-    jax.tree.map(assert_bitwise, got, want)
+    assert_codegen_close(got, want)
 
 
 def max_ulps(a, b) -> int:
@@ -120,13 +122,12 @@ def max_ulps(a, b) -> int:
 
 @pytest.mark.parametrize("kind", ["auto", "explicit"])
 def test_optax_step_under_jit_with_donation_matches_the_gspmd_step(kind):
-    """The whole step: its gradients are bitwise GSPMD's (above), but XLA compiles the update
-    around its own all-reduce differently in the two programs, so the parameters differ in the
-    last bits (measured on jax 0.10.2: at most 2 ulp after 3 Adam steps, 8 after 5; 0 when the
-    gradients are outputs too; optimized, 12 after 3). An Adam step moves a parameter by about
-    1e5 ulp, so 32 ulp still catches a gradient that is wrong at all. Optimized, the route's
-    step is bitwise its control (the same rewritten program with XLA's all-reduce, README
-    "What bitwise means") and as close to GSPMD's."""
+    """The whole step, 3 Adam steps. Optimized, the route's step is bitwise its control (the
+    same rewritten program with XLA's all-reduce: class 2). Against GSPMD's (class 3) the
+    gradients agree within the bound (above), but Adam divides by the root of the second
+    moment, so on a near-zero gradient a last-bit difference moves the parameter by hundreds
+    of ulps (525 measured on an AVX2 CPU): the last loss is bounded, the parameters are checked
+    for having moved as GSPMD's did (an Adam step moves one by about 1e5 ulp)."""
     tx = optax.adam(1e-3)
     outs = []
     for mesh, step in ((make_mesh(), optax_step(jax.value_and_grad, tx)),  # as above
@@ -144,26 +145,25 @@ def test_optax_step_under_jit_with_donation_matches_the_gspmd_step(kind):
         outs.append((p, s, loss, metrics))
     gspmd, routed, optimized, control = outs
     jax.tree.map(assert_bitwise, optimized, control)
-    for got in (routed, optimized):
-        ulps = jax.tree.leaves(jax.tree.map(max_ulps, got[0], gspmd[0]))
-        assert max(ulps) <= 32, ulps
-        np.testing.assert_array_max_ulp(got[2], gspmd[2], maxulp=32)  # the last step's loss
-    moved = jax.tree.leaves(jax.tree.map(max_ulps, gspmd[0], params))
-    assert min(moved) > 1000, moved
+    for got in (gspmd, routed, optimized):
+        assert_codegen_close(got[2], gspmd[2])  # the last step's loss
+        moved = jax.tree.leaves(jax.tree.map(max_ulps, got[0], params))
+        assert min(moved) > 1000, moved
 
 
 @pytest.mark.parametrize("kind", ["auto", "explicit"])
-def test_plain_value_and_grad_with_argnums_is_bitwise_gspmd(kind):
+def test_plain_value_and_grad_with_argnums_matches_gspmd(kind):
     mesh = make_mesh(kind=kind)
     rng = np.random.default_rng(1)
     params = put(mlp_params(rng), mesh, P())
     x = put(rng.standard_normal((64, 16)).astype(np.float32), mesh, P("data"))
     y = put(rng.standard_normal((64, 8)).astype(np.float32), mesh, P("data"))
     want = jax.jit(jax.value_and_grad(mlp_loss))(params, x, y)
-    jax.tree.map(assert_bitwise, jax.jit(route(mlp_loss))(params, x, y), want)
-    # Called without jit: the route compiles its own program (the same one), also with a
-    # keyword argument (passed whole to every shard) that cannot key its cache.
-    jax.tree.map(assert_bitwise, route(mlp_loss)(params, x, y), want)
+    jitted = jax.jit(route(mlp_loss))(params, x, y)
+    assert_codegen_close(jitted, want)
+    # Called without jit: the route compiles its own program (the same one: bitwise), also
+    # with a keyword argument (passed whole to every shard) that cannot key its cache.
+    jax.tree.map(assert_bitwise, route(mlp_loss)(params, x, y), jitted)
     scaled_loss = route(lambda p, x, y, *, scale: scale * mlp_loss(p, x, y))
     for scale in (1.0, 2.0):
         value, _ = scaled_loss(params, x, y, scale=np.float32(scale) * np.ones(()))
@@ -174,12 +174,13 @@ def test_plain_value_and_grad_with_argnums_is_bitwise_gspmd(kind):
     scale = put(jnp.float32(0.5), mesh, P())
     want = jax.jit(jax.grad(scaled, argnums=(0, 1)))(params, scale, x, y)
     got = jax.jit(libra_jax.grad(scaled, argnums=(0, 1)))(params, scale, x, y)
-    jax.tree.map(assert_bitwise, got, want)
+    assert_codegen_close(got, want)
 
 
 def test_two_dimensional_mesh_with_replicated_parameters():
     """On a data x model mesh, the route maps every axis (XLA's all-reduce would otherwise be
-    the fallback of a partly manual shard_map) and stays bitwise GSPMD's."""
+    the fallback of a partly manual shard_map), bitwise its XLA control and within the bound
+    of GSPMD's."""
     mesh = make_mesh((4, 2), ("data", "model"))
     rng = np.random.default_rng(2)
     params = put(mlp_params(rng), mesh, P())
@@ -187,7 +188,10 @@ def test_two_dimensional_mesh_with_replicated_parameters():
     y = put(rng.standard_normal((32, 8)).astype(np.float32), mesh, P("data"))
     want = jax.jit(jax.value_and_grad(mlp_loss))(params, x, y)
     opt = libra_jax.optimize(route(mlp_loss))
-    jax.tree.map(assert_bitwise, jax.jit(opt)(params, x, y), want)
+    got = jax.jit(opt)(params, x, y)
+    assert_codegen_close(got, want)
+    control = libra_jax.optimize(route(mlp_loss), collectives="xla")
+    jax.tree.map(assert_bitwise, got, jax.jit(control)(params, x, y))
     gradient = [p for p in opt.last_report.plans if p.kind == "gradient"]
     assert gradient and all(p.axes == ("data",) for p in gradient), opt.last_report.plan_lines()
     text = jax.jit(opt).lower(params, x, y).as_text()
@@ -205,9 +209,9 @@ def test_the_mesh_comes_from_set_mesh_or_the_inputs():
     # Numpy batches (replicated when traced) are resharded to the batch spec on an explicit mesh.
     with jax.set_mesh(mesh):
         got = jax.jit(route(mlp_loss))(jax.tree.map(np.asarray, params), x, y)
-    jax.tree.map(assert_bitwise, got, want)
+    assert_codegen_close(got, want)
     got = jax.jit(route(mlp_loss))(params, put(x, mesh, P()), put(y, mesh, P("data")))
-    jax.tree.map(assert_bitwise, got, want)
+    assert_codegen_close(got, want)
 
 
 # --- optimize plans the route ----------------------------------------------------------------
@@ -221,7 +225,11 @@ def test_optimize_plans_the_routes_all_reduces_on_cpu():
     opt = libra_jax.optimize(step)
     got = jax.jit(opt, donate_argnums=(0, 1))(*jax.tree.map(jnp.copy, (params, opt_state)),
                                             x, labels)
-    jax.tree.map(assert_bitwise, got, want)
+    control = jax.jit(libra_jax.optimize(step, collectives="xla"))(params, opt_state, x, labels)
+    jax.tree.map(assert_bitwise, got, control)
+    assert_codegen_close(got[1:], want[1:])  # optimizer state (linear in g, g*g), loss, metrics
+    moved = jax.tree.leaves(jax.tree.map(max_ulps, got[0], params))
+    assert min(moved) > 1000, moved
     report = opt.last_report
     gradient = [p for p in report.plans if p.kind == "gradient"]
     n_params = len(jax.tree.leaves(params))
@@ -344,6 +352,7 @@ def test_optimize_names_the_route_for_a_gspmd_step(monkeypatch):
     opt = libra_jax.optimize(step)
     with pytest.warns(UserWarning, match=r"inputs are sharded over mesh axes \('data',\): a "
                                          r"GSPMD step.*libra_jax.value_and_grad"):
+        # Nothing planned: the same program.
         jax.tree.map(assert_bitwise, opt(params, x, y), jax.jit(step)(params, x, y))
     assert not opt.last_report.plans
     text = str(libra_jax.explain(step, params, x, y, file=None))
@@ -381,7 +390,7 @@ def test_optimize_says_once_which_collectives_it_leaves_to_xla(monkeypatch):
     with pytest.warns(UserWarning, match=r"plans psums only; these collectives stay XLA's: "
                                          r"all_gather over \('data',\) in top/shard_map; "
                                          r"psum_scatter over \('data',\).*FSDP"):
-        jax.tree.map(assert_bitwise, jax.jit(opt)(w, x), jax.jit(step)(w, x))
+        assert_codegen_close(jax.jit(opt)(w, x), jax.jit(step)(w, x))
     report = opt.last_report
     assert report.unplanned == ["all_gather over ('data',) in top/shard_map",
                                 "psum_scatter over ('data',) in top/shard_map"]

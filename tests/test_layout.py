@@ -25,7 +25,7 @@ LAYERS: dict[str, int] = {
                      "ops.start_done"], 3),
     **dict.fromkeys(["allreduce", "rewrite", "overlap", "data_parallel", "loops"], 4),
     **dict.fromkeys(["explanation", "calibrate", "calibrate.measure", "calibrate.build", "cli",
-                     "__main__"], 5),
+                     "__main__", "testing"], 5),
 }
 PURE = [name for name, layer in LAYERS.items() if layer == 1]
 

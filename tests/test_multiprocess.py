@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from libra_jax.config import xla_flags
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -170,7 +171,7 @@ def run_processes(script: str, args_per_process: list[list[str]], *, devices: in
     exit 0."""
     port = str(free_port())
     n = len(args_per_process)
-    base = {**os.environ, "XLA_FLAGS": "", "LIBRA_JAX_TIMEOUT_S": "60",
+    base = {**os.environ, "XLA_FLAGS": xla_flags(None), "LIBRA_JAX_TIMEOUT_S": "60",
             "EXAMPLES_DIR": str(EXAMPLES), **(env or {})}
     logs = Path(tempfile.mkdtemp(prefix="libra_mp_"))
     procs, files = [], []

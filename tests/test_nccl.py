@@ -18,6 +18,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from libra_jax.config import xla_flags
 
 from test_multiprocess import GRAD_WORKER, free_port, run_processes
 
@@ -39,7 +40,7 @@ def stub_library(tmp_path_factory) -> Path:
 @pytest.fixture
 def stub_env(stub_library, tmp_path) -> dict:
     """Environment of a process that uses the stub; its log at env['NCCL_STUB_LOG']."""
-    return {**os.environ, "XLA_FLAGS": "", "LIBRA_JAX_NCCL_LIBRARY": str(stub_library),
+    return {**os.environ, "XLA_FLAGS": xla_flags(None), "LIBRA_JAX_NCCL_LIBRARY": str(stub_library),
             "NCCL_STUB_DIR": str(tmp_path), "NCCL_STUB_LOG": str(tmp_path / "stub.log"),
             "NCCL_STUB_TIMEOUT_S": "30", "NCCL_STUB_VERSION": "23100"}
 
@@ -269,7 +270,7 @@ LAUNCH_ORDER = """
 def test_launch_order_is_asked_for_and_said_where_it_is_missing(stub_env, version, preset, env,
                                                                 said):
     stub_env.update(NCCL_STUB_VERSION=version, LIBRA_JAX_CUDA="nccl",
-                    XLA_FLAGS="--xla_force_host_platform_device_count=2")
+                    XLA_FLAGS=xla_flags(2, xla_flags(None)))
     stub_env.pop("NCCL_LAUNCH_ORDER_IMPLICIT", None)
     if preset is not None:
         stub_env["NCCL_LAUNCH_ORDER_IMPLICIT"] = preset  # the user's value is left alone
@@ -657,7 +658,7 @@ def _gpu_count() -> int:
 
 @pytest.mark.skipif(_gpu_count() < 2, reason="needs 2 GPUs (NCCL refuses two ranks on one)")
 def test_two_processes_on_two_gpus():
-    env = {**os.environ, "XLA_FLAGS": "", "LIBRA_JAX_CUDA": "nccl"}
+    env = {**os.environ, "XLA_FLAGS": xla_flags(None), "LIBRA_JAX_CUDA": "nccl"}
     env.pop("LIBRA_JAX_NCCL_LIBRARY", None)
     port = str(free_port())
     procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(GPU_WORKER), str(pid), port],

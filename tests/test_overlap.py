@@ -17,8 +17,10 @@ from jax.sharding import PartitionSpec as P
 
 from libra_jax import _compat, _ffi, model, ops
 from libra_jax.rewrite import optimize, rewrite_jaxpr
+from libra_jax.config import xla_flags
 
-from conftest import assert_bitwise, check_start_done_pairs, mesh_of, mlp_step, shard
+from conftest import (assert_bitwise, assert_codegen_close, check_start_done_pairs, mesh_of,
+                      mlp_step, shard)
 from test_allreduce import TIMEOUT_SCRIPT
 
 pytestmark = pytest.mark.usefixtures("jax_8")
@@ -36,14 +38,14 @@ def eqn_names(jaxpr):
     return []
 
 
-def test_start_done_equals_sync_and_plain_bitwise():
+def test_start_done_equals_sync_bitwise_and_plain_within_the_bound():
     step, args = mlp_step()
     plain = jax.jit(step)(*args)
     sync = jax.jit(optimize(step, overlap="sync"))(*args)
     split = optimize(step, overlap="start-done")
     got = jax.jit(split)(*args)
-    jax.tree.map(assert_bitwise, got, sync)
-    jax.tree.map(assert_bitwise, got, plain)
+    jax.tree.map(assert_bitwise, got, sync)  # the same plan; only the collective's form differs
+    assert_codegen_close(got, plain)
     assert split.last_report.num_psums >= 5  # four weight gradients and the loss
     hlo = jax.jit(split).lower(*args).as_text()
     starts = re.findall(r"custom_call @libra_allreduce_cpu_start\(", hlo)
@@ -104,7 +106,7 @@ def test_auto_splits_the_buckets_whose_deferred_update_costs_less_than_pending()
     assert {p.overlap for p in report.plans if p.kind == "gradient"} == {"sync"}
     # A mixed plan computes the same values as plain JAX.
     auto = optimize(step, profile=with_pending_cost(7), fusion=False, overlap="auto")
-    jax.tree.map(assert_bitwise, jax.jit(auto)(*args), jax.jit(step)(*args))
+    assert_codegen_close(jax.jit(auto)(*args), jax.jit(step)(*args))
     assert {p.overlap for p in auto.last_report.plans if p.kind == "gradient"} == \
         {"sync", "start-done"}
 
@@ -203,7 +205,7 @@ START_TIMEOUT_SCRIPT = TIMEOUT_SCRIPT.replace("def body(v):", textwrap.dedent(""
 
 def test_cpu_start_whose_rank_never_arrives_fails_at_done():
     proc = subprocess.run([sys.executable, "-c", START_TIMEOUT_SCRIPT], capture_output=True,
-                          text=True, timeout=120, env={**os.environ, "XLA_FLAGS": ""})
+                          text=True, timeout=120, env={**os.environ, "XLA_FLAGS": xla_flags(None)})
     out = proc.stdout
     assert "split_psum, v)" in START_TIMEOUT_SCRIPT
     assert "DEADLINE_EXCEEDED" in out and "waiting for ranks [2] of 4" in out, out + proc.stderr
@@ -256,7 +258,7 @@ ABANDONED_SCRIPT = textwrap.dedent("""
 
 def test_starts_abandoned_by_a_failed_execution_expire():
     proc = subprocess.run([sys.executable, "-c", ABANDONED_SCRIPT], capture_output=True,
-                          text=True, timeout=120, env={**os.environ, "XLA_FLAGS": ""})
+                          text=True, timeout=120, env={**os.environ, "XLA_FLAGS": xla_flags(None)})
     out = proc.stdout
     assert "FAILED" in out, out + proc.stderr[-3000:]
     abandoned = int(out.split("PENDING_AFTER_FAILURE")[1].split()[0])
