@@ -49,6 +49,8 @@ Contract of the rewrite (`rewrite_jaxpr`):
   (`libra_jax.ops.start_done`); the values are the same. ``overlap="sync"`` or
   ``"start-done"`` forces one way; ``"auto"`` (the default) chooses per bucket
   (`_Rewriter.split_buckets`).
+- A psum of a known zero (a literal, or broadcast from one) is folded to ``z + z``,
+  bitwise `jax.lax.psum`'s, with no call (`_Rewriter.fold_zero_psums`).
 - Deterministic: everything is visited in jaxpr order; no set or dict
   iteration order, hash or timing enters the plan.
 """
@@ -63,10 +65,12 @@ import hashlib
 import json
 import math
 import os
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 from libra_jax import _compat, _nccl, allreduce, config, loops, model, planner
 from libra_jax.ops import XLA_TWINS, libra_psum_fused_p, libra_psum_p
@@ -128,9 +132,10 @@ def optimize(fn: Callable[..., Any] | None = None, *, profile: Any = None, fusio
       static_argnums, static_argnames: arguments that are not traced, as in `jax.jit`:
         Python values (a ``train`` flag, a config, a schedule function) passed to `fn` as
         they are; they must be hashable, and each distinct value is its own program. A
-        jitted `fn`'s own static arguments are taken from it. Under an outer `jax.jit`,
-        mark them static there too: ``jax.jit(optimize(step, static_argnums=2),
-        static_argnums=2)``.
+        jitted `fn`'s own static arguments are taken from it. Under an outer transformation
+        (`jax.jit` with its own ``static_argnums``, `eqx.filter_jit`, `nnx.jit`) nothing
+        needs marking here: where some argument leaf is a tracer, every leaf that is
+        neither a tracer nor an array is static (`outer_statics`).
       collectives: "libra" (default): the engine's calls. "xla": the same rewritten program
         (buckets packed and split, start/done where they were) with XLA's all-reduce in
         each call's place: the control that isolates the engine from the rewrite (their
@@ -140,9 +145,12 @@ def optimize(fn: Callable[..., Any] | None = None, *, profile: Any = None, fusio
     Returns:
       A function with `fn`'s signature and results. Its other arguments are handled as by
       `jax.jit`: array-likes (Python scalars included) are traced, anything else is an
-      error; the rewritten program is cached per argument structure and types (and static
-      values), so the same call retraces nothing. ``wrapped.last_report`` holds the
-      latest plan.
+      error (under an outer transformation: static, above); the rewritten program is cached
+      per argument structure and types (and static values), so the same call retraces
+      nothing. Flax NNX objects among the arguments (modules, `nnx.Optimizer`, metrics,
+      `Rngs`) are updated in place as `fn` updates them, as under `nnx.jit`; called inside
+      `nnx.jit`, or wrapping an `nnx.jit`ted `fn`, likewise. ``wrapped.last_report`` holds
+      the latest plan.
     """
     if fn is None:
         return functools.partial(optimize, profile=profile, fusion=fusion, blocks=blocks,
@@ -161,7 +169,7 @@ def optimize(fn: Callable[..., Any] | None = None, *, profile: Any = None, fusio
         return fn
     options = _Options(profile=profile, fusion=bool(fusion), blocks=blocks,
                        overlap=config.overlap_mode(overlap), loops=_loop_mode(loops))
-    cache: dict[Any, tuple[Callable[..., Any], Any, OptimizeReport]] = {}
+    cache: dict[Any, tuple[Callable[..., Any], _Outputs, OptimizeReport]] = {}
 
     # Name, docstring and signature of `fn`, but not its attributes: a jitted or
     # pmapped `fn` carries attributes that would make `jax.jit(wrapped)` compile `fn`.
@@ -170,13 +178,17 @@ def optimize(fn: Callable[..., Any] | None = None, *, profile: Any = None, fusio
         if config.optimize_disabled():
             return fn(*args, **kwargs)
         call, dynamic, static_key = statics.split(fn, args, kwargs)
+        nodes = nnx_objects(dynamic)
+        if nodes:  # NNX's in-place updates leave the program as outputs, written back below
+            call = _returning_nnx_state(call)
+        call, dynamic, static_key = outer_statics(call, dynamic, static_key)
         leaves, treedef = jax.tree.flatten(dynamic)
         key = (treedef, tuple(_aval_key(x) for x in leaves), static_key, options.cache_key(),
                collectives)
         entry = cache.get(key)
         if entry is None:
-            closed, out_shape = jax.make_jaxpr(call, return_shape=True)(*dynamic[0],
-                                                                       **dynamic[1])
+            outputs = _Outputs()
+            closed = jax.make_jaxpr(outputs.arrays_of(call))(*dynamic[0], **dynamic[1])
             program = str(closed.jaxpr)
             profile = shared_profile(options.resolved_profile, program=program)
             rewritten, report = rewrite_jaxpr(closed, profile=profile, fusion=options.fusion,
@@ -185,12 +197,17 @@ def optimize(fn: Callable[..., Any] | None = None, *, profile: Any = None, fusio
             check_plan_agreement(report, program=program)
             if collectives == "xla":
                 rewritten = with_xla_collectives(rewritten)
-            entry = (jax.jit(_compat.jaxpr_as_fun(rewritten)), jax.tree.structure(out_shape),
-                     report)
+            entry = (jax.jit(_compat.jaxpr_as_fun(rewritten)), outputs, report)
             cache[key] = entry
-        run, out_tree, report = entry
+        run, outputs, report = entry
         wrapped.last_report = report  # type: ignore[attr-defined]
-        return jax.tree.unflatten(out_tree, run(*leaves))
+        out = outputs.rebuild(run(*leaves))
+        if nodes:
+            out, states = out
+            nnx = sys.modules["flax.nnx"]
+            for node, state in zip(nodes, states):
+                nnx.update(node, state)
+        return out
 
     wrapped.last_report = None  # type: ignore[attr-defined]
     wrapped.static_args = statics  # type: ignore[attr-defined]  # for `libra_jax.explain`
@@ -248,6 +265,112 @@ class StaticArgs:
         return call, (dyn_args, dyn_kwargs), key
 
 
+# --- What an outer transformation hands over -------------------------------------------------
+
+def _is_array(x: Any) -> bool:
+    return isinstance(x, (jax.core.Tracer, jax.Array, np.ndarray, np.generic))
+
+
+def outer_statics(call: Callable[..., Any], dynamic: tuple[tuple, dict], static_key: tuple
+                  ) -> tuple[Callable[..., Any], tuple[tuple, dict], tuple]:
+    """Leaves an outer transformation made static, taken out of the traced arguments.
+
+    Under `jax.jit` with ``static_argnums``, `eqx.filter_jit` or `nnx.jit`, the arguments
+    arrive as tracers beside the Python objects the outer transformation kept static (a
+    config, a schedule function, an Equinox model's activation). So when some leaf is a
+    `Tracer`, every leaf that is neither a tracer nor an array (jax or numpy; Python scalars
+    included) is static: passed to the step as it is, and part of the cache key (hashable,
+    or a TypeError naming the leaf). Called without tracers, `jax.jit`'s rule holds: Python
+    scalars are traced. Returns (a function of the remaining leaves, those leaves as
+    positional arguments, the key with the static leaves added)."""
+    flat, treedef = jax.tree_util.tree_flatten_with_path(dynamic)
+    if not any(isinstance(x, jax.core.Tracer) for _, x in flat):
+        return call, dynamic, static_key
+    static = {i: (path, x) for i, (path, x) in enumerate(flat) if not _is_array(x)}
+    if not static:
+        return call, dynamic, static_key
+    for path, x in static.values():
+        try:
+            hash(x)
+        except TypeError:
+            raise TypeError(
+                f"libra_jax.optimize: argument leaf {_arg_path(path)} ({type(x).__name__}) is "
+                "neither an array nor a tracer, so under the outer transformation it is "
+                "static and keys the program cache, but it is not hashable; make it hashable "
+                "(a tuple, a frozen dataclass) or an array") from None
+    values = {i: x for i, (_, x) in static.items()}
+
+    def call_with_statics(*leaves: Any) -> Any:
+        it = iter(leaves)
+        args, kwargs = jax.tree.unflatten(
+            treedef, [values[i] if i in values else next(it) for i in range(len(flat))])
+        return call(*args, **kwargs)
+
+    key = static_key + (treedef, tuple((i, type(x), x) for i, x in values.items()))
+    dyn = tuple(x for i, (_, x) in enumerate(flat) if i not in values)
+    return call_with_statics, (dyn, {}), key
+
+
+def _arg_path(path: tuple) -> str:
+    """``args[0].activation`` from a flattened (args, kwargs) path."""
+    text = jax.tree_util.keystr(path)
+    return ("args" + text[3:]) if text.startswith("[0]") else ("kwargs" + text[3:])
+
+
+@dataclasses.dataclass
+class _Outputs:
+    """A step's outputs split as its arguments are: the arrays leave the program; any other
+    leaf (a function in an Equinox model that `eqx.filter_jit` returns as it was) is kept
+    from the trace and put back. Python numbers are arrays here, as `jax.jit` returns them."""
+
+    tree: Any = None
+    static: dict[int, Any] = dataclasses.field(default_factory=dict)
+
+    def arrays_of(self, call: Callable[..., Any]) -> Callable[..., Any]:
+        """`call`, returning its array leaves only (recording the rest in `self`)."""
+        def traced(*args: Any, **kwargs: Any) -> list[Any]:
+            flat, self.tree = jax.tree.flatten(call(*args, **kwargs))
+            self.static = {i: x for i, x in enumerate(flat) if not _is_jax_value(x)}
+            return [x for i, x in enumerate(flat) if i not in self.static]
+        return traced
+
+    def rebuild(self, arrays: Sequence[Any]) -> Any:
+        it = iter(arrays)
+        n = self.tree.num_leaves
+        return jax.tree.unflatten(
+            self.tree, [self.static[i] if i in self.static else next(it) for i in range(n)])
+
+
+def _is_jax_value(x: Any) -> bool:
+    return _is_array(x) or isinstance(x, (bool, int, float, complex))
+
+
+def nnx_objects(tree: Any) -> list[Any]:
+    """The Flax NNX objects (modules, optimizers, metrics, `Rngs`, variables) in `tree`, in
+    flattening order. NNX is looked up, never imported: a program without it has none."""
+    nnx = sys.modules.get("flax.nnx")
+    if nnx is None:
+        return []
+    is_node = nnx.graph.is_graph_node
+    return [x for x in jax.tree.leaves(tree, is_leaf=is_node) if is_node(x)]
+
+
+def _returning_nnx_state(call: Callable[..., Any]) -> Callable[..., Any]:
+    """`call` that also returns the state of the NNX objects in its arguments after the call.
+
+    An NNX step updates its arguments in place (``optimizer.update(model, grads)``, metrics,
+    `Rngs`, batch statistics). Traced, those arguments are copies made from the leaves, so
+    their updates must leave the program as outputs and be written back into the caller's
+    objects (`nnx.update`), as `nnx.jit` does; under an outer `nnx.jit` the objects written
+    back are its own, which it propagates."""
+    nnx = sys.modules["flax.nnx"]
+
+    def traced(*args: Any, **kwargs: Any) -> Any:
+        out = call(*args, **kwargs)
+        return out, tuple(nnx.state(node) for node in nnx_objects((args, kwargs)))
+    return traced
+
+
 @dataclasses.dataclass(frozen=True)
 class PsumPlan:
     """One planned all-reduce (a bucket of one or more psums) in one jaxpr scope."""
@@ -294,6 +417,9 @@ class OptimizeReport:
     # kind, axes and scope, with its count.
     unplanned: list[str] = dataclasses.field(default_factory=list)
     loops: list[LoopPlan] = dataclasses.field(default_factory=list)
+    # psums of a known zero, computed without a call (`_Rewriter.fold_zero_psums`): one line
+    # per psum, with its scope.
+    folded: list[str] = dataclasses.field(default_factory=list)
 
     @property
     def num_psums(self) -> int:
@@ -663,6 +789,7 @@ class _Rewriter:
     def jaxpr(self, jaxpr: Any, *, axis_sizes: dict, scope: str, in_loop: bool) -> Any:
         eqns = self.hoist_loops(jaxpr.eqns, axis_sizes, scope)
         eqns = [self.sub_jaxprs(eqn, axis_sizes, scope, in_loop) for eqn in eqns]
+        eqns = self.fold_zero_psums(eqns, scope)
         for eqn in eqns:
             other = _compat.OTHER_COLLECTIVES.get(eqn.primitive.name)
             if other is not None:
@@ -890,6 +1017,39 @@ class _Rewriter:
             else:
                 k = min(allreduce.MAX_BLOCKS, max(1, derivation.launch_shape(bucket.blocks)[0]))
             out.append((members[bucket.first:bucket.last + 1], k))
+        return out
+
+    def fold_zero_psums(self, eqns: list[Any], scope: str) -> list[Any]:
+        """psums whose operand is a known zero (a literal, or broadcast from one), computed
+        as ``z + z`` without a call: the gradient of a float leaf that no derivative reaches
+        (Equinox's ``Dropout.p``) is a constant zero, and each ``pmean`` of it was a 4-byte
+        all-reduce of its own. Bitwise `jax.lax.psum`'s: XLA's simplifier turns a sum
+        all-reduce of an operand the same on every rank (a constant) into the operand times
+        the group size, so a zero keeps its sign (-0 stays -0), as it does in ``z + z``.
+        Only where the psum's result has its operand's type (no varying axes to drop); other
+        constants stay psums, planned (their product and a rank-order sum round
+        differently)."""
+        zeros: set[Any] = set()
+
+        def is_zero(v: Any) -> bool:
+            if _compat.is_var(v):
+                return v in zeros
+            value = np.asarray(getattr(v, "val", np.nan))
+            return value.size > 0 and bool(np.all(value == 0))
+
+        out = []
+        for eqn in eqns:
+            name = eqn.primitive.name
+            operand = eqn.invars[0] if len(eqn.invars) == 1 else None
+            if name in ("broadcast_in_dim", "convert_element_type") and is_zero(operand):
+                zeros.add(eqn.outvars[0])
+            elif ((name in _compat.PSUM_PRIMITIVES or eqn.primitive is libra_psum_p)
+                  and operand is not None and is_zero(operand)
+                  and _same_type(operand.aval, eqn.outvars[0].aval)):
+                eqn = eqn.replace(primitive=jax.lax.add_p, invars=[operand, operand], params={})
+                zeros.add(eqn.outvars[0])
+                self.report.folded.append(f"{name} of zeros in {scope}")
+            out.append(eqn)
         return out
 
     def site(self, index: int, eqn: Any, scope: str) -> _Site | None:
@@ -1131,6 +1291,12 @@ def _reach(eqns: Sequence[Any], members: Sequence[_Site]) -> list[int]:
                 if _compat.is_var(v):
                     depends[v] = mask
     return [max(m, limit[m] - 1) for m in range(len(members))]
+
+
+def _same_type(a: Any, b: Any) -> bool:
+    """Shape, dtype and varying axes alike (a weak type aside)."""
+    return (a.shape == b.shape and a.dtype == b.dtype
+            and _compat.varying_axes(a) == _compat.varying_axes(b))
 
 
 def _single(eqn: Any, site: _Site, blocks: int, invars: set) -> Any:

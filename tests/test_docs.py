@@ -76,8 +76,40 @@ def check_readme_optimize(ns: dict) -> None:
     assert "libra_allreduce_cpu" in text and "all_reduce" not in text
 
 
+def check_readme_nnx(ns: dict) -> None:
+    """The NNX snippet's step updated the model in place, as nnx.jit(step) does, and its
+    gradient all-reduce is Libra's."""
+    from flax import nnx
+    import optax
+
+    from libra_jax.testing import assert_codegen_close
+
+    model = nnx.Linear(4, 1, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    want_loss = nnx.jit(ns["train_step"])(model, optimizer, ns["x"], ns["y"])
+    assert_codegen_close([ns["loss"], nnx.state(ns["model"])], [want_loss, nnx.state(model)])
+    assert int(ns["optimizer"].step[...]) == 1
+    assert np.abs(np.asarray(ns["model"].bias[...])).max() > 0.01  # it moved
+    e = ns["libra_jax"].explain(ns["train_step"], model, optimizer, ns["x"], ns["y"], file=None)
+    assert any(p.kind == "gradient" for p in e.report.plans), e.report.plan_lines()
+
+
+def check_readme_equinox(ns: dict) -> None:
+    """The Equinox snippet: one SGD step, as eqx.filter_jit(step) takes it, the activation
+    kept."""
+    import equinox as eqx
+
+    from libra_jax.testing import assert_codegen_close
+
+    want_model, want_loss = eqx.filter_jit(ns["train_step"])(ns["model"], ns["x"], ns["y"])
+    arrays = lambda t: eqx.filter(t, eqx.is_array)  # noqa: E731
+    assert_codegen_close([arrays(ns["new_model"]), ns["loss"]], [arrays(want_model), want_loss])
+    assert ns["new_model"].activation is jax.nn.gelu
+
+
 CHECKS = {"readme-intro": check_readme_intro, "readme-optimize": check_readme_optimize,
-          "readme-gspmd": check_readme_gspmd}
+          "readme-gspmd": check_readme_gspmd, "readme-nnx": check_readme_nnx,
+          "readme-equinox": check_readme_equinox}
 
 
 def test_every_python_block_is_marked():

@@ -516,6 +516,256 @@ def test_static_arguments_as_jax_jit_takes_them():
     assert libra_jax.explain(opt, w, x, True, lr_fn=lr, file=None).scopes
 
 
+def test_an_outer_jits_static_arguments_stay_static():
+    """Flax lm1b's form: ``jax.jit(optimize(train_step), static_argnums=(2, 3, 4))``. The
+    outer jit hands its static arguments over as Python objects beside tracers; optimize
+    traced them as arrays (a float used in Python control flow, a config, a schedule)."""
+    import dataclasses
+
+    mesh = mesh_of((8,), ("x",))
+    rng = np.random.default_rng(6)
+    w = rng.standard_normal((16, 8)).astype(np.float32)
+    x = shard(rng.standard_normal((64, 16)).astype(np.float32), mesh, P("x"))
+
+    @dataclasses.dataclass(frozen=True)
+    class Config:
+        depth: int = 2
+        activation: str = "tanh"
+
+    def train_step(w, x, config, learning_rate_fn, label_smoothing):
+        def local(w, x):
+            def loss(w):
+                h = x
+                for _ in range(config.depth):  # Python ints and strings: static
+                    h = getattr(jnp, config.activation)(h @ w @ w.T)
+                if label_smoothing > 0:  # a Python float in control flow
+                    h = h * (1 - label_smoothing)
+                return jax.lax.pmean(jnp.mean(h ** 2), "x")
+            value, g = jax.value_and_grad(loss)(w)
+            return value, w - learning_rate_fn(0) * g
+        return jax.shard_map(local, mesh=mesh, in_specs=(P(), P("x")), out_specs=(P(), P()))(w, x)
+
+    lr = lambda i: 0.01  # noqa: E731 - a schedule function, as optax passes them
+    want = jax.jit(train_step, static_argnums=(2, 3, 4))(w, x, Config(), lr, 0.1)
+    opt = optimize(train_step)
+    outer = jax.jit(opt, static_argnums=(2, 3, 4))
+    got = outer(w, x, Config(), lr, 0.1)
+    assert_codegen_close(got, want)
+    jax.tree.map(assert_bitwise, got, jax.jit(optimize(train_step, collectives="xla"),
+                                              static_argnums=(2, 3, 4))(w, x, Config(), lr, 0.1))
+    assert opt.last_report.plans
+    # Each static value is its own program (the cache key holds it).
+    other = outer(w, x, Config(depth=1), lr, 0.0)
+    assert_codegen_close(other, jax.jit(train_step, static_argnums=(2, 3, 4))(
+        w, x, Config(depth=1), lr, 0.0))
+    # static_argnums on optimize itself keeps working beside the outer jit's.
+    both = jax.jit(optimize(train_step, static_argnums=(2, 3, 4)), static_argnums=(2, 3, 4))
+    assert_codegen_close(both(w, x, Config(), lr, 0.1), want)
+
+
+def test_a_static_leaf_that_cannot_key_the_cache_is_named():
+    mesh = mesh_of((8,), ("x",))
+    x = shard(np.ones((16, 4), np.float32), mesh, P("x"))
+
+    class Unhashable:
+        __hash__ = None  # type: ignore[assignment]
+
+    def step(x, box):
+        return jax.shard_map(lambda x: jax.lax.psum(x, "x"), mesh=mesh, in_specs=P("x"),
+                             out_specs=P())(x)
+    # A pytree that holds an unhashable object beside a traced array (eqx.filter_jit passes
+    # such leaves through; plain jax.jit cannot).
+    with pytest.raises(TypeError, match=r"argument leaf args\[1\]\['box'\] \(Unhashable\)"
+                                        r".*not hashable"):
+        jax.jit(lambda x: optimize(step)(x, {"box": Unhashable()}))(x)
+
+
+def test_an_equinox_model_with_a_function_leaf_under_filter_jit():
+    """``eqx.filter_jit(optimize(f))(model, x)``: `eqx.nn.MLP` holds its activation (a
+    function) as a leaf, which filter_jit keeps static; optimize traced it."""
+    eqx = pytest.importorskip("equinox")
+    import optax
+
+    mesh = mesh_of((8,), ("data",))
+    model = eqx.nn.MLP(12, 3, 16, 2, activation=jax.nn.gelu, key=jax.random.key(0))
+    tx = optax.sgd(0.1)
+    opt_state = tx.init(eqx.filter(model, eqx.is_array))
+    rng = np.random.default_rng(7)
+    x = shard(rng.standard_normal((64, 12)).astype(np.float32), mesh, P("data"))
+    y = shard(rng.standard_normal((64, 3)).astype(np.float32), mesh, P("data"))
+
+    def train_step(model, opt_state, x, y):
+        def local(x, y):
+            def loss_fn(model):
+                return jnp.mean((jax.vmap(model)(x) - y) ** 2)
+            loss, grads = eqx.filter_value_and_grad(loss_fn)(model)
+            return jax.lax.pmean(loss, "data"), jax.lax.pmean(grads, "data")
+        loss, grads = jax.shard_map(local, mesh=mesh, in_specs=(P("data"), P("data")),
+                                    out_specs=P(), check_vma=False)(x, y)
+        updates, opt_state = tx.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+        return eqx.apply_updates(model, updates), opt_state, loss
+
+    want = eqx.filter_jit(train_step)(model, opt_state, x, y)
+    opt = optimize(train_step)
+    got = eqx.filter_jit(opt)(model, opt_state, x, y)
+    control = eqx.filter_jit(optimize(train_step, collectives="xla"))(model, opt_state, x, y)
+    arrays = lambda t: eqx.filter(t, eqx.is_array)  # noqa: E731
+    jax.tree.map(assert_bitwise, arrays(got), arrays(control))
+    assert_codegen_close(arrays(got), arrays(want))  # one SGD step: linear in the gradient
+    assert got[0].activation is jax.nn.gelu
+    assert any(p.kind == "gradient" for p in opt.last_report.plans), opt.last_report.plan_lines()
+
+
+def test_a_psum_of_a_constant_zero_costs_no_call():
+    """The gradient of a float leaf no derivative reaches (Equinox's ``Dropout.p``) is a
+    constant zero; each pmean of it was an all-reduce of its own. Folded, it is bitwise
+    jax.lax.psum's (XLA multiplies a constant's sum out: -0 stays -0); a nonzero constant
+    stays a psum."""
+    mesh = mesh_of((8,), ("data",))
+
+    def local(params, x):
+        def loss(params):  # p only decides which entries drop out: no derivative reaches it
+            keep = jax.random.bernoulli(jax.random.key(0), 1 - params["p"], x.shape)
+            return jnp.mean((jnp.where(keep, x, 0) @ params["w"]) ** 2)
+        grads = jax.grad(loss)(params)
+        return (jax.lax.pmean(grads, "data"), jax.lax.psum(jnp.full((3,), -0.0), "data"),
+                jax.lax.psum(jnp.zeros((2, 2), jnp.int32), "data"),
+                jax.lax.psum(jnp.full((3,), 0.5), "data"))
+
+    step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data")), out_specs=P(),
+                                 check_vma=False))
+    params = {"w": np.ones((4, 2), np.float32), "p": np.float32(0.1)}
+    x = shard(np.random.default_rng(9).standard_normal((32, 4)).astype(np.float32), mesh,
+              P("data"))
+    opt = optimize(step)
+    got, want = jax.jit(opt)(params, x), step(params, x)
+    jax.tree.map(assert_bitwise, got[1:], want[1:])  # the constants' sums: XLA's bits
+    assert np.signbit(got[1]).all()
+    assert_codegen_close(got[0], want[0])
+    report = opt.last_report
+    assert report.folded == ["psum of zeros in top/jit/shard_map"] * 3, report.folded
+    assert sorted(len(p.members) for p in report.plans) == [1, 1], report.plan_lines()
+    text = jax.jit(opt).lower(params, x).as_text()
+    assert len(re.findall(r"custom_call @libra_allreduce_cpu(?:_start)?\(", text)) == 2
+
+
+# --- Flax NNX: in-place updates ---------------------------------------------------------------
+
+def _nnx_train_step(mesh):
+    """A train step in the style of Flax's NNX documentation: `nnx.Optimizer`,
+    `nnx.MultiMetric`, dropout drawing from `Rngs`, BatchNorm's statistics synchronised over
+    the data axis; every update in place, inside an `nnx.shard_map` with a `pmean` of the
+    gradients."""
+    from flax import nnx
+    import optax
+
+    @nnx.shard_map(mesh=mesh, in_specs=(P(), P(), P(), P("data"), P("data")), out_specs=P(),
+                   check_vma=False)
+    def train_step(model, optimizer, metrics, x, y):
+        def loss_fn(model):
+            logits = model(x)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), logits
+        (loss, logits), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
+        grads = jax.lax.pmean(grads, "data")
+        loss = jax.lax.pmean(loss, "data")
+        optimizer.update(model, grads)
+        metrics.update(loss=loss, logits=logits, labels=y)
+        return loss
+    return train_step
+
+
+def _nnx_state():
+    from flax import nnx
+    import optax
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.a = nnx.Linear(12, 24, rngs=rngs)
+            self.bn = nnx.BatchNorm(24, axis_name="data", rngs=rngs)
+            self.drop = nnx.Dropout(0.2, rngs=rngs)
+            self.b = nnx.Linear(24, 4, rngs=rngs)
+
+        def __call__(self, x):
+            return self.b(self.drop(nnx.relu(self.bn(self.a(x)))))
+
+    model = Net(nnx.Rngs(0, dropout=1))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    metrics = nnx.MultiMetric(loss=nnx.metrics.Average("loss"),
+                              accuracy=nnx.metrics.Accuracy())
+    return model, optimizer, metrics
+
+
+def test_an_nnx_step_keeps_its_in_place_updates_in_every_composition():
+    """Wrapped in optimize, an NNX step updated nothing (the traced copies of its arguments
+    were updated and dropped): eager, ``nnx.jit(optimize(step))`` and
+    ``optimize(nnx.jit(step))`` each match ``nnx.jit(step)``: parameters, the optimizer's
+    step count and moments, metrics, BatchNorm statistics and the dropout stream's count."""
+    from flax import nnx
+
+    mesh = mesh_of((8,), ("data",))
+    rng = np.random.default_rng(8)
+    x = shard(rng.standard_normal((64, 12)).astype(np.float32), mesh, P("data"))
+    y = shard(rng.integers(0, 4, 64).astype(np.int32), mesh, P("data"))
+    step = _nnx_train_step(mesh)
+
+    def train(wrap, steps=2):
+        model, optimizer, metrics = _nnx_state()
+        start = jax.tree.map(np.array, nnx.state(model, nnx.Param))
+        fn = wrap(step)
+        losses = [fn(model, optimizer, metrics, x, y) for _ in range(steps)]
+        return {"losses": jnp.stack(losses), "metrics": metrics.compute(),
+                "batch_stats": nnx.state(model, nnx.BatchStat),
+                "rng_count": model.drop.rngs.count[...], "step": optimizer.step[...],
+                "params": nnx.state(model, nnx.Param), "start": start, "fn": fn}
+
+    want = train(nnx.jit)
+    assert int(want["step"]) == 2 and int(want["rng_count"]) == 2
+    compositions = {"eager": optimize,
+                    "nnx.jit(optimize(step))": lambda f: nnx.jit(optimize(f)),
+                    "optimize(nnx.jit(step))": lambda f: optimize(nnx.jit(f))}
+    for name, wrap in compositions.items():
+        got = train(wrap)
+        assert int(got["step"]) == 2 and int(got["rng_count"]) == 2, name
+        assert_codegen_close([got[k] for k in ("losses", "metrics", "batch_stats")],
+                             [want[k] for k in ("losses", "metrics", "batch_stats")])
+        moved = jax.tree.leaves(jax.tree.map(lambda a, b: float(np.max(np.abs(a - b))),
+                                             got["params"], got["start"]))
+        assert min(moved) > 1e-3, (name, moved)  # two Adam steps of 1e-2
+    # The optimized step is bitwise its XLA control (class 2), and it planned the gradients.
+    opt = train(optimize)
+    control = train(lambda f: optimize(f, collectives="xla"))
+    jax.tree.map(assert_bitwise, [opt[k] for k in ("losses", "params", "batch_stats")],
+                 [control[k] for k in ("losses", "params", "batch_stats")])
+    report = opt["fn"].last_report
+    assert any(p.kind == "gradient" for p in report.plans), report.plan_lines()
+    # explain plans such a step (and changes nothing).
+    model, optimizer, metrics = _nnx_state()
+    assert libra_jax.explain(step, model, optimizer, metrics, x, y, file=None).scopes
+    assert int(optimizer.step[...]) == 0
+
+
+def test_the_nnx_repro_of_the_issue():
+    """The smallest form: a `pmean` inside a `jax.shard_map`, a parameter updated in place."""
+    from flax import nnx
+
+    mesh = mesh_of((8,), ("data",))
+
+    class M(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.zeros(2))
+
+    def step(m, x):
+        g = jax.shard_map(lambda x: jax.lax.pmean(x, "data"), mesh=mesh, in_specs=P("data"),
+                          out_specs=P())(x)
+        m.w[...] += g[:2]
+
+    x = shard(jnp.ones(16), mesh, P("data"))
+    for wrap in (optimize, lambda f: nnx.jit(optimize(f)), lambda f: optimize(nnx.jit(f))):
+        m = M()
+        wrap(step)(m, x)
+        np.testing.assert_array_equal(m.w[...], [1.0, 1.0])
+
+
 @pytest.mark.parametrize("check_vma", [True, False])
 def test_gradients_are_the_psums_of_the_backward_pass_not_metrics_or_statistics(check_vma):
     # Metrics (loss, accuracy) and batch statistics feed no later psum either; they were
