@@ -346,13 +346,18 @@ def _is_jax_value(x: Any) -> bool:
 
 
 def nnx_objects(tree: Any) -> list[Any]:
-    """The Flax NNX objects (modules, optimizers, metrics, `Rngs`, variables) in `tree`, in
-    flattening order. NNX is looked up, never imported: a program without it has none."""
+    """The Flax NNX objects (modules, optimizers, metrics, `Rngs`) in `tree`, in flattening
+    order. Not an `nnx.State` nor the variables in one: a functional step's `nnx.split`
+    state is values, which it returns updated. NNX is looked up, never imported: a program
+    without it has none."""
     nnx = sys.modules.get("flax.nnx")
     if nnx is None:
         return []
-    is_node = nnx.graph.is_graph_node
-    return [x for x in jax.tree.leaves(tree, is_leaf=is_node) if is_node(x)]
+    pure = (getattr(nnx, "State", ()), nnx.Variable)
+
+    def is_object(x: Any) -> bool:
+        return nnx.graph.is_graph_node(x) and not isinstance(x, pure)
+    return [x for x in jax.tree.leaves(tree, is_leaf=is_object) if is_object(x)]
 
 
 def _returning_nnx_state(call: Callable[..., Any]) -> Callable[..., Any]:
