@@ -93,6 +93,10 @@ def measure(steps: int, rounds: int) -> dict:
     out = {}
     for name, build in CASES.items():
         case = build()
+        if case.library_jit is not None:  # nnx.jit, eqx.filter_jit: no .lower, no donation
+            print(f"{name}: compiled by its library, not measured here (tests/test_corpus.py "
+                  "checks it)", file=sys.stderr)
+            continue
         swap = build(pmean=libra_jax.pmean)
         with case.context():
             arms = {"plain": jitted(case.step, case),

@@ -125,12 +125,19 @@ def explain(fn: Callable[..., Any], *args: Any, profile: Any = None, fusion: boo
         statics = rewrite.StaticArgs(statics.argnums + own.argnums,
                                      statics.argnames + own.argnames)
         fn = fn.__wrapped__  # an `optimize`d function: explain what it wraps
-    call, (dyn_args, dyn_kwargs), _ = statics.split(fn, args, kwargs)
-    closed, out_shape = jax.make_jaxpr(call, return_shape=True)(*dyn_args, **dyn_kwargs)
+    call, dynamic, key = statics.split(fn, args, kwargs)
+    call, (dyn_args, dyn_kwargs), _ = rewrite.outer_statics(call, dynamic, key)
+    outputs = rewrite.Outputs()
+    closed = jax.make_jaxpr(outputs.arrays_of(call))(*dyn_args, **dyn_kwargs)
+    # "params.Dense_0.kernel": jax's own spelling of a key path (a dict key, attribute or
+    # index), for each output the program returns (a function leaf is not one of them).
+    flat = jax.tree_util.tree_flatten_with_path(outputs.rebuild(closed.out_avals))[0]
+    out_paths = [jax.tree_util.keystr(path, simple=True, separator=".")
+                 for i, (path, _) in enumerate(flat) if i not in outputs.static]
     _, report = rewrite.rewrite_jaxpr(closed, profile=profile, fusion=fusion, blocks=blocks,
                                       overlap=overlap, loops=loops,
                                       inputs=jax.tree.leaves((dyn_args, dyn_kwargs)))
-    names = _result_names(closed, out_shape, report)
+    names = _result_names(closed, out_paths, report)
     scopes = tuple(_scope_plan(entry, report, names) for entry in report.predicted)
     others = tuple(p for p in report.plans if p.kind != "gradient")
     result = Explanation(scopes, others, report)
@@ -189,7 +196,8 @@ def _scope_plan(entry: dict, report: rewrite.OptimizeReport, names: dict) -> Sco
 
 # --- Which parameter does a gradient psum update? ---------------------------------------------
 
-def _result_names(closed: Any, out_shape: Any, report: rewrite.OptimizeReport) -> dict:
+def _result_names(closed: Any, out_paths: Sequence[str], report: rewrite.OptimizeReport
+                  ) -> dict:
     """id(psum result var) -> the path of the output it updates.
 
     The result is followed through the data flow (into and out of `jit`, `shard_map`,
@@ -203,9 +211,6 @@ def _result_names(closed: Any, out_shape: Any, report: rewrite.OptimizeReport) -
     wanted = {id(v): v for entry in report.predicted for v in entry["results"] if v is not None}
     if not wanted:
         return {}
-    # "params.Dense_0.kernel": jax's own spelling of a key path (a dict key, attribute or index).
-    out_paths = [jax.tree_util.keystr(p, simple=True, separator=".")
-                 for p, _ in jax.tree_util.tree_flatten_with_path(out_shape)[0]]
     out_avals = [getattr(v, "aval", None) for v in closed.jaxpr.outvars]
     found: dict[int, list[int]] = {}
 

@@ -169,7 +169,7 @@ def optimize(fn: Callable[..., Any] | None = None, *, profile: Any = None, fusio
         return fn
     options = _Options(profile=profile, fusion=bool(fusion), blocks=blocks,
                        overlap=config.overlap_mode(overlap), loops=_loop_mode(loops))
-    cache: dict[Any, tuple[Callable[..., Any], _Outputs, OptimizeReport]] = {}
+    cache: dict[Any, tuple[Callable[..., Any], Outputs, OptimizeReport]] = {}
 
     # Name, docstring and signature of `fn`, but not its attributes: a jitted or
     # pmapped `fn` carries attributes that would make `jax.jit(wrapped)` compile `fn`.
@@ -187,7 +187,7 @@ def optimize(fn: Callable[..., Any] | None = None, *, profile: Any = None, fusio
                collectives)
         entry = cache.get(key)
         if entry is None:
-            outputs = _Outputs()
+            outputs = Outputs()
             closed = jax.make_jaxpr(outputs.arrays_of(call))(*dynamic[0], **dynamic[1])
             program = str(closed.jaxpr)
             profile = shared_profile(options.resolved_profile, program=program)
@@ -280,13 +280,15 @@ def outer_statics(call: Callable[..., Any], dynamic: tuple[tuple, dict], static_
     config, a schedule function, an Equinox model's activation). So when some leaf is a
     `Tracer`, every leaf that is neither a tracer nor an array (jax or numpy; Python scalars
     included) is static: passed to the step as it is, and part of the cache key (hashable,
-    or a TypeError naming the leaf). Called without tracers, `jax.jit`'s rule holds: Python
-    scalars are traced. Returns (a function of the remaining leaves, those leaves as
-    positional arguments, the key with the static leaves added)."""
+    or a TypeError naming the leaf). Called without tracers, `jax.jit`'s rule holds for
+    Python scalars (traced), and a leaf that is no JAX value at all (a function in an
+    Equinox model, called eagerly) is static too, as `eqx.filter_jit` takes it. Returns (a
+    function of the remaining leaves, those leaves as positional arguments, the key with the
+    static leaves added)."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(dynamic)
-    if not any(isinstance(x, jax.core.Tracer) for _, x in flat):
-        return call, dynamic, static_key
-    static = {i: (path, x) for i, (path, x) in enumerate(flat) if not _is_array(x)}
+    tracing = any(isinstance(x, jax.core.Tracer) for _, x in flat)
+    static = {i: (path, x) for i, (path, x) in enumerate(flat)
+              if not (_is_array(x) if tracing else _is_jax_value(x))}
     if not static:
         return call, dynamic, static_key
     for path, x in static.values():
@@ -318,7 +320,7 @@ def _arg_path(path: tuple) -> str:
 
 
 @dataclasses.dataclass
-class _Outputs:
+class Outputs:
     """A step's outputs split as its arguments are: the arrays leave the program; any other
     leaf (a function in an Equinox model that `eqx.filter_jit` returns as it was) is kept
     from the trace and put back. Python numbers are arrays here, as `jax.jit` returns them."""

@@ -1,10 +1,11 @@
 """A corpus of data-parallel train steps written the way people write them (Flax linen with
-BatchNorm under `jax.pmap`, a transformer with dropout, Flax NNX, `jax.set_mesh` with
-autodiff's psums, static configuration, optax chains with clipping, schedules and gradient
-accumulation), small enough for 8 host devices.
+BatchNorm under `jax.pmap`, a transformer with dropout, Flax NNX functional and in place,
+Equinox, `jax.set_mesh` with autodiff's psums, static configuration, optax chains with
+clipping, schedules and gradient accumulation), small enough for 8 host devices.
 
 Each case builds ``Case(step, state, batch, kwargs, static_argnames)``: ``step(state, *batch,
-**kwargs) -> (state, metrics)``, jitted with the state donated. `pmean` is the function the
+**kwargs) -> (state, metrics)``, compiled by ``case.compile`` (`jax.jit` with the state
+donated, or the library's own: `nnx.jit`, `eqx.filter_jit`). `pmean` is the function the
 step's own code calls (``jax.lax.pmean`` or ``libra_jax.pmean``: the drop-in by function swap).
 Used by tests/test_corpus.py and benchmarks/corpus.py.
 """
@@ -39,6 +40,27 @@ class Case:
     # Per scan whose psums could leave the loop, `optimize`'s choice (`rewrite.LoopPlan`).
     loops: tuple[str, ...] = ()
     drop_in: bool = True  # the step's own code has a psum a drop-in can take over
+    # The library's own compile (`nnx.jit`, `eqx.filter_jit`) where `jax.jit` cannot take the
+    # step (NNX's in-place updates, Equinox's function leaves); None: `jax.jit`, the state
+    # donated.
+    library_jit: Callable[..., Any] | None = None
+    in_place: bool = False  # the step updates its state's objects in place (NNX)
+
+    def compile(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """`fn` compiled as this case's code compiles its step."""
+        if self.library_jit is not None:
+            return self.library_jit(fn)
+        return jax.jit(fn, donate_argnums=0, static_argnames=self.static_argnames or None)
+
+
+def fresh(tree: Any) -> Any:
+    """A copy of a case's state, its arrays new (the compiled steps donate them): other leaves
+    (functions, typed PRNG keys' arrays are copied with jnp.copy) as they are."""
+    def copy(x: Any) -> Any:
+        if isinstance(x, jax.Array):
+            return jnp.copy(x)
+        return np.array(x) if isinstance(x, (np.ndarray, np.generic)) else x
+    return jax.tree.map(copy, tree)
 
 
 def _lax_pmean(x: Any, axis_name: Any) -> Any:
@@ -192,6 +214,86 @@ def nnx_model(pmean: Callable[..., Any] | None = None) -> Case:
     return Case(step, {"params": params, "opt": tx.init(params)},
                 (_shard(x, mesh), _shard(y, mesh)), autodiff_psums=True,
                 kinds={"gradient": 4, "forward": 1})
+
+
+def nnx_in_place(pmean: Callable[..., Any] | None = None) -> Case:
+    """A Flax NNX step in the style of its documentation: `nnx.Optimizer`, `nnx.MultiMetric`,
+    dropout drawing from `Rngs`, BatchNorm synchronising its statistics over the data axis,
+    every update in place inside an `nnx.shard_map`; compiled by `nnx.jit`."""
+    pmean = pmean or _lax_pmean
+    from flax import nnx
+    import optax
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.a = nnx.Linear(12, 24, rngs=rngs)
+            self.bn = nnx.BatchNorm(24, axis_name="data", rngs=rngs)
+            self.drop = nnx.Dropout(0.2, rngs=rngs)
+            self.b = nnx.Linear(24, 4, rngs=rngs)
+
+        def __call__(self, x):
+            return self.b(self.drop(nnx.relu(self.bn(self.a(x)))))
+
+    mesh = _mesh()
+    model = Net(nnx.Rngs(0, dropout=1))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    metrics = nnx.MultiMetric(loss=nnx.metrics.Average("loss"),
+                              accuracy=nnx.metrics.Accuracy())
+
+    @nnx.shard_map(mesh=mesh, in_specs=(P(), P(), P(), P("data"), P("data")), out_specs=P(),
+                   check_vma=False)
+    def train_step(model, optimizer, metrics, x, y):
+        def loss_fn(model):
+            logits = model(x)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), logits
+        (loss, logits), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
+        loss = pmean(loss, "data")
+        optimizer.update(model, pmean(grads, "data"))
+        metrics.update(loss=loss, logits=logits, labels=y)
+        return loss
+
+    def step(state, x, y):
+        train_step(*state, x, y)  # in place
+        return state, state[2].compute()["loss"]
+
+    rng = np.random.default_rng(10)
+    x = rng.standard_normal((N * 4, 12)).astype(np.float32)
+    y = rng.integers(0, 4, N * 4).astype(np.int32)
+    return Case(step, (model, optimizer, metrics), (_shard(x, mesh), _shard(y, mesh)),
+                library_jit=nnx.jit, in_place=True, library_psums=True,
+                kinds={"gradient": 6, "forward": 2, "backward": 1})
+
+
+def equinox_mlp(pmean: Callable[..., Any] | None = None) -> Case:
+    """An Equinox MLP (its activation, a function, is a leaf of the model) trained with optax
+    in a `shard_map`, compiled by `eqx.filter_jit`."""
+    pmean = pmean or _lax_pmean
+    import equinox as eqx
+    import optax
+
+    mesh = _mesh()
+    model = eqx.nn.MLP(12, 3, 16, 2, activation=jax.nn.gelu, key=jax.random.key(11))
+    tx = optax.adam(1e-2)
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((N * 4, 12)).astype(np.float32)
+    y = rng.standard_normal((N * 4, 3)).astype(np.float32)
+
+    def step(state, x, y):
+        model, opt_state = state
+
+        def local(x, y):
+            def loss_fn(model):
+                return jnp.mean((jax.vmap(model)(x) - y) ** 2)
+            loss, grads = eqx.filter_value_and_grad(loss_fn)(model)
+            return pmean(loss, "data"), pmean(grads, "data")
+        loss, grads = jax.shard_map(local, mesh=mesh, in_specs=(P("data"), P("data")),
+                                    out_specs=P(), check_vma=False)(x, y)
+        updates, opt_state = tx.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+        return (eqx.apply_updates(model, updates), opt_state), loss
+
+    return Case(step, (model, tx.init(eqx.filter(model, eqx.is_array))),
+                (_shard(x, mesh), _shard(y, mesh)), library_jit=eqx.filter_jit,
+                kinds={"gradient": 6, "forward": 1})
 
 
 def set_mesh_autodiff(pmean: Callable[..., Any] | None = None) -> Case:
@@ -399,6 +501,8 @@ CASES: dict[str, Callable[..., Case]] = {
     "flax-batchnorm-pmap": flax_batchnorm_pmap,
     "transformer-dropout": transformer_dropout,
     "nnx": nnx_model,
+    "nnx-in-place": nnx_in_place,
+    "equinox-mlp": equinox_mlp,
     "set-mesh-autodiff": set_mesh_autodiff,
     "static-config": static_config,
     "optax-clip-schedule-multisteps": optax_clip_schedule_accumulate,

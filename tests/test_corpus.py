@@ -32,17 +32,13 @@ pytest.importorskip("flax")
 pytest.importorskip("optax")
 
 from conftest import assert_codegen_close  # noqa: E402
-from corpus import CASES  # noqa: E402
+from corpus import CASES, fresh  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("jax_8")
 
 FULL = jax.__version__ == "0.10.2" or os.environ.get("LIBRA_JAX_CORPUS_FULL") == "1"
 STEPS = 4 if FULL else 1
 BLOCKS = re.compile(r"custom_call @libra_allreduce_(?:cpu|cuda)(?:_start)?\(.*?blocks = (\d+)")
-
-
-def fresh(tree):
-    return jax.tree.map(np.array, tree)
 
 
 def train(fn, case, steps):
@@ -54,7 +50,12 @@ def train(fn, case, steps):
 
 
 def leaves_bytes(tree):
-    return [np.asarray(x).tobytes() for x in jax.tree.leaves(tree)]
+    """The bytes of every array leaf (a typed PRNG key's data; other leaves: their repr)."""
+    def data(x):
+        if hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x = jax.random.key_data(x)
+        return np.asarray(x).tobytes() if hasattr(x, "dtype") else repr(x)
+    return [data(x) for x in jax.tree.leaves(tree)]
 
 
 def losses(metrics):
@@ -63,7 +64,22 @@ def losses(metrics):
 
 
 def jitted(fn, case):
-    return jax.jit(fn, donate_argnums=0, static_argnames=case.static_argnames or None)
+    """`fn` compiled as the case's code compiles its step (`Case.compile`)."""
+    return case.compile(fn)
+
+
+def traced(fn, case):
+    """`fn` traced by `jax.jit` over the state's arrays (the other leaves, an Equinox
+    model's functions, fixed), for lowering to a platform."""
+    flat, tree = jax.tree.flatten(fresh(case.state))
+    arrays = [x for x in flat if hasattr(x, "dtype")]
+
+    def over_arrays(arrays, *batch, **kwargs):
+        it = iter(arrays)
+        state = jax.tree.unflatten(tree, [next(it) if hasattr(x, "dtype") else x for x in flat])
+        return [x for x in jax.tree.leaves(fn(state, *batch, **kwargs)) if hasattr(x, "dtype")]
+    return jax.jit(over_arrays, static_argnames=case.static_argnames or None).trace(
+        arrays, *case.batch, **case.kwargs)
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -99,8 +115,7 @@ def test_lowers_to_libra_calls_with_the_planned_blocks(monkeypatch, name, platfo
     case = CASES[name]()
     with case.context():
         opt_fn = optimize(case.step, static_argnames=case.static_argnames)
-        traced = jitted(opt_fn, case).trace(fresh(case.state), *case.batch, **case.kwargs)
-        text = traced.lower(lowering_platforms=(platform,)).as_text()
+        text = traced(opt_fn, case).lower(lowering_platforms=(platform,)).as_text()
     lowered = sorted(int(b) for b in BLOCKS.findall(text))
     planned = {p.blocks for p in opt_fn.last_report.plans}
     assert lowered and set(lowered) <= planned, (lowered, opt_fn.last_report.plan_lines())
@@ -140,10 +155,10 @@ def test_the_drop_in_runs_libra_calls(name, how):
         if how == "patch_lax":
             with libra_jax.patch_lax():
                 fn = jitted(case.step, case)
-                text = fn.lower(fresh(case.state), *case.batch, **case.kwargs).as_text()
+                text = traced(case.step, case).lower().as_text()
         else:
             fn = jitted(case.step, case)
-            text = fn.lower(fresh(case.state), *case.batch, **case.kwargs).as_text()
+            text = traced(case.step, case).lower().as_text()
         _, m_drop = train(fn, case, STEPS)
         _, m_plain = train(jitted(plain_case.step, plain_case), plain_case, STEPS)
     assert "libra_allreduce_cpu" in text
@@ -152,3 +167,53 @@ def test_the_drop_in_runs_libra_calls(name, how):
     if not case.autodiff_psums and not (case.library_psums and how == "function swap"):
         assert "all_reduce" not in text
     assert_codegen_close(losses(m_drop), losses(m_plain))
+
+
+#: How each library's code compiles a step with `optimize` inside: called eagerly, under an
+#: outer `jax.jit` (the case's static arguments marked there only), and the library's own.
+COMPOSITIONS = {
+    "eager": lambda case: optimize(case.step, static_argnames=case.static_argnames),
+    "jax.jit(optimize)": lambda case: jax.jit(
+        optimize(case.step), static_argnames=case.static_argnames or None),
+    "library(optimize)": lambda case: case.library_jit(optimize(case.step)),
+    "optimize(library)": lambda case: optimize(case.library_jit(case.step)),
+}
+
+
+@pytest.mark.parametrize("how", list(COMPOSITIONS))
+@pytest.mark.parametrize("name", list(CASES))
+def test_every_composition_trains_as_the_plain_step(name, how):
+    """Each step trained 2 steps wrapped as people write it: the losses within class 3's
+    bound of the plain step's, the state updated (in place, for NNX) and Libra's calls
+    planned. `jax.jit` needs jax.jit-able state (not NNX's in-place objects, not Equinox's
+    function leaves); the library forms are for the cases compiled by their library."""
+    case = CASES[name]()
+    if how.startswith(("library", "optimize(library")) and case.library_jit is None:
+        pytest.skip("the step's library has no compile of its own (it is jax.jit)")
+    if how == "jax.jit(optimize)" and case.library_jit is not None:
+        pytest.skip("jax.jit cannot take this state (NNX in place, Equinox function leaves)")
+    with case.context():
+        fn = COMPOSITIONS[how](case)
+        state = start = fresh(case.state)
+        m_got = []
+        for _ in range(2):
+            state, m = fn(state, *case.batch, **case.kwargs)
+            m_got.append(m)
+        _, m_plain = train(jitted(case.step, case), case, 2)
+    assert_codegen_close(losses(m_got), losses(m_plain))
+    # The returned state moved from the start; an in-place step's own objects did too.
+    for name_, trained in [("returned", state)] + ([("in place", start)] if case.in_place else []):
+        moved = [float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
+                 for a, b in zip(jax.tree.leaves(trained), jax.tree.leaves(fresh(case.state)))
+                 if hasattr(a, "dtype") and jax.numpy.issubdtype(a.dtype, jax.numpy.floating)]
+        assert max(moved) > 0, f"the {name_} state did not change"
+    assert any(p.kind == "gradient" for p in _last_report(fn).plans)
+
+
+def _last_report(fn):
+    """The plan of an optimized function, also when a library's compile wraps it."""
+    for f in (fn, getattr(fn, "__wrapped__", None), getattr(fn, "fun", None),
+              getattr(fn, "_fun", None), getattr(fn, "f", None)):
+        if getattr(f, "last_report", None) is not None:
+            return f.last_report
+    raise AssertionError(f"no optimize report reachable from {fn!r}")
