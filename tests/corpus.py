@@ -52,6 +52,21 @@ class Case:
             return self.library_jit(fn)
         return jax.jit(fn, donate_argnums=0, static_argnames=self.static_argnames or None)
 
+    def trace(self, fn: Callable[..., Any]) -> Any:
+        """``fn(state, *batch, **kwargs)`` traced by `jax.jit` over the state's arrays (other
+        leaves, an Equinox model's functions, fixed; array outputs only), for lowering to a
+        platform: `nnx.jit` and `eqx.filter_jit` have no ``trace``."""
+        flat, tree = jax.tree.flatten(fresh(self.state))
+
+        def over_arrays(arrays: list[Any], *batch: Any, **kwargs: Any) -> list[Any]:
+            it = iter(arrays)
+            state = jax.tree.unflatten(tree, [next(it) if hasattr(x, "dtype") else x
+                                              for x in flat])
+            return [x for x in jax.tree.leaves(fn(state, *batch, **kwargs))
+                    if hasattr(x, "dtype")]
+        return jax.jit(over_arrays, static_argnames=self.static_argnames or None).trace(
+            [x for x in flat if hasattr(x, "dtype")], *self.batch, **self.kwargs)
+
 
 def fresh(tree: Any) -> Any:
     """A copy of a case's state, its arrays new (the compiled steps donate them): other leaves

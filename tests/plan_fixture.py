@@ -75,7 +75,6 @@ def _portable(lines: list[str]) -> list[str]:
 
 def optimize_plans() -> dict[str, list[str]]:
     import jax
-    import numpy as np
 
     import libra_jax
 
@@ -97,8 +96,7 @@ def optimize_plans() -> dict[str, list[str]]:
         with case.context():
             opt = libra_jax.optimize(case.step, profile="cpu-host",
                                      static_argnames=case.static_argnames)
-            jax.jit(opt, static_argnames=case.static_argnames or None).trace(
-                jax.tree.map(np.array, case.state), *case.batch, **case.kwargs)
+            case.trace(opt)
         out[f"corpus/{name}"] = _portable(opt.last_report.plan_lines())
     return out
 

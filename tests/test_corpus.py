@@ -68,20 +68,6 @@ def jitted(fn, case):
     return case.compile(fn)
 
 
-def traced(fn, case):
-    """`fn` traced by `jax.jit` over the state's arrays (the other leaves, an Equinox
-    model's functions, fixed), for lowering to a platform."""
-    flat, tree = jax.tree.flatten(fresh(case.state))
-    arrays = [x for x in flat if hasattr(x, "dtype")]
-
-    def over_arrays(arrays, *batch, **kwargs):
-        it = iter(arrays)
-        state = jax.tree.unflatten(tree, [next(it) if hasattr(x, "dtype") else x for x in flat])
-        return [x for x in jax.tree.leaves(fn(state, *batch, **kwargs)) if hasattr(x, "dtype")]
-    return jax.jit(over_arrays, static_argnames=case.static_argnames or None).trace(
-        arrays, *case.batch, **case.kwargs)
-
-
 @pytest.mark.parametrize("name", list(CASES))
 def test_optimized_equals_its_xla_control_and_plain_agrees(name):
     case = CASES[name]()
@@ -115,7 +101,7 @@ def test_lowers_to_libra_calls_with_the_planned_blocks(monkeypatch, name, platfo
     case = CASES[name]()
     with case.context():
         opt_fn = optimize(case.step, static_argnames=case.static_argnames)
-        text = traced(opt_fn, case).lower(lowering_platforms=(platform,)).as_text()
+        text = case.trace(opt_fn).lower(lowering_platforms=(platform,)).as_text()
     lowered = sorted(int(b) for b in BLOCKS.findall(text))
     planned = {p.blocks for p in opt_fn.last_report.plans}
     assert lowered and set(lowered) <= planned, (lowered, opt_fn.last_report.plan_lines())
@@ -155,10 +141,10 @@ def test_the_drop_in_runs_libra_calls(name, how):
         if how == "patch_lax":
             with libra_jax.patch_lax():
                 fn = jitted(case.step, case)
-                text = traced(case.step, case).lower().as_text()
+                text = case.trace(case.step).lower().as_text()
         else:
             fn = jitted(case.step, case)
-            text = traced(case.step, case).lower().as_text()
+            text = case.trace(case.step).lower().as_text()
         _, m_drop = train(fn, case, STEPS)
         _, m_plain = train(jitted(plain_case.step, plain_case), plain_case, STEPS)
     assert "libra_allreduce_cpu" in text
