@@ -69,8 +69,9 @@ class Case:
 
 
 def fresh(tree: Any) -> Any:
-    """A copy of a case's state, its arrays new (the compiled steps donate them): other leaves
-    (functions, typed PRNG keys' arrays are copied with jnp.copy) as they are."""
+    """A copy of a case's state, its arrays new (the compiled steps donate them): jax arrays
+    (typed PRNG keys too) by jnp.copy, numpy ones by np.array, other leaves (an Equinox
+    model's functions) as they are."""
     def copy(x: Any) -> Any:
         if isinstance(x, jax.Array):
             return jnp.copy(x)
