@@ -651,68 +651,23 @@ def test_a_psum_of_a_constant_zero_costs_no_call():
 
 # --- Flax NNX: in-place updates ---------------------------------------------------------------
 
-def _nnx_train_step(mesh):
-    """A train step in the style of Flax's NNX documentation: `nnx.Optimizer`,
-    `nnx.MultiMetric`, dropout drawing from `Rngs`, BatchNorm's statistics synchronised over
-    the data axis; every update in place, inside an `nnx.shard_map` with a `pmean` of the
-    gradients."""
-    from flax import nnx
-    import optax
-
-    @nnx.shard_map(mesh=mesh, in_specs=(P(), P(), P(), P("data"), P("data")), out_specs=P(),
-                   check_vma=False)
-    def train_step(model, optimizer, metrics, x, y):
-        def loss_fn(model):
-            logits = model(x)
-            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean(), logits
-        (loss, logits), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
-        grads = jax.lax.pmean(grads, "data")
-        loss = jax.lax.pmean(loss, "data")
-        optimizer.update(model, grads)
-        metrics.update(loss=loss, logits=logits, labels=y)
-        return loss
-    return train_step
-
-
-def _nnx_state():
-    from flax import nnx
-    import optax
-
-    class Net(nnx.Module):
-        def __init__(self, rngs):
-            self.a = nnx.Linear(12, 24, rngs=rngs)
-            self.bn = nnx.BatchNorm(24, axis_name="data", rngs=rngs)
-            self.drop = nnx.Dropout(0.2, rngs=rngs)
-            self.b = nnx.Linear(24, 4, rngs=rngs)
-
-        def __call__(self, x):
-            return self.b(self.drop(nnx.relu(self.bn(self.a(x)))))
-
-    model = Net(nnx.Rngs(0, dropout=1))
-    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
-    metrics = nnx.MultiMetric(loss=nnx.metrics.Average("loss"),
-                              accuracy=nnx.metrics.Accuracy())
-    return model, optimizer, metrics
-
-
 def test_an_nnx_step_keeps_its_in_place_updates_in_every_composition():
     """Wrapped in optimize, an NNX step updated nothing (the traced copies of its arguments
     were updated and dropped): eager, ``nnx.jit(optimize(step))`` and
     ``optimize(nnx.jit(step))`` each match ``nnx.jit(step)``: parameters, the optimizer's
-    step count and moments, metrics, BatchNorm statistics and the dropout stream's count."""
+    step count and moments, metrics, BatchNorm statistics and the dropout stream's count.
+    The step is the corpus's NNX in-place one (docs style: `nnx.Optimizer`, `nnx.MultiMetric`,
+    dropout `Rngs`, BatchNorm synchronised over the data axis)."""
     from flax import nnx
 
-    mesh = mesh_of((8,), ("data",))
-    rng = np.random.default_rng(8)
-    x = shard(rng.standard_normal((64, 12)).astype(np.float32), mesh, P("data"))
-    y = shard(rng.integers(0, 4, 64).astype(np.int32), mesh, P("data"))
-    step = _nnx_train_step(mesh)
+    from corpus import nnx_in_place
 
     def train(wrap, steps=2):
-        model, optimizer, metrics = _nnx_state()
+        case = nnx_in_place()  # new objects each time
+        model, optimizer, metrics = case.state
         start = jax.tree.map(np.array, nnx.state(model, nnx.Param))
-        fn = wrap(step)
-        losses = [fn(model, optimizer, metrics, x, y) for _ in range(steps)]
+        fn = wrap(case.step)
+        losses = [fn(case.state, *case.batch)[1] for _ in range(steps)]
         return {"losses": jnp.stack(losses), "metrics": metrics.compute(),
                 "batch_stats": nnx.state(model, nnx.BatchStat),
                 "rng_count": model.drop.rngs.count[...], "step": optimizer.step[...],
@@ -739,9 +694,9 @@ def test_an_nnx_step_keeps_its_in_place_updates_in_every_composition():
     report = opt["fn"].last_report
     assert any(p.kind == "gradient" for p in report.plans), report.plan_lines()
     # explain plans such a step (and changes nothing).
-    model, optimizer, metrics = _nnx_state()
-    assert libra_jax.explain(step, model, optimizer, metrics, x, y, file=None).scopes
-    assert int(optimizer.step[...]) == 0
+    case = nnx_in_place()
+    assert libra_jax.explain(case.step, case.state, *case.batch, file=None).scopes
+    assert int(case.state[1].step[...]) == 0
 
 
 def test_the_nnx_repro_of_the_issue():
