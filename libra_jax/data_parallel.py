@@ -21,7 +21,14 @@ Contract (what the tests check, tests/test_data_parallel.py):
   parallelism) would be all-gathered by ``P()`` in silence, so it is refused where its
   sharding is visible (a concrete array, or an explicit-sharding mesh's traced value). Under
   `jax.jit` on an auto-sharding mesh a traced value carries no sharding: there the check is
-  yours.
+  yours. A layout over mesh axes of one device each is replicated (a ``model`` axis of 1);
+  the gradients come back laid out as their parameters.
+- A Flax NNX object (a model, `Rngs`) passed as an argument of its own is taken as
+  `nnx.value_and_grad` takes it: differentiated, its gradient is the `nnx.State` of its
+  `nnx.Param`s; its other state is written back after the loss (`_NnxObjects`).
+- Calls in the loss that lay arrays out over mesh axes (`jax.sharding.auto_axes`, an
+  ``out_sharding=`` argument, `with_sharding_constraint`), which JAX refuses where every
+  axis is manual, are refused by name, with the ways out (`_SHARDING_CALLS`).
 - Other arguments are split along their leading dimension (it must divide by the axis's
   size); 0-d leaves (scalars, a typed PRNG key) are replicated. ``in_specs`` overrides this,
   one spec (or pytree of specs) per positional argument, as in `jax.shard_map`. On an
@@ -41,6 +48,7 @@ Contract (what the tests check, tests/test_data_parallel.py):
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -66,7 +74,8 @@ def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0,
       fun: the per-batch loss, as for `jax.value_and_grad`: a scalar float (and aux, with
         `has_aux`) computed from the batch it is given; here it sees one shard of the batch.
       argnums, has_aux: as in `jax.value_and_grad`. The differentiated arguments must be
-        replicated over the mesh.
+        replicated over the mesh; a Flax NNX model among them is differentiated with respect
+        to its `nnx.Param` state, as by `nnx.value_and_grad`.
       axis_name: the mesh axis (or axes) the batch is split over.
       mesh: the `jax.sharding.Mesh`; default: the context mesh (`jax.set_mesh`), else the
         mesh of the inputs' `NamedSharding`.
@@ -91,32 +100,45 @@ def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0,
         if any(i >= len(args) for i in argnums_t):
             raise TypeError(f"libra_jax.value_and_grad: argnums {argnums_t} but only "
                             f"{len(args)} positional arguments")
+        objects = _NnxObjects.of(args, argnums_t)
+        n_args = len(args)
         the_mesh = _mesh(mesh, args)
         missing = [a for a in axes if a not in the_mesh.axis_names]
         if missing:
             raise ValueError(f"libra_jax.value_and_grad: axis_name {missing[0]!r} is not an axis "
                              f"of the mesh {dict(the_mesh.shape)}")
-        specs = _specs(args, argnums_t, axes, the_mesh, in_specs)
-        _check_replicated(args, argnums_t, specs)
+        args = objects.values(args)
+        specs = _specs(args[:n_args], argnums_t, axes, the_mesh, in_specs)
+        specs += (P(),) * (len(args) - n_args)  # the NNX objects' other state: replicated
+        _check_replicated(args, argnums_t, specs, the_mesh)
+        loss_fn, aux = (fun, has_aux) if not objects else (objects.merging(fun, has_aux), True)
 
         def run(*args: Any) -> Any:
-            args = tuple(_reshard(a, s, the_mesh) for a, s in zip(args, specs))
-            loss = jax.shard_map(_local_loss(fun, kwargs, has_aux, axes), mesh=the_mesh,
-                                 in_specs=specs, out_specs=P())
-            return jax.value_and_grad(loss, argnums, has_aux)(*args)
+            mapped = jax.shard_map(_local_loss(loss_fn, kwargs, aux, axes), mesh=the_mesh,
+                                   in_specs=specs, out_specs=P())
+
+            def loss(*args: Any) -> Any:
+                # Resharded inside the differentiated function: autodiff reshards each
+                # gradient back, so it is laid out as its parameter (as jax.grad's are).
+                return mapped(*(_reshard(a, s, the_mesh) for a, s in zip(args, specs)))
+            return jax.value_and_grad(loss, argnums, aux)(*args)
 
         if any(isinstance(leaf, _compat.Tracer) for leaf in jax.tree.leaves((args, kwargs))):
-            return run(*args)  # already traced (under jit, grad...): the caller compiles it
-        # Eagerly: one compiled program (an explicit-sharding mesh needs jit for its scalars),
-        # kept per mesh, argument structure, specs and keyword values; with a keyword value that
-        # cannot key a cache (an array), compiled for this call alone.
-        key = (the_mesh, jax.tree.structure(args), tuple(jax.tree.leaves(
-            specs, is_leaf=lambda s: isinstance(s, P))), _hashable(kwargs))
-        if key[-1] is None:
-            return jax.jit(run)(*args)
-        if key not in jitted:
-            jitted[key] = jax.jit(run)
-        return jitted[key](*args)
+            out = run(*args)  # already traced (under jit, grad...): the caller compiles it
+        else:
+            # Eagerly: one compiled program (an explicit-sharding mesh needs jit for its
+            # scalars), kept per mesh, argument structure (NNX graphs included), specs and
+            # keyword values; with a keyword value that cannot key a cache (an array),
+            # compiled for this call alone.
+            key = (the_mesh, jax.tree.structure(args), objects.graphs, tuple(jax.tree.leaves(
+                specs, is_leaf=lambda s: isinstance(s, P))), _hashable(kwargs))
+            if key[-1] is None:
+                out = jax.jit(run)(*args)
+            else:
+                if key not in jitted:
+                    jitted[key] = jax.jit(run)
+                out = jitted[key](*args)
+        return objects.write_back(out, has_aux) if objects else out
 
     route.__name__ = f"value_and_grad({getattr(fun, '__name__', 'fun')})"
     route.__doc__ = fun.__doc__
@@ -149,11 +171,90 @@ def _check_argnums(argnums: Any) -> tuple[int, ...]:
     return nums
 
 
+class _NnxObjects:
+    """Flax NNX objects (a model, `Rngs`) passed to the route as arguments of their own, as to
+    `nnx.value_and_grad`: a differentiated one is differentiated with respect to its
+    `nnx.Param` state, and the gradient is that `nnx.State`; each object's other state (batch
+    statistics, random streams) enters the shard_map replicated, and what the loss makes of
+    it is written back into the object, as `_mean_aux` makes aux (float values averaged over
+    the batch's shards, others the same on every shard).
+
+    Traced values cannot carry objects through `jax.shard_map` and `jax.value_and_grad`:
+    `values` replaces each by its `Param` state (differentiated) or None, and appends the
+    other states as arguments; `merging` wraps the loss to rebuild the objects and return
+    their other state as aux; `write_back` updates the caller's objects."""
+
+    def __init__(self, where: list[tuple[int, Any, bool]]) -> None:
+        self.where = where  # (argument, object, differentiated)
+        self.graphs: tuple = ()
+
+    @classmethod
+    def of(cls, args: tuple, argnums: tuple) -> _NnxObjects:
+        from libra_jax.rewrite import nnx_objects
+        where = [(i, a, i in argnums) for i, a in enumerate(args) if nnx_objects(a) == [a]]
+        top = {id(a) for _, a, _ in where}
+        nested = [o for o in nnx_objects(args) if id(o) not in top]
+        if nested:
+            raise TypeError(
+                f"libra_jax.value_and_grad: a Flax NNX {type(nested[0]).__name__} inside an "
+                "argument's pytree: pass NNX objects as arguments of their own (the route "
+                "writes their state back after the loss, as nnx.value_and_grad does)")
+        return cls(where)
+
+    def __bool__(self) -> bool:
+        return bool(self.where)
+
+    def values(self, args: tuple) -> tuple:
+        if not self.where:
+            return args
+        nnx = sys.modules["flax.nnx"]
+        values, rest, graphs = list(args), [], []
+        for i, obj, differentiated in self.where:
+            if differentiated:
+                graph, values[i], other = nnx.split(obj, nnx.Param, ...)
+            else:
+                graph, other = nnx.split(obj)
+                values[i] = None
+            graphs.append(graph)
+            rest.append(other)
+        self.graphs = tuple(graphs)
+        return tuple(values) + tuple(rest)
+
+    def merging(self, fun: Callable[..., Any], has_aux: bool) -> Callable[..., Any]:
+        nnx = sys.modules["flax.nnx"]
+        where, graphs, n = self.where, self.graphs, len(self.where)
+
+        def loss(*values: Any, **kwargs: Any) -> Any:
+            args, rest = list(values[:-n]), values[-n:]
+            for (i, _, differentiated), graph, other in zip(where, graphs, rest):
+                args[i] = (nnx.merge(graph, args[i], other) if differentiated
+                           else nnx.merge(graph, other))
+            out = fun(*args, **kwargs)
+            value, aux = out if has_aux else (out, None)
+            after = tuple(nnx.state(args[i], nnx.Not(nnx.Param)) if differentiated
+                          else nnx.state(args[i]) for i, _, differentiated in where)
+            return value, (aux, after)
+        return loss
+
+    def write_back(self, out: Any, has_aux: bool) -> Any:
+        nnx = sys.modules["flax.nnx"]
+        (value, (aux, after)), grads = out
+        for (_, obj, _), state in zip(self.where, after):
+            nnx.update(obj, state)
+        return ((value, aux) if has_aux else value), grads
+
+
 def _local_loss(fun: Callable[..., Any], kwargs: dict, has_aux: bool, axes: tuple
                 ) -> Callable[..., Any]:
     """The per-shard loss, averaged over `axes`: the function the shard_map maps."""
     def local(*args: Any) -> Any:
-        out = fun(*args, **kwargs)
+        try:
+            out = fun(*args, **kwargs)
+        except (NotImplementedError, ValueError) as e:
+            refusal = _sharding_call_refusal(e)
+            if refusal is None:
+                raise
+            raise ValueError(refusal) from e
         loss, aux = out if has_aux else (out, None)
         shape, dtype = np.shape(loss), jax.numpy.result_type(loss)
         if shape != () or not jax.numpy.issubdtype(dtype, np.floating):
@@ -166,11 +267,60 @@ def _local_loss(fun: Callable[..., Any], kwargs: dict, has_aux: bool, axes: tupl
     return local
 
 
+#: JAX's errors for a call that lays arrays out over mesh axes, made inside a region where every
+#: axis is manual (the route's shard_map), and what to do instead: (pattern, the call, remedy).
+_SHARDING_CALLS = (
+    (r"Going from `?Manual`? AxisType",
+     "jax.sharding.auto_axes or explicit_axes (as nnx.Embed does with out_sharding=)",
+     "call the function it wraps directly (nnx.Embed: without out_sharding=)"),
+    (r"PartitionSpec passed to (\S+) cannot contain axis names that are of type .*Manual",
+     "{0} with a sharding (an out_sharding= argument, or jax.sharding.reshard)",
+     "drop that sharding (the out_sharding= argument, the reshard)"),
+    (r"passed to with_sharding_constraint can only refer to Auto axes",
+     "jax.lax.with_sharding_constraint", "drop the constraint"),
+)
+
+
+def _sharding_call_refusal(error: Exception) -> str | None:
+    """The route's error for JAX's `error`, when it is one of `_SHARDING_CALLS` (else None):
+    it names the call, where the loss makes it, and the ways out."""
+    import os
+    import re
+    import traceback
+
+    found = next(((m, call, remedy) for pattern, call, remedy in _SHARDING_CALLS
+                  if (m := re.search(pattern, str(error)))), None)
+    if found is None:
+        return None
+    match, call, remedy = found
+    # Where: the innermost frame outside jax (the loss, or a library's layer such as
+    # nnx.Embed) and, if it is not the loss's own, the loss's line that leads there.
+    jax_dir = os.path.dirname(jax.__file__) + os.sep
+    frames = [f for f in traceback.extract_tb(error.__traceback__)
+              if not f.filename.startswith(jax_dir) and f.filename != __file__]
+
+    def at(frame: traceback.FrameSummary) -> str:
+        return f"{frame.filename}:{frame.lineno} (`{(frame.line or '').strip()}`)"
+    where = f" at {at(frames[-1])}" if frames else ""
+    if len(frames) > 1:
+        where += f", reached from the loss at {at(frames[0])}"
+    return (f"libra_jax.value_and_grad: the loss calls {call.format(*match.groups())}{where}. "
+            "In the route's shard_map every mesh axis is manual (each device computes the loss "
+            "of its own batch shard, so there is nothing to lay out) and JAX refuses calls that "
+            f"lay arrays out over mesh axes there. Either {remedy} in the loss (code shared "
+            "with a GSPMD step can skip it where jax.sharding.get_abstract_mesh().manual_axes "
+            "is not empty), or keep jax.value_and_grad for this step: its gradient all-reduces "
+            "then stay XLA's, which optimize does not plan")
+
+
 def _mean_aux(path: Any, value: Any, axes: tuple) -> Any:
+    """An aux leaf, the same on every shard: averaged over `axes` where it differs (a float),
+    else as it is (averaging the same value would round it, on a mesh of other than a power
+    of two devices)."""
     value = jax.numpy.asarray(value)
-    if jax.numpy.issubdtype(value.dtype, np.inexact):
-        return jax.lax.pmean(value, axes)
     varying = set(axes) & _compat.varying_axes(jax.typeof(value))
+    if varying and jax.numpy.issubdtype(value.dtype, np.inexact):
+        return jax.lax.pmean(value, axes)
     if varying:
         raise TypeError(
             f"libra_jax.value_and_grad: aux{jax.tree_util.keystr(path)} is a {value.dtype} that "
@@ -216,7 +366,20 @@ def _specs(args: tuple, argnums: tuple, axes: tuple, mesh: Any, in_specs: Any) -
         if len(specs) != len(args):
             raise ValueError(f"libra_jax.value_and_grad: in_specs has {len(specs)} entries for "
                              f"{len(args)} positional arguments")
-        return specs
+        # A mesh axis of one device other than the batch's splits nothing: left out, so the
+        # loss does not vary over it (the shard_map's P() output could not be inferred).
+        sizes = dict(mesh.shape)
+
+        def split_only(spec: P) -> P:
+            def keep(d: Any) -> Any:
+                if d is None or d is P.UNCONSTRAINED:
+                    return d
+                kept = tuple(a for a in ((d,) if isinstance(d, str) else d)
+                             if a in axes or sizes.get(a, 1) > 1)
+                return None if not kept else kept[0] if len(kept) == 1 else kept
+            return P(*(keep(d) for d in spec))
+        return tuple(jax.tree.map(split_only, s, is_leaf=lambda x: isinstance(x, P))
+                     for s in specs)
     batch = axes[0] if len(axes) == 1 else axes
     shards = math.prod(dict(mesh.shape)[a] for a in axes)
 
@@ -236,13 +399,14 @@ def _specs(args: tuple, argnums: tuple, axes: tuple, mesh: Any, in_specs: Any) -
                  for i, a in enumerate(args))
 
 
-def _check_replicated(args: tuple, argnums: tuple, specs: tuple) -> None:
+def _check_replicated(args: tuple, argnums: tuple, specs: tuple, mesh: Any) -> None:
     """Refuse a differentiated argument that is not replicated (`P()` would all-gather it, and
-    its gradient would be one shard's alone were its spec not ``P()``)."""
+    its gradient would be one shard's alone were its spec not ``P()``). A spec whose mesh axes
+    all have size 1 is replicated (a model axis of 1 on a data-parallel mesh)."""
     for i in argnums:
         leaves = jax.tree_util.tree_flatten_with_path(args[i])[0]
         spec_leaves = jax.tree.leaves(specs[i], is_leaf=lambda s: isinstance(s, P))
-        if any(s != P() for s in spec_leaves):
+        if not all(_replicates(s, mesh) for s in spec_leaves):
             raise ValueError(f"libra_jax.value_and_grad: in_specs gives differentiated argument "
                              f"{i} a sharded spec; its gradient would be one shard's: "
                              "differentiated arguments must be P() (replicated)")
@@ -253,8 +417,8 @@ def _check_replicated(args: tuple, argnums: tuple, specs: tuple) -> None:
                 replicated = sharding is None or sharding.is_fully_replicated
             else:
                 aval_sharding = getattr(_typeof(leaf), "sharding", None)
-                replicated = aval_sharding is None or all(
-                    d is None for d in getattr(aval_sharding, "spec", ()))
+                replicated = aval_sharding is None or _replicates(
+                    getattr(aval_sharding, "spec", P()), aval_sharding.mesh)
             if not replicated:
                 raise ValueError(
                     f"libra_jax.value_and_grad: {where} is sharded ({_sharding_text(leaf)}); "
@@ -262,6 +426,15 @@ def _check_replicated(args: tuple, argnums: tuple, specs: tuple) -> None:
                     "parameter (FSDP, tensor parallelism) would be all-gathered on every step, "
                     "and its gradient collective is a reduce-scatter, which libra_jax does not "
                     "plan. Keep jax.value_and_grad (GSPMD) for sharded parameters")
+
+
+def _replicates(spec: Any, mesh: Any) -> bool:
+    """Whether `spec` lays an array out whole on every device of `mesh`: it names no mesh axis
+    of more than one device."""
+    sizes = dict(mesh.shape)
+    named = [a for d in spec if d is not None and d is not P.UNCONSTRAINED
+             for a in ((d,) if isinstance(d, str) else d)]
+    return all(sizes.get(a, 1) == 1 for a in named)
 
 
 def _reshard(arg: Any, spec_tree: Any, mesh: Any) -> Any:

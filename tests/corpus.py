@@ -513,6 +513,88 @@ def gspmd_route(pmean: Callable[..., Any] | None = None) -> Case:
                 drop_in=False)
 
 
+def gspmd_route_size_one_axis(pmean: Callable[..., Any] | None = None) -> Case:
+    """The route on a ``('batch', 'model')`` mesh of (8, 1) explicit axes, as Flax's NNX
+    tutorials lay a model out: kernels partitioned over ``'model'``, of one device, so
+    replicated; plain `jax.value_and_grad`-style loss, optax SGD with momentum."""
+    del pmean  # a GSPMD step calls no pmean
+    import optax
+
+    import libra_jax
+
+    mesh = jax.make_mesh((N, 1), ("batch", "model"),
+                         axis_types=(jax.sharding.AxisType.Explicit,) * 2,
+                         devices=jax.devices("cpu")[:N])
+    rng = np.random.default_rng(12)
+    lay = {"w1": P(None, "model"), "b1": P("model"), "w2": P("model", None)}
+    params = {"w1": (rng.standard_normal((12, 32)) * 0.3).astype(np.float32),
+              "b1": np.zeros(32, np.float32),
+              "w2": (rng.standard_normal((32, 3)) * 0.3).astype(np.float32)}
+    params = {k: jax.device_put(v, NamedSharding(mesh, lay[k])) for k, v in params.items()}
+    x = jax.device_put(rng.standard_normal((N * 4, 12)).astype(np.float32),
+                       NamedSharding(mesh, P("batch")))
+    y = jax.device_put(rng.standard_normal((N * 4, 3)).astype(np.float32),
+                       NamedSharding(mesh, P("batch")))
+    tx = optax.sgd(0.05, momentum=0.9)
+
+    def loss_fn(p, x, y):
+        return jnp.mean((jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] - y) ** 2)
+
+    def step(state, x, y):
+        loss, grads = libra_jax.value_and_grad(loss_fn, axis_name="batch")(state["params"], x, y)
+        updates, opt = tx.update(grads, state["opt"], state["params"])
+        return {"params": optax.apply_updates(state["params"], updates), "opt": opt}, loss
+
+    with jax.set_mesh(mesh):  # optax's init jitted on the explicit mesh's arrays
+        state = {"params": params, "opt": tx.init(params)}
+    # 3 parameters and the loss (as gspmd-route).
+    return Case(step, state, (x, y), autodiff_psums=True, context=lambda: jax.set_mesh(mesh),
+                kinds={"gradient": 4}, drop_in=False)
+
+
+def nnx_route(pmean: Callable[..., Any] | None = None) -> Case:
+    """A Flax NNX model (LayerNorm, dropout from its `Rngs`) through the route as through
+    `nnx.value_and_grad`: the model passed whole, the gradient an `nnx.State`,
+    `nnx.Optimizer` updating the model in place; compiled by `nnx.jit`."""
+    del pmean  # a GSPMD step calls no pmean
+    from flax import nnx
+    import optax
+
+    import libra_jax
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.a = nnx.Linear(12, 24, rngs=rngs)
+            self.norm = nnx.LayerNorm(24, rngs=rngs)
+            self.drop = nnx.Dropout(0.1, rngs=rngs)
+            self.b = nnx.Linear(24, 4, rngs=rngs)
+
+        def __call__(self, x):
+            return self.b(self.drop(nnx.gelu(self.norm(self.a(x)))))
+
+    mesh = _mesh()
+    model = Net(nnx.Rngs(0, dropout=1))
+    optimizer = nnx.Optimizer(model, optax.adamw(1e-2), wrt=nnx.Param)
+
+    def loss_fn(model, x, y):
+        logits = model(x)
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+        return loss, jnp.mean(jnp.argmax(logits, -1) == y)
+
+    def step(state, x, y):
+        model, optimizer = state
+        (loss, accuracy), grads = libra_jax.value_and_grad(loss_fn, has_aux=True)(model, x, y)
+        optimizer.update(model, grads)
+        return state, {"loss": loss, "accuracy": accuracy}
+
+    rng = np.random.default_rng(13)
+    x = rng.standard_normal((N * 4, 12)).astype(np.float32)
+    y = rng.integers(0, 4, N * 4).astype(np.int32)
+    return Case(step, (model, optimizer), (_shard(x, mesh), _shard(y, mesh)),
+                library_jit=nnx.jit, in_place=True, autodiff_psums=True, drop_in=False,
+                kinds={"gradient": 8})  # 6 parameters; the loss and accuracy (as gspmd-route)
+
+
 CASES: dict[str, Callable[..., Case]] = {
     "flax-batchnorm-pmap": flax_batchnorm_pmap,
     "transformer-dropout": transformer_dropout,
@@ -525,4 +607,6 @@ CASES: dict[str, Callable[..., Case]] = {
     "flax-nn-scan": flax_nn_scan,
     "stacked-scan-shared": stacked_scan_shared,
     "gspmd-route": gspmd_route,
+    "gspmd-route-size-one-axis": gspmd_route_size_one_axis,
+    "nnx-route": nnx_route,
 }

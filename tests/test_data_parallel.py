@@ -339,6 +339,191 @@ def test_bad_calls_say_what_is_wrong():
         jax.jit(route(counts, has_aux=True))(params, x, y)
 
 
+# --- Today's sharding code: size-1 axes, explicit-sharding calls, NNX models -----------------
+
+@pytest.mark.parametrize("kind", ["auto", "explicit"])
+def test_parameters_laid_out_over_size_one_axes_are_replicated(kind):
+    """An (8, 1) ``data x model`` mesh with kernels partitioned over ``model`` (as Flax's NNX
+    tutorials lay them out): one device per model shard is replication, taken under jax.jit
+    (traced values carry the spec on an explicit mesh) and by in_specs. The gradients are
+    laid out as their parameters, as jax.grad's are."""
+    mesh = make_mesh((8, 1), ("data", "model"), kind)
+    rng = np.random.default_rng(9)
+    params = [(put(w, mesh, P(None, "model")), put(b, mesh, P("model")))
+              for w, b in mlp_params(rng)]
+    x = put(rng.standard_normal((32, 16)).astype(np.float32), mesh, P("data"))
+    y = put(rng.standard_normal((32, 8)).astype(np.float32), mesh, P("data"))
+    with mesh_context(mesh):
+        want = jax.jit(jax.value_and_grad(mlp_loss))(params, x, y)
+        opt = libra_jax.optimize(route(mlp_loss))
+        got = jax.jit(opt)(params, x, y)
+        control = jax.jit(libra_jax.optimize(route(mlp_loss), collectives="xla"))(params, x, y)
+        specs = route(mlp_loss, in_specs=(P("model"), P("data"), P("data")))
+        by_specs = jax.jit(specs)(params, x, y)
+    assert_codegen_close(got, want)
+    jax.tree.map(assert_bitwise, got, control)
+    assert_codegen_close(by_specs, want)
+    assert [p.kind for p in opt.last_report.plans].count("gradient") >= 1
+    if kind == "explicit":
+        assert ([g.sharding.spec for g in jax.tree.leaves(got[1])]
+                == [p.sharding.spec for p in jax.tree.leaves(params)])
+    with pytest.raises(ValueError, match="is sharded"):  # a model axis of 2 is still refused
+        two = make_mesh((4, 2), ("data", "model"), kind)
+        route(mlp_loss)(put(jax.tree.map(np.asarray, params), two, P("model")),
+                        put(np.asarray(x), two, P("data")), put(np.asarray(y), two, P("data")))
+
+
+def _embed_lookup(x, w):
+    from flax import nnx
+    embed = nnx.Embed(4, 16, rngs=nnx.Rngs(0))
+    return embed((x[:, 0] > 0).astype(jnp.int32), out_sharding=P("data")) @ w
+
+
+#: Calls that lay arrays out over mesh axes, as GSPMD code makes them: what the refusal names.
+SHARDING_CALLS = {
+    "auto_axes": (lambda x, w: jax.sharding.auto_axes(lambda a: a @ w, out_sharding=P("data"))(x),
+                  r"calls jax\.sharding\.auto_axes"),
+    "out_sharding": (lambda x, w: jnp.dot(x, w, out_sharding=P("data")),
+                     r"calls dot_general with a sharding \(an out_sharding= argument"),
+    "with_sharding_constraint": (
+        lambda x, w: jax.lax.with_sharding_constraint(x @ w, P("data")),
+        r"calls jax\.lax\.with_sharding_constraint"),
+    "nnx.Embed(out_sharding=)": (_embed_lookup, r"auto_axes.*flax.*reached from the loss at"),
+}
+
+
+@pytest.mark.parametrize("kind", ["auto", "explicit"])
+@pytest.mark.parametrize("call", list(SHARDING_CALLS))
+def test_explicit_sharding_calls_in_the_loss_are_refused_by_name(call, kind):
+    """JAX refuses them in the route's shard_map (every axis manual); the route says which
+    call, where, and the ways out, instead of JAX's "Going from Manual AxisType..."."""
+    pytest.importorskip("flax")
+    mesh = make_mesh((8, 1), ("data", "model"), kind)
+    fn, names = SHARDING_CALLS[call]
+    rng = np.random.default_rng(10)
+    w = put(rng.standard_normal((16, 8)).astype(np.float32), mesh, P())
+    x = put(rng.standard_normal((32, 16)).astype(np.float32), mesh, P("data"))
+    with jax.set_mesh(mesh), pytest.raises(ValueError) as info:
+        jax.jit(route(lambda w, x: jnp.mean(fn(x, w) ** 2)))(w, x)
+    message = str(info.value)
+    assert re.search(names, message), message
+    assert __file__ in message, message  # the loss's line
+    assert "keep jax.value_and_grad" in message and "every mesh axis is manual" in message
+
+
+class NnxNet:
+    """A Flax NNX model for the route: Linear, LayerNorm, Linear (per example: the route's
+    loss is GSPMD's); its first kernel partitioned over ``model`` where the mesh has it."""
+
+    @staticmethod
+    def make(model_axis: bool, seed: int = 0):
+        from flax import nnx
+
+        init = nnx.initializers.lecun_normal()
+        if model_axis:
+            init = nnx.with_partitioning(init, (None, "model"))
+
+        class Net(nnx.Module):
+            def __init__(self, rngs):
+                self.a = nnx.Linear(12, 24, kernel_init=init, rngs=rngs)
+                self.norm = nnx.LayerNorm(24, rngs=rngs)
+                self.b = nnx.Linear(24, 4, rngs=rngs)
+
+            def __call__(self, x):
+                return self.b(nnx.gelu(self.norm(self.a(x))))
+        return Net(nnx.Rngs(seed))
+
+
+def nnx_loss(model, x, y):
+    return jnp.mean((model(x) - y) ** 2)
+
+
+@pytest.mark.parametrize("shape", [(8,), (8, 1)])
+def test_an_nnx_model_trains_through_the_route_as_with_nnx_value_and_grad(shape):
+    """The model passed whole, as to `nnx.value_and_grad`: the gradient is the `nnx.State` of
+    its `nnx.Param`s, and `nnx.Optimizer` updates the model in place; under `nnx.jit`,
+    optimized, 3 SGD steps agree with the GSPMD step's within the bound and are bitwise the
+    optimized step's XLA control; on (8, 1) the first kernel is laid out over ``model``."""
+    from flax import nnx
+    mesh = jax.make_mesh(shape, ("data", "model")[:len(shape)],
+                         devices=jax.devices("cpu")[:8])
+    rng = np.random.default_rng(11)
+    x = put(rng.standard_normal((32, 12)).astype(np.float32), mesh, P("data"))
+    y = put(rng.standard_normal((32, 4)).astype(np.float32), mesh, P("data"))
+
+    def step_with(grad_fn):
+        def step(model, optimizer, x, y):
+            loss, grads = grad_fn(model, x, y)
+            optimizer.update(model, grads)
+            return loss
+        return step
+
+    def gspmd(model, x, y):
+        return nnx.value_and_grad(nnx_loss)(model, x, y)
+
+    def through_route(model, x, y):
+        return route(nnx_loss)(model, x, y)
+
+    trained = {}
+    with jax.set_mesh(mesh):
+        for name, step in [("gspmd", nnx.jit(step_with(gspmd))),
+                           ("route", nnx.jit(libra_jax.optimize(step_with(through_route)))),
+                           ("control", nnx.jit(libra_jax.optimize(step_with(through_route),
+                                                                  collectives="xla")))]:
+            model = NnxNet.make(len(shape) == 2)
+            optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+            losses = [step(model, optimizer, x, y) for _ in range(3)]
+            trained[name] = (losses, nnx.state(model, nnx.Param))
+        value, grads = through_route(NnxNet.make(len(shape) == 2), x, y)  # eagerly
+    assert isinstance(grads, nnx.State)
+    assert jax.tree.structure(grads) == jax.tree.structure(trained["gspmd"][1])
+    assert_codegen_close(trained["route"], trained["gspmd"])
+    jax.tree.map(assert_bitwise, trained["route"], trained["control"])
+    assert float(trained["route"][0][-1]) < float(trained["route"][0][0])
+    if len(shape) == 2:
+        kernel = trained["route"][1]["a"]["kernel"]
+        assert kernel[...].sharding.spec == P(None, "model")
+
+
+def test_nnx_state_the_loss_updates_is_written_back():
+    """What the loss does to the model's other state reaches the caller's objects, as
+    `nnx.value_and_grad` does: batch statistics (each shard's, averaged over the shards:
+    the running mean is GSPMD's) and the dropout stream (one draw a call), a separate
+    `nnx.Rngs` argument's count too. An NNX object nested in an argument is refused."""
+    from flax import nnx
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.a = nnx.Linear(12, 16, rngs=rngs)
+            self.bn = nnx.BatchNorm(16, momentum=0.5, rngs=rngs)
+            self.drop = nnx.Dropout(0.25, rngs=rngs)
+
+        def __call__(self, x):
+            return self.drop(self.bn(self.a(x)))
+
+    def loss(model, x, rngs):
+        noise = jax.random.normal(rngs.noise(), x.shape)
+        return jnp.mean(model(x + 0 * noise) ** 2)
+
+    mesh = make_mesh()
+    x = put(np.random.default_rng(12).standard_normal((32, 12)).astype(np.float32), mesh,
+            P("data"))
+    models = {k: Net(nnx.Rngs(0, dropout=1)) for k in ("route", "gspmd")}
+    rngs = nnx.Rngs(noise=2)
+    for _ in range(2):
+        route(loss)(models["route"], x, rngs)
+        nnx.jit(nnx.value_and_grad(loss))(models["gspmd"], x, nnx.Rngs(noise=2))
+    route_bn, gspmd_bn = models["route"].bn, models["gspmd"].bn
+    assert_codegen_close(route_bn.mean[...], gspmd_bn.mean[...])
+    assert float(jnp.max(jnp.abs(route_bn.mean[...]))) > 0
+    assert not np.allclose(route_bn.var[...], 1.0)  # moved (per shard: not GSPMD's variance)
+    counts = {k: int(m.drop.rngs.count[...]) for k, m in models.items()}
+    assert counts["route"] == counts["gspmd"] == 2, counts
+    assert int(rngs.noise.count[...]) == 2
+    with pytest.raises(TypeError, match="Flax NNX Net inside an argument's pytree"):
+        route(lambda pair, x: loss(pair[0], x, rngs))((models["route"],), x)
+
+
 # --- What optimize says of GSPMD steps and of collectives it does not plan --------------------
 
 def test_optimize_names_the_route_for_a_gspmd_step(monkeypatch):
