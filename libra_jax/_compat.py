@@ -330,15 +330,16 @@ def with_varying(aval: Any, axes: Sequence[Any]) -> Any:
     return aval.update(vma=frozenset(aval.vma) | frozenset(axes))
 
 
-def made_by_transpose(eqn: Any) -> bool:
+def made_by_transpose(eqn: Any, deep: bool = True) -> bool:
     """Whether autodiff's transpose made `eqn` (a `transpose` transform on its name stack:
-    the backward pass of `jax.grad` and friends), or an equation of one of its sub-jaxprs."""
+    the backward pass of `jax.grad` and friends), or (`deep`) an equation of one of its
+    sub-jaxprs. A loop autodiff transposed has it on its own stack, not on its body's."""
     stack = getattr(getattr(eqn, "source_info", None), "name_stack", None)
     for entry in getattr(stack, "stack", ()):
         if type(entry).__name__ == "Transform" and getattr(entry, "name", None) == "transpose":
             return True
-    return any(made_by_transpose(e) for sub in jaxprs_in_params(eqn.params)
-               for e in getattr(sub, "jaxpr", sub).eqns)
+    return deep and any(made_by_transpose(e) for sub in jaxprs_in_params(eqn.params)
+                        for e in getattr(sub, "jaxpr", sub).eqns)
 
 
 def jit_static_args(fn: Any) -> tuple[tuple[int, ...], tuple[str, ...]]:

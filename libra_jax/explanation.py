@@ -65,6 +65,7 @@ class ScopePlan:
     default_allocation: int
     compute_s: float                # backward compute at full speed
     limit: str = ""                 # a cap on the blocks of an all-reduce, and why (or "")
+    in_loop: bool = False           # a loop body's scope: the plan of one iteration
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,7 +192,8 @@ def _scope_plan(entry: dict, report: rewrite.OptimizeReport, names: dict) -> Sco
         profile=entry["profile"].name, key_unit=entry["key_unit"], layers=layers, buckets=buckets,
         cost=cost, rows=tuple(rows), backward_s=tl.backward_s, default_s=default.backward_s,
         fusion_only_s=fusion_only.backward_s, default_allocation=default_alloc,
-        compute_s=sum(layer.compute_s for layer in layers), limit=entry.get("limit", ""))
+        compute_s=sum(layer.compute_s for layer in layers), limit=entry.get("limit", ""),
+        in_loop=entry.get("in_loop", False))
 
 
 # --- Which parameter does a gradient psum update? ---------------------------------------------
@@ -351,7 +353,8 @@ def _tensor_list(tensors: Sequence[str], limit: int = 60) -> str:
 
 
 def _header(s: ScopePlan) -> str:
-    return (f"scope {s.scope}, axes {', '.join(map(str, s.axes))}, {s.world} ranks, profile "
+    return (f"scope {s.scope}{' (a loop body: each iteration)' if s.in_loop else ''}, axes "
+            f"{', '.join(map(str, s.axes))}, {s.world} ranks, profile "
             f"{s.profile} (allocation in {s.key_unit.replace('_', ' ')}); "
             f"{_plural(len(s.layers), 'gradient psum')} -> {_plural(len(s.buckets), 'bucket')}")
 
@@ -411,15 +414,27 @@ def _others_lines(e: Explanation) -> list[str]:
         lines.append(f"  {p.kind:<8} {p.scope} axes {', '.join(map(str, p.axes))}: "
                      f"{_fmt_bytes(p.nbytes)}, blocks {p.blocks}")
     if e.report.loops:
-        lines.append("loops (scans whose psums can leave the body; libra_jax.loops):")
+        lines.append("loops (each iteration issues its body's plan; stacked slices may leave "
+                     "a scan: libra_jax.loops):")
     for loop in e.report.loops:
-        done = ("hoisted: one all-reduce of every iteration's slices after the loop"
-                if loop.choice == "hoist" else f"kept in the loop, {loop.blocks} blocks")
-        kept = f"; {loop.kept} other psum(s) stay in the body" if loop.kept else ""
-        lines.append(f"  {loop.scope} equation {loop.index}: scan of {loop.length}, {loop.psums} psum(s) of "
-                     f"{_fmt_bytes(loop.nbytes)} per iteration: {done} (predicted loop "
-                     f"{loop.hoisted_s * 1e3:.3f} ms hoisted, {loop.in_loop_s * 1e3:.3f} ms in the "
-                     f"loop){kept}")
+        iterations = (f"{loop.length} iterations" if loop.length is not None
+                      else "iterations counted at run time")
+        line = f"  {loop.scope} equation {loop.index}, {iterations}: "
+        if loop.gradient:
+            line += (f"each iteration {_plural(loop.gradient, 'gradient psum')} in "
+                     f"{_plural(loop.calls, 'call')} (scope {loop.body})")
+        else:
+            line += "no gradient psum left in the body"
+        if loop.psums and loop.in_loop_s is not None and loop.hoisted_s is not None:
+            done = ("hoisted: one all-reduce of every iteration's slices after the loop"
+                    if loop.choice == "hoist" else "kept in the body")
+            line += (f"; {_plural(loop.psums, 'stacked slice psum')} of "
+                     f"{_fmt_bytes(loop.nbytes)} per iteration {done} (predicted loop "
+                     f"{loop.hoisted_s * 1e3:.3f} ms hoisted, {loop.in_loop_s * 1e3:.3f} ms in "
+                     "the body)")
+        if loop.kept:
+            line += f"; {loop.kept} other psum(s) of the body unplanned (kind loop)"
+        lines.append(line)
     if e.report.unplanned:
         lines.append("collectives left to XLA (optimize plans psums only): "
                      + "; ".join(e.report.unplanned))

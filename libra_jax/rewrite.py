@@ -33,11 +33,17 @@ Contract of the rewrite (`rewrite_jaxpr`):
   hoisted before the scope is planned: the scan returns the slices unreduced and
   one psum of the stacked array follows it, a psum of this scope like any other
   (the same sums: summation is elementwise). `loops="auto"` hoists where the
-  model prices that lower than one all-reduce per iteration (`_Rewriter.loop_plan`)
-  and otherwise gives the loop's psums the block count it found best for the
-  loop. Other psums in loop bodies (a shared weight's, accumulated in the carry)
-  get `allreduce.default_blocks` and no fusion; a loop body never holds a
-  start/done pair.
+  model prices that lower than keeping them in the body (`_Rewriter.loop_plan`).
+  Then every loop body (`scan`, `while`, so `fori_loop`) is a scope of its own,
+  planned by the same rule where the body shows a backward pass: its gradient
+  psums (a train step scanned over substeps, gradient accumulation that
+  all-reduces each microbatch, a kept stacked slice, a shared weight's
+  cotangent) are planned for one iteration, fused into buckets with the body's
+  compute between them, and every iteration issues that plan; each bucket is one
+  call (no start/done pair in a body: its all-reduces are done within the
+  iteration, where a pair could only overlap the rest of it). The body's other
+  psums (kind "loop": a loss, a statistic, a forward loop's) get
+  `allreduce.default_blocks`. `OptimizeReport.loops` has a `LoopPlan` per loop.
 - A bucket is one `libra_psum_fused` equation placed where its last member
   was; it concatenates its operands per dtype, all-reduces each dtype once,
   and splits them back. Summation is elementwise in rank order either way,
@@ -127,8 +133,8 @@ def optimize(fn: Callable[..., Any] | None = None, *, profile: Any = None, fusio
       loops: what happens to a `scan` body's psums that may leave the loop (a stacked
         weight's gradient slice: `libra_jax.loops`): "hoist" all-reduces the stacked slices
         once after the loop, planned with the other gradients (the same sums); "in-loop"
-        keeps one all-reduce per iteration in the body, with the model's block count for
-        the loop; "auto" (default) takes whichever the model predicts faster.
+        keeps them in the body, planned there with the body's other gradient psums (one
+        iteration's plan); "auto" (default) takes whichever the model predicts faster.
       static_argnums, static_argnames: arguments that are not traced, as in `jax.jit`:
         Python values (a ``train`` flag, a config, a schedule function) passed to `fn` as
         they are; they must be hashable, and each distinct value is its own program. A
@@ -396,20 +402,26 @@ class PsumPlan:
 
 @dataclasses.dataclass(frozen=True)
 class LoopPlan:
-    """What `optimize` did with one `scan` whose body psums could leave the loop (`loops`)."""
+    """What `optimize` did with one loop (`scan`, `while`) whose body holds gradient psums:
+    each iteration's plan (the body's scope, whose `PsumPlan`s run once per iteration) and,
+    for a scan whose psums could leave the body (a stacked weight's gradient slices:
+    `libra_jax.loops`), the choice to hoist them or keep them in the body."""
 
-    scope: str                      # the scope the scan equation is in
+    scope: str                      # the scope the loop equation is in
     index: int                      # its position among the scope's equations
-    length: int                     # iterations
-    psums: int                      # the body's hoistable psums (kept ones are not counted)
-    nbytes: int                     # their bytes per iteration, per rank
-    # "hoist": all-reduced after the loop, planned with the scope's gradients; "in-loop":
-    # each iteration's all-reduce in the body, with `blocks`
-    choice: str
-    blocks: int                     # the in-loop block count (the model's best for the loop)
-    in_loop_s: float                # predicted seconds of the loop, all-reduces in the body
-    hoisted_s: float                # ... and of the loop then one all-reduce of every layer's
-    kept: int = 0                   # psums left in the body (into the carry, read there)
+    length: int | None              # iterations (a scan's; None: a while loop's)
+    body: str                       # the body's scope: its PsumPlans are each iteration's
+    gradient: int                   # gradient psums planned in the body, per iteration
+    calls: int                      # the calls they make per iteration (their buckets)
+    # A scan's hoistable psums: how many, their bytes per iteration, "hoist" (all-reduced
+    # after the loop, planned with the scope's gradients) or "in-loop" (planned in the body),
+    # and the model's predicted seconds of the loop each way; 0 and "in-loop" where none.
+    psums: int = 0
+    nbytes: int = 0
+    choice: str = "in-loop"
+    in_loop_s: float | None = None
+    hoisted_s: float | None = None
+    kept: int = 0                   # the body's psums not planned as gradients (kind loop)
 
 
 @dataclasses.dataclass
@@ -436,8 +448,8 @@ class OptimizeReport:
         """One line per planned all-reduce: what every process must agree on."""
         return ([f"{p.scope} axes={p.axes} psums={p.members} bytes={p.nbytes} blocks={p.blocks} "
                  f"kind={p.kind} overlap={p.overlap}" for p in self.plans]
-                + [f"{p.scope} loop={p.index} psums={p.psums} {p.choice} blocks={p.blocks}"
-                   for p in self.loops])
+                + [f"{p.scope} loop={p.index} body={p.body} gradient={p.gradient} "
+                   f"calls={p.calls} psums={p.psums} {p.choice}" for p in self.loops])
 
 
 def block_cap(profile: model.Profile) -> tuple[int | None, str]:
@@ -694,28 +706,30 @@ class _Edits:
         return {j for after in self.sink.values() for j in after}
 
 
-def _gradient_sites(eqns: Sequence[Any], sites: Sequence[_Site], outvars: Sequence[Any]
-                    ) -> tuple[set[int], set[int] | None]:
+def _gradient_sites(eqns: Sequence[Any], sites: Sequence[_Site], outvars: Sequence[Any],
+                    transposed: bool = False) -> tuple[set[int], set[int] | None]:
     """(the gradient psums, the backward psums or None where no backward pass is visible):
-    a gradient psum is on the backward pass (`_backward_sites`) and feeds no later psum
-    (`_terminal_sites`); with no backward pass visible, every terminal psum."""
+    a gradient psum is on the backward pass (`_backward_sites`; every one, in the body of a
+    transposed loop) and feeds no later psum (`_terminal_sites`); with no backward pass
+    visible, every terminal psum."""
     terminal = _terminal_sites(eqns, sites, outvars)
-    backward = _backward_sites(eqns, sites)
+    backward = {s.index for s in sites} if transposed else _backward_sites(eqns, sites)
     return (terminal if backward is None else terminal & backward), backward
 
 
 def _kinds(sites: Sequence[_Site], gradient: set[int], backward: set[int] | None,
            in_loop: bool) -> dict[int, str]:
     """Each site's kind, by its equation's position: "user" (an explicit block count),
-    "loop" (in a loop body), "gradient" (planned), "backward" or "forward"."""
+    "gradient" (planned; in a loop body, for one iteration), "loop" (any other psum of a
+    loop body), "backward" or "forward"."""
     kinds = {}
     for site in sites:
         if site.explicit_blocks is not None:
             kind = "user"
+        elif site.index in gradient:
+            kind = "gradient"  # in a loop body too: planned for one iteration
         elif in_loop:
             kind = "loop"
-        elif site.index in gradient:
-            kind = "gradient"
         else:
             kind = "backward" if backward is not None and site.index in backward else "forward"
         kinds[site.index] = kind
@@ -779,8 +793,9 @@ class _Rewriter:
         self.calls = 0
         self.scope_names: collections.Counter[str] = collections.Counter()
         self.unplanned: list[str] = []  # `OptimizeReport.unplanned`, one entry per equation
-        # id of a scan body kept with its all-reduces -> the block count chosen for the loop
-        self.loop_blocks: dict[int, int] = {}
+        # (scope, a scan equation's position) -> the choice hoist_loops made for its stacked
+        # slices: a LoopPlan, completed once the body is planned (`loop_report`).
+        self.hoisting: dict[tuple[str, int], LoopPlan] = {}
 
     def call_id(self) -> int:
         """The id of the program's next start/done pair (`libra_jax.ops.start_done`): a fingerprint
@@ -793,9 +808,13 @@ class _Rewriter:
 
     # One jaxpr scope, in phases: rewrite sub-jaxprs, find the psum sites, classify them,
     # plan the gradient ones, turn the plan into edits, schedule the equations.
-    def jaxpr(self, jaxpr: Any, *, axis_sizes: dict, scope: str, in_loop: bool) -> Any:
+    def jaxpr(self, jaxpr: Any, *, axis_sizes: dict, scope: str, in_loop: bool,
+              transposed: bool = False) -> Any:
+        """One scope rewritten. `in_loop`: it is (in) a loop body; `transposed`: it is the body
+        of a loop autodiff's transpose made (the backward scan of scan-over-layers), all of
+        it backward pass though its own equations do not say so."""
         eqns = self.hoist_loops(jaxpr.eqns, axis_sizes, scope)
-        eqns = [self.sub_jaxprs(eqn, axis_sizes, scope, in_loop) for eqn in eqns]
+        eqns = [self.sub_jaxprs(eqn, i, axis_sizes, scope, in_loop) for i, eqn in enumerate(eqns)]
         eqns = self.fold_zero_psums(eqns, scope)
         for eqn in eqns:
             other = _compat.OTHER_COLLECTIVES.get(eqn.primitive.name)
@@ -808,7 +827,11 @@ class _Rewriter:
         if not sites:
             return jaxpr.replace(eqns=eqns)
         _warn_invariant_operands(eqns, sites)
-        gradient, backward = _gradient_sites(eqns, sites, jaxpr.outvars)
+        gradient, backward = _gradient_sites(eqns, sites, jaxpr.outvars, transposed)
+        if in_loop and backward is None:
+            # No backward pass in the body: a forward loop (a metric, a statistic per layer)
+            # whose psums are no gradients; at top level this is a hand-written backward pass.
+            gradient = set()
         kinds = _kinds(sites, gradient, backward, in_loop)
         # Compute that consumes a gradient all-reduce (the optimizer update) waits for it
         # and overlaps nothing: it is not part of the backward stream the planner sees.
@@ -824,19 +847,20 @@ class _Rewriter:
                 groups.setdefault((site.axes, site.invariant), []).append(site)
                 continue
             k = site.explicit_blocks
-            if k is None:  # a loop kept with its all-reduces has the model's count for it
-                k = self.loop_blocks.get(id(jaxpr)) if kind == "loop" else None
-                if k is None:
-                    k = allreduce.default_blocks(site.nbytes, _world(axis_sizes, site.axes),
-                                                 self.profile)
+            if k is None:
+                k = allreduce.default_blocks(site.nbytes, _world(axis_sizes, site.axes),
+                                             self.profile)
                 edits.replacements[site.index] = _single(eqns[site.index], site, k, invars)
             self.report.plans.append(PsumPlan(scope, site.axes, (site.index,), site.nbytes,
                                               k, kind))
         planned = [(axes, invariant, bucket, k)
                    for (axes, invariant), members in groups.items()
                    for bucket, k in self.plan(members, costs, _world(axis_sizes, axes), scope,
-                                              _reach(eqns, members))]
-        splits = self.split_buckets(eqns, jaxpr.outvars, [b for _, _, b, _ in planned])
+                                              _reach(eqns, members), in_loop)]
+        # In a loop body each bucket is one call: every iteration's all-reduces are done
+        # within it, so a start/done pair could only overlap the rest of that iteration.
+        splits = ([False] * len(planned) if in_loop else
+                  self.split_buckets(eqns, jaxpr.outvars, [b for _, _, b, _ in planned]))
         for (axes, invariant, bucket, k), split in zip(planned, splits):
             self.edit_bucket(eqns, bucket, axes, invariant, k, split, scope, invars, edits)
         return jaxpr.replace(eqns=_schedule(eqns, edits))
@@ -853,21 +877,22 @@ class _Rewriter:
                 continue
             plan = self.loop_plan(eqn, hoists, _world(axis_sizes, hoists[0].axes), scope,
                                   len(out))
-            self.report.loops.append(plan)
+            self.hoisting[(scope, len(out))] = plan
             if plan.choice == "hoist":
                 out.extend(loops.hoist(eqn, hoists))
             else:
-                self.loop_blocks[id(eqn.params["jaxpr"].jaxpr)] = plan.blocks
                 out.append(eqn)
         return out
 
     def loop_plan(self, eqn: Any, hoists: list[loops.Hoist], world: int, scope: str,
                   index: int) -> LoopPlan:
-        """Hoist or keep one scan's all-reduces: the model's predicted time of the loop with one
-        (unfused) all-reduce per hoistable psum per iteration, overlapping the rest of that
-        iteration, at the best block count for the loop; against the loop's compute followed
-        by one all-reduce of every iteration's slices (what hoisting gives before the planner
-        fuses and overlaps it with the scope's other gradients: an upper bound)."""
+        """Hoist or keep one scan's hoistable psums: the model's predicted time of the loop with
+        them planned in the body (the planner's buckets for one iteration, overlapping the
+        rest of it), against the loop's compute followed by one all-reduce of every
+        iteration's slices (what hoisting gives before the planner fuses and overlaps it with
+        the scope's other gradients: an upper bound). The body's other psums are the same
+        either way and left out of both. `gradient` and `calls` are filled in once the body
+        is planned (`sub_jaxprs`)."""
         body = eqn.params["jaxpr"].jaxpr
         length = int(eqn.params["length"])
         costs = [_roofline_s(e, self.profile) for e in body.eqns]
@@ -878,29 +903,18 @@ class _Rewriter:
             start = h.psum + 1
         layers.append(planner.Layer(compute_s=float(sum(costs[start:])), grad_bytes=0))
         cap, cap_why = block_cap(self.profile)
-        derivation = model.derive(self.profile, world, max_blocks=cap, max_blocks_why=cap_why)
-        cost = derivation.cost
+        cost = model.derive(self.profile, world, max_blocks=cap, max_blocks_why=cap_why).cost
         nbytes = sum(h.nbytes for h in hoists)
         whole = [planner.Layer(compute_s=length * sum(layer.compute_s for layer in layers),
                                grad_bytes=length * nbytes)]
-
-        def in_loop_s(key: int) -> float:
-            return length * planner.simulate(
-                layers, [planner.Bucket(i, i, key) for i in range(len(layers))], cost)
-
-        def hoisted_s(key: int) -> float:
-            return planner.simulate(whole, [planner.Bucket(0, 0, key)], cost)
-
-        best_in = min(cost.keys, key=lambda k: (in_loop_s(k), k))
-        best_hoisted = min(hoisted_s(k) for k in cost.keys)
+        in_loop_s = length * planner.plan(layers, cost, fusion=self.options.fusion).backward_s
+        hoisted_s = min(planner.simulate(whole, [planner.Bucket(0, 0, k)], cost)
+                        for k in cost.keys)
         choice = self.options.loops
         if choice == "auto":
-            choice = "hoist" if best_hoisted <= in_loop_s(best_in) else "in-loop"
-        blocks = self.options.blocks or min(allreduce.MAX_BLOCKS,
-                                            max(1, derivation.launch_shape(best_in)[0]))
-        total = sum(e.primitive.name in _compat.PSUM_PRIMITIVES for e in body.eqns)
-        return LoopPlan(scope, index, length, len(hoists), nbytes, choice, blocks,
-                        in_loop_s(best_in), best_hoisted, total - len(hoists))
+            choice = "hoist" if hoisted_s <= in_loop_s else "in-loop"
+        return LoopPlan(scope, index, length, body="", gradient=0, calls=0, psums=len(hoists),
+                        nbytes=nbytes, choice=choice, in_loop_s=in_loop_s, hoisted_s=hoisted_s)
 
     def edit_bucket(self, eqns: Sequence[Any], bucket: list[_Site], axes: tuple,
                     invariant: bool, k: int, split: bool, scope: str, invars: set,
@@ -976,9 +990,11 @@ class _Rewriter:
                 for r in reached]
 
     def plan(self, members: list[_Site], costs: list[float], world: int, scope: str,
-             reach: list[int] | None = None) -> Iterable[tuple[list[_Site], int]]:
+             reach: list[int] | None = None, in_loop: bool = False
+             ) -> Iterable[tuple[list[_Site], int]]:
         """Buckets (lists of sites) and their block counts for one group of gradient psums.
-        `reach` (`_reach`): which psums can share a fused bucket; the plan keeps to it."""
+        `reach` (`_reach`): which psums can share a fused bucket; the plan keeps to it.
+        `in_loop`: the scope is a loop body, and this is one iteration's plan."""
         if world < 2:
             return [([site], 1) for site in members]
         cap, cap_why = block_cap(self.profile)
@@ -1002,7 +1018,7 @@ class _Rewriter:
         # A bucket that cannot be one fused all-reduce runs as several: predict what runs.
         buckets = planner.within_reach(buckets, reach)
         self.report.predicted.append({
-            "scope": scope, "layers": layers, "buckets": list(buckets),
+            "scope": scope, "layers": layers, "buckets": list(buckets), "in_loop": in_loop,
             "backward_s": planner.simulate(layers, buckets, cost),
             # The loaded profile and its derivation: `explain` reads these, never a name.
             "profile": self.profile, "derivation": derivation, "world": world,
@@ -1081,7 +1097,8 @@ class _Rewriter:
                          p["blocks"], eqn.outvars[0])
         return None
 
-    def sub_jaxprs(self, eqn: Any, axis_sizes: dict, scope: str, in_loop: bool) -> Any:
+    def sub_jaxprs(self, eqn: Any, index: int, axis_sizes: dict, scope: str,
+                   in_loop: bool) -> Any:
         rule = _compat.HIGHER_ORDER.get(eqn.primitive.name)
         if rule is None:
             if any(_contains_psum(j) for j in _compat.jaxprs_in_params(eqn.params)):
@@ -1093,12 +1110,38 @@ class _Rewriter:
         if mesh_param is not None:
             sizes.update(_compat.mesh_axis_sizes(eqn.params[mesh_param]))
         base = f"{scope}/{eqn.primitive.name}"
-        params = {}
-        for name, value in eqn.params.items():
-            params[name] = _map_jaxprs(
-                value, lambda j: self.jaxpr(j, axis_sizes=sizes, scope=self.unique_scope(base),
-                                            in_loop=in_loop or loop))
+        bodies: list[str] = []
+        first_plan = len(self.report.plans)
+
+        transposed = loop and _compat.made_by_transpose(eqn, deep=False)
+
+        def rewrite(j: Any) -> Any:
+            bodies.append(self.unique_scope(base))
+            return self.jaxpr(j, axis_sizes=sizes, scope=bodies[-1], in_loop=in_loop or loop,
+                              transposed=transposed)
+        params = {name: _map_jaxprs(value, rewrite) for name, value in eqn.params.items()}
+        hoisting = self.hoisting.pop((scope, index), None)
+        if loop:
+            self.loop_report(eqn, index, scope, bodies, first_plan, hoisting)
         return eqn.replace(params=params)
+
+    def loop_report(self, eqn: Any, index: int, scope: str, bodies: list[str], first_plan: int,
+                    hoisting: LoopPlan | None) -> None:
+        """The `LoopPlan` of a loop whose body was just planned: its gradient buckets, run once
+        per iteration, and the hoisting choice `hoist_loops` made for it, if any."""
+        planned = [p for p in self.report.plans[first_plan:]
+                   if p.kind == "gradient" and p.scope in bodies]
+        if not planned and hoisting is None:
+            return
+        body = planned[0].scope if planned else bodies[-1]
+        length = int(eqn.params["length"]) if "length" in eqn.params else None
+        kept = sum(len(p.members) for p in self.report.plans[first_plan:]
+                   if p.scope in bodies and p.kind != "gradient")
+        gradient = sum(len(p.members) for p in planned)
+        if hoisting is None:
+            hoisting = LoopPlan(scope, index, length, body, gradient, len(planned))
+        self.report.loops.append(dataclasses.replace(
+            hoisting, body=body, gradient=gradient, calls=len(planned), kept=kept))
 
     def unique_scope(self, base: str) -> str:
         """`base`, or ``base#n`` for its n-th sub-jaxpr of the program (two shard_maps in one

@@ -1,7 +1,8 @@
 """A corpus of data-parallel train steps written the way people write them (Flax linen with
 BatchNorm under `jax.pmap`, a transformer with dropout, Flax NNX functional and in place,
 Equinox, `jax.set_mesh` with autodiff's psums, static configuration, optax chains with
-clipping, schedules and gradient accumulation), small enough for 8 host devices.
+clipping, schedules and gradient accumulation, scan over layers, train steps inside loops,
+GSPMD steps through `libra_jax.value_and_grad`), small enough for 8 host devices.
 
 Each case builds ``Case(step, state, batch, kwargs, static_argnames)``: ``step(state, *batch,
 **kwargs) -> (state, metrics)``, compiled by ``case.compile`` (`jax.jit` with the state
@@ -465,9 +466,93 @@ def stacked_scan_shared(pmean: Callable[..., Any] | None = None) -> Case:
         return jax.tree.map(lambda a, g: a - 0.05 * g, params, grads), loss
 
     step = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P()))
-    # head, and the stacked w and b (hoisted): gradient; the shared weight's psum: in the loop.
+    # head, and the stacked w and b (hoisted): gradient; the shared weight's psum stays in the
+    # loop, the body's one gradient psum, planned there for each iteration.
     return Case(step, params, (_shard(x, mesh),), autodiff_psums=True,
-                kinds={"gradient": 3, "loop": 1, "forward": 1}, loops=("hoist",))
+                kinds={"gradient": 4, "forward": 1}, loops=("hoist",))
+
+
+def pmap_substeps(pmean: Callable[..., Any] | None = None) -> Case:
+    """A `jax.pmap` trainer that runs several optimizer steps per call (VDM-style): a
+    `lax.scan` over 4 substeps, each a whole train step (loss, gradient `pmean`ed over the
+    devices, AdamW update), the parameters and optimizer state in the carry."""
+    pmean = pmean or _lax_pmean
+    import flax.linen as nn
+    import optax
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.gelu(nn.Dense(32)(x))
+            return nn.Dense(3)(nn.LayerNorm()(h + nn.Dense(32)(h)))
+
+    net = Net()
+    rng = np.random.default_rng(14)
+    substeps = 4
+    x = rng.standard_normal((N, substeps, 8, 12)).astype(np.float32)
+    y = rng.standard_normal((N, substeps, 8, 3)).astype(np.float32)
+    params = net.init(jax.random.key(14), x[0, 0])["params"]
+    tx = optax.adamw(1e-2)
+
+    def step(state, x, y):
+        def substep(carry, batch):
+            params, opt = carry
+            xb, yb = batch
+            loss, grads = jax.value_and_grad(
+                lambda p: jnp.mean((net.apply({"params": p}, xb) - yb) ** 2))(params)
+            grads = pmean(grads, "batch")
+            updates, opt = tx.update(grads, opt, params)
+            return (optax.apply_updates(params, updates), opt), pmean(loss, "batch")
+        (params, opt), losses = jax.lax.scan(substep, (state["params"], state["opt"]), (x, y))
+        return {"params": params, "opt": opt}, {"loss": losses[-1]}
+
+    replicate = functools.partial(jax.tree.map, lambda a: np.broadcast_to(a, (N, *a.shape)))
+    pstep = jax.pmap(step, axis_name="batch", donate_argnums=0)
+    # 8 parameters, planned per substep in the scan's body; each substep's loss.
+    return Case(pstep, replicate({"params": params, "opt": tx.init(params)}), (x, y),
+                pmap=True, kinds={"gradient": 8, "loop": 1}, loops=("in-loop",))
+
+
+def accumulate_pmean_per_microbatch(pmean: Callable[..., Any] | None = None) -> Case:
+    """Gradient accumulation that all-reduces each microbatch: a `lax.scan` over 4
+    microbatches in a `shard_map` (no `check_vma`), each one's gradient `pmean`ed and added
+    to the carry, one SGD-with-momentum update after the loop."""
+    pmean = pmean or _lax_pmean
+    import optax
+
+    mesh = _mesh()
+    rng = np.random.default_rng(15)
+    params = {"w1": (rng.standard_normal((12, 24)) * 0.3).astype(np.float32),
+              "b1": np.zeros(24, np.float32),
+              "w2": (rng.standard_normal((24, 3)) * 0.3).astype(np.float32),
+              "b2": np.zeros(3, np.float32)}
+    x = rng.standard_normal((N * 16, 12)).astype(np.float32)
+    y = rng.standard_normal((N * 16, 3)).astype(np.float32)
+    tx = optax.sgd(0.05, momentum=0.9)
+
+    def local(state, x, y):
+        def loss_fn(p, xb, yb):
+            return jnp.mean((jnp.tanh(xb @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"] - yb) ** 2)
+
+        def micro(acc, batch):
+            loss, grads = jax.value_and_grad(loss_fn)(state["params"], *batch)
+            grads = pmean(grads, "data")
+            return jax.tree.map(jnp.add, acc, grads), loss
+        micro_batches = (x.reshape(4, -1, 12), y.reshape(4, -1, 3))
+        grads, losses = jax.lax.scan(micro, jax.tree.map(jnp.zeros_like, state["params"]),
+                                     micro_batches)
+        grads = jax.tree.map(lambda g: g / 4, grads)
+        updates, opt = tx.update(grads, state["opt"], state["params"])
+        return ({"params": optax.apply_updates(state["params"], updates), "opt": opt},
+                pmean(jnp.mean(losses), "data"))
+
+    step = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data"), P("data")),
+                         out_specs=(P(), P()), check_vma=False)
+    # 4 parameters, planned per microbatch in the scan's body; the mean loss, read from the
+    # scan (which holds the backward pass), planned at top level as a gradient by the rule.
+    return Case(step, {"params": params, "opt": tx.init(params)},
+                (_shard(x, mesh), _shard(y, mesh)), kinds={"gradient": 5},
+                loops=("in-loop",))
 
 
 def gspmd_route(pmean: Callable[..., Any] | None = None) -> Case:
@@ -606,6 +691,8 @@ CASES: dict[str, Callable[..., Case]] = {
     "optax-clip-schedule-multisteps": optax_clip_schedule_accumulate,
     "flax-nn-scan": flax_nn_scan,
     "stacked-scan-shared": stacked_scan_shared,
+    "pmap-substeps": pmap_substeps,
+    "accumulate-pmean-per-microbatch": accumulate_pmean_per_microbatch,
     "gspmd-route": gspmd_route,
     "gspmd-route-size-one-axis": gspmd_route_size_one_axis,
     "nnx-route": nnx_route,

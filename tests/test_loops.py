@@ -162,12 +162,14 @@ def test_hoisted_gradients_match_the_in_loop_and_plain_ones(build):
         assert_codegen_close(outs[mode], plain)
         report = opt.last_report
         assert [p.choice for p in report.loops] == ["in-loop" if mode == "in-loop" else "hoist"]
-        loop_plans = [p for p in report.plans if p.kind == "loop"]
-        if mode == "in-loop":
-            assert len(loop_plans) == 2 and {p.blocks for p in loop_plans} == {
-                report.loops[0].blocks}
+        loop, = report.loops
+        in_body = [p for p in report.plans if p.scope == loop.body]
+        if mode == "in-loop":  # planned in the body, for one iteration
+            assert loop.gradient == 2 and loop.calls == len(in_body) >= 1, report.plan_lines()
+            assert {p.kind for p in in_body} == {"gradient"}
+            assert {p.overlap for p in in_body} == {"sync"}  # no start/done pair in a body
         else:  # every layer's weight and bias gradient: planned with the other gradients
-            assert not loop_plans, report.plan_lines()
+            assert not in_body and loop.gradient == 0, report.plan_lines()
             gradient_bytes = sum(p.nbytes for p in report.plans if p.kind == "gradient")
             assert gradient_bytes >= L * (D * D + D) * 4
 
@@ -183,14 +185,17 @@ def test_the_rewritten_loop_has_no_psum_left_and_lowers_to_libra_calls():
         assert "libra_allreduce_cpu" in text and "all_reduce" not in text, mode
 
 
-def test_a_shared_weight_stays_in_the_loop_with_the_loops_block_count():
+def test_a_shared_weight_stays_in_the_loop_planned_for_each_iteration():
+    """Its cotangent is psum'd per iteration and accumulated in the carry: it stays in the
+    body, where it is the body's one gradient psum (the stacked slices are hoisted)."""
     step, args = stacked(shared=True)
     opt = libra_jax.optimize(step)
     assert_codegen_close(jax.jit(opt)(*args), jax.jit(step)(*args))
     report = opt.last_report
     loop, = report.loops
-    assert loop.choice == "hoist" and loop.psums == 2 and loop.kept == 1
-    assert [p.kind for p in report.plans].count("loop") == 1
+    assert loop.choice == "hoist" and loop.psums == 2 and loop.kept == 0
+    assert loop.gradient == 1 and loop.calls == 1, report.plan_lines()
+    assert [p.kind for p in report.plans if p.scope == loop.body] == ["gradient"]
 
 
 def test_loops_argument_is_checked_and_explain_shows_the_choice():
@@ -198,20 +203,88 @@ def test_loops_argument_is_checked_and_explain_shows_the_choice():
     with pytest.raises(ValueError, match="loops must be one of 'auto', 'hoist', 'in-loop'"):
         libra_jax.optimize(step, loops="unroll")
     text = str(libra_jax.explain(step, *args, file=None))
-    assert re.search(r"scan of 6, 2 psum\(s\) of [\d.]+ KiB per iteration: hoisted", text), text
+    assert re.search(r"6 iterations: no gradient psum left in the body; 2 stacked slice psums "
+                     r"of [\d.]+ KiB per iteration hoisted", text), text
     text = str(libra_jax.explain(step, *args, loops="in-loop", file=None))
-    assert "kept in the loop, " in text
+    assert re.search(r"6 iterations: each iteration 2 gradient psums in 1 call \(scope "
+                     r"\S+/scan#2\); 2 stacked slice psums .* kept in the body", text), text
+    # The body's plan is a scope of its own, its gradients named by their parameters.
+    assert re.search(r"scope \S+/scan#2 \(a loop body: each iteration\)", text), text
+    assert re.search(r"layers\.[bw], layers\.[bw]", text), text
+
+
+# --- A train step inside a loop: its body planned for each iteration ------------------------
+
+SUBSTEPS = 4
+
+
+def substeps(loop: str, seed: int = 3):
+    """A step that runs 4 SGD substeps in a loop (`scan`; `fori_loop` with a trip count known
+    at trace time, a scan; or one passed in, a `while` loop), each a whole train step: the loss
+    pmean'd inside `jax.value_and_grad` (`check_vma`: autodiff psums each gradient)."""
+    rng = np.random.default_rng(seed)
+    params = {"w1": (rng.standard_normal((12, 24)) * 0.3).astype(np.float32),
+              "b1": np.zeros(24, np.float32),
+              "w2": (rng.standard_normal((24, 3)) * 0.3).astype(np.float32),
+              "b2": np.zeros(3, np.float32)}
+    mesh = mesh_of((8,), ("data",))
+
+    def local(params, x, y, n):
+        xs, ys = x.reshape(SUBSTEPS, -1, 12), y.reshape(SUBSTEPS, -1, 3)
+
+        def one(p, i):
+            def loss_fn(p):
+                h = jnp.tanh(xs[i] @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
+                return jax.lax.pmean(jnp.mean((h - ys[i]) ** 2), "data")
+            loss, grads = jax.value_and_grad(loss_fn)(p)
+            return jax.tree.map(lambda a, g: a - 0.1 * g, p, grads), loss
+        if loop == "scan":
+            params, losses = jax.lax.scan(one, params, jnp.arange(SUBSTEPS))
+            return params, losses[-1]
+        trips = SUBSTEPS if loop == "fori_loop" else n
+        return jax.lax.fori_loop(0, trips, lambda i, p: one(p, i)[0], params), jnp.float32(0)
+
+    step = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data"), P("data"), P()),
+                         out_specs=(P(), P()))
+    x = shard(rng.standard_normal((8 * SUBSTEPS * 8, 12)).astype(np.float32), mesh, P("data"))
+    y = shard(rng.standard_normal((8 * SUBSTEPS * 8, 3)).astype(np.float32), mesh, P("data"))
+    return step, (params, x, y, jnp.int32(SUBSTEPS))
+
+
+@pytest.mark.parametrize("loop", ["scan", "fori_loop", "while"])
+def test_a_train_step_inside_a_loop_is_planned_for_each_iteration(loop):
+    """The body's gradient psums (one per parameter) are planned as a scope of their own:
+    fused into fewer calls than psums, each a call of its own (no start/done pair in a body),
+    the same plan every iteration. Bitwise: the fused body is its unfused form (one call per
+    psum) and the optimized step its XLA control; within the bound of the plain step."""
+    step, args = substeps(loop)
+    opt = libra_jax.optimize(step)
+    got = jax.jit(opt)(*args)
+    report = opt.last_report
+    loop_plan, = report.loops
+    assert loop_plan.length == (None if loop == "while" else SUBSTEPS), loop_plan
+    assert loop_plan.gradient == 4 and loop_plan.calls < 4, report.plan_lines()
+    in_body = [p for p in report.plans if p.scope == loop_plan.body]
+    assert [p.kind for p in in_body if p.kind != "loop"] == ["gradient"] * loop_plan.calls
+    assert {p.overlap for p in in_body} == {"sync"}
+    jax.tree.map(assert_bitwise, got, jax.jit(libra_jax.optimize(step, collectives="xla"))(*args))
+    unfused = libra_jax.optimize(step, fusion=False)
+    jax.tree.map(assert_bitwise, got, jax.jit(unfused)(*args))
+    assert [p.calls for p in unfused.last_report.loops] == [4]
+    assert_codegen_close(got, jax.jit(step)(*args))
+    text = jax.jit(opt).lower(*args).as_text()
+    assert "libra_allreduce_cpu" in text and "all_reduce" not in text
 
 
 # --- Lowered for cuda on each opted-in path --------------------------------------------------
 
-@pytest.mark.parametrize("mode", ["hoist", "in-loop"])
+@pytest.mark.parametrize("mode", ["hoist", "in-loop", "substeps-while"])
 def test_lowers_for_cuda_on_the_p2p_path(monkeypatch, mode):
     if not _ffi.HAS_CUDA:
         pytest.skip("built without CUDA: the cuda lowering falls back to XLA's all-reduce")
     monkeypatch.setenv("LIBRA_JAX_CUDA", "p2p")
-    step, args = flax_scan()
-    opt = libra_jax.optimize(step, profile="h100", loops=mode)
+    step, args = flax_scan() if mode != "substeps-while" else substeps("while")
+    opt = libra_jax.optimize(step, profile="h100", loops=mode.replace("substeps-while", "auto"))
     text = jax.jit(opt).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "libra_allreduce_cuda" in text and "all_reduce" not in text
 
@@ -223,9 +296,10 @@ NCCL_LOOP = """
     import libra_jax
     sys.path.insert(0, sys.argv[1])
     from test_loops import flax_scan
-    step, args = flax_scan()
-    for mode in ("hoist", "in-loop"):
-        opt = libra_jax.optimize(step, profile="h100", loops=mode)
+    from test_loops import substeps
+    for mode, (step, args) in (("hoist", flax_scan()), ("in-loop", flax_scan()),
+                               ("while", substeps("while"))):
+        opt = libra_jax.optimize(step, profile="h100", loops=mode.replace("while", "auto"))
         text = jax.jit(opt).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         print(mode, sorted(set(re.findall(r"custom_call @(libra_allreduce_\\w+)", text))),
               "all_reduce" in text)
@@ -233,8 +307,8 @@ NCCL_LOOP = """
 
 
 def test_lowers_for_cuda_on_the_nccl_path(stub_env):
-    """In the loop, libra's NCCL call is one call per iteration (never a start/done pair: a
-    loop body has one call id); hoisted, the buckets are start/done pairs as elsewhere."""
+    """In a loop body each bucket is one NCCL call per iteration (never a start/done pair);
+    hoisted, the buckets are start/done pairs as elsewhere."""
     if not _ffi.HAS_CUDA:
         pytest.skip("built without CUDA: the cuda lowering falls back to XLA's all-reduce")
     stub_env["LIBRA_JAX_CUDA"] = "nccl"
@@ -244,3 +318,5 @@ def test_lowers_for_cuda_on_the_nccl_path(stub_env):
             "'libra_allreduce_nccl_start'] False") in out, out
     assert ("in-loop ['libra_allreduce_cuda_done', 'libra_allreduce_nccl', "
             "'libra_allreduce_nccl_start'] False") in out, out
+    # A whole step in a while loop: each iteration's fused bucket one NCCL call, in the body.
+    assert "while ['libra_allreduce_nccl'] False" in out, out

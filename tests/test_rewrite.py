@@ -111,7 +111,11 @@ def test_scan_over_microbatches(mode):
         return jax.lax.psum(jnp.sum(x), "x"), jax.tree.map(lambda w, g: w - 0.1 * g, p, grads)
     step = data_parallel(mode, local_step)
     report, _ = check(step, params, inputs(mode, rng))
-    assert any(p.kind == "loop" for p in report.plans)
+    # Each microbatch's gradient psums (one per parameter): planned for one iteration, fused.
+    loop, = report.loops
+    assert loop.length == 4 and loop.gradient == len(params) and loop.calls < len(params), (
+        report.plan_lines())
+    assert [p.kind for p in report.plans if p.scope == loop.body] == ["gradient"] * loop.calls
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -902,8 +906,10 @@ def test_phase_sites_and_classification_on_a_toy_jaxpr():
     assert gradient == {b, c}
     assert rewrite._kinds(sites, gradient, backward, in_loop=False) == {
         a: "forward", b: "gradient", c: "user"}
-    assert rewrite._kinds(sites, gradient, backward, in_loop=True) == {
+    assert rewrite._kinds(sites, set(), None, in_loop=True) == {  # a forward loop body
         a: "loop", b: "loop", c: "user"}
+    assert rewrite._kinds(sites, {b}, {a, b}, in_loop=True) == {  # a body's backward pass
+        a: "loop", b: "gradient", c: "user"}
     assert rewrite._kinds(sites, {b}, {a, b}, in_loop=False) == {
         a: "backward", b: "gradient", c: "user"}
 
