@@ -2,7 +2,7 @@
 
     python benchmarks/codegen_bounds.py [--isa AVX2 --isa AVX] [--out benchmarks/results/codegen_bounds.md]
 
-README "What bitwise means" class 3 (two different programs: the GSPMD route against GSPMD,
+docs/bitwise.md class 3 (two different programs: the GSPMD route against GSPMD,
 plain against optimized or the drop-in, hoisted against in-loop) is checked in the tests with
 `libra_jax.testing.assert_codegen_close`. This runs those tests (`TESTS`) once per ISA the
 machine offers (XLA's default for this CPU, ``--xla_cpu_max_isa=AVX2``, ``=AVX``: also no

@@ -104,7 +104,7 @@ class Result:
     def loss_error(self) -> float:
         """How far the optimized loss curve is from the plain one, in class 3's units
         (`libra_jax.testing.codegen_error`: eps x the largest loss); the two are different
-        programs, which XLA may round differently (README "What bitwise means")."""
+        programs, which XLA may round differently (docs/bitwise.md)."""
         from libra_jax import testing
 
         return testing.codegen_error(np.float32(self.losses["optimized"]),

@@ -2,7 +2,7 @@
 and with libra_jax.psum: the same parameters within class 3's bound, and the time of each.
 
 Every psum returns jax.lax.psum's bits, but the two steps are two programs, which XLA may
-compile differently around the all-reduce (README "What bitwise means", class 3): the
+compile differently around the all-reduce (docs/bitwise.md, class 3): the
 parameters are compared with `libra_jax.testing.codegen_error`, and are often bitwise too.
 
     python examples/demo.py [--steps 20] [--hidden 1024]

@@ -194,7 +194,7 @@ def build_info() -> dict[str, Any]:
 
     ``cuda``: whether the CUDA calls were compiled (they are when the build finds a CUDA
     compiler: a system toolkit, or the nvidia-cuda-nvcc wheel in the building Python's
-    site-packages, README "CUDA build with pip's CUDA"); with them, the compiler's path and
+    site-packages, docs/install.md, "CUDA build with pip's CUDA"); with them, the compiler's path and
     version and the GPU architectures built for.
     ``nccl``: the NCCL libra loads at run time (`libra_jax._nccl`): its path, version and CTA
     route, or why there is none. A GPU user whose build has no CUDA calls gets XLA's all-reduce,

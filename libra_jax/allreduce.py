@@ -169,6 +169,7 @@ def warn_invariant_operand(axes: tuple, who: str) -> None:
     replicated parameter already sums its cotangent over the axis, so a psum of it
     multiplies by the axis size and a pmean leaves that sum, not the mean."""
     warn_once(
+        "invariant-operand",
         f"{who}: a psum over {', '.join(map(repr, axes))} of an array that is already "
         "invariant over it (check_vma): the result is the axis size times the array (pmean: "
         "the array itself). Under jax.shard_map's default check_vma=True, jax.grad already "
@@ -196,7 +197,7 @@ def _delegate(x: Any, axis_name: Any, reason: str, blocks: int | None, *,
             f"libra_jax.psum: blocks={blocks} cannot be honoured: {reason}, so this psum is "
             "done by jax.lax.psum, which has no block count. Drop blocks= here.")
     if not quiet:
-        warn_once(f"libra_jax.psum: {reason}; delegating to jax.lax.psum.")
+        warn_once("psum-delegated", f"libra_jax.psum: {reason}; delegating to jax.lax.psum.")
     return op(x, axis_name, **kwargs)
 
 

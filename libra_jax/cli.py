@@ -1,19 +1,19 @@
 """``libra-jax`` command line.
 
-Subcommands register themselves in :data:`SUBCOMMANDS`: each entry is a function that adds its
+Subcommands register themselves in `SUBCOMMANDS`: each entry is a function that adds its
 parser to the argparse sub-parser set and sets ``func`` (the handler, which returns an exit
 status). To add ``plan`` or ``calibrate``, write ``_add_<name>(subparsers)`` and its handler and
-append the function to :data:`SUBCOMMANDS`.
+append the function to `SUBCOMMANDS`.
 
 ``simulate`` compares the backward time of one model under Libra and the baselines, using a
-hardware profile (``libra_jax.model``) and exact per-layer sizes (``libra_jax.zoo``)::
+hardware profile (``libra_jax.model``) and exact per-layer sizes (``libra_jax.zoo``):
 
     libra-jax simulate --model bert-large --profile libra-testbed --workers 8 --gantt out.png
 
 It needs neither JAX nor the compiled extension; ``--gantt`` needs matplotlib.
 
 ``plan`` explains what ``libra_jax.optimize`` decides for an example script (a Python file that
-defines ``build(small=False) -> (step, args)``, as the scripts in ``examples/`` do)::
+defines ``build(small=False) -> (step, args)``, as the scripts in ``examples/`` do):
 
     libra-jax plan examples/transformer.py --gantt out.png
 """

@@ -5,15 +5,15 @@ a launcher may set it after importing libra_jax. A value that is not one of the 
 a ValueError naming the variable. Pure Python: imports nothing of JAX or the extension, so the
 planner's layer may use it.
 
-=================================  ===========================================================
-``LIBRA_JAX_TIMEOUT_S``            how long a rank waits for the others (`timeout_s`)
-``LIBRA_JAX_CUDA``                 the GPU data path: ``xla`` (default), ``p2p``, ``nccl``
-``LIBRA_JAX_CUDA_ALGORITHM``       the P2P kernels' algorithm: ``auto``, ``oneshot``, ``twoshot``
-``LIBRA_JAX_OVERLAP``              `optimize`'s default ``overlap=``
-``LIBRA_JAX_DISABLE``              ``1``: `optimize` passes every call through unchanged
-``LIBRA_JAX_NO_PROFILE_BROADCAST`` ``1``: each process plans with its own profile
-``LIBRA_JAX_PROFILE_DIR``          where calibrated profiles are written and found
-=================================  ===========================================================
+| Variable                           | Setting                                                         |
+| ---------------------------------- | --------------------------------------------------------------- |
+| ``LIBRA_JAX_TIMEOUT_S``            | how long a rank waits for the others (`timeout_s`)              |
+| ``LIBRA_JAX_CUDA``                 | the GPU data path: ``xla`` (default), ``p2p``, ``nccl``         |
+| ``LIBRA_JAX_CUDA_ALGORITHM``       | the P2P kernels' algorithm: ``auto``, ``oneshot``, ``twoshot``  |
+| ``LIBRA_JAX_OVERLAP``              | `optimize`'s default ``overlap=``                               |
+| ``LIBRA_JAX_DISABLE``              | ``1``: `optimize` passes every call through unchanged           |
+| ``LIBRA_JAX_NO_PROFILE_BROADCAST`` | ``1``: each process plans with its own profile                  |
+| ``LIBRA_JAX_PROFILE_DIR``          | where calibrated profiles are written and found                 |
 
 ``LIBRA_JAX_FFI_LIBRARY`` (the FFI library to register from) and ``LIBRA_JAX_NCCL_LIBRARY``
 (the NCCL to open) name libraries and are read where they are loaded (``_ffi``, ``_nccl``).
@@ -21,11 +21,17 @@ planner's layer may use it.
 XLA's own ``XLA_FLAGS`` is not libra's, but the CLI, the examples, the benchmarks and the tests
 all need host devices from it: `xla_flags` is the one place that edits it, keeping every flag
 the caller gave (an ISA limit such as ``--xla_cpu_max_isa=AVX2`` must reach the program).
+
+Every notice libra_jax prints (a warning: `notice` here, `libra_jax.ops.base.warn_once` once
+per process) has a stable id and ends with the pointer `notice_text` adds: its entry in
+``docs/troubleshooting.md``, whose anchor is the id.
 """
 from __future__ import annotations
 
 import math
 import os
+import re
+import warnings
 from pathlib import Path
 
 __all__ = [
@@ -36,6 +42,7 @@ __all__ = [
     "optimize_disabled", "NO_PROFILE_BROADCAST_ENV", "profile_broadcast", "PROFILE_DIR_ENV",
     "calibrated_profile_dir", "NCCL_CTA_ENVS", "nccl_cta_overrides", "NCCL_LAUNCH_ORDER_ENV",
     "nccl_launch_order_implicit", "request_nccl_launch_order", "HOST_DEVICES_FLAG", "xla_flags",
+    "TROUBLESHOOTING_PAGE", "notice_text", "notice",
 ]
 
 #: How long a rank waits for the others: `$LIBRA_JAX_TIMEOUT_S` seconds (default 300).
@@ -221,3 +228,24 @@ def xla_flags(host_devices: int | None, flags: str | None = None) -> str:
     elif not forced:
         words.append(f"{HOST_DEVICES_FLAG}={host_devices}")
     return " ".join(words)
+
+
+#: The page with one entry per notice, each anchored at the notice's id.
+TROUBLESHOOTING_PAGE = "docs/troubleshooting.md"
+_NOTICE_ID = re.compile(r"[a-z0-9]+(-[a-z0-9]+)*")
+
+
+def notice_text(notice_id: str, message: str) -> str:
+    """`message` with the pointer to its troubleshooting entry appended: the one format of every
+    notice, ``<message> [libra_jax notice <id>: docs/troubleshooting.md#<id>]``. `notice_id` is
+    kebab-case (ValueError otherwise)."""
+    if not _NOTICE_ID.fullmatch(notice_id):
+        raise ValueError(f"a notice id is kebab-case, got {notice_id!r}")
+    return f"{message} [libra_jax notice {notice_id}: {TROUBLESHOOTING_PAGE}#{notice_id}]"
+
+
+def notice(notice_id: str, message: str, category: type[Warning] = UserWarning,
+           stacklevel: int = 2) -> None:
+    """`warnings.warn` of `notice_text` (every time: no dedupe); `stacklevel` counts as
+    `warnings.warn`'s does from the caller of `notice`."""
+    warnings.warn(notice_text(notice_id, message), category, stacklevel=stacklevel + 1)

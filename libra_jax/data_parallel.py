@@ -37,7 +37,7 @@ Contract (what the tests check, tests/test_data_parallel.py):
 - The shard_map is manual over every mesh axis: on a 2-D mesh (``data`` x ``model``) with
   replicated parameters each ``model`` shard computes its ``data`` shard's loss, as GSPMD does
   with replicated parameters, and the all-reduces are Libra's.
-- Semantics that change from GSPMD's global batch (documented in the README, not detected):
+- Semantics that change from GSPMD's global batch (documented in docs/gspmd.md, not detected):
   anything that couples examples across the batch sees one shard only: batch-norm statistics
   are per shard, an in-batch contrastive loss has per-shard negatives, a token-weighted
   loss with padding becomes a mean of shard means (not the global token mean); a PRNG key
@@ -73,9 +73,10 @@ def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0,
     Args:
       fun: the per-batch loss, as for `jax.value_and_grad`: a scalar float (and aux, with
         `has_aux`) computed from the batch it is given; here it sees one shard of the batch.
-      argnums, has_aux: as in `jax.value_and_grad`. The differentiated arguments must be
+      argnums: as in `jax.value_and_grad`. The differentiated arguments must be
         replicated over the mesh; a Flax NNX model among them is differentiated with respect
         to its `nnx.Param` state, as by `nnx.value_and_grad`.
+      has_aux: as in `jax.value_and_grad`.
       axis_name: the mesh axis (or axes) the batch is split over.
       mesh: the `jax.sharding.Mesh`; default: the context mesh (`jax.set_mesh`), else the
         mesh of the inputs' `NamedSharding`.

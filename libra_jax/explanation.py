@@ -1,6 +1,6 @@
 """`libra_jax.explain(fn, *args)`: what `libra_jax.optimize` decides for a train step, and why.
 
-It traces `fn` as `optimize` does, rewrites it, and returns an :class:`Explanation`: per planned
+It traces `fn` as `optimize` does, rewrites it, and returns an `Explanation`: per planned
 scope (a stream of backward compute with its gradient psums), the buckets in backward order with
 the tensors in each (by the parameter path they update, where the data flow shows it), bytes,
 allocation, the compute that produces them and the predicted all-reduce time; and the predicted
@@ -70,6 +70,9 @@ class ScopePlan:
 
 @dataclasses.dataclass(frozen=True)
 class Explanation:
+    """What `explain` returns: the plan of each planned scope, the all-reduces left unplanned
+    (`others`) and the rewrite's report; printed, the table `table` renders."""
+
     scopes: tuple[ScopePlan, ...]
     others: tuple[rewrite.PsumPlan, ...]   # forward / loop / user all-reduces (not planned)
     report: rewrite.OptimizeReport
@@ -114,7 +117,7 @@ def explain(fn: Callable[..., Any], *args: Any, profile: Any = None, fusion: boo
             **kwargs: Any) -> Explanation:
     """Plan `fn(*args, **kwargs)` as `libra_jax.optimize(fn, profile=..., fusion=...,
     blocks=..., overlap=..., loops=..., static_argnums=..., static_argnames=...)` would, print the plan
-    to `file` (None: print nothing) and return it as an :class:`Explanation`.
+    to `file` (None: print nothing) and return it as an `Explanation`.
 
     `fn` may be jitted, `shard_map`ped, call `jax.pmap`, or be an `optimize`d function (its
     original is explained, with the static arguments it was given). Keyword arguments other

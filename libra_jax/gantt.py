@@ -1,14 +1,14 @@
 """A plan's predicted timeline, and a Gantt chart of it.
 
-:func:`timeline` cuts the planner's own timeline (``libra_jax.planner.timeline``: the formula
+`timeline` cuts the planner's own timeline (``libra_jax.planner.timeline``: the formula
 ``simulate`` uses, phase by phase) into what a chart shows: each stretch of a layer's compute with
 the speed it ran at, and each collective's packing, latency, overlapped and solo phases. Its end
 time is ``simulate``'s, so the chart shows exactly what the planner optimised.
 
-:func:`chart` renders the timeline with matplotlib (a Figure with a legend, every bucket named)
-and :func:`draw` writes it to a file. matplotlib is an optional dependency: it is imported only
+`chart` renders the timeline with matplotlib (a Figure with a legend, every bucket named)
+and `draw` writes it to a file. matplotlib is an optional dependency: it is imported only
 when a chart is drawn, without pyplot (so the user's backend is left alone), and its absence
-raises a :class:`MissingDependencyError` that says how to install it.
+raises a `MissingDependencyError` that says how to install it.
 """
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ class Timeline:
 
 def timeline(layers: Sequence[Layer], buckets: Sequence[Bucket], cost: CostModel) -> Timeline:
     """The chart's spans of ``buckets`` (which must tile ``layers``) under ``cost``: the planner's
-    own timeline (:func:`libra_jax.planner.timeline`), its compute progress cut at layer ends."""
+    own timeline (`libra_jax.planner.timeline`), its compute progress cut at layer ends."""
     from libra_jax import planner
 
     tl = planner.timeline(layers, buckets, cost)

@@ -5,7 +5,7 @@ MaxText-style) computes one layer's weight cotangent per iteration and psums it 
 (the psum `check_vma`'s transpose inserts); the psum'd slice is a ``ys`` output, and the scan
 stacks the slices into the weights' gradient. Summation is elementwise, so summing the stacked,
 unreduced slices once after the loop sums the same values in the same order (compiled, the
-loop around it may still round differently: README "What bitwise means", class 3): the psum
+loop around it may still round differently: docs/bitwise.md, class 3): the psum
 is *hoisted* out of the loop, where `optimize` plans it with the scope's other gradient psums
 (one bucket for every layer's weights, instead of one default-blocks all-reduce per layer per
 weight).

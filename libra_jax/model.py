@@ -3,7 +3,7 @@
 What it computes
 ----------------
 For every allowed allocation ``k`` (the profile says whether ``k`` counts thread blocks or total
-threads) the planner needs three numbers and one latency (see :class:`libra_jax.planner.CostModel`):
+threads) the planner needs three numbers and one latency (see `libra_jax.planner.CostModel`):
 
 * ``solo_bw[k]``    -- gradient bytes per second of a ring all-reduce that runs alone;
 * ``overlap_bw[k]`` -- the same while backward compute runs beside it (always <= ``solo_bw[k]``:
@@ -21,7 +21,7 @@ gives ``B * n / (2(n-1))`` gradient bytes per second, and the latency is
 Three functional forms (chosen by the profile's ``form``)
 ---------------------------------------------------------
 ``libra-fit`` -- the curves fitted by the Libra artifact on 2 GPUs at 50 Gb/s, in its own units
-(MiB/ms, ``T`` = total communication threads)::
+(MiB/ms, ``T`` = total communication threads):
 
     bus bandwidth(T) = b - a * exp(-c * T**e)          (e = 0.6; separate fits solo / overlapped)
     slowdown(T)      = s / (b' - c' * T)               (overlapped compute X takes X * slowdown)
@@ -31,11 +31,11 @@ multiplied by ``k``, both bandwidth fits are evaluated at ``T/k`` and multiplied
 times the bandwidth needs ``k`` times the threads), and the slowdown fit is evaluated at ``T``
 itself. The slowdown hyperbola has a pole (``b'/c'`` ~ 5457 threads for the testbed): options at or
 beyond it, or where a bandwidth fit is not positive, are dropped and the reason is recorded in
-:attr:`Derivation.dropped`. A fitted slowdown below 1 (fit error at tiny ``T``) is raised to 1 and
+`Derivation.dropped`. A fitted slowdown below 1 (fit error at tiny ``T``) is raised to 1 and
 noted.
 
 ``nccl-style`` -- an analytic form for datasheet profiles, in the spirit of NCCL's symmetric-kernel
-model (per-SM bandwidth capped by the link)::
+model (per-SM bandwidth capped by the link):
 
     bus_solo(k)    = softmin_p(k * beta,       L)      softmin_p(x, y) = (x**-p + y**-p) ** (-1/p)
     bus_overlap(k) = softmin_p(k * beta * eta, L)
@@ -54,7 +54,7 @@ would take every SM or all of the HBM bandwidth are dropped with a reason.
 ``fair-share`` -- CPU hosts, where the "blocks" are the engine's worker threads and every device's
 compute threads and the workers share the host's ``P`` cores (``cores``). A fair scheduler gives
 each runnable thread ``min(1, P / threads)`` of a core; with ``D`` busy compute threads
-(``compute_threads``, fitted by calibration)::
+(``compute_threads``, fitted by calibration):
 
     bus_solo(k)    = softmin_p(min(k, P) * beta,                 L)
     bus_overlap(k) = softmin_p(k * min(1, P / (D + k)) * beta,   L)
@@ -78,15 +78,15 @@ slows overlapped compute by the ``slowdown`` table entry; the per-form tables ab
 Profiles
 --------
 JSON files (``libra_jax/profiles/<name>.json``), loaded by name or by path with
-:func:`load_profile`, carry ``schema_version`` (:data:`SCHEMA_VERSION`) and put units in key names
-(``..._gbyte_per_s``, ``..._us``); :data:`SCHEMA_CHANGES` says what each version changed, and an
+`load_profile`, carry ``schema_version`` (`SCHEMA_VERSION`) and put units in key names
+(``..._gbyte_per_s``, ``..._us``); `SCHEMA_CHANGES` says what each version changed, and an
 outdated profile is rejected with that list. Every number is a quantity ``{"value": ..., "source": ...}``
 whose source is ``datasheet``, ``measured`` or ``assumption`` (plus an optional ``ref``/``note``),
 so a reader can tell a vendor figure from a guess. Validation happens on load and raises
 ``ValueError`` naming the missing or malformed field by its dotted path. A profile written by
 ``libra-jax calibrate`` also carries an optional ``calibration`` object (machine, backend, JAX
-version, date, raw samples, fit errors), and :func:`default_profile` prefers it to the shipped
-profile of its backend (see :func:`calibrated_profile_path`, ``docs/calibration.md``).
+version, date, raw samples, fit errors), and `default_profile` prefers it to the shipped
+profile of its backend (see `calibrated_profile_path`, ``docs/calibration.md``).
 
 This module is pure Python: no JAX, no compiled extension.
 """
@@ -564,7 +564,7 @@ def _block_form_fields(r: _Reader, c: Mapping[str, Any], p: str) -> dict[str, An
 
 
 def profile_from_dict(data: Mapping[str, Any], *, origin: str = "<dict>") -> Profile:
-    """Validate a parsed profile document and build a :class:`Profile`.
+    """Validate a parsed profile document and build a `Profile`.
 
     Raises ``ValueError`` naming the first missing or malformed field (dotted path) and ``origin``.
     """
@@ -695,9 +695,9 @@ _warned_profiles: set[str] = set()
 
 def default_profile(backend: str, builtin: str | None = None) -> str:
     """The profile ``optimize`` and ``psum(blocks=None)`` use on ``backend``: the calibrated one
-    (:func:`calibrated_profile_path`) if it exists and loads, else ``builtin`` (by default the
+    (`calibrated_profile_path`) if it exists and loads, else ``builtin`` (by default the
     backend's shipped profile). A calibrated profile that does not load is skipped with a warning
-    that says why. Returns a name or a path, for :func:`load_profile`."""
+    that says why. Returns a name or a path, for `load_profile`."""
     fallback = builtin or BUILTIN_PROFILES.get(backend, "cpu-host")
     path = calibrated_profile_path(backend)
     if not path.is_file():
@@ -708,9 +708,8 @@ def default_profile(backend: str, builtin: str | None = None) -> str:
     except (ValueError, OSError) as exc:
         if text not in _warned_profiles:
             _warned_profiles.add(text)
-            import warnings
-
-            warnings.warn(f"libra_jax: ignoring the calibrated profile {text}: {exc}; using {fallback!r}",
+            config.notice("profile-ignored",
+                          f"libra_jax: ignoring the calibrated profile {text}: {exc}; using {fallback!r}",
                           RuntimeWarning, stacklevel=2)
         return fallback
     return text
@@ -736,10 +735,10 @@ def _loaded(name_or_path: str | os.PathLike[str]) -> Profile:
 
 def resolve_profile(profile: Profile | str | os.PathLike[str] | Mapping[str, Any] | None,
                     backend: str | None = None, *, who: str = "libra_jax") -> Profile:
-    """The one resolution of a ``profile=`` argument into a loaded :class:`Profile`, done once
+    """The one resolution of a ``profile=`` argument into a loaded `Profile`, done once
     per ``optimize`` trace, ``explain`` or lowered ``psum(blocks=None)``: a Profile is itself;
     a name or path is loaded (once per file version); a mapping is a profile's JSON document;
-    None is ``backend``'s :func:`default_profile`. Anything else is a TypeError naming `who`."""
+    None is ``backend``'s `default_profile`. Anything else is a TypeError naming `who`."""
     if isinstance(profile, Profile):
         return profile
     if isinstance(profile, Mapping):
@@ -807,7 +806,7 @@ def load_profile(name_or_path: str | Path) -> Profile:
 
 @dataclass(frozen=True)
 class Derivation:
-    """A :class:`CostModel` with the context that produced it.
+    """A `CostModel` with the context that produced it.
 
     ``key_unit`` says what the CostModel keys count (``"total_threads"`` or ``"blocks"``);
     ``dropped`` maps each option that was removed to the reason; ``notes`` records adjustments.
@@ -924,7 +923,7 @@ def _fair_share_options(profile: Profile, link: float, algo: float, dropped: dic
 
 
 class _Form(NamedTuple):
-    """One profile form: its section of the document (and field of :class:`Profile`), how it is
+    """One profile form: its section of the document (and field of `Profile`), how it is
     read, and how it becomes a cost model's options, keys and fusion cost."""
 
     section: str

@@ -5,7 +5,7 @@ buckets while the rest of the backward pass runs. For every bucket we pick an al
 (more blocks: a faster all-reduce, but slower overlapped compute) and, with fusion, where the
 bucket boundaries fall, so that the backward pass ends as early as possible.
 
-Model (:func:`simulate`, exact)
+Model (`simulate`, exact)
 -------------------------------
 Layers run back to back on one compute stream and never wait for communication. A bucket is
 ready when its last layer ends; a bucket of 0 bytes issues no collective. Collectives run one
@@ -16,14 +16,14 @@ spends ``latency_s``, then moves its bytes at ``overlap_bw[k]`` while compute st
 ``solo_bw[k]`` once compute has finished. While it is active (latency included) compute runs at
 ``1/slowdown[k]`` of full speed. Backward time is the end of the last collective or of compute,
 whichever is later. With ``reach``, only buckets whose every gradient may wait for the bucket's
-last one are allowed (:func:`plan`; a gradient used before a later one is computed cannot).
+last one are allowed (`plan`; a gradient used before a later one is computed cannot).
 
 Everything the future depends on after a collective is the pair ``(T, P)``: the time the
 collective ends and the compute *progress* ``P`` reached by then (seconds of full-speed work,
 0 <= P <= C, C = total compute). One collective maps ``(T, P)`` to ``(E, Q)`` in closed form
-(:func:`_collective`, one short formula: latency phase, overlapped phase, solo phase).
+(`_collective`, one short formula: latency phase, overlapped phase, solo phase).
 
-Algorithm (:func:`plan`)
+Algorithm (`plan`)
 ------------------------
 A forward dynamic program over bucket boundaries: every layer boundary, or with a fixed grouping
 the grouping's boundaries, or with fusion and more than ``ATOMS`` layers the boundaries of about
@@ -42,7 +42,7 @@ in one vectorised numpy expression per boundary. Rules, in the order they are ap
   is collapsed to that single state (``R_t`` only grows with ``t``).
 * *Compute finished.* Once ``P = C`` every remaining layer is ready and contention is over, so
   every remaining bucket runs at the best ``solo_bw``: with fusion, a backward DP over the
-  boundaries (:func:`_tail`, latencies against packing, within ``reach``) gives the best rest
+  boundaries (`_tail`, latencies against packing, within ``reach``) gives the best rest
   from every boundary; without, each remaining group. Such states become complete plans at once.
 * *Reach.* Boundary ``t`` only takes sources from boundaries ``>= lo[t]`` (non-decreasing), so
   states below it are dropped for good; pre-fused groups never straddle a forbidden join.
@@ -73,7 +73,7 @@ collective during which compute ends, and 0 after either, so ``U_t`` is non-incr
 ``lam``-Lipschitz with ``lam = max(1, max_k slowdown[k] (1 - overlap_bw[k] / solo_bw[k]))``: the
 Lipschitz rule is exact too. Bounds are valid lower bounds. So **without pre-fusion and while
 the cap does not bind, plan is optimal** (up to float rounding). On the instances the tests
-compare with :func:`plan_exhaustive` (up to 8 layers, 4 options) fronts hold about ten states at
+compare with `plan_exhaustive` (up to 8 layers, 4 options) fronts hold about ten states at
 most, far below the cap. The
 cap loses at most ``lam * cell width`` at each boundary where it binds (keeping the most
 advanced state of a cell costs at most ``lam`` per second of progress given up), so the
@@ -91,7 +91,7 @@ Plans whose backward times are within ``TIE_RTOL`` (relative) are equal; among t
 preference is fewer blocks (the sum of ``blocks`` over buckets that issue a collective), then
 fewer buckets, then the lexicographically smaller list of ``(first, last, blocks)``. The program
 compares states on a ``TIE_RTOL`` grid and applies the same order among equal states and among
-all complete plans it scores, so plans are deterministic; only :func:`plan_exhaustive`
+all complete plans it scores, so plans are deterministic; only `plan_exhaustive`
 guarantees the globally preferred plan when two plans tie through different intermediate states.
 A zero-byte bucket (no collective) carries the smallest key.
 
@@ -104,7 +104,7 @@ source boundaries plus busy states). Each boundary costs ``O(A K log(A K))`` vec
 fusion ``A <= G + G F``, so a plan is ``O(G^2 F K log)`` in the worst case, and ``O(G F K log)``
 without fusion; pre-fusion and baselines add ``O(L K)``. No chunk discretisation (the paper's DP is
 ``O(S L^2 Z^2 K)``). Measured: 1,000 layers with 8 options plan in about 0.1-0.3 s on a 2-core VM
-(``benchmarks/results/planner_speed.md``). :func:`simulate` is ``O(L)``. :func:`plan_exhaustive`
+(``benchmarks/results/planner_speed.md``). `simulate` is ``O(L)``. `plan_exhaustive`
 enumerates all ``K (K+1)^(L-1)`` plans with fusion (``K^L`` without, ``K^G`` for a fixed grouping)
 in vectorised chunks and refuses more than ``EXHAUSTIVE_LIMIT``.
 """
@@ -255,7 +255,7 @@ class CostModel:
     in all three. Bandwidths are in gradient bytes per second: ``solo_bw[k]`` when no compute
     runs, ``overlap_bw[k]`` while compute runs. ``slowdown[k] >= 1`` divides compute speed while a
     collective with allocation ``k`` is active, its ``latency_s`` included. ``pack_s_per_byte``
-    prices fused buckets (:meth:`pack_s`): packing them into one buffer takes the compute stream
+    prices fused buckets (`pack_s`): packing them into one buffer takes the compute stream
     that long before the collective's latency starts (0: fusion is free, as in the paper).
     """
 
@@ -396,7 +396,7 @@ def _grouping_ranges(buckets: Iterable[object], n_layers: int) -> list[tuple[int
 
 
 class Phases(NamedTuple):
-    """One collective's phases as the model times them (:func:`_phases`): issued at ``start``
+    """One collective's phases as the model times them (`_phases`): issued at ``start``
     with compute progress ``progress_start``; packing (compute stalls) until ``pack_end``,
     latency until ``latency_end``, overlapped transfer until ``solo_start`` (= ``latency_end``
     when compute had finished, = ``end`` when the transfer ended first), solo transfer until
@@ -435,7 +435,7 @@ def _phases(T: float, P: float, ready: float, nbytes: float, lat: float, ob: flo
 
 def _collective(T: float, P: float, ready: float, nbytes: float, lat: float, ob: float, sb: float,
                 s: float, C: float, pack: float = 0.0) -> tuple[float, float]:
-    """(end time, progress then) of :func:`_phases`."""
+    """(end time, progress then) of `_phases`."""
     ph = _phases(T, P, ready, nbytes, lat, ob, sb, s, C, pack)
     return ph.end, ph.progress_end
 
@@ -443,7 +443,7 @@ def _collective(T: float, P: float, ready: float, nbytes: float, lat: float, ob:
 def _collective_np(T: np.ndarray, P: np.ndarray, ready: float, nbytes: np.ndarray, lat: float, ob: np.ndarray,
                    sb: np.ndarray, s: np.ndarray, C: float,
                    pack: np.ndarray | float = 0.0) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`_collective` over broadcast arrays (same formula, branch by branch)."""
+    """`_collective` over broadcast arrays (same formula, branch by branch)."""
     late = P < ready
     T = np.where(late, T + (ready - P), T) + pack
     P = np.where(late, ready, P)
@@ -506,12 +506,12 @@ def simulate(layers: Sequence[Layer], buckets: Sequence[Bucket], cost: CostModel
 
 @dataclass(frozen=True)
 class Timeline:
-    """A plan as the model times it (:func:`timeline`): each non-empty bucket's collective
-    (``collectives``: bucket index, blocks, bytes, its :class:`Phases`) and the compute stream as
+    """A plan as the model times it (`timeline`): each non-empty bucket's collective
+    (``collectives``: bucket index, blocks, bytes, its `Phases`) and the compute stream as
     segments ``(t0, t1, progress at t0, progress at t1, slowdown)`` of constant speed, in time
     order, back to back from 0 until compute ends (slowdown inf: a bucket being packed on the
     compute stream, no progress; after compute ends, only those). ``backward_s`` equals
-    :func:`simulate`."""
+    `simulate`."""
 
     collectives: tuple[tuple[int, int, int, Phases], ...]
     compute: tuple[tuple[float, float, float, float, float], ...]
@@ -521,7 +521,7 @@ class Timeline:
 
 def timeline(layers: Sequence[Layer], buckets: Sequence[Bucket], cost: CostModel) -> Timeline:
     """The phases of every collective of ``buckets`` and the compute stream's progress over time,
-    from the same formula :func:`simulate` uses (:func:`_phases`)."""
+    from the same formula `simulate` uses (`_phases`)."""
     layers = _check_layers(layers)
     if not layers:
         raise ValueError("layers must not be empty")
@@ -579,7 +579,7 @@ Ranges = list[tuple[int, int]]
 
 
 def _best(candidates: Iterable[tuple[float, Ranges, Sequence[int]]], byte_prefix: Sequence[int]) -> list[Bucket]:
-    """Least time; within TIE_RTOL of it, least :func:`_plan_key`. Candidates: (time, ranges, keys)."""
+    """Least time; within TIE_RTOL of it, least `_plan_key`. Candidates: (time, ranges, keys)."""
     candidates = list(candidates)
     best_t = min(c[0] for c in candidates)
     tied = [[Bucket(f, l, k) for (f, l), k in zip(r, ks)] for t, r, ks in candidates if t <= best_t * (1 + TIE_RTOL)]
@@ -1114,7 +1114,7 @@ def plan_default(layers: Sequence[Layer], cost: CostModel, *, blocks: int, fusio
 def plan_fusion_only(layers: Sequence[Layer], cost: CostModel, *, blocks: int,
                      reach: Sequence[int] | None = None) -> Plan:
     """The planner with the allocation fixed to ``blocks``: it only chooses bucket boundaries
-    (within ``reach``, as :func:`plan`)."""
+    (within ``reach``, as `plan`)."""
     cost = _check_cost(cost)
     k = _check_blocks(blocks, cost)
     fixed = CostModel(latency_s=cost.latency_s, solo_bw={k: cost.solo_bw[k]}, overlap_bw={k: cost.overlap_bw[k]},
@@ -1123,7 +1123,7 @@ def plan_fusion_only(layers: Sequence[Layer], cost: CostModel, *, blocks: int,
 
 
 def within_reach(buckets: Sequence[Bucket], reach: Sequence[int] | None) -> list[Bucket]:
-    """``buckets`` with every bucket that ``reach`` forbids (see :func:`plan`) cut, greedily from
+    """``buckets`` with every bucket that ``reach`` forbids (see `plan`) cut, greedily from
     its first layer, into allowed ones with the same allocation.
 
     Why: a plan made without ``reach`` (a baseline, a hand-written plan) runs that way -- a fused
@@ -1162,7 +1162,7 @@ def plan_mgwfbp(layers: Sequence[Layer], cost: CostModel, *, blocks: int) -> Pla
     contention-free ready times, layers are walked in backward order; a gradient is merged with
     the next one when its all-reduce could not start before the next gradient is ready minus one
     start-up latency (waiting costs less than an extra start-up). All buckets use ``blocks``;
-    the returned time is the contention-aware :func:`simulate`.
+    the returned time is the contention-aware `simulate`.
     """
     layers = _check_layers(layers)
     cost = _check_cost(cost)
@@ -1195,7 +1195,7 @@ POLICIES: dict[str, str] = {
 
 @dataclass(frozen=True)
 class Comparison:
-    """Plans of every policy in :data:`POLICIES` for one workload and cost model."""
+    """Plans of every policy in `POLICIES` for one workload and cost model."""
 
     plans: dict[str, Plan]
     default_alloc: int
@@ -1215,7 +1215,7 @@ def prefuse_groups(layers: Sequence[Layer], groups: int) -> list[tuple[int, int]
     A layer's weight is the mean of its share of the backward compute and of the gradient bytes,
     so both long compute stretches and large gradients stay resolved. This is the Libra artifact's
     pre-fusion step (it plans 40 pre-fused groups); any plan over the groups is a valid plan over
-    the layers, and :func:`compare_policies` evaluates it on the exact layers.
+    the layers, and `compare_policies` evaluates it on the exact layers.
     """
     if groups < 1:
         raise ValueError(f"groups must be >= 1, got {groups}")
@@ -1237,10 +1237,10 @@ def prefuse_groups(layers: Sequence[Layer], groups: int) -> list[tuple[int, int]
 def compare_policies(layers: Sequence[Layer], cost: CostModel, *, default_alloc: int,
                      fusion_bytes: int = HOROVOD_FUSION_BYTES,
                      prefuse: int = DEFAULT_PREFUSE) -> Comparison:
-    """Plan ``layers`` under every policy of :data:`POLICIES`.
+    """Plan ``layers`` under every policy of `POLICIES`.
 
     The fusion-searching planner policies (``fusion-only`` and ``libra``) plan over
-    :func:`prefuse_groups` of at most ``prefuse`` groups (0: the exact layers); their buckets are
+    `prefuse_groups` of at most ``prefuse`` groups (0: the exact layers); their buckets are
     mapped back to layer indices and every reported time is ``simulate`` on the exact layers.
     """
     layers = list(layers)
@@ -1273,10 +1273,10 @@ def compare_policies(layers: Sequence[Layer], cost: CostModel, *, default_alloc:
 def plan_exhaustive(layers: Sequence[Layer], cost: CostModel, *, fusion: bool = True,
                     buckets: Sequence[tuple[int, int]] | None = None,
                     reach: Sequence[int] | None = None) -> Plan:
-    """Exact optimum by enumerating every plan (vectorised), with the same tie order as :func:`plan`.
+    """Exact optimum by enumerating every plan (vectorised), with the same tie order as `plan`.
 
     Candidates: ``K (K+1)^(L-1)`` with fusion, ``K^L`` without, ``K^G`` for a fixed grouping of
-    ``G`` buckets; with fusion, those ``reach`` forbids (see :func:`plan`) are discarded. Raises
+    ``G`` buckets; with fusion, those ``reach`` forbids (see `plan`) are discarded. Raises
     ``ValueError`` if that exceeds ``EXHAUSTIVE_LIMIT``.
     """
     layers = _check_layers(layers)

@@ -5,7 +5,7 @@ Contract of the rewrite (`rewrite_jaxpr`):
 - Input: a closed jaxpr. Output: a closed jaxpr with the same input and output
   types whose equations compute the same values bit for bit (each psum's result
   is `jax.lax.psum`'s; compiled, XLA may still fuse and contract the two programs
-  differently: README "What bitwise means", class 3), in which every psum that
+  differently: docs/bitwise.md, class 3), in which every psum that
   can be served (`psum`, `psum_invariant`, and `libra_psum` without an
   explicit block count) is a `libra_psum` with a planned block count, or part
   of a `libra_psum_fused` bucket.
@@ -135,13 +135,15 @@ def optimize(fn: Callable[..., Any] | None = None, *, profile: Any = None, fusio
         once after the loop, planned with the other gradients (the same sums); "in-loop"
         keeps them in the body, planned there with the body's other gradient psums (one
         iteration's plan); "auto" (default) takes whichever the model predicts faster.
-      static_argnums, static_argnames: arguments that are not traced, as in `jax.jit`:
+      static_argnums: positions of arguments that are not traced, as in `jax.jit`:
         Python values (a ``train`` flag, a config, a schedule function) passed to `fn` as
         they are; they must be hashable, and each distinct value is its own program. A
         jitted `fn`'s own static arguments are taken from it. Under an outer transformation
         (`jax.jit` with its own ``static_argnums``, `eqx.filter_jit`, `nnx.jit`) nothing
         needs marking here: where some argument leaf is a tracer, every leaf that is
         neither a tracer nor an array is static (`outer_statics`).
+      static_argnames: names of arguments that are not traced, as in `jax.jit`; as
+        `static_argnums`.
       collectives: "libra" (default): the engine's calls. "xla": the same rewritten program
         (buckets packed and split, start/done where they were) with XLA's all-reduce in
         each call's place: the control that isolates the engine from the rewrite (their
@@ -526,6 +528,7 @@ def shared_profile(resolve: Callable[[], model.Profile], *, program: str) -> mod
         mine = None
     if mine != theirs:  # equal by value (`model.Profile`: origin aside)
         warn_once(
+            "profile-mismatch",
             f"libra_jax.optimize: the profile of process {jax.process_index()} "
             f"({_profile_label(mine)}) differs from process 0's ({payload['name']}); every "
             "process plans with process 0's so that their all-reduces match "
@@ -613,16 +616,17 @@ def rewrite_jaxpr(closed: Any, *, profile: Any = None, fusion: bool = True,
         new_jaxpr = rewriter.jaxpr(closed.jaxpr, axis_sizes={}, scope="top", in_loop=False)
         maps_devices = _maps_devices(closed.jaxpr)
     for line in report.skipped:
-        warn_once(f"libra_jax.optimize left an XLA psum in place: {line}")
+        warn_once("psum-left-in-place", f"libra_jax.optimize left an XLA psum in place: {line}")
     counts = collections.Counter(rewriter.unplanned)
     report.unplanned = [f"{what}" + (f" (x{n})" if n > 1 else "") for what, n in counts.items()]
     if report.unplanned:
-        warn_once("libra_jax.optimize plans psums only; these collectives stay XLA's: "
+        warn_once("unplanned-collectives",
+                  "libra_jax.optimize plans psums only; these collectives stay XLA's: "
                   + "; ".join(report.unplanned) + ". " + UNPLANNED_NOTICE)
     if not report.plans and not report.skipped and not maps_devices:
-        notice = gspmd_notice([*(v.aval for v in closed.jaxpr.invars), *inputs])
+        gspmd, notice = gspmd_notice([*(v.aval for v in closed.jaxpr.invars), *inputs])
         report.notes.append(notice)
-        warn_once(f"libra_jax.optimize: {notice}")
+        warn_once("gspmd-step" if gspmd else "no-psum", f"libra_jax.optimize: {notice}")
     return _compat.closed_jaxpr(new_jaxpr, closed.consts), report
 
 
@@ -1155,17 +1159,17 @@ class _Rewriter:
 #: all-reduces in the traced program (`libra_jax.data_parallel`).
 GSPMD_ROUTE = ("to have its gradient all-reduces planned, compute the gradient with "
                "libra_jax.value_and_grad(loss_fn, axis_name=...) in jax.value_and_grad's place "
-               "(README, 'GSPMD steps')")
+               "(docs/gspmd.md)")
 #: Why the collectives of sharded parameters are not planned.
 UNPLANNED_NOTICE = ("A sharded parameter's gradient (FSDP, ZeRO) is a psum_scatter "
                     "(reduce-scatter), which libra_jax does not plan; its psums it does.")
 
 
-def gspmd_notice(values: Iterable[Any]) -> str:
-    """What `optimize` says of a step with no psum and no `shard_map`/`pmap`: with inputs
-    sharded over a mesh (their avals' or arrays' `NamedSharding`; a `jax.set_mesh` context),
-    a GSPMD step, whose collectives XLA's partitioner inserts after tracing; else possibly a
-    single-device step."""
+def gspmd_notice(values: Iterable[Any]) -> tuple[bool, str]:
+    """What `optimize` says of a step with no psum and no `shard_map`/`pmap`, and whether it is
+    a GSPMD step: with inputs sharded over a mesh (their avals' or arrays' `NamedSharding`; a
+    `jax.set_mesh` context), a GSPMD step (True), whose collectives XLA's partitioner inserts
+    after tracing; else (False) possibly a single-device step."""
     axes: dict[str, None] = {}
     for value in values:
         sharding = getattr(value, "sharding", None)
@@ -1180,13 +1184,13 @@ def gspmd_notice(values: Iterable[Any]) -> str:
     if axes or not context.empty:
         where = (f"its inputs are sharded over mesh axes {tuple(axes)}" if axes
                  else f"it is traced under the mesh {dict(context.shape)}")
-        return (f"the step has no psum and {where}: a GSPMD step, whose all-reduces XLA's "
-                "partitioner inserts after tracing, where optimize cannot see them, so it "
-                f"is left as it is; {GSPMD_ROUTE}")
-    return ("the step has no psum and no jax.shard_map or jax.pmap, so there is nothing to "
-            "plan. If it runs on several devices through shardings (GSPMD: jax.jit with "
-            "NamedSharding inputs), XLA's partitioner inserts its all-reduces after tracing, "
-            f"where optimize cannot see them; {GSPMD_ROUTE}")
+        return True, (f"the step has no psum and {where}: a GSPMD step, whose all-reduces "
+                      "XLA's partitioner inserts after tracing, where optimize cannot see them, "
+                      f"so it is left as it is; {GSPMD_ROUTE}")
+    return False, ("the step has no psum and no jax.shard_map or jax.pmap, so there is nothing "
+                   "to plan. If it runs on several devices through shardings (GSPMD: jax.jit "
+                   "with NamedSharding inputs), XLA's partitioner inserts its all-reduces after "
+                   f"tracing, where optimize cannot see them; {GSPMD_ROUTE}")
 
 
 def _maps_devices(jaxpr: Any) -> bool:

@@ -1,6 +1,6 @@
 """Comparing a step's results with another's: what is bitwise, and how close the rest is.
 
-README "What bitwise means" sorts every comparison libra_jax makes into three classes:
+docs/bitwise.md sorts every comparison libra_jax makes into three classes:
 
 1. **by construction**: a libra collective against `jax.lax.psum` on the same inputs (the same
    additions in the same order): `assert_bitwise`;
@@ -99,4 +99,4 @@ def assert_codegen_close(got: Any, want: Any, *, ulps: float = CODEGEN_ULPS) -> 
     if not worst <= ulps:
         raise AssertionError(
             f"{where or 'the root'} differs by {worst:.3g} x eps x max|want| (bound {ulps:g}: "
-            f"libra_jax.testing, README 'What bitwise means', class 3)")
+            f"libra_jax.testing, docs/bitwise.md, class 3)")

@@ -16,16 +16,16 @@ Models (inputs as in their papers):
   512 positions, 2 token types) with its pre-training heads: the masked-LM head, whose decoder is
   tied to the word embedding (its gradient lands in the embedding's), and the next-sentence head.
 
-An :class:`Op` is one parameterised module (its gradient is all-reduced as one piece) or one
+An `Op` is one parameterised module (its gradient is all-reduced as one piece) or one
 parameter-free operation (pooling, attention scores, the tied decoder) whose backward compute
-still delays the gradients that follow it. Counts are per sample; :func:`backward_layers` scales
-them by the batch and turns them into :class:`libra_jax.planner.Layer` objects.
+still delays the gradients that follow it. Counts are per sample; `backward_layers` scales
+them by the batch and turns them into `libra_jax.planner.Layer` objects.
 
 FLOP conventions: a multiply-add is 2 FLOPs. A layer with weights costs its forward FLOPs twice in
 backward (the input gradient and the weight gradient), except the first layer of the network,
 which needs no input gradient. Normalisation and elementwise operations are memory-bound, so each
 op also records the activation bytes its forward and backward passes move (fp32, 4 bytes per
-element); :func:`backward_layers` takes the larger of the FLOP time and the byte time (a roofline).
+element); `backward_layers` takes the larger of the FLOP time and the byte time (a roofline).
 """
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ class Op:
 
     All counts are per sample. ``params`` are trainable elements (the gradient has this many);
     ``*_act_bytes`` are activation bytes moved (weights excluded: their traffic does not grow with
-    the batch and is added by :func:`backward_layers`).
+    the batch and is added by `backward_layers`).
     """
 
     name: str
@@ -343,7 +343,7 @@ MODEL_NAMES: tuple[str, ...] = tuple(_BUILDERS)
 
 
 def get_model(name: str, **kwargs: int | float) -> ModelSpec:
-    """The :class:`ModelSpec` called ``name`` (one of :data:`MODEL_NAMES`); kwargs go to its builder."""
+    """The `ModelSpec` called ``name`` (one of `MODEL_NAMES`); kwargs go to its builder."""
     try:
         builder = _BUILDERS[name]
     except KeyError:
@@ -367,7 +367,7 @@ def _check_rates(batch: int, flop_per_s: float, bytes_per_s: float) -> None:
 def backward_layers(spec: ModelSpec, *, batch: int, flop_per_s: float, bytes_per_s: float) -> list[Layer]:
     """The model's backward pass as planner layers, in backward order (first = finishes first).
 
-    Each parameterised op becomes one :class:`~libra_jax.planner.Layer` whose gradient is ready
+    Each parameterised op becomes one `libra_jax.planner.Layer` whose gradient is ready
     when its own backward ends. The compute of parameter-free ops (pooling, attention scores, the
     tied decoder's matmul) is folded into the next parameterised op in backward order, because
     those gradients cannot be ready before it; this keeps every layer's ready time exact. Op time
@@ -391,7 +391,7 @@ def backward_layers(spec: ModelSpec, *, batch: int, flop_per_s: float, bytes_per
 
 
 def backward_seconds(spec: ModelSpec, *, batch: int, flop_per_s: float, bytes_per_s: float) -> float:
-    """Total backward compute at full speed (the sum of :func:`backward_layers` times)."""
+    """Total backward compute at full speed (the sum of `backward_layers` times)."""
     _check_rates(batch, flop_per_s, bytes_per_s)
     return sum(_roofline_s(op.bwd_flops, op.bwd_act_bytes, 2 * op.grad_bytes, batch, flop_per_s, bytes_per_s)
                for op in spec.ops)
@@ -405,7 +405,7 @@ def forward_seconds(spec: ModelSpec, *, batch: int, flop_per_s: float, bytes_per
 
 
 def layer_names_backward(spec: ModelSpec) -> Sequence[str]:
-    """Names of the parameterised ops in backward order, aligned with :func:`backward_layers`."""
+    """Names of the parameterised ops in backward order, aligned with `backward_layers`."""
     return [op.name for op in reversed(spec.ops) if op.params]
 
 
@@ -445,10 +445,10 @@ class Workload:
 
 def training_workload(name: str, *, flop_per_s: float, bytes_per_s: float, batch: int | None = None,
                       seq_len: int | None = None) -> Workload:
-    """Build the :class:`Workload` of model ``name`` on a device sustaining the given rates.
+    """Build the `Workload` of model ``name`` on a device sustaining the given rates.
 
-    ``batch`` defaults to :data:`DEFAULT_BATCH`; ``seq_len`` (BERT only) to
-    :data:`DEFAULT_BERT_SEQ_LEN`. The optimizer step is memory-bound:
+    ``batch`` defaults to `DEFAULT_BATCH`; ``seq_len`` (BERT only) to
+    `DEFAULT_BERT_SEQ_LEN`. The optimizer step is memory-bound:
     ``params * OPTIMIZER_BYTES_PER_PARAM / bytes_per_s``.
     """
     if seq_len is not None and name != "bert-large":

@@ -39,7 +39,7 @@ def shard(x, mesh, spec):
     return jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))
 
 
-# --- Comparing results: the three classes of README "What bitwise means" ---------------------
+# --- Comparing results: the three classes of docs/bitwise.md ---------------------
 # (libra_jax.testing): classes 1 and 2 (by construction; the same program but the collective)
 # are bitwise, class 3 (two programs: by XLA's code generation) is within CODEGEN_ULPS.
 

@@ -73,24 +73,34 @@ def _portable(lines: list[str]) -> list[str]:
     return out
 
 
-def optimize_plans() -> dict[str, list[str]]:
+def example_plan(name: str, small: bool = True, **options: str) -> list[str]:
+    """`optimize`'s plan lines (`_portable`) for example `name` of examples/ (``build(small,
+    **options)``), profile cpu-host: the fixture's, and the README picture's
+    (tools/plan_picture.py, at the demo's size)."""
     import jax
 
     import libra_jax
 
     sys.path.insert(0, str(HERE.parent / "examples"))
-    sys.path.insert(0, str(HERE))
     import common
+
+    step, args = common.load_example(name).build(small, **options)
+    opt = libra_jax.optimize(step, profile="cpu-host")
+    jax.jit(opt).trace(*args)
+    return _portable(opt.last_report.plan_lines())
+
+
+def optimize_plans() -> dict[str, list[str]]:
+    import libra_jax
+
+    sys.path.insert(0, str(HERE))
     from corpus import CASES
 
     out = {}
     for name, options in [("mlp", {}), ("cnn", {}), ("transformer", {}),
                           ("transformer", {"variant": "pmap"})]:
-        step, args = common.load_example(name).build(True, **options)
-        opt = libra_jax.optimize(step, profile="cpu-host")
-        jax.jit(opt).trace(*args)
         out[f"example/{name}{''.join(f'/{v}' for v in options.values())}"] = \
-            _portable(opt.last_report.plan_lines())
+            example_plan(name, **options)
     for name, build in CASES.items():
         case = build()
         with case.context():

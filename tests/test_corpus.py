@@ -1,7 +1,7 @@
 """`optimize`, `explain` and the drop-ins on the corpus of real-world-style steps (corpus.py).
 
 Per step, jitted with its state donated:
-* the hard criterion (class 2 of README "What bitwise means"): the optimized program with
+* the hard criterion (class 2 of docs/bitwise.md): the optimized program with
   Libra's calls and the same rewritten program with XLA's all-reduce in their place
   (``optimize(collectives="xla")``) train to bitwise the same state and metrics;
 * plain vs optimized (class 3: two programs, which XLA fuses and contracts differently per

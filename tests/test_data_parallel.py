@@ -3,7 +3,7 @@
 Each test runs the same step written two ways on the same sharded inputs: as GSPMD code
 (``jax.value_and_grad``: XLA's partitioner inserts the all-reduces) and through the route
 (``libra_jax.value_and_grad``). They are two programs, so they agree within class 3's bound
-(README "What bitwise means": XLA's code generation differs per CPU), not bit for bit; the
+(docs/bitwise.md: XLA's code generation differs per CPU), not bit for bit; the
 optimized route is bitwise its XLA control. Then `optimize` must plan the route's all-reduces
 as Libra calls, lowered for `cpu` and for `cuda`.
 """

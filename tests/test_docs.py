@@ -1,4 +1,5 @@
-"""Every ```python block of README.md and docs/*.md runs and gives the right answer.
+"""Every ```python block of README.md and the documentation site (docs/, subfolders included)
+runs and gives the right answer; the README's picture is the current plan.
 
 Each block is marked by the HTML comment on the line before it:
   <!-- doc-test: run NAME -->       executed in a fresh namespace, then CHECKS[NAME] on it
@@ -20,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 pytestmark = pytest.mark.usefixtures("jax_8")
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 BLOCK = re.compile(r"(?:^<!-- doc-test: (?P<mark>[^\n]*?) -->\n)?^```python\n(?P<code>.*?)^```",
                    re.M | re.S)
 
@@ -32,7 +33,7 @@ def blocks() -> list[tuple[str, int, str | None, str]]:
         text = path.read_text()
         for m in BLOCK.finditer(text):
             line = text.count("\n", 0, m.start("code"))
-            out.append((path.name, line, m.group("mark"), m.group("code")))
+            out.append((str(path.relative_to(ROOT)), line, m.group("mark"), m.group("code")))
     return out
 
 
@@ -165,3 +166,51 @@ def test_python_blocks_run_and_give_the_right_answer():
         CHECKS[mark.split()[1]](ns)
         ran += 1
     assert ran >= 2
+
+
+def test_the_readme_picture_is_the_current_plan():
+    """docs/images/plan.png is drawn by tools/plan_picture.py with the plan lines it records in
+    docs/images/plan.json; they must be the example's plan today (tests/plan_fixture.py's
+    `example_plan`, as the fixture computes it): redraw the picture when a plan changes."""
+    import json
+
+    from plan_fixture import example_plan
+
+    recorded = json.loads((ROOT / "docs" / "images" / "plan.json").read_text())
+    assert recorded["profile"] == "cpu-host"
+    assert example_plan(recorded["name"], small=recorded["small"]) == recorded["plan_lines"], (
+        "the plan changed: run python tools/plan_picture.py")
+    assert (ROOT / "docs" / "images" / "plan.png").stat().st_size > 10_000
+    readme = (ROOT / "README.md").read_text()
+    assert "](docs/images/plan.png)" in readme and "examples/transformer.py" in readme
+
+
+def test_every_page_is_linked_from_the_readme_or_the_site_nav():
+    """A page nobody links to is a page nobody reads: each docs page is in mkdocs.yml's nav."""
+    nav = (ROOT / "mkdocs.yml").read_text()
+    pages = [str(p.relative_to(ROOT / "docs")) for p in (ROOT / "docs").rglob("*.md")]
+    assert pages
+    missing = [p for p in pages if p not in nav]
+    assert not missing, missing
+
+
+def test_the_api_reference_documents_every_public_name():
+    """Every name of `libra_jax.__all__` has its mkdocstrings entry (``::: module.name``) in
+    docs/api/ and a row in docs/api/index.md; `model`, `planner`, `config` and `testing` have
+    theirs as whole modules."""
+    import importlib
+
+    import libra_jax
+
+    api = ROOT / "docs" / "api"
+    directives = set(re.findall(r"^::: ([\w.]+)", "".join(p.read_text() for p in api.glob("*.md")),
+                                re.M))
+    index = (api / "index.md").read_text()
+    whole = [importlib.import_module(d) for d in directives if d in (
+        "libra_jax.model", "libra_jax.planner", "libra_jax.config", "libra_jax.testing")]
+    for name in libra_jax.__all__:
+        in_a_module = any(name in getattr(m, "__all__", ()) for m in whole)
+        assert in_a_module or any(d.endswith(f".{name}") for d in directives), name
+        assert f"[`{name}`]" in index, name
+    assert {"libra_jax.model", "libra_jax.planner", "libra_jax.config",
+            "libra_jax.testing"} <= directives

@@ -27,7 +27,7 @@ def test_example_trains_with_matching_results(name, options):
     res = common.train(step, args, 3, progress=False, control=True)
     plain, opt = res.losses["plain"], res.losses["optimized"]
     assert len(plain) == len(opt) == 3 and np.all(np.isfinite(plain))
-    # Plain vs optimized: two programs (class 3 of README "What bitwise means"), which XLA
+    # Plain vs optimized: two programs (class 3 of docs/bitwise.md), which XLA
     # fuses, and contracts a*b+c, differently: the losses within the bound.
     assert_codegen_close(np.float32(opt), np.float32(plain))
     # The hard criterion (class 2): Libra's calls and XLA's all-reduce in their place, in the
@@ -74,7 +74,7 @@ def test_end_to_end_reads_the_engine_debug_log():
 
 def test_demo_checks_its_parameters_against_the_bound():
     """examples/demo.py: jax.lax.psum's step and libra_jax.psum's, two programs (class 3 of
-    README "What bitwise means"): it exits 0 only when the parameters agree within the bound."""
+    docs/bitwise.md): it exits 0 only when the parameters agree within the bound."""
     import subprocess
 
     proc = subprocess.run([sys.executable, str(EXAMPLES / "demo.py"), "--steps", "2",

@@ -3,7 +3,7 @@
 What is measured (CPU host devices; the "blocks" are the engine's worker tasks)
 -------------------------------------------------------------------------------
 XLA:CPU runs one multi-device execution at a time, so every measurement is one program, timed by
-the engine's per-call records (:func:`libra_jax._ffi.recording`, one clock for all devices):
+the engine's per-call records (`libra_jax._ffi.recording`, one clock for all devices):
 
 * **alone** -- a program that is one ``libra_jax.psum(z, blocks=k, inplace=True)`` of ``S`` bytes
   per device, in place as ``optimize`` runs gradient all-reduces (XLA copies ``z`` first, outside
@@ -31,7 +31,7 @@ Every configuration is repeated ``reps`` times; each repetition runs all configu
 a shuffled order (interleaved, so drift and noise spread over all of them). Medians come with
 bootstrap 95% confidence intervals.
 
-What is fitted (the ``fair-share`` form of :mod:`libra_jax.model`)
+What is fitted (the ``fair-share`` form of `libra_jax.model`)
 ------------------------------------------------------------------
 The host's ``P`` cores (``cores``, the CPUs this process may run on) are shared by the devices'
 compute threads and the engine's worker threads; a fair scheduler gives each runnable thread
@@ -60,10 +60,10 @@ assumptions.
 
 Where the profile goes
 ----------------------
-:func:`libra_jax.model.calibrated_profile_path`: ``$LIBRA_JAX_PROFILE_DIR/<backend>.json`` if
+`libra_jax.model.calibrated_profile_path`: ``$LIBRA_JAX_PROFILE_DIR/<backend>.json`` if
 that variable is set, else ``$XDG_CACHE_HOME/libra_jax/profiles/<backend>.json`` (``~/.cache``
 without ``XDG_CACHE_HOME``). ``optimize`` and ``psum(blocks=None)`` use it by default
-(:func:`libra_jax.model.default_profile`).
+(`libra_jax.model.default_profile`).
 
 Layout: `fit` (pure fits, no JAX), `measure` (the budget and the timed programs), `build` (the
 analysis and the profile document); this module runs them (`calibrate`, `run`) and re-exports
@@ -78,7 +78,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from libra_jax import model
+from libra_jax import config, model
 from libra_jax.calibrate.build import (
     GATE_LIMITS,
     analyse,
@@ -137,8 +137,6 @@ def calibrate(budget: Budget = QUICK, *, devices: int | None = 8, progress: bool
     installed is written beside the default as ``<backend>.rejected.json`` (failed the gate) or
     ``<backend>.quick.json`` (a smoke test), with a warning naming why. The document records
     the gate's verdict and the host's conditions (``calibration.quality``)."""
-    import warnings
-
     import jax
 
     t0 = time.perf_counter()
@@ -157,17 +155,20 @@ def calibrate(budget: Budget = QUICK, *, devices: int | None = 8, progress: bool
     if out is not None:
         path = Path(out)
         if failures:
-            warnings.warn(f"libra-jax calibrate: the profile at {path} fails the quality gate: "
+            config.notice("calibration-gate-failed",
+                          f"libra-jax calibrate: the profile at {path} fails the quality gate: "
                           + "; ".join(failures), stacklevel=2)
     else:
         path = model.calibrated_profile_path(backend)
         if failures:
             path = path.with_name(f"{backend}.rejected.json")
-            warnings.warn("libra-jax calibrate: not installed as the default profile (it fails the "
+            config.notice("calibration-rejected",
+                          "libra-jax calibrate: not installed as the default profile (it fails the "
                           f"quality gate: {'; '.join(failures)}); written to {path}", stacklevel=2)
         elif budget.smoke and not install:
             path = path.with_name(f"{backend}.quick.json")
-            warnings.warn("libra-jax calibrate: a quick calibration is a smoke test, not installed as "
+            config.notice("calibration-smoke-test",
+                          "libra-jax calibrate: a quick calibration is a smoke test, not installed as "
                           f"the default profile (--install installs it); written to {path}",
                           stacklevel=2)
     model.profile_from_dict(doc, origin=repr(str(path)))  # never write a profile that will not load

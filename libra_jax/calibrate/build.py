@@ -40,7 +40,7 @@ def analyse(samples: Samples, workers: int, budget: Budget, seed: int = 0,
             cores: float | None = None) -> dict[str, Any]:
     """Fit the model to the samples; returns the parameters, fit errors, intervals and summaries.
 
-    ``cores`` is the host's core count ``P`` (default: :func:`host_cores`).
+    ``cores`` is the host's core count ``P`` (default: `host_cores`).
     """
     rng = np.random.default_rng(seed)
     P = float(cores or host_cores())
@@ -156,7 +156,7 @@ FUSION_COPY_FALLBACK_TRAFFIC = 2.0
 
 def build_profile(analysis: dict[str, Any], *, workers: int, budget: Budget, samples: Samples | None,
                   backend: str = "cpu", meta: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The profile document (``fair-share`` form; valid for :func:`libra_jax.model.profile_from_dict`)."""
+    """The profile document (``fair-share`` form; valid for `libra_jax.model.profile_from_dict`)."""
     solo = analysis["alone"]["fit"]["params"]
     share = analysis["slowdown"]["fair_share_fit"]["params"]
     flop = analysis["peak"]["flop_per_s"][0]

@@ -213,7 +213,7 @@ def fit_memory_traffic(blocks: Sequence[int], slowdowns: Sequence[float], bus_ov
 
 def fit_fair_share(blocks: Sequence[int], slowdowns: Sequence[float], cores: float) -> Fit:
     """``compute_threads`` ``D`` of the fair-share slowdown ``s(k) = max(1, (D + k)/P) / max(1, D/P)``
-    (:func:`libra_jax.model.fair_share_slowdown`) on ``P = cores``, least squares on log residuals.
+    (`libra_jax.model.fair_share_slowdown`) on ``P = cores``, least squares on log residuals.
 
     ``blocks`` and ``slowdowns`` may hold several workloads' points (one ``D`` for all: the
     scheduler does not know what the compute threads compute). Slowdowns below 1 count as 1.
@@ -256,7 +256,7 @@ def fusion_costs(d_big: float, big: tuple[float, int], d_small: float, small: tu
 
 def fusion_analysis(rows: Sequence[dict], n_boot: int = 40, seed: int = 0) -> dict[str, Any]:
     """Per-byte fusion cost and per-all-reduce cost from the paired train-step samples (see
-    :func:`fusion_costs`), with bootstrap 95% intervals; rates are bytes per second (``inf``:
+    `fusion_costs`), with bootstrap 95% intervals; rates are bytes per second (``inf``:
     no measurable cost)."""
     pairs: dict[bool, dict[int, dict[bool, float]]] = {False: {}, True: {}}
     shape: dict[bool, tuple[float, int]] = {}

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from libra_jax import _compat
+from libra_jax.config import notice_text
 
 __all__ = ["Platform", "PLATFORMS", "XLA_TWINS", "register_op", "warn_once"]
 
@@ -66,9 +67,10 @@ def register_op(name: str, *, abstract_eval: Callable[..., Any],
 _warned: set[str] = set()
 
 
-def warn_once(message: str, stacklevel: int = 4) -> None:
-    """Warn with `message` the first time it is said in this process, and never again: libra's
-    notices come from tracing and lowering, which run again for every new program."""
+def warn_once(notice_id: str, message: str, stacklevel: int = 4) -> None:
+    """Warn with `message` (and the pointer to notice `notice_id`'s troubleshooting entry,
+    `libra_jax.config.notice_text`) the first time it is said in this process, and never again:
+    libra's notices come from tracing and lowering, which run again for every new program."""
     if message not in _warned:
         _warned.add(message)
-        warnings.warn(message, stacklevel=stacklevel)
+        warnings.warn(notice_text(notice_id, message), stacklevel=stacklevel)

@@ -344,14 +344,17 @@ def nccl_blocks(blocks: int) -> int:
     overrides = config.nccl_cta_overrides()
     if overrides:
         settings = ", ".join(f"{k}={v}" for k, v in overrides.items())
-        warn_once(f"libra_jax: {settings} in the environment: NCCL applies it over the block "
+        warn_once("nccl-cta-env",
+                  f"libra_jax: {settings} in the environment: NCCL applies it over the block "
                   "counts libra passes as CTA limits.")
     if lib.max_ctas == 0:
-        warn_once(f"libra_jax: NCCL {lib.version} cannot limit an all-reduce's CTAs (NCCL >= "
+        warn_once("nccl-no-cta-limit",
+                  f"libra_jax: NCCL {lib.version} cannot limit an all-reduce's CTAs (NCCL >= "
                   "2.17 can): block counts are not honoured on this path.")
         return blocks
     if blocks > lib.max_ctas:
-        warn_once(f"libra_jax: NCCL {lib.version} ({lib.route} CTA limits) is asked for at most "
+        warn_once("nccl-cta-cap",
+                  f"libra_jax: NCCL {lib.version} ({lib.route} CTA limits) is asked for at most "
                   f"{lib.max_ctas} CTAs per all-reduce; block counts above it run with "
                   f"{lib.max_ctas}.")
         return lib.max_ctas
@@ -362,13 +365,15 @@ def _say_launch_order(lib: _nccl.Library) -> None:
     """Once, where the loaded NCCL may not order libra's communicators with XLA's (several
     communicators on one GPU need one launch order: cpp/libra/streams.h)."""
     if lib.launch_order == "streams":
-        warn_once(f"libra_jax: NCCL {lib.version} orders several communicators on one GPU by "
+        warn_once("nccl-stream-order",
+                  f"libra_jax: NCCL {lib.version} orders several communicators on one GPU by "
                   "stream dependencies only: libra's NCCL calls are ordered on its one stream "
                   "per GPU, but XLA's own collectives on the same GPUs are not ordered with "
                   "them and may deadlock with them (NCCL >= 2.26 with "
                   f"{config.NCCL_LAUNCH_ORDER_ENV}=1 orders both).")
     elif not config.nccl_launch_order_implicit():
-        warn_once(f"libra_jax: {config.NCCL_LAUNCH_ORDER_ENV} is not 1: NCCL {lib.version} "
+        warn_once("nccl-launch-order",
+                  f"libra_jax: {config.NCCL_LAUNCH_ORDER_ENV} is not 1: NCCL {lib.version} "
                   "does not order libra's NCCL calls with XLA's collectives on the same GPU, "
                   "which may deadlock (libra_jax sets it to 1 when imported with "
                   f"{config.CUDA_PATH_ENV}=nccl or p2p, unless it is set).")
@@ -380,8 +385,9 @@ def xla_rule(ctx: Any, x: Any, *, axes: tuple, blocks: int, inplace: bool,
     asked for: `optimize(collectives="xla")`); `blocks` is ignored."""
     platforms = "/".join(ctx.module_context.platforms)
     if not quiet:
-        warn_once(f"libra_jax.psum: no Libra all-reduce for {reason or platforms}; "
-                   "lowering to XLA's all-reduce (blocks ignored).")
+        warn_once("xla-fallback",
+                  f"libra_jax.psum: no Libra all-reduce for {reason or platforms}; "
+                  "lowering to XLA's all-reduce (blocks ignored).")
     aval_in, = ctx.avals_in
     # A buffer packed during lowering (fused, start/done) carries no varying axes: psum's
     # lowering is the same all-reduce as psum_invariant's and takes it.
