@@ -33,14 +33,14 @@ _config.request_nccl_launch_order()
 
 if TYPE_CHECKING:  # what a type checker sees; at run time they load lazily (`__getattr__`)
     from libra_jax._ffi import build_info
-    from libra_jax.allreduce import MAX_BLOCKS, default_blocks, patch_lax, pmean, psum
+    from libra_jax.allreduce import MAX_BLOCKS, all_gather, default_blocks, patch_lax, pmean, psum, psum_scatter
     from libra_jax.data_parallel import grad, value_and_grad
     from libra_jax.explanation import Explanation, explain
     from libra_jax.model import Profile, load_profile
     from libra_jax.rewrite import OptimizeReport, PsumPlan, optimize, rewrite_jaxpr
 
 __all__ = [
-    "psum", "pmean", "patch_lax", "default_blocks", "MAX_BLOCKS",
+    "psum", "pmean", "psum_scatter", "all_gather", "patch_lax", "default_blocks", "MAX_BLOCKS",
     "optimize", "rewrite_jaxpr", "OptimizeReport", "PsumPlan",
     "value_and_grad", "grad",
     "explain", "Explanation",
@@ -53,6 +53,8 @@ _LAZY = {
     "build_info": "libra_jax._ffi",
     "psum": "libra_jax.allreduce",
     "pmean": "libra_jax.allreduce",
+    "psum_scatter": "libra_jax.allreduce",
+    "all_gather": "libra_jax.allreduce",
     "patch_lax": "libra_jax.allreduce",
     "default_blocks": "libra_jax.allreduce",
     "MAX_BLOCKS": "libra_jax.allreduce",

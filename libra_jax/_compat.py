@@ -37,7 +37,8 @@ __all__ = [
     "ClosedJaxpr", "Jaxpr", "Var", "jaxpr_as_fun", "closed_jaxpr", "jaxprs_in_params",
     "memoized_sub_jaxprs", "register_psum_rooflines",
     "mesh_axis_sizes", "distributed_client", "on_stream", "Primitive", "Tracer", "ShapedArray", "ir", "hlo",
-    "psum_p", "psum_invariant_p",
+    "psum_p", "psum_invariant_p", "reduce_scatter_p", "all_gather_p", "all_gather_invariant_p",
+    "canonicalize_axis",
     "apply_primitive", "deflinear", "register_batcher", "register_lowering", "lower_fun",
     "ir_constant", "ir_tensor_type", "jit_static_args", "made_by_transpose", "is_var",
     "is_dropped", "with_varying", "scan_num_carry",
@@ -52,6 +53,11 @@ Tracer = _core.Tracer
 ShapedArray = _core.ShapedArray
 psum_p: Primitive = _parallel.psum_p
 psum_invariant_p: Primitive = _parallel.psum_invariant_p
+#: What `jax.lax.psum_scatter` and `jax.lax.all_gather` bind (`libra_jax.ops.reduce_scatter`,
+#: `.all_gather` stand for them).
+reduce_scatter_p: Primitive = _parallel.reduce_scatter_p
+all_gather_p: Primitive = _parallel.all_gather_p
+all_gather_invariant_p: Primitive = _parallel.all_gather_invariant_p
 jax_version: tuple[int, ...] = tuple(int(p) for p in jax.__version__.split(".")[:3])
 
 
@@ -169,6 +175,12 @@ def input_state(aval: Any, axes: tuple) -> str:
 def pvary(x: Any, axes: tuple) -> Any:
     """Cast an invariant value to varying over `axes` (psum's transpose)."""
     return _core.pvary(x, axis_name=axes)
+
+
+def canonicalize_axis(axis: int, ndim: int) -> int:
+    """`axis` in [0, ndim), negative counted from the end, as `jax.lax`'s collectives take it;
+    JAX's own error where it is out of range."""
+    return int(_parallel.canonicalize_axis(axis, ndim))
 
 
 def skip_size_one_axes(axes: tuple) -> tuple:

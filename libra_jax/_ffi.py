@@ -17,14 +17,18 @@ import jax
 
 from libra_jax import _libra_ffi
 
-#: Role ("cpu", "cpu_start", "cpu_done", "cuda", "cuda_start", "cuda_done", "nccl") -> FFI
-#: target name, from the extension's one registration table (xla_ffi/registry.cc), which
-#: also names the CUDA targets in a build without CUDA.
+#: Role ("cpu", "cpu_start", "cpu_done", "cpu_reduce_scatter", "cpu_all_gather", "cuda",
+#: "cuda_start", "cuda_done", "nccl", "nccl_start") -> FFI target name, from the extension's
+#: one registration table (xla_ffi/registry.cc), which also names the CUDA targets in a build
+#: without CUDA.
 TARGETS: dict[str, str] = dict(_libra_ffi.TARGETS)
 ALLREDUCE_CPU_TARGET = TARGETS["cpu"]
 #: The same call split in two (libra_jax.ops.start_done): start arrives, done waits.
 ALLREDUCE_CPU_START_TARGET = TARGETS["cpu_start"]
 ALLREDUCE_CPU_DONE_TARGET = TARGETS["cpu_done"]
+#: The engine's other collective kinds (libra::Collective), one call each.
+REDUCE_SCATTER_CPU_TARGET = TARGETS["cpu_reduce_scatter"]
+ALL_GATHER_CPU_TARGET = TARGETS["cpu_all_gather"]
 MAX_BLOCKS: int = _libra_ffi.MAX_BLOCKS
 MIN_CHUNK_BYTES: int = _libra_ffi.MIN_CHUNK_BYTES
 

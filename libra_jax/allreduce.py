@@ -1,4 +1,12 @@
-"""`libra_jax.psum`: a drop-in for `jax.lax.psum` that all-reduces with Libra's engine.
+"""The drop-ins: `libra_jax.psum` (and `pmean`), `psum_scatter` and `all_gather`, for
+`jax.lax`'s functions of those names, run by Libra's engine with a chosen block count.
+
+`psum_scatter` and `all_gather` follow the same rules as `psum` below, with their own
+primitives (`libra_jax.ops.sharded`): `psum_scatter` serves `reduce_scatter` (the dtypes the
+engine sums), `all_gather` serves `all_gather` and `all_gather_invariant` (``to='varying'``
+and ``to='invarying'``; any dtype of whole bytes, copied). Delegated to `jax.lax`, with the
+one-time notice: `axis_index_groups`, ``to='reduced'``, unreduced inputs (JAX's
+`unreduced_reduce_scatter`), axes bound by `vmap`, and dtypes they do not serve.
 
 The primitive `libra_psum` stands for exactly the psum that `jax.lax.psum` would
 bind (`psum_invariant` under `shard_map(check_vma=True)`, `psum` otherwise): its
@@ -27,8 +35,9 @@ from libra_jax import _compat, model, planner
 from libra_jax.ops import lowering
 from libra_jax.ops.base import warn_once
 from libra_jax.ops.psum import libra_psum_p
+from libra_jax.ops.sharded import libra_all_gather_p, libra_reduce_scatter_p
 
-__all__ = ["psum", "pmean", "patch_lax", "default_blocks", "check_blocks", "engine_dtype",
+__all__ = ["psum", "pmean", "psum_scatter", "all_gather", "patch_lax", "default_blocks", "check_blocks", "engine_dtype",
            "warn_invariant_operand", "MAX_BLOCKS", "DEFAULT_PROFILES", "BLOCK_PENALTY",
            "libra_psum_p"]
 
@@ -37,14 +46,14 @@ __all__ = ["psum", "pmean", "patch_lax", "default_blocks", "check_blocks", "engi
 # patched to `libra_jax.psum` (`patch_lax`).
 _JAX_PSUM = jax.lax.psum
 _JAX_PMEAN = jax.lax.pmean
+_JAX_PSUM_SCATTER = jax.lax.psum_scatter
+_JAX_ALL_GATHER = jax.lax.all_gather
 
 #: Largest block count (engine worker tasks per all-reduce).
 MAX_BLOCKS: int = lowering.MAX_BLOCKS
 
 AxisName = Hashable
-_SUPPORTED_DTYPES = frozenset(
-    np.dtype(d) for d in (np.float32, np.float64, jax.numpy.bfloat16, np.float16, np.int32, np.int64)
-)
+_SUPPORTED_DTYPES = lowering.ENGINE_DTYPES
 #: Built-in profile per platform, used until the backend is calibrated: `model`'s table,
 #: its one home (named here too, where the docs look for it).
 DEFAULT_PROFILES = model.BUILTIN_PROFILES
@@ -109,8 +118,8 @@ def psum(x: Any, axis_name: AxisName | Sequence[AxisName], *,
 
 @contextlib.contextmanager
 def patch_lax() -> Iterator[None]:
-    """Within the block, `jax.lax.psum` and `jax.lax.pmean` are `libra_jax.psum` and
-    `libra_jax.pmean`: a way to try the drop-in on existing code without editing it. The
+    """Within the block, `jax.lax.psum`, `pmean`, `psum_scatter` and `all_gather` are
+    libra_jax's: a way to try the drop-ins on existing code without editing it. The
     previous functions come back on exit (also on an error).
 
     Limits: it acts when code is traced, so a function jitted and traced before the block
@@ -120,12 +129,15 @@ def patch_lax() -> Iterator[None]:
     ``jax.lax.psum``/``pmean`` by that name, such as Flax's BatchNorm with ``axis_name``.
     It changes a module attribute: not for several threads tracing at once.
     """
-    saved = jax.lax.psum, jax.lax.pmean
-    jax.lax.psum, jax.lax.pmean = psum, pmean
+    names = ("psum", "pmean", "psum_scatter", "all_gather")
+    saved = [getattr(jax.lax, name) for name in names]
+    for name in names:
+        setattr(jax.lax, name, globals()[name])
     try:
         yield
     finally:
-        jax.lax.psum, jax.lax.pmean = saved
+        for name, previous in zip(names, saved):
+            setattr(jax.lax, name, previous)
 
 
 def pmean(x: Any, axis_name: AxisName | Sequence[AxisName], *,
@@ -141,6 +153,186 @@ def pmean(x: Any, axis_name: AxisName | Sequence[AxisName], *,
     return jax.tree_util.tree_map(lambda v: v / n, total)
 
 
+def psum_scatter(x: Any, axis_name: AxisName | Sequence[AxisName], *, scatter_dimension: int = 0,
+                 axis_index_groups: Sequence[Sequence[int]] | None = None, tiled: bool = False,
+                 blocks: int | None = None) -> Any:
+    """Reduce-scatter, like `jax.lax.psum_scatter`, with a chosen block count.
+
+    Each device keeps its part of ``psum(x, axis_name)``, split along `scatter_dimension`:
+    the part of index ``axis_index(axis_name)``. On CPU, libra's engine reads each device's
+    `x` once and writes only that part.
+
+    Args:
+      x: array or pytree of arrays, inside `jax.shard_map` or `jax.pmap`.
+      axis_name: a mesh axis name or a tuple of them.
+      scatter_dimension: the dimension split among the devices, as in `jax.lax.psum_scatter`
+        (negative counts from the end).
+      axis_index_groups: as in `jax.lax.psum_scatter`; such calls are delegated to it.
+      tiled: as in `jax.lax.psum_scatter`: untiled, that dimension's size is the axis size,
+        and it is removed; tiled, it is divisible by the axis size, and divided.
+      blocks: engine worker tasks, 1..`MAX_BLOCKS`; ``None``: `default_blocks` for the bytes
+        a reduce-scatter moves (half the buffer's), chosen when the program is lowered.
+
+    Returns:
+      The same as `jax.lax.psum_scatter`, bit for bit on CPU (the rank-order sum, from +0).
+
+    Raises:
+      NameError: an axis name is not bound.
+      ValueError: the dimension does not match or divide the axis size (JAX's error, with a
+        note), or `blocks` is outside 1..MAX_BLOCKS.
+      TypeError: `blocks` is not an int, or is given for a call delegated to
+        `jax.lax.psum_scatter`.
+    """
+    who = "psum_scatter"
+    check_blocks(blocks, f"libra_jax.{who}")
+    axes = _mesh_axes(x, axis_name, who, _JAX_PSUM_SCATTER)
+    kwargs = dict(scatter_dimension=scatter_dimension, tiled=tiled)
+    if axis_index_groups is not None or isinstance(axes, str):
+        reason = axes if isinstance(axes, str) else "axis_index_groups is not supported"
+        return _delegate(x, axis_name, reason, blocks, op=_JAX_PSUM_SCATTER, who=who,
+                         quiet=reason == "", axis_index_groups=axis_index_groups, **kwargs)
+    if not axes:
+        return x
+
+    def leaf_call(leaf: Any) -> Any:
+        aval = jax.typeof(leaf)
+        state = _compat.input_state(aval, axes)
+        reason = (f"{state} inputs are not supported" if state in ("unreduced", "reduced")
+                  else "" if engine_dtype(aval.dtype) is not None
+                  else f"dtype {aval.dtype} is not one the engine sums")
+        if reason or not isinstance(leaf, _compat.Tracer):
+            return _delegate(leaf, axes, reason, blocks, op=_JAX_PSUM_SCATTER, who=who,
+                             quiet=not reason, **kwargs)
+        leaf = _vary(leaf, axes)
+        dimension = _compat.canonicalize_axis(scatter_dimension, np.ndim(leaf))
+        return _bind_noting(who, libra_reduce_scatter_p, leaf, axis_name=axes,
+                            scatter_dimension=dimension, axis_size=_axis_size(axes),
+                            tiled=bool(tiled), blocks=_blocks(blocks))
+    return jax.tree_util.tree_map(leaf_call, x)
+
+
+def all_gather(x: Any, axis_name: AxisName | Sequence[AxisName], *,
+               axis_index_groups: Sequence[Sequence[int]] | None = None, axis: int = 0,
+               tiled: bool = False, to: str = "varying", blocks: int | None = None) -> Any:
+    """All-gather, like `jax.lax.all_gather`, with a chosen block count.
+
+    Every device gets every device's `x`, stacked along a new dimension `axis` (or, `tiled`,
+    concatenated along the existing one). A copy: on CPU, libra's engine serves every dtype
+    of whole bytes (floats, ints, bool, fp8 ...) by its bytes.
+
+    Args:
+      x: array or pytree of arrays, inside `jax.shard_map` or `jax.pmap`.
+      axis_name: a mesh axis name or a tuple of them.
+      axis: where the devices' values go, as in `jax.lax.all_gather`.
+      tiled: as in `jax.lax.all_gather`: untiled, a new dimension `axis` of the axis size;
+        tiled, concatenated along the existing dimension `axis`.
+      to: ``'varying'`` (the default) or ``'invarying'`` (under `check_vma`, a result
+        invariant over the axes: JAX's `all_gather_invariant`, whose gradient is a slice);
+        ``'reduced'`` is delegated to `jax.lax.all_gather`.
+      axis_index_groups: as in `jax.lax.all_gather`; such calls are delegated to it.
+      blocks: engine worker tasks, 1..`MAX_BLOCKS`; ``None``: `default_blocks` for the bytes
+        an all-gather moves (half the gathered buffer's), chosen when the program is lowered.
+
+    Returns:
+      The same as `jax.lax.all_gather`, bit for bit. Its transpose (`jax.grad`) is
+      libra's reduce-scatter (`psum_scatter`'s primitive), as JAX's is its own.
+
+    Raises:
+      NameError: an axis name is not bound.
+      ValueError: a bad `to` or `axis` (JAX's error), or `blocks` outside 1..MAX_BLOCKS.
+      TypeError: `blocks` is not an int, or is given for a call delegated to
+        `jax.lax.all_gather`.
+    """
+    who = "all_gather"
+    check_blocks(blocks, f"libra_jax.{who}")
+    if to not in ("varying", "invarying", "reduced"):
+        _JAX_ALL_GATHER(x, axis_name, axis=axis, tiled=tiled, to=to)  # JAX's error
+    kwargs = dict(axis=axis, tiled=tiled, to=to)
+    axes = _mesh_axes(x, axis_name, who, _JAX_ALL_GATHER)
+    if axis_index_groups is not None or to == "reduced" or isinstance(axes, str):
+        reason = ("axis_index_groups is not supported" if axis_index_groups is not None
+                  else "to='reduced' is not supported" if to == "reduced"
+                  else axes if isinstance(axes, str) else "")
+        return _delegate(x, axis_name, reason, blocks, op=_JAX_ALL_GATHER, who=who,
+                         quiet=reason == "", axis_index_groups=axis_index_groups, **kwargs)
+    if not axes:
+        return x
+    invariant = to == "invarying" and _compat.check_vma_enabled()
+
+    def leaf_call(leaf: Any) -> Any:
+        aval = jax.typeof(leaf)
+        state = _compat.input_state(aval, axes)
+        reason = (f"{state} inputs are not supported" if state in ("unreduced", "reduced")
+                  else "" if _copyable(aval.dtype)
+                  else f"dtype {aval.dtype} is not of whole bytes")
+        if reason or not isinstance(leaf, _compat.Tracer):
+            return _delegate(leaf, axes, reason, blocks, op=_JAX_ALL_GATHER, who=who,
+                             quiet=not reason, **kwargs)
+        leaf = _vary(leaf, axes)
+        ndim = np.ndim(leaf) if tiled else np.ndim(leaf) + 1
+        return _bind_noting(who, libra_all_gather_p, leaf, axis_name=axes,
+                            all_gather_dimension=_compat.canonicalize_axis(axis, ndim),
+                            axis_size=_axis_size(axes), tiled=bool(tiled),
+                            invariant=invariant, blocks=_blocks(blocks))
+    return jax.tree_util.tree_map(leaf_call, x)
+
+
+def _mesh_axes(x: Any, axis_name: Any, who: str, op: Any) -> tuple | str:
+    """The mesh axes a sharded collective runs over (size-1 axes dropped, as JAX does), or,
+    where `jax.lax` must do it, why ("" where nothing needs saying: only vmap's axes)."""
+    axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+    for name in axes:
+        if not isinstance(name, int) and not _compat.axis_is_bound(name):
+            _unbound_axis(x, axis_name, name, who, op)
+    manual = _compat.manual_axes()
+    mapped = [name for name in axes if not isinstance(name, int) and name in manual]
+    if len(mapped) < len(axes):
+        return "axes bound by vmap or positional axes are done by XLA" if mapped else ""
+    return _compat.skip_size_one_axes(axes)
+
+
+def _vary(leaf: Any, axes: tuple) -> Any:
+    """As `jax.lax`'s collectives: under check_vma, the value made varying over `axes`."""
+    if _compat.check_vma_enabled() and _compat.auto_pcast_enabled():
+        missing = tuple(a for a in axes if a not in _compat.varying_axes(jax.typeof(leaf)))
+        if missing:
+            leaf = _compat.pvary(leaf, missing)
+    return leaf
+
+
+def _axis_size(axes: tuple) -> int:
+    return int(jax.lax.axis_size(axes))
+
+
+def _blocks(blocks: int | None) -> int | None:
+    return None if blocks is None else int(blocks)
+
+
+def _copyable(dtype: Any) -> bool:
+    """An all-gather copies it by its bytes: whole bytes (not int4 and the like, which XLA
+    packs), and not JAX's extended dtypes (PRNG keys)."""
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        return False
+    bits = int(jax.dtypes.itemsize_bits(dtype))
+    return bits >= 8 and bits % 8 == 0
+
+
+def _bind_noting(who: str, prim: Any, leaf: Any, **params: Any) -> Any:
+    """Bind `prim`, adding to JAX's error (from its abstract evaluation) what libra was asked."""
+    try:
+        return prim.bind(leaf, **params)
+    except (ValueError, TypeError) as e:
+        dim = next(k for k in params if k.endswith("dimension"))
+        rule = ""
+        if who == "psum_scatter":
+            rule = (": that dimension's size must "
+                    + ("be divisible by" if params["tiled"] else "equal") + " the axis size")
+        e.add_note(f"libra_jax.{who}: {jax.typeof(leaf).str_short()} over "
+                   f"{params['axis_name']} (axis size {params['axis_size']}), {dim}="
+                   f"{params[dim]}, tiled={params['tiled']}{rule}.")
+        raise
+
+
 # --- Front end helpers ------------------------------------------------------
 
 def engine_dtype(dtype: Any) -> np.dtype | None:
@@ -153,14 +345,15 @@ def engine_dtype(dtype: Any) -> np.dtype | None:
     return dtype if dtype in _SUPPORTED_DTYPES else None
 
 
-def check_blocks(blocks: Any) -> None:
-    """TypeError or ValueError unless `blocks` is None or an int in 1..MAX_BLOCKS."""
+def check_blocks(blocks: Any, who: str = "libra_jax.psum") -> None:
+    """TypeError or ValueError (from `who`) unless `blocks` is None or an int in
+    1..MAX_BLOCKS."""
     if blocks is None:
         return
     if isinstance(blocks, bool) or not isinstance(blocks, (int, np.integer)):
-        raise TypeError(f"libra_jax.psum: blocks must be an int or None, got {blocks!r}")
+        raise TypeError(f"{who}: blocks must be an int or None, got {blocks!r}")
     if not 1 <= blocks <= MAX_BLOCKS:
-        raise ValueError(f"libra_jax.psum: blocks must be in [1, {MAX_BLOCKS}], got {blocks}")
+        raise ValueError(f"{who}: blocks must be in [1, {MAX_BLOCKS}], got {blocks}")
 
 
 def warn_invariant_operand(axes: tuple, who: str) -> None:
@@ -177,13 +370,14 @@ def warn_invariant_operand(axes: tuple, who: str) -> None:
         "differentiated function instead, or use check_vma=False for per-device gradients.")
 
 
-def _unbound_axis(x: Any, axis_name: Any, name: Any) -> None:
-    """Raise what `jax.lax.psum` raises for an unbound axis in this context (its message
+def _unbound_axis(x: Any, axis_name: Any, name: Any, who: str = "psum",
+                  op: Any = _JAX_PSUM) -> None:
+    """Raise what `jax.lax`'s `op` raises for an unbound axis in this context (its message
     differs between eager and traced code), with libra's hint added."""
-    hint = (f"libra_jax.psum: call it inside jax.shard_map or jax.pmap over a mesh with an "
+    hint = (f"libra_jax.{who}: call it inside jax.shard_map or jax.pmap over a mesh with an "
             f"axis named {name!r}.")
     try:
-        _JAX_PSUM(x, axis_name)
+        op(x, axis_name)
     except Exception as e:
         e.add_note(hint)
         raise
@@ -191,13 +385,15 @@ def _unbound_axis(x: Any, axis_name: Any, name: Any) -> None:
 
 
 def _delegate(x: Any, axis_name: Any, reason: str, blocks: int | None, *,
-              op: Any = _JAX_PSUM, quiet: bool = False, **kwargs: Any) -> Any:
+              op: Any = _JAX_PSUM, quiet: bool = False, who: str = "psum", **kwargs: Any) -> Any:
+    """`op` (JAX's function `who`) does the call: said once, unless `quiet`."""
     if blocks is not None:
         raise TypeError(
-            f"libra_jax.psum: blocks={blocks} cannot be honoured: {reason}, so this psum is "
-            "done by jax.lax.psum, which has no block count. Drop blocks= here.")
+            f"libra_jax.{who}: blocks={blocks} cannot be honoured: {reason}, so this {who} is "
+            f"done by jax.lax.{who}, which has no block count. Drop blocks= here.")
     if not quiet:
-        warn_once("psum-delegated", f"libra_jax.psum: {reason}; delegating to jax.lax.psum.")
+        warn_once("psum-delegated",
+                  f"libra_jax.{who}: {reason}; delegating to jax.lax.{who}.")
     return op(x, axis_name, **kwargs)
 
 

@@ -439,7 +439,7 @@ def _others_lines(e: Explanation) -> list[str]:
             line += f"; {loop.kept} other psum(s) of the body unplanned (kind loop)"
         lines.append(line)
     if e.report.unplanned:
-        lines.append("collectives left to XLA (optimize plans psums only): "
+        lines.append("collectives optimize leaves unplanned (it plans psums only): "
                      + "; ".join(e.report.unplanned))
     return lines
 

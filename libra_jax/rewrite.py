@@ -79,7 +79,7 @@ import jax
 import numpy as np
 
 from libra_jax import _compat, _nccl, allreduce, config, loops, model, planner
-from libra_jax.ops import XLA_TWINS, libra_psum_fused_p, libra_psum_p
+from libra_jax.ops import XLA_TWINS, libra_all_gather_p, libra_psum_fused_p, libra_psum_p, libra_reduce_scatter_p
 from libra_jax.ops import lowering as _lowering
 from libra_jax.ops.base import warn_once
 from libra_jax.ops.start_done import TOKEN_AVAL, libra_psum_done_p, libra_psum_start_p
@@ -434,8 +434,9 @@ class OptimizeReport:
     predicted: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     skipped: list[str] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)  # why nothing was planned
-    # Collectives other than psum (`_compat.OTHER_COLLECTIVES`), left to XLA: one line per
-    # kind, axes and scope, with its count.
+    # Collectives other than psum (JAX's, `_compat.OTHER_COLLECTIVES`, left to XLA; libra's
+    # psum_scatter and all_gather, marked "(libra's)", at their own blocks): one line per kind,
+    # axes and scope, with its count.
     unplanned: list[str] = dataclasses.field(default_factory=list)
     loops: list[LoopPlan] = dataclasses.field(default_factory=list)
     # psums of a known zero, computed without a call (`_Rewriter.fold_zero_psums`): one line
@@ -621,7 +622,8 @@ def rewrite_jaxpr(closed: Any, *, profile: Any = None, fusion: bool = True,
     report.unplanned = [f"{what}" + (f" (x{n})" if n > 1 else "") for what, n in counts.items()]
     if report.unplanned:
         warn_once("unplanned-collectives",
-                  "libra_jax.optimize plans psums only; these collectives stay XLA's: "
+                  "libra_jax.optimize plans psums only; these collectives keep their own "
+                  "lowering (XLA's, or libra's at their own blocks): "
                   + "; ".join(report.unplanned) + ". " + UNPLANNED_NOTICE)
     if not report.plans and not report.skipped and not maps_devices:
         gspmd, notice = gspmd_notice([*(v.aval for v in closed.jaxpr.invars), *inputs])
@@ -822,10 +824,12 @@ class _Rewriter:
         eqns = self.fold_zero_psums(eqns, scope)
         for eqn in eqns:
             other = _compat.OTHER_COLLECTIVES.get(eqn.primitive.name)
-            if other is not None:
+            libras = _LIBRA_UNPLANNED.get(eqn.primitive)
+            if other is not None or libras is not None:
                 axes = eqn.params.get("axis_name", eqn.params.get("axes"))
                 axes = tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
-                self.unplanned.append(f"{other} over {axes} in {scope}")
+                self.unplanned.append(f"{other or libras} over {axes} in {scope}"
+                                      + (" (libra's)" if libras else ""))
         sites = [site for i, eqn in enumerate(eqns)
                  if (site := self.site(i, eqn, scope)) is not None]
         if not sites:
@@ -1162,7 +1166,11 @@ GSPMD_ROUTE = ("to have its gradient all-reduces planned, compute the gradient w
                "(docs/gspmd.md)")
 #: Why the collectives of sharded parameters are not planned.
 UNPLANNED_NOTICE = ("A sharded parameter's gradient (FSDP, ZeRO) is a psum_scatter "
-                    "(reduce-scatter), which libra_jax does not plan; its psums it does.")
+                    "(reduce-scatter): libra_jax.psum_scatter and libra_jax.all_gather run "
+                    "both on libra's engine (blocks=None: default_blocks's rule), but optimize "
+                    "does not plan them yet; its psums it does.")
+#: libra's own collectives that `optimize` does not plan yet (named as `jax.lax` names them).
+_LIBRA_UNPLANNED = {libra_reduce_scatter_p: "psum_scatter", libra_all_gather_p: "all_gather"}
 
 
 def gspmd_notice(values: Iterable[Any]) -> tuple[bool, str]:

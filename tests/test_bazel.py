@@ -144,14 +144,14 @@ def test_library_and_module_tables_name_the_same_targets(ffi_library):
 def test_python_target_names_come_from_the_table():
     table = {t["role"]: t["name"] for t in _libra_ffi.registry()}
     assert _ffi.TARGETS == _libra_ffi.TARGETS == table
-    assert set(table) == {"cpu", "cpu_start", "cpu_done", "cuda", "cuda_start", "cuda_done",
-                          "nccl", "nccl_start"}
-    constants = {n: getattr(_ffi, n) for n in dir(_ffi) if re.fullmatch(r"ALLREDUCE_\w+_TARGET", n)}
+    assert set(table) == {"cpu", "cpu_start", "cpu_done", "cpu_reduce_scatter", "cpu_all_gather",
+                          "cuda", "cuda_start", "cuda_done", "nccl", "nccl_start"}
+    constants = {n: getattr(_ffi, n) for n in dir(_ffi) if re.fullmatch(r"[A-Z_]+_TARGET", n)}
     assert sorted(constants.values()) == sorted(table.values()), constants
     # Every constant libra_jax's lowerings use is one of them.
     package = Path(libra_jax.__file__).parent
     used = {m for p in package.rglob("*.py")
-            for m in re.findall(r"_ffi\.(ALLREDUCE_\w+_TARGET)", p.read_text())}
+            for m in re.findall(r"_ffi\.([A-Z_]+_TARGET)", p.read_text())}
     assert used and used <= set(constants), used - set(constants)
 
 

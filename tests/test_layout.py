@@ -22,7 +22,7 @@ LAYERS: dict[str, int] = {
                      "calibrate.fit"], 1),
     **dict.fromkeys(["_compat", "_ffi", "_nccl", "_libra_ffi"], 2),
     **dict.fromkeys(["ops", "ops.base", "ops.lowering", "ops.psum", "ops.fused",
-                     "ops.start_done"], 3),
+                     "ops.start_done", "ops.sharded"], 3),
     **dict.fromkeys(["allreduce", "rewrite", "overlap", "data_parallel", "loops"], 4),
     **dict.fromkeys(["explanation", "calibrate", "calibrate.measure", "calibrate.build", "cli",
                      "__main__", "testing"], 5),

@@ -81,6 +81,18 @@ PSUM_WORKER = PRELUDE + textwrap.dedent("""
                                   in_specs=P("x"), out_specs=P()))
         out = np.asarray(f(x).addressable_data(0)).ravel().tolist()
     print("RESULT", out, any("several processes" in str(w.message) for w in caught))
+    # The sharded pair over the same mesh: XLA's collectives, with libra's notice.
+    y = jax.make_array_from_callback((64, 3), jax.NamedSharding(mesh, P("x")),
+                                     lambda i: np.arange(192, dtype=np.float32).reshape(64, 3)[i])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        g = jax.jit(jax.shard_map(
+            lambda v: libra_jax.all_gather(libra_jax.psum_scatter(v, "x", tiled=True), "x",
+                                           tiled=True), mesh=mesh, in_specs=P("x"),
+            out_specs=P("x")))
+        got = np.asarray(g(y).addressable_data(0))[:, 0].tolist()
+    notices = [str(w.message) for w in caught if "several processes" in str(w.message)]
+    print("SHARDED", got, sorted(n.split(":")[1].split(" for")[0].strip() for n in notices))
     jax.distributed.shutdown()
 """)
 
@@ -238,6 +250,10 @@ pytestmark = pytest.mark.usefixtures("jax_8")
 def test_psum_across_two_processes_falls_back_to_xla():
     for r in run_processes(PSUM_WORKER, [[], []]):
         assert "RESULT [84.0, 92.0, 100.0] True" in r.out, r.out
+        # Each device's 8 rows summed over the 8 devices, scattered then gathered back.
+        want = np.arange(192, dtype=np.float32).reshape(8, 8, 3).sum(0)[:, 0].tolist()
+        assert (f"SHARDED {want} ['no Libra all-gather', 'no Libra reduce-scatter']"
+                in r.out), r.out
 
 
 def test_plans_agree_across_processes():

@@ -17,6 +17,8 @@ x = jnp.ones(4)
 def well_typed() -> None:
     libra_jax.psum(x, "i", blocks=4)
     libra_jax.pmean(x, ("i", "j"), inplace=False)
+    libra_jax.psum_scatter(x, "i", scatter_dimension=0, tiled=True, blocks=2)
+    libra_jax.all_gather(x, ("i", "j"), axis=0, tiled=False, to="invarying", blocks=None)
     libra_jax.optimize(lambda v: v, profile="h100", fusion=False, overlap="sync")
     blocks: int = libra_jax.default_blocks(1 << 20, 8)
     profile: libra_jax.Profile = libra_jax.load_profile("h100")
@@ -27,6 +29,8 @@ def ill_typed() -> None:
     libra_jax.psum(x, "i", blocks="x")  # type: ignore[arg-type]
     libra_jax.psum(x, "i", inplace="yes")  # type: ignore[arg-type]
     libra_jax.pmean(x, "i", block=4)  # type: ignore[call-arg]
+    libra_jax.psum_scatter(x, "i", blocks=2.5)  # type: ignore[arg-type]
+    libra_jax.all_gather(x, "i", tiled="yes")  # type: ignore[arg-type]
     libra_jax.optimize(lambda v: v, fusion="yes")  # type: ignore[arg-type]
     libra_jax.optimize(lambda v: v, static_argnums=1.5)  # type: ignore[arg-type]
     libra_jax.default_blocks("1 MiB", 8)  # type: ignore[arg-type]

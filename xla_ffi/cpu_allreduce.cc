@@ -1,4 +1,5 @@
-// XLA FFI handler: the CPU all-reduce custom call over the libra engine.
+// XLA FFI handlers: the CPU collectives' custom calls over the libra engine (the
+// all-reduce, its start/done pair, the reduce-scatter and the all-gather).
 //
 // One custom call site in one executable gets one CpuAllReduceSite, created at
 // the instantiate stage and shared by every device of the executable (XLA:CPU
@@ -57,28 +58,54 @@ ffi::Future Failed(ffi::Error error) {
   return future;
 }
 
-// The engine's call for one device's buffers, or what is wrong with them.
-ffi::ErrorOr<libra::CallSpec> MakeSpec(ffi::RunId run_id, ffi::AnyBuffer x,
-                                       ffi::Buffer<ffi::S32> rank_group,
+// The engine's call of kind `kind` for one device's buffers, or what is wrong with them.
+// `count` is the full buffer's (XLA's input for an all-reduce or a reduce-scatter, its
+// output for an all-gather); `segment` (sharded kinds) one shard's run, in elements.
+ffi::ErrorOr<libra::CallSpec> MakeSpec(libra::Collective kind, ffi::RunId run_id,
+                                       ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank_group,
                                        ffi::Result<ffi::AnyBuffer>& out, int64_t world,
-                                       int64_t blocks, int64_t timeout_ms) {
-  ffi::ErrorOr<libra::DType> dtype = ToEngineDType(x.element_type());
-  if (!dtype.has_value()) return ffi::Unexpected(dtype.error());
-  if (out->element_type() != x.element_type() || out->size_bytes() != x.size_bytes()) {
-    return ffi::Unexpected(ffi::Error::InvalidArgument(
-        "libra_jax all-reduce: output must match the input's type and size"));
+                                       int64_t blocks, int64_t timeout_ms, int64_t segment = 0) {
+  const std::string what = std::string("libra_jax ") + libra::Name(kind) + ": ";
+  auto invalid = [&](const std::string& message) {
+    return ffi::Unexpected(ffi::Error::InvalidArgument(what + message));
+  };
+  if (world < 1 || segment < 0) return invalid("world and segment must be positive");
+  if (out->element_type() != x.element_type()) {
+    return invalid("output must have the input's element type");
   }
-  if (rank_group.element_count() != 2) {
-    return ffi::Unexpected(ffi::Error::InvalidArgument(
-        "libra_jax all-reduce: the rank operand must hold (rank, group)"));
+  // The full buffer and the shard: the input and the output, in the kind's order.
+  const bool gathers = kind == libra::Collective::kAllGather;
+  const std::size_t full = gathers ? out->element_count() : x.element_count();
+  const std::size_t shard = gathers ? x.element_count() : out->element_count();
+  const std::size_t full_bytes = gathers ? out->size_bytes() : x.size_bytes();
+  const bool sharded = kind != libra::Collective::kAllReduce;
+  if (shard * (sharded ? static_cast<std::size_t>(world) : 1) != full) {
+    return invalid(sharded ? "the full buffer must hold world shards"
+                           : "output must match the input's size");
   }
+  if (rank_group.element_count() != 2) return invalid("the rank operand must hold (rank, group)");
   libra::CallSpec spec;
+  spec.collective = kind;
+  spec.count = full;
+  spec.segment = static_cast<std::size_t>(segment);
+  ffi::ErrorOr<libra::DType> dtype = ToEngineDType(x.element_type());
+  if (dtype.has_value()) {
+    spec.dtype = *dtype;
+  } else if (gathers && full > 0 && full_bytes % full == 0 && full_bytes >= full) {
+    // A copy serves any element type of whole bytes (bool, s8, fp8, u32, c64 ...) as bytes.
+    const std::size_t width = full_bytes / full;
+    spec.dtype = libra::DType::kBytes;
+    spec.count = full_bytes;
+    spec.segment *= width;
+  } else if (gathers && full == 0) {
+    spec.dtype = libra::DType::kBytes;
+  } else {
+    return ffi::Unexpected(dtype.error());
+  }
   spec.rank = rank_group.typed_data()[0];
   spec.group = rank_group.typed_data()[1];
   spec.run_id = run_id.run_id;
   spec.world = static_cast<int>(world);
-  spec.dtype = *dtype;
-  spec.count = x.element_count();
   spec.blocks = static_cast<int>(blocks);
   spec.timeout_ms = timeout_ms;
   return spec;
@@ -95,16 +122,10 @@ ffi::Future Completed(const libra::Status& status) {
   return future;
 }
 
-ffi::Future Execute(ffi::RunId run_id, CpuAllReduceSite* site, ffi::AnyBuffer x,
-                    ffi::Buffer<ffi::S32> rank_group, ffi::Result<ffi::AnyBuffer> out,
-                    std::string_view /*label*/, int64_t world, int64_t blocks,
-                    int64_t timeout_ms) {
-  if (site == nullptr) {
-    return Failed(ffi::Error::Internal("libra_jax all-reduce: no call-site state"));
-  }
-  ffi::ErrorOr<libra::CallSpec> spec =
-      MakeSpec(run_id, x, rank_group, out, world, blocks, timeout_ms);
-  if (!spec.has_value()) return Failed(spec.error());
+// Registers one device's buffers with the call site's rendezvous; the future completes when
+// the engine has written every output of the round (or fails with its error).
+ffi::Future Arrive(CpuAllReduceSite* site, const libra::CallSpec& spec, ffi::AnyBuffer x,
+                   ffi::Result<ffi::AnyBuffer>& out) {
   // reduce_on_caller stays off: the chunk would hold this XLA thread, which otherwise runs
   // the step's independent compute while the pool reduces. Measured on the MLP example's
   // optimized step (benchmarks/end_to_end.py --only mlp, 3 paired runs, 2-core VM): 0.90-1.00x
@@ -112,7 +133,7 @@ ffi::Future Execute(ffi::RunId run_id, CpuAllReduceSite* site, ffi::AnyBuffer x,
   // 0.82 ms).
   ffi::Promise promise;
   ffi::Future future(promise);
-  site->rendezvous.Arrive(*spec, x.untyped_data(), out->untyped_data(),
+  site->rendezvous.Arrive(spec, x.untyped_data(), out->untyped_data(),
                           [promise](const libra::Status& status) mutable {
                             if (status.ok()) {
                               promise.SetAvailable();
@@ -121,6 +142,44 @@ ffi::Future Execute(ffi::RunId run_id, CpuAllReduceSite* site, ffi::AnyBuffer x,
                             }
                           });
   return future;
+}
+
+ffi::Future Execute(ffi::RunId run_id, CpuAllReduceSite* site, ffi::AnyBuffer x,
+                    ffi::Buffer<ffi::S32> rank_group, ffi::Result<ffi::AnyBuffer> out,
+                    std::string_view /*label*/, int64_t world, int64_t blocks,
+                    int64_t timeout_ms) {
+  if (site == nullptr) {
+    return Failed(ffi::Error::Internal("libra_jax all-reduce: no call-site state"));
+  }
+  ffi::ErrorOr<libra::CallSpec> spec = MakeSpec(libra::Collective::kAllReduce, run_id, x,
+                                                rank_group, out, world, blocks, timeout_ms);
+  if (!spec.has_value()) return Failed(spec.error());
+  return Arrive(site, *spec, x, out);
+}
+
+// The reduce-scatter and the all-gather (libra_jax.ops.reduce_scatter, .all_gather): the
+// engine call above with the kind's row and one more attribute, `segment` (one shard's run
+// in elements: the buffer is [outer][world][segment], engine.h). Their sites are the same
+// type, instantiated alike.
+ffi::ErrorOr<std::unique_ptr<CpuAllReduceSite>> InstantiateSharded(
+    std::string_view label, int64_t world, int64_t blocks, int64_t timeout_ms,
+    int64_t /*segment*/) {
+  return Instantiate(label, world, blocks, timeout_ms);
+}
+
+template <libra::Collective kKind>
+ffi::Future ExecuteSharded(ffi::RunId run_id, CpuAllReduceSite* site, ffi::AnyBuffer x,
+                           ffi::Buffer<ffi::S32> rank_group, ffi::Result<ffi::AnyBuffer> out,
+                           std::string_view /*label*/, int64_t world, int64_t blocks,
+                           int64_t timeout_ms, int64_t segment) {
+  if (site == nullptr) {
+    return Failed(ffi::Error::Internal(std::string("libra_jax ") + libra::Name(kKind) +
+                                       ": no call-site state"));
+  }
+  ffi::ErrorOr<libra::CallSpec> spec =
+      MakeSpec(kKind, run_id, x, rank_group, out, world, blocks, timeout_ms, segment);
+  if (!spec.has_value()) return Failed(spec.error());
+  return Arrive(site, *spec, x, out);
 }
 
 // --- Start/done (libra_jax.ops.start_done) ------------------------------------------
@@ -210,8 +269,8 @@ ffi::Future ExecuteStart(ffi::RunId run_id, CpuAllReduceSite* site, ffi::AnyBuff
   }
   // The token only orders done after this start (by data); its value means nothing.
   for (std::size_t i = 0; i < token->element_count(); ++i) token->typed_data()[i] = 0;
-  ffi::ErrorOr<libra::CallSpec> spec =
-      MakeSpec(run_id, x, rank_group, out, world, blocks, timeout_ms);
+  ffi::ErrorOr<libra::CallSpec> spec = MakeSpec(libra::Collective::kAllReduce, run_id, x,
+                                                rank_group, out, world, blocks, timeout_ms);
   if (!spec.has_value()) return Failed(spec.error());
   auto call = std::make_shared<InFlight>();
   InFlightCalls::Get().Push({call_id, spec->run_id, spec->group, spec->rank}, call, timeout_ms);
@@ -285,6 +344,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuAllReduceInstantiate, Instantiate, BindSiteAtt
                                   ffi::Ffi::BindInstantiate()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuAllReduceExecute, Execute, BindEngineCall());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuShardedInstantiate, InstantiateSharded,
+                              BindSiteAttrs(ffi::Ffi::BindInstantiate()).Attr<int64_t>("segment"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuReduceScatterExecute,
+                              ExecuteSharded<libra::Collective::kReduceScatter>,
+                              BindEngineCall().Attr<int64_t>("segment"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuAllGatherExecute, ExecuteSharded<libra::Collective::kAllGather>,
+                              BindEngineCall().Attr<int64_t>("segment"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuAllReduceStartInstantiate, InstantiateStart,
                               BindSiteAttrs(ffi::Ffi::BindInstantiate()).Attr<int64_t>("call_id"));

@@ -41,7 +41,7 @@ inline ffi::ErrorOr<libra::DType> ToEngineDType(ffi::DataType dtype) {
     case ffi::DataType::S64: return libra::DType::kS64;
     default:
       return ffi::Unexpected(ffi::Error::InvalidArgument(
-          "libra_jax all-reduce: unsupported element type " +
+          "libra_jax: the engine sums f32, f64, bf16, f16, s32 and s64, not element type " +
           std::to_string(static_cast<int>(dtype))));
   }
 }
@@ -53,6 +53,11 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(kCpuAllReduceExecute);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kCpuAllReduceStartInstantiate);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kCpuAllReduceStart);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kCpuAllReduceDone);
+// The reduce-scatter and the all-gather: the engine call with their kinds' rows
+// (libra::Collective) and a `segment` attribute; one instantiate for both.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kCpuShardedInstantiate);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kCpuReduceScatterExecute);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kCpuAllGatherExecute);
 
 // The call-site state type, registered with XLA before the handler.
 const XLA_FFI_TypeInfo* CpuAllReduceSiteTypeInfo();

@@ -264,7 +264,7 @@ NB_MODULE(_libra_ffi, m) {
         "Threads started by the engine's (reduce, completion) pools.");
   m.def("engine_allreduce_f32", &EngineAllReduceF32, nb::arg("buffers"), nb::arg("blocks"));
   m.def("set_call_recording", &libra::SetCallRecording, nb::arg("capacity"),
-        "Keep the last `capacity` completed all-reduces in memory (0: stop and drop).");
+        "Keep the last `capacity` completed calls in memory (0: stop and drop).");
   m.def("take_call_records",
         [] {
           nb::list out;
@@ -274,6 +274,7 @@ NB_MODULE(_libra_ffi, m) {
             d["group"] = r.group;
             d["iteration"] = r.iteration;
             d["world"] = r.world;
+            d["collective"] = libra::Name(r.collective);
             d["dtype"] = libra::Name(r.dtype);
             d["bytes"] = r.bytes;
             d["blocks"] = r.blocks;
@@ -285,7 +286,8 @@ NB_MODULE(_libra_ffi, m) {
           }
           return out;
         },
-        "The recorded all-reduces (dicts, oldest first), clearing them.");
+        "The recorded calls (dicts, oldest first; 'collective': 'all-reduce', "
+        "'reduce-scatter' or 'all-gather', 'bytes': the full buffer's), clearing them.");
   m.def("now_us", &libra::NowMicros, "Now, in microseconds on the call records' clock.");
 
   m.def("nccl_open",

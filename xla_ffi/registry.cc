@@ -26,6 +26,11 @@ constexpr LibraFfiTarget kTargets[] = {
      lf::kCpuAllReduceStartInstantiate, nullptr, nullptr, lf::kCpuAllReduceStart},
     {"cpu_done", "libra_allreduce_cpu_done", kLibraFfiPlatformCpu, nullptr, nullptr, nullptr,
      lf::kCpuAllReduceDone},
+    // The engine's other collective kinds (libra::Collective), each one call.
+    {"cpu_reduce_scatter", "libra_reduce_scatter_cpu", kLibraFfiPlatformCpu,
+     lf::kCpuShardedInstantiate, nullptr, nullptr, lf::kCpuReduceScatterExecute},
+    {"cpu_all_gather", "libra_all_gather_cpu", kLibraFfiPlatformCpu, lf::kCpuShardedInstantiate,
+     nullptr, nullptr, lf::kCpuAllGatherExecute},
     {"cuda", "libra_allreduce_cuda", kLibraFfiPlatformCuda, nullptr, nullptr, nullptr,
      LIBRA_CUDA_HANDLER(lf::kCudaAllReduce)},
     // The same kernel on libra's own stream, and the wait for it (libra_jax.ops.start_done).

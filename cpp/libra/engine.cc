@@ -165,7 +165,7 @@ void StreamFence() {
 // f32, f64, s32, s64: steps of four 16-byte vectors (V), then the rest element by element.
 // `stream`: outputs that are not their rank's input are written with StoreStep.
 template <typename T, typename V, typename Add>
-void SumVectors(const void* const* inputs, void* const* outputs, int n,
+void SumVectors(const void* const* inputs, void* const* outputs, int n, int m,
                 std::size_t begin, std::size_t end, bool stream, Add add) {
   constexpr std::size_t kStep = kStepBytes / sizeof(T);
   constexpr std::size_t kLanes = sizeof(V) / sizeof(T);
@@ -176,7 +176,7 @@ void SumVectors(const void* const* inputs, void* const* outputs, int n,
       const T* x = static_cast<const T*>(inputs[r]) + i;
       for (int k = 0; k < 4; ++k) sum[k] = add(sum[k], Load<V>(x + k * kLanes));
     }
-    for (int r = 0; r < n; ++r) {
+    for (int r = 0; r < m; ++r) {
       T* out = static_cast<T*>(outputs[r]) + i;
       if (stream && out != static_cast<const T*>(inputs[r]) + i) {
         StoreStep(out, sum);
@@ -189,7 +189,7 @@ void SumVectors(const void* const* inputs, void* const* outputs, int n,
   for (; i < end; ++i) {
     T sum = T(0);
     for (int r = 0; r < n; ++r) sum = add(sum, static_cast<const T*>(inputs[r])[i]);
-    for (int r = 0; r < n; ++r) static_cast<T*>(outputs[r])[i] = sum;
+    for (int r = 0; r < m; ++r) static_cast<T*>(outputs[r])[i] = sum;
   }
 }
 
@@ -232,7 +232,7 @@ struct WrappingU64x4 {
 // Steps of two 32-byte vectors; the element-wise rest as SumVectors does it. `stream`
 // needs every output 32-byte aligned at `begin`.
 template <typename T, typename V, typename Add, typename Add256>
-LIBRA_AVX2 void SumVectorsAvx2(const void* const* inputs, void* const* outputs, int n,
+LIBRA_AVX2 void SumVectorsAvx2(const void* const* inputs, void* const* outputs, int n, int m,
                                std::size_t begin, std::size_t end, bool stream, Add add,
                                Add256 add256) {
   constexpr std::size_t kStep = kStepBytes / sizeof(T);
@@ -246,7 +246,7 @@ LIBRA_AVX2 void SumVectorsAvx2(const void* const* inputs, void* const* outputs, 
         sum[k] = add256(sum[k], _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + k * kLanes)));
       }
     }
-    for (int r = 0; r < n; ++r) {
+    for (int r = 0; r < m; ++r) {
       T* out = static_cast<T*>(outputs[r]) + i;
       __m256i* o = reinterpret_cast<__m256i*>(out);
       if (stream && out != static_cast<const T*>(inputs[r]) + i) {
@@ -259,7 +259,7 @@ LIBRA_AVX2 void SumVectorsAvx2(const void* const* inputs, void* const* outputs, 
     }
   }
   if (stream) StreamFence();
-  if (i < end) SumVectors<T, V>(inputs, outputs, n, i, end, false, add);
+  if (i < end) SumVectors<T, V>(inputs, outputs, n, m, i, end, false, add);
 }
 #endif
 
@@ -279,46 +279,46 @@ std::atomic<int>& VectorBytes() {
 }
 
 // bf16: accumulated in f32 (input first, as XLA), rounded once. Steps of 16 elements.
-void SumBf16(const void* const* inputs, void* const* outputs, int n,
+void SumBf16(const void* const* inputs, void* const* outputs, int n, int m,
              std::size_t begin, std::size_t end) {
   constexpr std::size_t kStep = 16;
   for (std::size_t i = begin; i < end; i += kStep) {
-    const std::size_t m = std::min(kStep, end - i);
+    const std::size_t len = std::min(kStep, end - i);
     F32x4 sum[4] = {};
     for (int r = 0; r < n; ++r) {
       const uint16_t* x = static_cast<const uint16_t*>(inputs[r]) + i;
       float wide[kStep] = {};
-      for (std::size_t j = 0; j < m; ++j) wide[j] = Bf16ToFloat(x[j]);
+      for (std::size_t j = 0; j < len; ++j) wide[j] = Bf16ToFloat(x[j]);
       for (int k = 0; k < 4; ++k) sum[k] = AddFirstNaN(Load<F32x4>(wide + 4 * k), sum[k]);
     }
     float total[kStep];
     std::memcpy(total, sum, sizeof(total));
     uint16_t result[kStep];
     for (std::size_t j = 0; j < kStep; ++j) result[j] = FloatToBf16(total[j]);
-    for (int r = 0; r < n; ++r) {
-      std::memcpy(static_cast<uint16_t*>(outputs[r]) + i, result, m * 2);
+    for (int r = 0; r < m; ++r) {
+      std::memcpy(static_cast<uint16_t*>(outputs[r]) + i, result, len * 2);
     }
   }
 }
 
 // f16: rounded to f16 after every addition (an f32 add then rounding is the
 // exact f16 add), the sum first (XLA's order for f16). Steps of 16 elements.
-void SumF16(const void* const* inputs, void* const* outputs, int n,
+void SumF16(const void* const* inputs, void* const* outputs, int n, int m,
             std::size_t begin, std::size_t end) {
   constexpr std::size_t kStep = 16;
   for (std::size_t i = begin; i < end; i += kStep) {
-    const std::size_t m = std::min(kStep, end - i);
+    const std::size_t len = std::min(kStep, end - i);
     float sum[kStep] = {};
     for (int r = 0; r < n; ++r) {
       const uint16_t* x = static_cast<const uint16_t*>(inputs[r]) + i;
-      for (std::size_t j = 0; j < m; ++j) {
+      for (std::size_t j = 0; j < len; ++j) {
         sum[j] = F16ToFloat(FloatToF16(AddFirstNaN(sum[j], F16ToFloat(x[j]))));
       }
     }
     uint16_t result[kStep];
-    for (std::size_t j = 0; j < m; ++j) result[j] = FloatToF16(sum[j]);
-    for (int r = 0; r < n; ++r) {
-      std::memcpy(static_cast<uint16_t*>(outputs[r]) + i, result, m * 2);
+    for (std::size_t j = 0; j < len; ++j) result[j] = FloatToF16(sum[j]);
+    for (int r = 0; r < m; ++r) {
+      std::memcpy(static_cast<uint16_t*>(outputs[r]) + i, result, len * 2);
     }
   }
 }
@@ -384,10 +384,10 @@ struct F16Avx2 {
 
 // Steps of 16 elements; the rest element by element (`rest`, the 16-bit kernel of the format).
 template <typename Format>
-LIBRA_AVX2 void SumHalfAvx2(const void* const* inputs, void* const* outputs, int n,
+LIBRA_AVX2 void SumHalfAvx2(const void* const* inputs, void* const* outputs, int n, int m,
                             std::size_t begin, std::size_t end,
-                            void (*rest)(const void* const*, void* const*, int, std::size_t,
-                                         std::size_t)) {
+                            void (*rest)(const void* const*, void* const*, int, int,
+                                         std::size_t, std::size_t)) {
   constexpr std::size_t kStep = 16;
   std::size_t i = begin;
   for (; i + kStep <= end; i += kStep) {
@@ -400,28 +400,29 @@ LIBRA_AVX2 void SumHalfAvx2(const void* const* inputs, void* const* outputs, int
       }
     }
     const __m256i result = Format::Narrow(sum);
-    for (int r = 0; r < n; ++r) {
+    for (int r = 0; r < m; ++r) {
       _mm256_storeu_si256(
           reinterpret_cast<__m256i*>(static_cast<uint16_t*>(outputs[r]) + i), result);
     }
   }
-  if (i < end) rest(inputs, outputs, n, i, end);
+  if (i < end) rest(inputs, outputs, n, m, i, end);
 }
 
-LIBRA_AVX2 void SumBf16Avx2(const void* const* inputs, void* const* outputs, int n,
+LIBRA_AVX2 void SumBf16Avx2(const void* const* inputs, void* const* outputs, int n, int m,
                             std::size_t begin, std::size_t end) {
-  SumHalfAvx2<Bf16Avx2>(inputs, outputs, n, begin, end, SumBf16);
+  SumHalfAvx2<Bf16Avx2>(inputs, outputs, n, m, begin, end, SumBf16);
 }
-LIBRA_AVX2 void SumF16Avx2(const void* const* inputs, void* const* outputs, int n,
+LIBRA_AVX2 void SumF16Avx2(const void* const* inputs, void* const* outputs, int n, int m,
                            std::size_t begin, std::size_t end) {
-  SumHalfAvx2<F16Avx2>(inputs, outputs, n, begin, end, SumF16);
+  SumHalfAvx2<F16Avx2>(inputs, outputs, n, m, begin, end, SumF16);
 }
 #undef LIBRA_AVX2
 #else
 // Without the wide kernels VectorBytes() is 16: these stand-ins are never chosen.
 template <typename T, typename V, typename Add, typename Add256>
-void SumVectorsAvx2(const void* const* inputs, void* const* outputs, int n, std::size_t begin,
-                    std::size_t end, bool stream, Add add, Add256 add256);  // Not defined.
+void SumVectorsAvx2(const void* const* inputs, void* const* outputs, int n, int m,
+                    std::size_t begin, std::size_t end, bool stream, Add add,
+                    Add256 add256);  // Not defined.
 using InputFirstF32x8 = void;
 using InputFirstF64x4 = void;
 using WrappingU32x8 = void;
@@ -432,14 +433,88 @@ constexpr auto SumF16Avx2 = SumF16;
 
 // f32, f64, s32 or s64 with 32-byte vectors (`wide`) or 16-byte ones.
 template <typename T, typename V, typename Add, typename Add256>
-void SumAtWidth(bool wide, const void* const* inputs, void* const* outputs, int n,
+void SumAtWidth(bool wide, const void* const* inputs, void* const* outputs, int n, int m,
                 std::size_t begin, std::size_t end, bool stream) {
   if constexpr (!std::is_void_v<Add256>) {
     if (wide) {
-      return SumVectorsAvx2<T, V>(inputs, outputs, n, begin, end, stream, Add{}, Add256{});
+      return SumVectorsAvx2<T, V>(inputs, outputs, n, m, begin, end, stream, Add{}, Add256{});
     }
   }
-  SumVectors<T, V>(inputs, outputs, n, begin, end, stream, Add{});
+  SumVectors<T, V>(inputs, outputs, n, m, begin, end, stream, Add{});
+}
+
+// Sums elements [begin, end) of inputs[0..n) into outputs[0..m) (m <= n; output r is in
+// place where it is inputs[r]): ReduceRange's and ReduceRangeTo's one body.
+void SumRange(DType dtype, const void* const* inputs, void* const* outputs, int n, int m,
+              std::size_t begin, std::size_t end, bool streaming_stores) {
+  // Streaming stores need aligned steps (16 or 32 bytes, the vectors' width): every output
+  // (XLA's are 64-byte aligned) and `begin` (chunks start on cache lines).
+  const int width = VectorBytes().load(std::memory_order_relaxed);
+  bool stream = streaming_stores;
+  for (int r = 0; r < m && stream; ++r) {
+    stream = (reinterpret_cast<uintptr_t>(outputs[r]) + begin * SizeOf(dtype)) % width == 0;
+  }
+  const bool wide = width == 32;
+  switch (dtype) {
+    case DType::kF32:
+      return SumAtWidth<float, F32x4, InputFirst, InputFirstF32x8>(wide, inputs, outputs, n, m,
+                                                                   begin, end, stream);
+    case DType::kF64:
+      return SumAtWidth<double, F64x2, InputFirst, InputFirstF64x4>(wide, inputs, outputs, n,
+                                                                    m, begin, end, stream);
+    case DType::kS32:
+      return SumAtWidth<uint32_t, U32x4, Wrapping, WrappingU32x8>(wide, inputs, outputs, n, m,
+                                                                  begin, end, stream);
+    case DType::kS64:
+      return SumAtWidth<uint64_t, U64x2, Wrapping, WrappingU64x4>(wide, inputs, outputs, n, m,
+                                                                  begin, end, stream);
+    case DType::kBF16:
+      return (wide ? SumBf16Avx2 : SumBf16)(inputs, outputs, n, m, begin, end);
+    case DType::kF16:
+      return (wide ? SumF16Avx2 : SumF16)(inputs, outputs, n, m, begin, end);
+    case DType::kBytes:
+      break;  // Never summed: ValidateSpec refuses a reduction of bytes before any call.
+  }
+}
+
+// The n input pointers advanced by `offset` bytes (on the stack for the usual team sizes).
+class ShiftedInputs {
+ public:
+  ShiftedInputs(const void* const* inputs, int n, std::size_t offset) {
+    const void** out = n <= kOnStack ? small_ : (large_.resize(n), large_.data());
+    for (int r = 0; r < n; ++r) out[r] = static_cast<const char*>(inputs[r]) + offset;
+    data_ = out;
+  }
+  const void* const* data() const { return data_; }
+
+ private:
+  static constexpr int kOnStack = 16;
+  const void* small_[kOnStack];
+  std::vector<const void*> large_;
+  const void* const* data_;
+};
+
+// Copies `bytes` from `src` to each of outputs[0..m) at `offset`: an all-gather's run.
+// `stream`: past the caches where an output is 16-byte aligned there (see StoreStep).
+void CopyToAll(const void* src, void* const* outputs, int m, std::size_t offset,
+               std::size_t bytes, bool stream) {
+  for (int r = 0; r < m; ++r) {
+    char* out = static_cast<char*>(outputs[r]) + offset;
+    std::size_t done = 0;
+#if defined(__x86_64__)
+    if (stream && reinterpret_cast<uintptr_t>(out) % 16 == 0) {
+      for (; done + kStepBytes <= bytes; done += kStepBytes) {
+        const char* from = static_cast<const char*>(src) + done;
+        for (int k = 0; k < 4; ++k) {
+          _mm_stream_si128(reinterpret_cast<__m128i*>(out + done) + k,
+                           _mm_loadu_si128(reinterpret_cast<const __m128i*>(from) + k));
+        }
+      }
+    }
+#endif
+    std::memcpy(out + done, static_cast<const char*>(src) + done, bytes - done);
+  }
+  if (stream) StreamFence();
 }
 
 // ---------------------------------------------------------------------------
@@ -563,6 +638,7 @@ void Record(const Job& job, Clock::time_point end) {
   r.group = job.spec.group;
   r.iteration = job.iteration;
   r.world = job.spec.world;
+  r.collective = job.spec.collective;
   r.dtype = job.spec.dtype;
   r.bytes = job.spec.count * SizeOf(job.spec.dtype);
   r.blocks = job.spec.blocks;
@@ -583,10 +659,11 @@ void FinishJob(const std::shared_ptr<Job>& job, FinishedOn on) {
   if (DebugLoggingEnabled()) {
     const Clock::time_point end = Clock::now();
     std::fprintf(stderr,
-                 "[libra_jax] site=%s group=%lld iter=%lld world=%d dtype=%s "
+                 "[libra_jax] site=%s kind=%s group=%lld iter=%lld world=%d dtype=%s "
                  "bytes=%zu blocks=%d tasks=%d first_arrival_us=%lld "
                  "start_us=%lld end_us=%lld wait_us=%lld reduce_us=%lld\n",
-                 job->label.c_str(), static_cast<long long>(job->spec.group),
+                 job->label.c_str(), Name(job->spec.collective),
+                 static_cast<long long>(job->spec.group),
                  static_cast<long long>(job->iteration), job->spec.world,
                  Name(job->spec.dtype), job->spec.count * SizeOf(job->spec.dtype),
                  job->spec.blocks, job->chunking.tasks,
@@ -642,20 +719,91 @@ void PopulateIfFresh(void* data, std::size_t bytes) {
   }
 }
 
-void ReducePiece(Job& job, std::size_t piece) {
-  const std::size_t begin = piece * job.chunking.per_piece;
-  const std::size_t end = std::min(job.spec.count, begin + job.chunking.per_piece);
+// ---------------------------------------------------------------------------
+// The collective kinds (engine.h: Collective): how a piece [begin, end) of the full
+// buffer's range is done. Everything else (rendezvous, pool, pieces, timeouts, records)
+// is the same for every kind.
+
+// Calls fn(rank, at, from, length) for each run of one rank's shard within [begin, end):
+// elements [from, from + length) of the full buffer, at `at` in shard `rank`.
+template <typename Fn>
+void ForEachRun(const CallSpec& spec, std::size_t begin, std::size_t end, Fn fn) {
+  const std::size_t segment = spec.segment, period = segment * spec.world;
+  for (std::size_t i = begin; i < end;) {
+    const std::size_t row = i / period, within = i % period;
+    const std::size_t j = within % segment;
+    const std::size_t length = std::min(segment - j, end - i);
+    fn(static_cast<int>(within / segment), row * segment + j, i, length);
+    i += length;
+  }
+}
+
+// `large`: the call writes at least kStreamingOutputBytes, so its outputs are written past
+// the caches, and populated first where fresh (PopulateIfFresh).
+void AllReducePiece(const Job& job, std::size_t begin, std::size_t end, bool large) {
   const std::size_t elem = SizeOf(job.spec.dtype);
-  // Large calls: streaming stores, into outputs populated first if fresh.
-  const bool large = job.spec.world * job.spec.count * elem >= kStreamingOutputBytes;
-  if (large) {
-    for (int r = 0; r < job.spec.world; ++r) {
-      if (job.outputs[r] == job.inputs[r]) continue;
-      PopulateIfFresh(static_cast<char*>(job.outputs[r]) + begin * elem, (end - begin) * elem);
-    }
+  for (int r = 0; large && r < job.spec.world; ++r) {
+    if (job.outputs[r] == job.inputs[r]) continue;
+    PopulateIfFresh(static_cast<char*>(job.outputs[r]) + begin * elem, (end - begin) * elem);
   }
   ReduceRange(job.spec.dtype, job.inputs.data(), job.outputs.data(), job.spec.world, begin, end,
               large);
+}
+
+// Each run summed over every input, written to its shard's owner alone.
+void ReduceScatterPiece(const Job& job, std::size_t begin, std::size_t end, bool large) {
+  const std::size_t elem = SizeOf(job.spec.dtype);
+  ForEachRun(job.spec, begin, end, [&](int rank, std::size_t at, std::size_t from,
+                                       std::size_t length) {
+    char* out = static_cast<char*>(job.outputs[rank]) + at * elem;
+    if (large) PopulateIfFresh(out, length * elem);
+    ReduceRangeTo(job.spec.dtype, job.inputs.data(), job.spec.world, from, from + length, out,
+                  large);
+  });
+}
+
+// Each run copied from its shard's owner to every output.
+void AllGatherPiece(const Job& job, std::size_t begin, std::size_t end, bool large) {
+  const std::size_t elem = SizeOf(job.spec.dtype);
+  for (int r = 0; large && r < job.spec.world; ++r) {
+    PopulateIfFresh(static_cast<char*>(job.outputs[r]) + begin * elem, (end - begin) * elem);
+  }
+  ForEachRun(job.spec, begin, end, [&](int rank, std::size_t at, std::size_t from,
+                                       std::size_t length) {
+    CopyToAll(static_cast<const char*>(job.inputs[rank]) + at * elem, job.outputs.data(),
+              job.spec.world, from * elem, length * elem, large);
+  });
+}
+
+struct CollectiveKind {
+  const char* name;
+  bool sums;          // Adds elements: not for DType::kBytes.
+  bool sharded;       // Shards of count / world elements (CallSpec::segment).
+  bool every_output;  // Each element goes to every rank's output (else to its owner's).
+  void (*piece)(const Job& job, std::size_t begin, std::size_t end, bool large);
+};
+
+// Indexed by Collective.
+constexpr CollectiveKind kKinds[] = {
+    {"all-reduce", true, false, true, AllReducePiece},
+    {"reduce-scatter", true, true, false, ReduceScatterPiece},
+    {"all-gather", false, true, true, AllGatherPiece},
+};
+
+bool KnownKind(Collective collective) {
+  return static_cast<unsigned>(collective) < std::size(kKinds);
+}
+const CollectiveKind& KindOf(Collective collective) {
+  return kKinds[static_cast<int>(collective)];
+}
+
+void RunPiece(const Job& job, std::size_t piece) {
+  const std::size_t begin = piece * job.chunking.per_piece;
+  const std::size_t end = std::min(job.spec.count, begin + job.chunking.per_piece);
+  const CollectiveKind& kind = KindOf(job.spec.collective);
+  const std::size_t written = job.spec.count * SizeOf(job.spec.dtype) *
+                              (kind.every_output ? job.spec.world : 1);
+  kind.piece(job, begin, end, written >= kStreamingOutputBytes);
 }
 
 // One worker task: reduces pieces until none is left; the last task to stop finishes the job
@@ -664,7 +812,7 @@ void RunTask(const std::shared_ptr<Job>& job, bool on_caller) {
   for (;;) {
     const std::size_t piece = job->next_piece.fetch_add(1, std::memory_order_relaxed);
     if (piece >= job->chunking.pieces) break;
-    ReducePiece(*job, piece);
+    RunPiece(*job, piece);
   }
   if (job->remaining.fetch_sub(1, std::memory_order_acq_rel) == 1) {
     FinishJob(job, on_caller ? FinishedOn::kCaller : FinishedOn::kReduceTask);
@@ -693,7 +841,19 @@ Status Invalid(std::string message) {
   return {Status::Code::kInvalidArgument, std::move(message)};
 }
 
+// `spec` with its segment filled in (a sharded kind's 0: count / world).
+CallSpec Normalized(CallSpec spec) {
+  if (KnownKind(spec.collective) && KindOf(spec.collective).sharded && spec.segment == 0 &&
+      spec.world > 0) {
+    spec.segment = spec.count / spec.world;
+  }
+  return spec;
+}
+
 Status ValidateSpec(const CallSpec& spec) {
+  if (!KnownKind(spec.collective)) {
+    return Invalid("unknown collective kind " + std::to_string(static_cast<int>(spec.collective)));
+  }
   if (spec.world < 1) return Invalid("world size must be >= 1, got " + std::to_string(spec.world));
   if (spec.rank < 0 || spec.rank >= spec.world) {
     return Invalid("rank " + std::to_string(spec.rank) + " is outside [0, " +
@@ -702,6 +862,16 @@ Status ValidateSpec(const CallSpec& spec) {
   if (spec.blocks < 1 || spec.blocks > kMaxBlocks) {
     return Invalid("block count " + std::to_string(spec.blocks) + " is outside [1, " +
                    std::to_string(kMaxBlocks) + "]");
+  }
+  const CollectiveKind& kind = KindOf(spec.collective);
+  if (kind.sums && spec.dtype == DType::kBytes) {
+    return Invalid(std::string("a ") + kind.name + " sums numbers: it cannot take raw bytes");
+  }
+  if (kind.sharded && spec.count > 0 &&
+      (spec.segment == 0 || spec.count % (spec.segment * spec.world) != 0)) {
+    return Invalid(std::to_string(spec.count) + " elements are not whole shards of " +
+                   std::to_string(spec.world) + " ranks x " + std::to_string(spec.segment) +
+                   " elements per run");
   }
   return Status::Ok();
 }
@@ -724,32 +894,16 @@ int EffectiveBlocks(std::size_t count, DType dtype, int blocks) {
 
 void ReduceRange(DType dtype, const void* const* inputs, void* const* outputs,
                  int n, std::size_t begin, std::size_t end, bool streaming_stores) {
-  // Streaming stores need aligned steps (16 or 32 bytes, the vectors' width): every output
-  // (XLA's are 64-byte aligned) and `begin` (chunks start on cache lines).
-  const int width = VectorBytes().load(std::memory_order_relaxed);
-  bool stream = streaming_stores;
-  for (int r = 0; r < n && stream; ++r) {
-    stream = (reinterpret_cast<uintptr_t>(outputs[r]) + begin * SizeOf(dtype)) % width == 0;
-  }
-  const bool wide = width == 32;
-  switch (dtype) {
-    case DType::kF32:
-      return SumAtWidth<float, F32x4, InputFirst, InputFirstF32x8>(wide, inputs, outputs, n,
-                                                                   begin, end, stream);
-    case DType::kF64:
-      return SumAtWidth<double, F64x2, InputFirst, InputFirstF64x4>(wide, inputs, outputs, n,
-                                                                    begin, end, stream);
-    case DType::kS32:
-      return SumAtWidth<uint32_t, U32x4, Wrapping, WrappingU32x8>(wide, inputs, outputs, n,
-                                                                  begin, end, stream);
-    case DType::kS64:
-      return SumAtWidth<uint64_t, U64x2, Wrapping, WrappingU64x4>(wide, inputs, outputs, n,
-                                                                  begin, end, stream);
-    case DType::kBF16:
-      return (wide ? SumBf16Avx2 : SumBf16)(inputs, outputs, n, begin, end);
-    case DType::kF16:
-      return (wide ? SumF16Avx2 : SumF16)(inputs, outputs, n, begin, end);
-  }
+  SumRange(dtype, inputs, outputs, n, n, begin, end, streaming_stores);
+}
+
+void ReduceRangeTo(DType dtype, const void* const* inputs, int n, std::size_t begin,
+                   std::size_t end, void* out, bool streaming_stores) {
+  // The kernels write element i of the range to outputs[..] + i: shift the inputs instead,
+  // so that the one output starts at the range's first element.
+  const std::size_t offset = begin * SizeOf(dtype);
+  ShiftedInputs shifted(inputs, n, offset);
+  SumRange(dtype, shifted.data(), &out, n, 1, 0, end - begin, streaming_stores);
 }
 
 int ReduceVectorBytes() { return VectorBytes().load(std::memory_order_relaxed); }
@@ -760,17 +914,30 @@ bool SetReduceVectorBytes(int bytes) {
   return true;
 }
 
+const char* Name(Collective collective) {
+  return KnownKind(collective) ? KindOf(collective).name : "?";
+}
+
 Status AllReduce(DType dtype, const std::vector<const void*>& inputs,
                  const std::vector<void*>& outputs, std::size_t count, int blocks) {
+  return RunCollective(Collective::kAllReduce, dtype, inputs, outputs, count, 0, blocks);
+}
+
+Status RunCollective(Collective collective, DType dtype, const std::vector<const void*>& inputs,
+                     const std::vector<void*>& outputs, std::size_t count, std::size_t segment,
+                     int blocks) {
   const int n = static_cast<int>(inputs.size());
   if (n < 1 || outputs.size() != inputs.size()) {
     return Invalid("need as many outputs as inputs, and at least one");
   }
   CallSpec spec;
+  spec.collective = collective;
   spec.world = n;
   spec.dtype = dtype;
   spec.count = count;
+  spec.segment = segment;
   spec.blocks = blocks;
+  spec = Normalized(spec);
   if (Status s = ValidateSpec(spec); !s.ok()) return s;
 
   std::mutex mu;
@@ -993,12 +1160,13 @@ class Watchdog {
     }
     if (callbacks.empty()) return;  // Completed (or failed) meanwhile.
     std::ostringstream message;
-    message << "libra_jax all-reduce '" << state->label << "' timed out after "
+    message << "libra_jax " << Name(round->spec.collective) << " '" << state->label
+            << "' timed out after "
             << round->spec.timeout_ms / 1000.0 << " s waiting for ranks "
             << RankList(missing) << " of " << round->spec.world << " (replica group "
             << round->key.group << ", call " << round->key.iteration
             << " of this run); ranks " << RankList(arrived)
-            << " arrived. Every participant must reach the same all-reduce; "
+            << " arrived. Every participant must reach the same collective; "
                "if the program is only slow, raise LIBRA_JAX_TIMEOUT_S.";
     CompleteAll(std::move(callbacks), {Status::Code::kDeadlineExceeded, message.str()});
   }
@@ -1015,24 +1183,27 @@ Rendezvous::Rendezvous(std::string label) : state_(std::make_shared<State>()) {
 }
 
 Rendezvous::~Rendezvous() {
-  std::vector<DoneCallback> callbacks;
+  std::vector<std::shared_ptr<Round>> pending;
   {
     std::lock_guard<std::mutex> lock(state_->mu);
-    for (auto& [key, round] : state_->rounds) {
-      for (DoneCallback& done : round->done) callbacks.push_back(std::move(done));
-    }
+    for (auto& [key, round] : state_->rounds) pending.push_back(round);
     state_->rounds.clear();
   }
-  CompleteAll(std::move(callbacks),
-              {Status::Code::kCancelled,
-               "libra_jax all-reduce '" + state_->label +
-                   "' was destroyed before all ranks arrived"});
+  for (const std::shared_ptr<Round>& round : pending) {
+    CompleteAll(std::move(round->done),
+                {Status::Code::kCancelled, std::string("libra_jax ") +
+                                               Name(round->spec.collective) + " '" +
+                                               state_->label +
+                                               "' was destroyed before all ranks arrived"});
+  }
 }
 
-void Rendezvous::Arrive(const CallSpec& spec, const void* input, void* output,
+void Rendezvous::Arrive(const CallSpec& call, const void* input, void* output,
                         DoneCallback done) {
+  const CallSpec spec = Normalized(call);
+  const std::string what = std::string("libra_jax ") + Name(spec.collective) + " '";
   if (Status s = ValidateSpec(spec); !s.ok()) {
-    s.message = "libra_jax all-reduce '" + state_->label + "': " + s.message;
+    s.message = what + state_->label + "': " + s.message;
     done(s);
     return;
   }
@@ -1043,7 +1214,7 @@ void Rendezvous::Arrive(const CallSpec& spec, const void* input, void* output,
   if (st.failed.count(key)) {
     lock.unlock();
     done({Status::Code::kDeadlineExceeded,
-          "libra_jax all-reduce '" + st.label + "': rank " + std::to_string(spec.rank) +
+          what + st.label + "': rank " + std::to_string(spec.rank) +
               " arrived after its round had already failed (timed out or mismatched)"});
     return;
   }
@@ -1067,14 +1238,16 @@ void Rendezvous::Arrive(const CallSpec& spec, const void* input, void* output,
 
   const CallSpec& first = round->spec;
   std::string mismatch;
-  if (spec.world != first.world || spec.dtype != first.dtype || spec.count != first.count ||
+  if (spec.collective != first.collective || spec.world != first.world ||
+      spec.dtype != first.dtype || spec.count != first.count || spec.segment != first.segment ||
       spec.blocks != first.blocks) {
     std::ostringstream m;
-    m << "participants disagree: rank " << spec.rank << " brings world=" << spec.world
-      << " dtype=" << Name(spec.dtype) << " count=" << spec.count << " blocks=" << spec.blocks
-      << ", rank " << first.rank << " brought world=" << first.world
+    m << "participants disagree: rank " << spec.rank << " brings " << Name(spec.collective)
+      << " world=" << spec.world << " dtype=" << Name(spec.dtype) << " count=" << spec.count
+      << " segment=" << spec.segment << " blocks=" << spec.blocks << ", rank " << first.rank
+      << " brought " << Name(first.collective) << " world=" << first.world
       << " dtype=" << Name(first.dtype) << " count=" << first.count
-      << " blocks=" << first.blocks;
+      << " segment=" << first.segment << " blocks=" << first.blocks;
     mismatch = m.str();
   } else if (round->present[spec.rank]) {
     mismatch = "rank " + std::to_string(spec.rank) + " arrived twice in one round";
@@ -1085,7 +1258,7 @@ void Rendezvous::Arrive(const CallSpec& spec, const void* input, void* output,
     if (round->watch_id) Watchdog::Get().Cancel(round->watch_id);
     callbacks.push_back(std::move(done));
     CompleteAll(std::move(callbacks),
-                Invalid("libra_jax all-reduce '" + st.label + "': " + mismatch));
+                Invalid(what + st.label + "': " + mismatch));
     return;
   }
 

@@ -1,12 +1,15 @@
-// libra engine: an in-process all-reduce (sum) among the participants of one
-// collective, with a configurable block count. Framework-free: no XLA here.
+// libra engine: in-process collectives (all-reduce, reduce-scatter, all-gather)
+// among the participants of one call, with a configurable block count.
+// Framework-free: no XLA here.
 //
 // A participant is one device's share of a collective: its rank, its input and
 // output buffers, and a callback. The last of `world` participants to arrive
-// starts the reduction: `blocks` worker tasks on the engine's own pool (one of
+// starts the call: `blocks` worker tasks on the engine's own pool (one of
 // them on its own thread when it asks to, `reduce_on_caller`) claim disjoint
-// pieces of the element range in turn; each piece is summed over the inputs in
-// rank order and written to every output. Nobody waits for another participant:
+// pieces of the full buffer's element range in turn; each piece is done as its
+// collective kind says (summed over the inputs in rank order and written to every
+// output, or to its shard's owner only; or copied from its shard's owner to every
+// output). Nobody waits for another participant:
 // callers are told of completion (or failure) through their callback, run by
 // the reduce thread that finished (one after another, with a completion thread
 // standing by to take over from one that runs long), or, for a caller whose task
@@ -40,6 +43,21 @@ inline constexpr std::size_t kMinChunkBytes = 16 * 1024;
 // out of range. Host-side (the CUDA handler calls it), so tested without a GPU.
 inline constexpr double kMaxStagingMib = 65536;  // 64 GiB per round
 Status StagingBytes(const char* raw, std::size_t default_bytes, std::size_t* bytes);
+
+// What a call computes: one row each of the engine's table of collective kinds (engine.cc),
+// which share everything else (rendezvous, pool, block count, timeouts, records). A call's
+// `count` is the full (unsharded) buffer's elements, and its pieces cut that range.
+//  - kAllReduce:     count in, count out on every rank: out[i] = sum over r of in_r[i].
+//  - kReduceScatter: count in, count / world out: rank r keeps shard r of the sum. Each
+//                    input is read once; each output written once; no full-size temporary.
+//  - kAllGather:     count / world in, count out on every rank: rank r's input is shard r.
+//                    A copy: any element type, by its bytes (DType::kBytes).
+// Shards: the full buffer is [outer][world][segment], row-major, and shard r is
+// [outer][segment], its rows at r: a scatter or gather along one dimension of an array,
+// `segment` the elements of one rank's share from that dimension on, `outer` the product of
+// the dimensions before it (1 along the first).
+enum class Collective : int { kAllReduce = 0, kReduceScatter, kAllGather };
+const char* Name(Collective collective);
 
 // Number of worker tasks that reduce `count` elements when `blocks` are asked
 // for: min(blocks, ceil(bytes / kMinChunkBytes)) (fewer only when 64-byte
@@ -76,11 +94,22 @@ int ReduceVectorBytes();
 // unchanged) otherwise. For tests and benchmarks.
 bool SetReduceVectorBytes(int bytes);
 
+// Sums elements [begin, end) of inputs[0..n) in rank order exactly as ReduceRange does,
+// into out[0 .. end - begin) alone: a run of one rank's shard of a reduce-scatter.
+void ReduceRangeTo(DType dtype, const void* const* inputs, int n, std::size_t begin,
+                   std::size_t end, void* out, bool streaming_stores = false);
+
 // Synchronous all-reduce of n buffers with `blocks` worker tasks on the
 // engine's pool (for tests and benchmarks of the engine itself).
 Status AllReduce(DType dtype, const std::vector<const void*>& inputs,
                  const std::vector<void*>& outputs, std::size_t count,
                  int blocks);
+
+// Any collective kind, synchronously, as AllReduce: `count` is the full buffer's elements
+// and `segment` one shard's run (0: count / n), as CallSpec has them.
+Status RunCollective(Collective collective, DType dtype, const std::vector<const void*>& inputs,
+                     const std::vector<void*>& outputs, std::size_t count, std::size_t segment,
+                     int blocks);
 
 // What one participant brings to one collective.
 struct CallSpec {
@@ -88,9 +117,11 @@ struct CallSpec {
   int64_t run_id = 0;  // One execution of the program (same on all devices).
   int rank = 0;        // Position in the replica group: summation order.
   int world = 1;       // Size of the replica group.
+  Collective collective = Collective::kAllReduce;
   DType dtype = DType::kF32;
-  std::size_t count = 0;  // Elements per participant.
-  int blocks = 1;         // Requested worker tasks, 1..kMaxBlocks.
+  std::size_t count = 0;    // Elements of the full (unsharded) buffer, the same on every rank.
+  std::size_t segment = 0;  // Sharded kinds: elements of one shard's run (0: count / world).
+  int blocks = 1;           // Requested worker tasks, 1..kMaxBlocks.
   int64_t timeout_ms = 0;  // Give up on absent ranks after this long.
   // The caller's thread has nothing else to do until this call completes: if
   // it arrives last, it runs one of the worker tasks itself, and if that task
@@ -129,14 +160,15 @@ class Rendezvous {
 // Per-call debug logging to stderr, switched on by LIBRA_JAX_DEBUG=1.
 bool DebugLoggingEnabled();
 
-// One completed all-reduce, as recorded for calibration and overlap studies.
+// One completed call, as recorded for calibration and overlap studies.
 // Times are microseconds on the steady clock since the engine's first use.
 struct CallRecord {
   std::string label;
   int64_t group = 0, iteration = 0;
   int world = 0;
+  Collective collective = Collective::kAllReduce;
   DType dtype = DType::kF32;
-  std::size_t bytes = 0;  // Per rank.
+  std::size_t bytes = 0;  // The full (unsharded) buffer, per rank.
   int blocks = 0, tasks = 0;
   int64_t first_arrival_us = 0, start_us = 0, end_us = 0;
 };

@@ -103,6 +103,7 @@ int ToNcclDataType(DType dtype) {
     case DType::kF32: return 7;   // ncclFloat32
     case DType::kF64: return 8;   // ncclFloat64
     case DType::kBF16: return 9;  // ncclBfloat16
+    case DType::kBytes: break;    // copies only; no all-reduce of it
   }
   return -1;
 }

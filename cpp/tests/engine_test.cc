@@ -564,6 +564,190 @@ void TestFork() {
   CHECK(a[0] == 6.0f);
 }
 
+// A buffer of `count` doubles per rank whose rank-order sum depends on the order (as
+// TestPlainSum's), and the all-reduce's result: reduce-scatter shards must be its slices.
+std::vector<std::vector<double>> OrderSensitive(int n, std::size_t count, unsigned seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<std::vector<double>> in(n, std::vector<double>(count));
+  for (auto& v : in) {
+    for (auto& x : v) {
+      x = std::ldexp(static_cast<double>(static_cast<int64_t>(rng() % 2001) - 1000) / 8.0,
+                     static_cast<int>(rng() % 81) - 40);
+    }
+  }
+  return in;
+}
+
+// Reduce-scatter over [outer][world][segment] layouts: shard r is rows r of the all-reduce's
+// result, bit for bit, and nothing outside each rank's exactly sized output is written
+// (ASan would see it). All-gather: every output is the shards interleaved the same way.
+void TestReduceScatterAndAllGather() {
+  for (int n : {1, 2, 3, 8, 9}) {
+    for (auto [outer, segment] : {std::pair<std::size_t, std::size_t>{1, 0}, {1, 1}, {1, 7},
+                                  {1, 4099}, {3, 1}, {5, 17}, {2, 20000}}) {
+      for (int blocks : {1, 3, libra::kMaxBlocks}) {
+        const std::size_t count = outer * n * segment, shard = outer * segment;
+        auto in = OrderSensitive(n, count, n * 7919 + count + blocks);
+        std::vector<std::vector<double>> sum(n, std::vector<double>(count));
+        std::vector<const void*> ins;
+        std::vector<void*> sums;
+        for (int r = 0; r < n; ++r) {
+          ins.push_back(in[r].data());
+          sums.push_back(sum[r].data());
+        }
+        CHECK(libra::AllReduce(DType::kF64, ins, sums, count, 1).ok());
+        std::vector<std::vector<double>> out(n, std::vector<double>(shard, -1.0));
+        std::vector<void*> outs;
+        for (auto& o : out) outs.push_back(o.data());
+        CHECK(libra::RunCollective(libra::Collective::kReduceScatter, DType::kF64, ins, outs,
+                                   count, segment, blocks).ok());
+        for (int r = 0; r < n; ++r) {
+          for (std::size_t row = 0; row < outer; ++row) {
+            CHECK(std::memcmp(out[r].data() + row * segment,
+                              sum[0].data() + (row * n + r) * segment,
+                              segment * sizeof(double)) == 0);
+          }
+        }
+        // Gathering the shards back gives the sum on every rank, as raw bytes too.
+        for (DType dtype : {DType::kF64, DType::kBytes}) {
+          const std::size_t scale = dtype == DType::kBytes ? sizeof(double) : 1;
+          std::vector<std::vector<double>> gathered(n, std::vector<double>(count, -1.0));
+          std::vector<const void*> shards;
+          std::vector<void*> full;
+          for (int r = 0; r < n; ++r) {
+            shards.push_back(out[r].data());
+            full.push_back(gathered[r].data());
+          }
+          CHECK(libra::RunCollective(libra::Collective::kAllGather, dtype, shards, full,
+                                     count * scale, segment * scale, blocks).ok());
+          for (int r = 0; r < n; ++r) {
+            CHECK(std::memcmp(gathered[r].data(), sum[0].data(), count * sizeof(double)) == 0);
+          }
+        }
+      }
+    }
+  }
+  // Every summed dtype's kernel serves a reduce-scatter's runs, at both vector widths: f32
+  // and bf16 shards against the all-reduce's (odd segments: element-wise tails and starts).
+  for (DType dtype : {DType::kF32, DType::kBF16, DType::kF16, DType::kS32, DType::kS64}) {
+    const int n = 4;
+    const std::size_t segment = 1031, count = 2 * n * segment, esize = libra::SizeOf(dtype);
+    std::mt19937 rng(static_cast<unsigned>(dtype) + 1);
+    std::vector<std::vector<unsigned char>> in(n, std::vector<unsigned char>(count * esize));
+    for (auto& v : in) {
+      for (std::size_t i = 0; i < v.size(); i += 2) v[i] = rng() & 0xff, v[i + 1] = rng() & 0x3f;
+    }
+    std::vector<std::vector<unsigned char>> sum(n, std::vector<unsigned char>(count * esize));
+    std::vector<std::vector<unsigned char>> out(n, std::vector<unsigned char>(count / n * esize));
+    std::vector<const void*> ins;
+    std::vector<void*> sums, outs;
+    for (int r = 0; r < n; ++r) {
+      ins.push_back(in[r].data());
+      sums.push_back(sum[r].data());
+      outs.push_back(out[r].data());
+    }
+    CHECK(libra::AllReduce(dtype, ins, sums, count, 2).ok());
+    CHECK(libra::RunCollective(libra::Collective::kReduceScatter, dtype, ins, outs, count,
+                               segment, 2).ok());
+    for (int r = 0; r < n; ++r) {
+      for (std::size_t row = 0; row < 2; ++row) {
+        CHECK(std::memcmp(out[r].data() + row * segment * esize,
+                          sum[0].data() + (row * n + r) * segment * esize,
+                          segment * esize) == 0);
+      }
+    }
+  }
+}
+
+// Calls large enough for streaming stores (>= kStreamingOutputBytes written): the same bits.
+void TestLargeShardedCalls() {
+  const int n = 2;
+  const std::size_t count = libra::kStreamingOutputBytes / sizeof(float) + 32;  // unaligned
+  std::vector<std::vector<float>> in(n, std::vector<float>(count));
+  for (int r = 0; r < n; ++r) {
+    for (std::size_t i = 0; i < count; ++i) in[r][i] = static_cast<float>(i % 1000) * (r + 1);
+  }
+  std::vector<std::vector<float>> out(n, std::vector<float>(count / n));
+  std::vector<const void*> ins{in[0].data(), in[1].data()};
+  std::vector<void*> outs{out[0].data(), out[1].data()};
+  CHECK(libra::RunCollective(libra::Collective::kReduceScatter, DType::kF32, ins, outs, count, 0,
+                             4).ok());
+  for (int r = 0; r < n; ++r) {
+    for (std::size_t i = 0; i < count / n; i += 997) {
+      CHECK(out[r][i] == static_cast<float>((r * count / n + i) % 1000) * 3.0f);
+    }
+  }
+  std::vector<std::vector<float>> full(n, std::vector<float>(count));
+  std::vector<const void*> shards{out[0].data(), out[1].data()};
+  std::vector<void*> fulls{full[0].data(), full[1].data()};
+  CHECK(libra::RunCollective(libra::Collective::kAllGather, DType::kF32, shards, fulls, count, 0,
+                             4).ok());
+  for (int r = 0; r < n; ++r) {
+    for (std::size_t i = 0; i < count; i += 997) {
+      CHECK(full[r][i] == static_cast<float>(i % 1000) * 3.0f);
+    }
+  }
+}
+
+void TestShardedBadArguments() {
+  std::vector<float> a(6), b(6);
+  std::vector<const void*> ins{a.data(), b.data()};
+  std::vector<void*> outs{a.data(), b.data()};
+  // 7 elements are not whole shards of 2 ranks; 6 are not of 2 x 2-element runs (8 per row).
+  libra::Status s = libra::RunCollective(libra::Collective::kReduceScatter, DType::kF32, ins,
+                                         outs, 7, 0, 1);
+  CHECK(!s.ok() && s.message.find("not whole shards") != std::string::npos);
+  CHECK(!libra::RunCollective(libra::Collective::kAllGather, DType::kF32, ins, outs, 6, 2, 1).ok());
+  s = libra::RunCollective(libra::Collective::kReduceScatter, DType::kBytes, ins, outs, 8, 0, 1);
+  CHECK(!s.ok() && s.message.find("raw bytes") != std::string::npos);
+  CHECK(!libra::RunCollective(static_cast<libra::Collective>(7), DType::kF32, ins, outs, 4, 0, 1)
+             .ok());
+  CHECK(std::string(libra::Name(libra::Collective::kReduceScatter)) == "reduce-scatter");
+}
+
+// A missing participant of a reduce-scatter: the others fail naming it and the kind, and
+// the next run works. Participants that disagree on the kind are a mismatch.
+void TestShardedTimeoutAndMismatch() {
+  libra::Rendezvous site("sharded");
+  std::vector<float> a(6, 1.0f), b(6, 2.0f), c(6, 3.0f), oa(2), ob(2), oc(2);
+  Latch latch(2);
+  libra::CallSpec s0 = Spec(0, 3, 6), s1 = Spec(1, 3, 6);
+  s0.collective = s1.collective = libra::Collective::kReduceScatter;
+  s0.timeout_ms = s1.timeout_ms = 200;
+  site.Arrive(s0, a.data(), oa.data(), latch.Callback());
+  site.Arrive(s1, b.data(), ob.data(), latch.Callback());
+  CHECK(latch.Wait(std::chrono::seconds(10)));
+  for (auto& st : latch.statuses()) {
+    CHECK(st.code == libra::Status::Code::kDeadlineExceeded);
+    CHECK(st.message.find("reduce-scatter 'sharded' timed out") != std::string::npos);
+    CHECK(st.message.find("waiting for ranks [2] of 3") != std::string::npos);
+  }
+  Latch next(3);
+  for (int r : {2, 0, 1}) {
+    libra::CallSpec spec = Spec(r, 3, 6, 2);
+    spec.collective = libra::Collective::kReduceScatter;
+    std::vector<float>* in[] = {&a, &b, &c};
+    std::vector<float>* out[] = {&oa, &ob, &oc};
+    site.Arrive(spec, in[r]->data(), out[r]->data(), next.Callback());
+  }
+  CHECK(next.Wait());
+  for (auto& st : next.statuses()) CHECK(st.ok());
+  CHECK(oa[0] == 6.0f && ob[1] == 6.0f && oc[0] == 6.0f);
+
+  libra::Rendezvous other("kinds");
+  Latch mixed(2);
+  libra::CallSpec g = Spec(0, 2, 6);
+  g.collective = libra::Collective::kAllGather;
+  other.Arrive(g, oa.data(), a.data(), mixed.Callback());
+  other.Arrive(Spec(1, 2, 6), b.data(), b.data(), mixed.Callback());
+  CHECK(mixed.Wait());
+  for (auto& st : mixed.statuses()) {
+    CHECK(st.code == libra::Status::Code::kInvalidArgument);
+    CHECK(st.message.find("disagree") != std::string::npos);
+    CHECK(st.message.find("all-gather") != std::string::npos);
+  }
+}
+
 void TestCallRecords() {
   std::vector<float> a(5000, 1.0f), b(5000, 2.0f);
   libra::SetCallRecording(2);
@@ -573,6 +757,7 @@ void TestCallRecords() {
   std::vector<libra::CallRecord> records = libra::TakeCallRecords();
   CHECK(records.size() == 2);  // Bounded: the oldest is dropped.
   CHECK(records.back().bytes == 5000 * 4 && records.back().world == 2);
+  CHECK(records.back().collective == libra::Collective::kAllReduce);
   CHECK(records.back().start_us <= records.back().end_us);
   CHECK(libra::TakeCallRecords().empty());
   libra::SetCallRecording(0);
@@ -615,6 +800,10 @@ int main() {
       {"timeout", TestTimeout},
       {"mismatch", TestMismatch},
       {"destroy_pending", TestDestroyPending},
+      {"reduce_scatter_and_all_gather", AtEveryWidth<TestReduceScatterAndAllGather>},
+      {"large_sharded_calls", TestLargeShardedCalls},
+      {"sharded_bad_arguments", TestShardedBadArguments},
+      {"sharded_timeout_and_mismatch", TestShardedTimeoutAndMismatch},
       {"call_records", TestCallRecords},
       {"fork", TestFork},
       {"staging_bytes", TestStagingBytes},

@@ -1,4 +1,4 @@
-"""libra's JAX primitives: one psum, a fused bucket, and a start/done pair.
+"""libra's JAX primitives: one psum, a fused bucket, a start/done pair, and the sharded pair.
 
 Layer: imports `libra_jax._compat`, `_ffi`, `_nccl`, `config`, `model` and `planner`; nothing
 above it (`allreduce`, `rewrite`, the tools). Every primitive is wired by one helper
@@ -10,7 +10,9 @@ lowering per platform built from one rule per platform for one buffer's all-redu
 - `psum`: `libra_psum_p`, the psum `jax.lax.psum` would bind, with a block count;
 - `fused`: `libra_psum_fused_p`, a gradient bucket's psums as one all-reduce per dtype;
 - `start_done`: `libra_psum_start_p` / `libra_psum_done_p`, that all-reduce issued where the
-  gradients are ready and waited for where the result is needed.
+  gradients are ready and waited for where the result is needed;
+- `sharded`: `libra_reduce_scatter_p` / `libra_all_gather_p`, the `psum_scatter` and the
+  `all_gather` `jax.lax` would bind, each other's transpose (`lowering.sharded_rule`).
 
 `jax.experimental.roofline` counts each as the all-reduce it is (`_compat.register_psum_rooflines`).
 """
@@ -18,6 +20,7 @@ from libra_jax import _compat
 from libra_jax.ops.base import XLA_TWINS, register_op
 from libra_jax.ops.fused import libra_psum_fused_p
 from libra_jax.ops.psum import libra_psum_p
+from libra_jax.ops.sharded import libra_all_gather_p, libra_reduce_scatter_p
 from libra_jax.ops.start_done import libra_psum_done_p, libra_psum_start_p
 
 # JAX's roofline counts them as its psum (a start for its bucket, its done as nothing).
@@ -25,4 +28,5 @@ _compat.register_psum_rooflines([libra_psum_p, libra_psum_fused_p, libra_psum_st
                                 [libra_psum_done_p])
 
 __all__ = ["XLA_TWINS", "register_op", "libra_psum_p", "libra_psum_fused_p",
-           "libra_psum_start_p", "libra_psum_done_p"]
+           "libra_psum_start_p", "libra_psum_done_p", "libra_reduce_scatter_p",
+           "libra_all_gather_p"]

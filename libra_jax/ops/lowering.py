@@ -1,4 +1,9 @@
-"""How one buffer's all-reduce is lowered, per platform, and the calls' attributes.
+"""How one buffer's all-reduce (or reduce-scatter, or all-gather) is lowered, per platform,
+and the calls' attributes.
+
+The collective kinds are the rows of `COLLECTIVES` (the Python side of the engine's table,
+cpp/libra/engine.h): what each serves, its CPU target, and what it moves. The reduce-scatter
+and the all-gather lower by `sharded_rule`: the engine's call on CPU, XLA's elsewhere.
 
 Every libra op (`psum`, `fused`, `start_done`) reduces flat or shaped buffers with one of
 these rules, chosen per platform by `allreduce_rule`:
@@ -17,8 +22,9 @@ group size is known. The packing of several tensors into one buffer per dtype (`
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from typing import Any
 
@@ -28,13 +34,42 @@ import numpy as np
 from libra_jax import _compat, _ffi, _nccl, config, model, planner
 from libra_jax.ops.base import Platform, Rule, warn_once
 
-__all__ = ["allreduce_rule", "replaced_rule", "xla_rule", "cpu_rule", "cuda_rule", "cpu_call",
+__all__ = ["Collective", "COLLECTIVES", "ENGINE_DTYPES", "sharded_rule",
+           "allreduce_rule", "replaced_rule", "xla_rule", "cpu_rule", "cuda_rule", "cpu_call",
            "cuda_call", "cuda_kernel_attrs", "nccl_attrs", "nccl_blocks", "mirrored",
            "default_blocks", "default_profile", "packed_layout", "packed_avals", "pack", "split",
            "MAX_BLOCKS", "CUDA_DTYPES", "NCCL_DTYPES", "CUDA_VECTOR_BYTES", "PACK_ALIGN_BYTES"]
 
-#: Largest block count (engine worker tasks per all-reduce).
+#: Largest block count (engine worker tasks per call).
 MAX_BLOCKS: int = _ffi.MAX_BLOCKS
+#: What the CPU engine sums (cpp/libra/dtype.h); an all-gather copies any dtype of whole bytes.
+ENGINE_DTYPES = frozenset(
+    np.dtype(d) for d in (np.float32, np.float64, jax.numpy.bfloat16, np.float16, np.int32, np.int64))
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective kind as libra lowers it: a row of `COLLECTIVES`."""
+    #: The `jax.lax` function it serves ("psum", "psum_scatter", "all_gather").
+    name: str
+    #: The engine's name for it, in call records, errors and notices.
+    kind: str
+    #: Its CPU FFI target's role in `_ffi.TARGETS`.
+    cpu_role: str
+    #: Bytes it moves per byte of the full buffer, an all-reduce's being 1: an all-reduce is a
+    #: reduce-scatter then an all-gather of the same buffer (on a ring each moves (n-1)/n of
+    #: it, the all-reduce 2(n-1)/n); on the CPU engine each reads or writes half as much.
+    traffic: float
+    #: Its operand is one rank's shard; the full buffer is its result.
+    gathers: bool
+
+
+#: The collective kinds, by the `jax.lax` function each serves.
+COLLECTIVES: dict[str, Collective] = {c.name: c for c in (
+    Collective("psum", "all-reduce", "cpu", 1.0, False),
+    Collective("psum_scatter", "reduce-scatter", "cpu_reduce_scatter", 0.5, False),
+    Collective("all_gather", "all-gather", "cpu_all_gather", 0.5, True),
+)}
 CUDA_DTYPES = frozenset(
     np.dtype(d) for d in (np.float32, np.float64, jax.numpy.bfloat16, np.float16, np.int32))
 #: What libra's NCCL call reduces (cpp/libra/nccl.cc: ToNcclDataType).
@@ -77,12 +112,18 @@ def mirrored(invariant: bool, axes: tuple) -> tuple[Any, dict]:
     return _compat.psum_p, {"axes": axes, "axis_index_groups": None}
 
 
-def default_blocks(nbytes: int, world: int, profile: Any = "cpu-host") -> int:
-    """Block count of a psum with `blocks=None` outside `@libra_jax.optimize`: the model's
+def default_blocks(nbytes: int, world: int, profile: Any = "cpu-host",
+                   collective: str = "psum") -> int:
+    """Block count of a call with `blocks=None` outside `@libra_jax.optimize`: the model's
     choice with no overlapped compute known (`planner.no_overlap_allocation`), as a launch's
-    block count, 1..MAX_BLOCKS. `profile` is a profile name, path or `model.Profile`."""
+    block count, 1..MAX_BLOCKS. `profile` is a profile name, path or `model.Profile`.
+
+    `nbytes` is the full (unsharded) buffer's size per device. A `psum_scatter` or
+    `all_gather` (`collective`), which the model does not price yet, gets the all-reduce's
+    choice for the bytes it moves (`Collective.traffic`: half the buffer's)."""
     if world < 2 or nbytes <= 0:
         return 1
+    nbytes = max(1, int(nbytes * COLLECTIVES[collective].traffic))
     derivation = model.derive(profile, world)
     key = planner.no_overlap_allocation(derivation.cost, nbytes,
                                         lambda k: derivation.launch_shape(k)[0])
@@ -126,10 +167,11 @@ def cpu_rule(ctx: Any, x: Any, *, axes: tuple, blocks: int, inplace: bool,
     return rule(call_ctx, x, rank_group, **attrs)
 
 
-def cpu_call(ctx: Any, axes: tuple, blocks: int | None) -> tuple[tuple | None, str]:
-    """The engine call's (rank, group) operand and attributes for the psum lowered at
-    `ctx`, or ``(None, reason)`` where XLA's all-reduce must do it. Shared by the call
-    and the start/done pair (`libra_jax.ops.start_done`)."""
+def cpu_call(ctx: Any, axes: tuple, blocks: int | None, collective: str = "psum"
+             ) -> tuple[tuple | None, str]:
+    """The engine call's (rank, group) operand and attributes for the `collective` (a row of
+    `COLLECTIVES`) lowered at `ctx`, or ``(None, reason)`` where XLA's must do it. Shared by
+    the calls and the start/done pair (`libra_jax.ops.start_done`)."""
     groups, devices, reason = _groups_in_this_process(ctx, axes)
     if groups is None:
         # The engine meets the devices of this process only; XLA's collectives (gloo on CPU)
@@ -139,7 +181,8 @@ def cpu_call(ctx: Any, axes: tuple, blocks: int | None) -> tuple[tuple | None, s
     aval_in = ctx.avals_in[0]
     if blocks is None:  # Chosen now that the group size is known.
         nbytes = math.prod(aval_in.shape) * np.dtype(aval_in.dtype).itemsize
-        blocks = default_blocks(nbytes, len(groups[0]), default_profile("cpu"))
+        nbytes *= len(groups[0]) if COLLECTIVES[collective].gathers else 1  # the full buffer's
+        blocks = default_blocks(nbytes, len(groups[0]), default_profile("cpu"), collective)
     # (rank, group) of every device, looked up by the running device's index:
     # rank is the position in XLA's replica group, so the summation order is XLA's.
     table = np.zeros((1 + max(max(g) for g in groups), 2), np.int32)
@@ -152,7 +195,7 @@ def cpu_call(ctx: Any, axes: tuple, blocks: int | None) -> tuple[tuple | None, s
         _compat.ir_constant(table), [_compat.device_index(ctx), zero],
         _compat.ir.DenseI64ArrayAttr.get([1, 2]))
     rank_group = _compat.hlo.reshape(_compat.ir.RankedTensorType.get([2], i32), row)
-    return (rank_group, dict(label=f"psum{tuple(axes)}", world=np.int64(len(groups[0])),
+    return (rank_group, dict(label=f"{collective}{tuple(axes)}", world=np.int64(len(groups[0])),
                              blocks=np.int64(blocks),
                              **_timeout_attr())), ""
 
@@ -399,6 +442,67 @@ def xla_rule(ctx: Any, x: Any, *, axes: tuple, blocks: int, inplace: bool,
 
 _RULES: dict[Platform, Rule] = {None: xla_rule, "cpu": cpu_rule, "cuda": cuda_rule,
                                 "xla": partial(xla_rule, quiet=True)}
+
+
+def sharded_rule(collective: str, platform: Platform, dimension: str,
+                 mirror: Callable[..., tuple[Any, dict]]) -> Rule:
+    """The rule that lowers a reduce-scatter or an all-gather (`collective`, a row of
+    `COLLECTIVES`) on `platform`: ``rule(ctx, x, *, axis_name, blocks, **params)``.
+
+    On CPU, the engine's call (`cpu_call`) where it serves, with the ``segment`` attribute:
+    the elements of one shard from the scattered or gathered dimension (`dimension`, the
+    param naming it) on, so that every layout is one call, without a transposed copy. Else
+    XLA's own collective, the primitive `mirror(**params)` names (JAX's), with a one-time
+    notice; quietly for the twin (``"xla"``)."""
+    row = COLLECTIVES[collective]
+
+    def xla(ctx: Any, x: Any, reason: str | None, **params: Any) -> Any:
+        if reason is not None:
+            warn_once("sharded-xla-fallback",
+                      f"libra_jax.{collective}: no Libra {row.kind} for {reason}; lowering to "
+                      f"XLA's {row.kind} (blocks ignored).")
+        prim, jax_params = mirror(**params)
+        return _compat.lower_fun(partial(prim.bind, **jax_params))(ctx, x)
+
+    def rule(ctx: Any, x: Any, **params: Any) -> Any:
+        if platform == "xla":
+            return xla(ctx, x, None, **params)
+        if platform != "cpu":
+            why = ("cuda (libra's GPU reduce-scatter and all-gather are not built yet)"
+                   if platform == "cuda" else "/".join(ctx.module_context.platforms))
+            return xla(ctx, x, why, **params)
+        aval_in, = ctx.avals_in
+        if not row.gathers and np.dtype(aval_in.dtype) not in ENGINE_DTYPES:
+            return xla(ctx, x, f"cpu {np.dtype(aval_in.dtype).name}", **params)
+        call, reason = cpu_call(ctx, params["axis_name"], params["blocks"], collective)
+        if call is None:
+            return xla(ctx, x, reason, **params)
+        rank_group, attrs = call
+        if row.gathers and np.dtype(aval_in.dtype) == BF16:
+            x = _canonical_bf16_nans(ctx, x)
+        shard = aval_in if row.gathers else ctx.avals_out[0]
+        segment = math.prod(shard.shape[params[dimension]:])
+        call_ctx = ctx.replace(avals_in=[aval_in, _compat.ShapedArray((2,), np.int32)])
+        lowered = jax.ffi.ffi_lowering(_ffi.TARGETS[row.cpu_role])
+        return lowered(call_ctx, x, rank_group, segment=np.int64(segment), **attrs)
+    return rule
+
+
+BF16 = np.dtype(jax.numpy.bfloat16)
+
+
+def _canonical_bf16_nans(ctx: Any, x: Any) -> Any:
+    """`x` (bf16) with every NaN made canonical (sign | 0x7fc0), as XLA:CPU's all-gather leaves
+    them: it gathers bf16 through f32 (0x7fd0 comes back 0x7fc0; pinned by
+    tests/test_sharded.py). One elementwise pass over the shard, before the copy."""
+    def canonical(v: Any) -> Any:
+        bits = jax.lax.bitcast_convert_type(v, np.uint16)
+        nan = (bits & np.uint16(0x7FFF)) > np.uint16(0x7F80)
+        fixed = (bits & np.uint16(0x8000)) | np.uint16(0x7FC0)
+        return jax.lax.bitcast_convert_type(jax.numpy.where(nan, fixed, bits), BF16)
+    aval = ctx.avals_in[0]
+    return _compat.lower_fun(canonical)(
+        ctx.replace(primitive=None, avals_in=[aval], avals_out=[aval]), x)[0]
 
 
 # --- Packing: one buffer per dtype ----------------------------------------------------

@@ -211,6 +211,7 @@ const void* KernelFor(DType dtype, int nranks, bool virtual_team = false) {
     case DType::kF16: return KernelOf<__half>(nranks, virtual_team);
     case DType::kS32: return KernelOf<int32_t>(nranks, virtual_team);
     case DType::kS64: break;  // Not served on GPU (the lowering falls back to XLA).
+    case DType::kBytes: break;  // Copies only: never summed.
   }
   return nullptr;
 }

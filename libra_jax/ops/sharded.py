@@ -1,0 +1,115 @@
+"""`libra_reduce_scatter` and `libra_all_gather`: sharded data parallelism's pair of collectives.
+
+Each stands for exactly the primitive `jax.lax` binds (`mirror_reduce_scatter`,
+`mirror_all_gather`): `reduce_scatter` for `psum_scatter`; `all_gather`, or
+`all_gather_invariant` (``to='invarying'`` under `shard_map(check_vma=True)`), for
+`all_gather`. Their abstract evaluation *is* that primitive's (shapes, dtypes, varying axes,
+effects and JAX's own errors); they differ in their lowering (`lowering.sharded_rule`: the
+engine's call on CPU) and carry a block count. They are each other's transpose, as JAX's are,
+so `jax.grad` through `libra_all_gather` is libra's reduce-scatter. `all_gather_invariant`'s
+transpose is JAX's: the slice of this device's shard from a cotangent that is already the
+same everywhere (its all-reduce is the psum JAX puts where the cotangent became invariant,
+which `optimize` plans as any other). Params: JAX's (``axis_name``, ``axis_size``,
+``tiled``, and ``scatter_dimension`` or ``all_gather_dimension``), ``blocks`` (an int, or
+None for `lowering.default_blocks`) and, for the all-gather, ``invariant``.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from libra_jax import _compat
+from libra_jax.ops import lowering
+from libra_jax.ops.base import register_op
+
+__all__ = ["libra_reduce_scatter_p", "libra_all_gather_p", "mirror_reduce_scatter",
+           "mirror_all_gather"]
+
+
+def mirror_reduce_scatter(*, axis_name: tuple, scatter_dimension: int, axis_size: int,
+                          tiled: bool, blocks: int | None) -> tuple[Any, dict]:
+    """The JAX primitive (and its params) that `libra_reduce_scatter` stands for."""
+    return _compat.reduce_scatter_p, dict(
+        axis_name=axis_name, scatter_dimension=scatter_dimension, axis_index_groups=None,
+        axis_size=axis_size, tiled=tiled)
+
+
+def mirror_all_gather(*, axis_name: tuple, all_gather_dimension: int, axis_size: int,
+                      tiled: bool, invariant: bool, blocks: int | None) -> tuple[Any, dict]:
+    """The JAX primitive (and its params) that `libra_all_gather` stands for."""
+    params = dict(axis_name=axis_name, all_gather_dimension=all_gather_dimension,
+                  axis_size=axis_size, tiled=tiled)
+    if invariant:
+        return _compat.all_gather_invariant_p, params
+    return _compat.all_gather_p, dict(params, axis_index_groups=None)
+
+
+def _abstract_eval(mirror: Any) -> Any:
+    def abstract_eval(aval: Any, **params: Any) -> Any:
+        prim, jax_params = mirror(**params)
+        return prim.abstract_eval(aval, **jax_params)
+    return abstract_eval
+
+
+def _reduce_scatter_transpose(ct: Any, x: Any, *, axis_name: tuple, scatter_dimension: int,
+                              axis_size: int, tiled: bool, blocks: int | None) -> tuple:
+    if _compat.is_zero_cotangent(ct):
+        return (_compat.zero_cotangent(x),)
+    return (libra_all_gather_p.bind(ct, axis_name=axis_name,
+                                    all_gather_dimension=scatter_dimension,
+                                    axis_size=axis_size, tiled=tiled, invariant=False,
+                                    blocks=blocks),)
+
+
+def _all_gather_transpose(ct: Any, x: Any, *, axis_name: tuple, all_gather_dimension: int,
+                          axis_size: int, tiled: bool, invariant: bool,
+                          blocks: int | None) -> tuple:
+    if _compat.is_zero_cotangent(ct):
+        return (_compat.zero_cotangent(x),)
+    if invariant:  # JAX's rule: this device's shard of the (invariant) cotangent.
+        size = ct.shape[all_gather_dimension] // axis_size
+        start = jax.lax.axis_index(axis_name) * size
+        shard = jax.lax.dynamic_slice_in_dim(ct, start, size, axis=all_gather_dimension)
+        return (shard if tiled else jax.lax.squeeze(shard, [all_gather_dimension]),)
+    params: dict[str, Any] = dict(axis_name=axis_name, scatter_dimension=all_gather_dimension,
+                                  axis_size=axis_size, tiled=tiled, blocks=blocks)
+    if np.dtype(ct.aval.dtype) not in lowering.ENGINE_DTYPES:  # fp8 ...: JAX's reduce-scatter
+        prim, jax_params = mirror_reduce_scatter(**params)
+        return (prim.bind(ct, **jax_params),)
+    return (libra_reduce_scatter_p.bind(ct, **params),)
+
+
+def _batcher(prim: Any, mirror: Any, dimension: str) -> Any:
+    """A `vmap` rule: a vmapped axis among the collective's axes is JAX's rule (no
+    communication: the collective over the batch, within the device); any other batch
+    dimension moves to the front, and the collective's dimension one further."""
+    def rule(axis_data: Any, vals_in: Sequence[Any], dims_in: Sequence[Any],
+             **params: Any) -> tuple[Any, Any]:
+        (x,), (dim,) = vals_in, dims_in
+        if axis_data.name in params["axis_name"]:
+            jax_prim, jax_params = mirror(**params)
+            return _compat.jax_batcher(jax_prim)(axis_data, vals_in, dims_in, **jax_params)
+        if dim is None:
+            return prim.bind(x, **params), None
+        x = jax.numpy.moveaxis(x, dim, 0)
+        return prim.bind(x, **dict(params, **{dimension: params[dimension] + 1})), 0
+    return rule
+
+
+libra_reduce_scatter_p = register_op(
+    "libra_reduce_scatter", abstract_eval=_abstract_eval(mirror_reduce_scatter),
+    lowering=lambda platform: lowering.sharded_rule("psum_scatter", platform,
+                                                    "scatter_dimension", mirror_reduce_scatter),
+    transpose=_reduce_scatter_transpose)
+libra_all_gather_p = register_op(
+    "libra_all_gather", abstract_eval=_abstract_eval(mirror_all_gather),
+    lowering=lambda platform: lowering.sharded_rule("all_gather", platform,
+                                                    "all_gather_dimension", mirror_all_gather),
+    transpose=_all_gather_transpose)
+_compat.register_batcher(libra_reduce_scatter_p, _batcher(
+    libra_reduce_scatter_p, mirror_reduce_scatter, "scatter_dimension"))
+_compat.register_batcher(libra_all_gather_p, _batcher(
+    libra_all_gather_p, mirror_all_gather, "all_gather_dimension"))
