@@ -710,6 +710,7 @@ def test_debug_log():
     assert len(lines) == 3, proc.stderr
     fields = dict(kv.split("=", 1) for kv in lines[0].split()[1:])
     assert fields["world"] == "4" and fields["dtype"] == "f32" and fields["bytes"] == str(4 << 14)
+    assert fields["kind"] == "all-reduce"
     assert fields["blocks"] == "2" and fields["tasks"] == "2"
     assert int(fields["end_us"]) >= int(fields["start_us"]) >= int(fields["first_arrival_us"])
 

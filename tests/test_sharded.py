@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import warnings
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -70,6 +71,29 @@ def test_psum_scatter_bitwise(dtype, tiled, dim):
         ours, theirs = f(xs)
         assert "libra_reduce_scatter_cpu" in lowered_targets(f, xs)
     assert_bitwise(ours, theirs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_xla_reduce_scatter_is_the_slice_of_its_psum(dtype):
+    """The premise of the reduce-scatter's bits, pinned on every CI leg (the newest JAX is the
+    canary): XLA:CPU's psum_scatter is the matching slice of its psum (the rank-order sum from
+    +0), NaN, inf and -0 included, tiled or not, so the engine's summation of a rank's range
+    matches it."""
+    mesh = mesh_of((8,), ("x",))
+    rng = np.random.default_rng(13)
+    x = with_specials(rng, random_array(rng, (8 * 16, 3), dtype), 0.3)
+    def body(v):
+        full = jax.lax.psum(v, "x")
+        i = jax.lax.axis_index("x")
+        return (jax.lax.psum_scatter(v, "x", tiled=True),
+                jax.lax.dynamic_slice_in_dim(full, i * 2, 2, axis=0),
+                jax.lax.psum_scatter(v[:8], "x"), full[i][None])
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"),
+                              check_vma=False))
+    with jax.enable_x64(True):
+        tiled, sliced, untiled, row = f(shard(x, mesh, P("x")))
+    assert_bitwise(tiled, sliced)
+    assert_bitwise(untiled, np.asarray(row).reshape(untiled.shape))
 
 
 GATHER_DTYPES = DTYPES + [np.bool_, np.int8, np.uint32, np.complex64, ml_dtypes.float8_e4m3fn]
@@ -172,6 +196,50 @@ def test_inside_scan_cond_pmap_vmap_and_eager():
     assert_bitwise(eager, jax.jit(jax.shard_map(
         lambda v: jax.lax.psum_scatter(v, "x", tiled=True), mesh=mesh, in_specs=P("x"),
         out_specs=P("x")))(x))
+
+
+def test_compositions_eqx_filter_jit_and_jit_with_statics():
+    """The drop-ins under the wrappers people write: eqx.filter_jit (an Equinox module's
+    array leaves sharded, its static fields not) and jax.jit with static arguments."""
+    eqx = pytest.importorskip("equinox")
+    mesh = mesh_of((8,), ("x",))
+
+    class Layer(eqx.Module):
+        w: jax.Array
+        scale: float = eqx.field(static=True)
+
+    layer = Layer(w=shard(np.random.default_rng(14).standard_normal((16, 4)).astype(
+        np.float32), mesh, P("x")), scale=0.5)
+    x = shard(np.ones((8 * 3, 4), np.float32), mesh, P("x"))
+
+    def make(gather, scatter):
+        def loss(w, xb, scale):
+            full = gather(w, "x", tiled=True)  # FSDP: gathered for use
+            return scale * jnp.sum(jnp.tanh(xb @ full.T) ** 2)
+
+        def step(layer, xb):
+            g = jax.shard_map(lambda w, b: jax.grad(loss)(w, b, layer.scale), mesh=mesh,
+                              in_specs=(P("x"), P("x")), out_specs=P("x"))(layer.w, xb)
+            return eqx.tree_at(lambda m: m.w, layer, layer.w - g)
+        return eqx.filter_jit(step)
+
+    ours, theirs = (make(libra_jax.all_gather, libra_jax.psum_scatter),
+                    make(jax.lax.all_gather, jax.lax.psum_scatter))
+    assert_bitwise(ours(layer, x).w, theirs(layer, x).w)
+
+    def scaled(v, k, *, mode):
+        out = libra_jax.psum_scatter(v * k, "x", tiled=True)
+        return out if mode == "sum" else libra_jax.all_gather(out, "x", tiled=True)
+    for mode in ("sum", "gather"):
+        f = jax.jit(jax.shard_map(partial(scaled, mode=mode), mesh=mesh, in_specs=(P("x"), P()),
+                                  out_specs=P("x")), static_argnums=1)
+        want = jax.jit(jax.shard_map(lambda v, k: jax.lax.psum_scatter(v * k, "x", tiled=True)
+                                     if mode == "sum" else jax.lax.all_gather(
+                                         jax.lax.psum_scatter(v * k, "x", tiled=True), "x",
+                                         tiled=True), mesh=mesh, in_specs=(P("x"), P()),
+                                     out_specs=P("x")), static_argnums=1)
+        y = shard(np.arange(64 * 4, dtype=np.float32).reshape(64, 4), mesh, P("x"))
+        assert_bitwise(f(y, 3), want(y, 3))
 
 
 @pytest.mark.parametrize("check_vma", [True, False])
@@ -463,3 +531,33 @@ def test_bf16_all_gather_makes_nans_canonical_as_xla_does():
     assert_bitwise(ours, theirs)
     assert np.asarray(theirs).view(np.uint16)[:8, 0].tolist() == [
         0x7FC0, 0xFFC0, 0x7FC0, 0x7FC0, 0x3F80, 0x0001, 0x8000, 0x7F80]
+
+
+def test_composition_nnx_jit():
+    """Under nnx.jit: an NNX model's sharded parameter all-gathered in a shard_map, its
+    gradient reduce-scattered by autodiff, and the update written back in place."""
+    nnx = pytest.importorskip("flax.nnx")
+    mesh = mesh_of((8,), ("x",))
+
+    class Model(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(shard(np.random.default_rng(15).standard_normal((16, 4)).astype(
+                np.float32), mesh, P("x")))
+
+    x = shard(np.ones((8 * 3, 4), np.float32), mesh, P("x"))
+
+    def make(gather):
+        def loss(w, xb):
+            return jnp.sum(jnp.tanh(xb @ gather(w, "x", tiled=True).T) ** 2)
+
+        @nnx.jit
+        def step(model, xb):
+            g = jax.shard_map(jax.grad(loss), mesh=mesh, in_specs=(P("x"), P("x")),
+                              out_specs=P("x"))(model.w[...], xb)
+            model.w[...] = model.w[...] - 0.1 * g
+        return step
+
+    ours, theirs = Model(), Model()
+    make(libra_jax.all_gather)(ours, x)
+    make(jax.lax.all_gather)(theirs, x)
+    assert_bitwise(ours.w[...], theirs.w[...])
