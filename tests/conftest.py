@@ -62,6 +62,20 @@ def assert_codegen_close(got, want) -> None:
     testing.assert_codegen_close(got, want)
 
 
+def lower_for(platform, f, mesh, shape, spec, warns):
+    """The HLO text of jitted `f` traced on an array of `shape` laid out by `spec` over the
+    (abstract) `mesh`, lowered for `platform`, asserting a UserWarning matching `warns`;
+    skipped where this JAX cannot lower across platforms."""
+    jax = _jax()
+    try:
+        traced = f.trace(jax.ShapeDtypeStruct(shape, np.float32,
+                                              sharding=jax.NamedSharding(mesh, spec)))
+        with pytest.warns(UserWarning, match=warns):
+            return traced.lower(lowering_platforms=(platform,)).as_text()
+    except (TypeError, AttributeError) as e:  # pragma: no cover - API differs by version
+        pytest.skip(f"cross-platform lowering unavailable: {e}")
+
+
 @pytest.fixture(scope="session")
 def jax_8():
     jax = _jax()

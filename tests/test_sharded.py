@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import assert_bitwise, mesh_of, shard
+from conftest import assert_bitwise, lower_for, mesh_of, shard
 from jax.sharding import PartitionSpec as P
 from test_allreduce import DTYPES, random_array
 
@@ -442,13 +442,7 @@ def test_other_platforms_lower_to_xla_with_a_notice():
     f = jax.jit(jax.shard_map(lambda v: libra_jax.all_gather(libra_jax.psum_scatter(
         v, "x", tiled=True, blocks=4), "x", tiled=True), mesh=mesh, in_specs=P("x"),
         out_specs=P("x")))
-    try:
-        traced = f.trace(jax.ShapeDtypeStruct((64, 4), np.float32,
-                                              sharding=jax.NamedSharding(mesh, P("x"))))
-        with pytest.warns(UserWarning, match="no Libra reduce-scatter for tpu"):
-            text = traced.lower(lowering_platforms=("tpu",)).as_text()
-    except (TypeError, AttributeError) as e:  # pragma: no cover - API differs by version
-        pytest.skip(f"cross-platform lowering unavailable: {e}")
+    text = lower_for("tpu", f, mesh, (64, 4), P("x"), "no Libra reduce-scatter for tpu")
     assert "reduce_scatter" in text and "all_gather" in text and "libra_" not in text
 
 

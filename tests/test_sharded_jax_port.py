@@ -55,6 +55,16 @@ def assert_close(a, b):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
 
 
+def check_gathered(c, d, a):
+    """test_all_gather's and test_all_gather_invariant_complex's checks of their results."""
+    assert c.addressable_data(0).shape == (8, 2)
+    for i, a_shard in enumerate(np.split(a, 4, axis=1)):
+        assert_close(c.addressable_data(2 * i), a_shard)
+    assert d.addressable_data(0).shape == (4, 8)
+    for i, a_shard in enumerate(np.split(a, 2, axis=0)):
+        assert_close(d.addressable_data(i), a_shard)
+
+
 def libra_lowers(f, *args, target):
     assert target in f.lower(*args).as_text(), f"{target} not lowered"
 
@@ -74,12 +84,7 @@ def test_all_gather():
 
     c, d = fwd(a)
     libra_lowers(fwd, a, target="libra_all_gather_cpu")
-    assert c.addressable_data(0).shape == (8, 2)
-    for i, a_shard in enumerate(np.split(a, 4, axis=1)):
-        assert_close(c.addressable_data(2 * i), a_shard)
-    assert d.addressable_data(0).shape == (4, 8)
-    for i, a_shard in enumerate(np.split(a, 2, axis=0)):
-        assert_close(d.addressable_data(i), a_shard)
+    check_gathered(c, d, a)
 
 
 def test_all_gather_invariant_basic():
@@ -120,12 +125,7 @@ def test_all_gather_invariant_complex():
         return c, d
 
     c, d = f(a)
-    assert c.addressable_data(0).shape == (8, 2)
-    for i, a_shard in enumerate(np.split(a, 4, axis=1)):
-        assert_close(c.addressable_data(2 * i), a_shard)
-    assert d.addressable_data(0).shape == (4, 8)
-    for i, a_shard in enumerate(np.split(a, 2, axis=0)):
-        assert_close(d.addressable_data(i), a_shard)
+    check_gathered(c, d, a)
 
     def g(x):
         return f(x)[0].sum()
