@@ -38,7 +38,7 @@ __all__ = [
     "memoized_sub_jaxprs", "register_psum_rooflines",
     "mesh_axis_sizes", "distributed_client", "on_stream", "Primitive", "Tracer", "ShapedArray", "ir", "hlo",
     "psum_p", "psum_invariant_p", "reduce_scatter_p", "all_gather_p", "all_gather_invariant_p",
-    "canonicalize_axis",
+    "canonicalize_axis", "axis_effects",
     "apply_primitive", "deflinear", "register_batcher", "register_lowering", "lower_fun",
     "ir_constant", "ir_tensor_type", "jit_static_args", "made_by_transpose", "is_var",
     "is_dropped", "with_varying", "scan_num_carry",
@@ -175,6 +175,11 @@ def input_state(aval: Any, axes: tuple) -> str:
 def pvary(x: Any, axes: tuple) -> Any:
     """Cast an invariant value to varying over `axes` (psum's transpose)."""
     return _core.pvary(x, axis_name=axes)
+
+
+def axis_effects(axes: Sequence[Any]) -> set:
+    """The effects of a collective over `axes`, as JAX's collectives declare them."""
+    return {_core.NamedAxisEffect(a) for a in axes}
 
 
 def canonicalize_axis(axis: int, ndim: int) -> int:

@@ -17,7 +17,8 @@ import jax
 
 from libra_jax import _libra_ffi
 
-#: Role ("cpu", "cpu_start", "cpu_done", "cpu_reduce_scatter", "cpu_all_gather", "cuda",
+#: Role ("cpu", "cpu_start", "cpu_done", "cpu_reduce_scatter", "cpu_all_gather",
+#: "cpu_reduce_scatter_start", "cpu_all_gather_start", "cuda",
 #: "cuda_start", "cuda_done", "nccl", "nccl_start") -> FFI target name, from the extension's
 #: one registration table (xla_ffi/registry.cc), which also names the CUDA targets in a build
 #: without CUDA.
@@ -29,6 +30,9 @@ ALLREDUCE_CPU_DONE_TARGET = TARGETS["cpu_done"]
 #: The engine's other collective kinds (libra::Collective), one call each.
 REDUCE_SCATTER_CPU_TARGET = TARGETS["cpu_reduce_scatter"]
 ALL_GATHER_CPU_TARGET = TARGETS["cpu_all_gather"]
+#: Their starts (in place in one flat buffer); their done is ALLREDUCE_CPU_DONE_TARGET.
+REDUCE_SCATTER_CPU_START_TARGET = TARGETS["cpu_reduce_scatter_start"]
+ALL_GATHER_CPU_START_TARGET = TARGETS["cpu_all_gather_start"]
 MAX_BLOCKS: int = _libra_ffi.MAX_BLOCKS
 MIN_CHUNK_BYTES: int = _libra_ffi.MIN_CHUNK_BYTES
 

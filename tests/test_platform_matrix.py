@@ -12,6 +12,7 @@ expects the fallback instead.
 from __future__ import annotations
 
 import re
+import warnings
 from collections import Counter
 
 import jax
@@ -209,8 +210,70 @@ def test_every_libra_primitive_has_a_cpu_and_a_cuda_lowering():
 
     from libra_jax import ops
     prims = [allreduce.libra_psum_p, rewrite.libra_psum_fused_p, ops.libra_psum_start_p,
-             ops.libra_psum_done_p]
+             ops.libra_psum_done_p, ops.libra_reduce_scatter_p, ops.libra_all_gather_p,
+             ops.libra_sharded_start_p, ops.libra_sharded_done_p]
     for platform in ("cpu", "cuda"):
         table = mlir._platform_specific_lowerings[platform]
         missing = [p.name for p in prims if p not in table]
         assert not missing, (platform, missing)
+
+
+# --- The sharded pair: reduce-scatter and all-gather -------------------------------------
+
+SHARDED_CALL = re.compile(r"stablehlo\.custom_call @(libra_(?:reduce_scatter|all_gather)_cpu"
+                          r"(?:_start)?)\(.*?blocks = (\d+) : i64")
+
+
+def sharded_step(form, mesh):
+    """A reduce-scatter of a gradient-like value and an all-gather of a parameter shard, with
+    5 blocks, as one call each or as start/done pairs."""
+    from test_sharded import split_pair
+
+    def body(g, w):
+        if form == "one-call":
+            return (libra_jax.psum_scatter(g, "x", tiled=True, blocks=5),
+                    libra_jax.all_gather(w, "x", tiled=True, blocks=5))
+        return (split_pair("psum_scatter", g, ("x",), dimension=0, tiled=True, blocks=5,
+                           call_id=3),
+                split_pair("all_gather", w, ("x",), dimension=0, tiled=True, blocks=5,
+                           call_id=4))
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P("x")),
+                                 out_specs=(P("x"), P("x")), check_vma=False))
+
+
+def sharded_args(mesh):
+    rng = np.random.default_rng(1)
+    return (shard(rng.standard_normal((8 * 16, 4)).astype(np.float32), mesh, P("x")),
+            shard(rng.standard_normal((8 * 2, 4)).astype(np.float32), mesh, P("x")))
+
+
+@pytest.mark.parametrize("form", ["one-call", "start-done"])
+def test_cpu_lowers_the_sharded_pair_to_libra_calls_with_their_blocks(form):
+    mesh = mesh_of((8,), ("x",))
+    text = sharded_step(form, mesh).trace(*sharded_args(mesh)).lower(
+        lowering_platforms=("cpu",)).as_text()
+    suffix = "_start" if form == "start-done" else ""
+    assert Counter(SHARDED_CALL.findall(text)) == Counter(
+        {(f"libra_reduce_scatter_cpu{suffix}", "5"): 1, (f"libra_all_gather_cpu{suffix}", "5"): 1})
+    assert text.count("custom_call @libra_allreduce_cpu_done(") == (2 if suffix else 0)
+    assert "stablehlo.reduce_scatter" not in text and "stablehlo.all_gather" not in text
+
+
+@pytest.mark.parametrize("form", ["one-call", "start-done"])
+@pytest.mark.parametrize("path", ["xla", "p2p", "nccl"])
+def test_cuda_lowers_the_sharded_pair_to_xla_with_a_notice(monkeypatch, fresh_warnings, path,
+                                                            form):
+    """libra has no GPU reduce-scatter or all-gather yet: on every path, one call or
+    start/done, XLA's collectives, no libra call, and the notice naming why."""
+    monkeypatch.setenv("LIBRA_JAX_CUDA", path)
+    monkeypatch.setenv("LIBRA_JAX_NCCL_LIBRARY", "/nonexistent/libnccl.so.2")
+    mesh = mesh_of((8,), ("x",))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        text = sharded_step(form, mesh).trace(*sharded_args(mesh)).lower(
+            lowering_platforms=("cuda",)).as_text()
+    said = " ".join(str(w.message) for w in caught)
+    for kind in ("reduce-scatter", "all-gather"):
+        assert f"no Libra {kind} for cuda (libra's GPU reduce-scatter and all-gather" in said
+    assert "libra_" not in text
+    assert "stablehlo.reduce_scatter" in text and "stablehlo.all_gather" in text

@@ -12,6 +12,7 @@
 #include "xla_ffi/handlers.h"
 
 #include <chrono>
+#include <cstring>
 #include <deque>
 #include <iterator>
 #include <map>
@@ -58,26 +59,19 @@ ffi::Future Failed(ffi::Error error) {
   return future;
 }
 
-// The engine's call of kind `kind` for one device's buffers, or what is wrong with them.
-// `count` is the full buffer's (XLA's input for an all-reduce or a reduce-scatter, its
-// output for an all-gather); `segment` (sharded kinds) one shard's run, in elements.
-ffi::ErrorOr<libra::CallSpec> MakeSpec(libra::Collective kind, ffi::RunId run_id,
-                                       ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank_group,
-                                       ffi::Result<ffi::AnyBuffer>& out, int64_t world,
-                                       int64_t blocks, int64_t timeout_ms, int64_t segment = 0) {
+// The engine's call of kind `kind` over a full buffer of `full` elements (`full_bytes`
+// bytes) of `type`, in shards of `shard` (`full` for an all-reduce), or what is wrong with it.
+// `segment` (sharded kinds) is one shard's run, in elements.
+ffi::ErrorOr<libra::CallSpec> MakeCallSpec(libra::Collective kind, ffi::RunId run_id,
+                                           ffi::DataType type, std::size_t full,
+                                           std::size_t shard, std::size_t full_bytes,
+                                           ffi::Buffer<ffi::S32> rank_group, int64_t world,
+                                           int64_t blocks, int64_t timeout_ms, int64_t segment) {
   const std::string what = std::string("libra_jax ") + libra::Name(kind) + ": ";
   auto invalid = [&](const std::string& message) {
     return ffi::Unexpected(ffi::Error::InvalidArgument(what + message));
   };
   if (world < 1 || segment < 0) return invalid("world and segment must be positive");
-  if (out->element_type() != x.element_type()) {
-    return invalid("output must have the input's element type");
-  }
-  // The full buffer and the shard: the input and the output, in the kind's order.
-  const bool gathers = kind == libra::Collective::kAllGather;
-  const std::size_t full = gathers ? out->element_count() : x.element_count();
-  const std::size_t shard = gathers ? x.element_count() : out->element_count();
-  const std::size_t full_bytes = gathers ? out->size_bytes() : x.size_bytes();
   const bool sharded = kind != libra::Collective::kAllReduce;
   if (shard * (sharded ? static_cast<std::size_t>(world) : 1) != full) {
     return invalid(sharded ? "the full buffer must hold world shards"
@@ -88,7 +82,8 @@ ffi::ErrorOr<libra::CallSpec> MakeSpec(libra::Collective kind, ffi::RunId run_id
   spec.collective = kind;
   spec.count = full;
   spec.segment = static_cast<std::size_t>(segment);
-  ffi::ErrorOr<libra::DType> dtype = ToEngineDType(x.element_type());
+  ffi::ErrorOr<libra::DType> dtype = ToEngineDType(type);
+  const bool gathers = kind == libra::Collective::kAllGather;
   if (dtype.has_value()) {
     spec.dtype = *dtype;
   } else if (gathers && full > 0 && full_bytes % full == 0 && full_bytes >= full) {
@@ -109,6 +104,25 @@ ffi::ErrorOr<libra::CallSpec> MakeSpec(libra::Collective kind, ffi::RunId run_id
   spec.blocks = static_cast<int>(blocks);
   spec.timeout_ms = timeout_ms;
   return spec;
+}
+
+// The call of kind `kind` for one device's input `x` and output `out` (the full buffer is
+// the input, or for an all-gather the output), or what is wrong with them.
+ffi::ErrorOr<libra::CallSpec> MakeSpec(libra::Collective kind, ffi::RunId run_id,
+                                       ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank_group,
+                                       ffi::Result<ffi::AnyBuffer>& out, int64_t world,
+                                       int64_t blocks, int64_t timeout_ms, int64_t segment = 0) {
+  if (out->element_type() != x.element_type()) {
+    return ffi::Unexpected(ffi::Error::InvalidArgument(
+        std::string("libra_jax ") + libra::Name(kind) +
+        ": output must have the input's element type"));
+  }
+  const bool gathers = kind == libra::Collective::kAllGather;
+  return MakeCallSpec(kind, run_id, x.element_type(),
+                      gathers ? out->element_count() : x.element_count(),
+                      gathers ? x.element_count() : out->element_count(),
+                      gathers ? out->size_bytes() : x.size_bytes(), rank_group, world, blocks,
+                      timeout_ms, segment);
 }
 
 ffi::Future Completed(const libra::Status& status) {
@@ -164,6 +178,12 @@ ffi::Future Execute(ffi::RunId run_id, CpuAllReduceSite* site, ffi::AnyBuffer x,
 ffi::ErrorOr<std::unique_ptr<CpuAllReduceSite>> InstantiateSharded(
     std::string_view label, int64_t world, int64_t blocks, int64_t timeout_ms,
     int64_t /*segment*/) {
+  return Instantiate(label, world, blocks, timeout_ms);
+}
+
+ffi::ErrorOr<std::unique_ptr<CpuAllReduceSite>> InstantiateShardedStart(
+    std::string_view label, int64_t world, int64_t blocks, int64_t timeout_ms,
+    int64_t /*segment*/, int64_t /*call_id*/) {
   return Instantiate(label, world, blocks, timeout_ms);
 }
 
@@ -260,21 +280,16 @@ class InFlightCalls {
   std::map<Key, std::deque<std::shared_ptr<InFlight>>> calls_;
 };
 
-ffi::Future ExecuteStart(ffi::RunId run_id, CpuAllReduceSite* site, ffi::AnyBuffer x,
-                         ffi::Buffer<ffi::S32> rank_group, ffi::Result<ffi::AnyBuffer> out,
-                         ffi::Result<ffi::Buffer<ffi::S32>> token, std::string_view /*label*/,
-                         int64_t world, int64_t blocks, int64_t timeout_ms, int64_t call_id) {
-  if (site == nullptr) {
-    return Failed(ffi::Error::Internal("libra_jax all-reduce: no call-site state"));
-  }
-  // The token only orders done after this start (by data); its value means nothing.
+// Joins `spec`'s round with `input` and `output` and returns at once; the round's end is
+// recorded under (call id, run, group, rank) for done. `token` is zeroed: it only orders done
+// after this start (by data).
+ffi::Future StartCall(CpuAllReduceSite* site, const libra::CallSpec& spec, const void* input,
+                      void* output, ffi::Result<ffi::Buffer<ffi::S32>>& token,
+                      int64_t timeout_ms, int64_t call_id) {
   for (std::size_t i = 0; i < token->element_count(); ++i) token->typed_data()[i] = 0;
-  ffi::ErrorOr<libra::CallSpec> spec = MakeSpec(libra::Collective::kAllReduce, run_id, x,
-                                                rank_group, out, world, blocks, timeout_ms);
-  if (!spec.has_value()) return Failed(spec.error());
   auto call = std::make_shared<InFlight>();
-  InFlightCalls::Get().Push({call_id, spec->run_id, spec->group, spec->rank}, call, timeout_ms);
-  site->rendezvous.Arrive(*spec, x.untyped_data(), out->untyped_data(),
+  InFlightCalls::Get().Push({call_id, spec.run_id, spec.group, spec.rank}, call, timeout_ms);
+  site->rendezvous.Arrive(spec, input, output,
                           [call](const libra::Status& status) {
                             std::vector<ffi::Promise> waiters;
                             {
@@ -293,6 +308,60 @@ ffi::Future ExecuteStart(ffi::RunId run_id, CpuAllReduceSite* site, ffi::AnyBuff
                             }
                           });
   return Completed(libra::Status::Ok());
+}
+
+ffi::Future ExecuteStart(ffi::RunId run_id, CpuAllReduceSite* site, ffi::AnyBuffer x,
+                         ffi::Buffer<ffi::S32> rank_group, ffi::Result<ffi::AnyBuffer> out,
+                         ffi::Result<ffi::Buffer<ffi::S32>> token, std::string_view /*label*/,
+                         int64_t world, int64_t blocks, int64_t timeout_ms, int64_t call_id) {
+  if (site == nullptr) {
+    return Failed(ffi::Error::Internal("libra_jax all-reduce: no call-site state"));
+  }
+  ffi::ErrorOr<libra::CallSpec> spec = MakeSpec(libra::Collective::kAllReduce, run_id, x,
+                                                rank_group, out, world, blocks, timeout_ms);
+  if (!spec.has_value()) return Failed(spec.error());
+  return StartCall(site, *spec, x.untyped_data(), out->untyped_data(), token, timeout_ms,
+                   call_id);
+}
+
+// The sharded kinds' starts, in place in one flat buffer per device (engine.h: "In place"):
+//  - reduce-scatter: the output is the full input itself (aliased); rank r's shard of the sum
+//    is written over it at offset r * shard, which done then slices;
+//  - all-gather: the output is the full buffer, allocated by XLA as start's result; start
+//    first copies the device's shard to offset r * shard in it, so the round reads the shards
+//    from the outputs themselves and the input need not live until done.
+// Done is the all-reduce's (`libra_allreduce_cpu_done`): it waits for the round's end.
+template <libra::Collective kKind>
+ffi::Future ExecuteShardedStart(ffi::RunId run_id, CpuAllReduceSite* site, ffi::AnyBuffer x,
+                                ffi::Buffer<ffi::S32> rank_group,
+                                ffi::Result<ffi::AnyBuffer> out,
+                                ffi::Result<ffi::Buffer<ffi::S32>> token,
+                                std::string_view /*label*/, int64_t world, int64_t blocks,
+                                int64_t timeout_ms, int64_t segment, int64_t call_id) {
+  const std::string what = std::string("libra_jax ") + libra::Name(kKind) + " start: ";
+  if (site == nullptr) return Failed(ffi::Error::Internal(what + "no call-site state"));
+  const bool gathers = kKind == libra::Collective::kAllGather;
+  if (out->element_type() != x.element_type() ||
+      out->size_bytes() != x.size_bytes() * (gathers ? static_cast<std::size_t>(world) : 1)) {
+    return Failed(ffi::Error::InvalidArgument(
+        what + (gathers ? "output must hold world inputs" : "output must be the input")));
+  }
+  const std::size_t full = out->element_count();
+  ffi::ErrorOr<libra::CallSpec> spec =
+      MakeCallSpec(kKind, run_id, x.element_type(), full, world > 0 ? full / world : 0,
+                   out->size_bytes(), rank_group, world, blocks, timeout_ms, segment);
+  if (!spec.has_value()) return Failed(spec.error());
+  if (spec->segment != 0 && spec->segment * spec->world != spec->count) {
+    return Failed(ffi::Error::InvalidArgument(what + "a start's buffer is one row of shards"));
+  }
+  char* buffer = static_cast<char*>(out->untyped_data());
+  char* own = buffer + static_cast<std::size_t>(spec->rank) * (out->size_bytes() / world);
+  if (gathers) {
+    std::memcpy(own, x.untyped_data(), x.size_bytes());
+    return StartCall(site, *spec, own, buffer, token, timeout_ms, call_id);
+  }
+  if (x.untyped_data() != buffer) std::memcpy(buffer, x.untyped_data(), x.size_bytes());
+  return StartCall(site, *spec, buffer, own, token, timeout_ms, call_id);
 }
 
 ffi::Future ExecuteDone(ffi::RunId run_id, ffi::AnyBuffer /*started*/,
@@ -338,6 +407,19 @@ auto BindEngineCall() {
                            .Ret<ffi::AnyBuffer>());
 }
 
+// The sharded starts' signature: start's operands and results, then segment and call id.
+auto BindShardedStart() {
+  return BindSiteAttrs(ffi::Ffi::Bind()
+                           .Ctx<ffi::RunId>()
+                           .Ctx<ffi::State<CpuAllReduceSite>>()
+                           .Arg<ffi::AnyBuffer>()
+                           .Arg<ffi::Buffer<ffi::S32>>()
+                           .Ret<ffi::AnyBuffer>()
+                           .Ret<ffi::Buffer<ffi::S32>>())
+      .Attr<int64_t>("segment")
+      .Attr<int64_t>("call_id");
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuAllReduceInstantiate, Instantiate, BindSiteAttrs(
@@ -368,6 +450,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuAllReduceStart, ExecuteStart,
                                                 .Ret<ffi::AnyBuffer>()
                                                 .Ret<ffi::Buffer<ffi::S32>>())
                                   .Attr<int64_t>("call_id"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuShardedStartInstantiate, InstantiateShardedStart,
+                              BindSiteAttrs(ffi::Ffi::BindInstantiate())
+                                  .Attr<int64_t>("segment")
+                                  .Attr<int64_t>("call_id"));
+
+// The sharded starts: start's signature with the segment attribute.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuReduceScatterStart,
+                              ExecuteShardedStart<libra::Collective::kReduceScatter>,
+                              BindShardedStart());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuAllGatherStart,
+                              ExecuteShardedStart<libra::Collective::kAllGather>,
+                              BindShardedStart());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuAllReduceDone, ExecuteDone,
                               ffi::Ffi::Bind()

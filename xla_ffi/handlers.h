@@ -58,6 +58,10 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(kCpuAllReduceDone);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kCpuShardedInstantiate);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kCpuReduceScatterExecute);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kCpuAllGatherExecute);
+// Their starts, in place in one flat buffer (cpu_allreduce.cc); done is kCpuAllReduceDone.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kCpuShardedStartInstantiate);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kCpuReduceScatterStart);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kCpuAllGatherStart);
 
 // The call-site state type, registered with XLA before the handler.
 const XLA_FFI_TypeInfo* CpuAllReduceSiteTypeInfo();

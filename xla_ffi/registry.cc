@@ -31,6 +31,11 @@ constexpr LibraFfiTarget kTargets[] = {
      lf::kCpuShardedInstantiate, nullptr, nullptr, lf::kCpuReduceScatterExecute},
     {"cpu_all_gather", "libra_all_gather_cpu", kLibraFfiPlatformCpu, lf::kCpuShardedInstantiate,
      nullptr, nullptr, lf::kCpuAllGatherExecute},
+    // Their starts (in place in one flat buffer); their done is cpu_done.
+    {"cpu_reduce_scatter_start", "libra_reduce_scatter_cpu_start", kLibraFfiPlatformCpu,
+     lf::kCpuShardedStartInstantiate, nullptr, nullptr, lf::kCpuReduceScatterStart},
+    {"cpu_all_gather_start", "libra_all_gather_cpu_start", kLibraFfiPlatformCpu,
+     lf::kCpuShardedStartInstantiate, nullptr, nullptr, lf::kCpuAllGatherStart},
     {"cuda", "libra_allreduce_cuda", kLibraFfiPlatformCuda, nullptr, nullptr, nullptr,
      LIBRA_CUDA_HANDLER(lf::kCudaAllReduce)},
     // The same kernel on libra's own stream, and the wait for it (libra_jax.ops.start_done).

@@ -494,12 +494,14 @@ class ShiftedInputs {
   const void* const* data_;
 };
 
-// Copies `bytes` from `src` to each of outputs[0..m) at `offset`: an all-gather's run.
+// Copies `bytes` from `src` to each of outputs[0..m) at `offset`: an all-gather's run. An
+// output that is `src` itself (an in-place all-gather's own shard) is already there.
 // `stream`: past the caches where an output is 16-byte aligned there (see StoreStep).
 void CopyToAll(const void* src, void* const* outputs, int m, std::size_t offset,
                std::size_t bytes, bool stream) {
   for (int r = 0; r < m; ++r) {
     char* out = static_cast<char*>(outputs[r]) + offset;
+    if (out == src) continue;
     std::size_t done = 0;
 #if defined(__x86_64__)
     if (stream && reinterpret_cast<uintptr_t>(out) % 16 == 0) {

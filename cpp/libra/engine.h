@@ -52,6 +52,11 @@ Status StagingBytes(const char* raw, std::size_t default_bytes, std::size_t* byt
 //                    input is read once; each output written once; no full-size temporary.
 //  - kAllGather:     count / world in, count out on every rank: rank r's input is shard r.
 //                    A copy: any element type, by its bytes (DType::kBytes).
+// In place (a start/done pair's buffers, NCCL's rule): with outer = 1, a reduce-scatter may
+// write rank r's shard over its own input at offset r * shard (output = input + r * shard),
+// and an all-gather may read rank r's shard from its own output at that offset (input =
+// output + r * shard): every element is read from all inputs before its output is written,
+// and a shard already in place is not copied.
 // Shards: the full buffer is [outer][world][segment], row-major, and shard r is
 // [outer][segment], its rows at r: a scatter or gather along one dimension of an array,
 // `segment` the elements of one rank's share from that dimension on, `outer` the product of

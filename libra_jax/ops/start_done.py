@@ -58,8 +58,10 @@ from libra_jax import _compat, _ffi
 from libra_jax.ops import lowering
 from libra_jax.ops.base import Platform, Rule, register_op
 from libra_jax.ops.psum import psum_abstract_eval
+from libra_jax.ops.sharded import mirror_all_gather, mirror_reduce_scatter
 
-__all__ = ["libra_psum_start_p", "libra_psum_done_p", "TOKEN_AVAL"]
+__all__ = ["libra_psum_start_p", "libra_psum_done_p", "libra_sharded_start_p",
+           "libra_sharded_done_p", "TOKEN_AVAL"]
 
 #: Start's last result and done's last operand: written by start, it orders done after the
 #: latest start by data (XLA orders by data only), and no buffer is passed twice (a second
@@ -179,3 +181,164 @@ libra_psum_start_p = register_op("libra_psum_start", abstract_eval=start_abstrac
                                  lowering=_start_lowering, multiple_results=True)
 libra_psum_done_p = register_op("libra_psum_done", abstract_eval=done_abstract_eval,
                                 lowering=_done_lowering, multiple_results=True)
+
+
+# --- The sharded pair's start/done (reduce-scatter, all-gather) ---------------------------
+#
+# One pair of primitives for both collectives (`collective`: "psum_scatter" or "all_gather",
+# a row of `lowering.COLLECTIVES`), each operand one array. The in-flight value is one flat
+# buffer of the full size per device, the devices' shards in rank order (the scattered or
+# gathered dimension moved to the front: no copy where it is the first), worked on in place
+# as NCCL's in-place collectives are (cpp/libra/engine.h, "In place"):
+#
+# * reduce-scatter: start's buffer *is* its (flattened) operand, aliased; the engine writes
+#   rank r's shard of the sum over it at offset r * shard; done waits and slices that shard.
+# * all-gather: start's buffer is a fresh full-size result; the handler copies the device's
+#   shard to offset r * shard in it before it joins the round, so the operand need not live
+#   until done, and the round fills in the other shards; done waits and reshapes.
+#
+# On CPU start is ``libra_reduce_scatter_cpu_start`` / ``libra_all_gather_cpu_start`` and done
+# is the all-reduce's ``libra_allreduce_cpu_done`` (keyed alike by call id, run, group, rank;
+# its pending entries expire alike). Where the engine does not serve the call (other
+# platforms, CUDA until libra has GPU versions, groups across processes) the collective is
+# XLA's, with `lowering.sharded_rule`'s notice: the all-gather in start, the reduce-scatter in
+# done (its start then only flattens); the values are the same. Params: ``collective``,
+# ``axis_name``, ``dimension`` (the scattered dimension of the operand, or the gathered one
+# of the result), ``axis_size``, ``tiled``, ``blocks``, ``call_id``; done's ``out_aval`` is the
+# one-call form's result type. The engine keys the pair by `_sharded_key`: ``call_id * 16 + 8``
+# plus 0 (reduce-scatter) or 1 (all-gather), apart from the psum buckets' ``call_id * 16 + j``
+# (j, a bucket's dtype index, is below 8), so a program's pairs of both kinds may share ids.
+
+
+def _sharded_key(call_id: int, collective: str) -> np.int64:
+    return np.int64(call_id * 16 + 8 + (collective == "all_gather"))
+
+
+def _flat_aval(aval: Any, collective: str, axis_size: int) -> Any:
+    """The in-flight buffer's type: the full buffer, flat, typed as the operand otherwise."""
+    gathers = lowering.COLLECTIVES[collective].gathers
+    return aval.update(shape=(int(np.prod(aval.shape)) * (axis_size if gathers else 1),))
+
+
+def sharded_start_abstract_eval(aval: Any, *, collective: str, axis_name: tuple,
+                                dimension: int, axis_size: int, tiled: bool,
+                                blocks: int | None, call_id: int) -> Any:
+    return [_flat_aval(aval, collective, axis_size), TOKEN_AVAL], _compat.axis_effects(axis_name)
+
+
+def sharded_done_abstract_eval(flat: Any, token: Any, *, collective: str, axis_name: tuple,
+                               dimension: int, axis_size: int, tiled: bool,
+                               blocks: int | None, call_id: int, out_aval: Any) -> Any:
+    return out_aval, set()
+
+
+def _sharded_split(platform: str | None, flat_ctx: Any, axes: tuple, blocks: int | None,
+                   collective: str) -> tuple[str, Any, dict] | None:
+    """(start target, (rank, group) operand, attributes) where the engine splits this flat
+    buffer's collective into start and done; None where XLA's does it (start and done decide
+    alike: the same buffer, axes and blocks)."""
+    if platform != "cpu":
+        return None
+    call, _ = lowering.cpu_call(flat_ctx, axes, blocks, collective)
+    if call is None:
+        return None
+    rank_group, attrs = call
+    return _SHARDED_CPU_STARTS[collective], rank_group, attrs
+
+
+_SHARDED_CPU_STARTS = {"psum_scatter": _ffi.REDUCE_SCATTER_CPU_START_TARGET,
+                       "all_gather": _ffi.ALL_GATHER_CPU_START_TARGET}
+
+
+def _one_call(platform: Platform, collective: str) -> Rule:
+    """The one-call lowering of `collective` on `platform` (`lowering.sharded_rule`), for a
+    flat buffer: tiled along its only dimension."""
+    if collective == "psum_scatter":
+        rule = lowering.sharded_rule(collective, platform, "scatter_dimension",
+                                     mirror_reduce_scatter)
+        return lambda ctx, x, **p: rule(ctx, x, scatter_dimension=0, tiled=True, **p)
+    rule = lowering.sharded_rule(collective, platform, "all_gather_dimension",
+                                 mirror_all_gather)
+    return lambda ctx, x, **p: rule(ctx, x, all_gather_dimension=0, tiled=True,
+                                    invariant=False, **p)
+
+
+def _sharded_start_lowering(platform: Platform) -> Rule:
+    def rule(ctx: Any, x: Any, *, collective: str, axis_name: tuple, dimension: int,
+             axis_size: int, tiled: bool, blocks: int | None, call_id: int) -> list[Any]:
+        aval_in, = ctx.avals_in
+        flat_in = aval_in.update(shape=(int(np.prod(aval_in.shape)),))
+        gathers = lowering.COLLECTIVES[collective].gathers
+        moved = dimension if (tiled or not gathers) else None  # the operand's dimension
+
+        def flatten(v: Any) -> Any:
+            return (v if moved is None else jax.numpy.moveaxis(v, moved, 0)).reshape(-1)
+        flat, = _compat.ir_values(_compat.lower_fun(flatten)(
+            ctx.replace(primitive=None, avals_out=[flat_in]), x))
+        flat_ctx = ctx.replace(primitive=None, avals_in=[flat_in])
+        full = ctx.avals_out[0]
+        split = _sharded_split(platform, flat_ctx, axis_name, blocks, collective)
+        if split is None:
+            token = _compat.ir_constant(np.zeros(TOKEN_AVAL.shape, TOKEN_AVAL.dtype))
+            if not gathers:  # done reduce-scatters the flat buffer
+                return [flat, token]
+            result, = _compat.ir_values(_one_call(platform, collective)(
+                flat_ctx.replace(avals_out=[full]), flat, axis_name=axis_name,
+                axis_size=axis_size, blocks=blocks))
+            return [result, token]
+        target, rank_group, attrs = split
+        call = jax.ffi.ffi_lowering(target, operand_output_aliases={} if gathers else {0: 0})
+        return list(call(ctx.replace(primitive=None, avals_in=[
+            flat_in, _compat.ShapedArray((2,), np.int32)]), flat, rank_group,
+            segment=np.int64(0), call_id=_sharded_key(call_id, collective), **attrs))
+    return rule
+
+
+def _sharded_done_lowering(platform: Platform) -> Rule:
+    def rule(ctx: Any, flat: Any, token: Any, *, collective: str, axis_name: tuple,
+             dimension: int, axis_size: int, tiled: bool, blocks: int | None, call_id: int,
+             out_aval: Any) -> list[Any]:
+        flat_aval, token_aval = ctx.avals_in
+        gathers = lowering.COLLECTIVES[collective].gathers
+        shard = flat_aval.shape[0] // axis_size
+        # The operand's flat form (start's lowering), which decides the split as start did.
+        flat_in = flat_aval.update(shape=(shard if gathers else flat_aval.shape[0],))
+        split = _sharded_split(platform, ctx.replace(primitive=None, avals_in=[flat_in]),
+                               axis_name, blocks, collective)
+        result_flat = flat_aval.update(shape=(shard,)) if not gathers else flat_aval
+        if split is None:
+            if not gathers:
+                flat, = _compat.ir_values(_one_call(platform, collective)(
+                    ctx.replace(primitive=None, avals_in=[flat_aval], avals_out=[result_flat]),
+                    flat, axis_name=axis_name, axis_size=axis_size, blocks=blocks))
+            operands, avals = [flat], [result_flat]
+        else:
+            _, rank_group, _ = split
+            call = jax.ffi.ffi_lowering(_ffi.ALLREDUCE_CPU_DONE_TARGET,
+                                        operand_output_aliases={0: 0})
+            rank_aval = _compat.ShapedArray((2,), np.int32)
+            flat, = _compat.ir_values(call(ctx.replace(
+                primitive=None, avals_in=[flat_aval, rank_aval, token_aval],
+                avals_out=[flat_aval]), flat, rank_group, token,
+                call_id=_sharded_key(call_id, collective)))
+            operands, avals = [flat, rank_group], [flat_aval, rank_aval]
+        shape = out_aval.shape
+        front = ((shape[dimension], *shape[:dimension], *shape[dimension + 1:])
+                 if (tiled or gathers) else shape)
+
+        def unflatten(v: Any, *rank: Any) -> Any:
+            if rank and not gathers:  # this device's shard of the in-place reduce-scatter
+                v = jax.lax.dynamic_slice_in_dim(v, rank[0][0] * shard, shard)
+            v = v.reshape(front)
+            return jax.numpy.moveaxis(v, 0, dimension) if front is not shape else v
+        return _compat.lower_fun(unflatten)(
+            ctx.replace(primitive=None, avals_in=avals, avals_out=[out_aval]), *operands)
+    return rule
+
+
+libra_sharded_start_p = register_op("libra_sharded_start",
+                                    abstract_eval=sharded_start_abstract_eval,
+                                    lowering=_sharded_start_lowering, multiple_results=True)
+libra_sharded_done_p = register_op("libra_sharded_done",
+                                   abstract_eval=sharded_done_abstract_eval,
+                                   lowering=_sharded_done_lowering)
