@@ -140,6 +140,89 @@ def test_what_reaches_nccl_by_version(stub_env, version, name, route):
         assert len({c["id"] for c in calls}) == 1
 
 
+# The sharded pair on NCCL: two ranks as threads, a reduce-scatter and an all-gather per block
+# count (2, 4, 2), out of place and in place (NCCL's rule: a reduce-scatter's output at input +
+# rank x recvcount, an all-gather's input at output + rank x sendcount, as views of one buffer).
+THREADED_SHARDED = """
+    import threading
+    import numpy as np
+    from libra_jax import _nccl
+    results = {}
+    def rank(r):
+        outs = []
+        for blocks in (2, 4, 2):
+            comm = _nccl.communicator([0, 1], blocks=blocks, holds_root=True, timeout_s=5)
+            full = np.arange(8, dtype=np.float32) * (r + 1) + blocks
+            mine = np.empty(4, np.float32)
+            _nccl.collective_host("reduce-scatter", comm, 2, r, blocks, full, mine)
+            in_place = full.copy()
+            _nccl.collective_host("reduce-scatter", comm, 2, r, blocks, in_place,
+                                  in_place[4 * r:4 * r + 4])
+            gathered = np.empty(8, np.float32)
+            _nccl.collective_host("all-gather", comm, 2, r, blocks, mine, gathered)
+            buffer = np.zeros(8, np.float32)
+            buffer[4 * r:4 * r + 4] = mine
+            _nccl.collective_host("all-gather", comm, 2, r, blocks, buffer[4 * r:4 * r + 4],
+                                  buffer)
+            outs.append((mine.tolist(), in_place[4 * r:4 * r + 4].tolist(), gathered.tolist(),
+                         buffer.tolist()))
+        results[r] = outs
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    [t.start() for t in threads]; [t.join() for t in threads]
+    print("SCATTERED", results[0][1][0], results[1][1][0])
+    print("IN_PLACE_SAME", all(o[0] == o[1] for r in results for o in results[r]))
+    print("GATHERED", results[0][1][2] == results[1][1][2] == results[0][1][3] == results[1][1][3],
+          results[0][1][2])
+"""
+
+
+@pytest.mark.parametrize("version, route", [(21400, "none"), (21700, "per-communicator"),
+                                            (22700, "per-communicator"),
+                                            (23100, "per-collective")])
+def test_reduce_scatter_and_all_gather_reach_nccl_by_version(stub_env, version, route):
+    """ncclReduceScatter and ncclAllGather take the block count by the all-reduce's routes: the
+    per-call config from 2.31 (ncclReduceScatterConfig / ncclAllGatherConfig), a communicator
+    per block count on 2.17-2.30, none below; in place as NCCL places it."""
+    stub_env["NCCL_STUB_VERSION"] = str(version)
+    out = run(THREADED_SHARDED, stub_env)
+    # blocks 4: rank 0 arange*1+4, rank 1 arange*2+4 -> arange*3 + 8; rank r keeps half r.
+    assert "SCATTERED [8.0, 11.0, 14.0, 17.0] [20.0, 23.0, 26.0, 29.0]" in out, out
+    assert "IN_PLACE_SAME True" in out
+    assert "GATHERED True [8.0, 11.0, 14.0, 17.0, 20.0, 23.0, 26.0, 29.0]" in out
+    for kind in ("reducescatter", "allgather"):
+        calls = log_lines(stub_env, kind)
+        assert len(calls) == 12 and sorted(c["count"] for c in calls) == [4] * 12, calls
+        assert sorted(c["inplace"] for c in calls) == [0] * 6 + [1] * 6
+        if route == "none":
+            assert all(c["asked"] == 0 and c["config"] == 0 for c in calls)
+            continue
+        assert sorted(c["ctas"] for c in calls) == [2] * 8 + [4] * 4  # every call as asked
+        assert all(c["config"] == (route == "per-collective") for c in calls)
+
+
+def test_nccl_overlapping_buffers_outside_the_in_place_rule_are_refused(stub_env):
+    out = run("""
+        import numpy as np
+        from libra_jax import _nccl
+        comm = _nccl.communicator([0], blocks=2, holds_root=True, timeout_s=5)
+        a = np.arange(8, dtype=np.float32)
+        _nccl.collective_host("reduce-scatter", comm, 1, 0, 2, a, a)  # one rank: in place
+        try:
+            b = np.arange(8, dtype=np.float32)
+            _nccl.collective_host("all-gather", comm, 1, 0, 2, b[1:5], b[:4])
+        except RuntimeError as e:
+            print("REFUSED", e)
+        try:
+            _nccl.collective_host("reduce-scatter", comm, 2, 0, 2, a[:3], a[:2])
+        except ValueError as e:
+            print("SIZES", e)
+    """, stub_env)
+    assert "REFUSED libra NCCL: ncclAllGatherConfig failed: invalid argument" in out, out
+    assert "SIZES nccl_collective_host: sizes do not fit" in out, out
+    assert any(line.startswith("overlap") for line in Path(stub_env["NCCL_STUB_LOG"]).read_text()
+               .splitlines())
+
+
 @pytest.mark.parametrize("version, most", [(22400, 32), (22500, 64), (23100, 32)])
 def test_block_counts_above_what_nccl_honours_are_capped_and_said(stub_env, version, most):
     # NCCL's channel maximum is 32 up to 2.24 and 64 from 2.25; per collective (2.31) libra's

@@ -202,6 +202,43 @@ void NcclAllReduceHost(int64_t comm_id, int nranks, int rank, int ctas, HostArra
   if (!status.ok()) throw std::runtime_error(status.message);
 }
 
+// One rank's collective (`kind`: "all-reduce", "reduce-scatter" or "all-gather") from one host
+// array into another (the same memory, or views of one buffer, for NCCL's in-place forms),
+// through the communicator cache; `count` is NCCL's (the output's elements for a
+// reduce-scatter, the input's for an all-gather).
+void NcclCollectiveHost(const std::string& kind, int64_t comm_id, int nranks, int rank, int ctas,
+                        HostArray input, HostArray output, int64_t timeout_ms) {
+  OpenNccl();
+  libra::Collective collective;
+  if (kind == libra::Name(libra::Collective::kAllReduce)) {
+    collective = libra::Collective::kAllReduce;
+  } else if (kind == libra::Name(libra::Collective::kReduceScatter)) {
+    collective = libra::Collective::kReduceScatter;
+  } else if (kind == libra::Name(libra::Collective::kAllGather)) {
+    collective = libra::Collective::kAllGather;
+  } else {
+    throw nb::value_error(("nccl_collective_host: unknown collective '" + kind + "'").c_str());
+  }
+  const libra::DType dtype = HostDType(input);
+  if (HostDType(output) != dtype) throw nb::type_error("nccl_collective_host: dtypes differ");
+  const bool scatters = collective == libra::Collective::kReduceScatter;
+  const bool gathers = collective == libra::Collective::kAllGather;
+  const std::size_t count = scatters ? output.size() : input.size();
+  const std::size_t want_in = count * (scatters ? nranks : 1);
+  const std::size_t want_out = count * (gathers ? nranks : 1);
+  if (nranks < 1 || input.size() != want_in || output.size() != want_out) {
+    throw nb::value_error("nccl_collective_host: sizes do not fit the collective and nranks");
+  }
+  libra::Status status;
+  {
+    nb::gil_scoped_release release;
+    status = libra::nccl::Communicators::Get().Call(collective, comm_id, nranks, rank, ctas,
+                                                    input.data(), output.data(), count, dtype,
+                                                    nullptr, timeout_ms);
+  }
+  if (!status.ok()) throw std::runtime_error(status.message);
+}
+
 }  // namespace
 
 NB_MODULE(_libra_ffi, m) {
@@ -322,6 +359,11 @@ NB_MODULE(_libra_ffi, m) {
         nb::arg("rank"), nb::arg("ctas"), nb::arg("array"), nb::arg("timeout_ms") = 0,
         "One rank's in-place all-reduce of a host array through the communicator cache "
         "(for tests against a host-memory NCCL).");
+  m.def("nccl_collective_host", &NcclCollectiveHost, nb::arg("kind"), nb::arg("comm_id"),
+        nb::arg("nranks"), nb::arg("rank"), nb::arg("ctas"), nb::arg("input"),
+        nb::arg("output"), nb::arg("timeout_ms") = 0,
+        "One rank's all-reduce, reduce-scatter or all-gather between host arrays through the "
+        "communicator cache (for tests against a host-memory NCCL).");
   m.def("nccl_communicators", [] { return libra::nccl::Communicators::Get().size(); },
         "NCCL communicators this process has created.");
 }

@@ -1,6 +1,7 @@
-// Element types of libra's collectives, shared by the CPU engine and the CUDA
-// kernels (which serve all of them but s64 and kBytes). kBytes is any element
-// type moved as its bytes: copies only (an all-gather), never summed.
+// Element types and collective kinds of libra's calls, shared by the CPU engine,
+// the CUDA kernels (which serve all types but s64 and kBytes, and only the
+// all-reduce) and the NCCL path. kBytes is any element type moved as its bytes:
+// copies only (an all-gather), never summed.
 #pragma once
 
 #include <cstddef>
@@ -28,6 +29,18 @@ inline const char* Name(DType dtype) {
     case DType::kS32: return "s32";
     case DType::kS64: return "s64";
     case DType::kBytes: return "bytes";
+  }
+  return "?";
+}
+
+// What a call computes (the engine's table of kinds: engine.h; NCCL's calls: nccl.h).
+enum class Collective : int { kAllReduce = 0, kReduceScatter, kAllGather };
+
+inline const char* Name(Collective collective) {
+  switch (collective) {
+    case Collective::kAllReduce: return "all-reduce";
+    case Collective::kReduceScatter: return "reduce-scatter";
+    case Collective::kAllGather: return "all-gather";
   }
   return "?";
 }

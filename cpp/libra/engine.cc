@@ -785,7 +785,7 @@ struct CollectiveKind {
   void (*piece)(const Job& job, std::size_t begin, std::size_t end, bool large);
 };
 
-// Indexed by Collective.
+// Indexed by Collective (its names are Name(Collective)'s, libra/dtype.h).
 constexpr CollectiveKind kKinds[] = {
     {"all-reduce", true, false, true, AllReducePiece},
     {"reduce-scatter", true, true, false, ReduceScatterPiece},
@@ -914,10 +914,6 @@ bool SetReduceVectorBytes(int bytes) {
   if (bytes != 16 && !(bytes == 32 && CpuHasWideVectors())) return false;
   VectorBytes().store(bytes, std::memory_order_relaxed);
   return true;
-}
-
-const char* Name(Collective collective) {
-  return KnownKind(collective) ? KindOf(collective).name : "?";
 }
 
 Status AllReduce(DType dtype, const std::vector<const void*>& inputs,

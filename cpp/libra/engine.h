@@ -61,8 +61,7 @@ Status StagingBytes(const char* raw, std::size_t default_bytes, std::size_t* byt
 // [outer][segment], its rows at r: a scatter or gather along one dimension of an array,
 // `segment` the elements of one rank's share from that dimension on, `outer` the product of
 // the dimensions before it (1 along the first).
-enum class Collective : int { kAllReduce = 0, kReduceScatter, kAllGather };
-const char* Name(Collective collective);
+// (The enum and its Name are libra/dtype.h's, shared with the NCCL path.)
 
 // Number of worker tasks that reduce `count` elements when `blocks` are asked
 // for: min(blocks, ceil(bytes / kMinChunkBytes)) (fewer only when 64-byte

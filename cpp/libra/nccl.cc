@@ -103,7 +103,7 @@ int ToNcclDataType(DType dtype) {
     case DType::kF32: return 7;   // ncclFloat32
     case DType::kF64: return 8;   // ncclFloat64
     case DType::kBF16: return 9;  // ncclBfloat16
-    case DType::kBytes: break;    // copies only; no all-reduce of it
+    case DType::kBytes: return 1;  // ncclUint8: copies only (Library::Collective refuses a sum)
   }
   return -1;
 }
@@ -143,6 +143,11 @@ struct Library::Api {
   using AllReduce = int (*)(const void*, void*, std::size_t, int, int, void*, void*);
   using AllReduceConfig = int (*)(const void*, void*, std::size_t, int, int, void*, void*,
                                   const CollConfigV23100*);
+  // ncclReduceScatter has ncclAllReduce's signature (its count is the recvcount);
+  // ncclAllGather has no reduction operator.
+  using AllGather = int (*)(const void*, void*, std::size_t, int, void*, void*);
+  using AllGatherConfig = int (*)(const void*, void*, std::size_t, int, void*, void*,
+                                  const CollConfigV23100*);
   using CommDestroy = int (*)(void*);
   using CommAbort = int (*)(void*);
   using CommGetAsyncError = int (*)(void*, int*);
@@ -154,6 +159,10 @@ struct Library::Api {
   CommInitRankConfig comm_init_rank_config = nullptr;
   AllReduce all_reduce = nullptr;
   AllReduceConfig all_reduce_config = nullptr;  // NCCL >= 2.31 only
+  AllReduce reduce_scatter = nullptr;
+  AllReduceConfig reduce_scatter_config = nullptr;  // NCCL >= 2.31 only
+  AllGather all_gather = nullptr;
+  AllGatherConfig all_gather_config = nullptr;  // NCCL >= 2.31 only
   CommSplit comm_split = nullptr;                // NCCL >= 2.18 only
   CommDestroy comm_destroy = nullptr;
   CommAbort comm_abort = nullptr;
@@ -229,11 +238,15 @@ Status Library::Open(const std::string& path, std::unique_ptr<Library>* library)
       {"ncclGetUniqueId", reinterpret_cast<void**>(&api.get_unique_id), true},
       {"ncclCommInitRankConfig", reinterpret_cast<void**>(&api.comm_init_rank_config), true},
       {"ncclAllReduce", reinterpret_cast<void**>(&api.all_reduce), true},
+      {"ncclReduceScatter", reinterpret_cast<void**>(&api.reduce_scatter), true},
+      {"ncclAllGather", reinterpret_cast<void**>(&api.all_gather), true},
       {"ncclCommDestroy", reinterpret_cast<void**>(&api.comm_destroy), true},
       {"ncclCommAbort", reinterpret_cast<void**>(&api.comm_abort), true},
       {"ncclCommGetAsyncError", reinterpret_cast<void**>(&api.comm_get_async_error), true},
       {"ncclGetErrorString", reinterpret_cast<void**>(&api.get_error_string), true},
       {"ncclAllReduceConfig", reinterpret_cast<void**>(&api.all_reduce_config), false},
+      {"ncclReduceScatterConfig", reinterpret_cast<void**>(&api.reduce_scatter_config), false},
+      {"ncclAllGatherConfig", reinterpret_cast<void**>(&api.all_gather_config), false},
       {"ncclCommSplit", reinterpret_cast<void**>(&api.comm_split), false},
   };
   for (const Entry& entry : entries) {
@@ -427,22 +440,49 @@ Status Library::Wait(void* comm, int64_t timeout_ms, const std::string& what) co
   }
 }
 
-Status Library::AllReduce(const void* input, void* output, std::size_t count, DType dtype,
-                          void* comm, int ctas, void* stream, int64_t timeout_ms,
-                          bool* aborted) const {
+Status Library::Collective(libra::Collective kind, const void* input, void* output,
+                           std::size_t count, DType dtype, void* comm, int ctas, void* stream,
+                           int64_t timeout_ms, bool* aborted) const {
   if (aborted != nullptr) *aborted = false;
   const int nccl_dtype = ToNcclDataType(dtype);
+  if (nccl_dtype < 0 || (dtype == DType::kBytes && kind != libra::Collective::kAllGather)) {
+    return Error(Status::Code::kInvalidArgument,
+                 std::string("NCCL ") + libra::Name(kind) + " of " + Name(dtype) +
+                     " is not served (bytes are only gathered)");
+  }
+  // The collective's plain and per-call-config entry points (the config's only from 2.31).
+  const bool configured = ctas > 0 && route_ == CtaRoute::kPerCollective;
+  CollConfigV23100 config{sizeof(CollConfigV23100), kApiMagic, kPerCollectiveVersion,
+                          nullptr, ctas, ctas, kUndefInt, kUndefInt, nullptr, 1,
+                          kUndefInt, 0};
+  const char* what = "";
   int result = kSuccess;
-  const char* what = "ncclAllReduce";
-  if (ctas > 0 && route_ == CtaRoute::kPerCollective) {
-    CollConfigV23100 config{sizeof(CollConfigV23100), kApiMagic, kPerCollectiveVersion,
-                            nullptr, ctas, ctas, kUndefInt, kUndefInt, nullptr, 1,
-                            kUndefInt, 0};
-    what = "ncclAllReduceConfig";
-    result = api_->all_reduce_config(input, output, count, nccl_dtype, kSum, comm, stream,
-                                     &config);
-  } else {
-    result = api_->all_reduce(input, output, count, nccl_dtype, kSum, comm, stream);
+  switch (kind) {
+    case libra::Collective::kAllReduce:
+    case libra::Collective::kReduceScatter: {
+      const bool scatters = kind == libra::Collective::kReduceScatter;
+      const Api::AllReduceConfig with_config =
+          scatters ? api_->reduce_scatter_config : api_->all_reduce_config;
+      if (configured && with_config == nullptr) {
+        return Error(Status::Code::kInternal, path_ + " has no ncclReduceScatterConfig");
+      }
+      what = configured ? (scatters ? "ncclReduceScatterConfig" : "ncclAllReduceConfig")
+                        : (scatters ? "ncclReduceScatter" : "ncclAllReduce");
+      result = configured
+                   ? with_config(input, output, count, nccl_dtype, kSum, comm, stream, &config)
+                   : (scatters ? api_->reduce_scatter : api_->all_reduce)(
+                         input, output, count, nccl_dtype, kSum, comm, stream);
+      break;
+    }
+    case libra::Collective::kAllGather:
+      if (configured && api_->all_gather_config == nullptr) {
+        return Error(Status::Code::kInternal, path_ + " has no ncclAllGatherConfig");
+      }
+      what = configured ? "ncclAllGatherConfig" : "ncclAllGather";
+      result = configured ? api_->all_gather_config(input, output, count, nccl_dtype, comm,
+                                                    stream, &config)
+                          : api_->all_gather(input, output, count, nccl_dtype, comm, stream);
+      break;
   }
   // On a non-blocking communicator the call may still be enqueueing: wait for that, bounded
   // (Wait aborts the communicator where it fails).
@@ -589,9 +629,9 @@ Status Communicators::Prepare(int64_t comm_id, int nranks, int rank, int ctas,
   return Prepare(comm_id, nranks, rank, ctas, timeout_ms, nullptr, nullptr, nullptr);
 }
 
-Status Communicators::AllReduce(int64_t comm_id, int nranks, int rank, int ctas,
-                                const void* input, void* output, std::size_t count,
-                                DType dtype, void* stream, int64_t timeout_ms) {
+Status Communicators::Call(libra::Collective kind, int64_t comm_id, int nranks, int rank,
+                           int ctas, const void* input, void* output, std::size_t count,
+                           DType dtype, void* stream, int64_t timeout_ms) {
   std::shared_ptr<Comm> comm;
   const Library* library = nullptr;
   void* handle = nullptr;
@@ -600,8 +640,8 @@ Status Communicators::AllReduce(int64_t comm_id, int nranks, int rank, int ctas,
   if (!status.ok()) return status;
   if (library->route() == CtaRoute::kNone) ctas = 0;
   bool aborted = false;
-  const Status done = library->AllReduce(input, output, count, dtype, handle, ctas, stream,
-                                         timeout_ms, &aborted);
+  const Status done = library->Collective(kind, input, output, count, dtype, handle, ctas,
+                                          stream, timeout_ms, &aborted);
   if (aborted) {  // that communicator is gone: forget the group's (its children share it)
     std::lock_guard<std::mutex> lock(comm->mu);
     if (handle != comm->handle) library->Abort(comm->handle);

@@ -1,5 +1,6 @@
-// libra NCCL: an all-reduce over NCCL (in one process or across processes,
-// every GPU one rank), with the call's block count as NCCL's CTA limit. Framework-free and CUDA-free: NCCL is resolved at
+// libra NCCL: an all-reduce, reduce-scatter or all-gather over NCCL (in one
+// process or across processes, every GPU one rank), with the call's block count
+// as NCCL's CTA limit. Framework-free and CUDA-free: NCCL is resolved at
 // run time (dlopen/dlsym) and streams are opaque pointers, so the control path
 // (library loading, the version switch, the communicator cache, CTA limits)
 // builds and is tested without a GPU, against a stub library in host memory
@@ -11,7 +12,8 @@
 // expects), found with RTLD_NOLOAD; else the loader's search for it.
 //
 // How the CTA limit reaches NCCL, by version (ncclGetVersion):
-//   >= 2.31    per collective: ncclAllReduceConfig with an ncclCollConfig_t
+//   >= 2.31    per collective: ncclAllReduceConfig (ncclReduceScatterConfig,
+//              ncclAllGatherConfig) with an ncclCollConfig_t
 //              whose minCTAs = maxCTAs = the call's blocks; one communicator
 //              per group, made with minCTAs = maxCTAs = CommCtas(version), so
 //              that it has the channels every per-call limit up to that asks
@@ -132,12 +134,23 @@ class Library {
   // per-channel buffers, so a block count costs only the channels the group lacked.
   // kDeadlineExceeded (the child aborted) if not every rank splits within timeout_ms.
   Status Split(void* parent, int rank, int ctas, void** child, int64_t timeout_ms = 0) const;
-  // ctas > 0 limits this call (per-collective route only). Where NCCL is still
-  // enqueueing it (ncclInProgress), waits at most timeout_ms, then aborts.
-  // `aborted` (optional) says whether it aborted the communicator.
+  // One rank's part of collective `kind`: an all-reduce (sum) of `count` elements, a
+  // reduce-scatter (sum) whose output is `count` elements (NCCL's recvcount; the input is
+  // nranks times that), or an all-gather whose input is `count` elements (NCCL's sendcount;
+  // the output nranks times that; any dtype, kBytes as bytes). In place as NCCL defines it:
+  // a reduce-scatter's output at input + rank * count, an all-gather's input at output +
+  // rank * count. ctas > 0 limits this call (per-collective route only). Where NCCL is still
+  // enqueueing it (ncclInProgress), waits at most timeout_ms, then aborts. `aborted`
+  // (optional) says whether it aborted the communicator.
+  Status Collective(libra::Collective kind, const void* input, void* output, std::size_t count,
+                    DType dtype, void* comm, int ctas, void* stream, int64_t timeout_ms = 0,
+                    bool* aborted = nullptr) const;
   Status AllReduce(const void* input, void* output, std::size_t count, DType dtype,
                    void* comm, int ctas, void* stream, int64_t timeout_ms = 0,
-                   bool* aborted = nullptr) const;
+                   bool* aborted = nullptr) const {
+    return Collective(libra::Collective::kAllReduce, input, output, count, dtype, comm, ctas,
+                      stream, timeout_ms, aborted);
+  }
   void Destroy(void* comm) const;
   void Abort(void* comm) const;
   // The communicator's asynchronous error as a message ("" while none).
@@ -181,7 +194,7 @@ class Communicators {
   // are made before the program runs, not in the middle of it.
   Status Prepare(int64_t comm_id, int nranks, int rank, int ctas, int64_t timeout_ms = 0);
 
-  // One rank's part of an all-reduce on communicator `comm_id`, issued on
+  // One rank's part of a collective on communicator `comm_id`, issued on
   // `stream`; the communicator is prepared first (made where Prepare has not
   // made it yet). On the per-communicator route the group's communicator is
   // pinned to its first call's `ctas`; a call with other ctas runs on a child
@@ -190,9 +203,16 @@ class Communicators {
   // timeout_ms bounds the communicator's creation (and an enqueue still in
   // progress): a rank that never joins turns into kDeadlineExceeded, and the
   // communicator is aborted and forgotten (0: wait forever).
+  // `kind` and `count` as Library::Collective has them.
+  Status Call(libra::Collective kind, int64_t comm_id, int nranks, int rank, int ctas,
+              const void* input, void* output, std::size_t count, DType dtype, void* stream,
+              int64_t timeout_ms = 0);
   Status AllReduce(int64_t comm_id, int nranks, int rank, int ctas, const void* input,
                    void* output, std::size_t count, DType dtype, void* stream,
-                   int64_t timeout_ms = 0);
+                   int64_t timeout_ms = 0) {
+    return Call(libra::Collective::kAllReduce, comm_id, nranks, rank, ctas, input, output,
+                count, dtype, stream, timeout_ms);
+  }
 
   // Watches the call just issued on `stream` by this rank of `comm_id`: a collective
   // enqueued on the GPU whose peer never comes would spin there for ever, so the

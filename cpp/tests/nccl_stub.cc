@@ -9,6 +9,8 @@
 //   init rank=R nranks=N minCTAs=A maxCTAs=B channels=H blocking=0|1 implicit=0|1 mem=M id=ID
 //   split rank=R parent=ID minCTAs=A maxCTAs=B channels=H share=0|1 implicit=0|1 mem=M id=ID
 //   allreduce rank=R count=C dtype=D ctas=K asked=Q config=0|1 stream=S id=ID
+//   reducescatter|allgather rank=R count=C dtype=D ctas=K asked=Q config=0|1 inplace=0|1
+//                 stream=S id=ID   (count: NCCL's, the recvcount or the sendcount)
 // ($NCCL_STUB_VERSION sets ncclGetVersion, default 23100 = 2.31.0.)
 //
 // It keeps NCCL's rules that libra must get right (NCCL 2.17-2.31 docs and
@@ -20,7 +22,10 @@
 //   version's MAXCHANNELS (32 up to 2.24, 64 from 2.25);
 // - a collective runs on at most its communicator's channels: a larger
 //   per-call limit is clipped (`ctas` is what ran, `asked` what was asked);
-// - ncclAllReduceConfig exists from 2.31 only (ncclInvalidUsage before);
+// - ncclAllReduceConfig (and ncclReduceScatterConfig, ncclAllGatherConfig) exist from 2.31
+//   only (ncclInvalidUsage before);
+// - in place only as NCCL places it: a reduce-scatter's output at input + rank x recvcount, an
+//   all-gather's input at output + rank x sendcount; other overlaps are refused;
 // - a non-blocking config (blocking = 0) makes creation return ncclInProgress
 //   and complete in the background; ncclCommGetAsyncError reports its state,
 //   ncclCommAbort stops it (logged: abort rank=R id=ID);
@@ -234,17 +239,50 @@ Worker& WorkerOf(void* stream) {
   return *worker;
 }
 
-int AllReduce(const void* in, void* out, size_t count, int dtype, int op, Comm* comm,
-              void* stream, int asked, bool configured) {
-  size_t itemsize = 0;
+enum Kind { kAllReduceKind, kReduceScatterKind, kAllGatherKind };
+const char* const kKindNames[] = {"allreduce", "reducescatter", "allgather"};
+
+size_t ItemSize(int dtype) {
   switch (dtype) {
-    case 2: itemsize = 4; break;  // int32
-    case 4: itemsize = 8; break;  // int64
-    case 7: itemsize = 4; break;  // float32
-    case 8: itemsize = 8; break;  // float64
-    default: return kInvalidArgument;
+    case 1: return 1;  // uint8 (gathered only)
+    case 2: return 4;  // int32
+    case 4: return 8;  // int64
+    case 7: return 4;  // float32
+    case 8: return 8;  // float64
+    default: return 0;
   }
+}
+
+template <typename T>
+void SumSlices(const std::vector<std::string>& parts, size_t offset, size_t count, void* out) {
+  std::vector<std::string> slices;
+  for (const std::string& part : parts) slices.push_back(part.substr(offset * sizeof(T), count * sizeof(T)));
+  SumInRankOrder<T>(slices, count, out);
+}
+
+// One rank's collective: an all-reduce of `count` elements, a reduce-scatter whose output is
+// `count` (its input nranks x count), an all-gather whose input is `count` (its output
+// nranks x count), as NCCL counts them. NCCL's in-place rule: a reduce-scatter is in place
+// where out == in + rank * count, an all-gather where in == out + rank * count (an all-reduce
+// where out == in); buffers that overlap otherwise are refused (logged: overlap ...).
+int Collective(Kind kind, const void* in, void* out, size_t count, int dtype, int op,
+               Comm* comm, void* stream, int asked, bool configured) {
+  const size_t itemsize = ItemSize(dtype);
+  if (itemsize == 0 || (dtype == 1 && kind != kAllGatherKind)) return kInvalidArgument;
   if (op != 0 || comm == nullptr) return kInvalidArgument;
+  const size_t in_bytes = count * itemsize * (kind == kReduceScatterKind ? comm->nranks : 1);
+  const size_t out_bytes = count * itemsize * (kind == kAllGatherKind ? comm->nranks : 1);
+  const char* in_lo = static_cast<const char*>(in);
+  const char* out_lo = static_cast<const char*>(out);
+  const size_t shard = count * itemsize * comm->rank;
+  const bool in_place = kind == kReduceScatterKind ? out_lo == in_lo + shard
+                        : kind == kAllGatherKind   ? in_lo == out_lo + shard
+                                                   : out_lo == in_lo;
+  if (!in_place && in_lo < out_lo + out_bytes && out_lo < in_lo + in_bytes) {
+    Log("overlap rank=" + std::to_string(comm->rank) + " id=" + comm->id +
+        " (input and output overlap, and not as NCCL's in-place rule places them)");
+    return kInvalidArgument;
+  }
   if (!Ordered(*comm, stream)) {
     Log("hazard rank=" + std::to_string(comm->rank) + " id=" + comm->id +
         " after=" + last_launch.id + " (another communicator on another stream, no launch order)");
@@ -252,22 +290,31 @@ int AllReduce(const void* in, void* out, size_t count, int dtype, int op, Comm* 
   }
   last_launch = {comm->id, stream, comm->launch_order_implicit};
   const int ctas = asked > 0 ? std::min(asked, comm->channels) : comm->channels;
-  Log("allreduce rank=" + std::to_string(comm->rank) + " count=" + std::to_string(count) +
-      " dtype=" + std::to_string(dtype) + " ctas=" + std::to_string(ctas) +
-      " asked=" + std::to_string(asked) + " config=" + std::to_string(configured ? 1 : 0) +
+  Log(std::string(kKindNames[kind]) + " rank=" + std::to_string(comm->rank) +
+      " count=" + std::to_string(count) + " dtype=" + std::to_string(dtype) +
+      " ctas=" + std::to_string(ctas) + " asked=" + std::to_string(asked) +
+      " config=" + std::to_string(configured ? 1 : 0) +
+      (kind == kAllReduceKind ? "" : " inplace=" + std::to_string(in_place ? 1 : 0)) +
       " stream=" + std::to_string(reinterpret_cast<uintptr_t>(stream)) + " id=" + comm->id);
   // What runs "on the GPU": a copy of the communicator's identity (an aborted Comm is freed).
-  auto run = [copy = *comm, step = comm->sequence++, in, out, count, dtype, itemsize] {
+  auto run = [copy = *comm, step = comm->sequence++, kind, in, out, count, dtype, in_bytes,
+              out_bytes] {
     std::vector<std::string> parts;
     const int result = Exchange(copy, "step" + std::to_string(step),
-                                std::string(static_cast<const char*>(in), count * itemsize),
-                                &parts);
+                                std::string(static_cast<const char*>(in), in_bytes), &parts);
     if (result != kSuccess) return result;
+    if (kind == kAllGatherKind) {
+      std::string all;
+      for (const std::string& part : parts) all += part;
+      std::memcpy(out, all.data(), out_bytes);
+      return kSuccess;
+    }
+    const size_t offset = kind == kReduceScatterKind ? count * copy.rank : 0;
     switch (dtype) {
-      case 2: SumInRankOrder<int32_t>(parts, count, out); break;
-      case 4: SumInRankOrder<int64_t>(parts, count, out); break;
-      case 7: SumInRankOrder<float>(parts, count, out); break;
-      case 8: SumInRankOrder<double>(parts, count, out); break;
+      case 2: SumSlices<int32_t>(parts, offset, count, out); break;
+      case 4: SumSlices<int64_t>(parts, offset, count, out); break;
+      case 7: SumSlices<float>(parts, offset, count, out); break;
+      case 8: SumSlices<double>(parts, offset, count, out); break;
     }
     return kSuccess;
   };
@@ -280,6 +327,15 @@ int AllReduce(const void* in, void* out, size_t count, int dtype, int op, Comm* 
   });
   worker.cv.notify_one();
   return kSuccess;
+}
+
+// A per-call config (ncclCollConfig_t, 2.31+): its CTA limit, or an error code (< 0 means
+// none: not in this NCCL, or a bad config).
+int CallCtas(const CollConfig* config) {
+  if (Version() < kPerCollectiveVersion) return -kInvalidUsage;  // not in this NCCL
+  if (config == nullptr || config->magic != kMagic || config->size < 64) return -kInvalidArgument;
+  if (config->min_ctas != config->max_ctas) return -kInvalidArgument;
+  return config->max_ctas;
 }
 
 // Creation: every rank must ask for the same configuration (NCCL builds one set
@@ -378,15 +434,38 @@ int ncclCommInitRankConfig(Comm** comm, int nranks, UniqueId id, int rank, CommC
 
 int ncclAllReduce(const void* in, void* out, size_t count, int dtype, int op, Comm* comm,
                   void* stream) {
-  return AllReduce(in, out, count, dtype, op, comm, stream, 0, false);
+  return Collective(kAllReduceKind, in, out, count, dtype, op, comm, stream, 0, false);
 }
 
 int ncclAllReduceConfig(const void* in, void* out, size_t count, int dtype, int op, Comm* comm,
                         void* stream, const CollConfig* config) {
-  if (Version() < kPerCollectiveVersion) return kInvalidUsage;  // not in this NCCL
-  if (config == nullptr || config->magic != kMagic || config->size < 64) return kInvalidArgument;
-  if (config->min_ctas != config->max_ctas) return kInvalidArgument;
-  return AllReduce(in, out, count, dtype, op, comm, stream, config->max_ctas, true);
+  const int ctas = CallCtas(config);
+  if (ctas < 0) return -ctas;
+  return Collective(kAllReduceKind, in, out, count, dtype, op, comm, stream, ctas, true);
+}
+
+int ncclReduceScatter(const void* in, void* out, size_t recvcount, int dtype, int op,
+                      Comm* comm, void* stream) {
+  return Collective(kReduceScatterKind, in, out, recvcount, dtype, op, comm, stream, 0, false);
+}
+
+int ncclReduceScatterConfig(const void* in, void* out, size_t recvcount, int dtype, int op,
+                            Comm* comm, void* stream, const CollConfig* config) {
+  const int ctas = CallCtas(config);
+  if (ctas < 0) return -ctas;
+  return Collective(kReduceScatterKind, in, out, recvcount, dtype, op, comm, stream, ctas, true);
+}
+
+int ncclAllGather(const void* in, void* out, size_t sendcount, int dtype, Comm* comm,
+                  void* stream) {
+  return Collective(kAllGatherKind, in, out, sendcount, dtype, 0, comm, stream, 0, false);
+}
+
+int ncclAllGatherConfig(const void* in, void* out, size_t sendcount, int dtype, Comm* comm,
+                        void* stream, const CollConfig* config) {
+  const int ctas = CallCtas(config);
+  if (ctas < 0) return -ctas;
+  return Collective(kAllGatherKind, in, out, sendcount, dtype, 0, comm, stream, ctas, true);
 }
 
 // ncclCommSplit (2.18+), every rank with color 0: a child with the parent's ranks. With
