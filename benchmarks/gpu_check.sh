@@ -13,7 +13,7 @@
 # (tests/test_cuda.py, tests/test_platform_matrix.py), the harness on the GPU (check: N = 2,
 # 4, 8 virtual ranks against a float64 reference; contend: the contention curves), the
 # curves' fitted profile, start/done beside compute (gpu_overlap.py), the machine's NCCL
-# under libra's CTA limits (gpu_nccl_check.py), whether jaxlib's command buffers capture custom
+# under libra's CTA limits (gpu_nccl_check.py: all-reduce, reduce-scatter, all-gather), whether jaxlib's command buffers capture custom
 # calls and keep libra's P2P call out (gpu_overlap.py --command-buffers), and time vs bytes x
 # blocks (bench).
 # libra's GPU data paths are opt-in (LIBRA_JAX_CUDA); this script opts in per step.

@@ -14,7 +14,12 @@ them into its summary), and NCCL's own log lines about channels and CTAs after e
   1-rank communicator on GPU 0 and the ``libra_allreduce_nccl`` custom call, XLA's own handler
   path (the communicator made at XLA's initialize stage, the call on libra's stream), and the
   same as ``libra_allreduce_nccl_start`` + ``libra_allreduce_cuda_done``, with ctas 1, 4 and
-  16 on a 1 MiB f32 buffer; a 1-rank sum returns its input, checked bit for bit. ``NCCL_DEBUG=INFO`` lines naming channels or CTAs are printed after it.
+  16 on a 1 MiB f32 buffer; a 1-rank sum returns its input, checked bit for bit. The same
+  for NCCL's reduce-scatter and all-gather (``libra_reduce_scatter_nccl``,
+  ``libra_all_gather_nccl`` and their starts), timed (median of 5): on one rank each is a copy
+  of its input, as `jax.lax`'s are on one device, so this proves the handlers, the CTA routes
+  and the in-place start layout on a real NCCL, not a sum or a gather across GPUs (that needs
+  two). ``NCCL_DEBUG=INFO`` lines naming channels or CTAs are printed after it.
 * ``nccl-2-ranks``: a 2-rank all-reduce needs two GPUs (one NCCL rank per GPU: NCCL refuses
   two ranks of one communicator on one device), so on one GPU it is a SKIP with that reason;
   with two, tests/test_nccl.py::test_two_processes_on_two_gpus is the check.
@@ -36,7 +41,7 @@ ROUTES = ("per-collective", "per-communicator")
 PER_COLLECTIVE_VERSION = 23100
 
 ONE_RANK = """
-    import os, sys
+    import os, sys, time
     import jax, numpy as np
     from libra_jax import _ffi, _nccl
     lib = _nccl.library()
@@ -65,8 +70,30 @@ ONE_RANK = """
         xs = jax.device_put(x, gpu)
         ok = np.asarray(f(xs)).tobytes() == x.tobytes()
         split = np.asarray(g(xs)).tobytes() == x.tobytes()
+        # The sharded pair on the same communicator: NCCL's reduce-scatter and all-gather, one
+        # call and start/done (in place in the flat row; done is the kernels'). On one rank
+        # each is its input, bit for bit, as jax.lax's are on one device.
+        sharded = []
+        for role, call_id, aliases in (("nccl_reduce_scatter", 2, {0: 0}),
+                                       ("nccl_all_gather", 3, {})):
+            one = jax.ffi.ffi_call(_ffi.TARGETS[role], aval)
+            begin = jax.ffi.ffi_call(_ffi.TARGETS[role + "_start"], (aval, token),
+                                     input_output_aliases=aliases)
+            f1 = jax.jit(lambda v, one=one: one(v, **attrs))
+            g1 = jax.jit(lambda v, begin=begin, cid=call_id: done(
+                *begin(v + 0, call_id=np.int64(cid * 16 + 8 + (cid == 3)), **attrs),
+                call_id=np.int64(cid * 16 + 8 + (cid == 3))))
+            times = []
+            for _ in range(5):
+                t0 = time.perf_counter(); r1 = f1(xs); r1.block_until_ready()
+                times.append(time.perf_counter() - t0)
+            good = (np.asarray(r1).tobytes() == x.tobytes()
+                    and np.asarray(g1(xs)).tobytes() == x.tobytes())
+            sharded.append(f"{role[5:]} {'OK' if good else 'WRONG'} "
+                           f"{sorted(times)[2] * 1e3:.3f}ms")
         print("CTAS", ctas, "OK" if ok else "WRONG", "start/done", "OK" if split else "WRONG",
-              "communicators", _nccl.communicators_created(), flush=True)
+              "|", " | ".join(sharded), "| communicators", _nccl.communicators_created(),
+              flush=True)
 """
 
 
@@ -122,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         script = textwrap.dedent(ONE_RANK).replace("__CTAS__", repr(CTAS))
         if args.plan:
             compile(script, "<nccl one-rank check>", "exec")  # a dry run still parses it
-            say(r, "SKIP", f"--plan: would run a 1-rank all-reduce with ctas {CTAS}")
+            say(r, "SKIP", f"--plan: would run a 1-rank all-reduce, reduce-scatter and "
+                           f"all-gather with ctas {CTAS}")
             continue
         try:
             proc = subprocess.run(
@@ -139,8 +167,10 @@ def main(argv: list[str] | None = None) -> int:
         good = [line for line in lines if line.startswith("CTAS") and "WRONG" not in line]
         if proc.returncode == 0 and len(good) == len(CTAS) and f"ROUTE {r}" in lines:
             comms = good[-1].split()[-1]
-            say(r, "PASS", f"1 rank, ctas {CTAS}, one call and start/done: bitwise, {comms} "
-                           "communicator(s)")
+            say(r, "PASS", f"1 rank, ctas {CTAS}, all-reduce, reduce-scatter and all-gather, "
+                           f"one call and start/done: bitwise, {comms} communicator(s)")
+            for line in good:  # each block count's reduce-scatter and all-gather times
+                print("   ", line)
         else:
             tail = (proc.stderr.strip().splitlines() or ["?"])[-1]
             say(r, "FAIL", f"rc {proc.returncode}: {' | '.join(lines[-3:])} {tail}")

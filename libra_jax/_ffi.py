@@ -175,6 +175,11 @@ ALLREDUCE_CUDA_DONE_TARGET = TARGETS["cuda_done"]
 #: (whose done is ALLREDUCE_CUDA_DONE_TARGET).
 ALLREDUCE_NCCL_TARGET = TARGETS["nccl"]
 ALLREDUCE_NCCL_START_TARGET = TARGETS["nccl_start"]
+#: NCCL's reduce-scatter and all-gather: one call, and a start (done: ALLREDUCE_CUDA_DONE_TARGET).
+REDUCE_SCATTER_NCCL_TARGET = TARGETS["nccl_reduce_scatter"]
+ALL_GATHER_NCCL_TARGET = TARGETS["nccl_all_gather"]
+REDUCE_SCATTER_NCCL_START_TARGET = TARGETS["nccl_reduce_scatter_start"]
+ALL_GATHER_NCCL_START_TARGET = TARGETS["nccl_all_gather_start"]
 #: Whether the extension was built with the CUDA kernels (nvcc was found).
 HAS_CUDA: bool = bool(getattr(_libra_ffi, "HAS_CUDA", False))
 #: The largest replica group the CUDA kernels serve.

@@ -110,16 +110,20 @@ def mlp_step(sizes=(16, 32, 32, 32, 8), dtype=np.float32, devices=8):
     return step, (params, x)
 
 
-def check_start_done_pairs(text: str, start: str, call: str) -> int:
+def check_start_done_pairs(text: str, start: str | tuple[str, ...], call: str | None) -> int:
     """Asserts the structure of the CUDA start/done pairs in a lowered program's `text` (the
     fix of the stale-data defect: done(s, s) made XLA copy the in-flight buffer on its stream
-    while the all-reduce could still write it): each `start` custom call all-reduces in place
-    (its output aliases the packed buffer); each ``libra_allreduce_cuda_done`` reads its own
-    start's buffer, aliased to its output, under the same call id, and the latest start's
-    token; the buffer has no other reader. `call` is the one-call target, used once (the
-    loss's pmean, never split). Returns the number of pairs."""
+    while the all-reduce could still write it): each `start` custom call (one target, or any
+    of several: the sharded pair's) works in place or on its own result (a start whose output
+    aliases its operand, the all-reduce's and the reduce-scatter's, says so); each
+    ``libra_allreduce_cuda_done`` reads its own start's buffer, aliased to its output, under
+    the same call id, and the latest start's token; the buffer has no other reader. `call`
+    is the one-call target, used once (the loss's pmean, never split), or None where there is
+    none. Returns the number of pairs."""
     import re
-    starts = re.findall(rf"%(\S+):2 = stablehlo.custom_call @{start}\(%(\S+?)\)"
+    names = (start,) if isinstance(start, str) else start
+    alternatives = "|".join(map(re.escape, names))
+    starts = re.findall(rf"%(\S+):2 = stablehlo.custom_call @(?:{alternatives})\(%(\S+?)\)"
                         r".*?call_id = (\d+)", text)
     dones = re.findall(r"stablehlo.custom_call @libra_allreduce_cuda_done\(%(\S+?), %(\S+?)\)"
                        r".*?call_id = (\d+).*?output_operand_aliases = \[#stablehlo"
@@ -135,8 +139,11 @@ def check_start_done_pairs(text: str, start: str, call: str) -> int:
     assert len(set(by_result.values())) == len(starts)
     for result in by_result:
         assert len(re.findall(rf"%{result}#0\b", text)) == 1, result  # read by done only
-    start_lines = [line for line in text.splitlines() if f"@{start}(" in line]
+    in_place = [n for n in names if "all_gather" not in n]  # an all-gather's is a new buffer
+    start_lines = [line for line in text.splitlines()
+                   if any(f"@{n}(" in line for n in in_place)]
     assert all("operand_index = 0" in line for line in start_lines)
-    assert len(re.findall(rf"@{call}\(", text)) == 1 and "all_reduce" not in text
+    if call is not None:
+        assert len(re.findall(rf"@{call}\(", text)) == 1 and "all_reduce" not in text
     return len(starts)
 

@@ -146,7 +146,9 @@ def test_python_target_names_come_from_the_table():
     assert _ffi.TARGETS == _libra_ffi.TARGETS == table
     assert set(table) == {"cpu", "cpu_start", "cpu_done", "cpu_reduce_scatter", "cpu_all_gather",
                           "cpu_reduce_scatter_start", "cpu_all_gather_start",
-                          "cuda", "cuda_start", "cuda_done", "nccl", "nccl_start"}
+                          "cuda", "cuda_start", "cuda_done", "nccl", "nccl_start",
+                          "nccl_reduce_scatter", "nccl_reduce_scatter_start", "nccl_all_gather",
+                          "nccl_all_gather_start"}
     constants = {n: getattr(_ffi, n) for n in dir(_ffi) if re.fullmatch(r"[A-Z_]+_TARGET", n)}
     assert sorted(constants.values()) == sorted(table.values()), constants
     # Every constant libra_jax's lowerings use is one of them.

@@ -706,6 +706,82 @@ def test_nccl_path_in_one_process(stub_env, version, communicators):
                     "'libra_allreduce_nccl_start'] True False True") in out, out
 
 
+# The sharded pair lowered for cuda on LIBRA_JAX_CUDA=nccl: NCCL's reduce-scatter and
+# all-gather, one call and start/done (start on libra's stream, the kernels' done), the block
+# count as the call's CTA limit, no XLA collective left.
+SHARDED_IN_PROCESS = """
+    import os, re, sys
+    os.environ["LIBRA_JAX_CUDA"] = "nccl"
+    import jax, numpy as np
+    jax.config.update("jax_num_cpu_devices", 8)
+    from jax.sharding import PartitionSpec as P
+    import libra_jax
+    from libra_jax import _ffi
+    sys.path.insert(0, sys.argv[1])  # the tests' folder
+    from conftest import check_start_done_pairs
+    from libra_jax import ops
+    print("HAS_CUDA", _ffi.HAS_CUDA)
+
+    def pairs(g, w):
+        # Both starts, then both dones, each with the latest start's token (as optimize
+        # places them): the compute between would go where the dones are.
+        params = dict(axis_name=("x",), dimension=1, axis_size=jax.lax.axis_size("x"),
+                      tiled=True, blocks=6)
+        rs_out, _ = ops.libra_reduce_scatter_p.abstract_eval(
+            jax.typeof(g), axis_name=("x",), scatter_dimension=1, axis_size=params["axis_size"],
+            tiled=True, blocks=6)
+        ag_out, _ = ops.libra_all_gather_p.abstract_eval(
+            jax.typeof(w), axis_name=("x",), all_gather_dimension=1,
+            axis_size=params["axis_size"], tiled=True, invariant=False, blocks=6)
+        rs, _ = ops.libra_sharded_start_p.bind(g, collective="psum_scatter", call_id=1, **params)
+        ag, token = ops.libra_sharded_start_p.bind(w, collective="all_gather", call_id=2,
+                                                   **params)
+        return (ops.libra_sharded_done_p.bind(rs, token, collective="psum_scatter", call_id=1,
+                                              out_aval=rs_out, **params),
+                ops.libra_sharded_done_p.bind(ag, token, collective="all_gather", call_id=2,
+                                              out_aval=ag_out, **params))
+    for n in (2, 8):
+        mesh = jax.make_mesh((n,), ("x",), devices=jax.devices()[:n])
+        for form in ("one-call", "start-done"):
+            def body(g, w):
+                if form == "one-call":
+                    return (libra_jax.psum_scatter(g, "x", scatter_dimension=1, tiled=True,
+                                                   blocks=6),
+                            libra_jax.all_gather(w, "x", axis=1, tiled=True, blocks=6))
+                return pairs(g, w)
+            f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P("x")),
+                                      out_specs=(P("x"), P("x")), check_vma=False))
+            g = jax.ShapeDtypeStruct((n * 3, 4 * n), np.float32,
+                                     sharding=jax.NamedSharding(mesh, P("x")))
+            w = jax.ShapeDtypeStruct((n * 3, 2), np.float32,
+                                     sharding=jax.NamedSharding(mesh, P("x")))
+            text = f.trace(g, w).lower(lowering_platforms=("cuda",)).as_text()
+            names = sorted(set(re.findall(r"custom_call @(libra_\\w+)", text)))
+            ctas = sorted({int(c) for c in re.findall(r"ctas = (\\d+)", text)})
+            xla = "reduce_scatter" in text.replace("libra_reduce_scatter", "") or (
+                "all_gather" in text.replace("libra_all_gather", ""))
+            checked = (check_start_done_pairs(text, ("libra_reduce_scatter_nccl_start",
+                                                     "libra_all_gather_nccl_start"), None)
+                       if form == "start-done" else 0)
+            print("SHARDED", n, form, names, ctas, xla, checked)
+"""
+
+
+@pytest.mark.parametrize("version", ["21700", "22700", "23100"])
+def test_sharded_pair_on_the_nccl_path(stub_env, version):
+    stub_env["NCCL_STUB_VERSION"] = version
+    out = run(SHARDED_IN_PROCESS, stub_env, str(Path(__file__).parent))
+    if "HAS_CUDA False" in out:
+        pytest.skip("libra_jax built without CUDA: the cuda lowering is XLA's")
+    for n in (2, 8):
+        assert (f"SHARDED {n} one-call ['libra_all_gather_nccl', 'libra_reduce_scatter_nccl'] "
+                "[6] False 0") in out, out
+        # Start/done: no copy of an in-flight buffer (conftest.check_start_done_pairs: 2 pairs).
+        assert (f"SHARDED {n} start-done ['libra_all_gather_nccl_start', "
+                "'libra_allreduce_cuda_done', 'libra_reduce_scatter_nccl_start'] [6] False 2"
+                ) in out, out
+
+
 # --- On real GPUs (skipped here) --------------------------------------------
 
 GPU_WORKER = """

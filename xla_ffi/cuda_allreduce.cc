@@ -390,7 +390,13 @@ ffi::Error OnDevice(int32_t device, Body body) {
   return result;
 }
 
-// The NCCL call's buffers and attributes, shared by the one-call form and start.
+// The NCCL call's buffers and attributes, shared by the one-call forms and the starts, of
+// every collective kind (libra::Collective). Buffers as NCCL counts them: an all-reduce's out
+// is x's size; a reduce-scatter's x holds nranks of its out (recvcount: out's elements); an
+// all-gather's out holds nranks of its x (sendcount: x's elements). `in_place` (the starts,
+// whose buffer is one flat row of shards): the reduce-scatter's shard goes to x + rank x
+// recvcount (out aliases x); the all-gather's shard is first copied to out + rank x sendcount,
+// on XLA's stream, so that x may be reused as soon as start returns.
 struct NcclCall {
   int32_t device;
   ffi::AnyBuffer x;
@@ -398,24 +404,82 @@ struct NcclCall {
   ffi::Span<const int64_t> comm_ids;
   ffi::Span<const int32_t> ranks;
   int64_t nranks, ctas, timeout_ms;
+  libra::Collective kind = libra::Collective::kAllReduce;
+  bool in_place = false;
+
+  // The engine's element type (any whole-byte type as bytes for an all-gather), NCCL's
+  // count, and the byte size of one rank's share; or what is wrong with the buffers.
+  ffi::Error Shape(lc::DType* dtype, std::size_t* count, std::size_t* share) const {
+    const std::string what = std::string("libra_jax NCCL ") + libra::Name(kind) + ": ";
+    if (out.element_type() != x.element_type() || nranks < 1) {
+      return ffi::Error::InvalidArgument(what + "output must have the input's element type");
+    }
+    const bool scatters = kind == libra::Collective::kReduceScatter;
+    const bool gathers = kind == libra::Collective::kAllGather;
+    const std::size_t n = static_cast<std::size_t>(nranks);
+    const std::size_t want_out = (in_place && scatters) ? x.size_bytes()
+                                 : scatters ? x.size_bytes() / n
+                                 : gathers  ? x.size_bytes() * n
+                                            : x.size_bytes();
+    if (out.size_bytes() != want_out || (scatters && x.size_bytes() % n != 0)) {
+      return ffi::Error::InvalidArgument(what + "the buffers' sizes do not fit " +
+                                         std::to_string(nranks) + " ranks");
+    }
+    const std::size_t elements = scatters ? x.element_count() / n : x.element_count();
+    *share = scatters ? x.size_bytes() / n : x.size_bytes();
+    ffi::ErrorOr<lc::DType> engine = ToEngineDType(x.element_type());
+    if (engine.has_value()) {
+      *dtype = *engine;
+      *count = elements;
+    } else if (gathers) {  // a copy: any element type of whole bytes, as bytes
+      *dtype = lc::DType::kBytes;
+      *count = *share;
+    } else {
+      return engine.error();
+    }
+    return ffi::Error::Success();
+  }
 
   // Checks it and issues it on `side` (called by SideStreams).
   ffi::Error Issue(cudaStream_t side) const {
-    ffi::ErrorOr<lc::DType> dtype = ToEngineDType(x.element_type());
-    if (!dtype.has_value()) return dtype.error();
-    if (out.element_type() != x.element_type() || out.size_bytes() != x.size_bytes()) {
-      return ffi::Error::InvalidArgument(
-          "libra_jax NCCL all-reduce: output must match the input's type and size");
-    }
+    lc::DType dtype;
+    std::size_t count = 0, share = 0;
+    if (ffi::Error shaped = Shape(&dtype, &count, &share); shaped.failure()) return shaped;
     ffi::ErrorOr<std::pair<int64_t, int>> me = NcclRank(device, comm_ids, ranks);
     if (!me.has_value()) return me.error();
+    const void* input = x.untyped_data();
+    void* output = out.untyped_data();
+    const std::size_t own = share * static_cast<std::size_t>(me->second);
+    if (in_place && kind == libra::Collective::kReduceScatter) {
+      output = static_cast<char*>(out.untyped_data()) + own;
+    } else if (in_place && kind == libra::Collective::kAllGather) {
+      input = static_cast<const char*>(out.untyped_data()) + own;
+    }
     libra::nccl::Communicators& comms = libra::nccl::Communicators::Get();
-    libra::Status status = comms.AllReduce(
-        me->first, static_cast<int>(nranks), me->second, static_cast<int>(ctas),
-        x.untyped_data(), out.untyped_data(), x.element_count(), *dtype, side, timeout_ms);
+    libra::Status status = comms.Call(kind, me->first, static_cast<int>(nranks), me->second,
+                                      static_cast<int>(ctas), input, output, count, dtype, side,
+                                      timeout_ms);
     // Enqueued: a peer that never comes is the watchdog's to end (libra/nccl.h).
     if (status.ok()) status = comms.Watch(me->first, me->second, side, timeout_ms, kCudaStreamOps);
     return ToFfiError(status);
+  }
+
+  // An in-place all-gather's own shard, copied into place on XLA's `stream` before start
+  // hands the call to libra's stream (which waits for XLA's).
+  ffi::Error PlaceOwnShard(cudaStream_t stream) const {
+    if (!(in_place && kind == libra::Collective::kAllGather)) return ffi::Error::Success();
+    ffi::ErrorOr<std::pair<int64_t, int>> me = NcclRank(device, comm_ids, ranks);
+    if (!me.has_value()) return me.error();
+    char* own = static_cast<char*>(out.untyped_data()) +
+                x.size_bytes() * static_cast<std::size_t>(me->second);
+    if (out.size_bytes() != x.size_bytes() * static_cast<std::size_t>(nranks)) {
+      return ffi::Error::InvalidArgument("libra_jax NCCL all-gather start: output must hold "
+                                         "nranks inputs");
+    }
+    const cudaError_t err =
+        cudaMemcpyAsync(own, x.untyped_data(), x.size_bytes(), cudaMemcpyDeviceToDevice, stream);
+    return err == cudaSuccess ? ffi::Error::Success()
+                              : CudaError("placing the all-gather's own shard", err);
   }
 };
 
@@ -430,8 +494,8 @@ ffi::Error IssueNccl(const NcclCall& call, Run run) {
                               : libra::Status::Error(libra::Status::Code::kInternal, "issue");
     });
     if (issued.failure()) return issued;
-    return status.ok() ? ffi::Error::Success()
-                       : Prefixed("libra_jax NCCL all-reduce: ", status);
+    const std::string prefix = std::string("libra_jax NCCL ") + libra::Name(call.kind) + ": ";
+    return status.ok() ? ffi::Error::Success() : Prefixed(prefix.c_str(), status);
   });
 }
 
@@ -455,19 +519,25 @@ ffi::Error InitializeNcclStart(int32_t device, ffi::RemainingArgs args, ffi::Rem
   return InitializeNccl(device, args, rets, comm_ids, ranks, nranks, ctas, timeout_ms);
 }
 
+template <libra::Collective kKind>
 ffi::Error ExecuteNccl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                        ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> comm_ids,
                        ffi::Span<const int32_t> ranks, int64_t nranks, int64_t ctas,
                        int64_t timeout_ms) {
-  const NcclCall call{device, x, *out, comm_ids, ranks, nranks, ctas, timeout_ms};
+  const NcclCall call{device, x, *out, comm_ids, ranks, nranks, ctas, timeout_ms, kKind};
   return IssueNccl(call, [&](auto issue) { return Side().Call(device, stream, issue); });
 }
 
+// Start: the all-reduce in place (out aliases x), the reduce-scatter and the all-gather in
+// place in one flat row of shards (NcclCall); done is kCudaAllReduceDone for every kind.
+template <libra::Collective kKind>
 ffi::Error ExecuteNcclStart(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
                             ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> token,
                             ffi::Span<const int64_t> comm_ids, ffi::Span<const int32_t> ranks,
                             int64_t nranks, int64_t ctas, int64_t timeout_ms, int64_t call_id) {
-  const NcclCall call{device, x, *out, comm_ids, ranks, nranks, ctas, timeout_ms};
+  const NcclCall call{device,     x,          *out,  comm_ids, ranks, nranks,
+                      ctas,       timeout_ms, kKind, kKind != libra::Collective::kAllReduce};
+  if (ffi::Error placed = call.PlaceOwnShard(stream); placed.failure()) return placed;
   ffi::Error issued =
       IssueNccl(call, [&](auto issue) {
         return Side().Start(device, call_id, stream, issue, timeout_ms);
@@ -491,14 +561,27 @@ auto BindNcclAttrs(Binding binding) {
 
 // Not command-buffer compatible (see the top of this file).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaAllReduce, Execute, BindKernelCall());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kNcclAllReduce, ExecuteNccl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kNcclAllReduce, ExecuteNccl<libra::Collective::kAllReduce>,
+                              BindNcclAttrs(BindKernelBuffers()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kNcclReduceScatter, ExecuteNccl<libra::Collective::kReduceScatter>,
+                              BindNcclAttrs(BindKernelBuffers()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kNcclAllGather, ExecuteNccl<libra::Collective::kAllGather>,
                               BindNcclAttrs(BindKernelBuffers()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kNcclAllReduceInitialize, InitializeNccl,
                               BindNcclAttrs(ffi::Ffi::BindInitialize()
                                                 .Ctx<ffi::DeviceOrdinal>()
                                                 .RemainingArgs()
                                                 .RemainingRets()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kNcclAllReduceStart, ExecuteNcclStart,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kNcclAllReduceStart,
+                              ExecuteNcclStart<libra::Collective::kAllReduce>,
+                              BindNcclAttrs(BindKernelBuffers().Ret<ffi::AnyBuffer>())
+                                  .Attr<int64_t>("call_id"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kNcclReduceScatterStart,
+                              ExecuteNcclStart<libra::Collective::kReduceScatter>,
+                              BindNcclAttrs(BindKernelBuffers().Ret<ffi::AnyBuffer>())
+                                  .Attr<int64_t>("call_id"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kNcclAllGatherStart,
+                              ExecuteNcclStart<libra::Collective::kAllGather>,
                               BindNcclAttrs(BindKernelBuffers().Ret<ffi::AnyBuffer>())
                                   .Attr<int64_t>("call_id"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kNcclAllReduceStartInitialize, InitializeNcclStart,

@@ -83,6 +83,12 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(kNcclAllReduce);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kNcclAllReduceInitialize);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kNcclAllReduceStart);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kNcclAllReduceStartInitialize);
+// NCCL's reduce-scatter and all-gather, as one call and as a start (in place in one flat row
+// of shards; done is kCudaAllReduceDone); their initialize stages are the all-reduce's.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kNcclReduceScatter);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kNcclAllGather);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kNcclReduceScatterStart);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kNcclAllGatherStart);
 // CUDA (and NCCL) starts whose done has not come yet (libra's streams' pending map).
 std::size_t CudaPendingStarts();
 // Blocks the CUDA kernel uses for a call (see libra::cuda::EffectiveBlocks).

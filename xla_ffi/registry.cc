@@ -50,6 +50,19 @@ constexpr LibraFfiTarget kTargets[] = {
     {"nccl_start", "libra_allreduce_nccl_start", kLibraFfiPlatformCuda, nullptr, nullptr,
      LIBRA_CUDA_HANDLER(lf::kNcclAllReduceStartInitialize),
      LIBRA_CUDA_HANDLER(lf::kNcclAllReduceStart)},
+    // NCCL's reduce-scatter and all-gather: one call, and a start (their done is cuda_done);
+    // communicators made at initialization, as the all-reduce's.
+    {"nccl_reduce_scatter", "libra_reduce_scatter_nccl", kLibraFfiPlatformCuda, nullptr,
+     nullptr, LIBRA_CUDA_HANDLER(lf::kNcclAllReduceInitialize),
+     LIBRA_CUDA_HANDLER(lf::kNcclReduceScatter)},
+    {"nccl_all_gather", "libra_all_gather_nccl", kLibraFfiPlatformCuda, nullptr, nullptr,
+     LIBRA_CUDA_HANDLER(lf::kNcclAllReduceInitialize), LIBRA_CUDA_HANDLER(lf::kNcclAllGather)},
+    {"nccl_reduce_scatter_start", "libra_reduce_scatter_nccl_start", kLibraFfiPlatformCuda,
+     nullptr, nullptr, LIBRA_CUDA_HANDLER(lf::kNcclAllReduceStartInitialize),
+     LIBRA_CUDA_HANDLER(lf::kNcclReduceScatterStart)},
+    {"nccl_all_gather_start", "libra_all_gather_nccl_start", kLibraFfiPlatformCuda, nullptr,
+     nullptr, LIBRA_CUDA_HANDLER(lf::kNcclAllReduceStartInitialize),
+     LIBRA_CUDA_HANDLER(lf::kNcclAllGatherStart)},
 };
 
 #undef LIBRA_CUDA_HANDLER

@@ -34,7 +34,9 @@ import numpy as np
 from libra_jax import _compat, _ffi, _nccl, config, model, planner
 from libra_jax.ops.base import Platform, Rule, warn_once
 
-__all__ = ["Collective", "COLLECTIVES", "ENGINE_DTYPES", "sharded_rule",
+__all__ = ["Collective", "COLLECTIVES", "ENGINE_DTYPES", "sharded_rule", "sharded_nccl_call",
+           "warn_sharded_fallback", "to_row_of_shards", "from_row_of_shards",
+           "rank_group_operand",
            "allreduce_rule", "replaced_rule", "xla_rule", "cpu_rule", "cuda_rule", "cpu_call",
            "cuda_call", "cuda_kernel_attrs", "nccl_attrs", "nccl_blocks", "mirrored",
            "default_blocks", "default_profile", "packed_layout", "packed_avals", "pack", "split",
@@ -183,8 +185,15 @@ def cpu_call(ctx: Any, axes: tuple, blocks: int | None, collective: str = "psum"
         nbytes = math.prod(aval_in.shape) * np.dtype(aval_in.dtype).itemsize
         nbytes *= len(groups[0]) if COLLECTIVES[collective].gathers else 1  # the full buffer's
         blocks = default_blocks(nbytes, len(groups[0]), default_profile("cpu"), collective)
-    # (rank, group) of every device, looked up by the running device's index:
-    # rank is the position in XLA's replica group, so the summation order is XLA's.
+    return (rank_group_operand(ctx, groups),
+            dict(label=f"{collective}{tuple(axes)}", world=np.int64(len(groups[0])),
+                 blocks=np.int64(blocks), **_timeout_attr())), ""
+
+
+def rank_group_operand(ctx: Any, groups: Sequence[Sequence[int]]) -> Any:
+    """The running device's (rank, group) as an int32[2] value of the program lowered at `ctx`:
+    looked up in a table of every device's by the device's index. The rank is the position
+    in XLA's replica group, so a sum's order is XLA's and a shard's owner is XLA's."""
     table = np.zeros((1 + max(max(g) for g in groups), 2), np.int32)
     for group_id, members in enumerate(groups):
         for rank, device in enumerate(members):
@@ -194,10 +203,7 @@ def cpu_call(ctx: Any, axes: tuple, blocks: int | None, collective: str = "psum"
     row = _compat.hlo.dynamic_slice(
         _compat.ir_constant(table), [_compat.device_index(ctx), zero],
         _compat.ir.DenseI64ArrayAttr.get([1, 2]))
-    rank_group = _compat.hlo.reshape(_compat.ir.RankedTensorType.get([2], i32), row)
-    return (rank_group, dict(label=f"{collective}{tuple(axes)}", world=np.int64(len(groups[0])),
-                             blocks=np.int64(blocks),
-                             **_timeout_attr())), ""
+    return _compat.hlo.reshape(_compat.ir.RankedTensorType.get([2], i32), row)
 
 
 def _buffer_served(ctx: Any, dtypes: frozenset, path: str) -> tuple[np.dtype, int, str]:
@@ -328,9 +334,10 @@ def cuda_rule(ctx: Any, x: Any, *, axes: tuple, blocks: int, inplace: bool,
 
 
 def nccl_attrs(ctx: Any, groups: Sequence[Sequence[int]], devices: Sequence[Any],
-               blocks: int | None) -> tuple[dict | None, str]:
+               blocks: int | None, collective: str = "psum") -> tuple[dict | None, str]:
     """The attributes of the `libra_allreduce_nccl` call (and its start) for the psum lowered
-    at `ctx` over XLA's replica `groups` of the mesh's `devices`: NCCL with `blocks` as the
+    at `ctx` (or of `collective`'s NCCL call, `sharded_nccl_call`) over XLA's replica `groups`
+    of the mesh's `devices`: NCCL with `blocks` as the
     call's CTA limit (cpp/libra/nccl.h), every GPU one rank of its group, ranks in XLA's group
     order; ``({}, "")`` for an empty buffer; ``(None, reason)`` without NCCL.
 
@@ -353,7 +360,8 @@ def nccl_attrs(ctx: Any, groups: Sequence[Sequence[int]], devices: Sequence[Any]
         # every process must pick the same count (and, on older NCCL, the same
         # communicator), and a host's own calibration is not shared here
         # (optimize broadcasts process 0's profile; a bare psum cannot).
-        blocks = default_blocks(count * dtype.itemsize, world, model.BUILTIN_PROFILES["cuda"])
+        full = count * dtype.itemsize * (world if COLLECTIVES[collective].gathers else 1)
+        blocks = default_blocks(full, world, model.BUILTIN_PROFILES["cuda"], collective)
     blocks = nccl_blocks(blocks)
     _say_launch_order(_nccl.library())
     me = jax.process_index()
@@ -451,27 +459,43 @@ def sharded_rule(collective: str, platform: Platform, dimension: str,
 
     On CPU, the engine's call (`cpu_call`) where it serves, with the ``segment`` attribute:
     the elements of one shard from the scattered or gathered dimension (`dimension`, the
-    param naming it) on, so that every layout is one call, without a transposed copy. Else
-    XLA's own collective, the primitive `mirror(**params)` names (JAX's), with a one-time
-    notice; quietly for the twin (``"xla"``)."""
+    param naming it) on, so that every layout is one call, without a transposed copy. On
+    CUDA with ``LIBRA_JAX_CUDA=nccl``, NCCL's (`sharded_nccl_call`) on the buffer as one row
+    of shards (`to_row_of_shards`: a transposed copy unless the dimension leads). Else XLA's
+    own collective, the primitive `mirror(**params)` names (JAX's), with a one-time notice;
+    quietly for the twin (``"xla"``)."""
     row = COLLECTIVES[collective]
 
     def xla(ctx: Any, x: Any, reason: str | None, **params: Any) -> Any:
         if reason is not None:
-            warn_once("sharded-xla-fallback",
-                      f"libra_jax.{collective}: no Libra {row.kind} for {reason}; lowering to "
-                      f"XLA's {row.kind} (blocks ignored).")
+            warn_sharded_fallback(collective, reason)
         prim, jax_params = mirror(**params)
         return _compat.lower_fun(partial(prim.bind, **jax_params))(ctx, x)
 
     def rule(ctx: Any, x: Any, **params: Any) -> Any:
         if platform == "xla":
             return xla(ctx, x, None, **params)
-        if platform != "cpu":
-            why = ("cuda (libra's GPU reduce-scatter and all-gather are not built yet)"
-                   if platform == "cuda" else "/".join(ctx.module_context.platforms))
-            return xla(ctx, x, why, **params)
         aval_in, = ctx.avals_in
+        if platform == "cuda":
+            flat, flat_in = to_row_of_shards(ctx, x, row.gathers, params[dimension],
+                                             params["tiled"])
+            flat_ctx = ctx.replace(primitive=None, avals_in=[flat_in])
+            target, attrs, reason = sharded_nccl_call(flat_ctx, params["axis_name"],
+                                                      params["blocks"], collective)
+            if target is None:
+                return xla(ctx, x, reason, **params)
+            if not target:  # an empty buffer
+                return [_compat.ir_constant(np.zeros(ctx.avals_out[0].shape,
+                                                     ctx.avals_out[0].dtype))]
+            n = params["axis_size"]
+            flat_out = flat_in.update(shape=(flat_in.shape[0] * n if row.gathers
+                                             else flat_in.shape[0] // n,))
+            result, = _compat.ir_values(jax.ffi.ffi_lowering(target)(
+                flat_ctx.replace(avals_out=[flat_out]), flat, **attrs))
+            return from_row_of_shards(ctx, result, flat_out, ctx.avals_out[0], row.gathers,
+                                      params[dimension], params["tiled"])
+        if platform != "cpu":
+            return xla(ctx, x, "/".join(ctx.module_context.platforms), **params)
         if not row.gathers and np.dtype(aval_in.dtype) not in ENGINE_DTYPES:
             return xla(ctx, x, f"cpu {np.dtype(aval_in.dtype).name}", **params)
         call, reason = cpu_call(ctx, params["axis_name"], params["blocks"], collective)
@@ -486,6 +510,80 @@ def sharded_rule(collective: str, platform: Platform, dimension: str,
         lowered = jax.ffi.ffi_lowering(_ffi.TARGETS[row.cpu_role])
         return lowered(call_ctx, x, rank_group, segment=np.int64(segment), **attrs)
     return rule
+
+
+def warn_sharded_fallback(collective: str, reason: str) -> None:
+    """The one-time notice of a reduce-scatter or all-gather lowered to XLA's, and why."""
+    kind = COLLECTIVES[collective].kind
+    warn_once("sharded-xla-fallback",
+              f"libra_jax.{collective}: no Libra {kind} for {reason}; lowering to XLA's "
+              f"{kind} (blocks ignored).")
+
+
+def sharded_nccl_call(flat_ctx: Any, axes: tuple, blocks: int | None, collective: str
+                      ) -> tuple[str | None, dict, str]:
+    """NCCL's reduce-scatter or all-gather (`collective`) for the row of shards lowered at
+    `flat_ctx` (its operand: the reduce-scatter's full buffer, the all-gather's shard), on
+    ``LIBRA_JAX_CUDA=nccl``: ``(target, attributes, "")``; ``("", {}, "")`` for an empty
+    buffer; ``(None, {}, reason)`` where XLA's must do it (the ``xla`` and ``p2p`` paths:
+    libra's P2P kernels are all-reduces only)."""
+    if not _ffi.HAS_CUDA:
+        return None, {}, "cuda (libra_jax was built without CUDA)"
+    path = config.cuda_path()
+    if path != "nccl":
+        return None, {}, (f"cuda ({config.CUDA_PATH_ENV}={path}: libra's GPU reduce-scatter "
+                          f"and all-gather are NCCL's, {config.CUDA_PATH_ENV}=nccl)")
+    groups = _compat.replica_groups(flat_ctx, axes)
+    devices = _compat.mesh_devices(flat_ctx)
+    if groups is None or devices is None:
+        return None, {}, "cuda in a partially automatic shard_map or on an abstract mesh"
+    attrs, reason = nccl_attrs(flat_ctx, groups, devices, blocks, collective)
+    if attrs is None:
+        return None, {}, reason
+    if not attrs:
+        return "", {}, ""
+    _ffi.ensure_cuda_registered()
+    return {"psum_scatter": _ffi.REDUCE_SCATTER_NCCL_TARGET,
+            "all_gather": _ffi.ALL_GATHER_NCCL_TARGET}[collective], attrs, ""
+
+
+def to_row_of_shards(ctx: Any, x: Any, gathers: bool, dimension: int, tiled: bool
+                     ) -> tuple[Any, Any]:
+    """(value, type) of the operand lowered at `ctx` as one flat row of shards, the devices'
+    shards in rank order (NCCL's layout, and the start/done pairs'): the scattered dimension
+    (or a tiled gather's) moved to the front, then flattened; an untiled gather's operand is
+    one shard as it is. A copy only where that dimension does not lead."""
+    aval_in, = ctx.avals_in
+    flat_in = aval_in.update(shape=(math.prod(aval_in.shape),))
+    moved = dimension if (tiled or not gathers) else None
+
+    def flatten(v: Any) -> Any:
+        return (v if moved is None else jax.numpy.moveaxis(v, moved, 0)).reshape(-1)
+    flat, = _compat.ir_values(_compat.lower_fun(flatten)(
+        ctx.replace(primitive=None, avals_out=[flat_in]), x))
+    return flat, flat_in
+
+
+def from_row_of_shards(ctx: Any, flat: Any, flat_aval: Any, out_aval: Any, gathers: bool,
+                       dimension: int, tiled: bool, rank_group: Any = None) -> list[Any]:
+    """The inverse of `to_row_of_shards` for the collective's result `out_aval`: `flat` (the
+    gathered row, or one shard; with `rank_group`, the whole row of an in-place
+    reduce-scatter, of which this device's shard is sliced) reshaped, its leading dimension
+    moved back to `dimension`."""
+    shape = out_aval.shape
+    front = ((shape[dimension], *shape[:dimension], *shape[dimension + 1:])
+             if (tiled or gathers) else shape)
+    shard = math.prod(shape)
+
+    def unflatten(v: Any, *rank: Any) -> Any:
+        if rank:  # this device's shard of an in-place reduce-scatter's row
+            v = jax.lax.dynamic_slice_in_dim(v, rank[0][0] * shard, shard)
+        v = v.reshape(front)
+        return jax.numpy.moveaxis(v, 0, dimension) if front is not shape else v
+    operands = [flat] if rank_group is None else [flat, rank_group]
+    avals = [flat_aval] + ([] if rank_group is None else [_compat.ShapedArray((2,), np.int32)])
+    return list(_compat.lower_fun(unflatten)(
+        ctx.replace(primitive=None, avals_in=avals, avals_out=[out_aval]), *operands))
 
 
 BF16 = np.dtype(jax.numpy.bfloat16)

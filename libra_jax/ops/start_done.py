@@ -49,7 +49,7 @@ start drops it once its all-reduce has ended and its done has not come within th
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -232,22 +232,47 @@ def sharded_done_abstract_eval(flat: Any, token: Any, *, collective: str, axis_n
     return out_aval, set()
 
 
+class _ShardedSplit(NamedTuple):
+    """How the platform's libra call splits a flat row of shards' collective: its start
+    target, start's operands after the buffer, the (rank, group) operand done slices a
+    reduce-scatter's shard by, done's target and extra operands, and the attributes."""
+    start: str
+    start_operands: list
+    rank_group: Any
+    done: str
+    done_operands: list
+    attrs: dict
+
+
 def _sharded_split(platform: str | None, flat_ctx: Any, axes: tuple, blocks: int | None,
-                   collective: str) -> tuple[str, Any, dict] | None:
-    """(start target, (rank, group) operand, attributes) where the engine splits this flat
-    buffer's collective into start and done; None where XLA's does it (start and done decide
-    alike: the same buffer, axes and blocks)."""
-    if platform != "cpu":
-        return None
-    call, _ = lowering.cpu_call(flat_ctx, axes, blocks, collective)
-    if call is None:
-        return None
-    rank_group, attrs = call
-    return _SHARDED_CPU_STARTS[collective], rank_group, attrs
+                   collective: str) -> _ShardedSplit | None:
+    """Where libra splits this flat buffer's collective into start and done: on CPU the
+    engine's start and ``libra_allreduce_cpu_done``; on CUDA (``LIBRA_JAX_CUDA=nccl``) NCCL's
+    start on libra's stream and ``libra_allreduce_cuda_done``. None where XLA's does it (start
+    and done decide alike: the same buffer, axes and blocks; an empty buffer included)."""
+    if platform == "cpu":
+        call, _ = lowering.cpu_call(flat_ctx, axes, blocks, collective)
+        if call is None:
+            return None
+        rank_group, attrs = call
+        return _ShardedSplit(_SHARDED_STARTS["cpu", collective], [rank_group], rank_group,
+                             _ffi.ALLREDUCE_CPU_DONE_TARGET, [rank_group], attrs)
+    if platform == "cuda":
+        target, attrs, _ = lowering.sharded_nccl_call(flat_ctx, axes, blocks, collective)
+        groups = _compat.replica_groups(flat_ctx, axes)
+        if not target or groups is None:
+            return None
+        rank_group = lowering.rank_group_operand(flat_ctx, groups)
+        return _ShardedSplit(_SHARDED_STARTS["cuda", collective], [], rank_group,
+                             _ffi.ALLREDUCE_CUDA_DONE_TARGET, [], attrs)
+    return None
 
 
-_SHARDED_CPU_STARTS = {"psum_scatter": _ffi.REDUCE_SCATTER_CPU_START_TARGET,
-                       "all_gather": _ffi.ALL_GATHER_CPU_START_TARGET}
+_SHARDED_STARTS = {("cpu", "psum_scatter"): _ffi.REDUCE_SCATTER_CPU_START_TARGET,
+                   ("cpu", "all_gather"): _ffi.ALL_GATHER_CPU_START_TARGET,
+                   ("cuda", "psum_scatter"): _ffi.REDUCE_SCATTER_NCCL_START_TARGET,
+                   ("cuda", "all_gather"): _ffi.ALL_GATHER_NCCL_START_TARGET}
+_RANK_AVAL = _compat.ShapedArray((2,), np.int32)
 
 
 def _one_call(platform: Platform, collective: str) -> Rule:
@@ -266,15 +291,8 @@ def _one_call(platform: Platform, collective: str) -> Rule:
 def _sharded_start_lowering(platform: Platform) -> Rule:
     def rule(ctx: Any, x: Any, *, collective: str, axis_name: tuple, dimension: int,
              axis_size: int, tiled: bool, blocks: int | None, call_id: int) -> list[Any]:
-        aval_in, = ctx.avals_in
-        flat_in = aval_in.update(shape=(int(np.prod(aval_in.shape)),))
         gathers = lowering.COLLECTIVES[collective].gathers
-        moved = dimension if (tiled or not gathers) else None  # the operand's dimension
-
-        def flatten(v: Any) -> Any:
-            return (v if moved is None else jax.numpy.moveaxis(v, moved, 0)).reshape(-1)
-        flat, = _compat.ir_values(_compat.lower_fun(flatten)(
-            ctx.replace(primitive=None, avals_out=[flat_in]), x))
+        flat, flat_in = lowering.to_row_of_shards(ctx, x, gathers, dimension, tiled)
         flat_ctx = ctx.replace(primitive=None, avals_in=[flat_in])
         full = ctx.avals_out[0]
         split = _sharded_split(platform, flat_ctx, axis_name, blocks, collective)
@@ -286,11 +304,14 @@ def _sharded_start_lowering(platform: Platform) -> Rule:
                 flat_ctx.replace(avals_out=[full]), flat, axis_name=axis_name,
                 axis_size=axis_size, blocks=blocks))
             return [result, token]
-        target, rank_group, attrs = split
-        call = jax.ffi.ffi_lowering(target, operand_output_aliases={} if gathers else {0: 0})
-        return list(call(ctx.replace(primitive=None, avals_in=[
-            flat_in, _compat.ShapedArray((2,), np.int32)]), flat, rank_group,
-            segment=np.int64(0), call_id=_sharded_key(call_id, collective), **attrs))
+        if platform == "cuda":
+            _ffi.ensure_cuda_registered()
+        call = jax.ffi.ffi_lowering(split.start,
+                                    operand_output_aliases={} if gathers else {0: 0})
+        return list(call(ctx.replace(primitive=None, avals_in=[flat_in] + [_RANK_AVAL] * len(
+            split.start_operands)), flat, *split.start_operands,
+            call_id=_sharded_key(call_id, collective), **split.attrs,
+            **({"segment": np.int64(0)} if platform == "cpu" else {})))
     return rule
 
 
@@ -305,34 +326,22 @@ def _sharded_done_lowering(platform: Platform) -> Rule:
         flat_in = flat_aval.update(shape=(shard if gathers else flat_aval.shape[0],))
         split = _sharded_split(platform, ctx.replace(primitive=None, avals_in=[flat_in]),
                                axis_name, blocks, collective)
-        result_flat = flat_aval.update(shape=(shard,)) if not gathers else flat_aval
         if split is None:
+            result_flat = flat_aval if gathers else flat_aval.update(shape=(shard,))
             if not gathers:
                 flat, = _compat.ir_values(_one_call(platform, collective)(
                     ctx.replace(primitive=None, avals_in=[flat_aval], avals_out=[result_flat]),
                     flat, axis_name=axis_name, axis_size=axis_size, blocks=blocks))
-            operands, avals = [flat], [result_flat]
-        else:
-            _, rank_group, _ = split
-            call = jax.ffi.ffi_lowering(_ffi.ALLREDUCE_CPU_DONE_TARGET,
-                                        operand_output_aliases={0: 0})
-            rank_aval = _compat.ShapedArray((2,), np.int32)
-            flat, = _compat.ir_values(call(ctx.replace(
-                primitive=None, avals_in=[flat_aval, rank_aval, token_aval],
-                avals_out=[flat_aval]), flat, rank_group, token,
-                call_id=_sharded_key(call_id, collective)))
-            operands, avals = [flat, rank_group], [flat_aval, rank_aval]
-        shape = out_aval.shape
-        front = ((shape[dimension], *shape[:dimension], *shape[dimension + 1:])
-                 if (tiled or gathers) else shape)
-
-        def unflatten(v: Any, *rank: Any) -> Any:
-            if rank and not gathers:  # this device's shard of the in-place reduce-scatter
-                v = jax.lax.dynamic_slice_in_dim(v, rank[0][0] * shard, shard)
-            v = v.reshape(front)
-            return jax.numpy.moveaxis(v, 0, dimension) if front is not shape else v
-        return _compat.lower_fun(unflatten)(
-            ctx.replace(primitive=None, avals_in=avals, avals_out=[out_aval]), *operands)
+            return lowering.from_row_of_shards(ctx, flat, result_flat, out_aval, gathers,
+                                               dimension, tiled)
+        # The in-flight buffer once (aliased to the output), and the token: no copy.
+        call = jax.ffi.ffi_lowering(split.done, operand_output_aliases={0: 0})
+        flat, = _compat.ir_values(call(ctx.replace(
+            primitive=None, avals_in=[flat_aval] + [_RANK_AVAL] * len(split.done_operands)
+            + [token_aval], avals_out=[flat_aval]), flat, *split.done_operands, token,
+            call_id=_sharded_key(call_id, collective)))
+        return lowering.from_row_of_shards(ctx, flat, flat_aval, out_aval, gathers, dimension,
+                                           tiled, rank_group=None if gathers else split.rank_group)
     return rule
 
 
