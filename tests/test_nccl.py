@@ -764,6 +764,16 @@ SHARDED_IN_PROCESS = """
                                                      "libra_all_gather_nccl_start"), None)
                        if form == "start-done" else 0)
             print("SHARDED", n, form, names, ctas, xla, checked)
+        # An all-gather copies any dtype of whole bytes (as NCCL's uint8); a reduce-scatter of
+        # one NCCL does not sum is XLA's.
+        h = jax.jit(jax.shard_map(lambda b: (libra_jax.all_gather(b, "x", tiled=True),
+                                             libra_jax.psum_scatter(b, "x", tiled=True)),
+                                  mesh=mesh, in_specs=P("x"), out_specs=(P("x"), P("x")),
+                                  check_vma=False))
+        b = jax.ShapeDtypeStruct((n * n, 3), np.int8, sharding=jax.NamedSharding(mesh, P("x")))
+        text = h.trace(b).lower(lowering_platforms=("cuda",)).as_text()
+        print("BYTES", n, sorted(set(re.findall(r"custom_call @(libra_\\w+)", text))),
+              "reduce_scatter" in text.replace("libra_reduce_scatter", ""))
 """
 
 
@@ -776,6 +786,7 @@ def test_sharded_pair_on_the_nccl_path(stub_env, version):
     for n in (2, 8):
         assert (f"SHARDED {n} one-call ['libra_all_gather_nccl', 'libra_reduce_scatter_nccl'] "
                 "[6] False 0") in out, out
+        assert f"BYTES {n} ['libra_all_gather_nccl'] True" in out, out
         # Start/done: no copy of an in-flight buffer (conftest.check_start_done_pairs: 2 pairs).
         assert (f"SHARDED {n} start-done ['libra_all_gather_nccl_start', "
                 "'libra_allreduce_cuda_done', 'libra_reduce_scatter_nccl_start'] [6] False 2"

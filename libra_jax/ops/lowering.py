@@ -350,7 +350,7 @@ def nccl_attrs(ctx: Any, groups: Sequence[Sequence[int]], devices: Sequence[Any]
     if not ok:
         return None, f"cuda without NCCL ({why})"
     dtype, count, reason = _buffer_served(ctx, NCCL_DTYPES, " over NCCL")
-    if reason:
+    if reason and not COLLECTIVES[collective].gathers:  # a gather copies any dtype, as bytes
         return None, reason
     if count == 0:
         return {}, ""
