@@ -397,25 +397,22 @@ auto BindSiteAttrs(Binding binding) {
       .template Attr<int64_t>("timeout_ms");
 }
 
-// The signature of the engine call: the one-call target, and start (which adds a call id).
-auto BindEngineCall() {
-  return BindSiteAttrs(ffi::Ffi::Bind()
-                           .Ctx<ffi::RunId>()
-                           .Ctx<ffi::State<CpuAllReduceSite>>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::Buffer<ffi::S32>>()
-                           .Ret<ffi::AnyBuffer>());
+// The engine call's context, operands and result: the one-call targets'; the starts add a
+// token result (and attributes: a call id, and the sharded kinds' segment).
+auto EngineBuffers() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::RunId>()
+      .Ctx<ffi::State<CpuAllReduceSite>>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Ret<ffi::AnyBuffer>();
 }
+
+auto BindEngineCall() { return BindSiteAttrs(EngineBuffers()); }
 
 // The sharded starts' signature: start's operands and results, then segment and call id.
 auto BindShardedStart() {
-  return BindSiteAttrs(ffi::Ffi::Bind()
-                           .Ctx<ffi::RunId>()
-                           .Ctx<ffi::State<CpuAllReduceSite>>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::Buffer<ffi::S32>>()
-                           .Ret<ffi::AnyBuffer>()
-                           .Ret<ffi::Buffer<ffi::S32>>())
+  return BindSiteAttrs(EngineBuffers().Ret<ffi::Buffer<ffi::S32>>())
       .Attr<int64_t>("segment")
       .Attr<int64_t>("call_id");
 }
@@ -442,13 +439,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuAllReduceStartInstantiate, InstantiateStart,
 
 // Start: the engine call's operands, its result (in place) and a token for done.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuAllReduceStart, ExecuteStart,
-                              BindSiteAttrs(ffi::Ffi::Bind()
-                                                .Ctx<ffi::RunId>()
-                                                .Ctx<ffi::State<CpuAllReduceSite>>()
-                                                .Arg<ffi::AnyBuffer>()
-                                                .Arg<ffi::Buffer<ffi::S32>>()
-                                                .Ret<ffi::AnyBuffer>()
-                                                .Ret<ffi::Buffer<ffi::S32>>())
+                              BindSiteAttrs(EngineBuffers().Ret<ffi::Buffer<ffi::S32>>())
                                   .Attr<int64_t>("call_id"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuShardedStartInstantiate, InstantiateShardedStart,

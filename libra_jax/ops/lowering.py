@@ -477,13 +477,13 @@ def sharded_rule(collective: str, platform: Platform, dimension: str,
             return xla(ctx, x, None, **params)
         aval_in, = ctx.avals_in
         if platform == "cuda":
-            flat, flat_in = to_row_of_shards(ctx, x, row.gathers, params[dimension],
-                                             params["tiled"])
+            flat_in = aval_in.update(shape=(math.prod(aval_in.shape),))
             flat_ctx = ctx.replace(primitive=None, avals_in=[flat_in])
             target, attrs, reason = sharded_nccl_call(flat_ctx, params["axis_name"],
                                                       params["blocks"], collective)
             if target is None:
                 return xla(ctx, x, reason, **params)
+            flat, _ = to_row_of_shards(ctx, x, row.gathers, params[dimension], params["tiled"])
             if not target:  # an empty buffer
                 return [_compat.ir_constant(np.zeros(ctx.avals_out[0].shape,
                                                      ctx.avals_out[0].dtype))]
