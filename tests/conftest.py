@@ -147,3 +147,56 @@ def check_start_done_pairs(text: str, start: str | tuple[str, ...], call: str | 
         assert len(re.findall(rf"@{call}\(", text)) == 1 and "all_reduce" not in text
     return len(starts)
 
+
+# --- Starts abandoned by a failed execution (tests/test_overlap.py, tests/test_sharded.py) ----
+
+_ABANDONED_PRELUDE = """
+import os, sys, time
+os.environ["LIBRA_JAX_TIMEOUT_S"] = "1"
+import jax, numpy as np
+jax.config.update("jax_num_cpu_devices", 4)
+from jax.sharding import PartitionSpec as P
+import libra_jax
+from libra_jax import _libra_ffi, ops
+sys.path.insert(0, {tests!r})
+mesh = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
+"""
+
+_ABANDONED_RUNS = """
+try:
+    jax.block_until_ready(program(True)(x, x))
+    print("NO ERROR")
+except Exception as e:
+    print("FAILED", type(e).__name__)
+time.sleep(0.2)
+print("PENDING_AFTER_FAILURE", _libra_ffi.cpu_pending_starts())
+time.sleep(1.2)  # past the timeout since those rounds ended
+print("RESULT", summary(program(False)(x, x)))
+print("PENDING_AFTER_NEXT", _libra_ffi.cpu_pending_starts())
+"""
+
+
+def run_abandoned_starts(program_source: str) -> tuple[int, str]:
+    """A start whose execution fails before its done leaves its in-flight entry behind; a later
+    start drops entries whose round is over and whose done has not come within the timeout.
+
+    Runs, in a subprocess of 4 host devices with a 1 s timeout, `program_source` (it defines
+    `program(fail)`, a jitted step of two arguments whose starts are followed, when `fail`, by
+    a psum that rank 2 never reaches; its input `x`; and `summary(outputs)`, what to print of a
+    result), first failing, then, past the timeout, succeeding. Asserts that the first run
+    failed and that the second run's starts dropped every stale entry. Returns (the entries
+    left pending after the failure, the printed summary of the second run)."""
+    import subprocess
+    import sys
+    import textwrap
+
+    tests = os.path.dirname(os.path.abspath(__file__))
+    script = (_ABANDONED_PRELUDE.format(tests=tests) + textwrap.dedent(program_source)
+              + _ABANDONED_RUNS)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=180, env={**os.environ, "XLA_FLAGS": xla_flags(None)})
+    out = proc.stdout
+    assert "FAILED" in out, out + proc.stderr[-3000:]
+    assert int(out.split("PENDING_AFTER_NEXT")[1].split()[0]) == 0, out
+    result = out.split("RESULT ", 1)[1].splitlines()[0]
+    return int(out.split("PENDING_AFTER_FAILURE")[1].split()[0]), result

@@ -63,27 +63,46 @@ def log_lines(env: dict, kind: str) -> list[dict]:
     return out
 
 
-# Two ranks as two threads of one process, three calls with blocks 2, 4, 2.
-THREADED = """
-    import threading, sys
-    import numpy as np
-    from libra_jax import _nccl
-    lib = _nccl.library()
-    print("ROUTE", lib.route, lib.version)
-    results = {}
-    def rank(r):
-        outs = []
-        for blocks in (2, 4, 2):
-            comm = _nccl.communicator([0, 1], blocks=blocks, holds_root=True, timeout_s=5)
-            a = np.arange(6, dtype=np.float32) * (r + 1) + blocks
-            _nccl.allreduce_host(comm, 2, r, blocks, a)
-            outs.append(a.tolist())
-        results[r] = outs
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    [t.start() for t in threads]; [t.join() for t in threads]
-    print("RESULTS", results[0] == results[1], results[0][1])
-    print("COMMUNICATORS", _nccl.communicators_created())
-"""
+def two_ranks(per_call: str, report: str, prelude: str = "") -> str:
+    """A script: two ranks as two threads of one process; for blocks 2, 4 and 2 each takes the
+    group's communicator (`comm`) and runs `per_call` (it sees `r`, `blocks`, `comm`, and
+    appends what it got to `outs`); then `report` runs (it sees `results[r]`, rank r's `outs`).
+    `prelude` runs first."""
+    def block(code: str, indent: str) -> str:
+        return textwrap.indent(textwrap.dedent(code).strip("\n"), indent)
+    return "\n".join([
+        "import threading, sys",
+        "import numpy as np",
+        "from libra_jax import _nccl",
+        block(prelude, ""),
+        "results = {}",
+        "def rank(r):",
+        "    outs = []",
+        "    for blocks in (2, 4, 2):",
+        "        comm = _nccl.communicator([0, 1], blocks=blocks, holds_root=True, timeout_s=5)",
+        block(per_call, "        "),
+        "    results[r] = outs",
+        "threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]",
+        "[t.start() for t in threads]; [t.join() for t in threads]",
+        block(report, ""),
+    ])
+
+
+# Two ranks as two threads of one process, three all-reduces with blocks 2, 4, 2.
+THREADED = two_ranks(
+    prelude="""
+        lib = _nccl.library()
+        print("ROUTE", lib.route, lib.version)
+    """,
+    per_call="""
+        a = np.arange(6, dtype=np.float32) * (r + 1) + blocks
+        _nccl.allreduce_host(comm, 2, r, blocks, a)
+        outs.append(a.tolist())
+    """,
+    report="""
+        print("RESULTS", results[0] == results[1], results[0][1])
+        print("COMMUNICATORS", _nccl.communicators_created())
+    """)
 
 
 # The version matrix: what reaches NCCL for blocks 2, 4, 2 on two ranks. The stub keeps NCCL's
@@ -143,37 +162,29 @@ def test_what_reaches_nccl_by_version(stub_env, version, name, route):
 # The sharded pair on NCCL: two ranks as threads, a reduce-scatter and an all-gather per block
 # count (2, 4, 2), out of place and in place (NCCL's rule: a reduce-scatter's output at input +
 # rank x recvcount, an all-gather's input at output + rank x sendcount, as views of one buffer).
-THREADED_SHARDED = """
-    import threading
-    import numpy as np
-    from libra_jax import _nccl
-    results = {}
-    def rank(r):
-        outs = []
-        for blocks in (2, 4, 2):
-            comm = _nccl.communicator([0, 1], blocks=blocks, holds_root=True, timeout_s=5)
-            full = np.arange(8, dtype=np.float32) * (r + 1) + blocks
-            mine = np.empty(4, np.float32)
-            _nccl.collective_host("reduce-scatter", comm, 2, r, blocks, full, mine)
-            in_place = full.copy()
-            _nccl.collective_host("reduce-scatter", comm, 2, r, blocks, in_place,
-                                  in_place[4 * r:4 * r + 4])
-            gathered = np.empty(8, np.float32)
-            _nccl.collective_host("all-gather", comm, 2, r, blocks, mine, gathered)
-            buffer = np.zeros(8, np.float32)
-            buffer[4 * r:4 * r + 4] = mine
-            _nccl.collective_host("all-gather", comm, 2, r, blocks, buffer[4 * r:4 * r + 4],
-                                  buffer)
-            outs.append((mine.tolist(), in_place[4 * r:4 * r + 4].tolist(), gathered.tolist(),
-                         buffer.tolist()))
-        results[r] = outs
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    [t.start() for t in threads]; [t.join() for t in threads]
-    print("SCATTERED", results[0][1][0], results[1][1][0])
-    print("IN_PLACE_SAME", all(o[0] == o[1] for r in results for o in results[r]))
-    print("GATHERED", results[0][1][2] == results[1][1][2] == results[0][1][3] == results[1][1][3],
-          results[0][1][2])
-"""
+THREADED_SHARDED = two_ranks(
+    per_call="""
+        full = np.arange(8, dtype=np.float32) * (r + 1) + blocks
+        mine = np.empty(4, np.float32)
+        _nccl.collective_host("reduce-scatter", comm, 2, r, blocks, full, mine)
+        in_place = full.copy()
+        _nccl.collective_host("reduce-scatter", comm, 2, r, blocks, in_place,
+                              in_place[4 * r:4 * r + 4])
+        gathered = np.empty(8, np.float32)
+        _nccl.collective_host("all-gather", comm, 2, r, blocks, mine, gathered)
+        buffer = np.zeros(8, np.float32)
+        buffer[4 * r:4 * r + 4] = mine
+        _nccl.collective_host("all-gather", comm, 2, r, blocks, buffer[4 * r:4 * r + 4], buffer)
+        outs.append((mine.tolist(), in_place[4 * r:4 * r + 4].tolist(), gathered.tolist(),
+                     buffer.tolist()))
+    """,
+    report="""
+        print("SCATTERED", results[0][1][0], results[1][1][0])
+        print("IN_PLACE_SAME", all(o[0] == o[1] for r in results for o in results[r]))
+        print("GATHERED",
+              results[0][1][2] == results[1][1][2] == results[0][1][3] == results[1][1][3],
+              results[0][1][2])
+    """)
 
 
 @pytest.mark.parametrize("version, route", [(21400, "none"), (21700, "per-communicator"),

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import assert_bitwise, lower_for, mesh_of, shard
+from conftest import assert_bitwise, lower_for, mesh_of, run_abandoned_starts, shard
 from jax.sharding import PartitionSpec as P
 from test_allreduce import DTYPES, random_array
 
@@ -690,17 +690,8 @@ def test_start_done_with_compute_between_and_xla_copies_no_in_flight_buffer():
     assert "output_to_operand_aliasing" in rs_line and "output_to_operand_aliasing" not in ag_line
 
 
-ABANDONED_SHARDED_SCRIPT = textwrap.dedent("""
-    import os, sys, time
-    os.environ["LIBRA_JAX_TIMEOUT_S"] = "1"
-    import jax, numpy as np
-    jax.config.update("jax_num_cpu_devices", 4)
-    from jax.sharding import PartitionSpec as P
-    import libra_jax
-    from libra_jax import _libra_ffi
-    sys.path.insert(0, os.environ["TESTS_DIR"])
+ABANDONED_SHARDED_PROGRAM = """
     from test_sharded import split_pair
-    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
 
     def body(a, v, fail):
         def between():
@@ -718,34 +709,19 @@ ABANDONED_SHARDED_SCRIPT = textwrap.dedent("""
                                      in_specs=(P("x"), P("x")), out_specs=(P("x"), P("x")),
                                      check_vma=False))
     x = jax.device_put(np.ones((16, 4), np.float32), jax.NamedSharding(mesh, P("x")))
-    try:
-        jax.block_until_ready(program(True)(x, x))
-        print("NO ERROR")
-    except Exception as e:
-        print("FAILED", type(e).__name__)
-    time.sleep(0.2)
-    print("PENDING_AFTER_FAILURE", _libra_ffi.cpu_pending_starts())
-    time.sleep(1.2)  # past the timeout since those rounds ended
-    scattered, gathered = program(False)(x, x)
-    print("RESULT", np.asarray(scattered).ravel().tolist()[:2],
-          np.asarray(gathered).shape)
-    print("PENDING_AFTER_NEXT", _libra_ffi.cpu_pending_starts())
-""")
+
+    def summary(out):
+        scattered, gathered = out
+        return np.asarray(scattered).ravel().tolist()[:2], np.asarray(gathered).shape
+"""
 
 
 def test_sharded_starts_abandoned_by_a_failed_execution_expire():
     """Sharded starts whose execution fails before their done leave their entries behind; a
     later start drops them once their round is over and the timeout has passed, as the
-    all-reduce's starts (tests/test_overlap.py)."""
-    tests_dir = os.path.dirname(os.path.abspath(__file__))
-    proc = subprocess.run([sys.executable, "-c", ABANDONED_SHARDED_SCRIPT], capture_output=True,
-                          text=True, timeout=180,
-                          env={**os.environ, "XLA_FLAGS": xla_flags(None), "TESTS_DIR": tests_dir})
-    out = proc.stdout
-    assert "FAILED" in out, out + proc.stderr[-3000:]
-    abandoned = int(out.split("PENDING_AFTER_FAILURE")[1].split()[0])
+    all-reduce's starts (tests/test_overlap.py; conftest.run_abandoned_starts)."""
+    abandoned, result = run_abandoned_starts(ABANDONED_SHARDED_PROGRAM)
     # Ranks 0, 1, 3 never reached their reduce-scatter's done, nor their all-gather's where XLA
     # ordered its start (independent of the psum) before the psum: 3 or 6 entries.
-    assert abandoned in (3, 6), out
-    assert "RESULT [4.0, 4.0] (64, 4)" in out, out
-    assert int(out.split("PENDING_AFTER_NEXT")[1].split()[0]) == 0, out
+    assert abandoned in (3, 6)
+    assert result == "([4.0, 4.0], (64, 4))"
