@@ -5,6 +5,11 @@ sized so the all-reduce at the best solo bandwidth takes as long as the compute,
 regime) and the cost model of the Libra artifact's fitted curves (8 workers; options are total
 thread counts). Each cell is the median of ``--repeat`` runs. Prints a markdown table.
 
+A third table plans a sharded-data-parallel backward pass (FSDP beside replicated parameters):
+the same layers, the smallest 30% of the gradients all-reduced (norms, biases kept replicated)
+and the rest reduce-scattered (a ring's terms: half the steps, half the bytes), so buckets hold
+one collective and runs of each alternate.
+
 ``--baseline COMMIT`` also times that commit's ``libra_jax/planner.py`` (read with ``git show``,
 imported on its own: the planner is pure Python) on the same instances, interleaved run by run
 with this tree's, and checks that both return the same buckets.
@@ -25,7 +30,7 @@ from types import ModuleType
 import numpy as np
 
 from libra_jax import planner
-from libra_jax.planner import CostModel, Layer, plan
+from libra_jax.planner import CollectiveTerms, CostModel, Layer, plan
 
 import report  # noqa: E402  (benchmarks/report.py)
 
@@ -49,7 +54,15 @@ def libra_cost(options: int = 8, workers: int = 8) -> CostModel:
     return CostModel(latency_s=(2 * workers - 2) * 5e-6,
                      solo_bw={n: bw(SOLO_FIT, n) for n in keys},
                      overlap_bw={n: bw(OVERLAP_FIT, n) for n in keys},
-                     slowdown={n: 1.0 / (SLOWDOWN_FIT[0] - SLOWDOWN_FIT[1] * n) for n in keys})
+                     slowdown={n: 1.0 / (SLOWDOWN_FIT[0] - SLOWDOWN_FIT[1] * n) for n in keys},
+                     collectives={"reduce-scatter": CollectiveTerms((workers - 1) * 5e-6, 0.5)})
+
+
+def mixed(layers: list[Layer]) -> list[Layer]:
+    """`layers` with the 30% smallest gradients all-reduced and the others reduce-scattered."""
+    cut = float(np.percentile([l.grad_bytes for l in layers], 30))
+    return [Layer(l.compute_s, l.grad_bytes,
+                  "all-reduce" if l.grad_bytes <= cut else "reduce-scatter") for l in layers]
 
 
 def random_layers(n: int, cost: CostModel, *, comm_ratio: float = 1.0, compute_s: float = 0.1,
@@ -159,6 +172,18 @@ def main() -> None:
         without = median_time(lambda: plan(layers, cost, fusion=False), args.repeat)
         lines.append(f"| {ratio} | {with_f * 1e3:.1f} | {without * 1e3:.1f} | "
                      f"{len(plan(layers, cost).buckets)} |")
+    lines += ["", f"### 1,000 layers x 8 options, all-reduces and reduce-scatters mixed (ms, median "
+                  f"of {args.repeat} runs)", "",
+              "| communication / compute | fusion | no fusion | buckets (fusion) | of them reduce-scatters |",
+              "|---:|---:|---:|---:|---:|"]
+    for ratio in (0.25, 0.5, 1.0, 2.0, 4.0):
+        layers = mixed(random_layers(1000, cost, comm_ratio=ratio))
+        with_f = median_time(lambda: plan(layers, cost), args.repeat)
+        without = median_time(lambda: plan(layers, cost, fusion=False), args.repeat)
+        found = plan(layers, cost).buckets
+        scatters = sum(layers[b.first].collective == "reduce-scatter" for b in found)
+        lines.append(f"| {ratio} | {with_f * 1e3:.1f} | {without * 1e3:.1f} | {len(found)} | "
+                     f"{scatters} |")
     if args.baseline:
         lines += compare(baseline_planner(args.baseline), args.baseline, args.repeat)
     with open("/proc/loadavg") as f:

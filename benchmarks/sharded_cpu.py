@@ -10,11 +10,17 @@ median of the per-repetition ratios with their 10th-90th percentiles. Floors bes
 measured in the same run with numpy (one thread): the 9 x size bytes either collective reads
 and writes, at numpy's add bandwidth (`floors`).
 
-    python benchmarks/sharded_cpu.py [--reps 15] [--sizes 1MiB,16MiB,64MiB] [--out FILE]
+A second table is the model's input (`libra_jax.model`, the fair-share form's
+``reduce_scatter_traffic`` / ``all_gather_traffic``): libra's reduce-scatter and all-gather
+against libra's all-reduce (``libra_jax.psum``) of the same full buffer, at the same block
+count (``--blocks``; default: each call's own default), as per-repetition ratios.
+
+    python benchmarks/sharded_cpu.py [--reps 15] [--sizes 1MiB,16MiB,64MiB] [--blocks N] [--out FILE]
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import random
 import time
@@ -36,18 +42,22 @@ import libra_jax
 VARIANTS = {"XLA psum_scatter": ("psum_scatter", "xla"),
             "libra psum_scatter": ("psum_scatter", "libra"),
             "XLA all_gather": ("all_gather", "xla"),
-            "libra all_gather": ("all_gather", "libra")}
+            "libra all_gather": ("all_gather", "libra"),
+            "libra psum": ("psum", "libra")}  # the full buffer all-reduced: the model's unit
 
 
-def programs(mesh):
-    """variant -> jitted fn of its operand (tiled, along the first dimension)."""
-    ops = {"xla": (jax.lax.psum_scatter, jax.lax.all_gather),
-           "libra": (libra_jax.psum_scatter, libra_jax.all_gather)}
+def programs(mesh, blocks: int | None = None):
+    """variant -> jitted fn of its operand (tiled, along the first dimension); libra's at
+    `blocks`."""
+    ops = {"xla": {"psum_scatter": jax.lax.psum_scatter, "all_gather": jax.lax.all_gather},
+           "libra": {"psum_scatter": functools.partial(libra_jax.psum_scatter, blocks=blocks),
+                     "all_gather": functools.partial(libra_jax.all_gather, blocks=blocks),
+                     "psum": functools.partial(libra_jax.psum, blocks=blocks)}}
     out = {}
     for name, (collective, whose) in VARIANTS.items():
-        scatter, gather = ops[whose]
-        body = ((lambda v, f=scatter: f(v, "x", tiled=True)) if collective == "psum_scatter"
-                else (lambda v, f=gather: f(v, "x", tiled=True)))
+        f = ops[whose][collective]
+        body = ((lambda v, f=f: f(v, "x")) if collective == "psum"
+                else (lambda v, f=f: f(v, "x", tiled=True)))
         out[name] = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"),
                                           check_vma=False))
     return out
@@ -71,7 +81,8 @@ def floors(size: int, reps: int) -> dict[str, float]:
     return {"bandwidth": bandwidth, "psum_scatter": floor, "all_gather": floor}
 
 
-def measure(size: int, reps: int, warmup: int = 2) -> dict[str, list[float]]:
+def measure(size: int, reps: int, warmup: int = 2, blocks: int | None = None
+            ) -> dict[str, list[float]]:
     """Seconds per call of each variant over `reps` interleaved rounds (float32)."""
     mesh = jax.make_mesh((8,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,))
     sharding = NamedSharding(mesh, P("x"))
@@ -81,7 +92,8 @@ def measure(size: int, reps: int, warmup: int = 2) -> dict[str, list[float]]:
                     rng.standard_normal((8 * n,)).astype(np.float32), sharding),
                 "all_gather": jax.device_put(
                     rng.standard_normal((n,)).astype(np.float32), sharding)}
-    fns = programs(mesh)
+    operands["psum"] = operands["psum_scatter"]
+    fns = programs(mesh, blocks)
     times: dict[str, list[float]] = {name: [] for name in fns}
     for rep in range(warmup + reps):
         order = list(fns)
@@ -121,28 +133,48 @@ def rows(label: str, times: dict[str, list[float]], floor: dict[str, float]) -> 
     return out
 
 
+def traffic_rows(label: str, times: dict[str, list[float]]) -> list[str]:
+    """libra's reduce-scatter and all-gather over libra's all-reduce of the same full buffer:
+    median and 10th-90th percentiles of the per-repetition ratios."""
+    base = np.array(times["libra psum"])
+    out = []
+    for collective in ("psum_scatter", "all_gather"):
+        r10, r50, r90 = np.percentile(np.array(times[f"libra {collective}"]) / base, [10, 50, 90])
+        out.append(f"| {label} | {collective} | {np.median(base) * 1e3:.3f} | {r50:.2f} | "
+                   f"{r10:.2f}-{r90:.2f} |")
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--sizes", default="1MiB,16MiB,64MiB")
+    parser.add_argument("--blocks", type=int, default=None,
+                        help="libra's block count (default: each call's default_blocks)")
     parser.add_argument("--out", default=None, help="also write the markdown table here")
     args = parser.parse_args()
     lines = report.header(f"; 8 host devices (XLA_FLAGS={os.environ['XLA_FLAGS']}).") + [
         f"{args.reps} interleaved repetitions after 2 warm-ups; float32, tiled along the first "
         "dimension; sizes are the full (unsharded) buffer per device; times per call in ms; "
-        "libra at default blocks (`default_blocks`: the all-reduce's rule for half the bytes).",
+        + ("libra at default blocks (`default_blocks`: the all-reduce's rule for half the bytes)."
+         if args.blocks is None else f"libra at {args.blocks} blocks."),
         "",
         "| full buffer per device | collective | whose | median ms | IQR ms | ratio to XLA | "
         "ratio p10-p90 | floor ms | median / floor |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
+    traffic = ["", "libra's collectives against libra's all-reduce of the same full buffer (the "
+               "model's `traffic`: ratios per repetition, median and p10-p90):", "",
+               "| full buffer per device | collective | libra psum median ms | ratio to libra psum "
+               "| ratio p10-p90 |", "|---|---|---|---|---|"]
     for label in args.sizes.split(","):
         size = parse_size(label)
-        times = measure(size, args.reps)
+        times = measure(size, args.reps, blocks=args.blocks)
         table = rows(label, times, floors(size, args.reps))
         lines += table
-        print("\n".join(table), flush=True)
-    report.publish(lines, args.out)
+        traffic += traffic_rows(label, times)
+        print("\n".join(table + traffic[-2:]), flush=True)
+    report.publish(lines + traffic, args.out)
 
 
 if __name__ == "__main__":

@@ -170,8 +170,9 @@ def psum_scatter(x: Any, axis_name: AxisName | Sequence[AxisName], *, scatter_di
       axis_index_groups: as in `jax.lax.psum_scatter`; such calls are delegated to it.
       tiled: as in `jax.lax.psum_scatter`: untiled, that dimension's size is the axis size,
         and it is removed; tiled, it is divisible by the axis size, and divided.
-      blocks: engine worker tasks, 1..`MAX_BLOCKS`; ``None``: `default_blocks` for the bytes
-        a reduce-scatter moves (half the buffer's), chosen when the program is lowered.
+      blocks: engine worker tasks, 1..`MAX_BLOCKS`; ``None``: `default_blocks` (the model's
+        choice for a reduce-scatter of the buffer), chosen when the program is lowered; under
+        `optimize`, a gradient's is planned.
 
     Returns:
       The same as `jax.lax.psum_scatter`, bit for bit on CPU (the rank-order sum, from +0).
@@ -230,8 +231,8 @@ def all_gather(x: Any, axis_name: AxisName | Sequence[AxisName], *,
         invariant over the axes: JAX's `all_gather_invariant`, whose gradient is a slice);
         ``'reduced'`` is delegated to `jax.lax.all_gather`.
       axis_index_groups: as in `jax.lax.all_gather`; such calls are delegated to it.
-      blocks: engine worker tasks, 1..`MAX_BLOCKS`; ``None``: `default_blocks` for the bytes
-        an all-gather moves (half the gathered buffer's), chosen when the program is lowered.
+      blocks: engine worker tasks, 1..`MAX_BLOCKS`; ``None``: `default_blocks` (the model's
+        choice for an all-gather of the gathered buffer), chosen when the program is lowered.
 
     Returns:
       The same as `jax.lax.all_gather`, bit for bit. Its transpose (`jax.grad`) is

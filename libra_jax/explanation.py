@@ -28,7 +28,8 @@ __all__ = ["explain", "Explanation", "ScopePlan", "BucketRow"]
 
 @dataclasses.dataclass(frozen=True)
 class BucketRow:
-    """One gradient bucket (one all-reduce) of a scope, in backward order."""
+    """One gradient bucket (one all-reduce, or one reduce-scatter) of a scope, in backward
+    order."""
 
     index: int
     tensors: tuple[str, ...]        # parameter paths (or "psum #i: shape" where unknown)
@@ -38,8 +39,9 @@ class BucketRow:
     overlap: str                    # issued as one call ("sync") or a start/done pair
     compute_s: float                # compute of its layers (the gradients it carries), full speed
     ready_s: float                  # predicted time its last gradient is ready
-    start_s: float                  # predicted start and end of its all-reduce
+    start_s: float                  # predicted start and end of its collective
     end_s: float
+    collective: str = "all-reduce"  # or "reduce-scatter" (`planner.COLLECTIVES`)
 
     @property
     def comm_s(self) -> float:
@@ -179,7 +181,8 @@ def _scope_plan(entry: dict, report: rewrite.OptimizeReport, names: dict) -> Sco
     rows = []
     for j, b in enumerate(buckets):
         idx = range(b.first, b.last + 1)
-        tensors = tuple(names.get(id(results[i]), _unnamed(results[i], members[i])) for i in idx)
+        tensors = tuple(names.get(id(results[i]), _unnamed(results[i], members[i],
+                                                           layers[i].collective)) for i in idx)
         span = spans.get(j)
         issued = planned.get((entry["scope"], members[b.last]))
         ready = max((c.end for c in tl.compute if b.first <= c.layer <= b.last), default=0.0)
@@ -189,7 +192,8 @@ def _scope_plan(entry: dict, report: rewrite.OptimizeReport, names: dict) -> Sco
             overlap=getattr(issued, "overlap", "sync"),
             compute_s=sum(layers[i].compute_s for i in idx),
             ready_s=span.ready if span else ready,
-            start_s=span.start if span else ready, end_s=span.end if span else ready))
+            start_s=span.start if span else ready, end_s=span.end if span else ready,
+            collective=layers[b.first].collective))
     return ScopePlan(
         scope=entry["scope"], axes=tuple(entry["axes"]), world=entry["world"],
         profile=entry["profile"].name, key_unit=entry["key_unit"], layers=layers, buckets=buckets,
@@ -233,10 +237,10 @@ def _result_names(closed: Any, out_paths: Sequence[str], report: rewrite.Optimiz
         size = _size(wanted[key].aval.shape)
         if size <= 1:
             continue  # a scalar (the loss): no parameter
-        # Same number of elements (bias gradients may carry extra unit axes; pmap outputs a
-        # leading device axis unless out_axes=None).
-        same = [i for i in positions if (aval := out_avals[i]) is not None
-                and size in (_size(aval.shape), _size(aval.shape[1:]))]
+        # Reached through values of the result's size (bias gradients may carry extra unit
+        # axes; pmap outputs a leading device axis unless out_axes=None), or out of a
+        # shard_map of the global array's (`_reach_top`).
+        same = [i for i in positions if out_avals[i] is not None]
         if same:
             raw[key] = _common_suffix([out_paths[i] for i in same]) or out_paths[same[0]]
     return _shorten(raw)
@@ -259,8 +263,11 @@ def _reach_top(jaxpr: Any, seeds: set, start: int, chain: list[tuple[Any, Any]],
     values of `size` elements (`_reach`)."""
     positions = _reach(jaxpr, seeds, start, size)
     for parent, (k, eqn) in reversed(chain):
-        outs = {eqn.outvars[i] for i in positions if i < len(eqn.outvars)}
-        positions = _reach(parent, outs, k + 1, size)
+        # Each output at its own size out there: a shard_map's is the global array, its
+        # shards stacked (a sharded parameter's gradient shard updates that parameter).
+        positions = set().union(*(_reach(parent, {eqn.outvars[i]}, k + 1,
+                                         _size(eqn.outvars[i].aval.shape))
+                                  for i in positions if i < len(eqn.outvars)))
     return sorted(positions)
 
 
@@ -308,9 +315,14 @@ def _aligned_subjaxprs(eqn: Any) -> list[Any]:
     return [getattr(value, "jaxpr", value)]
 
 
-def _unnamed(var: Any, index: int) -> str:
+def _unnamed(var: Any, index: int, collective: str = "all-reduce") -> str:
     shape = tuple(getattr(getattr(var, "aval", None), "shape", ()))
-    return "scalar (loss?)" if _size(shape) <= 1 else f"psum #{index} {list(shape)}"
+    name = _LAX_NAMES[collective]
+    return "scalar (loss?)" if _size(shape) <= 1 else f"{name} #{index} {list(shape)}"
+
+
+#: How a user calls each collective a bucket may issue (`planner.COLLECTIVES`).
+_LAX_NAMES = {"all-reduce": "psum", "reduce-scatter": "psum_scatter"}
 
 
 
@@ -359,7 +371,14 @@ def _header(s: ScopePlan) -> str:
     return (f"scope {s.scope}{' (a loop body: each iteration)' if s.in_loop else ''}, axes "
             f"{', '.join(map(str, s.axes))}, {s.world} ranks, profile "
             f"{s.profile} (allocation in {s.key_unit.replace('_', ' ')}); "
-            f"{_plural(len(s.layers), 'gradient psum')} -> {_plural(len(s.buckets), 'bucket')}")
+            f"{_gradient_count(s.layers)} -> {_plural(len(s.buckets), 'bucket')}")
+
+
+def _gradient_count(layers: Sequence[planner.Layer]) -> str:
+    """"3 gradient psums", or "2 gradient psums, 4 gradient psum_scatters" in a mixed scope."""
+    counts = {c: sum(layer.collective == c for layer in layers) for c in _LAX_NAMES}
+    return ", ".join(_plural(n, f"gradient {_LAX_NAMES[c]}") for c, n in counts.items()
+                     if n or (c == "all-reduce" and not any(counts.values())))
 
 
 def _plural(n: int, noun: str) -> str:
@@ -368,13 +387,14 @@ def _plural(n: int, noun: str) -> str:
 
 def _columns() -> list[str]:
     return ["#", "tensors (planning order)", "bytes", "blocks", "issued", "compute ms",
-            "ready ms", "all-reduce ms", "start-end ms"]
+            "ready ms", "collective ms", "start-end ms"]
 
 
 def _cells(r: BucketRow) -> list[str]:
     ms = 1e3
     alloc = f"{r.blocks}" if r.blocks == r.allocation else f"{r.blocks} ({r.allocation})"
-    return [str(r.index), _tensor_list(r.tensors), _fmt_bytes(r.nbytes), alloc, r.overlap,
+    issued = r.overlap if r.collective == "all-reduce" else f"{r.overlap} ({_LAX_NAMES[r.collective]})"
+    return [str(r.index), _tensor_list(r.tensors), _fmt_bytes(r.nbytes), alloc, issued,
             f"{r.compute_s * ms:.3f}", f"{r.ready_s * ms:.3f}", f"{r.comm_s * ms:.3f}",
             f"{r.start_s * ms:.3f}-{r.end_s * ms:.3f}"]
 
@@ -398,7 +418,7 @@ def _prediction_lines(e: Explanation) -> list[str]:
     if not e.scopes:
         return []
     lines = ["what the prediction covers: the contention model's backward time (each bucket's "
-             "all-reduce at its block count, the compute it overlaps slowed by those blocks), "
+             "collective at its block count, the compute it overlaps slowed by those blocks), "
              "for this plan against the two baselines above; not how an all-reduce's result is "
              "written, nor the fixed cost of each call beyond the profile's latency"]
     if jax.default_backend() == "cpu":
@@ -414,8 +434,9 @@ def _others_lines(e: Explanation) -> list[str]:
     if e.others:
         lines.append("other all-reduces (not planned with the backward pass):")
     for p in e.others:
+        what = "" if p.collective == "all-reduce" else f" ({_LAX_NAMES[p.collective]})"
         lines.append(f"  {p.kind:<8} {p.scope} axes {', '.join(map(str, p.axes))}: "
-                     f"{_fmt_bytes(p.nbytes)}, blocks {p.blocks}")
+                     f"{_fmt_bytes(p.nbytes)}, blocks {p.blocks}{what}")
     if e.report.loops:
         lines.append("loops (each iteration issues its body's plan; stacked slices may leave "
                      "a scan: libra_jax.loops):")
@@ -439,7 +460,8 @@ def _others_lines(e: Explanation) -> list[str]:
             line += f"; {loop.kept} other psum(s) of the body unplanned (kind loop)"
         lines.append(line)
     if e.report.unplanned:
-        lines.append("collectives optimize leaves unplanned (it plans psums only): "
+        lines.append("collectives optimize leaves unplanned (it plans psums and psum_scatters "
+                     "only): "
                      + "; ".join(e.report.unplanned))
     return lines
 

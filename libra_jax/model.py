@@ -75,6 +75,17 @@ One time formula for all forms (NCCL ``tuning.cc`` style): a collective of ``b``
 ``pack_s + latency + b / bw`` with ``bw`` the solo or overlapped table entry of its allocation, and
 slows overlapped compute by the ``slowdown`` table entry; the per-form tables above fill them.
 
+Other collectives (sharded data parallelism)
+--------------------------------------------
+The tables are the all-reduce's. A reduce-scatter or an all-gather of an unsharded buffer of
+``b`` bytes costs ``pack_s + latency_c + traffic_c * b / bw`` with the same ``bw`` and the same
+``slowdown`` (the same blocks beside the same compute): `COLLECTIVE_SHAPES` is the one table of
+per-collective terms. ``latency_c`` is `ring_latency_s` with the collective's steps (``n-1``
+against the all-reduce's ``2(n-1)``); ``traffic_c`` (`collective_traffic`) is the ratio of bus
+bytes for a ring, 1/2, and for the CPU engine, which is no ring, the profile's measured ratio
+(``fair_share.reduce_scatter_traffic`` / ``all_gather_traffic``) or else the ratio of the memory
+each moves, ``(n+1)/(2n)``. They reach the planner as ``CostModel.collectives``.
+
 Profiles
 --------
 JSON files (``libra_jax/profiles/<name>.json``), loaded by name or by path with
@@ -103,7 +114,7 @@ from types import MappingProxyType
 from typing import Any, NamedTuple
 
 from libra_jax import config
-from libra_jax.planner import CostModel
+from libra_jax.planner import COLLECTIVES, CollectiveTerms, CostModel
 from libra_jax.planner import default_allocation as planner_default_allocation
 
 __all__ = [
@@ -133,6 +144,9 @@ __all__ = [
     "ring_steps",
     "ring_latency_s",
     "ring_algo_factor",
+    "CollectiveShape",
+    "COLLECTIVE_SHAPES",
+    "collective_traffic",
     "softmin",
     "libra_bandwidth_mib_per_ms",
     "libra_slowdown",
@@ -173,10 +187,35 @@ def _check_workers(workers: int) -> None:
         raise ValueError(f"workers must be an integer >= 2 (a ring needs two ranks), got {workers!r}")
 
 
-def ring_steps(workers: int) -> int:
-    """Communication steps of a ring all-reduce: reduce-scatter plus all-gather, ``2(n-1)``."""
+class CollectiveShape(NamedTuple):
+    """What one collective over ``n`` ranks does with an unsharded buffer of ``b`` bytes (a
+    reduce-scatter's input, an all-gather's output): as a ring (NCCL's ``nsteps`` and bus
+    bandwidth factors), ``steps(n)`` hop latencies and ``bus_fraction(n) * b`` bytes through each
+    rank's link; in the CPU engine (not a ring: each range is reduced or copied by one worker
+    from all ranks' buffers), ``engine_traffic(n) * b`` bytes of memory read and written in all."""
+
+    steps: Callable[[int], int]
+    bus_fraction: Callable[[int], float]
+    engine_traffic: Callable[[int], float]
+
+
+#: The per-collective terms, one row per collective (`planner.COLLECTIVES`). A ring all-reduce is
+#: a reduce-scatter then an all-gather: twice their steps and bytes. The engine's all-reduce
+#: reads the n inputs and writes n outputs; its reduce-scatter reads n and writes one shard's
+#: worth (1/n on each of n ranks), its all-gather reads the n shards once and writes n outputs.
+COLLECTIVE_SHAPES: Mapping[str, CollectiveShape] = MappingProxyType({
+    "all-reduce": CollectiveShape(lambda n: 2 * (n - 1), lambda n: 2 * (n - 1) / n, lambda n: 2.0 * n),
+    "reduce-scatter": CollectiveShape(lambda n: n - 1, lambda n: (n - 1) / n, lambda n: n + 1.0),
+    "all-gather": CollectiveShape(lambda n: n - 1, lambda n: (n - 1) / n, lambda n: n + 1.0),
+})
+assert tuple(COLLECTIVE_SHAPES) == COLLECTIVES
+
+
+def ring_steps(workers: int, collective: str = "all-reduce") -> int:
+    """Communication steps of a ring `collective`: ``2(n-1)`` for the all-reduce (a
+    reduce-scatter plus an all-gather), ``n-1`` for either half."""
     _check_workers(workers)
-    return 2 * (workers - 1)
+    return COLLECTIVE_SHAPES[collective].steps(workers)
 
 
 def ring_bytes_per_rank(grad_bytes: float, workers: int) -> float:
@@ -191,15 +230,16 @@ def ring_algo_factor(workers: int) -> float:
     return workers / (2.0 * (workers - 1))
 
 
-def ring_latency_s(network: NetworkSpec, workers: int) -> float:
-    """Latency of one ring all-reduce: base plus one hop latency per step (NCCL tuning.cc shape).
+def ring_latency_s(network: NetworkSpec, workers: int, collective: str = "all-reduce") -> float:
+    """Latency of one ring `collective`: base plus one hop latency per step (NCCL tuning.cc
+    shape).
 
-    Steps that cross nodes (``2(nodes-1)`` of them) pay the inter-node hop latency, the others
-    the intra-node one.
+    Steps that cross nodes (the collective's steps over the nodes: ``2(nodes-1)`` for the
+    all-reduce) pay the inter-node hop latency, the others the intra-node one.
     """
-    steps = ring_steps(workers)
+    steps = ring_steps(workers, collective)
     nodes = math.ceil(workers / network.devices_per_node)
-    inter = 2 * (nodes - 1)
+    inter = COLLECTIVE_SHAPES[collective].steps(nodes)
     return (network.base_latency_s + (steps - inter) * network.intra_step_latency_s
             + inter * network.inter_step_latency_s)
 
@@ -365,6 +405,9 @@ class FairShare:
     ``pending_allreduce_s`` (optional) what one all-reduce left pending in XLA:CPU's program
     while the backward pass runs costs the step; ``optimize(overlap="auto")`` weighs it against
     the work a start/done pair would defer (`libra_jax.rewrite`). None: not known.
+    ``reduce_scatter_traffic`` / ``all_gather_traffic`` (optional): the engine's seconds for
+    that collective of a buffer over its all-reduce's of the same buffer at the same block
+    count, measured (`collective_traffic`; None: derived from the memory each moves).
     """
 
     block_options: tuple[int, ...]
@@ -375,6 +418,8 @@ class FairShare:
     compute_threads: float
     fusion_copy_bytes_per_s: float
     pending_allreduce_s: float | None = None
+    reduce_scatter_traffic: float | None = None
+    all_gather_traffic: float | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -653,7 +698,7 @@ def _read_libra_fit(r: _Reader, data: Mapping[str, Any]) -> LibraFit:
 
 def _read_fair_share(r: _Reader, data: Mapping[str, Any]) -> FairShare:
     c = r.section(data, "fair_share", allowed=_BLOCK_FORM_KEYS + (
-        "cores", "compute_threads", "pending_allreduce_us"))
+        "cores", "compute_threads", "pending_allreduce_us", *_TRAFFIC_KEYS.values()))
     p = "fair_share."
     return FairShare(
         **_block_form_fields(r, c, p),
@@ -661,7 +706,17 @@ def _read_fair_share(r: _Reader, data: Mapping[str, Any]) -> FairShare:
         compute_threads=r.number(c, "compute_threads", p),
         pending_allreduce_s=(r.number(c, "pending_allreduce_us", p, inclusive=True) * S_PER_US
                              if "pending_allreduce_us" in c else None),
+        reduce_scatter_traffic=_optional_number(r, c, "reduce_scatter_traffic", p),
+        all_gather_traffic=_optional_number(r, c, "all_gather_traffic", p),
     )
+
+
+def _optional_number(r: _Reader, section: Mapping[str, Any], key: str, prefix: str) -> float | None:
+    return r.number(section, key, prefix) if key in section else None
+
+
+#: The fair-share form's measured `collective_traffic`, by collective: its field (and key).
+_TRAFFIC_KEYS = {"reduce-scatter": "reduce_scatter_traffic", "all-gather": "all_gather_traffic"}
 
 
 def _read_nccl_style(r: _Reader, data: Mapping[str, Any]) -> NcclStyle:
@@ -995,12 +1050,39 @@ def _derive(profile: Profile, workers: int, link_gbit_per_s: float | None,
     if not slowdown:
         reasons = "; ".join(f"{k}: {why}" for k, why in sorted(dropped.items()))
         raise ValueError(f"profile {profile.name!r} leaves no valid allocation for {workers} workers ({reasons})")
+    others = {}
+    for collective in COLLECTIVES[1:]:
+        traffic, _ = collective_traffic(profile, collective, workers)
+        others[collective] = CollectiveTerms(ring_latency_s(profile.network, workers, collective), traffic)
     cost = CostModel(latency_s=ring_latency_s(profile.network, workers), solo_bw=solo, overlap_bw=overlap,
-                     slowdown=slowdown, pack_s_per_byte=1.0 / spec.fusion_copy_rate(section))
+                     slowdown=slowdown, pack_s_per_byte=1.0 / spec.fusion_copy_rate(section),
+                     collectives=others)
     return Derivation(cost=cost, profile=profile.name, form=profile.form, workers=workers, link_bytes_per_s=link,
                       key_unit=key_unit, threads_per_block=tpb,
                       dropped=MappingProxyType(dict(sorted(dropped.items()))),
                       notes=tuple(notes))
+
+
+def collective_traffic(profile: Profile, collective: str, workers: int) -> tuple[float, str]:
+    """`collective`'s seconds per gradient byte over the all-reduce's, at the same allocation
+    (`planner.CollectiveTerms.traffic`), and where the number comes from.
+
+    The GPU forms price rings: the ratio of the collectives' bus fractions (`COLLECTIVE_SHAPES`;
+    1/2 for either half of the all-reduce). The CPU engine is no ring: the fair-share form
+    takes the profile's measured ratio (``fair_share.<collective>_traffic``,
+    ``benchmarks/sharded_cpu.py``) where it has one, else the ratio of the memory each moves
+    (``engine_traffic``: (n+1)/(2n), 9/16 at 8 ranks).
+    """
+    if collective == "all-reduce":
+        return 1.0, "the all-reduce"
+    shape, ring = COLLECTIVE_SHAPES[collective], COLLECTIVE_SHAPES["all-reduce"]
+    if profile.fair_share is None:
+        return shape.bus_fraction(workers) / ring.bus_fraction(workers), "ring bus fractions"
+    measured = getattr(profile.fair_share, _TRAFFIC_KEYS[collective])
+    if measured is not None:
+        return measured, f"fair_share.{_TRAFFIC_KEYS[collective]}"
+    return (shape.engine_traffic(workers) / ring.engine_traffic(workers),
+            "the engine's memory traffic (not measured)")
 
 
 def cost_model(profile: Profile | str | Path, workers: int, *, link_gbit_per_s: float | None = None) -> CostModel:

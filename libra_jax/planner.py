@@ -18,6 +18,13 @@ spends ``latency_s``, then moves its bytes at ``overlap_bw[k]`` while compute st
 whichever is later. With ``reach``, only buckets whose every gradient may wait for the bucket's
 last one are allowed (`plan`; a gradient used before a later one is computed cannot).
 
+Collectives. Each layer names what reduces its gradient (`Layer.collective`): an all-reduce
+(data parallelism) or a reduce-scatter (a parameter sharded over the ranks: FSDP). A bucket holds
+one collective, as if ``reach`` ended every layer's run of one collective; a bucket of collective
+``c`` takes ``CostModel.terms(c)``'s latency and moves its bytes times ``terms(c).traffic`` at the
+tables' bandwidths, with the same slowdown. Nothing below depends on which: every argument is per
+collective, the bounds take the least latency still due.
+
 Everything the future depends on after a collective is the pair ``(T, P)``: the time the
 collective ends and the compute *progress* ``P`` reached by then (seconds of full-speed work,
 0 <= P <= C, C = total compute). One collective maps ``(T, P)`` to ``(E, Q)`` in closed form
@@ -124,6 +131,8 @@ import numpy as np
 
 __all__ = [
     "BLOCK_PENALTY",
+    "COLLECTIVES",
+    "CollectiveTerms",
     "HOROVOD_FUSION_BYTES",
     "LIBRA_DEFAULT_THREADS",
     "default_allocation",
@@ -181,14 +190,18 @@ def default_allocation(options: Iterable[int], key_unit: str) -> int:
 BLOCK_PENALTY = 0.025
 
 
-def no_overlap_allocation(cost: CostModel, nbytes: float, blocks_of: Callable[[int], int]) -> int:
-    """The allocation of an all-reduce of `nbytes` per rank with no overlapped compute known
-    (``psum(blocks=None)`` outside `optimize`): the option that minimises its predicted time
-    times (1 + `BLOCK_PENALTY` x blocks), `blocks_of(key)` being the option's block count, so
-    that more blocks must buy proportionally more speed. Ties go to fewer blocks."""
+def no_overlap_allocation(cost: CostModel, nbytes: float, blocks_of: Callable[[int], int],
+                          collective: str = "all-reduce") -> int:
+    """The allocation of a `collective` of `nbytes` per rank (a reduce-scatter's input, an
+    all-gather's output) with no overlapped compute known (``psum(blocks=None)`` outside
+    `optimize`): the option that minimises its predicted time times (1 + `BLOCK_PENALTY` x
+    blocks), `blocks_of(key)` being the option's block count, so that more blocks must buy
+    proportionally more speed. Ties go to fewer blocks."""
+    terms = cost.terms(collective)
+
     def score(key: int) -> tuple[float, int]:
         blocks = blocks_of(key)
-        seconds = cost.latency_s + nbytes / cost.solo_bw[key]
+        seconds = terms.latency_s + nbytes * terms.traffic / cost.solo_bw[key]
         return seconds * (1 + BLOCK_PENALTY * blocks), blocks
 
     return min(sorted(cost.solo_bw), key=score)
@@ -207,24 +220,58 @@ def _is_real(value: object) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
+#: The collectives a bucket may issue. A data-parallel gradient is all-reduced; a sharded
+#: parameter's (FSDP, ZeRO-3) is reduce-scattered; the all-gather is priced by the same terms.
+COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather")
+
+
 @dataclass(frozen=True)
 class Layer:
     """One layer of the backward pass, listed in backward order (first = finishes first).
 
     ``compute_s`` is its backward compute at full speed (seconds); ``grad_bytes`` the size of the
-    gradient it produces, ready for all-reduce when the layer ends.
+    gradient it produces, ready for its collective when the layer ends (the unsharded buffer:
+    a reduce-scatter's input); ``collective`` (one of `COLLECTIVES`) what reduces it. A bucket
+    holds layers of one collective only.
     """
 
     compute_s: float
     grad_bytes: int
+    collective: str = "all-reduce"
 
     def __post_init__(self) -> None:
         if not _is_real(self.compute_s) or not math.isfinite(self.compute_s) or self.compute_s < 0:
             raise ValueError(f"Layer.compute_s must be a finite number >= 0, got {self.compute_s!r}")
         if not _is_int(self.grad_bytes) or self.grad_bytes < 0:
             raise ValueError(f"Layer.grad_bytes must be an integer >= 0, got {self.grad_bytes!r}")
+        if self.collective not in COLLECTIVES:
+            raise ValueError(f"Layer.collective must be one of {', '.join(COLLECTIVES)}, "
+                             f"got {self.collective!r}")
         object.__setattr__(self, "compute_s", float(self.compute_s))
         object.__setattr__(self, "grad_bytes", int(self.grad_bytes))
+
+
+@dataclass(frozen=True)
+class CollectiveTerms:
+    """How a collective other than the all-reduce is priced against a `CostModel`'s tables.
+
+    ``latency_s`` replaces the all-reduce's latency; ``traffic`` multiplies its bytes: the
+    seconds per gradient byte it takes over the all-reduce's at the same allocation (a ring
+    reduce-scatter moves half of an all-reduce's bytes in half its steps: 0.5). Allocation
+    and contention are the all-reduce's (the same blocks move the bytes beside the same
+    compute), so ``slowdown`` applies as it is.
+    """
+
+    latency_s: float
+    traffic: float
+
+    def __post_init__(self) -> None:
+        for name in ("latency_s", "traffic"):
+            value = getattr(self, name)
+            if not _is_real(value) or not math.isfinite(value) or value < 0 or (name == "traffic" and value == 0):
+                need = "> 0" if name == "traffic" else ">= 0"
+                raise ValueError(f"CollectiveTerms.{name} must be a finite number {need}, got {value!r}")
+            object.__setattr__(self, name, float(value))
 
 
 def _frozen_table(name: str, table: Mapping[int, float], minimum: float, strict: bool) -> Mapping[int, float]:
@@ -257,6 +304,11 @@ class CostModel:
     collective with allocation ``k`` is active, its ``latency_s`` included. ``pack_s_per_byte``
     prices fused buckets (`pack_s`): packing them into one buffer takes the compute stream
     that long before the collective's latency starts (0: fusion is free, as in the paper).
+
+    The tables and ``latency_s`` are the all-reduce's; ``collectives`` prices the others a
+    layer may ask for (`Layer.collective`), each by its `CollectiveTerms`: a bucket of
+    ``b`` bytes of collective ``c`` costs ``pack_s + terms(c).latency_s + b * terms(c).traffic
+    / bw[k]`` (`terms`).
     """
 
     latency_s: float
@@ -264,6 +316,8 @@ class CostModel:
     overlap_bw: Mapping[int, float]
     slowdown: Mapping[int, float]
     pack_s_per_byte: float = 0.0
+    collectives: Mapping[str, CollectiveTerms] = dataclasses.field(
+        default_factory=lambda: MappingProxyType({}))
 
     def __post_init__(self) -> None:
         lat = self.latency_s
@@ -282,10 +336,38 @@ class CostModel:
             raise ValueError(
                 "CostModel tables must have the same keys: "
                 f"solo_bw {list(keys[0])}, overlap_bw {list(keys[1])}, slowdown {list(keys[2])}")
+        if not isinstance(self.collectives, Mapping):
+            raise ValueError("CostModel.collectives must map a collective to its CollectiveTerms, "
+                             f"got {type(self.collectives).__name__}")
+        others = {}
+        for name in COLLECTIVES[1:]:  # in table order
+            if name in self.collectives:
+                if not isinstance(self.collectives[name], CollectiveTerms):
+                    raise ValueError(f"CostModel.collectives[{name!r}] must be CollectiveTerms, "
+                                     f"got {type(self.collectives[name]).__name__}")
+                others[name] = self.collectives[name]
+        unknown = [c for c in self.collectives if c not in others]
+        if unknown:
+            raise ValueError(f"CostModel.collectives: {unknown[0]!r} is not priced this way "
+                             f"(one of {', '.join(COLLECTIVES[1:])}; the all-reduce's terms are "
+                             "latency_s and the tables)")
+        object.__setattr__(self, "collectives", MappingProxyType(others))
 
     def __hash__(self) -> int:
         return hash((self.latency_s, tuple(self.solo_bw.items()), tuple(self.overlap_bw.items()),
-                     tuple(self.slowdown.items()), self.pack_s_per_byte))
+                     tuple(self.slowdown.items()), self.pack_s_per_byte,
+                     tuple(self.collectives.items())))
+
+    def terms(self, collective: str) -> CollectiveTerms:
+        """The latency and traffic of `collective` (the all-reduce's: ``latency_s`` and 1)."""
+        if collective == "all-reduce":
+            return CollectiveTerms(self.latency_s, 1.0)
+        terms = self.collectives.get(collective)
+        if terms is None:
+            raise ValueError(f"this CostModel does not price the {collective}: give "
+                             f"CostModel(collectives={{{collective!r}: CollectiveTerms(...)}}) "
+                             "(`model.derive` prices every collective)")
+        return terms
 
     def pack_s(self, nbytes: float, tensors: int) -> float:
         """Seconds to pack (and unpack) a bucket of ``tensors`` non-empty gradients of ``nbytes``.
@@ -462,13 +544,13 @@ def _prefix(values: Iterable[float]) -> list[float]:
     return [0.0, *itertools.accumulate(float(v) for v in values)]
 
 
-def _simulate_ranges(comp_prefix: list[float], byte_prefix: list[int], ranges: Sequence[tuple[int, int]],
-                     ks: Sequence[int], cost: CostModel,
+def _simulate_ranges(comp_prefix: list[float], byte_prefix: list[int], pricing: _Pricing,
+                     ranges: Sequence[tuple[int, int]], ks: Sequence[int], cost: CostModel,
                      tensor_prefix: Sequence[int] | None = None) -> float:
     """`simulate` on prefix sums; `tensor_prefix` (`_tensor_prefix`, made here if not given)
     counts the layers with bytes, so that a plan scored many times counts them once."""
     C = comp_prefix[-1]
-    lat = cost.latency_s
+    wire, lat = pricing.wire, pricing.lat
     T = P = 0.0
     if tensor_prefix is None:
         tensor_prefix = _tensor_prefix(byte_prefix)
@@ -476,9 +558,56 @@ def _simulate_ranges(comp_prefix: list[float], byte_prefix: list[int], ranges: S
         nbytes = byte_prefix[last + 1] - byte_prefix[first]
         if nbytes:
             tensors = tensor_prefix[last + 1] - tensor_prefix[first]
-            T, P = _collective(T, P, comp_prefix[last + 1], float(nbytes), lat, cost.overlap_bw[k], cost.solo_bw[k],
-                               cost.slowdown[k], C, cost.pack_s(nbytes, tensors))
+            T, P = _collective(T, P, comp_prefix[last + 1], wire[last + 1] - wire[first], lat[last],
+                               cost.overlap_bw[k], cost.solo_bw[k], cost.slowdown[k], C,
+                               cost.pack_s(nbytes, tensors))
     return T + (C - P)
+
+
+class _Pricing(NamedTuple):
+    """What each layer's collective (`Layer.collective`, `CostModel.terms`) makes of it:
+    ``wire``, prefix sums of the bytes as the tables price them (bytes times the collective's
+    traffic; the bytes themselves for the all-reduce); ``lat``, per layer, its collective's
+    latency; ``runs``, per layer, the last layer of its run of one collective (a bucket holds
+    one collective: `plan`'s ``reach`` is cut there), or None where all are one."""
+
+    wire: list[float]
+    lat: list[float]
+    runs: list[int] | None
+
+
+def _pricing(layers: Sequence[Layer], cost: CostModel) -> _Pricing:
+    terms = {c: cost.terms(c) for c in dict.fromkeys(layer.collective for layer in layers)}
+    wire = [0.0, *itertools.accumulate(layer.grad_bytes * terms[layer.collective].traffic
+                                       for layer in layers)]
+    lat = [terms[layer.collective].latency_s for layer in layers]
+    if len(terms) == 1:
+        return _Pricing(wire, lat, None)
+    runs = [len(layers) - 1] * len(layers)
+    for i in range(len(layers) - 2, -1, -1):
+        same = layers[i + 1].collective == layers[i].collective
+        runs[i] = runs[i + 1] if same else i
+    return _Pricing(wire, lat, runs)
+
+
+def _with_runs(reach: Sequence[int] | None, pricing: _Pricing) -> list[int] | None:
+    """`reach` cut at the end of each layer's run of one collective."""
+    if pricing.runs is None:
+        return None if reach is None else list(reach)
+    if reach is None:
+        return list(pricing.runs)
+    return [min(r, e) for r, e in zip(reach, pricing.runs)]
+
+
+def _check_one_collective(layers: Sequence[Layer], ranges: Sequence[tuple[int, int]]) -> None:
+    """Raise unless every bucket of `ranges` holds layers of one collective."""
+    for j, (first, last) in enumerate(ranges):
+        for i in range(first + 1, last + 1):
+            if layers[i].collective != layers[first].collective:
+                raise ValueError(f"bucket {j} (layers {first}..{last}) mixes the "
+                                 f"{layers[first].collective} of layer {first} and the "
+                                 f"{layers[i].collective} of layer {i}: a bucket holds one "
+                                 "collective")
 
 
 def _tensor_prefix(byte_prefix: Sequence[int]) -> list[int]:
@@ -500,8 +629,9 @@ def simulate(layers: Sequence[Layer], buckets: Sequence[Bucket], cost: CostModel
                              f"(keys {list(cost.keys)})")
     ranges = [(b.first, b.last) for b in buckets]
     _check_tiling(ranges, len(layers))
-    return _simulate_ranges(_prefix(l.compute_s for l in layers), _byte_prefix(layers), ranges,
-                            [b.blocks for b in buckets], cost)
+    _check_one_collective(layers, ranges)
+    return _simulate_ranges(_prefix(l.compute_s for l in layers), _byte_prefix(layers),
+                            _pricing(layers, cost), ranges, [b.blocks for b in buckets], cost)
 
 
 @dataclass(frozen=True)
@@ -527,11 +657,13 @@ def timeline(layers: Sequence[Layer], buckets: Sequence[Bucket], cost: CostModel
         raise ValueError("layers must not be empty")
     ranges = [(b.first, b.last) for b in buckets]
     _check_tiling(ranges, len(layers))
+    _check_one_collective(layers, ranges)
     for b in buckets:
         if b.blocks not in cost.slowdown:
             raise ValueError(f"bucket {b} uses allocation {b.blocks}, which is not in the cost model")
     comp, byts = _prefix(l.compute_s for l in layers), _byte_prefix(layers)
-    C, lat = comp[-1], cost.latency_s
+    pricing = _pricing(layers, cost)
+    C = comp[-1]
     T = P = 0.0
     colls: list[tuple[int, int, int, Phases]] = []
     segments: list[tuple[float, float, float, float, float]] = []
@@ -541,8 +673,9 @@ def timeline(layers: Sequence[Layer], buckets: Sequence[Bucket], cost: CostModel
             continue
         k = b.blocks
         tensors = sum(byts[i + 1] > byts[i] for i in range(b.first, b.last + 1))
-        ph = _phases(T, P, comp[b.last + 1], float(nbytes), lat, cost.overlap_bw[k], cost.solo_bw[k],
-                     cost.slowdown[k], C, cost.pack_s(nbytes, tensors))
+        ph = _phases(T, P, comp[b.last + 1], pricing.wire[b.last + 1] - pricing.wire[b.first],
+                     pricing.lat[b.last], cost.overlap_bw[k], cost.solo_bw[k], cost.slowdown[k], C,
+                     cost.pack_s(nbytes, tensors))
         if ph.start > T:  # waited for the bucket: compute alone at full speed
             segments.append((T, ph.start, P, ph.progress_start, 1.0))
         if ph.pack_end > ph.start:
@@ -634,16 +767,21 @@ def plan(layers: Sequence[Layer], cost: CostModel, *, fusion: bool = True,
     fusion, ``reach[i]`` (default: the last layer) is the last layer that may share a bucket with
     layer ``i``: a bucket ``first..last`` is allowed when ``last <= reach[i]`` for every layer
     ``i < last`` in it (e.g. a gradient that is used before a later one is computed cannot wait
-    for it). Exact when ``solo_bw[k] >= overlap_bw[k]`` for all ``k``; see the module docstring.
+    for it). A bucket also holds one collective (`Layer.collective`): layers of another one
+    are out of its reach. Exact when ``solo_bw[k] >= overlap_bw[k]`` for all ``k``; see the
+    module docstring.
     """
     layers = _check_layers(layers)
     cost = _check_cost(cost)
     n = len(layers)
     reach = _check_reach(reach, n)
+    pricing = _pricing(layers, cost)
     if buckets is not None:
         ranges = _grouping_ranges(buckets, n)
+        _check_one_collective(layers, ranges)
         cuts, free, reach = [0, *(last + 1 for _, last in ranges)], False, None
     elif fusion:
+        reach = _with_runs(reach, pricing)
         cuts, free = _atoms(layers, ATOMS, reach), True
     else:
         cuts, free, reach = list(range(n + 1)), False, None
@@ -654,17 +792,21 @@ def plan(layers: Sequence[Layer], cost: CostModel, *, fusion: bool = True,
     # Upper bound and safety net: complete plans (ranges, one key) scored before the search.
     seeds: list[tuple[Ranges, int]] = [(groups, k) for k in cost.keys]
     if free:  # one bucket, and the baselines, so that an inexact search never loses to them
-        fixed = [[(0, n - 1)], *(_horovod_ranges(layers, thr) for thr in _HOROVOD_THRESHOLDS)]
-        seeds += [(_within_reach(r, reach), k) for r in fixed for k in cost.keys]
-        seeds += [(_within_reach(_mgwfbp_ranges(comp, byts, cost, k), reach), k) for k in cost.keys]
+        fixed = [_within_reach(r, reach) for r in
+                 ([(0, n - 1)], *(_horovod_ranges(layers, thr) for thr in _HOROVOD_THRESHOLDS))]
+        seeds += [(r, k) for r in fixed for k in cost.keys]
+        seeds += [(_within_reach(_mgwfbp_ranges(comp, pricing, k, cost), reach), k)
+                  for k in cost.keys]
     tensors = _tensor_prefix(byts)
-    scored = [(_simulate_ranges(comp, byts, r, [k] * len(r), cost, tensors), r, [k] * len(r))
+    # Seeds cut to the same buckets (many runs of one collective cut them all alike) score once.
+    seeds = list({(tuple(r), k): (r, k) for r, k in seeds}.values())
+    scored = [(_simulate_ranges(comp, byts, pricing, r, [k] * len(r), cost, tensors), r, [k] * len(r))
               for r, k in seeds]
     upper = min(c[0] for c in scored)
-    found, _ = _search(comp, byts, cuts, free, cost, upper, reach=reach)
+    found, _ = _search(comp, byts, cuts, free, cost, upper, reach=reach, pricing=pricing)
     if found is not None:
         r, ks = [(b.first, b.last) for b in found], [b.blocks for b in found]
-        scored.append((_simulate_ranges(comp, byts, r, ks, cost, tensors), r, ks))
+        scored.append((_simulate_ranges(comp, byts, pricing, r, ks, cost, tensors), r, ks))
     return _make_plan(layers, _best(scored, byts), cost)
 
 
@@ -790,11 +932,14 @@ def _lowest_sources(cuts: list[int], reach: Sequence[int] | None) -> np.ndarray:
     return np.maximum.accumulate(lo)
 
 
-def _tail(Bc: np.ndarray, Nc: np.ndarray, lo: np.ndarray, free: bool, lat: float, bw: float, key: int,
-          pack_per_byte: float, scale: float) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _tail(Bc: np.ndarray, Rb: np.ndarray, Nc: np.ndarray, lo: np.ndarray, free: bool, lat: np.ndarray,
+          bw: float, key: int, pack_per_byte: float, scale: float
+          ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The best way to finish once compute is over, from every boundary: all remaining layers are
     ready and contention is over, so every bucket runs alone at the best solo bandwidth ``bw``
-    (allocation ``key``) and costs ``lat + pack + bytes / bw`` (nothing without bytes).
+    (allocation ``key``) and costs ``lat + pack + bytes / bw`` (nothing without bytes): ``lat``
+    of the bucket's collective (per boundary it ends at), its bytes as priced (``Bc``, prefix
+    sums at the boundaries) and packed (``Rb``, the bytes themselves).
 
     With fusion, a backward dynamic program over the boundaries (buckets allowed by ``lo``)
     chooses the cuts: fewer latencies against the packing of fused buckets. Returns, per
@@ -810,9 +955,10 @@ def _tail(Bc: np.ndarray, Nc: np.ndarray, lo: np.ndarray, free: bool, lat: float
         u = np.arange(t + 1, M + 1) if free else np.array([t + 1])
         u = u[lo[u] <= t]
         nbytes = Bc[u] - Bc[t]
-        packed = np.where(Nc[u] - Nc[t] >= 2, nbytes * pack_per_byte, 0.0)
-        some = nbytes > 0
-        time = np.where(some, lat + packed + nbytes / bw, 0.0) + t_best[u]
+        real = Rb[u] - Rb[t]
+        packed = np.where(Nc[u] - Nc[t] >= 2, real * pack_per_byte, 0.0)
+        some = real > 0
+        time = np.where(some, lat[u] + packed + nbytes / bw, 0.0) + t_best[u]
         blocks = np.where(some, key, 0) + blk[u]
         buckets = 1 + nb[u]
         i = np.lexsort((buckets, blocks, np.round(time / quantum)))[0]
@@ -859,20 +1005,22 @@ class _Search:
     front), `prune` (reach and bound on sources, idle groups collapsed), `backtrack`."""
 
     def __init__(self, comp: list[float], byts: list[int], cuts: list[int], free: bool, cost: CostModel,
-                 upper: float, cap: int, reach: Sequence[int] | None) -> None:
+                 upper: float, cap: int, reach: Sequence[int] | None, pricing: _Pricing) -> None:
         self.byts, self.cuts, self.free, self.upper, self.cap = byts, cuts, free, upper, cap
         self.keys = np.array(cost.keys, dtype=np.int64)
         self.ob = np.array([cost.overlap_bw[k] for k in cost.keys])
         self.sb = np.array([cost.solo_bw[k] for k in cost.keys])
         self.sl = np.array([cost.slowdown[k] for k in cost.keys])
-        self.lat = cost.latency_s
+        # Per boundary t: the latency of a bucket ending there (its collective's).
+        self.lat = np.array([0.0] + [pricing.lat[c - 1] for c in cuts[1:]])
         self.lam = _lipschitz(cost)
         bw_max = float(max(self.ob.max(), self.sb.max()))
         self.best_solo = int(np.argmax(self.sb))  # first maximum: the fewest blocks among the fastest
         self.M = len(cuts) - 1
         self.C = C = comp[-1]
         self.R = np.array([comp[c] for c in cuts] + [C])  # ready progress of a bucket ending at each boundary
-        self.Bc = Bc = np.array([float(byts[c]) for c in cuts])  # bytes before each boundary
+        self.Bc = Bc = np.array([pricing.wire[c] for c in cuts])  # bytes before each boundary, priced
+        self.Rb = np.array([float(byts[c]) for c in cuts])  # ... and as they are (packing)
         nonempty_prefix = _prefix(byts[i + 1] > byts[i] for i in range(len(byts) - 1))
         self.Nc = np.array([nonempty_prefix[c] for c in cuts])  # non-empty layers before each boundary
         self.lo = _lowest_sources(cuts, reach if free else None)
@@ -882,14 +1030,16 @@ class _Search:
         group_bytes = np.diff(Bc)
         nonempty = group_bytes > 0
         self.tail_t, self.tail_blk, self.tail_nb, self.tail_next = _tail(
-            Bc, self.Nc, self.lo, free, self.lat, float(self.sb[self.best_solo]),
+            Bc, self.Rb, self.Nc, self.lo, free, self.lat, float(self.sb[self.best_solo]),
             int(self.keys[self.best_solo]), self.pack_c, max(upper, C, 1e-300))
         if free:
             rest = total - Bc
-            self.comm_lb = np.where(rest > 0, self.lat + rest / bw_max, 0.0)
+            # The least latency of a collective still due: of the layers from each boundary on.
+            lat_after = np.minimum.accumulate(np.array([*pricing.lat, math.inf])[::-1])[::-1]
+            self.comm_lb = np.where(rest > 0, lat_after[cuts] + rest / bw_max, 0.0)
         else:
             self.comm_lb = np.concatenate(
-                [np.cumsum(np.where(nonempty, self.lat + group_bytes / bw_max, 0.0)[::-1])[::-1], [0]])
+                [np.cumsum(np.where(nonempty, self.lat[1:] + group_bytes / bw_max, 0.0)[::-1])[::-1], [0]])
         self.rest_lb = (total - Bc) / bw_max  # seconds of bytes still due from each boundary, at best
         # Store of every kept state: parent id, allocation index, boundary. Id 0 is the start.
         self.parents: list[np.ndarray] = [np.array([-1])]
@@ -941,8 +1091,9 @@ class _Search:
         (source, allocation); a bucket of no bytes carries its state over, with the smallest key."""
         T0, P0 = front.T[src_i], front.P[src_i]
         nbytes = self.Bc[t] - self.Bc[front.B[src_i]]
-        packed = np.where(self.Nc[t] - self.Nc[front.B[src_i]] >= 2, nbytes * self.pack_c, 0.0)
-        E, Q = _collective_np(T0[:, None], P0[:, None], float(self.R[t]), nbytes[:, None], self.lat,
+        real = self.Rb[t] - self.Rb[front.B[src_i]]
+        packed = np.where(self.Nc[t] - self.Nc[front.B[src_i]] >= 2, real * self.pack_c, 0.0)
+        E, Q = _collective_np(T0[:, None], P0[:, None], float(self.R[t]), nbytes[:, None], float(self.lat[t]),
                               self.ob, self.sb, self.sl, self.C, packed[:, None])
         empty = nbytes == 0
         r = np.arange(E.size)
@@ -1073,10 +1224,10 @@ class _Search:
 
 
 def _search(comp: list[float], byts: list[int], cuts: list[int], free: bool, cost: CostModel,
-            upper: float, cap: int = FRONT_CAP,
+            upper: float, *, pricing: _Pricing, cap: int = FRONT_CAP,
             reach: Sequence[int] | None = None) -> tuple[list[Bucket] | None, float]:
     """The dynamic program of the module docstring: the best plan it finds and its error bound."""
-    return _Search(comp, byts, cuts, free, cost, upper, cap, reach).run()
+    return _Search(comp, byts, cuts, free, cost, upper, cap, reach, pricing).run()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1100,15 +1251,16 @@ def plan_default(layers: Sequence[Layer], cost: CostModel, *, blocks: int, fusio
     """Horovod-NCCL: one fixed allocation, buckets cut by a byte threshold.
 
     Layers are walked in order and the bucket is closed before a layer that would push it past
-    ``fusion_bytes``; a layer larger than the threshold is a bucket of its own; ``fusion_bytes=0``
-    gives one bucket per layer.
+    ``fusion_bytes``, or of another collective; a layer larger than the threshold is a bucket of
+    its own; ``fusion_bytes=0`` gives one bucket per layer.
     """
     layers = _check_layers(layers)
     cost = _check_cost(cost)
     k = _check_blocks(blocks, cost)
     if not _is_int(fusion_bytes) or fusion_bytes < 0:
         raise ValueError(f"fusion_bytes must be an integer >= 0, got {fusion_bytes!r}")
-    return _make_plan(layers, [Bucket(f, l, k) for f, l in _horovod_ranges(layers, int(fusion_bytes))], cost)
+    ranges = _within_reach(_horovod_ranges(layers, int(fusion_bytes)), _pricing(layers, cost).runs)
+    return _make_plan(layers, [Bucket(f, l, k) for f, l in ranges], cost)
 
 
 def plan_fusion_only(layers: Sequence[Layer], cost: CostModel, *, blocks: int,
@@ -1117,8 +1269,8 @@ def plan_fusion_only(layers: Sequence[Layer], cost: CostModel, *, blocks: int,
     (within ``reach``, as `plan`)."""
     cost = _check_cost(cost)
     k = _check_blocks(blocks, cost)
-    fixed = CostModel(latency_s=cost.latency_s, solo_bw={k: cost.solo_bw[k]}, overlap_bw={k: cost.overlap_bw[k]},
-                      slowdown={k: cost.slowdown[k]}, pack_s_per_byte=cost.pack_s_per_byte)
+    fixed = dataclasses.replace(cost, solo_bw={k: cost.solo_bw[k]}, overlap_bw={k: cost.overlap_bw[k]},
+                                slowdown={k: cost.slowdown[k]})
     return plan(layers, fixed, fusion=True, reach=reach)
 
 
@@ -1138,18 +1290,19 @@ def within_reach(buckets: Sequence[Bucket], reach: Sequence[int] | None) -> list
     return [Bucket(f, l, b.blocks) for b in buckets for f, l in _within_reach([(b.first, b.last)], reach)]
 
 
-def _mgwfbp_ranges(comp: list[float], byts: list[int], cost: CostModel, k: int) -> Ranges:
-    lat, bw = cost.latency_s, cost.solo_bw[k]
+def _mgwfbp_ranges(comp: list[float], pricing: _Pricing, k: int, cost: CostModel) -> Ranges:
+    """MG-WFBP's buckets, cut where the collective changes (`_Pricing.runs`)."""
+    wire, lat, bw = pricing.wire, pricing.lat, cost.solo_bw[k]
     n = len(comp) - 1
     out: Ranges = []
     first, comm_free = 0, 0.0
     for i in range(n):
-        nbytes = byts[i + 1] - byts[first]
-        if i + 1 < n:
+        nbytes = wire[i + 1] - wire[first]
+        if i + 1 < n and (pricing.runs is None or pricing.runs[i] > i):
             start = max(comm_free, comp[i + 1])  # when this bucket's all-reduce would begin
-            if nbytes == 0 or start + lat > comp[i + 2]:
+            if nbytes == 0 or start + lat[i] > comp[i + 2]:
                 continue  # waiting for the next gradient costs less than one start-up: merge it
-            comm_free = start + lat + nbytes / bw
+            comm_free = start + lat[i] + nbytes / bw
         out.append((first, i))
         first = i + 1
     return out
@@ -1161,13 +1314,14 @@ def plan_mgwfbp(layers: Sequence[Layer], cost: CostModel, *, blocks: int) -> Pla
     With the contention-free alpha-beta model ``latency_s + bytes / solo_bw[blocks]`` and
     contention-free ready times, layers are walked in backward order; a gradient is merged with
     the next one when its all-reduce could not start before the next gradient is ready minus one
-    start-up latency (waiting costs less than an extra start-up). All buckets use ``blocks``;
+    start-up latency (waiting costs less than an extra start-up), and not across a change of
+    collective. All buckets use ``blocks``;
     the returned time is the contention-aware `simulate`.
     """
     layers = _check_layers(layers)
     cost = _check_cost(cost)
     k = _check_blocks(blocks, cost)
-    ranges = _mgwfbp_ranges(_prefix(l.compute_s for l in layers), _byte_prefix(layers), cost, k)
+    ranges = _mgwfbp_ranges(_prefix(l.compute_s for l in layers), _pricing(layers, cost), k, cost)
     return _make_plan(layers, [Bucket(f, l, k) for f, l in ranges], cost)
 
 
@@ -1215,7 +1369,8 @@ def prefuse_groups(layers: Sequence[Layer], groups: int) -> list[tuple[int, int]
     A layer's weight is the mean of its share of the backward compute and of the gradient bytes,
     so both long compute stretches and large gradients stay resolved. This is the Libra artifact's
     pre-fusion step (it plans 40 pre-fused groups); any plan over the groups is a valid plan over
-    the layers, and `compare_policies` evaluates it on the exact layers.
+    the layers, and `compare_policies` evaluates it on the exact layers. A group also ends where
+    the collective changes (`Layer.collective`: up to one more group per change).
     """
     if groups < 1:
         raise ValueError(f"groups must be >= 1, got {groups}")
@@ -1228,7 +1383,8 @@ def prefuse_groups(layers: Sequence[Layer], groups: int) -> list[tuple[int, int]
         c += layer.compute_s
         b += layer.grad_bytes
         share = 0.5 * (c / total_c + b / total_b)
-        if i == n - 1 or (share >= (len(out) + 1) / groups - 1e-12 and len(out) < groups - 1):
+        if (i == n - 1 or layers[i + 1].collective != layer.collective
+                or (share >= (len(out) + 1) / groups - 1e-12 and len(out) < groups - 1)):
             out.append((first, i))
             first = i + 1
     return out
@@ -1249,7 +1405,8 @@ def compare_policies(layers: Sequence[Layer], cost: CostModel, *, default_alloc:
     if prefuse and len(layers) > prefuse:
         groups = prefuse_groups(layers, prefuse)
         coarse = [Layer(sum(layers[i].compute_s for i in range(a, z + 1)),
-                                sum(layers[i].grad_bytes for i in range(a, z + 1))) for a, z in groups]
+                        sum(layers[i].grad_bytes for i in range(a, z + 1)), layers[a].collective)
+                  for a, z in groups]
 
         def exact(plan: Plan) -> Plan:
             buckets = [Bucket(groups[b.first][0], groups[b.last][1], b.blocks)
@@ -1276,15 +1433,18 @@ def plan_exhaustive(layers: Sequence[Layer], cost: CostModel, *, fusion: bool = 
     """Exact optimum by enumerating every plan (vectorised), with the same tie order as `plan`.
 
     Candidates: ``K (K+1)^(L-1)`` with fusion, ``K^L`` without, ``K^G`` for a fixed grouping of
-    ``G`` buckets; with fusion, those ``reach`` forbids (see `plan`) are discarded. Raises
-    ``ValueError`` if that exceeds ``EXHAUSTIVE_LIMIT``.
+    ``G`` buckets; with fusion, those ``reach`` forbids (see `plan`) or that mix collectives are
+    discarded. Raises ``ValueError`` if that exceeds ``EXHAUSTIVE_LIMIT``.
     """
     layers = _check_layers(layers)
     cost = _check_cost(cost)
     n, K = len(layers), len(cost.keys)
     reach = _check_reach(reach, n)
+    pricing = _pricing(layers, cost)
+    reach = _with_runs(reach, pricing) if buckets is None and fusion else reach
     if buckets is not None:
         ranges = _grouping_ranges(buckets, n)
+        _check_one_collective(layers, ranges)
         free = False
     else:
         ranges = [(i, i) for i in range(n)]
@@ -1315,6 +1475,7 @@ def plan_exhaustive(layers: Sequence[Layer], cost: CostModel, *, fusion: bool = 
         T = np.zeros(idx.size)
         P = np.zeros(idx.size)
         acc = np.zeros(idx.size)
+        wired = np.zeros(idx.size)  # its bytes as priced (`_Pricing.wire`)
         tensors = np.zeros(idx.size, dtype=np.int64)  # non-empty layers in the open bucket
         allowed = np.full(idx.size, n - 1)  # the last layer the open bucket may reach
         ok = np.ones(idx.size, dtype=bool)
@@ -1323,6 +1484,7 @@ def plan_exhaustive(layers: Sequence[Layer], cost: CostModel, *, fusion: bool = 
         for i, (first, last) in enumerate(ranges):
             nbytes = float(byts[last + 1] - byts[first])
             acc = acc + nbytes
+            wired = wired + (pricing.wire[last + 1] - pricing.wire[first])
             tensors = tensors + sum(byts[j + 1] > byts[j] for j in range(first, last + 1))
             if reach is not None:
                 ok &= last <= allowed
@@ -1336,11 +1498,12 @@ def plan_exhaustive(layers: Sequence[Layer], cost: CostModel, *, fusion: bool = 
             if fire.any():
                 kf = kk[fire]
                 packed = np.where(tensors[fire] >= 2, acc[fire] * cost.pack_s_per_byte, 0.0)
-                T[fire], P[fire] = _collective_np(T[fire], P[fire], comp[last + 1], acc[fire], cost.latency_s,
-                                                  ob[kf], sb[kf], sl[kf], C, packed)
+                T[fire], P[fire] = _collective_np(T[fire], P[fire], comp[last + 1], wired[fire],
+                                                  pricing.lat[last], ob[kf], sb[kf], sl[kf], C, packed)
                 blk[fire] += keys[kf]
             nb += close
             acc = np.where(close, 0.0, acc)
+            wired = np.where(close, 0.0, wired)
             tensors = np.where(close, 0, tensors)
             allowed = np.where(close, n - 1, allowed)
         total = np.where(ok, T + (C - P), math.inf)

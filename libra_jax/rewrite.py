@@ -79,7 +79,14 @@ import jax
 import numpy as np
 
 from libra_jax import _compat, _nccl, allreduce, config, loops, model, planner
-from libra_jax.ops import XLA_TWINS, libra_all_gather_p, libra_psum_fused_p, libra_psum_p, libra_reduce_scatter_p
+from libra_jax.ops import (
+    XLA_TWINS,
+    libra_all_gather_p,
+    libra_psum_fused_p,
+    libra_psum_p,
+    libra_reduce_scatter_fused_p,
+    libra_reduce_scatter_p,
+)
 from libra_jax.ops import lowering as _lowering
 from libra_jax.ops.base import warn_once
 from libra_jax.ops.start_done import TOKEN_AVAL, libra_psum_done_p, libra_psum_start_p
@@ -388,7 +395,8 @@ def _returning_nnx_state(call: Callable[..., Any]) -> Callable[..., Any]:
 
 @dataclasses.dataclass(frozen=True)
 class PsumPlan:
-    """One planned all-reduce (a bucket of one or more psums) in one jaxpr scope."""
+    """One planned collective (a bucket of one or more psums, or of psum_scatters) in one
+    jaxpr scope."""
 
     scope: str                      # where: "shard_map/jit/..." path of the jaxpr
     axes: tuple                     # the reduced mesh axes
@@ -400,6 +408,10 @@ class PsumPlan:
     # pass, metrics), "loop" (in a loop body) or "user" (blocks= given)
     kind: str
     overlap: str = "sync"           # "sync" (one call) or "start-done" (`libra_jax.ops.start_done`)
+    # What the bucket issues (`planner.COLLECTIVES`): "all-reduce" (psums) or
+    # "reduce-scatter" (psum_scatters: a sharded parameter's gradient); `nbytes` is then the
+    # unsharded buffers' bytes per rank.
+    collective: str = "all-reduce"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -450,7 +462,8 @@ class OptimizeReport:
     def plan_lines(self) -> list[str]:
         """One line per planned all-reduce: what every process must agree on."""
         return ([f"{p.scope} axes={p.axes} psums={p.members} bytes={p.nbytes} blocks={p.blocks} "
-                 f"kind={p.kind} overlap={p.overlap}" for p in self.plans]
+                 f"kind={p.kind} overlap={p.overlap} collective={p.collective}"
+                 for p in self.plans]
                 + [f"{p.scope} loop={p.index} body={p.body} gradient={p.gradient} "
                    f"calls={p.calls} psums={p.psums} {p.choice}" for p in self.loops])
 
@@ -622,8 +635,8 @@ def rewrite_jaxpr(closed: Any, *, profile: Any = None, fusion: bool = True,
     report.unplanned = [f"{what}" + (f" (x{n})" if n > 1 else "") for what, n in counts.items()]
     if report.unplanned:
         warn_once("unplanned-collectives",
-                  "libra_jax.optimize plans psums only; these collectives keep their own "
-                  "lowering (XLA's, or libra's at their own blocks): "
+                  "libra_jax.optimize plans psums and psum_scatters only; these collectives "
+                  "keep their own lowering (XLA's, or libra's at their own blocks): "
                   + "; ".join(report.unplanned) + ". " + UNPLANNED_NOTICE)
     if not report.plans and not report.skipped and not maps_devices:
         gspmd, notice = gspmd_notice([*(v.aval for v in closed.jaxpr.invars), *inputs])
@@ -686,14 +699,27 @@ def _aval_key(x: Any) -> Any:
 
 @dataclasses.dataclass
 class _Site:
-    """A psum equation that the planner may allocate (and fuse)."""
+    """A psum (or psum_scatter) equation that the planner may allocate (and fuse)."""
 
     index: int
     axes: tuple
     invariant: bool
-    nbytes: int
+    nbytes: int                     # the operand's bytes (a psum_scatter's: the unsharded buffer)
     explicit_blocks: int | None
     result: Any = None              # the psum's result variable (for `libra_jax.explain`)
+    collective: str = "all-reduce"  # or "reduce-scatter": a psum_scatter
+    # A psum_scatter's JAX params: (scatter_dimension, axis_size, tiled).
+    scatter: tuple[int, int, bool] | None = None
+
+    @property
+    def bucket_class(self) -> tuple:
+        """What the members of one bucket share: the collective, and a psum's invariance or a
+        psum_scatter's group size; one scattered along another dimension than the first is a
+        class of its own (its shards are not rows: fusing it would take a transposed copy)."""
+        if self.scatter is None:
+            return ("all-reduce", self.invariant)
+        dimension, size, _ = self.scatter
+        return ("reduce-scatter", size) if dimension == 0 else ("reduce-scatter", size, self.index)
 
 
 
@@ -822,16 +848,15 @@ class _Rewriter:
         eqns = self.hoist_loops(jaxpr.eqns, axis_sizes, scope)
         eqns = [self.sub_jaxprs(eqn, i, axis_sizes, scope, in_loop) for i, eqn in enumerate(eqns)]
         eqns = self.fold_zero_psums(eqns, scope)
-        for eqn in eqns:
-            other = _compat.OTHER_COLLECTIVES.get(eqn.primitive.name)
-            libras = _LIBRA_UNPLANNED.get(eqn.primitive)
-            if other is not None or libras is not None:
-                axes = eqn.params.get("axis_name", eqn.params.get("axes"))
-                axes = tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
-                self.unplanned.append(f"{other or libras} over {axes} in {scope}"
-                                      + (" (libra's)" if libras else ""))
         sites = [site for i, eqn in enumerate(eqns)
                  if (site := self.site(i, eqn, scope)) is not None]
+        served = {site.index for site in sites}
+        for i, eqn in enumerate(eqns):
+            other = _compat.OTHER_COLLECTIVES.get(eqn.primitive.name)
+            libras = _LIBRA_UNPLANNED.get(eqn.primitive)
+            if (other is not None or libras is not None) and i not in served:
+                self.unplanned.append(f"{other or libras} over {_axis_names(eqn.params)} in "
+                                      f"{scope}" + (" (libra's)" if libras else ""))
         if not sites:
             return jaxpr.replace(eqns=eqns)
         _warn_invariant_operands(eqns, sites)
@@ -848,29 +873,34 @@ class _Rewriter:
                  for i, eqn in enumerate(eqns)]
         edits = _Edits()
         invars = set(jaxpr.invars)
+        # Gradient collectives over the same axes are one backward stream: their psums and
+        # psum_scatters are planned together, a bucket holding one `_Site.bucket_class`.
         groups: dict[tuple, list[_Site]] = {}
         for site in sites:  # in jaxpr order: the report lists them so
             kind = kinds[site.index]
             if kind == "gradient":
-                groups.setdefault((site.axes, site.invariant), []).append(site)
+                groups.setdefault(site.axes, []).append(site)
                 continue
             k = site.explicit_blocks
             if k is None:
                 k = allreduce.default_blocks(site.nbytes, _world(axis_sizes, site.axes),
-                                             self.profile)
+                                             self.profile, collective=_LAX_NAMES[site.collective])
                 edits.replacements[site.index] = _single(eqns[site.index], site, k, invars)
             self.report.plans.append(PsumPlan(scope, site.axes, (site.index,), site.nbytes,
-                                              k, kind))
-        planned = [(axes, invariant, bucket, k)
-                   for (axes, invariant), members in groups.items()
+                                              k, kind, collective=site.collective))
+        planned = [(axes, bucket, k)
+                   for axes, members in groups.items()
                    for bucket, k in self.plan(members, costs, _world(axis_sizes, axes), scope,
                                               _reach(eqns, members), in_loop)]
         # In a loop body each bucket is one call: every iteration's all-reduces are done
         # within it, so a start/done pair could only overlap the rest of that iteration.
+        # A bucket of psum_scatters is one call too (no start/done pair for it yet).
         splits = ([False] * len(planned) if in_loop else
-                  self.split_buckets(eqns, jaxpr.outvars, [b for _, _, b, _ in planned]))
-        for (axes, invariant, bucket, k), split in zip(planned, splits):
-            self.edit_bucket(eqns, bucket, axes, invariant, k, split, scope, invars, edits)
+                  self.split_buckets(eqns, jaxpr.outvars, [b for _, b, _ in planned]))
+        for (axes, bucket, k), split in zip(planned, splits):
+            split = split and bucket[0].collective == "all-reduce"
+            self.edit_bucket(eqns, bucket, axes, bucket[0].invariant, k, split, scope, invars,
+                             edits)
         return jaxpr.replace(eqns=_schedule(eqns, edits))
 
     def hoist_loops(self, eqns: Sequence[Any], axis_sizes: dict, scope: str) -> list[Any]:
@@ -938,7 +968,7 @@ class _Rewriter:
                 else:
                     edits.replacements[site.index] = _single(eqns[site.index], site, k, invars)
             self.report.plans.extend(
-                PsumPlan(scope, axes, (s.index,), s.nbytes, k, "gradient", mode)
+                PsumPlan(scope, axes, (s.index,), s.nbytes, k, "gradient", mode, s.collective)
                 for s in bucket)
             return
         last = bucket[-1].index
@@ -950,7 +980,8 @@ class _Rewriter:
         edits.removed.update(site.index for site in bucket[:-1])
         edits.sink[last] = _sunk(eqns, bucket)
         self.report.plans.append(PsumPlan(scope, axes, tuple(s.index for s in bucket),
-                                          sum(s.nbytes for s in bucket), k, "gradient", mode))
+                                          sum(s.nbytes for s in bucket), k, "gradient", mode,
+                                          bucket[0].collective))
 
     def split_buckets(self, eqns: Sequence[Any], outvars: Sequence[Any],
                       buckets: list[list[_Site]]) -> list[bool]:
@@ -1010,8 +1041,9 @@ class _Rewriter:
         layers, start = [], 0
         for site in members:
             layers.append(planner.Layer(compute_s=float(sum(costs[start:site.index])),
-                                        grad_bytes=int(site.nbytes)))
+                                        grad_bytes=int(site.nbytes), collective=site.collective))
             start = site.index + 1
+        reach = _within_class(members, reach)
         cost = derivation.cost
         fixed = self.options.blocks
         if fixed is not None:
@@ -1103,6 +1135,21 @@ class _Rewriter:
             p = eqn.params
             return _Site(index, tuple(p["axes"]), p["invariant"], _nbytes(eqn.invars[0].aval),
                          p["blocks"], eqn.outvars[0])
+        if name == _compat.reduce_scatter_p.name or eqn.primitive is libra_reduce_scatter_p:
+            p = eqn.params
+            axes = _axis_names(p)
+            aval = eqn.invars[0].aval
+            if p.get("axis_index_groups") is not None:
+                why = "with axis_index_groups"
+            elif any(isinstance(a, int) for a in axes):
+                why = "over positional axes"
+            elif np.dtype(aval.dtype) not in _lowering.ENGINE_DTYPES:
+                why = f"of {aval.dtype}"
+            else:
+                return _Site(index, axes, False, _nbytes(aval), p.get("blocks"), eqn.outvars[0],
+                             "reduce-scatter",
+                             (int(p["scatter_dimension"]), int(p["axis_size"]), bool(p["tiled"])))
+            self.report.skipped.append(f"psum_scatter {why} in {scope}")
         return None
 
     def sub_jaxprs(self, eqn: Any, index: int, axis_sizes: dict, scope: str,
@@ -1164,12 +1211,13 @@ class _Rewriter:
 GSPMD_ROUTE = ("to have its gradient all-reduces planned, compute the gradient with "
                "libra_jax.value_and_grad(loss_fn, axis_name=...) in jax.value_and_grad's place "
                "(docs/gspmd.md)")
-#: Why the collectives of sharded parameters are not planned.
-UNPLANNED_NOTICE = ("A sharded parameter's gradient (FSDP, ZeRO) is a psum_scatter "
-                    "(reduce-scatter): libra_jax.psum_scatter and libra_jax.all_gather run "
-                    "both on libra's engine (blocks=None: default_blocks's rule), but optimize "
-                    "does not plan them yet; its psums it does.")
-#: libra's own collectives that `optimize` does not plan yet (named as `jax.lax` names them).
+#: Why the all-gathers of sharded parameters are not planned.
+UNPLANNED_NOTICE = ("A sharded parameter (FSDP, ZeRO) is all-gathered before use: "
+                    "libra_jax.all_gather runs on libra's engine (blocks=None: "
+                    "default_blocks's rule), but optimize does not plan all-gathers yet; its "
+                    "psums and psum_scatters (the gradients) it does.")
+#: libra's own collectives that `optimize` leaves at their own blocks where it does not serve
+#: them (named as `jax.lax` names them).
 _LIBRA_UNPLANNED = {libra_reduce_scatter_p: "psum_scatter", libra_all_gather_p: "all_gather"}
 
 
@@ -1224,9 +1272,33 @@ def _map_jaxprs(value: Any, fn: Callable[[Any], Any]) -> Any:
 
 
 def _is_psum(eqn: Any) -> bool:
+    """A psum or a psum_scatter (the collectives `optimize` plans), as JAX's or libra's."""
     return (eqn.primitive.name in _compat.PSUM_PRIMITIVES
-            or eqn.primitive in (libra_psum_p, libra_psum_fused_p,
-                                 libra_psum_start_p))
+            or eqn.primitive.name == _compat.reduce_scatter_p.name
+            or eqn.primitive in (libra_psum_p, libra_psum_fused_p, libra_psum_start_p,
+                                 libra_reduce_scatter_p, libra_reduce_scatter_fused_p))
+
+
+def _axis_names(params: dict) -> tuple:
+    """A collective equation's axes as a tuple (``axis_name`` or ``axes``, one or several)."""
+    axes = params.get("axis_name", params.get("axes"))
+    return tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
+
+
+#: `jax.lax`'s name of each collective a `_Site` stands for (`ops.lowering.COLLECTIVES`' keys).
+_LAX_NAMES = {"all-reduce": "psum", "reduce-scatter": "psum_scatter"}
+
+
+def _within_class(members: Sequence[_Site], reach: Sequence[int] | None) -> list[int]:
+    """`reach` (`_reach`) cut at the end of each member's run of one `_Site.bucket_class`: a
+    bucket is one collective of one kind."""
+    end = len(members) - 1
+    out = [end] * len(members) if reach is None else list(reach)
+    for m in range(len(members) - 1, -1, -1):
+        if m + 1 < len(members) and members[m + 1].bucket_class != members[m].bucket_class:
+            end = m
+        out[m] = min(out[m], end)
+    return out
 
 
 def _contains_psum(jaxpr: Any) -> bool:
@@ -1362,6 +1434,11 @@ def _same_type(a: Any, b: Any) -> bool:
 
 
 def _single(eqn: Any, site: _Site, blocks: int, invars: set) -> Any:
+    if site.scatter is not None:
+        dimension, size, tiled = site.scatter
+        return eqn.replace(primitive=libra_reduce_scatter_p,
+                           params=dict(axis_name=site.axes, scatter_dimension=dimension,
+                                       axis_size=size, tiled=tiled, blocks=int(blocks)))
     operand = eqn.invars[0]
     inplace = not (_compat.is_var(operand) and operand in invars)
     return eqn.replace(primitive=libra_psum_p,
@@ -1373,12 +1450,19 @@ def _fused(eqns: Sequence[Any], bucket: Sequence[_Site], axes: tuple, invariant:
            blocks: int) -> Any:
     members = [eqns[s.index] for s in bucket]
     effects = set().union(*(e.effects for e in members))
+    if bucket[0].scatter is not None:  # psum_scatters along their first dimension
+        primitive = libra_reduce_scatter_fused_p
+        params = dict(axis_name=axes, axis_size=bucket[0].scatter[1],
+                      tiled=tuple(s.scatter[2] for s in bucket if s.scatter is not None),
+                      blocks=int(blocks))
+    else:
+        primitive = libra_psum_fused_p
+        params = dict(axes=axes, blocks=int(blocks), invariant=invariant)
     # From the last member's equation, so that its context (the mesh JAX checks the psum's
     # types against, under `jax.set_mesh`) and source info carry over, as `_single`'s do.
     return members[-1].replace(
         invars=[e.invars[0] for e in members], outvars=[e.outvars[0] for e in members],
-        primitive=libra_psum_fused_p,
-        params=dict(axes=axes, blocks=int(blocks), invariant=invariant), effects=effects)
+        primitive=primitive, params=params, effects=effects)
 
 
 def _start_done(eqns: Sequence[Any], bucket: Sequence[_Site], axes: tuple, invariant: bool,

@@ -680,6 +680,118 @@ def nnx_route(pmean: Callable[..., Any] | None = None) -> Case:
                 kinds={"gradient": 8})  # 6 parameters; the loss and accuracy (as gspmd-route)
 
 
+def _fsdp_params(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Three weights of an MLP, 16 -> 32 -> 32 -> 16 (every dimension divisible by N)."""
+    return {"w1": (rng.standard_normal((16, 32)) * 0.3).astype(np.float32),
+            "w2": (rng.standard_normal((32, 32)) * 0.2).astype(np.float32),
+            "w3": (rng.standard_normal((32, 16)) * 0.2).astype(np.float32)}
+
+
+def fsdp_remat(pmean: Callable[..., Any] | None = None) -> Case:
+    """FSDP (ZeRO-3) under `shard_map`: every weight sharded over the data axis along its first
+    dimension, all-gathered where a layer reads it, each layer under `jax.checkpoint` (remat
+    gathers the weight again in the backward pass); `check_vma`: the gradients are the
+    all-gathers' transposes, psum_scatters, one per weight; SGD on the shards."""
+    pmean = pmean or _lax_pmean
+    mesh = _mesh()
+    rng = np.random.default_rng(21)
+    params = _fsdp_params(rng)
+    x = rng.standard_normal((N * 4, 16)).astype(np.float32)
+    y = rng.standard_normal((N * 4, 16)).astype(np.float32)
+
+    @jax.checkpoint
+    def layer(w, h):
+        return jnp.tanh(h @ jax.lax.all_gather(w, "data", tiled=True))
+
+    def local(params, x, y):
+        def loss_fn(p):
+            h = x
+            for name in ("w1", "w2", "w3"):
+                h = layer(p[name], h)
+            return pmean(jnp.mean((h - y) ** 2), "data")
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), loss
+
+    step = jax.shard_map(local, mesh=mesh, in_specs=(P("data"), P("data"), P("data")),
+                         out_specs=(P("data"), P()))
+    return Case(step, {k: _shard(v, mesh) for k, v in params.items()},
+                (_shard(x, mesh), _shard(y, mesh)), kinds={"gradient": 3, "forward": 1})
+
+
+def fsdp_explicit_psum_scatter(pmean: Callable[..., Any] | None = None) -> Case:
+    """FSDP written out (`check_vma=False`): the weights all-gathered before the loss, the
+    full gradients taken locally and reduce-scattered explicitly by
+    `jax.lax.psum_scatter(..., tiled=True)` (mean over ranks); the last weight is sharded
+    along its second dimension (scatter_dimension=1: a bucket of its own)."""
+    pmean = pmean or _lax_pmean
+    mesh = _mesh()
+    rng = np.random.default_rng(22)
+    params = _fsdp_params(rng)
+    x = rng.standard_normal((N * 4, 16)).astype(np.float32)
+    y = rng.standard_normal((N * 4, 16)).astype(np.float32)
+    dims = {"w1": 0, "w2": 0, "w3": 1}
+
+    def local(params, x, y):
+        full = {k: jax.lax.all_gather(w, "data", axis=dims[k], tiled=True)
+                for k, w in params.items()}
+
+        def loss_fn(p):
+            h = x
+            for name in ("w1", "w2", "w3"):
+                h = jnp.tanh(h @ p[name])
+            return jnp.mean((h - y) ** 2)
+        loss, grads = jax.value_and_grad(loss_fn)(full)
+        grads = {k: jax.lax.psum_scatter(g, "data", scatter_dimension=dims[k], tiled=True) / N
+                 for k, g in grads.items()}
+        return ({k: params[k] - 0.1 * grads[k] for k in params}, pmean(loss, "data"))
+
+    specs = {"w1": P("data"), "w2": P("data"), "w3": P(None, "data")}
+    step = jax.shard_map(local, mesh=mesh, in_specs=(specs, P("data"), P("data")),
+                         out_specs=(specs, P()), check_vma=False)
+    state = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in params.items()}
+    return Case(step, state, (_shard(x, mesh), _shard(y, mesh)),
+                kinds={"gradient": 3, "forward": 1})
+
+
+def fsdp_mixed_replicated(pmean: Callable[..., Any] | None = None) -> Case:
+    """FSDP beside replicated parameters, as sharded transformers keep their norms: the weights
+    sharded and all-gathered (gradients: psum_scatters), a scale and a bias per layer
+    replicated (gradients: the psums `check_vma` inserts); momentum SGD, its state sharded
+    as the parameters are. One backward stream of all-reduces and reduce-scatters for the
+    planner."""
+    pmean = pmean or _lax_pmean
+    mesh = _mesh()
+    rng = np.random.default_rng(23)
+    weights = _fsdp_params(rng)
+    params = {"weights": weights,
+              "scale": {k: np.ones(w.shape[1], np.float32) for k, w in weights.items()},
+              "bias": {k: np.zeros(w.shape[1], np.float32) for k, w in weights.items()}}
+    x = rng.standard_normal((N * 4, 16)).astype(np.float32)
+    y = rng.standard_normal((N * 4, 16)).astype(np.float32)
+    specs = {"weights": P("data"), "scale": P(), "bias": P()}
+
+    def local(state, x, y):
+        def loss_fn(p):
+            h = x
+            for name in ("w1", "w2", "w3"):
+                full = jax.lax.all_gather(p["weights"][name], "data", tiled=True)
+                h = jnp.tanh(h @ full) * p["scale"][name] + p["bias"][name]
+            return pmean(jnp.mean((h - y) ** 2), "data")
+        loss, grads = jax.value_and_grad(loss_fn)(state["params"])
+        momentum = jax.tree.map(lambda m, g: 0.9 * m + g, state["momentum"], grads)
+        params = jax.tree.map(lambda p, m: p - 0.05 * m, state["params"], momentum)
+        return {"params": params, "momentum": momentum}, loss
+
+    state_specs = {"params": specs, "momentum": specs}
+    step = jax.shard_map(local, mesh=mesh, in_specs=(state_specs, P("data"), P("data")),
+                         out_specs=(state_specs, P()))
+    state = {"params": params, "momentum": jax.tree.map(np.zeros_like, params)}
+    shardings = {part: {k: NamedSharding(mesh, spec) for k, spec in specs.items()}
+                 for part in state}
+    return Case(step, jax.device_put(state, shardings), (_shard(x, mesh), _shard(y, mesh)),
+                autodiff_psums=True, kinds={"gradient": 9, "forward": 1})
+
+
 CASES: dict[str, Callable[..., Case]] = {
     "flax-batchnorm-pmap": flax_batchnorm_pmap,
     "transformer-dropout": transformer_dropout,
@@ -696,4 +808,7 @@ CASES: dict[str, Callable[..., Case]] = {
     "gspmd-route": gspmd_route,
     "gspmd-route-size-one-axis": gspmd_route_size_one_axis,
     "nnx-route": nnx_route,
+    "fsdp-remat": fsdp_remat,
+    "fsdp-explicit-psum-scatter": fsdp_explicit_psum_scatter,
+    "fsdp-mixed-replicated": fsdp_mixed_replicated,
 }

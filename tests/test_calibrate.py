@@ -31,6 +31,12 @@ def test_tiny_calibration_writes_a_valid_profile(tiny_profile) -> None:
     assert profile.sources["fair_share.compute_threads"].source == "measured"
     assert profile.fair_share.cores == calibrate.host_cores()
     assert profile.fair_share.fusion_copy_bytes_per_s > 0
+    # What calibration does not measure comes from the shipped profile, marked so.
+    shipped = model.load_profile("cpu-host").fair_share
+    assert profile.fair_share.reduce_scatter_traffic == shipped.reduce_scatter_traffic
+    assert profile.fair_share.all_gather_traffic == shipped.all_gather_traffic
+    q = profile.sources["fair_share.reduce_scatter_traffic"]
+    assert q.source == "assumption" and q.ref.startswith("not calibrated; from the shipped")
     assert profile.sources["device.memory_gbyte_per_s"].source == "measured"
     cal = json.loads(path.read_text())["calibration"]
     for key in ("machine", "backend", "jax_version", "date", "samples", "analysis"):

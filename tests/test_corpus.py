@@ -38,7 +38,8 @@ pytestmark = pytest.mark.usefixtures("jax_8")
 
 FULL = jax.__version__ == "0.10.2" or os.environ.get("LIBRA_JAX_CORPUS_FULL") == "1"
 STEPS = 4 if FULL else 1
-BLOCKS = re.compile(r"custom_call @libra_allreduce_(?:cpu|cuda)(?:_start)?\(.*?blocks = (\d+)")
+BLOCKS = re.compile(r"custom_call @libra_(?:allreduce|reduce_scatter)_(?:cpu|cuda)(?:_start)?\("
+                    r".*?blocks = (\d+)")
 
 
 def train(fn, case, steps):
@@ -103,10 +104,18 @@ def test_lowers_to_libra_calls_with_the_planned_blocks(monkeypatch, name, platfo
         opt_fn = optimize(case.step, static_argnames=case.static_argnames)
         text = case.trace(opt_fn).lower(lowering_platforms=(platform,)).as_text()
     lowered = sorted(int(b) for b in BLOCKS.findall(text))
-    planned = {p.blocks for p in opt_fn.last_report.plans}
-    assert lowered and set(lowered) <= planned, (lowered, opt_fn.last_report.plan_lines())
-    assert {p.blocks for p in opt_fn.last_report.plans if p.kind == "gradient"} <= set(lowered)
+    plans = opt_fn.last_report.plans
+    assert lowered and set(lowered) <= {p.blocks for p in plans}, (
+        lowered, opt_fn.last_report.plan_lines())
+    # On CUDA's p2p path a reduce-scatter is XLA's (libra's are NCCL's: test_nccl.py).
+    served = [p for p in plans if p.kind == "gradient"
+              and (platform == "cpu" or p.collective == "all-reduce")]
+    assert {p.blocks for p in served} <= set(lowered)
     assert "all_reduce" not in text
+    if platform == "cpu":  # every gradient reduce-scatter is libra's, in a planned bucket
+        assert "reduce_scatter" not in text.replace("libra_reduce_scatter", "")
+        assert text.count("@libra_reduce_scatter_cpu(") == sum(
+            p.collective == "reduce-scatter" for p in plans)
 
 
 @pytest.mark.parametrize("name", list(CASES))

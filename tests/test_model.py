@@ -73,10 +73,12 @@ def test_sources_are_labelled_as_expected() -> None:
     assert h200.device.compute_units == 132
     assert h200.device.memory_bytes_per_s == pytest.approx(4.8e12)
     cpu = model.load_profile("cpu-host").sources
-    # Its per-all-reduce latency is measured as calibration measures it (one definition); the
-    # rest are assumptions.
-    assert cpu["network.base_latency_us"].source == "measured"
-    assert all(q.source == "assumption" for k, q in cpu.items() if k != "network.base_latency_us")
+    # Its per-all-reduce latency is measured as calibration measures it (one definition), the
+    # collectives' traffic by benchmarks/sharded_cpu.py; the rest are assumptions.
+    measured = ("network.base_latency_us", "fair_share.reduce_scatter_traffic",
+                "fair_share.all_gather_traffic")
+    assert all(cpu[k].source == "measured" for k in measured)
+    assert all(q.source == "assumption" for k, q in cpu.items() if k not in measured)
 
 
 def test_load_by_path(tmp_path) -> None:
@@ -310,7 +312,45 @@ def test_pending_allreduce_cost_is_optional() -> None:
     assert without.fair_share.pending_allreduce_s is None
 
 
+@pytest.mark.parametrize("workers", [2, 8, 16, 128])
+def test_collective_terms_of_a_ring(workers: int) -> None:
+    """A ring reduce-scatter or all-gather: half the all-reduce's bus bytes and steps; the
+    steps that cross nodes are the collective's steps over the nodes."""
+    profile = model.load_profile("h200")
+    net = profile.network
+    cost = model.derive(profile, workers).cost
+    nodes = math.ceil(workers / net.devices_per_node)
+    for collective in ("reduce-scatter", "all-gather"):
+        terms = cost.terms(collective)
+        assert terms.traffic == 0.5
+        assert model.ring_steps(workers, collective) == workers - 1
+        inter = nodes - 1
+        assert terms.latency_s == pytest.approx(
+            net.base_latency_s + (workers - 1 - inter) * net.intra_step_latency_s
+            + inter * net.inter_step_latency_s)
+        assert terms.latency_s < cost.latency_s
+    assert cost.terms("all-reduce") == planner.CollectiveTerms(cost.latency_s, 1.0)
+
+
+def test_collective_terms_of_the_cpu_engine() -> None:
+    """The CPU engine is no ring: the profile's measured ratios (benchmarks/sharded_cpu.py),
+    else the ratio of the memory each collective moves, (n+1)/(2n)."""
+    host = raw("cpu-host")["fair_share"]
+    cost = model.derive("cpu-host", 8).cost
+    assert cost.terms("reduce-scatter").traffic == host["reduce_scatter_traffic"]["value"]
+    assert cost.terms("all-gather").traffic == host["all_gather_traffic"]["value"]
+    assert host["reduce_scatter_traffic"]["source"] == "measured"
+    doc = mutate("cpu-host", "fair_share.reduce_scatter_traffic", delete=True)
+    derived = model.derive(model.profile_from_dict(doc), 8).cost
+    assert derived.terms("reduce-scatter").traffic == 9 / 16
+    assert derived.terms("all-gather").traffic == host["all_gather_traffic"]["value"]
+    value, how = model.collective_traffic(model.profile_from_dict(doc), "reduce-scatter", 4)
+    assert (value, how) == (5 / 8, "the engine's memory traffic (not measured)")
+
+
 @pytest.mark.parametrize("name, path, value, delete, message", [
+    ("cpu-host", "fair_share.reduce_scatter_traffic.value", 0, False,
+     r"'fair_share\.reduce_scatter_traffic\.value' must be > 0"),
     ("h200", "device.compute_units", None, True, r"field 'device\.compute_units' is missing"),
     ("h200", "network", None, True, r"field 'network' is missing"),
     ("h200", "nccl_style.softmin_p.value", None, True, r"field 'nccl_style\.softmin_p\.value' is missing"),

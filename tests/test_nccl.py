@@ -804,6 +804,50 @@ def test_sharded_pair_on_the_nccl_path(stub_env, version):
                 ) in out, out
 
 
+# A reduce-scatter bucket (ops.libra_reduce_scatter_fused_p) lowered for cuda on
+# LIBRA_JAX_CUDA=nccl: one NCCL reduce-scatter per dtype NCCL sums, of the members packed as
+# one row of shards; a dtype it does not sum (int8) is XLA's, per member.
+FUSED_SHARDED_IN_PROCESS = """
+    import os, re
+    os.environ["LIBRA_JAX_CUDA"] = "nccl"
+    import jax, numpy as np
+    jax.config.update("jax_num_cpu_devices", 8)
+    from jax.sharding import PartitionSpec as P
+    from libra_jax import _ffi, ops
+    print("HAS_CUDA", _ffi.HAS_CUDA)
+    for n in (2, 8):
+        mesh = jax.make_mesh((n,), ("x",), devices=jax.devices()[:n])
+        def body(v):
+            members = (v, v[:n, :2], v.astype(jax.numpy.bfloat16), v[:n].astype(np.int8))
+            return tuple(ops.libra_reduce_scatter_fused_p.bind(
+                *members, axis_name=("x",), axis_size=n, tiled=(True, False, True, False),
+                blocks=6))
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=(P("x"),) * 4,
+                                  check_vma=False))
+        v = jax.ShapeDtypeStruct((n * n * 3, 4), np.float32,
+                                 sharding=jax.NamedSharding(mesh, P("x")))
+        text = f.trace(v).lower(lowering_platforms=("cuda",)).as_text()
+        calls = re.findall(r"custom_call @(libra_\\w+)\\(.*?ctas = (\\d+).*"
+                           r": \\(tensor<(\\w+)>\\) -> tensor<(\\w+)>", text)
+        print("FUSED", n, sorted(calls, key=lambda c: c[3]),
+              text.count("stablehlo.reduce_scatter"))
+"""
+
+
+def test_reduce_scatter_bucket_on_the_nccl_path(stub_env):
+    out = run(FUSED_SHARDED_IN_PROCESS, stub_env)
+    if "HAS_CUDA False" in out:
+        pytest.skip("libra_jax built without CUDA: the cuda lowering is XLA's")
+    for n in (2, 8):
+        line = next(l for l in out.splitlines() if l.startswith(f"FUSED {n} "))
+        # f32: rank r's shards of both members (3 * 4 + 2 elements) in one run of the row.
+        shards = {"f32": 3 * 4 + 2, "bf16": 3 * 4}
+        for dtype, count in shards.items():  # the row of n runs in, this rank's run out
+            assert f"'{n * count}x{dtype}', '{count}x{dtype}')" in line, line
+        assert line.count("libra_reduce_scatter_nccl") == 2 and "'6'" in line, line
+        assert line.endswith(" 1"), line  # int8: XLA's reduce-scatter
+
+
 # --- On real GPUs (skipped here) --------------------------------------------
 
 GPU_WORKER = """

@@ -137,11 +137,18 @@ def analyse(samples: Samples, workers: int, budget: Budget, seed: int = 0,
     return result
 
 
-def _shipped_pending_allreduce_q() -> dict:
-    """The shipped CPU profile's cost of a pending all-reduce (`optimize(overlap="auto")`),
-    carried over: calibration does not measure it."""
+#: What calibration does not measure, carried over from the shipped CPU profile (as
+#: assumptions, with its reference): the cost of a pending all-reduce (`optimize(overlap=
+#: "auto")`), and the reduce-scatter's and all-gather's time against the all-reduce's
+#: (`model.collective_traffic`, measured by benchmarks/sharded_cpu.py).
+CARRIED_OVER = ("pending_allreduce_us", "reduce_scatter_traffic", "all_gather_traffic")
+
+
+def _shipped_q(key: str) -> dict:
+    """The shipped CPU profile's ``fair_share.<key>``, carried over: calibration does not
+    measure it."""
     shipped = model.load_profile(model.PROFILE_DIR / "cpu-host.json").sources
-    q = shipped["fair_share.pending_allreduce_us"]
+    q = shipped[f"fair_share.{key}"]
     return _q(q.value, "assumption", f"not calibrated; from the shipped cpu-host profile: {q.ref}")
 
 
@@ -234,7 +241,7 @@ def build_profile(analysis: dict[str, Any], *, workers: int, budget: Budget, sam
             "compute_threads": _q(share["compute_threads"], "measured",
                                   "fitted: slowdown max(1, (D+k)/P) / max(1, D/P) of both chains"),
             "fusion_copy_gbyte_per_s": copy_q,
-            "pending_allreduce_us": _shipped_pending_allreduce_q(),
+            **{key: _shipped_q(key) for key in CARRIED_OVER},
         },
         "calibration": {
             **(meta or {}),

@@ -3,7 +3,8 @@ and the calls' attributes.
 
 The collective kinds are the rows of `COLLECTIVES` (the Python side of the engine's table,
 cpp/libra/engine.h): what each serves, its CPU target, and what it moves. The reduce-scatter
-and the all-gather lower by `sharded_rule`: the engine's call on CPU, XLA's elsewhere.
+and the all-gather lower by `sharded_rule` (libra's call, `sharded_call`: the engine's on CPU,
+NCCL's on CUDA where chosen; else XLA's, `sharded_xla`).
 
 Every libra op (`psum`, `fused`, `start_done`) reduces flat or shaped buffers with one of
 these rules, chosen per platform by `allreduce_rule`:
@@ -17,7 +18,8 @@ these rules, chosen per platform by `allreduce_rule`:
 Each rule falls back to XLA's all-reduce, with a one-time notice naming why, for what its
 platform does not serve. A psum with ``blocks=None`` gets `default_blocks` here, once the
 group size is known. The packing of several tensors into one buffer per dtype (`pack`,
-`split`) is shared by the fused bucket and start/done.
+`split`) is shared by the fused buckets and start/done (the reduce-scatter bucket's keeps each
+rank's shards contiguous: `pack` with ``rows``).
 """
 from __future__ import annotations
 
@@ -34,7 +36,8 @@ import numpy as np
 from libra_jax import _compat, _ffi, _nccl, config, model, planner
 from libra_jax.ops.base import Platform, Rule, warn_once
 
-__all__ = ["Collective", "COLLECTIVES", "ENGINE_DTYPES", "sharded_rule", "sharded_nccl_call",
+__all__ = ["Collective", "COLLECTIVES", "ENGINE_DTYPES", "sharded_rule", "sharded_call",
+           "sharded_xla", "sharded_nccl_call",
            "warn_sharded_fallback", "to_row_of_shards", "from_row_of_shards",
            "rank_group_operand",
            "allreduce_rule", "replaced_rule", "xla_rule", "cpu_rule", "cuda_rule", "cpu_call",
@@ -56,21 +59,18 @@ class Collective:
     name: str
     #: The engine's name for it, in call records, errors and notices.
     kind: str
-    #: Its CPU FFI target's role in `_ffi.TARGETS`.
+    #: Its CPU FFI target's role in `_ffi.TARGETS`. (What it costs is the model's:
+    #: `model.COLLECTIVE_SHAPES`, by ``kind``.)
     cpu_role: str
-    #: Bytes it moves per byte of the full buffer, an all-reduce's being 1: an all-reduce is a
-    #: reduce-scatter then an all-gather of the same buffer (on a ring each moves (n-1)/n of
-    #: it, the all-reduce 2(n-1)/n); on the CPU engine each reads or writes half as much.
-    traffic: float
     #: Its operand is one rank's shard; the full buffer is its result.
     gathers: bool
 
 
 #: The collective kinds, by the `jax.lax` function each serves.
 COLLECTIVES: dict[str, Collective] = {c.name: c for c in (
-    Collective("psum", "all-reduce", "cpu", 1.0, False),
-    Collective("psum_scatter", "reduce-scatter", "cpu_reduce_scatter", 0.5, False),
-    Collective("all_gather", "all-gather", "cpu_all_gather", 0.5, True),
+    Collective("psum", "all-reduce", "cpu", False),
+    Collective("psum_scatter", "reduce-scatter", "cpu_reduce_scatter", False),
+    Collective("all_gather", "all-gather", "cpu_all_gather", True),
 )}
 CUDA_DTYPES = frozenset(
     np.dtype(d) for d in (np.float32, np.float64, jax.numpy.bfloat16, np.float16, np.int32))
@@ -120,15 +120,15 @@ def default_blocks(nbytes: int, world: int, profile: Any = "cpu-host",
     choice with no overlapped compute known (`planner.no_overlap_allocation`), as a launch's
     block count, 1..MAX_BLOCKS. `profile` is a profile name, path or `model.Profile`.
 
-    `nbytes` is the full (unsharded) buffer's size per device. A `psum_scatter` or
-    `all_gather` (`collective`), which the model does not price yet, gets the all-reduce's
-    choice for the bytes it moves (`Collective.traffic`: half the buffer's)."""
+    `nbytes` is the full (unsharded) buffer's size per device; a `psum_scatter` or
+    `all_gather` (`collective`) is priced by its own terms (`model.collective_traffic`, its
+    latency), with the all-reduce's tables."""
     if world < 2 or nbytes <= 0:
         return 1
-    nbytes = max(1, int(nbytes * COLLECTIVES[collective].traffic))
     derivation = model.derive(profile, world)
     key = planner.no_overlap_allocation(derivation.cost, nbytes,
-                                        lambda k: derivation.launch_shape(k)[0])
+                                        lambda k: derivation.launch_shape(k)[0],
+                                        COLLECTIVES[collective].kind)
     return int(min(MAX_BLOCKS, max(1, derivation.launch_shape(key)[0])))
 
 
@@ -457,59 +457,88 @@ def sharded_rule(collective: str, platform: Platform, dimension: str,
     """The rule that lowers a reduce-scatter or an all-gather (`collective`, a row of
     `COLLECTIVES`) on `platform`: ``rule(ctx, x, *, axis_name, blocks, **params)``.
 
-    On CPU, the engine's call (`cpu_call`) where it serves, with the ``segment`` attribute:
-    the elements of one shard from the scattered or gathered dimension (`dimension`, the
-    param naming it) on, so that every layout is one call, without a transposed copy. On
-    CUDA with ``LIBRA_JAX_CUDA=nccl``, NCCL's (`sharded_nccl_call`) on the buffer as one row
-    of shards (`to_row_of_shards`: a transposed copy unless the dimension leads). Else XLA's
-    own collective, the primitive `mirror(**params)` names (JAX's), with a one-time notice;
-    quietly for the twin (``"xla"``)."""
-    row = COLLECTIVES[collective]
-
-    def xla(ctx: Any, x: Any, reason: str | None, **params: Any) -> Any:
-        if reason is not None:
-            warn_sharded_fallback(collective, reason)
-        prim, jax_params = mirror(**params)
-        return _compat.lower_fun(partial(prim.bind, **jax_params))(ctx, x)
-
+    Libra's call where it serves (`sharded_call`: the engine's on CPU, NCCL's on CUDA with
+    ``LIBRA_JAX_CUDA=nccl``), along the dimension the param `dimension` names; else XLA's own
+    collective (`sharded_xla`: the primitive `mirror(**params)` names, JAX's) with a one-time
+    notice, quietly for the twin (``"xla"``)."""
     def rule(ctx: Any, x: Any, **params: Any) -> Any:
-        if platform == "xla":
-            return xla(ctx, x, None, **params)
-        aval_in, = ctx.avals_in
-        if platform == "cuda":
-            flat_in = aval_in.update(shape=(math.prod(aval_in.shape),))
-            flat_ctx = ctx.replace(primitive=None, avals_in=[flat_in])
-            target, attrs, reason = sharded_nccl_call(flat_ctx, params["axis_name"],
-                                                      params["blocks"], collective)
-            if target is None:
-                return xla(ctx, x, reason, **params)
-            flat, _ = to_row_of_shards(ctx, x, row.gathers, params[dimension], params["tiled"])
+        emit, reason = sharded_call(ctx, collective, platform, axis_name=params["axis_name"],
+                                    blocks=params["blocks"], dimension=params[dimension],
+                                    tiled=params["tiled"])
+        if emit is None:
+            return sharded_xla(ctx, x, collective, mirror, reason, **params)
+        return emit(x)
+    return rule
+
+
+def sharded_call(ctx: Any, collective: str, platform: Platform, *, axis_name: tuple,
+                 blocks: int | None, dimension: int, tiled: bool
+                 ) -> tuple[Callable[[Any], Sequence[Any]] | None, str | None]:
+    """Libra's call for the reduce-scatter or all-gather (`collective`) of the one operand
+    lowered at `ctx` (its result: ``ctx.avals_out[0]``) on `platform`, along `dimension`:
+    ``(emit, "")``, ``emit(x)`` the call's results, where it serves; ``(None, reason)`` where
+    XLA's must do it (`sharded_xla`), ``(None, None)`` for the twin (``"xla"``: quietly).
+    Decided before anything is emitted. Shared by `sharded_rule` and the reduce-scatter
+    bucket (`libra_jax.ops.fused`, on its packed row of shards: `dimension` 0, tiled).
+
+    On CPU, the engine's call (`cpu_call`), dtypes it does not sum excepted, with the
+    ``segment`` attribute: the elements of one shard from `dimension` on, so that every
+    layout is one call, without a transposed copy (an all-gather's bf16 NaNs made canonical
+    first, as XLA's). On CUDA with ``LIBRA_JAX_CUDA=nccl``, NCCL's (`sharded_nccl_call`) on
+    the buffer as one row of shards (`to_row_of_shards`: a transposed copy unless
+    `dimension` leads)."""
+    if platform == "xla":
+        return None, None
+    row = COLLECTIVES[collective]
+    aval_in, = ctx.avals_in
+    dtype = np.dtype(aval_in.dtype)
+    if platform == "cuda":
+        flat_in = aval_in.update(shape=(math.prod(aval_in.shape),))
+        flat_ctx = ctx.replace(primitive=None, avals_in=[flat_in])
+        target, attrs, reason = sharded_nccl_call(flat_ctx, axis_name, blocks, collective)
+        if target is None:
+            return None, reason
+        flat_out = flat_in.update(shape=(math.prod(ctx.avals_out[0].shape),))
+
+        def nccl(x: Any) -> Sequence[Any]:
+            flat, _ = to_row_of_shards(ctx, x, row.gathers, dimension, tiled)
             if not target:  # an empty buffer
                 return [_compat.ir_constant(np.zeros(ctx.avals_out[0].shape,
                                                      ctx.avals_out[0].dtype))]
-            n = params["axis_size"]
-            flat_out = flat_in.update(shape=(flat_in.shape[0] * n if row.gathers
-                                             else flat_in.shape[0] // n,))
             result, = _compat.ir_values(jax.ffi.ffi_lowering(target)(
                 flat_ctx.replace(avals_out=[flat_out]), flat, **attrs))
             return from_row_of_shards(ctx, result, flat_out, ctx.avals_out[0], row.gathers,
-                                      params[dimension], params["tiled"])
-        if platform != "cpu":
-            return xla(ctx, x, "/".join(ctx.module_context.platforms), **params)
-        if not row.gathers and np.dtype(aval_in.dtype) not in ENGINE_DTYPES:
-            return xla(ctx, x, f"cpu {np.dtype(aval_in.dtype).name}", **params)
-        call, reason = cpu_call(ctx, params["axis_name"], params["blocks"], collective)
-        if call is None:
-            return xla(ctx, x, reason, **params)
-        rank_group, attrs = call
-        if row.gathers and np.dtype(aval_in.dtype) == BF16:
+                                      dimension, tiled)
+        return nccl, ""
+    if platform != "cpu":
+        return None, "/".join(ctx.module_context.platforms)
+    if not row.gathers and dtype not in ENGINE_DTYPES:
+        return None, f"cpu {dtype.name}"
+    call, reason = cpu_call(ctx, axis_name, blocks, collective)
+    if call is None:
+        return None, reason
+    rank_group, attrs = call
+    shard = aval_in if row.gathers else ctx.avals_out[0]
+    segment = math.prod(shard.shape[dimension:])
+
+    def engine(x: Any) -> Sequence[Any]:
+        if row.gathers and dtype == BF16:
             x = _canonical_bf16_nans(ctx, x)
-        shard = aval_in if row.gathers else ctx.avals_out[0]
-        segment = math.prod(shard.shape[params[dimension]:])
         call_ctx = ctx.replace(avals_in=[aval_in, _compat.ShapedArray((2,), np.int32)])
         lowered = jax.ffi.ffi_lowering(_ffi.TARGETS[row.cpu_role])
         return lowered(call_ctx, x, rank_group, segment=np.int64(segment), **attrs)
-    return rule
+    return engine, ""
+
+
+def sharded_xla(ctx: Any, x: Any, collective: str, mirror: Callable[..., tuple[Any, dict]],
+                reason: str | None, **params: Any) -> Any:
+    """XLA's own reduce-scatter or all-gather (`collective`) of the one operand `x` lowered
+    at `ctx`: the JAX primitive `mirror(**params)` names, with the one-time notice of why
+    libra's does not serve it (`reason`; None: quietly, the twin)."""
+    if reason is not None:
+        warn_sharded_fallback(collective, reason)
+    prim, jax_params = mirror(**params)
+    return _compat.lower_fun(partial(prim.bind, **jax_params))(ctx, x)
 
 
 def warn_sharded_fallback(collective: str, reason: str) -> None:
@@ -625,9 +654,15 @@ def packed_avals(avals: Sequence[Any]) -> list[Any]:
     return [_compat.ShapedArray((n,), dtype) for dtype, _, n in packed_layout(avals)]
 
 
-def pack(ctx: Any, xs: Sequence[Any], idx: Sequence[int], padded: int) -> Any:
+def pack(ctx: Any, xs: Sequence[Any], idx: Sequence[int], padded: int, rows: int = 1) -> Any:
     """The operands `idx` of a lowering (all of one dtype), flattened and concatenated into
     one buffer of `padded` elements (zeros after them).
+
+    With `rows` > 1 (a reduce-scatter bucket's, `rows` the group size), the buffer keeps each
+    rank's shards contiguous: every operand is viewed as (`rows`, size / `rows`), its row r
+    rank r's shard, the operands (and the padding, `rows` rows of it) concatenated along the
+    second axis, and the (`rows`, `padded` / `rows`) result flattened: rank r's shards of
+    every operand are one run, the layout of one reduce-scatter of the whole buffer.
 
     One `concatenate`: XLA fuses it (with the copy it inserts before an in-place all-reduce)
     into one loop over the buffer that reads each element from its own operand only; a chain
@@ -635,16 +670,21 @@ def pack(ctx: Any, xs: Sequence[Any], idx: Sequence[int], padded: int) -> Any:
     re-evaluated the last operand's producer for every element). Emitted as HLO directly: it
     involves no varying-axes typing."""
     ety = _compat.ir.RankedTensorType(xs[idx[0]].type).element_type
+
+    def view(count: int) -> list[int]:
+        return [count] if rows == 1 else [rows, count // rows]
     sizes = [int(math.prod(ctx.avals_in[i].shape)) for i in idx]
-    parts: list[Any] = [_compat.hlo.reshape(_compat.ir.RankedTensorType.get([n], ety), xs[i])
+    parts: list[Any] = [_compat.hlo.reshape(_compat.ir.RankedTensorType.get(view(n), ety), xs[i])
                         for i, n in zip(idx, sizes)]
     if padded > sum(sizes):
         dtype = np.dtype(ctx.avals_in[idx[0]].dtype)
-        parts.append(_compat.ir_constant(np.zeros(padded - sum(sizes), dtype)))
-    if len(parts) == 1:
-        return parts[0]
-    return _compat.hlo.concatenate(parts, _compat.ir.IntegerAttr.get(
-        _compat.ir.IntegerType.get_signless(64), 0))
+        parts.append(_compat.ir_constant(np.zeros(view(padded - sum(sizes)), dtype)))
+    packed = parts[0] if len(parts) == 1 else _compat.hlo.concatenate(
+        parts, _compat.ir.IntegerAttr.get(_compat.ir.IntegerType.get_signless(64),
+                                          len(view(padded)) - 1))
+    if rows == 1:
+        return packed
+    return _compat.hlo.reshape(_compat.ir.RankedTensorType.get([padded], ety), packed)
 
 
 def split(ctx: Any, flat: Any, flat_aval: Any, out_avals: Sequence[Any], idx: Sequence[int],

@@ -26,7 +26,7 @@ from libra_jax.ops import lowering
 from libra_jax.ops.base import register_op
 
 __all__ = ["libra_reduce_scatter_p", "libra_all_gather_p", "mirror_reduce_scatter",
-           "mirror_all_gather"]
+           "mirror_all_gather", "mirror_abstract_eval"]
 
 
 def mirror_reduce_scatter(*, axis_name: tuple, scatter_dimension: int, axis_size: int,
@@ -47,7 +47,9 @@ def mirror_all_gather(*, axis_name: tuple, all_gather_dimension: int, axis_size:
     return _compat.all_gather_p, dict(params, axis_index_groups=None)
 
 
-def _abstract_eval(mirror: Any) -> Any:
+def mirror_abstract_eval(mirror: Any) -> Any:
+    """The abstract evaluation of the op that `mirror` names the JAX primitive of: that
+    primitive's own, ``abstract_eval(aval, **params) -> (type, effects)``."""
     def abstract_eval(aval: Any, **params: Any) -> Any:
         prim, jax_params = mirror(**params)
         return prim.abstract_eval(aval, **jax_params)
@@ -100,12 +102,12 @@ def _batcher(prim: Any, mirror: Any, dimension: str) -> Any:
 
 
 libra_reduce_scatter_p = register_op(
-    "libra_reduce_scatter", abstract_eval=_abstract_eval(mirror_reduce_scatter),
+    "libra_reduce_scatter", abstract_eval=mirror_abstract_eval(mirror_reduce_scatter),
     lowering=lambda platform: lowering.sharded_rule("psum_scatter", platform,
                                                     "scatter_dimension", mirror_reduce_scatter),
     transpose=_reduce_scatter_transpose)
 libra_all_gather_p = register_op(
-    "libra_all_gather", abstract_eval=_abstract_eval(mirror_all_gather),
+    "libra_all_gather", abstract_eval=mirror_abstract_eval(mirror_all_gather),
     lowering=lambda platform: lowering.sharded_rule("all_gather", platform,
                                                     "all_gather_dimension", mirror_all_gather),
     transpose=_all_gather_transpose)
