@@ -42,8 +42,9 @@ class ComputeSpan:
 
 @dataclass(frozen=True)
 class CollectiveSpan:
-    """One all-reduce: packing a fused bucket until ``pack_end`` (compute stalls; = ``start``
-    for a single tensor), latency until ``latency_end``, overlapped transfer until ``solo_start``
+    """One collective (an all-reduce, or a reduce-scatter: ``collective``): packing a fused
+    bucket until ``pack_end`` (compute stalls; = ``start`` for a single tensor), latency until
+    ``latency_end``, overlapped transfer until ``solo_start``
     (= ``latency_end`` when compute had already finished), solo transfer until ``end``."""
 
     bucket: int
@@ -55,6 +56,7 @@ class CollectiveSpan:
     solo_start: float
     end: float
     pack_end: float = math.nan
+    collective: str = "all-reduce"
 
 
 @dataclass(frozen=True)
@@ -94,8 +96,8 @@ def timeline(layers: Sequence[Layer], buckets: Sequence[Bucket], cost: CostModel
     collectives = tuple(
         # A collective never starts before it is ready (min: against interpolation's rounding).
         CollectiveSpan(j, blocks, nbytes, min(ph.start, time_at(ends[buckets[j].last + 1])), ph.start,
-                       ph.latency_end,
-                       ph.solo_start, ph.end, ph.pack_end)
+                       ph.latency_end, ph.solo_start, ph.end, ph.pack_end,
+                       layers[buckets[j].first].collective)
         for j, blocks, nbytes, ph in tl.collectives)
     return Timeline(tuple(_merge(spans)), collectives, tl.compute_end, tl.backward_s)
 
@@ -126,6 +128,8 @@ def _figure_class() -> Any:
 #: The chart's parts, as its legend names them.
 LEGEND = ("compute (darker: slowed by a collective)", "all-reduce latency",
           "all-reduce beside compute", "all-reduce alone")
+#: How a bucket's label marks its collective.
+_SHORT = {"all-reduce": "", "reduce-scatter": " RS", "all-gather": " AG"}
 #: A bucket narrower than this share of the backward pass is listed under the chart, not labelled.
 LABEL_MIN_SHARE = 0.03
 
@@ -136,7 +140,8 @@ def chart(tl: Timeline, *, title: str = "", key_unit: str = "blocks") -> Any:
     Row "compute": each layer's stretches, darker where a collective slowed it. Row
     "all-reduce": each collective (bucket ``#i``, in order), hatched during its latency, light
     while overlapped with compute, dark once alone. Every bucket is named: on the bar when it is
-    wide enough (``#i: allocation``), else in the list under the chart, with its times.
+    wide enough (``#i: allocation``; ``#i RS: allocation`` for a reduce-scatter, the row then
+    "collective"), else in the list under the chart, with its times.
     """
     figure = _figure_class()  # first: says how to install matplotlib if it is missing
     from matplotlib import cm
@@ -151,6 +156,8 @@ def chart(tl: Timeline, *, title: str = "", key_unit: str = "blocks") -> Any:
         ax.barh(1, (s.end - s.start) * ms, left=s.start * ms, height=0.6, color=cm.Oranges(shade),
                 linewidth=0)
     listed = []
+    mixed = any(c.collective != "all-reduce" for c in tl.collectives)
+    row = "collective" if mixed else "all-reduce"
     for c in tl.collectives:
         ax.barh(0, (c.latency_end - c.start) * ms, left=c.start * ms, height=0.6, color="lightgray",
                 hatch="///", edgecolor="gray", linewidth=0.3)
@@ -159,13 +166,13 @@ def chart(tl: Timeline, *, title: str = "", key_unit: str = "blocks") -> Any:
         ax.barh(0, (c.end - c.solo_start) * ms, left=c.solo_start * ms, height=0.6,
                 color=cm.Blues(0.85), edgecolor="white", linewidth=0.3)
         ax.axvline(c.start * ms, ymin=0.05, ymax=0.45, color="black", linewidth=0.4)
-        name = f"#{c.bucket}: {c.blocks}"
+        name = f"#{c.bucket}{_SHORT[c.collective]}: {c.blocks}"
         if (c.end - c.start) > LABEL_MIN_SHARE * tl.backward_s:
             ax.text((c.start + c.end) / 2 * ms, 0, name, ha="center", va="center", fontsize=7,
                     color="black")
         else:
             listed.append(f"{name} {c.start * ms:.2f}-{c.end * ms:.2f}")
-    ax.set_yticks([0, 1], [f"all-reduce\n(#bucket: {key_unit})",
+    ax.set_yticks([0, 1], [f"{row}\n(#bucket: {key_unit})",
                            f"compute\n(up to {max_slow:.2f}x slower)"])
     ax.set_xlabel("time since backward start (ms)")
     ax.set_xlim(0, tl.backward_s * ms * 1.01)
@@ -174,7 +181,8 @@ def chart(tl: Timeline, *, title: str = "", key_unit: str = "blocks") -> Any:
     handles = [Patch(color=cm.Oranges(0.6)), Patch(facecolor="lightgray", hatch="///",
                                                  edgecolor="gray"),
                Patch(color=cm.Blues(0.45)), Patch(color=cm.Blues(0.85))]
-    ax.legend(handles, LEGEND, loc="upper center", ncol=4, fontsize=7, frameon=False,
+    legend = [entry.replace("all-reduce", row) for entry in LEGEND]
+    ax.legend(handles, legend, loc="upper center", ncol=4, fontsize=7, frameon=False,
               bbox_to_anchor=(0.5, 1.0))
     if listed:
         text = "narrow buckets (ms): " + ", ".join(listed)

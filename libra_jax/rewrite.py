@@ -57,6 +57,15 @@ Contract of the rewrite (`rewrite_jaxpr`):
   (`_Rewriter.split_buckets`).
 - A psum of a known zero (a literal, or broadcast from one) is folded to ``z + z``,
   bitwise `jax.lax.psum`'s, with no call (`_Rewriter.fold_zero_psums`).
+- Sharded data parallelism: a `psum_scatter` (JAX's `reduce_scatter`, or
+  `libra_reduce_scatter` without an explicit block count) is a site as a psum is,
+  classified by the same rule: the gradient of a sharded parameter (the transpose of a
+  forward `all_gather`, or an explicit `psum_scatter` of gradients) is a gradient
+  collective. A scope's gradient psums and psum_scatters over the same axes are planned
+  together (`planner.Layer.collective`: one backward stream), a bucket holding one
+  `_Site.bucket_class`; a bucket of psum_scatters along their first dimension is one
+  `libra_reduce_scatter_fused` equation (bitwise the unfused ones: the same sums), issued as
+  one call. `all_gather`s are left as they are (listed as unplanned).
 - Deterministic: everything is visited in jaxpr order; no set or dict
   iteration order, hash or timing enters the plan.
 """

@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import random
+import re
 import sys
 from pathlib import Path
 
@@ -156,6 +157,27 @@ def test_timeline_on_a_real_plan() -> None:
     tl = gantt.timeline(list(w.layers), plan.buckets, derivation.cost)
     assert tl.backward_s == pytest.approx(plan.backward_s, rel=1e-9)
     assert {c.blocks for c in tl.collectives} <= set(derivation.cost.slowdown)
+
+
+def test_timeline_and_chart_name_each_bucket_collective() -> None:
+    """A backward pass of all-reduces and reduce-scatters (FSDP beside replicated
+    parameters): each span carries its bucket's collective, and the chart marks the
+    reduce-scatters ("#i RS: blocks") on a row named "collective"."""
+    pytest.importorskip("matplotlib")
+    derivation = model.derive("cpu-host", 8)
+    kinds = ["all-reduce", "reduce-scatter"] * 3
+    layers = [planner.Layer(2e-3, 4 << 20, kind) for kind in kinds]
+    plan = planner.plan(layers, derivation.cost)
+    tl = gantt.timeline(layers, plan.buckets, derivation.cost)
+    assert [c.collective for c in tl.collectives] == [layers[b.first].collective for b in plan.buckets]
+    fig = gantt.chart(tl)
+    texts = [t.get_text() for t in fig.axes[0].texts]
+    assert any(" RS: " in t for t in texts) and any(re.fullmatch(r"#\d+: \d+", t) for t in texts)
+    labels = [t.get_text() for t in fig.axes[0].get_yticklabels()]
+    assert labels[0].startswith("collective")
+    plain = gantt.chart(gantt.timeline([planner.Layer(2e-3, 4 << 20)] * 2,
+                                       [planner.Bucket(0, 1, 2)], derivation.cost))
+    assert plain.axes[0].get_yticklabels()[0].get_text().startswith("all-reduce")
 
 
 def test_timeline_rejects_bad_buckets() -> None:

@@ -848,6 +848,45 @@ def test_reduce_scatter_bucket_on_the_nccl_path(stub_env):
         assert line.endswith(" 1"), line  # int8: XLA's reduce-scatter
 
 
+# The FSDP corpus steps (tests/corpus.py) under `optimize`, lowered for cuda on
+# LIBRA_JAX_CUDA=nccl: every gradient reduce-scatter is a planned libra NCCL call (one per
+# planned bucket, with its blocks as the CTA limit) and no XLA reduce-scatter is left.
+FSDP_CORPUS_IN_PROCESS = """
+    import os, re, sys, warnings
+    os.environ["LIBRA_JAX_CUDA"] = "nccl"
+    import jax
+    jax.config.update("jax_num_cpu_devices", 8)
+    warnings.simplefilter("ignore")
+    sys.path.insert(0, sys.argv[1])
+    from corpus import CASES
+    import libra_jax
+    from libra_jax import _ffi
+    print("HAS_CUDA", _ffi.HAS_CUDA)
+    for name in ("fsdp-remat", "fsdp-explicit-psum-scatter", "fsdp-mixed-replicated"):
+        case = CASES[name]()
+        with case.context():
+            opt = libra_jax.optimize(case.step)
+            text = case.trace(opt).lower(lowering_platforms=("cuda",)).as_text()
+        planned = sorted(p.blocks for p in opt.last_report.plans
+                         if p.collective == "reduce-scatter")
+        ctas = sorted(int(c) for c in re.findall(
+            r"custom_call @libra_reduce_scatter_nccl\\(.*?ctas = (\\d+)", text))
+        print("CASE", name, planned, ctas, text.count("stablehlo.reduce_scatter"))
+"""
+
+
+def test_fsdp_corpus_reduce_scatters_are_nccl_calls(stub_env):
+    out = run(FSDP_CORPUS_IN_PROCESS, stub_env, str(Path(__file__).resolve().parent))
+    if "HAS_CUDA False" in out:
+        pytest.skip("libra_jax built without CUDA: the cuda lowering is XLA's")
+    lines = [line for line in out.splitlines() if line.startswith("CASE ")]
+    assert len(lines) == 3, out
+    for line in lines:
+        name, planned, ctas, xla = re.fullmatch(
+            r"CASE (\S+) (\[.*?\]) (\[.*?\]) (\d+)", line).groups()
+        assert planned == ctas != "[]" and xla == "0", line
+
+
 # --- On real GPUs (skipped here) --------------------------------------------
 
 GPU_WORKER = """

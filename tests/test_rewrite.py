@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -933,3 +934,101 @@ def test_phase_schedule_applies_edits_in_order():
     assert eqns[a] not in out
     assert out.index(eqns[b]) < out.index(eqns[uses[0]])  # the use moved after the bucket
     assert len(out) == len(eqns) - 1
+
+
+# --- Sharded data parallelism: gradient psum_scatters (issue 44) -------------------------------
+
+
+def _sharded_step(scatter, *, check_vma=False, n_params=3):
+    """A shard_map step over ("x",) of 8 whose gradients leave by `scatter(g, i)` (explicit
+    psum_scatters of locally computed full gradients), and its arguments."""
+    mesh = mesh_of((8,), ("x",))
+    rng = np.random.default_rng(44)
+    params = [shard((rng.standard_normal((16, 8)) * 0.3).astype(np.float32), mesh, P("x"))
+              for _ in range(n_params)]
+    x = shard(rng.standard_normal((64, 16)).astype(np.float32), mesh, P("x"))
+
+    def local(ws, x):
+        full = [jax.lax.all_gather(w, "x", tiled=True) for w in ws]
+        loss, grads = jax.value_and_grad(
+            lambda fs: sum(jnp.mean(jnp.tanh(x @ f) ** 2) for f in fs))(full)
+        grads = [scatter(g, i) for i, g in enumerate(grads)]
+        return [w - 0.1 * g for w, g in zip(ws, grads)], jax.lax.pmean(loss, "x")
+
+    step = jax.shard_map(local, mesh=mesh, in_specs=([P("x")] * n_params, P("x")),
+                         out_specs=([P("x")] * n_params, P()), check_vma=check_vma)
+    return step, (params, x)
+
+
+def test_gradient_psum_scatters_are_planned_fused_and_bitwise():
+    """Three explicit psum_scatters of gradients: gradient kind, one fused reduce-scatter
+    bucket (one engine call), bitwise the step with XLA's psum_scatters."""
+    step, args = _sharded_step(lambda g, i: jax.lax.psum_scatter(g, "x", tiled=True))
+    opt = optimize(step, fusion=True, overlap="sync")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the all-gathers' notice (once per process)
+        got = jax.jit(opt)(*args)
+    assert opt.last_report.unplanned == ["all_gather over ('x',) in top/shard_map (x3)"]
+    assert_bitwise(got, jax.jit(step)(*args))
+    plans = [p for p in opt.last_report.plans if p.kind == "gradient"]
+    assert [(p.collective, len(p.members)) for p in plans] == [("reduce-scatter", 3)]
+    assert plans[0].nbytes == 3 * 16 * 8 * 4  # the unsharded buffers, per rank
+    text = jax.jit(opt).lower(*args).compile().as_text()
+    assert text.count("libra_reduce_scatter_cpu") == 1 and "reduce-scatter(" not in text
+    assert "collective=reduce-scatter" in opt.last_report.plan_lines()[-1]
+
+
+def test_psum_scatter_blocks_kinds_and_what_stays_xla():
+    """An explicit block count is kept ("user"); a psum_scatter the engine cannot serve
+    (axis_index_groups, int8) stays XLA's and is reported, as a psum would be."""
+    step, args = _sharded_step(lambda g, i: libra_jax.psum_scatter(g, "x", tiled=True, blocks=3))
+    opt = optimize(step)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        jax.jit(opt)(*args)
+    assert {(p.kind, p.blocks, p.collective) for p in opt.last_report.plans
+            if p.kind != "forward"} == {("user", 3, "reduce-scatter")}
+
+    def odd(g, i):
+        if i == 0:
+            groups = [[0, 1, 2, 3], [4, 5, 6, 7]]
+            return jax.lax.psum_scatter(g, "x", tiled=True, axis_index_groups=groups)[:2]
+        if i == 1:
+            return jax.lax.psum_scatter(g.astype(jnp.int8), "x", tiled=True).astype(g.dtype)
+        return jax.lax.psum_scatter(g, "x", tiled=True)
+    step, args = _sharded_step(odd)
+    _, report = rewrite_jaxpr(jax.make_jaxpr(step)(*args))
+    assert report.skipped == ["psum_scatter with axis_index_groups in top/shard_map",
+                              "psum_scatter of int8 in top/shard_map"]
+    assert [p.collective for p in report.plans if p.kind == "gradient"] == ["reduce-scatter"]
+
+
+def test_a_bucket_holds_one_collective_and_one_class():
+    """Gradient psums and psum_scatters over the same axes are one backward stream: buckets
+    alternate with the collective, and a psum_scatter along its second dimension is a bucket
+    of its own (`_Site.bucket_class`)."""
+    from libra_jax import rewrite
+
+    def scatter(g, i):
+        if i == 1:  # a replicated parameter's gradient: a psum
+            return jax.lax.psum(g, "x")[:2]  # (as the shard's shape, to update it)
+        if i == 2:
+            return jax.lax.psum_scatter(g, "x", scatter_dimension=1, tiled=True).reshape(2, 8)
+        return jax.lax.psum_scatter(g, "x", tiled=True)
+    step, args = _sharded_step(scatter, n_params=4)
+    opt = optimize(step, overlap="sync", profile="h200")  # a ring: fusion pays
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = jax.jit(opt)(*args)
+    assert_bitwise(got, jax.jit(step)(*args))
+    # In jaxpr order: a psum_scatter, the psum, one along dimension 1, a psum_scatter: no two
+    # neighbours share a class, so every bucket is one member.
+    assert [(p.collective, len(p.members)) for p in opt.last_report.plans
+            if p.kind == "gradient"] == [("reduce-scatter", 1), ("all-reduce", 1),
+                                         ("reduce-scatter", 1), ("reduce-scatter", 1)]
+    # The class cut, directly: members of other classes never share a reach.
+    sites = [rewrite._Site(i, ("x",), False, 64, None, None, "reduce-scatter", (d, 8, True))
+             for i, d in enumerate((0, 0, 1, 0))]
+    sites.insert(2, rewrite._Site(9, ("x",), True, 64, None))
+    assert rewrite._within_class(sites, [4, 4, 4, 4, 4]) == [1, 1, 2, 3, 4]
+    assert rewrite._within_class(sites, None) == [1, 1, 2, 3, 4]
