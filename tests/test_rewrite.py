@@ -962,14 +962,17 @@ def _sharded_step(scatter, *, check_vma=False, n_params=3):
 
 def test_gradient_psum_scatters_are_planned_fused_and_bitwise():
     """Three explicit psum_scatters of gradients: gradient kind, one fused reduce-scatter
-    bucket (one engine call), bitwise the step with XLA's psum_scatters."""
+    bucket (one engine call), bitwise its XLA control (the same program with XLA's
+    collectives: docs/bitwise.md, class 2) and within class 3's bound of the plain step."""
     step, args = _sharded_step(lambda g, i: jax.lax.psum_scatter(g, "x", tiled=True))
     opt = optimize(step, fusion=True, overlap="sync")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the all-gathers' notice (once per process)
         got = jax.jit(opt)(*args)
+        control = jax.jit(optimize(step, overlap="sync", collectives="xla"))(*args)
     assert opt.last_report.unplanned == ["all_gather over ('x',) in top/shard_map (x3)"]
-    assert_bitwise(got, jax.jit(step)(*args))
+    assert_bitwise(got, control)
+    assert_codegen_close(got, jax.jit(step)(*args))
     plans = [p for p in opt.last_report.plans if p.kind == "gradient"]
     assert [(p.collective, len(p.members)) for p in plans] == [("reduce-scatter", 3)]
     assert plans[0].nbytes == 3 * 16 * 8 * 4  # the unsharded buffers, per rank
@@ -1020,7 +1023,9 @@ def test_a_bucket_holds_one_collective_and_one_class():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         got = jax.jit(opt)(*args)
-    assert_bitwise(got, jax.jit(step)(*args))
+        control = jax.jit(optimize(step, overlap="sync", profile="h200", collectives="xla"))(*args)
+    assert_bitwise(got, control)
+    assert_codegen_close(got, jax.jit(step)(*args))
     # In jaxpr order: a psum_scatter, the psum, one along dimension 1, a psum_scatter: no two
     # neighbours share a class, so every bucket is one member.
     assert [(p.collective, len(p.members)) for p in opt.last_report.plans
@@ -1032,3 +1037,34 @@ def test_a_bucket_holds_one_collective_and_one_class():
     sites.insert(2, rewrite._Site(9, ("x",), True, 64, None))
     assert rewrite._within_class(sites, [4, 4, 4, 4, 4]) == [1, 1, 2, 3, 4]
     assert rewrite._within_class(sites, None) == [1, 1, 2, 3, 4]
+
+
+def test_plan_agreement_compares_the_collective(monkeypatch):
+    """Two processes whose plans differ only in a bucket's collective (one reduce-scatters
+    what the other all-reduces) fail with the error naming it: `plan_lines` carry it."""
+    import json
+
+    from libra_jax import _compat, rewrite
+
+    report = rewrite.OptimizeReport(plans=[rewrite.PsumPlan(
+        "top/shard_map", ("x",), (3, 5), 4096, 2, "gradient", "sync", "reduce-scatter")])
+    theirs = [line.replace("collective=reduce-scatter", "collective=all-reduce")
+              for line in report.plan_lines() + rewrite.data_path_lines()]
+    store: dict[str, str] = {}
+
+    class Client:
+        def key_value_set(self, key, value):
+            store[key] = value
+
+        def blocking_key_value_get(self, key, timeout_ms):
+            return store[key] if key.endswith("/0") else json.dumps(theirs)
+
+    monkeypatch.setattr(_compat, "distributed_client", lambda: Client())
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jax, "process_index", lambda: 0)
+    with pytest.raises(RuntimeError, match=r"(?s)planned this step differently.*"
+                                           r"here: .*collective=reduce-scatter.*"
+                                           r"process 1: .*collective=all-reduce"):
+        rewrite.check_plan_agreement(report, program="step")
+    theirs[:] = report.plan_lines() + rewrite.data_path_lines()
+    rewrite.check_plan_agreement(report, program="step")  # the same plan: agreement
