@@ -264,7 +264,7 @@ def all_gather(x: Any, axis_name: AxisName | Sequence[AxisName], *,
         aval = jax.typeof(leaf)
         state = _compat.input_state(aval, axes)
         reason = (f"{state} inputs are not supported" if state in ("unreduced", "reduced")
-                  else "" if _copyable(aval.dtype)
+                  else "" if copyable(aval.dtype)
                   else f"dtype {aval.dtype} is not of whole bytes")
         if reason or not isinstance(leaf, _compat.Tracer):
             return _delegate(leaf, axes, reason, blocks, op=_JAX_ALL_GATHER, who=who,
@@ -309,9 +309,9 @@ def _blocks(blocks: int | None) -> int | None:
     return None if blocks is None else int(blocks)
 
 
-def _copyable(dtype: Any) -> bool:
-    """An all-gather copies it by its bytes: whole bytes (not int4 and the like, which XLA
-    packs), and not JAX's extended dtypes (PRNG keys)."""
+def copyable(dtype: Any) -> bool:
+    """Whether libra's all-gather serves `dtype`: it copies it by its bytes, so whole bytes
+    (not int4 and the like, which XLA packs), and not JAX's extended dtypes (PRNG keys)."""
     if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
         return False
     bits = int(jax.dtypes.itemsize_bits(dtype))

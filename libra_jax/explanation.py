@@ -322,7 +322,7 @@ def _unnamed(var: Any, index: int, collective: str = "all-reduce") -> str:
 
 
 #: How a user calls each collective a bucket may issue (`planner.COLLECTIVES`).
-_LAX_NAMES = {"all-reduce": "psum", "reduce-scatter": "psum_scatter"}
+_LAX_NAMES = {"all-reduce": "psum", "reduce-scatter": "psum_scatter", "all-gather": "all_gather"}
 
 
 
@@ -376,7 +376,8 @@ def _header(s: ScopePlan) -> str:
 
 def _gradient_count(layers: Sequence[planner.Layer]) -> str:
     """"3 gradient psums", or "2 gradient psums, 4 gradient psum_scatters" in a mixed scope."""
-    counts = {c: sum(layer.collective == c for layer in layers) for c in _LAX_NAMES}
+    counts = {c: sum(layer.collective == c for layer in layers) for c in _LAX_NAMES
+              if c != "all-gather"}
     return ", ".join(_plural(n, f"gradient {_LAX_NAMES[c]}") for c, n in counts.items()
                      if n or (c == "all-reduce" and not any(counts.values())))
 
@@ -432,7 +433,7 @@ def _prediction_lines(e: Explanation) -> list[str]:
 def _others_lines(e: Explanation) -> list[str]:
     lines = []
     if e.others:
-        lines.append("other all-reduces (not planned with the backward pass):")
+        lines.append("other collectives (not planned with the backward pass):")
     for p in e.others:
         what = "" if p.collective == "all-reduce" else f" ({_LAX_NAMES[p.collective]})"
         lines.append(f"  {p.kind:<8} {p.scope} axes {', '.join(map(str, p.axes))}: "
@@ -461,7 +462,7 @@ def _others_lines(e: Explanation) -> list[str]:
         lines.append(line)
     if e.report.unplanned:
         lines.append("collectives optimize leaves unplanned (it plans psums and psum_scatters "
-                     "only): "
+                     "and runs all_gathers): "
                      + "; ".join(e.report.unplanned))
     return lines
 

@@ -65,7 +65,10 @@ Contract of the rewrite (`rewrite_jaxpr`):
   together (`planner.Layer.collective`: one backward stream), a bucket holding one
   `_Site.bucket_class`; a bucket of psum_scatters along their first dimension is one
   `libra_reduce_scatter_fused` equation (bitwise the unfused ones: the same sums), issued as
-  one call. `all_gather`s are left as they are (listed as unplanned).
+  one call. The gradient of ``all_gather(to='invarying')`` (a psum, then this rank's
+  slice) becomes that slice's reduce-scatter first (`_scatter_sliced_psums`). Every
+  `all_gather` it can serve becomes libra's, one call at the model's block count
+  (`_Rewriter.edit_gathers`); others stay XLA's, listed as unplanned.
 - Deterministic: everything is visited in jaxpr order; no set or dict
   iteration order, hash or timing enters the plan.
 """
@@ -644,8 +647,8 @@ def rewrite_jaxpr(closed: Any, *, profile: Any = None, fusion: bool = True,
     report.unplanned = [f"{what}" + (f" (x{n})" if n > 1 else "") for what, n in counts.items()]
     if report.unplanned:
         warn_once("unplanned-collectives",
-                  "libra_jax.optimize plans psums and psum_scatters only; these collectives "
-                  "keep their own lowering (XLA's, or libra's at their own blocks): "
+                  "libra_jax.optimize plans psums and psum_scatters and runs all_gathers; these "
+                  "collectives keep their own lowering (XLA's, or libra's at their own blocks): "
                   + "; ".join(report.unplanned) + ". " + UNPLANNED_NOTICE)
     if not report.plans and not report.skipped and not maps_devices:
         gspmd, notice = gspmd_notice([*(v.aval for v in closed.jaxpr.invars), *inputs])
@@ -716,9 +719,12 @@ class _Site:
     nbytes: int                     # the operand's bytes (a psum_scatter's: the unsharded buffer)
     explicit_blocks: int | None
     result: Any = None              # the psum's result variable (for `libra_jax.explain`)
-    collective: str = "all-reduce"  # or "reduce-scatter": a psum_scatter
+    collective: str = "all-reduce"  # or "reduce-scatter" (a psum_scatter), "all-gather"
     # A psum_scatter's JAX params: (scatter_dimension, axis_size, tiled).
     scatter: tuple[int, int, bool] | None = None
+    # An all_gather's: (all_gather_dimension, axis_size, tiled, invariant); `nbytes` is then
+    # its result's (the gathered buffer's).
+    gather: tuple[int, int, bool, bool] | None = None
 
     @property
     def bucket_class(self) -> tuple:
@@ -850,24 +856,34 @@ class _Rewriter:
     # One jaxpr scope, in phases: rewrite sub-jaxprs, find the psum sites, classify them,
     # plan the gradient ones, turn the plan into edits, schedule the equations.
     def jaxpr(self, jaxpr: Any, *, axis_sizes: dict, scope: str, in_loop: bool,
-              transposed: bool = False) -> Any:
+              transposed: bool = False, in_backward: bool = False) -> Any:
         """One scope rewritten. `in_loop`: it is (in) a loop body; `transposed`: it is the body
         of a loop autodiff's transpose made (the backward scan of scan-over-layers), all of
-        it backward pass though its own equations do not say so."""
+        it backward pass though its own equations do not say so; `in_backward`: it is (in) the
+        body of any equation autodiff's transpose made (a `checkpoint`'s backward pass: its
+        all-gathers are remat's re-gathers)."""
         eqns = self.hoist_loops(jaxpr.eqns, axis_sizes, scope)
-        eqns = [self.sub_jaxprs(eqn, i, axis_sizes, scope, in_loop) for i, eqn in enumerate(eqns)]
+        eqns = [self.sub_jaxprs(eqn, i, axis_sizes, scope, in_loop, in_backward)
+                for i, eqn in enumerate(eqns)]
         eqns = self.fold_zero_psums(eqns, scope)
+        eqns = _scatter_sliced_psums(eqns, jaxpr.outvars, axis_sizes)
         sites = [site for i, eqn in enumerate(eqns)
                  if (site := self.site(i, eqn, scope)) is not None]
-        served = {site.index for site in sites}
+        gathers = [site for i, eqn in enumerate(eqns)
+                   if (site := self.gather_site(i, eqn)) is not None]
+        served = {site.index for site in sites + gathers}
         for i, eqn in enumerate(eqns):
             other = _compat.OTHER_COLLECTIVES.get(eqn.primitive.name)
             libras = _LIBRA_UNPLANNED.get(eqn.primitive)
             if (other is not None or libras is not None) and i not in served:
                 self.unplanned.append(f"{other or libras} over {_axis_names(eqn.params)} in "
                                       f"{scope}" + (" (libra's)" if libras else ""))
+        edits = _Edits()
+        invars = set(jaxpr.invars)
+        self.edit_gathers(eqns, gathers, axis_sizes, scope, in_loop, in_backward or transposed,
+                          invars, edits)
         if not sites:
-            return jaxpr.replace(eqns=eqns)
+            return jaxpr.replace(eqns=_schedule(eqns, edits))
         _warn_invariant_operands(eqns, sites)
         gradient, backward = _gradient_sites(eqns, sites, jaxpr.outvars, transposed)
         if in_loop and backward is None:
@@ -880,8 +896,6 @@ class _Rewriter:
         waits = _downstream_of(eqns, [eqns[i].outvars[0] for i in sorted(gradient)])
         costs = [0.0 if i in waits else _roofline_s(eqn, self.profile)
                  for i, eqn in enumerate(eqns)]
-        edits = _Edits()
-        invars = set(jaxpr.invars)
         # Gradient collectives over the same axes are one backward stream: their psums and
         # psum_scatters are planned together, a bucket holding one `_Site.bucket_class`.
         groups: dict[tuple, list[_Site]] = {}
@@ -911,6 +925,49 @@ class _Rewriter:
             self.edit_bucket(eqns, bucket, axes, bucket[0].invariant, k, split, scope, invars,
                              edits)
         return jaxpr.replace(eqns=_schedule(eqns, edits))
+
+    def edit_gathers(self, eqns: Sequence[Any], gathers: Sequence[_Site], axis_sizes: dict,
+                     scope: str, in_loop: bool, in_backward: bool, invars: set,
+                     edits: _Edits) -> None:
+        """Each all-gather (`gather_site`) as libra's, one call at the model's block count
+        (`allreduce.default_blocks`), or the count it was given (kind "user"). Kind "loop" in
+        a loop body, "backward" on the backward pass (remat's re-gathers: in a scope autodiff's
+        transpose made, or reading what it computed), else "forward"."""
+        if not gathers:
+            return
+        backward = _backward_sites(eqns, gathers) or set()
+        for site in gathers:
+            k = site.explicit_blocks
+            if k is not None:
+                kind = "user"
+            else:
+                kind = ("loop" if in_loop else "backward"
+                        if in_backward or site.index in backward else "forward")
+                k = allreduce.default_blocks(site.nbytes, _world(axis_sizes, site.axes),
+                                             self.profile, collective="all_gather")
+                edits.replacements[site.index] = _single(eqns[site.index], site, k, invars)
+            self.report.plans.append(PsumPlan(scope, site.axes, (site.index,), site.nbytes,
+                                              k, kind, collective="all-gather"))
+
+    def gather_site(self, index: int, eqn: Any) -> _Site | None:
+        """An all_gather (JAX's, either kind, or libra's) that libra's engine can serve: not
+        over `axis_index_groups` or positional axes, of a dtype of whole bytes, not of
+        unreduced or reduced inputs. Others stay as they are (`OptimizeReport.unplanned`)."""
+        name = eqn.primitive.name
+        if name not in _GATHERS and eqn.primitive is not libra_all_gather_p:
+            return None
+        p = eqn.params
+        axes = _axis_names(p)
+        aval = eqn.invars[0].aval
+        if (p.get("axis_index_groups") is not None or any(isinstance(a, int) for a in axes)
+                or not allreduce.copyable(aval.dtype)
+                or _compat.input_state(aval, axes) in ("unreduced", "reduced")):
+            return None
+        invariant = p.get("invariant", name == _compat.all_gather_invariant_p.name)
+        return _Site(index, axes, False, _nbytes(eqn.outvars[0].aval), p.get("blocks"),
+                     eqn.outvars[0], "all-gather",
+                     gather=(int(p["all_gather_dimension"]), int(p["axis_size"]),
+                             bool(p["tiled"]), bool(invariant)))
 
     def hoist_loops(self, eqns: Sequence[Any], axis_sizes: dict, scope: str) -> list[Any]:
         """The scope's equations with each scan's hoistable psums (`loops.hoistable`) taken out
@@ -1162,7 +1219,7 @@ class _Rewriter:
         return None
 
     def sub_jaxprs(self, eqn: Any, index: int, axis_sizes: dict, scope: str,
-                   in_loop: bool) -> Any:
+                   in_loop: bool, in_backward: bool = False) -> Any:
         rule = _compat.HIGHER_ORDER.get(eqn.primitive.name)
         if rule is None:
             if any(_contains_psum(j) for j in _compat.jaxprs_in_params(eqn.params)):
@@ -1177,12 +1234,13 @@ class _Rewriter:
         bodies: list[str] = []
         first_plan = len(self.report.plans)
 
-        transposed = loop and _compat.made_by_transpose(eqn, deep=False)
+        made_by_transpose = _compat.made_by_transpose(eqn, deep=False)
+        transposed = loop and made_by_transpose
 
         def rewrite(j: Any) -> Any:
             bodies.append(self.unique_scope(base))
             return self.jaxpr(j, axis_sizes=sizes, scope=bodies[-1], in_loop=in_loop or loop,
-                              transposed=transposed)
+                              transposed=transposed, in_backward=in_backward or made_by_transpose)
         params = {name: _map_jaxprs(value, rewrite) for name, value in eqn.params.items()}
         hoisting = self.hoisting.pop((scope, index), None)
         if loop:
@@ -1220,11 +1278,12 @@ class _Rewriter:
 GSPMD_ROUTE = ("to have its gradient all-reduces planned, compute the gradient with "
                "libra_jax.value_and_grad(loss_fn, axis_name=...) in jax.value_and_grad's place "
                "(docs/gspmd.md)")
-#: Why the all-gathers of sharded parameters are not planned.
-UNPLANNED_NOTICE = ("A sharded parameter (FSDP, ZeRO) is all-gathered before use: "
-                    "libra_jax.all_gather runs on libra's engine (blocks=None: "
-                    "default_blocks's rule), but optimize does not plan all-gathers yet; its "
-                    "psums and psum_scatters (the gradients) it does.")
+#: What `optimize` does with the collectives of sharded steps, said with those it leaves.
+UNPLANNED_NOTICE = ("optimize plans the gradient psum_scatters of sharded parameters (FSDP, "
+                    "ZeRO) with the psums, and runs every all_gather it can serve on libra's "
+                    "engine, one call each at the model's block count; these it cannot serve "
+                    "(axis_index_groups, positional axes, dtypes not of whole bytes) or does "
+                    "not run (all_to_all, ppermute, pmax, pmin) keep their lowering.")
 #: libra's own collectives that `optimize` leaves at their own blocks where it does not serve
 #: them (named as `jax.lax` names them).
 _LIBRA_UNPLANNED = {libra_reduce_scatter_p: "psum_scatter", libra_all_gather_p: "all_gather"}
@@ -1288,6 +1347,97 @@ def _is_psum(eqn: Any) -> bool:
                                  libra_reduce_scatter_p, libra_reduce_scatter_fused_p))
 
 
+#: Scalar integer primitives `_rank_values` evaluates (a slice start computed from
+#: `axis_index`, as JAX's `all_gather_invariant` transpose and `dynamic_slice_in_dim` write it).
+_INDEX_OPS: dict[str, Callable[..., Any]] = {
+    "add": np.add, "sub": np.subtract, "mul": np.multiply, "neg": np.negative,
+    "rem": np.remainder, "max": np.maximum, "min": np.minimum, "lt": np.less,
+    "le": np.less_equal, "gt": np.greater, "ge": np.greater_equal, "eq": np.equal,
+    "convert_element_type": lambda x: x, "pvary": lambda x: x,
+    "select_n": lambda which, *cases: cases[int(which)],
+}
+
+
+def _rank_values(v: Any, producer: dict, axis: Any, world: int) -> list[int] | None:
+    """The value of scalar `v` on each rank 0..world-1 of `axis`, where it is computed from
+    `axis_index(axis)` and literals by `_INDEX_OPS` alone; else None."""
+    def value(u: Any, rank: int, depth: int) -> Any:
+        if not _compat.is_var(u):
+            return np.asarray(u.val)
+        eqn = producer.get(u)
+        if eqn is None or depth > 32:
+            raise LookupError
+        name = eqn.primitive.name
+        if name == "axis_index":
+            if _axis_names(eqn.params) != (axis,):
+                raise LookupError
+            return np.int64(rank)
+        op = _INDEX_OPS.get(name)
+        if op is None or len(eqn.outvars) != 1 or getattr(u.aval, "shape", None) != ():
+            raise LookupError
+        return op(*(value(w, rank, depth + 1) for w in eqn.invars))
+    try:
+        return [int(value(v, rank, 0)) for rank in range(world)]
+    except (LookupError, TypeError, ValueError, IndexError):
+        return None
+
+
+def _scatter_sliced_psums(eqns: Sequence[Any], outvars: Sequence[Any], axis_sizes: dict
+                          ) -> list[Any]:
+    """`eqns` with each psum whose only use is this rank's slice of its result (the gradient
+    of ``all_gather(to='invarying')``: a `psum_invariant`, a `pvary`, a `dynamic_slice` of
+    ``size / n`` rows at ``axis_index * size / n``, and for an untiled gather a `squeeze`)
+    turned into the `reduce_scatter` (psum_scatter) that computes that slice: bitwise the
+    same, since libra sums each element over the ranks in the same order either way, and half
+    the bytes. The psum's equation becomes the reduce-scatter (so it is ready as early), the
+    slice's equations go; the start index's arithmetic is left to XLA's dead-code pass. Each
+    rank's start is checked by evaluating it for every rank (`_rank_values`)."""
+    producer = {v: e for e in eqns for v in e.outvars if _compat.is_var(v)}
+    uses: collections.Counter[Any] = collections.Counter(
+        v for e in eqns for v in e.invars if _compat.is_var(v))
+    uses.update(v for v in outvars if _compat.is_var(v))
+    readers = {v: e for e in eqns for v in e.invars if _compat.is_var(v)}
+    out = list(eqns)
+    position = {id(e): i for i, e in enumerate(eqns)}
+    for i, eqn in enumerate(eqns):
+        if eqn.primitive.name not in _compat.PSUM_PRIMITIVES or len(eqn.invars) != 1:
+            continue
+        axes = _axis_names(eqn.params)
+        world = axis_sizes.get(axes[0]) if len(axes) == 1 else None
+        result = eqn.outvars[0]
+        cast = readers.get(result) if uses[result] == 1 else None
+        if cast is not None and cast.primitive.name == "pvary":
+            sliced = readers.get(cast.outvars[0]) if uses[cast.outvars[0]] == 1 else None
+        else:
+            sliced, cast = (cast, None)
+        if (world is None or world < 2 or eqn.params.get("axis_index_groups") is not None
+                or sliced is None or sliced.primitive.name != "dynamic_slice"):
+            continue
+        shape = tuple(result.aval.shape)
+        sizes = tuple(sliced.params["slice_sizes"])
+        cut = [d for d, (a, b) in enumerate(zip(shape, sizes)) if a != b]
+        if len(cut) != 1 or shape[cut[0]] != sizes[cut[0]] * world:
+            continue
+        d = cut[0]
+        starts = [_rank_values(v, producer, axes[0], world) for v in sliced.invars[1:]]
+        if any(s is None for s in starts) or any(
+                starts[k] != ([r * sizes[d] for r in range(world)] if k == d else [0] * world)
+                for k in range(len(starts))):
+            continue
+        target, tiled, gone = sliced, True, [sliced]
+        squeeze = readers.get(sliced.outvars[0]) if uses[sliced.outvars[0]] == 1 else None
+        if (sizes[d] == 1 and squeeze is not None and squeeze.primitive.name == "squeeze"
+                and tuple(squeeze.params["dimensions"]) == (d,)):
+            target, tiled, gone = squeeze, False, [sliced, squeeze]
+        out[i] = eqn.replace(
+            primitive=_compat.reduce_scatter_p, outvars=list(target.outvars),
+            params=dict(axis_name=axes, scatter_dimension=d, axis_index_groups=None,
+                        axis_size=world, tiled=tiled))
+        for e in gone + ([cast] if cast is not None else []):
+            out[position[id(e)]] = None
+    return [e for e in out if e is not None]
+
+
 def _axis_names(params: dict) -> tuple:
     """A collective equation's axes as a tuple (``axis_name`` or ``axes``, one or several)."""
     axes = params.get("axis_name", params.get("axes"))
@@ -1295,7 +1445,9 @@ def _axis_names(params: dict) -> tuple:
 
 
 #: `jax.lax`'s name of each collective a `_Site` stands for (`ops.lowering.COLLECTIVES`' keys).
-_LAX_NAMES = {"all-reduce": "psum", "reduce-scatter": "psum_scatter"}
+_LAX_NAMES = {"all-reduce": "psum", "reduce-scatter": "psum_scatter", "all-gather": "all_gather"}
+#: JAX's all-gather primitives (`to='varying'` and `to='invarying'`).
+_GATHERS = (_compat.all_gather_p.name, _compat.all_gather_invariant_p.name)
 
 
 def _within_class(members: Sequence[_Site], reach: Sequence[int] | None) -> list[int]:
@@ -1443,6 +1595,12 @@ def _same_type(a: Any, b: Any) -> bool:
 
 
 def _single(eqn: Any, site: _Site, blocks: int, invars: set) -> Any:
+    if site.gather is not None:
+        dimension, size, tiled, invariant = site.gather
+        return eqn.replace(primitive=libra_all_gather_p,
+                           params=dict(axis_name=site.axes, all_gather_dimension=dimension,
+                                       axis_size=size, tiled=tiled, invariant=invariant,
+                                       blocks=int(blocks)))
     if site.scatter is not None:
         dimension, size, tiled = site.scatter
         return eqn.replace(primitive=libra_reduce_scatter_p,

@@ -680,11 +680,17 @@ def nnx_route(pmean: Callable[..., Any] | None = None) -> Case:
                 kinds={"gradient": 8})  # 6 parameters; the loss and accuracy (as gspmd-route)
 
 
-def _fsdp_params(rng: np.random.Generator) -> dict[str, np.ndarray]:
-    """Three weights of an MLP, 16 -> 32 -> 32 -> 16 (every dimension divisible by N)."""
-    return {"w1": (rng.standard_normal((16, 32)) * 0.3).astype(np.float32),
-            "w2": (rng.standard_normal((32, 32)) * 0.2).astype(np.float32),
-            "w3": (rng.standard_normal((32, 16)) * 0.2).astype(np.float32)}
+def _fsdp_problem(seed: int) -> tuple[jax.sharding.Mesh, dict[str, np.ndarray], np.ndarray,
+                                       np.ndarray]:
+    """The FSDP steps' mesh, three weights of an MLP 16 -> 32 -> 32 -> 16 (every dimension
+    divisible by N), and a regression batch (x, y)."""
+    rng = np.random.default_rng(seed)
+    params = {"w1": (rng.standard_normal((16, 32)) * 0.3).astype(np.float32),
+              "w2": (rng.standard_normal((32, 32)) * 0.2).astype(np.float32),
+              "w3": (rng.standard_normal((32, 16)) * 0.2).astype(np.float32)}
+    x = rng.standard_normal((N * 4, 16)).astype(np.float32)
+    y = rng.standard_normal((N * 4, 16)).astype(np.float32)
+    return _mesh(), params, x, y
 
 
 def fsdp_remat(pmean: Callable[..., Any] | None = None) -> Case:
@@ -693,11 +699,7 @@ def fsdp_remat(pmean: Callable[..., Any] | None = None) -> Case:
     gathers the weight again in the backward pass); `check_vma`: the gradients are the
     all-gathers' transposes, psum_scatters, one per weight; SGD on the shards."""
     pmean = pmean or _lax_pmean
-    mesh = _mesh()
-    rng = np.random.default_rng(21)
-    params = _fsdp_params(rng)
-    x = rng.standard_normal((N * 4, 16)).astype(np.float32)
-    y = rng.standard_normal((N * 4, 16)).astype(np.float32)
+    mesh, params, x, y = _fsdp_problem(21)
 
     @jax.checkpoint
     def layer(w, h):
@@ -714,8 +716,11 @@ def fsdp_remat(pmean: Callable[..., Any] | None = None) -> Case:
 
     step = jax.shard_map(local, mesh=mesh, in_specs=(P("data"), P("data"), P("data")),
                          out_specs=(P("data"), P()))
+    # Gradients: the 3 psum_scatters; forward: the 3 all-gathers and the loss's psum;
+    # backward: remat's 3 re-gathers.
     return Case(step, {k: _shard(v, mesh) for k, v in params.items()},
-                (_shard(x, mesh), _shard(y, mesh)), kinds={"gradient": 3, "forward": 1})
+                (_shard(x, mesh), _shard(y, mesh)),
+                kinds={"gradient": 3, "forward": 4, "backward": 3})
 
 
 def fsdp_explicit_psum_scatter(pmean: Callable[..., Any] | None = None) -> Case:
@@ -724,11 +729,7 @@ def fsdp_explicit_psum_scatter(pmean: Callable[..., Any] | None = None) -> Case:
     `jax.lax.psum_scatter(..., tiled=True)` (mean over ranks); the last weight is sharded
     along its second dimension (scatter_dimension=1: a bucket of its own)."""
     pmean = pmean or _lax_pmean
-    mesh = _mesh()
-    rng = np.random.default_rng(22)
-    params = _fsdp_params(rng)
-    x = rng.standard_normal((N * 4, 16)).astype(np.float32)
-    y = rng.standard_normal((N * 4, 16)).astype(np.float32)
+    mesh, params, x, y = _fsdp_problem(22)
     dims = {"w1": 0, "w2": 0, "w3": 1}
 
     def local(params, x, y):
@@ -750,7 +751,7 @@ def fsdp_explicit_psum_scatter(pmean: Callable[..., Any] | None = None) -> Case:
                          out_specs=(specs, P()), check_vma=False)
     state = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in params.items()}
     return Case(step, state, (_shard(x, mesh), _shard(y, mesh)),
-                kinds={"gradient": 3, "forward": 1})
+                kinds={"gradient": 3, "forward": 4})  # forward: 3 all-gathers, the loss
 
 
 def fsdp_mixed_replicated(pmean: Callable[..., Any] | None = None) -> Case:
@@ -760,14 +761,10 @@ def fsdp_mixed_replicated(pmean: Callable[..., Any] | None = None) -> Case:
     as the parameters are. One backward stream of all-reduces and reduce-scatters for the
     planner."""
     pmean = pmean or _lax_pmean
-    mesh = _mesh()
-    rng = np.random.default_rng(23)
-    weights = _fsdp_params(rng)
+    mesh, weights, x, y = _fsdp_problem(23)
     params = {"weights": weights,
               "scale": {k: np.ones(w.shape[1], np.float32) for k, w in weights.items()},
               "bias": {k: np.zeros(w.shape[1], np.float32) for k, w in weights.items()}}
-    x = rng.standard_normal((N * 4, 16)).astype(np.float32)
-    y = rng.standard_normal((N * 4, 16)).astype(np.float32)
     specs = {"weights": P("data"), "scale": P(), "bias": P()}
 
     def local(state, x, y):
@@ -789,7 +786,7 @@ def fsdp_mixed_replicated(pmean: Callable[..., Any] | None = None) -> Case:
     shardings = {part: {k: NamedSharding(mesh, spec) for k, spec in specs.items()}
                  for part in state}
     return Case(step, jax.device_put(state, shardings), (_shard(x, mesh), _shard(y, mesh)),
-                autodiff_psums=True, kinds={"gradient": 9, "forward": 1})
+                autodiff_psums=True, kinds={"gradient": 9, "forward": 4})
 
 
 CASES: dict[str, Callable[..., Case]] = {

@@ -38,7 +38,8 @@ pytestmark = pytest.mark.usefixtures("jax_8")
 
 FULL = jax.__version__ == "0.10.2" or os.environ.get("LIBRA_JAX_CORPUS_FULL") == "1"
 STEPS = 4 if FULL else 1
-BLOCKS = re.compile(r"custom_call @libra_(?:allreduce|reduce_scatter)_(?:cpu|cuda)(?:_start)?\("
+BLOCKS = re.compile(r"custom_call @libra_(?:allreduce|reduce_scatter|all_gather)_(?:cpu|cuda)"
+                    r"(?:_start)?\("
                     r".*?blocks = (\d+)")
 
 
@@ -113,7 +114,7 @@ def test_lowers_to_libra_calls_with_the_planned_blocks(monkeypatch, name, platfo
     assert {p.blocks for p in served} <= set(lowered)
     assert "all_reduce" not in text
     if platform == "cpu":  # every gradient reduce-scatter is libra's, in a planned bucket
-        assert "reduce_scatter" not in text.replace("libra_reduce_scatter", "")
+        assert "stablehlo.reduce_scatter" not in text and "stablehlo.all_gather" not in text
         assert text.count("@libra_reduce_scatter_cpu(") == sum(
             p.collective == "reduce-scatter" for p in plans)
 

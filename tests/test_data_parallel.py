@@ -556,31 +556,34 @@ def test_optimize_names_the_route_for_a_gspmd_step(monkeypatch):
 
 def test_optimize_says_once_which_collectives_it_leaves_to_xla(monkeypatch):
     """An FSDP-style shard_map step: the parameter is all-gathered forward, and its gradient
-    is autodiff's reduce-scatter; optimize plans the loss psum and the gradient psum_scatter
-    (issue 44; before it, the psum_scatter was left to XLA) and names the all-gather."""
+    is autodiff's reduce-scatter; optimize plans the loss psum and the gradient psum_scatter,
+    runs the all-gather on libra's engine at the model's blocks (issue 44; before it, both
+    were left to XLA) and names what it leaves: here a ppermute."""
     monkeypatch.setattr("libra_jax.ops.base._warned", set())
     mesh = make_mesh()
+    perm = [(i, (i + 1) % 8) for i in range(8)]
 
     def local(w, x):
         def loss(w):
             full = jax.lax.all_gather(w, "data", tiled=True)
             return jax.lax.pmean(jnp.mean(jnp.tanh(x @ full) ** 2), "data")
         value, g = jax.value_and_grad(loss)(w)
-        return value, w - 0.1 * g
+        return value, w - 0.1 * g + 0.0 * jax.lax.ppermute(w, "data", perm)
 
     step = jax.shard_map(local, mesh=mesh, in_specs=(P("data"), P("data")),
                          out_specs=(P(), P("data")))
     w = put(np.ones((16, 8), np.float32), mesh, P("data"))
     x = put(np.ones((64, 16), np.float32), mesh, P("data"))
     opt = libra_jax.optimize(step)
-    with pytest.warns(UserWarning, match=r"plans psums and psum_scatters only; these collectives "
-                                         r"keep their own lowering \(XLA's, or libra's at their "
-                                         r"own blocks\): all_gather over \('data',\) in "
-                                         r"top/shard_map\. A sharded parameter \(FSDP, ZeRO\)"):
+    with pytest.warns(UserWarning, match=r"plans psums and psum_scatters and runs all_gathers; "
+                                         r"these collectives keep their own lowering \(XLA's, or "
+                                         r"libra's at their own blocks\): ppermute over "
+                                         r"\('data',\) in top/shard_map\. optimize plans the "
+                                         r"gradient"):
         assert_codegen_close(jax.jit(opt)(w, x), jax.jit(step)(w, x))
     report = opt.last_report
-    assert report.unplanned == ["all_gather over ('data',) in top/shard_map"]
-    assert [(p.kind, p.collective) for p in report.plans] == [
-        ("forward", "all-reduce"), ("gradient", "reduce-scatter")]
+    assert report.unplanned == ["ppermute over ('data',) in top/shard_map"]
+    assert sorted((p.kind, p.collective) for p in report.plans) == [
+        ("forward", "all-gather"), ("forward", "all-reduce"), ("gradient", "reduce-scatter")]
     assert "collectives optimize leaves unplanned" in str(
         libra_jax.explain(step, w, x, file=None))

@@ -2,6 +2,7 @@
 HLO holds Libra all-reduces with the planned block counts instead of XLA's."""
 from __future__ import annotations
 
+import math
 import os
 import re
 import subprocess
@@ -970,7 +971,8 @@ def test_gradient_psum_scatters_are_planned_fused_and_bitwise():
         warnings.simplefilter("ignore")  # the all-gathers' notice (once per process)
         got = jax.jit(opt)(*args)
         control = jax.jit(optimize(step, overlap="sync", collectives="xla"))(*args)
-    assert opt.last_report.unplanned == ["all_gather over ('x',) in top/shard_map (x3)"]
+    assert opt.last_report.unplanned == []  # the all-gathers are libra's too
+    assert [p.kind for p in opt.last_report.plans if p.collective == "all-gather"] == ["forward"] * 3
     assert_bitwise(got, control)
     assert_codegen_close(got, jax.jit(step)(*args))
     plans = [p for p in opt.last_report.plans if p.kind == "gradient"]
@@ -978,6 +980,7 @@ def test_gradient_psum_scatters_are_planned_fused_and_bitwise():
     assert plans[0].nbytes == 3 * 16 * 8 * 4  # the unsharded buffers, per rank
     text = jax.jit(opt).lower(*args).compile().as_text()
     assert text.count("libra_reduce_scatter_cpu") == 1 and "reduce-scatter(" not in text
+    assert text.count("libra_all_gather_cpu") == 3 and "all-gather(" not in text
     assert "collective=reduce-scatter" in opt.last_report.plan_lines()[-1]
 
 
@@ -1068,3 +1071,49 @@ def test_plan_agreement_compares_the_collective(monkeypatch):
         rewrite.check_plan_agreement(report, program="step")
     theirs[:] = report.plan_lines() + rewrite.data_path_lines()
     rewrite.check_plan_agreement(report, program="step")  # the same plan: agreement
+
+
+@pytest.mark.parametrize("gather", ["jax", "libra"])
+@pytest.mark.parametrize("tiled", [True, False])
+def test_invarying_gathers_gradient_becomes_a_reduce_scatter(gather, tiled):
+    """The gradient of ``all_gather(to='invarying')`` is a psum then this rank's slice: the
+    rewrite makes it the reduce-scatter of that slice (half the bytes), planned as a gradient,
+    bitwise its XLA control and within class 3's bound of plain; a psum whose result is read
+    elsewhere too, or sliced at another rank's offset, stays a psum."""
+    mesh = mesh_of((8,), ("x",))
+    all_gather = jax.lax.all_gather if gather == "jax" else libra_jax.all_gather
+    rng = np.random.default_rng(45)
+    shape = (2, 8) if tiled else (8,)
+    w = shard((rng.standard_normal((16 if tiled else 8, 8)) * 0.3).astype(np.float32),
+              mesh, P("x"))
+    x = shard(rng.standard_normal((64, 16 if tiled else 8)).astype(np.float32), mesh, P("x"))
+
+    def local(w, x):
+        def loss(w):
+            full = all_gather(w if tiled else w[0], "x", tiled=tiled, to="invarying")
+            return jax.lax.pmean(jnp.mean(jnp.tanh(x @ full.reshape(x.shape[1], -1)) ** 2), "x")
+        g = jax.grad(loss)(w)
+        return w - 0.1 * g
+
+    step = jax.shard_map(local, mesh=mesh, in_specs=(P("x"), P("x")), out_specs=P("x"))
+    opt = optimize(step)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = jax.jit(opt)(w, x)
+        control = jax.jit(optimize(step, collectives="xla"))(w, x)
+    assert_bitwise(got, control)
+    assert_codegen_close(got, jax.jit(step)(w, x))
+    gradient = [p for p in opt.last_report.plans if p.kind == "gradient"]
+    assert [(p.collective, p.nbytes) for p in gradient] == [("reduce-scatter", 8 * 4 * math.prod(shape))]
+    text = jax.jit(opt).lower(w, x).as_text()
+    assert "libra_reduce_scatter_cpu" in text and "all_reduce" not in text
+
+    # Not a slice of this rank's rows only: stays an all-reduce (a gradient psum).
+    def other(w, x):
+        total = jax.lax.psum(x[:, :8] * 0 + w.sum(), "x")
+        i = (jax.lax.axis_index("x") + 1) % 8
+        return jax.lax.dynamic_slice_in_dim(total, i * 2, 2), total.sum()
+    step = jax.shard_map(other, mesh=mesh, in_specs=(P("x"), P("x")), out_specs=(P("x"), P()),
+                         check_vma=False)
+    _, report = rewrite_jaxpr(jax.make_jaxpr(step)(w, x))
+    assert [p.collective for p in report.plans] == ["all-reduce"]

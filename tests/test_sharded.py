@@ -456,8 +456,8 @@ def test_other_platforms_lower_to_xla_with_a_notice():
 def test_xla_twins_and_optimize_leave_them_named():
     """optimize(collectives="xla") lowers libra's reduce-scatter and all-gather to XLA's,
     quietly (their twins); optimize itself plans the psum_scatter (no backward pass shows:
-    a terminal one is planned, as a psum would be) and leaves the all-gather unplanned,
-    saying so."""
+    a terminal one is planned, as a psum would be) and gives the all-gather the model's
+    blocks (kind forward): nothing is left unplanned."""
     mesh = mesh_of((8,), ("x",))
     x = shard(np.random.default_rng(12).standard_normal((64, 4)).astype(np.float32), mesh, P("x"))
     step = jax.shard_map(lambda v: libra_jax.all_gather(
@@ -472,9 +472,9 @@ def test_xla_twins_and_optimize_leave_them_named():
     assert_bitwise(got, jax.jit(step)(x))
     opt = libra_jax.optimize(step)
     jax.jit(opt)(x)
-    assert opt.last_report.unplanned == ["all_gather over ('x',) in top/shard_map (libra's)"]
-    assert [(p.collective, p.kind) for p in opt.last_report.plans] == [
-        ("reduce-scatter", "gradient")]
+    assert opt.last_report.unplanned == []
+    assert sorted((p.collective, p.kind) for p in opt.last_report.plans) == [
+        ("all-gather", "forward"), ("reduce-scatter", "gradient")]
 
 
 # --- A participant that never arrives --------------------------------------------------

@@ -8,8 +8,8 @@ effects and JAX's own errors); they differ in their lowering (`lowering.sharded_
 engine's call on CPU) and carry a block count. They are each other's transpose, as JAX's are,
 so `jax.grad` through `libra_all_gather` is libra's reduce-scatter. `all_gather_invariant`'s
 transpose is JAX's: the slice of this device's shard from a cotangent that is already the
-same everywhere (its all-reduce is the psum JAX puts where the cotangent became invariant,
-which `optimize` plans as any other). Params: JAX's (``axis_name``, ``axis_size``,
+same everywhere (its all-reduce is the psum JAX puts where the cotangent became invariant;
+`optimize` turns that psum and the slice into the slice's reduce-scatter). Params: JAX's (``axis_name``, ``axis_size``,
 ``tiled``, and ``scatter_dimension`` or ``all_gather_dimension``), ``blocks`` (an int, or
 None for `lowering.default_blocks`) and, for the all-gather, ``invariant``.
 """
