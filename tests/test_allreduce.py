@@ -710,8 +710,10 @@ def test_debug_log():
 
 
 def test_ctrl_c_during_a_wait_is_not_swallowed():
+    # Compiled before it says it waits, so that the signal lands in the wait and not in a
+    # compile slowed by other work (under CI's load it once came before the wait).
     script = TIMEOUT_SCRIPT.replace('"1.5"', '"4"').replace(
-        "t0 = time.time()", "t0 = time.time(); print('waiting', flush=True)")
+        "t0 = time.time()", "f = f.lower(x).compile(); t0 = time.time(); print('waiting', flush=True)")
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "XLA_FLAGS": xla_flags(None)})
     assert proc.stdout.readline().strip() == "waiting"
