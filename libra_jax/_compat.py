@@ -43,7 +43,7 @@ __all__ = [
     "ir_constant", "ir_tensor_type", "jit_static_args", "made_by_transpose", "is_var",
     "is_dropped", "with_varying", "scan_num_carry",
     "check_vma_enabled", "auto_pcast_enabled", "varying_axes", "input_state",
-    "pvary", "skip_size_one_axes", "axis_is_bound", "context_mesh", "manual_axes", "replica_groups",
+    "pvary", "skip_size_one_axes", "axis_is_bound", "bound_axis_sizes", "context_mesh", "manual_axes", "replica_groups",
     "mesh_devices", "ffi_target_registration", "device_index", "is_traced_argument", "is_zero_cotangent",
     "zero_cotangent",
     "jax_version", "PSUM_PRIMITIVES", "DEVICE_MAPS", "OTHER_COLLECTIVES", "HigherOrder", "HIGHER_ORDER",
@@ -197,6 +197,12 @@ def skip_size_one_axes(axes: tuple) -> tuple:
 
 def axis_is_bound(name: Any) -> bool:
     return bool(_core.get_axis_env().axis_exists(name))
+
+
+def bound_axis_sizes() -> dict:
+    """Axis name -> size of the named axes bound where this runs: an enclosing `pmap`'s or
+    `shard_map`'s, while a function called inside one is traced."""
+    return dict(_core.get_axis_env().axis_sizes)
 
 
 def context_mesh() -> jax.sharding.Mesh | None:

@@ -639,7 +639,10 @@ def rewrite_jaxpr(closed: Any, *, profile: Any = None, fusion: bool = True,
                        overlap=config.overlap_mode(overlap), loops=_loop_mode(loops))
     with _compat.memoized_sub_jaxprs():
         rewriter = _Rewriter(options, report, closed)
-        new_jaxpr = rewriter.jaxpr(closed.jaxpr, axis_sizes={}, scope="top", in_loop=False)
+        # A step traced inside a `pmap` or `shard_map` (``pmap(optimize(step))``) sees its
+        # axes bound there: their sizes come from where it is traced.
+        new_jaxpr = rewriter.jaxpr(closed.jaxpr, axis_sizes=_compat.bound_axis_sizes(),
+                                   scope="top", in_loop=False)
         maps_devices = _maps_devices(closed.jaxpr)
     for line in report.skipped:
         warn_once("psum-left-in-place", f"libra_jax.optimize left an XLA psum in place: {line}")

@@ -1117,3 +1117,29 @@ def test_invarying_gathers_gradient_becomes_a_reduce_scatter(gather, tiled):
                          check_vma=False)
     _, report = rewrite_jaxpr(jax.make_jaxpr(step)(w, x))
     assert [p.collective for p in report.plans] == ["all-reduce"]
+
+
+@pytest.mark.parametrize("where", ["pmap", "shard_map"])
+def test_optimize_inside_a_device_map_plans_for_its_axis(where):
+    """``pmap(optimize(step))`` and a shard_map body wrapped in `optimize`: the step's axis is
+    bound where it is traced, so it is planned for that axis' 8 ranks (before: for 1, every
+    bucket at 1 block with no model), bitwise its XLA control."""
+    rng = np.random.default_rng(46)
+    params = init(rng, [16, 32, 8])
+
+    def step(p, x):
+        grads = jax.grad(lambda p: jnp.mean(mlp(p, x) ** 2))(p)
+        grads = jax.lax.pmean(grads, "x")
+        return jax.tree.map(lambda w, g: w - 0.1 * g, p, grads)
+
+    def wrap(fn):
+        if where == "pmap":
+            return jax.pmap(fn, axis_name="x", in_axes=(None, 0))
+        return jax.jit(jax.shard_map(fn, mesh=mesh_of((8,), ("x",)), in_specs=(P(), P("x")),
+                                     out_specs=P(), check_vma=False))
+    x = inputs("pmap" if where == "pmap" else "no_check_vma", rng)
+    opt = optimize(step)
+    got = wrap(opt)(params, x)
+    assert_bitwise(got, wrap(optimize(step, collectives="xla"))(params, x))
+    assert [entry["world"] for entry in opt.last_report.predicted] == [8]
+    assert {p.kind for p in opt.last_report.plans} == {"gradient"}
