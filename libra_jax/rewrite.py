@@ -205,7 +205,7 @@ def optimize(fn: Callable[..., Any] | None = None, *, profile: Any = None, fusio
         if config.optimize_disabled():
             return fn(*args, **kwargs)
         call, dynamic, static_key = statics.split(fn, args, kwargs)
-        nodes = nnx_objects(dynamic)
+        nodes = nnx_objects(dynamic, variables=True)
         if nodes:  # NNX's in-place updates leave the program as outputs, written back below
             call = _returning_nnx_state(call)
         call, dynamic, static_key = outer_statics(call, dynamic, static_key)
@@ -231,9 +231,8 @@ def optimize(fn: Callable[..., Any] | None = None, *, profile: Any = None, fusio
         out = outputs.rebuild(run(*leaves))
         if nodes:
             out, states = out
-            nnx = sys.modules["flax.nnx"]
             for node, state in zip(nodes, states):
-                nnx.update(node, state)
+                _nnx_update(node, state)
         return out
 
     wrapped.last_report = None  # type: ignore[attr-defined]
@@ -374,19 +373,41 @@ def _is_jax_value(x: Any) -> bool:
     return _is_array(x) or isinstance(x, (bool, int, float, complex))
 
 
-def nnx_objects(tree: Any) -> list[Any]:
+def nnx_objects(tree: Any, *, variables: bool = False) -> list[Any]:
     """The Flax NNX objects (modules, optimizers, metrics, `Rngs`) in `tree`, in flattening
-    order. Not an `nnx.State` nor the variables in one: a functional step's `nnx.split`
-    state is values, which it returns updated. NNX is looked up, never imported: a program
-    without it has none."""
+    order; with `variables`, also the `nnx.Variable`s outside them (a bare `nnx.Param` or
+    counter passed to the step, updated in place as `nnx.jit` allows). Not an `nnx.State`
+    nor the variables in one: a functional step's `nnx.split` state is values, which it
+    returns updated. NNX is looked up, never imported: a program without it has none."""
     nnx = sys.modules.get("flax.nnx")
     if nnx is None:
         return []
-    pure = (getattr(nnx, "State", ()), nnx.Variable)
+    state = getattr(nnx, "State", ())
 
-    def is_object(x: Any) -> bool:
-        return nnx.graph.is_graph_node(x) and not isinstance(x, pure)
-    return [x for x in jax.tree.leaves(tree, is_leaf=is_object) if is_object(x)]
+    def stop(x: Any) -> bool:  # not looked into: an object, a variable, a State
+        return isinstance(x, state) or nnx.graph.is_graph_node(x)
+
+    def wanted(x: Any) -> bool:
+        if isinstance(x, nnx.Variable):
+            return variables
+        return nnx.graph.is_graph_node(x) and not isinstance(x, state)
+    return [x for x in jax.tree.leaves(tree, is_leaf=stop) if wanted(x)]
+
+
+def _nnx_state(node: Any) -> Any:
+    """What `_returning_nnx_state` returns of an NNX object: its `nnx.state`, or a bare
+    variable's value."""
+    nnx = sys.modules["flax.nnx"]
+    return node.get_value() if isinstance(node, nnx.Variable) else nnx.state(node)
+
+
+def _nnx_update(node: Any, state: Any) -> None:
+    """Write `_nnx_state`'s result back into the caller's object."""
+    nnx = sys.modules["flax.nnx"]
+    if isinstance(node, nnx.Variable):
+        node.set_value(state)
+    else:
+        nnx.update(node, state)
 
 
 def _returning_nnx_state(call: Callable[..., Any]) -> Callable[..., Any]:
@@ -395,13 +416,12 @@ def _returning_nnx_state(call: Callable[..., Any]) -> Callable[..., Any]:
     An NNX step updates its arguments in place (``optimizer.update(model, grads)``, metrics,
     `Rngs`, batch statistics). Traced, those arguments are copies made from the leaves, so
     their updates must leave the program as outputs and be written back into the caller's
-    objects (`nnx.update`), as `nnx.jit` does; under an outer `nnx.jit` the objects written
-    back are its own, which it propagates."""
-    nnx = sys.modules["flax.nnx"]
-
+    objects (`nnx.update`; a bare variable's value set), as `nnx.jit` does; under an outer
+    `nnx.jit` the objects written back are its own, which it propagates."""
     def traced(*args: Any, **kwargs: Any) -> Any:
         out = call(*args, **kwargs)
-        return out, tuple(nnx.state(node) for node in nnx_objects((args, kwargs)))
+        return out, tuple(_nnx_state(node) for node in nnx_objects((args, kwargs),
+                                                                    variables=True))
     return traced
 
 

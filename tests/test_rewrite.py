@@ -937,6 +937,49 @@ def test_phase_schedule_applies_edits_in_order():
     assert len(out) == len(eqns) - 1
 
 
+def test_bare_nnx_variables_are_written_back():
+    """A step that updates bare `nnx.Variable`s passed to it (a `nnx.Param` trained in place,
+    a step counter), as `nnx.jit` allows: wrapped in optimize their updates were dropped
+    (the value came back, the variables stayed put). Each composition now matches
+    ``nnx.jit(step)``; a variable inside an `nnx.State` stays a value, as before."""
+    from flax import nnx
+
+    mesh = mesh_of((8,), ("x",))
+    x = shard(np.random.default_rng(47).standard_normal((16, 4)).astype(np.float32), mesh, P("x"))
+
+    def step(count, w, x):
+        def local(wv, x):
+            return jax.lax.pmean(jax.grad(lambda v: jnp.mean((x * v) ** 2))(wv), "x")
+        g = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("x")), out_specs=P(),
+                          check_vma=False)(w.get_value(), x)
+        w.set_value(w.get_value() - 0.1 * g)
+        count.set_value(count.get_value() + 1)
+        return count.get_value()
+
+    def train(wrap):
+        count, w = nnx.Variable(jnp.zeros((), jnp.int32)), nnx.Param(jnp.ones((4,)))
+        fn = wrap(step)
+        for _ in range(2):
+            fn(count, w, x)
+        return int(count.get_value()), np.asarray(w.get_value())
+
+    want = train(nnx.jit)
+    assert want[0] == 2
+    for name, wrap in {"eager": optimize, "nnx.jit(optimize(step))": lambda f: nnx.jit(optimize(f)),
+                       "optimize(nnx.jit(step))": lambda f: optimize(nnx.jit(f))}.items():
+        got = train(wrap)
+        assert got[0] == 2, name
+        assert_codegen_close(got[1], want[1])
+    state = nnx.State({"w": nnx.Param(jnp.ones(2))})
+    assert rewrite_nnx_objects(({"s": state}, nnx.Param(jnp.ones(2))), variables=True) == 1
+    assert rewrite_nnx_objects(({"s": state}, nnx.Param(jnp.ones(2)))) == 0
+
+
+def rewrite_nnx_objects(tree, **kwargs):
+    from libra_jax import rewrite
+    return len(rewrite.nnx_objects(tree, **kwargs))
+
+
 # --- Sharded data parallelism: gradient psum_scatters (issue 44) -------------------------------
 
 
