@@ -10,7 +10,8 @@ same start:
   largest difference over the state's leaves, in float32 ulps and relative terms; reported,
   under XLA's default flags and with FMA contraction off (``--xla_cpu_max_isa=AVX``, no FMA
   instructions), each in its own process;
-* Libra calls and XLA all-reduces left in the optimized program;
+* Libra calls (all-reduces, reduce-scatters and all-gathers) and XLA collectives left in the
+  optimized program;
 * optimized / plain step time: `--rounds` interleaved rounds of 4 steps per arm after warm-up;
   the median of the per-round ratio and its p10-p90.
 """
@@ -20,6 +21,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import platform
 import subprocess
 import sys
@@ -136,8 +138,10 @@ def measure(steps: int, rounds: int) -> dict:
             "plain_vs_optimized": compare(s["plain"], s["optimized"]),
             "plain_vs_swap": compare(s["plain"], s["swap"]),
             "plain_vs_patch": compare(s["plain"], s["patch"]),
-            "libra_calls": text.count("custom_call @libra_allreduce_cpu"),
-            "xla_all_reduces": text.count('"stablehlo.all_reduce"'),
+            "libra_calls": len(re.findall(
+                r"custom_call @libra_(?:allreduce|reduce_scatter|all_gather)_cpu", text)),
+            "xla_collectives": len(re.findall(
+                r'"?stablehlo\.(?:all_reduce|reduce_scatter|all_gather)"?[ (]', text)),
             "plain_ms": float(np.median(times["plain"]) * 1e3),
             "optimized_ms": float(np.median(times["optimized"]) * 1e3),
             "ratio": float(np.median(ratios)),
@@ -197,10 +201,10 @@ def main() -> int:
                          f"{fmt(r['plain_vs_patch'])} |")
     lines += ["", "Program and step time (default flags; medians of interleaved rounds of 4 "
                   "steps).", "",
-              "| step | Libra calls | XLA all-reduces left | plain ms | optimized ms | "
+              "| step | Libra calls | XLA collectives left | plain ms | optimized ms | "
               "optimized / plain | p10-p90 |", "|---|---|---|---|---|---|---|"]
     for name, r in results["default"].items():
-        lines.append(f"| {name} | {r['libra_calls']} | {r['xla_all_reduces']} | "
+        lines.append(f"| {name} | {r['libra_calls']} | {r['xla_collectives']} | "
                      f"{r['plain_ms']:.2f} | {r['optimized_ms']:.2f} | {r['ratio']:.2f}x | "
                      f"{r['ratio_p10_p90'][0]:.2f}-{r['ratio_p10_p90'][1]:.2f} |")
     text = "\n".join(lines) + "\n"
