@@ -440,9 +440,9 @@ class PsumPlan:
     # pass, metrics), "loop" (in a loop body) or "user" (blocks= given)
     kind: str
     overlap: str = "sync"           # "sync" (one call) or "start-done" (`libra_jax.ops.start_done`)
-    # What the bucket issues (`planner.COLLECTIVES`): "all-reduce" (psums) or
-    # "reduce-scatter" (psum_scatters: a sharded parameter's gradient); `nbytes` is then the
-    # unsharded buffers' bytes per rank.
+    # What the bucket issues (`planner.COLLECTIVES`): "all-reduce" (psums), "reduce-scatter"
+    # (psum_scatters: a sharded parameter's gradient; `nbytes` is then the unsharded buffers'
+    # bytes per rank) or "all-gather" (one all_gather; `nbytes`: the gathered buffer's).
     collective: str = "all-reduce"
 
 
@@ -492,7 +492,7 @@ class OptimizeReport:
         return sum(len(p.members) for p in self.plans)
 
     def plan_lines(self) -> list[str]:
-        """One line per planned all-reduce: what every process must agree on."""
+        """One line per planned collective: what every process must agree on."""
         return ([f"{p.scope} axes={p.axes} psums={p.members} bytes={p.nbytes} blocks={p.blocks} "
                  f"kind={p.kind} overlap={p.overlap} collective={p.collective}"
                  for p in self.plans]
@@ -734,7 +734,8 @@ def _aval_key(x: Any) -> Any:
 
 @dataclasses.dataclass
 class _Site:
-    """A psum (or psum_scatter) equation that the planner may allocate (and fuse)."""
+    """A psum or psum_scatter equation that the planner may allocate (and fuse), or an
+    all_gather given the model's block count (`_Rewriter.gather_site`)."""
 
     index: int
     axes: tuple
@@ -1281,7 +1282,7 @@ class _Rewriter:
         body = planned[0].scope if planned else bodies[-1]
         length = int(eqn.params["length"]) if "length" in eqn.params else None
         kept = sum(len(p.members) for p in self.report.plans[first_plan:]
-                   if p.scope in bodies and p.kind != "gradient")
+                   if p.scope in bodies and p.kind != "gradient" and p.collective != "all-gather")
         gradient = sum(len(p.members) for p in planned)
         if hoisting is None:
             hoisting = LoopPlan(scope, index, length, body, gradient, len(planned))
