@@ -156,7 +156,7 @@ def main() -> None:
     lines = report.header(f"; 8 host devices (XLA_FLAGS={os.environ['XLA_FLAGS']}).") + [
         f"{args.reps} interleaved repetitions after 2 warm-ups; float32, tiled along the first "
         "dimension; sizes are the full (unsharded) buffer per device; times per call in ms; "
-        + ("libra at default blocks (`default_blocks`: the all-reduce's rule for half the bytes)."
+        + ("libra at default blocks (`default_blocks`: the model's choice for the collective)."
          if args.blocks is None else f"libra at {args.blocks} blocks."),
         "",
         "| full buffer per device | collective | whose | median ms | IQR ms | ratio to XLA | "
