@@ -358,12 +358,17 @@ def check_plan(p, layers, cost):
     assert all(b.blocks in cost.keys for b in p.buckets)
 
 
+def plan_and_optimum(layers, cost, **options):
+    """`plan` (checked by `check_plan`) and `plan_exhaustive` with the same options."""
+    p = plan(layers, cost, **options)
+    check_plan(p, layers, cost)
+    return p, plan_exhaustive(layers, cost, **options)
+
+
 @FAST
 @given(instances())
 def test_plan_with_fusion_within_one_percent_of_exhaustive(case):
-    layers, cost = case
-    p, e = plan(layers, cost), plan_exhaustive(layers, cost)
-    check_plan(p, layers, cost)
+    p, e = plan_and_optimum(*case)
     assert e.backward_s <= p.backward_s * (1 + 1e-9) and p.backward_s <= e.backward_s * 1.01
 
 
@@ -371,8 +376,7 @@ def test_plan_with_fusion_within_one_percent_of_exhaustive(case):
 @given(instances())
 def test_plan_without_fusion_within_one_percent_of_exhaustive(case):
     layers, cost = case
-    p, e = plan(layers, cost, fusion=False), plan_exhaustive(layers, cost, fusion=False)
-    check_plan(p, layers, cost)
+    p, e = plan_and_optimum(layers, cost, fusion=False)
     assert [(b.first, b.last) for b in p.buckets] == [(i, i) for i in range(len(layers))]
     assert e.backward_s <= p.backward_s * (1 + 1e-9) and p.backward_s <= e.backward_s * 1.01
 
@@ -382,8 +386,7 @@ def test_plan_without_fusion_within_one_percent_of_exhaustive(case):
 def test_plan_with_grouping_within_one_percent_of_exhaustive(data):
     layers, cost = data.draw(instances())
     grouping = data.draw(groupings(len(layers)))
-    p, e = plan(layers, cost, buckets=grouping), plan_exhaustive(layers, cost, buckets=grouping)
-    check_plan(p, layers, cost)
+    p, e = plan_and_optimum(layers, cost, buckets=grouping)
     assert [(b.first, b.last) for b in p.buckets] == grouping
     assert e.backward_s <= p.backward_s * (1 + 1e-9) and p.backward_s <= e.backward_s * 1.01
 
@@ -711,13 +714,11 @@ def test_mixed_collectives_plan_is_the_exhaustive_optimum(case):
     # The planner's claim (module docstring): exact without pre-fusion while the cap does not
     # bind, with a bucket per collective. No gap to the enumeration, in both directions.
     layers, cost = case
-    p, e = plan(layers, cost), plan_exhaustive(layers, cost)
-    check_plan(p, layers, cost)
-    assert one_collective_per_bucket(layers, p.buckets)
-    assert one_collective_per_bucket(layers, e.buckets)
-    assert close(p.backward_s, e.backward_s)
-    assert close(plan(layers, cost, fusion=False).backward_s,
-                 plan_exhaustive(layers, cost, fusion=False).backward_s)
+    for options in ({}, {"fusion": False}):
+        p, e = plan_and_optimum(layers, cost, **options)
+        assert one_collective_per_bucket(layers, p.buckets)
+        assert one_collective_per_bucket(layers, e.buckets)
+        assert close(p.backward_s, e.backward_s)
 
 
 @FAST
