@@ -252,11 +252,25 @@ def _add_plan(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--overlap", choices=("auto", "sync", "start-done"), default=None,
                    help="how each gradient all-reduce is issued, as optimize(overlap=...) "
                         "(default: $LIBRA_JAX_OVERLAP, else auto)")
+    p.add_argument("--prefetch", type=_prefetch_arg, default=None, metavar="{auto,off,N}",
+                   help="how far ahead each all-gather is issued, as optimize(prefetch=...) "
+                        "(default: $LIBRA_JAX_PREFETCH, else auto)")
     p.add_argument("--plain", action="store_true", help="plain-text table even if rich is installed")
     p.add_argument("--gantt", metavar="PNG", default=None,
                    help="draw the predicted timeline (compute with its slowdown, each all-reduce "
                         "with its allocation)")
+    p.add_argument("--gantt-gathers", metavar="PNG", default=None,
+                   help="draw the predicted pass of all-gathers (FSDP: each gather, when it is "
+                        "issued, and the compute that reads it)")
     p.set_defaults(func=_run_plan)
+
+
+def _prefetch_arg(text: str) -> str | int:
+    """``--prefetch``: auto, off or a number of all-gathers ahead (`config.prefetch_mode`)."""
+    try:
+        return config.prefetch_mode(text, who="--prefetch")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError("must be" + str(exc).split("must be", 1)[-1]) from None
 
 
 def _load_script(path: str) -> object:
@@ -291,6 +305,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     import inspect
 
     _check_output(args.gantt, "--gantt")
+    _check_output(args.gantt_gathers, "--gantt-gathers")
     module = _load_script(args.script)
     if args.variant and "variant" not in inspect.signature(module.build).parameters:  # type: ignore[attr-defined]
         raise ValueError(f"{args.script}: build() takes no variant, so --variant "
@@ -302,7 +317,8 @@ def _run_plan(args: argparse.Namespace) -> int:
     kwargs = {"variant": args.variant} if args.variant else {}
     step, step_args = module.build(args.small, **kwargs)  # type: ignore[attr-defined]
     result = explain_mod.explain(step, *step_args, profile=args.profile, fusion=not args.no_fusion,
-                                 overlap=args.overlap, file=sys.stdout, use_rich=False if args.plain else None)
+                                 overlap=args.overlap, prefetch=args.prefetch, file=sys.stdout,
+                                 use_rich=False if args.plain else None)
     if args.gantt:
         from libra_jax import gantt
 
@@ -313,6 +329,19 @@ def _run_plan(args: argparse.Namespace) -> int:
         path = gantt.draw(tl, args.gantt, key_unit=s.key_unit.replace("_", " "),
                           title=f"{args.script} on {s.profile}, {s.world} ranks: Libra's plan, "
                                 f"{tl.backward_s * 1e3:.2f} ms backward (predicted)")
+        print(f"gantt     wrote {path}")
+    if args.gantt_gathers:
+        from libra_jax import gantt
+
+        if not result.gathers:
+            raise ValueError("no all-gathers were planned: nothing to draw")
+        g = max(result.gathers, key=lambda g: len(g.rows))
+        tl = g.timeline()
+        how = f"issued {g.distance} ahead" if g.distance else "one call each"
+        path = gantt.draw(tl, args.gantt_gathers, key_unit=g.key_unit.replace("_", " "),
+                          names=[r.tensor for r in g.rows],
+                          title=f"{args.script} on {g.profile}, {g.world} ranks: all-gathers "
+                                f"{how}, {tl.total_s * 1e3:.2f} ms (predicted)")
         print(f"gantt     wrote {path}")
     return 0
 

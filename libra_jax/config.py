@@ -11,6 +11,8 @@ planner's layer may use it.
 | ``LIBRA_JAX_CUDA``                 | the GPU data path: ``xla`` (default), ``p2p``, ``nccl``         |
 | ``LIBRA_JAX_CUDA_ALGORITHM``       | the P2P kernels' algorithm: ``auto``, ``oneshot``, ``twoshot``  |
 | ``LIBRA_JAX_OVERLAP``              | `optimize`'s default ``overlap=``                               |
+| ``LIBRA_JAX_PREFETCH``             | `optimize`'s default ``prefetch=``                              |
+| ``LIBRA_JAX_PREFETCH_BYTES``       | `optimize`'s default ``prefetch_bytes=``                        |
 | ``LIBRA_JAX_DISABLE``              | ``1``: `optimize` passes every call through unchanged           |
 | ``LIBRA_JAX_NO_PROFILE_BROADCAST`` | ``1``: each process plans with its own profile                  |
 | ``LIBRA_JAX_PROFILE_DIR``          | where calibrated profiles are written and found                 |
@@ -38,7 +40,8 @@ __all__ = [
     "TIMEOUT_ENV", "DEFAULT_TIMEOUT_S", "MAX_TIMEOUT_S", "timeout_s", "timeout_ms", "kv_wait_ms",
     "kv_timeout_ms",
     "CUDA_PATH_ENV", "CUDA_PATHS", "cuda_path", "CUDA_ALGORITHM_ENV", "CUDA_ALGORITHMS",
-    "cuda_algorithm", "OVERLAP_ENV", "OVERLAP_MODES", "overlap_mode", "DISABLE_ENV",
+    "cuda_algorithm", "OVERLAP_ENV", "OVERLAP_MODES", "overlap_mode", "PREFETCH_ENV",
+    "prefetch_mode", "PREFETCH_BYTES_ENV", "DEFAULT_PREFETCH_BYTES", "prefetch_bytes", "DISABLE_ENV",
     "optimize_disabled", "NO_PROFILE_BROADCAST_ENV", "profile_broadcast", "PROFILE_DIR_ENV",
     "calibrated_profile_dir", "NCCL_CTA_ENVS", "nccl_cta_overrides", "NCCL_LAUNCH_ORDER_ENV",
     "nccl_launch_order_implicit", "request_nccl_launch_order", "HOST_DEVICES_FLAG", "xla_flags",
@@ -72,6 +75,15 @@ CUDA_ALGORITHMS = {"auto": 0, "oneshot": 1, "twoshot": 2}
 #: lower ("auto").
 OVERLAP_ENV = "LIBRA_JAX_OVERLAP"
 OVERLAP_MODES = ("auto", "sync", "start-done")
+
+#: `optimize`'s default ``prefetch=``: how far ahead of its use an all-gather is issued. "auto"
+#: (the model's distance, `planner.plan_gathers`), "off" (one call where it is used), or a
+#: number of gathers ahead.
+PREFETCH_ENV = "LIBRA_JAX_PREFETCH"
+#: `optimize`'s default ``prefetch_bytes=``: the most gathered bytes per device issued ahead of
+#: their use at once (the memory prefetching may hold): 1 GiB.
+PREFETCH_BYTES_ENV = "LIBRA_JAX_PREFETCH_BYTES"
+DEFAULT_PREFETCH_BYTES = 1 << 30
 
 #: Set (to anything but 0) to turn `optimize` into a pass-through.
 DISABLE_ENV = "LIBRA_JAX_DISABLE"
@@ -150,6 +162,37 @@ def overlap_mode(overlap: str | None, who: str = "libra_jax.optimize") -> str:
         raise ValueError(f"{who}: {source} must be one of "
                          f"{', '.join(map(repr, OVERLAP_MODES))}, got {mode!r}")
     return mode
+
+
+def prefetch_mode(prefetch: str | int | None, who: str = "libra_jax.optimize") -> str | int:
+    """`prefetch` if given, else `$LIBRA_JAX_PREFETCH`, else "auto": "auto", or a distance (an
+    int >= 0; "off" is 0). ValueError naming the source for anything else."""
+    source = f"${PREFETCH_ENV}" if prefetch is None else "prefetch"
+    value: object = ((os.environ.get(PREFETCH_ENV, "").strip() or "auto") if prefetch is None
+                     else prefetch)
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if value == "off":
+        return 0
+    if value == "auto":
+        return "auto"
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 64:
+        return int(value)
+    raise ValueError(f"{who}: {source} must be 'auto', 'off' or a number of all-gathers ahead "
+                     f"(0 to 64), got {value!r}")
+
+
+def prefetch_bytes(limit: int | None, who: str = "libra_jax.optimize") -> int:
+    """`limit` if given, else `$LIBRA_JAX_PREFETCH_BYTES`, else `DEFAULT_PREFETCH_BYTES`: a
+    number of bytes >= 0; ValueError naming the source for anything else."""
+    source = f"${PREFETCH_BYTES_ENV}" if limit is None else "prefetch_bytes"
+    value: object = limit
+    if limit is None:
+        raw = os.environ.get(PREFETCH_BYTES_ENV, "").strip()
+        value = int(raw) if raw.isdigit() else (raw or DEFAULT_PREFETCH_BYTES)
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return int(value)
+    raise ValueError(f"{who}: {source} must be a number of bytes >= 0, got {value!r}")
 
 
 def optimize_disabled() -> bool:

@@ -22,7 +22,7 @@ import jax
 
 from libra_jax import _compat, gantt, planner, rewrite
 
-__all__ = ["explain", "Explanation", "ScopePlan", "BucketRow"]
+__all__ = ["explain", "Explanation", "ScopePlan", "BucketRow", "GatherScope", "GatherRow"]
 
 
 
@@ -71,6 +71,51 @@ class ScopePlan:
 
 
 @dataclasses.dataclass(frozen=True)
+class GatherRow:
+    """One all-gather of a scope (a sharded parameter gathered before the compute that reads
+    it), in jaxpr order, and how it is issued."""
+
+    index: int
+    tensor: str                     # the parameter it gathers (or "all_gather #i: shape")
+    kind: str                       # "forward", or "backward" (remat's re-gather)
+    nbytes: int                     # the gathered buffer's bytes per rank
+    blocks: int                     # engine blocks it runs with
+    ahead: int                      # gathers ahead it is issued (0: one call where it is used)
+    start_s: float                  # predicted start and end of the gather
+    end_s: float
+    compute_start_s: float          # predicted start of the compute that reads it
+    overlaps: tuple[str, ...]       # the gathers whose compute it runs beside (issued ahead)
+
+
+@dataclasses.dataclass(frozen=True)
+class GatherScope:
+    """A scope's all-gathers (`planner.plan_gathers`): the model's inputs and choice, what was
+    issued, and the predicted pass (compute from the first gather's use on, plus ``lead_s``
+    of compute reading none) as issued and with one call each."""
+
+    scope: str
+    axes: tuple
+    world: int
+    profile: str
+    key_unit: str
+    steps: tuple[planner.GatherStep, ...]
+    plan: planner.GatherPlan        # the model's choice (or the distance asked for)
+    distance: int                   # the distance issued
+    why: str                        # why it differs from the model's, or ""
+    cost: planner.CostModel
+    lead_s: float
+    blocks: tuple[int, ...]         # the allocation each gather was issued with (cost keys)
+    rows: tuple[GatherRow, ...]
+    total_s: float                  # predicted pass as issued
+    one_call_s: float               # predicted pass with one call each
+
+    def timeline(self) -> planner.GatherTimeline:
+        """The pass as issued, as the model times it (for `gantt.chart`)."""
+        return planner.gather_timeline(list(self.steps), self.cost, distance=self.distance,
+                                       blocks=list(self.blocks), lead_s=self.lead_s)
+
+
+@dataclasses.dataclass(frozen=True)
 class Explanation:
     """What `explain` returns: the plan of each planned scope, the all-reduces left unplanned
     (`others`) and the rewrite's report; printed, the table `table` renders."""
@@ -78,6 +123,7 @@ class Explanation:
     scopes: tuple[ScopePlan, ...]
     others: tuple[rewrite.PsumPlan, ...]   # forward / loop / user all-reduces (not planned)
     report: rewrite.OptimizeReport
+    gathers: tuple[GatherScope, ...] = ()  # all-gathers issued one call each or ahead
 
     @property
     def backward_s(self) -> float:
@@ -113,12 +159,14 @@ class Explanation:
 
 def explain(fn: Callable[..., Any], *args: Any, profile: Any = None, fusion: bool = True,
             blocks: int | None = None, overlap: str | None = None, loops: str = "auto",
+            prefetch: str | int | None = None, prefetch_bytes: int | None = None,
             static_argnums: int | Sequence[int] | None = None,
             static_argnames: str | Sequence[str] | None = None,
             file: TextIO | None = sys.stdout, use_rich: bool | None = None,
             **kwargs: Any) -> Explanation:
     """Plan `fn(*args, **kwargs)` as `libra_jax.optimize(fn, profile=..., fusion=...,
-    blocks=..., overlap=..., loops=..., static_argnums=..., static_argnames=...)` would, print the plan
+    blocks=..., overlap=..., loops=..., prefetch=..., prefetch_bytes=..., static_argnums=...,
+    static_argnames=...)` would, print the plan
     to `file` (None: print nothing) and return it as an `Explanation`.
 
     `fn` may be jitted, `shard_map`ped, call `jax.pmap`, or be an `optimize`d function (its
@@ -141,12 +189,19 @@ def explain(fn: Callable[..., Any], *args: Any, profile: Any = None, fusion: boo
     out_paths = [jax.tree_util.keystr(path, simple=True, separator=".")
                  for i, (path, _) in enumerate(flat) if i not in outputs.static]
     _, report = rewrite.rewrite_jaxpr(closed, profile=profile, fusion=fusion, blocks=blocks,
-                                      overlap=overlap, loops=loops,
+                                      overlap=overlap, loops=loops, prefetch=prefetch,
+                                      prefetch_bytes=prefetch_bytes,
                                       inputs=jax.tree.leaves((dyn_args, dyn_kwargs)))
     names = _result_names(closed, out_paths, report)
     scopes = tuple(_scope_plan(entry, report, names) for entry in report.predicted)
-    others = tuple(p for p in report.plans if p.kind != "gradient")
-    result = Explanation(scopes, others, report)
+    others = tuple(p for p in report.plans if p.kind != "gradient"
+                   and not any(p.scope == g["scope"] for g in report.gathers))
+    flat_in = jax.tree_util.tree_flatten_with_path((dyn_args, dyn_kwargs))[0]
+    operand_names = _input_names(closed.jaxpr, [jax.tree_util.keystr(path, simple=True,
+                                                                     separator=".")
+                                                for path, _ in flat_in])
+    gathers = tuple(_gather_scope(entry, report, operand_names) for entry in report.gathers)
+    result = Explanation(scopes, others, report, gathers)
     if file is not None:
         print(result.table(use_rich=use_rich), file=file)
     return result
@@ -201,6 +256,57 @@ def _scope_plan(entry: dict, report: rewrite.OptimizeReport, names: dict) -> Sco
         fusion_only_s=fusion_only.backward_s, default_allocation=default_alloc,
         compute_s=sum(layer.compute_s for layer in layers), limit=entry.get("limit", ""),
         in_loop=entry.get("in_loop", False))
+
+
+def _gather_scope(entry: dict, report: rewrite.OptimizeReport, names: dict) -> GatherScope:
+    plan, d = entry["plan"], entry["distance"]
+    blocks = plan.blocks if d == plan.distance else tuple(entry["one_call"])
+    steps = tuple(entry["steps"])
+    tl = planner.gather_timeline(list(steps), entry["cost"], distance=d, blocks=list(blocks),
+                                 lead_s=entry["lead_s"])
+    issued = {p.members[0]: p for p in report.plans
+              if p.scope == entry["scope"] and p.collective == "all-gather"}
+    known = _shorten({i: names[id(v)] for i, v in enumerate(entry["operands"])
+                      if id(v) in names})
+    tensors = [known.get(i, _unnamed(v, i, "all-gather")) for i, v in enumerate(entry["operands"])]
+    rows = []
+    for j, (span, position) in enumerate(zip(tl.gathers, entry["positions"])):
+        p = issued.get(position)
+        ahead = p.ahead if p is not None else 0
+        rows.append(GatherRow(
+            index=j, tensor=tensors[j], kind=p.kind if p is not None else "forward",
+            nbytes=steps[j].nbytes,
+            blocks=p.blocks if p is not None else span.blocks, ahead=ahead,
+            start_s=span.start, end_s=span.end, compute_start_s=span.compute_start,
+            overlaps=tuple(tensors[max(0, j - ahead):j]) if ahead else ()))
+    why = entry["why"] or (f"prefetch={entry['distance']} was asked for"
+                           if d != plan.distance else "")
+    return GatherScope(
+        scope=entry["scope"], axes=tuple(entry["axes"]), world=entry["world"],
+        profile=entry["profile"].name, key_unit=entry["key_unit"], steps=steps, plan=plan,
+        distance=d, why=why, cost=entry["cost"], lead_s=entry["lead_s"], blocks=tuple(blocks),
+        rows=tuple(rows), total_s=tl.total_s, one_call_s=plan.one_call_s)
+
+
+def _input_names(jaxpr: Any, paths: Sequence[str]) -> dict[int, str]:
+    """id(variable) -> the input path it is (a parameter, its shard inside a `shard_map`, the
+    same input of a `jit` or `checkpoint` body), for naming what an all-gather gathers."""
+    out: dict[int, str] = {}
+
+    def visit(j: Any, names: Sequence[str | None]) -> None:
+        for v, name in zip(j.invars, names):
+            if name is not None:
+                out[id(v)] = name
+        for eqn in j.eqns:
+            known = [out.get(id(v)) if _compat.is_var(v) else None for v in eqn.invars]
+            if not any(known):
+                continue
+            for sub in _aligned_subjaxprs(eqn):
+                if len(sub.invars) >= len(eqn.invars):
+                    visit(sub, known)
+
+    visit(jaxpr, list(paths))
+    return out
 
 
 # --- Which parameter does a gradient psum update? ---------------------------------------------
@@ -467,9 +573,52 @@ def _others_lines(e: Explanation) -> list[str]:
     return lines
 
 
+def _gather_header(g: GatherScope) -> str:
+    how = (f"issued {g.distance} ahead" if g.distance else "one call each where used")
+    return (f"scope {g.scope}, axes {', '.join(map(str, g.axes))}, {g.world} ranks: "
+            f"{_plural(len(g.rows), 'all_gather')}, {how}")
+
+
+def _gather_columns() -> list[str]:
+    return ["#", "gathers", "pass", "bytes", "blocks", "issued", "beside the compute of",
+            "gather ms", "used at ms"]
+
+
+def _gather_cells(r: GatherRow) -> list[str]:
+    ms = 1e3
+    issued = f"{r.ahead} ahead" if r.ahead else "one call"
+    beside = (_tensor_list(r.overlaps, 40) or "(before the first use)") if r.ahead else "-"
+    return [str(r.index), r.tensor, r.kind, _fmt_bytes(r.nbytes), str(r.blocks), issued, beside,
+            f"{r.start_s * ms:.3f}-{r.end_s * ms:.3f}", f"{r.compute_start_s * ms:.3f}"]
+
+
+def _gather_summary(g: GatherScope) -> list[str]:
+    ms = 1e3
+    model = (f"the model's choice: {g.plan.distance} ahead, "
+             f"{g.plan.total_s * ms:.3f} ms" if g.plan.distance else
+             "the model's choice: one call each")
+    lines = [f"predicted pass: {g.total_s * ms:.3f} ms as issued, {g.one_call_s * ms:.3f} ms "
+             f"with one call each; {model}"]
+    if g.why:
+        lines.append(f"  issued one call each: {g.why}" if not g.distance else f"  {g.why}")
+    return lines
+
+
+def _table_lines(header: list[str], rows: list[list[str]], left: int = 1) -> list[str]:
+    table = [header] + rows
+    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
+    out = []
+    for n, r in enumerate(table):
+        out.append("  ".join(c.ljust(w) if i == left else c.rjust(w)
+                             for i, (c, w) in enumerate(zip(r, widths))))
+        if n == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return out
+
+
 def _plain_text(e: Explanation) -> str:
     out: list[str] = []
-    if not e.scopes:
+    if not e.scopes and not e.gathers:
         out.extend(e.report.notes or ["no gradient psums to plan"])
     for s in e.scopes:
         out.append(_header(s))
@@ -482,6 +631,11 @@ def _plain_text(e: Explanation) -> str:
                 out.append("  ".join("-" * w for w in widths))
         out.extend(_summary(s))
         out.append("")
+    for g in e.gathers:
+        out.append(_gather_header(g))
+        out.extend(_table_lines(_gather_columns(), [_gather_cells(r) for r in g.rows]))
+        out.extend(_gather_summary(g))
+        out.append("")
     out.extend(_prediction_lines(e))
     out.extend(_others_lines(e))
     return "\n".join(out).rstrip()
@@ -493,7 +647,7 @@ def _rich_text(e: Explanation, width: int) -> str:
 
     buf = io.StringIO()
     console = Console(file=buf, width=width, force_terminal=False, color_system=None)
-    if not e.scopes:
+    if not e.scopes and not e.gathers:
         for line in e.report.notes or ["no gradient psums to plan"]:
             console.print(line)
     for s in e.scopes:
@@ -504,6 +658,16 @@ def _rich_text(e: Explanation, width: int) -> str:
             table.add_row(*_cells(r))
         console.print(table)
         for line in _summary(s):
+            console.print(line, highlight=False)
+        console.print()
+    for g in e.gathers:
+        table = Table(title=_gather_header(g), title_justify="left")
+        for i, c in enumerate(_gather_columns()):
+            table.add_column(c, justify="left" if i in (1, 2, 6) else "right", overflow="fold")
+        for row in g.rows:
+            table.add_row(*_gather_cells(row))
+        console.print(table)
+        for line in _gather_summary(g):
             console.print(line, highlight=False)
         console.print()
     for line in _prediction_lines(e) + _others_lines(e):

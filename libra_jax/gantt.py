@@ -6,9 +6,13 @@ the speed it ran at, and each collective's packing, latency, overlapped and solo
 time is ``simulate``'s, so the chart shows exactly what the planner optimised.
 
 `chart` renders the timeline with matplotlib (a Figure with a legend, every bucket named)
-and `draw` writes it to a file. matplotlib is an optional dependency: it is imported only
-when a chart is drawn, without pyplot (so the user's backend is left alone), and its absence
-raises a `MissingDependencyError` that says how to install it.
+and `draw` writes it to a file. They also draw a pass of all-gathers
+(`libra_jax.planner.gather_timeline`: FSDP's parameter gathers, each one call where it is used
+or issued ahead of it): each gather from its issue to its end, and the compute that reads it.
+
+matplotlib is an optional dependency: it is imported only when a chart is drawn, without
+pyplot (so the user's backend is left alone), and its absence raises a `MissingDependencyError`
+that says how to install it.
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
-    from libra_jax.planner import Bucket, CostModel, Layer
+    from libra_jax.planner import Bucket, CostModel, GatherTimeline, Layer
 
 __all__ = ["ComputeSpan", "CollectiveSpan", "Timeline", "timeline", "chart", "draw", "LEGEND",
            "MissingDependencyError"]
@@ -134,7 +138,8 @@ _SHORT = {"all-reduce": "", "reduce-scatter": " RS", "all-gather": " AG"}
 LABEL_MIN_SHARE = 0.03
 
 
-def chart(tl: Timeline, *, title: str = "", key_unit: str = "blocks") -> Any:
+def chart(tl: Timeline | GatherTimeline, *, title: str = "", key_unit: str = "blocks",
+          names: Sequence[str] = ()) -> Any:
     """The Gantt chart of ``tl`` as a matplotlib Figure (what `draw` writes).
 
     Row "compute": each layer's stretches, darker where a collective slowed it. Row
@@ -142,8 +147,13 @@ def chart(tl: Timeline, *, title: str = "", key_unit: str = "blocks") -> Any:
     while overlapped with compute, dark once alone. Every bucket is named: on the bar when it is
     wide enough (``#i: allocation``; ``#i RS: allocation`` for a reduce-scatter, the row then
     "collective"), else in the list under the chart, with its times.
+
+    A pass of all-gathers (`libra_jax.planner.GatherTimeline`) is drawn by `_gather_chart`;
+    `names` then names each gather (the parameter it gathers).
     """
     figure = _figure_class()  # first: says how to install matplotlib if it is missing
+    if not isinstance(tl, Timeline):
+        return _gather_chart(figure, tl, title=title, key_unit=key_unit, names=names)
     from matplotlib import cm
     from matplotlib.patches import Patch
 
@@ -184,14 +194,66 @@ def chart(tl: Timeline, *, title: str = "", key_unit: str = "blocks") -> Any:
     legend = [entry.replace("all-reduce", row) for entry in LEGEND]
     ax.legend(handles, legend, loc="upper center", ncol=4, fontsize=7, frameon=False,
               bbox_to_anchor=(0.5, 1.0))
+    _list_narrow(fig, "narrow buckets (ms): ", listed)
+    return fig
+
+
+def _gather_chart(figure: Any, tl: GatherTimeline, *, title: str, key_unit: str,
+                  names: Sequence[str]) -> Any:
+    """Row "compute": the compute reading each gather (``#i``, darker where a gather in flight
+    slowed it; the compute before the first use unlabelled). Row "all-gather": each gather,
+    a thin line from when it was issued to when it started (waiting for the one before it),
+    hatched during its latency, then its bytes; a gather issued ahead overlaps the compute
+    of the ones before it."""
+    from matplotlib import cm
+    from matplotlib.patches import Patch
+
+    fig = figure(figsize=(12, 3.6))
+    ax = fig.add_subplot()
+    ms = 1e3
+    max_slow = max([seg[3] for seg in tl.compute] + [1.0])
+    listed: list[str] = []
+    for _, t0, t1, slowdown in tl.compute:
+        shade = 0.25 + 0.65 * ((slowdown - 1.0) / (max_slow - 1.0) if max_slow > 1 else 0.0)
+        ax.barh(1, (t1 - t0) * ms, left=t0 * ms, height=0.6, color=cm.Oranges(shade), linewidth=0)
+    for g in tl.gathers:
+        name = names[g.index] if g.index < len(names) else ""
+        mid = (g.compute_start + g.compute_end) / 2
+        if (g.compute_end - g.compute_start) > LABEL_MIN_SHARE * tl.total_s:
+            ax.text(mid * ms, 1, f"#{g.index}", ha="center", va="center", fontsize=7)
+        ax.plot([g.issue * ms, g.start * ms], [0, 0], color="black", linewidth=0.6)
+        ax.barh(0, (g.latency_end - g.start) * ms, left=g.start * ms, height=0.6,
+                color="lightgray", hatch="///", edgecolor="gray", linewidth=0.3)
+        ax.barh(0, (g.end - g.latency_end) * ms, left=g.latency_end * ms, height=0.6,
+                color=cm.Greens(0.55), edgecolor="white", linewidth=0.3)
+        label = f"#{g.index} AG: {g.blocks}" + (f" {name}" if name else "")
+        if (g.end - g.start) > LABEL_MIN_SHARE * tl.total_s:
+            ax.text((g.start + g.end) / 2 * ms, 0, label, ha="center", va="center", fontsize=7)
+        else:
+            listed.append(f"{label} {g.start * ms:.2f}-{g.end * ms:.2f}")
+    ax.set_yticks([0, 1], [f"all-gather\n(#gather: {key_unit})",
+                           f"compute\n(up to {max_slow:.2f}x slower)"])
+    ax.set_xlabel("time since the pass started (ms)")
+    ax.set_xlim(0, tl.total_s * ms * 1.01 if tl.total_s > 0 else 1)
+    ax.set_ylim(-0.6, 1.9)
+    ax.set_title(title or f"predicted pass of all-gathers: {tl.total_s * ms:.2f} ms")
+    handles = [Patch(color=cm.Oranges(0.6)), Patch(facecolor="lightgray", hatch="///",
+                                                 edgecolor="gray"), Patch(color=cm.Greens(0.55))]
+    ax.legend(handles, ["compute reading gather #i (darker: slowed by a gather)",
+                        "all-gather latency", "all-gather (line: issued, waiting)"],
+              loc="upper center", ncol=3, fontsize=7, frameon=False, bbox_to_anchor=(0.5, 1.0))
+    _list_narrow(fig, "narrow gathers (ms): ", listed)
+    return fig
+
+
+def _list_narrow(fig: Any, title: str, listed: list[str]) -> None:
+    """The spans too narrow to label, listed under the chart with their times."""
     if listed:
-        text = "narrow buckets (ms): " + ", ".join(listed)
-        lines = _wrap(text, 190)
+        lines = _wrap(title + ", ".join(listed), 190)
         fig.text(0.01, 0.01, "\n".join(lines), fontsize=6, va="bottom")
         fig.tight_layout(rect=(0, 0.04 + 0.03 * len(lines), 1, 1))
     else:
         fig.tight_layout()
-    return fig
 
 
 def _wrap(text: str, width: int) -> list[str]:
@@ -205,8 +267,9 @@ def _wrap(text: str, width: int) -> list[str]:
     return lines + [line]
 
 
-def draw(tl: Timeline, path: str | Path, *, title: str = "", key_unit: str = "blocks") -> Path:
+def draw(tl: Timeline | GatherTimeline, path: str | Path, *, title: str = "",
+         key_unit: str = "blocks", names: Sequence[str] = ()) -> Path:
     """Write `chart` of ``tl`` to ``path`` (PNG, or any format matplotlib infers)."""
     path = Path(path)
-    chart(tl, title=title, key_unit=key_unit).savefig(path, dpi=120)
+    chart(tl, title=title, key_unit=key_unit, names=names).savefig(path, dpi=120)
     return path

@@ -101,7 +101,13 @@ from libra_jax.ops import (
 )
 from libra_jax.ops import lowering as _lowering
 from libra_jax.ops.base import warn_once
-from libra_jax.ops.start_done import TOKEN_AVAL, libra_psum_done_p, libra_psum_start_p
+from libra_jax.ops.start_done import (
+    TOKEN_AVAL,
+    libra_psum_done_p,
+    libra_psum_start_p,
+    libra_sharded_done_p,
+    libra_sharded_start_p,
+)
 
 __all__ = ["optimize", "rewrite_jaxpr", "PsumPlan", "LoopPlan", "OptimizeReport",
            "libra_psum_fused_p"]
@@ -123,6 +129,7 @@ OVERLAP_MODES = config.OVERLAP_MODES
 
 def optimize(fn: Callable[..., Any] | None = None, *, profile: Any = None, fusion: bool = True,
              blocks: int | None = None, overlap: str | None = None, loops: str = "auto",
+             prefetch: str | int | None = None, prefetch_bytes: int | None = None,
              static_argnums: int | Sequence[int] | None = None,
              static_argnames: str | Sequence[str] | None = None,
              collectives: str = "libra", enabled: bool = True) -> Any:
@@ -154,6 +161,15 @@ def optimize(fn: Callable[..., Any] | None = None, *, profile: Any = None, fusio
         once after the loop, planned with the other gradients (the same sums); "in-loop"
         keeps them in the body, planned there with the body's other gradient psums (one
         iteration's plan); "auto" (default) takes whichever the model predicts faster.
+      prefetch: how far ahead of its use each all-gather (FSDP's parameter gathers, forward
+        and, under remat, backward) is issued: "auto" takes the model's distance
+        (`planner.plan_gathers`: the gathers' time beside the compute they overlap, its
+        slowdown included), "off" (or 0) issues each as one call where it is used, a number
+        d issues gather i as a start/done pair when gather i - d is done. Remat's re-gathers
+        leave their `checkpoint` to be issued ahead (only when prefetching). None:
+        ``$LIBRA_JAX_PREFETCH``, else "auto".
+      prefetch_bytes: the most gathered bytes per device issued ahead at once (the memory
+        prefetching holds); None: ``$LIBRA_JAX_PREFETCH_BYTES``, else 1 GiB.
       static_argnums: positions of arguments that are not traced, as in `jax.jit`:
         Python values (a ``train`` flag, a config, a schedule function) passed to `fn` as
         they are; they must be hashable, and each distinct value is its own program. A
@@ -181,7 +197,8 @@ def optimize(fn: Callable[..., Any] | None = None, *, profile: Any = None, fusio
     """
     if fn is None:
         return functools.partial(optimize, profile=profile, fusion=fusion, blocks=blocks,
-                                 overlap=overlap, loops=loops, static_argnums=static_argnums,
+                                 overlap=overlap, loops=loops, prefetch=prefetch,
+                                 prefetch_bytes=prefetch_bytes, static_argnums=static_argnums,
                                  static_argnames=static_argnames, collectives=collectives,
                                  enabled=enabled)
     if not callable(fn):
@@ -195,7 +212,9 @@ def optimize(fn: Callable[..., Any] | None = None, *, profile: Any = None, fusio
     if not enabled:
         return fn
     options = _Options(profile=profile, fusion=bool(fusion), blocks=blocks,
-                       overlap=config.overlap_mode(overlap), loops=_loop_mode(loops))
+                       overlap=config.overlap_mode(overlap), loops=_loop_mode(loops),
+                       prefetch=config.prefetch_mode(prefetch),
+                       prefetch_bytes=config.prefetch_bytes(prefetch_bytes))
     cache: dict[Any, tuple[Callable[..., Any], Outputs, OptimizeReport]] = {}
 
     # Name, docstring and signature of `fn`, but not its attributes: a jitted or
@@ -220,7 +239,9 @@ def optimize(fn: Callable[..., Any] | None = None, *, profile: Any = None, fusio
             profile = shared_profile(options.resolved_profile, program=program)
             rewritten, report = rewrite_jaxpr(closed, profile=profile, fusion=options.fusion,
                                               blocks=options.blocks, overlap=options.overlap,
-                                              loops=options.loops, inputs=leaves)
+                                              loops=options.loops, prefetch=options.prefetch,
+                                              prefetch_bytes=options.prefetch_bytes,
+                                              inputs=leaves)
             check_plan_agreement(report, program=program)
             if collectives == "xla":
                 rewritten = with_xla_collectives(rewritten)
@@ -444,6 +465,9 @@ class PsumPlan:
     # (psum_scatters: a sharded parameter's gradient; `nbytes` is then the unsharded buffers'
     # bytes per rank) or "all-gather" (one all_gather; `nbytes`: the gathered buffer's).
     collective: str = "all-reduce"
+    # An all-gather issued ahead of its use (`overlap` "prefetch": a start/done pair): how many
+    # gathers of its scope ahead (`planner.GatherPlan.distance`); 0 for one call.
+    ahead: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -486,6 +510,9 @@ class OptimizeReport:
     # psums of a known zero, computed without a call (`_Rewriter.fold_zero_psums`): one line
     # per psum, with its scope.
     folded: list[str] = dataclasses.field(default_factory=list)
+    # Per scope whose all-gathers were planned together (`_Rewriter.prefetch_gathers`): the
+    # model's inputs and choice (`planner.GatherStep`s, `planner.GatherPlan`), for `explain`.
+    gathers: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     @property
     def num_psums(self) -> int:
@@ -495,6 +522,7 @@ class OptimizeReport:
         """One line per planned collective: what every process must agree on."""
         return ([f"{p.scope} axes={p.axes} psums={p.members} bytes={p.nbytes} blocks={p.blocks} "
                  f"kind={p.kind} overlap={p.overlap} collective={p.collective}"
+                 + (f" ahead={p.ahead}" if p.collective == "all-gather" else "")
                  for p in self.plans]
                 + [f"{p.scope} loop={p.index} body={p.body} gradient={p.gradient} "
                    f"calls={p.calls} psums={p.psums} {p.choice}" for p in self.loops])
@@ -646,6 +674,7 @@ def check_plan_agreement(report: OptimizeReport, *, program: str) -> None:
 
 def rewrite_jaxpr(closed: Any, *, profile: Any = None, fusion: bool = True,
                   blocks: int | None = None, overlap: str | None = None, loops: str = "auto",
+                  prefetch: str | int | None = None, prefetch_bytes: int | None = None,
                   inputs: Sequence[Any] = ()) -> tuple[Any, OptimizeReport]:
     """Rewrite `closed` (a ClosedJaxpr) as the module docstring states.
 
@@ -656,7 +685,9 @@ def rewrite_jaxpr(closed: Any, *, profile: Any = None, fusion: bool = True,
         allreduce.check_blocks(blocks)
     report = OptimizeReport()
     options = _Options(profile=profile, fusion=fusion, blocks=blocks,
-                       overlap=config.overlap_mode(overlap), loops=_loop_mode(loops))
+                       overlap=config.overlap_mode(overlap), loops=_loop_mode(loops),
+                       prefetch=config.prefetch_mode(prefetch),
+                       prefetch_bytes=config.prefetch_bytes(prefetch_bytes))
     with _compat.memoized_sub_jaxprs():
         rewriter = _Rewriter(options, report, closed)
         # A step traced inside a `pmap` or `shard_map` (``pmap(optimize(step))``) sees its
@@ -700,6 +731,8 @@ class _Options:
     blocks: int | None
     overlap: str = "auto"
     loops: str = "auto"
+    prefetch: str | int = "auto"    # `config.prefetch_mode`
+    prefetch_bytes: int = config.DEFAULT_PREFETCH_BYTES
 
     def __post_init__(self) -> None:
         profile = self.profile  # checked when made; a JSON document is read now, once
@@ -716,7 +749,8 @@ class _Options:
             profile = ("profile", profile)  # a value (`model.Profile`): equal ones share
         elif profile is not None:
             profile = ("name", os.fspath(profile))
-        return (profile, self.fusion, self.blocks, self.overlap, self.loops)
+        return (profile, self.fusion, self.blocks, self.overlap, self.loops, self.prefetch,
+                self.prefetch_bytes)
 
     def resolved_profile(self) -> model.Profile:
         """The profile as a loaded `model.Profile`: resolved once per trace (None: the
@@ -771,6 +805,10 @@ class _Edits:
     removed: set[int] = dataclasses.field(default_factory=set)  # fused into a later member
     sink: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # moves after a bucket
     dones: dict[int, Any] = dataclasses.field(default_factory=dict)  # a start's -> its done
+    # Equations placed right before / after the one at a position (an all-gather's start,
+    # issued ahead: `_Rewriter.prefetch_gathers`); scheduled as the equations around them.
+    before: dict[int, list[Any]] = dataclasses.field(default_factory=dict)
+    after: dict[int, list[Any]] = dataclasses.field(default_factory=dict)
 
     @property
     def moved(self) -> set[int]:
@@ -827,13 +865,17 @@ def _schedule(eqns: Sequence[Any], edits: _Edits) -> list[Any]:
             out.append(done.replace(invars=[*done.invars[:-1], latest[-1]]))
             out.extend(rest)
 
-    for i in range(len(eqns)):
-        if i in skipped:
-            continue
-        eqn = edits.replacements.get(i, eqns[i])
+    def items() -> Iterable[tuple[int, Any, bool]]:  # (position, equation, the position's own)
+        for i in range(len(eqns)):
+            yield from ((i, e, False) for e in edits.before.get(i, ()))
+            if i not in skipped:
+                yield i, edits.replacements.get(i, eqns[i]), True
+            yield from ((i, e, False) for e in edits.after.get(i, ()))
+
+    for i, eqn, own in items():
         reads = {v for v in eqn.invars if _compat.is_var(v)}
         needed = [n for n, (defined, _) in enumerate(waiting) if defined & reads]
-        if needed and not (eqn.effects or _is_psum(eqn) or i in edits.dones):
+        if needed and not (eqn.effects or _is_psum(eqn) or (own and i in edits.dones)):
             defined, group = waiting[needed[-1]]
             group.append(eqn)
             defined.update(v for v in eqn.outvars if _compat.is_var(v))
@@ -842,6 +884,8 @@ def _schedule(eqns: Sequence[Any], edits: _Edits) -> list[Any]:
             place(waiting[:needed[-1] + 1])
             del waiting[:needed[-1] + 1]
         out.append(eqn)
+        if not own:
+            continue
         after = [eqns[j] for j in edits.sink.get(i, ())]
         if i in edits.dones:
             latest.append(eqn.outvars[-1])
@@ -867,6 +911,30 @@ class _Rewriter:
         # (scope, a scan equation's position) -> the choice hoist_loops made for its stacked
         # slices: a LoopPlan, completed once the body is planned (`loop_report`).
         self.hoisting: dict[tuple[str, int], LoopPlan] = {}
+        # Remat's re-gathers taken out of their `checkpoint` to be issued ahead
+        # (`hoist_regathers`): their results, each with the checkpoint's cotangent it must
+        # not start before.
+        self.regathered: dict[Any, Any] = {}
+        self.prefetch, self.prefetch_why = self.prefetch_mode()
+
+    def prefetch_mode(self) -> tuple[int | None, str]:
+        """(the distance all-gathers are issued at, None: the model's per scope; why "auto"
+        issues one call each, or ""). ``prefetch="auto"`` takes the model's distance only on
+        a GPU under ``LIBRA_JAX_CUDA=nccl`` (libra's GPU all-gather, issued on its own stream;
+        not yet run on a GPU: opt-in with that path). On CPU one call measures faster
+        (benchmarks/results/fsdp_prefetch.md: the engine's copies and the compute share the
+        same cores, and a pair costs more than a call); on the other GPU paths the
+        all-gathers are XLA's, which its own scheduler moves."""
+        mode = self.options.prefetch
+        if mode != "auto":
+            return int(mode), ""
+        if self.profile.fair_share is not None:
+            return 0, ("on CPU one call where it is used measures faster than issuing ahead "
+                       "(benchmarks/results/fsdp_prefetch.md)")
+        if config.cuda_path() != "nccl":
+            return 0, ("libra's GPU all-gather is NCCL's (LIBRA_JAX_CUDA=nccl); on this path "
+                       "the all-gathers are XLA's")
+        return None, ""
 
     def call_id(self) -> int:
         """The id of the program's next start/done pair (`libra_jax.ops.start_done`): a fingerprint
@@ -887,6 +955,8 @@ class _Rewriter:
         body of any equation autodiff's transpose made (a `checkpoint`'s backward pass: its
         all-gathers are remat's re-gathers)."""
         eqns = self.hoist_loops(jaxpr.eqns, axis_sizes, scope)
+        if not in_loop and self.prefetch != 0:
+            eqns = self.hoist_regathers(eqns, axis_sizes)
         eqns = [self.sub_jaxprs(eqn, i, axis_sizes, scope, in_loop, in_backward)
                 for i, eqn in enumerate(eqns)]
         eqns = self.fold_zero_psums(eqns, scope)
@@ -953,25 +1023,157 @@ class _Rewriter:
     def edit_gathers(self, eqns: Sequence[Any], gathers: Sequence[_Site], axis_sizes: dict,
                      scope: str, in_loop: bool, in_backward: bool, invars: set,
                      edits: _Edits) -> None:
-        """Each all-gather (`gather_site`) as libra's, one call at the model's block count
-        (`allreduce.default_blocks`), or the count it was given (kind "user"). Kind "loop" in
-        a loop body, "backward" on the backward pass (remat's re-gathers: in a scope autodiff's
-        transpose made, or reading what it computed), else "forward"."""
+        """Each all-gather (`gather_site`) as libra's, at the model's block count, or the count
+        it was given (kind "user"). Kind "loop" in a loop body (one call each), "backward" on
+        the backward pass (remat's re-gathers: in a scope autodiff's transpose made, reading
+        what it computed, or taken out of their checkpoint by `hoist_regathers`), else
+        "forward". A scope's forward and backward gathers over the same axes are issued as
+        `prefetch_gathers` plans them: each one call where it is used
+        (`allreduce.default_blocks`), or a start/done pair issued ahead."""
         if not gathers:
             return
         backward = _backward_sites(eqns, gathers) or set()
+        kinds: dict[int, str] = {}
+        ahead: dict[tuple, list[_Site]] = {}
         for site in gathers:
-            k = site.explicit_blocks
-            if k is not None:
-                kind = "user"
+            if site.explicit_blocks is not None:
+                kinds[site.index] = "user"
+            elif in_loop:
+                kinds[site.index] = "loop"
             else:
-                kind = ("loop" if in_loop else "backward"
-                        if in_backward or site.index in backward else "forward")
+                kinds[site.index] = ("backward" if in_backward or site.index in backward
+                                     or site.result in self.regathered else "forward")
+                ahead.setdefault(site.axes, []).append(site)
+        issued: dict[int, tuple[int, str, int]] = {}  # position -> (blocks, overlap, ahead)
+        for sites in ahead.values():
+            issued.update(self.prefetch_gathers(eqns, sites, axis_sizes, scope, edits))
+        for site in gathers:
+            k, overlap, distance = issued.get(site.index, (site.explicit_blocks, "sync", 0))
+            if k is None:
                 k = allreduce.default_blocks(site.nbytes, _world(axis_sizes, site.axes),
                                              self.profile, collective="all_gather")
+            if site.explicit_blocks is None and overlap == "sync":
                 edits.replacements[site.index] = _single(eqns[site.index], site, k, invars)
+                anchor = self.regathered.get(site.result)
+                if anchor is not None:  # not before its checkpoint's cotangent (its pass)
+                    barrier, edits.replacements[site.index] = _anchored(
+                        edits.replacements[site.index], anchor)
+                    edits.before.setdefault(site.index, []).append(barrier)
             self.report.plans.append(PsumPlan(scope, site.axes, (site.index,), site.nbytes,
-                                              k, kind, collective="all-gather"))
+                                              int(k), kinds[site.index], overlap,
+                                              "all-gather", distance))
+
+    def prefetch_gathers(self, eqns: Sequence[Any], sites: Sequence[_Site], axis_sizes: dict,
+                         scope: str, edits: _Edits) -> dict[int, tuple[int, str, int]]:
+        """Issue a scope's gathers over one set of axes (in jaxpr order: the forward pass's,
+        then remat's re-gathers) ahead of their use, as the model plans them
+        (`planner.plan_gathers`; ``optimize(prefetch=d)``: at distance d): gather i starts
+        when gather i - d is done, its operand passed through an `optimization_barrier` with
+        that gather's result (XLA orders by data only: this keeps the start from moving
+        earlier and holding its buffer longer), and is done where the one call was, before
+        its first use. One that cannot start earlier (its operand is computed after that
+        point) stays one call. Returns, per position issued as a pair, (blocks, "prefetch",
+        distance); positions left out are one call each."""
+        world = _world(axis_sizes, sites[0].axes)
+        if world < 2:
+            return {}
+        cap, cap_why = block_cap(self.profile)
+        derivation = model.derive(self.profile, world, max_blocks=cap, max_blocks_why=cap_why)
+        cost = derivation.cost
+        positions = [site.index for site in sites]
+        costs = [0.0 if i in positions else _roofline_s(eqn, self.profile)
+                 for i, eqn in enumerate(eqns)]
+        bounds = [*positions, len(eqns)]
+        steps = [planner.GatherStep(float(sum(costs[bounds[j] + 1:bounds[j + 1]])),
+                                    int(site.nbytes)) for j, site in enumerate(sites)]
+        one_call = [planner.no_overlap_allocation(
+            cost, site.nbytes, lambda key: derivation.launch_shape(key)[0], "all-gather")
+            for site in sites]
+        lead_s = float(sum(costs[:positions[0]]))
+        if len(sites) == 1 and lead_s == 0:
+            return {}  # no compute before its use: nothing to issue it ahead of
+        # The model's choice (or the distance asked for), shown by `explain` even where
+        # "auto" issues one call each (`prefetch_mode`).
+        plan = planner.plan_gathers(
+            steps, cost, one_call_blocks=one_call, max_bytes=self.options.prefetch_bytes,
+            lead_s=lead_s, distance=None if self.options.prefetch == "auto" or
+            not self.options.prefetch else int(self.options.prefetch))
+        d = plan.distance if self.prefetch is None else min(plan.distance, self.prefetch)
+        self.report.gathers.append({
+            "scope": scope, "axes": sites[0].axes, "world": world, "steps": steps,
+            "plan": plan, "distance": d, "why": self.prefetch_why if d != plan.distance else "",
+            "cost": cost, "lead_s": lead_s, "positions": tuple(positions), "one_call": one_call,
+            "operands": tuple(eqns[i].invars[0] for i in positions),
+            "key_unit": derivation.key_unit, "profile": self.profile})
+        if d == 0:
+            return {}
+        defined = {v: i for i, eqn in enumerate(eqns) for v in eqn.outvars}
+        results: dict[int, Any] = {}  # position -> the done's result (its gathered value)
+        issued = {}
+        for j, site in enumerate(sites):
+            eqn = eqns[site.index]
+            operand = eqn.invars[0]
+            k = min(allreduce.MAX_BLOCKS, max(1, derivation.launch_shape(plan.blocks[j])[0]))
+            made = defined.get(operand, -1) if _compat.is_var(operand) else -1
+            # Where it starts: when gather j - d is done, or at the scope's start.
+            at = positions[j - d] if j >= d else 0
+            if made >= at:
+                continue  # its operand is computed later: one call where it is used
+            start, done = _gather_pair(eqn, site, k, self.call_id())
+            anchor = results.get(at) if j >= d else self.regathered.get(site.result)
+            if anchor is not None and not (j < d and defined.get(anchor, -1) >= at):
+                barrier, start = _anchored(start, anchor)
+                pair = [barrier, start]
+            else:
+                pair = [start]
+            if j >= d:
+                edits.after.setdefault(at, []).extend(pair)
+            else:
+                edits.before.setdefault(at, []).extend(pair)
+            edits.replacements[site.index] = done
+            results[site.index] = done.outvars[0]
+            issued[site.index] = (k, "prefetch", d)
+        return issued
+
+    def hoist_regathers(self, eqns: Sequence[Any], axis_sizes: dict) -> list[Any]:
+        """The scope's equations with remat's re-gathers taken out of their checkpoint: a
+        `checkpoint` autodiff's transpose made (a layer's backward pass under `jax.checkpoint`)
+        whose body all-gathers one of its inputs gets that gather's result as an input
+        instead, the gather placed just before it, where `prefetch_gathers` may issue it
+        ahead. The values are the same; what remat saves is unchanged (the gather still runs in
+        the backward pass, not kept from the forward one). Each is noted with the
+        checkpoint's last input computed in this scope (its cotangent), which its start waits
+        for unless prefetched (so XLA cannot move it into the forward pass)."""
+        out: list[Any] = []
+        defined = {v for eqn in eqns for v in eqn.outvars}
+        for eqn in eqns:
+            body = eqn.params.get("jaxpr")
+            if (eqn.primitive.name not in ("remat2", "checkpoint") or body is None
+                    or hasattr(body, "consts") or not _compat.made_by_transpose(eqn, deep=False)):
+                out.append(eqn)
+                continue
+            position = {v: i for i, v in enumerate(body.invars)}
+            taken = [e for e in body.eqns
+                     if self.gather_site(0, e) is not None and e.params.get("blocks") is None
+                     and _compat.is_var(e.invars[0]) and e.invars[0] in position
+                     and all(a in axis_sizes for a in _axis_names(e.params))]
+            computed = [v for v in eqn.invars if _compat.is_var(v) and v in defined]
+            if not taken or not computed:
+                out.append(eqn)
+                continue
+            hoisted = []
+            for e in taken:
+                result = _compat.new_var(e.outvars[0].aval)
+                hoisted.append(e.replace(invars=[eqn.invars[position[e.invars[0]]]],
+                                         outvars=[result], source_info=eqn.source_info))
+                self.regathered[result] = computed[-1]
+            kept = [e for e in body.eqns if not any(e is t for t in taken)]
+            new_body = body.replace(invars=[*body.invars, *(e.outvars[0] for e in taken)],
+                                    eqns=kept)
+            out.extend(hoisted)
+            out.append(eqn.replace(invars=[*eqn.invars, *(e.outvars[0] for e in hoisted)],
+                                   params={**eqn.params, "jaxpr": new_body}))
+        return out
 
     def gather_site(self, index: int, eqn: Any) -> _Site | None:
         """An all_gather (JAX's, either kind, or libra's) that libra's engine can serve: not
@@ -1677,6 +1879,34 @@ def _start_done(eqns: Sequence[Any], bucket: Sequence[_Site], axes: tuple, invar
         params=dict(out_avals=tuple(v.aval for v in results), axes=axes, blocks=int(blocks),
                     call_id=call_id), effects=set())
     return start, done
+
+
+def _gather_pair(eqn: Any, site: _Site, blocks: int, call_id: int) -> tuple[Any, Any]:
+    """An all_gather as a `libra_sharded_start` equation (its operand -> the full buffer in
+    flight and a token) and a `libra_sharded_done` equation (those -> the gather's result),
+    both from the gather's equation (its context and source info carry over)."""
+    dimension, size, tiled, _ = site.gather  # type: ignore[misc]
+    params = dict(collective="all_gather", axis_name=site.axes, dimension=dimension,
+                  axis_size=size, tiled=tiled, blocks=int(blocks), call_id=call_id)
+    operand, result = eqn.invars[0], eqn.outvars[0]
+    flat_aval, token_aval = libra_sharded_start_p.abstract_eval(operand.aval, **params)[0]
+    flat, token = _compat.new_var(flat_aval), _compat.new_var(token_aval)
+    start = eqn.replace(primitive=libra_sharded_start_p, invars=[operand], outvars=[flat, token],
+                        params=params, effects=eqn.effects)
+    done = eqn.replace(primitive=libra_sharded_done_p, invars=[flat, token], outvars=[result],
+                       params=dict(params, out_aval=result.aval), effects=set())
+    return start, done
+
+
+def _anchored(eqn: Any, anchor: Any) -> tuple[Any, Any]:
+    """(an `optimization_barrier` of `eqn`'s operand with `anchor`, `eqn` reading the operand
+    through it): `eqn` cannot run before `anchor` is computed (XLA orders by data only)."""
+    operand = eqn.invars[0]
+    through = _compat.new_var(operand.aval)
+    barrier = eqn.replace(primitive=_compat.optimization_barrier_p, invars=[operand, anchor],
+                          outvars=[through, _compat.new_var(anchor.aval)], params={},
+                          effects=set())
+    return barrier, eqn.replace(invars=[through, *eqn.invars[1:]])
 
 
 def _fingerprint(jaxpr: Any) -> int:

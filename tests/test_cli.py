@@ -345,6 +345,9 @@ def test_profiles_not_shipped_plan_alike_in_optimize_explain_plan_and_simulate(
     (["plan", "README.md"], 2, "README.md is not a Python file"),
     (["calibrate", "--out", "/"], 2, "--out /: is a directory"),
     (["simulate", "--model", "nope"], 2, "argument --model: invalid choice"),
+    (["plan", "README.md", "--prefetch", "soon"], 2,
+     "argument --prefetch: must be 'auto', 'off' or a number of all-gathers ahead (0 to 64), "
+     "got 'soon'"),
 ])
 def test_misuse_is_one_line_and_its_exit_status(capsys, monkeypatch, argv, status,
                                                 message) -> None:
@@ -429,3 +432,66 @@ def test_gantt_chart_has_a_legend_and_names_every_bucket() -> None:
     for c in tl.collectives:
         assert f"#{c.bucket}: {c.blocks}" in texts, c.bucket
     assert matplotlib.get_backend() == backend
+
+
+FSDP_SCRIPT = '''
+import sys
+sys.path.insert(0, {tests!r})
+from corpus import fsdp_remat
+
+def build(small=False):
+    case = fsdp_remat()
+    return case.step, (case.state, *case.batch)
+'''
+
+
+@pytest.fixture
+def fsdp_script(tmp_path):
+    path = tmp_path / "fsdp_step.py"
+    path.write_text(FSDP_SCRIPT.format(tests=str(Path(__file__).parent)))
+    return path
+
+
+def test_plan_shows_the_all_gathers_and_how_far_ahead(capsys, fsdp_script, tmp_path, jax_8):
+    """`plan --prefetch N` lists each gather (forward and remat's re-gathers) issued N ahead,
+    beside whose compute it runs; the default on CPU issues one call each and says why;
+    `--gantt-gathers` draws the pass."""
+    status, out, _ = run(capsys, "plan", str(fsdp_script), "--plain", "--prefetch", "1")
+    assert status == 0
+    assert "6 all_gathers, issued 1 ahead" in out and "beside the compute of" in out
+    assert re.search(r"\n1\s+w2\s+forward .* 1 ahead\s+w1\s", out), out
+    assert re.search(r"\n3\s+w3\s+backward .* 1 ahead\s+w3\s", out), out
+    status, out, _ = run(capsys, "plan", str(fsdp_script), "--plain")
+    assert status == 0 and "3 all_gathers, one call each where used" in out
+    assert "issued one call each: on CPU one call where it is used measures faster" in out
+    if HAS_MATPLOTLIB:
+        path = tmp_path / "gathers.png"
+        status, out, _ = run(capsys, "plan", str(fsdp_script), "--prefetch", "2",
+                             "--gantt-gathers", str(path))
+        assert status == 0 and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plan_gantt_gathers_needs_gathers(capsys, plan_script, tmp_path, jax_8):
+    status, _, err = run(capsys, "plan", str(plan_script), "--gantt-gathers",
+                         str(tmp_path / "g.png"))
+    assert status == 2 and "no all-gathers were planned" in err
+
+
+def test_gather_chart_names_each_gather_and_its_compute() -> None:
+    """The chart of a pass of all-gathers: each gather "#i AG: blocks name" on the all-gather
+    row, each compute "#i" on the compute row."""
+    pytest.importorskip("matplotlib")
+    derivation = model.derive("h200", 8)
+    k = max(derivation.cost.keys)
+    steps = [planner.GatherStep(1e-3, 1 << 30) for _ in range(4)]
+    tl = planner.gather_timeline(steps, derivation.cost, distance=1, blocks=k)
+    fig = gantt.chart(tl, names=["a", "b", "c", "d"])
+    texts = [t.get_text() for t in fig.axes[0].texts]
+    assert [t for t in texts if " AG: " in t] == [f"#{i} AG: {k} {n}" for i, n in enumerate("abcd")]
+    assert {"#0", "#1", "#2", "#3"} <= set(texts)
+    assert fig.axes[0].get_yticklabels()[0].get_text().startswith("all-gather")
+    # Gathers too narrow to label are listed under the chart, named.
+    narrow = planner.gather_timeline([planner.GatherStep(1.0, 1 << 20)] * 2, derivation.cost,
+                                     distance=1, blocks=k)
+    listed = " ".join(t.get_text() for t in gantt.chart(narrow, names=["a", "b"]).texts)
+    assert "narrow gathers (ms): #0 AG: " in listed and f"#1 AG: {k} b" in listed

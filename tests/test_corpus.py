@@ -213,3 +213,30 @@ def _last_report(fn):
         if getattr(f, "last_report", None) is not None:
             return f.last_report
     raise AssertionError(f"no optimize report reachable from {fn!r}")
+
+
+FSDP = [name for name in CASES if name.startswith("fsdp-")]
+
+
+@pytest.mark.parametrize("prefetch", [1, 2])
+@pytest.mark.parametrize("name", FSDP)
+def test_fsdp_steps_with_gathers_issued_ahead_equal_their_xla_control(name, prefetch):
+    """``optimize(prefetch=d)`` on the FSDP steps: every forward gather (and remat's
+    re-gathers) issued d ahead as a start/done pair; trained state and metrics bitwise its
+    XLA control; losses within class 3's bound of plain; the kinds as with one call each."""
+    case = CASES[name]()
+    opt_fn = optimize(case.step, prefetch=prefetch)
+    s_opt, m_opt = train(jitted(opt_fn, case), case, STEPS)
+    s_ctl, m_ctl = train(jitted(optimize(case.step, prefetch=prefetch, collectives="xla"), case),
+                         case, STEPS)
+    _, m_plain = train(jitted(case.step, case), case, STEPS)
+    assert leaves_bytes(s_opt) == leaves_bytes(s_ctl), "state: Libra vs its XLA control"
+    assert leaves_bytes(m_opt) == leaves_bytes(m_ctl), "metrics: Libra vs its XLA control"
+    assert_codegen_close(losses(m_opt), losses(m_plain))
+    report = opt_fn.last_report
+    gathers = [p for p in report.plans if p.collective == "all-gather"]
+    assert gathers and {(p.overlap, p.ahead) for p in gathers} == {("prefetch", prefetch)}
+    kinds: dict[str, int] = {}
+    for p in report.plans:
+        kinds[p.kind] = kinds.get(p.kind, 0) + len(p.members)
+    assert kinds == case.kinds, report.plan_lines()

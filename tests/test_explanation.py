@@ -202,3 +202,34 @@ def test_table_uses_the_terminals_width(monkeypatch) -> None:
     monkeypatch.setenv("COLUMNS", "150")
     assert os.environ["COLUMNS"] == "150"
     assert max(len(line) for line in e.table(use_rich=True).splitlines()) > 80
+
+
+def test_explain_shows_which_gather_overlaps_which_compute():
+    """FSDP under remat with ``prefetch=1``: one scope of six gathers (the forward's, then
+    remat's re-gathers), each named by the parameter it gathers, issued one ahead beside the
+    compute of the gather before it; the predicted pass is the model's, as issued; the table
+    says so."""
+    from libra_jax import planner
+    from corpus import fsdp_remat
+    case = fsdp_remat()
+    e = libra_jax.explain(case.step, case.state, *case.batch, prefetch=1, file=None)
+    g, = e.gathers
+    assert [(r.tensor, r.kind, r.ahead) for r in g.rows] == (
+        [(w, "forward", 1) for w in ("w1", "w2", "w3")]
+        + [(w, "backward", 1) for w in ("w3", "w2", "w1")])
+    assert [r.overlaps for r in g.rows] == [(), ("w1",), ("w2",), ("w3",), ("w3",), ("w2",)]
+    assert g.distance == 1 and not g.why
+    assert g.total_s == planner.simulate_gathers(list(g.steps), g.cost, distance=1,
+                                                 blocks=list(g.blocks), lead_s=g.lead_s)
+    assert g.one_call_s == g.plan.one_call_s and g.timeline().total_s == g.total_s
+    text = e.table(use_rich=False)
+    assert "6 all_gathers, issued 1 ahead" in text and "predicted pass:" in text
+    assert "the model's choice" in text
+    rich = pytest.importorskip("rich")
+    assert rich and "beside the compute of" in e.table(use_rich=True, width=160)
+    # The default on CPU: one call each, the model's choice and why it was not taken shown.
+    e = libra_jax.explain(case.step, case.state, *case.batch, file=None)
+    g, = e.gathers
+    assert g.distance == 0 and len(g.rows) == 3 and all(r.ahead == 0 for r in g.rows)
+    assert "measures faster" in g.why
+    assert "issued one call each: on CPU" in e.table(use_rich=False)

@@ -799,3 +799,141 @@ def test_mixed_collectives_errors():
     with pytest.raises(ValueError, match="a bucket holds one collective"):
         plan_exhaustive(layers, cost, buckets=[(0, 1)])
     assert hash(cost) != hash(CostModel(0.5, {1: 10.0}, {1: 5.0}, {1: 2.0}))
+
+
+# ---------------------------------------------------------------------------------------------
+# All-gathers issued ahead (prefetch): gather_timeline, plan_gathers
+# ---------------------------------------------------------------------------------------------
+
+from libra_jax.planner import (  # noqa: E402
+    GatherStep,
+    gather_timeline,
+    held_bytes,
+    plan_gathers,
+    simulate_gathers,
+)
+
+
+def gather_cost(slowdown=1.25, overlap_ratio=0.6, latency=2e-5):
+    """Two allocations; the all-gather moves half an all-reduce's bytes per byte."""
+    return CostModel(latency_s=1e-5, solo_bw={1: 1e9, 4: 3e9},
+                     overlap_bw={1: 1e9 * overlap_ratio, 4: 3e9 * overlap_ratio},
+                     slowdown={1: 1.0 + (slowdown - 1) / 3, 4: slowdown},
+                     collectives={"all-gather": CollectiveTerms(latency, 0.5)})
+
+
+@st.composite
+def gather_instances(draw):
+    n = draw(st.integers(1, 6))
+    steps = [GatherStep(draw(st.floats(0, 2e-3)), draw(st.integers(0, 4_000_000)))
+             for _ in range(n)]
+    return steps, draw(st.floats(0, 1e-3)), draw(st.integers(0, 4)), draw(st.sampled_from([1, 4]))
+
+
+def test_one_call_gathers_are_serial_with_compute():
+    """Distance 0: compute waits for each whole gather, alone at the solo rate, no slowdown."""
+    cost = gather_cost()
+    steps = [GatherStep(1e-3, 2_000_000), GatherStep(5e-4, 0), GatherStep(2e-3, 6_000_000)]
+    for k in (1, 4):
+        expected = 3e-4 + sum(2e-5 + s.nbytes * 0.5 / cost.solo_bw[k] + s.compute_s for s in steps)
+        assert simulate_gathers(steps, cost, distance=0, blocks=k, lead_s=3e-4) == pytest.approx(
+            expected, rel=1e-12)
+
+
+def test_a_gather_ahead_hides_behind_the_compute_before_its_use():
+    """Distance 1 with no contention (slowdown 1, full overlap bandwidth) and compute longer
+    than every gather: only the first gather shows (it has no compute before it)."""
+    cost = CostModel(latency_s=0.0, solo_bw={2: 1e9}, overlap_bw={2: 1e9}, slowdown={2: 1.0},
+                     collectives={"all-gather": CollectiveTerms(0.0, 1.0)})
+    steps = [GatherStep(2e-3, 1_000_000) for _ in range(5)]
+    assert simulate_gathers(steps, cost, distance=1, blocks=2) == pytest.approx(1e-3 + 1e-2)
+    assert simulate_gathers(steps, cost, distance=0, blocks=2) == pytest.approx(5e-3 + 1e-2)
+    # A lead of compute reading no gather hides the first one too (issued at the start).
+    assert simulate_gathers(steps, cost, distance=1, blocks=2, lead_s=1e-3) == pytest.approx(
+        1e-3 + 1e-2)
+
+
+@given(gather_instances())
+@FAST
+def test_gather_timeline_keeps_its_rules(case):
+    """Every gather is issued when gather i - d's compute starts (the first d at 0; one call:
+    when compute reaches it), starts after the previous one ends and no earlier than issued,
+    ends before its compute starts; computes run back to back or wait; the compute stream
+    does each step's full-speed work; the pass ends when the last compute does."""
+    steps, lead, d, k = case
+    cost = gather_cost()
+    tl = gather_timeline(steps, cost, distance=d, blocks=k, lead_s=lead)
+    eps = 1e-12
+    prev_end, prev_compute_end = 0.0, None
+    for i, g in enumerate(tl.gathers):
+        if d and i < d:
+            assert g.issue == 0.0
+        elif d:
+            assert g.issue == pytest.approx(tl.gathers[i - d].compute_start, abs=eps)
+        else:
+            assert g.issue == pytest.approx(prev_compute_end if i else lead, abs=eps)
+        assert g.start >= max(g.issue, prev_end) - eps
+        assert g.start == pytest.approx(max(g.issue, prev_end), abs=eps)
+        assert g.end >= g.latency_end - eps and g.compute_start >= g.end - eps
+        if i:
+            assert g.compute_start >= prev_compute_end - eps
+        prev_end, prev_compute_end = g.end, g.compute_end
+    for step in range(-1, len(steps)):
+        work = sum((t1 - t0) / s for j, t0, t1, s in tl.compute if j == step)
+        assert work == pytest.approx(lead if step < 0 else steps[step].compute_s, abs=1e-12)
+    assert tl.total_s == pytest.approx(tl.gathers[-1].compute_end, abs=eps)
+    assert simulate_gathers(steps, cost, distance=d, blocks=k, lead_s=lead) == tl.total_s
+
+
+@given(gather_instances())
+@FAST
+def test_plan_gathers_is_the_best_distance_and_allocation_within_the_memory(case):
+    steps, lead, _, _ = case
+    cost = gather_cost()
+    limit = 3_000_000
+    one = [1] * len(steps)
+    got = plan_gathers(steps, cost, one_call_blocks=one, max_bytes=limit, lead_s=lead)
+    options = [(simulate_gathers(steps, cost, distance=0, blocks=one, lead_s=lead), 0)]
+    options += [(simulate_gathers(steps, cost, distance=d, blocks=k, lead_s=lead), d)
+                for d in range(1, min(4, len(steps)) + 1) if held_bytes(steps, d) <= limit
+                for k in cost.keys]
+    best = min(t for t, _ in options)
+    assert got.total_s == pytest.approx(best, rel=1e-12)
+    assert held_bytes(steps, got.distance) <= limit
+    assert got.distance == min(d for t, d in options if t <= best * (1 + 1e-12))
+    assert got.one_call_s == options[0][0]
+
+
+def test_plan_gathers_memory_bound_and_fixed_distance():
+    cost = gather_cost(slowdown=1.0, overlap_ratio=1.0)
+    steps = [GatherStep(1e-3, 2_000_000) for _ in range(6)]
+    assert held_bytes(steps, 0) == 0 and held_bytes(steps, 2) == 4_000_000
+    assert plan_gathers(steps, cost, one_call_blocks=[4] * 6, max_bytes=10**9).distance >= 1
+    # Nothing may be held ahead: one call each, at the one-call allocation.
+    tight = plan_gathers(steps, cost, one_call_blocks=[4] * 6, max_bytes=1_999_999)
+    assert tight.distance == 0 and tight.blocks == (4,) * 6
+    assert tight.total_s == tight.one_call_s
+    # A fixed distance is taken as given (the bound is the caller's), at its best allocation.
+    fixed = plan_gathers(steps, cost, one_call_blocks=[1] * 6, max_bytes=0, distance=3)
+    assert fixed.distance == 3 and fixed.blocks == (4,) * 6
+    assert fixed.total_s == simulate_gathers(steps, cost, distance=3, blocks=4)
+
+
+def test_gather_plan_errors():
+    cost = gather_cost()
+    steps = [GatherStep(1e-3, 10)]
+    with pytest.raises(ValueError, match="GatherStep.compute_s"):
+        GatherStep(-1.0, 1)
+    with pytest.raises(ValueError, match="GatherStep.nbytes"):
+        GatherStep(1.0, 1.5)
+    with pytest.raises(ValueError, match="distance must be an integer >= 0"):
+        simulate_gathers(steps, cost, distance=-1, blocks=1)
+    with pytest.raises(ValueError, match="one allocation per gather"):
+        simulate_gathers(steps, cost, distance=0, blocks=[1, 4])
+    with pytest.raises(ValueError, match="one_call_blocks must give one allocation"):
+        plan_gathers(steps, cost, one_call_blocks=[], max_bytes=1)
+    with pytest.raises(ValueError, match="max_bytes"):
+        plan_gathers(steps, cost, one_call_blocks=[1], max_bytes=-1)
+    with pytest.raises(ValueError, match="does not price the all-gather"):
+        simulate_gathers(steps, CostModel(0.0, {1: 1.0}, {1: 1.0}, {1: 1.0}), distance=0,
+                         blocks=1)

@@ -17,6 +17,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import libra_jax
+from libra_jax import _compat
 from libra_jax.config import xla_flags
 from libra_jax.rewrite import optimize, rewrite_jaxpr
 
@@ -1186,3 +1187,190 @@ def test_optimize_inside_a_device_map_plans_for_its_axis(where):
     assert_bitwise(got, wrap(optimize(step, collectives="xla"))(params, x))
     assert [entry["world"] for entry in opt.last_report.predicted] == [8]
     assert {p.kind for p in opt.last_report.plans} == {"gradient"}
+
+
+# --- All-gathers issued ahead (prefetch) ----------------------------------------------------
+
+def _eqns_named(jaxpr, name):
+    """Every equation of `name` in `jaxpr` and its sub-jaxprs, with the jaxpr holding it."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == name:
+            found.append((jaxpr, eqn))
+        for sub in _compat.jaxprs_in_params(eqn.params):
+            found += _eqns_named(getattr(sub, "jaxpr", sub), name)
+    return found
+
+
+def _train(fn, state, batch, steps=3):
+    state = corpus_fresh(state)
+    for _ in range(steps):
+        state, loss = fn(state, *batch)
+    return jax.tree.leaves((state, loss))
+
+
+def corpus_fresh(tree):
+    from corpus import fresh
+    return fresh(tree)
+
+
+@pytest.mark.parametrize("distance", [1, 2])
+def test_prefetch_issues_each_gather_ahead_bitwise_its_control(distance):
+    """FSDP under remat with ``prefetch=d``: the forward gathers and remat's re-gathers (taken
+    out of their checkpoints) are start/done pairs in the step's scope; gather j starts right
+    after gather j - d is done, its operand passed through a barrier with that done's
+    result; no all_gather is left in a checkpoint; the plans say so; trained state bitwise its
+    XLA control, and the kinds are the corpus's."""
+    from corpus import fsdp_remat
+    case = fsdp_remat()
+    opt = optimize(case.step, prefetch=distance)
+    closed = jax.make_jaxpr(opt)(case.state, *case.batch)
+    assert not _eqns_named(closed.jaxpr, "all_gather")
+    assert not _eqns_named(closed.jaxpr, "libra_all_gather")
+    starts = _eqns_named(closed.jaxpr, "libra_sharded_start")
+    dones = _eqns_named(closed.jaxpr, "libra_sharded_done")
+    assert len(starts) == len(dones) == 6
+    body = starts[0][0]
+    assert all(j is body for j, _ in starts + dones)  # one scope: forward and backward
+    order = {id(e): i for i, e in enumerate(body.eqns)}
+    producer = {v: e for e in body.eqns for v in e.outvars}
+    dones = sorted((e for _, e in dones), key=lambda e: order[id(e)])
+    by_token = {e.invars[1]: e for e in dones}
+    for _, start in starts:
+        done = by_token[start.outvars[1]]  # its own start's buffer and token
+        assert done.invars[0] is start.outvars[0]
+        j = dones.index(done)
+        assert order[id(start)] < order[id(done)]
+        if j >= distance:  # started right after gather j - d is done, ordered by a barrier
+            barrier = producer[start.invars[0]]
+            assert barrier.primitive.name == "optimization_barrier"
+            assert barrier.invars[1] is dones[j - distance].outvars[0]
+            assert order[id(dones[j - distance])] < order[id(start)]
+            assert all(order[id(d)] > order[id(start)] for d in dones[j - distance + 1:j + 1])
+    gathers = [p for p in opt.last_report.plans if p.collective == "all-gather"]
+    assert [(p.kind, p.overlap, p.ahead) for p in gathers] == (
+        [("forward", "prefetch", distance)] * 3 + [("backward", "prefetch", distance)] * 3)
+    assert all(line.endswith(f"ahead={distance}") for line in opt.last_report.plan_lines()
+               if "collective=all-gather" in line)
+    control = optimize(case.step, prefetch=distance, collectives="xla")
+    assert_bitwise(_train(jax.jit(opt), case.state, case.batch),
+                   _train(jax.jit(control), case.state, case.batch))
+    kinds = collections_counter(p.kind for p in opt.last_report.plans for _ in p.members)
+    assert kinds == case.kinds
+
+
+def collections_counter(items):
+    import collections
+    return dict(collections.Counter(items))
+
+
+@pytest.mark.parametrize("prefetch", ["off", None])
+def test_prefetch_off_and_auto_on_cpu_issue_one_call_where_used(prefetch):
+    """``prefetch="off"``, and "auto" on CPU (one call measures faster there:
+    benchmarks/results/fsdp_prefetch.md): every gather one call at its place, remat's
+    re-gathers left in their checkpoints; the model's choice is still reported (for
+    `explain`), with why it was not issued under "auto"."""
+    from corpus import fsdp_remat
+    case = fsdp_remat()
+    opt = optimize(case.step, prefetch=prefetch)
+    closed = jax.make_jaxpr(opt)(case.state, *case.batch)
+    assert not _eqns_named(closed.jaxpr, "libra_sharded_start")
+    assert not _eqns_named(closed.jaxpr, "optimization_barrier")
+    regathers = [j for j, _ in _eqns_named(closed.jaxpr, "libra_all_gather")]
+    assert len(regathers) == 6 and len({id(j) for j in regathers}) == 4  # 3 in checkpoints
+    gathers = [p for p in opt.last_report.plans if p.collective == "all-gather"]
+    assert {(p.overlap, p.ahead) for p in gathers} == {("sync", 0)}
+    entry, = opt.last_report.gathers  # the forward pass's three (the re-gathers stay apart)
+    assert entry["distance"] == 0 and len(entry["steps"]) == 3
+    if prefetch is None:
+        assert "measures faster" in entry["why"] and "fsdp_prefetch.md" in entry["why"]
+    else:
+        assert entry["why"] == ""
+
+
+def test_prefetch_auto_takes_the_models_distance_on_the_nccl_path_within_its_memory(monkeypatch):
+    """"auto" issues the model's distance where libra's GPU all-gather runs (a GPU profile,
+    ``LIBRA_JAX_CUDA=nccl``): the plan `planner.plan_gathers` makes for the scope's steps;
+    ``prefetch_bytes`` smaller than any gathered buffer holds nothing ahead."""
+    from libra_jax import planner
+    from corpus import fsdp_remat
+    monkeypatch.setenv("LIBRA_JAX_CUDA", "nccl")
+    case = fsdp_remat()
+    closed = jax.make_jaxpr(case.step)(case.state, *case.batch)
+    _, report = rewrite_jaxpr(closed, profile="h200")
+    entry, = report.gathers
+    plan = planner.plan_gathers(entry["steps"], entry["cost"], one_call_blocks=entry["one_call"],
+                                max_bytes=1 << 30, lead_s=entry["lead_s"])
+    assert plan == entry["plan"] and entry["distance"] == plan.distance >= 1
+    gathers = [p for p in report.plans if p.collective == "all-gather"]
+    assert {(p.overlap, p.ahead) for p in gathers} == {("prefetch", plan.distance)}
+    _, bounded = rewrite_jaxpr(closed, profile="h200", prefetch_bytes=1024)
+    assert bounded.gathers[0]["distance"] == 0
+    assert {p.overlap for p in bounded.plans if p.collective == "all-gather"} == {"sync"}
+
+
+def test_a_gather_whose_operand_is_computed_late_stays_one_call():
+    """A gathered value computed from the previous layer's output cannot start before that
+    layer: it stays one call where it is used, the others are issued ahead; bitwise its XLA
+    control."""
+    mesh = mesh_of((8,), ("data",))
+    rng = np.random.default_rng(3)
+    ws = [shard((rng.standard_normal((16, 16)) * 0.3).astype(np.float32), mesh, P("data"))
+          for _ in range(3)]
+    x = shard(rng.standard_normal((32, 16)).astype(np.float32), mesh, P("data"))
+
+    def local(ws, x):
+        h = x
+        for i, w in enumerate(ws):
+            if i == 1:
+                w = w * jnp.mean(h)  # computed from layer 0's output
+            h = jnp.tanh(h @ jax.lax.all_gather(w, "data", tiled=True))
+        return h
+
+    step = jax.shard_map(local, mesh=mesh, in_specs=(P("data"), P("data")), out_specs=P("data"))
+    opt = optimize(step, prefetch=1)
+    got = jax.jit(opt)(ws, x)
+    gathers = [p for p in opt.last_report.plans if p.collective == "all-gather"]
+    assert [p.overlap for p in gathers] == ["prefetch", "sync", "prefetch"]
+    assert_bitwise(got, jax.jit(optimize(step, prefetch=1, collectives="xla"))(ws, x))
+    assert_codegen_close(got, jax.jit(step)(ws, x))
+
+
+def test_prefetched_gathers_compile_with_no_copy_of_an_in_flight_buffer():
+    """In the compiled CPU program each all-gather start's buffer is read by its own done only,
+    with its own start's token (no copy of a buffer the engine is filling)."""
+    from corpus import fsdp_remat
+    case = fsdp_remat()
+    hlo = jax.jit(optimize(case.step, prefetch=2)).lower(case.state, *case.batch).compile().as_text()
+    starts = re.findall(r"(%\S+) = \(\S+, s32\[1\]\{0\}\) custom-call\(.*?"
+                        r'custom_call_target="libra_all_gather_cpu_start"', hlo)
+    assert len(starts) == 6, hlo
+    elements = {name: (tuple_, index) for name, tuple_, index in re.findall(
+        r"(%get-tuple-element\S*) = \S+ get-tuple-element\((%\S+?)\), index=(\d)", hlo)}
+    dones = re.findall(r"custom-call\((%\S+?), \S+?, (%\S+?)\), "
+                       r'custom_call_target="libra_allreduce_cpu_done"', hlo)
+    assert len(dones) == 6, hlo
+    for buffer, token in dones:
+        assert elements[buffer][0] in starts and elements[buffer][1] == "0", (buffer, hlo)
+        assert elements[token] == (elements[buffer][0], "1"), token
+    for start in starts:
+        readers = [name for name, (t, i) in elements.items() if t == start and i == "0"]
+        assert len(readers) == 1 and len(re.findall(rf"{re.escape(readers[0])}\b", hlo)) == 2
+
+
+def test_prefetch_options_are_checked(monkeypatch):
+    from corpus import fsdp_remat
+    case = fsdp_remat()
+    with pytest.raises(ValueError, match="prefetch must be 'auto', 'off' or a number"):
+        optimize(case.step, prefetch="early")
+    with pytest.raises(ValueError, match="prefetch must be"):
+        optimize(case.step, prefetch=-1)
+    with pytest.raises(ValueError, match="prefetch_bytes must be a number of bytes"):
+        optimize(case.step, prefetch_bytes=-5)
+    monkeypatch.setenv("LIBRA_JAX_PREFETCH", "sometimes")
+    with pytest.raises(ValueError, match=r"\$LIBRA_JAX_PREFETCH must be"):
+        optimize(case.step)
+    monkeypatch.setenv("LIBRA_JAX_PREFETCH", "2")
+    opt = optimize(case.step)
+    jax.make_jaxpr(opt)(case.state, *case.batch)
+    assert {p.ahead for p in opt.last_report.plans if p.collective == "all-gather"} == {2}
