@@ -4,7 +4,8 @@
 
 On 8 host devices, per workload (the three FSDP steps of tests/corpus.py, and FSDP MLPs under
 `shard_map` with every weight sharded over the data axis, all-gathered where a layer reads it,
-each layer under `jax.checkpoint` so that the backward pass gathers it again), jitted with
+each layer under `jax.checkpoint` so that the backward pass gathers it again, and one MLP
+without remat, whose backward pass reuses the forward's gathered weights), jitted with
 the state donated, interleaved (`report.interleaved_steps`: `--rounds` rounds of 4 steps per
 arm, in rotating order):
 
@@ -44,8 +45,9 @@ import report  # noqa: E402
 corpus = report.load_file(report.ROOT / "tests" / "corpus.py", "corpus")
 
 
-def mlp(layers: int, width: int, batch: int):
-    """An FSDP MLP of `layers` width x width layers under remat, `batch` rows per device."""
+def mlp(layers: int, width: int, batch: int, remat: bool = True):
+    """An FSDP MLP of `layers` width x width layers (under remat, or not), `batch` rows per
+    device."""
     n = 8
     mesh = jax.make_mesh((n,), ("data",))
     rng = np.random.default_rng(5)
@@ -53,9 +55,10 @@ def mlp(layers: int, width: int, batch: int):
               for _ in range(layers)]
     x = rng.standard_normal((n * batch, width)).astype(np.float32)
 
-    @jax.checkpoint
     def layer(w, h):
         return jnp.tanh(h @ jax.lax.all_gather(w, "data", tiled=True))
+    if remat:
+        layer = jax.checkpoint(layer)
 
     def local(params, x):
         def loss_fn(p):
@@ -78,7 +81,9 @@ def workloads() -> dict:
         case = corpus.CASES[name]()
         out[f"corpus {name}"] = (case.step, case.state, case.batch)
     for layers, width, batch in ((8, 512, 32), (8, 1024, 32)):
-        out[f"MLP {layers} x {width}x{width}, {batch} rows/device"] = mlp(layers, width, batch)
+        out[f"MLP {layers} x {width}x{width}, {batch} rows/device, remat"] = mlp(
+            layers, width, batch)
+    out["MLP 8 x 512x512, 32 rows/device, no remat"] = mlp(8, 512, 32, remat=False)
     return out
 
 

@@ -25,7 +25,6 @@ from jax._src.interpreters import batching as _batching
 from jax._src.interpreters import mlir as _mlir
 from jax._src.interpreters import partial_eval as _pe
 from jax._src.interpreters import pxla as _pxla
-from jax._src.lax import lax as _lax
 from jax._src.lax import parallel as _parallel
 from jax._src.lib.mlir import ir
 from jax._src.lib.mlir.dialects import hlo
@@ -39,7 +38,6 @@ __all__ = [
     "memoized_sub_jaxprs", "register_psum_rooflines",
     "mesh_axis_sizes", "distributed_client", "on_stream", "Primitive", "Tracer", "ShapedArray", "ir", "hlo",
     "psum_p", "psum_invariant_p", "reduce_scatter_p", "all_gather_p", "all_gather_invariant_p",
-    "optimization_barrier_p",
     "canonicalize_axis", "axis_effects",
     "apply_primitive", "deflinear", "register_batcher", "register_lowering", "lower_fun",
     "ir_constant", "ir_tensor_type", "jit_static_args", "made_by_transpose", "is_var",
@@ -60,8 +58,6 @@ psum_invariant_p: Primitive = _parallel.psum_invariant_p
 reduce_scatter_p: Primitive = _parallel.reduce_scatter_p
 all_gather_p: Primitive = _parallel.all_gather_p
 all_gather_invariant_p: Primitive = _parallel.all_gather_invariant_p
-#: `jax.lax.optimization_barrier`'s: orders a collective's start after a value (`rewrite`).
-optimization_barrier_p: Primitive = _lax.optimization_barrier_p
 jax_version: tuple[int, ...] = tuple(int(p) for p in jax.__version__.split(".")[:3])
 
 

@@ -1052,13 +1052,8 @@ class _Rewriter:
             if k is None:
                 k = allreduce.default_blocks(site.nbytes, _world(axis_sizes, site.axes),
                                              self.profile, collective="all_gather")
-            if site.explicit_blocks is None and overlap == "sync":
+            if site.explicit_blocks is None and site.index not in issued:
                 edits.replacements[site.index] = _single(eqns[site.index], site, k, invars)
-                anchor = self.regathered.get(site.result)
-                if anchor is not None:  # not before its checkpoint's cotangent (its pass)
-                    barrier, edits.replacements[site.index] = _anchored(
-                        edits.replacements[site.index], anchor)
-                    edits.before.setdefault(site.index, []).append(barrier)
             self.report.plans.append(PsumPlan(scope, site.axes, (site.index,), site.nbytes,
                                               int(k), kinds[site.index], overlap,
                                               "all-gather", distance))
@@ -1068,12 +1063,15 @@ class _Rewriter:
         """Issue a scope's gathers over one set of axes (in jaxpr order: the forward pass's,
         then remat's re-gathers) ahead of their use, as the model plans them
         (`planner.plan_gathers`; ``optimize(prefetch=d)``: at distance d): gather i starts
-        when gather i - d is done, its operand passed through an `optimization_barrier` with
-        that gather's result (XLA orders by data only: this keeps the start from moving
-        earlier and holding its buffer longer), and is done where the one call was, before
-        its first use. One that cannot start earlier (its operand is computed after that
-        point) stays one call. Returns, per position issued as a pair, (blocks, "prefetch",
-        distance); positions left out are one call each."""
+        when gather i - d is done, reading that gather's result as an operand it ignores (XLA
+        orders by data only, and drops an `optimization_barrier` on CPU: this keeps the start
+        from moving earlier and holding its buffer longer), and is done where the one call
+        was, before its first use. One that cannot start earlier (its operand is computed
+        after that point) stays one call, except a re-gather out of its checkpoint
+        (`hoist_regathers`), which is a pair at its place, its start reading the
+        checkpoint's cotangent. Returns, per position issued as a pair, (blocks, "prefetch"
+        and the distance, or "sync" and 0 at its place); positions left out are one call
+        each."""
         world = _world(axis_sizes, sites[0].axes)
         if world < 2:
             return {}
@@ -1105,8 +1103,6 @@ class _Rewriter:
             "cost": cost, "lead_s": lead_s, "positions": tuple(positions), "one_call": one_call,
             "operands": tuple(eqns[i].invars[0] for i in positions),
             "key_unit": derivation.key_unit, "profile": self.profile})
-        if d == 0:
-            return {}
         defined = {v: i for i, eqn in enumerate(eqns) for v in eqn.outvars}
         results: dict[int, Any] = {}  # position -> the done's result (its gathered value)
         issued = {}
@@ -1115,24 +1111,22 @@ class _Rewriter:
             operand = eqn.invars[0]
             k = min(allreduce.MAX_BLOCKS, max(1, derivation.launch_shape(plan.blocks[j])[0]))
             made = defined.get(operand, -1) if _compat.is_var(operand) else -1
-            # Where it starts: when gather j - d is done, or at the scope's start.
+            # Where it starts: right after gather j - d is done, or at the scope's start.
             at = positions[j - d] if j >= d else 0
-            if made >= at:
-                continue  # its operand is computed later: one call where it is used
-            start, done = _gather_pair(eqn, site, k, self.call_id())
-            anchor = results.get(at) if j >= d else self.regathered.get(site.result)
-            if anchor is not None and not (j < d and defined.get(anchor, -1) >= at):
-                barrier, start = _anchored(start, anchor)
-                pair = [barrier, start]
-            else:
-                pair = [start]
-            if j >= d:
-                edits.after.setdefault(at, []).extend(pair)
-            else:
-                edits.before.setdefault(at, []).extend(pair)
+            after = results.get(at) if j >= d else None
+            ahead, place = d, edits.after if j >= d else edits.before
+            if not d or made >= at:  # not issued ahead (its operand is computed later)
+                cotangent = self.regathered.get(site.result)
+                if cotangent is None:
+                    continue  # one call where it is used
+                # A re-gather out of its checkpoint: at its place, after its pass's cotangent
+                # (else XLA could run it in the forward pass, holding its buffer).
+                at, after, ahead, place = site.index, cotangent, 0, edits.before
+            start, done = _gather_pair(eqn, site, k, self.call_id(), after)
+            place.setdefault(at, []).append(start)
             edits.replacements[site.index] = done
             results[site.index] = done.outvars[0]
-            issued[site.index] = (k, "prefetch", d)
+            issued[site.index] = (k, "prefetch" if ahead else "sync", ahead)
         return issued
 
     def hoist_regathers(self, eqns: Sequence[Any], axis_sizes: dict) -> list[Any]:
@@ -1881,32 +1875,25 @@ def _start_done(eqns: Sequence[Any], bucket: Sequence[_Site], axes: tuple, invar
     return start, done
 
 
-def _gather_pair(eqn: Any, site: _Site, blocks: int, call_id: int) -> tuple[Any, Any]:
-    """An all_gather as a `libra_sharded_start` equation (its operand -> the full buffer in
-    flight and a token) and a `libra_sharded_done` equation (those -> the gather's result),
-    both from the gather's equation (its context and source info carry over)."""
+def _gather_pair(eqn: Any, site: _Site, blocks: int, call_id: int,
+                 after: Any = None) -> tuple[Any, Any]:
+    """An all_gather as a `libra_sharded_start` equation (its operand, and `after` where given:
+    a value it must not start before, which it reads and ignores -> the full buffer in flight
+    and a token) and a `libra_sharded_done` equation (those -> the gather's result), both from
+    the gather's equation (its context and source info carry over)."""
     dimension, size, tiled, _ = site.gather  # type: ignore[misc]
     params = dict(collective="all_gather", axis_name=site.axes, dimension=dimension,
                   axis_size=size, tiled=tiled, blocks=int(blocks), call_id=call_id)
     operand, result = eqn.invars[0], eqn.outvars[0]
     flat_aval, token_aval = libra_sharded_start_p.abstract_eval(operand.aval, **params)[0]
     flat, token = _compat.new_var(flat_aval), _compat.new_var(token_aval)
-    start = eqn.replace(primitive=libra_sharded_start_p, invars=[operand], outvars=[flat, token],
+    start = eqn.replace(primitive=libra_sharded_start_p,
+                        invars=[operand] + ([after] if after is not None else []),
+                        outvars=[flat, token],
                         params=params, effects=eqn.effects)
     done = eqn.replace(primitive=libra_sharded_done_p, invars=[flat, token], outvars=[result],
                        params=dict(params, out_aval=result.aval), effects=set())
     return start, done
-
-
-def _anchored(eqn: Any, anchor: Any) -> tuple[Any, Any]:
-    """(an `optimization_barrier` of `eqn`'s operand with `anchor`, `eqn` reading the operand
-    through it): `eqn` cannot run before `anchor` is computed (XLA orders by data only)."""
-    operand = eqn.invars[0]
-    through = _compat.new_var(operand.aval)
-    barrier = eqn.replace(primitive=_compat.optimization_barrier_p, invars=[operand, anchor],
-                          outvars=[through, _compat.new_var(anchor.aval)], params={},
-                          effects=set())
-    return barrier, eqn.replace(invars=[through, *eqn.invars[1:]])
 
 
 def _fingerprint(jaxpr: Any) -> int:

@@ -931,3 +931,40 @@ def test_two_processes_on_two_gpus():
     for proc in procs:
         out, err = proc.communicate(timeout=300)
         assert proc.returncode == 0 and "GPU OK" in out, err[-3000:]
+
+
+FSDP_PREFETCH_IN_PROCESS = """
+    import os, re, sys, warnings
+    os.environ["LIBRA_JAX_CUDA"] = "nccl"
+    import jax
+    jax.config.update("jax_num_cpu_devices", 8)
+    warnings.simplefilter("ignore")
+    sys.path.insert(0, sys.argv[1])
+    from corpus import CASES
+    import libra_jax
+    from libra_jax import _ffi
+    print("HAS_CUDA", _ffi.HAS_CUDA)
+    case = CASES["fsdp-remat"]()
+    opt = libra_jax.optimize(case.step, profile="h200")  # "auto": the model's distance
+    text = case.trace(opt).lower(lowering_platforms=("cuda",)).as_text()
+    ahead = sorted({p.ahead for p in opt.last_report.plans if p.collective == "all-gather"})
+    starts = re.findall(r"%(\\S+):2 = stablehlo.custom_call @libra_all_gather_nccl_start", text)
+    dones = re.findall(r"custom_call @libra_allreduce_cuda_done\\(%(\\S+?)#0, %(\\S+?)#1\\)", text)
+    once = all(len(re.findall(rf"%{s}#0\\b", text)) == 1 for s in starts)  # read by done only
+    print("PREFETCH", ahead, len(starts), sorted(starts) == sorted(b for b, t in dones if b == t),
+          once, text.count("stablehlo.all_gather"))
+"""
+
+
+def test_fsdp_gathers_issued_ahead_are_nccl_pairs_with_no_copy(stub_env):
+    """On ``LIBRA_JAX_CUDA=nccl`` with a GPU profile, "auto" issues the model's distance: every
+    all-gather (forward and remat's re-gathers) is NCCL's start on libra's stream and the
+    kernels' done, each done reading its own start's buffer and token, the buffer read by
+    nothing else (no copy of an in-flight buffer); no XLA all-gather left."""
+    out = run(FSDP_PREFETCH_IN_PROCESS, stub_env, str(Path(__file__).resolve().parent))
+    if "HAS_CUDA False" in out:
+        pytest.skip("libra_jax built without CUDA: the cuda lowering is XLA's")
+    line = next(line for line in out.splitlines() if line.startswith("PREFETCH "))
+    ahead, starts, paired, once, xla = re.fullmatch(
+        r"PREFETCH \[(\d+)\] (\d+) (\w+) (\w+) (\d+)", line).groups()
+    assert int(ahead) >= 1 and starts == "6" and paired == once == "True" and xla == "0", line

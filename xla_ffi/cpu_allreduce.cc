@@ -333,7 +333,7 @@ ffi::Future ExecuteStart(ffi::RunId run_id, CpuAllReduceSite* site, ffi::AnyBuff
 // Done is the all-reduce's (`libra_allreduce_cpu_done`): it waits for the round's end.
 template <libra::Collective kKind>
 ffi::Future ExecuteShardedStart(ffi::RunId run_id, CpuAllReduceSite* site, ffi::AnyBuffer x,
-                                ffi::Buffer<ffi::S32> rank_group,
+                                ffi::Buffer<ffi::S32> rank_group, ffi::RemainingArgs /*after*/,
                                 ffi::Result<ffi::AnyBuffer> out,
                                 ffi::Result<ffi::Buffer<ffi::S32>> token,
                                 std::string_view /*label*/, int64_t world, int64_t blocks,
@@ -410,9 +410,19 @@ auto EngineBuffers() {
 
 auto BindEngineCall() { return BindSiteAttrs(EngineBuffers()); }
 
-// The sharded starts' signature: start's operands and results, then segment and call id.
+// The sharded starts' signature: start's operands, then any number of values it must not run
+// before (read by nothing: XLA orders by data only, and drops an optimization barrier on CPU,
+// so `optimize` orders an all-gather issued ahead by passing it the result it waits for), its
+// results, then segment and call id.
 auto BindShardedStart() {
-  return BindSiteAttrs(EngineBuffers().Ret<ffi::Buffer<ffi::S32>>())
+  return BindSiteAttrs(ffi::Ffi::Bind()
+                           .Ctx<ffi::RunId>()
+                           .Ctx<ffi::State<CpuAllReduceSite>>()
+                           .Arg<ffi::AnyBuffer>()
+                           .Arg<ffi::Buffer<ffi::S32>>()
+                           .RemainingArgs()
+                           .Ret<ffi::AnyBuffer>()
+                           .Ret<ffi::Buffer<ffi::S32>>())
       .Attr<int64_t>("segment")
       .Attr<int64_t>("call_id");
 }

@@ -353,6 +353,19 @@ auto BindKernelBuffers() {
       .Ret<ffi::AnyBuffer>();
 }
 
+// The NCCL starts: the buffer, then any number of values start must not run before (read by
+// nothing: XLA orders by data only; an all-gather issued ahead waits so for the gather before
+// it), the result and a token.
+auto BindNcclStartBuffers() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Ctx<ffi::DeviceOrdinal>()
+      .Arg<ffi::AnyBuffer>()
+      .RemainingArgs()
+      .Ret<ffi::AnyBuffer>()
+      .Ret<ffi::AnyBuffer>();
+}
+
 // --- NCCL with the call's block count as its CTA limit -----------------------
 //
 // `comm_ids` and `ranks` are indexed by this process's GPU ordinals: the
@@ -532,7 +545,8 @@ ffi::Error ExecuteNccl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
 // place in one flat row of shards (NcclCall); done is kCudaAllReduceDone for every kind.
 template <libra::Collective kKind>
 ffi::Error ExecuteNcclStart(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
-                            ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> token,
+                            ffi::RemainingArgs /*after*/, ffi::Result<ffi::AnyBuffer> out,
+                            ffi::Result<ffi::AnyBuffer> token,
                             ffi::Span<const int64_t> comm_ids, ffi::Span<const int32_t> ranks,
                             int64_t nranks, int64_t ctas, int64_t timeout_ms, int64_t call_id) {
   const NcclCall call{device,     x,          *out,  comm_ids, ranks, nranks,
@@ -574,16 +588,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kNcclAllReduceInitialize, InitializeNccl,
                                                 .RemainingRets()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kNcclAllReduceStart,
                               ExecuteNcclStart<libra::Collective::kAllReduce>,
-                              BindNcclAttrs(BindKernelBuffers().Ret<ffi::AnyBuffer>())
-                                  .Attr<int64_t>("call_id"));
+                              BindNcclAttrs(BindNcclStartBuffers()).Attr<int64_t>("call_id"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kNcclReduceScatterStart,
                               ExecuteNcclStart<libra::Collective::kReduceScatter>,
-                              BindNcclAttrs(BindKernelBuffers().Ret<ffi::AnyBuffer>())
-                                  .Attr<int64_t>("call_id"));
+                              BindNcclAttrs(BindNcclStartBuffers()).Attr<int64_t>("call_id"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kNcclAllGatherStart,
                               ExecuteNcclStart<libra::Collective::kAllGather>,
-                              BindNcclAttrs(BindKernelBuffers().Ret<ffi::AnyBuffer>())
-                                  .Attr<int64_t>("call_id"));
+                              BindNcclAttrs(BindNcclStartBuffers()).Attr<int64_t>("call_id"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kNcclAllReduceStartInitialize, InitializeNcclStart,
                               BindNcclAttrs(ffi::Ffi::BindInitialize()
                                                 .Ctx<ffi::DeviceOrdinal>()

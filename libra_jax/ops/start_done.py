@@ -205,7 +205,11 @@ libra_psum_done_p = register_op("libra_psum_done", abstract_eval=done_abstract_e
 # done (its start then only flattens); the values are the same. Params: ``collective``,
 # ``axis_name``, ``dimension`` (the scattered dimension of the operand, or the gathered one
 # of the result), ``axis_size``, ``tiled``, ``blocks``, ``call_id``; done's ``out_aval`` is the
-# one-call form's result type. The engine keys the pair by `_sharded_key`: ``call_id * 16 + 8``
+# one-call form's result type. Start may take more operands after its own: values it must not
+# run before, read by nothing (the engine's and NCCL's starts accept and ignore them; XLA orders
+# by data only and drops an `optimization_barrier` on CPU, so this is how `optimize` issues an
+# all-gather when the gather before it is done); the one-call fallback ignores them too. The
+# engine keys the pair by `_sharded_key`: ``call_id * 16 + 8``
 # plus 0 (reduce-scatter) or 1 (all-gather), apart from the psum buckets' ``call_id * 16 + j``
 # (j, a bucket's dtype index, is below 8), so a program's pairs of both kinds may share ids.
 
@@ -220,7 +224,7 @@ def _flat_aval(aval: Any, collective: str, axis_size: int) -> Any:
     return aval.update(shape=(int(np.prod(aval.shape)) * (axis_size if gathers else 1),))
 
 
-def sharded_start_abstract_eval(aval: Any, *, collective: str, axis_name: tuple,
+def sharded_start_abstract_eval(aval: Any, *after: Any, collective: str, axis_name: tuple,
                                 dimension: int, axis_size: int, tiled: bool,
                                 blocks: int | None, call_id: int) -> Any:
     return [_flat_aval(aval, collective, axis_size), TOKEN_AVAL], _compat.axis_effects(axis_name)
@@ -289,10 +293,11 @@ def _one_call(platform: Platform, collective: str) -> Rule:
 
 
 def _sharded_start_lowering(platform: Platform) -> Rule:
-    def rule(ctx: Any, x: Any, *, collective: str, axis_name: tuple, dimension: int,
+    def rule(ctx: Any, x: Any, *after: Any, collective: str, axis_name: tuple, dimension: int,
              axis_size: int, tiled: bool, blocks: int | None, call_id: int) -> list[Any]:
         gathers = lowering.COLLECTIVES[collective].gathers
-        flat, flat_in = lowering.to_row_of_shards(ctx, x, gathers, dimension, tiled)
+        ctx_x = ctx.replace(avals_in=ctx.avals_in[:1])
+        flat, flat_in = lowering.to_row_of_shards(ctx_x, x, gathers, dimension, tiled)
         flat_ctx = ctx.replace(primitive=None, avals_in=[flat_in])
         full = ctx.avals_out[0]
         split = _sharded_split(platform, flat_ctx, axis_name, blocks, collective)
@@ -309,7 +314,7 @@ def _sharded_start_lowering(platform: Platform) -> Rule:
         call = jax.ffi.ffi_lowering(split.start,
                                     operand_output_aliases={} if gathers else {0: 0})
         return list(call(ctx.replace(primitive=None, avals_in=[flat_in] + [_RANK_AVAL] * len(
-            split.start_operands)), flat, *split.start_operands,
+            split.start_operands) + list(ctx.avals_in[1:])), flat, *split.start_operands, *after,
             call_id=_sharded_key(call_id, collective), **split.attrs,
             **({"segment": np.int64(0)} if platform == "cpu" else {})))
     return rule
