@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-from report import interleaved_steps, load_file  # noqa: E402
+from report import interleaved_steps, load_file, spread  # noqa: E402
 
 common = load_file(ROOT / "examples" / "common.py", "common")  # (8 host devices)
 
@@ -142,9 +142,8 @@ def main() -> None:
             ts = np.asarray(ts)
             ratio = ts / base
             rows.append(f"| {label(name, options)} | {arm} | {np.median(ts) * 1e3:.1f} | "
-                        f"{np.percentile(ts, 25) * 1e3:.1f}-{np.percentile(ts, 75) * 1e3:.1f} | "
-                        f"{np.median(ratio):.2f} | {np.percentile(ratio, 10):.2f}-"
-                        f"{np.percentile(ratio, 90):.2f} |")
+                        f"{spread(ts, (25, 75), 1e3, 1)} | {np.median(ratio):.2f} | "
+                        f"{spread(ratio)} |")
             print(rows[-1], flush=True)
         print(f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
     notes = ""

@@ -136,16 +136,15 @@ def main() -> None:
         states = {k: corpus.fresh(state) for k in fns}
         times = report.interleaved_steps(fns, states, batch, args.rounds, 4, 2)
         plain = np.array(times["plain"])
-        lines += [f"### {name}", "", "all-gathers: " + "; ".join(
-                      f"{k}: {issued(step, state, batch, p)}" for k, p in PREFETCH.items()), "", "| arm | step ms | p10-p90 | / plain (p10-p90) | bitwise its XLA control |",
+        how = "; ".join(f"{k}: {issued(step, state, batch, p)}" for k, p in PREFETCH.items())
+        lines += [f"### {name}", "", f"all-gathers: {how}", "",
+                  "| arm | step ms | p10-p90 | / plain (p10-p90) | bitwise its XLA control |",
                   "|---|---|---|---|---|"]
         for k, t in times.items():
-            t = np.array(t)
-            ratio = t / plain
-            lines.append(f"| {k} | {np.median(t) * 1e3:.2f} | {np.percentile(t, 10) * 1e3:.2f}"
-                         f"-{np.percentile(t, 90) * 1e3:.2f} | {np.median(ratio):.2f} "
-                         f"({np.percentile(ratio, 10):.2f}-{np.percentile(ratio, 90):.2f}) | "
-                         f"{'-' if k == 'plain' else 'yes' if bitwise[k] else 'NO'} |")
+            ratio = np.array(t) / plain
+            same = "-" if k == "plain" else "yes" if bitwise[k] else "NO"
+            lines.append(f"| {k} | {np.median(t) * 1e3:.2f} | {report.spread(t, scale=1e3)} | "
+                         f"{np.median(ratio):.2f} ({report.spread(ratio)}) | {same} |")
         lines.append("")
         print("\n".join(lines[-9:]), flush=True)
     report.publish(lines, args.out)

@@ -62,6 +62,15 @@ def interleaved_steps(arms: dict, state: dict, batch: tuple, rounds: int, steps:
     return per_step
 
 
+def spread(values, q: tuple[float, float] = (10, 90), scale: float = 1.0,
+           digits: int = 2) -> str:
+    """``"lo-hi"``: the `q` percentiles of `values` times `scale` (a table's spread cell)."""
+    import numpy as np
+
+    lo, hi = (np.percentile(values, p) * scale for p in q)
+    return f"{lo:.{digits}f}-{hi:.{digits}f}"
+
+
 def publish(lines: list[str], out: str | None) -> None:
     """Print the table, and write it to `out` when given."""
     text = "\n".join(lines) + "\n"

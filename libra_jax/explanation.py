@@ -604,37 +604,30 @@ def _gather_summary(g: GatherScope) -> list[str]:
     return lines
 
 
-def _table_lines(header: list[str], rows: list[list[str]], left: int = 1) -> list[str]:
-    table = [header] + rows
-    widths = [max(len(r[i]) for r in table) for i in range(len(header))]
-    out = []
-    for n, r in enumerate(table):
-        out.append("  ".join(c.ljust(w) if i == left else c.rjust(w)
-                             for i, (c, w) in enumerate(zip(r, widths))))
-        if n == 0:
-            out.append("  ".join("-" * w for w in widths))
-    return out
+def _tables(e: Explanation) -> list[tuple[str, list[str], list[list[str]], tuple[int, ...],
+                                             list[str]]]:
+    """Each table either rendering prints: (title, columns, rows, the left-aligned columns,
+    the lines under it): one per planned scope, then one per scope's all-gathers."""
+    return ([(_header(s), _columns(), [_cells(r) for r in s.rows], (1,), _summary(s))
+             for s in e.scopes]
+            + [(_gather_header(g), _gather_columns(), [_gather_cells(r) for r in g.rows],
+                (1, 2, 6), _gather_summary(g)) for g in e.gathers])
 
 
 def _plain_text(e: Explanation) -> str:
     out: list[str] = []
     if not e.scopes and not e.gathers:
         out.extend(e.report.notes or ["no gradient psums to plan"])
-    for s in e.scopes:
-        out.append(_header(s))
-        rows = [_columns()] + [_cells(r) for r in s.rows]
-        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        for n, r in enumerate(rows):
-            out.append("  ".join(c.ljust(w) if i == 1 else c.rjust(w)
+    for title, columns, rows, left, summary in _tables(e):
+        out.append(title)
+        table = [columns] + rows
+        widths = [max(len(r[i]) for r in table) for i in range(len(columns))]
+        for n, r in enumerate(table):
+            out.append("  ".join(c.ljust(w) if i in left else c.rjust(w)
                                  for i, (c, w) in enumerate(zip(r, widths))))
             if n == 0:
                 out.append("  ".join("-" * w for w in widths))
-        out.extend(_summary(s))
-        out.append("")
-    for g in e.gathers:
-        out.append(_gather_header(g))
-        out.extend(_table_lines(_gather_columns(), [_gather_cells(r) for r in g.rows]))
-        out.extend(_gather_summary(g))
+        out.extend(summary)
         out.append("")
     out.extend(_prediction_lines(e))
     out.extend(_others_lines(e))
@@ -650,24 +643,14 @@ def _rich_text(e: Explanation, width: int) -> str:
     if not e.scopes and not e.gathers:
         for line in e.report.notes or ["no gradient psums to plan"]:
             console.print(line)
-    for s in e.scopes:
-        table = Table(title=_header(s), title_justify="left")
-        for i, c in enumerate(_columns()):
-            table.add_column(c, justify="left" if i == 1 else "right", overflow="fold")
-        for r in s.rows:
-            table.add_row(*_cells(r))
+    for title, columns, rows, left, summary in _tables(e):
+        table = Table(title=title, title_justify="left")
+        for i, c in enumerate(columns):
+            table.add_column(c, justify="left" if i in left else "right", overflow="fold")
+        for row in rows:
+            table.add_row(*row)
         console.print(table)
-        for line in _summary(s):
-            console.print(line, highlight=False)
-        console.print()
-    for g in e.gathers:
-        table = Table(title=_gather_header(g), title_justify="left")
-        for i, c in enumerate(_gather_columns()):
-            table.add_column(c, justify="left" if i in (1, 2, 6) else "right", overflow="fold")
-        for row in g.rows:
-            table.add_row(*_gather_cells(row))
-        console.print(table)
-        for line in _gather_summary(g):
+        for line in summary:
             console.print(line, highlight=False)
         console.print()
     for line in _prediction_lines(e) + _others_lines(e):

@@ -851,7 +851,9 @@ def test_reduce_scatter_bucket_on_the_nccl_path(stub_env):
 # The FSDP corpus steps (tests/corpus.py) under `optimize`, lowered for cuda on
 # LIBRA_JAX_CUDA=nccl: every gradient reduce-scatter is a planned libra NCCL call (one per
 # planned bucket, with its blocks as the CTA limit) and no XLA reduce-scatter is left.
-FSDP_CORPUS_IN_PROCESS = """
+#: The corpus's FSDP steps lowered for CUDA on ``LIBRA_JAX_CUDA=nccl`` (8 host devices), in a
+#: process of their own: the start of each script below (argv[1]: the tests folder).
+FSDP_PRELUDE = """
     import os, re, sys, warnings
     os.environ["LIBRA_JAX_CUDA"] = "nccl"
     import jax
@@ -862,6 +864,9 @@ FSDP_CORPUS_IN_PROCESS = """
     import libra_jax
     from libra_jax import _ffi
     print("HAS_CUDA", _ffi.HAS_CUDA)
+"""
+
+FSDP_CORPUS_IN_PROCESS = FSDP_PRELUDE + """
     for name in ("fsdp-remat", "fsdp-explicit-psum-scatter", "fsdp-mixed-replicated"):
         case = CASES[name]()
         with case.context():
@@ -933,17 +938,7 @@ def test_two_processes_on_two_gpus():
         assert proc.returncode == 0 and "GPU OK" in out, err[-3000:]
 
 
-FSDP_PREFETCH_IN_PROCESS = """
-    import os, re, sys, warnings
-    os.environ["LIBRA_JAX_CUDA"] = "nccl"
-    import jax
-    jax.config.update("jax_num_cpu_devices", 8)
-    warnings.simplefilter("ignore")
-    sys.path.insert(0, sys.argv[1])
-    from corpus import CASES
-    import libra_jax
-    from libra_jax import _ffi
-    print("HAS_CUDA", _ffi.HAS_CUDA)
+FSDP_PREFETCH_IN_PROCESS = FSDP_PRELUDE + """
     case = CASES["fsdp-remat"]()
     opt = libra_jax.optimize(case.step, profile="h200")  # "auto": the model's distance
     text = case.trace(opt).lower(lowering_platforms=("cuda",)).as_text()

@@ -21,7 +21,7 @@ from libra_jax import _compat
 from libra_jax.config import xla_flags
 from libra_jax.rewrite import optimize, rewrite_jaxpr
 
-from conftest import assert_bitwise, assert_codegen_close, mesh_of, shard
+from conftest import assert_bitwise, assert_codegen_close, cpu_start_done_pairs, mesh_of, shard
 
 pytestmark = pytest.mark.usefixtures("jax_8")
 
@@ -1345,17 +1345,9 @@ def test_prefetched_gathers_compile_with_no_copy_of_an_in_flight_buffer():
     from corpus import fsdp_remat
     case = fsdp_remat()
     hlo = jax.jit(optimize(case.step, prefetch=2)).lower(case.state, *case.batch).compile().as_text()
-    starts = re.findall(r"(%\S+) = \(\S+, s32\[1\]\{0\}\) custom-call\(.*?"
-                        r'custom_call_target="libra_all_gather_cpu_start"', hlo)
-    assert len(starts) == 6, hlo
-    elements = {name: (tuple_, index) for name, tuple_, index in re.findall(
-        r"(%get-tuple-element\S*) = \S+ get-tuple-element\((%\S+?)\), index=(\d)", hlo)}
-    dones = re.findall(r"custom-call\((%\S+?), \S+?, (%\S+?)\), "
-                       r'custom_call_target="libra_allreduce_cpu_done"', hlo)
+    starts, dones, elements = cpu_start_done_pairs(hlo)
+    assert set(starts.values()) == {"libra_all_gather_cpu_start"} and len(starts) == 6, hlo
     assert len(dones) == 6, hlo
-    for buffer, token in dones:
-        assert elements[buffer][0] in starts and elements[buffer][1] == "0", (buffer, hlo)
-        assert elements[token] == (elements[buffer][0], "1"), token
     for start in starts:
         readers = [name for name, (t, i) in elements.items() if t == start and i == "0"]
         assert len(readers) == 1 and len(re.findall(rf"{re.escape(readers[0])}\b", hlo)) == 2

@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import assert_bitwise, lower_for, mesh_of, run_abandoned_starts, shard
+from conftest import (assert_bitwise, cpu_start_done_pairs, lower_for, mesh_of, run_abandoned_starts,
+                      shard)
 from jax.sharding import PartitionSpec as P
 from test_allreduce import _NAN_BITS, DTYPES, random_array
 
@@ -680,18 +681,10 @@ def test_start_done_with_compute_between_and_xla_copies_no_in_flight_buffer():
     got, want = f(x, w), g(x, w)
     assert_bitwise(got[:2], want[:2])  # the collectives; the compute between is XLA's either way
     hlo = f.lower(x, w).compile().as_text()
-    starts = dict(re.findall(r"(%\S+) = \(\S+, s32\[1\]\{0\}\) custom-call\(.*?"
-                             r'custom_call_target="(libra_\w+_cpu_start)"', hlo))
+    starts, dones, _ = cpu_start_done_pairs(hlo)  # each done: its own start's buffer and token
     assert sorted(starts.values()) == ["libra_all_gather_cpu_start",
                                        "libra_reduce_scatter_cpu_start"], hlo
-    elements = {name: (tuple_, index) for name, tuple_, index in re.findall(
-        r"(%get-tuple-element\S*) = \S+ get-tuple-element\((%\S+?)\), index=(\d)", hlo)}
-    dones = re.findall(r"custom-call\((%\S+?), \S+?, (%\S+?)\), "
-                       r'custom_call_target="libra_allreduce_cpu_done"', hlo)
     assert len(dones) == 2, hlo
-    for buffer, token in dones:
-        assert elements[buffer][0] in starts and elements[buffer][1] == "0", (buffer, hlo)
-        assert elements[token][1] == "1", token
     rs_line = next(line for line in hlo.splitlines()
                    if 'custom_call_target="libra_reduce_scatter_cpu_start"' in line)
     ag_line = next(line for line in hlo.splitlines()
