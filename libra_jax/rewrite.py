@@ -1142,8 +1142,9 @@ class _Rewriter:
         defined = {v for eqn in eqns for v in eqn.outvars}
         for eqn in eqns:
             body = eqn.params.get("jaxpr")
-            if (eqn.primitive.name not in ("remat2", "checkpoint") or body is None
-                    or hasattr(body, "consts") or not _compat.made_by_transpose(eqn, deep=False)):
+            if (eqn.primitive.name not in ("remat2", "checkpoint")
+                    or not isinstance(body, _compat.Jaxpr) or body.constvars
+                    or not _compat.made_by_transpose(eqn, deep=False)):
                 out.append(eqn)
                 continue
             position = {v: i for i, v in enumerate(body.invars)}

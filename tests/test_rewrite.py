@@ -1375,11 +1375,12 @@ def test_prefetch_options_are_checked(monkeypatch):
 
 
 def test_one_call_gathers_compile_as_xla_s_own_under_remat():
-    """Under `jax.checkpoint` the backward pass gathers each weight again; XLA:CPU merges each
-    re-gather with the forward's gather of the same shard (its optimization barriers, remat's
-    `prevent_cse`, are dropped on CPU), its own all-gathers and libra's one call alike: both
-    compile to 3 gathers of the 6 traced. A gather issued ahead (a start/done pair, its own
-    call id) is never merged: remat runs as written (benchmarks/results/fsdp_prefetch.md)."""
+    """Under `jax.checkpoint` the backward pass gathers each weight again. XLA:CPU of jaxlib
+    0.10.2 merges each re-gather with the forward's gather of the same shard (it drops
+    remat's optimization barriers, its `prevent_cse`): its own all-gathers and libra's one call
+    alike compile to 3 gathers of the 6 traced; jaxlib 0.12 keeps all 6, for both. A gather
+    issued ahead (a start/done pair, its own call id) is never merged: remat runs as written
+    (benchmarks/results/fsdp_prefetch.md)."""
     from corpus import fsdp_remat
     case = fsdp_remat()
 
@@ -1388,6 +1389,7 @@ def test_one_call_gathers_compile_as_xla_s_own_under_remat():
         return len(re.findall(pattern, hlo))
     xla = gathers(case.step, r"= \S+ all-gather(?:-start)?\(")
     assert xla == gathers(optimize(case.step, prefetch="off"),
-                          r'custom_call_target="libra_all_gather_cpu"') == 3
+                          r'custom_call_target="libra_all_gather_cpu"')
+    assert xla == (3 if _compat.jax_version < (0, 11) else 6)
     assert gathers(optimize(case.step, prefetch=1),
                    r'custom_call_target="libra_all_gather_cpu_start"') == 6
