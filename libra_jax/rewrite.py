@@ -921,16 +921,19 @@ class _Rewriter:
         """(the distance all-gathers are issued at, None: the model's per scope; why "auto"
         issues one call each, or ""). ``prefetch="auto"`` takes the model's distance only on
         a GPU under ``LIBRA_JAX_CUDA=nccl`` (libra's GPU all-gather, issued on its own stream;
-        not yet run on a GPU: opt-in with that path). On CPU one call measures faster
-        (benchmarks/results/fsdp_prefetch.md: the engine's copies and the compute share the
-        same cores, and a pair costs more than a call); on the other GPU paths the
-        all-gathers are XLA's, which its own scheduler moves."""
+        not yet run on a GPU: opt-in with that path). On CPU one call each: it measures best
+        on jax 0.10.2, whose XLA:CPU merges remat's re-gathers with the forward's for one call;
+        on jax 0.12 the model's distance beat it on one FSDP MLP of three
+        (benchmarks/results/fsdp_prefetch.md, fsdp_prefetch_jax0.12.md: the engine's copies
+        and the compute share the same cores). On the other GPU paths the all-gathers are
+        XLA's, which its own scheduler moves."""
         mode = self.options.prefetch
         if mode != "auto":
             return int(mode), ""
         if self.profile.fair_share is not None:
-            return 0, ("on CPU one call where it is used measures faster than issuing ahead "
-                       "(benchmarks/results/fsdp_prefetch.md)")
+            return 0, ("on CPU one call where it is used measures as fast as issuing ahead or "
+                       "faster (benchmarks/results/fsdp_prefetch.md); time prefetch=1 and 2 "
+                       "for a large model")
         if config.cuda_path() != "nccl":
             return 0, ("libra's GPU all-gather is NCCL's (LIBRA_JAX_CUDA=nccl); on this path "
                        "the all-gathers are XLA's")

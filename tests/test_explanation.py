@@ -231,5 +231,5 @@ def test_explain_shows_which_gather_overlaps_which_compute():
     e = libra_jax.explain(case.step, case.state, *case.batch, file=None)
     g, = e.gathers
     assert g.distance == 0 and len(g.rows) == 3 and all(r.ahead == 0 for r in g.rows)
-    assert "measures faster" in g.why
+    assert "measures as fast as issuing ahead or faster" in g.why
     assert "issued one call each: on CPU" in e.table(use_rich=False)
