@@ -1150,7 +1150,7 @@ class _Rewriter:
                     or not _compat.made_by_transpose(eqn, deep=False)):
                 out.append(eqn)
                 continue
-            position = {v: i for i, v in enumerate(body.invars)}
+            position: dict[Any, int] = {v: i for i, v in enumerate(body.invars)}
             taken = [e for e in body.eqns
                      if self.gather_site(0, e) is not None and e.params.get("blocks") is None
                      and _compat.is_var(e.invars[0]) and e.invars[0] in position
