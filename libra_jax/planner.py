@@ -25,6 +25,11 @@ one collective, as if ``reach`` ended every layer's run of one collective; a buc
 tables' bandwidths, with the same slowdown. Nothing below depends on which: every argument is per
 collective, the bounds take the least latency still due.
 
+All-gathers (FSDP's parameter gathers) are planned apart (`plan_gathers`, the section "All-gathers
+issued ahead"): there compute waits for the collective, and the choice is how far ahead of its
+use each gather is issued, priced by the same phases and contention; exhaustive over a few
+distances and the allocations, so exact for its model.
+
 Everything the future depends on after a collective is the pair ``(T, P)``: the time the
 collective ends and the compute *progress* ``P`` reached by then (seconds of full-speed work,
 0 <= P <= C, C = total compute). One collective maps ``(T, P)`` to ``(E, Q)`` in closed form
@@ -806,6 +811,8 @@ def gather_timeline(steps: Sequence[GatherStep], cost: CostModel, *, distance: i
     if not _is_real(lead_s) or not math.isfinite(lead_s) or lead_s < 0:
         raise ValueError(f"lead_s must be a finite number >= 0, got {lead_s!r}")
     terms = cost.terms("all-gather")
+    if not m:  # the lead's compute alone
+        return GatherTimeline((), ((-1, 0.0, float(lead_s), 1.0),) if lead_s else (), float(lead_s))
     issue = [0.0 if i < distance else math.inf for i in range(m)]
     start, lat_end, end = [math.nan] * m, [math.nan] * m, [math.nan] * m
     c_start, c_end = [math.nan] * m, [math.nan] * m
@@ -836,7 +843,7 @@ def gather_timeline(steps: Sequence[GatherStep], cost: CostModel, *, distance: i
             continue
         computing = not waiting
         assert computing or active, "compute waits for a gather never issued"
-        k = ks[min(g, m - 1)] if m else 1
+        k = ks[min(g, m - 1)]
         ob, sb, slow = cost.overlap_bw[k], cost.solo_bw[k], cost.slowdown[k]
         rate = 1.0 / slow if active else 1.0
         dt_compute = work / rate if computing else math.inf

@@ -937,3 +937,11 @@ def test_gather_plan_errors():
     with pytest.raises(ValueError, match="does not price the all-gather"):
         simulate_gathers(steps, CostModel(0.0, {1: 1.0}, {1: 1.0}, {1: 1.0}), distance=0,
                          blocks=1)
+
+
+def test_a_pass_without_gathers_is_its_lead():
+    cost = CostModel(latency_s=0.0, solo_bw={2: 1e9}, overlap_bw={2: 1e9}, slowdown={2: 1.0},
+                     collectives={"all-gather": CollectiveTerms(0.0, 1.0)})  # no allocation 1
+    assert simulate_gathers([], cost, distance=1, blocks=2, lead_s=2e-3) == 2e-3
+    assert gather_timeline([], cost, distance=0, blocks=[], lead_s=0.0).total_s == 0.0
+    assert plan_gathers([], cost, one_call_blocks=[], max_bytes=0).total_s == 0.0
