@@ -1,6 +1,11 @@
 """End-to-end step time on 8 host CPU devices: plain (`jax.jit(step)`, XLA's all-reduce) vs
 optimized (`jax.jit(libra_jax.optimize(step))`), for the examples in `examples/`.
 
+The FSDP example is GSPMD code: its plain arm is the step with `jax.value_and_grad` (XLA's
+partitioner inserts the all-gathers and reduce-scatters), its optimized arms the step through
+`libra_jax.value_and_grad`; two more arms, the route with XLA's collectives (optimize's
+control: what the route costs apart from the engine) and ``prefetch=1``.
+
     python benchmarks/end_to_end.py [--rounds 12] [--steps 5] [--out benchmarks/results/end_to_end.md]
 
 Each round times `--steps` consecutive steps of every arm, in an order that rotates from round to
@@ -46,7 +51,8 @@ import numpy as np  # noqa: E402
 import libra_jax  # noqa: E402
 from libra_jax import model  # noqa: E402
 
-CONFIGS = [("mlp", {}), ("cnn", {}), ("transformer", {}), ("transformer", {"variant": "pmap"})]
+CONFIGS = [("mlp", {}), ("cnn", {}), ("transformer", {}), ("transformer", {"variant": "pmap"}),
+           ("fsdp", {})]
 LOG = re.compile(r"\[libra_jax\] .*?bytes=(\d+) blocks=(\d+) .*?first_arrival_us=(-?\d+) "
                  r"start_us=(-?\d+) end_us=(-?\d+)")
 
@@ -68,10 +74,17 @@ def one_bucket_profile() -> str:
 def bench(name: str, options: dict, rounds: int, steps: int, one_bucket: bool = False,
           modes: bool = False) -> dict:
     step, args = common.load_example(name).build(False, **options)
-    arms = {"plain": jax.jit(step, donate_argnums=0),
+    arms = {"plain": jax.jit(common.plain_step(step), donate_argnums=0),
             "optimized": jax.jit(libra_jax.optimize(step), donate_argnums=0),
             "optimized, fusion=False": jax.jit(libra_jax.optimize(step, fusion=False),
                                                donate_argnums=0)}
+    if common.plain_step(step) is not step:
+        # A GSPMD step: plain is GSPMD's program; this arm is the route's with XLA's
+        # collectives (optimize's control), which separates the route from the engine.
+        arms["route, XLA's collectives"] = jax.jit(
+            libra_jax.optimize(step, collectives="xla"), donate_argnums=0)
+        arms["optimized, prefetch=1"] = jax.jit(libra_jax.optimize(step, prefetch=1),
+                                                donate_argnums=0)
     if one_bucket:
         arms["optimized, one bucket"] = jax.jit(
             libra_jax.optimize(step, profile=one_bucket_profile()), donate_argnums=0)

@@ -4,9 +4,11 @@ example module by path (for the tests, ``libra-jax plan`` and ``benchmarks/end_t
 Every example module defines ``build(small: bool = False, **options) -> (step, args)``:
 ``step(state, *batch) -> (state, loss)`` is one data-parallel training step (not jitted; it
 calls ``jax.shard_map`` or ``jax.pmap`` itself), ``state = (params, opt_state)``, and
-``args = (state, *batch)`` its first inputs.
-:func:`train` runs ``jax.jit(step)`` (plain: XLA's all-reduce) and
-``jax.jit(libra_jax.optimize(step))`` (Libra all-reduces) side by side from the same start.
+``args = (state, *batch)`` its first inputs. A GSPMD step that takes its gradient through
+`libra_jax.value_and_grad` carries ``step.plain``: the same step as GSPMD code
+(`jax.value_and_grad`), what its user would run without libra_jax (examples/fsdp.py).
+:func:`train` runs ``jax.jit(step.plain or step)`` (plain: XLA's collectives) and
+``jax.jit(libra_jax.optimize(step))`` (Libra's) side by side from the same start.
 """
 from __future__ import annotations
 
@@ -111,6 +113,12 @@ class Result:
                                      np.float32(self.losses["plain"]))
 
 
+def plain_step(step: Callable[..., Any]) -> Callable[..., Any]:
+    """The step its user would run without libra_jax: ``step.plain`` where it has one (a
+    GSPMD step written for the route), else the step itself."""
+    return getattr(step, "plain", step)
+
+
 def compile_pair(step: Callable[..., Any], *, control: bool = False,
                  **optimize_options: Any) -> dict[str, Callable[..., Any]]:
     """The plain and the optimized step, each jitted with its state donated; with `control`,
@@ -121,7 +129,7 @@ def compile_pair(step: Callable[..., Any], *, control: bool = False,
     optimized = libra_jax.optimize(step, **optimize_options)
     jitted = jax.jit(optimized, donate_argnums=0)
     jitted.optimized = optimized  # for .last_report
-    fns = {"plain": jax.jit(step, donate_argnums=0), "optimized": jitted}
+    fns = {"plain": jax.jit(plain_step(step), donate_argnums=0), "optimized": jitted}
     if control:
         fns["control"] = jax.jit(libra_jax.optimize(step, collectives="xla", **optimize_options),
                                  donate_argnums=0)
@@ -173,9 +181,12 @@ def print_result(res: Result, title: str) -> None:
         print(f"{i + 1:>6} {res.losses['plain'][i]:>14.6f} {res.losses['optimized'][i]:>17.6f}")
     from libra_jax import testing
 
+    # A GSPMD step's plain arm is another program (GSPMD's): the optimized one is then held
+    # to its control, the same program with XLA's collectives (class 2 of docs/bitwise.md).
+    against = "control" if "control" in res.states else "plain"
     print(f"loss curves: max |difference| {res.max_loss_diff():.3g}, {res.loss_error():.3g} x eps x "
-          f"max loss (bound {testing.CODEGEN_ULPS}); final state identical bit for bit: "
-          f"{res.identical()}")
+          f"max loss (bound {testing.CODEGEN_ULPS}); final state identical bit for bit to "
+          f"{against}'s: {res.identical('optimized', against)}")
     if res.times["plain"]:
         med = {k: np.median(v) * 1e3 for k, v in res.times.items()}
         for k, v in res.times.items():
@@ -184,11 +195,13 @@ def print_result(res: Result, title: str) -> None:
                   f"{np.percentile(ms, 75):.2f}) over {len(ms)} steps")
         print(f"optimized / plain: {med['optimized'] / med['plain']:.3f}x")
     if res.report is not None:
-        buckets = [p for p in res.report.plans if p.kind == "gradient"]
-        print(f"libra_jax.optimize: {res.report.num_psums} psums -> {len(res.report.plans)} "
-              f"all-reduces ({len(buckets)} gradient bucket{'' if len(buckets) == 1 else 's'}, "
-              f"blocks "
-              f"{sorted({p.blocks for p in res.report.plans})}); details: libra-jax plan")
+        plans = res.report.plans
+        buckets = [p for p in plans if p.kind == "gradient"]
+        calls = ", ".join(f"{n} {c}s" for c in ("all-reduce", "reduce-scatter", "all-gather")
+                          if (n := sum(p.collective == c for p in plans)))
+        print(f"libra_jax.optimize: {res.report.num_psums} collectives -> {calls} "
+              f"({len(buckets)} gradient bucket{'' if len(buckets) == 1 else 's'}, blocks "
+              f"{sorted({p.blocks for p in plans})}); details: libra-jax plan")
 
 
 def main(module_doc: str, build: Callable[..., Any], *, options: dict[str, Any] | None = None) -> Result:
@@ -208,8 +221,9 @@ def main(module_doc: str, build: Callable[..., Any], *, options: dict[str, Any] 
     step, args = build(ns.small, **kwargs)
     params = n_params(args[0][0])
     print(f"{DEVICES} host CPU devices, {params / 1e6:.2f}M parameters ({4 * params / 2**20:.1f} MiB "
-          f"of f32 gradients all-reduced per step), jax {jax.__version__}")
-    res = train(step, args, ns.steps, progress=not ns.no_progress)
+          f"of f32 gradients per step), jax {jax.__version__}")
+    res = train(step, args, ns.steps, progress=not ns.no_progress,
+                control=plain_step(step) is not step)
     print_result(res, f"{ns.steps} steps, plain (jax.jit) and optimized (libra_jax.optimize) side by side:")
     from libra_jax import testing
 

@@ -17,12 +17,18 @@ Contract (what the tests check, tests/test_data_parallel.py):
   ``jax.jit(jax.value_and_grad(loss_fn))`` on the same sharded inputs within class 3's
   bound (`libra_jax.testing`: two programs, which XLA compiles differently on each CPU), for
   a loss that is a mean over the batch's examples (each shard's mean, averaged).
-- Differentiated arguments must be replicated over the mesh: a sharded one (FSDP, tensor
-  parallelism) would be all-gathered by ``P()`` in silence, so it is refused where its
-  sharding is visible (a concrete array, or an explicit-sharding mesh's traced value). Under
-  `jax.jit` on an auto-sharding mesh a traced value carries no sharding: there the check is
-  yours. A layout over mesh axes of one device each is replicated (a ``model`` axis of 1);
-  the gradients come back laid out as their parameters.
+- Differentiated arguments are replicated, or sharded over the batch's axes (FSDP, ZeRO-3:
+  MaxText's ``fsdp`` axis): a sharded one enters the shard_map as its shards and the loss
+  reads it all-gathered (`_gather_sharded`; `optimize` moves each all-gather to its first use
+  and issues it as `optimize(prefetch=)` plans); its gradient is the all-gather's transpose,
+  a reduce-scatter, and leaves with the parameter's sharding. Its sharding must be visible
+  (a concrete array's, an explicit-sharding mesh's traced value's, or ``in_specs``): under
+  `jax.jit` on an auto-sharding mesh a traced value carries none, and it is treated as
+  replicated (XLA all-gathers it before the shard_map). Sharding the route cannot serve is
+  refused with the leaf and the axis named (`_check_parameters`): over a mesh axis the batch
+  is not split over (tensor parallelism: keep `jax.value_and_grad`), or a dimension that does
+  not divide by its axes' devices. A layout over mesh axes of one device each is replicated
+  (a ``model`` axis of 1); the gradients come back laid out as their parameters.
 - A Flax NNX object (a model, `Rngs`) passed as an argument of its own is taken as
   `nnx.value_and_grad` takes it: differentiated, its gradient is the `nnx.State` of its
   `nnx.Param`s; its other state is written back after the loss (`_NnxObjects`).
@@ -35,8 +41,8 @@ Contract (what the tests check, tests/test_data_parallel.py):
   explicit-sharding mesh, inputs whose sharding differs from their spec are resharded
   (`jax.reshard`), as the auto-sharding partitioner would do.
 - The shard_map is manual over every mesh axis: on a 2-D mesh (``data`` x ``model``) with
-  replicated parameters each ``model`` shard computes its ``data`` shard's loss, as GSPMD does
-  with replicated parameters, and the all-reduces are Libra's.
+  parameters replicated or sharded over ``data`` each ``model`` shard computes its ``data``
+  shard's loss, as GSPMD does there, and the gradient collectives are Libra's.
 - Semantics that change from GSPMD's global batch (documented in docs/gspmd.md, not detected):
   anything that couples examples across the batch sees one shard only: batch-norm statistics
   are per shard, an in-batch contrastive loss has per-shard negatives, a token-weighted
@@ -73,16 +79,17 @@ def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0,
     Args:
       fun: the per-batch loss, as for `jax.value_and_grad`: a scalar float (and aux, with
         `has_aux`) computed from the batch it is given; here it sees one shard of the batch.
-      argnums: as in `jax.value_and_grad`. The differentiated arguments must be
-        replicated over the mesh; a Flax NNX model among them is differentiated with respect
-        to its `nnx.Param` state, as by `nnx.value_and_grad`.
+      argnums: as in `jax.value_and_grad`. The differentiated arguments are replicated over
+        the mesh or sharded over `axis_name`'s axes (FSDP: gathered for the loss, their
+        gradients reduce-scattered); a Flax NNX model among them is differentiated with
+        respect to its `nnx.Param` state, as by `nnx.value_and_grad`.
       has_aux: as in `jax.value_and_grad`.
       axis_name: the mesh axis (or axes) the batch is split over.
       mesh: the `jax.sharding.Mesh`; default: the context mesh (`jax.set_mesh`), else the
         mesh of the inputs' `NamedSharding`.
       in_specs: per positional argument, its `PartitionSpec` (or a pytree prefix of them);
-        default: ``P()`` for the differentiated arguments, ``P(axis_name)`` for the other
-        leaves, ``P()`` for 0-d ones.
+        default: for the differentiated arguments, each leaf's visible sharding (``P()``
+        where none shows), ``P(axis_name)`` for the other leaves, ``P()`` for 0-d ones.
 
     Returns:
       A function of `fun`'s arguments returning ``(value, grads)`` (``((value, aux), grads)``
@@ -111,12 +118,13 @@ def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0,
         args = objects.values(args)
         specs = _specs(args[:n_args], argnums_t, axes, the_mesh, in_specs)
         specs += (P(),) * (len(args) - n_args)  # the NNX objects' other state: replicated
-        _check_replicated(args, argnums_t, specs, the_mesh)
+        _check_parameters(args, argnums_t, specs, the_mesh, axes)
         loss_fn, aux = (fun, has_aux) if not objects else (objects.merging(fun, has_aux), True)
 
         def run(*args: Any) -> Any:
-            mapped = jax.shard_map(_local_loss(loss_fn, kwargs, aux, axes), mesh=the_mesh,
-                                   in_specs=specs, out_specs=P())
+            local = _local_loss(_gather_sharded(loss_fn, argnums_t, args, specs),
+                                kwargs, aux, axes)
+            mapped = jax.shard_map(local, mesh=the_mesh, in_specs=specs, out_specs=P())
 
             def loss(*args: Any) -> Any:
                 # Resharded inside the differentiated function: autodiff reshards each
@@ -361,32 +369,34 @@ def _mesh(mesh: Any, args: tuple) -> Any:
 
 
 def _specs(args: tuple, argnums: tuple, axes: tuple, mesh: Any, in_specs: Any) -> tuple:
-    """Per positional argument, its spec tree: `in_specs`, or the default rule."""
+    """Per positional argument, its spec tree: `in_specs`, or the default rule (module
+    docstring). A mesh axis of one device other than the batch's splits nothing: it is left
+    out, so the loss does not vary over it (the shard_map's P() output could not be
+    inferred); an axis the mesh lacks is kept, for `_check_parameters` to name."""
+    sizes = dict(mesh.shape)
+
+    def split_only(spec: P) -> P:
+        def keep(d: Any) -> Any:
+            if d is None or d is P.UNCONSTRAINED:
+                return d
+            kept = tuple(a for a in ((d,) if isinstance(d, str) else d)
+                         if a in axes or sizes.get(a, 2) > 1)
+            return None if not kept else kept[0] if len(kept) == 1 else kept
+        return P(*(keep(d) for d in spec))
+
     if in_specs is not None:
         specs = tuple(in_specs) if isinstance(in_specs, (tuple, list)) else (in_specs,)
         if len(specs) != len(args):
             raise ValueError(f"libra_jax.value_and_grad: in_specs has {len(specs)} entries for "
                              f"{len(args)} positional arguments")
-        # A mesh axis of one device other than the batch's splits nothing: left out, so the
-        # loss does not vary over it (the shard_map's P() output could not be inferred).
-        sizes = dict(mesh.shape)
-
-        def split_only(spec: P) -> P:
-            def keep(d: Any) -> Any:
-                if d is None or d is P.UNCONSTRAINED:
-                    return d
-                kept = tuple(a for a in ((d,) if isinstance(d, str) else d)
-                             if a in axes or sizes.get(a, 1) > 1)
-                return None if not kept else kept[0] if len(kept) == 1 else kept
-            return P(*(keep(d) for d in spec))
-        return tuple(jax.tree.map(split_only, s, is_leaf=lambda x: isinstance(x, P))
-                     for s in specs)
+        return tuple(jax.tree.map(split_only, s, is_leaf=_is_spec) for s in specs)
     batch = axes[0] if len(axes) == 1 else axes
-    shards = math.prod(dict(mesh.shape)[a] for a in axes)
+    shards = math.prod(sizes[a] for a in axes)
 
     def spec(i: int, path: Any, leaf: Any) -> P:
-        ndim = np.ndim(leaf)
-        if i in argnums or ndim == 0:
+        if i in argnums:
+            return split_only(_visible_spec(leaf, f"argument {i}{jax.tree_util.keystr(path)}"))
+        if np.ndim(leaf) == 0:
             return P()
         rows = np.shape(leaf)[0]
         if rows % shards:
@@ -400,42 +410,109 @@ def _specs(args: tuple, argnums: tuple, axes: tuple, mesh: Any, in_specs: Any) -
                  for i, a in enumerate(args))
 
 
-def _check_replicated(args: tuple, argnums: tuple, specs: tuple, mesh: Any) -> None:
-    """Refuse a differentiated argument that is not replicated (`P()` would all-gather it, and
-    its gradient would be one shard's alone were its spec not ``P()``). A spec whose mesh axes
-    all have size 1 is replicated (a model axis of 1 on a data-parallel mesh)."""
-    for i in argnums:
-        leaves = jax.tree_util.tree_flatten_with_path(args[i])[0]
-        spec_leaves = jax.tree.leaves(specs[i], is_leaf=lambda s: isinstance(s, P))
-        if not all(_replicates(s, mesh) for s in spec_leaves):
-            raise ValueError(f"libra_jax.value_and_grad: in_specs gives differentiated argument "
-                             f"{i} a sharded spec; its gradient would be one shard's: "
-                             "differentiated arguments must be P() (replicated)")
-        for path, leaf in leaves:
-            where = f"argument {i}{jax.tree_util.keystr(path)}"
-            sharding = getattr(leaf, "sharding", None)
-            if isinstance(leaf, jax.Array) and not isinstance(leaf, _compat.Tracer):
-                replicated = sharding is None or sharding.is_fully_replicated
-            else:
-                aval_sharding = getattr(_typeof(leaf), "sharding", None)
-                replicated = aval_sharding is None or _replicates(
-                    getattr(aval_sharding, "spec", P()), aval_sharding.mesh)
-            if not replicated:
-                raise ValueError(
-                    f"libra_jax.value_and_grad: {where} is sharded ({_sharding_text(leaf)}); "
-                    "differentiated arguments must be replicated over the mesh: a sharded "
-                    "parameter (FSDP, tensor parallelism) would be all-gathered on every step, "
-                    "and its gradient collective is a reduce-scatter, which libra_jax does not "
-                    "plan. Keep jax.value_and_grad (GSPMD) for sharded parameters")
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, P)
 
 
-def _replicates(spec: Any, mesh: Any) -> bool:
-    """Whether `spec` lays an array out whole on every device of `mesh`: it names no mesh axis
-    of more than one device."""
+def _visible_spec(leaf: Any, where: str) -> P:
+    """A differentiated leaf's layout where it shows (a concrete array's `NamedSharding`, an
+    explicit-sharding mesh's traced value's), else ``P()``: under `jax.jit` on an auto mesh a
+    traced value carries none."""
+    if isinstance(leaf, jax.Array) and not isinstance(leaf, _compat.Tracer):
+        sharding = leaf.sharding
+        if sharding.is_fully_replicated:
+            return P()
+        if isinstance(sharding, jax.sharding.NamedSharding):
+            return sharding.spec
+        raise ValueError(f"libra_jax.value_and_grad: {where} is sharded by a "
+                         f"{type(sharding).__name__}, not a NamedSharding: place it with one, "
+                         "or give its PartitionSpec in in_specs")
+    traced: Any = getattr(_typeof(leaf), "sharding", None)
+    if traced is None or traced.mesh.empty:
+        return P()
+    return traced.spec
+
+
+def _leaf_specs(arg: Any, spec_tree: Any) -> list[tuple[Any, Any, P]]:
+    """(path, leaf, spec) for each leaf of `arg`, its spec from `spec_tree` (a pytree prefix
+    of `arg`, as `jax.shard_map`'s in_specs)."""
+    full = jax.tree.map(lambda s, sub: jax.tree.map(lambda _: s, sub), spec_tree, arg,
+                        is_leaf=_is_spec)
+    specs = jax.tree.leaves(full, is_leaf=_is_spec)
+    leaves = jax.tree_util.tree_flatten_with_path(arg)[0]
+    return [(path, leaf, spec) for (path, leaf), spec in zip(leaves, specs)]
+
+
+def _spec_axes(entry: Any) -> tuple[str, ...]:
+    """The mesh axes one dimension of a spec names."""
+    if entry is None or entry is P.UNCONSTRAINED:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _check_parameters(args: tuple, argnums: tuple, specs: tuple, mesh: Any, axes: tuple
+                      ) -> None:
+    """Refuse a differentiated leaf laid out as the route cannot serve, naming the leaf and
+    the axis: sharded over a mesh axis of more than one device that the batch is not split
+    over (its gradient would be one shard's: tensor parallelism is GSPMD's), or along a
+    dimension that does not divide by its axes' devices (a shard_map needs equal shards)."""
     sizes = dict(mesh.shape)
-    named = [a for d in spec if d is not None and d is not P.UNCONSTRAINED
-             for a in ((d,) if isinstance(d, str) else d)]
-    return all(sizes.get(a, 1) == 1 for a in named)
+    for i in argnums:
+        for path, leaf, spec in _leaf_specs(args[i], specs[i]):
+            where = f"argument {i}{jax.tree_util.keystr(path)}"
+            shape = np.shape(leaf)
+            if len(spec) > len(shape):
+                raise ValueError(f"libra_jax.value_and_grad: {where} of shape {shape} is laid "
+                                 f"out by {spec}, which has more dimensions")
+            for dim, entry in enumerate(spec):
+                names = _spec_axes(entry)
+                for axis in names:
+                    if axis not in sizes:
+                        raise ValueError(
+                            f"libra_jax.value_and_grad: {where} is sharded over {axis!r} "
+                            f"({spec}), which is not an axis of the mesh {sizes}")
+                    if axis not in axes:
+                        raise ValueError(
+                            f"libra_jax.value_and_grad: {where} is sharded over {axis!r} "
+                            f"({spec}), an axis the batch is not split over: the route serves "
+                            f"parameters replicated or sharded over the batch's axes "
+                            f"{list(axes)} (FSDP); for tensor parallelism keep "
+                            "jax.value_and_grad (GSPMD), whose collectives stay XLA's")
+                devices = math.prod(sizes[a] for a in names)
+                if names and shape[dim] % devices:
+                    raise ValueError(
+                        f"libra_jax.value_and_grad: {where} has dimension {dim} of size "
+                        f"{shape[dim]}, which does not split evenly over the {devices} "
+                        f"devices of {names[0] if len(names) == 1 else names!r} ({spec}); "
+                        "the route's shard_map needs equal shards: pad it, or keep it "
+                        "replicated")
+
+
+def _gather_sharded(fun: Callable[..., Any], argnums: tuple, args: tuple, specs: tuple
+                    ) -> Callable[..., Any]:
+    """`fun` reading its sharded differentiated leaves all-gathered (tiled, along each
+    dimension its spec splits): the shard_map passes them in as shards. Autodiff transposes
+    each all-gather to a reduce-scatter, so the gradient leaves as shards again; `optimize`
+    moves each all-gather to its first use (`rewrite`)."""
+    gathers = {i: [tuple((dim, names) for dim, entry in enumerate(spec)
+                         if (names := _spec_axes(entry)))
+                   for _, _, spec in _leaf_specs(args[i], specs[i])] for i in argnums}
+    if not any(any(g) for g in gathers.values()):
+        return fun
+
+    def gather(x: Any, plan: tuple) -> Any:
+        for dim, names in plan:
+            x = jax.lax.all_gather(x, names[0] if len(names) == 1 else names, axis=dim,
+                                   tiled=True)
+        return x
+
+    def gathered(*args: Any, **kwargs: Any) -> Any:
+        full = list(args)
+        for i, plans in gathers.items():
+            leaves, tree = jax.tree.flatten(full[i])
+            full[i] = jax.tree.unflatten(tree, [gather(x, g) for x, g in zip(leaves, plans)])
+        return fun(*full, **kwargs)
+    return gathered
 
 
 def _reshard(arg: Any, spec_tree: Any, mesh: Any) -> Any:
@@ -463,12 +540,6 @@ def _typeof(x: Any) -> Any:
         return jax.typeof(x)
     except TypeError:
         return None
-
-
-def _sharding_text(leaf: Any) -> str:
-    sharding = getattr(leaf, "sharding", None) or getattr(_typeof(leaf), "sharding", None)
-    spec = getattr(sharding, "spec", None)
-    return f"spec {spec}" if spec is not None else str(sharding)
 
 
 def _hashable(kwargs: dict) -> tuple | None:

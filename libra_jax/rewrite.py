@@ -964,6 +964,7 @@ class _Rewriter:
                 for i, eqn in enumerate(eqns)]
         eqns = self.fold_zero_psums(eqns, scope)
         eqns = _scatter_sliced_psums(eqns, jaxpr.outvars, axis_sizes)
+        eqns = _sink_gathers(eqns)
         sites = [site for i, eqn in enumerate(eqns)
                  if (site := self.site(i, eqn, scope)) is not None]
         gathers = [site for i, eqn in enumerate(eqns)
@@ -1660,6 +1661,30 @@ def _scatter_sliced_psums(eqns: Sequence[Any], outvars: Sequence[Any], axis_size
         for e in gone + ([cast] if cast is not None else []):
             out[position[id(e)]] = None
     return [e for e in out if e is not None]
+
+
+def _sink_gathers(eqns: Sequence[Any]) -> list[Any]:
+    """The scope's equations with each all-gather moved down to just before its first reader.
+    FSDP code often gathers every parameter up front (the GSPMD route does: `data_parallel`),
+    which holds them all gathered from the scope's start and leaves no compute to issue a
+    gather ahead of; at its first use it is where `_Rewriter.prefetch_gathers` expects it. An
+    all-gather is pure and its operand is defined earlier still, so the values are unchanged;
+    one that nothing in the scope reads (a scope's output) stays where it is."""
+    first_use: dict[Any, int] = {}
+    for i, eqn in enumerate(eqns):
+        for v in eqn.invars:
+            if _compat.is_var(v):
+                first_use.setdefault(v, i)
+    moved: dict[int, list[Any]] = {}
+    out: list[Any] = []
+    for i, eqn in enumerate(eqns):
+        out.extend(moved.pop(i, ()))
+        use = first_use.get(eqn.outvars[0], i + 1) if eqn.outvars else i + 1
+        if (eqn.primitive.name in _GATHERS or eqn.primitive is libra_all_gather_p) and use > i + 1:
+            moved.setdefault(use, []).append(eqn)
+        else:
+            out.append(eqn)
+    return out
 
 
 def _axis_names(params: dict) -> tuple:

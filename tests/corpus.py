@@ -789,6 +789,71 @@ def fsdp_mixed_replicated(pmean: Callable[..., Any] | None = None) -> Case:
                 autodiff_psums=True, kinds={"gradient": 9, "forward": 4})
 
 
+def _fsdp_route_case(seed: int, mesh: jax.sharding.Mesh, tx: Any, in_specs: bool,
+                     kinds: dict[str, int]) -> Case:
+    """A GSPMD step of the FSDP problem (`_fsdp_problem`) through `libra_jax.value_and_grad`:
+    the weights sharded over ``data`` (the last along its columns), a bias per layer
+    replicated, the optimizer's state laid out as the parameters. With `in_specs`, the
+    layout is given to the route (an auto mesh: traced values carry none); without, it is
+    read from the explicit mesh's traced values."""
+    import libra_jax
+
+    _, weights, x, y = _fsdp_problem(seed)
+    layout = {"w1": P("data"), "w2": P("data"), "w3": P(None, "data")}
+    params = {"weights": weights, "bias": {k: np.zeros(w.shape[1], np.float32)
+                                           for k, w in weights.items()}}
+    specs = {"weights": layout, "bias": {k: P() for k in weights}}
+
+    def loss_fn(p, x, y):
+        h = x
+        for name in ("w1", "w2", "w3"):
+            h = jnp.tanh(h @ p["weights"][name] + p["bias"][name])
+        return jnp.mean((h - y) ** 2)
+
+    grad_fn = libra_jax.value_and_grad(
+        loss_fn, in_specs=(specs, P("data"), P("data")) if in_specs else None)
+
+    def step(state, x, y):
+        loss, grads = grad_fn(state["params"], x, y)
+        updates, opt = tx.update(grads, state["opt"], state["params"])
+        return {"params": optax_apply(state["params"], updates), "opt": opt}, loss
+
+    params = jax.device_put(params, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
+    with jax.set_mesh(mesh):  # optax's init on the explicit mesh's arrays
+        state = {"params": params, "opt": tx.init(params)}
+    batch = tuple(jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (x, y))
+    return Case(step, state, batch, autodiff_psums=True, context=lambda: jax.set_mesh(mesh),
+                kinds=kinds, drop_in=False)
+
+
+def optax_apply(params: Any, updates: Any) -> Any:
+    import optax
+    return optax.apply_updates(params, updates)
+
+
+def fsdp_gspmd_route(pmean: Callable[..., Any] | None = None) -> Case:
+    """FSDP as GSPMD code on an explicit-sharding 1-D mesh (traced values carry their
+    sharding), through the route; optax AdamW."""
+    del pmean  # a GSPMD step calls no pmean
+    import optax
+    mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:N]), ("data",),
+                             axis_types=(jax.sharding.AxisType.Explicit,))
+    # Forward: 3 all-gathers and the loss's pmean; gradients: 3 reduce-scatters, 3 biases'
+    # psums (and the loss, as gspmd-route).
+    return _fsdp_route_case(24, mesh, optax.adamw(1e-2), in_specs=False,
+                            kinds={"forward": 3, "gradient": 7})
+
+
+def fsdp_gspmd_route_2d(pmean: Callable[..., Any] | None = None) -> Case:
+    """FSDP as GSPMD code on an auto (data 4 x model 2) mesh, parameters sharded over data
+    only, their layout given by ``in_specs``; momentum SGD."""
+    del pmean  # a GSPMD step calls no pmean
+    import optax
+    mesh = jax.sharding.Mesh(np.array(jax.devices("cpu")[:N]).reshape(4, 2), ("data", "model"))
+    return _fsdp_route_case(25, mesh, optax.sgd(0.05, momentum=0.9), in_specs=True,
+                            kinds={"forward": 3, "gradient": 7})
+
+
 CASES: dict[str, Callable[..., Case]] = {
     "flax-batchnorm-pmap": flax_batchnorm_pmap,
     "transformer-dropout": transformer_dropout,
@@ -808,4 +873,6 @@ CASES: dict[str, Callable[..., Case]] = {
     "fsdp-remat": fsdp_remat,
     "fsdp-explicit-psum-scatter": fsdp_explicit_psum_scatter,
     "fsdp-mixed-replicated": fsdp_mixed_replicated,
+    "fsdp-gspmd-route": fsdp_gspmd_route,
+    "fsdp-gspmd-route-2d": fsdp_gspmd_route_2d,
 }

@@ -98,7 +98,7 @@ def optimize_plans() -> dict[str, list[str]]:
 
     out = {}
     for name, options in [("mlp", {}), ("cnn", {}), ("transformer", {}),
-                          ("transformer", {"variant": "pmap"})]:
+                          ("transformer", {"variant": "pmap"}), ("fsdp", {})]:
         out[f"example/{name}{''.join(f'/{v}' for v in options.values())}"] = \
             example_plan(name, **options)
     for name, build in CASES.items():

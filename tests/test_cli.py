@@ -471,6 +471,19 @@ def test_plan_shows_the_all_gathers_and_how_far_ahead(capsys, fsdp_script, tmp_p
         assert status == 0 and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plan_of_the_fsdp_example(capsys, jax_8):
+    """`libra-jax plan examples/fsdp.py`: the GSPMD step through the route, its all-gathers
+    named by parameter and its gradient reduce-scatters planned."""
+    pytest.importorskip("flax")
+    pytest.importorskip("optax")
+    script = Path(__file__).resolve().parents[1] / "examples" / "fsdp.py"
+    status, out, _ = run(capsys, "plan", str(script), "--small", "--plain")
+    assert status == 0, out
+    assert re.search(r"\d+ gradient psums, \d+ gradient psum_scatters", out), out
+    assert "all_gathers, one call each where used" in out and "sync (psum_scatter)" in out
+    assert "Embed_0.embedding" in out, out
+
+
 def test_plan_gantt_gathers_needs_gathers(capsys, plan_script, tmp_path, jax_8):
     status, _, err = run(capsys, "plan", str(plan_script), "--gantt-gathers",
                          str(tmp_path / "g.png"))

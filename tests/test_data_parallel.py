@@ -293,21 +293,103 @@ def test_route_lowers_for_cuda_to_nccl_calls_on_the_nccl_path(stub_env):
 
 # --- What it refuses, clearly ----------------------------------------------------------------
 
-def test_sharded_parameters_are_refused():
-    mesh = make_mesh()
-    rng = np.random.default_rng(5)
-    params = put(mlp_params(rng, (16, 32, 8)), mesh, P("data"))  # FSDP-like: rows split
+def fsdp_problem(mesh, seed=5):
+    """An MLP 16 -> 32 -> 8 whose weights are sharded over ``data`` (FSDP: the first along its
+    rows, the second along its columns) beside replicated biases, and a regression batch."""
+    rng = np.random.default_rng(seed)
+    (w1, b1), (w2, b2) = mlp_params(rng, (16, 32, 8))
+    specs = [(P("data"), P()), (P(None, "data"), P())]
+    params = [(put(w1, mesh, specs[0][0]), put(b1, mesh, P())),
+              (put(w2, mesh, specs[1][0]), put(b2, mesh, P()))]
     x = put(rng.standard_normal((64, 16)).astype(np.float32), mesh, P("data"))
     y = put(rng.standard_normal((64, 8)).astype(np.float32), mesh, P("data"))
-    with pytest.raises(ValueError, match=r"argument 0\[0\]\[0\] is sharded.*must be replicated"):
-        route(mlp_loss)(params, x, y)
-    explicit = make_mesh(kind="explicit")  # traced values carry their sharding there
-    params = put(mlp_params(rng, (16, 32, 8)), explicit, P("data"))
-    with pytest.raises(ValueError, match="is sharded.*reduce-scatter"):
-        jax.jit(route(mlp_loss))(params, put(x, explicit, P("data")), put(y, explicit, P("data")))
-    with pytest.raises(ValueError, match="differentiated arguments must be P()"):
-        route(mlp_loss, in_specs=(P("data"), P("data"), P("data")))(
-            put(mlp_params(rng), mesh, P()), x, y)
+    return params, specs, x, y
+
+
+@pytest.mark.parametrize("visible", ["in_specs", "explicit", "eager"])
+@pytest.mark.parametrize("shape", [(8,), (4, 2)], ids=["1-D", "data x model"])
+def test_parameters_sharded_over_data_are_gathered_and_reduce_scattered(shape, visible):
+    """FSDP through the route: weights sharded over ``data`` enter as shards, are gathered for
+    the loss and leave as reduce-scatters, on a 1-D mesh and on a data x model mesh; their
+    sharding seen by in_specs (an auto mesh under jax.jit), on an explicit mesh's traced
+    values, or on concrete arrays (the route called eagerly). Value and gradients within
+    class 3's bound of GSPMD's, the gradients laid out as their parameters; under `optimize`
+    (traced: in_specs or an explicit mesh), bitwise its control, and every gather and
+    reduce-scatter a Libra call."""
+    names = ("data", "model")[:len(shape)]
+    params, specs, x, y = fsdp_problem(make_mesh(shape, names))
+    want = jax.tree.map(np.asarray, jax.jit(jax.value_and_grad(mlp_loss))(params, x, y))
+    mesh = make_mesh(shape, names, "explicit" if visible == "explicit" else "auto")
+    params, specs, x, y = fsdp_problem(mesh)
+    step = route(mlp_loss, **({"in_specs": (specs, P("data"), P("data"))}
+                              if visible == "in_specs" else {}))
+    with mesh_context(mesh):
+        got = step(params, x, y) if visible == "eager" else jax.jit(step)(params, x, y)
+    assert_codegen_close(jax.tree.map(np.asarray, got), want)
+    for g, p in zip(jax.tree.leaves(got[1]), jax.tree.leaves(params)):
+        assert g.sharding.is_equivalent_to(p.sharding, p.ndim), (g.sharding, p.sharding)
+    if visible == "eager":
+        return
+    with mesh_context(mesh):
+        opt = libra_jax.optimize(step)
+        optimized = jax.jit(opt)(params, x, y)
+        control = jax.jit(libra_jax.optimize(step, collectives="xla"))(params, x, y)
+        text = jax.jit(opt).lower(params, x, y).as_text()
+    assert_codegen_close(jax.tree.map(np.asarray, optimized), want)
+    jax.tree.map(assert_bitwise, optimized, control)
+    plans = [(p.collective, p.kind) for p in opt.last_report.plans]
+    assert plans.count(("all-gather", "forward")) == 2, opt.last_report.plan_lines()
+    assert plans.count(("reduce-scatter", "gradient")) == 2, opt.last_report.plan_lines()
+    assert text.count("@libra_all_gather_cpu(") == 2 and "@libra_reduce_scatter_cpu(" in text
+    for xla in ("stablehlo.all_gather", "stablehlo.reduce_scatter", "all_reduce"):
+        assert xla not in text, xla
+
+
+def test_sharding_under_jit_on_an_auto_mesh_is_not_seen_without_in_specs():
+    """Under `jax.jit` on an auto mesh a traced value carries no sharding: the route takes
+    the parameters as replicated (XLA gathers them before its shard_map), as documented;
+    the gradients are still right, and replicated."""
+    mesh = make_mesh()
+    params, _, x, y = fsdp_problem(mesh)
+    want = jax.jit(jax.value_and_grad(mlp_loss))(params, x, y)
+    opt = libra_jax.optimize(route(mlp_loss))
+    got = jax.jit(opt)(params, x, y)
+    assert_codegen_close(got, want)
+    assert all(g.sharding.is_fully_replicated for g in jax.tree.leaves(got[1]))
+    assert {p.collective for p in opt.last_report.plans} == {"all-reduce"}
+
+
+def test_sharding_the_route_cannot_serve_is_refused_by_leaf_and_axis():
+    mesh = make_mesh((4, 2), ("data", "model"))
+    params, specs, x, y = fsdp_problem(mesh)
+    tensor_parallel = [(put(np.asarray(params[0][0]), mesh, P(None, "model")), params[0][1]),
+                       params[1]]
+    # Over an axis the batch is not split over (tensor parallelism): concrete, by in_specs,
+    # and on an explicit mesh's traced values.
+    with pytest.raises(ValueError, match=r"argument 0\[0\]\[0\] is sharded over 'model' .*"
+                                         r"an axis the batch is not split over"):
+        route(mlp_loss)(tensor_parallel, x, y)
+    with pytest.raises(ValueError, match=r"argument 0\[1\]\[0\] is sharded over 'model'"):
+        jax.jit(route(mlp_loss, in_specs=([(P("data"), P()), (P("model"), P())], P("data"),
+                                          P("data"))))(params, x, y)
+    explicit = make_mesh((4, 2), ("data", "model"), "explicit")
+    on_explicit = [(put(np.asarray(params[0][0]), explicit, P(None, "model")),
+                    put(np.asarray(params[0][1]), explicit, P()))]
+    with jax.set_mesh(explicit), pytest.raises(ValueError,
+                                               match=r"0\]\[0\] is sharded over 'model'"):
+        jax.jit(route(mlp_loss))(on_explicit, put(np.asarray(x), explicit, P("data")),
+                                 put(np.asarray(y), explicit, P("data")))
+    # Uneven: a dimension that does not divide by the axis's devices.
+    uneven = [(jnp.zeros((16, 10)), jnp.zeros(10)), (jnp.zeros((10, 8)), jnp.zeros(8))]
+    with pytest.raises(ValueError, match=r"argument 0\[1\]\[0\] has dimension 0 of size 10, "
+                                         r"which does not split evenly over the 4 devices of "
+                                         r"'data'"):
+        jax.jit(route(mlp_loss, in_specs=([(P(), P()), (P("data"), P())], P("data"),
+                                          P("data"))))(uneven, x, y)
+    with pytest.raises(ValueError, match=r"sharded over 'batch' .*not an axis of the mesh"):
+        jax.jit(route(mlp_loss, in_specs=(P("batch"), P("data"), P("data"))))(params, x, y)
+    with pytest.raises(ValueError, match=r"of shape \(32,\) is laid out by"):
+        jax.jit(route(mlp_loss, in_specs=(P(None, "data"), P("data"), P("data"))))(params, x, y)
 
 
 def test_bad_calls_say_what_is_wrong():

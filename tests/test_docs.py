@@ -18,6 +18,8 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+from conftest import assert_codegen_close
+
 pytestmark = pytest.mark.usefixtures("jax_8")
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,6 +66,25 @@ def check_readme_gspmd(ns: dict) -> None:
     with jax_.set_mesh(ns["mesh"]):
         text = ns["fast_step"].lower(ns["params"], ns["opt_state"], ns["batch"]).as_text()
     assert "libra_allreduce_cpu" in text and "all_reduce" not in text
+
+
+def check_readme_fsdp(ns: dict) -> None:
+    """The README's FSDP step: the parameters stay sharded as laid out, the loss is the plain
+    loss (within class 3's bound: two programs), and every gather and reduce-scatter is a
+    Libra call."""
+    jax_ = ns["jax"]
+    for k, spec in ns["layout"].items():  # laid out as at the start (the gradients were too)
+        assert ns["params"][k].sharding.is_equivalent_to(
+            jax_.sharding.NamedSharding(ns["mesh"], spec), ns["params"][k].ndim), k
+    rng = np.random.default_rng(0)  # the start, made again from the same seed
+    start = {"w1": rng.standard_normal((16, 64), np.float32) / 4,
+             "w2": rng.standard_normal((64, 8), np.float32) / 8, "b": np.zeros(8, np.float32)}
+    x, y = rng.standard_normal((64, 16), np.float32), rng.standard_normal((64, 8), np.float32)
+    assert_codegen_close(np.float32(ns["loss"]), np.float32(ns["loss_fn"](start, x, y)))
+    with jax_.set_mesh(ns["mesh"]):
+        text = ns["fast_step"].lower(ns["params"], ns["opt_state"], ns["x"], ns["y"]).as_text()
+    assert "@libra_all_gather_cpu(" in text and "@libra_reduce_scatter_cpu(" in text
+    assert "stablehlo.all_gather" not in text and "stablehlo.reduce_scatter" not in text
 
 
 def check_readme_optimize(ns: dict) -> None:
@@ -137,7 +158,8 @@ def check_readme_nnx_route(ns: dict) -> None:
 
 
 CHECKS = {"readme-intro": check_readme_intro, "readme-optimize": check_readme_optimize,
-          "readme-gspmd": check_readme_gspmd, "readme-nnx": check_readme_nnx,
+          "readme-gspmd": check_readme_gspmd, "readme-fsdp": check_readme_fsdp,
+          "readme-nnx": check_readme_nnx,
           "readme-equinox": check_readme_equinox, "readme-nnx-route": check_readme_nnx_route}
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -20,7 +21,7 @@ from conftest import assert_codegen_close  # noqa: E402
 
 
 @pytest.mark.parametrize("name, options", [("mlp", {}), ("cnn", {}), ("transformer", {}),
-                                           ("transformer", {"variant": "pmap"})])
+                                           ("transformer", {"variant": "pmap"}), ("fsdp", {})])
 def test_example_trains_with_matching_results(name, options):
     module = common.load_example(EXAMPLES / f"{name}.py")
     step, args = module.build(True, **options)
@@ -40,6 +41,14 @@ def test_example_trains_with_matching_results(name, options):
     assert report is not None and report.num_psums > 0
     assert any(p.kind == "gradient" for p in report.plans)
     assert len(res.times["plain"]) == 3 - common.WARMUP
+    if name == "fsdp":  # GSPMD's step beside the route's: every collective of the route Libra's
+        assert common.plain_step(step) is not step
+        collectives = {p.collective for p in report.plans}
+        assert {"all-gather", "reduce-scatter"} <= collectives, report.plan_lines()
+        for arm, state in res.states.items():  # laid out as FSDP, in every arm
+            sharded = [x.sharding.spec for x in jax.tree.leaves(state[0])
+                       if not x.sharding.is_fully_replicated]
+            assert len(sharded) >= 6, (arm, sharded)
 
 
 def test_multiprocess_example_trains_across_two_processes():

@@ -97,7 +97,7 @@ def test_explain_rich_table():
     assert "tensors" in text and "layer0.w" in text
 
 
-@pytest.mark.parametrize("name", ["cnn", "transformer"])
+@pytest.mark.parametrize("name", ["cnn", "transformer", "fsdp"])
 def test_explain_flax_examples(name):
     pytest.importorskip("flax")
     pytest.importorskip("optax")

@@ -1202,6 +1202,26 @@ def _eqns_named(jaxpr, name):
     return found
 
 
+@pytest.mark.parametrize("name", ["fsdp-explicit-psum-scatter", "fsdp-gspmd-route"])
+def test_gathers_made_up_front_move_to_their_first_use(name):
+    """FSDP code that gathers every weight before the loss (and the GSPMD route, which does):
+    each all-gather is moved to just before the equation that first reads it, so a weight is
+    not held gathered from the scope's start and prefetch has compute to issue it ahead of."""
+    from corpus import CASES
+    case = CASES[name]()
+
+    def placed(jaxpr, gather):
+        """Per all-gather, whether the next equation of its scope reads its result."""
+        return [body.eqns[body.eqns.index(e) + 1].invars.count(e.outvars[0]) > 0
+                for body, e in _eqns_named(jaxpr, gather)]
+    with case.context():
+        before = placed(jax.make_jaxpr(case.step)(case.state, *case.batch).jaxpr, "all_gather")
+        after = placed(jax.make_jaxpr(optimize(case.step))(case.state, *case.batch).jaxpr,
+                       "libra_all_gather")
+    assert len(before) == len(after) == 3 and not all(before), before
+    assert all(after), after
+
+
 def _train(fn, state, batch, steps=3):
     state = corpus_fresh(state)
     for _ in range(steps):

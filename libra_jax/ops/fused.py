@@ -104,7 +104,8 @@ def _reduce_scatter_lowering(platform: Platform) -> Rule:
     """Per dtype (`lowering.packed_layout`'s groups): libra's reduce-scatter
     (`lowering.sharded_call`) of the members packed rank-contiguously, split back; where it
     does not serve (a dtype the engine does not sum, the ``xla``/``p2p`` CUDA paths, other
-    platforms, the twin), each member XLA's own (`lowering.sharded_xla`)."""
+    platforms), each member XLA's own (`lowering.sharded_xla`); the twin, XLA's of the same
+    packed row."""
     def rule(ctx: Any, *xs: Any, axis_name: tuple, axis_size: int, tiled: tuple,
              blocks: int | None) -> list[Any]:
         outs: list[Any] = [None] * len(xs)
@@ -116,6 +117,21 @@ def _reduce_scatter_lowering(platform: Platform) -> Rule:
             emit, reason = lowering.sharded_call(row_ctx, "psum_scatter", platform,
                                                  axis_name=axis_name, blocks=blocks,
                                                  dimension=0, tiled=True)
+            if emit is None and reason is None:
+                # The twin: XLA's reduce-scatter of the same packed row, split the same way,
+                # so the code around it is the code around libra's call (the control then
+                # differs from the optimized program in the collective alone: XLA:CPU
+                # contracts a consumer's a*b+c into an FMA per fusion, and the fusions differ
+                # where the members' results come straight from their own reduce-scatters).
+                packed = lowering.pack(ctx, xs, idx, count, rows=axis_size)
+                varying_ctx = ctx.replace(  # JAX's rule checks its operand's varying axes
+                    primitive=None, avals_in=[ctx.avals_in[idx[0]].update(shape=row.shape)],
+                    avals_out=[ctx.avals_out[idx[0]].update(shape=shards.shape)])
+                scattered, = _compat.ir_values(lowering.sharded_xla(
+                    varying_ctx, packed, "psum_scatter", mirror_reduce_scatter, None,
+                    **_member_params(axis_name, axis_size, True, blocks)))
+                lowering.split(ctx, scattered, shards, ctx.avals_out, idx, outs)
+                continue
             if emit is None:
                 for i in idx:
                     member_ctx = ctx.replace(primitive=None, avals_in=[ctx.avals_in[i]],
