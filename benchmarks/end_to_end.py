@@ -6,7 +6,7 @@ partitioner inserts the all-gathers and reduce-scatters), its optimized arms the
 `libra_jax.value_and_grad`; two more arms, the route with XLA's collectives (optimize's
 control: what the route costs apart from the engine) and ``prefetch=1``.
 
-    python benchmarks/end_to_end.py [--rounds 12] [--steps 5] [--out benchmarks/results/end_to_end.md]
+    python benchmarks/end_to_end.py [--rounds 12] [--steps 5] [--out benchmarks/results/end_to_end.md [--append]]
 
 Each round times `--steps` consecutive steps of every arm, in an order that rotates from round to
 round (interleaved, so drift hits every arm alike); the table gives the median per-step time over
@@ -124,8 +124,9 @@ def overlap(name: str, options: dict) -> str:
         in_flight = [a[4] - b[2] for a, b in zip(calls, calls[1:]) if b[2] < a[4]]
         spans = ", ".join(f"{c[0] / 2**10:.0f}KiB k={c[1]}: first {c[2] - calls[0][2]}, start "
                           f"{c[3] - calls[0][2]}, end {c[4] - calls[0][2]}" for c in calls[:6])
-        out.append(f"- {label(name, options)}, fusion={fusion}: {len(calls)} all-reduces in a step; "
-                   f"{early} of {max(len(calls) - 1, 0)} next all-reduces had a rank arrive before "
+        # Every engine call (an FSDP step's all-gathers and reduce-scatters too).
+        out.append(f"- {label(name, options)}, fusion={fusion}: {len(calls)} collective calls in a step; "
+                   f"{early} of {max(len(calls) - 1, 0)} next calls had a rank arrive before "
                    f"the previous one ended (by up to {max(in_flight, default=0)} us). First calls "
                    f"(us from the step's first arrival): {spans}")
     return "\n".join(out)
@@ -142,6 +143,9 @@ def main() -> None:
     parser.add_argument("--modes", action="store_true",
                         help="add arms with overlap='sync' and overlap='start-done'")
     parser.add_argument("--out", default=None, help="write a markdown table here")
+    parser.add_argument("--append", action="store_true",
+                        help="add the table to --out as a section of its own (with its command, "
+                             "date and load) instead of replacing the file")
     a = parser.parse_args()
     load_before = os.getloadavg()
     rows = []
@@ -177,6 +181,9 @@ def main() -> None:
                 "|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
         if notes:
             text += "\nEngine debug log (one steady-state step, LIBRA_JAX_DEBUG=1):\n\n" + notes + "\n"
+        if a.append and Path(a.out).exists():
+            title = f"## {a.only or 'all examples'} ({datetime.date.today()})"
+            text = Path(a.out).read_text().rstrip("\n") + f"\n\n{title}\n\n" + text
         Path(a.out).write_text(text)
         print(f"wrote {a.out}")
 

@@ -18,6 +18,15 @@
 # blocks (bench).
 # libra's GPU data paths are opt-in (LIBRA_JAX_CUDA); this script opts in per step.
 #
+# What the FSDP simulation (benchmarks/paper_reproduction.py --fsdp) assumes and a GPU run must
+# measure before its numbers mean anything on hardware: (1) NCCL's reduce-scatter and
+# all-gather time vs CTAs, alone, across ranks (gpu_nccl_check.py times them on one rank, a
+# copy: the handlers and CTA routes, not the ring); (2) a GEMM's slowdown beside an in-flight
+# reduce-scatter or all-gather vs CTAs (the `contend` curves are the all-reduce's, and the
+# model takes them for all three collectives); (3) whether a gather and a reduce-scatter in
+# flight together share the link (the simulation lets them overlap freely). None of the three
+# is measured here yet: it needs two GPUs for (1) and (3), and a contend mode per collective.
+#
 # Results under $OUT (default /tmp/libra_gpu_check/out), at most 6 files, each written as
 # it comes, so a run killed midway still returns them:
 #   summary.txt                one line per step, then the time-vs-blocks table

@@ -17,6 +17,15 @@ sweep (the compute-to-communication ratio). Backward time is the planner's ``sim
 iteration adds forward and optimizer time at full speed (see ``libra_jax.zoo.Workload``).
 The markdown is fully generated, including the discussion of gaps, so rerunning it regenerates
 every number.
+
+    python3 benchmarks/paper_reproduction.py --fsdp     # writes results/paper_reproduction_fsdp.md
+
+The same comparison for sharded training (FSDP, ZeRO-3), which the paper did not study: the
+zoo's models with every weight sharded over the workers (`zoo.fsdp_workload`: gathered before
+each op's forward and again before its backward, gradients reduce-scattered) on the GPU profiles
+(`h100`, `h200`, `libra-testbed`), 8 to 128 workers, under `planner.FSDP_POLICIES`: XLA's
+defaults on NCCL (NCCL's CTAs, each gather issued one ahead, XLA's 30 MiB combiner), fusion only,
+and Libra (`planner.compare_fsdp`).
 """
 from __future__ import annotations
 
@@ -309,11 +318,168 @@ def machine_description() -> str:
             f"Python {platform.python_version()}")
 
 
+FSDP_PROFILES = ("h100", "h200", "libra-testbed")
+
+
+@dataclass(frozen=True)
+class FsdpRun:
+    profile: str
+    model: str
+    workers: int
+    batch: int
+    iteration_s: dict[str, float]
+    ahead: tuple[int, int]  # Libra's gathers: distance ahead, forward and backward
+    buckets: dict[str, int]  # reduce-scatter buckets
+    compute_s: float  # forward + backward at full speed
+    comm_s: float  # every collective alone, one at a time, at the default allocation
+
+    def speedup(self) -> float:
+        """Libra's iteration speedup over the better baseline."""
+        return min(self.iteration_s["default"], self.iteration_s["fusion-only"]) / self.iteration_s["libra"]
+
+
+def run_fsdp(args: tuple[str, str, int]) -> FsdpRun:
+    profile_name, name, workers = args
+    profile = model.load_profile(profile_name)
+    derivation = model.derive(profile, workers)
+    w = zoo.fsdp_workload(name, flop_per_s=profile.device.flop_per_s(), bytes_per_s=profile.device.bytes_per_s(),
+                          workers=workers)
+    alloc = derivation.default_allocation()
+    plans = planner.compare_fsdp(w.step, derivation.cost, default_alloc=alloc)
+    cost = derivation.cost
+
+    def alone(collective: str, nbytes: int) -> float:
+        terms = cost.terms(collective)
+        return terms.latency_s + nbytes * terms.traffic / cost.solo_bw[alloc]
+    comm = (sum(alone("all-gather", g.nbytes) for g in (*w.step.forward, *w.step.backward))
+            + sum(alone("reduce-scatter", layer.grad_bytes) for layer in w.step.layers))
+    return FsdpRun(profile_name, name, workers, w.batch,
+                   {k: p.forward_s + p.backward_s + w.optimizer_s for k, p in plans.items()},
+                   (plans["libra"].forward.distance, plans["libra"].backward.distance),
+                   {k: len(p.buckets) for k, p in plans.items()}, w.compute_s, comm)
+
+
+def fsdp_main(args: argparse.Namespace, argv: list[str] | None) -> int:
+    """The FSDP comparison (module docstring), written to results/paper_reproduction_fsdp.md."""
+    started = time.perf_counter()
+    jobs = [(p, m, w) for p in FSDP_PROFILES for m in MODELS for w in SCALE_WORKERS]
+    if args.processes <= 1:
+        runs = [run_fsdp(j) for j in jobs]
+    else:
+        with ProcessPoolExecutor(args.processes) as pool:
+            runs = list(pool.map(run_fsdp, jobs))
+    elapsed = time.perf_counter() - started
+    command = " ".join(["python3", "benchmarks/paper_reproduction.py", *(argv if argv is not None else sys.argv[1:])])
+    by = {(r.profile, r.model, r.workers): r for r in runs}
+    md = [
+        "# Libra for FSDP, in simulation",
+        "",
+        f"Command: `{command}` (from the repository root)  ",
+        f"Date: {datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%d %H:%M UTC')}  ",
+        f"Machine: {machine_description()}  ",
+        f"Runtime: {elapsed:.0f} s for {len(runs)} settings x 3 policies ({args.processes} processes)",
+        "",
+        "Every weight of the zoo's models sharded over the workers (ZeRO-3): gathered before its op's "
+        "forward and again before its backward (no activations recomputed), its gradient "
+        "reduce-scattered; the optimizer updates the rank's shard. Iteration = forward pass with its "
+        "gathers + backward pass with its re-gathers and reduce-scatters + optimizer "
+        "(`libra_jax.planner.compare_fsdp`). Policies: **default**, XLA's defaults on NCCL (NCCL's CTAs, "
+        "the profile's fixed allocation; each gather issued one ahead, as XLA's latency-hiding "
+        "scheduler does; reduce-scatters combined up to 30 MiB, XLA's `ReduceScatterCombiner` "
+        "threshold); **fusion only**, the planner's grouping of the reduce-scatters at the fixed "
+        "allocation; **Libra**, each pass's gathers planned (how far ahead, at which allocation, "
+        "within 1 GiB held ahead) and the reduce-scatters' allocation co-optimised with fusion.",
+        "",
+    ]
+    for profile_name in FSDP_PROFILES:
+        md += [f"## `{profile_name}`, 8 workers", "",
+               "| model | batch | compute ms | collectives alone ms | compute / comm | default ms | "
+               "fusion only ms | Libra ms | Libra speedup | gathers ahead fwd / bwd | RS buckets (default / Libra) |",
+               "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for name in MODELS:
+            r = by[(profile_name, name, 8)]
+            t = r.iteration_s
+            md.append(f"| {LABELS[name]} | {r.batch} | {r.compute_s * 1e3:.1f} | {r.comm_s * 1e3:.1f} | "
+                      f"{r.compute_s / r.comm_s:.2f} | {t['default'] * 1e3:.1f} | {t['fusion-only'] * 1e3:.1f} | "
+                      f"{t['libra'] * 1e3:.1f} | {r.speedup():.3f}x | {r.ahead[0]} / {r.ahead[1]} | "
+                      f"{r.buckets['default']} / {r.buckets['libra']} |")
+        md.append("")
+    md += ["## Scaling: Libra's iteration speedup over the better baseline (compute / comm)", "",
+           "| profile | model | " + " | ".join(f"{w} workers" for w in SCALE_WORKERS) + " |",
+           "|---|---|" + "---:|" * len(SCALE_WORKERS)]
+    for profile_name in FSDP_PROFILES:
+        for name in MODELS:
+            cells = [f"{by[(profile_name, name, w)].speedup():.3f}x "
+                     f"({by[(profile_name, name, w)].compute_s / by[(profile_name, name, w)].comm_s:.2f})"
+                     for w in SCALE_WORKERS]
+            md.append(f"| `{profile_name}` | {LABELS[name]} | " + " | ".join(cells) + " |")
+    speedups = [r.speedup() for r in runs]
+    best = max(runs, key=FsdpRun.speedup)
+    md += ["", "## Reading", "",
+           f"- Libra's speedup over the better baseline spans {min(speedups):.3f}x to {max(speedups):.3f}x "
+           f"over the {len(runs)} settings (largest: {LABELS[best.model]} on `{best.profile}` at "
+           f"{best.workers} workers, compute / comm {best.compute_s / best.comm_s:.2f}). It is never below "
+           "1 by construction: Libra's plans include the baselines' (one ahead at the fixed allocation, "
+           "and the baselines' re-gathers where those leave the shorter backward pass).",
+           *fsdp_reading(runs),
+           "- Where the gains are: where compute and communication take comparable time (compute / comm "
+           "of about 0.3 to 2: the testbed's 50 Gb/s ring under its (assumed) RTX 3090-class compute, VGG16 within one "
+           "H100/H200 node), allocation and prefetch move time off the critical path, as the paper found "
+           "for the all-reduce. Where the collectives dominate (BERT-large at batch 2, every model past one "
+           "node on `h100`/`h200`: compute / comm below 0.3) the step is the collectives' time and the "
+           "gain shrinks to a few percent; at 128 workers ResNet152's 155 per-layer gathers and "
+           "reduce-scatters are latency, which allocation cannot buy back.",
+           "",
+           "## What is assumed",
+           "",
+           "- **The contention curves were fitted for the all-reduce** (the artifact's, and the profiles' "
+           "measured or derived ones); the model takes the same compute slowdown per allocation for an "
+           "in-flight all-gather or reduce-scatter, and their bytes at the ring bus fractions "
+           "(`libra_jax.model.COLLECTIVE_SHAPES`: each moves half an all-reduce's bytes per byte). What "
+           "carries over: NCCL's ring all-reduce is a reduce-scatter followed by an all-gather on the same "
+           "channels, so CTAs and memory traffic per byte are alike. What may not: the all-gather reduces "
+           "nothing (a copy), so its slowdown per CTA may be lower than the curve says.",
+           "- **A gather and a reduce-scatter in flight together do not slow each other** "
+           "(`planner.regathered_layers`: the backward pass's re-gathers, then its reduce-scatters on the "
+           "compute they leave); on one communicator they would share the link, so the backward times here "
+           "are optimistic for every policy alike.",
+           "- **One gather per parameterised op**, not per FSDP unit (PyTorch's FSDP and MaxText gather a "
+           "block's weights at once); no activation recomputation; fp32 weights and gradients; the "
+           "optimizer (SGD with momentum) on the rank's shard. The baselines issue each gather one ahead "
+           "(XLA's latency-hiding scheduler) and do not combine gathers.",
+           "- **What a GPU run would have to measure** is listed at the top of `benchmarks/gpu_check.sh`: "
+           "the reduce-scatter's and all-gather's time vs CTAs across ranks, a GEMM's slowdown beside each, "
+           "and whether the two share the link. None has run: no GPU has been lent.",
+           ""]
+    (args.out_dir / "paper_reproduction_fsdp.md").write_text("\n".join(md))
+    print("\n".join(md))
+    return 0
+
+
+def fsdp_reading(runs: list[FsdpRun]) -> list[str]:
+    """The generated part of the reading: where the gains are, against compute / comm."""
+    out = []
+    for profile_name in FSDP_PROFILES:
+        mine = [r for r in runs if r.profile == profile_name]
+        top = max(mine, key=FsdpRun.speedup)
+        low = min(mine, key=FsdpRun.speedup)
+        out.append(f"- `{profile_name}`: {min(r.speedup() for r in mine):.3f}x to "
+                   f"{max(r.speedup() for r in mine):.3f}x; the most at {LABELS[top.model]}, "
+                   f"{top.workers} workers (compute / comm {top.compute_s / top.comm_s:.2f}), the least at "
+                   f"{LABELS[low.model]}, {low.workers} workers ({low.compute_s / low.comm_s:.2f}).")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
     parser.add_argument("--processes", type=int, default=min(4, os.cpu_count() or 1))
+    parser.add_argument("--fsdp", action="store_true",
+                        help="the FSDP comparison instead (results/paper_reproduction_fsdp.md)")
     args = parser.parse_args(argv)
+    if args.fsdp:
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        return fsdp_main(args, argv)
     started = time.perf_counter()
 
     main_jobs = [(m, 8, link, None) for link in LINKS_GBPS for m in MODELS]

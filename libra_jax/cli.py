@@ -24,6 +24,7 @@ import json
 import math
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from libra_jax import config, planner, zoo
 from libra_jax import model as cost_models
@@ -105,8 +106,14 @@ def _add_simulate(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default=None, help="compute dtype for peak FLOP/s (default: the profile's)")
     p.add_argument("--default-alloc", type=int, default=None,
                    help="the baselines' fixed allocation (default: 2048 threads, or the largest block option)")
-    p.add_argument("--fusion-mib", type=_positive_float, default=HOROVOD_FUSION_MIB,
-                   help="the default policy's fusion threshold in MiB (default: %(default)s)")
+    p.add_argument("--fusion-mib", type=_positive_float, default=None,
+                   help=f"the default policy's fusion threshold in MiB (default: Horovod's "
+                        f"{HOROVOD_FUSION_MIB}; with --fsdp, XLA's combiner, "
+                        f"{planner.XLA_COMBINE_BYTES / BYTES_PER_MIB:.0f})")
+    p.add_argument("--fsdp", action="store_true",
+                   help="sharded training (FSDP, ZeRO-3): the weights gathered in the forward "
+                        "pass and again in the backward pass, the gradients reduce-scattered; "
+                        "Libra against XLA's defaults on NCCL and fusion only, per iteration")
     p.add_argument("--prefuse", type=int, default=planner.DEFAULT_PREFUSE,
                    help="plan fusion over at most this many pre-fused layer groups, as the Libra artifact "
                         "does; 0 plans the exact layers (slower) (default: %(default)s)")
@@ -128,8 +135,12 @@ def _run_simulate(args: argparse.Namespace) -> int:
                          f"{', '.join(map(str, sorted(derivation.cost.slowdown)))}")
     if args.prefuse < 0:
         raise ValueError(f"--prefuse must be >= 0, got {args.prefuse}")
-    if args.fusion_mib < 0:
+    if args.fusion_mib is not None and args.fusion_mib < 0:
         raise ValueError(f"--fusion-mib must be >= 0, got {args.fusion_mib}")
+    if args.fsdp:
+        return _run_simulate_fsdp(args, profile, derivation, default_alloc)
+    if args.fusion_mib is None:
+        args.fusion_mib = HOROVOD_FUSION_MIB
     comparison = planner.compare_policies(workload.layers, derivation.cost, default_alloc=default_alloc,
                                           fusion_bytes=round(args.fusion_mib * BYTES_PER_MIB), prefuse=args.prefuse)
     fixed = workload.forward_s + workload.optimizer_s
@@ -184,6 +195,64 @@ def _run_simulate(args: argparse.Namespace) -> int:
                           title=f"{args.model} on {profile.name}, {args.workers} workers: Libra's plan, "
                                 f"{tl.backward_s * 1e3:.2f} ms backward")
         print(f"gantt     wrote {path}", file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
+def _run_simulate_fsdp(args: argparse.Namespace, profile: Any, derivation: Any,
+                       default_alloc: int) -> int:
+    """`simulate --fsdp`: the model's FSDP step (`zoo.fsdp_workload`) under each of
+    `planner.FSDP_POLICIES` (`planner.compare_fsdp`), per iteration."""
+    if args.gantt:
+        raise ValueError("--gantt draws a data-parallel plan; it does not take --fsdp")
+    workload = zoo.fsdp_workload(args.model, flop_per_s=profile.device.flop_per_s(args.dtype),
+                                 bytes_per_s=profile.device.bytes_per_s(), workers=args.workers,
+                                 batch=args.batch, seq_len=args.seq_len)
+    fusion = (planner.XLA_COMBINE_BYTES if args.fusion_mib is None
+              else round(args.fusion_mib * BYTES_PER_MIB))
+    plans = planner.compare_fsdp(workload.step, derivation.cost, default_alloc=default_alloc,
+                                 fusion_bytes=fusion, prefuse=args.prefuse)
+    iteration = {name: p.forward_s + p.backward_s + workload.optimizer_s
+                 for name, p in plans.items()}
+    best = min(("default", "fusion-only"), key=iteration.__getitem__)
+    if args.json:
+        print(json.dumps({
+            "model": args.model, "fsdp": True, "batch": workload.batch, "workers": args.workers,
+            "profile": profile.name, "param_bytes": workload.param_bytes,
+            "compute_s": workload.compute_s, "optimizer_s": workload.optimizer_s,
+            "default_alloc": default_alloc, "fusion_bytes": fusion,
+            "policies": {name: {"forward_s": p.forward_s, "backward_s": p.backward_s,
+                                "iteration_s": iteration[name],
+                                "forward_gathers": {"distance": p.forward.distance,
+                                                    "blocks": list(p.forward.blocks)},
+                                "backward_gathers": {"distance": p.backward.distance,
+                                                     "blocks": list(p.backward.blocks)},
+                                "buckets": len(p.buckets),
+                                "allocations": [b.blocks for b in p.buckets]}
+                         for name, p in plans.items()}}, indent=2))
+        return 0
+    step = workload.step
+    print(f"model     {args.model} (FSDP over {args.workers} ranks): {len(step.layers)} sharded "
+          f"layers, {workload.param_bytes / BYTES_PER_MIB:.1f} MiB of weights gathered twice "
+          f"and reduce-scattered, batch {workload.batch}")
+    print(f"compute   forward and backward {workload.compute_s * 1e3:.2f} ms, optimizer on the "
+          f"shard {workload.optimizer_s * 1e3:.2f} ms (full speed, {profile.device.name})")
+    print(f"profile   {profile.name} ({profile.form}), link "
+          f"{derivation.link_bytes_per_s * 8 / 1e9:g} Gb/s, options ({derivation.key_unit}) "
+          f"{', '.join(map(str, sorted(derivation.cost.slowdown)))}")
+    print()
+    header = (f"{'policy':<12} {'gathers ahead fwd/bwd':>21} {'RS buckets':>10} "
+              f"{'forward ms':>10} {'backward ms':>11} {'iteration ms':>12} {'vs default':>10}")
+    print(header)
+    print("-" * len(header))
+    for name, p in plans.items():
+        print(f"{name:<12} {f'{p.forward.distance}/{p.backward.distance}':>21} "
+              f"{len(p.buckets):>10} {p.forward_s * 1e3:>10.2f} {p.backward_s * 1e3:>11.2f} "
+              f"{iteration[name] * 1e3:>12.2f} "
+              f"{(iteration[name] / iteration['default'] - 1) * 100:>+9.1f}%")
+    print()
+    print(f"Libra vs best baseline ({best}): iteration speedup "
+          f"{iteration[best] / iteration['libra']:.3f}x (what is assumed: "
+          "benchmarks/results/paper_reproduction_fsdp.md)")
     return 0
 
 

@@ -1758,3 +1758,115 @@ def plan_exhaustive(layers: Sequence[Layer], cost: CostModel, *, fusion: bool = 
     plans = [decode(int(c)) for c in codes[lead]]
     best = min(plans, key=lambda b: _plan_key(b, byts))
     return _make_plan(layers, best, cost)
+
+
+# ---------------------------------------------------------------------------------------------
+# FSDP: a sharded training step (forward gathers, backward re-gathers and reduce-scatters)
+# ---------------------------------------------------------------------------------------------
+
+#: XLA's default combiner threshold for all-reduces, all-gathers and reduce-scatters alike
+#: (``kDefaultReduceScatterCombineThreshold``, xla/service/collective_utils.h: 30 MiB + 7):
+#: the default FSDP policy's fusion.
+XLA_COMBINE_BYTES = 30 * 1024 * 1024 + 7
+
+#: The FSDP comparison's policies, in table order.
+FSDP_POLICIES: dict[str, str] = {
+    "default": "XLA on NCCL: fixed allocation, each gather one ahead, 30 MiB combiner",
+    "fusion-only": "planner grouping of the reduce-scatters, fixed allocation, gathers one ahead",
+    "libra": "Libra: gathers' distance and allocation planned, reduce-scatters' allocation "
+             "co-optimised with fusion",
+}
+
+
+@dataclass(frozen=True)
+class FsdpStep:
+    """One FSDP (ZeRO-3) training step at full speed, per rank. ``forward``: a `GatherStep`
+    per parameterised op in forward order (its weights gathered, the compute from its use to
+    the next one's), after ``forward_lead_s`` of compute that reads none. ``backward``: remat's
+    re-gathers, one per `layers` entry, each needed from the start of that layer's compute.
+    ``layers``: the backward pass, every gradient reduce-scattered (`Layer.collective`)."""
+
+    forward: tuple[GatherStep, ...]
+    forward_lead_s: float
+    backward: tuple[GatherStep, ...]
+    layers: tuple[Layer, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.backward) != len(self.layers):
+            raise ValueError(f"FsdpStep: {len(self.backward)} backward gathers for "
+                             f"{len(self.layers)} layers (one re-gather per layer)")
+
+
+@dataclass(frozen=True)
+class FsdpPlan:
+    """A policy's FSDP step: each pass's gathers (distance, allocation per gather), the
+    reduce-scatters' buckets, and the predicted forward and backward seconds."""
+
+    forward: GatherPlan
+    backward: GatherPlan
+    buckets: tuple[Bucket, ...]
+    forward_s: float
+    backward_s: float
+
+
+def regathered_layers(step: FsdpStep, cost: CostModel, *, distance: int,
+                      blocks: int | Sequence[int]) -> list[Layer]:
+    """The backward pass's layers as the re-gathers leave them: layer i's compute stretched to
+    the time from layer i - 1's end to its own in the re-gathers' `gather_timeline` (waits for
+    its gather and the gathers' contention included), so its gradient is ready when it is.
+
+    The sequential composition of the two streams is this function's assumption: the
+    reduce-scatters are then priced on these layers by `simulate` (their contention slows the
+    stretched compute, waits included), and a reduce-scatter and a gather in flight together
+    do not slow each other; on one NCCL communicator they would share the link."""
+    tl = gather_timeline(step.backward, cost, distance=distance, blocks=blocks)
+    ends = [span.compute_end for span in tl.gathers]
+    return [Layer(end - prev, layer.grad_bytes, layer.collective)
+            for layer, end, prev in zip(step.layers, ends, [0.0, *ends[:-1]])]
+
+
+def compare_fsdp(step: FsdpStep, cost: CostModel, *, default_alloc: int,
+                 fusion_bytes: int = XLA_COMBINE_BYTES, prefuse: int = DEFAULT_PREFUSE,
+                 max_bytes: int = 1 << 30) -> dict[str, FsdpPlan]:
+    """The FSDP step under each of `FSDP_POLICIES`. The baselines issue each gather one ahead
+    (XLA's latency-hiding scheduler) at ``default_alloc`` and reduce-scatter in the default's
+    (``fusion_bytes``) or the planner's fusion-only grouping; Libra plans each pass's gathers
+    (`plan_gathers`, at most ``max_bytes`` held ahead) and then the reduce-scatters on the
+    layers they leave (`regathered_layers`, `compare_policies`' ``libra``); in the backward
+    pass it keeps the baselines' re-gathers where those leave the shorter pass, so it is never
+    slower than either baseline in this model."""
+    default_alloc = _check_blocks(default_alloc, cost)
+
+    def fixed(steps: Sequence[GatherStep], lead_s: float) -> GatherPlan:
+        d = min(1, len(steps))
+        one = simulate_gathers(steps, cost, distance=0, blocks=default_alloc, lead_s=lead_s)
+        total = simulate_gathers(steps, cost, distance=d, blocks=default_alloc, lead_s=lead_s)
+        return GatherPlan(d, (default_alloc,) * len(steps), total, one)
+
+    def planned(steps: Sequence[GatherStep], lead_s: float) -> GatherPlan:
+        return plan_gathers(steps, cost, one_call_blocks=[default_alloc] * len(steps),
+                            max_bytes=max_bytes, lead_s=lead_s)
+
+    out: dict[str, FsdpPlan] = {}
+    fwd, bwd = fixed(step.forward, step.forward_lead_s), fixed(step.backward, 0.0)
+    layers = regathered_layers(step, cost, distance=bwd.distance, blocks=bwd.blocks)
+    baselines = compare_policies(layers, cost, default_alloc=default_alloc,
+                                 fusion_bytes=fusion_bytes, prefuse=prefuse)
+    for name in ("default", "fusion-only"):
+        p = baselines.plans[name]
+        out[name] = FsdpPlan(fwd, bwd, tuple(p.buckets), fwd.total_s, p.backward_s)
+    # Libra: the planned gathers; in the backward pass the baselines' re-gathers too, whichever
+    # leaves the shorter pass once the reduce-scatters are planned on it (the two streams are
+    # planned one after the other, so the gathers' best alone need not be the step's best).
+    fwd = planned(step.forward, step.forward_lead_s)
+    best: tuple[float, GatherPlan, Plan] | None = None
+    for gathers in (planned(step.backward, 0.0), bwd):
+        layers = regathered_layers(step, cost, distance=gathers.distance, blocks=gathers.blocks)
+        p = (baselines if gathers is bwd else compare_policies(
+            layers, cost, default_alloc=default_alloc, fusion_bytes=fusion_bytes,
+            prefuse=prefuse)).plans["libra"]
+        if best is None or p.backward_s < best[0] * (1 - TIE_RTOL):
+            best = (p.backward_s, gathers, p)
+    assert best is not None
+    out["libra"] = FsdpPlan(fwd, best[1], tuple(best[2].buckets), fwd.total_s, best[0])
+    return out

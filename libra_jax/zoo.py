@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # pragma: no cover - import for type checkers only
-    from libra_jax.planner import Layer
+    from libra_jax.planner import FsdpStep, GatherStep, Layer
 
 __all__ = [
     "Op",
@@ -53,6 +53,9 @@ __all__ = [
     "DEFAULT_BATCH",
     "Workload",
     "training_workload",
+    "forward_gathers",
+    "FsdpWorkload",
+    "fsdp_workload",
 ]
 
 BYTES_PER_ELEMENT = 4  # fp32 gradients and activations, as in the Libra artifact (params * 4 bytes)
@@ -463,3 +466,74 @@ def training_workload(name: str, *, flop_per_s: float, bytes_per_s: float, batch
         forward_s=forward_seconds(spec, batch=batch, flop_per_s=flop_per_s, bytes_per_s=bytes_per_s),
         optimizer_s=spec.param_count * OPTIMIZER_BYTES_PER_PARAM / bytes_per_s,
     )
+
+
+def forward_gathers(spec: ModelSpec, *, batch: int, flop_per_s: float, bytes_per_s: float
+                    ) -> tuple[float, list[GatherStep]]:
+    """The forward pass of a sharded (FSDP) model as the planner's gathers: ``(lead_s, steps)``,
+    a `libra_jax.planner.GatherStep` per parameterised op in forward order (its gathered weights
+    in fp32, and the compute from the op to the next parameterised one: the parameter-free ops
+    after it fold into it), after ``lead_s`` of parameter-free compute before the first."""
+    from libra_jax.planner import GatherStep
+
+    _check_rates(batch, flop_per_s, bytes_per_s)
+    lead, steps = 0.0, []
+    pending: tuple[float, int] | None = None  # (compute, bytes) of the step being built
+    for op in spec.ops:
+        seconds = _roofline_s(op.fwd_flops, op.fwd_act_bytes, op.grad_bytes, batch, flop_per_s,
+                              bytes_per_s)
+        if op.params:
+            if pending is not None:
+                steps.append(GatherStep(*pending))
+            pending = (seconds, op.grad_bytes)
+        elif pending is None:
+            lead += seconds
+        else:
+            pending = (pending[0] + seconds, pending[1])
+    if pending is not None:
+        steps.append(GatherStep(*pending))
+    return lead, steps
+
+
+@dataclass(frozen=True)
+class FsdpWorkload:
+    """One FSDP (ZeRO-3) training step of a model on one of ``workers`` ranks at full speed:
+    ``step`` (`libra_jax.planner.FsdpStep`: the forward gathers, the backward pass's
+    re-gathers and reduce-scatters), and the optimizer's update of this rank's shard."""
+
+    model: str
+    batch: int
+    workers: int
+    step: FsdpStep
+    optimizer_s: float
+
+    @property
+    def compute_s(self) -> float:
+        """Forward and backward compute at full speed."""
+        return (self.step.forward_lead_s + sum(s.compute_s for s in self.step.forward)
+                + sum(layer.compute_s for layer in self.step.layers))
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(layer.grad_bytes for layer in self.step.layers)
+
+
+def fsdp_workload(name: str, *, flop_per_s: float, bytes_per_s: float, workers: int,
+                  batch: int | None = None, seq_len: int | None = None) -> FsdpWorkload:
+    """The `FsdpWorkload` of model ``name``: every parameterised op's weights sharded over
+    ``workers`` ranks, gathered before its forward and again before its backward (no
+    activations recomputed), its gradient reduce-scattered. Defaults as `training_workload`;
+    the optimizer updates ``1 / workers`` of the parameters."""
+    from libra_jax.planner import FsdpStep, GatherStep, Layer
+
+    if workers < 1:
+        raise ValueError(f"workers must be >= 1, got {workers}")
+    dp = training_workload(name, flop_per_s=flop_per_s, bytes_per_s=bytes_per_s, batch=batch,
+                           seq_len=seq_len)
+    spec = get_model(name, seq_len=seq_len or DEFAULT_BERT_SEQ_LEN) if name == "bert-large" else get_model(name)
+    lead, forward = forward_gathers(spec, batch=dp.batch, flop_per_s=flop_per_s,
+                                    bytes_per_s=bytes_per_s)
+    layers = tuple(Layer(layer.compute_s, layer.grad_bytes, "reduce-scatter") for layer in dp.layers)
+    backward = tuple(GatherStep(layer.compute_s, layer.grad_bytes) for layer in dp.layers)
+    return FsdpWorkload(name, dp.batch, workers, FsdpStep(tuple(forward), lead, backward, layers),
+                        dp.optimizer_s / workers)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from libra_jax import cli, gantt, model, planner
+from libra_jax import cli, gantt, model, planner, zoo
 
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
@@ -60,6 +60,33 @@ def test_simulate_faster_link_reports_dropped_options(capsys: pytest.CaptureFixt
     status, out, _ = run(capsys, "simulate", "--model", "vgg16", "--link-gbps", "100")
     assert status == 0
     assert "dropped   8192" in out
+
+
+def test_simulate_fsdp(capsys: pytest.CaptureFixture[str]) -> None:
+    """`simulate --fsdp`: the FSDP step under each FSDP policy, per iteration (the table and
+    its JSON agree, and are `planner.compare_fsdp`'s)."""
+    status, out, _ = run(capsys, "simulate", "--model", "resnet152", "--profile", "h200",
+                         "--fsdp")
+    assert status == 0
+    for policy in planner.FSDP_POLICIES:
+        assert f"\n{policy} " in out
+    assert "FSDP over 8 ranks" in out and "Libra vs best baseline" in out
+    status, out, _ = run(capsys, "simulate", "--model", "resnet152", "--profile", "h200",
+                         "--fsdp", "--json")
+    assert status == 0
+    data = json.loads(out)
+    assert data["fsdp"] and data["fusion_bytes"] == planner.XLA_COMBINE_BYTES
+    times = {k: p["iteration_s"] for k, p in data["policies"].items()}
+    assert set(times) == set(planner.FSDP_POLICIES)
+    assert times["libra"] <= min(times["default"], times["fusion-only"]) * (1 + 1e-9)
+    workload = zoo.fsdp_workload("resnet152", flop_per_s=model.load_profile("h200").device
+                                 .flop_per_s(), bytes_per_s=model.load_profile("h200").device
+                                 .bytes_per_s(), workers=8)
+    derivation = model.derive("h200", 8)
+    plans = planner.compare_fsdp(workload.step, derivation.cost,
+                                 default_alloc=derivation.default_allocation())
+    assert times["libra"] == pytest.approx(plans["libra"].forward_s + plans["libra"].backward_s
+                                           + workload.optimizer_s, rel=1e-12)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -334,6 +361,10 @@ def test_profiles_not_shipped_plan_alike_in_optimize_explain_plan_and_simulate(
 
 
 @pytest.mark.parametrize("argv, status, message", [
+    (["simulate", "--model", "vgg16", "--fsdp", "--gantt", "x.png"], 2,
+     "--gantt draws a data-parallel plan; it does not take --fsdp"),
+    (["simulate", "--model", "vgg16", "--fsdp", "--workers", "1"], 2,
+     "workers must be an integer >= 2"),
     (["simulate", "--model", "vgg16", "--fusion-mib", "inf"], 2,
      "argument --fusion-mib: must be a finite number >= 0, got 'inf'"),
     (["simulate", "--model", "vgg16", "--fusion-mib", "nan"], 2,

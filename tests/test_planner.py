@@ -945,3 +945,76 @@ def test_a_pass_without_gathers_is_its_lead():
     assert simulate_gathers([], cost, distance=1, blocks=2, lead_s=2e-3) == 2e-3
     assert gather_timeline([], cost, distance=0, blocks=[], lead_s=0.0).total_s == 0.0
     assert plan_gathers([], cost, one_call_blocks=[], max_bytes=0).total_s == 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# FSDP: regathered_layers, compare_fsdp
+# ---------------------------------------------------------------------------------------------
+
+from libra_jax.planner import (  # noqa: E402
+    FSDP_POLICIES,
+    FsdpStep,
+    compare_fsdp,
+    regathered_layers,
+)
+
+
+def fsdp_cost():
+    """`gather_cost` with the reduce-scatter's terms as well (half an all-reduce's bytes)."""
+    cost = gather_cost()
+    return CostModel(cost.latency_s, dict(cost.solo_bw), dict(cost.overlap_bw),
+                     dict(cost.slowdown),
+                     collectives={"all-gather": CollectiveTerms(2e-5, 0.5),
+                                  "reduce-scatter": CollectiveTerms(2e-5, 0.5)})
+
+
+@st.composite
+def fsdp_steps(draw):
+    n = draw(st.integers(1, 6))
+    compute = [draw(st.floats(0, 2e-3)) for _ in range(n)]
+    sizes = [draw(st.integers(0, 4_000_000)) for _ in range(n)]
+    forward = tuple(GatherStep(c / 2, b) for c, b in zip(compute[::-1], sizes[::-1]))
+    backward = tuple(GatherStep(c, b) for c, b in zip(compute, sizes))
+    layers = tuple(Layer(c, b, "reduce-scatter") for c, b in zip(compute, sizes))
+    return FsdpStep(forward, draw(st.floats(0, 1e-3)), backward, layers)
+
+
+@settings(max_examples=40, deadline=None)
+@given(fsdp_steps(), st.integers(0, 3), st.sampled_from([1, 4]))
+def test_regathered_layers_end_where_their_compute_ends(step, distance, blocks):
+    """Each layer stretched to its compute's end in the re-gathers' pass: at least its own
+    compute, and the stretched pass is the gather pass, to the second."""
+    cost = fsdp_cost()
+    layers = regathered_layers(step, cost, distance=distance, blocks=blocks)
+    tl = gather_timeline(step.backward, cost, distance=distance, blocks=blocks)
+    assert [l.grad_bytes for l in layers] == [l.grad_bytes for l in step.layers]
+    assert {l.collective for l in layers} == {"reduce-scatter"}
+    # (to the rounding of a difference of two times of the pass: 1e-15 s)
+    assert all(l.compute_s >= s.compute_s * (1 - 1e-9) - 1e-15 for l, s in zip(layers, step.layers))
+    assert math.isclose(sum(l.compute_s for l in layers), tl.total_s, rel_tol=1e-9)
+
+
+@settings(max_examples=40, deadline=None)
+@given(fsdp_steps())
+def test_compare_fsdp_libra_is_never_slower_than_a_baseline(step):
+    cost = fsdp_cost()
+    plans = compare_fsdp(step, cost, default_alloc=4, prefuse=0)
+    assert list(plans) == list(FSDP_POLICIES)
+    total = {k: p.forward_s + p.backward_s for k, p in plans.items()}
+    assert total["libra"] <= min(total["default"], total["fusion-only"]) * (1 + 1e-9)
+    assert plans["libra"].forward_s <= plans["default"].forward_s * (1 + 1e-9)
+    # The baselines: each gather one ahead at the fixed allocation, in both passes.
+    for name in ("default", "fusion-only"):
+        p = plans[name]
+        assert p.forward.distance == p.backward.distance == 1
+        assert set(p.forward.blocks) | set(p.backward.blocks) == {4}
+        layers = regathered_layers(step, cost, distance=1, blocks=4)
+        assert math.isclose(p.backward_s, simulate(layers, list(p.buckets), cost), rel_tol=1e-9)
+    assert plans["default"].forward_s == pytest.approx(
+        simulate_gathers(step.forward, cost, distance=1, blocks=4, lead_s=step.forward_lead_s))
+
+
+def test_fsdp_step_needs_one_regather_per_layer():
+    with pytest.raises(ValueError, match="2 backward gathers for 1 layers"):
+        FsdpStep((), 0.0, (GatherStep(1e-3, 8), GatherStep(1e-3, 8)),
+                 (Layer(1e-3, 8, "reduce-scatter"),))

@@ -1,6 +1,8 @@
 """Tests of libra_jax.zoo: gradient sizes from the architectures, FLOPs, backward layers."""
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from libra_jax import planner, zoo
@@ -101,6 +103,30 @@ def test_training_workload() -> None:
     assert bert.batch == 4
     with pytest.raises(ValueError, match="seq_len applies to bert-large only"):
         zoo.training_workload("vgg16", flop_per_s=1e13, bytes_per_s=5e11, seq_len=128)
+
+
+@pytest.mark.parametrize("name", zoo.MODEL_NAMES)
+def test_fsdp_workload(name: str) -> None:
+    """Every parameterised op's weights gathered once in each pass and reduce-scattered; the
+    forward gathers' compute (with the lead) is the forward pass, the re-gathers' the
+    backward pass; the optimizer updates one rank's shard."""
+    rates = dict(flop_per_s=1e13, bytes_per_s=5e11)
+    dp = zoo.training_workload(name, **rates)
+    w = zoo.fsdp_workload(name, workers=16, **rates)
+    spec = zoo.get_model(name)
+    weights = [op.grad_bytes for op in spec.ops if op.params]
+    assert [g.nbytes for g in w.step.forward] == weights
+    assert [g.nbytes for g in w.step.backward] == weights[::-1]
+    assert [layer.grad_bytes for layer in w.step.layers] == weights[::-1]
+    assert {layer.collective for layer in w.step.layers} == {"reduce-scatter"}
+    assert w.param_bytes == dp.grad_bytes
+    assert math.isclose(w.step.forward_lead_s + sum(g.compute_s for g in w.step.forward),
+                        dp.forward_s, rel_tol=1e-12)
+    assert [g.compute_s for g in w.step.backward] == [layer.compute_s for layer in dp.layers]
+    assert math.isclose(w.optimizer_s, dp.optimizer_s / 16, rel_tol=1e-12)
+    assert math.isclose(w.compute_s, dp.forward_s + dp.backward_compute_s, rel_tol=1e-12)
+    with pytest.raises(ValueError, match="workers must be >= 1"):
+        zoo.fsdp_workload(name, workers=0, **rates)
 
 
 def test_errors() -> None:
