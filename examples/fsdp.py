@@ -33,7 +33,7 @@ import optax  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import libra_jax  # noqa: E402
-from transformer import LM  # noqa: E402  (the model, shared with the data-parallel example)
+from transformer import language_model, lm_loss  # noqa: E402  (the data-parallel example's)
 
 
 def fsdp_spec(shape: tuple[int, ...], shards: int, width: int) -> P:
@@ -51,29 +51,18 @@ def fsdp_spec(shape: tuple[int, ...], shards: int, width: int) -> P:
 def build(small: bool = False):
     """(step, args): step(state, tokens) -> (state, loss), state = (params, opt_state), the
     route's step; ``step.plain`` is the same step with `jax.value_and_grad` (GSPMD's)."""
-    if small:
-        vocab, dim, heads, layers, seq, batch = 16, 16, 2, 1, 8, 2
-    else:
-        vocab, dim, heads, layers, seq, batch = 256, 128, 4, 2, 64, 4
     mesh = common.mesh()
-    model = LM(vocab, dim, heads, layers, seq)
+    model, tokens = language_model(small)
     opt = optax.adamw(3e-3)
-
-    rng = np.random.default_rng(0)
-    n = common.DEVICES * batch
-    start = rng.integers(0, vocab, (n, 1))
-    stride = rng.integers(1, 4, (n, 1))
-    tokens = ((start + stride * np.arange(seq + 1)) % vocab).astype(np.int32)
     params = model.init(jax.random.key(0), tokens[:1, :-1])["params"]
     state = (params, opt.init(params))
     # One rule by shape: AdamW's moments are laid out as their parameters, its count replicated.
-    layout = jax.tree.map(lambda x: NamedSharding(mesh, fsdp_spec(np.shape(x), common.DEVICES, dim)),
-                          state)
+    layout = jax.tree.map(
+        lambda x: NamedSharding(mesh, fsdp_spec(np.shape(x), common.DEVICES, model.dim)), state)
     param_specs = jax.tree.map(lambda s: s.spec, layout[0])
 
     def loss_fn(p, tokens):
-        logits = model.apply({"params": p}, tokens[:, :-1])
-        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+        return lm_loss(model, p, tokens)
 
     def make_step(value_and_grad):
         def step(state, tokens):

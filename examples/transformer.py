@@ -53,43 +53,50 @@ class LM(nn.Module):
         return nn.Dense(self.vocab)(nn.LayerNorm()(x))
 
 
-def build(small: bool = False, variant: str = "shard_map"):
-    """(step, args): step(state, tokens) -> (state, loss), state = (params, opt_state)."""
-    if variant not in VARIANTS:
-        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+def language_model(small: bool = False) -> tuple[LM, np.ndarray]:
+    """The model and its synthetic tokens, ``DEVICES x batch`` sequences of ``seq + 1`` (each
+    token the previous plus a per-sequence stride, modulo the vocabulary). Shared with
+    examples/fsdp.py."""
     if small:
         vocab, dim, heads, layers, seq, batch = 16, 16, 2, 1, 8, 2
     else:
         vocab, dim, heads, layers, seq, batch = 256, 128, 4, 2, 64, 4
-    mesh = common.mesh()
-    model = LM(vocab, dim, heads, layers, seq)
-    opt = optax.adamw(3e-3)
-
-    def local_step(state, tokens):
-        params, opt_state = state
-
-        def loss_fn(p):
-            logits = model.apply({"params": p}, tokens[:, :-1])
-            return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
-
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        grads = jax.lax.pmean(grads, "data")  # the gradient all-reduce
-        updates, opt_state = opt.update(grads, opt_state, params)
-        return (optax.apply_updates(params, updates), opt_state), jax.lax.pmean(loss, "data")
-
     rng = np.random.default_rng(0)
     n = common.DEVICES * batch
     start = rng.integers(0, vocab, (n, 1))
     stride = rng.integers(1, 4, (n, 1))
     tokens = ((start + stride * np.arange(seq + 1)) % vocab).astype(np.int32)
+    return LM(vocab, dim, heads, layers, seq), tokens
+
+
+def lm_loss(model: LM, params, tokens):
+    """Next-token cross-entropy of `tokens` (the last position predicts nothing)."""
+    logits = model.apply({"params": params}, tokens[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+
+def build(small: bool = False, variant: str = "shard_map"):
+    """(step, args): step(state, tokens) -> (state, loss), state = (params, opt_state)."""
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    mesh = common.mesh()
+    model, tokens = language_model(small)
+    opt = optax.adamw(3e-3)
+
+    def local_step(state, tokens):
+        params, opt_state = state
+        loss, grads = jax.value_and_grad(lambda p: lm_loss(model, p, tokens))(params)
+        grads = jax.lax.pmean(grads, "data")  # the gradient all-reduce
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return (optax.apply_updates(params, updates), opt_state), jax.lax.pmean(loss, "data")
+
     params = model.init(jax.random.key(0), tokens[:1, :-1])["params"]
     state = (params, opt.init(params))
-
     if variant == "pmap":
         devices = jax.devices("cpu")[:common.DEVICES]
         step = jax.pmap(local_step, axis_name="data", in_axes=(None, 0), out_axes=None,
                         devices=devices)
-        return step, (state, tokens.reshape(common.DEVICES, batch, seq + 1))
+        return step, (state, tokens.reshape(common.DEVICES, -1, tokens.shape[1]))
     step = jax.shard_map(local_step, mesh=mesh, in_specs=(P(), P("data")),
                          out_specs=(P(), P()), check_vma=False)
     return step, (common.replicate(state, mesh), jax.device_put(tokens, NamedSharding(mesh, P("data"))))

@@ -567,6 +567,47 @@ def test_an_nnx_model_trains_through_the_route_as_with_nnx_value_and_grad(shape)
         assert kernel[...].sharding.spec == P(None, "model")
 
 
+def test_an_nnx_model_sharded_over_data_trains_fsdp_under_nnx_jit():
+    """A Flax NNX model whose kernels are partitioned over ``data`` (FSDP, on the explicit
+    mesh of NNX's tutorials): through the route under `nnx.jit` and `nnx.jit(optimize)`, it
+    trains as with `nnx.value_and_grad` (losses within class 3's bound), its kernels stay
+    sharded, and optimize runs their gathers and reduce-scatters as Libra's."""
+    from flax import nnx
+
+    mesh = make_mesh(kind="explicit")
+    init = nnx.with_partitioning(nnx.initializers.lecun_normal(), ("data", None))
+
+    def step_with(grad_fn):
+        def step(model, optimizer, x, y):
+            loss, grads = grad_fn(nnx_loss)(model, x, y)
+            optimizer.update(model, grads)
+            return loss
+        return step
+
+    rng = np.random.default_rng(13)
+    x, y = rng.standard_normal((64, 16), np.float32), rng.standard_normal((64, 8), np.float32)
+    opt = libra_jax.optimize(step_with(libra_jax.value_and_grad))
+    runs = {}
+    for name, step in (("gspmd", nnx.jit(step_with(nnx.value_and_grad))),
+                       ("route", nnx.jit(step_with(libra_jax.value_and_grad))),
+                       ("optimized", nnx.jit(opt))):
+        with jax.set_mesh(mesh):
+            model = nnx.Sequential(nnx.Linear(16, 32, kernel_init=init, rngs=nnx.Rngs(0)),
+                                   nnx.relu,
+                                   nnx.Linear(32, 8, kernel_init=init, rngs=nnx.Rngs(1)))
+            optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+            batch = (put(x, mesh, P("data")), put(y, mesh, P("data")))
+            runs[name] = np.float32([step(model, optimizer, *batch) for _ in range(3)])
+        kernels = [layer.kernel for layer in (model.layers[0], model.layers[2])]
+        assert all(k.value.sharding.spec == P("data", None) for k in kernels), name
+    assert runs["gspmd"][-1] < runs["gspmd"][0]
+    for name in ("route", "optimized"):
+        assert_codegen_close(runs[name], runs["gspmd"])
+    plans = [(p.collective, p.kind) for p in opt.last_report.plans]
+    assert plans.count(("all-gather", "forward")) == 2, opt.last_report.plan_lines()
+    assert plans.count(("reduce-scatter", "gradient")) >= 1, opt.last_report.plan_lines()
+
+
 def test_nnx_state_the_loss_updates_is_written_back():
     """What the loss does to the model's other state reaches the caller's objects, as
     `nnx.value_and_grad` does: batch statistics (each shard's, averaged over the shards:
