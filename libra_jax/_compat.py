@@ -35,7 +35,7 @@ from jax.extend.core import jaxprs_in_params as _jaxprs_in_params
 
 __all__ = [
     "ClosedJaxpr", "Jaxpr", "Var", "jaxpr_as_fun", "closed_jaxpr", "jaxprs_in_params",
-    "memoized_sub_jaxprs", "register_psum_rooflines",
+    "memoized_sub_jaxprs", "register_psum_rooflines", "dce", "keep_in_dce",
     "mesh_axis_sizes", "distributed_client", "on_stream", "Primitive", "Tracer", "ShapedArray", "ir", "hlo",
     "psum_p", "psum_invariant_p", "reduce_scatter_p", "all_gather_p", "all_gather_invariant_p",
     "canonicalize_axis", "axis_effects",
@@ -280,6 +280,21 @@ def closed_jaxpr(jaxpr: Jaxpr, consts: Any) -> ClosedJaxpr:
 
 
 _memo = threading.local()  # per thread: `memoized_sub_jaxprs`'s table, or none
+
+
+def dce(jaxpr: Jaxpr) -> Jaxpr:
+    """`jaxpr` without the equations no output, effect or kept equation needs, through every
+    sub-jaxpr JAX's dead-code elimination reaches (`pjit`, `shard_map`, loops, `cond`); its
+    inputs and outputs unchanged."""
+    return _pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=True)[0]
+
+
+def keep_in_dce(prim: Primitive) -> None:
+    """JAX's dead-code elimination keeps every equation of `prim`, and every input it reads,
+    used or not (as it keeps an effect): a collective's done, whose start is in flight."""
+    def rule(used_outputs: list[bool], eqn: Any) -> tuple[list[bool], Any]:
+        return [True] * len(eqn.invars), eqn
+    _pe.dce_rules[prim] = rule
 
 
 def jaxprs_in_params(params: dict) -> list[Jaxpr]:

@@ -570,6 +570,10 @@ def _others_lines(e: Explanation) -> list[str]:
         lines.append("collectives optimize leaves unplanned (it plans psums and psum_scatters "
                      "and runs all_gathers): "
                      + "; ".join(e.report.unplanned))
+    if e.report.dropped:
+        lines.append("collectives removed before planning, their results unused by the step "
+                     "(dead code, with the work only they needed): "
+                     + "; ".join(e.report.dropped))
     return lines
 
 

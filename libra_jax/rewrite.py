@@ -507,6 +507,9 @@ class OptimizeReport:
     # axes and scope, with its count.
     unplanned: list[str] = dataclasses.field(default_factory=list)
     loops: list[LoopPlan] = dataclasses.field(default_factory=list)
+    # Collectives whose results the step never uses, removed before planning with the
+    # computation only they needed (dead code): one line per kind, with its count.
+    dropped: list[str] = dataclasses.field(default_factory=list)
     # psums of a known zero, computed without a call (`_Rewriter.fold_zero_psums`): one line
     # per psum, with its scope.
     folded: list[str] = dataclasses.field(default_factory=list)
@@ -688,6 +691,14 @@ def rewrite_jaxpr(closed: Any, *, profile: Any = None, fusion: bool = True,
                        overlap=config.overlap_mode(overlap), loops=_loop_mode(loops),
                        prefetch=config.prefetch_mode(prefetch),
                        prefetch_bytes=config.prefetch_bytes(prefetch_bytes))
+    # A collective whose result the step never uses (a frozen parameter's gradient zeroed
+    # after its pmean, a psum'd metric nobody returns) is no gradient to plan, and as a
+    # start/done pair it would lose its done to XLA's dead-code elimination while its
+    # start wrote into a buffer XLA reuses: it goes first, with the work only it needed.
+    live = _compat.dce(closed.jaxpr)
+    dropped = _collective_counts(closed.jaxpr) - _collective_counts(live)
+    report.dropped = [f"{name}" + (f" (x{n})" if n > 1 else "") for name, n in dropped.items()]
+    closed = _compat.closed_jaxpr(live, closed.consts)
     with _compat.memoized_sub_jaxprs():
         rewriter = _Rewriter(options, report, closed)
         # A step traced inside a `pmap` or `shard_map` (``pmap(optimize(step))``) sees its
@@ -851,10 +862,10 @@ def _schedule(eqns: Sequence[Any], edits: _Edits) -> list[Any]:
     Start/done: each started bucket waits with its done, the uses that moved and, as they
     come, every pure equation downstream of its results (the optimizer update), so the
     compute in between overlaps the all-reduce. An effect or another all-reduce reading a
-    waiting result places it (and those started before) first. A done's last operand is the
-    latest start's token: XLA orders by data only, and this keeps every done after the last
-    start (after the backward pass), with no buffer passed twice (a second reader of the
-    in-flight buffer would make XLA copy it while it is reduced)."""
+    waiting result places it (and those started before) first. A done reads its own start's
+    buffers and token, then the latest start's token: XLA orders by data only, and this keeps
+    every done after the last start (after the backward pass), with no buffer passed twice (a
+    second reader of the in-flight buffer would make XLA copy it while it is reduced)."""
     out: list[Any] = []
     waiting: list[tuple[set, list[Any]]] = []  # (variables defined, equations)
     latest: list[Any] = []  # the latest start's token
@@ -1711,6 +1722,24 @@ def _within_class(members: Sequence[_Site], reach: Sequence[int] | None) -> list
     return out
 
 
+def _collective_counts(jaxpr: Any) -> collections.Counter[str]:
+    """How many collectives of each kind `jaxpr` holds, sub-jaxprs included, by the name
+    `jax.lax` gives them (a psum, pmean's too: "psum")."""
+    counts: collections.Counter[str] = collections.Counter()
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name in _compat.PSUM_PRIMITIVES or eqn.primitive is libra_psum_p:
+            counts["psum"] += 1
+        elif name == _compat.reduce_scatter_p.name or eqn.primitive is libra_reduce_scatter_p:
+            counts["psum_scatter"] += 1
+        elif (name in (_compat.all_gather_p.name, _compat.all_gather_invariant_p.name)
+              or eqn.primitive is libra_all_gather_p):
+            counts["all_gather"] += 1
+        for sub in _compat.jaxprs_in_params(eqn.params):
+            counts.update(_collective_counts(sub))
+    return counts
+
+
 def _contains_psum(jaxpr: Any) -> bool:
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     return any(_is_psum(eqn) or any(_contains_psum(j) for j in _compat.jaxprs_in_params(eqn.params))
@@ -1884,8 +1913,8 @@ def _fused(eqns: Sequence[Any], bucket: Sequence[_Site], axes: tuple, invariant:
 def _start_done(eqns: Sequence[Any], bucket: Sequence[_Site], axes: tuple, invariant: bool,
                 blocks: int, call_id: int) -> tuple[Any, Any]:
     """A bucket as a `libra_psum_start` equation (its operands -> packed buffers in flight and
-    a token) and a `libra_psum_done` equation (those buffers and a token -> the members'
-    results; `_schedule` makes the token the latest start's)."""
+    a token) and a `libra_psum_done` equation (those buffers, that token and an ordering
+    token -> the members' results; `_schedule` makes the ordering token the latest start's)."""
     members = [eqns[s.index] for s in bucket]
     effects = set().union(*(e.effects for e in members))
     operands = [e.invars[0] for e in members]
@@ -1898,7 +1927,7 @@ def _start_done(eqns: Sequence[Any], bucket: Sequence[_Site], axes: tuple, invar
         params=dict(axes=axes, blocks=int(blocks), invariant=invariant, call_id=call_id),
         effects=effects)
     done = members[-1].replace(
-        invars=[*flat_vars, token], outvars=results, primitive=libra_psum_done_p,
+        invars=[*flat_vars, token, token], outvars=results, primitive=libra_psum_done_p,
         params=dict(out_avals=tuple(v.aval for v in results), axes=axes, blocks=int(blocks),
                     call_id=call_id), effects=set())
     return start, done

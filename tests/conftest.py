@@ -117,7 +117,8 @@ def check_start_done_pairs(text: str, start: str | tuple[str, ...], call: str | 
     of several: the sharded pair's) works in place or on its own result (a start whose output
     aliases its operand, the all-reduce's and the reduce-scatter's, says so); each
     ``libra_allreduce_cuda_done`` reads its own start's buffer, aliased to its output, under
-    the same call id, and the latest start's token; the buffer has no other reader. `call`
+    the same call id, its own start's token and the latest start's; it is lowered with a side
+    effect (XLA never removes it); the buffer has no other reader. `call`
     is the one-call target, used once (the loss's pmean, never split), or None where there is
     none. Returns the number of pairs."""
     import re
@@ -125,17 +126,18 @@ def check_start_done_pairs(text: str, start: str | tuple[str, ...], call: str | 
     alternatives = "|".join(map(re.escape, names))
     starts = re.findall(rf"%(\S+):2 = stablehlo.custom_call @(?:{alternatives})\(%(\S+?)\)"
                         r".*?call_id = (\d+)", text)
-    dones = re.findall(r"stablehlo.custom_call @libra_allreduce_cuda_done\(%(\S+?), %(\S+?)\)"
+    dones = re.findall(r"stablehlo.custom_call @libra_allreduce_cuda_done\(%(\S+?), %(\S+?), "
+                       r"%(\S+?)\) \{[^{]*?has_side_effect = true"
                        r".*?call_id = (\d+).*?output_operand_aliases = \[#stablehlo"
                        r".output_operand_alias<output_tuple_indices = \[\], operand_index = 0",
                        text)
     assert starts and len(dones) == len(starts), (starts, dones)
     by_result = {result: call_id for result, _, call_id in starts}
     latest = starts[-1][0]
-    for buffer, token, call_id in dones:
+    for buffer, token, after, call_id in dones:
         result, _, index = buffer.partition("#")
         assert index == "0" and by_result[result] == call_id
-        assert token == f"{latest}#1"
+        assert token == f"{result}#1" and after == f"{latest}#1", (buffer, token, after)
     assert len(set(by_result.values())) == len(starts)
     for result in by_result:
         assert len(re.findall(rf"%{result}#0\b", text)) == 1, result  # read by done only
@@ -153,13 +155,14 @@ def cpu_start_done_pairs(hlo: str) -> tuple[dict[str, str], list[tuple[str, str]
     """A compiled CPU program's sharded start/done pairs, checked: each
     ``libra_allreduce_cpu_done`` reads element 0 of a sharded start (its in-flight buffer)
     and element 1 of the same start (its token). Returns (start name -> its target, the dones'
-    (buffer, token) names, get-tuple-element name -> (tuple, index))."""
+    (buffer, token) names, get-tuple-element name -> (tuple, index)). Tokens after a done's
+    own (the latest start's) are not returned."""
     import re
     starts = dict(re.findall(r"(%\S+) = \(\S+, s32\[1\]\{0\}\) custom-call\(.*?"
                              r'custom_call_target="(libra_\w+_cpu_start)"', hlo))
     elements = {name: (tuple_, index) for name, tuple_, index in re.findall(
         r"(%get-tuple-element\S*) = \S+ get-tuple-element\((%\S+?)\), index=(\d)", hlo)}
-    dones = re.findall(r"custom-call\((%\S+?), \S+?, (%\S+?)\), "
+    dones = re.findall(r"custom-call\((%\S+?), \S+?, (%[^,)]+?)(?:, %[^,)]+?)*\), "
                        r'custom_call_target="libra_allreduce_cpu_done"', hlo)
     for buffer, token in dones:
         assert elements[buffer][0] in starts and elements[buffer][1] == "0", (buffer, hlo)

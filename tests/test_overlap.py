@@ -249,16 +249,19 @@ def test_starts_abandoned_by_a_failed_execution_expire():
 def test_xla_copies_no_in_flight_buffer():
     # Compiled by XLA (CPU): each done's buffer operand is its start's result itself, never a
     # copy that XLA would make (and fill while the all-reduce may still write the buffer) for a
-    # second reader; its token is the latest start's.
+    # second reader; its tokens are its own start's and the latest start's; it has a side
+    # effect (XLA keeps it).
     step, args = mlp_step()
     hlo = jax.jit(optimize(step, fusion=False, overlap="start-done")).lower(*args).compile().as_text()
     starts = re.findall(r"(%\S+) = \(\S+, s32\[1\]\{0\}\) custom-call\(.*?"
                         r'custom_call_target="libra_allreduce_cpu_start"', hlo)
     elements = {name: (tuple_, index) for name, tuple_, index in re.findall(
         r"(%get-tuple-element\S*) = \S+ get-tuple-element\((%\S+?)\), index=(\d)", hlo)}
-    dones = re.findall(r"custom-call\((%\S+?), \S+?, (%\S+?)\), "
-                       r'custom_call_target="libra_allreduce_cpu_done"', hlo)
+    dones = re.findall(r"custom-call\((%\S+?), \S+?, (%\S+?), (%\S+?)\), "
+                       r'custom_call_target="libra_allreduce_cpu_done", [^\n]*'
+                       r"custom_call_has_side_effect=true", hlo)
     assert len(starts) >= 2 and len(dones) == len(starts), hlo
-    for buffer, token in dones:
+    for buffer, token, after in dones:
         assert elements[buffer][0] in starts and elements[buffer][1] == "0", (buffer, hlo)
-        assert elements[token][1] == "1", token
+        assert elements[token] == (elements[buffer][0], "1"), token
+        assert elements[after][0] in starts and elements[after][1] == "1", after

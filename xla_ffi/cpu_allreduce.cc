@@ -364,9 +364,12 @@ ffi::Future ExecuteShardedStart(ffi::RunId run_id, CpuAllReduceSite* site, ffi::
   return StartCall(site, *spec, buffer, own, token, timeout_ms, call_id);
 }
 
+// Done's operands after its own start's token (`/*after*/`): values it must not run before,
+// read by nothing (the latest start's token: optimize orders every done after the last start).
 ffi::Future ExecuteDone(ffi::RunId run_id, ffi::AnyBuffer /*started*/,
                         ffi::Buffer<ffi::S32> rank_group, ffi::AnyBuffer /*token*/,
-                        ffi::Result<ffi::AnyBuffer> /*out*/, int64_t call_id) {
+                        ffi::RemainingArgs /*after*/, ffi::Result<ffi::AnyBuffer> /*out*/,
+                        int64_t call_id) {
   if (rank_group.element_count() != 2) {
     return Failed(ffi::Error::InvalidArgument(
         "libra_jax all-reduce: the rank operand must hold (rank, group)"));
@@ -471,6 +474,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuAllReduceDone, ExecuteDone,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .RemainingArgs()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("call_id"));
 

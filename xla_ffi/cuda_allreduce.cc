@@ -313,9 +313,10 @@ ffi::Error ExecuteStart(cudaStream_t stream, int32_t device, ffi::RunId run, ffi
   return WriteToken(stream, *token);
 }
 
+// As on CPU, operands after the token (`/*after*/`) only order done after them.
 ffi::Error ExecuteDone(cudaStream_t stream, int32_t device, ffi::AnyBuffer /*started*/,
-                       ffi::AnyBuffer /*token*/, ffi::Result<ffi::AnyBuffer> /*out*/,
-                       int64_t call_id) {
+                       ffi::AnyBuffer /*token*/, ffi::RemainingArgs /*after*/,
+                       ffi::Result<ffi::AnyBuffer> /*out*/, int64_t call_id) {
   const libra::Status status = Side().Done(device, call_id, stream);
   return status.ok() ? ffi::Error::Success() : Prefixed("libra_jax CUDA all-reduce: ", status);
 }
@@ -613,6 +614,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaAllReduceDone, ExecuteDone,
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
+                                  .RemainingArgs()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("call_id"));
 

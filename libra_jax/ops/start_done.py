@@ -32,9 +32,12 @@ What runs in between is the compute the all-reduce overlaps. Per platform:
   groups across processes) is all-reduced in start by the platform's one-call lowering, and
   done only splits it; elsewhere (TPU...) the same with XLA's all-reduce.
 
-Start has one more result, a token (`TOKEN_AVAL`), and done one more operand, the latest
-start's token: XLA orders by data only, so this keeps every done after the last start, while
-the in-flight buffer has one reader, done, which XLA therefore never copies. On a GPU, whether XLA's schedule keeps the
+Start has one more result, a token (`TOKEN_AVAL`). Done reads its own start's buffers and
+token, then any tokens it must not run before, read by nothing (`optimize` passes the latest
+start's: XLA orders by data only, so this keeps every done after the last start), while the
+in-flight buffer has one reader, done, which XLA therefore never copies. A done is never dead
+code: lowered with a side effect, XLA keeps it, and JAX's dead-code elimination keeps it too,
+so a start always has its done. On a GPU, whether XLA's schedule keeps the
 kernel beside compute is what `benchmarks/gpu_check.sh` measures.
 `call_id` ties a start to its done: the CPU engine keys a started call by (call id, run id,
 group, rank), a run id being unique per execution; the CUDA handlers key their events by
@@ -152,29 +155,38 @@ def _done_lowering(platform: Platform) -> Rule:
 
     def rule(ctx: Any, *operands: Any, out_avals: tuple, axes: tuple, blocks: int,
              call_id: int) -> list[Any]:
-        *flats, token = operands  # the latest start's token: orders done after it
+        # Its own start's buffers and token (done reads only its own start's results: where
+        # done goes, its start goes), then tokens it must not run before (optimize's: the
+        # latest start's), read by nothing.
+        layout = lowering.packed_layout(out_avals)
+        flats, (token, *after) = operands[:len(layout)], operands[len(layout):]
+        token_aval = TOKEN_AVAL
         outs: list[Any] = [None] * len(out_avals)
-        for j, ((_, idx, _), flat, flat_aval) in enumerate(
-                zip(lowering.packed_layout(out_avals), flats, ctx.avals_in)):
+        for j, ((_, idx, _), flat, flat_aval) in enumerate(zip(layout, flats, ctx.avals_in)):
             flat_ctx = ctx.replace(primitive=None, avals_in=[flat_aval], avals_out=[flat_aval])
             split_call = _split_call(engine, flat_ctx, axes, blocks)
             if split_call is not None and engine == "cpu":
                 rank_group = split_call[1][0]
-                call = jax.ffi.ffi_lowering(_ffi.ALLREDUCE_CPU_DONE_TARGET,
-                                            operand_output_aliases={0: 0})
+                call = _done_call(_ffi.ALLREDUCE_CPU_DONE_TARGET)
                 flat, = call(ctx.replace(primitive=None, avals_out=[flat_aval], avals_in=[
-                    flat_aval, _compat.ShapedArray((2,), np.int32), ctx.avals_in[-1]]),
-                    flat, rank_group, token, call_id=np.int64(call_id * 16 + j))
+                    flat_aval, _RANK_AVAL] + [token_aval] * (1 + len(after))),
+                    flat, rank_group, token, *after, call_id=np.int64(call_id * 16 + j))
             elif split_call is not None:  # cuda: XLA's stream waits for libra's
-                # The in-flight buffer once (aliased to the output), and the token: no copy.
-                call = jax.ffi.ffi_lowering(_ffi.ALLREDUCE_CUDA_DONE_TARGET,
-                                            operand_output_aliases={0: 0})
-                flat, = call(ctx.replace(primitive=None, avals_in=[flat_aval, ctx.avals_in[-1]],
-                                         avals_out=[flat_aval]),
-                             flat, token, call_id=np.int64(call_id * 16 + j))
+                # The in-flight buffer once (aliased to the output), and the tokens: no copy.
+                call = _done_call(_ffi.ALLREDUCE_CUDA_DONE_TARGET)
+                flat, = call(ctx.replace(primitive=None, avals_out=[flat_aval], avals_in=[
+                    flat_aval] + [token_aval] * (1 + len(after))),
+                    flat, token, *after, call_id=np.int64(call_id * 16 + j))
             lowering.split(ctx, flat, flat_aval, out_avals, idx, outs)
         return outs
     return rule
+
+
+def _done_call(target: str) -> Any:
+    """A done's custom call: its output aliases its in-flight operand, and it is lowered with
+    a side effect, so XLA never removes it (a done whose result nobody reads still waits for
+    its collective before XLA may reuse the buffer the engine writes)."""
+    return jax.ffi.ffi_lowering(target, operand_output_aliases={0: 0}, has_side_effect=True)
 
 
 libra_psum_start_p = register_op("libra_psum_start", abstract_eval=start_abstract_eval,
@@ -230,7 +242,8 @@ def sharded_start_abstract_eval(aval: Any, *after: Any, collective: str, axis_na
     return [_flat_aval(aval, collective, axis_size), TOKEN_AVAL], _compat.axis_effects(axis_name)
 
 
-def sharded_done_abstract_eval(flat: Any, token: Any, *, collective: str, axis_name: tuple,
+def sharded_done_abstract_eval(flat: Any, token: Any, *after: Any, collective: str,
+                               axis_name: tuple,
                                dimension: int, axis_size: int, tiled: bool,
                                blocks: int | None, call_id: int, out_aval: Any) -> Any:
     return out_aval, set()
@@ -321,10 +334,10 @@ def _sharded_start_lowering(platform: Platform) -> Rule:
 
 
 def _sharded_done_lowering(platform: Platform) -> Rule:
-    def rule(ctx: Any, flat: Any, token: Any, *, collective: str, axis_name: tuple,
+    def rule(ctx: Any, flat: Any, token: Any, *after: Any, collective: str, axis_name: tuple,
              dimension: int, axis_size: int, tiled: bool, blocks: int | None, call_id: int,
              out_aval: Any) -> list[Any]:
-        flat_aval, token_aval = ctx.avals_in
+        flat_aval, token_aval = ctx.avals_in[:2]
         gathers = lowering.COLLECTIVES[collective].gathers
         shard = flat_aval.shape[0] // axis_size
         # The operand's flat form (start's lowering), which decides the split as start did.
@@ -340,11 +353,11 @@ def _sharded_done_lowering(platform: Platform) -> Rule:
             return lowering.from_row_of_shards(ctx, flat, result_flat, out_aval, gathers,
                                                dimension, tiled)
         # The in-flight buffer once (aliased to the output), and the token: no copy.
-        call = jax.ffi.ffi_lowering(split.done, operand_output_aliases={0: 0})
+        call = _done_call(split.done)
         flat, = _compat.ir_values(call(ctx.replace(
             primitive=None, avals_in=[flat_aval] + [_RANK_AVAL] * len(split.done_operands)
-            + [token_aval], avals_out=[flat_aval]), flat, *split.done_operands, token,
-            call_id=_sharded_key(call_id, collective)))
+            + list(ctx.avals_in[1:]), avals_out=[flat_aval]), flat, *split.done_operands, token,
+            *after, call_id=_sharded_key(call_id, collective)))
         return lowering.from_row_of_shards(ctx, flat, flat_aval, out_aval, gathers, dimension,
                                            tiled, rank_group=None if gathers else split.rank_group)
     return rule
@@ -356,3 +369,7 @@ libra_sharded_start_p = register_op("libra_sharded_start",
 libra_sharded_done_p = register_op("libra_sharded_done",
                                    abstract_eval=sharded_done_abstract_eval,
                                    lowering=_sharded_done_lowering)
+# A done is never dead code: JAX's dead-code elimination keeps it as it keeps an effect (and
+# XLA's, its side effect), so a start never outlives its done.
+_compat.keep_in_dce(libra_psum_done_p)
+_compat.keep_in_dce(libra_sharded_done_p)
