@@ -364,10 +364,57 @@ def _load_script(path: str) -> object:
         raise ValueError(f"{path} is not a Python file (a script defining build(small=False))")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as exc:
+        del sys.modules[name]
+        raise ValueError(f"{path}:{exc.lineno}: syntax error: {exc.msg}") from None
+    except Exception as exc:  # the script's own error, said in one line with its place
+        del sys.modules[name]
+        raise ValueError(f"{_where(exc, file, path)}: importing it failed: "
+                         f"{type(exc).__name__}: {exc}") from None
     if not callable(getattr(module, "build", None)):
         raise ValueError(f"{path} defines no build(small=False) -> (step, args)")
     return module
+
+
+#: What `plan` expects of a script, said with every error about its `build`.
+_BUILD_CONTRACT = "plan expects build(small=False) -> (step, args), step called as step(*args)"
+
+
+def _where(exc: BaseException, file: object, path: str) -> str:
+    """`path`, with the line of the script's innermost frame in `exc`'s traceback."""
+    import traceback
+
+    lines = [f.lineno for f in traceback.extract_tb(exc.__traceback__) if f.filename == str(file)]
+    return f"{path}:{lines[-1]}" if lines else path
+
+
+def _build(module: object, path: str, small: bool, kwargs: dict) -> tuple[object, tuple]:
+    """(step, args) from the script's ``build(small, **kwargs)``; ValueError naming the script
+    and `_BUILD_CONTRACT` where build cannot be called so or returns something else."""
+    import inspect
+
+    build = module.build  # type: ignore[attr-defined]
+    try:
+        inspect.signature(build).bind(small, **kwargs)
+    except TypeError as exc:
+        raise ValueError(f"{path}: build{inspect.signature(build)} cannot be called as "
+                         f"build({small!r}): {exc}; {_BUILD_CONTRACT}") from None
+    try:
+        built = build(small, **kwargs)
+    except Exception as exc:
+        raise ValueError(f"{_where(exc, getattr(module, '__file__', ''), path)}: build() "
+                         f"failed: {type(exc).__name__}: {exc}") from None
+    if (not isinstance(built, (tuple, list)) or len(built) != 2 or not callable(built[0])
+            or not isinstance(built[1], (tuple, list))):
+        raise ValueError(f"{path}: build() returned {_short(built)}; {_BUILD_CONTRACT}")
+    return built[0], tuple(built[1])
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _run_plan(args: argparse.Namespace) -> int:
@@ -384,7 +431,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     explain_mod = importlib.import_module("libra_jax.explanation")
 
     kwargs = {"variant": args.variant} if args.variant else {}
-    step, step_args = module.build(args.small, **kwargs)  # type: ignore[attr-defined]
+    step, step_args = _build(module, args.script, args.small, kwargs)
     result = explain_mod.explain(step, *step_args, profile=args.profile, fusion=not args.no_fusion,
                                  overlap=args.overlap, prefetch=args.prefetch, file=sys.stdout,
                                  use_rich=False if args.plain else None)

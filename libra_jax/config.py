@@ -31,6 +31,7 @@ per process) has a stable id and ends with the pointer `notice_text` adds: its e
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import re
 import warnings
@@ -176,8 +177,8 @@ def prefetch_mode(prefetch: str | int | None, who: str = "libra_jax.optimize") -
         return 0
     if value == "auto":
         return "auto"
-    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 64:
-        return int(value)
+    if _is_integer(value) and 0 <= value <= 64:  # type: ignore[operator]
+        return int(value)  # type: ignore[call-overload]
     raise ValueError(f"{who}: {source} must be 'auto', 'off' or a number of all-gathers ahead "
                      f"(0 to 64), got {value!r}")
 
@@ -190,9 +191,15 @@ def prefetch_bytes(limit: int | None, who: str = "libra_jax.optimize") -> int:
     if limit is None:
         raw = os.environ.get(PREFETCH_BYTES_ENV, "").strip()
         value = int(raw) if raw.isdigit() else (raw or DEFAULT_PREFETCH_BYTES)
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return int(value)
+    if _is_integer(value) and value >= 0:  # type: ignore[operator]
+        return int(value)  # type: ignore[call-overload]
     raise ValueError(f"{who}: {source} must be a number of bytes >= 0, got {value!r}")
+
+
+def _is_integer(value: object) -> bool:
+    """An integer as JAX takes one: a Python int or a NumPy integer (both `numbers.Integral`),
+    not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def optimize_disabled() -> bool:

@@ -97,17 +97,20 @@ def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0,
       aux's float leaves; aux's other leaves must be the same on every shard. Keyword arguments
       are passed to `fun` whole, on every shard.
     """
-    argnums_t = _check_argnums(argnums)
-    axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+    argnums = _check_argnums(argnums)
+    axes = ((axis_name,) if isinstance(axis_name, str) else
+            tuple(axis_name) if isinstance(axis_name, (tuple, list)) else ())
     if not axes or not all(isinstance(a, str) for a in axes):
         raise TypeError(f"libra_jax.value_and_grad: axis_name must be a mesh axis name or a "
                         f"sequence of them, got {axis_name!r}")
     jitted: dict[Any, Callable[..., Any]] = {}
 
     def route(*args: Any, **kwargs: Any) -> Any:
-        if any(i >= len(args) for i in argnums_t):
-            raise TypeError(f"libra_jax.value_and_grad: argnums {argnums_t} but only "
+        nums = (argnums,) if isinstance(argnums, int) else argnums
+        if any(not -len(args) <= i < len(args) for i in nums):
+            raise TypeError(f"libra_jax.value_and_grad: argnums {argnums} but only "
                             f"{len(args)} positional arguments")
+        argnums_t = tuple(i % len(args) for i in nums)  # negative ones count from the end
         objects = _NnxObjects.of(args, argnums_t)
         n_args = len(args)
         the_mesh = _mesh(mesh, args)
@@ -130,7 +133,8 @@ def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0,
                 # Resharded inside the differentiated function: autodiff reshards each
                 # gradient back, so it is laid out as its parameter (as jax.grad's are).
                 return mapped(*(_reshard(a, s, the_mesh) for a, s in zip(args, specs)))
-            return jax.value_and_grad(loss, argnums, aux)(*args)
+            return jax.value_and_grad(
+                loss, argnums_t[0] if isinstance(argnums, int) else argnums_t, aux)(*args)
 
         if any(isinstance(leaf, _compat.Tracer) for leaf in jax.tree.leaves((args, kwargs))):
             out = run(*args)  # already traced (under jit, grad...): the caller compiles it
@@ -172,12 +176,18 @@ def grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: boo
 
 # --- The pieces -----------------------------------------------------------------------
 
-def _check_argnums(argnums: Any) -> tuple[int, ...]:
-    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
-    if not nums or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in nums):
-        raise TypeError(f"libra_jax.value_and_grad: argnums must be a non-negative int or a "
-                        f"sequence of them, got {argnums!r}")
-    return nums
+def _check_argnums(argnums: Any) -> int | tuple[int, ...]:
+    """`argnums` as `jax.value_and_grad` takes it (an int, NumPy's included, negative ones
+    counting from the last argument, or a sequence of them), as Python ints; TypeError else."""
+    def is_int(n: Any) -> bool:
+        return isinstance(n, (int, np.integer)) and not isinstance(n, (bool, np.bool_))
+    if is_int(argnums):
+        return int(argnums)
+    nums = tuple(argnums) if isinstance(argnums, (tuple, list)) else ()
+    if not nums or not all(is_int(n) for n in nums):
+        raise TypeError(f"libra_jax.value_and_grad: argnums must be an int or a sequence of "
+                        f"ints, got {argnums!r}")
+    return tuple(int(n) for n in nums)
 
 
 class _NnxObjects:
@@ -253,6 +263,15 @@ class _NnxObjects:
         return ((value, aux) if has_aux else value), grads
 
 
+def _describe(value: Any) -> str:
+    """A value's type in an error: ``float32[]``, ``tuple of 3``, ``dict``."""
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)}"
+    if hasattr(value, "shape") and hasattr(value, "dtype"):
+        return f"{value.dtype}{list(value.shape)}"
+    return f"a {type(value).__name__}"
+
+
 def _local_loss(fun: Callable[..., Any], kwargs: dict, has_aux: bool, axes: tuple
                 ) -> Callable[..., Any]:
     """The per-shard loss, averaged over `axes`: the function the shard_map maps."""
@@ -264,6 +283,14 @@ def _local_loss(fun: Callable[..., Any], kwargs: dict, has_aux: bool, axes: tupl
             if refusal is None:
                 raise
             raise ValueError(refusal) from e
+        if has_aux and not (isinstance(out, (tuple, list)) and len(out) == 2):
+            raise TypeError("libra_jax.value_and_grad: with has_aux=True the loss function must "
+                            "return a pair (loss, aux), as for jax.value_and_grad; got "
+                            f"{_describe(out)}")
+        if not has_aux and isinstance(out, (tuple, list)):
+            raise TypeError("libra_jax.value_and_grad: the loss function returned a "
+                            f"{type(out).__name__} of {len(out)}; if it is (loss, aux), pass "
+                            "has_aux=True, as for jax.value_and_grad")
         loss, aux = out if has_aux else (out, None)
         shape, dtype = np.shape(loss), jax.numpy.result_type(loss)
         if shape != () or not jax.numpy.issubdtype(dtype, np.floating):
@@ -389,7 +416,7 @@ def _specs(args: tuple, argnums: tuple, axes: tuple, mesh: Any, in_specs: Any) -
         if len(specs) != len(args):
             raise ValueError(f"libra_jax.value_and_grad: in_specs has {len(specs)} entries for "
                              f"{len(args)} positional arguments")
-        return tuple(jax.tree.map(split_only, s, is_leaf=_is_spec) for s in specs)
+        return tuple(_spec_tree(i, s, a, split_only) for i, (s, a) in enumerate(zip(specs, args)))
     batch = axes[0] if len(axes) == 1 else axes
     shards = math.prod(sizes[a] for a in axes)
 
@@ -408,6 +435,25 @@ def _specs(args: tuple, argnums: tuple, axes: tuple, mesh: Any, in_specs: Any) -
         return P(batch)
     return tuple(jax.tree_util.tree_map_with_path(lambda p, x, i=i: spec(i, p, x), a)
                  for i, a in enumerate(args))
+
+
+def _spec_tree(i: int, spec: Any, arg: Any, split_only: Callable[[P], P]) -> Any:
+    """in_specs' entry `spec` for argument `i`, each leaf a `PartitionSpec` (or None) and the
+    tree a prefix of the argument's, as `jax.shard_map` takes it; a clear error naming
+    in_specs otherwise."""
+    for path, leaf in jax.tree_util.tree_flatten_with_path(spec, is_leaf=_is_spec)[0]:
+        if not isinstance(leaf, P):
+            hint = f"; write P({leaf!r})" if isinstance(leaf, str) else ""
+            raise TypeError(f"libra_jax.value_and_grad: in_specs[{i}]"
+                            f"{jax.tree_util.keystr(path)} must be a PartitionSpec (or None), "
+                            f"got {leaf!r}{hint}")
+    try:
+        jax.tree.map(lambda s, a: None, spec, arg, is_leaf=_is_spec)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"libra_jax.value_and_grad: in_specs[{i}] is not a pytree prefix of "
+                         f"positional argument {i} (every leaf of the argument needs a spec): "
+                         f"{e}") from None
+    return jax.tree.map(split_only, spec, is_leaf=_is_spec)
 
 
 def _is_spec(x: Any) -> bool:

@@ -107,6 +107,7 @@ from libra_jax.ops.start_done import (
     libra_psum_start_p,
     libra_sharded_done_p,
     libra_sharded_start_p,
+    register_pair,
 )
 
 __all__ = ["optimize", "rewrite_jaxpr", "PsumPlan", "LoopPlan", "OptimizeReport",
@@ -1926,6 +1927,7 @@ def _start_done(eqns: Sequence[Any], bucket: Sequence[_Site], axes: tuple, invar
         invars=operands, outvars=[*flat_vars, token], primitive=libra_psum_start_p,
         params=dict(axes=axes, blocks=int(blocks), invariant=invariant, call_id=call_id),
         effects=effects)
+    register_pair("psum", call_id)
     done = members[-1].replace(
         invars=[*flat_vars, token, token], outvars=results, primitive=libra_psum_done_p,
         params=dict(out_avals=tuple(v.aval for v in results), axes=axes, blocks=int(blocks),
@@ -1949,6 +1951,7 @@ def _gather_pair(eqn: Any, site: _Site, blocks: int, call_id: int,
                         invars=[operand] + ([after] if after is not None else []),
                         outvars=[flat, token],
                         params=params, effects=eqn.effects)
+    register_pair("all_gather", call_id)
     done = eqn.replace(primitive=libra_sharded_done_p, invars=[flat, token], outvars=[result],
                        params=dict(params, out_aval=result.aval), effects=set())
     return start, done

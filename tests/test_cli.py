@@ -286,6 +286,25 @@ def test_plan_errors(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
     bad.write_text("x = 1\n")
     status, _, err = run(capsys, "plan", str(bad))
     assert status == 2 and "defines no build" in err
+    contract = "plan expects build(small=False) -> (step, args)"
+    for name, source, want in [
+            ("syntax.py", "x = 1\ndef build(:\n", "syntax.py:2: syntax error"),
+            ("imports.py", "x = 1\nimport no_such_module_here\n",
+             "imports.py:2: importing it failed: ModuleNotFoundError"),
+            ("no_argument.py", "def build():\n    return None\n",
+             "no_argument.py: build() cannot be called as build(False)"),
+            ("none.py", "def build(small=False):\n    return None\n",
+             "none.py: build() returned None; " + contract),
+            ("number.py", "def build(small=False):\n    return 42\n",
+             "number.py: build() returned 42; " + contract),
+            ("raises.py", "def build(small=False):\n    return 1 / 0\n",
+             "raises.py:2: build() failed: ZeroDivisionError")]:
+        script = tmp_path / name
+        script.write_text(source)
+        status, out, err = run(capsys, "plan", str(script))
+        lines = err.strip().splitlines()
+        assert status == 2 and len(lines) == 1 and want in lines[0], (name, err)
+        assert "Traceback" not in err + out
 
 
 # --- Profiles other than the shipped names ---------------------------------------------------

@@ -408,9 +408,9 @@ def test_bad_calls_say_what_is_wrong():
         route(mlp_loss)(jax.tree.map(np.asarray, params), np.asarray(x), np.asarray(y))
     with pytest.raises(TypeError, match="loss must be a float scalar"):
         jax.jit(route(lambda p, x, y: (x @ p[0][0])))(params, x, y)
-    with pytest.raises(TypeError, match="argnums"):
-        libra_jax.value_and_grad(mlp_loss, argnums=-1)
-    with pytest.raises(TypeError, match=r"argnums \(3,\) but only 3 positional"):
+    with pytest.raises(TypeError, match="argnums must be an int or a sequence of ints"):
+        libra_jax.value_and_grad(mlp_loss, argnums="0")
+    with pytest.raises(TypeError, match=r"argnums 3 but only 3 positional"):
         libra_jax.value_and_grad(mlp_loss, argnums=3)(params, x, y)
     with pytest.raises(ValueError, match="in_specs has 2 entries for 3"):
         route(mlp_loss, in_specs=(P(), P("data")))(params, x, y)
@@ -419,6 +419,57 @@ def test_bad_calls_say_what_is_wrong():
         return mlp_loss(p, x, y), {"n": jnp.sum(x[:, 0] > 0).astype(jnp.int32)}
     with pytest.raises(TypeError, match=r"aux\['n'\] is a int32 that differs from shard"):
         jax.jit(route(counts, has_aux=True))(params, x, y)
+
+
+def test_arguments_as_jax_value_and_grad_takes_them():
+    # argnums as NumPy's integer or counted from the end, as JAX takes them: the same
+    # gradients as argnums=0.
+    mesh = make_mesh()
+    rng = np.random.default_rng(7)
+    params = put(mlp_params(rng), mesh, P())
+    x = put(rng.standard_normal((64, 16)).astype(np.float32), mesh, P("data"))
+    y = put(rng.standard_normal((64, 8)).astype(np.float32), mesh, P("data"))
+    want = jax.jit(route(mlp_loss))(params, x, y)
+    for argnums in (np.int64(0), -3, (np.int32(0),)):
+        got = jax.jit(route(mlp_loss, argnums=argnums))(params, x, y)
+        assert_bitwise(got if not isinstance(argnums, tuple) else (got[0], got[1][0]), want)
+    last = jax.jit(route(lambda y, x, p: mlp_loss(p, x, y), argnums=-1))(y, x, params)
+    assert_bitwise(last, want)
+
+
+def test_bad_arguments_are_named_before_jax_sees_them():
+    mesh = make_mesh()
+    rng = np.random.default_rng(8)
+    params = put(mlp_params(rng), mesh, P())
+    x = put(rng.standard_normal((64, 16)).astype(np.float32), mesh, P("data"))
+    y = put(rng.standard_normal((64, 8)).astype(np.float32), mesh, P("data"))
+    with pytest.raises(TypeError, match="axis_name must be a mesh axis name.*got None"):
+        libra_jax.value_and_grad(mlp_loss, axis_name=None)
+    with pytest.raises(TypeError, match=r"has_aux=True the loss function must return a pair "
+                                        r"\(loss, aux\).*got float32\[\]"):
+        jax.jit(route(mlp_loss, has_aux=True))(params, x, y)
+    with pytest.raises(TypeError, match=r"returned a tuple of 2; if it is \(loss, aux\), pass "
+                                        r"has_aux=True"):
+        jax.jit(route(lambda p, x, y: (mlp_loss(p, x, y), {"n": 1.0})))(params, x, y)
+    with pytest.raises(TypeError, match=r"in_specs\[1\] must be a PartitionSpec .*got 'data'; "
+                                        r"write P\('data'\)"):
+        route(mlp_loss, in_specs=(P(), "data", P("data")))(params, x, y)
+    with pytest.raises(ValueError, match=r"in_specs\[0\] is not a pytree prefix of positional "
+                                         r"argument 0"):
+        route(mlp_loss, in_specs=([(P(), P())], P("data"), P("data")))(params, x, y)
+
+
+def test_every_integer_option_of_optimize_takes_numpy_integers():
+    from libra_jax import config
+    assert config.prefetch_mode(np.int64(1)) == 1
+    assert config.prefetch_bytes(np.int64(1 << 20)) == 1 << 20
+    with pytest.raises(ValueError, match="prefetch must be"):
+        config.prefetch_mode(np.True_)
+    with pytest.raises(ValueError, match="prefetch_bytes must be"):
+        config.prefetch_bytes(True)
+    with pytest.warns(UserWarning, match="nothing to plan"):
+        libra_jax.optimize(lambda x: x, prefetch=np.int64(1), prefetch_bytes=np.int64(1 << 20),
+                           blocks=np.int64(3))(np.ones(2))
 
 
 # --- Today's sharding code: size-1 axes, explicit-sharding calls, NNX models -----------------

@@ -3,6 +3,7 @@ the same values bit for bit; done waits until a result is needed; the CUDA lower
 start/done custom-call pair (checked by lowering for cuda here; run by benchmarks/gpu_check.sh)."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -15,6 +16,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+import libra_jax
 from libra_jax import _compat, _ffi, model, ops
 from libra_jax.rewrite import optimize, rewrite_jaxpr
 from libra_jax.config import xla_flags
@@ -265,3 +267,186 @@ def test_xla_copies_no_in_flight_buffer():
         assert elements[buffer][0] in starts and elements[buffer][1] == "0", (buffer, hlo)
         assert elements[token] == (elements[buffer][0], "1"), token
         assert elements[after][0] in starts and elements[after][1] == "1", after
+
+
+# --- A start never loses its done (issue: silently wrong gradients when a step drops a
+# reduced gradient). Each in a subprocess: a lost done lets the engine write into a buffer XLA
+# has reused, which corrupts the heap or changes results from run to run.
+
+DROPPED_PROGRAM = """
+import os, sys, json
+import jax, jax.numpy as jnp, numpy as np, optax
+jax.config.update("jax_num_cpu_devices", 8)
+from jax.sharding import Mesh, PartitionSpec as P
+import libra_jax
+from libra_jax import testing
+mesh = Mesh(np.array(jax.devices()), ("data",))
+WIDTH = 256
+
+def loss(p, x):
+    h = x
+    for i in range(3):
+        h = jnp.tanh(h @ p[f"w{i}"])
+    return jnp.mean(h ** 2)
+
+def frozen(p, x):  # a frozen parameter: its reduced gradient zeroed after the pmean
+    g = jax.lax.pmean(jax.grad(loss)(p, x), "data")
+    g["w2"] = jnp.zeros_like(g["w2"])
+    return jax.tree.map(lambda a, b: a - 0.1 * b, p, g)
+
+masked_tx = optax.chain(optax.masked(optax.set_to_zero(),
+                                     {"w0": False, "w1": False, "w2": True}),
+                        optax.sgd(0.1))
+split_tx = optax.multi_transform({"train": optax.sgd(0.1), "frozen": optax.set_to_zero()},
+                                 {"w0": "train", "w1": "train", "w2": "frozen"})
+
+def with_optax(tx):
+    def step(p, x):
+        g = jax.lax.pmean(jax.grad(loss)(p, x), "data")
+        updates, _ = tx.update(g, tx.init(p), p)
+        return optax.apply_updates(p, updates)
+    return step
+
+def metric(p, x):  # a psum'd metric nobody returns: the gradients' norm
+    g = jax.grad(loss)(p, x)
+    jax.lax.pmean(optax.global_norm(g), "data")
+    g = jax.lax.pmean(g, "data")
+    return jax.tree.map(lambda a, b: a - 0.1 * b, p, g)
+
+def sharded(p, x):  # a reduce-scatter's shard and an all-gather's result, one of each dropped
+    g = jax.grad(loss)(p, x)
+    shards = {k: jax.lax.psum_scatter(v, "data", tiled=True) for k, v in g.items()}
+    shards["w1"] = jnp.zeros_like(shards["w1"])
+    full = {k: jax.lax.all_gather(v, "data", tiled=True) for k, v in shards.items()}
+    del full["w2"]
+    return {k: p[k] - 0.1 * full[k] if k in full else p[k] for k in p}
+
+STEPS = {"frozen": (frozen, False), "masked": (with_optax(masked_tx), False),
+         "multi_transform": (with_optax(split_tx), False), "metric": (metric, False),
+         "sharded": (sharded, False)}
+name, overlap = sys.argv[1], sys.argv[2]
+fn, vma = STEPS[name]
+step = jax.shard_map(fn, mesh=mesh, in_specs=(P(), P("data")), out_specs=P(), check_vma=vma)
+keys = jax.random.split(jax.random.key(0), 4)
+p = {f"w{i}": jax.random.normal(keys[i], (WIDTH, WIDTH)) * 0.05 for i in range(3)}
+x = jax.random.normal(keys[3], (64, WIDTH))
+plain = jax.jit(step)(p, x)
+opts = dict(overlap=overlap, fusion=False)
+if name == "sharded" and overlap == "start-done":
+    opts["prefetch"] = 1  # its all-gathers issued ahead, as start/done pairs
+optimized = jax.jit(libra_jax.optimize(step, **opts))
+control = jax.jit(libra_jax.optimize(step, collectives="xla", **opts))(p, x)
+hlo = optimized.lower(p, x).compile().as_text()
+starts = sum(hlo.count(f'custom_call_target="libra_{k}_cpu_start"')
+             for k in ("allreduce", "reduce_scatter", "all_gather"))
+dones = hlo.count('custom_call_target="libra_allreduce_cpu_done"')
+first = optimized(p, x)
+differ = sum(any(not np.array_equal(a, b) for a, b in zip(
+    jax.tree.leaves(optimized(p, x)), jax.tree.leaves(first))) for _ in range(20))
+control_bitwise = all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(first),
+                                                            jax.tree.leaves(control)))
+try:
+    testing.assert_codegen_close(first, plain)
+    close = True
+except AssertionError:
+    close = False
+print("RESULT", json.dumps(dict(starts=starts, dones=dones, differ=differ,
+                                control_bitwise=control_bitwise, close_to_plain=close)))
+"""
+
+
+def _run(source: str, *args: str) -> str:
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run([sys.executable, "-c", source, *args], capture_output=True,
+                          text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    return proc.stdout
+
+
+@pytest.mark.parametrize("name", ["frozen", "masked", "multi_transform", "metric", "sharded"])
+@pytest.mark.parametrize("overlap", ["auto", "start-done", "sync"])
+def test_a_step_that_drops_a_reduced_value_keeps_every_done(name, overlap):
+    out = _run(DROPPED_PROGRAM, name, overlap)
+    result = json.loads(out.split("RESULT ", 1)[1])
+    assert result["starts"] == result["dones"], result  # no start without its done
+    if overlap == "start-done":
+        assert result["starts"] >= 1, result  # a pair to lose
+    assert result["differ"] == 0, result  # the same every run
+    assert result["control_bitwise"] and result["close_to_plain"], result
+
+
+def test_optimize_removes_and_reports_collectives_whose_results_are_unused():
+    mesh = mesh_of((8,), ("data",))
+
+    def loss(p, x):
+        return jnp.mean(jnp.tanh(x @ p["a"]) @ p["b"])
+
+    def step(p, x):
+        g = jax.lax.pmean(jax.grad(loss)(p, x), "data")
+        g["b"] = jnp.zeros_like(g["b"])
+        jax.lax.psum(jnp.sum(x), "data")  # a metric nobody returns
+        return jax.tree.map(lambda a, b: a - 0.1 * b, p, g)
+
+    sm = jax.shard_map(step, mesh=mesh, in_specs=(P(), P("data")), out_specs=P(),
+                       check_vma=False)
+    p = {"a": np.ones((8, 8), np.float32), "b": np.ones((8, 1), np.float32)}
+    x = np.ones((16, 8), np.float32)
+    closed = jax.make_jaxpr(sm)(p, x)
+    _, report = rewrite_jaxpr(closed, overlap="start-done")
+    assert report.dropped == ["psum (x2)"]
+    assert report.num_psums == 1
+    assert "psum (x2)" in str(libra_jax.explain(sm, p, x, file=None))
+
+
+RAW_PROGRAM = """
+import jax, jax.numpy as jnp, numpy as np
+jax.config.update("jax_num_cpu_devices", 4)
+from jax.sharding import Mesh, PartitionSpec as P
+import libra_jax
+from libra_jax import ops
+mesh = Mesh(np.array(jax.devices()), ("x",))
+x = jax.device_put(np.arange(64, dtype=np.float32).reshape(16, 4), jax.NamedSharding(mesh, P("x")))
+smap = lambda f: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("x"), out_specs=P("x"),
+                                       check_vma=False))
+sharded = dict(axis_name=("x",), dimension=0, axis_size=4, tiled=True, blocks=1)
+cases = {
+    "psum start, buffer returned": lambda v: ops.libra_psum_start_p.bind(
+        v, axes=("x",), blocks=1, invariant=False, call_id=901)[0].reshape(v.shape),
+    "psum_scatter start, buffer returned": lambda v: ops.libra_sharded_start_p.bind(
+        v, collective="psum_scatter", call_id=902, **sharded)[0].reshape(v.shape),
+    "all_gather start, buffer read without its done": lambda v: v + ops.libra_sharded_start_p.bind(
+        v, collective="all_gather", call_id=903, **sharded)[0][:v.size].reshape(v.shape),
+}
+for name, f in cases.items():
+    for run in range(10):
+        try:
+            jax.block_until_ready(smap(f)(x))
+            print("RAN", name)
+        except ValueError as e:
+            assert "has no libra_" in str(e) and "call_id=90" in str(e), e
+            if run == 0:
+                print("REFUSED", name)
+
+def unused_done(v):  # a pair whose done's result nobody reads: XLA keeps the done
+    flat = ops.libra_psum_start_p.bind(v, axes=("x",), blocks=1, invariant=False, call_id=905)
+    ops.libra_psum_done_p.bind(*flat, out_avals=(jax.typeof(v),), axes=("x",), blocks=1,
+                               call_id=905)
+    return v * 2
+hlo = smap(unused_done).lower(x).compile().as_text()
+print("UNUSED DONE", hlo.count("libra_allreduce_cpu_start"), hlo.count("libra_allreduce_cpu_done"))
+for _ in range(10):
+    jax.block_until_ready(smap(unused_done)(x))
+total = smap(lambda v: libra_jax.psum(v, "x"))(x)
+print("LATER", bool(np.array_equal(np.asarray(total), np.tile(np.asarray(x).reshape(4, 4, 4).sum(0), (4, 1)))))
+"""
+
+
+def test_a_start_without_its_done_is_refused_and_a_later_collective_is_right():
+    out = _run(RAW_PROGRAM)
+    for case in ("psum start, buffer returned", "psum_scatter start, buffer returned",
+                 "all_gather start, buffer read without its done"):
+        assert f"REFUSED {case}" in out and f"RAN {case}" not in out, out
+    assert "UNUSED DONE 1 1" in out, out
+    assert "LATER True" in out, out

@@ -345,6 +345,7 @@ def test_update_compute_is_not_counted_as_overlap():
         def body(w, x):
             g = jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w)))(w)
             g = jax.lax.psum(g, "x")
+            w = w - 0.1 * g  # used: a psum whose result is unused is dead code, not planned
             for _ in range(update_steps):  # depends on g
                 w = jnp.tanh(w @ g)
             return w

@@ -63,13 +63,43 @@ from libra_jax.ops.base import Platform, Rule, register_op
 from libra_jax.ops.psum import psum_abstract_eval
 from libra_jax.ops.sharded import mirror_all_gather, mirror_reduce_scatter
 
-__all__ = ["libra_psum_start_p", "libra_psum_done_p", "libra_sharded_start_p",
+__all__ = ["libra_psum_start_p", "libra_psum_done_p", "libra_sharded_start_p", "register_pair",
            "libra_sharded_done_p", "TOKEN_AVAL"]
 
 #: Start's last result and done's last operand: written by start, it orders done after the
 #: latest start by data (XLA orders by data only), and no buffer is passed twice (a second
 #: reader of the in-flight buffer would make XLA copy it while it is being reduced).
 TOKEN_AVAL = _compat.ShapedArray((1,), np.int32)
+
+
+# --- the pair ---------------------------------------------------------------------
+#
+# A start whose done is not in its program would hand XLA a buffer the engine still writes
+# after start returns (XLA frees or reuses it, and the heap is corrupted). `optimize` makes
+# both equations together; for the primitives bound by hand, a start is lowered only where a
+# done of the same call was traced (its abstract evaluation registers the call), so a start
+# bound alone (eagerly, or in a program that returns or drops its buffer) is refused, naming
+# the call. A call id names one pair: two pairs of one program need two ids.
+
+_DONES: set[tuple[str, int]] = set()
+
+
+def register_pair(collective: str, call_id: int) -> None:
+    """Says that the done of `collective`'s (``"psum"``, ``"psum_scatter"``, ``"all_gather"``)
+    call `call_id` is in the program being made (`optimize` calls it for the pairs it makes;
+    a done's abstract evaluation, for those bound by hand)."""
+    _DONES.add((collective, int(call_id)))
+
+
+def _check_paired(primitive: str, collective: str, call_id: int) -> None:
+    if (collective, int(call_id)) not in _DONES:
+        done = "libra_psum_done" if collective == "psum" else "libra_sharded_done"
+        raise ValueError(
+            f"{primitive} (call_id={call_id}{'' if collective == 'psum' else ', ' + collective}) "
+            f"has no {done} of the same call in its program: its collective writes the "
+            "in-flight buffer after start returns, so start must be followed by its done, "
+            "which reads start's results (bound with the same call_id). Bind the done, or let "
+            "libra_jax.optimize place both.")
 
 
 # --- start ----------------------------------------------------------------------
@@ -90,6 +120,7 @@ def _start_lowering(platform: Platform) -> Rule:
 
     def rule(ctx: Any, *xs: Any, axes: tuple, blocks: int, invariant: bool,
              call_id: int) -> list[Any]:
+        _check_paired("libra_psum_start", "psum", call_id)
         outs = []
         token = None  # the last split call's; a constant where start reduced in one call
         for j, (dtype, idx, padded) in enumerate(lowering.packed_layout(ctx.avals_in)):
@@ -147,6 +178,7 @@ _CUDA_STARTS = {_ffi.ALLREDUCE_CUDA_TARGET: _ffi.ALLREDUCE_CUDA_START_TARGET,
 
 def done_abstract_eval(*operands: Any, out_avals: tuple, axes: tuple, blocks: int,
                        call_id: int) -> Any:
+    register_pair("psum", call_id)
     return list(out_avals), set()
 
 
@@ -246,6 +278,7 @@ def sharded_done_abstract_eval(flat: Any, token: Any, *after: Any, collective: s
                                axis_name: tuple,
                                dimension: int, axis_size: int, tiled: bool,
                                blocks: int | None, call_id: int, out_aval: Any) -> Any:
+    register_pair(collective, call_id)
     return out_aval, set()
 
 
@@ -308,6 +341,7 @@ def _one_call(platform: Platform, collective: str) -> Rule:
 def _sharded_start_lowering(platform: Platform) -> Rule:
     def rule(ctx: Any, x: Any, *after: Any, collective: str, axis_name: tuple, dimension: int,
              axis_size: int, tiled: bool, blocks: int | None, call_id: int) -> list[Any]:
+        _check_paired("libra_sharded_start", collective, call_id)
         gathers = lowering.COLLECTIVES[collective].gathers
         ctx_x = ctx.replace(avals_in=ctx.avals_in[:1])
         flat, flat_in = lowering.to_row_of_shards(ctx_x, x, gathers, dimension, tiled)
