@@ -12,6 +12,7 @@
 #include "xla_ffi/handlers.h"
 
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <deque>
 #include <iterator>
@@ -210,7 +211,8 @@ ffi::Future ExecuteSharded(ffi::RunId run_id, CpuAllReduceSite* site, ffi::AnyBu
 // a future for the end of that round. start's output aliases its input (the
 // packed bucket, reduced in place) and done's aliases that, so XLA keeps the
 // buffer alive, and neither reads nor reuses it, until done. start also writes
-// a token, done's last operand (the latest start's): it orders done by data.
+// a token, which its done reads (then the latest start's): they order done by
+// data. done has a side effect, so XLA never removes it (libra_jax.ops.start_done).
 
 struct InFlight {
   std::mutex mu;
@@ -270,6 +272,15 @@ class InFlightCalls {
       while (!calls.empty()) {
         std::lock_guard<std::mutex> lock(calls.front()->mu);
         if (!calls.front()->finished || now - calls.front()->finished_at < limit) break;
+        if (libra::DebugLoggingEnabled()) {  // a bounded leak, said: one entry, no buffer
+          const auto& [call_id, run_id, group, rank] = it->first;
+          std::fprintf(stderr,
+                       "libra_jax: dropped started call %lld (run %lld, group %lld, rank %d): its "
+                       "round ended over %lld ms ago and its done never came (an execution "
+                       "that failed between them)\n",
+                       static_cast<long long>(call_id), static_cast<long long>(run_id),
+                       static_cast<long long>(group), rank, static_cast<long long>(timeout_ms));
+        }
         calls.pop_front();  // abandoned by a failed execution
       }
       it = calls.empty() ? calls_.erase(it) : std::next(it);
