@@ -321,15 +321,26 @@ def sharded(p, x):  # a reduce-scatter's shard and an all-gather's result, one o
     del full["w2"]
     return {k: p[k] - 0.1 * full[k] if k in full else p[k] for k in p}
 
-STEPS = {"frozen": (frozen, False), "masked": (with_optax(masked_tx), False),
+def frozen_autodiff(p, x):  # the same with autodiff's psums (check_vma): the loss's pmean
+    g = jax.grad(lambda p: jax.lax.pmean(loss(p, x), "data"))(p)
+    g["w2"] = jnp.zeros_like(g["w2"])
+    return jax.tree.map(lambda a, b: a - 0.1 * b, p, g)
+
+STEPS = {"frozen": (frozen, False), "frozen-autodiff": (frozen_autodiff, True),
+         "frozen-pmap": (frozen, None), "masked": (with_optax(masked_tx), False),
          "multi_transform": (with_optax(split_tx), False), "metric": (metric, False),
          "sharded": (sharded, False)}
 name, overlap = sys.argv[1], sys.argv[2]
 fn, vma = STEPS[name]
-step = jax.shard_map(fn, mesh=mesh, in_specs=(P(), P("data")), out_specs=P(), check_vma=vma)
 keys = jax.random.split(jax.random.key(0), 4)
 p = {f"w{i}": jax.random.normal(keys[i], (WIDTH, WIDTH)) * 0.05 for i in range(3)}
 x = jax.random.normal(keys[3], (64, WIDTH))
+if vma is None:  # pmap: the batch split along a leading axis of the devices
+    step = jax.pmap(fn, axis_name="data", in_axes=(None, 0))
+    x = x.reshape(8, 8, WIDTH)
+else:
+    step = jax.shard_map(fn, mesh=mesh, in_specs=(P(), P("data")), out_specs=P(),
+                         check_vma=vma)
 plain = jax.jit(step)(p, x)
 opts = dict(overlap=overlap, fusion=False)
 if name == "sharded" and overlap == "start-done":
@@ -365,7 +376,8 @@ def _run(source: str, *args: str) -> str:
     return proc.stdout
 
 
-@pytest.mark.parametrize("name", ["frozen", "masked", "multi_transform", "metric", "sharded"])
+@pytest.mark.parametrize("name", ["frozen", "frozen-autodiff", "frozen-pmap", "masked",
+                                  "multi_transform", "metric", "sharded"])
 @pytest.mark.parametrize("overlap", ["auto", "start-done", "sync"])
 def test_a_step_that_drops_a_reduced_value_keeps_every_done(name, overlap):
     out = _run(DROPPED_PROGRAM, name, overlap)
