@@ -211,7 +211,10 @@ def build_info() -> dict[str, Any]:
     version and the GPU architectures built for.
     ``nccl``: the NCCL libra loads at run time (`libra_jax._nccl`): its path, version and CTA
     route, or why there is none. A GPU user whose build has no CUDA calls gets XLA's all-reduce,
-    with a one-time notice, whatever ``LIBRA_JAX_CUDA`` says."""
+    with a one-time notice, whatever ``LIBRA_JAX_CUDA`` says.
+    ``gpus_visible``: how many GPUs JAX sees here. ``runs_here``: one sentence saying which
+    collectives this machine runs (the CPU engine; on a GPU, XLA's, libra's P2P kernels or NCCL)
+    and why (built with CUDA or not, a GPU visible or not, NCCL found or not)."""
     from libra_jax import _nccl, config
 
     info: dict[str, Any] = {"version": _package_version(), "cuda": HAS_CUDA,
@@ -224,7 +227,46 @@ def build_info() -> dict[str, Any]:
                         "max_ctas": lib.max_ctas}
     else:
         info["nccl"] = {"error": why}
+    info["gpus_visible"] = _visible_gpus()
+    info["runs_here"] = _runs_here(info)
     return info
+
+
+def _visible_gpus() -> int:
+    """The GPUs JAX sees (0 where its GPU backend is absent or finds none)."""
+    import jax
+
+    try:
+        return len(jax.devices("gpu"))
+    except RuntimeError:
+        return 0
+
+
+def _runs_here(info: dict[str, Any]) -> str:
+    """`build_info`'s ``runs_here``: what runs on this machine, said plainly."""
+    nccl = info["nccl"]
+    nccl_said = ("NCCL not found" if "error" in nccl else
+                 f"NCCL {nccl['version']} found")
+    if not info["gpus_visible"]:
+        built = ("built with CUDA, no GPU visible, " + nccl_said if info["cuda"]
+                 else "built without CUDA, no GPU visible")
+        return f"{built}: the CPU path runs (libra's engine on the host devices)"
+    gpus = f"{info['gpus_visible']} GPU(s) visible"
+    if not info["cuda"]:
+        return (f"{gpus}, but this build has no CUDA calls: XLA's collectives run on them "
+                "(rebuild with CUDA: docs/install.md)")
+    path = info["cuda_path"]
+    if path == "xla":
+        return (f"{gpus}, built with CUDA, {nccl_said}: XLA's collectives run on them "
+                "(the default; LIBRA_JAX_CUDA=p2p or nccl opts into libra's, not yet run on a "
+                "GPU: docs/gpu.md)")
+    if path == "p2p":
+        return (f"{gpus}, built with CUDA: libra's P2P kernels run within a process "
+                f"(LIBRA_JAX_CUDA=p2p; {nccl_said} for groups across processes)")
+    if "error" in nccl:
+        return (f"{gpus}, built with CUDA, NCCL not found: XLA's collectives run on them "
+                "(LIBRA_JAX_CUDA=nccl needs NCCL: docs/gpu.md)")
+    return f"{gpus}, built with CUDA, {nccl_said}: NCCL runs libra's collectives (LIBRA_JAX_CUDA=nccl)"
 
 
 def _package_version() -> str:

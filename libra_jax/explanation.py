@@ -203,7 +203,9 @@ def explain(fn: Callable[..., Any], *args: Any, profile: Any = None, fusion: boo
     gathers = tuple(_gather_scope(entry, report, operand_names) for entry in report.gathers)
     result = Explanation(scopes, others, report, gathers)
     if file is not None:
-        print(result.table(use_rich=use_rich), file=file)
+        # Piped or written to a file, the table runs as wide as its names: none is broken.
+        tty = getattr(file, "isatty", lambda: False)()
+        print(result.table(use_rich=use_rich, width=None if tty else _PIPED_WIDTH), file=file)
     return result
 
 
@@ -421,10 +423,17 @@ def _aligned_subjaxprs(eqn: Any) -> list[Any]:
     return [getattr(value, "jaxpr", value)]
 
 
+#: The width `explain` renders to where its output is not a terminal: wide enough that no
+#: column folds a name (rich sizes a table to its content, not to this width).
+_PIPED_WIDTH = 1000
+
+
 def _unnamed(var: Any, index: int, collective: str = "all-reduce") -> str:
     shape = tuple(getattr(getattr(var, "aval", None), "shape", ()))
     name = _LAX_NAMES[collective]
-    return "scalar (loss?)" if _size(shape) <= 1 else f"{name} #{index} {list(shape)}"
+    if not shape:  # no parameter's path reaches it: the loss or a metric, most likely
+        return f"{name} #{index} of a scalar (a loss or metric?)"
+    return f"{name} #{index} {list(shape)}"
 
 
 #: How a user calls each collective a bucket may issue (`planner.COLLECTIVES`).

@@ -521,6 +521,22 @@ def test_build_info_says_what_the_build_has():
     assert info["version"] == libra_jax.__version__ and info["cuda"] == _ffi.HAS_CUDA
     assert info["cuda_path"] in ("xla", "p2p", "nccl")
     assert "cannot load /nonexistent/libnccl.so.2" in info["nccl"]["error"]
+    assert info["gpus_visible"] == 0  # this CPU machine: says plainly what runs here
+    built = "built with CUDA, no GPU visible, NCCL not found" if _ffi.HAS_CUDA else (
+        "built without CUDA, no GPU visible")
+    assert info["runs_here"] == f"{built}: the CPU path runs (libra's engine on the host devices)"
     if _ffi.HAS_CUDA:  # the compiler CMake used, its version and the archs built for
         assert info["cuda_compiler"].endswith("nvcc") and info["cuda_version"][:2].isdigit()
         assert "90" in info["cuda_architectures"]
+
+
+@pytest.mark.parametrize("cuda, path, nccl, want", [
+    (False, "xla", {"error": "x"}, "but this build has no CUDA calls: XLA's collectives run"),
+    (True, "xla", {"version": "2.27.3"}, "NCCL 2.27.3 found: XLA's collectives run on them"),
+    (True, "p2p", {"error": "x"}, "libra's P2P kernels run within a process"),
+    (True, "nccl", {"error": "x"}, "NCCL not found: XLA's collectives run on them"),
+    (True, "nccl", {"version": "2.27.3"}, "NCCL runs libra's collectives")])
+def test_build_info_says_what_runs_on_a_gpu_machine(cuda, path, nccl, want):
+    info = {"cuda": cuda, "cuda_path": path, "nccl": nccl, "gpus_visible": 1}
+    said = _ffi._runs_here(info)
+    assert said.startswith("1 GPU(s) visible") and want in said, said

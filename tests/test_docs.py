@@ -174,20 +174,55 @@ def test_every_python_block_is_marked():
             assert mark.split()[1] in CHECKS, f"{f}:{line}: no check named {mark.split()[1]}"
 
 
-def test_python_blocks_run_and_give_the_right_answer():
-    ns: dict = {}
-    ran = 0
+def chains() -> list[list[tuple[str, int, str, str]]]:
+    """The runnable blocks, grouped as they run: a ``run`` block and the ``continue`` blocks
+    after it."""
+    out: list[list[tuple[str, int, str, str]]] = []
     for f, line, mark, code in blocks():
         kind = mark.split(":")[0].split()[0] if mark else "skip"
-        if kind == "skip":
-            continue
         if kind == "run":
-            ns = {"__name__": f"doc_{line}"}
-        ns["params_before"] = ns.get("params")
-        exec(compile(code, f"{f}:{line}", "exec"), ns)  # noqa: S102 - the docs' own code
-        CHECKS[mark.split()[1]](ns)
-        ran += 1
-    assert ran >= 2
+            out.append([])
+        if kind in ("run", "continue"):
+            out[-1].append((f, line, mark.split()[1], code))
+    return out
+
+
+#: Runs a chain's blocks as pasted, in one fresh namespace, each followed by its check
+#: (`CHECKS`, imported from this file), in a process of its own.
+_CHAIN_RUNNER = """
+import sys
+blocks = {blocks!r}
+ns = {{"__name__": "doc"}}
+for where, name, code in blocks:
+    ns["params_before"] = ns.get("params")
+    exec(compile(code, where, "exec"), ns)
+    sys.path.insert(0, {tests!r})
+    import test_docs
+    test_docs.CHECKS[name](ns)
+    print("CHECKED", name)
+"""
+
+
+@pytest.mark.parametrize("chain", chains(), ids=lambda c: c[0][2])
+def test_python_blocks_run_as_pasted_and_give_the_right_answer(chain):
+    """Each chain in a fresh process with no XLA_FLAGS, as a reader pastes it: a snippet that
+    needs 8 devices on a CPU must ask for them itself."""
+    import os
+    import subprocess
+    import sys
+
+    script = _CHAIN_RUNNER.format(blocks=[(f"{f}:{line}", name, code)
+                                          for f, line, name, code in chain],
+                                  tests=str(Path(__file__).parent))
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=600, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+    assert proc.stdout.split() == [w for _, _, name, _ in chain for w in ("CHECKED", name)]
+
+
+def test_every_chain_is_run():
+    assert sum(len(c) for c in chains()) >= 7
 
 
 def test_the_readme_picture_is_the_current_plan():

@@ -41,6 +41,16 @@ def test_example_trains_with_matching_results(name, options):
     assert report is not None and report.num_psums > 0
     assert any(p.kind == "gradient" for p in report.plans)
     assert len(res.times["plain"]) == 3 - common.WARMUP
+    if name == "mlp":  # the printed result says what is bitwise and what is within the bound
+        import contextlib
+        import io
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            common.print_result(res, "mlp")
+        text = out.getvalue()
+        assert "within class 3's bound of 16" in text, text
+        assert "final state: bitwise control's" in text, text
+        assert "False" not in text and "True" not in text, text
     if name == "fsdp":  # GSPMD's step beside the route's: every collective of the route Libra's
         assert common.plain_step(step) is not step
         collectives = {p.collective for p in report.plans}
@@ -90,4 +100,5 @@ def test_demo_checks_its_parameters_against_the_bound():
                            "--hidden", "64", "--batch", "4"], capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "largest difference" in proc.stdout and "(bound 16)" in proc.stdout, proc.stdout
+    assert "largest difference" in proc.stdout, proc.stdout
+    assert "within class 3's bound of 16 (two programs: docs/bitwise.md)" in proc.stdout

@@ -160,3 +160,23 @@ def test_cmake_passes_over_an_incomplete_cuda_wheel_tree_and_on_names_what_is_mi
     assert auto.returncode == 0, auto.stderr[-2000:]
     assert "not using the nvidia-cuda-nvcc wheel" in auto.stdout
     assert str(tree / "bin" / "nvcc") not in auto.stdout  # not the compiler CMake checked
+
+
+def test_docs_requirements_are_the_docs_extra():
+    """docs/requirements.txt (the README's docs build: no build of the extension) lists what
+    pyproject.toml's [docs] extra does."""
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]["docs"]
+    lines = [line.strip() for line in (ROOT / "docs" / "requirements.txt").read_text().splitlines()]
+    assert [line for line in lines if line and not line.startswith("#")] == extra
+
+
+def test_readme_is_a_front_door():
+    """At most 12 KB, set-up first: the two commands before the quickstarts that need them,
+    each showing pip's progress (no -q)."""
+    text = (ROOT / "README.md").read_text()
+    assert len(text.encode()) <= 12_000
+    sections = re.findall(r"^## (.+)$", text, re.M)
+    assert sections[0] == "Set up" and sections[1] == "Quickstart", sections
+    for marker in ("demo-command", "test-command", "cuda-build-command"):
+        assert "pip install -q" not in _readme_command(marker)
