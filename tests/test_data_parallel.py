@@ -392,12 +392,18 @@ def test_sharding_the_route_cannot_serve_is_refused_by_leaf_and_axis():
         jax.jit(route(mlp_loss, in_specs=(P(None, "data"), P("data"), P("data"))))(params, x, y)
 
 
-def test_bad_calls_say_what_is_wrong():
+def mlp_batch(seed: int) -> tuple:
+    """The MLP's parameters (replicated) and a batch of 64 rows split over an 8-device mesh."""
     mesh = make_mesh()
-    rng = np.random.default_rng(6)
+    rng = np.random.default_rng(seed)
     params = put(mlp_params(rng), mesh, P())
     x = put(rng.standard_normal((64, 16)).astype(np.float32), mesh, P("data"))
     y = put(rng.standard_normal((64, 8)).astype(np.float32), mesh, P("data"))
+    return params, x, y
+
+
+def test_bad_calls_say_what_is_wrong():
+    params, x, y = mlp_batch(6)
     with pytest.raises(ValueError, match="'batch' is not an axis of the mesh"):
         libra_jax.value_and_grad(mlp_loss, axis_name="batch")(params, x, y)
     with pytest.raises(ValueError, match=r"argument 1 has leading dimension 60, which does not "
@@ -424,11 +430,7 @@ def test_bad_calls_say_what_is_wrong():
 def test_arguments_as_jax_value_and_grad_takes_them():
     # argnums as NumPy's integer or counted from the end, as JAX takes them: the same
     # gradients as argnums=0.
-    mesh = make_mesh()
-    rng = np.random.default_rng(7)
-    params = put(mlp_params(rng), mesh, P())
-    x = put(rng.standard_normal((64, 16)).astype(np.float32), mesh, P("data"))
-    y = put(rng.standard_normal((64, 8)).astype(np.float32), mesh, P("data"))
+    params, x, y = mlp_batch(7)
     want = jax.jit(route(mlp_loss))(params, x, y)
     for argnums in (np.int64(0), -3, (np.int32(0),)):
         got = jax.jit(route(mlp_loss, argnums=argnums))(params, x, y)
@@ -438,11 +440,7 @@ def test_arguments_as_jax_value_and_grad_takes_them():
 
 
 def test_bad_arguments_are_named_before_jax_sees_them():
-    mesh = make_mesh()
-    rng = np.random.default_rng(8)
-    params = put(mlp_params(rng), mesh, P())
-    x = put(rng.standard_normal((64, 16)).astype(np.float32), mesh, P("data"))
-    y = put(rng.standard_normal((64, 8)).astype(np.float32), mesh, P("data"))
+    params, x, y = mlp_batch(8)
     with pytest.raises(TypeError, match="axis_name must be a mesh axis name.*got None"):
         libra_jax.value_and_grad(mlp_loss, axis_name=None)
     with pytest.raises(TypeError, match=r"has_aux=True the loss function must return a pair "
@@ -702,11 +700,7 @@ def test_nnx_state_the_loss_updates_is_written_back():
 
 def test_optimize_names_the_route_for_a_gspmd_step(monkeypatch):
     monkeypatch.setattr("libra_jax.ops.base._warned", set())
-    mesh = make_mesh()
-    rng = np.random.default_rng(7)
-    params = put(mlp_params(rng), mesh, P())
-    x = put(rng.standard_normal((64, 16)).astype(np.float32), mesh, P("data"))
-    y = put(rng.standard_normal((64, 8)).astype(np.float32), mesh, P("data"))
+    params, x, y = mlp_batch(7)
     step = jax.value_and_grad(mlp_loss)
     opt = libra_jax.optimize(step)
     with pytest.warns(UserWarning, match=r"inputs are sharded over mesh axes \('data',\): a "
