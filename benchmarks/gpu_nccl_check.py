@@ -58,11 +58,11 @@ ONE_RANK = """
                      timeout_ms=np.int64(60000))
         aval = jax.ShapeDtypeStruct(x.shape, x.dtype)
         token = jax.ShapeDtypeStruct((1,), np.int32)
-        call = jax.ffi.ffi_call(_ffi.ALLREDUCE_NCCL_TARGET, aval)
+        call = jax.ffi.ffi_call(_ffi.target("all-reduce", "nccl"), aval)
         # The same as start/done: NCCL on libra's stream, then XLA's stream waits for it.
-        start = jax.ffi.ffi_call(_ffi.ALLREDUCE_NCCL_START_TARGET, (aval, token),
+        start = jax.ffi.ffi_call(_ffi.target("all-reduce", "nccl", "start"), (aval, token),
                                  input_output_aliases={0: 0})
-        done = jax.ffi.ffi_call(_ffi.ALLREDUCE_CUDA_DONE_TARGET, aval,
+        done = jax.ffi.ffi_call(_ffi.target("all-reduce", "cuda", "done"), aval,
                                 input_output_aliases={0: 0})
         f = jax.jit(lambda v: call(v, **attrs))
         g = jax.jit(lambda v: done(*start(v + 0, call_id=np.int64(1), **attrs),

@@ -62,7 +62,7 @@ BLOCKS = (1, 8, 32)
 
 def allreduce(x: jax.Array, blocks: int) -> jax.Array:
     """libra's kernel on XLA's stream, team of one GPU."""
-    return jax.ffi.ffi_call(_ffi.ALLREDUCE_CUDA_TARGET, jax.ShapeDtypeStruct(x.shape, x.dtype))(
+    return jax.ffi.ffi_call(_ffi.target("all-reduce", "cuda"), jax.ShapeDtypeStruct(x.shape, x.dtype))(
         x, devices=np.array([0], np.int32), world=np.int64(1), blocks=np.int64(blocks),
         algorithm=np.int64(0), timeout_ms=np.int64(60_000))
 
@@ -72,7 +72,7 @@ TOKEN = jax.ShapeDtypeStruct((1,), np.int32)  # start's second result, done's se
 
 def start(x: jax.Array, blocks: int, call_id: int) -> tuple[jax.Array, jax.Array]:
     """The kernel on libra's stream, in place on `x`: (the buffer in flight, its token)."""
-    return jax.ffi.ffi_call(_ffi.ALLREDUCE_CUDA_START_TARGET,
+    return jax.ffi.ffi_call(_ffi.target("all-reduce", "cuda", "start"),
                             (jax.ShapeDtypeStruct(x.shape, x.dtype), TOKEN),
                             input_output_aliases={0: 0})(
         x, devices=np.array([0], np.int32), world=np.int64(1), blocks=np.int64(blocks),
@@ -81,7 +81,7 @@ def start(x: jax.Array, blocks: int, call_id: int) -> tuple[jax.Array, jax.Array
 
 def done(started: jax.Array, token: jax.Array, call_id: int) -> jax.Array:
     """XLA's stream waits for the kernel; the buffer is read by done only (no copy)."""
-    return jax.ffi.ffi_call(_ffi.ALLREDUCE_CUDA_DONE_TARGET,
+    return jax.ffi.ffi_call(_ffi.target("all-reduce", "cuda", "done"),
                             jax.ShapeDtypeStruct(started.shape, started.dtype),
                             input_output_aliases={0: 0})(started, token, call_id=np.int64(call_id))
 
@@ -130,7 +130,7 @@ def command_buffer_lines() -> list[str]:
     hlo = compiled.as_text()
     # Computations, each "name (...) -> ... {" up to its closing "}" at the line start.
     bodies = [c for c in hlo.split("\n}\n") if "command_buffer" in c.split("{", 1)[0]]
-    inside = [c for c in bodies if _ffi.ALLREDUCE_CUDA_TARGET in c]
+    inside = [c for c in bodies if _ffi.target("all-reduce", "cuda") in c]
     c, y = step(a, x)
     right = bool(jnp.array_equal(y, x + 1))  # a 1-GPU sum is its input
     return [f"cmdbuf-made INFO {len(bodies)} command-buffer computation(s) in the step "
@@ -171,8 +171,8 @@ def optimize_steps(width: int, layers: int, batch: int) -> tuple[dict, tuple]:
 def gemms_between_start_and_done(hlo: str) -> list[int]:
     """Per start/done pair, in schedule order: GEMMs XLA scheduled between the two."""
     lines = [line for line in hlo.splitlines() if "=" in line]
-    starts = [i for i, line in enumerate(lines) if _ffi.ALLREDUCE_CUDA_START_TARGET in line]
-    dones = [i for i, line in enumerate(lines) if _ffi.ALLREDUCE_CUDA_DONE_TARGET in line]
+    starts = [i for i, line in enumerate(lines) if _ffi.target("all-reduce", "cuda", "start") in line]
+    dones = [i for i, line in enumerate(lines) if _ffi.target("all-reduce", "cuda", "done") in line]
     out = []
     for i in starts:
         j = next((d for d in dones if d > i), len(lines))
@@ -232,8 +232,8 @@ def main() -> int:
         # Each step must lower to the calls it measures (exit 1 otherwise): a dry run of
         # what the GPU run would time.
         _ffi.ensure_cuda_registered()
-        sync_calls = [_ffi.ALLREDUCE_CUDA_TARGET]
-        pair = sorted([_ffi.ALLREDUCE_CUDA_DONE_TARGET, _ffi.ALLREDUCE_CUDA_START_TARGET])
+        sync_calls = [_ffi.target("all-reduce", "cuda")]
+        pair = sorted([_ffi.target("all-reduce", "cuda", "done"), _ffi.target("all-reduce", "cuda", "start")])
         expected = {"compute": [], "allreduce": sync_calls, "sync": sync_calls,
                     "annotated": sync_calls, "start/done": pair,
                     "optimize overlap=sync": sync_calls, "optimize overlap=start-done": pair}

@@ -15,24 +15,29 @@ from typing import Any
 
 import jax
 
-from libra_jax import _libra_ffi
+from libra_jax import _libra_ffi, collectives
 
-#: Role ("cpu", "cpu_start", "cpu_done", "cpu_reduce_scatter", "cpu_all_gather",
-#: "cpu_reduce_scatter_start", "cpu_all_gather_start", "cuda",
-#: "cuda_start", "cuda_done", "nccl", "nccl_start") -> FFI target name, from the extension's
-#: one registration table (xla_ffi/registry.cc), which also names the CUDA targets in a build
-#: without CUDA.
+#: Role -> FFI target name, from the extension's one registration table
+#: (xla_ffi/registry.cc), which also names the CUDA targets in a build without CUDA. Roles and
+#: names follow from a collective's row (`collectives.Collective.role`, `.target`); `target`
+#: looks one up.
 TARGETS: dict[str, str] = dict(_libra_ffi.TARGETS)
-ALLREDUCE_CPU_TARGET = TARGETS["cpu"]
-#: The same call split in two (libra_jax.ops.start_done): start arrives, done waits.
-ALLREDUCE_CPU_START_TARGET = TARGETS["cpu_start"]
-ALLREDUCE_CPU_DONE_TARGET = TARGETS["cpu_done"]
-#: The engine's other collective kinds (libra::Collective), one call each.
-REDUCE_SCATTER_CPU_TARGET = TARGETS["cpu_reduce_scatter"]
-ALL_GATHER_CPU_TARGET = TARGETS["cpu_all_gather"]
-#: Their starts (in place in one flat buffer); their done is ALLREDUCE_CPU_DONE_TARGET.
-REDUCE_SCATTER_CPU_START_TARGET = TARGETS["cpu_reduce_scatter_start"]
-ALL_GATHER_CPU_START_TARGET = TARGETS["cpu_all_gather_start"]
+
+
+def target(kind: str, engine: str, phase: str = "") -> str:
+    """The registered FFI target of collective `kind` (the model's name: "all-reduce"...) on
+    `engine` ("cpu", "cuda": libra's P2P kernels, "nccl"), for one call or a pair's "start";
+    "done" is every pair's done on that engine's platform (`collectives.done_target`).
+    RuntimeError where the extension registers none (libra's P2P kernels are all-reduces)."""
+    row = collectives.BY_KIND[kind]
+    name = (collectives.done_target(engine) if phase == "done" else row.target(engine, phase))
+    if name not in _NAMES:
+        raise RuntimeError(f"libra_jax: the extension registers no {kind} target for "
+                           f"{engine}{' ' + phase if phase else ''} ({name})")
+    return name
+
+
+_NAMES = frozenset(TARGETS.values())
 MAX_BLOCKS: int = _libra_ffi.MAX_BLOCKS
 MIN_CHUNK_BYTES: int = _libra_ffi.MIN_CHUNK_BYTES
 
@@ -167,19 +172,6 @@ def effective_blocks(count: int, itemsize: int, blocks: int) -> int:
 
 # --- CUDA -------------------------------------------------------------------
 
-ALLREDUCE_CUDA_TARGET = TARGETS["cuda"]
-#: The same kernel on libra's own stream, and the wait for it (libra_jax.ops.start_done).
-ALLREDUCE_CUDA_START_TARGET = TARGETS["cuda_start"]
-ALLREDUCE_CUDA_DONE_TARGET = TARGETS["cuda_done"]
-#: NCCL with a per-call CTA limit (cpp/libra/nccl.h) on libra's stream, and its start
-#: (whose done is ALLREDUCE_CUDA_DONE_TARGET).
-ALLREDUCE_NCCL_TARGET = TARGETS["nccl"]
-ALLREDUCE_NCCL_START_TARGET = TARGETS["nccl_start"]
-#: NCCL's reduce-scatter and all-gather: one call, and a start (done: ALLREDUCE_CUDA_DONE_TARGET).
-REDUCE_SCATTER_NCCL_TARGET = TARGETS["nccl_reduce_scatter"]
-ALL_GATHER_NCCL_TARGET = TARGETS["nccl_all_gather"]
-REDUCE_SCATTER_NCCL_START_TARGET = TARGETS["nccl_reduce_scatter_start"]
-ALL_GATHER_NCCL_START_TARGET = TARGETS["nccl_all_gather_start"]
 #: Whether the extension was built with the CUDA kernels (nvcc was found).
 HAS_CUDA: bool = bool(getattr(_libra_ffi, "HAS_CUDA", False))
 #: The largest replica group the CUDA kernels serve.

@@ -20,7 +20,7 @@ from typing import Any, TextIO
 
 import jax
 
-from libra_jax import _compat, gantt, planner, rewrite
+from libra_jax import _compat, collectives, gantt, planner, rewrite
 
 __all__ = ["explain", "Explanation", "ScopePlan", "BucketRow", "GatherScope", "GatherRow"]
 
@@ -430,14 +430,12 @@ _PIPED_WIDTH = 1000
 
 def _unnamed(var: Any, index: int, collective: str = "all-reduce") -> str:
     shape = tuple(getattr(getattr(var, "aval", None), "shape", ()))
-    name = _LAX_NAMES[collective]
+    name = collectives.lax_name(collective)
     if not shape:  # no parameter's path reaches it: the loss or a metric, most likely
         return f"{name} #{index} of a scalar (a loss or metric?)"
     return f"{name} #{index} {list(shape)}"
 
 
-#: How a user calls each collective a bucket may issue (`planner.COLLECTIVES`).
-_LAX_NAMES = {"all-reduce": "psum", "reduce-scatter": "psum_scatter", "all-gather": "all_gather"}
 
 
 
@@ -491,9 +489,9 @@ def _header(s: ScopePlan) -> str:
 
 def _gradient_count(layers: Sequence[planner.Layer]) -> str:
     """"3 gradient psums", or "2 gradient psums, 4 gradient psum_scatters" in a mixed scope."""
-    counts = {c: sum(layer.collective == c for layer in layers) for c in _LAX_NAMES
+    counts = {c: sum(layer.collective == c for layer in layers) for c in collectives.KINDS
               if c != "all-gather"}
-    return ", ".join(_plural(n, f"gradient {_LAX_NAMES[c]}") for c, n in counts.items()
+    return ", ".join(_plural(n, f"gradient {collectives.lax_name(c)}") for c, n in counts.items()
                      if n or (c == "all-reduce" and not any(counts.values())))
 
 
@@ -509,7 +507,7 @@ def _columns() -> list[str]:
 def _cells(r: BucketRow) -> list[str]:
     ms = 1e3
     alloc = f"{r.blocks}" if r.blocks == r.allocation else f"{r.blocks} ({r.allocation})"
-    issued = r.overlap if r.collective == "all-reduce" else f"{r.overlap} ({_LAX_NAMES[r.collective]})"
+    issued = r.overlap if r.collective == "all-reduce" else f"{r.overlap} ({collectives.lax_name(r.collective)})"
     return [str(r.index), _tensor_list(r.tensors), _fmt_bytes(r.nbytes), alloc, issued,
             f"{r.compute_s * ms:.3f}", f"{r.ready_s * ms:.3f}", f"{r.comm_s * ms:.3f}",
             f"{r.start_s * ms:.3f}-{r.end_s * ms:.3f}"]
@@ -550,7 +548,7 @@ def _others_lines(e: Explanation) -> list[str]:
     if e.others:
         lines.append("other collectives (not planned with the backward pass):")
     for p in e.others:
-        what = "" if p.collective == "all-reduce" else f" ({_LAX_NAMES[p.collective]})"
+        what = "" if p.collective == "all-reduce" else f" ({collectives.lax_name(p.collective)})"
         lines.append(f"  {p.kind:<8} {p.scope} axes {', '.join(map(str, p.axes))}: "
                      f"{_fmt_bytes(p.nbytes)}, blocks {p.blocks}{what}")
     if e.report.loops:

@@ -134,6 +134,8 @@ from typing import NamedTuple, TypeGuard
 
 import numpy as np
 
+from libra_jax import collectives
+
 __all__ = [
     "BLOCK_PENALTY",
     "COLLECTIVES",
@@ -234,9 +236,10 @@ def _is_real(value: object) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-#: The collectives a bucket may issue. A data-parallel gradient is all-reduced; a sharded
-#: parameter's (FSDP, ZeRO-3) is reduce-scattered; the all-gather is priced by the same terms.
-COLLECTIVES = ("all-reduce", "reduce-scatter", "all-gather")
+#: The collectives a bucket may issue (the model's names of `libra_jax.collectives`' rows). A
+#: data-parallel gradient is all-reduced; a sharded parameter's (FSDP, ZeRO-3) is
+#: reduce-scattered; the all-gather is priced by the same terms.
+COLLECTIVES: tuple[str, ...] = collectives.KINDS
 
 
 @dataclass(frozen=True)

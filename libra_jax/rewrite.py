@@ -90,7 +90,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from libra_jax import _compat, _nccl, allreduce, config, loops, model, planner
+from libra_jax import _compat, _nccl, allreduce, collectives, config, loops, model, planner
 from libra_jax.ops import (
     XLA_TWINS,
     libra_all_gather_p,
@@ -1017,7 +1017,7 @@ class _Rewriter:
             k = site.explicit_blocks
             if k is None:
                 k = allreduce.default_blocks(site.nbytes, _world(axis_sizes, site.axes),
-                                             self.profile, collective=_LAX_NAMES[site.collective])
+                                             self.profile, collective=collectives.lax_name(site.collective))
                 edits.replacements[site.index] = _single(eqns[site.index], site, k, invars)
             self.report.plans.append(PsumPlan(scope, site.axes, (site.index,), site.nbytes,
                                               k, kind, collective=site.collective))
@@ -1705,8 +1705,6 @@ def _axis_names(params: dict) -> tuple:
     return tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
 
 
-#: `jax.lax`'s name of each collective a `_Site` stands for (`ops.lowering.COLLECTIVES`' keys).
-_LAX_NAMES = {"all-reduce": "psum", "reduce-scatter": "psum_scatter", "all-gather": "all_gather"}
 #: JAX's all-gather primitives (`to='varying'` and `to='invarying'`).
 _GATHERS = (_compat.all_gather_p.name, _compat.all_gather_invariant_p.name)
 

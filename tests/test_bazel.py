@@ -24,7 +24,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 import libra_jax
-from libra_jax import _ffi, _libra_ffi
+from libra_jax import _ffi, _libra_ffi, collectives
 from libra_jax.rewrite import optimize
 from libra_jax.config import xla_flags
 
@@ -149,13 +149,21 @@ def test_python_target_names_come_from_the_table():
                           "cuda", "cuda_start", "cuda_done", "nccl", "nccl_start",
                           "nccl_reduce_scatter", "nccl_reduce_scatter_start", "nccl_all_gather",
                           "nccl_all_gather_start"}
-    constants = {n: getattr(_ffi, n) for n in dir(_ffi) if re.fullmatch(r"[A-Z_]+_TARGET", n)}
-    assert sorted(constants.values()) == sorted(table.values()), constants
-    # Every constant libra_jax's lowerings use is one of them.
+    # Every registered role and name follows from a collective's row by one rule
+    # (libra_jax.collectives), which _ffi.target looks up; nothing else names a target.
+    derived = {row.role(engine, phase): row.target(engine, phase) for row in collectives.ROWS
+               for engine in collectives.ENGINES for phase in collectives.PHASES}
+    assert table.items() <= derived.items(), set(table.items()) - set(derived.items())
+    for role, name in table.items():
+        engine, *rest = role.split("_")
+        phase = rest[-1] if rest and rest[-1] in ("start", "done") else ""
+        kind = next(r.kind for r in collectives.ROWS if r.role(engine, phase) == role)
+        assert _ffi.target(kind, engine, phase) == name
+    with pytest.raises(RuntimeError, match="no reduce-scatter target for cuda"):
+        _ffi.target("reduce-scatter", "cuda")  # libra's P2P kernels are all-reduces
     package = Path(libra_jax.__file__).parent
-    used = {m for p in package.rglob("*.py")
-            for m in re.findall(r"_ffi\.([A-Z_]+_TARGET)", p.read_text())}
-    assert used and used <= set(constants), used - set(constants)
+    literal = re.compile(r"""["']libra_\w+_(cpu|cuda|nccl)(_start|_done)?["']""")
+    assert not [p for p in package.rglob("*.py") if literal.search(p.read_text())]
 
 
 @pytest.mark.usefixtures("jax_8")

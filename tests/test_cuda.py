@@ -307,7 +307,7 @@ def test_p2p_handlers_are_not_command_buffer_compatible():
     # a call's signature nor report its kernel's error, so the P2P calls must stay out of
     # command buffers (bit 0: XLA_FFI_HANDLER_TRAITS_COMMAND_BUFFER_COMPATIBLE).
     traits = _ffi._libra_ffi.handler_traits()
-    for target in (_ffi.ALLREDUCE_CUDA_TARGET, _ffi.ALLREDUCE_CUDA_START_TARGET):
+    for target in (_ffi.target("all-reduce", "cuda"), _ffi.target("all-reduce", "cuda", "start")):
         assert target in traits
         assert traits[target] & 1 == 0, target
 

@@ -18,8 +18,8 @@ PACKAGE = Path(libra_jax.__file__).parent
 #: Layers, lowest first (the package docstring states them); a module may import its own
 #: layer and those below.
 LAYERS: dict[str, int] = {
-    **dict.fromkeys(["config", "planner", "model", "zoo", "gantt", "gpu_calibration",
-                     "calibrate.fit"], 1),
+    **dict.fromkeys(["config", "collectives", "planner", "model", "zoo", "gantt",
+                     "gpu_calibration", "calibrate.fit"], 1),
     **dict.fromkeys(["_compat", "_ffi", "_nccl", "_libra_ffi"], 2),
     **dict.fromkeys(["ops", "ops.base", "ops.lowering", "ops.psum", "ops.fused",
                      "ops.start_done", "ops.sharded"], 3),

@@ -394,7 +394,7 @@ def test_nccl_targets_make_communicators_when_xla_initialises_the_program():
     stages = {t["name"]: t["stages"] for t in _libra_ffi.registry()}
     if not _ffi.HAS_CUDA:
         pytest.skip("libra_jax built without CUDA")
-    for target in (_ffi.ALLREDUCE_NCCL_TARGET, _ffi.ALLREDUCE_NCCL_START_TARGET):
+    for target in (_ffi.target("all-reduce", "nccl"), _ffi.target("all-reduce", "nccl", "start")):
         assert stages[target] == ["initialize", "execute"], stages
 
 

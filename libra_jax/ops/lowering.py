@@ -24,7 +24,6 @@ rank's shards contiguous: `pack` with ``rows``).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
@@ -33,7 +32,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from libra_jax import _compat, _ffi, _nccl, config, model, planner
+from libra_jax import _compat, _ffi, _nccl, collectives, config, model, planner
+from libra_jax.collectives import Collective
 from libra_jax.ops.base import Platform, Rule, warn_once
 
 __all__ = ["Collective", "COLLECTIVES", "ENGINE_DTYPES", "sharded_rule", "sharded_call",
@@ -52,26 +52,9 @@ ENGINE_DTYPES = frozenset(
     np.dtype(d) for d in (np.float32, np.float64, jax.numpy.bfloat16, np.float16, np.int32, np.int64))
 
 
-@dataclasses.dataclass(frozen=True)
-class Collective:
-    """One collective kind as libra lowers it: a row of `COLLECTIVES`."""
-    #: The `jax.lax` function it serves ("psum", "psum_scatter", "all_gather").
-    name: str
-    #: The engine's name for it, in call records, errors and notices.
-    kind: str
-    #: Its CPU FFI target's role in `_ffi.TARGETS`. (What it costs is the model's:
-    #: `model.COLLECTIVE_SHAPES`, by ``kind``.)
-    cpu_role: str
-    #: Its operand is one rank's shard; the full buffer is its result.
-    gathers: bool
-
-
-#: The collective kinds, by the `jax.lax` function each serves.
-COLLECTIVES: dict[str, Collective] = {c.name: c for c in (
-    Collective("psum", "all-reduce", "cpu", False),
-    Collective("psum_scatter", "reduce-scatter", "cpu_reduce_scatter", False),
-    Collective("all_gather", "all-gather", "cpu_all_gather", True),
-)}
+#: The collective kinds, by the `jax.lax` function each serves: the rows of
+#: `libra_jax.collectives` (`Collective`: its names, layout and FFI targets).
+COLLECTIVES: dict[str, Collective] = collectives.BY_LAX
 CUDA_DTYPES = frozenset(
     np.dtype(d) for d in (np.float32, np.float64, jax.numpy.bfloat16, np.float16, np.int32))
 #: What libra's NCCL call reduces (cpp/libra/nccl.cc: ToNcclDataType).
@@ -164,7 +147,7 @@ def cpu_rule(ctx: Any, x: Any, *, axes: tuple, blocks: int, inplace: bool,
     rank_group, attrs = call
     aval_in, = ctx.avals_in
     call_ctx = ctx.replace(avals_in=[aval_in, _compat.ShapedArray((2,), np.int32)])
-    rule = jax.ffi.ffi_lowering(_ffi.ALLREDUCE_CPU_TARGET,
+    rule = jax.ffi.ffi_lowering(_ffi.target("all-reduce", "cpu"),
                                 operand_output_aliases={0: 0} if inplace else {})
     return rule(call_ctx, x, rank_group, **attrs)
 
@@ -285,11 +268,11 @@ def cuda_call(ctx: Any, axes: tuple, blocks: int | None) -> tuple[str | None, di
         attrs, reason = nccl_attrs(ctx, groups, devices, blocks)
         if attrs is None:
             return None, {}, reason
-        return (_ffi.ALLREDUCE_NCCL_TARGET if attrs else ""), attrs, ""
+        return (_ffi.target("all-reduce", "nccl") if attrs else ""), attrs, ""
     attrs, reason = cuda_kernel_attrs(ctx, axes, blocks)
     if attrs is None:
         return None, {}, reason
-    return (_ffi.ALLREDUCE_CUDA_TARGET if attrs else ""), attrs, ""
+    return (_ffi.target("all-reduce", "cuda") if attrs else ""), attrs, ""
 
 
 def cuda_rule(ctx: Any, x: Any, *, axes: tuple, blocks: int, inplace: bool,
@@ -306,7 +289,7 @@ def cuda_rule(ctx: Any, x: Any, *, axes: tuple, blocks: int, inplace: bool,
     if not target:
         return [x]
     _ffi.ensure_cuda_registered()
-    if target == _ffi.ALLREDUCE_NCCL_TARGET:  # any dtype and length NCCL takes
+    if target == _ffi.target("all-reduce", "nccl"):  # any dtype and length NCCL takes
         rule = jax.ffi.ffi_lowering(target, operand_output_aliases={0: 0} if inplace else {})
         return rule(ctx, x, **attrs)
     aval_in, = ctx.avals_in
@@ -525,7 +508,7 @@ def sharded_call(ctx: Any, collective: str, platform: Platform, *, axis_name: tu
         if row.gathers and dtype == BF16:
             x = _canonical_bf16_nans(ctx, x)
         call_ctx = ctx.replace(avals_in=[aval_in, _compat.ShapedArray((2,), np.int32)])
-        lowered = jax.ffi.ffi_lowering(_ffi.TARGETS[row.cpu_role])
+        lowered = jax.ffi.ffi_lowering(_ffi.target(row.kind, "cpu"))
         return lowered(call_ctx, x, rank_group, segment=np.int64(segment), **attrs)
     return engine, ""
 
@@ -572,8 +555,7 @@ def sharded_nccl_call(flat_ctx: Any, axes: tuple, blocks: int | None, collective
     if not attrs:
         return "", {}, ""
     _ffi.ensure_cuda_registered()
-    return {"psum_scatter": _ffi.REDUCE_SCATTER_NCCL_TARGET,
-            "all_gather": _ffi.ALL_GATHER_NCCL_TARGET}[collective], attrs, ""
+    return _ffi.target(COLLECTIVES[collective].kind, "nccl"), attrs, ""
 
 
 def to_row_of_shards(ctx: Any, x: Any, gathers: bool, dimension: int, tiled: bool

@@ -158,20 +158,15 @@ def _split_call(platform: str | None, flat_ctx: Any, axes: tuple,
         if call is None:
             return None
         rank_group, attrs = call
-        return _ffi.ALLREDUCE_CPU_START_TARGET, [rank_group], attrs
+        return _ffi.target("all-reduce", "cpu", "start"), [rank_group], attrs
     if platform == "cuda":
         target, attrs, _ = lowering.cuda_call(flat_ctx, axes, blocks)
         if not target:
             return None
         _ffi.ensure_cuda_registered()
-        return _CUDA_STARTS[target], [], attrs
+        engine = "nccl" if target == _ffi.target("all-reduce", "nccl") else "cuda"
+        return _ffi.target("all-reduce", engine, "start"), [], attrs
     return None
-
-
-#: The start of each CUDA call; both end with the same done (`libra_allreduce_cuda_done`:
-#: XLA's stream waits for the end of the call on libra's stream).
-_CUDA_STARTS = {_ffi.ALLREDUCE_CUDA_TARGET: _ffi.ALLREDUCE_CUDA_START_TARGET,
-                _ffi.ALLREDUCE_NCCL_TARGET: _ffi.ALLREDUCE_NCCL_START_TARGET}
 
 
 # --- done -----------------------------------------------------------------------
@@ -199,13 +194,13 @@ def _done_lowering(platform: Platform) -> Rule:
             split_call = _split_call(engine, flat_ctx, axes, blocks)
             if split_call is not None and engine == "cpu":
                 rank_group = split_call[1][0]
-                call = _done_call(_ffi.ALLREDUCE_CPU_DONE_TARGET)
+                call = _done_call(_ffi.target("all-reduce", "cpu", "done"))
                 flat, = call(ctx.replace(primitive=None, avals_out=[flat_aval], avals_in=[
                     flat_aval, _RANK_AVAL] + [token_aval] * (1 + len(after))),
                     flat, rank_group, token, *after, call_id=np.int64(call_id * 16 + j))
             elif split_call is not None:  # cuda: XLA's stream waits for libra's
                 # The in-flight buffer once (aliased to the output), and the tokens: no copy.
-                call = _done_call(_ffi.ALLREDUCE_CUDA_DONE_TARGET)
+                call = _done_call(_ffi.target("all-reduce", "cuda", "done"))
                 flat, = call(ctx.replace(primitive=None, avals_out=[flat_aval], avals_in=[
                     flat_aval] + [token_aval] * (1 + len(after))),
                     flat, token, *after, call_id=np.int64(call_id * 16 + j))
@@ -300,28 +295,25 @@ def _sharded_split(platform: str | None, flat_ctx: Any, axes: tuple, blocks: int
     engine's start and ``libra_allreduce_cpu_done``; on CUDA (``LIBRA_JAX_CUDA=nccl``) NCCL's
     start on libra's stream and ``libra_allreduce_cuda_done``. None where XLA's does it (start
     and done decide alike: the same buffer, axes and blocks; an empty buffer included)."""
+    row = lowering.COLLECTIVES[collective]
     if platform == "cpu":
         call, _ = lowering.cpu_call(flat_ctx, axes, blocks, collective)
         if call is None:
             return None
         rank_group, attrs = call
-        return _ShardedSplit(_SHARDED_STARTS["cpu", collective], [rank_group], rank_group,
-                             _ffi.ALLREDUCE_CPU_DONE_TARGET, [rank_group], attrs)
+        return _ShardedSplit(_ffi.target(row.kind, "cpu", "start"), [rank_group], rank_group,
+                             _ffi.target(row.kind, "cpu", "done"), [rank_group], attrs)
     if platform == "cuda":
         target, attrs, _ = lowering.sharded_nccl_call(flat_ctx, axes, blocks, collective)
         groups = _compat.replica_groups(flat_ctx, axes)
         if not target or groups is None:
             return None
         rank_group = lowering.rank_group_operand(flat_ctx, groups)
-        return _ShardedSplit(_SHARDED_STARTS["cuda", collective], [], rank_group,
-                             _ffi.ALLREDUCE_CUDA_DONE_TARGET, [], attrs)
+        return _ShardedSplit(_ffi.target(row.kind, "nccl", "start"), [], rank_group,
+                             _ffi.target(row.kind, "nccl", "done"), [], attrs)
     return None
 
 
-_SHARDED_STARTS = {("cpu", "psum_scatter"): _ffi.REDUCE_SCATTER_CPU_START_TARGET,
-                   ("cpu", "all_gather"): _ffi.ALL_GATHER_CPU_START_TARGET,
-                   ("cuda", "psum_scatter"): _ffi.REDUCE_SCATTER_NCCL_START_TARGET,
-                   ("cuda", "all_gather"): _ffi.ALL_GATHER_NCCL_START_TARGET}
 _RANK_AVAL = _compat.ShapedArray((2,), np.int32)
 
 

@@ -1,0 +1,102 @@
+"""The collective kinds, one row each, every name of a kind written once.
+
+A row is what the layers above know of a kind: the `jax.lax` function it serves (its name in
+errors, reports and `explain`), the model's name for it (`model.COLLECTIVE_SHAPES`' key, the
+planner's, the engine's in its call records), its value of the engine's enum
+(``libra::Collective``, cpp/libra/dtype.h), its layout, and the stem of its FFI targets' names.
+The targets' names follow from a row and an engine by one rule (`Collective.target`), the rule
+xla_ffi/registry.cc's table follows (tests/test_collectives.py checks every registered name).
+
+Adding a collective (all-to-all, say) starts here: a row, then the engine's row
+(``kKinds[]`` in cpp/libra/engine.cc), the model's (`model.COLLECTIVE_SHAPES`) and the targets
+in xla_ffi/registry.cc (docs/architecture.md).
+
+Layer 1: pure Python, no JAX.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Collective", "ROWS", "BY_LAX", "BY_KIND", "KINDS", "ENGINES", "PHASES", "LAYOUTS",
+           "lax_name", "done_target"]
+
+#: The engines a collective's FFI target may name: the CPU engine, libra's CUDA P2P kernels
+#: (their targets say "cuda"), NCCL on libra's stream.
+ENGINES = ("cpu", "cuda", "nccl")
+#: A call in one piece (""), or the two halves of a start/done pair.
+PHASES = ("", "start", "done")
+#: How each layout spreads a collective's full buffer over the ranks.
+LAYOUTS = ("replicated", "scattered", "gathered")
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective kind."""
+
+    #: The `jax.lax` function it serves: "psum", "psum_scatter", "all_gather".
+    lax: str
+    #: The model's, planner's and engine's name: "all-reduce", "reduce-scatter", "all-gather".
+    kind: str
+    #: Its value of ``libra::Collective`` (cpp/libra/dtype.h).
+    enum: int
+    #: "replicated": every rank brings the whole buffer and gets the whole result;
+    #: "scattered": every rank brings the whole buffer and keeps its shard of the result;
+    #: "gathered": every rank brings its shard and gets the whole buffer.
+    layout: str
+    #: Its FFI targets' names start ``libra_<stem>_``.
+    stem: str
+
+    @property
+    def name(self) -> str:
+        """The `jax.lax` name (`lax`): the key of `BY_LAX` and of ``ops.lowering.COLLECTIVES``."""
+        return self.lax
+
+    @property
+    def gathers(self) -> bool:
+        """Its operand is one rank's shard; the full buffer is its result."""
+        return self.layout == "gathered"
+
+    def target(self, engine: str, phase: str = "") -> str:
+        """The name of this kind's FFI target on `engine` (`ENGINES`): its one call, or with
+        `phase` "start" or "done" its start/done pair's (every pair's done is the
+        all-reduce's: `done_target`). The name alone: which targets exist is the extension's
+        table (`libra_jax._ffi.target` looks them up)."""
+        if engine not in ENGINES or phase not in PHASES:
+            raise ValueError(f"no {self.kind} target for engine {engine!r}, phase {phase!r}")
+        return f"libra_{self.stem}_{engine}" + (f"_{phase}" if phase else "")
+
+    def role(self, engine: str, phase: str = "") -> str:
+        """The target's key in the extension's table (``_libra_ffi.TARGETS``, `_ffi.TARGETS`):
+        the engine, then the stem where it is not the all-reduce's, then the phase."""
+        self.target(engine, phase)  # checks them
+        parts = [engine] + ([] if self.stem == "allreduce" else [self.stem]) + (
+            [phase] if phase else [])
+        return "_".join(parts)
+
+    @property
+    def cpu_role(self) -> str:
+        """Its one-call CPU target's role (`role`)."""
+        return self.role("cpu")
+
+
+#: The rows, in the engine's enum order.
+ROWS: tuple[Collective, ...] = (
+    Collective("psum", "all-reduce", 0, "replicated", "allreduce"),
+    Collective("psum_scatter", "reduce-scatter", 1, "scattered", "reduce_scatter"),
+    Collective("all_gather", "all-gather", 2, "gathered", "all_gather"),
+)
+BY_LAX: dict[str, Collective] = {row.lax: row for row in ROWS}
+BY_KIND: dict[str, Collective] = {row.kind: row for row in ROWS}
+#: The model's names, in order (`planner.COLLECTIVES`).
+KINDS: tuple[str, ...] = tuple(row.kind for row in ROWS)
+
+
+def lax_name(kind: str) -> str:
+    """How a user calls the collective the model names `kind` ("all-reduce" -> "psum")."""
+    return BY_KIND[kind].lax
+
+
+def done_target(engine: str) -> str:
+    """The done of every start/done pair on `engine`'s platform: the CPU engine's, or on a GPU
+    (the P2P kernels' and NCCL's alike) XLA's stream waiting for libra's."""
+    return BY_KIND["all-reduce"].target("cpu" if engine == "cpu" else "cuda", "done")
