@@ -191,9 +191,9 @@ def print_result(res: Result, title: str) -> None:
           "which XLA may round differently; docs/bitwise.md)")
     same = res.identical("optimized", against)
     print(f"final state: {'bitwise' if same else 'not bitwise'} {against}'s"
-          + ("" if same else " (expected where XLA rounds the two programs differently: "
-             "within the bound above)") + "; libra's collectives themselves are bitwise "
-          "jax.lax's (class 1, docs/bitwise.md)")
+          + ("" if same else " (two programs, which XLA may round differently; their loss "
+             "curves agree within the bound above)") + "; libra's collectives themselves are "
+          "bitwise jax.lax's (class 1, docs/bitwise.md)")
     if res.times["plain"]:
         med = {k: np.median(v) * 1e3 for k, v in res.times.items()}
         for k, v in res.times.items():
