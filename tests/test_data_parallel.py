@@ -700,6 +700,7 @@ def test_nnx_state_the_loss_updates_is_written_back():
 
 def test_optimize_names_the_route_for_a_gspmd_step(monkeypatch):
     monkeypatch.setattr("libra_jax.ops.base._warned", set())
+    mesh = make_mesh()
     params, x, y = mlp_batch(7)
     step = jax.value_and_grad(mlp_loss)
     opt = libra_jax.optimize(step)
