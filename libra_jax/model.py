@@ -114,10 +114,11 @@ from types import MappingProxyType
 from typing import Any, NamedTuple
 
 from libra_jax import config
-from libra_jax.planner import COLLECTIVES, CollectiveTerms, CostModel
+from libra_jax.planner import COLLECTIVES, CollectiveTerms, CostModel, no_overlap_allocation
 from libra_jax.planner import default_allocation as planner_default_allocation
 
 __all__ = [
+    "MAX_LAUNCH_BLOCKS",
     "SCHEMA_VERSION",
     "SOURCES",
     "FORMS",
@@ -155,6 +156,10 @@ __all__ = [
     "fair_share_core_share",
     "fair_share_slowdown",
 ]
+
+#: The most blocks a call is launched with: the CPU engine's pool (``kMaxBlocks``,
+#: cpp/libra/engine.h; tests/test_model.py checks the extension says the same).
+MAX_LAUNCH_BLOCKS = 64
 
 SCHEMA_VERSION = 2
 SOURCES = ("datasheet", "measured", "assumption")
@@ -893,6 +898,30 @@ class Derivation:
         if self.key_unit == "blocks":
             return key, self.threads_per_block
         return max(1, key // self.threads_per_block), min(self.threads_per_block, key)
+
+    # The block count of a call is chosen here, once: the planner works in allocation keys,
+    # and every call's ``blocks`` comes from one of these (rewrite, and the lowering of a
+    # collective left at ``blocks=None``), never from a conversion of its own.
+
+    def launch_blocks(self, key: int) -> int:
+        """The block count a call is launched with for allocation ``key``: `launch_shape`'s
+        blocks, 1..`MAX_LAUNCH_BLOCKS`."""
+        return min(MAX_LAUNCH_BLOCKS, max(1, self.launch_shape(key)[0]))
+
+    def key_for_blocks(self, blocks: int) -> int:
+        """The allocation that stands for a fixed block count in the model: the option whose
+        launch is nearest `blocks` (the smaller on a tie)."""
+        return min(self.cost.slowdown, key=lambda k: (abs(self.launch_shape(k)[0] - blocks), k))
+
+    def no_overlap_key(self, nbytes: int, collective: str = "all-reduce") -> int:
+        """The allocation of a `collective` (the model's name) of `nbytes` with no overlapped
+        compute known (`planner.no_overlap_allocation`)."""
+        return no_overlap_allocation(self.cost, nbytes, lambda k: self.launch_shape(k)[0],
+                                     collective)
+
+    def no_overlap_blocks(self, nbytes: int, collective: str = "all-reduce") -> int:
+        """`no_overlap_key`'s block count (`launch_blocks`): a call's ``blocks=None``."""
+        return self.launch_blocks(self.no_overlap_key(nbytes, collective))
 
 
 _OptionTables = tuple[dict[int, float], dict[int, float], dict[int, float]]  # solo, overlap, slowdown

@@ -1100,9 +1100,7 @@ class _Rewriter:
         bounds = [*positions, len(eqns)]
         steps = [planner.GatherStep(float(sum(costs[bounds[j] + 1:bounds[j + 1]])),
                                     int(site.nbytes)) for j, site in enumerate(sites)]
-        one_call = [planner.no_overlap_allocation(
-            cost, site.nbytes, lambda key: derivation.launch_shape(key)[0], "all-gather")
-            for site in sites]
+        one_call = [derivation.no_overlap_key(site.nbytes, "all-gather") for site in sites]
         lead_s = float(sum(costs[:positions[0]]))
         if len(sites) == 1 and lead_s == 0:
             return {}  # no compute before its use: nothing to issue it ahead of
@@ -1125,7 +1123,7 @@ class _Rewriter:
         for j, site in enumerate(sites):
             eqn = eqns[site.index]
             operand = eqn.invars[0]
-            k = min(allreduce.MAX_BLOCKS, max(1, derivation.launch_shape(plan.blocks[j])[0]))
+            k = derivation.launch_blocks(plan.blocks[j])
             made = defined.get(operand, -1) if _compat.is_var(operand) else -1
             # Where it starts: right after gather j - d is done, or at the scope's start.
             at = positions[j - d] if j >= d else 0
@@ -1350,8 +1348,7 @@ class _Rewriter:
         cost = derivation.cost
         fixed = self.options.blocks
         if fixed is not None:
-            # The profile's option nearest the fixed block count stands for it in the model.
-            key = min(cost.slowdown, key=lambda k: (abs(derivation.launch_shape(k)[0] - fixed), k))
+            key = derivation.key_for_blocks(fixed)  # stands for it in the model
             if self.options.fusion:
                 buckets = planner.plan_fusion_only(layers, cost, blocks=key, reach=reach).buckets
             else:
@@ -1381,7 +1378,7 @@ class _Rewriter:
             if self.options.blocks is not None:
                 k = self.options.blocks
             else:
-                k = min(allreduce.MAX_BLOCKS, max(1, derivation.launch_shape(bucket.blocks)[0]))
+                k = derivation.launch_blocks(bucket.blocks)
             out.append((members[bucket.first:bucket.last + 1], k))
         return out
 

@@ -604,3 +604,20 @@ def test_derive_drops_options_above_a_block_cap(name, cap, kept) -> None:
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match="max_blocks must be a positive integer"):
             model.derive(name, 8, max_blocks=bad)
+
+
+def test_a_calls_block_count_is_chosen_by_the_derivation():
+    """Every call's `blocks` comes from `Derivation` (launch_blocks and the helpers on it):
+    the planner's keys converted once, within the engine's pool."""
+    from libra_jax import _ffi
+
+    assert model.MAX_LAUNCH_BLOCKS == _ffi.MAX_BLOCKS
+    d = model.derive("h100", 8)
+    keys = sorted(d.cost.slowdown)
+    assert [d.launch_blocks(k) for k in keys] == [
+        min(model.MAX_LAUNCH_BLOCKS, max(1, d.launch_shape(k)[0])) for k in keys]
+    for k in keys:
+        assert d.key_for_blocks(d.launch_shape(k)[0]) == min(
+            j for j in keys if d.launch_shape(j)[0] == d.launch_shape(k)[0])
+    key = d.no_overlap_key(64 << 20, "reduce-scatter")
+    assert key in keys and d.no_overlap_blocks(64 << 20, "reduce-scatter") == d.launch_blocks(key)

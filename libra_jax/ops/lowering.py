@@ -32,7 +32,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from libra_jax import _compat, _ffi, _nccl, collectives, config, model, planner
+from libra_jax import _compat, _ffi, _nccl, collectives, config, model
 from libra_jax.collectives import Collective
 from libra_jax.ops.base import Platform, Rule, warn_once
 
@@ -100,19 +100,15 @@ def mirrored(invariant: bool, axes: tuple) -> tuple[Any, dict]:
 def default_blocks(nbytes: int, world: int, profile: Any = "cpu-host",
                    collective: str = "psum") -> int:
     """Block count of a call with `blocks=None` outside `@libra_jax.optimize`: the model's
-    choice with no overlapped compute known (`planner.no_overlap_allocation`), as a launch's
-    block count, 1..MAX_BLOCKS. `profile` is a profile name, path or `model.Profile`.
+    choice with no overlapped compute known (`model.Derivation.no_overlap_blocks`), as a
+    launch's block count, 1..MAX_BLOCKS. `profile` is a profile name, path or `model.Profile`.
 
     `nbytes` is the full (unsharded) buffer's size per device; a `psum_scatter` or
     `all_gather` (`collective`) is priced by its own terms (`model.collective_traffic`, its
     latency), with the all-reduce's tables."""
     if world < 2 or nbytes <= 0:
         return 1
-    derivation = model.derive(profile, world)
-    key = planner.no_overlap_allocation(derivation.cost, nbytes,
-                                        lambda k: derivation.launch_shape(k)[0],
-                                        COLLECTIVES[collective].kind)
-    return int(min(MAX_BLOCKS, max(1, derivation.launch_shape(key)[0])))
+    return model.derive(profile, world).no_overlap_blocks(nbytes, COLLECTIVES[collective].kind)
 
 
 def default_profile(platform: str) -> str:
