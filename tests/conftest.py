@@ -206,8 +206,9 @@ def run_abandoned_starts(program_source: str) -> tuple[int, str]:
     `program(fail)`, a jitted step of two arguments whose starts are followed, when `fail`, by
     a psum that rank 2 never reaches; its input `x`; and `summary(outputs)`, what to print of a
     result), first failing, then, past the timeout, succeeding. Asserts that the first run
-    failed and that the second run's starts dropped every stale entry. Returns (the entries
-    left pending after the failure, the printed summary of the second run)."""
+    failed, that the second run's starts dropped every stale entry and that the debug log
+    (``LIBRA_JAX_DEBUG=1``) said so. Returns (the entries left pending after the failure, the
+    printed summary of the second run)."""
     import subprocess
     import sys
     import textwrap
@@ -216,9 +217,12 @@ def run_abandoned_starts(program_source: str) -> tuple[int, str]:
     script = (_ABANDONED_PRELUDE.format(tests=tests) + textwrap.dedent(program_source)
               + _ABANDONED_RUNS)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=180, env={**os.environ, "XLA_FLAGS": xla_flags(None)})
+                          timeout=180, env={**os.environ, "XLA_FLAGS": xla_flags(None),
+                                            "LIBRA_JAX_DEBUG": "1"})
     out = proc.stdout
     assert "FAILED" in out, out + proc.stderr[-3000:]
     assert int(out.split("PENDING_AFTER_NEXT")[1].split()[0]) == 0, out
+    # Each entry dropped is said in the debug log: a bounded leak, never a silent one.
+    assert "its done never came" in proc.stderr, proc.stderr[-3000:]
     result = out.split("RESULT ", 1)[1].splitlines()[0]
     return int(out.split("PENDING_AFTER_FAILURE")[1].split()[0]), result
