@@ -73,7 +73,7 @@ ffi::ErrorOr<libra::CallSpec> MakeCallSpec(libra::Collective kind, ffi::RunId ru
     return ffi::Unexpected(ffi::Error::InvalidArgument(what + message));
   };
   if (world < 1 || segment < 0) return invalid("world and segment must be positive");
-  const bool sharded = kind != libra::Collective::kAllReduce;
+  const bool sharded = libra::LayoutOf(kind).sharded();
   if (shard * (sharded ? static_cast<std::size_t>(world) : 1) != full) {
     return invalid(sharded ? "the full buffer must hold world shards"
                            : "output must match the input's size");
@@ -84,7 +84,7 @@ ffi::ErrorOr<libra::CallSpec> MakeCallSpec(libra::Collective kind, ffi::RunId ru
   spec.count = full;
   spec.segment = static_cast<std::size_t>(segment);
   ffi::ErrorOr<libra::DType> dtype = ToEngineDType(type);
-  const bool gathers = kind == libra::Collective::kAllGather;
+  const bool gathers = libra::LayoutOf(kind).shard_in;
   if (dtype.has_value()) {
     spec.dtype = *dtype;
   } else if (gathers && full > 0 && full_bytes % full == 0 && full_bytes >= full) {
@@ -118,7 +118,7 @@ ffi::ErrorOr<libra::CallSpec> MakeSpec(libra::Collective kind, ffi::RunId run_id
         std::string("libra_jax ") + libra::Name(kind) +
         ": output must have the input's element type"));
   }
-  const bool gathers = kind == libra::Collective::kAllGather;
+  const bool gathers = libra::LayoutOf(kind).shard_in;
   return MakeCallSpec(kind, run_id, x.element_type(),
                       gathers ? out->element_count() : x.element_count(),
                       gathers ? x.element_count() : out->element_count(),
@@ -351,7 +351,7 @@ ffi::Future ExecuteShardedStart(ffi::RunId run_id, CpuAllReduceSite* site, ffi::
                                 int64_t timeout_ms, int64_t segment, int64_t call_id) {
   const std::string what = std::string("libra_jax ") + libra::Name(kKind) + " start: ";
   if (site == nullptr) return Failed(ffi::Error::Internal(what + "no call-site state"));
-  const bool gathers = kKind == libra::Collective::kAllGather;
+  const bool gathers = libra::LayoutOf(kKind).shard_in;
   if (out->element_type() != x.element_type() ||
       out->size_bytes() != x.size_bytes() * (gathers ? static_cast<std::size_t>(world) : 1)) {
     return Failed(ffi::Error::InvalidArgument(

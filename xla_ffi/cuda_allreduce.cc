@@ -428,8 +428,8 @@ struct NcclCall {
     if (out.element_type() != x.element_type() || nranks < 1) {
       return ffi::Error::InvalidArgument(what + "output must have the input's element type");
     }
-    const bool scatters = kind == libra::Collective::kReduceScatter;
-    const bool gathers = kind == libra::Collective::kAllGather;
+    const bool scatters = libra::LayoutOf(kind).shard_out;
+    const bool gathers = libra::LayoutOf(kind).shard_in;
     const std::size_t n = static_cast<std::size_t>(nranks);
     const std::size_t want_out = (in_place && scatters) ? x.size_bytes()
                                  : scatters ? x.size_bytes() / n
@@ -464,9 +464,9 @@ struct NcclCall {
     const void* input = x.untyped_data();
     void* output = out.untyped_data();
     const std::size_t own = share * static_cast<std::size_t>(me->second);
-    if (in_place && kind == libra::Collective::kReduceScatter) {
+    if (in_place && libra::LayoutOf(kind).shard_out) {
       output = static_cast<char*>(out.untyped_data()) + own;
-    } else if (in_place && kind == libra::Collective::kAllGather) {
+    } else if (in_place && libra::LayoutOf(kind).shard_in) {
       input = static_cast<const char*>(out.untyped_data()) + own;
     }
     libra::nccl::Communicators& comms = libra::nccl::Communicators::Get();
@@ -481,7 +481,7 @@ struct NcclCall {
   // An in-place all-gather's own shard, copied into place on XLA's `stream` before start
   // hands the call to libra's stream (which waits for XLA's).
   ffi::Error PlaceOwnShard(cudaStream_t stream) const {
-    if (!(in_place && kind == libra::Collective::kAllGather)) return ffi::Error::Success();
+    if (!(in_place && libra::LayoutOf(kind).shard_in)) return ffi::Error::Success();
     ffi::ErrorOr<std::pair<int64_t, int>> me = NcclRank(device, comm_ids, ranks);
     if (!me.has_value()) return me.error();
     char* own = static_cast<char*>(out.untyped_data()) +
@@ -551,7 +551,7 @@ ffi::Error ExecuteNcclStart(cudaStream_t stream, int32_t device, ffi::AnyBuffer 
                             ffi::Span<const int64_t> comm_ids, ffi::Span<const int32_t> ranks,
                             int64_t nranks, int64_t ctas, int64_t timeout_ms, int64_t call_id) {
   const NcclCall call{device,     x,          *out,  comm_ids, ranks, nranks,
-                      ctas,       timeout_ms, kKind, kKind != libra::Collective::kAllReduce};
+                      ctas,       timeout_ms, kKind, libra::LayoutOf(kKind).sharded()};
   if (ffi::Error placed = call.PlaceOwnShard(stream); placed.failure()) return placed;
   ffi::Error issued =
       IssueNccl(call, [&](auto issue) {

@@ -209,20 +209,16 @@ void NcclAllReduceHost(int64_t comm_id, int nranks, int rank, int ctas, HostArra
 void NcclCollectiveHost(const std::string& kind, int64_t comm_id, int nranks, int rank, int ctas,
                         HostArray input, HostArray output, int64_t timeout_ms) {
   OpenNccl();
-  libra::Collective collective;
-  if (kind == libra::Name(libra::Collective::kAllReduce)) {
-    collective = libra::Collective::kAllReduce;
-  } else if (kind == libra::Name(libra::Collective::kReduceScatter)) {
-    collective = libra::Collective::kReduceScatter;
-  } else if (kind == libra::Name(libra::Collective::kAllGather)) {
-    collective = libra::Collective::kAllGather;
-  } else {
+  int index = 0;
+  while (index < libra::kNumCollectives && kind != libra::kLayouts[index].name) ++index;
+  if (index == libra::kNumCollectives) {
     throw nb::value_error(("nccl_collective_host: unknown collective '" + kind + "'").c_str());
   }
+  const auto collective = static_cast<libra::Collective>(index);
   const libra::DType dtype = HostDType(input);
   if (HostDType(output) != dtype) throw nb::type_error("nccl_collective_host: dtypes differ");
-  const bool scatters = collective == libra::Collective::kReduceScatter;
-  const bool gathers = collective == libra::Collective::kAllGather;
+  const bool scatters = libra::LayoutOf(collective).shard_out;
+  const bool gathers = libra::LayoutOf(collective).shard_in;
   const std::size_t count = scatters ? output.size() : input.size();
   const std::size_t want_in = count * (scatters ? nranks : 1);
   const std::size_t want_out = count * (gathers ? nranks : 1);

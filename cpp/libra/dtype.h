@@ -36,13 +36,33 @@ inline const char* Name(DType dtype) {
 // What a call computes (the engine's table of kinds: engine.h; NCCL's calls: nccl.h).
 enum class Collective : int { kAllReduce = 0, kReduceScatter, kAllGather };
 
+// One row per kind, indexed by Collective: its name and how it spreads the full buffer over
+// the ranks. The engine's table (engine.cc kKinds), the XLA handlers and NCCL's path read a
+// kind's shapes here instead of testing which kind it is (libra_jax/collectives.py is the
+// Python side of the same rows).
+struct Layout {
+  const char* name;
+  bool sums;       // Adds elements (else copies them, by their bytes: DType::kBytes too).
+  bool shard_in;   // Each rank brings one shard of the full buffer (the all-gather).
+  bool shard_out;  // Each rank keeps one shard of the full buffer (the reduce-scatter).
+  constexpr bool sharded() const { return shard_in || shard_out; }
+};
+inline constexpr Layout kLayouts[] = {
+    {"all-reduce", true, false, false},
+    {"reduce-scatter", true, false, true},
+    {"all-gather", false, true, false},
+};
+inline constexpr int kNumCollectives = static_cast<int>(sizeof(kLayouts) / sizeof(kLayouts[0]));
+
+inline bool KnownCollective(Collective collective) {
+  return static_cast<unsigned>(collective) < static_cast<unsigned>(kNumCollectives);
+}
+// The row of a known kind (KnownCollective).
+inline const Layout& LayoutOf(Collective collective) {
+  return kLayouts[static_cast<int>(collective)];
+}
 inline const char* Name(Collective collective) {
-  switch (collective) {
-    case Collective::kAllReduce: return "all-reduce";
-    case Collective::kReduceScatter: return "reduce-scatter";
-    case Collective::kAllGather: return "all-gather";
-  }
-  return "?";
+  return KnownCollective(collective) ? LayoutOf(collective).name : "?";
 }
 
 }  // namespace libra

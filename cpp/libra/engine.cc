@@ -777,24 +777,19 @@ void AllGatherPiece(const Job& job, std::size_t begin, std::size_t end, bool lar
   });
 }
 
+// A kind's shapes are its row of libra/dtype.h (LayoutOf): sums (not for DType::kBytes),
+// sharded (shards of count / world elements, CallSpec::segment), and every output (each
+// element goes to every rank's output, else to its owner's) where no rank keeps a shard.
 struct CollectiveKind {
-  const char* name;
-  bool sums;          // Adds elements: not for DType::kBytes.
-  bool sharded;       // Shards of count / world elements (CallSpec::segment).
-  bool every_output;  // Each element goes to every rank's output (else to its owner's).
   void (*piece)(const Job& job, std::size_t begin, std::size_t end, bool large);
 };
 
-// Indexed by Collective (its names are Name(Collective)'s, libra/dtype.h).
-constexpr CollectiveKind kKinds[] = {
-    {"all-reduce", true, false, true, AllReducePiece},
-    {"reduce-scatter", true, true, false, ReduceScatterPiece},
-    {"all-gather", false, true, true, AllGatherPiece},
-};
+// Indexed by Collective, as libra/dtype.h's kLayouts.
+constexpr CollectiveKind kKinds[] = {{AllReducePiece}, {ReduceScatterPiece}, {AllGatherPiece}};
+static_assert(std::size(kKinds) == static_cast<std::size_t>(kNumCollectives),
+              "one engine row per collective kind of libra/dtype.h");
 
-bool KnownKind(Collective collective) {
-  return static_cast<unsigned>(collective) < std::size(kKinds);
-}
+bool KnownKind(Collective collective) { return KnownCollective(collective); }
 const CollectiveKind& KindOf(Collective collective) {
   return kKinds[static_cast<int>(collective)];
 }
@@ -802,10 +797,10 @@ const CollectiveKind& KindOf(Collective collective) {
 void RunPiece(const Job& job, std::size_t piece) {
   const std::size_t begin = piece * job.chunking.per_piece;
   const std::size_t end = std::min(job.spec.count, begin + job.chunking.per_piece);
-  const CollectiveKind& kind = KindOf(job.spec.collective);
+  const bool every_output = !LayoutOf(job.spec.collective).shard_out;
   const std::size_t written = job.spec.count * SizeOf(job.spec.dtype) *
-                              (kind.every_output ? job.spec.world : 1);
-  kind.piece(job, begin, end, written >= kStreamingOutputBytes);
+                              (every_output ? job.spec.world : 1);
+  KindOf(job.spec.collective).piece(job, begin, end, written >= kStreamingOutputBytes);
 }
 
 // One worker task: reduces pieces until none is left; the last task to stop finishes the job
@@ -845,7 +840,7 @@ Status Invalid(std::string message) {
 
 // `spec` with its segment filled in (a sharded kind's 0: count / world).
 CallSpec Normalized(CallSpec spec) {
-  if (KnownKind(spec.collective) && KindOf(spec.collective).sharded && spec.segment == 0 &&
+  if (KnownKind(spec.collective) && LayoutOf(spec.collective).sharded() && spec.segment == 0 &&
       spec.world > 0) {
     spec.segment = spec.count / spec.world;
   }
@@ -865,11 +860,11 @@ Status ValidateSpec(const CallSpec& spec) {
     return Invalid("block count " + std::to_string(spec.blocks) + " is outside [1, " +
                    std::to_string(kMaxBlocks) + "]");
   }
-  const CollectiveKind& kind = KindOf(spec.collective);
+  const Layout& kind = LayoutOf(spec.collective);
   if (kind.sums && spec.dtype == DType::kBytes) {
     return Invalid(std::string("a ") + kind.name + " sums numbers: it cannot take raw bytes");
   }
-  if (kind.sharded && spec.count > 0 &&
+  if (kind.sharded() && spec.count > 0 &&
       (spec.segment == 0 || spec.count % (spec.segment * spec.world) != 0)) {
     return Invalid(std::to_string(spec.count) + " elements are not whole shards of " +
                    std::to_string(spec.world) + " ranks x " + std::to_string(spec.segment) +

@@ -444,8 +444,12 @@ Status Library::Collective(libra::Collective kind, const void* input, void* outp
                            std::size_t count, DType dtype, void* comm, int ctas, void* stream,
                            int64_t timeout_ms, bool* aborted) const {
   if (aborted != nullptr) *aborted = false;
+  if (!libra::KnownCollective(kind)) {
+    return Error(Status::Code::kInvalidArgument,
+                 "unknown collective kind " + std::to_string(static_cast<int>(kind)));
+  }
   const int nccl_dtype = ToNcclDataType(dtype);
-  if (nccl_dtype < 0 || (dtype == DType::kBytes && kind != libra::Collective::kAllGather)) {
+  if (nccl_dtype < 0 || (dtype == DType::kBytes && libra::LayoutOf(kind).sums)) {
     return Error(Status::Code::kInvalidArgument,
                  std::string("NCCL ") + libra::Name(kind) + " of " + Name(dtype) +
                      " is not served (bytes are only gathered)");
@@ -460,7 +464,7 @@ Status Library::Collective(libra::Collective kind, const void* input, void* outp
   switch (kind) {
     case libra::Collective::kAllReduce:
     case libra::Collective::kReduceScatter: {
-      const bool scatters = kind == libra::Collective::kReduceScatter;
+      const bool scatters = libra::LayoutOf(kind).shard_out;
       const Api::AllReduceConfig with_config =
           scatters ? api_->reduce_scatter_config : api_->all_reduce_config;
       if (configured && with_config == nullptr) {
