@@ -109,14 +109,14 @@ def large_table(mix: bool = False) -> None:
         p = plan(layers, cost)
         base = baselines(layers, cost)
         name = min(base, key=base.get)
-        saved = planner.ATOMS
-        planner.ATOMS = 10**9
+        saved = planner.dp.ATOMS
+        planner.dp.ATOMS = 10**9
         try:
             t0 = time.perf_counter()
             full = plan(layers, cost)
             dt = time.perf_counter() - t0
         finally:
-            planner.ATOMS = saved
+            planner.dp.ATOMS = saved
         print(f"| {ratio} | {p.backward_s * 1e3:.3f} | {name}: {base[name] * 1e3:.3f} | "
               f"{(p.backward_s / base[name] - 1) * 100:+.2f}% | {full.backward_s * 1e3:.3f} | "
               f"{(p.backward_s / full.backward_s - 1) * 100:+.3f}% | {dt:.1f} s |")

@@ -18,8 +18,9 @@ PACKAGE = Path(libra_jax.__file__).parent
 #: Layers, lowest first (the package docstring states them); a module may import its own
 #: layer and those below.
 LAYERS: dict[str, int] = {
-    **dict.fromkeys(["config", "collectives", "planner", "model", "zoo", "gantt",
-                     "gpu_calibration", "calibrate.fit"], 1),
+    **dict.fromkeys(["config", "collectives", "planner", "planner.core", "planner.gathers",
+                     "planner.dp", "planner.baselines", "planner.exhaustive", "model", "zoo",
+                     "gantt", "gpu_calibration", "calibrate.fit"], 1),
     **dict.fromkeys(["_compat", "_ffi", "_nccl", "_libra_ffi"], 2),
     **dict.fromkeys(["ops", "ops.base", "ops.lowering", "ops.psum", "ops.fused",
                      "ops.start_done", "ops.sharded"], 3),
@@ -160,3 +161,16 @@ def test_modules_the_docs_name_keep_their_names():
     assert rewrite.rewrite_jaxpr is libra_jax.rewrite_jaxpr
     assert rewrite.OptimizeReport is libra_jax.OptimizeReport
     assert model.Profile is libra_jax.Profile
+
+
+#: The most lines a module of the package has, and the modules still over it with their
+#: current length: each is split along its concerns in a step of its own, and may only shrink.
+MAX_MODULE_LINES = 800
+LONGER_FOR_NOW = {"rewrite": 2050, "model": 1130}
+
+
+def test_modules_stay_small():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        name = _module_name(path) or "__init__"
+        lines = len(path.read_text().splitlines())
+        assert lines <= LONGER_FOR_NOW.get(name, MAX_MODULE_LINES), (name, lines)

@@ -560,7 +560,7 @@ def test_exhaustive_limit(monkeypatch):
     with pytest.raises(ValueError, match=r"would enumerate 16777216 candidates"):
         plan_exhaustive([Layer(1.0, 1)] * 13, cost4, buckets=[(0, 1), *((i, i) for i in range(2, 13))])
     # The limit is inclusive: exactly EXHAUSTIVE_LIMIT candidates still run.
-    monkeypatch.setattr(planner, "EXHAUSTIVE_LIMIT", 4 * 5**2)
+    monkeypatch.setattr(planner.exhaustive, "EXHAUSTIVE_LIMIT", 4 * 5**2)
     assert len(plan_exhaustive([Layer(1.0, 1)] * 3, cost4).buckets) >= 1  # 100 candidates
     with pytest.raises(ValueError, match=r"would enumerate 500 candidates, more than the limit 100"):
         plan_exhaustive([Layer(1.0, 1)] * 4, cost4)
@@ -725,8 +725,8 @@ def test_mixed_collectives_plan_is_the_exhaustive_optimum(case):
 @given(st.data())
 def test_mixed_collectives_simulate_replays_event_by_event(data):
     layers, cost = data.draw(mixed_instances())
-    runs = planner._pricing(layers, cost).runs or [len(layers) - 1] * len(layers)
-    ranges = planner._within_reach(data.draw(groupings(len(layers))), runs)
+    runs = planner.core._pricing(layers, cost).runs or [len(layers) - 1] * len(layers)
+    ranges = planner.core._within_reach(data.draw(groupings(len(layers))), runs)
     buckets = [Bucket(f, l, data.draw(st.sampled_from(list(cost.keys)))) for f, l in ranges]
     assert close(simulate(layers, buckets, cost), reference_backward_time(layers, buckets, cost))
     assert planner.timeline(layers, buckets, cost).backward_s == simulate(layers, buckets, cost)
