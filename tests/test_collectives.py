@@ -17,9 +17,14 @@ def test_rows_are_the_engines_enum_in_order():
     header = (ROOT / "cpp" / "libra" / "dtype.h").read_text()
     enum = re.search(r"enum class Collective : int \{([^}]*)\}", header).group(1)
     names = [n.split("=")[0].strip() for n in enum.split(",")]
-    said = dict(re.findall(r"case Collective::(k\w+): return \"([\w-]+)\";", header))
-    assert [said[n] for n in names] == [row.kind for row in collectives.ROWS]
     assert [row.enum for row in collectives.ROWS] == list(range(len(names)))
+    # The C++ rows (libra::kLayouts, indexed by the enum): name, sums, shard_in, shard_out.
+    rows = re.findall(r'\{"([\w-]+)", (true|false), (true|false), (true|false)\}',
+                      header[header.index("kLayouts[]"):])
+    assert [(name, sums == "true", shard_in == "true", shard_out == "true")
+            for name, sums, shard_in, shard_out in rows] == [
+        (row.kind, not row.gathers, row.layout == "gathered", row.layout == "scattered")
+        for row in collectives.ROWS]
 
 
 def test_every_table_of_kinds_is_the_rows():
