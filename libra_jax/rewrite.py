@@ -1017,7 +1017,8 @@ class _Rewriter:
             k = site.explicit_blocks
             if k is None:
                 k = allreduce.default_blocks(site.nbytes, _world(axis_sizes, site.axes),
-                                             self.profile, collective=collectives.lax_name(site.collective))
+                                             self.profile,
+                                             collective=collectives.lax_name(site.collective))
                 edits.replacements[site.index] = _single(eqns[site.index], site, k, invars)
             self.report.plans.append(PsumPlan(scope, site.axes, (site.index,), site.nbytes,
                                               k, kind, collective=site.collective))
@@ -1728,8 +1729,7 @@ def _collective_counts(jaxpr: Any) -> collections.Counter[str]:
             counts["psum"] += 1
         elif name == _compat.reduce_scatter_p.name or eqn.primitive is libra_reduce_scatter_p:
             counts["psum_scatter"] += 1
-        elif (name in (_compat.all_gather_p.name, _compat.all_gather_invariant_p.name)
-              or eqn.primitive is libra_all_gather_p):
+        elif name in _GATHERS or eqn.primitive is libra_all_gather_p:
             counts["all_gather"] += 1
         for sub in _compat.jaxprs_in_params(eqn.params):
             counts.update(_collective_counts(sub))

@@ -66,9 +66,10 @@ from libra_jax.ops.sharded import mirror_all_gather, mirror_reduce_scatter
 __all__ = ["libra_psum_start_p", "libra_psum_done_p", "libra_sharded_start_p", "register_pair",
            "libra_sharded_done_p", "TOKEN_AVAL"]
 
-#: Start's last result and done's last operand: written by start, it orders done after the
-#: latest start by data (XLA orders by data only), and no buffer is passed twice (a second
-#: reader of the in-flight buffer would make XLA copy it while it is being reduced).
+#: Start's last result, read by its own done after the buffers (and by later dones as an
+#: ordering operand): written by start, it orders a done after a start by data (XLA orders by
+#: data only), and no buffer is passed twice (a second reader of the in-flight buffer would
+#: make XLA copy it while it is being reduced).
 TOKEN_AVAL = _compat.ShapedArray((1,), np.int32)
 
 
