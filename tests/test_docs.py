@@ -271,3 +271,12 @@ def test_the_api_reference_documents_every_public_name():
         assert f"[`{name}`]" in index, name
     assert {"libra_jax.model", "libra_jax.planner", "libra_jax.config",
             "libra_jax.testing"} <= directives
+
+
+def test_table_cells_keep_names_whole():
+    """The site's tables (the API index's "Defined in" column) never break a name inside a
+    code span: the stylesheet says so and mkdocs.yml loads it."""
+    css = (ROOT / "docs" / "stylesheets" / "extra.css").read_text()
+    rule = re.search(r"\.md-typeset table:not\(\[class\]\) td code \{([^}]*)\}", css)
+    assert rule and "white-space: nowrap" in rule.group(1), css
+    assert "stylesheets/extra.css" in (ROOT / "mkdocs.yml").read_text()
