@@ -292,7 +292,9 @@ def dce(jaxpr: Jaxpr) -> Jaxpr:
 def keep_in_dce(prim: Primitive) -> None:
     """JAX's dead-code elimination keeps every equation of `prim`, and every input it reads,
     used or not (as it keeps an effect): a collective's done, whose start is in flight."""
-    def rule(used_outputs: list[bool], eqn: Any) -> tuple[list[bool], Any]:
+    def rule(*args: Any) -> tuple[list[bool], Any]:
+        # (used outputs, eqn) up to jax 0.11; (used outputs, live inputs, eqn) since 0.12.
+        eqn = args[-1]
         return [True] * len(eqn.invars), eqn
     _pe.dce_rules[prim] = rule
 

@@ -216,7 +216,7 @@ def test_python_blocks_run_as_pasted_and_give_the_right_answer(chain):
                                   tests=str(Path(__file__).parent))
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=600, env=env, cwd=ROOT)
+                          timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
     assert proc.stdout.split() == [w for _, _, name, _ in chain for w in ("CHECKED", name)]
 
