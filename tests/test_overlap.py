@@ -371,7 +371,9 @@ for overlap in overlaps:
 def _run(source: str, *args: str) -> str:
     import subprocess
     import sys
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    # The caller's flags (CI's ISA stage sets one), less the device count: the program asks
+    # for its own (jax_num_cpu_devices).
+    env = {**os.environ, "XLA_FLAGS": xla_flags(None)}
     proc = subprocess.run([sys.executable, "-c", source, *args], capture_output=True,
                           text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
