@@ -69,7 +69,8 @@ __all__ = ["value_and_grad", "grad"]
 
 def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0,
                    has_aux: bool = False, *, axis_name: str | Sequence[str] = "data",
-                   mesh: Any = None, in_specs: Any = None) -> Callable[..., Any]:
+                   mesh: Any = None, in_specs: Any = None,
+                   aux_reduce: str | None = "auto") -> Callable[..., Any]:
     """`jax.value_and_grad` of a data-parallel loss, with its all-reduces where `optimize` sees them.
 
     Use it in place of `jax.value_and_grad` in a GSPMD train step; then
@@ -90,13 +91,22 @@ def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0,
       in_specs: per positional argument, its `PartitionSpec` (or a pytree prefix of them);
         default: for the differentiated arguments, each leaf's visible sharding (``P()``
         where none shows), ``P(axis_name)`` for the other leaves, ``P()`` for 0-d ones.
+      aux_reduce: what becomes of aux's leaves, which each shard computes from its own part of
+        the batch: ``"auto"`` (default) averages float leaves over the axis and requires the
+        others to be the same on every shard (an integer that differs is refused, naming this
+        option); ``"sum"`` sums every leaf over the shards (a token count); ``"mean"``
+        averages every leaf (`jax.lax.pmean`, integer division for integers); ``None``
+        stacks them, one row per shard (`jax.lax.all_gather`: a leading axis of the shard
+        count).
 
     Returns:
       A function of `fun`'s arguments returning ``(value, grads)`` (``((value, aux), grads)``
-      with `has_aux`). The value is the loss averaged over the axis (`jax.lax.pmean`); so are
-      aux's float leaves; aux's other leaves must be the same on every shard. Keyword arguments
-      are passed to `fun` whole, on every shard.
+      with `has_aux`). The value is the loss averaged over the axis (`jax.lax.pmean`); aux as
+      `aux_reduce` says. Keyword arguments are passed to `fun` whole, on every shard.
     """
+    if aux_reduce not in AUX_REDUCTIONS:
+        raise ValueError(f"libra_jax.value_and_grad: aux_reduce must be one of "
+                         f"{', '.join(map(repr, AUX_REDUCTIONS))}, got {aux_reduce!r}")
     argnums = _check_argnums(argnums)
     axes = ((axis_name,) if isinstance(axis_name, str) else
             tuple(axis_name) if isinstance(axis_name, (tuple, list)) else ())
@@ -126,7 +136,7 @@ def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0,
 
         def run(*args: Any) -> Any:
             local = _local_loss(_gather_sharded(loss_fn, argnums_t, args, specs),
-                                kwargs, aux, axes)
+                                kwargs, aux, axes, aux_reduce, nnx_state=bool(objects))
             mapped = jax.shard_map(local, mesh=the_mesh, in_specs=specs, out_specs=P())
 
             def loss(*args: Any) -> Any:
@@ -160,11 +170,11 @@ def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0,
 
 def grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False, *,
          axis_name: str | Sequence[str] = "data", mesh: Any = None,
-         in_specs: Any = None) -> Callable[..., Any]:
+         in_specs: Any = None, aux_reduce: str | None = "auto") -> Callable[..., Any]:
     """`jax.grad` of a data-parallel loss: `value_and_grad` without the value (``(grads, aux)``
     with `has_aux`, as `jax.grad` returns)."""
     both = value_and_grad(fun, argnums, has_aux, axis_name=axis_name, mesh=mesh,
-                          in_specs=in_specs)
+                          in_specs=in_specs, aux_reduce=aux_reduce)
 
     def gradient(*args: Any, **kwargs: Any) -> Any:
         value, grads = both(*args, **kwargs)
@@ -272,8 +282,8 @@ def _describe(value: Any) -> str:
     return f"a {type(value).__name__}"
 
 
-def _local_loss(fun: Callable[..., Any], kwargs: dict, has_aux: bool, axes: tuple
-                ) -> Callable[..., Any]:
+def _local_loss(fun: Callable[..., Any], kwargs: dict, has_aux: bool, axes: tuple,
+                aux_reduce: str | None = "auto", nnx_state: bool = False) -> Callable[..., Any]:
     """The per-shard loss, averaged over `axes`: the function the shard_map maps."""
     def local(*args: Any) -> Any:
         try:
@@ -299,8 +309,34 @@ def _local_loss(fun: Callable[..., Any], kwargs: dict, has_aux: bool, axes: tupl
         loss = jax.lax.pmean(loss, axes)
         if not has_aux:
             return loss
-        return loss, jax.tree_util.tree_map_with_path(lambda p, v: _mean_aux(p, v, axes), aux)
+
+        def reduced(tree: Any, how: str | None) -> Any:
+            return jax.tree_util.tree_map_with_path(
+                lambda p, v: _reduce_aux(p, v, axes, how), tree)
+        if nnx_state:  # (the loss's aux, the NNX objects' other state: "auto"'s rule)
+            user, state = out[1]
+            return loss, (reduced(user, aux_reduce), reduced(state, "auto"))
+        return loss, reduced(aux, aux_reduce)
     return local
+
+
+#: `value_and_grad(aux_reduce=...)`.
+AUX_REDUCTIONS = ("auto", "sum", "mean", None)
+
+
+def _reduce_aux(path: Any, value: Any, axes: tuple, how: str | None) -> Any:
+    """An aux leaf made the same on every shard as `how` (`AUX_REDUCTIONS`) says."""
+    if how == "auto":
+        return _mean_aux(path, value, axes)
+    value = jax.numpy.asarray(value)
+    missing = tuple(a for a in axes if a not in _compat.varying_axes(jax.typeof(value)))
+    if missing and _compat.check_vma_enabled():
+        value = _compat.pvary(value, missing)  # the same on those shards: varying for the sum
+    if how == "sum":
+        return jax.lax.psum(value, axes)
+    if how == "mean":
+        return jax.lax.pmean(value, axes)
+    return jax.lax.all_gather(value, axes)  # None: one row per shard
 
 
 #: JAX's errors for a call that lays arrays out over mesh axes, made inside a region where every
@@ -360,9 +396,10 @@ def _mean_aux(path: Any, value: Any, axes: tuple) -> Any:
     if varying:
         raise TypeError(
             f"libra_jax.value_and_grad: aux{jax.tree_util.keystr(path)} is a {value.dtype} that "
-            f"differs from shard to shard (it varies over {sorted(varying)}); float aux is "
-            "averaged over the batch's shards, other aux must be the same on every shard: "
-            "return it as a float, or psum it yourself in the loss")
+            f"differs from shard to shard (it varies over {sorted(varying)}); by default float "
+            "aux is averaged over the batch's shards and other aux must be the same on every "
+            "shard: pass aux_reduce='sum' (a count over the whole batch), 'mean', or None (one "
+            "value per shard)")
     return value
 
 
