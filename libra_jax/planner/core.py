@@ -638,3 +638,36 @@ def _mgwfbp_ranges(comp: list[float], pricing: _Pricing, k: int, cost: CostModel
         out.append((first, i))
         first = i + 1
     return out
+
+
+class _Problem(NamedTuple):
+    """A planner's inputs, checked and priced: what `plan` and `plan_exhaustive` start from."""
+
+    layers: list[Layer]
+    cost: CostModel
+    reach: list[int] | None  # with free boundaries only (`_with_runs` applied); else None
+    pricing: _Pricing
+    ranges: Ranges | None    # a fixed grouping (`buckets`), or None
+    free: bool               # bucket boundaries are chosen (fusion and no fixed grouping)
+    comp: list[float]        # compute prefix sums
+    byts: list[int]          # byte prefix sums
+
+
+def _problem(layers: Sequence[Layer], cost: CostModel, *, fusion: bool,
+             buckets: Sequence[tuple[int, int]] | None,
+             reach: Sequence[int] | None) -> _Problem:
+    """`plan`'s and `plan_exhaustive`'s arguments as one `_Problem`: ValueError for bad
+    layers, cost, reach or grouping (a fixed grouping's buckets each hold one collective)."""
+    layers = _check_layers(layers)
+    cost = _check_cost(cost)
+    n = len(layers)
+    checked = _check_reach(reach, n)
+    pricing = _pricing(layers, cost)
+    ranges = None
+    if buckets is not None:
+        ranges = _grouping_ranges(buckets, n)
+        _check_one_collective(layers, ranges)
+    free = ranges is None and bool(fusion)
+    return _Problem(layers, cost, _with_runs(checked, pricing) if free else None, pricing,
+                    ranges, free, _prefix(layer.compute_s for layer in layers),
+                    _byte_prefix(layers))

@@ -19,23 +19,16 @@ from libra_jax.planner.core import (
     Plan,
     Ranges,
     _best,
-    _byte_prefix,
-    _check_cost,
-    _check_layers,
-    _check_one_collective,
-    _check_reach,
     _collective_np,
-    _grouping_ranges,
     _horovod_ranges,
     _make_plan,
     _mgwfbp_ranges,
     _plan_key,
     _prefix,
     _Pricing,
-    _pricing,
+    _problem,
     _simulate_ranges,
     _tensor_prefix,
-    _with_runs,
     _within_reach,
 )
 
@@ -66,22 +59,15 @@ def plan(layers: Sequence[Layer], cost: CostModel, *, fusion: bool = True,
     are out of its reach. Exact when ``solo_bw[k] >= overlap_bw[k]`` for all ``k``; see the
     module docstring.
     """
-    layers = _check_layers(layers)
-    cost = _check_cost(cost)
+    layers, cost, reach, pricing, ranges, free, comp, byts = _problem(
+        layers, cost, fusion=fusion, buckets=buckets, reach=reach)
     n = len(layers)
-    reach = _check_reach(reach, n)
-    pricing = _pricing(layers, cost)
-    if buckets is not None:
-        ranges = _grouping_ranges(buckets, n)
-        _check_one_collective(layers, ranges)
-        cuts, free, reach = [0, *(last + 1 for _, last in ranges)], False, None
-    elif fusion:
-        reach = _with_runs(reach, pricing)
-        cuts, free = _atoms(layers, ATOMS, reach), True
+    if ranges is not None:
+        cuts = [0, *(last + 1 for _, last in ranges)]
+    elif free:
+        cuts = _atoms(layers, ATOMS, reach)
     else:
-        cuts, free, reach = list(range(n + 1)), False, None
-    comp = _prefix(l.compute_s for l in layers)
-    byts = _byte_prefix(layers)
+        cuts = list(range(n + 1))
     groups = [(cuts[i], cuts[i + 1] - 1) for i in range(len(cuts) - 1)]
 
     # Upper bound and safety net: complete plans (ranges, one key) scored before the search.

@@ -13,18 +13,10 @@ from libra_jax.planner.core import (
     CostModel,
     Layer,
     Plan,
-    _byte_prefix,
-    _check_cost,
-    _check_layers,
-    _check_one_collective,
-    _check_reach,
     _collective_np,
-    _grouping_ranges,
     _make_plan,
     _plan_key,
-    _prefix,
-    _pricing,
-    _with_runs,
+    _problem,
 )
 
 EXHAUSTIVE_LIMIT = 10**7  # most candidate plans plan_exhaustive will enumerate
@@ -45,28 +37,15 @@ def plan_exhaustive(layers: Sequence[Layer], cost: CostModel, *, fusion: bool = 
     ``G`` buckets; with fusion, those ``reach`` forbids (see `plan`) or that mix collectives are
     discarded. Raises ``ValueError`` if that exceeds ``EXHAUSTIVE_LIMIT``.
     """
-    layers = _check_layers(layers)
-    cost = _check_cost(cost)
+    layers, cost, reach, pricing, fixed, free, comp, byts = _problem(
+        layers, cost, fusion=fusion, buckets=buckets, reach=reach)
     n, K = len(layers), len(cost.keys)
-    reach = _check_reach(reach, n)
-    pricing = _pricing(layers, cost)
-    reach = _with_runs(reach, pricing) if buckets is None and fusion else reach
-    if buckets is not None:
-        ranges = _grouping_ranges(buckets, n)
-        _check_one_collective(layers, ranges)
-        free = False
-    else:
-        ranges = [(i, i) for i in range(n)]
-        free = bool(fusion)
-    if not free:
-        reach = None
+    ranges = fixed if fixed is not None else [(i, i) for i in range(n)]
     G = len(ranges)
     count = K * (K + 1) ** (n - 1) if free else K ** G
     if count > EXHAUSTIVE_LIMIT:
         raise ValueError(f"plan_exhaustive would enumerate {count} candidates, more than the limit "
                          f"{EXHAUSTIVE_LIMIT}; use plan()")
-    comp = _prefix(l.compute_s for l in layers)
-    byts = _byte_prefix(layers)
     keys = np.array(cost.keys, dtype=np.int64)
     ob = np.array([cost.overlap_bw[k] for k in cost.keys])
     sb = np.array([cost.solo_bw[k] for k in cost.keys])
