@@ -37,6 +37,16 @@ def target(kind: str, engine: str, phase: str = "") -> str:
     return name
 
 
+def has_target(kind: str, engine: str, phase: str = "") -> bool:
+    """Whether the extension registers `target(kind, engine, phase)` (the P2P kernels serve
+    the all-reduce only, say)."""
+    try:
+        target(kind, engine, phase)
+    except RuntimeError:
+        return False
+    return True
+
+
 _NAMES = frozenset(TARGETS.values())
 MAX_BLOCKS: int = _libra_ffi.MAX_BLOCKS
 MIN_CHUNK_BYTES: int = _libra_ffi.MIN_CHUNK_BYTES

@@ -1,4 +1,4 @@
-"""Tests of libra_jax.ops' wiring (base.register_op, lowering.allreduce_rule and its seam);
+"""Tests of libra_jax.ops' wiring (base.register_op, lowering.rule and its seam);
 the ops' values: tests/test_allreduce.py (psum), test_rewrite.py (fused), test_overlap.py
 (start/done), test_platform_matrix.py (every op on every platform)."""
 from __future__ import annotations
@@ -43,8 +43,8 @@ def test_a_new_op_gets_every_platforms_rule_and_a_twin(monkeypatch):
 
 
 def test_an_unknown_platform_has_no_rule():
-    with pytest.raises(ValueError, match="no all-reduce rule for platform 'tpu'"):
-        lowering.allreduce_rule("tpu")
+    with pytest.raises(ValueError, match="no collective rule for platform 'tpu'"):
+        lowering.rule("tpu")
 
 
 def _step(v):

@@ -1,10 +1,11 @@
 """libra's JAX primitives: one psum, a fused bucket, a start/done pair, and the sharded pair.
 
-Layer: imports `libra_jax._compat`, `_ffi`, `_nccl`, `config`, `model` and `planner`; nothing
-above it (`allreduce`, `rewrite`, the tools). Every primitive is wired by one helper
-(`base.register_op`) from its abstract evaluation, its autodiff and batching rules and a
-lowering per platform built from one rule per platform for one buffer's all-reduce
-(`lowering.allreduce_rule`); each has an XLA twin (`XLA_TWINS`) for
+Layer: imports `libra_jax._compat`, `_ffi`, `_nccl`, `collectives`, `config` and `model`;
+nothing above it (`allreduce`, `rewrite`, the planner, the tools). Every primitive is wired by
+one helper (`base.register_op`) from its abstract evaluation, its autodiff and batching rules
+and a lowering per platform, built on that platform's one rule for every kind
+(`lowering.rule`: a `lowering.Call` over the kind's row of `libra_jax.collectives`, libra's
+call where it serves, else XLA's with one notice); each has an XLA twin (`XLA_TWINS`) for
 `optimize(collectives="xla")`.
 
 - `psum`: `libra_psum_p`, the psum `jax.lax.psum` would bind, with a block count;
@@ -15,7 +16,7 @@ lowering per platform built from one rule per platform for one buffer's all-redu
   gradients are ready and waited for where the result is needed; `libra_sharded_start_p` /
   `libra_sharded_done_p`, the same for one reduce-scatter or all-gather;
 - `sharded`: `libra_reduce_scatter_p` / `libra_all_gather_p`, the `psum_scatter` and the
-  `all_gather` `jax.lax` would bind, each other's transpose (`lowering.sharded_rule`).
+  `all_gather` `jax.lax` would bind, each other's transpose.
 
 `jax.experimental.roofline` counts each as the all-reduce it is (`_compat.register_psum_rooflines`).
 """

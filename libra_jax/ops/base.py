@@ -2,13 +2,13 @@
 
 `register_op` gives a primitive its eager implementation, abstract evaluation, optional
 transpose (its JVP is then linear) and batching rule, and a lowering per platform, built by
-the op's `lowering(platform)` from the platform's rule for one buffer's all-reduce
-(`libra_jax.ops.lowering.allreduce_rule`):
+the op's `lowering(platform)` from the platform's one rule for any collective
+(`libra_jax.ops.lowering.rule`, over the kind's row):
 
 * ``None``: every platform without its own rule (TPU, ...): XLA's all-reduce, with a notice;
 * ``"cpu"``, ``"cuda"``: libra's engine and kernels, where they serve the call;
 * ``"xla"``: the op's *XLA twin*, a second primitive with the same types whose one lowering
-  uses XLA's all-reduce on every platform, quietly (`optimize(collectives="xla")`, the
+  uses XLA's collective on every platform, quietly (`optimize(collectives="xla")`, the
   control that isolates the engine from the rewrite). `XLA_TWINS` maps each op to it.
 """
 from __future__ import annotations

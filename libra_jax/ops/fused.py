@@ -2,12 +2,14 @@
 
 - `libra_psum_fused`: a gradient bucket's psums as one all-reduce per dtype. The equation
   `optimize` puts where a bucket's last member was: its operands are the members' operands,
-  its results their results, each typed as that member's psum. Lowered per dtype: the
-  operands flattened and concatenated (`lowering.pack`), all-reduced once by the platform's
-  rule, and split back (`lowering.split`).
+  its results their results, each typed as that member's psum.
 - `libra_reduce_scatter_fused`: a bucket of reduce-scatters (each `jax.lax.psum_scatter`
   along dimension 0, tiled or not, over the same axes) as one reduce-scatter per dtype,
   each result typed as that member's (`sharded.mirror_reduce_scatter`'s primitive's).
+
+Both lower by one rule (`_bucket_rule`): per dtype, the operands flattened and concatenated
+(`lowering.pack`), that buffer's one collective by the platform's rule, and the result split
+back (`lowering.split`).
 
 A reduce-scatter gives rank r the r-th of n equal runs of its buffer, so its bucket cannot
 concatenate the flattened members as the psum's does (rank r's run would hold whole members,
@@ -30,8 +32,8 @@ from typing import Any
 from libra_jax import _compat
 from libra_jax.ops import lowering
 from libra_jax.ops.base import Platform, Rule, register_op
-from libra_jax.ops.psum import psum_abstract_eval
-from libra_jax.ops.sharded import mirror_abstract_eval, mirror_reduce_scatter
+from libra_jax.ops.psum import allreduce_call, psum_abstract_eval
+from libra_jax.ops.sharded import mirror_abstract_eval, mirror_reduce_scatter, sharded_call
 
 __all__ = ["libra_psum_fused_p", "fused_abstract_eval", "libra_reduce_scatter_fused_p",
            "reduce_scatter_fused_abstract_eval"]
@@ -48,25 +50,50 @@ def fused_abstract_eval(*avals: Any, axes: tuple, blocks: int | None,
     return outs, effects
 
 
-def _lowering(platform: Platform) -> Rule:
-    single_rule = lowering.allreduce_rule(platform)
+def _bucket_rule(platform: Platform, bucket: Any) -> Rule:
+    """A bucket's lowering on `platform`, for either kind: per dtype (`lowering.packed_layout`'s
+    groups), the members packed into one flat buffer (`lowering.pack`; with ``rows`` the group
+    size for a reduce-scatter, each rank's shards contiguous), that buffer's one collective by
+    the platform's rule (`lowering.lower`: libra's call, or XLA's of the same buffer with the
+    notice; quietly for the twin, so that the code around the collective is the same in both
+    and the control differs from the optimized program in the collective alone), and its
+    result split into the members' (`lowering.split`). `bucket(params)` gives the flat
+    buffer's `lowering.Call`, its rows, and each member's call.
 
-    def rule(ctx: Any, *xs: Any, axes: tuple, blocks: int | None,
-             invariant: bool) -> list[Any]:
+    Where libra's call does not serve a reduce-scatter bucket, each member is XLA's own: its
+    rank-contiguous packing is a strided copy that only libra's call needs."""
+    def rule(ctx: Any, *xs: Any, **params: Any) -> list[Any]:
+        call, rows, member_call = bucket(params)
         outs: list[Any] = [None] * len(xs)
-        for dtype, idx, count in lowering.packed_layout(ctx.avals_in, align_bytes=1):
-            flat = _compat.ShapedArray((count,), dtype)
-            reduced, = _compat.ir_values(single_rule(
-                ctx.replace(primitive=None, avals_in=[flat], avals_out=[flat]),
-                lowering.pack(ctx, xs, idx, count), axes=axes, blocks=blocks, inplace=True,
-                invariant=invariant))
-            lowering.split(ctx, reduced, flat, ctx.avals_out, idx, outs)
+        for _, idx, count in lowering.packed_layout(ctx.avals_in, align_bytes=1):
+            # The first member's type, flat: its varying axes are what XLA's rule checks.
+            flat_in = ctx.avals_in[idx[0]].update(shape=(count,))
+            flat_out = flat_in.update(shape=(count // rows,))
+            flat_ctx = ctx.replace(primitive=None, avals_in=[flat_in], avals_out=[flat_out])
+            if rows > 1 and lowering.libra_call(flat_ctx, call, platform)[1]:
+                for i in idx:
+                    outs[i], = lowering.lower(ctx.replace(
+                        primitive=None, avals_in=[ctx.avals_in[i]],
+                        avals_out=[ctx.avals_out[i]]), xs[i], member_call(i), platform)
+                continue
+            # One HLO concatenate (`lowering.pack`), not a chain of dynamic-update-slices:
+            # XLA:CPU fuses it, with the reshapes around it, into one loop over the buffer;
+            # the chain was measured slower.
+            packed = lowering.pack(ctx, xs, idx, count, rows=rows)
+            result, = _compat.ir_values(lowering.lower(flat_ctx, packed, call, platform))
+            lowering.split(ctx, result, flat_out, ctx.avals_out, idx, outs)
         return outs
     return rule
 
 
-libra_psum_fused_p = register_op("libra_psum_fused", abstract_eval=fused_abstract_eval,
-                                 lowering=_lowering, multiple_results=True)
+def _psum_bucket(params: dict[str, Any]) -> tuple[lowering.Call, int, Any]:
+    call = allreduce_call(params["axes"], params["blocks"], params["invariant"], True)
+    return call, 1, lambda i: call
+
+
+libra_psum_fused_p = register_op(
+    "libra_psum_fused", abstract_eval=fused_abstract_eval,
+    lowering=lambda platform: _bucket_rule(platform, _psum_bucket), multiple_results=True)
 
 
 # --- The reduce-scatter bucket -------------------------------------------------------
@@ -100,56 +127,19 @@ def reduce_scatter_fused_abstract_eval(*avals: Any, axis_name: tuple, axis_size:
     return outs, effects
 
 
-def _reduce_scatter_lowering(platform: Platform) -> Rule:
-    """Per dtype (`lowering.packed_layout`'s groups): libra's reduce-scatter
-    (`lowering.sharded_call`) of the members packed rank-contiguously, split back; where it
-    does not serve (a dtype the engine does not sum, the ``xla``/``p2p`` CUDA paths, other
-    platforms), each member XLA's own (`lowering.sharded_xla`); the twin, XLA's of the same
-    packed row."""
-    def rule(ctx: Any, *xs: Any, axis_name: tuple, axis_size: int, tiled: tuple,
-             blocks: int | None) -> list[Any]:
-        outs: list[Any] = [None] * len(xs)
-        for dtype, idx, count in lowering.packed_layout(ctx.avals_in, align_bytes=1):
-            segment = count // axis_size  # every member's size is a multiple of axis_size
-            row = _compat.ShapedArray((count,), dtype)
-            shards = _compat.ShapedArray((segment,), dtype)
-            row_ctx = ctx.replace(primitive=None, avals_in=[row], avals_out=[shards])
-            emit, reason = lowering.sharded_call(row_ctx, "psum_scatter", platform,
-                                                 axis_name=axis_name, blocks=blocks,
-                                                 dimension=0, tiled=True)
-            if emit is None and reason is None:
-                # The twin: XLA's reduce-scatter of the same packed row, split the same way,
-                # so the code around it is the code around libra's call (the control then
-                # differs from the optimized program in the collective alone: XLA:CPU
-                # contracts a consumer's a*b+c into an FMA per fusion, and the fusions differ
-                # where the members' results come straight from their own reduce-scatters).
-                packed = lowering.pack(ctx, xs, idx, count, rows=axis_size)
-                varying_ctx = ctx.replace(  # JAX's rule checks its operand's varying axes
-                    primitive=None, avals_in=[ctx.avals_in[idx[0]].update(shape=row.shape)],
-                    avals_out=[ctx.avals_out[idx[0]].update(shape=shards.shape)])
-                scattered, = _compat.ir_values(lowering.sharded_xla(
-                    varying_ctx, packed, "psum_scatter", mirror_reduce_scatter, None,
-                    **_member_params(axis_name, axis_size, True, blocks)))
-                lowering.split(ctx, scattered, shards, ctx.avals_out, idx, outs)
-                continue
-            if emit is None:
-                for i in idx:
-                    member_ctx = ctx.replace(primitive=None, avals_in=[ctx.avals_in[i]],
-                                             avals_out=[ctx.avals_out[i]])
-                    outs[i], = lowering.sharded_xla(
-                        member_ctx, xs[i], "psum_scatter", mirror_reduce_scatter, reason,
-                        **_member_params(axis_name, axis_size, tiled[i], blocks))
-                continue
-            # One HLO concatenate (lowering.pack), not a chain of dynamic-update-slices: XLA:CPU
-            # fuses it, with the reshapes around it, into one loop over the row (one kLoop
-            # fusion in the compiled HLO); the chain was measured slower (for the psum bucket).
-            packed = lowering.pack(ctx, xs, idx, count, rows=axis_size)
-            scattered, = _compat.ir_values(emit(packed))
-            lowering.split(ctx, scattered, shards, ctx.avals_out, idx, outs)
-        return outs
-    return rule
+def _reduce_scatter_bucket(params: dict[str, Any]) -> tuple[lowering.Call, int, Any]:
+    """The packed row's reduce-scatter: along dimension 0, tiled, every rank's shards of every
+    member in one run (`lowering.pack` with ``rows``); each member's own, as it is."""
+    axis_name, axis_size, blocks = params["axis_name"], params["axis_size"], params["blocks"]
+
+    def member_call(i: int) -> lowering.Call:
+        return sharded_call("psum_scatter", _member_params(axis_name, axis_size,
+                                                            params["tiled"][i], blocks))
+    return (sharded_call("psum_scatter", _member_params(axis_name, axis_size, True, blocks)),
+            axis_size, member_call)
 
 
 libra_reduce_scatter_fused_p = register_op(
     "libra_reduce_scatter_fused", abstract_eval=reduce_scatter_fused_abstract_eval,
-    lowering=_reduce_scatter_lowering, multiple_results=True)
+    lowering=lambda platform: _bucket_rule(platform, _reduce_scatter_bucket),
+    multiple_results=True)

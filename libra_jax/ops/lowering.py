@@ -1,25 +1,25 @@
-"""How one buffer's all-reduce (or reduce-scatter, or all-gather) is lowered, per platform,
-and the calls' attributes.
+"""How a collective is lowered: one rule per platform over a row of `libra_jax.collectives`.
 
-The collective kinds are the rows of `COLLECTIVES` (the Python side of the engine's table,
-cpp/libra/engine.h): what each serves, its CPU target, and what it moves. The reduce-scatter
-and the all-gather lower by `sharded_rule` (libra's call, `sharded_call`: the engine's on CPU,
-NCCL's on CUDA where chosen; else XLA's, `sharded_xla`).
+Every libra op (`psum`, `sharded`, `fused`, `start_done`) describes what it lowers as a
+`Call`: the kind's row, the mesh axes, the block count, the dimension it scatters or gathers,
+and the JAX primitive that does the same (XLA's own, `Call.xla`). One rule per platform
+(`rule`, registered in `_RULES`) lowers any row:
 
-Every libra op (`psum`, `fused`, `start_done`) reduces flat or shaped buffers with one of
-these rules, chosen per platform by `allreduce_rule`:
+* ``"cpu"``: the engine's custom call (`engine_call`: the (rank, group) operand and attributes
+  of `cpu_call`), where the group's devices are this process's and the engine sums the dtype;
+* ``"cuda"``: by `$LIBRA_JAX_CUDA` (`config.cuda_path`, `gpu_call`): XLA's (the default),
+  libra's P2P kernels (the all-reduce: the rows the extension registers a ``cuda`` target for)
+  or NCCL's call (`nccl_attrs`);
+* ``None`` (TPU, ...): XLA's, with the notice; ``"xla"`` (the ops' twins,
+  `optimize(collectives="xla")`): XLA's, quietly.
 
-* `xla_rule`: XLA's own all-reduce, the primitive `jax.lax.psum` would bind (`mirrored`).
-* `cpu_rule`: the engine's ``libra_allreduce_cpu`` custom call (`cpu_call`: its (rank, group)
-  operand and attributes), where the group's devices are this process's.
-* `cuda_rule`: by `$LIBRA_JAX_CUDA` (`config.cuda_path`, `cuda_call`): XLA's (the default),
-  libra's P2P kernels (`cuda_kernel_attrs`) or libra's NCCL call (`nccl_attrs`).
-
-Each rule falls back to XLA's all-reduce, with a one-time notice naming why, for what its
-platform does not serve. A psum with ``blocks=None`` gets `default_blocks` here, once the
-group size is known. The packing of several tensors into one buffer per dtype (`pack`,
-`split`) is shared by the fused buckets and start/done (the reduce-scatter bucket's keeps each
-rank's shards contiguous: `pack` with ``rows``).
+Where libra's call does not serve, the rule lowers XLA's collective (`xla_collective`) with
+one notice naming why (``xla-fallback``). What differs between the kinds is their row's
+layout (`collectives.LAYOUTS`): what a call's operand and result are, and the ``segment`` of
+a sharded call. A start/done pair asks the same question for its flat buffer (`pair_call`).
+A call with ``blocks=None`` gets `default_blocks` (the model's choice without overlap) here,
+once the group size is known. The packing of several tensors into one buffer per dtype
+(`pack`, `split`) is shared by the buckets and start/done.
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ import contextlib
 import math
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -36,12 +36,10 @@ from libra_jax import _compat, _ffi, _nccl, collectives, config, model
 from libra_jax.collectives import Collective
 from libra_jax.ops.base import Platform, Rule, warn_once
 
-__all__ = ["Collective", "COLLECTIVES", "ENGINE_DTYPES", "sharded_rule", "sharded_call",
-           "sharded_xla", "sharded_nccl_call",
-           "warn_sharded_fallback", "to_row_of_shards", "from_row_of_shards",
-           "rank_group_operand",
-           "allreduce_rule", "replaced_rule", "xla_rule", "cpu_rule", "cuda_rule", "cpu_call",
-           "cuda_call", "cuda_kernel_attrs", "nccl_attrs", "nccl_blocks", "mirrored",
+__all__ = ["Call", "PairCall", "Collective", "COLLECTIVES", "ENGINE_DTYPES", "rule", "lower",
+           "replaced_rule", "libra_call", "xla_collective", "warn_fallback", "engine_call",
+           "cpu_call", "gpu_call", "pair_call", "nccl_attrs", "nccl_blocks",
+           "rank_group_operand", "to_row_of_shards", "from_row_of_shards", "mirrored",
            "default_blocks", "default_profile", "packed_layout", "packed_avals", "pack", "split",
            "MAX_BLOCKS", "CUDA_DTYPES", "NCCL_DTYPES", "CUDA_VECTOR_BYTES", "PACK_ALIGN_BYTES"]
 
@@ -63,31 +61,99 @@ NCCL_DTYPES = CUDA_DTYPES | {np.dtype(np.int64)}
 CUDA_VECTOR_BYTES = 16
 #: Packed buffers are padded to a multiple of this many bytes (the CUDA kernels' vectors).
 PACK_ALIGN_BYTES = CUDA_VECTOR_BYTES
+_RANK_AVAL = _compat.ShapedArray((2,), np.int32)
 
 
-def allreduce_rule(platform: Platform) -> Rule:
-    """The rule that lowers one buffer's all-reduce on `platform` (`libra_jax.ops.base`):
-    ``rule(ctx, x, *, axes, blocks, inplace, invariant) -> [result]``. Looked up when a
-    program is lowered, so that `replaced_rule` reaches every op."""
+class Call(NamedTuple):
+    """One collective as an op asks its platform's rule to lower it (one operand, lowered at a
+    `ctx` whose ``avals_in[0]`` / ``avals_out[0]`` are its operand's and result's types)."""
+
+    #: The kind (`libra_jax.collectives`): its targets, and its layout.
+    row: Collective
+    #: The mesh axes it runs over.
+    axes: tuple
+    #: Engine worker tasks, CUDA blocks or NCCL CTAs; None: `default_blocks`.
+    blocks: int | None
+    #: XLA's own collective of the operand: ``xla(operand_aval) -> (JAX primitive, params)``.
+    xla: Callable[[Any], tuple[Any, dict]]
+    #: The scattered dimension of the operand, or the gathered one of the result.
+    dimension: int = 0
+    #: `jax.lax`'s ``tiled``: the scattered (gathered) dimension is split (joined), not dropped.
+    tiled: bool = True
+    #: The result aliases the operand (an all-reduce in place).
+    inplace: bool = False
+
+
+def rule(platform: Platform) -> Rule:
+    """The rule that lowers any row's `Call` on `platform` (`libra_jax.ops.base`):
+    ``rule(ctx, x, call) -> [result]``. Looked up when a program is lowered, so that
+    `replaced_rule` reaches every op."""
     if platform not in _RULES:
-        raise ValueError(f"no all-reduce rule for platform {platform!r}")
+        raise ValueError(f"no collective rule for platform {platform!r}")
+    return partial(lower, platform=platform)
 
-    def rule(ctx: Any, x: Any, **params: Any) -> Any:
-        return _RULES[platform](ctx, x, **params)
-    return rule
+
+def lower(ctx: Any, x: Any, call: Call, platform: Platform) -> Any:
+    """`call` of the operand `x` lowered at `ctx` on `platform`, by that platform's rule."""
+    return _RULES[platform](ctx, x, call=call)
 
 
 @contextlib.contextmanager
-def replaced_rule(platform: Platform, rule: Rule) -> Iterator[None]:
-    """Within the block, programs lowered for `platform` reduce each buffer with `rule`
-    instead (every op: psum, fused bucket, start/done's one-call path). A measurement seam:
-    `benchmarks/model_fidelity.py` lowers all-reduces as the identity to time compute alone."""
+def replaced_rule(platform: Platform, replacement: Rule) -> Iterator[None]:
+    """Within the block, programs lowered for `platform` lower every collective with
+    ``replacement(ctx, x, call=call)`` instead (every op: psum, buckets, start/done's one-call
+    path); it returns the call's results. A measurement seam: `benchmarks/model_fidelity.py`
+    lowers all-reduces as the identity to time compute alone."""
     saved = _RULES[platform]
-    _RULES[platform] = rule
+    _RULES[platform] = replacement
     try:
         yield
     finally:
         _RULES[platform] = saved
+
+
+def _libra_or_xla(ctx: Any, x: Any, *, call: Call, platform: Platform) -> Any:
+    """The rule of every platform: libra's call where it serves, else XLA's."""
+    emit, reason = libra_call(ctx, call, platform)
+    if emit is None:
+        return xla_collective(ctx, x, call, reason)
+    return emit(x)
+
+
+def libra_call(ctx: Any, call: Call, platform: Platform
+               ) -> tuple[Callable[[Any], Sequence[Any]] | None, str | None]:
+    """Libra's call for `call` on `platform`, decided before anything is emitted:
+    ``(emit, "")``, ``emit(x)`` the call's results, where it serves; ``(None, reason)`` where
+    XLA's must do it; ``(None, None)`` for the twin (``"xla"``: XLA's, quietly)."""
+    if platform == "xla":
+        return None, None
+    if platform == "cpu":
+        return engine_call(ctx, call)
+    if platform == "cuda":
+        return _gpu_emit(ctx, call)
+    return None, "/".join(ctx.module_context.platforms)
+
+
+#: Each platform's rule (`rule`): libra's call where it serves, else XLA's (quietly for
+#: ``"xla"``, the twins). `replaced_rule` swaps one for a measurement.
+_RULES: dict[Platform, Rule] = {platform: partial(_libra_or_xla, platform=platform)
+                                for platform in (None, "cpu", "cuda", "xla")}
+
+
+def xla_collective(ctx: Any, x: Any, call: Call, reason: str | None) -> Any:
+    """XLA's own collective for `call` (the JAX primitive `call.xla` names), with the one-time
+    notice of why libra's does not serve it (`reason`; None: quietly, the twin)."""
+    if reason is not None:
+        warn_fallback(call.row, reason)
+    prim, params = call.xla(ctx.avals_in[0])
+    return _compat.lower_fun(partial(prim.bind, **params))(ctx, x)
+
+
+def warn_fallback(row: Collective, reason: str) -> None:
+    """The one-time notice of a collective lowered to XLA's, and why."""
+    warn_once("xla-fallback",
+              f"libra_jax.{row.lax}: no Libra {row.kind} for {reason}; lowering to XLA's "
+              f"{row.kind} (blocks ignored).")
 
 
 def mirrored(invariant: bool, axes: tuple) -> tuple[Any, dict]:
@@ -117,6 +183,19 @@ def default_profile(platform: str) -> str:
     return model.default_profile(platform)
 
 
+def _full_bytes(aval: Any, row: Collective, world: int) -> int:
+    """The full (unsharded) buffer's bytes of a call whose operand is `aval`."""
+    nbytes = math.prod(aval.shape) * np.dtype(aval.dtype).itemsize
+    return nbytes * (world if row.gathers else 1)
+
+
+def _timeout_attr() -> dict:
+    """The ``timeout_ms`` attribute every engine, kernel and NCCL call carries."""
+    return {"timeout_ms": np.int64(config.timeout_ms())}
+
+
+# --- CPU: the engine --------------------------------------------------------------------
+
 def _groups_in_this_process(ctx: Any, axes: tuple) -> tuple[Any, Any, str]:
     """(XLA's replica groups of `axes`, the mesh's devices or None, "") where every device of
     the mesh is this process's; (None, None, why) where libra's in-process calls cannot serve."""
@@ -129,44 +208,52 @@ def _groups_in_this_process(ctx: Any, axes: tuple) -> tuple[Any, Any, str]:
     return groups, devices, ""
 
 
-def _timeout_attr() -> dict:
-    """The ``timeout_ms`` attribute every engine, kernel and NCCL call carries."""
-    return {"timeout_ms": np.int64(config.timeout_ms())}
-
-
-def cpu_rule(ctx: Any, x: Any, *, axes: tuple, blocks: int, inplace: bool,
-                  invariant: bool) -> Any:
-    call, reason = cpu_call(ctx, axes, blocks)
-    if call is None:
-        return xla_rule(ctx, x, axes=axes, blocks=blocks, inplace=inplace,
-                             invariant=invariant, reason=reason)
-    rank_group, attrs = call
-    aval_in, = ctx.avals_in
-    call_ctx = ctx.replace(avals_in=[aval_in, _compat.ShapedArray((2,), np.int32)])
-    rule = jax.ffi.ffi_lowering(_ffi.target("all-reduce", "cpu"),
-                                operand_output_aliases={0: 0} if inplace else {})
-    return rule(call_ctx, x, rank_group, **attrs)
-
-
 def cpu_call(ctx: Any, axes: tuple, blocks: int | None, collective: str = "psum"
              ) -> tuple[tuple | None, str]:
     """The engine call's (rank, group) operand and attributes for the `collective` (a row of
     `COLLECTIVES`) lowered at `ctx`, or ``(None, reason)`` where XLA's must do it. Shared by
-    the calls and the start/done pair (`libra_jax.ops.start_done`)."""
+    the one call (`engine_call`) and the start/done pair (`pair_call`)."""
     groups, devices, reason = _groups_in_this_process(ctx, axes)
     if groups is None:
         # The engine meets the devices of this process only; XLA's collectives (gloo on CPU)
         # cross processes. Never wait for ranks that cannot come.
         return None, f"cpu {reason}"
     _ffi.ensure_registered()
-    aval_in = ctx.avals_in[0]
+    row = COLLECTIVES[collective]
+    world = len(groups[0])
     if blocks is None:  # Chosen now that the group size is known.
-        nbytes = math.prod(aval_in.shape) * np.dtype(aval_in.dtype).itemsize
-        nbytes *= len(groups[0]) if COLLECTIVES[collective].gathers else 1  # the full buffer's
-        blocks = default_blocks(nbytes, len(groups[0]), default_profile("cpu"), collective)
+        blocks = default_blocks(_full_bytes(ctx.avals_in[0], row, world), world,
+                                default_profile("cpu"), collective)
     return (rank_group_operand(ctx, groups),
-            dict(label=f"{collective}{tuple(axes)}", world=np.int64(len(groups[0])),
+            dict(label=f"{collective}{tuple(axes)}", world=np.int64(world),
                  blocks=np.int64(blocks), **_timeout_attr())), ""
+
+
+def engine_call(ctx: Any, call: Call) -> tuple[Callable[[Any], Sequence[Any]] | None, str]:
+    """The engine's one call for `call` on CPU (`libra_call`'s form), dtypes it does not sum
+    excepted. A sharded row's call carries ``segment``: the elements of one shard from the
+    call's dimension on, so that every layout is one call without a transposed copy (an
+    all-gather's bf16 NaNs made canonical first, as XLA's)."""
+    row = call.row
+    aval_in = ctx.avals_in[0]
+    dtype = np.dtype(aval_in.dtype)
+    if not row.gathers and dtype not in ENGINE_DTYPES:
+        return None, f"cpu {dtype.name}"
+    found, reason = cpu_call(ctx, call.axes, call.blocks, row.lax)
+    if found is None:
+        return None, reason
+    rank_group, attrs = found
+    if row.layout != "replicated":
+        shard = aval_in if row.gathers else ctx.avals_out[0]
+        attrs["segment"] = np.int64(math.prod(shard.shape[call.dimension:]))
+    lowered = jax.ffi.ffi_lowering(_ffi.target(row.kind, "cpu"),
+                                   operand_output_aliases={0: 0} if call.inplace else {})
+
+    def emit(x: Any) -> Sequence[Any]:
+        if row.gathers and dtype == BF16:
+            x = _canonical_bf16_nans(ctx, x)
+        return lowered(ctx.replace(avals_in=[aval_in, _RANK_AVAL]), x, rank_group, **attrs)
+    return emit, ""
 
 
 def rank_group_operand(ctx: Any, groups: Sequence[Sequence[int]]) -> Any:
@@ -185,6 +272,53 @@ def rank_group_operand(ctx: Any, groups: Sequence[Sequence[int]]) -> Any:
     return _compat.hlo.reshape(_compat.ir.RankedTensorType.get([2], i32), row)
 
 
+# --- CUDA: libra's P2P kernels or NCCL ---------------------------------------------------
+
+def _cuda_default_reason() -> str:
+    return (f"cuda ({config.CUDA_PATH_ENV}=xla, the default: libra's GPU all-reduces have not run on a "
+            f"GPU yet; {config.CUDA_PATH_ENV}=p2p or {config.CUDA_PATH_ENV}=nccl opts in)")
+
+
+def gpu_call(ctx: Any, call: Call) -> tuple[str | None, dict, str]:
+    """Which libra call serves `call` on a GPU, as ``(engine, attributes, "")``: ``"nccl"``
+    (the ``nccl`` path, and the ``p2p`` path's groups that span processes) or ``"cuda"`` (the
+    ``p2p`` path: libra's P2P kernels, for the rows the extension has kernels for); ``""`` for
+    an empty buffer (no call needed); ``(None, {}, reason)`` where XLA's must do it. Shared by
+    the one call and start/done (`pair_call`)."""
+    if not _ffi.HAS_CUDA:
+        return None, {}, "cuda (libra_jax was built without CUDA)"
+    path = config.cuda_path()
+    row = call.row
+    kernels = _ffi.has_target(row.kind, "cuda")
+    if path != "nccl" and not kernels:
+        nccl_only = " and ".join(r.kind for r in collectives.ROWS
+                                 if not _ffi.has_target(r.kind, "cuda"))
+        return None, {}, (f"cuda ({config.CUDA_PATH_ENV}={path}: libra's GPU {nccl_only} are "
+                          f"NCCL's, {config.CUDA_PATH_ENV}=nccl)")
+    if path == "xla":
+        return None, {}, _cuda_default_reason()
+    groups = _compat.replica_groups(ctx, call.axes)
+    devices = _compat.mesh_devices(ctx)
+    across = devices is not None and any(d.process_index != jax.process_index()
+                                         for d in devices)
+    if path == "nccl" or across:
+        if groups is None:
+            return None, {}, "cuda in a partially automatic shard_map"
+        if devices is None:
+            return None, {}, (f"cuda with {config.CUDA_PATH_ENV}={path} on an abstract mesh "
+                              "(libra's NCCL call needs the mesh's devices: give shard_map or "
+                              "libra_jax.value_and_grad a jax.sharding.Mesh, or trace under "
+                              "jax.set_mesh)")
+        attrs, reason = nccl_attrs(ctx, groups, devices, call.blocks, row.lax)
+        if attrs is None:
+            return None, {}, reason
+        return ("nccl" if attrs else ""), attrs, ""
+    attrs, reason = _kernel_attrs(ctx, call)
+    if attrs is None:
+        return None, {}, reason
+    return ("cuda" if attrs else ""), attrs, ""
+
+
 def _buffer_served(ctx: Any, dtypes: frozenset, path: str) -> tuple[np.dtype, int, str]:
     """The lowered buffer's dtype and element count, and why a GPU call with `dtypes` does not
     serve it ("" where it does): the check every GPU call's attributes start with."""
@@ -194,27 +328,10 @@ def _buffer_served(ctx: Any, dtypes: frozenset, path: str) -> tuple[np.dtype, in
     return dtype, math.prod(aval_in.shape), reason
 
 
-def _cuda_default_reason() -> str:
-    return (f"cuda ({config.CUDA_PATH_ENV}=xla, the default: libra's GPU all-reduces have not run on a "
-            f"GPU yet; {config.CUDA_PATH_ENV}=p2p or {config.CUDA_PATH_ENV}=nccl opts in)")
-
-
-def cuda_kernel_attrs(ctx: Any, axes: tuple, blocks: int | None) -> tuple[dict | None, str]:
-    """The attributes of libra's P2P kernel call for the psum lowered at `ctx`
-    (among the GPUs of this process), or ``(None, reason)`` where the kernels do
-    not serve it; ``({}, "")`` for an empty buffer (no call needed). Shared by
-    the synchronous call and the start/done pair (`libra_jax.ops.start_done`)."""
-    if not _ffi.HAS_CUDA:
-        return None, "cuda (libra_jax was built without CUDA)"
-    path = config.cuda_path()
-    if path == "xla":
-        return None, _cuda_default_reason()
-    if path != "p2p":  # nccl, where the mesh's devices are not known (an abstract mesh)
-        return None, (f"cuda with {config.CUDA_PATH_ENV}={path} on an abstract mesh (libra's "
-                      "NCCL call needs the mesh's devices: give shard_map or "
-                      "libra_jax.value_and_grad a jax.sharding.Mesh, or trace under "
-                      "jax.set_mesh)")
-    groups, devices, reason = _groups_in_this_process(ctx, axes)
+def _kernel_attrs(ctx: Any, call: Call) -> tuple[dict | None, str]:
+    """The attributes of libra's P2P kernel call for `call` among the GPUs of this process,
+    or ``(None, reason)`` where the kernels do not serve it; ``({}, "")`` for an empty buffer."""
+    groups, devices, reason = _groups_in_this_process(ctx, call.axes)
     if groups is None:
         return None, f"cuda {reason}"
     world = len(groups[0])
@@ -237,57 +354,53 @@ def cuda_kernel_attrs(ctx: Any, axes: tuple, blocks: int | None) -> tuple[dict |
         members = [ordinals[d] for d in g]
         if len(members) > 1 and _ffi.cuda_peer_access(members) is False:
             return None, f"cuda GPUs {members} without peer access (P2P) between them"
+    blocks = call.blocks
     if blocks is None:  # Chosen now that the group size is known.
-        blocks = default_blocks(count * dtype.itemsize, world, default_profile("cuda"))
+        blocks = default_blocks(_full_bytes(ctx.avals_in[0], call.row, world), world,
+                                default_profile("cuda"), call.row.lax)
     return dict(devices=np.array([ordinals[d] for g in groups for d in g], np.int32),
                 world=np.int64(world), blocks=np.int64(blocks),
                 algorithm=np.int64(config.cuda_algorithm()),
                 **_timeout_attr()), ""
 
 
-def cuda_call(ctx: Any, axes: tuple, blocks: int | None) -> tuple[str | None, dict, str]:
-    """The libra call that all-reduces the buffer lowered at `ctx` on a GPU, as
-    ``(target, attributes, "")``: `libra_allreduce_nccl` (the ``nccl`` path, and groups of the
-    ``p2p`` path that span processes) or `libra_allreduce_cuda` (``p2p``, the P2P kernels);
-    ``("", {}, "")`` for an empty buffer (no call needed); ``(None, {}, reason)`` where XLA's
-    all-reduce must do it. Shared by the one call (`cuda_rule`) and start/done
-    (`libra_jax.ops.start_done`, which maps the target to its start)."""
-    if not _ffi.HAS_CUDA:
-        return None, {}, "cuda (libra_jax was built without CUDA)"
-    path = config.cuda_path()
-    if path == "xla":
-        return None, {}, _cuda_default_reason()
-    groups = _compat.replica_groups(ctx, axes)
-    devices = _compat.mesh_devices(ctx)
-    if (groups is not None and devices is not None
-            and (path == "nccl" or any(d.process_index != jax.process_index() for d in devices))):
-        attrs, reason = nccl_attrs(ctx, groups, devices, blocks)
-        if attrs is None:
-            return None, {}, reason
-        return (_ffi.target("all-reduce", "nccl") if attrs else ""), attrs, ""
-    attrs, reason = cuda_kernel_attrs(ctx, axes, blocks)
-    if attrs is None:
-        return None, {}, reason
-    return (_ffi.target("all-reduce", "cuda") if attrs else ""), attrs, ""
-
-
-def cuda_rule(ctx: Any, x: Any, *, axes: tuple, blocks: int, inplace: bool,
-                   invariant: bool) -> Any:
-    """The psum on a GPU, by the data path `cuda_path` selects (`cuda_call`): XLA's all-reduce
-    (``xla``, the default), libra's P2P kernels with `blocks` thread blocks among the GPUs of
-    this process (``p2p``) or NCCL with `blocks` as its CTA limit (``nccl``, in one process and
-    across processes; ``p2p``'s groups across processes too), every GPU one NCCL rank. Falls
-    back to XLA's all-reduce (with a one-time notice) for what the chosen path does not serve."""
-    target, attrs, reason = cuda_call(ctx, axes, blocks)
-    if target is None:
-        return xla_rule(ctx, x, axes=axes, blocks=blocks, inplace=inplace,
-                        invariant=invariant, reason=reason)
-    if not target:
-        return [x]
+def _gpu_emit(ctx: Any, call: Call) -> tuple[Callable[[Any], Sequence[Any]] | None, str]:
+    """`libra_call` on CUDA: the call `gpu_call` chose, emitted. The P2P kernels take the
+    buffer flat and padded to 16-byte vectors; NCCL takes an all-reduce's buffer as it is and
+    a sharded row's as one row of shards (`to_row_of_shards`: a transposed copy unless the
+    dimension leads)."""
+    engine, attrs, reason = gpu_call(ctx, call)
+    if engine is None:
+        return None, reason
+    out_aval = ctx.avals_out[0]
+    if not engine:  # an empty buffer: nothing to call
+        return (lambda x: [_compat.ir_constant(np.zeros(out_aval.shape, out_aval.dtype))]), ""
     _ffi.ensure_cuda_registered()
-    if target == _ffi.target("all-reduce", "nccl"):  # any dtype and length NCCL takes
-        rule = jax.ffi.ffi_lowering(target, operand_output_aliases={0: 0} if inplace else {})
-        return rule(ctx, x, **attrs)
+    target = _ffi.target(call.row.kind, engine)
+    if engine == "cuda":
+        return partial(_padded_kernel_call, ctx, target, attrs, call.inplace), ""
+    aliases = {0: 0} if call.inplace else {}
+    if call.row.layout == "replicated":  # any shape, dtype and length NCCL takes
+        return (lambda x: jax.ffi.ffi_lowering(target, operand_output_aliases=aliases)(
+            ctx, x, **attrs)), ""
+    gathers = call.row.gathers
+
+    def nccl(x: Any) -> Sequence[Any]:
+        flat, flat_in = to_row_of_shards(ctx, x, gathers, call.dimension, call.tiled)
+        flat_out = flat_in.update(shape=(math.prod(out_aval.shape),))
+        result, = _compat.ir_values(jax.ffi.ffi_lowering(target)(
+            ctx.replace(primitive=None, avals_in=[flat_in], avals_out=[flat_out]), flat,
+            **attrs))
+        return from_row_of_shards(ctx, result, flat_out, out_aval, gathers, call.dimension,
+                                  call.tiled)
+    return nccl, ""
+
+
+def _padded_kernel_call(ctx: Any, target: str, attrs: dict, inplace: bool, x: Any
+                        ) -> list[Any]:
+    """The P2P kernels' all-reduce of `x` (in place where `inplace`), on its flat form padded
+    to 16 bytes where it is not a multiple (the kernels move 16-byte vectors: a padded copy,
+    reduced in place)."""
     aval_in, = ctx.avals_in
     dtype = np.dtype(aval_in.dtype)
     count = math.prod(aval_in.shape)
@@ -315,7 +428,7 @@ def cuda_rule(ctx: Any, x: Any, *, axes: tuple, blocks: int, inplace: bool,
 def nccl_attrs(ctx: Any, groups: Sequence[Sequence[int]], devices: Sequence[Any],
                blocks: int | None, collective: str = "psum") -> tuple[dict | None, str]:
     """The attributes of the `libra_allreduce_nccl` call (and its start) for the psum lowered
-    at `ctx` (or of `collective`'s NCCL call, `sharded_nccl_call`) over XLA's replica `groups`
+    at `ctx` (or of `collective`'s NCCL call: `gpu_call`) over XLA's replica `groups`
     of the mesh's `devices`: NCCL with `blocks` as the
     call's CTA limit (cpp/libra/nccl.h), every GPU one rank of its group, ranks in XLA's group
     order; ``({}, "")`` for an empty buffer; ``(None, reason)`` without NCCL.
@@ -409,150 +522,55 @@ def _say_launch_order(lib: _nccl.Library) -> None:
                   f"{config.CUDA_PATH_ENV}=nccl or p2p, unless it is set).")
 
 
-def xla_rule(ctx: Any, x: Any, *, axes: tuple, blocks: int, inplace: bool,
-                  invariant: bool, reason: str | None = None, quiet: bool = False) -> Any:
-    """XLA's own all-reduce, where the engine has no target (or, `quiet`, where it is
-    asked for: `optimize(collectives="xla")`); `blocks` is ignored."""
-    platforms = "/".join(ctx.module_context.platforms)
-    if not quiet:
-        warn_once("xla-fallback",
-                  f"libra_jax.psum: no Libra all-reduce for {reason or platforms}; "
-                  "lowering to XLA's all-reduce (blocks ignored).")
-    aval_in, = ctx.avals_in
-    # A buffer packed during lowering (fused, start/done) carries no varying axes: psum's
-    # lowering is the same all-reduce as psum_invariant's and takes it.
-    varying = invariant and set(axes) <= set(_compat.varying_axes(aval_in))
-    prim, params = mirrored(varying, axes)
-    return _compat.lower_fun(partial(prim.bind, **params))(ctx, x)
+
+# --- Start/done: where libra splits a call in two ---------------------------------------
+
+class PairCall(NamedTuple):
+    """How the platform's libra call splits a flat buffer's collective into a start and a
+    done: start's target and its operands after the buffer, the (rank, group) operand a done
+    slices a reduce-scatter's shard by, done's target and extra operands, the attributes."""
+
+    start: str
+    start_operands: list
+    rank_group: Any
+    done: str
+    done_operands: list
+    attrs: dict
 
 
-
-_RULES: dict[Platform, Rule] = {None: xla_rule, "cpu": cpu_rule, "cuda": cuda_rule,
-                                "xla": partial(xla_rule, quiet=True)}
-
-
-def sharded_rule(collective: str, platform: Platform, dimension: str,
-                 mirror: Callable[..., tuple[Any, dict]]) -> Rule:
-    """The rule that lowers a reduce-scatter or an all-gather (`collective`, a row of
-    `COLLECTIVES`) on `platform`: ``rule(ctx, x, *, axis_name, blocks, **params)``.
-
-    Libra's call where it serves (`sharded_call`: the engine's on CPU, NCCL's on CUDA with
-    ``LIBRA_JAX_CUDA=nccl``), along the dimension the param `dimension` names; else XLA's own
-    collective (`sharded_xla`: the primitive `mirror(**params)` names, JAX's) with a one-time
-    notice, quietly for the twin (``"xla"``)."""
-    def rule(ctx: Any, x: Any, **params: Any) -> Any:
-        emit, reason = sharded_call(ctx, collective, platform, axis_name=params["axis_name"],
-                                    blocks=params["blocks"], dimension=params[dimension],
-                                    tiled=params["tiled"])
-        if emit is None:
-            return sharded_xla(ctx, x, collective, mirror, reason, **params)
-        return emit(x)
-    return rule
-
-
-def sharded_call(ctx: Any, collective: str, platform: Platform, *, axis_name: tuple,
-                 blocks: int | None, dimension: int, tiled: bool
-                 ) -> tuple[Callable[[Any], Sequence[Any]] | None, str | None]:
-    """Libra's call for the reduce-scatter or all-gather (`collective`) of the one operand
-    lowered at `ctx` (its result: ``ctx.avals_out[0]``) on `platform`, along `dimension`:
-    ``(emit, "")``, ``emit(x)`` the call's results, where it serves; ``(None, reason)`` where
-    XLA's must do it (`sharded_xla`), ``(None, None)`` for the twin (``"xla"``: quietly).
-    Decided before anything is emitted. Shared by `sharded_rule` and the reduce-scatter
-    bucket (`libra_jax.ops.fused`, on its packed row of shards: `dimension` 0, tiled).
-
-    On CPU, the engine's call (`cpu_call`), dtypes it does not sum excepted, with the
-    ``segment`` attribute: the elements of one shard from `dimension` on, so that every
-    layout is one call, without a transposed copy (an all-gather's bf16 NaNs made canonical
-    first, as XLA's). On CUDA with ``LIBRA_JAX_CUDA=nccl``, NCCL's (`sharded_nccl_call`) on
-    the buffer as one row of shards (`to_row_of_shards`: a transposed copy unless
-    `dimension` leads)."""
-    if platform == "xla":
-        return None, None
-    row = COLLECTIVES[collective]
-    aval_in, = ctx.avals_in
-    dtype = np.dtype(aval_in.dtype)
+def pair_call(flat_ctx: Any, call: Call, platform: Platform) -> PairCall | None:
+    """Where libra splits `call` of the flat buffer lowered at `flat_ctx` (its operand) into
+    start and done: on CPU the engine's start and done; on CUDA the call `gpu_call` chooses
+    (the P2P kernels' or NCCL's start on libra's stream, and a done where XLA's stream waits
+    for libra's). None where the one-call lowering does it (start and done decide alike: the
+    same buffer, axes and blocks; an empty buffer included)."""
+    row = call.row
+    if platform == "cpu":
+        if not row.gathers and np.dtype(flat_ctx.avals_in[0].dtype) not in ENGINE_DTYPES:
+            return None
+        found, _ = cpu_call(flat_ctx, call.axes, call.blocks, row.lax)
+        if found is None:
+            return None
+        rank_group, attrs = found
+        if row.layout != "replicated":
+            attrs["segment"] = np.int64(0)  # one flat row of shards
+        return PairCall(_ffi.target(row.kind, "cpu", "start"), [rank_group], rank_group,
+                        _ffi.target(row.kind, "cpu", "done"), [rank_group], attrs)
     if platform == "cuda":
-        flat_in = aval_in.update(shape=(math.prod(aval_in.shape),))
-        flat_ctx = ctx.replace(primitive=None, avals_in=[flat_in])
-        target, attrs, reason = sharded_nccl_call(flat_ctx, axis_name, blocks, collective)
-        if target is None:
-            return None, reason
-        flat_out = flat_in.update(shape=(math.prod(ctx.avals_out[0].shape),))
-
-        def nccl(x: Any) -> Sequence[Any]:
-            flat, _ = to_row_of_shards(ctx, x, row.gathers, dimension, tiled)
-            if not target:  # an empty buffer
-                return [_compat.ir_constant(np.zeros(ctx.avals_out[0].shape,
-                                                     ctx.avals_out[0].dtype))]
-            result, = _compat.ir_values(jax.ffi.ffi_lowering(target)(
-                flat_ctx.replace(avals_out=[flat_out]), flat, **attrs))
-            return from_row_of_shards(ctx, result, flat_out, ctx.avals_out[0], row.gathers,
-                                      dimension, tiled)
-        return nccl, ""
-    if platform != "cpu":
-        return None, "/".join(ctx.module_context.platforms)
-    if not row.gathers and dtype not in ENGINE_DTYPES:
-        return None, f"cpu {dtype.name}"
-    call, reason = cpu_call(ctx, axis_name, blocks, collective)
-    if call is None:
-        return None, reason
-    rank_group, attrs = call
-    shard = aval_in if row.gathers else ctx.avals_out[0]
-    segment = math.prod(shard.shape[dimension:])
-
-    def engine(x: Any) -> Sequence[Any]:
-        if row.gathers and dtype == BF16:
-            x = _canonical_bf16_nans(ctx, x)
-        call_ctx = ctx.replace(avals_in=[aval_in, _compat.ShapedArray((2,), np.int32)])
-        lowered = jax.ffi.ffi_lowering(_ffi.target(row.kind, "cpu"))
-        return lowered(call_ctx, x, rank_group, segment=np.int64(segment), **attrs)
-    return engine, ""
+        engine, attrs, _ = gpu_call(flat_ctx, call)
+        if not engine:
+            return None
+        _ffi.ensure_cuda_registered()
+        rank_group = None
+        groups = _compat.replica_groups(flat_ctx, call.axes)  # known: gpu_call chose a call
+        if row.layout == "scattered" and groups is not None:
+            rank_group = rank_group_operand(flat_ctx, groups)
+        return PairCall(_ffi.target(row.kind, engine, "start"), [], rank_group,
+                        _ffi.target(row.kind, engine, "done"), [], attrs)
+    return None
 
 
-def sharded_xla(ctx: Any, x: Any, collective: str, mirror: Callable[..., tuple[Any, dict]],
-                reason: str | None, **params: Any) -> Any:
-    """XLA's own reduce-scatter or all-gather (`collective`) of the one operand `x` lowered
-    at `ctx`: the JAX primitive `mirror(**params)` names, with the one-time notice of why
-    libra's does not serve it (`reason`; None: quietly, the twin)."""
-    if reason is not None:
-        warn_sharded_fallback(collective, reason)
-    prim, jax_params = mirror(**params)
-    return _compat.lower_fun(partial(prim.bind, **jax_params))(ctx, x)
-
-
-def warn_sharded_fallback(collective: str, reason: str) -> None:
-    """The one-time notice of a reduce-scatter or all-gather lowered to XLA's, and why."""
-    kind = COLLECTIVES[collective].kind
-    warn_once("sharded-xla-fallback",
-              f"libra_jax.{collective}: no Libra {kind} for {reason}; lowering to XLA's "
-              f"{kind} (blocks ignored).")
-
-
-def sharded_nccl_call(flat_ctx: Any, axes: tuple, blocks: int | None, collective: str
-                      ) -> tuple[str | None, dict, str]:
-    """NCCL's reduce-scatter or all-gather (`collective`) for the row of shards lowered at
-    `flat_ctx` (its operand: the reduce-scatter's full buffer, the all-gather's shard), on
-    ``LIBRA_JAX_CUDA=nccl``: ``(target, attributes, "")``; ``("", {}, "")`` for an empty
-    buffer; ``(None, {}, reason)`` where XLA's must do it (the ``xla`` and ``p2p`` paths:
-    libra's P2P kernels are all-reduces only)."""
-    if not _ffi.HAS_CUDA:
-        return None, {}, "cuda (libra_jax was built without CUDA)"
-    path = config.cuda_path()
-    if path != "nccl":
-        return None, {}, (f"cuda ({config.CUDA_PATH_ENV}={path}: libra's GPU reduce-scatter "
-                          f"and all-gather are NCCL's, {config.CUDA_PATH_ENV}=nccl)")
-    groups = _compat.replica_groups(flat_ctx, axes)
-    devices = _compat.mesh_devices(flat_ctx)
-    if groups is None or devices is None:
-        return None, {}, "cuda in a partially automatic shard_map or on an abstract mesh"
-    attrs, reason = nccl_attrs(flat_ctx, groups, devices, blocks, collective)
-    if attrs is None:
-        return None, {}, reason
-    if not attrs:
-        return "", {}, ""
-    _ffi.ensure_cuda_registered()
-    return _ffi.target(COLLECTIVES[collective].kind, "nccl"), attrs, ""
-
+# --- Rows of shards: the sharded calls' flat layout --------------------------------------
 
 def to_row_of_shards(ctx: Any, x: Any, gathers: bool, dimension: int, tiled: bool
                      ) -> tuple[Any, Any]:

@@ -13,11 +13,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from libra_jax import _compat
+from libra_jax import _compat, collectives
 from libra_jax.ops import lowering
-from libra_jax.ops.base import register_op
+from libra_jax.ops.base import Platform, Rule, register_op
 
-__all__ = ["libra_psum_p", "psum_abstract_eval"]
+__all__ = ["libra_psum_p", "psum_abstract_eval", "allreduce_call"]
+
+ALL_REDUCE = collectives.BY_LAX["psum"]
 
 
 def psum_abstract_eval(aval: Any, *, axes: tuple, blocks: int | None, inplace: bool,
@@ -37,6 +39,27 @@ def _transpose(ct: Any, x: Any, *, axes: tuple, blocks: int | None, inplace: boo
     return (libra_psum_p.bind(ct, axes=axes, blocks=blocks, inplace=True, invariant=False),)
 
 
+def _lowering(platform: Platform) -> Rule:
+    """The platform's rule (`lowering.rule`) for the all-reduce's row."""
+    lower = lowering.rule(platform)
+
+    def rule(ctx: Any, x: Any, *, axes: tuple, blocks: int | None, inplace: bool,
+             invariant: bool) -> Any:
+        return lower(ctx, x, call=allreduce_call(axes, blocks, invariant, inplace))
+    return rule
+
+
+def allreduce_call(axes: tuple, blocks: int | None, invariant: bool,
+                   inplace: bool) -> lowering.Call:
+    """The `lowering.Call` of one buffer's psum: XLA's is `mirrored`'s primitive, psum's
+    where the operand carries no varying axes (a buffer packed during lowering: psum's
+    lowering is the same all-reduce as psum_invariant's and takes it)."""
+    def xla(aval: Any) -> tuple[Any, dict]:
+        varying = invariant and set(axes) <= set(_compat.varying_axes(aval))
+        return lowering.mirrored(varying, axes)
+    return lowering.Call(ALL_REDUCE, axes, blocks, xla, inplace=inplace)
+
+
 def _batcher(axis_data: Any, vals_in: Sequence[Any], dims_in: Sequence[Any], *,
              axes: tuple, blocks: int | None, inplace: bool, invariant: bool) -> tuple[Any, Any]:
     (x,), (dim,) = vals_in, dims_in
@@ -49,5 +72,5 @@ def _batcher(axis_data: Any, vals_in: Sequence[Any], dims_in: Sequence[Any], *,
 
 
 libra_psum_p = register_op("libra_psum", abstract_eval=psum_abstract_eval,
-                           lowering=lowering.allreduce_rule, transpose=_transpose,
+                           lowering=_lowering, transpose=_transpose,
                            batcher=_batcher)

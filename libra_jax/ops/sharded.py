@@ -4,7 +4,7 @@ Each stands for exactly the primitive `jax.lax` binds (`mirror_reduce_scatter`,
 `mirror_all_gather`): `reduce_scatter` for `psum_scatter`; `all_gather`, or
 `all_gather_invariant` (``to='invarying'`` under `shard_map(check_vma=True)`), for
 `all_gather`. Their abstract evaluation *is* that primitive's (shapes, dtypes, varying axes,
-effects and JAX's own errors); they differ in their lowering (`lowering.sharded_rule`: the
+effects and JAX's own errors); they differ in their lowering (`lowering.rule` over their row: the
 engine's call on CPU) and carry a block count. They are each other's transpose, as JAX's are,
 so `jax.grad` through `libra_all_gather` is libra's reduce-scatter. `all_gather_invariant`'s
 transpose is JAX's: the slice of this device's shard from a cotangent that is already the
@@ -15,18 +15,18 @@ None for `lowering.default_blocks`) and, for the all-gather, ``invariant``.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
-from libra_jax import _compat
+from libra_jax import _compat, collectives
 from libra_jax.ops import lowering
-from libra_jax.ops.base import register_op
+from libra_jax.ops.base import Platform, Rule, register_op
 
 __all__ = ["libra_reduce_scatter_p", "libra_all_gather_p", "mirror_reduce_scatter",
-           "mirror_all_gather", "mirror_abstract_eval"]
+           "mirror_all_gather", "mirror_abstract_eval", "sharded_call"]
 
 
 def mirror_reduce_scatter(*, axis_name: tuple, scatter_dimension: int, axis_size: int,
@@ -101,16 +101,34 @@ def _batcher(prim: Any, mirror: Any, dimension: str) -> Any:
     return rule
 
 
+def sharded_call(collective: str, params: dict[str, Any]) -> lowering.Call:
+    """The `lowering.Call` of the reduce-scatter or all-gather (`collective`) with the
+    primitive's `params` (JAX's, and ``blocks``)."""
+    mirror, dimension = _MIRRORS[collective]
+    return lowering.Call(collectives.BY_LAX[collective], params["axis_name"], params["blocks"],
+                         lambda aval: mirror(**params), dimension=params[dimension],
+                         tiled=params["tiled"])
+
+
+def _lowering(collective: str) -> Callable[[Platform], Rule]:
+    def for_platform(platform: Platform) -> Rule:
+        lower = lowering.rule(platform)
+        return lambda ctx, x, **params: lower(ctx, x, call=sharded_call(collective, params))
+    return for_platform
+
+
+#: Each sharded kind's JAX primitive (by its params) and the param naming its dimension.
+_MIRRORS: dict[str, tuple[Callable[..., tuple[Any, dict]], str]] = {
+    "psum_scatter": (mirror_reduce_scatter, "scatter_dimension"),
+    "all_gather": (mirror_all_gather, "all_gather_dimension"),
+}
+
 libra_reduce_scatter_p = register_op(
     "libra_reduce_scatter", abstract_eval=mirror_abstract_eval(mirror_reduce_scatter),
-    lowering=lambda platform: lowering.sharded_rule("psum_scatter", platform,
-                                                    "scatter_dimension", mirror_reduce_scatter),
-    transpose=_reduce_scatter_transpose)
+    lowering=_lowering("psum_scatter"), transpose=_reduce_scatter_transpose)
 libra_all_gather_p = register_op(
     "libra_all_gather", abstract_eval=mirror_abstract_eval(mirror_all_gather),
-    lowering=lambda platform: lowering.sharded_rule("all_gather", platform,
-                                                    "all_gather_dimension", mirror_all_gather),
-    transpose=_all_gather_transpose)
+    lowering=_lowering("all_gather"), transpose=_all_gather_transpose)
 _compat.register_batcher(libra_reduce_scatter_p, _batcher(
     libra_reduce_scatter_p, mirror_reduce_scatter, "scatter_dimension"))
 _compat.register_batcher(libra_all_gather_p, _batcher(

@@ -52,16 +52,16 @@ start drops it once its all-reduce has ended and its done has not come within th
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import numpy as np
 
-from libra_jax import _compat, _ffi
+from libra_jax import _compat
 from libra_jax.ops import lowering
 from libra_jax.ops.base import Platform, Rule, register_op
-from libra_jax.ops.psum import psum_abstract_eval
-from libra_jax.ops.sharded import mirror_all_gather, mirror_reduce_scatter
+from libra_jax.ops.psum import allreduce_call, psum_abstract_eval
+from libra_jax.ops.sharded import sharded_call
 
 __all__ = ["libra_psum_start_p", "libra_psum_done_p", "libra_sharded_start_p", "register_pair",
            "libra_sharded_done_p", "TOKEN_AVAL"]
@@ -71,6 +71,8 @@ __all__ = ["libra_psum_start_p", "libra_psum_done_p", "libra_sharded_start_p", "
 #: data only), and no buffer is passed twice (a second reader of the in-flight buffer would
 #: make XLA copy it while it is being reduced).
 TOKEN_AVAL = _compat.ShapedArray((1,), np.int32)
+#: The engine's (rank, group) operand.
+_RANK_AVAL = _compat.ShapedArray((2,), np.int32)
 
 
 # --- the pair ---------------------------------------------------------------------
@@ -116,58 +118,31 @@ def start_abstract_eval(*avals: Any, axes: tuple, blocks: int, invariant: bool,
 
 
 def _start_lowering(platform: Platform) -> Rule:
-    sync_rule = lowering.allreduce_rule(platform)
-    engine = platform if platform in ("cpu", "cuda") else None
-
     def rule(ctx: Any, *xs: Any, axes: tuple, blocks: int, invariant: bool,
              call_id: int) -> list[Any]:
         _check_paired("libra_psum_start", "psum", call_id)
+        call = allreduce_call(axes, blocks, invariant, inplace=True)
         outs = []
         token = None  # the last split call's; a constant where start reduced in one call
         for j, (dtype, idx, padded) in enumerate(lowering.packed_layout(ctx.avals_in)):
             flat = _compat.ShapedArray((padded,), dtype)
             flat_ctx = ctx.replace(primitive=None, avals_in=[flat], avals_out=[flat])
             packed = lowering.pack(ctx, xs, idx, padded)
-            split_call = _split_call(engine, flat_ctx, axes, blocks)
-            if split_call is None:
-                result, = _compat.ir_values(sync_rule(flat_ctx, packed, axes=axes,
-                                                      blocks=blocks, inplace=True,
-                                                      invariant=invariant))
+            pair = lowering.pair_call(flat_ctx, call, platform)
+            if pair is None:
+                result, = _compat.ir_values(lowering.lower(flat_ctx, packed, call, platform))
             else:
-                target, operands, attrs = split_call
-                call = jax.ffi.ffi_lowering(target, operand_output_aliases={0: 0})
+                start = jax.ffi.ffi_lowering(pair.start, operand_output_aliases={0: 0})
                 call_ctx = ctx.replace(primitive=None, avals_out=[flat, TOKEN_AVAL],
-                                       avals_in=[flat] + [
-                                           _compat.ShapedArray((2,), np.int32)] * len(operands))
-                result, token = _compat.ir_values(call(
-                    call_ctx, packed, *operands, call_id=np.int64(call_id * 16 + j), **attrs))
+                                       avals_in=[flat] + [_RANK_AVAL] * len(pair.start_operands))
+                result, token = _compat.ir_values(start(
+                    call_ctx, packed, *pair.start_operands,
+                    call_id=np.int64(call_id * 16 + j), **pair.attrs))
             outs.append(result)
         if token is None:
             token = _compat.ir_constant(np.zeros(TOKEN_AVAL.shape, TOKEN_AVAL.dtype))
         return [*outs, token]
     return rule
-
-
-def _split_call(platform: str | None, flat_ctx: Any, axes: tuple,
-                blocks: int) -> tuple[str, list, dict] | None:
-    """(start target, its operands after the buffer, its attributes) where the platform's
-    engine can split this packed buffer's all-reduce into start and done; None where start
-    all-reduces it with the one-call lowering and done only splits. Start and done decide
-    alike (the same buffer, axes and blocks)."""
-    if platform == "cpu":
-        call, _ = lowering.cpu_call(flat_ctx, axes, blocks)
-        if call is None:
-            return None
-        rank_group, attrs = call
-        return _ffi.target("all-reduce", "cpu", "start"), [rank_group], attrs
-    if platform == "cuda":
-        target, attrs, _ = lowering.cuda_call(flat_ctx, axes, blocks)
-        if not target:
-            return None
-        _ffi.ensure_cuda_registered()
-        engine = "nccl" if target == _ffi.target("all-reduce", "nccl") else "cuda"
-        return _ffi.target("all-reduce", engine, "start"), [], attrs
-    return None
 
 
 # --- done -----------------------------------------------------------------------
@@ -179,8 +154,6 @@ def done_abstract_eval(*operands: Any, out_avals: tuple, axes: tuple, blocks: in
 
 
 def _done_lowering(platform: Platform) -> Rule:
-    engine = platform if platform in ("cpu", "cuda") else None
-
     def rule(ctx: Any, *operands: Any, out_avals: tuple, axes: tuple, blocks: int,
              call_id: int) -> list[Any]:
         # Its own start's buffers and token (done reads only its own start's results: where
@@ -188,23 +161,19 @@ def _done_lowering(platform: Platform) -> Rule:
         # latest start's), read by nothing.
         layout = lowering.packed_layout(out_avals)
         flats, (token, *after) = operands[:len(layout)], operands[len(layout):]
-        token_aval = TOKEN_AVAL
+        call = allreduce_call(axes, blocks, False, inplace=True)
         outs: list[Any] = [None] * len(out_avals)
         for j, ((_, idx, _), flat, flat_aval) in enumerate(zip(layout, flats, ctx.avals_in)):
             flat_ctx = ctx.replace(primitive=None, avals_in=[flat_aval], avals_out=[flat_aval])
-            split_call = _split_call(engine, flat_ctx, axes, blocks)
-            if split_call is not None and engine == "cpu":
-                rank_group = split_call[1][0]
-                call = _done_call(_ffi.target("all-reduce", "cpu", "done"))
-                flat, = call(ctx.replace(primitive=None, avals_out=[flat_aval], avals_in=[
-                    flat_aval, _RANK_AVAL] + [token_aval] * (1 + len(after))),
-                    flat, rank_group, token, *after, call_id=np.int64(call_id * 16 + j))
-            elif split_call is not None:  # cuda: XLA's stream waits for libra's
+            pair = lowering.pair_call(flat_ctx, call, platform)
+            if pair is not None:
                 # The in-flight buffer once (aliased to the output), and the tokens: no copy.
-                call = _done_call(_ffi.target("all-reduce", "cuda", "done"))
-                flat, = call(ctx.replace(primitive=None, avals_out=[flat_aval], avals_in=[
-                    flat_aval] + [token_aval] * (1 + len(after))),
-                    flat, token, *after, call_id=np.int64(call_id * 16 + j))
+                done = _done_call(pair.done)
+                flat, = done(ctx.replace(primitive=None, avals_out=[flat_aval], avals_in=[
+                    flat_aval] + [_RANK_AVAL] * len(pair.done_operands)
+                    + [TOKEN_AVAL] * (1 + len(after))),
+                    flat, *pair.done_operands, token, *after,
+                    call_id=np.int64(call_id * 16 + j))
             lowering.split(ctx, flat, flat_aval, out_avals, idx, outs)
         return outs
     return rule
@@ -241,7 +210,7 @@ libra_psum_done_p = register_op("libra_psum_done", abstract_eval=done_abstract_e
 # is the all-reduce's ``libra_allreduce_cpu_done`` (keyed alike by call id, run, group, rank;
 # its pending entries expire alike). Where the engine does not serve the call (other
 # platforms, CUDA until libra has GPU versions, groups across processes) the collective is
-# XLA's, with `lowering.sharded_rule`'s notice: the all-gather in start, the reduce-scatter in
+# XLA's, with `lowering.rule`'s notice: the all-gather in start, the reduce-scatter in
 # done (its start then only flattens); the values are the same. Params: ``collective``,
 # ``axis_name``, ``dimension`` (the scattered dimension of the operand, or the gathered one
 # of the result), ``axis_size``, ``tiled``, ``blocks``, ``call_id``; done's ``out_aval`` is the
@@ -278,85 +247,41 @@ def sharded_done_abstract_eval(flat: Any, token: Any, *after: Any, collective: s
     return out_aval, set()
 
 
-class _ShardedSplit(NamedTuple):
-    """How the platform's libra call splits a flat row of shards' collective: its start
-    target, start's operands after the buffer, the (rank, group) operand done slices a
-    reduce-scatter's shard by, done's target and extra operands, and the attributes."""
-    start: str
-    start_operands: list
-    rank_group: Any
-    done: str
-    done_operands: list
-    attrs: dict
-
-
-def _sharded_split(platform: str | None, flat_ctx: Any, axes: tuple, blocks: int | None,
-                   collective: str) -> _ShardedSplit | None:
-    """Where libra splits this flat buffer's collective into start and done: on CPU the
-    engine's start and ``libra_allreduce_cpu_done``; on CUDA (``LIBRA_JAX_CUDA=nccl``) NCCL's
-    start on libra's stream and ``libra_allreduce_cuda_done``. None where XLA's does it (start
-    and done decide alike: the same buffer, axes and blocks; an empty buffer included)."""
-    row = lowering.COLLECTIVES[collective]
-    if platform == "cpu":
-        call, _ = lowering.cpu_call(flat_ctx, axes, blocks, collective)
-        if call is None:
-            return None
-        rank_group, attrs = call
-        return _ShardedSplit(_ffi.target(row.kind, "cpu", "start"), [rank_group], rank_group,
-                             _ffi.target(row.kind, "cpu", "done"), [rank_group], attrs)
-    if platform == "cuda":
-        target, attrs, _ = lowering.sharded_nccl_call(flat_ctx, axes, blocks, collective)
-        groups = _compat.replica_groups(flat_ctx, axes)
-        if not target or groups is None:
-            return None
-        rank_group = lowering.rank_group_operand(flat_ctx, groups)
-        return _ShardedSplit(_ffi.target(row.kind, "nccl", "start"), [], rank_group,
-                             _ffi.target(row.kind, "nccl", "done"), [], attrs)
-    return None
-
-
-_RANK_AVAL = _compat.ShapedArray((2,), np.int32)
-
-
-def _one_call(platform: Platform, collective: str) -> Rule:
-    """The one-call lowering of `collective` on `platform` (`lowering.sharded_rule`), for a
-    flat buffer: tiled along its only dimension."""
-    if collective == "psum_scatter":
-        rule = lowering.sharded_rule(collective, platform, "scatter_dimension",
-                                     mirror_reduce_scatter)
-        return lambda ctx, x, **p: rule(ctx, x, scatter_dimension=0, tiled=True, **p)
-    rule = lowering.sharded_rule(collective, platform, "all_gather_dimension",
-                                 mirror_all_gather)
-    return lambda ctx, x, **p: rule(ctx, x, all_gather_dimension=0, tiled=True,
-                                    invariant=False, **p)
+def _flat_call(collective: str, axis_name: tuple, axis_size: int, blocks: int | None
+               ) -> lowering.Call:
+    """The collective of a flat row of shards (`lowering.to_row_of_shards`): along its only
+    dimension, tiled."""
+    dimension = "scatter_dimension" if collective == "psum_scatter" else "all_gather_dimension"
+    params: dict[str, Any] = dict(axis_name=axis_name, axis_size=axis_size, tiled=True,
+                                  blocks=blocks, **{dimension: 0})
+    if collective == "all_gather":
+        params["invariant"] = False
+    return sharded_call(collective, params)
 
 
 def _sharded_start_lowering(platform: Platform) -> Rule:
     def rule(ctx: Any, x: Any, *after: Any, collective: str, axis_name: tuple, dimension: int,
              axis_size: int, tiled: bool, blocks: int | None, call_id: int) -> list[Any]:
         _check_paired("libra_sharded_start", collective, call_id)
-        gathers = lowering.COLLECTIVES[collective].gathers
+        call = _flat_call(collective, axis_name, axis_size, blocks)
+        gathers = call.row.gathers
         ctx_x = ctx.replace(avals_in=ctx.avals_in[:1])
         flat, flat_in = lowering.to_row_of_shards(ctx_x, x, gathers, dimension, tiled)
         flat_ctx = ctx.replace(primitive=None, avals_in=[flat_in])
         full = ctx.avals_out[0]
-        split = _sharded_split(platform, flat_ctx, axis_name, blocks, collective)
-        if split is None:
+        pair = lowering.pair_call(flat_ctx, call, platform)
+        if pair is None:
             token = _compat.ir_constant(np.zeros(TOKEN_AVAL.shape, TOKEN_AVAL.dtype))
             if not gathers:  # done reduce-scatters the flat buffer
                 return [flat, token]
-            result, = _compat.ir_values(_one_call(platform, collective)(
-                flat_ctx.replace(avals_out=[full]), flat, axis_name=axis_name,
-                axis_size=axis_size, blocks=blocks))
+            result, = _compat.ir_values(lowering.lower(
+                flat_ctx.replace(avals_out=[full]), flat, call, platform))
             return [result, token]
-        if platform == "cuda":
-            _ffi.ensure_cuda_registered()
-        call = jax.ffi.ffi_lowering(split.start,
-                                    operand_output_aliases={} if gathers else {0: 0})
-        return list(call(ctx.replace(primitive=None, avals_in=[flat_in] + [_RANK_AVAL] * len(
-            split.start_operands) + list(ctx.avals_in[1:])), flat, *split.start_operands, *after,
-            call_id=_sharded_key(call_id, collective), **split.attrs,
-            **({"segment": np.int64(0)} if platform == "cpu" else {})))
+        start = jax.ffi.ffi_lowering(pair.start,
+                                     operand_output_aliases={} if gathers else {0: 0})
+        return list(start(ctx.replace(primitive=None, avals_in=[flat_in] + [_RANK_AVAL] * len(
+            pair.start_operands) + list(ctx.avals_in[1:])), flat, *pair.start_operands, *after,
+            call_id=_sharded_key(call_id, collective), **pair.attrs))
     return rule
 
 
@@ -364,29 +289,30 @@ def _sharded_done_lowering(platform: Platform) -> Rule:
     def rule(ctx: Any, flat: Any, token: Any, *after: Any, collective: str, axis_name: tuple,
              dimension: int, axis_size: int, tiled: bool, blocks: int | None, call_id: int,
              out_aval: Any) -> list[Any]:
-        flat_aval, token_aval = ctx.avals_in[:2]
-        gathers = lowering.COLLECTIVES[collective].gathers
+        flat_aval = ctx.avals_in[0]
+        call = _flat_call(collective, axis_name, axis_size, blocks)
+        gathers = call.row.gathers
         shard = flat_aval.shape[0] // axis_size
         # The operand's flat form (start's lowering), which decides the split as start did.
         flat_in = flat_aval.update(shape=(shard if gathers else flat_aval.shape[0],))
-        split = _sharded_split(platform, ctx.replace(primitive=None, avals_in=[flat_in]),
-                               axis_name, blocks, collective)
-        if split is None:
+        pair = lowering.pair_call(ctx.replace(primitive=None, avals_in=[flat_in]), call,
+                                  platform)
+        if pair is None:
             result_flat = flat_aval if gathers else flat_aval.update(shape=(shard,))
             if not gathers:
-                flat, = _compat.ir_values(_one_call(platform, collective)(
+                flat, = _compat.ir_values(lowering.lower(
                     ctx.replace(primitive=None, avals_in=[flat_aval], avals_out=[result_flat]),
-                    flat, axis_name=axis_name, axis_size=axis_size, blocks=blocks))
+                    flat, call, platform))
             return lowering.from_row_of_shards(ctx, flat, result_flat, out_aval, gathers,
                                                dimension, tiled)
         # The in-flight buffer once (aliased to the output), and the token: no copy.
-        call = _done_call(split.done)
-        flat, = _compat.ir_values(call(ctx.replace(
-            primitive=None, avals_in=[flat_aval] + [_RANK_AVAL] * len(split.done_operands)
-            + list(ctx.avals_in[1:]), avals_out=[flat_aval]), flat, *split.done_operands, token,
+        done = _done_call(pair.done)
+        flat, = _compat.ir_values(done(ctx.replace(
+            primitive=None, avals_in=[flat_aval] + [_RANK_AVAL] * len(pair.done_operands)
+            + list(ctx.avals_in[1:]), avals_out=[flat_aval]), flat, *pair.done_operands, token,
             *after, call_id=_sharded_key(call_id, collective)))
         return lowering.from_row_of_shards(ctx, flat, flat_aval, out_aval, gathers, dimension,
-                                           tiled, rank_group=None if gathers else split.rank_group)
+                                           tiled, rank_group=None if gathers else pair.rank_group)
     return rule
 
 
