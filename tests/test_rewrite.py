@@ -844,7 +844,7 @@ def test_the_default_profile_on_a_gpu_backend_is_the_gpu_one(monkeypatch):
     from libra_jax import model, rewrite
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    options = rewrite._Options(profile=None, fusion=True, blocks=None)
+    options = rewrite.rewriter.Options(profile=None, fusion=True, blocks=None)
     assert model.BUILTIN_PROFILES["gpu"] == "h100"
     assert options.resolved_profile() == model.load_profile("h100")  # resolved: a Profile
 
@@ -887,9 +887,8 @@ def _inner_jaxpr(fn, *args):
 def _sites(jaxpr):
     from libra_jax import rewrite
 
-    rewriter = rewrite._Rewriter(rewrite._Options(profile="cpu-host", fusion=True, blocks=None),
-                                 rewrite.OptimizeReport(), None)
-    return [s for i, e in enumerate(jaxpr.eqns) if (s := rewriter.site(i, e, "top")) is not None]
+    found = [rewrite.sites.find_site(i, e) for i, e in enumerate(jaxpr.eqns)]
+    return [s for s in found if isinstance(s, rewrite.sites.Site) and s.collective != "all-gather"]
 
 
 def test_phase_sites_and_classification_on_a_toy_jaxpr():
@@ -904,17 +903,17 @@ def test_phase_sites_and_classification_on_a_toy_jaxpr():
     jaxpr = _inner_jaxpr(fn, np.ones((8, 4), np.float32))
     sites = _sites(jaxpr)
     assert [s.explicit_blocks for s in sites] == [None, None, 5]
-    gradient, backward = rewrite._gradient_sites(jaxpr.eqns, sites, jaxpr.outvars)
+    gradient, backward = rewrite.sites.gradient_sites(jaxpr.eqns, sites, jaxpr.outvars)
     assert backward is None  # no transpose in sight: every terminal psum is a gradient one
     a, b, c = (s.index for s in sites)
     assert gradient == {b, c}
-    assert rewrite._kinds(sites, gradient, backward, in_loop=False) == {
+    assert rewrite.sites.site_kinds(sites, gradient, backward, in_loop=False) == {
         a: "forward", b: "gradient", c: "user"}
-    assert rewrite._kinds(sites, set(), None, in_loop=True) == {  # a forward loop body
+    assert rewrite.sites.site_kinds(sites, set(), None, in_loop=True) == {  # a forward loop body
         a: "loop", b: "loop", c: "user"}
-    assert rewrite._kinds(sites, {b}, {a, b}, in_loop=True) == {  # a body's backward pass
+    assert rewrite.sites.site_kinds(sites, {b}, {a, b}, in_loop=True) == {  # a body's backward pass
         a: "loop", b: "gradient", c: "user"}
-    assert rewrite._kinds(sites, {b}, {a, b}, in_loop=False) == {
+    assert rewrite.sites.site_kinds(sites, {b}, {a, b}, in_loop=False) == {
         a: "backward", b: "gradient", c: "user"}
 
 
@@ -929,11 +928,11 @@ def test_phase_schedule_applies_edits_in_order():
 
     jaxpr = _inner_jaxpr(fn, np.ones((8, 4), np.float32))
     eqns = list(jaxpr.eqns)
-    assert rewrite._schedule(eqns, rewrite._Edits()) == eqns  # no edits: unchanged
+    assert rewrite.edits.schedule(eqns, rewrite.edits.Edits()) == eqns  # no edits: unchanged
     a, b = (s.index for s in _sites(jaxpr))
     uses = [i for i, e in enumerate(eqns) if a < i < b and e.primitive.name == "add"]
-    edits = rewrite._Edits(removed={a}, sink={b: uses})
-    out = rewrite._schedule(eqns, edits)
+    edits = rewrite.edits.Edits(removed={a}, sink={b: uses})
+    out = rewrite.edits.schedule(eqns, edits)
     assert eqns[a] not in out
     assert out.index(eqns[b]) < out.index(eqns[uses[0]])  # the use moved after the bucket
     assert len(out) == len(eqns) - 1
@@ -1080,11 +1079,11 @@ def test_a_bucket_holds_one_collective_and_one_class():
             if p.kind == "gradient"] == [("reduce-scatter", 1), ("all-reduce", 1),
                                          ("reduce-scatter", 1), ("reduce-scatter", 1)]
     # The class cut, directly: members of other classes never share a reach.
-    sites = [rewrite._Site(i, ("x",), False, 64, None, None, "reduce-scatter", (d, 8, True))
+    sites = [rewrite.sites.Site(i, ("x",), False, 64, None, None, "reduce-scatter", (d, 8, True))
              for i, d in enumerate((0, 0, 1, 0))]
-    sites.insert(2, rewrite._Site(9, ("x",), True, 64, None))
-    assert rewrite._within_class(sites, [4, 4, 4, 4, 4]) == [1, 1, 2, 3, 4]
-    assert rewrite._within_class(sites, None) == [1, 1, 2, 3, 4]
+    sites.insert(2, rewrite.sites.Site(9, ("x",), True, 64, None))
+    assert rewrite.edits.within_class(sites, [4, 4, 4, 4, 4]) == [1, 1, 2, 3, 4]
+    assert rewrite.edits.within_class(sites, None) == [1, 1, 2, 3, 4]
 
 
 def test_plan_agreement_compares_the_collective(monkeypatch):

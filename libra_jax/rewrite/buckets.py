@@ -1,0 +1,160 @@
+"""The rewrite of a scope's gradient collectives: the planner's buckets and block counts
+(`plan`), each bucket issued as one call or a start/done pair (`split_buckets`), and the edits
+that issue it (`edit_bucket`). Functions of the scope's `Rewriter`.
+"""
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from libra_jax import _compat, config, model, planner
+from libra_jax.rewrite.costs import region_roofline_s
+from libra_jax.rewrite.edits import (
+    Edits,
+    can_fuse,
+    downstream_of,
+    fused_eqn,
+    single_eqn,
+    start_done_eqns,
+    sunk_after,
+    within_class,
+)
+from libra_jax.rewrite.report import PsumPlan, block_cap
+from libra_jax.rewrite.sites import Site
+
+if TYPE_CHECKING:
+    from libra_jax.rewrite.rewriter import Rewriter
+
+__all__ = ["plan", "edit_bucket", "split_buckets", "deferred_s"]
+
+
+def plan(rw: Rewriter, members: list[Site], costs: list[float], world: int, scope: str,
+         reach: list[int] | None = None, in_loop: bool = False
+         ) -> Iterable[tuple[list[Site], int]]:
+    """Buckets (lists of sites) and their block counts for one group of gradient psums.
+    `reach` (`fusable_reach`): which psums can share a fused bucket; the plan keeps to it.
+    `in_loop`: the scope is a loop body, and this is one iteration's plan."""
+    if world < 2:
+        return [([site], 1) for site in members]
+    cap, cap_why = block_cap(rw.profile)
+    derivation = model.derive(rw.profile, world, max_blocks=cap, max_blocks_why=cap_why)
+    layers, start = [], 0
+    for site in members:
+        layers.append(planner.Layer(compute_s=float(sum(costs[start:site.index])),
+                                    grad_bytes=int(site.nbytes), collective=site.collective))
+        start = site.index + 1
+    reach = within_class(members, reach)
+    cost = derivation.cost
+    fixed = rw.options.blocks
+    if fixed is not None:
+        key = derivation.key_for_blocks(fixed)  # stands for it in the model
+        if rw.options.fusion:
+            buckets = planner.plan_fusion_only(layers, cost, blocks=key, reach=reach).buckets
+        else:
+            buckets = [planner.Bucket(i, i, key) for i in range(len(layers))]
+    else:
+        buckets = planner.plan(layers, cost, fusion=rw.options.fusion, reach=reach).buckets
+    # A bucket that cannot be one fused all-reduce runs as several: predict what runs.
+    buckets = planner.within_reach(buckets, reach)
+    rw.report.predicted.append({
+        "scope": scope, "layers": layers, "buckets": list(buckets), "in_loop": in_loop,
+        "backward_s": planner.simulate(layers, buckets, cost),
+        # The loaded profile and its derivation: `explain` reads these, never a name.
+        "profile": rw.profile, "derivation": derivation, "world": world,
+        # For `libra_jax.explain`: per layer, the psum's equation index and result variable;
+        # the cost model and what its keys count.
+        "axes": members[0].axes, "members": tuple(s.index for s in members),
+        "results": tuple(s.result for s in members), "cost": cost,
+        "key_unit": derivation.key_unit, "reach": reach,
+        # Said where the cap took an option away.
+        "limit": (f"block counts at most {cap}: {cap_why}"
+                  if cap is not None and any(cap_why in why
+                                             for why in derivation.dropped.values())
+                  else ""),
+    })
+    out = []
+    for bucket in buckets:
+        if rw.options.blocks is not None:
+            k = rw.options.blocks
+        else:
+            k = derivation.launch_blocks(bucket.blocks)
+        out.append((members[bucket.first:bucket.last + 1], k))
+    return out
+
+
+def edit_bucket(rw: Rewriter, eqns: Sequence[Any], bucket: list[Site], axes: tuple,
+                invariant: bool, k: int, split: bool, scope: str, invars: set,
+                edits: Edits) -> None:
+    """The edits that issue one planned gradient bucket: fused (or, where its members
+    cannot be one call, each alone), as one call or a start/done pair; and its report."""
+    mode = "start-done" if split else "sync"
+    if len(bucket) == 1 or not can_fuse(eqns, bucket):
+        for site in bucket:
+            if split:
+                edits.replacements[site.index], edits.dones[site.index] = start_done_eqns(
+                    eqns, [site], axes, invariant, k, rw.call_id())
+            else:
+                edits.replacements[site.index] = single_eqn(eqns[site.index], site, k, invars)
+        rw.report.plans.extend(
+            PsumPlan(scope, axes, (s.index,), s.nbytes, k, "gradient", mode, s.collective)
+            for s in bucket)
+        return
+    last = bucket[-1].index
+    if split:
+        edits.replacements[last], edits.dones[last] = start_done_eqns(
+            eqns, bucket, axes, invariant, k, rw.call_id())
+    else:
+        edits.replacements[last] = fused_eqn(eqns, bucket, axes, invariant, k)
+    edits.removed.update(site.index for site in bucket[:-1])
+    edits.sink[last] = sunk_after(eqns, bucket)
+    rw.report.plans.append(PsumPlan(scope, axes, tuple(s.index for s in bucket),
+                                      sum(s.nbytes for s in bucket), k, "gradient", mode,
+                                      bucket[0].collective))
+
+
+def split_buckets(rw: Rewriter, eqns: Sequence[Any], outvars: Sequence[Any],
+                  buckets: list[list[Site]]) -> list[bool]:
+    """Per gradient bucket, whether it is issued as a start/done pair (else one call).
+
+    "auto" weighs what each way costs. A start/done pair defers the bucket's own
+    downstream work (its optimizer update) until after the backward pass, where nothing
+    hides it: it costs that work's roofline time. One call lets that work run beside the
+    rest of the backward pass, but leaves the all-reduce pending in the device's program
+    until the last rank arrives: on XLA:CPU that costs the step about the profile's
+    `pending_allreduce_us` (measured, benchmarks/results/end_to_end.md). On a GPU under
+    ``LIBRA_JAX_CUDA=nccl`` every bucket is a pair: libra's NCCL call as one call makes
+    XLA's stream wait for it at once, which serialises it with the backward pass. Other
+    profiles without `pending_allreduce_us` (the GPU forms on the other paths, until
+    `benchmarks/gpu_check.sh` has measured start/done) issue one call."""
+    mode = rw.options.overlap
+    if mode != "auto":
+        return [mode == "start-done"] * len(buckets)
+    fair_share = rw.profile.fair_share
+    if fair_share is None and config.cuda_path() == "nccl":
+        return [True] * len(buckets)
+    pending_s = fair_share.pending_allreduce_s if fair_share is not None else None
+    if pending_s is None:
+        return [False] * len(buckets)
+    return [deferred < pending_s for deferred in deferred_s(rw, eqns, outvars, buckets)]
+
+
+def deferred_s(rw: Rewriter, eqns: Sequence[Any], outvars: Sequence[Any],
+               buckets: list[list[Site]]) -> list[float]:
+    """Per bucket, the predicted seconds of the work that waits for its all-reduce alone:
+    the pure equations downstream of its results and of no other bucket's, priced as one
+    fused region (`region_roofline_s`), as XLA fuses an optimizer's elementwise chain."""
+    reached = [downstream_of(eqns, [eqns[s.index].outvars[0] for s in bucket])
+               for bucket in buckets]
+    shared = collections.Counter(i for r in reached for i in r)
+    readers: dict[Any, list[int]] = {}
+    for i, eqn in enumerate(eqns):
+        for v in eqn.invars:
+            if _compat.is_var(v):
+                readers.setdefault(v, []).append(i)
+    for v in outvars:
+        if _compat.is_var(v):
+            readers.setdefault(v, []).append(len(eqns))  # read after the last equation
+    return [region_roofline_s(eqns, [i for i in sorted(r) if shared[i] == 1
+                                      and not eqns[i].effects], readers, rw.profile)
+            for r in reached]

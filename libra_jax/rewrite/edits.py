@@ -1,0 +1,331 @@
+"""What a scope's rewrite changes, the equations it writes, and the order they run in.
+
+`Edits` records the changes by equation position; `schedule` applies them (a start/done
+pair's done waits, with the compute downstream of its results, until something needs them).
+The equations the rewrite writes for a site or a bucket (`single_eqn`, `fused_eqn`,
+`start_done_eqns`, `gather_pair_eqns`) and the rules of what may be fused and moved
+(`fusable_reach`, `within_class`, `can_fuse`, `sunk_after`, `sink_gathers`) are here.
+"""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import hashlib
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from libra_jax import _compat
+from libra_jax.ops import (
+    libra_all_gather_p,
+    libra_psum_fused_p,
+    libra_psum_p,
+    libra_reduce_scatter_fused_p,
+    libra_reduce_scatter_p,
+)
+from libra_jax.ops import lowering as _lowering
+from libra_jax.ops.start_done import (
+    TOKEN_AVAL,
+    libra_psum_done_p,
+    libra_psum_start_p,
+    libra_sharded_done_p,
+    libra_sharded_start_p,
+    register_pair,
+)
+from libra_jax.rewrite.sites import GATHERS, Site, is_psum
+
+__all__ = ["Edits", "schedule", "downstream_of", "sunk_after", "can_fuse", "fusable_reach",
+           "within_class", "single_eqn", "fused_eqn", "start_done_eqns", "gather_pair_eqns",
+           "program_fingerprint", "sink_gathers", "map_jaxprs"]
+
+
+@dataclasses.dataclass
+class Edits:
+    """What one scope's rewrite changes, by equation position; `schedule` applies it."""
+
+    replacements: dict[int, Any] = dataclasses.field(default_factory=dict)
+    removed: set[int] = dataclasses.field(default_factory=set)  # fused into a later member
+    sink: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # moves after a bucket
+    dones: dict[int, Any] = dataclasses.field(default_factory=dict)  # a start's -> its done
+    # Equations placed right before / after the one at a position (an all-gather's start,
+    # issued ahead: `Rewriter.prefetch_gathers`); scheduled as the equations around them.
+    before: dict[int, list[Any]] = dataclasses.field(default_factory=dict)
+    after: dict[int, list[Any]] = dataclasses.field(default_factory=dict)
+
+    @property
+    def moved(self) -> set[int]:
+        return {j for after in self.sink.values() for j in after}
+
+
+def schedule(eqns: Sequence[Any], edits: Edits) -> list[Any]:
+    """The scope's equations with `edits` applied, in order.
+
+    Start/done: each started bucket waits with its done, the uses that moved and, as they
+    come, every pure equation downstream of its results (the optimizer update), so the
+    compute in between overlaps the all-reduce. An effect or another all-reduce reading a
+    waiting result places it (and those started before) first. A done reads its own start's
+    buffers and token, then the latest start's token: XLA orders by data only, and this keeps
+    every done after the last start (after the backward pass), with no buffer passed twice (a
+    second reader of the in-flight buffer would make XLA copy it while it is reduced)."""
+    out: list[Any] = []
+    waiting: list[tuple[set, list[Any]]] = []  # (variables defined, equations)
+    latest: list[Any] = []  # the latest start's token
+    skipped = edits.removed | edits.moved
+
+    def place(groups: list[tuple[set, list[Any]]]) -> None:
+        for _, (done, *rest) in groups:
+            out.append(done.replace(invars=[*done.invars[:-1], latest[-1]]))
+            out.extend(rest)
+
+    def items() -> Iterable[tuple[int, Any, bool]]:  # (position, equation, the position's own)
+        for i in range(len(eqns)):
+            yield from ((i, e, False) for e in edits.before.get(i, ()))
+            if i not in skipped:
+                yield i, edits.replacements.get(i, eqns[i]), True
+            yield from ((i, e, False) for e in edits.after.get(i, ()))
+
+    for i, eqn, own in items():
+        reads = {v for v in eqn.invars if _compat.is_var(v)}
+        needed = [n for n, (defined, _) in enumerate(waiting) if defined & reads]
+        if needed and not (eqn.effects or is_psum(eqn) or (own and i in edits.dones)):
+            defined, group = waiting[needed[-1]]
+            group.append(eqn)
+            defined.update(v for v in eqn.outvars if _compat.is_var(v))
+            continue
+        if needed:
+            place(waiting[:needed[-1] + 1])
+            del waiting[:needed[-1] + 1]
+        out.append(eqn)
+        if not own:
+            continue
+        after = [eqns[j] for j in edits.sink.get(i, ())]
+        if i in edits.dones:
+            latest.append(eqn.outvars[-1])
+            group = [edits.dones[i]] + after
+            waiting.append(({v for e in group for v in e.outvars if _compat.is_var(v)}, group))
+        else:
+            out.extend(after)
+    place(waiting)
+    return out
+
+
+def downstream_of(eqns: Sequence[Any], seeds: Sequence[Any]) -> set[int]:
+    """Indices of the equations that (transitively) use one of the `seeds` variables."""
+    tainted = {v for v in seeds if _compat.is_var(v)}
+    out: set[int] = set()
+    for i, eqn in enumerate(eqns):
+        if any(_compat.is_var(v) and v in tainted for v in eqn.invars):
+            out.add(i)
+            tainted.update(v for v in eqn.outvars if _compat.is_var(v))
+    return out
+
+
+def sunk_after(eqns: Sequence[Any], bucket: Sequence[Site]) -> list[int]:
+    """The equations between a bucket's first and last member that use (transitively) an
+    earlier member's result. The fused all-reduce lands where the last member was, so these
+    move to just after it; `fusable_reach` guarantees that no member needs them."""
+    first, last = bucket[0].index, bucket[-1].index
+    members = {s.index for s in bucket}
+    tainted = {v for s in bucket[:-1] for v in eqns[s.index].outvars if _compat.is_var(v)}
+    out = []
+    for i in range(first + 1, last):
+        eqn = eqns[i]
+        if i not in members and any(_compat.is_var(v) and v in tainted for v in eqn.invars):
+            out.append(i)
+            tainted.update(v for v in eqn.outvars if _compat.is_var(v))
+    return out
+
+
+def can_fuse(eqns: Sequence[Any], bucket: Sequence[Site]) -> bool:
+    """Whether the bucket can be one all-reduce where its last member was: the equations that
+    must move after it (`sunk_after`) hold no psum (another group's plan may move or fuse it) and
+    no effect (their order with other effects is kept)."""
+    return not any(is_psum(eqns[i]) or eqns[i].effects for i in sunk_after(eqns, bucket))
+
+
+def fusable_reach(eqns: Sequence[Any], members: Sequence[Site]) -> list[int]:
+    """Per member psum, the last member it may share a fused bucket with (`planner.plan`'s
+    `reach`). A fused bucket lands where its last member is, and what uses an earlier member's
+    result in between moves after it (`sunk_after`): so member m reaches up to (not including) the
+    first later member whose operand depends on m's result, or the first effectful equation
+    that does. One pass, with each variable's dependence on members as a bit set."""
+    index = [s.index for s in members]
+    member_of = {i: m for m, i in enumerate(index)}
+    depends: dict[Any, int] = {}
+    limit = [len(members)] * len(members)  # the first member m may not share a bucket with
+    for i, eqn in enumerate(eqns):
+        mask = 0
+        for v in eqn.invars:
+            if _compat.is_var(v):
+                mask |= depends.get(v, 0)
+        m = member_of.get(i)
+        stop = m if m is not None else (bisect.bisect_left(index, i) if eqn.effects else None)
+        if mask and stop is not None:
+            bits = mask
+            while bits:
+                low = bits & -bits
+                j = low.bit_length() - 1
+                limit[j] = min(limit[j], stop)
+                bits ^= low
+        if m is not None:
+            mask |= 1 << m
+        if mask:
+            for v in eqn.outvars:
+                if _compat.is_var(v):
+                    depends[v] = mask
+    return [max(m, limit[m] - 1) for m in range(len(members))]
+
+
+def within_class(members: Sequence[Site], reach: Sequence[int] | None) -> list[int]:
+    """`reach` (`fusable_reach`) cut at the end of each member's run of one `Site.bucket_class`: a
+    bucket is one collective of one kind."""
+    end = len(members) - 1
+    out = [end] * len(members) if reach is None else list(reach)
+    for m in range(len(members) - 1, -1, -1):
+        if m + 1 < len(members) and members[m + 1].bucket_class != members[m].bucket_class:
+            end = m
+        out[m] = min(out[m], end)
+    return out
+
+
+def single_eqn(eqn: Any, site: Site, blocks: int, invars: set) -> Any:
+    if site.gather is not None:
+        dimension, size, tiled, invariant = site.gather
+        return eqn.replace(primitive=libra_all_gather_p,
+                           params=dict(axis_name=site.axes, all_gather_dimension=dimension,
+                                       axis_size=size, tiled=tiled, invariant=invariant,
+                                       blocks=int(blocks)))
+    if site.scatter is not None:
+        dimension, size, tiled = site.scatter
+        return eqn.replace(primitive=libra_reduce_scatter_p,
+                           params=dict(axis_name=site.axes, scatter_dimension=dimension,
+                                       axis_size=size, tiled=tiled, blocks=int(blocks)))
+    operand = eqn.invars[0]
+    inplace = not (_compat.is_var(operand) and operand in invars)
+    return eqn.replace(primitive=libra_psum_p,
+                       params=dict(axes=site.axes, blocks=int(blocks), inplace=inplace,
+                                   invariant=site.invariant))
+
+
+def fused_eqn(eqns: Sequence[Any], bucket: Sequence[Site], axes: tuple, invariant: bool,
+           blocks: int) -> Any:
+    members = [eqns[s.index] for s in bucket]
+    effects = set().union(*(e.effects for e in members))
+    if bucket[0].scatter is not None:  # psum_scatters along their first dimension
+        primitive = libra_reduce_scatter_fused_p
+        params = dict(axis_name=axes, axis_size=bucket[0].scatter[1],
+                      tiled=tuple(s.scatter[2] for s in bucket if s.scatter is not None),
+                      blocks=int(blocks))
+    else:
+        primitive = libra_psum_fused_p
+        params = dict(axes=axes, blocks=int(blocks), invariant=invariant)
+    # From the last member's equation, so that its context (the mesh JAX checks the psum's
+    # types against, under `jax.set_mesh`) and source info carry over, as `single_eqn`'s do.
+    return members[-1].replace(
+        invars=[e.invars[0] for e in members], outvars=[e.outvars[0] for e in members],
+        primitive=primitive, params=params, effects=effects)
+
+
+def start_done_eqns(eqns: Sequence[Any], bucket: Sequence[Site], axes: tuple, invariant: bool,
+                blocks: int, call_id: int) -> tuple[Any, Any]:
+    """A bucket as a `libra_psum_start` equation (its operands -> packed buffers in flight and
+    a token) and a `libra_psum_done` equation (those buffers, that token and an ordering
+    token -> the members' results; `schedule` makes the ordering token the latest start's)."""
+    members = [eqns[s.index] for s in bucket]
+    effects = set().union(*(e.effects for e in members))
+    operands = [e.invars[0] for e in members]
+    flat_vars = [_compat.new_var(a) for a in _lowering.packed_avals([v.aval for v in operands])]
+    token = _compat.new_var(TOKEN_AVAL)
+    results = [e.outvars[0] for e in members]
+    # Both from the last member's equation: its context and source info carry over (`fused_eqn`).
+    start = members[-1].replace(
+        invars=operands, outvars=[*flat_vars, token], primitive=libra_psum_start_p,
+        params=dict(axes=axes, blocks=int(blocks), invariant=invariant, call_id=call_id),
+        effects=effects)
+    register_pair("psum", call_id)
+    done = members[-1].replace(
+        invars=[*flat_vars, token, token], outvars=results, primitive=libra_psum_done_p,
+        params=dict(out_avals=tuple(v.aval for v in results), axes=axes, blocks=int(blocks),
+                    call_id=call_id), effects=set())
+    return start, done
+
+
+def gather_pair_eqns(eqn: Any, site: Site, blocks: int, call_id: int,
+                 after: Any = None) -> tuple[Any, Any]:
+    """An all_gather as a `libra_sharded_start` equation (its operand, and `after` where given:
+    a value it must not start before, which it reads and ignores -> the full buffer in flight
+    and a token) and a `libra_sharded_done` equation (those -> the gather's result), both from
+    the gather's equation (its context and source info carry over)."""
+    dimension, size, tiled, _ = site.gather  # type: ignore[misc]
+    params = dict(collective="all_gather", axis_name=site.axes, dimension=dimension,
+                  axis_size=size, tiled=tiled, blocks=int(blocks), call_id=call_id)
+    operand, result = eqn.invars[0], eqn.outvars[0]
+    flat_aval, token_aval = libra_sharded_start_p.abstract_eval(operand.aval, **params)[0]
+    flat, token = _compat.new_var(flat_aval), _compat.new_var(token_aval)
+    start = eqn.replace(primitive=libra_sharded_start_p,
+                        invars=[operand] + ([after] if after is not None else []),
+                        outvars=[flat, token],
+                        params=params, effects=eqn.effects)
+    register_pair("all_gather", call_id)
+    done = eqn.replace(primitive=libra_sharded_done_p, invars=[flat, token], outvars=[result],
+                       params=dict(params, out_aval=result.aval), effects=set())
+    return start, done
+
+
+def program_fingerprint(jaxpr: Any) -> int:
+    """A 64-bit hash of a jaxpr's structure: every equation's primitive and result types,
+    sub-jaxprs included (printing the jaxpr would take a second for 8000 equations)."""
+    parts: list[str] = []
+    types: dict[Any, str] = {}  # per aval: programs repeat a few types many times
+
+    def type_of(aval: Any) -> str:
+        text = types.get(aval)
+        if text is None:
+            dtype = getattr(aval, "dtype", None)
+            text = types[aval] = f"{getattr(aval, 'shape', ())}{getattr(dtype, 'char', '')};"
+        return text
+
+    def visit(j: Any) -> None:
+        for eqn in j.eqns:
+            parts.append(eqn.primitive.name)
+            parts.extend(type_of(v.aval) for v in eqn.outvars)
+            for sub in _compat.jaxprs_in_params(eqn.params):
+                visit(getattr(sub, "jaxpr", sub))
+    visit(jaxpr)
+    digest = hashlib.blake2b("".join(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def sink_gathers(eqns: Sequence[Any]) -> list[Any]:
+    """The scope's equations with each all-gather moved down to just before its first reader.
+    FSDP code often gathers every parameter up front (the GSPMD route does: `data_parallel`),
+    which holds them all gathered from the scope's start and leaves no compute to issue a
+    gather ahead of; at its first use it is where `Rewriter.prefetch_gathers` expects it. An
+    all-gather is pure and its operand is defined earlier still, so the values are unchanged;
+    one that nothing in the scope reads (a scope's output) stays where it is."""
+    first_use: dict[Any, int] = {}
+    for i, eqn in enumerate(eqns):
+        for v in eqn.invars:
+            if _compat.is_var(v):
+                first_use.setdefault(v, i)
+    moved: dict[int, list[Any]] = {}
+    out: list[Any] = []
+    for i, eqn in enumerate(eqns):
+        out.extend(moved.pop(i, ()))
+        use = first_use.get(eqn.outvars[0], i + 1) if eqn.outvars else i + 1
+        if (eqn.primitive.name in GATHERS or eqn.primitive is libra_all_gather_p) and use > i + 1:
+            moved.setdefault(use, []).append(eqn)
+        else:
+            out.append(eqn)
+    return out
+
+
+def map_jaxprs(value: Any, fn: Callable[[Any], Any]) -> Any:
+    """Apply `fn` to every Jaxpr in a param value (ClosedJaxpr, Jaxpr or a tuple of them)."""
+    if isinstance(value, _compat.ClosedJaxpr):
+        return _compat.closed_jaxpr(fn(value.jaxpr), value.consts)
+    if isinstance(value, _compat.Jaxpr):
+        return fn(value)
+    if isinstance(value, tuple) and any(isinstance(v, (_compat.ClosedJaxpr, _compat.Jaxpr))
+                                        for v in value):
+        return tuple(map_jaxprs(v, fn) for v in value)
+    return value

@@ -1,0 +1,249 @@
+"""What `optimize` planned, said: the report of a rewrite, the block cap a profile sets, and the
+agreement of every process of a job on one profile and one plan.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from libra_jax import _compat, _nccl, config, model
+from libra_jax.ops.base import warn_once
+
+__all__ = ["PsumPlan", "LoopPlan", "OptimizeReport", "block_cap", "shared_profile",
+           "data_path_lines", "check_plan_agreement", "NO_PROFILE_BROADCAST_ENV"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PsumPlan:
+    """One planned collective (a bucket of one or more psums, or of psum_scatters) in one
+    jaxpr scope."""
+
+    scope: str                      # where: "shard_map/jit/..." path of the jaxpr
+    axes: tuple                     # the reduced mesh axes
+    members: tuple[int, ...]        # positions of the psums in the scope's equations
+    nbytes: int                     # bytes per rank
+    blocks: int                     # the allocation (engine worker tasks / thread blocks)
+    # "gradient" (planned and fused: `Rewriter.jaxpr`), "backward" (of the backward pass,
+    # feeding more of it: e.g. a batch norm statistic's cotangent), "forward" (the forward
+    # pass, metrics), "loop" (in a loop body) or "user" (blocks= given)
+    kind: str
+    overlap: str = "sync"           # "sync" (one call) or "start-done" (`libra_jax.ops.start_done`)
+    # What the bucket issues (`planner.COLLECTIVES`): "all-reduce" (psums), "reduce-scatter"
+    # (psum_scatters: a sharded parameter's gradient; `nbytes` is then the unsharded buffers'
+    # bytes per rank) or "all-gather" (one all_gather; `nbytes`: the gathered buffer's).
+    collective: str = "all-reduce"
+    # An all-gather issued ahead of its use (`overlap` "prefetch": a start/done pair): how many
+    # gathers of its scope ahead (`planner.GatherPlan.distance`); 0 for one call.
+    ahead: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopPlan:
+    """What `optimize` did with one loop (`scan`, `while`) whose body holds gradient psums:
+    each iteration's plan (the body's scope, whose `PsumPlan`s run once per iteration) and,
+    for a scan whose psums could leave the body (a stacked weight's gradient slices:
+    `libra_jax.loops`), the choice to hoist them or keep them in the body."""
+
+    scope: str                      # the scope the loop equation is in
+    index: int                      # its position among the scope's equations
+    length: int | None              # iterations (a scan's; None: a while loop's)
+    body: str                       # the body's scope: its PsumPlans are each iteration's
+    gradient: int                   # gradient psums planned in the body, per iteration
+    calls: int                      # the calls they make per iteration (their buckets)
+    # A scan's hoistable psums: how many, their bytes per iteration, "hoist" (all-reduced
+    # after the loop, planned with the scope's gradients) or "in-loop" (planned in the body),
+    # and the model's predicted seconds of the loop each way; 0 and "in-loop" where none.
+    psums: int = 0
+    nbytes: int = 0
+    choice: str = "in-loop"
+    in_loop_s: float | None = None
+    hoisted_s: float | None = None
+    kept: int = 0                   # the body's psums not planned as gradients (kind loop)
+
+
+@dataclasses.dataclass
+class OptimizeReport:
+    """What the rewrite did: every planned all-reduce, and what it left alone."""
+
+    plans: list[PsumPlan] = dataclasses.field(default_factory=list)
+    predicted: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    skipped: list[str] = dataclasses.field(default_factory=list)
+    notes: list[str] = dataclasses.field(default_factory=list)  # why nothing was planned
+    # Collectives other than psum (JAX's, `_compat.OTHER_COLLECTIVES`, left to XLA; libra's
+    # psum_scatter and all_gather, marked "(libra's)", at their own blocks): one line per kind,
+    # axes and scope, with its count.
+    unplanned: list[str] = dataclasses.field(default_factory=list)
+    loops: list[LoopPlan] = dataclasses.field(default_factory=list)
+    # Collectives whose results the step never uses, removed before planning with the
+    # computation only they needed (dead code): one line per kind, with its count.
+    dropped: list[str] = dataclasses.field(default_factory=list)
+    # psums of a known zero, computed without a call (`Rewriter.fold_zero_psums`): one line
+    # per psum, with its scope.
+    folded: list[str] = dataclasses.field(default_factory=list)
+    # Per scope whose all-gathers were planned together (`Rewriter.prefetch_gathers`): the
+    # model's inputs and choice (`planner.GatherStep`s, `planner.GatherPlan`), for `explain`.
+    gathers: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+    @property
+    def num_psums(self) -> int:
+        return sum(len(p.members) for p in self.plans)
+
+    def plan_lines(self) -> list[str]:
+        """One line per planned collective: what every process must agree on."""
+        return ([f"{p.scope} axes={p.axes} psums={p.members} bytes={p.nbytes} blocks={p.blocks} "
+                 f"kind={p.kind} overlap={p.overlap} collective={p.collective}"
+                 + (f" ahead={p.ahead}" if p.collective == "all-gather" else "")
+                 for p in self.plans]
+                + [f"{p.scope} loop={p.index} body={p.body} gradient={p.gradient} "
+                   f"calls={p.calls} psums={p.psums} {p.choice}" for p in self.loops])
+
+
+def block_cap(profile: model.Profile) -> tuple[int | None, str]:
+    """The most blocks one all-reduce of a GPU plan may take, and why: on the ``nccl`` path the
+    loaded NCCL's CTA limit (`libra_jax._nccl.Library.max_ctas`: a larger count would run with
+    that many CTAs, so the planner must not price it); ``(None, "")`` otherwise (CPU profiles,
+    the other paths, no NCCL, or an NCCL that cannot limit CTAs at all)."""
+    if profile.form == "fair-share" or config.cuda_path() != "nccl" or not _nccl.available()[0]:
+        return None, ""
+    lib = _nccl.library()
+    if lib.max_ctas == 0:
+        return None, ""
+    return lib.max_ctas, (f"NCCL {lib.version} ({lib.route} CTA limits) runs an all-reduce on "
+                          f"at most {lib.max_ctas} CTAs")
+
+
+#: Set to 1 (on every process) to plan with each process's own profile under multi-process JAX.
+NO_PROFILE_BROADCAST_ENV = config.NO_PROFILE_BROADCAST_ENV
+
+
+_profile_broadcasts: dict[str, int] = {}
+
+
+def shared_profile(resolve: Callable[[], model.Profile], *, program: str) -> model.Profile:
+    """Under multi-process JAX, the profile every process plans `program` with: process 0's.
+
+    Why: plans must be identical on every process (same all-reduces, same order, same block
+    counts), but each host resolves its own profile -- its own calibration (``libra-jax
+    calibrate`` measures the host it runs on) or whatever `profile=` its code passed. So
+    process 0 publishes its resolved profile's JSON document in JAX's distributed key-value
+    store (key ``libra_jax/profile/<program hash>/<n>``) and every other process plans with
+    that one. This holds for an explicit `profile=` too: SPMD code runs the same program
+    everywhere, so a per-process difference is a deployment accident (a path that resolves
+    to different files per host), not a request for mismatched plans. A process whose own
+    profile differs from process 0's says so in a one-time warning.
+
+    ``LIBRA_JAX_NO_PROFILE_BROADCAST=1`` (set it on every process) turns the broadcast off;
+    `check_plan_agreement` still catches any difference. A process that waits longer than
+    ``LIBRA_JAX_TIMEOUT_S`` for process 0's profile raises RuntimeError. `resolve` resolves
+    this process's profile (once); in a single process, its result is returned.
+    """
+    client = _compat.distributed_client()
+    if (client is None or jax.process_count() == 1
+            or not config.profile_broadcast()):
+        return resolve()
+    tag = hashlib.sha256(program.encode()).hexdigest()[:16]
+    _profile_broadcasts[tag] = sequence = _profile_broadcasts.get(tag, 0) + 1
+    key = f"libra_jax/profile/{tag}/{sequence}"
+    if jax.process_index() == 0:
+        try:
+            profile = resolve()
+            document = model.profile_to_dict(profile)
+        except (ValueError, OSError, TypeError) as exc:  # tell the others, not let them wait
+            client.key_value_set(key, json.dumps({"error": str(exc)}))
+            raise
+        client.key_value_set(key, json.dumps({"name": _profile_label(profile),
+                                              "document": document}))
+        return profile
+    timeout_s = config.timeout_s()
+    try:
+        payload = json.loads(client.blocking_key_value_get(key, config.kv_timeout_ms()))
+    except Exception as exc:
+        raise RuntimeError(
+            f"libra_jax.optimize: process {jax.process_index()} waited {timeout_s:g} s "
+            "(LIBRA_JAX_TIMEOUT_S) for process 0's profile and got none: process 0 may have "
+            f"died, be tracing a different program, or run with {NO_PROFILE_BROADCAST_ENV}=1 "
+            f"while this process does not ({type(exc).__name__}: {exc})") from exc
+    if "error" in payload:
+        raise RuntimeError(f"libra_jax.optimize: process 0 could not load its profile, so no "
+                           f"process can plan this step: {payload['error']}")
+    theirs = model.profile_from_dict(payload["document"],
+                                     origin=f"process 0's profile {payload['name']}")
+    try:
+        mine: model.Profile | None = resolve()
+    except (ValueError, OSError, TypeError):
+        mine = None
+    if mine != theirs:  # equal by value (`model.Profile`: origin aside)
+        warn_once(
+            "profile-mismatch",
+            f"libra_jax.optimize: the profile of process {jax.process_index()} "
+            f"({_profile_label(mine)}) differs from process 0's ({payload['name']}); every "
+            "process plans with process 0's so that their all-reduces match "
+            f"({NO_PROFILE_BROADCAST_ENV}=1 turns this off)")
+    return theirs
+
+
+def _profile_label(profile: model.Profile | None) -> str:
+    if profile is None:
+        return "which does not load"
+    return f"profile {profile.name!r} from {profile.origin}"
+
+
+_agreement_checks: dict[str, int] = {}
+
+
+def data_path_lines() -> list[str]:
+    """What every process must also agree on where libra's GPU path is chosen (`$LIBRA_JAX_CUDA`
+    ``p2p`` or ``nccl``): the NCCL it loaded and how block counts reach it (version, CTA route
+    and limit, launch order, NCCL's own CTA settings), which decide each call's CTA limit and
+    communicators (one per block count on 2.17-2.30). None under ``xla``."""
+    path = config.cuda_path()
+    if path == "xla":
+        return []
+    line = f"data path: LIBRA_JAX_CUDA={path}"
+    if not _nccl.available()[0]:
+        return [f"{line} NCCL=none"]
+    lib = _nccl.library()
+    overrides = " ".join(f"{k}={v}" for k, v in config.nccl_cta_overrides().items())
+    return [f"{line} NCCL={lib.version} route={lib.route} max_ctas={lib.max_ctas} "
+            f"splits={int(lib.splits)} launch_order={lib.launch_order} "
+            f"{config.NCCL_LAUNCH_ORDER_ENV}={int(config.nccl_launch_order_implicit())}"
+            + (f" {overrides}" if overrides else "")]
+
+
+def check_plan_agreement(report: OptimizeReport, *, program: str) -> None:
+    """Under multi-process JAX, check that every process planned `program` the same way.
+
+    Every process must run the same all-reduces in the same order with the same block
+    counts, and on libra's GPU path with the same NCCL configuration (`data_path_lines`);
+    profiles may differ from host to host. Each process publishes its plan in
+    JAX's distributed key-value store and compares it with everyone's, so a mismatch is a
+    clear error naming the differing all-reduces instead of a hang or silent skew. A
+    no-op in a single process.
+    """
+    client = _compat.distributed_client()
+    if client is None or jax.process_count() == 1:
+        return
+    tag = hashlib.sha256(program.encode()).hexdigest()[:16]
+    _agreement_checks[tag] = sequence = _agreement_checks.get(tag, 0) + 1
+    prefix = f"libra_jax/plan/{tag}/{sequence}"
+    mine = report.plan_lines() + data_path_lines()
+    client.key_value_set(f"{prefix}/{jax.process_index()}", json.dumps(mine))
+    timeout_ms = config.kv_timeout_ms()
+    for process in range(jax.process_count()):
+        if process == jax.process_index():
+            continue
+        theirs = json.loads(client.blocking_key_value_get(f"{prefix}/{process}", timeout_ms))
+        if theirs != mine:
+            diff = [f"  here:          {a}\n  process {process}: {b}"
+                    for a, b in zip(mine + ["(none)"] * len(theirs), theirs + ["(none)"] * len(mine))
+                    if a != b]
+            raise RuntimeError(
+                f"libra_jax.optimize: process {jax.process_index()} and process {process} planned "
+                "this step differently, so their all-reduces would not match. Use the same "
+                "profile everywhere (optimize(profile=...)), and the same LIBRA_JAX_CUDA and "
+                "NCCL. Differing all-reduces:\n" + "\n".join(diff))

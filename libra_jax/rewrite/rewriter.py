@@ -1,0 +1,341 @@
+"""The rewrite of one program: `Options`, and the `Rewriter` that walks its scopes.
+
+A scope (a jaxpr: the step's, a `shard_map`'s body, a loop's body) is rewritten in phases
+(`Rewriter.jaxpr`): its sub-jaxprs first, then its sites found (`sites.find_site`) and
+classified, its gradient collectives planned and edited (`buckets`), its all-gathers edited
+(`gathers`), and its equations scheduled (`edits.schedule`). A scan's hoistable psums leave
+its body first where the model prices that lower (`Rewriter.loop_plan`).
+"""
+from __future__ import annotations
+
+import collections
+import collections.abc
+import dataclasses
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+
+from libra_jax import _compat, allreduce, collectives, config, loops, model, planner
+from libra_jax.rewrite.buckets import edit_bucket, split_buckets
+from libra_jax.rewrite.buckets import plan as plan_buckets
+from libra_jax.rewrite.costs import roofline_s
+from libra_jax.rewrite.edits import (
+    Edits,
+    downstream_of,
+    fusable_reach,
+    map_jaxprs,
+    program_fingerprint,
+    schedule,
+    single_eqn,
+    sink_gathers,
+)
+from libra_jax.rewrite.gathers import edit_gathers, hoist_regathers
+from libra_jax.rewrite.report import LoopPlan, OptimizeReport, PsumPlan, block_cap
+from libra_jax.rewrite.sites import (
+    LIBRA_UNPLANNED,
+    Site,
+    axis_names,
+    contains_psum,
+    find_site,
+    fold_zero_psums,
+    gradient_sites,
+    group_size,
+    scatter_sliced_psums,
+    site_kinds,
+    warn_invariant_operands,
+)
+
+__all__ = ["Options", "Rewriter", "LOOP_MODES"]
+
+
+#: `optimize(loops=...)`: what happens to the psums that may leave a scan body (`loops`).
+LOOP_MODES = ("auto", "hoist", "in-loop")
+
+
+def _loop_mode(loops: str) -> str:
+    if loops not in LOOP_MODES:
+        raise ValueError(f"libra_jax.optimize: loops must be one of "
+                         f"{', '.join(map(repr, LOOP_MODES))}, got {loops!r}")
+    return loops
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    profile: Any
+    fusion: bool
+    blocks: int | None
+    overlap: str = "auto"
+    loops: str = "auto"
+    prefetch: str | int = "auto"    # `config.prefetch_mode`
+    prefetch_bytes: int = config.DEFAULT_PREFETCH_BYTES
+
+    def __post_init__(self) -> None:
+        profile = self.profile  # checked when made; a JSON document is read now, once
+        if isinstance(profile, collections.abc.Mapping):
+            object.__setattr__(self, "profile", model.resolve_profile(profile))
+        elif not (profile is None or isinstance(profile, (str, os.PathLike, model.Profile))):
+            raise TypeError("libra_jax.optimize: profile must be a profile name, a path, a "
+                            "model.Profile or its JSON document (a dict), got "
+                            f"{type(profile).__name__}")
+
+    def cache_key(self) -> tuple:
+        profile = self.profile
+        if isinstance(profile, model.Profile):
+            profile = ("profile", profile)  # a value (`model.Profile`): equal ones share
+        elif profile is not None:
+            profile = ("name", os.fspath(profile))
+        return (profile, self.fusion, self.blocks, self.overlap, self.loops, self.prefetch,
+                self.prefetch_bytes)
+
+    def resolved_profile(self) -> model.Profile:
+        """The profile as a loaded `model.Profile`: resolved once per trace (None: the
+        default backend's, `model.default_profile`)."""
+        return model.resolve_profile(self.profile, jax.default_backend(),
+                                     who="libra_jax.optimize")
+
+
+class Rewriter:
+    """One program's rewrite, scope by scope (`jaxpr`): the state its scopes share (the
+    options, the report, the loaded profile, call ids, scope names) and the walk over them.
+    Each concern is a module of its own: the sites (`sites`), the gradient buckets
+    (`buckets`), the all-gathers (`gathers`), the edits and their schedule (`edits`)."""
+
+    def __init__(self, options: Options, report: OptimizeReport, program: Any) -> None:
+        self.options = options
+        self.report = report
+        # Resolved once: the rewrite, its cost estimates and the report share this value.
+        self.profile = options.resolved_profile()
+        self.program = program  # the ClosedJaxpr being rewritten (for `call_id`)
+        self.fingerprint: int | None = None
+        self.calls = 0
+        self.scope_names: collections.Counter[str] = collections.Counter()
+        self.unplanned: list[str] = []  # `OptimizeReport.unplanned`, one entry per equation
+        # (scope, a scan equation's position) -> the choice hoist_loops made for its stacked
+        # slices: a LoopPlan, completed once the body is planned (`loop_report`).
+        self.hoisting: dict[tuple[str, int], LoopPlan] = {}
+        # Remat's re-gathers taken out of their `checkpoint` to be issued ahead
+        # (`hoist_regathers`): their results, each with the checkpoint's cotangent it must
+        # not start before.
+        self.regathered: dict[Any, Any] = {}
+        self.prefetch, self.prefetch_why = self.prefetch_mode()
+
+    def prefetch_mode(self) -> tuple[int | None, str]:
+        """(the distance all-gathers are issued at, None: the model's per scope; why "auto"
+        issues one call each, or ""). ``prefetch="auto"`` takes the model's distance only on
+        a GPU under ``LIBRA_JAX_CUDA=nccl`` (libra's GPU all-gather, issued on its own stream;
+        not yet run on a GPU: opt-in with that path). On CPU one call each: it measures best
+        on jax 0.10.2, whose XLA:CPU merges remat's re-gathers with the forward's for one call;
+        on jax 0.12 the model's distance beat it on one FSDP MLP of three
+        (benchmarks/results/fsdp_prefetch.md, fsdp_prefetch_jax0.12.md: the engine's copies
+        and the compute share the same cores). On the other GPU paths the all-gathers are
+        XLA's, which its own scheduler moves."""
+        mode = self.options.prefetch
+        if mode != "auto":
+            return int(mode), ""
+        if self.profile.fair_share is not None:
+            return 0, ("on CPU one call where it is used measures as fast as issuing ahead or "
+                       "faster (benchmarks/results/fsdp_prefetch.md); time prefetch=1 and 2 "
+                       "for a large model")
+        if config.cuda_path() != "nccl":
+            return 0, ("libra's GPU all-gather is NCCL's (LIBRA_JAX_CUDA=nccl); on this path "
+                       "the all-gathers are XLA's")
+        return None, ""
+
+    def call_id(self) -> int:
+        """The id of the program's next start/done pair (`libra_jax.ops.start_done`): a fingerprint
+        of the program's structure plus a count. The same program always gets the same ids,
+        so a retrace hits JAX's compilation cache; programs of another structure get others."""
+        if self.fingerprint is None:
+            self.fingerprint = program_fingerprint(self.program.jaxpr) >> 8
+        self.calls += 1
+        return (self.fingerprint + self.calls) % 2**56
+
+    # One jaxpr scope, in phases: rewrite sub-jaxprs, find the psum sites, classify them,
+    # plan the gradient ones, turn the plan into edits, schedule the equations.
+
+    def jaxpr(self, jaxpr: Any, *, axis_sizes: dict, scope: str, in_loop: bool,
+              transposed: bool = False, in_backward: bool = False) -> Any:
+        """One scope rewritten. `in_loop`: it is (in) a loop body; `transposed`: it is the body
+        of a loop autodiff's transpose made (the backward scan of scan-over-layers), all of
+        it backward pass though its own equations do not say so; `in_backward`: it is (in) the
+        body of any equation autodiff's transpose made (a `checkpoint`'s backward pass: its
+        all-gathers are remat's re-gathers)."""
+        eqns = self.hoist_loops(jaxpr.eqns, axis_sizes, scope)
+        if not in_loop and self.prefetch != 0:
+            eqns = hoist_regathers(self, eqns, axis_sizes)
+        eqns = [self.sub_jaxprs(eqn, i, axis_sizes, scope, in_loop, in_backward)
+                for i, eqn in enumerate(eqns)]
+        eqns, folded = fold_zero_psums(eqns)
+        self.report.folded.extend(f"{name} of zeros in {scope}" for name in folded)
+        eqns = scatter_sliced_psums(eqns, jaxpr.outvars, axis_sizes)
+        eqns = sink_gathers(eqns)
+        sites: list[Site] = []  # the psums and psum_scatters
+        gathers: list[Site] = []
+        for i, eqn in enumerate(eqns):
+            found = find_site(i, eqn)
+            if isinstance(found, str):
+                self.report.skipped.append(f"{found} in {scope}")
+            elif found is not None:
+                (gathers if found.collective == "all-gather" else sites).append(found)
+        served = {site.index for site in sites + gathers}
+        for i, eqn in enumerate(eqns):
+            other = _compat.OTHER_COLLECTIVES.get(eqn.primitive.name)
+            libras = LIBRA_UNPLANNED.get(eqn.primitive)
+            if (other is not None or libras is not None) and i not in served:
+                self.unplanned.append(f"{other or libras} over {axis_names(eqn.params)} in "
+                                      f"{scope}" + (" (libra's)" if libras else ""))
+        edits = Edits()
+        invars = set(jaxpr.invars)
+        edit_gathers(self, eqns, gathers, axis_sizes, scope, in_loop, in_backward or transposed,
+                     invars, edits)
+        if not sites:
+            return jaxpr.replace(eqns=schedule(eqns, edits))
+        warn_invariant_operands(eqns, sites)
+        gradient, backward = gradient_sites(eqns, sites, jaxpr.outvars, transposed)
+        if in_loop and backward is None:
+            # No backward pass in the body: a forward loop (a metric, a statistic per layer)
+            # whose psums are no gradients; at top level this is a hand-written backward pass.
+            gradient = set()
+        kinds = site_kinds(sites, gradient, backward, in_loop)
+        # Compute that consumes a gradient all-reduce (the optimizer update) waits for it
+        # and overlaps nothing: it is not part of the backward stream the planner sees.
+        waits = downstream_of(eqns, [eqns[i].outvars[0] for i in sorted(gradient)])
+        costs = [0.0 if i in waits else roofline_s(eqn, self.profile)
+                 for i, eqn in enumerate(eqns)]
+        # Gradient collectives over the same axes are one backward stream: their psums and
+        # psum_scatters are planned together, a bucket holding one `Site.bucket_class`.
+        groups: dict[tuple, list[Site]] = {}
+        for site in sites:  # in jaxpr order: the report lists them so
+            kind = kinds[site.index]
+            if kind == "gradient":
+                groups.setdefault(site.axes, []).append(site)
+                continue
+            k = site.explicit_blocks
+            if k is None:
+                k = allreduce.default_blocks(site.nbytes, group_size(axis_sizes, site.axes),
+                                             self.profile,
+                                             collective=collectives.lax_name(site.collective))
+                edits.replacements[site.index] = single_eqn(eqns[site.index], site, k, invars)
+            self.report.plans.append(PsumPlan(scope, site.axes, (site.index,), site.nbytes,
+                                              k, kind, collective=site.collective))
+        planned = [(axes, bucket, k)
+                   for axes, members in groups.items()
+                   for bucket, k in plan_buckets(self, members, costs, group_size(axis_sizes, axes), scope,
+                                              fusable_reach(eqns, members), in_loop)]
+        # In a loop body each bucket is one call: every iteration's all-reduces are done
+        # within it, so a start/done pair could only overlap the rest of that iteration.
+        # A bucket of psum_scatters is one call too (no start/done pair for it yet).
+        splits = ([False] * len(planned) if in_loop else
+                  split_buckets(self, eqns, jaxpr.outvars, [b for _, b, _ in planned]))
+        for (axes, bucket, k), split in zip(planned, splits):
+            split = split and bucket[0].collective == "all-reduce"
+            edit_bucket(self, eqns, bucket, axes, bucket[0].invariant, k, split, scope, invars,
+                             edits)
+        return jaxpr.replace(eqns=schedule(eqns, edits))
+
+    def hoist_loops(self, eqns: Sequence[Any], axis_sizes: dict, scope: str) -> list[Any]:
+        """The scope's equations with each scan's hoistable psums (`loops.hoistable`) taken out
+        of the loop where `loop_plan` says so; the others' loops get its block count."""
+        out: list[Any] = []
+        for eqn in eqns:
+            hoists = [h for h in loops.hoistable(eqn) if all(a in axis_sizes for a in h.axes)]
+            hoists = [h for h in hoists if hoists and h.axes == hoists[0].axes]
+            if not hoists or group_size(axis_sizes, hoists[0].axes) < 2:
+                out.append(eqn)
+                continue
+            plan = self.loop_plan(eqn, hoists, group_size(axis_sizes, hoists[0].axes), scope,
+                                  len(out))
+            self.hoisting[(scope, len(out))] = plan
+            if plan.choice == "hoist":
+                out.extend(loops.hoist(eqn, hoists))
+            else:
+                out.append(eqn)
+        return out
+
+    def loop_plan(self, eqn: Any, hoists: list[loops.Hoist], world: int, scope: str,
+                  index: int) -> LoopPlan:
+        """Hoist or keep one scan's hoistable psums: the model's predicted time of the loop with
+        them planned in the body (the planner's buckets for one iteration, overlapping the
+        rest of it), against the loop's compute followed by one all-reduce of every
+        iteration's slices (what hoisting gives before the planner fuses and overlaps it with
+        the scope's other gradients: an upper bound). The body's other psums are the same
+        either way and left out of both. `gradient` and `calls` are filled in once the body
+        is planned (`sub_jaxprs`)."""
+        body = eqn.params["jaxpr"].jaxpr
+        length = int(eqn.params["length"])
+        costs = [roofline_s(e, self.profile) for e in body.eqns]
+        layers, start = [], 0
+        for h in sorted(hoists, key=lambda h: h.psum):
+            layers.append(planner.Layer(compute_s=float(sum(costs[start:h.psum])),
+                                        grad_bytes=h.nbytes))
+            start = h.psum + 1
+        layers.append(planner.Layer(compute_s=float(sum(costs[start:])), grad_bytes=0))
+        cap, cap_why = block_cap(self.profile)
+        cost = model.derive(self.profile, world, max_blocks=cap, max_blocks_why=cap_why).cost
+        nbytes = sum(h.nbytes for h in hoists)
+        whole = [planner.Layer(compute_s=length * sum(layer.compute_s for layer in layers),
+                               grad_bytes=length * nbytes)]
+        in_loop_s = length * planner.plan(layers, cost, fusion=self.options.fusion).backward_s
+        hoisted_s = min(planner.simulate(whole, [planner.Bucket(0, 0, k)], cost)
+                        for k in cost.keys)
+        choice = self.options.loops
+        if choice == "auto":
+            choice = "hoist" if hoisted_s <= in_loop_s else "in-loop"
+        return LoopPlan(scope, index, length, body="", gradient=0, calls=0, psums=len(hoists),
+                        nbytes=nbytes, choice=choice, in_loop_s=in_loop_s, hoisted_s=hoisted_s)
+
+    def sub_jaxprs(self, eqn: Any, index: int, axis_sizes: dict, scope: str,
+                   in_loop: bool, in_backward: bool = False) -> Any:
+        rule = _compat.HIGHER_ORDER.get(eqn.primitive.name)
+        if rule is None:
+            if any(contains_psum(j) for j in _compat.jaxprs_in_params(eqn.params)):
+                self.report.skipped.append(
+                    f"psum inside '{eqn.primitive.name}' (no rewrite rule) in {scope}")
+            return eqn
+        loop, mesh_param = rule.loop, rule.mesh_param
+        sizes = dict(axis_sizes)
+        if mesh_param is not None:
+            sizes.update(_compat.mesh_axis_sizes(eqn.params[mesh_param]))
+        base = f"{scope}/{eqn.primitive.name}"
+        bodies: list[str] = []
+        first_plan = len(self.report.plans)
+
+        made_by_transpose = _compat.made_by_transpose(eqn, deep=False)
+        transposed = loop and made_by_transpose
+
+        def rewrite(j: Any) -> Any:
+            bodies.append(self.unique_scope(base))
+            return self.jaxpr(j, axis_sizes=sizes, scope=bodies[-1], in_loop=in_loop or loop,
+                              transposed=transposed, in_backward=in_backward or made_by_transpose)
+        params = {name: map_jaxprs(value, rewrite) for name, value in eqn.params.items()}
+        hoisting = self.hoisting.pop((scope, index), None)
+        if loop:
+            self.loop_report(eqn, index, scope, bodies, first_plan, hoisting)
+        return eqn.replace(params=params)
+
+    def loop_report(self, eqn: Any, index: int, scope: str, bodies: list[str], first_plan: int,
+                    hoisting: LoopPlan | None) -> None:
+        """The `LoopPlan` of a loop whose body was just planned: its gradient buckets, run once
+        per iteration, and the hoisting choice `hoist_loops` made for it, if any."""
+        planned = [p for p in self.report.plans[first_plan:]
+                   if p.kind == "gradient" and p.scope in bodies]
+        if not planned and hoisting is None:
+            return
+        body = planned[0].scope if planned else bodies[-1]
+        length = int(eqn.params["length"]) if "length" in eqn.params else None
+        kept = sum(len(p.members) for p in self.report.plans[first_plan:]
+                   if p.scope in bodies and p.kind != "gradient" and p.collective != "all-gather")
+        gradient = sum(len(p.members) for p in planned)
+        if hoisting is None:
+            hoisting = LoopPlan(scope, index, length, body, gradient, len(planned))
+        self.report.loops.append(dataclasses.replace(
+            hoisting, body=body, gradient=gradient, calls=len(planned), kept=kept))
+
+    def unique_scope(self, base: str) -> str:
+        """`base`, or ``base#n`` for its n-th sub-jaxpr of the program (two shard_maps in one
+        step, a cond's branches): every scope of a report has its own name."""
+        self.scope_names[base] += 1
+        n = self.scope_names[base]
+        return base if n == 1 else f"{base}#{n}"
