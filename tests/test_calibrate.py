@@ -113,7 +113,7 @@ def test_outdated_or_malformed_profiles_are_rejected(tiny_profile, tmp_path, mon
     # The default lookup skips a bad calibrated profile with a warning that says why.
     for bad, why in ((old, "outdated profile"), ("{not json", "not valid JSON"), (broken, "is missing")):
         _write(tmp_path, bad)
-        model._warned_profiles.clear()
+        model.read._warned_profiles.clear()
         with pytest.warns(RuntimeWarning, match=why):
             assert model.default_profile("cpu") == "cpu-host"
         with warnings.catch_warnings():

@@ -19,7 +19,8 @@ PACKAGE = Path(libra_jax.__file__).parent
 #: layer and those below.
 LAYERS: dict[str, int] = {
     **dict.fromkeys(["config", "collectives", "planner", "planner.core", "planner.gathers",
-                     "planner.dp", "planner.baselines", "planner.exhaustive", "model", "zoo",
+                     "planner.dp", "planner.baselines", "planner.exhaustive", "model", "model.profile",
+                     "model.forms", "model.read", "model.derive", "zoo",
                      "gantt", "gpu_calibration", "calibrate.fit"], 1),
     **dict.fromkeys(["_compat", "_ffi", "_nccl", "_libra_ffi"], 2),
     **dict.fromkeys(["ops", "ops.base", "ops.lowering", "ops.psum", "ops.fused",
@@ -169,7 +170,7 @@ def test_modules_the_docs_name_keep_their_names():
 #: The most lines a module of the package has, and the modules still over it with their
 #: current length: each is split along its concerns in a step of its own, and may only shrink.
 MAX_MODULE_LINES = 800
-LONGER_FOR_NOW = {"model": 1130}
+LONGER_FOR_NOW: dict[str, int] = {}
 #: The most lines a class of the package has (its docstring and methods), and those over it.
 MAX_CLASS_LINES = 250
 LARGER_FOR_NOW: dict[str, int] = {}

@@ -143,7 +143,7 @@ def test_a_plain_notice_keeps_its_category_and_carries_its_pointer(monkeypatch, 
     from libra_jax import model
 
     monkeypatch.setenv(config.PROFILE_DIR_ENV, str(tmp_path))
-    monkeypatch.setattr(model, "_warned_profiles", set())
+    monkeypatch.setattr(model.read, "_warned_profiles", set())
     (tmp_path / "cpu.json").write_text("{not json")
     with pytest.warns(RuntimeWarning, match="ignoring the calibrated profile") as caught:
         assert model.default_profile("cpu") == "cpu-host"

@@ -1,0 +1,254 @@
+"""The functional forms: a ring collective's steps, bytes and latency, the three forms'
+bandwidth and slowdown curves (the package docstring derives each), and each form's tables of
+options per allocation (`FORM_TABLE`).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import Any, NamedTuple
+
+from libra_jax.model.profile import (
+    BYTES_PER_GBYTE,
+    BYTES_PER_S_PER_MIB_PER_MS,
+    FORMS,
+    NetworkSpec,
+    Profile,
+)
+from libra_jax.planner import COLLECTIVES
+
+
+def check_workers(workers: int) -> None:
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 2:
+        raise ValueError(f"workers must be an integer >= 2 (a ring needs two ranks), got {workers!r}")
+
+
+class CollectiveShape(NamedTuple):
+    """What one collective over ``n`` ranks does with an unsharded buffer of ``b`` bytes (a
+    reduce-scatter's input, an all-gather's output): as a ring (NCCL's ``nsteps`` and bus
+    bandwidth factors), ``steps(n)`` hop latencies and ``bus_fraction(n) * b`` bytes through each
+    rank's link; in the CPU engine (not a ring: each range is reduced or copied by one worker
+    from all ranks' buffers), ``engine_traffic(n) * b`` bytes of memory read and written in all."""
+
+    steps: Callable[[int], int]
+    bus_fraction: Callable[[int], float]
+    engine_traffic: Callable[[int], float]
+
+
+#: The per-collective terms, one row per collective (`planner.COLLECTIVES`). A ring all-reduce is
+#: a reduce-scatter then an all-gather: twice their steps and bytes. The engine's all-reduce
+#: reads the n inputs and writes n outputs; its reduce-scatter reads n and writes one shard's
+#: worth (1/n on each of n ranks), its all-gather reads the n shards once and writes n outputs.
+COLLECTIVE_SHAPES: Mapping[str, CollectiveShape] = MappingProxyType({
+    "all-reduce": CollectiveShape(lambda n: 2 * (n - 1), lambda n: 2 * (n - 1) / n, lambda n: 2.0 * n),
+    "reduce-scatter": CollectiveShape(lambda n: n - 1, lambda n: (n - 1) / n, lambda n: n + 1.0),
+    "all-gather": CollectiveShape(lambda n: n - 1, lambda n: (n - 1) / n, lambda n: n + 1.0),
+})
+assert tuple(COLLECTIVE_SHAPES) == COLLECTIVES
+
+
+def ring_steps(workers: int, collective: str = "all-reduce") -> int:
+    """Communication steps of a ring `collective`: ``2(n-1)`` for the all-reduce (a
+    reduce-scatter plus an all-gather), ``n-1`` for either half."""
+    check_workers(workers)
+    return COLLECTIVE_SHAPES[collective].steps(workers)
+
+
+def ring_bytes_per_rank(grad_bytes: float, workers: int) -> float:
+    """Bytes each rank sends (and receives) in a ring all-reduce of ``grad_bytes``: ``2(n-1)/n``."""
+    check_workers(workers)
+    return grad_bytes * 2.0 * (workers - 1) / workers
+
+
+def ring_algo_factor(workers: int) -> float:
+    """Gradient bytes per second per bus byte per second: ``n / (2(n-1))`` (1 at two ranks)."""
+    check_workers(workers)
+    return workers / (2.0 * (workers - 1))
+
+
+def ring_latency_s(network: NetworkSpec, workers: int, collective: str = "all-reduce") -> float:
+    """Latency of one ring `collective`: base plus one hop latency per step (NCCL tuning.cc
+    shape).
+
+    Steps that cross nodes (the collective's steps over the nodes: ``2(nodes-1)`` for the
+    all-reduce) pay the inter-node hop latency, the others the intra-node one.
+    """
+    steps = ring_steps(workers, collective)
+    nodes = math.ceil(workers / network.devices_per_node)
+    inter = COLLECTIVE_SHAPES[collective].steps(nodes)
+    return (network.base_latency_s + (steps - inter) * network.intra_step_latency_s
+            + inter * network.inter_step_latency_s)
+
+
+
+def libra_bandwidth_mib_per_ms(threads: float, a: float, b: float, c: float, exponent: float) -> float:
+    """Libra artifact bandwidth fit ``b - a*exp(-c*T**exponent)`` in MiB/ms (may be <= 0 at tiny T)."""
+    return b - a * math.exp(-c * threads**exponent)
+
+
+def libra_slowdown(threads: float, scale: float, intercept: float, slope: float) -> float:
+    """Libra artifact compute fit: overlapped time / solo time ``= scale / (intercept - slope*T)``.
+
+    Returns ``inf`` at or beyond the pole ``T = intercept/slope`` (the fit is invalid there).
+    """
+    denominator = intercept - slope * threads
+    return math.inf if denominator <= 0 else scale / denominator
+
+
+def softmin(x: float, y: float, p: float) -> float:
+    """Smooth minimum ``(x**-p + y**-p) ** (-1/p)`` of two positive rates (p-norm of the times).
+
+    Equivalent to adding the times ``1/x`` and ``1/y`` in an ``l_p`` norm: below ``min(x, y)``,
+    tends to it as ``p`` grows, and equals ``2**(-1/p) * x`` when ``x == y``.
+    """
+    if x <= 0 or y <= 0:
+        raise ValueError(f"softmin needs positive rates, got {x} and {y}")
+    # Scale by the larger value first so large exponents cannot overflow.
+    hi = max(x, y)
+    return hi * ((x / hi) ** -p + (y / hi) ** -p) ** (-1.0 / p)
+
+
+def nccl_bus_bandwidth(blocks: int, per_block_bytes_per_s: float, link_bytes_per_s: float, p: float,
+                       efficiency: float = 1.0) -> float:
+    """Bus bandwidth of ``blocks`` blocks: ``softmin_p(blocks * beta * efficiency, link)``."""
+    return softmin(blocks * per_block_bytes_per_s * efficiency, link_bytes_per_s, p)
+
+
+def nccl_slowdown(blocks: int, *, compute_units: int, units_per_block: float, memory_bound_fraction: float,
+                  memory_bytes_per_s: float, comm_memory_bytes_per_s: float) -> float:
+    """Compute slowdown from the SMs and HBM bandwidth the collective takes (``inf`` if it takes all)."""
+    free_units = compute_units - blocks * units_per_block
+    free_memory = memory_bytes_per_s - comm_memory_bytes_per_s
+    if free_units <= 0 or free_memory <= 0:
+        return math.inf
+    return ((1.0 - memory_bound_fraction) * compute_units / free_units
+            + memory_bound_fraction * memory_bytes_per_s / free_memory)
+
+
+def fair_share_core_share(threads: float, cores: float) -> float:
+    """The fraction of a core each of ``threads`` runnable threads gets on ``cores`` cores under a
+    fair scheduler: ``min(1, cores / threads)``."""
+    if threads <= 0 or cores <= 0:
+        raise ValueError(f"fair share needs positive threads and cores, got {threads} and {cores}")
+    return min(1.0, cores / threads)
+
+
+def fair_share_slowdown(blocks: int, *, compute_threads: float, cores: float) -> float:
+    """Compute slowdown when ``blocks`` worker threads join ``compute_threads`` busy compute
+    threads on ``cores`` cores: ``max(1, (D + k)/P) / max(1, D/P)`` (``(D + k)/D`` once compute
+    alone fills the cores). Workers and compute threads are equal before the scheduler."""
+    return (fair_share_core_share(compute_threads, cores)
+            / fair_share_core_share(compute_threads + blocks, cores))
+
+
+# --- Each form's options per allocation ---------------------------------------------------
+
+_OptionTables = tuple[dict[int, float], dict[int, float], dict[int, float]]  # solo, overlap, slowdown
+
+
+def _libra_fit_options(profile: Profile, link: float, algo: float, dropped: dict[int, str],
+                       notes: list[str]) -> _OptionTables:
+    fit = profile.libra_fit
+    assert fit is not None
+    scale = link / fit.reference_link_bytes_per_s
+    solo: dict[int, float] = {}
+    overlap: dict[int, float] = {}
+    slowdown: dict[int, float] = {}
+    for base in fit.thread_options:
+        key = max(1, round(base * scale))
+        if key in slowdown or key in dropped:
+            continue
+        eff = key / scale  # bandwidth fits evaluated at T/k ...
+        bw_o = libra_bandwidth_mib_per_ms(eff, *fit.overlap_bw) * scale  # ... and multiplied by k
+        bw_s = libra_bandwidth_mib_per_ms(eff, *fit.solo_bw) * scale
+        slow = libra_slowdown(key, *fit.slowdown)  # slowdown at T itself
+        if not math.isfinite(slow):
+            pole = fit.slowdown[1] / fit.slowdown[2]
+            dropped[key] = (f"slowdown fit {fit.slowdown[0]:g}/({fit.slowdown[1]:g} - {fit.slowdown[2]:g}*T) "
+                            f"has its pole at T = {pole:.0f}; T = {key} is beyond it")
+            continue
+        if bw_o <= 0 or bw_s <= 0:
+            dropped[key] = (f"bandwidth fit is not positive at T/k = {eff:g} threads "
+                            f"(overlapped {bw_o:.3g}, solo {bw_s:.3g} MiB/ms)")
+            continue
+        if slow < 1.0:
+            notes.append(f"T = {key}: fitted slowdown {slow:.4f} < 1 raised to 1")
+            slow = 1.0
+        if bw_o > bw_s:
+            notes.append(f"T = {key}: overlapped fit {bw_o:.4f} > solo fit {bw_s:.4f} MiB/ms; capped at solo")
+            bw_o = bw_s
+        to_grad = BYTES_PER_S_PER_MIB_PER_MS * algo
+        solo[key], overlap[key], slowdown[key] = bw_s * to_grad, bw_o * to_grad, slow
+    return solo, overlap, slowdown
+
+
+def _nccl_style_options(profile: Profile, link: float, algo: float, dropped: dict[int, str],
+                        notes: list[str]) -> _OptionTables:
+    c = profile.nccl_style
+    assert c is not None
+    dev = profile.device
+    solo: dict[int, float] = {}
+    overlap: dict[int, float] = {}
+    slowdown: dict[int, float] = {}
+    for k in c.block_options:
+        if k * c.units_per_block >= dev.compute_units:
+            dropped[k] = (f"{k} blocks would occupy all {dev.compute_units} "
+                          f"{dev.compute_unit_kind}s, leaving none for compute")
+            continue
+        bus_s = nccl_bus_bandwidth(k, c.per_block_bytes_per_s, link, c.softmin_p)
+        bus_o = nccl_bus_bandwidth(k, c.per_block_bytes_per_s, link, c.softmin_p, c.overlap_block_efficiency)
+        traffic = c.memory_bytes_per_bus_byte * bus_o
+        slow = nccl_slowdown(k, compute_units=dev.compute_units, units_per_block=c.units_per_block,
+                             memory_bound_fraction=c.memory_bound_fraction,
+                             memory_bytes_per_s=dev.memory_bytes_per_s, comm_memory_bytes_per_s=traffic)
+        if not math.isfinite(slow):
+            dropped[k] = (f"the collective's memory traffic {traffic / BYTES_PER_GBYTE:.0f} GB/s "
+                          f"would take all {dev.memory_bytes_per_s / BYTES_PER_GBYTE:.0f} GB/s")
+            continue
+        solo[k], overlap[k], slowdown[k] = bus_s * algo, bus_o * algo, slow
+    return solo, overlap, slowdown
+
+
+def _fair_share_options(profile: Profile, link: float, algo: float, dropped: dict[int, str],
+                        notes: list[str]) -> _OptionTables:
+    c = profile.fair_share
+    assert c is not None
+    solo: dict[int, float] = {}
+    overlap: dict[int, float] = {}
+    slowdown: dict[int, float] = {}
+    for k in c.block_options:
+        cores_alone = k * fair_share_core_share(k, c.cores)  # min(k, P)
+        cores_beside = k * fair_share_core_share(k + c.compute_threads, c.cores)
+        solo[k] = nccl_bus_bandwidth(1, cores_alone * c.per_block_bytes_per_s, link, c.softmin_p) * algo
+        overlap[k] = nccl_bus_bandwidth(1, cores_beside * c.per_block_bytes_per_s, link, c.softmin_p) * algo
+        slowdown[k] = fair_share_slowdown(k, compute_threads=c.compute_threads, cores=c.cores)
+    return solo, overlap, slowdown
+
+
+class _Form(NamedTuple):
+    """One profile form: its section of the document (and field of `Profile`), and how it
+    becomes a cost model's options, keys and fusion cost (how it is read: its reader in
+    `libra_jax.model.read`, keyed alike)."""
+
+    section: str
+    options: Callable[[Profile, float, float, dict[int, str], list[str]], _OptionTables]
+    key_unit: str  # what the cost model's keys count
+    threads_per_block: Callable[[Any], int]  # of the section's value
+    #: The bucket bytes per second at which a fused bucket is packed and split back: the
+    #: profile's ``fusion_copy_gbyte_per_s``; the Libra artifact's fit prices fusion at nothing
+    #: (as the paper does).
+    fusion_copy_rate: Callable[[Any], float]
+
+
+#: Every form, by name: the one place a form is dispatched on (its reader: `read.FORM_READERS`).
+FORM_TABLE: Mapping[str, _Form] = MappingProxyType({
+    "libra-fit": _Form("libra_fit", _libra_fit_options, "total_threads",
+                       lambda f: f.max_threads_per_block, lambda f: math.inf),
+    "nccl-style": _Form("nccl_style", _nccl_style_options, "blocks",
+                        lambda f: f.threads_per_block, lambda f: f.fusion_copy_bytes_per_s),
+    "fair-share": _Form("fair_share", _fair_share_options, "blocks",
+                        lambda f: f.threads_per_block, lambda f: f.fusion_copy_bytes_per_s),
+})
+assert tuple(FORM_TABLE) == FORMS
+
