@@ -18,7 +18,7 @@ gradient psum in one fused bucket, as XLA's all-reduce combiner does with the pl
 (a probe of the model's fusion trade-off on this host, not a Libra plan).
 
 The optimized arm is `optimize`'s default, overlap="auto": per bucket, one call or a start/done
-pair, whichever the model prices lower (libra_jax/rewrite.py). `--modes` adds one arm per forced
+pair, whichever the model prices lower (libra_jax/rewrite/buckets.py). `--modes` adds one arm per forced
 mode: overlap="sync" (one call per bucket) and overlap="start-done" (each all-reduce joins its
 round mid-backward and is waited for after the backward pass, libra_jax/ops/start_done.py).
 

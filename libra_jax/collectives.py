@@ -7,9 +7,11 @@ planner's, the engine's in its call records), its value of the engine's enum
 The targets' names follow from a row and an engine by one rule (`Collective.target`), the rule
 xla_ffi/registry.cc's table follows (tests/test_collectives.py checks every registered name).
 
-Adding a collective (all-to-all, say) starts here: a row, then the engine's row
-(``kKinds[]`` in cpp/libra/engine.cc), the model's (`model.COLLECTIVE_SHAPES`) and the targets
-in xla_ffi/registry.cc (docs/architecture.md).
+Adding a collective (all-to-all, say) starts here: a row, then the engine's (``kLayouts[]`` in
+cpp/libra/dtype.h, ``kKinds[]`` in cpp/libra/engine.cc, the targets in xla_ffi/registry.cc),
+the model's (`model.COLLECTIVE_SHAPES`), its op over `libra_jax.ops.lowering.rule` and, for
+`optimize`, its site rule (docs/architecture.md, "Adding a collective", walked by
+tests/test_collectives.py).
 
 Layer 1: pure Python, no JAX.
 """

@@ -237,6 +237,8 @@ def engine_call(ctx: Any, call: Call) -> tuple[Callable[[Any], Sequence[Any]] | 
     row = call.row
     aval_in = ctx.avals_in[0]
     dtype = np.dtype(aval_in.dtype)
+    if not _ffi.has_target(row.kind, "cpu"):
+        return None, f"cpu (the extension registers no {row.kind} target)"
     if not row.gathers and dtype not in ENGINE_DTYPES:
         return None, f"cpu {dtype.name}"
     found, reason = cpu_call(ctx, call.axes, call.blocks, row.lax)
@@ -302,6 +304,8 @@ def gpu_call(ctx: Any, call: Call) -> tuple[str | None, dict, str]:
     across = devices is not None and any(d.process_index != jax.process_index()
                                          for d in devices)
     if path == "nccl" or across:
+        if not _ffi.has_target(row.kind, "nccl"):
+            return None, {}, f"cuda (the extension registers no NCCL {row.kind} target)"
         if groups is None:
             return None, {}, "cuda in a partially automatic shard_map"
         if devices is None:
@@ -546,7 +550,8 @@ def pair_call(flat_ctx: Any, call: Call, platform: Platform) -> PairCall | None:
     same buffer, axes and blocks; an empty buffer included)."""
     row = call.row
     if platform == "cpu":
-        if not row.gathers and np.dtype(flat_ctx.avals_in[0].dtype) not in ENGINE_DTYPES:
+        if (not _ffi.has_target(row.kind, "cpu", "start")
+                or not row.gathers and np.dtype(flat_ctx.avals_in[0].dtype) not in ENGINE_DTYPES):
             return None
         found, _ = cpu_call(flat_ctx, call.axes, call.blocks, row.lax)
         if found is None:

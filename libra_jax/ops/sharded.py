@@ -26,7 +26,7 @@ from libra_jax.ops import lowering
 from libra_jax.ops.base import Platform, Rule, register_op
 
 __all__ = ["libra_reduce_scatter_p", "libra_all_gather_p", "mirror_reduce_scatter",
-           "mirror_all_gather", "mirror_abstract_eval", "sharded_call"]
+           "mirror_all_gather", "mirror_abstract_eval", "sharded_call", "flat_call"]
 
 
 def mirror_reduce_scatter(*, axis_name: tuple, scatter_dimension: int, axis_size: int,
@@ -104,7 +104,7 @@ def _batcher(prim: Any, mirror: Any, dimension: str) -> Any:
 def sharded_call(collective: str, params: dict[str, Any]) -> lowering.Call:
     """The `lowering.Call` of the reduce-scatter or all-gather (`collective`) with the
     primitive's `params` (JAX's, and ``blocks``)."""
-    mirror, dimension = _MIRRORS[collective]
+    mirror, dimension, _ = _MIRRORS[collective]
     return lowering.Call(collectives.BY_LAX[collective], params["axis_name"], params["blocks"],
                          lambda aval: mirror(**params), dimension=params[dimension],
                          tiled=params["tiled"])
@@ -117,11 +117,21 @@ def _lowering(collective: str) -> Callable[[Platform], Rule]:
     return for_platform
 
 
-#: Each sharded kind's JAX primitive (by its params) and the param naming its dimension.
-_MIRRORS: dict[str, tuple[Callable[..., tuple[Any, dict]], str]] = {
-    "psum_scatter": (mirror_reduce_scatter, "scatter_dimension"),
-    "all_gather": (mirror_all_gather, "all_gather_dimension"),
+#: Each sharded kind's JAX primitive (by its params), the param naming its dimension, and
+#: its other params' values in a flat call (`flat_call`).
+_MIRRORS: dict[str, tuple[Callable[..., tuple[Any, dict]], str, dict[str, Any]]] = {
+    "psum_scatter": (mirror_reduce_scatter, "scatter_dimension", {}),
+    "all_gather": (mirror_all_gather, "all_gather_dimension", {"invariant": False}),
 }
+
+
+def flat_call(collective: str, axis_name: tuple, axis_size: int, blocks: int | None
+              ) -> lowering.Call:
+    """The reduce-scatter's or all-gather's `lowering.Call` of a flat row of shards
+    (`lowering.to_row_of_shards`): along its only dimension, tiled."""
+    _, dimension, others = _MIRRORS[collective]
+    return sharded_call(collective, dict(axis_name=axis_name, axis_size=axis_size, tiled=True,
+                                         blocks=blocks, **{dimension: 0}, **others))
 
 libra_reduce_scatter_p = register_op(
     "libra_reduce_scatter", abstract_eval=mirror_abstract_eval(mirror_reduce_scatter),

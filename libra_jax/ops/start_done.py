@@ -61,7 +61,7 @@ from libra_jax import _compat
 from libra_jax.ops import lowering
 from libra_jax.ops.base import Platform, Rule, register_op
 from libra_jax.ops.psum import allreduce_call, psum_abstract_eval
-from libra_jax.ops.sharded import sharded_call
+from libra_jax.ops.sharded import flat_call
 
 __all__ = ["libra_psum_start_p", "libra_psum_done_p", "libra_sharded_start_p", "register_pair",
            "libra_sharded_done_p", "TOKEN_AVAL"]
@@ -218,13 +218,13 @@ libra_psum_done_p = register_op("libra_psum_done", abstract_eval=done_abstract_e
 # run before, read by nothing (the engine's and NCCL's starts accept and ignore them; XLA orders
 # by data only and drops an `optimization_barrier` on CPU, so this is how `optimize` issues an
 # all-gather when the gather before it is done); the one-call fallback ignores them too. The
-# engine keys the pair by `_sharded_key`: ``call_id * 16 + 8``
-# plus 0 (reduce-scatter) or 1 (all-gather), apart from the psum buckets' ``call_id * 16 + j``
+# engine keys the pair by `_sharded_key`: ``call_id * 16 + 7`` plus the kind's enum value
+# (8 for the reduce-scatter, 9 for the all-gather), apart from the psum buckets' ``call_id * 16 + j``
 # (j, a bucket's dtype index, is below 8), so a program's pairs of both kinds may share ids.
 
 
 def _sharded_key(call_id: int, collective: str) -> np.int64:
-    return np.int64(call_id * 16 + 8 + (collective == "all_gather"))
+    return np.int64(call_id * 16 + 7 + lowering.COLLECTIVES[collective].enum)
 
 
 def _flat_aval(aval: Any, collective: str, axis_size: int) -> Any:
@@ -247,23 +247,11 @@ def sharded_done_abstract_eval(flat: Any, token: Any, *after: Any, collective: s
     return out_aval, set()
 
 
-def _flat_call(collective: str, axis_name: tuple, axis_size: int, blocks: int | None
-               ) -> lowering.Call:
-    """The collective of a flat row of shards (`lowering.to_row_of_shards`): along its only
-    dimension, tiled."""
-    dimension = "scatter_dimension" if collective == "psum_scatter" else "all_gather_dimension"
-    params: dict[str, Any] = dict(axis_name=axis_name, axis_size=axis_size, tiled=True,
-                                  blocks=blocks, **{dimension: 0})
-    if collective == "all_gather":
-        params["invariant"] = False
-    return sharded_call(collective, params)
-
-
 def _sharded_start_lowering(platform: Platform) -> Rule:
     def rule(ctx: Any, x: Any, *after: Any, collective: str, axis_name: tuple, dimension: int,
              axis_size: int, tiled: bool, blocks: int | None, call_id: int) -> list[Any]:
         _check_paired("libra_sharded_start", collective, call_id)
-        call = _flat_call(collective, axis_name, axis_size, blocks)
+        call = flat_call(collective, axis_name, axis_size, blocks)
         gathers = call.row.gathers
         ctx_x = ctx.replace(avals_in=ctx.avals_in[:1])
         flat, flat_in = lowering.to_row_of_shards(ctx_x, x, gathers, dimension, tiled)
@@ -290,7 +278,7 @@ def _sharded_done_lowering(platform: Platform) -> Rule:
              dimension: int, axis_size: int, tiled: bool, blocks: int | None, call_id: int,
              out_aval: Any) -> list[Any]:
         flat_aval = ctx.avals_in[0]
-        call = _flat_call(collective, axis_name, axis_size, blocks)
+        call = flat_call(collective, axis_name, axis_size, blocks)
         gathers = call.row.gathers
         shard = flat_aval.shape[0] // axis_size
         # The operand's flat form (start's lowering), which decides the split as start did.

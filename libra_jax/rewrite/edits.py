@@ -47,7 +47,7 @@ class Edits:
     sink: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # moves after a bucket
     dones: dict[int, Any] = dataclasses.field(default_factory=dict)  # a start's -> its done
     # Equations placed right before / after the one at a position (an all-gather's start,
-    # issued ahead: `Rewriter.prefetch_gathers`); scheduled as the equations around them.
+    # issued ahead: `gathers.prefetch_gathers`); scheduled as the equations around them.
     before: dict[int, list[Any]] = dataclasses.field(default_factory=dict)
     after: dict[int, list[Any]] = dataclasses.field(default_factory=dict)
 
@@ -299,7 +299,7 @@ def sink_gathers(eqns: Sequence[Any]) -> list[Any]:
     """The scope's equations with each all-gather moved down to just before its first reader.
     FSDP code often gathers every parameter up front (the GSPMD route does: `data_parallel`),
     which holds them all gathered from the scope's start and leaves no compute to issue a
-    gather ahead of; at its first use it is where `Rewriter.prefetch_gathers` expects it. An
+    gather ahead of; at its first use it is where `gathers.prefetch_gathers` expects it. An
     all-gather is pure and its operand is defined earlier still, so the values are unchanged;
     one that nothing in the scope reads (a scope's output) stays where it is."""
     first_use: dict[Any, int] = {}

@@ -82,10 +82,10 @@ class OptimizeReport:
     # Collectives whose results the step never uses, removed before planning with the
     # computation only they needed (dead code): one line per kind, with its count.
     dropped: list[str] = dataclasses.field(default_factory=list)
-    # psums of a known zero, computed without a call (`Rewriter.fold_zero_psums`): one line
+    # psums of a known zero, computed without a call (`sites.fold_zero_psums`): one line
     # per psum, with its scope.
     folded: list[str] = dataclasses.field(default_factory=list)
-    # Per scope whose all-gathers were planned together (`Rewriter.prefetch_gathers`): the
+    # Per scope whose all-gathers were planned together (`gathers.prefetch_gathers`): the
     # model's inputs and choice (`planner.GatherStep`s, `planner.GatherPlan`), for `explain`.
     gathers: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 

@@ -116,7 +116,7 @@ class Rewriter:
         # slices: a LoopPlan, completed once the body is planned (`loop_report`).
         self.hoisting: dict[tuple[str, int], LoopPlan] = {}
         # Remat's re-gathers taken out of their `checkpoint` to be issued ahead
-        # (`hoist_regathers`): their results, each with the checkpoint's cotangent it must
+        # (`gathers.hoist_regathers`): their results, each with the checkpoint's cotangent it must
         # not start before.
         self.regathered: dict[Any, Any] = {}
         self.prefetch, self.prefetch_why = self.prefetch_mode()

@@ -40,7 +40,7 @@ __all__ = ["Site", "SITE_RULES", "site_rule", "find_site", "gather_site", "gradi
 @dataclasses.dataclass
 class Site:
     """A psum or psum_scatter equation that the planner may allocate (and fuse), or an
-    all_gather given the model's block count (`Rewriter.gather_site`)."""
+    all_gather given the model's block count (`gather_site`)."""
 
     index: int
     axes: tuple
