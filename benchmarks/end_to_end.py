@@ -22,6 +22,12 @@ pair, whichever the model prices lower (libra_jax/rewrite/buckets.py). `--modes`
 mode: overlap="sync" (one call per bucket) and overlap="start-done" (each all-reduce joins its
 round mid-backward and is waited for after the backward pass, libra_jax/ops/start_done.py).
 
+`--ready` adds the arm with the old placement, `optimize(ready="written")` (each gradient
+psum planned where the code wrote it: after the backward pass in the examples, which write
+`pmean(jax.grad(...))`); `--ablation` adds one arm per fixed block count, `optimize(blocks=k)`
+for k = 1, 2, 4, 8 (the plan's fusion for that count, every bucket at k): whether the
+allocation matters once the plan overlaps the backward pass.
+
 `--overlap` also runs one step per example with `LIBRA_JAX_DEBUG=1` in a subprocess and reads the
 engine's per-call log: an all-reduce whose first rank arrived before the previous all-reduce
 ended means that rank computed (the backward pass) while that all-reduce was in flight.
@@ -57,6 +63,10 @@ LOG = re.compile(r"\[libra_jax\] .*?bytes=(\d+) blocks=(\d+) .*?first_arrival_us
                  r"start_us=(-?\d+) end_us=(-?\d+)")
 
 
+#: The fixed block counts `--ablation` times against the plan.
+ABLATION_BLOCKS = (1, 2, 4, 8)
+
+
 def label(name: str, options: dict) -> str:
     return name + "".join(f" ({v})" for v in options.values())
 
@@ -72,7 +82,7 @@ def one_bucket_profile() -> str:
 
 
 def bench(name: str, options: dict, rounds: int, steps: int, one_bucket: bool = False,
-          modes: bool = False) -> dict:
+          modes: bool = False, ready: bool = False, ablation: bool = False) -> dict:
     step, args = common.load_example(name).build(False, **options)
     arms = {"plain": jax.jit(common.plain_step(step), donate_argnums=0),
             "optimized": jax.jit(libra_jax.optimize(step), donate_argnums=0),
@@ -92,6 +102,13 @@ def bench(name: str, options: dict, rounds: int, steps: int, one_bucket: bool = 
         for mode in ("sync", "start-done"):
             arms[f"optimized, {mode}"] = jax.jit(libra_jax.optimize(step, overlap=mode),
                                                  donate_argnums=0)
+    if ready:
+        arms["optimized, ready=written"] = jax.jit(libra_jax.optimize(step, ready="written"),
+                                                   donate_argnums=0)
+    if ablation:
+        for k in ABLATION_BLOCKS:
+            arms[f"optimized, blocks={k}"] = jax.jit(libra_jax.optimize(step, blocks=k),
+                                                     donate_argnums=0)
     state = {k: common.copy_tree(args[0]) for k in arms}
     batch = args[1:]
     return interleaved_steps(arms, state, batch, rounds, steps, common.WARMUP)
@@ -142,6 +159,10 @@ def main() -> None:
                         help="add an arm with every gradient psum in one bucket")
     parser.add_argument("--modes", action="store_true",
                         help="add arms with overlap='sync' and overlap='start-done'")
+    parser.add_argument("--ready", action="store_true",
+                        help="add the arm with the old placement, optimize(ready='written')")
+    parser.add_argument("--ablation", action="store_true",
+                        help="add arms with every bucket at a fixed block count (1, 2, 4, 8)")
     parser.add_argument("--out", default=None, help="write a markdown table here")
     parser.add_argument("--append", action="store_true",
                         help="add the table to --out as a section of its own (with its command, "
@@ -153,7 +174,8 @@ def main() -> None:
         if a.only and a.only != name:
             continue
         t0 = time.perf_counter()
-        res = bench(name, options, a.rounds, a.steps, a.one_bucket, a.modes)
+        res = bench(name, options, a.rounds, a.steps, a.one_bucket, a.modes, a.ready,
+                    a.ablation)
         base = np.asarray(res["plain"])
         for arm, ts in res.items():
             ts = np.asarray(ts)

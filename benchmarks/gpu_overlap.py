@@ -19,9 +19,11 @@ are checked (a 1-rank all-reduce returns its input).
 
 Then the same through `libra_jax.optimize`: an MLP train step on a mesh of the
 one GPU (its psums become 1-rank kernel calls), overlap="sync" against
-overlap="start-done": step time, whether the results are bitwise equal, and,
-from XLA's scheduled HLO, how many GEMMs run between each start and its done
-(0: XLA pulled done up to its start, and nothing can overlap).
+overlap="start-done", and the step written ``pmean(jax.grad(...))`` with its psums
+planned where ready (the default) against where written (``ready="written"``): step
+time, whether the results are bitwise equal, and, from XLA's scheduled HLO, how many
+GEMMs run between each start and its done (0: XLA pulled done up to its start, and
+nothing can overlap).
 Results go to DIR/overlap.md as they come.
 
     python benchmarks/gpu_overlap.py --command-buffers   # on a GPU: what command buffers take
@@ -157,15 +159,28 @@ def optimize_steps(width: int, layers: int, batch: int) -> tuple[dict, tuple]:
         grads = jax.grad(loss)(params, x)
         return [p - 0.01 * g for p, g in zip(params, grads)]
 
+    def written_step(params, x):
+        # The common form: pmean after jax.grad (every psum written after the backward pass).
+        grads = jax.lax.pmean(jax.grad(loss)(params, x), "data")
+        return [p - 0.01 * g for p, g in zip(params, grads)]
+
     step = jax.shard_map(local_step, mesh=mesh, in_specs=(P(), P("data")), out_specs=P(),
                          check_vma=True)
+    written = jax.shard_map(written_step, mesh=mesh, in_specs=(P(), P("data")), out_specs=P(),
+                            check_vma=False)
     keys = jax.random.split(jax.random.key(1), layers + 1)
     params = [jax.random.normal(k, (width, width), jnp.float32) / width ** 0.5
               for k in keys[:-1]]
     x = jax.device_put(jax.random.normal(keys[-1], (batch, width), jnp.float32),
                        NamedSharding(mesh, P("data")))
-    return ({mode: jax.jit(libra_jax.optimize(step, overlap=mode))
-             for mode in ("sync", "start-done")}, (params, x))
+    arms = {mode: jax.jit(libra_jax.optimize(step, overlap=mode))
+            for mode in ("sync", "start-done")}
+    # The written form planned where its operands are ready (the default) and where the code
+    # wrote them (the old placement): the start/done order XLA compiles, and the step time.
+    for ready in ("dataflow", "written"):
+        arms[f"start-done, pmean(grad), ready={ready}"] = jax.jit(
+            libra_jax.optimize(written, overlap="start-done", ready=ready))
+    return arms, (params, x)
 
 
 def gemms_between_start_and_done(hlo: str) -> list[int]:
@@ -192,10 +207,10 @@ def optimize_rows(args: argparse.Namespace) -> list[str]:
             jax.block_until_ready(f(params, x))
             times[mode].append((time.perf_counter() - t0) * 1e3)
     same = all(bool(jnp.array_equal(a, b))
-               for a, b in zip(results["sync"], results["start-done"]))
+               for mode in fns for a, b in zip(results["sync"], results[mode]))
     rows = []
     for mode in fns:
-        between = gemms_between_start_and_done(text[mode]) if mode == "start-done" else []
+        between = gemms_between_start_and_done(text[mode]) if mode != "sync" else []
         spread = np.percentile(times[mode], [10, 90])
         rows.append(f"| {mode} | {statistics.median(times[mode]):.2f} ({spread[0]:.2f}-"
                     f"{spread[1]:.2f}) | {same} | {between if between else '-'} |")
@@ -236,7 +251,9 @@ def main() -> int:
         pair = sorted([_ffi.target("all-reduce", "cuda", "done"), _ffi.target("all-reduce", "cuda", "start")])
         expected = {"compute": [], "allreduce": sync_calls, "sync": sync_calls,
                     "annotated": sync_calls, "start/done": pair,
-                    "optimize overlap=sync": sync_calls, "optimize overlap=start-done": pair}
+                    "optimize overlap=sync": sync_calls, "optimize overlap=start-done": pair,
+                    "optimize overlap=start-done, pmean(grad), ready=dataflow": pair,
+                    "optimize overlap=start-done, pmean(grad), ready=written": pair}
         opt, (params, x) = optimize_steps(256, 3, 64)
         lowerings = {name: (lambda make=make: make(8).trace(a_spec, x_spec))
                      for name, make in fns.items()}

@@ -42,6 +42,11 @@ class BucketRow:
     start_s: float                  # predicted start and end of its collective
     end_s: float
     collective: str = "all-reduce"  # or "reduce-scatter" (`planner.COLLECTIVES`)
+    #: Where in the backward pass its last gradient is ready (`rewrite.ready`): the equation
+    #: that produces it, and why readiness stopped there if it is a call or a loop ("" where
+    #: planned as written: `optimize(ready="written")`).
+    ready_after: str = ""
+    ready_why: str = ""
 
     @property
     def comm_s(self) -> float:
@@ -160,13 +165,13 @@ class Explanation:
 def explain(fn: Callable[..., Any], *args: Any, profile: Any = None, fusion: bool = True,
             blocks: int | None = None, overlap: str | None = None, loops: str = "auto",
             prefetch: str | int | None = None, prefetch_bytes: int | None = None,
-            static_argnums: int | Sequence[int] | None = None,
+            ready: str = "dataflow", static_argnums: int | Sequence[int] | None = None,
             static_argnames: str | Sequence[str] | None = None,
             file: TextIO | None = sys.stdout, use_rich: bool | None = None,
             **kwargs: Any) -> Explanation:
     """Plan `fn(*args, **kwargs)` as `libra_jax.optimize(fn, profile=..., fusion=...,
-    blocks=..., overlap=..., loops=..., prefetch=..., prefetch_bytes=..., static_argnums=...,
-    static_argnames=...)` would, print the plan
+    blocks=..., overlap=..., loops=..., prefetch=..., prefetch_bytes=..., ready=...,
+    static_argnums=..., static_argnames=...)` would, print the plan
     to `file` (None: print nothing) and return it as an `Explanation`.
 
     `fn` may be jitted, `shard_map`ped, call `jax.pmap`, or be an `optimize`d function (its
@@ -190,7 +195,7 @@ def explain(fn: Callable[..., Any], *args: Any, profile: Any = None, fusion: boo
                  for i, (path, _) in enumerate(flat) if i not in outputs.static]
     _, report = rewrite.rewrite_jaxpr(closed, profile=profile, fusion=fusion, blocks=blocks,
                                       overlap=overlap, loops=loops, prefetch=prefetch,
-                                      prefetch_bytes=prefetch_bytes,
+                                      prefetch_bytes=prefetch_bytes, ready=ready,
                                       inputs=jax.tree.leaves((dyn_args, dyn_kwargs)))
     names = _result_names(closed, out_paths, report)
     scopes = tuple(_scope_plan(entry, report, names) for entry in report.predicted)
@@ -243,6 +248,7 @@ def _scope_plan(entry: dict, report: rewrite.OptimizeReport, names: dict) -> Sco
         span = spans.get(j)
         issued = planned.get((entry["scope"], members[b.last]))
         ready = max((c.end for c in tl.compute if b.first <= c.layer <= b.last), default=0.0)
+        point = entry.get("ready", (None,) * len(members))[b.last]
         rows.append(BucketRow(
             index=j, tensors=tensors, nbytes=sum(layers[i].grad_bytes for i in idx),
             blocks=getattr(issued, "blocks", b.blocks), allocation=b.blocks,
@@ -250,7 +256,9 @@ def _scope_plan(entry: dict, report: rewrite.OptimizeReport, names: dict) -> Sco
             compute_s=sum(layers[i].compute_s for i in idx),
             ready_s=span.ready if span else ready,
             start_s=span.start if span else ready, end_s=span.end if span else ready,
-            collective=layers[b.first].collective))
+            collective=layers[b.first].collective,
+            ready_after=f"{tensors[-1]}'s gradient, {point.after}" if point else "",
+            ready_why=point.why if point else ""))
     return ScopePlan(
         scope=entry["scope"], axes=tuple(entry["axes"]), world=entry["world"],
         profile=entry["profile"].name, key_unit=entry["key_unit"], layers=layers, buckets=buckets,
@@ -522,7 +530,21 @@ def _summary(s: ScopePlan) -> list[str]:
             f"{s.compute_s * ms:.3f} ms)",
             f"  default allocation ({s.default_allocation}, 64 MiB fusion): {vs(s.default_s)}",
             f"  fusion only (allocation {s.default_allocation}): {vs(s.fusion_only_s)}"
-            ] + ([f"  {s.limit}"] if s.limit else [])
+            ] + ([f"  {s.limit}"] if s.limit else []) + _ready_lines(s)
+
+
+def _ready_lines(s: ScopePlan) -> list[str]:
+    """Where each bucket is ready in the backward pass (its issue point), and why readiness
+    stopped at a call or a loop; said once that a scope is planned where the code wrote its
+    collectives (``ready="written"``)."""
+    if not any(r.ready_after for r in s.rows):
+        return ["  buckets planned where the code wrote their collectives (ready=\"written\")"]
+    lines = ["  ready (issued) in the backward pass:"]
+    for r in s.rows:
+        if r.ready_after:
+            lines.append(f"    #{r.index} after {r.ready_after}"
+                         + (f" ({r.ready_why})" if r.ready_why else ""))
+    return lines
 
 
 def _prediction_lines(e: Explanation) -> list[str]:

@@ -27,7 +27,7 @@ LAYERS: dict[str, int] = {
                      "ops.start_done", "ops.sharded"], 3),
     **dict.fromkeys(["allreduce", "overlap", "data_parallel", "loops", "rewrite",
                      "rewrite.sites", "rewrite.costs", "rewrite.edits", "rewrite.report",
-                     "rewrite.gathers", "rewrite.buckets", "rewrite.rewriter",
+                     "rewrite.gathers", "rewrite.buckets", "rewrite.ready", "rewrite.rewriter",
                      "rewrite.transform"], 4),
     **dict.fromkeys(["explanation", "calibrate", "calibrate.measure", "calibrate.build", "cli",
                      "__main__", "testing"], 5),

@@ -1073,11 +1073,12 @@ def test_a_bucket_holds_one_collective_and_one_class():
         control = jax.jit(optimize(step, overlap="sync", profile="h200", collectives="xla"))(*args)
     assert_bitwise(got, control)
     assert_codegen_close(got, jax.jit(step)(*args))
-    # In jaxpr order: a psum_scatter, the psum, one along dimension 1, a psum_scatter: no two
-    # neighbours share a class, so every bucket is one member.
+    # In the order the backward pass makes them (the last parameter's first): a
+    # psum_scatter, one along dimension 1, the psum, a psum_scatter: no two neighbours share
+    # a class, so every bucket is one member.
     assert [(p.collective, len(p.members)) for p in opt.last_report.plans
-            if p.kind == "gradient"] == [("reduce-scatter", 1), ("all-reduce", 1),
-                                         ("reduce-scatter", 1), ("reduce-scatter", 1)]
+            if p.kind == "gradient"] == [("reduce-scatter", 1), ("reduce-scatter", 1),
+                                         ("all-reduce", 1), ("reduce-scatter", 1)]
     # The class cut, directly: members of other classes never share a reach.
     sites = [rewrite.sites.Site(i, ("x",), False, 64, None, None, "reduce-scatter", (d, 8, True))
              for i, d in enumerate((0, 0, 1, 0))]

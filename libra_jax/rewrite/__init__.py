@@ -40,7 +40,7 @@ Contract of the rewrite (`rewrite_jaxpr`):
   hoisted before the scope is planned: the scan returns the slices unreduced and
   one psum of the stacked array follows it, a psum of this scope like any other
   (the same sums: summation is elementwise). `loops="auto"` hoists where the
-  model prices that lower than keeping them in the body (`Rewriter.loop_plan`).
+  model prices that lower than keeping them in the body (`rewriter.loop_plan`).
   Then every loop body (`scan`, `while`, so `fori_loop`) is a scope of its own,
   planned by the same rule where the body shows a backward pass: its gradient
   psums (a train step scanned over substeps, gradient accumulation that

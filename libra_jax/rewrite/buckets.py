@@ -67,6 +67,8 @@ def plan(rw: Rewriter, members: list[Site], costs: list[float], world: int, scop
         "axes": members[0].axes, "members": tuple(s.index for s in members),
         "results": tuple(s.result for s in members), "cost": cost,
         "key_unit": derivation.key_unit, "reach": reach,
+        # Where each member is ready in the backward pass (`ready`; None: where written).
+        "ready": tuple(rw.ready.get(scope, {}).get(s.index) for s in members),
         # Said where the cap took an option away.
         "limit": (f"block counts at most {cap}: {cap_why}"
                   if cap is not None and any(cap_why in why

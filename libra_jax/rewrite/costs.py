@@ -14,7 +14,12 @@ from typing import Any
 from libra_jax import _compat
 from libra_jax.rewrite.sites import aval_bytes, is_psum
 
-__all__ = ["roofline_s", "region_roofline_s"]
+__all__ = ["roofline_s", "region_roofline_s", "FREE"]
+
+#: Equations that compile to nothing: `pvary` (``check_vma``'s cast of a replicated value to
+#: varying) changes a type, not a byte. Priced at 0, so that a step costs the same whichever
+#: way its collectives were written (`libra_jax.rewrite.ready`).
+FREE = frozenset({"pvary"})
 
 
 def roofline_s(eqn: Any, profile: Any) -> float:
@@ -22,7 +27,7 @@ def roofline_s(eqn: Any, profile: Any) -> float:
     convolutions over peak FLOP/s, bytes moved by anything else over memory bandwidth."""
     device = profile.device
     name = eqn.primitive.name
-    if is_psum(eqn):
+    if is_psum(eqn) or name in FREE:
         return 0.0
     subs = _compat.jaxprs_in_params(eqn.params)
     if subs:

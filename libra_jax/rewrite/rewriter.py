@@ -4,7 +4,7 @@ A scope (a jaxpr: the step's, a `shard_map`'s body, a loop's body) is rewritten 
 (`Rewriter.jaxpr`): its sub-jaxprs first, then its sites found (`sites.find_site`) and
 classified, its gradient collectives planned and edited (`buckets`), its all-gathers edited
 (`gathers`), and its equations scheduled (`edits.schedule`). A scan's hoistable psums leave
-its body first where the model prices that lower (`Rewriter.loop_plan`).
+its body first where the model prices that lower (`loop_plan`).
 """
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ from libra_jax.rewrite.edits import (
     sink_gathers,
 )
 from libra_jax.rewrite.gathers import edit_gathers, hoist_regathers
+from libra_jax.rewrite.ready import READY_MODES, Ready, to_ready_points
 from libra_jax.rewrite.report import LoopPlan, OptimizeReport, PsumPlan, block_cap
 from libra_jax.rewrite.sites import (
     LIBRA_UNPLANNED,
@@ -48,6 +49,31 @@ from libra_jax.rewrite.sites import (
 )
 
 __all__ = ["Options", "Rewriter", "LOOP_MODES"]
+
+
+def _find_sites(eqns: Sequence[Any]) -> tuple[list[Site], list[Site], list[str]]:
+    """(the psums and psum_scatters, the all-gathers, why others are skipped) of a scope, by
+    the site rules (`sites.find_site`), in order."""
+    sites: list[Site] = []
+    gathers: list[Site] = []
+    skipped: list[str] = []
+    for i, eqn in enumerate(eqns):
+        found = find_site(i, eqn)
+        if isinstance(found, str):
+            skipped.append(found)
+        elif found is not None:
+            (gathers if found.collective == "all-gather" else sites).append(found)
+    return sites, gathers, skipped
+
+
+def _label(eqns: Sequence[Any], point: int) -> str:
+    """The equation at a ready point, as a report says it: its primitive and result's type."""
+    if point < 0:
+        return "the scope's start"
+    eqn = eqns[point]
+    out = eqn.outvars[0].aval if eqn.outvars else None
+    shape = "x".join(map(str, getattr(out, "shape", ()))) or "scalar"
+    return f"{eqn.primitive.name} ({shape}) at equation {point}"
 
 
 #: `optimize(loops=...)`: what happens to the psums that may leave a scan body (`loops`).
@@ -70,8 +96,12 @@ class Options:
     loops: str = "auto"
     prefetch: str | int = "auto"    # `config.prefetch_mode`
     prefetch_bytes: int = config.DEFAULT_PREFETCH_BYTES
+    ready: str = "dataflow"         # `READY_MODES`
 
     def __post_init__(self) -> None:
+        if self.ready not in READY_MODES:
+            raise ValueError(f"libra_jax.optimize: ready must be one of "
+                             f"{', '.join(map(repr, READY_MODES))}, got {self.ready!r}")
         profile = self.profile  # checked when made; a JSON document is read now, once
         if isinstance(profile, collections.abc.Mapping):
             object.__setattr__(self, "profile", model.resolve_profile(profile))
@@ -87,7 +117,7 @@ class Options:
         elif profile is not None:
             profile = ("name", os.fspath(profile))
         return (profile, self.fusion, self.blocks, self.overlap, self.loops, self.prefetch,
-                self.prefetch_bytes)
+                self.prefetch_bytes, self.ready)
 
     def resolved_profile(self) -> model.Profile:
         """The profile as a loaded `model.Profile`: resolved once per trace (None: the
@@ -120,6 +150,10 @@ class Rewriter:
         # not start before.
         self.regathered: dict[Any, Any] = {}
         self.prefetch, self.prefetch_why = self.prefetch_mode()
+        # Per scope, each gradient collective's ready point by its position (`ready`), and
+        # each position's before the collectives moved (the report says those).
+        self.ready: dict[str, dict[int, Ready]] = {}
+        self.written: dict[str, list[int]] = {}
 
     def prefetch_mode(self) -> tuple[int | None, str]:
         """(the distance all-gathers are issued at, None: the model's per scope; why "auto"
@@ -171,14 +205,20 @@ class Rewriter:
         self.report.folded.extend(f"{name} of zeros in {scope}" for name in folded)
         eqns = scatter_sliced_psums(eqns, jaxpr.outvars, axis_sizes)
         eqns = sink_gathers(eqns)
-        sites: list[Site] = []  # the psums and psum_scatters
-        gathers: list[Site] = []
-        for i, eqn in enumerate(eqns):
-            found = find_site(i, eqn)
-            if isinstance(found, str):
-                self.report.skipped.append(f"{found} in {scope}")
-            elif found is not None:
-                (gathers if found.collective == "all-gather" else sites).append(found)
+        sites, gathers, skipped = _find_sites(eqns)
+        if self.options.ready == "dataflow" and sites:
+            # Each gradient collective where its operand is ready (`ready`), so that the
+            # planner's layers are the backward pass's whichever way the code was written.
+            gradient, backward = gradient_sites(eqns, sites, jaxpr.outvars, transposed)
+            movable = [] if in_loop and backward is None else [
+                s.index for s in sites if s.index in gradient and s.explicit_blocks is None]
+            if movable:
+                eqns, order, ready = to_ready_points(eqns, movable)
+                self.ready[scope] = {i: dataclasses.replace(r, after=_label(eqns, r.point))
+                                     for i, r in ready.items()}
+                self.written[scope] = order
+                sites, gathers, skipped = _find_sites(eqns)
+        self.report.skipped.extend(f"{why} in {scope}" for why in skipped)
         served = {site.index for site in sites + gathers}
         for i, eqn in enumerate(eqns):
             other = _compat.OTHER_COLLECTIVES.get(eqn.primitive.name)
@@ -191,7 +231,7 @@ class Rewriter:
         edit_gathers(self, eqns, gathers, axis_sizes, scope, in_loop, in_backward or transposed,
                      invars, edits)
         if not sites:
-            return jaxpr.replace(eqns=schedule(eqns, edits))
+            return self.finish(jaxpr, eqns, edits, scope)
         warn_invariant_operands(eqns, sites)
         gradient, backward = gradient_sites(eqns, sites, jaxpr.outvars, transposed)
         if in_loop and backward is None:
@@ -233,6 +273,20 @@ class Rewriter:
             split = split and bucket[0].collective == "all-reduce"
             edit_bucket(self, eqns, bucket, axes, bucket[0].invariant, k, split, scope, invars,
                              edits)
+        return self.finish(jaxpr, eqns, edits, scope)
+
+    def finish(self, jaxpr: Any, eqns: list[Any], edits: Edits, scope: str) -> Any:
+        """The scope scheduled; its report's equation positions are the ones before its
+        collectives moved to their ready points (where the written program has them)."""
+        order = self.written.get(scope)
+        if order is not None:
+            for k, p in enumerate(self.report.plans):
+                if p.scope == scope:
+                    self.report.plans[k] = dataclasses.replace(
+                        p, members=tuple(order[i] for i in p.members))
+            for entry in self.report.predicted:
+                if entry["scope"] == scope:
+                    entry["members"] = tuple(order[i] for i in entry["members"])
         return jaxpr.replace(eqns=schedule(eqns, edits))
 
     def hoist_loops(self, eqns: Sequence[Any], axis_sizes: dict, scope: str) -> list[Any]:
@@ -245,7 +299,7 @@ class Rewriter:
             if not hoists or group_size(axis_sizes, hoists[0].axes) < 2:
                 out.append(eqn)
                 continue
-            plan = self.loop_plan(eqn, hoists, group_size(axis_sizes, hoists[0].axes), scope,
+            plan = loop_plan(self, eqn, hoists, group_size(axis_sizes, hoists[0].axes), scope,
                                   len(out))
             self.hoisting[(scope, len(out))] = plan
             if plan.choice == "hoist":
@@ -253,38 +307,6 @@ class Rewriter:
             else:
                 out.append(eqn)
         return out
-
-    def loop_plan(self, eqn: Any, hoists: list[loops.Hoist], world: int, scope: str,
-                  index: int) -> LoopPlan:
-        """Hoist or keep one scan's hoistable psums: the model's predicted time of the loop with
-        them planned in the body (the planner's buckets for one iteration, overlapping the
-        rest of it), against the loop's compute followed by one all-reduce of every
-        iteration's slices (what hoisting gives before the planner fuses and overlaps it with
-        the scope's other gradients: an upper bound). The body's other psums are the same
-        either way and left out of both. `gradient` and `calls` are filled in once the body
-        is planned (`sub_jaxprs`)."""
-        body = eqn.params["jaxpr"].jaxpr
-        length = int(eqn.params["length"])
-        costs = [roofline_s(e, self.profile) for e in body.eqns]
-        layers, start = [], 0
-        for h in sorted(hoists, key=lambda h: h.psum):
-            layers.append(planner.Layer(compute_s=float(sum(costs[start:h.psum])),
-                                        grad_bytes=h.nbytes))
-            start = h.psum + 1
-        layers.append(planner.Layer(compute_s=float(sum(costs[start:])), grad_bytes=0))
-        cap, cap_why = block_cap(self.profile)
-        cost = model.derive(self.profile, world, max_blocks=cap, max_blocks_why=cap_why).cost
-        nbytes = sum(h.nbytes for h in hoists)
-        whole = [planner.Layer(compute_s=length * sum(layer.compute_s for layer in layers),
-                               grad_bytes=length * nbytes)]
-        in_loop_s = length * planner.plan(layers, cost, fusion=self.options.fusion).backward_s
-        hoisted_s = min(planner.simulate(whole, [planner.Bucket(0, 0, k)], cost)
-                        for k in cost.keys)
-        choice = self.options.loops
-        if choice == "auto":
-            choice = "hoist" if hoisted_s <= in_loop_s else "in-loop"
-        return LoopPlan(scope, index, length, body="", gradient=0, calls=0, psums=len(hoists),
-                        nbytes=nbytes, choice=choice, in_loop_s=in_loop_s, hoisted_s=hoisted_s)
 
     def sub_jaxprs(self, eqn: Any, index: int, axis_sizes: dict, scope: str,
                    in_loop: bool, in_backward: bool = False) -> Any:
@@ -339,3 +361,36 @@ class Rewriter:
         self.scope_names[base] += 1
         n = self.scope_names[base]
         return base if n == 1 else f"{base}#{n}"
+
+
+def loop_plan(rw: Rewriter, eqn: Any, hoists: list[loops.Hoist], world: int, scope: str,
+              index: int) -> LoopPlan:
+    """Hoist or keep one scan's hoistable psums: the model's predicted time of the loop with
+    them planned in the body (the planner's buckets for one iteration, overlapping the
+    rest of it), against the loop's compute followed by one all-reduce of every
+    iteration's slices (what hoisting gives before the planner fuses and overlaps it with
+    the scope's other gradients: an upper bound). The body's other psums are the same
+    either way and left out of both. `gradient` and `calls` are filled in once the body
+    is planned (`sub_jaxprs`)."""
+    body = eqn.params["jaxpr"].jaxpr
+    length = int(eqn.params["length"])
+    costs = [roofline_s(e, rw.profile) for e in body.eqns]
+    layers, start = [], 0
+    for h in sorted(hoists, key=lambda h: h.psum):
+        layers.append(planner.Layer(compute_s=float(sum(costs[start:h.psum])),
+                                    grad_bytes=h.nbytes))
+        start = h.psum + 1
+    layers.append(planner.Layer(compute_s=float(sum(costs[start:])), grad_bytes=0))
+    cap, cap_why = block_cap(rw.profile)
+    cost = model.derive(rw.profile, world, max_blocks=cap, max_blocks_why=cap_why).cost
+    nbytes = sum(h.nbytes for h in hoists)
+    whole = [planner.Layer(compute_s=length * sum(layer.compute_s for layer in layers),
+                           grad_bytes=length * nbytes)]
+    in_loop_s = length * planner.plan(layers, cost, fusion=rw.options.fusion).backward_s
+    hoisted_s = min(planner.simulate(whole, [planner.Bucket(0, 0, k)], cost)
+                    for k in cost.keys)
+    choice = rw.options.loops
+    if choice == "auto":
+        choice = "hoist" if hoisted_s <= in_loop_s else "in-loop"
+    return LoopPlan(scope, index, length, body="", gradient=0, calls=0, psums=len(hoists),
+                    nbytes=nbytes, choice=choice, in_loop_s=in_loop_s, hoisted_s=hoisted_s)

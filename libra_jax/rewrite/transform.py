@@ -47,7 +47,7 @@ OVERLAP_MODES = config.OVERLAP_MODES
 def optimize(fn: Callable[..., Any] | None = None, *, profile: Any = None, fusion: bool = True,
              blocks: int | None = None, overlap: str | None = None, loops: str = "auto",
              prefetch: str | int | None = None, prefetch_bytes: int | None = None,
-             static_argnums: int | Sequence[int] | None = None,
+             ready: str = "dataflow", static_argnums: int | Sequence[int] | None = None,
              static_argnames: str | Sequence[str] | None = None,
              collectives: str = "libra", enabled: bool = True) -> Any:
     """Rewrite the psums of a train step into Libra all-reduces planned at trace time.
@@ -87,6 +87,11 @@ def optimize(fn: Callable[..., Any] | None = None, *, profile: Any = None, fusio
         ``$LIBRA_JAX_PREFETCH``, else "auto".
       prefetch_bytes: the most gathered bytes per device issued ahead at once (the memory
         prefetching holds); None: ``$LIBRA_JAX_PREFETCH_BYTES``, else 1 GiB.
+      ready: where a gradient collective is planned and issued. "dataflow" (default): where
+        its operand is ready in the backward pass (`libra_jax.rewrite.ready`), however the
+        code was written (``pmean(jax.grad(...))`` writes every psum after the backward
+        pass; autodiff's psums sit inside it): the same step gets the same plan either way.
+        "written": where the code wrote it (the placement before 0.2; a control).
       static_argnums: positions of arguments that are not traced, as in `jax.jit`:
         Python values (a ``train`` flag, a config, a schedule function) passed to `fn` as
         they are; they must be hashable, and each distinct value is its own program. A
@@ -115,7 +120,8 @@ def optimize(fn: Callable[..., Any] | None = None, *, profile: Any = None, fusio
     if fn is None:
         return functools.partial(optimize, profile=profile, fusion=fusion, blocks=blocks,
                                  overlap=overlap, loops=loops, prefetch=prefetch,
-                                 prefetch_bytes=prefetch_bytes, static_argnums=static_argnums,
+                                 prefetch_bytes=prefetch_bytes, ready=ready,
+                                 static_argnums=static_argnums,
                                  static_argnames=static_argnames, collectives=collectives,
                                  enabled=enabled)
     if not callable(fn):
@@ -131,7 +137,7 @@ def optimize(fn: Callable[..., Any] | None = None, *, profile: Any = None, fusio
     options = Options(profile=profile, fusion=bool(fusion), blocks=blocks,
                        overlap=config.overlap_mode(overlap), loops=_loop_mode(loops),
                        prefetch=config.prefetch_mode(prefetch),
-                       prefetch_bytes=config.prefetch_bytes(prefetch_bytes))
+                       prefetch_bytes=config.prefetch_bytes(prefetch_bytes), ready=ready)
     cache: dict[Any, tuple[Callable[..., Any], Outputs, OptimizeReport]] = {}
 
     # Name, docstring and signature of `fn`, but not its attributes: a jitted or
@@ -158,7 +164,7 @@ def optimize(fn: Callable[..., Any] | None = None, *, profile: Any = None, fusio
                                               blocks=options.blocks, overlap=options.overlap,
                                               loops=options.loops, prefetch=options.prefetch,
                                               prefetch_bytes=options.prefetch_bytes,
-                                              inputs=leaves)
+                                              ready=options.ready, inputs=leaves)
             check_plan_agreement(report, program=program)
             if collectives == "xla":
                 rewritten = with_xla_collectives(rewritten)
@@ -364,7 +370,8 @@ def _returning_nnx_state(call: Callable[..., Any]) -> Callable[..., Any]:
 def rewrite_jaxpr(closed: Any, *, profile: Any = None, fusion: bool = True,
                   blocks: int | None = None, overlap: str | None = None, loops: str = "auto",
                   prefetch: str | int | None = None, prefetch_bytes: int | None = None,
-                  inputs: Sequence[Any] = ()) -> tuple[Any, OptimizeReport]:
+                  ready: str = "dataflow", inputs: Sequence[Any] = ()
+                  ) -> tuple[Any, OptimizeReport]:
     """Rewrite `closed` (a ClosedJaxpr) as the module docstring states.
 
     `inputs`: the values `closed` was traced from (arrays or tracers), where known. Only their
@@ -376,7 +383,7 @@ def rewrite_jaxpr(closed: Any, *, profile: Any = None, fusion: bool = True,
     options = Options(profile=profile, fusion=fusion, blocks=blocks,
                        overlap=config.overlap_mode(overlap), loops=_loop_mode(loops),
                        prefetch=config.prefetch_mode(prefetch),
-                       prefetch_bytes=config.prefetch_bytes(prefetch_bytes))
+                       prefetch_bytes=config.prefetch_bytes(prefetch_bytes), ready=ready)
     # A collective whose result the step never uses (a frozen parameter's gradient zeroed
     # after its pmean, a psum'd metric nobody returns) is no gradient to plan, and as a
     # start/done pair it would lose its done to XLA's dead-code elimination while its
