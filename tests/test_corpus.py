@@ -240,3 +240,20 @@ def test_fsdp_steps_with_gathers_issued_ahead_equal_their_xla_control(name, pref
     for p in report.plans:
         kinds[p.kind] = kinds.get(p.kind, 0) + len(p.members)
     assert kinds == case.kinds, report.plan_lines()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_buckets_are_ready_inside_the_backward_pass(name):
+    """Every scope with two or more gradient layers (outside loop bodies) is planned with
+    compute between its layers: its gradients become ready during the backward pass, not all
+    at its end (the written order of ``pmean(jax.grad(...))``, before `rewrite.ready`).
+    Where readiness stops at a call or a loop, explain says why."""
+    case = CASES[name]()
+    with case.context():
+        e = libra_jax.explain(case.step, fresh(case.state), *case.batch, file=None,
+                              static_argnames=case.static_argnames, **case.kwargs)
+    for s in e.scopes:
+        if s.in_loop or len(s.layers) < 2:
+            continue
+        stopped = [r.ready_why for r in s.rows if r.ready_why]
+        assert any(layer.compute_s > 0 for layer in s.layers[1:]) or stopped, (name, str(e))

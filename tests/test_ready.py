@@ -201,3 +201,53 @@ def test_readiness_stops_at_a_call_and_says_why():
     text = str(e)
     assert "ready (issued) in the backward pass:" in text
     assert "call, which readiness does not look into: ready after the call" in text, text
+
+
+def test_a_gradient_with_a_second_reader_is_said_to_be_copied():
+    """A local gradient read by a metric and by its psum: the psum alone (fusion off) is an
+    in-place all-reduce, so XLA copies the operand first; the report and explain say so."""
+    mesh = mesh_of((8,), ("x",))
+    rng = np.random.default_rng(3)
+    params = _params(rng)
+    x = shard(rng.standard_normal((64, SIZES[0])).astype(np.float32), mesh, P("x"))
+
+    def body(params, x):
+        grads = jax.grad(_loss)(params, x)
+        norm = jax.lax.pmean(sum(jnp.sum(g * g) for g in jax.tree.leaves(grads)), "x")
+        grads = jax.lax.pmean(grads, "x")
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), norm
+
+    step = jax.shard_map(body, mesh=mesh, in_specs=(P(), P("x")), out_specs=(P(), P()),
+                         check_vma=False)
+    opt = optimize(step, fusion=False, overlap="sync")
+    jax.jit(opt).lower(params, x)
+    assert len(opt.last_report.copied) == 8, opt.last_report.copied
+    assert all("other reader(s), so XLA copies it" in line for line in opt.last_report.copied)
+    text = str(libra_jax.explain(step, params, x, fusion=False, overlap="sync", file=None))
+    assert "gradients copied before their in-place all-reduce" in text
+    plain = optimize(jax.shard_map(lambda p, x: jax.tree.map(
+        lambda p, g: p - g, p, jax.lax.pmean(jax.grad(_loss)(p, x), "x")), mesh=mesh,
+        in_specs=(P(), P("x")), out_specs=P(), check_vma=False), fusion=False, overlap="sync")
+    jax.jit(plain).lower(params, x)
+    assert plain.last_report.copied == []
+
+
+def test_pmap_written_form_is_planned_inside_the_backward_pass():
+    """`optimize(jax.pmap(step))` with pmean after jax.grad: the buckets are ready inside
+    the backward pass, as under shard_map."""
+    rng = np.random.default_rng(4)
+    params = [w for w, _ in _params(rng, biases=False)]
+    x = rng.standard_normal((8, 16, SIZES[0])).astype(np.float32)
+
+    def body(ws, x):
+        grads = jax.lax.pmean(jax.grad(lambda ws: _loss([(w, None) for w in ws], x))(ws), "x")
+        return [w - 0.1 * g for w, g in zip(ws, grads)]
+
+    step = jax.pmap(body, axis_name="x", in_axes=(None, 0))
+    opt = optimize(step)
+    got = opt(params, x)
+    assert_codegen_close(got, step(params, x))
+    layers = _entry(opt.last_report)["layers"]
+    ready = np.cumsum([layer.compute_s for layer in layers])
+    assert [layer.grad_bytes for layer in layers][0] == 128 * 16 * 4  # the last layer's first
+    assert ready[0] < 0.5 * ready[-1]
