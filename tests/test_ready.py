@@ -251,3 +251,29 @@ def test_pmap_written_form_is_planned_inside_the_backward_pass():
     ready = np.cumsum([layer.compute_s for layer in layers])
     assert [layer.grad_bytes for layer in layers][0] == 128 * 16 * 4  # the last layer's first
     assert ready[0] < 0.5 * ready[-1]
+
+
+def test_a_jit_inside_the_step_is_seen_through():
+    """`jax.jit(jax.grad(loss))` inside the step: the jit is a function boundary only, inlined
+    before readiness, so its gradients are ready inside the backward pass (before: every one
+    ready after the call, which readiness did not look into). A `checkpoint` still stops it
+    (`test_readiness_stops_at_a_call_and_says_why`)."""
+    mesh = mesh_of((8,), ("x",))
+    rng = np.random.default_rng(5)
+    params = _params(rng)
+    x = shard(rng.standard_normal((64, SIZES[0])).astype(np.float32), mesh, P("x"))
+    grad_fn = jax.jit(jax.grad(_loss))
+
+    def body(params, x):
+        grads = jax.lax.pmean(grad_fn(params, x), "x")
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+
+    step = jax.shard_map(body, mesh=mesh, in_specs=(P(), P("x")), out_specs=P(),
+                         check_vma=False)
+    opt = optimize(step)
+    assert_codegen_close(jax.jit(opt)(params, x), jax.jit(step)(params, x))
+    layers = _entry(opt.last_report)["layers"]
+    ready = np.cumsum([layer.compute_s for layer in layers])
+    assert ready[0] < 0.5 * ready[-1], ready
+    e = libra_jax.explain(step, params, x, file=None)
+    assert all(not r.ready_why for s in e.scopes for r in s.rows), str(e)

@@ -12,10 +12,12 @@ program computes the same values in another order; the planner's layers (the com
 one collective and the next, `buckets.plan`) are then the backward pass's, and a bucket's
 call (or start) sits where its last member is ready.
 
-Readiness stops at an equation it cannot see into: a call (`pjit`, `checkpoint`,
-`custom_vjp_call`, ...), a loop (a gradient summed over iterations, a shared weight's
-accumulated cotangent: moving the sum would change it) or a conditional; the collective is
-then ready after that whole equation, which `Ready.why` says. ``optimize(ready="written")``
+A `jax.jit` inside the step is only a function boundary: its body is inlined into the scope
+first (`inline_calls`, where it holds no collective and no constants), so readiness sees the
+backward pass inside it. Readiness stops at an equation it cannot see into: another call
+(`checkpoint`, `custom_vjp_call`, ...), a loop (a gradient summed over iterations, a shared
+weight's accumulated cotangent: moving the sum would change it) or a conditional; the
+collective is then ready after that whole equation, which `Ready.why` says. ``optimize(ready="written")``
 keeps the written order (the placement before this module: a control).
 """
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any
 
 from libra_jax import _compat
 
-__all__ = ["READY_MODES", "MOVES", "Ready", "to_ready_points"]
+__all__ = ["READY_MODES", "MOVES", "INLINED", "Ready", "to_ready_points", "inline_calls"]
 
 #: `optimize(ready=...)`: "dataflow" plans each gradient collective where its operand is
 #: ready; "written" where the code wrote it.
@@ -38,6 +40,57 @@ MOVES = frozenset({
     "convert_element_type", "reshape", "squeeze", "expand_dims", "transpose", "mul", "div",
     "neg", "copy", "copy_p", "pvary", "reduce_precision", "broadcast_in_dim",
 })
+
+
+#: Calls that are only a function boundary, inlined before readiness (`inline_calls`), by
+#: the param holding their body.
+INLINED = {"jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr",
+           "core_call": "call_jaxpr"}
+
+
+def _has_collective(jaxpr: Any) -> bool:
+    """Whether `jaxpr` (or a jaxpr inside it) holds a collective or a device map: a call
+    holding one stays a scope of its own (`optimize` plans its collectives there)."""
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if (name in _compat.PSUM_PRIMITIVES or name in _compat.OTHER_COLLECTIVES
+                or name in _compat.DEVICE_MAPS or name.startswith("libra_")
+                or name in (_compat.reduce_scatter_p.name, _compat.all_gather_p.name,
+                            _compat.all_gather_invariant_p.name)):
+            return True
+        if any(_has_collective(getattr(j, "jaxpr", j))
+               for j in _compat.jaxprs_in_params(eqn.params)):
+            return True
+    return False
+
+
+def inline_calls(eqns: Sequence[Any]) -> list[Any]:
+    """The equations with each `INLINED` call replaced by its body's equations (recursively),
+    where the body holds no collective, no constants and no effects, and each of its results
+    is a value its own equations make, once: the call's results are then written by those
+    equations, and every other variable of the body is fresh (a body may be called twice)."""
+    out: list[Any] = []
+    for eqn in eqns:
+        closed = eqn.params.get(INLINED.get(eqn.primitive.name, ""))
+        body = getattr(closed, "jaxpr", None)
+        made = {v for e in body.eqns for v in e.outvars} if body is not None else set()
+        if (body is None or len(getattr(closed, "consts", [])) or eqn.effects or body.effects
+                or len(set(body.outvars)) != len(body.outvars)
+                or not all(_compat.is_var(v) and v in made for v in body.outvars)
+                or _has_collective(body)):
+            out.append(eqn)
+            continue
+        env: dict[Any, Any] = dict(zip(body.invars, eqn.invars))
+        env.update(zip(body.outvars, eqn.outvars))
+        for inner in inline_calls(body.eqns):
+            invars = [env.get(v, v) if _compat.is_var(v) else v for v in inner.invars]
+            outvars = []
+            for v in inner.outvars:
+                if v not in env:
+                    env[v] = v if _compat.is_dropped(v) else _compat.new_var(v.aval)
+                outvars.append(env[v])
+            out.append(inner.replace(invars=invars, outvars=outvars))
+    return out
 
 
 @dataclasses.dataclass(frozen=True)

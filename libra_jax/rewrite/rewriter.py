@@ -32,7 +32,7 @@ from libra_jax.rewrite.edits import (
     sink_gathers,
 )
 from libra_jax.rewrite.gathers import edit_gathers, hoist_regathers
-from libra_jax.rewrite.ready import READY_MODES, Ready, to_ready_points
+from libra_jax.rewrite.ready import READY_MODES, Ready, inline_calls, to_ready_points
 from libra_jax.rewrite.report import LoopPlan, OptimizeReport, PsumPlan, block_cap
 from libra_jax.rewrite.sites import (
     LIBRA_UNPLANNED,
@@ -196,7 +196,10 @@ class Rewriter:
         it backward pass though its own equations do not say so; `in_backward`: it is (in) the
         body of any equation autodiff's transpose made (a `checkpoint`'s backward pass: its
         all-gathers are remat's re-gathers)."""
-        eqns = self.hoist_loops(jaxpr.eqns, axis_sizes, scope)
+        eqns = jaxpr.eqns
+        if self.options.ready == "dataflow":  # a jit inside the step is a boundary only
+            eqns = inline_calls(eqns)
+        eqns = self.hoist_loops(eqns, axis_sizes, scope)
         if not in_loop and self.prefetch != 0:
             eqns = hoist_regathers(self, eqns, axis_sizes)
         eqns = [self.sub_jaxprs(eqn, i, axis_sizes, scope, in_loop, in_backward)
