@@ -25,6 +25,12 @@ Contract (`hoistable`, `hoist`; tests in tests/test_loops.py):
   varying over the psums' axes) followed by one psum per hoisted output, over the stacked
   array, made from the original psum equation (same primitive, axes and source, so autodiff's
   transpose still shows as its maker).
+- `sink` is the converse for a step written ``pmean(jax.grad(...))`` over scanned layers: a
+  `psum` after the backward scan of the stacked slices that scan returns (a ``ys`` output
+  nothing else reads) moves into the scan's body, one psum per iteration of that iteration's
+  slice (the same sums, elementwise). It is then a hoistable psum of the body like autodiff's,
+  and `optimize` keeps it there or hoists it back, as the model prices each
+  (`rewrite.rewriter.loop_plan`): the slices are ready per iteration of the transposed scan.
 """
 from __future__ import annotations
 
@@ -34,7 +40,7 @@ from typing import Any
 
 from libra_jax import _compat, allreduce
 
-__all__ = ["Hoist", "hoistable", "hoist", "DATA_MOVEMENT"]
+__all__ = ["Hoist", "hoistable", "hoist", "sink", "DATA_MOVEMENT"]
 
 #: Primitives that only move data: psum(f(x)) == f(psum(x)) bit for bit for each of them.
 DATA_MOVEMENT = frozenset({"reshape", "transpose", "squeeze", "expand_dims", "broadcast_in_dim",
@@ -128,6 +134,62 @@ def hoist(eqn: Any, hoists: Sequence[Hoist]) -> list[Any]:
                                                                             closed.consts)},
                        outvars=outvars)
     return [scan, *psums]
+
+
+def sink(eqns: Sequence[Any], outvars: Sequence[Any]) -> list[Any]:
+    """The scope's equations with each `psum` of a backward scan's stacked output moved into
+    the scan's body (module docstring): the psum (JAX's, one operand, over named axes, no
+    `axis_index_groups`, not `psum_invariant`, whose types carry varying axes) of a ``ys``
+    output of a `scan` autodiff's transpose made, read by nothing else (and not a result of
+    the scope, `outvars`)."""
+    readers: dict[Any, int] = {}
+    for e in eqns:
+        for v in e.invars:
+            if _compat.is_var(v):
+                readers[v] = readers.get(v, 0) + 1
+    for v in outvars:
+        if _compat.is_var(v):
+            readers[v] = readers.get(v, 0) + 1
+    made = {v: (i, j) for i, e in enumerate(eqns) for j, v in enumerate(e.outvars)}
+    sunk: dict[int, dict[int, Any]] = {}  # scan position -> ys position -> the psum
+    for e in eqns:
+        operand = e.invars[0] if len(e.invars) == 1 else None
+        if (e.primitive.name != "psum" or operand is None or not _compat.is_var(operand)
+                or operand not in made or readers.get(operand) != 1
+                or e.params.get("axis_index_groups") is not None or not e.params["axes"]
+                or any(isinstance(a, int) for a in e.params["axes"])
+                or allreduce.engine_dtype(operand.aval.dtype) is None):
+            continue
+        i, j = made[operand]
+        scan = eqns[i]
+        if (scan.primitive.name != "scan" or j < _compat.scan_num_carry(scan.params)
+                or not _compat.made_by_transpose(scan, deep=False)
+                or not _compat.is_var(scan.params["jaxpr"].jaxpr.outvars[j])):
+            continue
+        sunk.setdefault(i, {})[j] = e
+    if not sunk:
+        return list(eqns)
+    moved = {id(e) for psums in sunk.values() for e in psums.values()}
+    out = []
+    for i, e in enumerate(eqns):
+        if id(e) in moved:
+            continue
+        if i in sunk:
+            closed = e.params["jaxpr"]
+            body = closed.jaxpr
+            body_eqns, body_outvars, scan_outvars = list(body.eqns), list(body.outvars), list(e.outvars)
+            for j, psum in sunk[i].items():
+                slice_var = body_outvars[j]
+                reduced = _compat.new_var(slice_var.aval)
+                body_eqns.append(psum.replace(invars=[slice_var], outvars=[reduced]))
+                body_outvars[j] = reduced
+                scan_outvars[j] = psum.outvars[0]  # the scan now returns the reduced stack
+            new_body = body.replace(eqns=body_eqns, outvars=body_outvars)
+            e = e.replace(params={**e.params, "jaxpr": _compat.closed_jaxpr(new_body,
+                                                                            closed.consts)},
+                          outvars=scan_outvars)
+        out.append(e)
+    return out
 
 
 def _moves_data(eqn: Any, v: Any) -> bool:

@@ -320,3 +320,48 @@ def test_lowers_for_cuda_on_the_nccl_path(stub_env):
             "'libra_allreduce_nccl_start'] False") in out, out
     # A whole step in a while loop: each iteration's fused bucket one NCCL call, in the body.
     assert "while ['libra_allreduce_nccl'] False" in out, out
+
+
+def written_stacked(seed: int = 5):
+    """`stacked`'s model written ``pmean(jax.grad(...))`` (``check_vma=False``): the
+    stacked weights' gradient psums come after the backward scan, of the stacks it returns."""
+    rng = np.random.default_rng(seed)
+    params = {"layers": {"w": (rng.standard_normal((L, D, D)) * 0.2).astype(np.float32),
+                         "b": (rng.standard_normal((L, D)) * 0.1).astype(np.float32)},
+              "head": (rng.standard_normal((D, 1)) * 0.2).astype(np.float32)}
+    mesh = mesh_of((8,), ("data",))
+
+    def local(params, x):
+        def loss_fn(p):
+            def layer(h, w):
+                return jnp.tanh(h @ w["w"] + w["b"]), None
+            h, _ = jax.lax.scan(layer, x, p["layers"])
+            return jnp.mean((h @ p["head"]) ** 2)
+        return jax.lax.pmean(jax.grad(loss_fn)(params), "data")
+
+    step = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data")), out_specs=P(),
+                         check_vma=False)
+    x = shard(rng.standard_normal((64, D)).astype(np.float32), mesh, P("data"))
+    return step, (params, x)
+
+
+@pytest.mark.parametrize("mode", ["auto", "hoist", "in-loop"])
+def test_the_written_form_s_stacked_slices_are_ready_per_iteration(mode):
+    """pmean after jax.grad over scanned layers: each psum of a stacked slice moves into the
+    backward scan's body (`loops.sink`), where `optimize` keeps it (in-loop: one psum per
+    iteration, planned in the body) or hoists it back, as it does autodiff's; the values are
+    bitwise the XLA control's and within class 3 of plain. Before, the psums stayed after
+    the loop with no loop plan (`ready="written"`)."""
+    step, args = written_stacked()
+    opt = libra_jax.optimize(step, loops=mode)
+    got = jax.jit(opt)(*args)
+    jax.tree.map(assert_bitwise, got,
+                 jax.jit(libra_jax.optimize(step, loops=mode, collectives="xla"))(*args))
+    assert_codegen_close(got, jax.jit(step)(*args))
+    loop, = opt.last_report.loops
+    assert loop.psums == 2 and loop.choice == ("in-loop" if mode == "in-loop" else "hoist")
+    if mode == "in-loop":
+        assert loop.gradient == 2 and loop.calls >= 1, opt.last_report.plan_lines()
+    old = libra_jax.optimize(step, loops=mode, ready="written")
+    jax.jit(old).lower(*args)
+    assert old.last_report.loops == []

@@ -197,8 +197,10 @@ class Rewriter:
         body of any equation autodiff's transpose made (a `checkpoint`'s backward pass: its
         all-gathers are remat's re-gathers)."""
         eqns = jaxpr.eqns
-        if self.options.ready == "dataflow":  # a jit inside the step is a boundary only
-            eqns = inline_calls(eqns)
+        if self.options.ready == "dataflow":
+            eqns = inline_calls(eqns)  # a jit inside the step is a boundary only
+            # psums of a backward scan's stacked slices: per iteration, in its body (`loops`)
+            eqns = loops.sink(eqns, jaxpr.outvars)
         eqns = self.hoist_loops(eqns, axis_sizes, scope)
         if not in_loop and self.prefetch != 0:
             eqns = hoist_regathers(self, eqns, axis_sizes)
