@@ -182,14 +182,13 @@ def test_to_ready_points_moves_each_collective_after_its_producer_and_keeps_valu
     assert_codegen_close(got, want)
 
 
-def test_readiness_stops_at_a_call_and_says_why():
-    """Gradients computed inside a `jax.checkpoint`ed function that returns them all are
-    ready after that call (readiness does not look into it); explain says so."""
+def grads_through(grad_fn, seed):
+    """A step whose gradients come from `grad_fn(params, x)` (a wrapped `jax.grad`), then
+    `pmean`: the step, and its arguments."""
     mesh = mesh_of((8,), ("x",))
-    rng = np.random.default_rng(2)
+    rng = np.random.default_rng(seed)
     params = _params(rng)
     x = shard(rng.standard_normal((64, SIZES[0])).astype(np.float32), mesh, P("x"))
-    grad_fn = jax.checkpoint(jax.grad(_loss))
 
     def body(params, x):
         grads = jax.lax.pmean(grad_fn(params, x), "x")
@@ -197,7 +196,14 @@ def test_readiness_stops_at_a_call_and_says_why():
 
     step = jax.shard_map(body, mesh=mesh, in_specs=(P(), P("x")), out_specs=P(),
                          check_vma=False)
-    e = libra_jax.explain(step, params, x, file=None)
+    return step, (params, x)
+
+
+def test_readiness_stops_at_a_call_and_says_why():
+    """Gradients computed inside a `jax.checkpoint`ed function that returns them all are
+    ready after that call (readiness does not look into it); explain says so."""
+    step, args = grads_through(jax.checkpoint(jax.grad(_loss)), seed=2)
+    e = libra_jax.explain(step, *args, file=None)
     text = str(e)
     assert "ready (issued) in the backward pass:" in text
     assert "call, which readiness does not look into: ready after the call" in text, text
@@ -258,22 +264,11 @@ def test_a_jit_inside_the_step_is_seen_through():
     before readiness, so its gradients are ready inside the backward pass (before: every one
     ready after the call, which readiness did not look into). A `checkpoint` still stops it
     (`test_readiness_stops_at_a_call_and_says_why`)."""
-    mesh = mesh_of((8,), ("x",))
-    rng = np.random.default_rng(5)
-    params = _params(rng)
-    x = shard(rng.standard_normal((64, SIZES[0])).astype(np.float32), mesh, P("x"))
-    grad_fn = jax.jit(jax.grad(_loss))
-
-    def body(params, x):
-        grads = jax.lax.pmean(grad_fn(params, x), "x")
-        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
-
-    step = jax.shard_map(body, mesh=mesh, in_specs=(P(), P("x")), out_specs=P(),
-                         check_vma=False)
+    step, args = grads_through(jax.jit(jax.grad(_loss)), seed=5)
     opt = optimize(step)
-    assert_codegen_close(jax.jit(opt)(params, x), jax.jit(step)(params, x))
+    assert_codegen_close(jax.jit(opt)(*args), jax.jit(step)(*args))
     layers = _entry(opt.last_report)["layers"]
     ready = np.cumsum([layer.compute_s for layer in layers])
     assert ready[0] < 0.5 * ready[-1], ready
-    e = libra_jax.explain(step, params, x, file=None)
+    e = libra_jax.explain(step, *args, file=None)
     assert all(not r.ready_why for s in e.scopes for r in s.rows), str(e)

@@ -43,6 +43,7 @@ from libra_jax.rewrite.sites import (
     fold_zero_psums,
     gradient_sites,
     group_size,
+    is_psum,
     scatter_sliced_psums,
     site_kinds,
     warn_invariant_operands,
@@ -197,7 +198,7 @@ class Rewriter:
         body of any equation autodiff's transpose made (a `checkpoint`'s backward pass: its
         all-gathers are remat's re-gathers)."""
         eqns = jaxpr.eqns
-        if self.options.ready == "dataflow":
+        if self.options.ready == "dataflow" and any(is_psum(e) for e in eqns):
             eqns = inline_calls(eqns)  # a jit inside the step is a boundary only
             # psums of a backward scan's stacked slices: per iteration, in its body (`loops`)
             eqns = loops.sink(eqns, jaxpr.outvars)
