@@ -28,6 +28,15 @@ def _params(rng, biases=True):
             for m, n in zip(SIZES[:-1], SIZES[1:])]
 
 
+def _data(seed):
+    """A mesh of 8 devices over "x", the MLP's parameters (with biases) and a sharded batch."""
+    mesh = mesh_of((8,), ("x",))
+    rng = np.random.default_rng(seed)
+    params = _params(rng)
+    x = shard(rng.standard_normal((64, SIZES[0])).astype(np.float32), mesh, P("x"))
+    return mesh, params, x
+
+
 def _loss(params, x):
     for w, b in params:
         x = jnp.tanh(x @ w + (0.0 if b is None else b))
@@ -144,10 +153,7 @@ def test_the_compiled_program_runs_the_plan(check_vma):
 
 
 def test_to_ready_points_moves_each_collective_after_its_producer_and_keeps_values():
-    mesh = mesh_of((8,), ("x",))
-    rng = np.random.default_rng(1)
-    params = _params(rng)
-    x = shard(rng.standard_normal((64, SIZES[0])).astype(np.float32), mesh, P("x"))
+    mesh, params, x = _data(1)
 
     def body(params, x):
         grads = jax.grad(_loss)(params, x)
@@ -185,10 +191,7 @@ def test_to_ready_points_moves_each_collective_after_its_producer_and_keeps_valu
 def grads_through(grad_fn, seed):
     """A step whose gradients come from `grad_fn(params, x)` (a wrapped `jax.grad`), then
     `pmean`: the step, and its arguments."""
-    mesh = mesh_of((8,), ("x",))
-    rng = np.random.default_rng(seed)
-    params = _params(rng)
-    x = shard(rng.standard_normal((64, SIZES[0])).astype(np.float32), mesh, P("x"))
+    mesh, params, x = _data(seed)
 
     def body(params, x):
         grads = jax.lax.pmean(grad_fn(params, x), "x")
@@ -212,10 +215,7 @@ def test_readiness_stops_at_a_call_and_says_why():
 def test_a_gradient_with_a_second_reader_is_said_to_be_copied():
     """A local gradient read by a metric and by its psum: the psum alone (fusion off) is an
     in-place all-reduce, so XLA copies the operand first; the report and explain say so."""
-    mesh = mesh_of((8,), ("x",))
-    rng = np.random.default_rng(3)
-    params = _params(rng)
-    x = shard(rng.standard_normal((64, SIZES[0])).astype(np.float32), mesh, P("x"))
+    mesh, params, x = _data(3)
 
     def body(params, x):
         grads = jax.grad(_loss)(params, x)
