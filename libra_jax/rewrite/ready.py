@@ -64,9 +64,17 @@ def _has_collective(jaxpr: Any) -> bool:
     return False
 
 
+def _unconstrained(params: dict) -> bool:
+    """Whether a call sets no sharding or layout of its own (inlining would drop it)."""
+    return all(type(v).__name__ == "UnspecifiedValue" or v is None
+               for key in ("in_shardings", "out_shardings", "in_layouts", "out_layouts")
+               for v in params.get(key, ()))
+
+
 def inline_calls(eqns: Sequence[Any]) -> list[Any]:
     """The equations with each `INLINED` call replaced by its body's equations (recursively),
-    where the body holds no collective, no constants and no effects, and each of its results
+    where the call sets no sharding or layout, the body holds no collective, no constants and
+    no effects, and each of its results
     is a value its own equations make, once: the call's results are then written by those
     equations, and every other variable of the body is fresh (a body may be called twice)."""
     out: list[Any] = []
@@ -75,6 +83,7 @@ def inline_calls(eqns: Sequence[Any]) -> list[Any]:
         body = getattr(closed, "jaxpr", None)
         made = {v for e in body.eqns for v in e.outvars} if body is not None else set()
         if (body is None or len(getattr(closed, "consts", [])) or eqn.effects or body.effects
+                or not _unconstrained(eqn.params)
                 or len(set(body.outvars)) != len(body.outvars)
                 or not all(_compat.is_var(v) and v in made for v in body.outvars)
                 or _has_collective(body)):
