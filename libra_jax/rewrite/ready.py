@@ -13,12 +13,13 @@ one collective and the next, `buckets.plan`) are then the backward pass's, and a
 call (or start) sits where its last member is ready.
 
 A `jax.jit` inside the step is only a function boundary: its body is inlined into the scope
-first (`inline_calls`, where it holds no collective and no constants), so readiness sees the
-backward pass inside it. Readiness stops at an equation it cannot see into: another call
-(`checkpoint`, `custom_vjp_call`, ...), a loop (a gradient summed over iterations, a shared
-weight's accumulated cotangent: moving the sum would change it) or a conditional; the
-collective is then ready after that whole equation, which `Ready.why` says. ``optimize(ready="written")``
-keeps the written order (the placement before this module: a control).
+first (`inline_calls`, where it sets no sharding and holds no collective and no constants),
+so readiness sees the backward pass inside it. Readiness stops at an equation it cannot see
+into: another call (`checkpoint`, `custom_vjp_call`, ...), a loop (a gradient summed over
+iterations, a shared weight's accumulated cotangent: moving the sum would change it) or a
+conditional; the collective is then ready after that whole equation, which `Ready.why` says.
+``optimize(ready="written")`` keeps the written order (the placement before this module: a
+control).
 """
 from __future__ import annotations
 
