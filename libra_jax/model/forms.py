@@ -5,7 +5,7 @@ options per allocation (`FORM_TABLE`).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
@@ -147,31 +147,52 @@ def fair_share_slowdown(blocks: int, *, compute_threads: float, cores: float) ->
 _OptionTables = tuple[dict[int, float], dict[int, float], dict[int, float]]  # solo, overlap, slowdown
 
 
+class _Option(NamedTuple):
+    """One allocation's entries: gradient bytes per second alone and beside compute, and the
+    slowdown of the compute beside it."""
+
+    solo: float
+    overlap: float
+    slowdown: float
+
+
+def _tables(keys: Iterable[int], row: Callable[[int], _Option | str],
+            dropped: dict[int, str]) -> _OptionTables:
+    """The cost model's three tables from a form's allocations `keys` (in order; a repeated key
+    counts once) and its `row(key)`: the key's entries, or why it is dropped (said in
+    `dropped`, `Derivation.dropped`)."""
+    solo: dict[int, float] = {}
+    overlap: dict[int, float] = {}
+    slowdown: dict[int, float] = {}
+    for key in keys:
+        if key in slowdown or key in dropped:
+            continue
+        entry = row(key)
+        if isinstance(entry, str):
+            dropped[key] = entry
+            continue
+        solo[key], overlap[key], slowdown[key] = entry
+    return solo, overlap, slowdown
+
+
 def _libra_fit_options(profile: Profile, link: float, algo: float, dropped: dict[int, str],
                        notes: list[str]) -> _OptionTables:
     fit = profile.libra_fit
     assert fit is not None
     scale = link / fit.reference_link_bytes_per_s
-    solo: dict[int, float] = {}
-    overlap: dict[int, float] = {}
-    slowdown: dict[int, float] = {}
-    for base in fit.thread_options:
-        key = max(1, round(base * scale))
-        if key in slowdown or key in dropped:
-            continue
+
+    def row(key: int) -> _Option | str:
         eff = key / scale  # bandwidth fits evaluated at T/k ...
         bw_o = libra_bandwidth_mib_per_ms(eff, *fit.overlap_bw) * scale  # ... and multiplied by k
         bw_s = libra_bandwidth_mib_per_ms(eff, *fit.solo_bw) * scale
         slow = libra_slowdown(key, *fit.slowdown)  # slowdown at T itself
         if not math.isfinite(slow):
             pole = fit.slowdown[1] / fit.slowdown[2]
-            dropped[key] = (f"slowdown fit {fit.slowdown[0]:g}/({fit.slowdown[1]:g} - {fit.slowdown[2]:g}*T) "
-                            f"has its pole at T = {pole:.0f}; T = {key} is beyond it")
-            continue
+            return (f"slowdown fit {fit.slowdown[0]:g}/({fit.slowdown[1]:g} - {fit.slowdown[2]:g}*T) "
+                    f"has its pole at T = {pole:.0f}; T = {key} is beyond it")
         if bw_o <= 0 or bw_s <= 0:
-            dropped[key] = (f"bandwidth fit is not positive at T/k = {eff:g} threads "
-                            f"(overlapped {bw_o:.3g}, solo {bw_s:.3g} MiB/ms)")
-            continue
+            return (f"bandwidth fit is not positive at T/k = {eff:g} threads "
+                    f"(overlapped {bw_o:.3g}, solo {bw_s:.3g} MiB/ms)")
         if slow < 1.0:
             notes.append(f"T = {key}: fitted slowdown {slow:.4f} < 1 raised to 1")
             slow = 1.0
@@ -179,8 +200,8 @@ def _libra_fit_options(profile: Profile, link: float, algo: float, dropped: dict
             notes.append(f"T = {key}: overlapped fit {bw_o:.4f} > solo fit {bw_s:.4f} MiB/ms; capped at solo")
             bw_o = bw_s
         to_grad = BYTES_PER_S_PER_MIB_PER_MS * algo
-        solo[key], overlap[key], slowdown[key] = bw_s * to_grad, bw_o * to_grad, slow
-    return solo, overlap, slowdown
+        return _Option(bw_s * to_grad, bw_o * to_grad, slow)
+    return _tables((max(1, round(base * scale)) for base in fit.thread_options), row, dropped)
 
 
 def _nccl_style_options(profile: Profile, link: float, algo: float, dropped: dict[int, str],
@@ -188,14 +209,11 @@ def _nccl_style_options(profile: Profile, link: float, algo: float, dropped: dic
     c = profile.nccl_style
     assert c is not None
     dev = profile.device
-    solo: dict[int, float] = {}
-    overlap: dict[int, float] = {}
-    slowdown: dict[int, float] = {}
-    for k in c.block_options:
+
+    def row(k: int) -> _Option | str:
         if k * c.units_per_block >= dev.compute_units:
-            dropped[k] = (f"{k} blocks would occupy all {dev.compute_units} "
-                          f"{dev.compute_unit_kind}s, leaving none for compute")
-            continue
+            return (f"{k} blocks would occupy all {dev.compute_units} "
+                    f"{dev.compute_unit_kind}s, leaving none for compute")
         bus_s = nccl_bus_bandwidth(k, c.per_block_bytes_per_s, link, c.softmin_p)
         bus_o = nccl_bus_bandwidth(k, c.per_block_bytes_per_s, link, c.softmin_p, c.overlap_block_efficiency)
         traffic = c.memory_bytes_per_bus_byte * bus_o
@@ -203,27 +221,25 @@ def _nccl_style_options(profile: Profile, link: float, algo: float, dropped: dic
                              memory_bound_fraction=c.memory_bound_fraction,
                              memory_bytes_per_s=dev.memory_bytes_per_s, comm_memory_bytes_per_s=traffic)
         if not math.isfinite(slow):
-            dropped[k] = (f"the collective's memory traffic {traffic / BYTES_PER_GBYTE:.0f} GB/s "
-                          f"would take all {dev.memory_bytes_per_s / BYTES_PER_GBYTE:.0f} GB/s")
-            continue
-        solo[k], overlap[k], slowdown[k] = bus_s * algo, bus_o * algo, slow
-    return solo, overlap, slowdown
+            return (f"the collective's memory traffic {traffic / BYTES_PER_GBYTE:.0f} GB/s "
+                    f"would take all {dev.memory_bytes_per_s / BYTES_PER_GBYTE:.0f} GB/s")
+        return _Option(bus_s * algo, bus_o * algo, slow)
+    return _tables(c.block_options, row, dropped)
 
 
 def _fair_share_options(profile: Profile, link: float, algo: float, dropped: dict[int, str],
                         notes: list[str]) -> _OptionTables:
     c = profile.fair_share
     assert c is not None
-    solo: dict[int, float] = {}
-    overlap: dict[int, float] = {}
-    slowdown: dict[int, float] = {}
-    for k in c.block_options:
+
+    def row(k: int) -> _Option:
         cores_alone = k * fair_share_core_share(k, c.cores)  # min(k, P)
         cores_beside = k * fair_share_core_share(k + c.compute_threads, c.cores)
-        solo[k] = nccl_bus_bandwidth(1, cores_alone * c.per_block_bytes_per_s, link, c.softmin_p) * algo
-        overlap[k] = nccl_bus_bandwidth(1, cores_beside * c.per_block_bytes_per_s, link, c.softmin_p) * algo
-        slowdown[k] = fair_share_slowdown(k, compute_threads=c.compute_threads, cores=c.cores)
-    return solo, overlap, slowdown
+        return _Option(
+            nccl_bus_bandwidth(1, cores_alone * c.per_block_bytes_per_s, link, c.softmin_p) * algo,
+            nccl_bus_bandwidth(1, cores_beside * c.per_block_bytes_per_s, link, c.softmin_p) * algo,
+            fair_share_slowdown(k, compute_threads=c.compute_threads, cores=c.cores))
+    return _tables(c.block_options, row, dropped)
 
 
 class _Form(NamedTuple):
