@@ -153,8 +153,9 @@ def check_start_done_pairs(text: str, start: str | tuple[str, ...], call: str | 
 def cpu_start_done_pairs(hlo: str) -> tuple[dict[str, str], list[tuple[str, str]],
                                             dict[str, tuple[str, str]]]:
     """A compiled CPU program's sharded start/done pairs, checked: each
-    ``libra_allreduce_cpu_done`` reads element 0 of a sharded start (its in-flight buffer)
-    and element 1 of the same start (its token). Returns (start name -> its target, the dones'
+    ``libra_allreduce_cpu_done`` (operands: (rank, group), its token, its buffer, then the
+    tokens it runs after) reads element 0 of a sharded start (its in-flight buffer) and
+    element 1 of the same start (its token). Returns (start name -> its target, the dones'
     (buffer, token) names, get-tuple-element name -> (tuple, index)). Tokens after a done's
     own (the latest start's) are not returned."""
     import re
@@ -162,8 +163,9 @@ def cpu_start_done_pairs(hlo: str) -> tuple[dict[str, str], list[tuple[str, str]
                              r'custom_call_target="(libra_\w+_cpu_start)"', hlo))
     elements = {name: (tuple_, index) for name, tuple_, index in re.findall(
         r"(%get-tuple-element\S*) = \S+ get-tuple-element\((%\S+?)\), index=(\d)", hlo)}
-    dones = re.findall(r"custom-call\((%\S+?), \S+?, (%[^,)]+?)(?:, %[^,)]+?)*\), "
-                       r'custom_call_target="libra_allreduce_cpu_done"', hlo)
+    dones = [(buffer, token) for token, buffer in re.findall(
+        r"custom-call\(\S+?, (%[^,)]+?), (%[^,)]+?)(?:, %[^,)]+?)*\), "
+        r'custom_call_target="libra_allreduce_cpu_done"', hlo)]
     for buffer, token in dones:
         assert elements[buffer][0] in starts and elements[buffer][1] == "0", (buffer, hlo)
         assert elements[token] == (elements[buffer][0], "1"), token

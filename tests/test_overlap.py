@@ -259,11 +259,12 @@ def test_xla_copies_no_in_flight_buffer():
                         r'custom_call_target="libra_allreduce_cpu_start"', hlo)
     elements = {name: (tuple_, index) for name, tuple_, index in re.findall(
         r"(%get-tuple-element\S*) = \S+ get-tuple-element\((%\S+?)\), index=(\d)", hlo)}
-    dones = re.findall(r"custom-call\((%\S+?), \S+?, (%\S+?), (%\S+?)\), "
+    # done's operands: (rank, group), its token, its buffer, the latest start's token.
+    dones = re.findall(r"custom-call\(\S+?, (%\S+?), (%\S+?), (%\S+?)\), "
                        r'custom_call_target="libra_allreduce_cpu_done", [^\n]*'
                        r"custom_call_has_side_effect=true", hlo)
     assert len(starts) >= 2 and len(dones) == len(starts), hlo
-    for buffer, token, after in dones:
+    for token, buffer, after in dones:
         assert elements[buffer][0] in starts and elements[buffer][1] == "0", (buffer, hlo)
         assert elements[token] == (elements[buffer][0], "1"), token
         assert elements[after][0] in starts and elements[after][1] == "1", after

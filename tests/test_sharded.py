@@ -840,12 +840,15 @@ class TestFusedReduceScatter:
         assert len(calls) == len({np.dtype(d) for _, d, _ in self.MIXED}) == 6, calls
         assert all("blocks = 5 " in line for line in calls), calls
         assert "reduce-scatter" not in compiled.replace("libra_reduce_scatter", ""), compiled
-        # Each call's segment is one rank's shards of all its dtype's members: f32's is
-        # 3 * 5 + 1 * 4 elements, of a row of 8 times that.
-        f32 = next(line for line in calls if "= f32[19]" in line)
-        assert "segment = 19 " in f32 and "f32[152]" in f32, f32
-        # One concatenate per dtype of several members (f32, bf16), none for the others.
-        assert lowered.as_text().count("stablehlo.concatenate") == 2
+        # Each call takes its dtype's members as they are, each with its own segment (one
+        # rank's shard): f32's two members, (24, 5) and (8, 1, 4), as two operands and two
+        # results of one call; no member is packed or sliced.
+        f32 = next(line for line in calls if "(f32[3,5]{1,0}, f32[1,4]{1,0})" in line)
+        assert "segments = dense<[15, 4]>" in f32 and "f32[24,5]" in f32 and "f32[8,1,4]" in f32
+        text = lowered.as_text()
+        assert "stablehlo.concatenate" not in text and "stablehlo.slice" not in text
+        # The only dynamic slices are of the (rank, group) table.
+        assert all("x2xi32>" in line for line in text.splitlines() if "dynamic_slice" in line)
 
     def test_default_blocks_are_the_whole_rows(self):
         """blocks=None: `default_blocks` for the packed row (every member's bytes), chosen
@@ -859,9 +862,9 @@ class TestFusedReduceScatter:
         want = default_blocks(row, 8, "cpu-host", "psum_scatter")
         assert re.findall(r"libra_reduce_scatter_cpu.*blocks = (\d+) ", text) == [str(want)]
 
-    def test_xla_twin_is_xlas_reduce_scatter_of_the_same_packed_row(self):
-        """optimize(collectives="xla") binds the bucket's XLA twin: per dtype, jax.lax's
-        reduce-scatter of the row libra's call would take (so the code around it is the code
+    def test_xla_twin_is_xlas_reduce_scatter_of_each_member_as_it_is(self):
+        """optimize(collectives="xla") binds the bucket's XLA twin: jax.lax's reduce-scatter
+        of each member as libra's call takes it, unpacked (so the code around it is the code
         around libra's: the control differs in the collective alone), no libra call,
         quietly; the same bits."""
         mesh = mesh_of((8,), ("x",))
@@ -880,7 +883,8 @@ class TestFusedReduceScatter:
         assert "libra_" not in text
         dtypes = {np.dtype(dtype) for _, dtype, _ in members}
         assert len(dtypes) < len(members)
-        assert text.count("stablehlo.reduce_scatter") == len(dtypes), text
+        assert text.count("stablehlo.reduce_scatter") == len(members), text
+        assert "stablehlo.concatenate" not in text
         assert_bitwise(got, f(*xs)[1])
         assert_bitwise(got, jax.jit(step)(*xs))
 

@@ -39,19 +39,20 @@ struct CpuAllReduceSite {
 };
 ffi::TypeId CpuAllReduceSite::id = {};
 
+// Every CPU target's call site: one rendezvous. The attributes every target's site carries
+// (the starts add call_id): a label, the group size, the block count, the timeout and one
+// segment per member (a sharded kind's run of one shard in elements; 0 for the all-reduce).
 ffi::ErrorOr<std::unique_ptr<CpuAllReduceSite>> Instantiate(
-    std::string_view label, int64_t /*world*/, int64_t /*blocks*/,
-    int64_t /*timeout_ms*/) {
+    std::string_view label, int64_t /*world*/, int64_t /*blocks*/, int64_t /*timeout_ms*/,
+    ffi::Span<const int64_t> /*segments*/) {
   return std::make_unique<CpuAllReduceSite>(std::string(label));
 }
 
-// start's call sites carry one more attribute (call_id) and are instantiated alike.
 ffi::ErrorOr<std::unique_ptr<CpuAllReduceSite>> InstantiateStart(
     std::string_view label, int64_t world, int64_t blocks, int64_t timeout_ms,
-    int64_t /*call_id*/) {
-  return Instantiate(label, world, blocks, timeout_ms);
+    ffi::Span<const int64_t> segments, int64_t /*call_id*/) {
+  return Instantiate(label, world, blocks, timeout_ms, segments);
 }
-
 
 ffi::Future Failed(ffi::Error error) {
   ffi::Promise promise;
@@ -60,43 +61,67 @@ ffi::Future Failed(ffi::Error error) {
   return future;
 }
 
-// The engine's call of kind `kind` over a full buffer of `full` elements (`full_bytes`
-// bytes) of `type`, in shards of `shard` (`full` for an all-reduce), or what is wrong with it.
-// `segment` (sharded kinds) is one shard's run, in elements.
+ffi::Error InvalidCall(libra::Collective kind, const std::string& message) {
+  return ffi::Error::InvalidArgument(std::string("libra_jax ") + libra::Name(kind) + ": " +
+                                     message);
+}
+
+// One member of a call as its buffers have it: the element type, the full (unsharded)
+// buffer's elements and bytes, and one rank's share in elements (the full buffer is the
+// input, or for an all-gather the output; an all-reduce's share is the whole).
+struct MemberBuffers {
+  ffi::DataType type;
+  std::size_t full = 0, share = 0, full_bytes = 0;
+};
+
+// The engine's call of kind `kind` over `members` (one buffer each per rank, all of one element
+// type, member i in runs of segments[i] elements), or what is wrong with it.
 ffi::ErrorOr<libra::CallSpec> MakeCallSpec(libra::Collective kind, ffi::RunId run_id,
-                                           ffi::DataType type, std::size_t full,
-                                           std::size_t shard, std::size_t full_bytes,
+                                           const std::vector<MemberBuffers>& members,
+                                           ffi::Span<const int64_t> segments,
                                            ffi::Buffer<ffi::S32> rank_group, int64_t world,
-                                           int64_t blocks, int64_t timeout_ms, int64_t segment) {
-  const std::string what = std::string("libra_jax ") + libra::Name(kind) + ": ";
+                                           int64_t blocks, int64_t timeout_ms) {
   auto invalid = [&](const std::string& message) {
-    return ffi::Unexpected(ffi::Error::InvalidArgument(what + message));
+    return ffi::Unexpected(InvalidCall(kind, message));
   };
-  if (world < 1 || segment < 0) return invalid("world and segment must be positive");
-  const bool sharded = libra::LayoutOf(kind).sharded();
-  if (shard * (sharded ? static_cast<std::size_t>(world) : 1) != full) {
-    return invalid(sharded ? "the full buffer must hold world shards"
-                           : "output must match the input's size");
-  }
+  if (world < 1) return invalid("world must be positive");
   if (rank_group.element_count() != 2) return invalid("the rank operand must hold (rank, group)");
+  if (segments.size() != members.size()) {
+    return invalid(std::to_string(segments.size()) + " segments for " +
+                   std::to_string(members.size()) + " members: one per member");
+  }
+  const libra::Layout& layout = libra::LayoutOf(kind);
   libra::CallSpec spec;
   spec.collective = kind;
-  spec.count = full;
-  spec.segment = static_cast<std::size_t>(segment);
-  ffi::ErrorOr<libra::DType> dtype = ToEngineDType(type);
-  const bool gathers = libra::LayoutOf(kind).shard_in;
-  if (dtype.has_value()) {
-    spec.dtype = *dtype;
-  } else if (gathers && full > 0 && full_bytes % full == 0 && full_bytes >= full) {
-    // A copy serves any element type of whole bytes (bool, s8, fp8, u32, c64 ...) as bytes.
-    const std::size_t width = full_bytes / full;
-    spec.dtype = libra::DType::kBytes;
-    spec.count = full_bytes;
-    spec.segment *= width;
-  } else if (gathers && full == 0) {
-    spec.dtype = libra::DType::kBytes;
-  } else {
-    return ffi::Unexpected(dtype.error());
+  std::size_t width = 1;  // Bytes per element where a copy moves bytes (DType::kBytes).
+  if (!members.empty()) {
+    const ffi::DataType type = members.front().type;
+    ffi::ErrorOr<libra::DType> dtype = ToEngineDType(type);
+    if (dtype.has_value()) {
+      spec.dtype = *dtype;
+    } else if (layout.shard_in) {
+      // A copy serves any element type of whole bytes (bool, s8, fp8, u32, c64 ...) as bytes.
+      spec.dtype = libra::DType::kBytes;
+      for (const MemberBuffers& m : members) {
+        if (m.full == 0) continue;
+        if (m.full_bytes % m.full != 0 || m.full_bytes < m.full) return ffi::Unexpected(dtype.error());
+        width = m.full_bytes / m.full;
+        break;
+      }
+    } else {
+      return ffi::Unexpected(dtype.error());
+    }
+    for (std::size_t i = 0; i < members.size(); ++i) {
+      const MemberBuffers& m = members[i];
+      const std::string which = members.size() > 1 ? "member " + std::to_string(i) + ": " : "";
+      if (m.type != type) return invalid(which + "every member must have the first's element type");
+      if (segments[i] < 0) return invalid(which + "segment must not be negative");
+      if (m.share * (layout.sharded() ? static_cast<std::size_t>(world) : 1) != m.full) {
+        return invalid(which + (layout.sharded() ? "the full buffer must hold world shards"
+                                                  : "output must match the input's size"));
+      }
+      spec.members.push_back({m.full * width, static_cast<std::size_t>(segments[i]) * width});
+    }
   }
   spec.rank = rank_group.typed_data()[0];
   spec.group = rank_group.typed_data()[1];
@@ -107,23 +132,36 @@ ffi::ErrorOr<libra::CallSpec> MakeCallSpec(libra::Collective kind, ffi::RunId ru
   return spec;
 }
 
-// The call of kind `kind` for one device's input `x` and output `out` (the full buffer is
-// the input, or for an all-gather the output), or what is wrong with them.
-ffi::ErrorOr<libra::CallSpec> MakeSpec(libra::Collective kind, ffi::RunId run_id,
-                                       ffi::AnyBuffer x, ffi::Buffer<ffi::S32> rank_group,
-                                       ffi::Result<ffi::AnyBuffer>& out, int64_t world,
-                                       int64_t blocks, int64_t timeout_ms, int64_t segment = 0) {
-  if (out->element_type() != x.element_type()) {
-    return ffi::Unexpected(ffi::Error::InvalidArgument(
-        std::string("libra_jax ") + libra::Name(kind) +
-        ": output must have the input's element type"));
+// The operands and results of a call over members: operands [0, count) of `args` and results
+// [0, count) of `rets`, member by member, as the engine call sees them (MemberBuffers).
+struct CallBuffers {
+  std::vector<ffi::AnyBuffer> in;
+  std::vector<ffi::Result<ffi::AnyBuffer>> out;
+  std::vector<MemberBuffers> members;
+};
+
+ffi::ErrorOr<CallBuffers> Members(libra::Collective kind, const ffi::RemainingArgs& args,
+                                  const ffi::RemainingRets& rets, std::size_t count) {
+  if (args.size() < count || rets.size() < count) {
+    return ffi::Unexpected(InvalidCall(kind, "one operand and one result per member"));
   }
   const bool gathers = libra::LayoutOf(kind).shard_in;
-  return MakeCallSpec(kind, run_id, x.element_type(),
-                      gathers ? out->element_count() : x.element_count(),
-                      gathers ? x.element_count() : out->element_count(),
-                      gathers ? out->size_bytes() : x.size_bytes(), rank_group, world, blocks,
-                      timeout_ms, segment);
+  CallBuffers call;
+  for (std::size_t i = 0; i < count; ++i) {
+    ffi::ErrorOr<ffi::AnyBuffer> x = args.get<ffi::AnyBuffer>(i);
+    if (!x.has_value()) return ffi::Unexpected(x.error());
+    ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> out = rets.get<ffi::AnyBuffer>(i);
+    if (!out.has_value()) return ffi::Unexpected(out.error());
+    if ((*out)->element_type() != x->element_type()) {
+      return ffi::Unexpected(InvalidCall(kind, "output must have the input's element type"));
+    }
+    const ffi::AnyBuffer full = gathers ? **out : *x;
+    call.members.push_back({x->element_type(), full.element_count(),
+                            (gathers ? *x : **out).element_count(), full.size_bytes()});
+    call.in.push_back(*x);
+    call.out.push_back(*out);
+  }
+  return call;
 }
 
 ffi::Future Completed(const libra::Status& status) {
@@ -137,10 +175,30 @@ ffi::Future Completed(const libra::Status& status) {
   return future;
 }
 
-// Registers one device's buffers with the call site's rendezvous; the future completes when
+// One call of kind kKind over a bucket's members where XLA keeps them: operand i is member i's
+// input, result i its output (aliased to the operand where the all-reduce is in place). The
+// device's buffers join the site's round, one pointer per member; the future completes when
 // the engine has written every output of the round (or fails with its error).
-ffi::Future Arrive(CpuAllReduceSite* site, const libra::CallSpec& spec, ffi::AnyBuffer x,
-                   ffi::Result<ffi::AnyBuffer>& out) {
+template <libra::Collective kKind>
+ffi::Future Execute(ffi::RunId run_id, CpuAllReduceSite* site, ffi::Buffer<ffi::S32> rank_group,
+                    ffi::RemainingArgs args, ffi::RemainingRets rets, std::string_view /*label*/,
+                    int64_t world, int64_t blocks, int64_t timeout_ms,
+                    ffi::Span<const int64_t> segments) {
+  if (site == nullptr) return Failed(InvalidCall(kKind, "no call-site state"));
+  if (args.size() != rets.size()) {
+    return Failed(InvalidCall(kKind, "as many results as operands: one of each per member"));
+  }
+  ffi::ErrorOr<CallBuffers> call = Members(kKind, args, rets, args.size());
+  if (!call.has_value()) return Failed(call.error());
+  ffi::ErrorOr<libra::CallSpec> spec =
+      MakeCallSpec(kKind, run_id, call->members, segments, rank_group, world, blocks, timeout_ms);
+  if (!spec.has_value()) return Failed(spec.error());
+  std::vector<const void*> inputs;
+  std::vector<void*> outputs;
+  for (std::size_t i = 0; i < call->in.size(); ++i) {
+    inputs.push_back(call->in[i].untyped_data());
+    outputs.push_back(call->out[i]->untyped_data());
+  }
   // reduce_on_caller stays off: the chunk would hold this XLA thread, which otherwise runs
   // the step's independent compute while the pool reduces. Measured on the MLP example's
   // optimized step (benchmarks/end_to_end.py --only mlp, 3 paired runs, 2-core VM): 0.90-1.00x
@@ -148,7 +206,7 @@ ffi::Future Arrive(CpuAllReduceSite* site, const libra::CallSpec& spec, ffi::Any
   // 0.82 ms).
   ffi::Promise promise;
   ffi::Future future(promise);
-  site->rendezvous.Arrive(spec, x.untyped_data(), out->untyped_data(),
+  site->rendezvous.Arrive(*spec, std::move(inputs), std::move(outputs),
                           [promise](const libra::Status& status) mutable {
                             if (status.ok()) {
                               promise.SetAvailable();
@@ -157,50 +215,6 @@ ffi::Future Arrive(CpuAllReduceSite* site, const libra::CallSpec& spec, ffi::Any
                             }
                           });
   return future;
-}
-
-ffi::Future Execute(ffi::RunId run_id, CpuAllReduceSite* site, ffi::AnyBuffer x,
-                    ffi::Buffer<ffi::S32> rank_group, ffi::Result<ffi::AnyBuffer> out,
-                    std::string_view /*label*/, int64_t world, int64_t blocks,
-                    int64_t timeout_ms) {
-  if (site == nullptr) {
-    return Failed(ffi::Error::Internal("libra_jax all-reduce: no call-site state"));
-  }
-  ffi::ErrorOr<libra::CallSpec> spec = MakeSpec(libra::Collective::kAllReduce, run_id, x,
-                                                rank_group, out, world, blocks, timeout_ms);
-  if (!spec.has_value()) return Failed(spec.error());
-  return Arrive(site, *spec, x, out);
-}
-
-// The reduce-scatter and the all-gather (libra_jax.ops.reduce_scatter, .all_gather): the
-// engine call above with the kind's row and one more attribute, `segment` (one shard's run
-// in elements: the buffer is [outer][world][segment], engine.h). Their sites are the same
-// type, instantiated alike.
-ffi::ErrorOr<std::unique_ptr<CpuAllReduceSite>> InstantiateSharded(
-    std::string_view label, int64_t world, int64_t blocks, int64_t timeout_ms,
-    int64_t /*segment*/) {
-  return Instantiate(label, world, blocks, timeout_ms);
-}
-
-ffi::ErrorOr<std::unique_ptr<CpuAllReduceSite>> InstantiateShardedStart(
-    std::string_view label, int64_t world, int64_t blocks, int64_t timeout_ms,
-    int64_t /*segment*/, int64_t /*call_id*/) {
-  return Instantiate(label, world, blocks, timeout_ms);
-}
-
-template <libra::Collective kKind>
-ffi::Future ExecuteSharded(ffi::RunId run_id, CpuAllReduceSite* site, ffi::AnyBuffer x,
-                           ffi::Buffer<ffi::S32> rank_group, ffi::Result<ffi::AnyBuffer> out,
-                           std::string_view /*label*/, int64_t world, int64_t blocks,
-                           int64_t timeout_ms, int64_t segment) {
-  if (site == nullptr) {
-    return Failed(ffi::Error::Internal(std::string("libra_jax ") + libra::Name(kKind) +
-                                       ": no call-site state"));
-  }
-  ffi::ErrorOr<libra::CallSpec> spec =
-      MakeSpec(kKind, run_id, x, rank_group, out, world, blocks, timeout_ms, segment);
-  if (!spec.has_value()) return Failed(spec.error());
-  return Arrive(site, *spec, x, out);
 }
 
 // --- Start/done (libra_jax.ops.start_done) ------------------------------------------
@@ -291,16 +305,17 @@ class InFlightCalls {
   std::map<Key, std::deque<std::shared_ptr<InFlight>>> calls_;
 };
 
-// Joins `spec`'s round with `input` and `output` and returns at once; the round's end is
+// Joins `spec`'s round with `inputs` and `outputs` and returns at once; the round's end is
 // recorded under (call id, run, group, rank) for done. `token` is zeroed: it only orders done
 // after this start (by data).
-ffi::Future StartCall(CpuAllReduceSite* site, const libra::CallSpec& spec, const void* input,
-                      void* output, ffi::Result<ffi::Buffer<ffi::S32>>& token,
-                      int64_t timeout_ms, int64_t call_id) {
+ffi::Future StartCall(CpuAllReduceSite* site, const libra::CallSpec& spec,
+                      std::vector<const void*> inputs, std::vector<void*> outputs,
+                      ffi::Result<ffi::Buffer<ffi::S32>>& token, int64_t timeout_ms,
+                      int64_t call_id) {
   for (std::size_t i = 0; i < token->element_count(); ++i) token->typed_data()[i] = 0;
   auto call = std::make_shared<InFlight>();
   InFlightCalls::Get().Push({call_id, spec.run_id, spec.group, spec.rank}, call, timeout_ms);
-  site->rendezvous.Arrive(spec, input, output,
+  site->rendezvous.Arrive(spec, std::move(inputs), std::move(outputs),
                           [call](const libra::Status& status) {
                             std::vector<ffi::Promise> waiters;
                             {
@@ -321,76 +336,88 @@ ffi::Future StartCall(CpuAllReduceSite* site, const libra::CallSpec& spec, const
   return Completed(libra::Status::Ok());
 }
 
-ffi::Future ExecuteStart(ffi::RunId run_id, CpuAllReduceSite* site, ffi::AnyBuffer x,
-                         ffi::Buffer<ffi::S32> rank_group, ffi::Result<ffi::AnyBuffer> out,
-                         ffi::Result<ffi::Buffer<ffi::S32>> token, std::string_view /*label*/,
-                         int64_t world, int64_t blocks, int64_t timeout_ms, int64_t call_id) {
-  if (site == nullptr) {
-    return Failed(ffi::Error::Internal("libra_jax all-reduce: no call-site state"));
+// A start of kind kKind over a bucket's members, each in place in one flat buffer per device
+// that stays in flight until done (engine.h: "In place"): operands are (rank, group), the
+// members, then any values it must not run before (read by nothing: XLA orders by data only,
+// and drops an optimization barrier on CPU, so `optimize` orders a start issued ahead by
+// passing it the result it waits for); results are one buffer per member and done's token.
+//  - all-reduce: member i's buffer is its input (aliased), summed in place;
+//  - reduce-scatter: the buffer is the full input itself (aliased); rank r's shard of the sum
+//    is written over it at offset r * shard, which done then slices;
+//  - all-gather: the buffer is the full result, allocated by XLA; start first copies the
+//    device's shard to offset r * shard in it, so the round reads the shards from the outputs
+//    themselves and the input need not live until done.
+// A buffer that is not its operand (XLA did not alias them) gets the operand's bytes first.
+template <libra::Collective kKind>
+ffi::Future ExecuteStart(ffi::RunId run_id, CpuAllReduceSite* site,
+                         ffi::Buffer<ffi::S32> rank_group, ffi::RemainingArgs args,
+                         ffi::RemainingRets rets, std::string_view /*label*/, int64_t world,
+                         int64_t blocks, int64_t timeout_ms, ffi::Span<const int64_t> segments,
+                         int64_t call_id) {
+  if (site == nullptr) return Failed(InvalidCall(kKind, "no call-site state"));
+  if (rets.size() < 1) return Failed(InvalidCall(kKind, "a start's last result is its token"));
+  const std::size_t count = rets.size() - 1;
+  ffi::ErrorOr<ffi::Result<ffi::Buffer<ffi::S32>>> token = rets.get<ffi::Buffer<ffi::S32>>(count);
+  if (!token.has_value()) return Failed(token.error());
+  const libra::Layout& layout = libra::LayoutOf(kKind);
+  ffi::ErrorOr<CallBuffers> call = Members(kKind, args, rets, count);
+  if (!call.has_value()) return Failed(call.error());
+  // Start's buffer is the full buffer: the all-gather's one rank's share is the operand.
+  for (std::size_t i = 0; i < count; ++i) {
+    if (call->out[i]->size_bytes() !=
+        call->in[i].size_bytes() * (layout.shard_in ? static_cast<std::size_t>(world) : 1)) {
+      return Failed(InvalidCall(kKind, layout.shard_in ? "output must hold world inputs"
+                                                       : "output must be the input"));
+    }
+    if (!layout.shard_in) call->members[i].share = call->members[i].full / (
+        layout.shard_out && world > 0 ? static_cast<std::size_t>(world) : 1);
   }
-  ffi::ErrorOr<libra::CallSpec> spec = MakeSpec(libra::Collective::kAllReduce, run_id, x,
-                                                rank_group, out, world, blocks, timeout_ms);
+  ffi::ErrorOr<libra::CallSpec> spec =
+      MakeCallSpec(kKind, run_id, call->members, segments, rank_group, world, blocks, timeout_ms);
   if (!spec.has_value()) return Failed(spec.error());
-  return StartCall(site, *spec, x.untyped_data(), out->untyped_data(), token, timeout_ms,
+  std::vector<const void*> inputs;
+  std::vector<void*> outputs;
+  for (std::size_t i = 0; i < count; ++i) {
+    const libra::Member& member = spec->members[i];
+    if (layout.sharded() && member.segment != 0 && member.segment * spec->world != member.count) {
+      return Failed(InvalidCall(kKind, "a start's buffer is one row of shards"));
+    }
+    char* buffer = static_cast<char*>(call->out[i]->untyped_data());
+    const void* x = call->in[i].untyped_data();
+    const std::size_t bytes = call->in[i].size_bytes();
+    char* own = buffer + static_cast<std::size_t>(spec->rank) *
+                             (call->out[i]->size_bytes() / static_cast<std::size_t>(world));
+    if (layout.shard_in) {
+      if (bytes > 0) std::memcpy(own, x, bytes);
+      inputs.push_back(own);
+      outputs.push_back(buffer);
+      continue;
+    }
+    if (x != buffer && bytes > 0) std::memcpy(buffer, x, bytes);
+    inputs.push_back(buffer);
+    outputs.push_back(layout.shard_out ? own : buffer);
+  }
+  return StartCall(site, *spec, std::move(inputs), std::move(outputs), *token, timeout_ms,
                    call_id);
 }
 
-// The sharded kinds' starts, in place in one flat buffer per device (engine.h: "In place"):
-//  - reduce-scatter: the output is the full input itself (aliased); rank r's shard of the sum
-//    is written over it at offset r * shard, which done then slices;
-//  - all-gather: the output is the full buffer, allocated by XLA as start's result; start
-//    first copies the device's shard to offset r * shard in it, so the round reads the shards
-//    from the outputs themselves and the input need not live until done.
-// Done is the all-reduce's (`libra_allreduce_cpu_done`): it waits for the round's end.
-template <libra::Collective kKind>
-ffi::Future ExecuteShardedStart(ffi::RunId run_id, CpuAllReduceSite* site, ffi::AnyBuffer x,
-                                ffi::Buffer<ffi::S32> rank_group, ffi::RemainingArgs /*after*/,
-                                ffi::Result<ffi::AnyBuffer> out,
-                                ffi::Result<ffi::Buffer<ffi::S32>> token,
-                                std::string_view /*label*/, int64_t world, int64_t blocks,
-                                int64_t timeout_ms, int64_t segment, int64_t call_id) {
-  const std::string what = std::string("libra_jax ") + libra::Name(kKind) + " start: ";
-  if (site == nullptr) return Failed(ffi::Error::Internal(what + "no call-site state"));
-  const bool gathers = libra::LayoutOf(kKind).shard_in;
-  if (out->element_type() != x.element_type() ||
-      out->size_bytes() != x.size_bytes() * (gathers ? static_cast<std::size_t>(world) : 1)) {
-    return Failed(ffi::Error::InvalidArgument(
-        what + (gathers ? "output must hold world inputs" : "output must be the input")));
-  }
-  const std::size_t full = out->element_count();
-  ffi::ErrorOr<libra::CallSpec> spec =
-      MakeCallSpec(kKind, run_id, x.element_type(), full, world > 0 ? full / world : 0,
-                   out->size_bytes(), rank_group, world, blocks, timeout_ms, segment);
-  if (!spec.has_value()) return Failed(spec.error());
-  if (spec->segment != 0 && spec->segment * spec->world != spec->count) {
-    return Failed(ffi::Error::InvalidArgument(what + "a start's buffer is one row of shards"));
-  }
-  char* buffer = static_cast<char*>(out->untyped_data());
-  char* own = buffer + static_cast<std::size_t>(spec->rank) * (out->size_bytes() / world);
-  if (gathers) {
-    std::memcpy(own, x.untyped_data(), x.size_bytes());
-    return StartCall(site, *spec, own, buffer, token, timeout_ms, call_id);
-  }
-  if (x.untyped_data() != buffer) std::memcpy(buffer, x.untyped_data(), x.size_bytes());
-  return StartCall(site, *spec, buffer, own, token, timeout_ms, call_id);
-}
-
-// Done's operands after its own start's token (`/*after*/`): values it must not run before,
-// read by nothing (the latest start's token: optimize orders every done after the last start).
-ffi::Future ExecuteDone(ffi::RunId run_id, ffi::AnyBuffer /*started*/,
-                        ffi::Buffer<ffi::S32> rank_group, ffi::AnyBuffer /*token*/,
-                        ffi::RemainingArgs /*after*/, ffi::Result<ffi::AnyBuffer> /*out*/,
-                        int64_t call_id) {
+// Every CPU start's done: operands (rank, group), its own start's token, then its start's
+// buffers (one per member, each aliased to one result) and any values it must not run before
+// (the latest start's token: optimize orders every done after the last start), read by
+// nothing. It waits for the round's end.
+ffi::Future ExecuteDone(ffi::RunId run_id, ffi::Buffer<ffi::S32> rank_group,
+                        ffi::AnyBuffer /*token*/, ffi::RemainingArgs /*started_then_after*/,
+                        ffi::RemainingRets /*buffers*/, int64_t call_id) {
   if (rank_group.element_count() != 2) {
     return Failed(ffi::Error::InvalidArgument(
-        "libra_jax all-reduce: the rank operand must hold (rank, group)"));
+        "libra_jax done: the rank operand must hold (rank, group)"));
   }
   const int32_t* rg = rank_group.typed_data();
   std::shared_ptr<InFlight> call =
       InFlightCalls::Get().Pop({call_id, run_id.run_id, rg[1], rg[0]});
   if (call == nullptr) {
     return Failed(ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                             "libra_jax all-reduce: done of call " + std::to_string(call_id) +
+                             "libra_jax done: done of call " + std::to_string(call_id) +
                                  " without its start"));
   }
   std::lock_guard<std::mutex> lock(call->mu);
@@ -401,44 +428,26 @@ ffi::Future ExecuteDone(ffi::RunId run_id, ffi::AnyBuffer /*started*/,
   return future;
 }
 
-// The attributes of a call site, shared by the one-call target and start.
+// The attributes of a call site, shared by the one-call targets and the starts.
 template <typename Binding>
 auto BindSiteAttrs(Binding binding) {
   return std::move(binding)
       .template Attr<std::string_view>("label")
       .template Attr<int64_t>("world")
       .template Attr<int64_t>("blocks")
-      .template Attr<int64_t>("timeout_ms");
+      .template Attr<int64_t>("timeout_ms")
+      .template Attr<ffi::Span<const int64_t>>("segments");
 }
 
-// The engine call's context, operands and result: the one-call targets'; the starts add a
-// token result (and attributes: a call id, and the sharded kinds' segment).
-auto EngineBuffers() {
+// Every call's context and operands: (rank, group), then the members (and a start's values it
+// must not run before), then the results.
+auto EngineCall() {
   return ffi::Ffi::Bind()
       .Ctx<ffi::RunId>()
       .Ctx<ffi::State<CpuAllReduceSite>>()
-      .Arg<ffi::AnyBuffer>()
       .Arg<ffi::Buffer<ffi::S32>>()
-      .Ret<ffi::AnyBuffer>();
-}
-
-auto BindEngineCall() { return BindSiteAttrs(EngineBuffers()); }
-
-// The sharded starts' signature: start's operands, then any number of values it must not run
-// before (read by nothing: XLA orders by data only, and drops an optimization barrier on CPU,
-// so `optimize` orders an all-gather issued ahead by passing it the result it waits for), its
-// results, then segment and call id.
-auto BindShardedStart() {
-  return BindSiteAttrs(ffi::Ffi::Bind()
-                           .Ctx<ffi::RunId>()
-                           .Ctx<ffi::State<CpuAllReduceSite>>()
-                           .Arg<ffi::AnyBuffer>()
-                           .Arg<ffi::Buffer<ffi::S32>>()
-                           .RemainingArgs()
-                           .Ret<ffi::AnyBuffer>()
-                           .Ret<ffi::Buffer<ffi::S32>>())
-      .Attr<int64_t>("segment")
-      .Attr<int64_t>("call_id");
+      .RemainingArgs()
+      .RemainingRets();
 }
 
 }  // namespace
@@ -446,47 +455,32 @@ auto BindShardedStart() {
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuAllReduceInstantiate, Instantiate, BindSiteAttrs(
                                   ffi::Ffi::BindInstantiate()));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuAllReduceExecute, Execute, BindEngineCall());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuShardedInstantiate, InstantiateSharded,
-                              BindSiteAttrs(ffi::Ffi::BindInstantiate()).Attr<int64_t>("segment"));
-
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuAllReduceExecute, Execute<libra::Collective::kAllReduce>,
+                              BindSiteAttrs(EngineCall()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuReduceScatterExecute,
-                              ExecuteSharded<libra::Collective::kReduceScatter>,
-                              BindEngineCall().Attr<int64_t>("segment"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuAllGatherExecute, ExecuteSharded<libra::Collective::kAllGather>,
-                              BindEngineCall().Attr<int64_t>("segment"));
+                              Execute<libra::Collective::kReduceScatter>,
+                              BindSiteAttrs(EngineCall()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuAllGatherExecute, Execute<libra::Collective::kAllGather>,
+                              BindSiteAttrs(EngineCall()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuAllReduceStartInstantiate, InstantiateStart,
                               BindSiteAttrs(ffi::Ffi::BindInstantiate()).Attr<int64_t>("call_id"));
 
-// Start: the engine call's operands, its result (in place) and a token for done.
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuAllReduceStart, ExecuteStart,
-                              BindSiteAttrs(EngineBuffers().Ret<ffi::Buffer<ffi::S32>>())
-                                  .Attr<int64_t>("call_id"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuShardedStartInstantiate, InstantiateShardedStart,
-                              BindSiteAttrs(ffi::Ffi::BindInstantiate())
-                                  .Attr<int64_t>("segment")
-                                  .Attr<int64_t>("call_id"));
-
-// The sharded starts: start's signature with the segment attribute.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuAllReduceStart, ExecuteStart<libra::Collective::kAllReduce>,
+                              BindSiteAttrs(EngineCall()).Attr<int64_t>("call_id"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuReduceScatterStart,
-                              ExecuteShardedStart<libra::Collective::kReduceScatter>,
-                              BindShardedStart());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuAllGatherStart,
-                              ExecuteShardedStart<libra::Collective::kAllGather>,
-                              BindShardedStart());
+                              ExecuteStart<libra::Collective::kReduceScatter>,
+                              BindSiteAttrs(EngineCall()).Attr<int64_t>("call_id"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuAllGatherStart, ExecuteStart<libra::Collective::kAllGather>,
+                              BindSiteAttrs(EngineCall()).Attr<int64_t>("call_id"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuAllReduceDone, ExecuteDone,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::RunId>()
-                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .RemainingArgs()
-                                  .Ret<ffi::AnyBuffer>()
+                                  .RemainingRets()
                                   .Attr<int64_t>("call_id"));
 
 const XLA_FFI_TypeInfo* CpuAllReduceSiteTypeInfo() {

@@ -46,22 +46,19 @@ inline ffi::ErrorOr<libra::DType> ToEngineDType(ffi::DataType dtype) {
   }
 }
 
+// The CPU engine's calls (xla_ffi/cpu_allreduce.cc), each over a bucket's members as separate
+// operands and results: one call of each kind (libra::Collective), one instantiate for all.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kCpuAllReduceInstantiate);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kCpuAllReduceExecute);
-// The same call split in two (libra_jax.ops.start_done): start arrives and returns at
-// once (instantiated like the call above); done waits for the round's end.
-XLA_FFI_DECLARE_HANDLER_SYMBOL(kCpuAllReduceStartInstantiate);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(kCpuAllReduceStart);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(kCpuAllReduceDone);
-// The reduce-scatter and the all-gather: the engine call with their kinds' rows
-// (libra::Collective) and a `segment` attribute; one instantiate for both.
-XLA_FFI_DECLARE_HANDLER_SYMBOL(kCpuShardedInstantiate);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kCpuReduceScatterExecute);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kCpuAllGatherExecute);
-// Their starts, in place in one flat buffer (cpu_allreduce.cc); done is kCpuAllReduceDone.
-XLA_FFI_DECLARE_HANDLER_SYMBOL(kCpuShardedStartInstantiate);
+// The same calls split in two (libra_jax.ops.start_done): a start arrives and returns at
+// once; the one done (every kind's) waits for the round's end. One instantiate for the starts.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kCpuAllReduceStartInstantiate);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kCpuAllReduceStart);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kCpuReduceScatterStart);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kCpuAllGatherStart);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kCpuAllReduceDone);
 
 // The call-site state type, registered with XLA before the handler.
 const XLA_FFI_TypeInfo* CpuAllReduceSiteTypeInfo();

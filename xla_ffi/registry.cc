@@ -22,20 +22,21 @@ constexpr LibraFfiTarget kTargets[] = {
     {"cpu", "libra_allreduce_cpu", kLibraFfiPlatformCpu, lf::kCpuAllReduceInstantiate, nullptr,
      nullptr, lf::kCpuAllReduceExecute},
     // The same call split in two (libra_jax.ops.start_done): start arrives, done waits.
+    // Every CPU call and start takes a bucket's members as separate operands and results.
     {"cpu_start", "libra_allreduce_cpu_start", kLibraFfiPlatformCpu,
      lf::kCpuAllReduceStartInstantiate, nullptr, nullptr, lf::kCpuAllReduceStart},
     {"cpu_done", "libra_allreduce_cpu_done", kLibraFfiPlatformCpu, nullptr, nullptr, nullptr,
      lf::kCpuAllReduceDone},
     // The engine's other collective kinds (libra::Collective), each one call.
     {"cpu_reduce_scatter", "libra_reduce_scatter_cpu", kLibraFfiPlatformCpu,
-     lf::kCpuShardedInstantiate, nullptr, nullptr, lf::kCpuReduceScatterExecute},
-    {"cpu_all_gather", "libra_all_gather_cpu", kLibraFfiPlatformCpu, lf::kCpuShardedInstantiate,
+     lf::kCpuAllReduceInstantiate, nullptr, nullptr, lf::kCpuReduceScatterExecute},
+    {"cpu_all_gather", "libra_all_gather_cpu", kLibraFfiPlatformCpu, lf::kCpuAllReduceInstantiate,
      nullptr, nullptr, lf::kCpuAllGatherExecute},
-    // Their starts (in place in one flat buffer); their done is cpu_done.
+    // Their starts (in place, a flat buffer per member); their done is cpu_done.
     {"cpu_reduce_scatter_start", "libra_reduce_scatter_cpu_start", kLibraFfiPlatformCpu,
-     lf::kCpuShardedStartInstantiate, nullptr, nullptr, lf::kCpuReduceScatterStart},
+     lf::kCpuAllReduceStartInstantiate, nullptr, nullptr, lf::kCpuReduceScatterStart},
     {"cpu_all_gather_start", "libra_all_gather_cpu_start", kLibraFfiPlatformCpu,
-     lf::kCpuShardedStartInstantiate, nullptr, nullptr, lf::kCpuAllGatherStart},
+     lf::kCpuAllReduceStartInstantiate, nullptr, nullptr, lf::kCpuAllGatherStart},
     {"cuda", "libra_allreduce_cuda", kLibraFfiPlatformCuda, nullptr, nullptr, nullptr,
      LIBRA_CUDA_HANDLER(lf::kCudaAllReduce)},
     // The same kernel on libra's own stream, and the wait for it (libra_jax.ops.start_done).

@@ -565,11 +565,14 @@ int64_t MicrosSinceStart(Clock::time_point t) {
 
 struct Job {
   std::string label;
-  CallSpec spec;  // rank unused
+  CallSpec spec;  // rank unused; members filled in (Normalized)
   int caller = -1;  // The rank whose thread runs task 0 (reduce_on_caller), or -1.
   int64_t iteration = 0;
+  // Member m's buffer of rank r at [m * world + r]: each member's world pointers in a row, as
+  // the kinds' pieces read them (Part).
   std::vector<const void*> inputs;
   std::vector<void*> outputs;
+  std::vector<std::size_t> offsets;  // Member m's elements at [offsets[m], offsets[m + 1]).
   std::vector<DoneCallback> done;
   Chunking chunking;
   std::atomic<int> remaining{0};       // Tasks still running.
@@ -726,10 +729,20 @@ void PopulateIfFresh(void* data, std::size_t bytes) {
 // buffer's range is done. Everything else (rendezvous, pool, pieces, timeouts, records)
 // is the same for every kind.
 
+// One member of a job, as a kind's piece works on it: its dtype, shards and buffers (one per
+// rank, in rank order).
+struct Part {
+  DType dtype;
+  int world;
+  std::size_t segment;
+  const void* const* inputs;
+  void* const* outputs;
+};
+
 // Calls fn(rank, at, from, length) for each run of one rank's shard within [begin, end):
 // elements [from, from + length) of the full buffer, at `at` in shard `rank`.
 template <typename Fn>
-void ForEachRun(const CallSpec& spec, std::size_t begin, std::size_t end, Fn fn) {
+void ForEachRun(const Part& spec, std::size_t begin, std::size_t end, Fn fn) {
   const std::size_t segment = spec.segment, period = segment * spec.world;
   for (std::size_t i = begin; i < end;) {
     const std::size_t row = i / period, within = i % period;
@@ -742,38 +755,36 @@ void ForEachRun(const CallSpec& spec, std::size_t begin, std::size_t end, Fn fn)
 
 // `large`: the call writes at least kStreamingOutputBytes, so its outputs are written past
 // the caches, and populated first where fresh (PopulateIfFresh).
-void AllReducePiece(const Job& job, std::size_t begin, std::size_t end, bool large) {
-  const std::size_t elem = SizeOf(job.spec.dtype);
-  for (int r = 0; large && r < job.spec.world; ++r) {
+void AllReducePiece(const Part& job, std::size_t begin, std::size_t end, bool large) {
+  const std::size_t elem = SizeOf(job.dtype);
+  for (int r = 0; large && r < job.world; ++r) {
     if (job.outputs[r] == job.inputs[r]) continue;
     PopulateIfFresh(static_cast<char*>(job.outputs[r]) + begin * elem, (end - begin) * elem);
   }
-  ReduceRange(job.spec.dtype, job.inputs.data(), job.outputs.data(), job.spec.world, begin, end,
-              large);
+  ReduceRange(job.dtype, job.inputs, job.outputs, job.world, begin, end, large);
 }
 
 // Each run summed over every input, written to its shard's owner alone.
-void ReduceScatterPiece(const Job& job, std::size_t begin, std::size_t end, bool large) {
-  const std::size_t elem = SizeOf(job.spec.dtype);
-  ForEachRun(job.spec, begin, end, [&](int rank, std::size_t at, std::size_t from,
-                                       std::size_t length) {
+void ReduceScatterPiece(const Part& job, std::size_t begin, std::size_t end, bool large) {
+  const std::size_t elem = SizeOf(job.dtype);
+  ForEachRun(job, begin, end, [&](int rank, std::size_t at, std::size_t from,
+                                  std::size_t length) {
     char* out = static_cast<char*>(job.outputs[rank]) + at * elem;
     if (large) PopulateIfFresh(out, length * elem);
-    ReduceRangeTo(job.spec.dtype, job.inputs.data(), job.spec.world, from, from + length, out,
-                  large);
+    ReduceRangeTo(job.dtype, job.inputs, job.world, from, from + length, out, large);
   });
 }
 
 // Each run copied from its shard's owner to every output.
-void AllGatherPiece(const Job& job, std::size_t begin, std::size_t end, bool large) {
-  const std::size_t elem = SizeOf(job.spec.dtype);
-  for (int r = 0; large && r < job.spec.world; ++r) {
+void AllGatherPiece(const Part& job, std::size_t begin, std::size_t end, bool large) {
+  const std::size_t elem = SizeOf(job.dtype);
+  for (int r = 0; large && r < job.world; ++r) {
     PopulateIfFresh(static_cast<char*>(job.outputs[r]) + begin * elem, (end - begin) * elem);
   }
-  ForEachRun(job.spec, begin, end, [&](int rank, std::size_t at, std::size_t from,
-                                       std::size_t length) {
-    CopyToAll(static_cast<const char*>(job.inputs[rank]) + at * elem, job.outputs.data(),
-              job.spec.world, from * elem, length * elem, large);
+  ForEachRun(job, begin, end, [&](int rank, std::size_t at, std::size_t from,
+                                  std::size_t length) {
+    CopyToAll(static_cast<const char*>(job.inputs[rank]) + at * elem, job.outputs, job.world,
+              from * elem, length * elem, large);
   });
 }
 
@@ -781,7 +792,7 @@ void AllGatherPiece(const Job& job, std::size_t begin, std::size_t end, bool lar
 // sharded (shards of count / world elements, CallSpec::segment), and every output (each
 // element goes to every rank's output, else to its owner's) where no rank keeps a shard.
 struct CollectiveKind {
-  void (*piece)(const Job& job, std::size_t begin, std::size_t end, bool large);
+  void (*piece)(const Part& part, std::size_t begin, std::size_t end, bool large);
 };
 
 // Indexed by Collective, as libra/dtype.h's kLayouts.
@@ -794,13 +805,28 @@ const CollectiveKind& KindOf(Collective collective) {
   return kKinds[static_cast<int>(collective)];
 }
 
+// A piece of the members' ranges laid end to end: the part of each member it covers, done as
+// that member's own call would do it.
 void RunPiece(const Job& job, std::size_t piece) {
   const std::size_t begin = piece * job.chunking.per_piece;
   const std::size_t end = std::min(job.spec.count, begin + job.chunking.per_piece);
   const bool every_output = !LayoutOf(job.spec.collective).shard_out;
   const std::size_t written = job.spec.count * SizeOf(job.spec.dtype) *
                               (every_output ? job.spec.world : 1);
-  KindOf(job.spec.collective).piece(job, begin, end, written >= kStreamingOutputBytes);
+  const auto& piece_of = KindOf(job.spec.collective).piece;
+  const int world = job.spec.world;
+  const std::size_t members = job.spec.members.size();
+  // The last member that starts at or before `begin` (empty members before it hold nothing).
+  std::size_t m = static_cast<std::size_t>(
+      std::upper_bound(job.offsets.begin(), job.offsets.end() - 1, begin) - job.offsets.begin());
+  for (m = m > 0 ? m - 1 : 0; m < members && job.offsets[m] < end; ++m) {
+    const std::size_t lo = std::max(begin, job.offsets[m]) - job.offsets[m];
+    const std::size_t hi = std::min(end, job.offsets[m + 1]) - job.offsets[m];
+    if (lo >= hi) continue;
+    const Part part{job.spec.dtype, world, job.spec.members[m].segment,
+                    job.inputs.data() + m * world, job.outputs.data() + m * world};
+    piece_of(part, lo, hi, written >= kStreamingOutputBytes);
+  }
 }
 
 // One worker task: reduces pieces until none is left; the last task to stop finishes the job
@@ -838,12 +864,18 @@ Status Invalid(std::string message) {
   return {Status::Code::kInvalidArgument, std::move(message)};
 }
 
-// `spec` with its segment filled in (a sharded kind's 0: count / world).
+// `spec` with its members filled in (one of `count` elements where it names none; `count`
+// their total) and their segments (a sharded kind's 0: count / world); `segment` the first
+// member's.
 CallSpec Normalized(CallSpec spec) {
-  if (KnownKind(spec.collective) && LayoutOf(spec.collective).sharded() && spec.segment == 0 &&
-      spec.world > 0) {
-    spec.segment = spec.count / spec.world;
+  if (spec.members.empty()) spec.members.push_back({spec.count, spec.segment});
+  const bool sharded = KnownKind(spec.collective) && LayoutOf(spec.collective).sharded();
+  spec.count = 0;
+  for (Member& member : spec.members) {
+    if (sharded && member.segment == 0 && spec.world > 0) member.segment = member.count / spec.world;
+    spec.count += member.count;
   }
+  spec.segment = spec.members.front().segment;
   return spec;
 }
 
@@ -864,11 +896,15 @@ Status ValidateSpec(const CallSpec& spec) {
   if (kind.sums && spec.dtype == DType::kBytes) {
     return Invalid(std::string("a ") + kind.name + " sums numbers: it cannot take raw bytes");
   }
-  if (kind.sharded() && spec.count > 0 &&
-      (spec.segment == 0 || spec.count % (spec.segment * spec.world) != 0)) {
-    return Invalid(std::to_string(spec.count) + " elements are not whole shards of " +
-                   std::to_string(spec.world) + " ranks x " + std::to_string(spec.segment) +
-                   " elements per run");
+  for (std::size_t m = 0; m < spec.members.size() && kind.sharded(); ++m) {
+    const Member& member = spec.members[m];
+    if (member.count > 0 &&
+        (member.segment == 0 || member.count % (member.segment * spec.world) != 0)) {
+      return Invalid((spec.members.size() > 1 ? "member " + std::to_string(m) + ": " : "") +
+                     std::to_string(member.count) + " elements are not whole shards of " +
+                     std::to_string(spec.world) + " ranks x " + std::to_string(member.segment) +
+                     " elements per run");
+    }
   }
   return Status::Ok();
 }
@@ -941,6 +977,7 @@ Status RunCollective(Collective collective, DType dtype, const std::vector<const
   job->spec = spec;
   job->inputs = inputs;
   job->outputs = outputs;
+  job->offsets = {0, spec.count};
   for (int r = 0; r < n; ++r) {
     job->done.emplace_back([&](const Status&) {
       std::lock_guard<std::mutex> lock(mu);
@@ -996,7 +1033,7 @@ struct RoundKey {
 struct Round {
   RoundKey key;
   CallSpec spec;  // Of the first arrival; everyone must agree (except rank).
-  std::vector<const void*> inputs;
+  std::vector<const void*> inputs;  // [member * world + rank], as Job's
   std::vector<void*> outputs;
   std::vector<DoneCallback> done;
   std::vector<bool> present;
@@ -1193,13 +1230,25 @@ Rendezvous::~Rendezvous() {
 
 void Rendezvous::Arrive(const CallSpec& call, const void* input, void* output,
                         DoneCallback done) {
+  Arrive(call, std::vector<const void*>{input}, std::vector<void*>{output}, std::move(done));
+}
+
+void Rendezvous::Arrive(const CallSpec& call, std::vector<const void*> inputs,
+                        std::vector<void*> outputs, DoneCallback done) {
   const CallSpec spec = Normalized(call);
   const std::string what = std::string("libra_jax ") + Name(spec.collective) + " '";
-  if (Status s = ValidateSpec(spec); !s.ok()) {
+  Status s = ValidateSpec(spec);
+  if (s.ok() && (inputs.size() != spec.members.size() || outputs.size() != inputs.size())) {
+    s = Invalid(std::to_string(inputs.size()) + " inputs and " + std::to_string(outputs.size()) +
+                " outputs for " + std::to_string(spec.members.size()) +
+                " members: one of each per member");
+  }
+  if (!s.ok()) {
     s.message = what + state_->label + "': " + s.message;
     done(s);
     return;
   }
+  const std::size_t members = spec.members.size();
   State& st = *state_;
   std::unique_lock<std::mutex> lock(st.mu);
   const RoundKey key{spec.group, spec.run_id, st.NextIteration(spec)};
@@ -1217,8 +1266,8 @@ void Rendezvous::Arrive(const CallSpec& call, const void* input, void* output,
     slot = std::make_shared<Round>();
     slot->key = key;
     slot->spec = spec;
-    slot->inputs.assign(spec.world, nullptr);
-    slot->outputs.assign(spec.world, nullptr);
+    slot->inputs.assign(members * spec.world, nullptr);
+    slot->outputs.assign(members * spec.world, nullptr);
     slot->done.resize(spec.world);
     slot->present.assign(spec.world, false);
     slot->first_arrival = Clock::now();
@@ -1233,14 +1282,25 @@ void Rendezvous::Arrive(const CallSpec& call, const void* input, void* output,
   std::string mismatch;
   if (spec.collective != first.collective || spec.world != first.world ||
       spec.dtype != first.dtype || spec.count != first.count || spec.segment != first.segment ||
-      spec.blocks != first.blocks) {
+      spec.blocks != first.blocks || spec.members != first.members) {
     std::ostringstream m;
     m << "participants disagree: rank " << spec.rank << " brings " << Name(spec.collective)
       << " world=" << spec.world << " dtype=" << Name(spec.dtype) << " count=" << spec.count
-      << " segment=" << spec.segment << " blocks=" << spec.blocks << ", rank " << first.rank
+      << " segment=" << spec.segment << " blocks=" << spec.blocks
+      << " members=" << spec.members.size() << ", rank " << first.rank
       << " brought " << Name(first.collective) << " world=" << first.world
       << " dtype=" << Name(first.dtype) << " count=" << first.count
-      << " segment=" << first.segment << " blocks=" << first.blocks;
+      << " segment=" << first.segment << " blocks=" << first.blocks
+      << " members=" << first.members.size();
+    if (spec.members.size() == first.members.size()) {
+      for (std::size_t k = 0; k < members; ++k) {
+        if (spec.members[k] == first.members[k]) continue;
+        m << "; member " << k << ": count=" << spec.members[k].count << " segment="
+          << spec.members[k].segment << " against count=" << first.members[k].count
+          << " segment=" << first.members[k].segment;
+        break;
+      }
+    }
     mismatch = m.str();
   } else if (round->present[spec.rank]) {
     mismatch = "rank " + std::to_string(spec.rank) + " arrived twice in one round";
@@ -1255,8 +1315,10 @@ void Rendezvous::Arrive(const CallSpec& call, const void* input, void* output,
     return;
   }
 
-  round->inputs[spec.rank] = input;
-  round->outputs[spec.rank] = output;
+  for (std::size_t m = 0; m < members; ++m) {
+    round->inputs[m * spec.world + spec.rank] = inputs[m];
+    round->outputs[m * spec.world + spec.rank] = outputs[m];
+  }
   round->done[spec.rank] = std::move(done);
   round->present[spec.rank] = true;
   if (++round->arrived < spec.world) return;
@@ -1271,6 +1333,8 @@ void Rendezvous::Arrive(const CallSpec& call, const void* input, void* output,
   job->iteration = key.iteration;
   job->inputs = std::move(round->inputs);
   job->outputs = std::move(round->outputs);
+  job->offsets.assign(1, 0);
+  for (const Member& member : first.members) job->offsets.push_back(job->offsets.back() + member.count);
   job->done = std::move(round->done);
   job->first_arrival = round->first_arrival;
   if (spec.reduce_on_caller) job->caller = spec.rank;

@@ -115,6 +115,20 @@ Status RunCollective(Collective collective, DType dtype, const std::vector<const
                      const std::vector<void*>& outputs, std::size_t count, std::size_t segment,
                      int blocks);
 
+// One of several buffers a participant brings to one call (a bucket's members): each its
+// own full buffer of `count` elements and, for a sharded kind, its own shards of `segment`
+// elements per run (0: count / world), laid out as a one-buffer call's are. A call with
+// members does each member as that call would, all in one round and one set of pieces: the
+// pieces cut the members' ranges laid end to end, so one call with its block count serves a
+// whole bucket where XLA put its tensors, with no packed copy. Each element's sum is the same
+// as in a call of its member alone (rank order).
+struct Member {
+  std::size_t count = 0;
+  std::size_t segment = 0;
+  bool operator==(const Member& o) const { return count == o.count && segment == o.segment; }
+  bool operator!=(const Member& o) const { return !(*this == o); }
+};
+
 // What one participant brings to one collective.
 struct CallSpec {
   int64_t group = 0;   // Participants of the same group meet (replica group).
@@ -134,6 +148,9 @@ struct CallSpec {
   // their thread goes on with the program's independent compute meanwhile,
   // which measured faster in a train step (xla_ffi/cpu_allreduce.cc).
   bool reduce_on_caller = false;
+  // Several buffers (Member) instead of one: `count` is then their total and `segment` unused.
+  // Empty: one buffer of `count` elements in runs of `segment`.
+  std::vector<Member> members;
 };
 
 using DoneCallback = std::function<void(const Status&)>;
@@ -153,6 +170,9 @@ class Rendezvous {
   // reduction has written every output, or with an error (bad arguments, a
   // timeout waiting for absent ranks, the site being destroyed).
   void Arrive(const CallSpec& spec, const void* input, void* output,
+              DoneCallback done);
+  // The same with one input and one output per member of `spec.members` (in their order).
+  void Arrive(const CallSpec& spec, std::vector<const void*> inputs, std::vector<void*> outputs,
               DoneCallback done);
 
   struct State;  // Shared with the watchdog; defined in engine.cc.

@@ -659,6 +659,87 @@ void TestReduceScatterAndAllGather() {
   }
 }
 
+// A call with several members (a bucket's buffers, each where its caller keeps it) gives each
+// member, bit for bit, what a call of that member alone gives, for every kind: members of odd
+// sizes (pieces cross their boundaries), an empty one, sharded ones with their own segments
+// and rows; every rank arrives with its own pointers, in random order.
+void TestMembers() {
+  const int n = 3;
+  // (count, segment) of each member; a sharded kind's count is rows * n * segment.
+  const std::vector<libra::Member> shapes = {{n * 5, 5}, {0, 0}, {2 * n * 4099, 4099},
+                                             {n * 1, 1}, {n * 20000, 20000}};
+  for (libra::Collective kind : {libra::Collective::kAllReduce, libra::Collective::kReduceScatter,
+                                 libra::Collective::kAllGather}) {
+    const bool shard_in = libra::LayoutOf(kind).shard_in, shard_out = libra::LayoutOf(kind).shard_out;
+    for (int blocks : {1, 3, libra::kMaxBlocks}) {
+      std::vector<libra::Member> members = shapes;
+      if (kind == libra::Collective::kAllReduce) {
+        for (auto& m : members) m.segment = 0;
+      }
+      // in[m][r], out[m][r]: rank r's buffers of member m; expected[m][r] from m's own call.
+      std::vector<std::vector<std::vector<double>>> in, out, expected;
+      for (std::size_t m = 0; m < members.size(); ++m) {
+        const std::size_t full = members[m].count;
+        in.push_back(OrderSensitive(n, shard_in ? full / n : full, 31 * m + blocks));
+        out.emplace_back(n, std::vector<double>(shard_out ? full / n : full, -1.0));
+        expected.push_back(out.back());
+        std::vector<const void*> ins;
+        std::vector<void*> outs;
+        for (int r = 0; r < n; ++r) {
+          ins.push_back(in[m][r].data());
+          outs.push_back(expected[m][r].data());
+        }
+        CHECK(libra::RunCollective(kind, DType::kF64, ins, outs, full, members[m].segment, 1)
+                  .ok());
+      }
+      libra::Rendezvous site("members");
+      Latch latch(n);
+      std::vector<int> order = {2, 0, 1};
+      for (int r : order) {
+        libra::CallSpec spec = Spec(r, n, 0);
+        spec.collective = kind;
+        spec.dtype = DType::kF64;
+        spec.blocks = blocks;
+        spec.members = members;
+        std::vector<const void*> ins;
+        std::vector<void*> outs;
+        for (std::size_t m = 0; m < members.size(); ++m) {
+          ins.push_back(in[m][r].data());
+          outs.push_back(out[m][r].data());
+        }
+        site.Arrive(spec, ins, outs, latch.Callback());
+      }
+      CHECK(latch.Wait());
+      for (const auto& status : latch.statuses()) CHECK(status.ok());
+      for (std::size_t m = 0; m < members.size(); ++m) {
+        for (int r = 0; r < n; ++r) {
+          CHECK(out[m][r].empty() ||
+                std::memcmp(out[m][r].data(), expected[m][r].data(),
+                            out[m][r].size() * sizeof(double)) == 0);
+        }
+      }
+    }
+  }
+  // Ranks that bring other members, or not one buffer per member, are told so.
+  libra::Rendezvous site("members-mismatch");
+  std::vector<double> a(8), b(8), c(8);
+  Latch latch(2);
+  libra::CallSpec s0 = Spec(0, 2, 0), s1 = Spec(1, 2, 0);
+  s0.members = {{4, 0}, {4, 0}};
+  s1.members = {{2, 0}, {6, 0}};
+  site.Arrive(s0, {a.data(), a.data() + 4}, {a.data(), a.data() + 4}, latch.Callback());
+  site.Arrive(s1, {b.data(), b.data() + 2}, {b.data(), b.data() + 2}, latch.Callback());
+  CHECK(latch.Wait());
+  for (const auto& status : latch.statuses()) {
+    CHECK(!status.ok() && status.message.find("member 0") != std::string::npos);
+  }
+  Latch one(1);
+  site.Arrive(s0, {c.data()}, {c.data()}, one.Callback());
+  CHECK(one.Wait());
+  CHECK(!one.statuses()[0].ok() &&
+        one.statuses()[0].message.find("one of each per member") != std::string::npos);
+}
+
 // Calls large enough for streaming stores (>= kStreamingOutputBytes written): the same bits.
 void TestLargeShardedCalls() {
   const int n = 2;
@@ -849,6 +930,7 @@ int main() {
       {"large_sharded_calls", TestLargeShardedCalls},
       {"in_place_sharded", AtEveryWidth<TestInPlaceSharded>},
       {"sharded_bad_arguments", TestShardedBadArguments},
+      {"members", AtEveryWidth<TestMembers>},
       {"sharded_timeout_and_mismatch", TestShardedTimeoutAndMismatch},
       {"call_records", TestCallRecords},
       {"fork", TestFork},

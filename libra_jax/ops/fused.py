@@ -7,9 +7,11 @@
   along dimension 0, tiled or not, over the same axes) as one reduce-scatter per dtype,
   each result typed as that member's (`sharded.mirror_reduce_scatter`'s primitive's).
 
-Both lower by one rule (`_bucket_rule`): per dtype, the operands flattened and concatenated
-(`lowering.pack`), that buffer's one collective by the platform's rule, and the result split
-back (`lowering.split`).
+Both lower by one rule (`_bucket_rule`): per dtype, one call over the members as they are
+where the platform's call takes several buffers (the CPU engine: `lowering.members_call`, each
+member read where XLA put it and its result written to its own output, no copy); elsewhere the
+operands flattened and concatenated (`lowering.pack`), that buffer's one collective by the
+platform's rule, and the result split back (`lowering.split`).
 
 A reduce-scatter gives rank r the r-th of n equal runs of its buffer, so its bucket cannot
 concatenate the flattened members as the psum's does (rank r's run would hold whole members,
@@ -60,12 +62,30 @@ def _bucket_rule(platform: Platform, bucket: Any) -> Rule:
     result split into the members' (`lowering.split`). `bucket(params)` gives the flat
     buffer's `lowering.Call`, its rows, and each member's call.
 
-    Where libra's call does not serve a reduce-scatter bucket, each member is XLA's own: its
-    rank-contiguous packing is a strided copy that only libra's call needs."""
+    Where the platform's call takes the members as they are (`lowering.members_call`: the CPU
+    engine), a dtype's members are one call with no packing; the twin (``"xla"``) lowers
+    each member by XLA's own collective, as they are too. Where libra's call does not
+    serve a reduce-scatter bucket, each member is XLA's own: its rank-contiguous packing is a
+    strided copy that only libra's call needs."""
     def rule(ctx: Any, *xs: Any, **params: Any) -> list[Any]:
         call, rows, member_call = bucket(params)
         outs: list[Any] = [None] * len(xs)
         for _, idx, count in lowering.packed_layout(ctx.avals_in, align_bytes=1):
+            members_ctx = ctx.replace(primitive=None, avals_in=[ctx.avals_in[i] for i in idx],
+                                      avals_out=[ctx.avals_out[i] for i in idx])
+            if platform == "xla":
+                # The twin as the CPU program has it: each member as it is, XLA's own
+                # collective each, so that the code around the bucket is the same in both.
+                for i in idx:
+                    outs[i], = _compat.ir_values(lowering.lower(ctx.replace(
+                        primitive=None, avals_in=[ctx.avals_in[i]],
+                        avals_out=[ctx.avals_out[i]]), xs[i], member_call(i), platform))
+                continue
+            emit = lowering.members_call(members_ctx, call, platform)
+            if emit is not None:
+                for i, out in zip(idx, _compat.ir_values(emit(*(xs[i] for i in idx)))):
+                    outs[i] = out
+                continue
             # The first member's type, flat: its varying axes are what XLA's rule checks.
             flat_in = ctx.avals_in[idx[0]].update(shape=(count,))
             flat_out = flat_in.update(shape=(count // rows,))

@@ -18,8 +18,10 @@ one notice naming why (``xla-fallback``). What differs between the kinds is thei
 layout (`collectives.LAYOUTS`): what a call's operand and result are, and the ``segment`` of
 a sharded call. A start/done pair asks the same question for its flat buffer (`pair_call`).
 A call with ``blocks=None`` gets `default_blocks` (the model's choice without overlap) here,
-once the group size is known. The packing of several tensors into one buffer per dtype
-(`pack`, `split`) is shared by the buckets and start/done.
+once the group size is known. A bucket's members are one engine call as they are on CPU
+(`members_call`: the engine's variadic targets, one operand and one result per member, no
+copy); elsewhere, and for start/done, they are packed into one buffer per dtype (`pack`,
+`split`).
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ from libra_jax.ops.base import Platform, Rule, warn_once
 
 __all__ = ["Call", "PairCall", "Collective", "COLLECTIVES", "ENGINE_DTYPES", "rule", "lower",
            "replaced_rule", "libra_call", "xla_collective", "warn_fallback", "engine_call",
-           "cpu_call", "gpu_call", "pair_call", "nccl_attrs", "nccl_blocks",
+           "cpu_call", "members_call", "gpu_call", "pair_call", "nccl_attrs", "nccl_blocks",
            "rank_group_operand", "to_row_of_shards", "from_row_of_shards", "mirrored",
            "default_blocks", "default_profile", "packed_layout", "packed_avals", "pack", "split",
            "MAX_BLOCKS", "CUDA_DTYPES", "NCCL_DTYPES", "CUDA_VECTOR_BYTES", "PACK_ALIGN_BYTES"]
@@ -136,8 +138,9 @@ def libra_call(ctx: Any, call: Call, platform: Platform
 
 #: Each platform's rule (`rule`): libra's call where it serves, else XLA's (quietly for
 #: ``"xla"``, the twins). `replaced_rule` swaps one for a measurement.
-_RULES: dict[Platform, Rule] = {platform: partial(_libra_or_xla, platform=platform)
-                                for platform in (None, "cpu", "cuda", "xla")}
+_LIBRA_RULES: dict[Platform, Rule] = {platform: partial(_libra_or_xla, platform=platform)
+                                      for platform in (None, "cpu", "cuda", "xla")}
+_RULES: dict[Platform, Rule] = dict(_LIBRA_RULES)
 
 
 def xla_collective(ctx: Any, x: Any, call: Call, reason: str | None) -> Any:
@@ -183,9 +186,9 @@ def default_profile(platform: str) -> str:
     return model.default_profile(platform)
 
 
-def _full_bytes(aval: Any, row: Collective, world: int) -> int:
-    """The full (unsharded) buffer's bytes of a call whose operand is `aval`."""
-    nbytes = math.prod(aval.shape) * np.dtype(aval.dtype).itemsize
+def _full_bytes(avals: Sequence[Any], row: Collective, world: int) -> int:
+    """The full (unsharded) buffers' bytes of a call whose operands are `avals`."""
+    nbytes = sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in avals)
     return nbytes * (world if row.gathers else 1)
 
 
@@ -211,8 +214,9 @@ def _groups_in_this_process(ctx: Any, axes: tuple) -> tuple[Any, Any, str]:
 def cpu_call(ctx: Any, axes: tuple, blocks: int | None, collective: str = "psum"
              ) -> tuple[tuple | None, str]:
     """The engine call's (rank, group) operand and attributes for the `collective` (a row of
-    `COLLECTIVES`) lowered at `ctx`, or ``(None, reason)`` where XLA's must do it. Shared by
-    the one call (`engine_call`) and the start/done pair (`pair_call`)."""
+    `COLLECTIVES`) lowered at `ctx` (its operands the call's members), or ``(None, reason)``
+    where XLA's must do it. Shared by the one call (`engine_call`) and the start/done pair
+    (`pair_call`); the caller adds ``segments``."""
     groups, devices, reason = _groups_in_this_process(ctx, axes)
     if groups is None:
         # The engine meets the devices of this process only; XLA's collectives (gloo on CPU)
@@ -222,21 +226,24 @@ def cpu_call(ctx: Any, axes: tuple, blocks: int | None, collective: str = "psum"
     row = COLLECTIVES[collective]
     world = len(groups[0])
     if blocks is None:  # Chosen now that the group size is known.
-        blocks = default_blocks(_full_bytes(ctx.avals_in[0], row, world), world,
+        blocks = default_blocks(_full_bytes(ctx.avals_in, row, world), world,
                                 default_profile("cpu"), collective)
     return (rank_group_operand(ctx, groups),
             dict(label=f"{collective}{tuple(axes)}", world=np.int64(world),
                  blocks=np.int64(blocks), **_timeout_attr())), ""
 
 
-def engine_call(ctx: Any, call: Call) -> tuple[Callable[[Any], Sequence[Any]] | None, str]:
+def engine_call(ctx: Any, call: Call) -> tuple[Callable[..., Sequence[Any]] | None, str]:
     """The engine's one call for `call` on CPU (`libra_call`'s form), dtypes it does not sum
-    excepted. A sharded row's call carries ``segment``: the elements of one shard from the
-    call's dimension on, so that every layout is one call without a transposed copy (an
-    all-gather's bf16 NaNs made canonical first, as XLA's)."""
+    excepted: ``emit(*xs)``, one result per operand. The operands at `ctx` are the call's
+    members (one, or a bucket's, all of one dtype): the engine takes each where XLA keeps it
+    and writes each result to its own output (in place where `call.inplace`), one round and
+    one block count for all, no packed copy. A sharded row's member carries its ``segment``:
+    the elements of one shard from the call's dimension on, so that every layout is one call
+    without a transposed copy (an all-gather's bf16 NaNs made canonical first, as XLA's)."""
     row = call.row
-    aval_in = ctx.avals_in[0]
-    dtype = np.dtype(aval_in.dtype)
+    avals_in, avals_out = list(ctx.avals_in), list(ctx.avals_out)
+    dtype = np.dtype(avals_in[0].dtype)
     if not _ffi.has_target(row.kind, "cpu"):
         return None, f"cpu (the extension registers no {row.kind} target)"
     if not row.gathers and dtype not in ENGINE_DTYPES:
@@ -245,17 +252,37 @@ def engine_call(ctx: Any, call: Call) -> tuple[Callable[[Any], Sequence[Any]] | 
     if found is None:
         return None, reason
     rank_group, attrs = found
-    if row.layout != "replicated":
-        shard = aval_in if row.gathers else ctx.avals_out[0]
-        attrs["segment"] = np.int64(math.prod(shard.shape[call.dimension:]))
-    lowered = jax.ffi.ffi_lowering(_ffi.target(row.kind, "cpu"),
-                                   operand_output_aliases={0: 0} if call.inplace else {})
+    shards = avals_in if row.gathers else avals_out
+    attrs["segments"] = np.array([math.prod(a.shape[call.dimension:])
+                                  if row.layout != "replicated" else 0 for a in shards], np.int64)
+    lowered = jax.ffi.ffi_lowering(
+        _ffi.target(row.kind, "cpu"),
+        operand_output_aliases={1 + i: i for i in range(len(avals_in))} if call.inplace else {})
 
-    def emit(x: Any) -> Sequence[Any]:
+    def emit(*xs: Any) -> Sequence[Any]:
         if row.gathers and dtype == BF16:
-            x = _canonical_bf16_nans(ctx, x)
-        return lowered(ctx.replace(avals_in=[aval_in, _RANK_AVAL]), x, rank_group, **attrs)
+            xs = tuple(_canonical_bf16_nans(ctx.replace(avals_in=[a]), x)
+                       for a, x in zip(avals_in, xs))
+        return lowered(ctx.replace(avals_in=[_RANK_AVAL, *avals_in]), rank_group, *xs, **attrs)
     return emit, ""
+
+
+def members_call(ctx: Any, call: Call, platform: Platform
+                 ) -> Callable[..., Sequence[Any]] | None:
+    """Libra's one call over several members (the operands at `ctx`, of one dtype) where the
+    platform's call takes them as they are: ``emit(*xs)``, one result per member. The CPU
+    engine does (`engine_call`); elsewhere None, and a bucket is packed into one buffer first
+    (`pack`). Under `replaced_rule`, each member is lowered by the replacement."""
+    if _RULES[platform] is not _LIBRA_RULES[platform]:
+        def each(*xs: Any) -> list[Any]:
+            return [_compat.ir_values(lower(ctx.replace(avals_in=[a], avals_out=[o]), x, call,
+                                            platform))[0]
+                    for a, o, x in zip(ctx.avals_in, ctx.avals_out, xs)]
+        return each
+    if platform != "cpu":
+        return None
+    emit, _ = engine_call(ctx, call)
+    return emit
 
 
 def rank_group_operand(ctx: Any, groups: Sequence[Sequence[int]]) -> Any:
@@ -360,7 +387,7 @@ def _kernel_attrs(ctx: Any, call: Call) -> tuple[dict | None, str]:
             return None, f"cuda GPUs {members} without peer access (P2P) between them"
     blocks = call.blocks
     if blocks is None:  # Chosen now that the group size is known.
-        blocks = default_blocks(_full_bytes(ctx.avals_in[0], call.row, world), world,
+        blocks = default_blocks(_full_bytes(ctx.avals_in[:1], call.row, world), world,
                                 default_profile("cuda"), call.row.lax)
     return dict(devices=np.array([ordinals[d] for g in groups for d in g], np.int32),
                 world=np.int64(world), blocks=np.int64(blocks),
@@ -531,15 +558,31 @@ def _say_launch_order(lib: _nccl.Library) -> None:
 
 class PairCall(NamedTuple):
     """How the platform's libra call splits a flat buffer's collective into a start and a
-    done: start's target and its operands after the buffer, the (rank, group) operand a done
-    slices a reduce-scatter's shard by, done's target and extra operands, the attributes."""
+    done: start's and done's targets, the (rank, group) operand (the CPU calls' first; the
+    one a done slices a reduce-scatter's shard by), the attributes, and the engine."""
 
     start: str
-    start_operands: list
     rank_group: Any
     done: str
-    done_operands: list
     attrs: dict
+    engine: str
+
+    def start_operands(self, buffers: Sequence[Any], avals: Sequence[Any], after: Sequence[Any],
+                       after_avals: Sequence[Any]) -> tuple[list, list, int]:
+        """Start's operands and their types for `buffers` and the values it must not run
+        before (`after`), and where the buffers begin: the CPU engine's (rank, group) leads."""
+        lead, lead_avals = ([self.rank_group], [_RANK_AVAL]) if self.engine == "cpu" else ([], [])
+        return ([*lead, *buffers, *after], [*lead_avals, *avals, *after_avals], len(lead))
+
+    def done_operands(self, buffers: Sequence[Any], avals: Sequence[Any], token: Any,
+                      after: Sequence[Any], after_avals: Sequence[Any]) -> tuple[list, list, int]:
+        """Done's operands and their types (its start's `buffers` and `token`, then `after`,
+        whose types include the token's), and where the buffers begin: on CPU (rank, group)
+        and the token lead, on a GPU the buffers."""
+        if self.engine == "cpu":
+            return ([self.rank_group, token, *buffers, *after],
+                    [_RANK_AVAL, after_avals[0], *avals, *after_avals[1:]], 2)
+        return [*buffers, token, *after], [*avals, *after_avals], 0
 
 
 def pair_call(flat_ctx: Any, call: Call, platform: Platform) -> PairCall | None:
@@ -557,10 +600,9 @@ def pair_call(flat_ctx: Any, call: Call, platform: Platform) -> PairCall | None:
         if found is None:
             return None
         rank_group, attrs = found
-        if row.layout != "replicated":
-            attrs["segment"] = np.int64(0)  # one flat row of shards
-        return PairCall(_ffi.target(row.kind, "cpu", "start"), [rank_group], rank_group,
-                        _ffi.target(row.kind, "cpu", "done"), [rank_group], attrs)
+        attrs["segments"] = np.zeros(len(flat_ctx.avals_in), np.int64)  # rows of shards
+        return PairCall(_ffi.target(row.kind, "cpu", "start"), rank_group,
+                        _ffi.target(row.kind, "cpu", "done"), attrs, "cpu")
     if platform == "cuda":
         engine, attrs, _ = gpu_call(flat_ctx, call)
         if not engine:
@@ -570,8 +612,8 @@ def pair_call(flat_ctx: Any, call: Call, platform: Platform) -> PairCall | None:
         groups = _compat.replica_groups(flat_ctx, call.axes)  # known: gpu_call chose a call
         if row.layout == "scattered" and groups is not None:
             rank_group = rank_group_operand(flat_ctx, groups)
-        return PairCall(_ffi.target(row.kind, engine, "start"), [], rank_group,
-                        _ffi.target(row.kind, engine, "done"), [], attrs)
+        return PairCall(_ffi.target(row.kind, engine, "start"), rank_group,
+                        _ffi.target(row.kind, engine, "done"), attrs, engine)
     return None
 
 

@@ -71,8 +71,6 @@ __all__ = ["libra_psum_start_p", "libra_psum_done_p", "libra_sharded_start_p", "
 #: data only), and no buffer is passed twice (a second reader of the in-flight buffer would
 #: make XLA copy it while it is being reduced).
 TOKEN_AVAL = _compat.ShapedArray((1,), np.int32)
-#: The engine's (rank, group) operand.
-_RANK_AVAL = _compat.ShapedArray((2,), np.int32)
 
 
 # --- the pair ---------------------------------------------------------------------
@@ -132,12 +130,12 @@ def _start_lowering(platform: Platform) -> Rule:
             if pair is None:
                 result, = _compat.ir_values(lowering.lower(flat_ctx, packed, call, platform))
             else:
-                start = jax.ffi.ffi_lowering(pair.start, operand_output_aliases={0: 0})
+                operands, avals, at = pair.start_operands([packed], [flat], [], [])
+                start = jax.ffi.ffi_lowering(pair.start, operand_output_aliases={at: 0})
                 call_ctx = ctx.replace(primitive=None, avals_out=[flat, TOKEN_AVAL],
-                                       avals_in=[flat] + [_RANK_AVAL] * len(pair.start_operands))
+                                       avals_in=avals)
                 result, token = _compat.ir_values(start(
-                    call_ctx, packed, *pair.start_operands,
-                    call_id=np.int64(call_id * 16 + j), **pair.attrs))
+                    call_ctx, *operands, call_id=np.int64(call_id * 16 + j), **pair.attrs))
             outs.append(result)
         if token is None:
             token = _compat.ir_constant(np.zeros(TOKEN_AVAL.shape, TOKEN_AVAL.dtype))
@@ -168,22 +166,21 @@ def _done_lowering(platform: Platform) -> Rule:
             pair = lowering.pair_call(flat_ctx, call, platform)
             if pair is not None:
                 # The in-flight buffer once (aliased to the output), and the tokens: no copy.
-                done = _done_call(pair.done)
-                flat, = done(ctx.replace(primitive=None, avals_out=[flat_aval], avals_in=[
-                    flat_aval] + [_RANK_AVAL] * len(pair.done_operands)
-                    + [TOKEN_AVAL] * (1 + len(after))),
-                    flat, *pair.done_operands, token, *after,
-                    call_id=np.int64(call_id * 16 + j))
+                done_in, avals, at = pair.done_operands([flat], [flat_aval], token, after,
+                                                        [TOKEN_AVAL] * (1 + len(after)))
+                flat, = _done_call(pair.done, at)(
+                    ctx.replace(primitive=None, avals_out=[flat_aval], avals_in=avals),
+                    *done_in, call_id=np.int64(call_id * 16 + j))
             lowering.split(ctx, flat, flat_aval, out_avals, idx, outs)
         return outs
     return rule
 
 
-def _done_call(target: str) -> Any:
-    """A done's custom call: its output aliases its in-flight operand, and it is lowered with
-    a side effect, so XLA never removes it (a done whose result nobody reads still waits for
-    its collective before XLA may reuse the buffer the engine writes)."""
-    return jax.ffi.ffi_lowering(target, operand_output_aliases={0: 0}, has_side_effect=True)
+def _done_call(target: str, at: int) -> Any:
+    """A done's custom call: its output aliases its in-flight operand (operand `at`), and it
+    is lowered with a side effect, so XLA never removes it (a done whose result nobody reads
+    still waits for its collective before XLA may reuse the buffer the engine writes)."""
+    return jax.ffi.ffi_lowering(target, operand_output_aliases={at: 0}, has_side_effect=True)
 
 
 libra_psum_start_p = register_op("libra_psum_start", abstract_eval=start_abstract_eval,
@@ -265,11 +262,11 @@ def _sharded_start_lowering(platform: Platform) -> Rule:
             result, = _compat.ir_values(lowering.lower(
                 flat_ctx.replace(avals_out=[full]), flat, call, platform))
             return [result, token]
+        operands, avals, at = pair.start_operands([flat], [flat_in], after, ctx.avals_in[1:])
         start = jax.ffi.ffi_lowering(pair.start,
-                                     operand_output_aliases={} if gathers else {0: 0})
-        return list(start(ctx.replace(primitive=None, avals_in=[flat_in] + [_RANK_AVAL] * len(
-            pair.start_operands) + list(ctx.avals_in[1:])), flat, *pair.start_operands, *after,
-            call_id=_sharded_key(call_id, collective), **pair.attrs))
+                                     operand_output_aliases={} if gathers else {at: 0})
+        return list(start(ctx.replace(primitive=None, avals_in=avals), *operands,
+                          call_id=_sharded_key(call_id, collective), **pair.attrs))
     return rule
 
 
@@ -294,11 +291,11 @@ def _sharded_done_lowering(platform: Platform) -> Rule:
             return lowering.from_row_of_shards(ctx, flat, result_flat, out_aval, gathers,
                                                dimension, tiled)
         # The in-flight buffer once (aliased to the output), and the token: no copy.
-        done = _done_call(pair.done)
-        flat, = _compat.ir_values(done(ctx.replace(
-            primitive=None, avals_in=[flat_aval] + [_RANK_AVAL] * len(pair.done_operands)
-            + list(ctx.avals_in[1:]), avals_out=[flat_aval]), flat, *pair.done_operands, token,
-            *after, call_id=_sharded_key(call_id, collective)))
+        done_in, avals, at = pair.done_operands([flat], [flat_aval], token, after,
+                                                ctx.avals_in[1:])
+        flat, = _compat.ir_values(_done_call(pair.done, at)(ctx.replace(
+            primitive=None, avals_in=avals, avals_out=[flat_aval]), *done_in,
+            call_id=_sharded_key(call_id, collective)))
         return lowering.from_row_of_shards(ctx, flat, flat_aval, out_aval, gathers, dimension,
                                            tiled, rank_group=None if gathers else pair.rank_group)
     return rule
