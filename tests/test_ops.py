@@ -145,3 +145,36 @@ def test_jax_roofline_flops_of_a_libra_step_are_xlas(jax_8) -> None:
     matmuls = 2 * (2 * 8 * 128 * 256)  # per device: its 8 rows of x
     assert result.unfused_flops == matmuls
     assert cost["flops"] == matmuls
+
+
+def test_a_cpu_bucket_is_one_engine_call_over_its_members_as_they_are():
+    """A fused bucket on CPU is one engine call per dtype whose operands and results are the
+    members themselves (the engine's variadic targets): no concatenate, slice or pad of the
+    bucket in the compiled program (the packed form's concatenate cost 1.0-2.4 s a step on the
+    MLP example), each member in place; bitwise its XLA control and the one-by-one psums."""
+    import json
+    import re
+
+    from conftest import mlp_step
+    from libra_jax import model
+
+    step, args = mlp_step(sizes=(16, 24, 40, 8))
+    doc = json.loads((model.PROFILE_DIR / "cpu-host.json").read_text())
+    doc["network"]["base_latency_us"]["value"] = 1e6  # a call costs 1 s: one bucket
+    opt = libra_jax.optimize(step, profile=doc, overlap="sync")
+    hlo = jax.jit(opt).lower(*args).compile().as_text()
+    bucket, = [p for p in opt.last_report.plans if len(p.members) > 1]
+    assert len(bucket.members) == 3  # every layer's weight gradient
+    calls = [line for line in hlo.splitlines()
+             if 'custom_call_target="libra_allreduce_cpu"' in line and "fused" in line]
+    assert len(calls) == 1, calls
+    operands = re.search(r"custom-call\(([^)]*)\)", calls[0]).group(1).split(", ")
+    assert len(operands) == 1 + len(bucket.members), calls[0]  # (rank, group), then members
+    aliases = ", ".join(f"{{{i}}}: ({i + 1}, {{}})" for i in range(len(bucket.members)))
+    assert f"output_to_operand_aliasing={{{aliases}}}" in calls[0], calls[0]  # in place
+    packing = [line for line in hlo.splitlines() if "libra_psum_fused" in line
+               and re.search(r"= \S+ (concatenate|slice|pad|dynamic-update-slice)\(", line)]
+    assert not packing, packing
+    control = libra_jax.optimize(step, profile=doc, overlap="sync", collectives="xla")
+    assert_bitwise(jax.jit(opt)(*args), jax.jit(control)(*args))
+    assert_bitwise(jax.jit(opt)(*args), jax.jit(step)(*args))
