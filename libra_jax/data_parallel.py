@@ -85,7 +85,9 @@ def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0,
         gradients reduce-scattered); a Flax NNX model among them is differentiated with
         respect to its `nnx.Param` state, as by `nnx.value_and_grad`.
       has_aux: as in `jax.value_and_grad`.
-      axis_name: the mesh axis (or axes) the batch is split over.
+      axis_name: the mesh axis (or axes) the batch is split over. Axes of one device are
+        left out of every collective the route makes (they move no data), so naming all of
+        a framework's batch axes, as MaxText's rules do, plans what naming the others would.
       mesh: the `jax.sharding.Mesh`; default: the context mesh (`jax.set_mesh`), else the
         mesh of the inputs' `NamedSharding`.
       in_specs: per positional argument, its `PartitionSpec` (or a pytree prefix of them);
@@ -108,9 +110,9 @@ def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0,
         raise ValueError(f"libra_jax.value_and_grad: aux_reduce must be one of "
                          f"{', '.join(map(repr, AUX_REDUCTIONS))}, got {aux_reduce!r}")
     argnums = _check_argnums(argnums)
-    axes = ((axis_name,) if isinstance(axis_name, str) else
-            tuple(axis_name) if isinstance(axis_name, (tuple, list)) else ())
-    if not axes or not all(isinstance(a, str) for a in axes):
+    axes_named = ((axis_name,) if isinstance(axis_name, str) else
+                  tuple(axis_name) if isinstance(axis_name, (tuple, list)) else ())
+    if not axes_named or not all(isinstance(a, str) for a in axes_named):
         raise TypeError(f"libra_jax.value_and_grad: axis_name must be a mesh axis name or a "
                         f"sequence of them, got {axis_name!r}")
     jitted: dict[Any, Callable[..., Any]] = {}
@@ -124,10 +126,11 @@ def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0,
         objects = _NnxObjects.of(args, argnums_t)
         n_args = len(args)
         the_mesh = _mesh(mesh, args)
-        missing = [a for a in axes if a not in the_mesh.axis_names]
+        missing = [a for a in axes_named if a not in the_mesh.axis_names]
         if missing:
             raise ValueError(f"libra_jax.value_and_grad: axis_name {missing[0]!r} is not an axis "
                              f"of the mesh {dict(the_mesh.shape)}")
+        axes = _moving_axes(axes_named, the_mesh)
         args = objects.values(args)
         specs = _specs(args[:n_args], argnums_t, axes, the_mesh, in_specs)
         specs += (P(),) * (len(args) - n_args)  # the NNX objects' other state: replicated
@@ -280,6 +283,18 @@ def _describe(value: Any) -> str:
     if hasattr(value, "shape") and hasattr(value, "dtype"):
         return f"{value.dtype}{list(value.shape)}"
     return f"a {type(value).__name__}"
+
+
+def _moving_axes(axes: tuple, mesh: Any) -> tuple:
+    """The batch axes the route's collectives run over: those of `axes` with more than one
+    device. An axis of one device moves no data (MaxText names ('data', 'fsdp', 'sequence',
+    ...) as the batch's axes, all but ``fsdp`` of one device on one slice): left out, the
+    route gathers, reduce-scatters and averages over the others alone, and its plan is the
+    plan of those axes. Every axis where none has more than one device (one device: the
+    collectives move nothing either way)."""
+    sizes = dict(mesh.shape)
+    moving = tuple(a for a in axes if sizes[a] > 1)
+    return moving or axes
 
 
 def _local_loss(fun: Callable[..., Any], kwargs: dict, has_aux: bool, axes: tuple,

@@ -345,6 +345,41 @@ def test_parameters_sharded_over_data_are_gathered_and_reduce_scattered(shape, v
         assert xla not in text, xla
 
 
+@pytest.mark.parametrize("kind", ["auto", "explicit"])
+def test_batch_axes_of_one_device_are_dropped_from_every_collective(kind):
+    """MaxText splits the batch over ('data', 'fsdp', 'sequence', ...), every axis but
+    ``fsdp`` of one device on one slice, and names them all as the batch's axes. An axis of
+    one device moves no data: the route leaves it out of every collective it makes, so the
+    plan is the one of ``axis_name="fsdp"`` (a gather and a gradient reduce-scatter per
+    sharded weight, the loss's pmean, nothing over the size-1 axes, no reduce-scatter
+    planned as forward work) and the values are bitwise that route's. Before, the route
+    gathered over the size-1 axes too and left reduce-scatters of kind forward."""
+    mesh = make_mesh((1, 8, 1), ("data", "fsdp", "sequence"), kind)
+    rng = np.random.default_rng(5)
+    (w1, b1), (w2, b2) = mlp_params(rng, (16, 32, 8))
+    batch_axes = ("data", "fsdp", "sequence")
+    params = [(put(w1, mesh, P(batch_axes)), put(b1, mesh, P())),
+              (put(w2, mesh, P(None, "fsdp")), put(b2, mesh, P()))]
+    x = put(rng.standard_normal((64, 16)).astype(np.float32), mesh, P(batch_axes))
+    y = put(rng.standard_normal((64, 8)).astype(np.float32), mesh, P(batch_axes))
+    # On an auto mesh a traced value shows no sharding: the layout is given by in_specs.
+    specs = {} if kind == "explicit" else {"in_specs": (
+        [(P(batch_axes), P()), (P(None, "fsdp"), P())], P(batch_axes), P(batch_axes))}
+    with mesh_context(mesh):
+        opt = libra_jax.optimize(libra_jax.value_and_grad(mlp_loss, axis_name=batch_axes,
+                                                          **specs))
+        got = jax.jit(opt)(params, x, y)
+        one = libra_jax.optimize(libra_jax.value_and_grad(mlp_loss, axis_name="fsdp", **specs))
+        want = jax.jit(one)(params, x, y)
+    jax.tree.map(assert_bitwise, got, want)
+    plans = [(p.collective, p.kind, p.axes) for p in opt.last_report.plans]
+    assert sorted(plans) == sorted((p.collective, p.kind, p.axes)
+                                   for p in one.last_report.plans), plans
+    assert plans.count(("all-gather", "forward", ("fsdp",))) == 2, plans
+    assert plans.count(("reduce-scatter", "gradient", ("fsdp",))) == 2, plans
+    assert all(p[2] == ("fsdp",) for p in plans), plans
+
+
 def test_sharding_under_jit_on_an_auto_mesh_is_not_seen_without_in_specs():
     """Under `jax.jit` on an auto mesh a traced value carries no sharding: the route takes
     the parameters as replicated (XLA gathers them before its shard_map), as documented;
