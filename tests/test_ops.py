@@ -147,11 +147,16 @@ def test_jax_roofline_flops_of_a_libra_step_are_xlas(jax_8) -> None:
     assert cost["flops"] == matmuls
 
 
-def test_a_cpu_bucket_is_one_engine_call_over_its_members_as_they_are():
-    """A fused bucket on CPU is one engine call per dtype whose operands and results are the
-    members themselves (the engine's variadic targets): no concatenate, slice or pad of the
-    bucket in the compiled program (the packed form's concatenate cost 1.0-2.4 s a step on the
-    MLP example), each member in place; bitwise its XLA control and the one-by-one psums."""
+@pytest.mark.parametrize("overlap, target, primitive", [
+    ("sync", "libra_allreduce_cpu", "libra_psum_fused"),
+    ("start-done", "libra_allreduce_cpu_start", "libra_psum_start")])
+def test_a_cpu_bucket_is_one_engine_call_over_its_members_as_they_are(overlap, target,
+                                                                      primitive):
+    """A fused bucket on CPU is one engine call (or start, and its done) per dtype whose
+    operands and results are the members themselves (the engine's variadic targets): no
+    concatenate, slice or pad of the bucket in the compiled program (the packed form's
+    concatenate cost 1.0-2.4 s a step on the MLP example), each member in place; bitwise
+    its XLA control and the one-by-one psums."""
     import json
     import re
 
@@ -161,20 +166,27 @@ def test_a_cpu_bucket_is_one_engine_call_over_its_members_as_they_are():
     step, args = mlp_step(sizes=(16, 24, 40, 8))
     doc = json.loads((model.PROFILE_DIR / "cpu-host.json").read_text())
     doc["network"]["base_latency_us"]["value"] = 1e6  # a call costs 1 s: one bucket
-    opt = libra_jax.optimize(step, profile=doc, overlap="sync")
+    opt = libra_jax.optimize(step, profile=doc, overlap=overlap)
     hlo = jax.jit(opt).lower(*args).compile().as_text()
     bucket, = [p for p in opt.last_report.plans if len(p.members) > 1]
     assert len(bucket.members) == 3  # every layer's weight gradient
     calls = [line for line in hlo.splitlines()
-             if 'custom_call_target="libra_allreduce_cpu"' in line and "fused" in line]
+             if f'custom_call_target="{target}"' in line and primitive in line]
     assert len(calls) == 1, calls
     operands = re.search(r"custom-call\(([^)]*)\)", calls[0]).group(1).split(", ")
     assert len(operands) == 1 + len(bucket.members), calls[0]  # (rank, group), then members
     aliases = ", ".join(f"{{{i}}}: ({i + 1}, {{}})" for i in range(len(bucket.members)))
     assert f"output_to_operand_aliasing={{{aliases}}}" in calls[0], calls[0]  # in place
-    packing = [line for line in hlo.splitlines() if "libra_psum_fused" in line
+    if overlap == "start-done":  # its done: (rank, group), token, the members, the latest token
+        done, = [line for line in hlo.splitlines()
+                 if 'custom_call_target="libra_allreduce_cpu_done"' in line]
+        operands = re.search(r"custom-call\(([^)]*)\)", done).group(1).split(", ")
+        assert len(operands) == 3 + len(bucket.members), done
+        aliases = ", ".join(f"{{{i}}}: ({i + 2}, {{}})" for i in range(len(bucket.members)))
+        assert f"output_to_operand_aliasing={{{aliases}}}" in done, done
+    packing = [line for line in hlo.splitlines() if "libra_psum_" in line
                and re.search(r"= \S+ (concatenate|slice|pad|dynamic-update-slice)\(", line)]
     assert not packing, packing
-    control = libra_jax.optimize(step, profile=doc, overlap="sync", collectives="xla")
+    control = libra_jax.optimize(step, profile=doc, overlap=overlap, collectives="xla")
     assert_bitwise(jax.jit(opt)(*args), jax.jit(control)(*args))
     assert_bitwise(jax.jit(opt)(*args), jax.jit(step)(*args))

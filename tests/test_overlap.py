@@ -182,6 +182,33 @@ def test_cuda_lowering_is_a_start_done_pair(monkeypatch):
 
 
 @pytest.mark.skipif(not _ffi.HAS_CUDA, reason="libra_jax built without CUDA")
+def test_a_gpu_bucket_is_one_start_per_member_the_kernels_take_as_it_is(monkeypatch):
+    """On a GPU a start/done bucket is one start and one done per member, each on the
+    member's own buffer (no packed copy), until the GPU starts take several; a member the P2P
+    kernels cannot take as it is (12 bytes: not whole 16-byte vectors) is all-reduced in
+    start by the one-call kernel (padded), and its done passes it through."""
+    monkeypatch.setenv("LIBRA_JAX_CUDA", "p2p")
+    _ffi.ensure_cuda_registered()
+    mesh = mesh_of((8,), ("x",))
+
+    def bucket(a, b, c):
+        return tuple(ops.libra_psum_done_p.bind(
+            *ops.libra_psum_start_p.bind(a, b, c, axes=("x",), blocks=2, invariant=False,
+                                         call_id=77),
+            jnp.zeros((1,), jnp.int32),
+            out_avals=tuple(jax.core.ShapedArray(s, jnp.float32) for s in ((4, 8), (3,), (16,))),
+            axes=("x",), blocks=2, call_id=77))
+    f = jax.jit(jax.shard_map(bucket, mesh=mesh, in_specs=(P(),) * 3, out_specs=(P(),) * 3,
+                              check_vma=False))
+    args = [np.ones(s, np.float32) for s in ((4, 8), (3,), (16,))]
+    text = f.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert len(re.findall(r"custom_call @libra_allreduce_cuda_start\(", text)) == 2, text
+    assert len(re.findall(r"custom_call @libra_allreduce_cuda_done\(", text)) == 2, text
+    assert len(re.findall(r"custom_call @libra_allreduce_cuda\(", text)) == 1, text
+    assert "stablehlo.concatenate" not in text
+
+
+@pytest.mark.skipif(not _ffi.HAS_CUDA, reason="libra_jax built without CUDA")
 def test_cuda_start_falls_back_to_xla_where_the_kernels_cannot(monkeypatch):
     _ffi.ensure_cuda_registered()
     monkeypatch.setenv("LIBRA_JAX_CUDA", "xla")

@@ -272,8 +272,10 @@ def members_call(ctx: Any, call: Call, platform: Platform
     """Libra's one call over several members (the operands at `ctx`, of one dtype) where the
     platform's call takes them as they are: ``emit(*xs)``, one result per member. The CPU
     engine does (`engine_call`); elsewhere None, and a bucket is packed into one buffer first
-    (`pack`). Under `replaced_rule`, each member is lowered by the replacement."""
-    if _RULES[platform] is not _LIBRA_RULES[platform]:
+    (`pack`). The twin (``"xla"``) lowers each member by XLA's own collective, as it is, so
+    that the code around the bucket is the CPU program's; under `replaced_rule` each member
+    is lowered by the replacement. (`call` serves every member: the same layout.)"""
+    if platform == "xla" or _RULES[platform] is not _LIBRA_RULES[platform]:
         def each(*xs: Any) -> list[Any]:
             return [_compat.ir_values(lower(ctx.replace(avals_in=[a], avals_out=[o]), x, call,
                                             platform))[0]

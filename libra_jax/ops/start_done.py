@@ -6,36 +6,38 @@ Start/done all-reduces: a gradient bucket's all-reduce runs beside the backward 
 (``overlap="auto"``, the default: each one the model picks) into two equations of the
 rewritten program:
 
-* ``libra_psum_start(*xs)``, where the bucket's last gradient is ready: packs the bucket
-  (per dtype: flatten, concatenate, zero-pad to 16 bytes) and launches the all-reduce
-  *in place* on the packed buffer. Its results are the packed buffers, in flight.
-* ``libra_psum_done(*flats)``, after the rest of the backward pass (`rewrite`: the pure
+* ``libra_psum_start(*xs)``, where the bucket's last gradient is ready: launches the
+  all-reduce *in place* on the members where XLA put them (no packed copy). Its results are
+  the members' buffers, in flight (each typed as its psum's result), and a token.
+* ``libra_psum_done(*buffers)``, after the rest of the backward pass (`rewrite`: the pure
   equations downstream of its results, the optimizer update, move with it; an effect or
-  another all-reduce that reads a result places it first): waits for the all-reduce and
-  splits the buffers into the psums' results.
+  another all-reduce that reads a result places it first): waits for the all-reduce; its
+  results are the buffers (aliased), the psums' results.
 
 What runs in between is the compute the all-reduce overlaps. Per platform:
 
-* CUDA: start is the ``libra_allreduce_cuda_start`` custom call (the P2P kernel on libra's
-  own stream, after an event from XLA's stream) or, on the ``nccl`` path,
+* CUDA: per member, start is the ``libra_allreduce_cuda_start`` custom call (the P2P kernel
+  on libra's own stream, after an event from XLA's stream) or, on the ``nccl`` path,
   ``libra_allreduce_nccl_start`` (NCCL's all-reduce on that stream); done is
   ``libra_allreduce_cuda_done`` for both (XLA's stream waits for the call's end event) and
-  its output aliases its operand, the packed buffer, so XLA keeps that buffer alive and
-  unread until done.
-* CPU: start is ``libra_allreduce_cpu_start``: the device's buffer joins its round and the
-  call returns at once, so nothing is pending in XLA's program while the backward pass runs;
-  the engine reduces when the last rank arrives. done is ``libra_allreduce_cpu_done``: a
-  future for the end of that round (usually over by then), output aliased as on CUDA. (The
-  one-call handler is asynchronous too, but its future pending mid-program has a cost:
-  `benchmarks/results/end_to_end.md`.)
+  its output aliases its operand, the member's buffer, so XLA keeps that buffer alive and
+  unread until done. One call per member until the GPU starts take several (NCCL's group, a
+  table of the kernels' pointers): a member the P2P kernels cannot take as it is (not whole
+  16-byte vectors) is all-reduced in start.
+* CPU: start is ``libra_allreduce_cpu_start``, one per dtype over its members: the device's
+  buffers join their round and the call returns at once, so nothing is pending in XLA's
+  program while the backward pass runs; the engine reduces when the last rank arrives. done
+  is ``libra_allreduce_cpu_done``: a future for the end of that round (usually over by then),
+  outputs aliased as on CUDA. (The one-call handler is asynchronous too, but its future
+  pending mid-program has a cost: `benchmarks/results/end_to_end.md`.)
 * A buffer the engine does not serve (CUDA: dtype, group size, groups across processes; CPU:
   groups across processes) is all-reduced in start by the platform's one-call lowering, and
-  done only splits it; elsewhere (TPU...) the same with XLA's all-reduce.
+  done passes it through; elsewhere (TPU...) the same with XLA's all-reduce.
 
 Start has one more result, a token (`TOKEN_AVAL`). Done reads its own start's buffers and
 token, then any tokens it must not run before, read by nothing (`optimize` passes the latest
 start's: XLA orders by data only, so this keeps every done after the last start), while the
-in-flight buffer has one reader, done, which XLA therefore never copies. A done is never dead
+in-flight buffers have one reader, done, which XLA therefore never copies. A done is never dead
 code: lowered with a side effect, XLA keeps it, and JAX's dead-code elimination keeps it too,
 so a start always has its done. On a GPU, whether XLA's schedule keeps the
 kernel beside compute is what `benchmarks/gpu_check.sh` measures.
@@ -52,6 +54,8 @@ start drops it once its all-reduce has ended and its done has not come within th
 """
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -103,16 +107,65 @@ def _check_paired(primitive: str, collective: str, call_id: int) -> None:
             "libra_jax.optimize place both.")
 
 
+# --- call keys ----------------------------------------------------------------------
+#
+# The engine keys a started call by ``call_id * KEY_SLOTS + slot`` (and run, group, rank on
+# CPU; the GPU on CUDA): a psum pair's slot is the index of the first member of the call (one
+# per dtype on CPU, one per member on a GPU), a sharded pair's `_SHARDED_SLOT` plus its kind's
+# enum value, so a program's pairs of every kind may share ids.
+
+#: Slots per call id; call ids are below `MAX_CALL_ID` so that every key fits an int64.
+KEY_SLOTS = 4096
+MAX_CALL_ID = 2**48
+_SHARDED_SLOT = KEY_SLOTS - 8
+
+
+def _key(call_id: int, slot: int) -> np.int64:
+    if not 0 <= call_id < MAX_CALL_ID:
+        raise ValueError(f"libra_jax start/done: call_id must be in [0, 2**48), got {call_id}")
+    if not 0 <= slot < KEY_SLOTS:
+        raise ValueError(f"libra_jax start/done: a bucket of more than {_SHARDED_SLOT} members")
+    return np.int64(call_id * KEY_SLOTS + slot)
+
+
+def _groups(ctx: Any, avals_in: Sequence[Any], avals_out: Sequence[Any]
+            ) -> list[tuple[list[int], Any]]:
+    """Per dtype (first-appearance order): the members' indices and a lowering context whose
+    operands and results are theirs (`lowering.pair_call` decides per group)."""
+    return [(idx, ctx.replace(primitive=None, avals_in=[avals_in[i] for i in idx],
+                              avals_out=[avals_out[i] for i in idx]))
+            for _, idx, _ in lowering.packed_layout(avals_in, align_bytes=1)]
+
+
+def _started(pair: lowering.PairCall | None, idx: list[int], avals: Sequence[Any]
+             ) -> list[list[int]]:
+    """The starts (each a list of members) of one dtype's members `idx`, start and done
+    deciding alike: none where `pair` is None (all-reduced in start); on CPU one start over
+    them all; on a GPU one per member it takes as it is (NCCL any buffer, libra's P2P kernels
+    whole 16-byte vectors; a member of another size is all-reduced in start)."""
+    if pair is None:
+        return []
+    if pair.engine == "cpu":
+        return [idx]
+
+    def takes(aval: Any) -> bool:
+        nbytes = math.prod(aval.shape) * np.dtype(aval.dtype).itemsize
+        return pair.engine == "nccl" or nbytes % lowering.CUDA_VECTOR_BYTES == 0
+    return [[i] for i in idx if takes(avals[i])]
+
+
 # --- start ----------------------------------------------------------------------
 
 def start_abstract_eval(*avals: Any, axes: tuple, blocks: int, invariant: bool,
                         call_id: int) -> Any:
-    effects: set = set()
+    """Each member's buffer in flight, typed as its psum's result, and the token."""
+    outs, effects = [], set()
     for aval in avals:
-        _, eff = psum_abstract_eval(aval, axes=axes, blocks=blocks, inplace=True,
-                                    invariant=invariant)
+        out, eff = psum_abstract_eval(aval, axes=axes, blocks=blocks, inplace=True,
+                                      invariant=invariant)
+        outs.append(out)
         effects |= set(eff)
-    return [*lowering.packed_avals(avals), TOKEN_AVAL], effects
+    return [*outs, TOKEN_AVAL], effects
 
 
 def _start_lowering(platform: Platform) -> Rule:
@@ -120,27 +173,51 @@ def _start_lowering(platform: Platform) -> Rule:
              call_id: int) -> list[Any]:
         _check_paired("libra_psum_start", "psum", call_id)
         call = allreduce_call(axes, blocks, invariant, inplace=True)
-        outs = []
+        outs: list[Any] = [None] * len(xs)
         token = None  # the last split call's; a constant where start reduced in one call
-        for j, (dtype, idx, padded) in enumerate(lowering.packed_layout(ctx.avals_in)):
-            flat = _compat.ShapedArray((padded,), dtype)
-            flat_ctx = ctx.replace(primitive=None, avals_in=[flat], avals_out=[flat])
-            packed = lowering.pack(ctx, xs, idx, padded)
-            pair = lowering.pair_call(flat_ctx, call, platform)
-            if pair is None:
-                result, = _compat.ir_values(lowering.lower(flat_ctx, packed, call, platform))
-            else:
-                operands, avals, at = pair.start_operands([packed], [flat], [], [])
-                start = jax.ffi.ffi_lowering(pair.start, operand_output_aliases={at: 0})
-                call_ctx = ctx.replace(primitive=None, avals_out=[flat, TOKEN_AVAL],
-                                       avals_in=avals)
-                result, token = _compat.ir_values(start(
-                    call_ctx, *operands, call_id=np.int64(call_id * 16 + j), **pair.attrs))
-            outs.append(result)
+        for idx, group in _groups(ctx, ctx.avals_in, ctx.avals_out):
+            pair = lowering.pair_call(group, call, platform)
+            for members in _started(pair, idx, ctx.avals_in):
+                # One start over the members where they are, in place.
+                assert pair is not None
+                operands, avals, at = pair.start_operands(
+                    [xs[i] for i in members], [ctx.avals_in[i] for i in members], [], [])
+                start = jax.ffi.ffi_lowering(pair.start, operand_output_aliases={
+                    at + k: k for k in range(len(members))})
+                *results, token = _compat.ir_values(start(ctx.replace(
+                    primitive=None, avals_in=avals,
+                    avals_out=[*(ctx.avals_out[i] for i in members), TOKEN_AVAL]),
+                    *operands, call_id=_key(call_id, members[0]), **pair.attrs))
+                for i, result in zip(members, results):
+                    outs[i] = result
+            rest = [i for i in idx if outs[i] is None]  # all-reduced now, in start
+            if rest:
+                for i, result in zip(rest, _one_call(ctx, xs, rest, call, platform)):
+                    outs[i] = result
         if token is None:
             token = _compat.ir_constant(np.zeros(TOKEN_AVAL.shape, TOKEN_AVAL.dtype))
         return [*outs, token]
     return rule
+
+
+def _one_call(ctx: Any, xs: Sequence[Any], idx: Sequence[int], call: lowering.Call,
+              platform: Platform) -> list[Any]:
+    """Members `idx` (one dtype) all-reduced by the platform's one-call lowering: as they are
+    where its call takes several buffers, else packed into one buffer and split back."""
+    group = ctx.replace(primitive=None, avals_in=[ctx.avals_in[i] for i in idx],
+                        avals_out=[ctx.avals_out[i] for i in idx])
+    emit = lowering.members_call(group, call, platform)
+    if emit is not None:
+        return _compat.ir_values(emit(*(xs[i] for i in idx)))
+    dtype = np.dtype(ctx.avals_in[idx[0]].dtype)
+    count = sum(math.prod(ctx.avals_in[i].shape) for i in idx)
+    flat = _compat.ShapedArray((count,), dtype)
+    flat_ctx = ctx.replace(primitive=None, avals_in=[flat], avals_out=[flat])
+    result, = _compat.ir_values(lowering.lower(flat_ctx, lowering.pack(ctx, xs, idx, count),
+                                               call, platform))
+    outs: list[Any] = [None] * len(ctx.avals_out)
+    lowering.split(ctx, result, flat, ctx.avals_out, idx, outs)
+    return [outs[i] for i in idx]
 
 
 # --- done -----------------------------------------------------------------------
@@ -156,31 +233,38 @@ def _done_lowering(platform: Platform) -> Rule:
              call_id: int) -> list[Any]:
         # Its own start's buffers and token (done reads only its own start's results: where
         # done goes, its start goes), then tokens it must not run before (optimize's: the
-        # latest start's), read by nothing.
-        layout = lowering.packed_layout(out_avals)
-        flats, (token, *after) = operands[:len(layout)], operands[len(layout):]
+        # latest start's), read by nothing. Each of start's calls gets its done (the same
+        # members, the same key); a member start all-reduced at once passes through.
+        n = len(out_avals)
+        bufs, (token, *after) = list(operands[:n]), operands[n:]
         call = allreduce_call(axes, blocks, False, inplace=True)
-        outs: list[Any] = [None] * len(out_avals)
-        for j, ((_, idx, _), flat, flat_aval) in enumerate(zip(layout, flats, ctx.avals_in)):
-            flat_ctx = ctx.replace(primitive=None, avals_in=[flat_aval], avals_out=[flat_aval])
-            pair = lowering.pair_call(flat_ctx, call, platform)
-            if pair is not None:
-                # The in-flight buffer once (aliased to the output), and the tokens: no copy.
-                done_in, avals, at = pair.done_operands([flat], [flat_aval], token, after,
-                                                        [TOKEN_AVAL] * (1 + len(after)))
-                flat, = _done_call(pair.done, at)(
-                    ctx.replace(primitive=None, avals_out=[flat_aval], avals_in=avals),
-                    *done_in, call_id=np.int64(call_id * 16 + j))
-            lowering.split(ctx, flat, flat_aval, out_avals, idx, outs)
+        outs = list(bufs)
+        tokens = [TOKEN_AVAL] * (1 + len(after))
+        for idx, group in _groups(ctx, ctx.avals_in[:n], out_avals):
+            pair = lowering.pair_call(group, call, platform)
+            for members in _started(pair, idx, out_avals):
+                assert pair is not None
+                # The in-flight buffers once each (aliased to the outputs), and the tokens.
+                done_in, avals, at = pair.done_operands(
+                    [bufs[i] for i in members], [ctx.avals_in[i] for i in members], token,
+                    after, tokens)
+                results = _compat.ir_values(_done_call(pair.done, at, len(members))(
+                    ctx.replace(primitive=None, avals_in=avals,
+                                avals_out=[out_avals[i] for i in members]),
+                    *done_in, call_id=_key(call_id, members[0])))
+                for i, result in zip(members, results):
+                    outs[i] = result
         return outs
     return rule
 
 
-def _done_call(target: str, at: int) -> Any:
-    """A done's custom call: its output aliases its in-flight operand (operand `at`), and it
-    is lowered with a side effect, so XLA never removes it (a done whose result nobody reads
-    still waits for its collective before XLA may reuse the buffer the engine writes)."""
-    return jax.ffi.ffi_lowering(target, operand_output_aliases={at: 0}, has_side_effect=True)
+def _done_call(target: str, at: int, count: int = 1) -> Any:
+    """A done's custom call: its outputs alias its in-flight operands (`count` of them, from
+    operand `at`), and it is lowered with a side effect, so XLA never removes it (a done whose
+    result nobody reads still waits for its collective before XLA may reuse the buffer the
+    engine writes)."""
+    return jax.ffi.ffi_lowering(target, operand_output_aliases={at + k: k for k in range(count)},
+                                has_side_effect=True)
 
 
 libra_psum_start_p = register_op("libra_psum_start", abstract_eval=start_abstract_eval,
@@ -215,13 +299,12 @@ libra_psum_done_p = register_op("libra_psum_done", abstract_eval=done_abstract_e
 # run before, read by nothing (the engine's and NCCL's starts accept and ignore them; XLA orders
 # by data only and drops an `optimization_barrier` on CPU, so this is how `optimize` issues an
 # all-gather when the gather before it is done); the one-call fallback ignores them too. The
-# engine keys the pair by `_sharded_key`: ``call_id * 16 + 7`` plus the kind's enum value
-# (8 for the reduce-scatter, 9 for the all-gather), apart from the psum buckets' ``call_id * 16 + j``
-# (j, a bucket's dtype index, is below 8), so a program's pairs of both kinds may share ids.
+# engine keys the pair by `_sharded_key` (`_key`'s slot `_SHARDED_SLOT` plus the kind's enum
+# value), apart from the psum buckets' slots, so a program's pairs of every kind may share ids.
 
 
 def _sharded_key(call_id: int, collective: str) -> np.int64:
-    return np.int64(call_id * 16 + 7 + lowering.COLLECTIVES[collective].enum)
+    return _key(call_id, _SHARDED_SLOT + lowering.COLLECTIVES[collective].enum)
 
 
 def _flat_aval(aval: Any, collective: str, axis_size: int) -> Any:

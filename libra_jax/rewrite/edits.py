@@ -22,7 +22,6 @@ from libra_jax.ops import (
     libra_reduce_scatter_fused_p,
     libra_reduce_scatter_p,
 )
-from libra_jax.ops import lowering as _lowering
 from libra_jax.ops.start_done import (
     TOKEN_AVAL,
     libra_psum_done_p,
@@ -227,15 +226,16 @@ def fused_eqn(eqns: Sequence[Any], bucket: Sequence[Site], axes: tuple, invarian
 
 def start_done_eqns(eqns: Sequence[Any], bucket: Sequence[Site], axes: tuple, invariant: bool,
                 blocks: int, call_id: int) -> tuple[Any, Any]:
-    """A bucket as a `libra_psum_start` equation (its operands -> packed buffers in flight and
-    a token) and a `libra_psum_done` equation (those buffers, that token and an ordering
-    token -> the members' results; `schedule` makes the ordering token the latest start's)."""
+    """A bucket as a `libra_psum_start` equation (its operands -> each member's buffer in
+    flight and a token) and a `libra_psum_done` equation (those buffers, that token and an
+    ordering token -> the members' results; `schedule` makes the ordering token the latest
+    start's)."""
     members = [eqns[s.index] for s in bucket]
     effects = set().union(*(e.effects for e in members))
     operands = [e.invars[0] for e in members]
-    flat_vars = [_compat.new_var(a) for a in _lowering.packed_avals([v.aval for v in operands])]
-    token = _compat.new_var(TOKEN_AVAL)
     results = [e.outvars[0] for e in members]
+    flat_vars = [_compat.new_var(v.aval) for v in results]
+    token = _compat.new_var(TOKEN_AVAL)
     # Both from the last member's equation: its context and source info carry over (`fused_eqn`).
     start = members[-1].replace(
         invars=operands, outvars=[*flat_vars, token], primitive=libra_psum_start_p,

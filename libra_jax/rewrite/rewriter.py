@@ -18,6 +18,7 @@ from typing import Any
 import jax
 
 from libra_jax import _compat, allreduce, collectives, config, loops, model, planner
+from libra_jax.ops.start_done import MAX_CALL_ID
 from libra_jax.rewrite.buckets import edit_bucket, split_buckets
 from libra_jax.rewrite.buckets import plan as plan_buckets
 from libra_jax.rewrite.costs import roofline_s
@@ -185,7 +186,7 @@ class Rewriter:
         if self.fingerprint is None:
             self.fingerprint = program_fingerprint(self.program.jaxpr) >> 8
         self.calls += 1
-        return (self.fingerprint + self.calls) % 2**56
+        return (self.fingerprint + self.calls) % MAX_CALL_ID
 
     # One jaxpr scope, in phases: rewrite sub-jaxprs, find the psum sites, classify them,
     # plan the gradient ones, turn the plan into edits, schedule the equations.
