@@ -73,10 +73,11 @@ def test_sources_are_labelled_as_expected() -> None:
     assert h200.device.compute_units == 132
     assert h200.device.memory_bytes_per_s == pytest.approx(4.8e12)
     cpu = model.load_profile("cpu-host").sources
-    # Its per-all-reduce latency is measured as calibration measures it (one definition), the
-    # collectives' traffic by benchmarks/sharded_cpu.py; the rest are assumptions.
+    # Its per-all-reduce latency and fusion price are measured as calibration measures them
+    # (one definition), the collectives' traffic by benchmarks/sharded_cpu.py; the rest are
+    # assumptions.
     measured = ("network.base_latency_us", "fair_share.reduce_scatter_traffic",
-                "fair_share.all_gather_traffic")
+                "fair_share.all_gather_traffic", "fair_share.fusion_copy_gbyte_per_s")
     assert all(cpu[k].source == "measured" for k in measured)
     assert all(q.source == "assumption" for k, q in cpu.items() if k not in measured)
 
