@@ -497,3 +497,19 @@ def test_a_start_without_its_done_is_refused_and_a_later_collective_is_right():
         assert f"REFUSED {case}" in out and f"RAN {case}" not in out, out
     assert "UNUSED DONE 1 1" in out, out
     assert "LATER True" in out, out
+
+
+def test_a_call_id_out_of_range_is_refused_by_name():
+    """Start/done keys are ``call_id * 4096 + slot`` in an int64: a hand-bound call id of
+    2**48 or more (or negative) is refused when lowered, naming the range (not a silent
+    overflow that could pair two calls)."""
+    mesh = mesh_of((8,), ("x",))
+
+    def pair(a):
+        *buffers, token = ops.libra_psum_start_p.bind(a, axes=("x",), blocks=1,
+                                                      invariant=False, call_id=2**48)
+        return ops.libra_psum_done_p.bind(*buffers, token, token, out_avals=(buffers[0].aval,),
+                                          axes=("x",), blocks=1, call_id=2**48)[0]
+    f = jax.jit(jax.shard_map(pair, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False))
+    with pytest.raises(ValueError, match=r"call_id must be in \[0, 2\*\*48\)"):
+        f.lower(np.ones((4,), np.float32))

@@ -110,9 +110,10 @@ def _check_paired(primitive: str, collective: str, call_id: int) -> None:
 # --- call keys ----------------------------------------------------------------------
 #
 # The engine keys a started call by ``call_id * KEY_SLOTS + slot`` (and run, group, rank on
-# CPU; the GPU on CUDA): a psum pair's slot is the index of the first member of the call (one
-# per dtype on CPU, one per member on a GPU), a sharded pair's `_SHARDED_SLOT` plus its kind's
-# enum value, so a program's pairs of every kind may share ids.
+# CPU; the GPU on CUDA): a psum pair's slot is its dtype's index on CPU (one start per dtype)
+# and its member's index on a GPU (one start per member; members past the slots are
+# all-reduced in start), a sharded pair's `_SHARDED_SLOT` plus its kind's enum value, so a
+# program's pairs of every kind may share ids.
 
 #: Slots per call id; call ids are below `MAX_CALL_ID` so that every key fits an int64.
 KEY_SLOTS = 4096
@@ -123,8 +124,6 @@ _SHARDED_SLOT = KEY_SLOTS - 8
 def _key(call_id: int, slot: int) -> np.int64:
     if not 0 <= call_id < MAX_CALL_ID:
         raise ValueError(f"libra_jax start/done: call_id must be in [0, 2**48), got {call_id}")
-    if not 0 <= slot < KEY_SLOTS:
-        raise ValueError(f"libra_jax start/done: a bucket of more than {_SHARDED_SLOT} members")
     return np.int64(call_id * KEY_SLOTS + slot)
 
 
@@ -137,21 +136,23 @@ def _groups(ctx: Any, avals_in: Sequence[Any], avals_out: Sequence[Any]
             for _, idx, _ in lowering.packed_layout(avals_in, align_bytes=1)]
 
 
-def _started(pair: lowering.PairCall | None, idx: list[int], avals: Sequence[Any]
-             ) -> list[list[int]]:
-    """The starts (each a list of members) of one dtype's members `idx`, start and done
-    deciding alike: none where `pair` is None (all-reduced in start); on CPU one start over
-    them all; on a GPU one per member it takes as it is (NCCL any buffer, libra's P2P kernels
-    whole 16-byte vectors; a member of another size is all-reduced in start)."""
+def _started(pair: lowering.PairCall | None, j: int, idx: list[int], avals: Sequence[Any]
+             ) -> list[tuple[int, list[int]]]:
+    """The starts, each (its key's slot, its members), of the `j`-th dtype's members `idx`,
+    start and done deciding alike: none where `pair` is None (all-reduced in start); on CPU
+    one start over them all; on a GPU one per member it takes as it is (NCCL any buffer,
+    libra's P2P kernels whole 16-byte vectors; a member of another size, or past the key's
+    slots, is all-reduced in start)."""
     if pair is None:
         return []
     if pair.engine == "cpu":
-        return [idx]
+        return [(j, idx)]
 
-    def takes(aval: Any) -> bool:
-        nbytes = math.prod(aval.shape) * np.dtype(aval.dtype).itemsize
-        return pair.engine == "nccl" or nbytes % lowering.CUDA_VECTOR_BYTES == 0
-    return [[i] for i in idx if takes(avals[i])]
+    def takes(i: int) -> bool:
+        nbytes = math.prod(avals[i].shape) * np.dtype(avals[i].dtype).itemsize
+        return i < _SHARDED_SLOT and (
+            pair.engine == "nccl" or nbytes % lowering.CUDA_VECTOR_BYTES == 0)
+    return [(i, [i]) for i in idx if takes(i)]
 
 
 # --- start ----------------------------------------------------------------------
@@ -175,9 +176,9 @@ def _start_lowering(platform: Platform) -> Rule:
         call = allreduce_call(axes, blocks, invariant, inplace=True)
         outs: list[Any] = [None] * len(xs)
         token = None  # the last split call's; a constant where start reduced in one call
-        for idx, group in _groups(ctx, ctx.avals_in, ctx.avals_out):
+        for j, (idx, group) in enumerate(_groups(ctx, ctx.avals_in, ctx.avals_out)):
             pair = lowering.pair_call(group, call, platform)
-            for members in _started(pair, idx, ctx.avals_in):
+            for slot, members in _started(pair, j, idx, ctx.avals_in):
                 # One start over the members where they are, in place.
                 assert pair is not None
                 operands, avals, at = pair.start_operands(
@@ -187,7 +188,7 @@ def _start_lowering(platform: Platform) -> Rule:
                 *results, token = _compat.ir_values(start(ctx.replace(
                     primitive=None, avals_in=avals,
                     avals_out=[*(ctx.avals_out[i] for i in members), TOKEN_AVAL]),
-                    *operands, call_id=_key(call_id, members[0]), **pair.attrs))
+                    *operands, call_id=_key(call_id, slot), **pair.attrs))
                 for i, result in zip(members, results):
                     outs[i] = result
             rest = [i for i in idx if outs[i] is None]  # all-reduced now, in start
@@ -240,9 +241,9 @@ def _done_lowering(platform: Platform) -> Rule:
         call = allreduce_call(axes, blocks, False, inplace=True)
         outs = list(bufs)
         tokens = [TOKEN_AVAL] * (1 + len(after))
-        for idx, group in _groups(ctx, ctx.avals_in[:n], out_avals):
+        for j, (idx, group) in enumerate(_groups(ctx, ctx.avals_in[:n], out_avals)):
             pair = lowering.pair_call(group, call, platform)
-            for members in _started(pair, idx, out_avals):
+            for slot, members in _started(pair, j, idx, out_avals):
                 assert pair is not None
                 # The in-flight buffers once each (aliased to the outputs), and the tokens.
                 done_in, avals, at = pair.done_operands(
@@ -251,7 +252,7 @@ def _done_lowering(platform: Platform) -> Rule:
                 results = _compat.ir_values(_done_call(pair.done, at, len(members))(
                     ctx.replace(primitive=None, avals_in=avals,
                                 avals_out=[out_avals[i] for i in members]),
-                    *done_in, call_id=_key(call_id, members[0])))
+                    *done_in, call_id=_key(call_id, slot)))
                 for i, result in zip(members, results):
                     outs[i] = result
         return outs
