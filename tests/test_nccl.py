@@ -807,7 +807,7 @@ def test_sharded_pair_on_the_nccl_path(stub_env, version):
                 ) in out, out
 
 
-# A reduce-scatter bucket (ops.libra_reduce_scatter_fused_p) lowered for cuda on
+# A reduce-scatter bucket (ops.libra_bucket_p of kind psum_scatter) lowered for cuda on
 # LIBRA_JAX_CUDA=nccl: one NCCL reduce-scatter per dtype NCCL sums, of the members packed as
 # one row of shards; a dtype it does not sum (int8) is XLA's, per member.
 FUSED_SHARDED_IN_PROCESS = """
@@ -822,9 +822,9 @@ FUSED_SHARDED_IN_PROCESS = """
         mesh = jax.make_mesh((n,), ("x",), devices=jax.devices()[:n])
         def body(v):
             members = (v, v[:n, :2], v.astype(jax.numpy.bfloat16), v[:n].astype(np.int8))
-            return tuple(ops.libra_reduce_scatter_fused_p.bind(
-                *members, axis_name=("x",), axis_size=n, tiled=(True, False, True, False),
-                blocks=6))
+            return tuple(ops.libra_bucket_p.bind(
+                *members, collective="psum_scatter", axes=("x",), axis_size=n,
+                tiled=(True, False, True, False), blocks=6))
         f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=(P("x"),) * 4,
                                   check_vma=False))
         v = jax.ShapeDtypeStruct((n * n * 3, 4), np.float32,

@@ -15,8 +15,8 @@ from libra_jax.ops import base, lowering
 
 
 def test_every_op_is_registered_once_with_an_xla_twin():
-    prims = [ops.libra_psum_p, ops.libra_psum_fused_p, ops.libra_reduce_scatter_p,
-             ops.libra_all_gather_p, ops.libra_reduce_scatter_fused_p, ops.libra_psum_start_p,
+    prims = [ops.libra_psum_p, ops.libra_bucket_p, ops.libra_reduce_scatter_p,
+             ops.libra_all_gather_p, ops.libra_psum_start_p,
              ops.libra_psum_done_p, ops.libra_sharded_start_p, ops.libra_sharded_done_p]
     assert sorted(ops.XLA_TWINS, key=str) == sorted(prims, key=str)
     for prim in prims:
@@ -60,7 +60,8 @@ def _lowered(fn):
 def test_replaced_rule_reaches_every_op_and_is_undone():
     # The seam benchmarks/model_fidelity.py uses in place of patching private rules.
     def fused(v):
-        return ops.libra_psum_fused_p.bind(v, v * 2.0, axes=("x",), blocks=2, invariant=False)
+        return ops.libra_bucket_p.bind(v, v * 2.0, collective="psum", axes=("x",), blocks=2,
+                                       invariant=False)
 
     assert "libra_allreduce_cpu" in _lowered(_step)
     with lowering.replaced_rule("cpu", lambda ctx, x, **_: [x]):
@@ -111,8 +112,8 @@ def test_jax_roofline_counts_libra_all_reduces_as_psums(jax_8) -> None:
     bodies = {
         "xla": lambda u, v: (jax.lax.psum(u, "x"), jax.lax.psum(v, "x")),
         "psum": lambda u, v: (libra_jax.psum(u, "x", blocks=2), libra_jax.psum(v, "x", blocks=3)),
-        "fused": lambda u, v: tuple(ops.libra_psum_fused_p.bind(
-            u, v, axes=("x",), blocks=2, invariant=False)),
+        "fused": lambda u, v: tuple(ops.libra_bucket_p.bind(
+            u, v, collective="psum", axes=("x",), blocks=2, invariant=False)),
         "start-done": split_pair,
     }
     got = {}
@@ -148,7 +149,7 @@ def test_jax_roofline_flops_of_a_libra_step_are_xlas(jax_8) -> None:
 
 
 @pytest.mark.parametrize("overlap, target, primitive", [
-    ("sync", "libra_allreduce_cpu", "libra_psum_fused"),
+    ("sync", "libra_allreduce_cpu", "libra_bucket"),
     ("start-done", "libra_allreduce_cpu_start", "libra_psum_start")])
 def test_a_cpu_bucket_is_one_engine_call_over_its_members_as_they_are(overlap, target,
                                                                       primitive):
@@ -190,3 +191,36 @@ def test_a_cpu_bucket_is_one_engine_call_over_its_members_as_they_are(overlap, t
     control = libra_jax.optimize(step, profile=doc, overlap=overlap, collectives="xla")
     assert_bitwise(jax.jit(opt)(*args), jax.jit(control)(*args))
     assert_bitwise(jax.jit(opt)(*args), jax.jit(step)(*args))
+
+
+def test_one_bucket_primitive_for_every_kind_and_the_old_names_still_bind():
+    """`libra_bucket` is every kind's bucket (`fused.BUCKETS`, one rule); the former names
+    bind it with their kind and their params as they were, saying so (DeprecationWarning),
+    for a release; a kind without a bucket form is refused by name."""
+    from libra_jax.ops import fused
+
+    assert set(fused.BUCKETS) == {"psum", "psum_scatter"}
+    mesh = mesh_of((8,), ("x",))
+    x = shard(np.arange(8 * 16, dtype=np.float32).reshape(8 * 8, 2), mesh, P("x"))
+
+    def both(v):
+        new = ops.libra_bucket_p.bind(v, v * 2, collective="psum", axes=("x",), blocks=1,
+                                      invariant=False)
+        with pytest.warns(DeprecationWarning, match="libra_psum_fused_p is libra_bucket_p"):
+            old = ops.libra_psum_fused_p.bind(v, v * 2, axes=("x",), blocks=1, invariant=False)
+        scattered = ops.libra_bucket_p.bind(v, collective="psum_scatter", axes=("x",),
+                                            axis_size=8, tiled=(True,), blocks=1)
+        with pytest.warns(DeprecationWarning, match="libra_reduce_scatter_fused_p"):
+            old_scattered = ops.libra_reduce_scatter_fused_p.bind(
+                v, axis_name=("x",), axis_size=8, tiled=(True,), blocks=1)
+        return (*new, *old, *scattered, *old_scattered)
+    f = jax.jit(jax.shard_map(both, mesh=mesh, in_specs=P("x"), out_specs=P("x"),
+                              check_vma=False))
+    a, b, c, d, e, g = f(x)
+    assert_bitwise(a, c)
+    assert_bitwise(b, d)
+    assert_bitwise(e, g)
+    with pytest.raises(ValueError, match="no bucket form for 'all_gather'"):
+        jax.make_jaxpr(jax.shard_map(
+            lambda v: ops.libra_bucket_p.bind(v, collective="all_gather", axes=("x",)),
+            mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))(x)

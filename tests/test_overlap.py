@@ -71,7 +71,7 @@ def test_done_waits_until_a_result_is_needed():
     assert max(starts) < min(dones)
     assert max(i for i, n in enumerate(names) if n == "dot_general") < min(dones)
     # The loss's pmean (forward) is the one single call; no gradient is left unsplit.
-    assert names.count("libra_psum") == 1 and "libra_psum_fused" not in names
+    assert names.count("libra_psum") == 1 and "libra_bucket" not in names
     assert [p.kind for p in report.plans if p.kind != "gradient"] == ["forward"]
 
 

@@ -729,7 +729,7 @@ def test_sharded_starts_abandoned_by_a_failed_execution_expire():
     assert result == "([4.0, 4.0], (64, 4))"
 
 
-# --- The reduce-scatter bucket (libra_jax.ops.fused.libra_reduce_scatter_fused_p) -------
+# --- The reduce-scatter bucket (libra_jax.ops.libra_bucket_p, collective="psum_scatter") --
 
 def with_nan_payloads(rng, x, fraction=0.05):
     """`x` with a `fraction` of its elements NaNs of distinct payloads and signs, and infs
@@ -773,8 +773,9 @@ class TestFusedReduceScatter:
     @staticmethod
     def fused(axes, n, tiled, blocks=None):
         def call(*xs):
-            return tuple(libra_jax.ops.libra_reduce_scatter_fused_p.bind(
-                *xs, axis_name=axes, axis_size=n, tiled=tuple(tiled), blocks=blocks))
+            return tuple(libra_jax.ops.libra_bucket_p.bind(
+                *xs, collective="psum_scatter", axes=axes, axis_size=n, tiled=tuple(tiled),
+                blocks=blocks))
         return call
 
     @staticmethod
@@ -868,8 +869,8 @@ class TestFusedReduceScatter:
         around libra's: the control differs in the collective alone), no libra call,
         quietly; the same bits."""
         mesh = mesh_of((8,), ("x",))
-        prim = libra_jax.ops.libra_reduce_scatter_fused_p
-        assert libra_jax.ops.XLA_TWINS[prim].name == "libra_reduce_scatter_fused_xla"
+        prim = libra_jax.ops.libra_bucket_p
+        assert libra_jax.ops.XLA_TWINS[prim].name == "libra_bucket_xla"
         members = [m for m in self.MIXED if np.dtype(m[1]).itemsize < 8]
         tiled = [t for _, _, t in members]
         f, xs = self.program(mesh, ("x",), members)

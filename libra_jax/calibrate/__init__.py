@@ -19,8 +19,8 @@ the engine's per-call records (`libra_jax._ffi.recording`, one clock for all dev
 * **peak rates** -- the solo chains give the sustained matmul FLOP/s and the streaming bytes/s
   per device, with every device running (as in data-parallel training).
 * **fusion** -- wall-clock time of a small MLP train step (``T`` gradient tensors, ``S`` bytes
-  per device) whose gradients are all-reduced as one fused bucket (``libra_psum_fused``: packed
-  into one buffer, split after) minus that of the same step with one all-reduce per tensor,
+  per device) whose gradients are all-reduced as one fused bucket (``libra_bucket``: one engine
+  call over the tensors where XLA put them) minus that of the same step with one all-reduce per tensor,
   paired per repetition; once with few big tensors (8 MiB in 8), once with many small ones
   (1 MiB in 64). Not only the copies: on a host whose cores the devices share, a fused bucket
   also waits for every device's whole backward pass (measured on a 2-core VM with 8 devices: an

@@ -272,7 +272,7 @@ class _Programs:
     def pack(self, fused: bool, small: bool = False) -> Callable[[], Any]:
         """A data-parallel train step whose gradients (``pack_tensors`` of them, ``pack_bytes``
         in all per device, or the ``pack_small_`` pair: the weights and biases of an MLP) are
-        all-reduced after the backward pass as one fused bucket (``libra_psum_fused``), or each on
+        all-reduced after the backward pass as one fused bucket (``libra_bucket``), or each on
         its own; then an SGD update. The difference of the two: what fusing costs per byte
         against what each further all-reduce costs in a train step. ``self.pack_layout[small]``
         is (layers, width, gradient bytes)."""
@@ -280,7 +280,7 @@ class _Programs:
         if key not in self._cache:
             jax, P = self.jax, self.P
             jnp = jax.numpy
-            from libra_jax.ops import libra_psum_fused_p
+            from libra_jax.ops import libra_bucket_p
 
             b = self.budget
             nbytes, tensors = (b.pack_small_bytes, b.pack_small_tensors) if small else (b.pack_bytes, b.pack_tensors)
@@ -297,7 +297,8 @@ class _Programs:
                 grads = jax.grad(loss)(params, x * m[0])
                 flat, tree = jax.tree.flatten(grads)
                 if fused:
-                    flat = libra_psum_fused_p.bind(*flat, axes=("c",), blocks=1, invariant=False)
+                    flat = libra_bucket_p.bind(*flat, collective="psum", axes=("c",), blocks=1,
+                                               invariant=False)
                 else:
                     flat = [self.psum(g, "c", blocks=1) for g in flat]
                 grads = jax.tree.unflatten(tree, flat)

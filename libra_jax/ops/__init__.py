@@ -9,9 +9,9 @@ call where it serves, else XLA's with one notice); each has an XLA twin (`XLA_TW
 `optimize(collectives="xla")`.
 
 - `psum`: `libra_psum_p`, the psum `jax.lax.psum` would bind, with a block count;
-- `fused`: `libra_psum_fused_p`, a gradient bucket's psums as one all-reduce per dtype;
-  `libra_reduce_scatter_fused_p`, a bucket's reduce-scatters (along dimension 0) as one
-  reduce-scatter per dtype, the members packed so that each rank's shards are contiguous;
+- `fused`: `libra_bucket_p`, a bucket of one kind's collectives as one call per dtype (a
+  gradient bucket's psums, or reduce-scatters along dimension 0: `fused.BUCKETS`); its former
+  names `libra_psum_fused_p` and `libra_reduce_scatter_fused_p` bind it, for a release;
 - `start_done`: `libra_psum_start_p` / `libra_psum_done_p`, that all-reduce issued where the
   gradients are ready and waited for where the result is needed; `libra_sharded_start_p` /
   `libra_sharded_done_p`, the same for one reduce-scatter or all-gather;
@@ -22,16 +22,17 @@ call where it serves, else XLA's with one notice); each has an XLA twin (`XLA_TW
 """
 from libra_jax import _compat
 from libra_jax.ops.base import XLA_TWINS, register_op
-from libra_jax.ops.fused import libra_psum_fused_p, libra_reduce_scatter_fused_p
+from libra_jax.ops.fused import libra_bucket_p, libra_psum_fused_p, libra_reduce_scatter_fused_p
 from libra_jax.ops.psum import libra_psum_p
 from libra_jax.ops.sharded import libra_all_gather_p, libra_reduce_scatter_p
 from libra_jax.ops.start_done import libra_psum_done_p, libra_psum_start_p, libra_sharded_done_p, libra_sharded_start_p
 
-# JAX's roofline counts them as its psum (a start for its bucket, its done as nothing).
-_compat.register_psum_rooflines([libra_psum_p, libra_psum_fused_p, libra_psum_start_p],
+# JAX's roofline counts them as its psum (a start for its bucket, its done as nothing; a
+# reduce-scatter bucket as the all-reduce of its members, an upper bound).
+_compat.register_psum_rooflines([libra_psum_p, libra_bucket_p, libra_psum_start_p],
                                 [libra_psum_done_p])
 
-__all__ = ["XLA_TWINS", "register_op", "libra_psum_p", "libra_psum_fused_p",
+__all__ = ["XLA_TWINS", "register_op", "libra_psum_p", "libra_bucket_p", "libra_psum_fused_p",
            "libra_reduce_scatter_fused_p",
            "libra_psum_start_p", "libra_psum_done_p", "libra_reduce_scatter_p",
            "libra_all_gather_p", "libra_sharded_start_p", "libra_sharded_done_p"]

@@ -1,13 +1,21 @@
-"""Buckets: several collectives over the same axes done as one call per dtype.
+"""Buckets: several collectives of one kind over the same axes done as one call per dtype.
 
-- `libra_psum_fused`: a gradient bucket's psums as one all-reduce per dtype. The equation
-  `optimize` puts where a bucket's last member was: its operands are the members' operands,
-  its results their results, each typed as that member's psum.
-- `libra_reduce_scatter_fused`: a bucket of reduce-scatters (each `jax.lax.psum_scatter`
-  along dimension 0, tiled or not, over the same axes) as one reduce-scatter per dtype,
-  each result typed as that member's (`sharded.mirror_reduce_scatter`'s primitive's).
+`libra_bucket` is every kind's bucket, the kind a param (``collective``, a row of
+`libra_jax.collectives` with a bucket form: `BUCKETS`). The equation `optimize` puts where a
+bucket's last member was: its operands are the members' operands, its results their results.
 
-Both lower by one rule (`_bucket_rule`): per dtype, one call over the members as they are
+- ``collective="psum"``: a gradient bucket's psums as one all-reduce per dtype, each result
+  typed as that member's psum (params ``axes``, ``blocks``, ``invariant``);
+- ``collective="psum_scatter"``: a bucket of reduce-scatters (each `jax.lax.psum_scatter`
+  along dimension 0, tiled or not, over the same axes) as one reduce-scatter per dtype, each
+  result typed as that member's (`sharded.mirror_reduce_scatter`'s primitive's; params
+  ``axes``, ``blocks``, ``axis_size``, ``tiled``, one per member).
+
+The names of the two kinds' buckets before (`libra_psum_fused_p`,
+`libra_reduce_scatter_fused_p`) remain for a release as `BucketAlias`es: binding one binds
+`libra_bucket` with its kind and its params as they were.
+
+Every bucket lowers by one rule (`_bucket_rule`): per dtype, one call over the members as they are
 where the platform's call takes several buffers (the CPU engine: `lowering.members_call`, each
 member read where XLA put it and its result written to its own output, no copy); elsewhere the
 operands flattened and concatenated (`lowering.pack`), that buffer's one collective by the
@@ -29,7 +37,9 @@ those of its members done one by one.
 """
 from __future__ import annotations
 
-from typing import Any
+import warnings
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 from libra_jax import _compat
 from libra_jax.ops import lowering
@@ -37,11 +47,11 @@ from libra_jax.ops.base import Platform, Rule, register_op
 from libra_jax.ops.psum import allreduce_call, psum_abstract_eval
 from libra_jax.ops.sharded import mirror_abstract_eval, mirror_reduce_scatter, sharded_call
 
-__all__ = ["libra_psum_fused_p", "fused_abstract_eval", "libra_reduce_scatter_fused_p",
-           "reduce_scatter_fused_abstract_eval"]
+__all__ = ["libra_bucket_p", "BUCKETS", "BucketAlias", "bucket_abstract_eval",
+           "libra_psum_fused_p", "libra_reduce_scatter_fused_p"]
 
 
-def fused_abstract_eval(*avals: Any, axes: tuple, blocks: int | None,
+def _psum_abstract_eval(*avals: Any, axes: tuple, blocks: int | None,
                         invariant: bool) -> Any:
     outs, effects = [], set()
     for aval in avals:
@@ -52,23 +62,23 @@ def fused_abstract_eval(*avals: Any, axes: tuple, blocks: int | None,
     return outs, effects
 
 
-def _bucket_rule(platform: Platform, bucket: Any) -> Rule:
+def _bucket_rule(platform: Platform) -> Rule:
     """A bucket's lowering on `platform`, for either kind: per dtype (`lowering.packed_layout`'s
     groups), the members packed into one flat buffer (`lowering.pack`; with ``rows`` the group
     size for a reduce-scatter, each rank's shards contiguous), that buffer's one collective by
     the platform's rule (`lowering.lower`: libra's call, or XLA's of the same buffer with the
     notice; quietly for the twin, so that the code around the collective is the same in both
     and the control differs from the optimized program in the collective alone), and its
-    result split into the members' (`lowering.split`). `bucket(params)` gives the flat
-    buffer's `lowering.Call`, its rows, and each member's call.
+    result split into the members' (`lowering.split`). The kind's `Bucket.calls(params)`
+    gives the flat buffer's `lowering.Call`, its rows, and each member's call.
 
     Where the platform's call takes the members as they are (`lowering.members_call`: the CPU
     engine), a dtype's members are one call with no packing; the twin (``"xla"``) lowers
     each member by XLA's own collective, as they are too. Where libra's call does not
     serve a reduce-scatter bucket, each member is XLA's own: its rank-contiguous packing is a
     strided copy that only libra's call needs."""
-    def rule(ctx: Any, *xs: Any, **params: Any) -> list[Any]:
-        call, rows, member_call = bucket(params)
+    def rule(ctx: Any, *xs: Any, collective: str, **params: Any) -> list[Any]:
+        call, rows, member_call = BUCKETS[collective].calls(params)
         outs: list[Any] = [None] * len(xs)
         for _, idx, count in lowering.packed_layout(ctx.avals_in, align_bytes=1):
             members_ctx = ctx.replace(primitive=None, avals_in=[ctx.avals_in[i] for i in idx],
@@ -111,11 +121,6 @@ def _psum_bucket(params: dict[str, Any]) -> tuple[lowering.Call, int, Any]:
     return call, 1, lambda i: call
 
 
-libra_psum_fused_p = register_op(
-    "libra_psum_fused", abstract_eval=fused_abstract_eval,
-    lowering=lambda platform: _bucket_rule(platform, _psum_bucket), multiple_results=True)
-
-
 # --- The reduce-scatter bucket -------------------------------------------------------
 
 _member_abstract_eval = mirror_abstract_eval(mirror_reduce_scatter)
@@ -128,19 +133,19 @@ def _member_params(axis_name: tuple, axis_size: int, tiled: bool, blocks: int | 
                 tiled=bool(tiled), blocks=blocks)
 
 
-def reduce_scatter_fused_abstract_eval(*avals: Any, axis_name: tuple, axis_size: int,
-                                       tiled: tuple, blocks: int | None) -> Any:
+def _reduce_scatter_abstract_eval(*avals: Any, axes: tuple, axis_size: int, tiled: tuple,
+                                  blocks: int | None) -> Any:
     """Each member's type as its `jax.lax.psum_scatter` along dimension 0 has it (JAX's
     abstract evaluation, and JAX's errors), the union of their effects."""
     if len(tiled) != len(avals):
-        raise ValueError(f"libra_reduce_scatter_fused: tiled has {len(tiled)} entries for "
+        raise ValueError(f"libra_bucket (psum_scatter): tiled has {len(tiled)} entries for "
                          f"{len(avals)} operands (one per member)")
     outs, effects = [], set()
     for k, (aval, member_tiled) in enumerate(zip(avals, tiled)):
         if not aval.shape:
-            raise ValueError(f"libra_reduce_scatter_fused: operand {k} is a scalar: a "
+            raise ValueError(f"libra_bucket (psum_scatter): operand {k} is a scalar: a "
                              "reduce-scatter needs a dimension 0 to scatter")
-        out, eff = _member_abstract_eval(aval, **_member_params(axis_name, axis_size,
+        out, eff = _member_abstract_eval(aval, **_member_params(axes, axis_size,
                                                                 member_tiled, blocks))
         outs.append(out)
         effects |= set(eff)
@@ -150,7 +155,7 @@ def reduce_scatter_fused_abstract_eval(*avals: Any, axis_name: tuple, axis_size:
 def _reduce_scatter_bucket(params: dict[str, Any]) -> tuple[lowering.Call, int, Any]:
     """The packed row's reduce-scatter: along dimension 0, tiled, every rank's shards of every
     member in one run (`lowering.pack` with ``rows``); each member's own, as it is."""
-    axis_name, axis_size, blocks = params["axis_name"], params["axis_size"], params["blocks"]
+    axis_name, axis_size, blocks = params["axes"], params["axis_size"], params["blocks"]
 
     def member_call(i: int) -> lowering.Call:
         return sharded_call("psum_scatter", _member_params(axis_name, axis_size,
@@ -159,7 +164,59 @@ def _reduce_scatter_bucket(params: dict[str, Any]) -> tuple[lowering.Call, int, 
             axis_size, member_call)
 
 
-libra_reduce_scatter_fused_p = register_op(
-    "libra_reduce_scatter_fused", abstract_eval=reduce_scatter_fused_abstract_eval,
-    lowering=lambda platform: _bucket_rule(platform, _reduce_scatter_bucket),
-    multiple_results=True)
+# --- One primitive for every kind's bucket ---------------------------------------------
+
+class Bucket(NamedTuple):
+    """A kind's bucket form: its members' types and its params' meaning (`abstract_eval`),
+    and its calls (`calls(params) -> (the flat buffer's lowering.Call, its rows, member i's
+    call)`)."""
+
+    abstract_eval: Callable[..., Any]
+    calls: Callable[[dict[str, Any]], tuple[lowering.Call, int, Any]]
+
+
+#: The kinds with a bucket form, by their `jax.lax` names (rows of `libra_jax.collectives`).
+BUCKETS: dict[str, Bucket] = {
+    "psum": Bucket(_psum_abstract_eval, _psum_bucket),
+    "psum_scatter": Bucket(_reduce_scatter_abstract_eval, _reduce_scatter_bucket),
+}
+
+
+def bucket_abstract_eval(*avals: Any, collective: str, **params: Any) -> Any:
+    """Each member's type as its own collective has it, and their effects (the kind's)."""
+    if collective not in BUCKETS:
+        raise ValueError(f"libra_bucket: no bucket form for {collective!r} (one of "
+                         f"{', '.join(BUCKETS)})")
+    return BUCKETS[collective].abstract_eval(*avals, **params)
+
+
+libra_bucket_p = register_op("libra_bucket", abstract_eval=bucket_abstract_eval,
+                             lowering=_bucket_rule, multiple_results=True)
+
+
+class BucketAlias:
+    """A former bucket primitive's name (kept for a release): `bind` binds `libra_bucket` with
+    this kind and the params as the old primitive took them, with a DeprecationWarning."""
+
+    def __init__(self, name: str, collective: str, params: Callable[[dict], dict]) -> None:
+        self.name, self.collective, self._params = name, collective, params
+
+    def bind(self, *xs: Any, **params: Any) -> Any:
+        warnings.warn(f"libra_jax.ops.{self.name}_p is libra_bucket_p with "
+                      f"collective={self.collective!r} (its old name, kept for a release)",
+                      DeprecationWarning, stacklevel=2)
+        return libra_bucket_p.bind(*xs, collective=self.collective, **self._params(params))
+
+    def __repr__(self) -> str:
+        return f"BucketAlias({self.name!r} -> libra_bucket, collective={self.collective!r})"
+
+
+def _from_axis_name(params: dict) -> dict:
+    params = dict(params)
+    params["axes"] = params.pop("axis_name")
+    return params
+
+
+libra_psum_fused_p = BucketAlias("libra_psum_fused", "psum", dict)
+libra_reduce_scatter_fused_p = BucketAlias("libra_reduce_scatter_fused", "psum_scatter",
+                                           _from_axis_name)

@@ -15,7 +15,7 @@ Contract of the rewrite (`rewrite_jaxpr`):
   differently: docs/bitwise.md, class 3), in which every psum that
   can be served (`psum`, `psum_invariant`, and `libra_psum` without an
   explicit block count) is a `libra_psum` with a planned block count, or part
-  of a `libra_psum_fused` bucket.
+  of a `libra_bucket` (psums).
 - Scope: psums are found in the jaxpr and, recursively, in the sub-jaxprs of
   `jit`, `shard_map`, `scan`, `while`, `cond`, `checkpoint` (remat),
   `custom_jvp_call`, `custom_vjp_call` and `closed_call` (`_compat.HIGHER_ORDER`). A psum
@@ -51,9 +51,9 @@ Contract of the rewrite (`rewrite_jaxpr`):
   iteration, where a pair could only overlap the rest of it). The body's other
   psums (kind "loop": a loss, a statistic, a forward loop's) get
   `allreduce.default_blocks`. `OptimizeReport.loops` has a `LoopPlan` per loop.
-- A bucket is one `libra_psum_fused` equation placed where its last member
-  was; it concatenates its operands per dtype, all-reduces each dtype once,
-  and splits them back. Summation is elementwise in rank order either way,
+- A bucket is one `libra_bucket` equation placed where its last member
+  was; it all-reduces each dtype once (on CPU the members as they are; elsewhere
+  concatenated per dtype and split back). Summation is elementwise in rank order either way,
   so results are bitwise those of the unfused psums. Equations between the
   bucket's members that use an earlier member's result move after it.
 - A gradient bucket (fused or not) is issued either as that one call or as a
@@ -71,7 +71,7 @@ Contract of the rewrite (`rewrite_jaxpr`):
   collective. A scope's gradient psums and psum_scatters over the same axes are planned
   together (`planner.Layer.collective`: one backward stream), a bucket holding one
   `Site.bucket_class`; a bucket of psum_scatters along their first dimension is one
-  `libra_reduce_scatter_fused` equation (bitwise the unfused ones: the same sums), issued as
+  `libra_bucket` equation of kind psum_scatter (bitwise the unfused ones: the same sums), issued as
   one call. The gradient of ``all_gather(to='invarying')`` (a psum, then this rank's
   slice) becomes that slice's reduce-scatter first (`sites.scatter_sliced_psums`). Every
   `all_gather` it can serve becomes libra's, one call at the model's block count
@@ -82,7 +82,7 @@ Contract of the rewrite (`rewrite_jaxpr`):
 
 from __future__ import annotations
 
-from libra_jax.ops import libra_psum_fused_p
+from libra_jax.ops import libra_bucket_p, libra_psum_fused_p
 from libra_jax.rewrite.report import (
     NO_PROFILE_BROADCAST_ENV,
     LoopPlan,
@@ -112,7 +112,7 @@ from libra_jax.rewrite.transform import (
 )
 
 __all__ = ["optimize", "rewrite_jaxpr", "PsumPlan", "LoopPlan", "OptimizeReport",
-           "libra_psum_fused_p", "StaticArgs", "outer_statics", "Outputs", "nnx_objects",
+           "libra_bucket_p", "libra_psum_fused_p", "StaticArgs", "outer_statics", "Outputs", "nnx_objects",
            "block_cap", "shared_profile", "data_path_lines", "check_plan_agreement",
            "gspmd_notice", "with_xla_collectives", "DISABLE_ENV", "OVERLAP_ENV", "COLLECTIVES",
            "OVERLAP_MODES", "LOOP_MODES", "GSPMD_ROUTE", "UNPLANNED_NOTICE",

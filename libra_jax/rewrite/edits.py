@@ -17,9 +17,8 @@ from typing import Any
 from libra_jax import _compat
 from libra_jax.ops import (
     libra_all_gather_p,
-    libra_psum_fused_p,
+    libra_bucket_p,
     libra_psum_p,
-    libra_reduce_scatter_fused_p,
     libra_reduce_scatter_p,
 )
 from libra_jax.ops.start_done import (
@@ -210,18 +209,16 @@ def fused_eqn(eqns: Sequence[Any], bucket: Sequence[Site], axes: tuple, invarian
     members = [eqns[s.index] for s in bucket]
     effects = set().union(*(e.effects for e in members))
     if bucket[0].scatter is not None:  # psum_scatters along their first dimension
-        primitive = libra_reduce_scatter_fused_p
-        params = dict(axis_name=axes, axis_size=bucket[0].scatter[1],
+        params = dict(collective="psum_scatter", axes=axes, axis_size=bucket[0].scatter[1],
                       tiled=tuple(s.scatter[2] for s in bucket if s.scatter is not None),
                       blocks=int(blocks))
     else:
-        primitive = libra_psum_fused_p
-        params = dict(axes=axes, blocks=int(blocks), invariant=invariant)
+        params = dict(collective="psum", axes=axes, blocks=int(blocks), invariant=invariant)
     # From the last member's equation, so that its context (the mesh JAX checks the psum's
     # types against, under `jax.set_mesh`) and source info carry over, as `single_eqn`'s do.
     return members[-1].replace(
         invars=[e.invars[0] for e in members], outvars=[e.outvars[0] for e in members],
-        primitive=primitive, params=params, effects=effects)
+        primitive=libra_bucket_p, params=params, effects=effects)
 
 
 def start_done_eqns(eqns: Sequence[Any], bucket: Sequence[Site], axes: tuple, invariant: bool,

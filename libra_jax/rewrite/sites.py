@@ -22,9 +22,8 @@ import numpy as np
 from libra_jax import _compat, allreduce
 from libra_jax.ops import (
     libra_all_gather_p,
-    libra_psum_fused_p,
+    libra_bucket_p,
     libra_psum_p,
-    libra_reduce_scatter_fused_p,
     libra_reduce_scatter_p,
 )
 from libra_jax.ops.lowering import ENGINE_DTYPES
@@ -113,8 +112,8 @@ def is_psum(eqn: Any) -> bool:
     """A psum or a psum_scatter (the collectives `optimize` plans), as JAX's or libra's."""
     return (eqn.primitive.name in _compat.PSUM_PRIMITIVES
             or eqn.primitive.name == _compat.reduce_scatter_p.name
-            or eqn.primitive in (libra_psum_p, libra_psum_fused_p, libra_psum_start_p,
-                                 libra_reduce_scatter_p, libra_reduce_scatter_fused_p))
+            or eqn.primitive in (libra_psum_p, libra_bucket_p, libra_psum_start_p,
+                                 libra_reduce_scatter_p))
 
 
 #: Scalar integer primitives `_rank_values` evaluates (a slice start computed from
