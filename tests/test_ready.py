@@ -70,6 +70,18 @@ def written_step(check_vma: bool):
     return step, (params, x)
 
 
+def _fusion_priced(gbyte_per_s=0.4):
+    """`cpu-host` with fusion priced at `gbyte_per_s` (0.4: its price while a bucket was packed,
+    under which this MLP's plan has several buckets): the tests below check where buckets go
+    in the backward pass, which needs more than one."""
+    import json
+
+    from libra_jax import model
+    doc = json.loads((model.PROFILE_DIR / "cpu-host.json").read_text())
+    doc["fair_share"]["fusion_copy_gbyte_per_s"]["value"] = gbyte_per_s
+    return doc
+
+
 def _entry(report):
     entry, = [e for e in report.predicted if not e["in_loop"]]
     return entry
@@ -82,7 +94,7 @@ def test_both_written_forms_get_the_same_plan():
     plans = {}
     for check_vma in (False, True):
         step, args = written_step(check_vma)
-        opt = optimize(step)
+        opt = optimize(step, profile=_fusion_priced())
         jax.jit(opt).lower(*args)
         entry = _entry(opt.last_report)
         layers, buckets = entry["layers"], planner.plan(
@@ -133,7 +145,7 @@ def test_the_compiled_program_runs_the_plan(check_vma):
     issues each start by data, but a done waits on the latest start's token, which in the
     written order is an early start's, so the step waits for all-reduces mid-pass."""
     step, args = written_step(check_vma)
-    opt = optimize(step, overlap="start-done")
+    opt = optimize(step, overlap="start-done", profile=_fusion_priced())
     text = jax.jit(opt).lower(*args).compile().as_text()
     order = _schedule(text)
     kinds = [k for k, _ in order]
@@ -142,11 +154,13 @@ def test_the_compiled_program_runs_the_plan(check_vma):
     assert kinds.index("start") < last_dot, kinds
     assert min(i for i, k in enumerate(kinds) if k == "done") > last_dot, kinds
     got = jax.jit(opt)(*args)
-    control = jax.jit(optimize(step, overlap="start-done", collectives="xla"))(*args)
+    control = jax.jit(optimize(step, overlap="start-done", collectives="xla",
+                               profile=_fusion_priced()))(*args)
     jax.tree.map(assert_bitwise, got, control)
     assert_codegen_close(got, jax.jit(step)(*args))
     if not check_vma:
-        old = _schedule(jax.jit(optimize(step, overlap="start-done", ready="written"))
+        old = _schedule(jax.jit(optimize(step, overlap="start-done", ready="written",
+                                         profile=_fusion_priced()))
                         .lower(*args).compile().as_text())
         old_kinds = [k for k, _ in old]
         assert old_kinds.index("done") < max(i for i, k in enumerate(old_kinds) if k == "dot")

@@ -37,11 +37,10 @@ those of its members done one by one.
 """
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from libra_jax import _compat
+from libra_jax import _compat, config
 from libra_jax.ops import lowering
 from libra_jax.ops.base import Platform, Rule, register_op
 from libra_jax.ops.psum import allreduce_call, psum_abstract_eval
@@ -202,7 +201,8 @@ class BucketAlias:
         self.name, self.collective, self._params = name, collective, params
 
     def bind(self, *xs: Any, **params: Any) -> Any:
-        warnings.warn(f"libra_jax.ops.{self.name}_p is libra_bucket_p with "
+        config.notice("bucket-renamed",
+                      f"libra_jax.ops.{self.name}_p is libra_bucket_p with "
                       f"collective={self.collective!r} (its old name, kept for a release)",
                       DeprecationWarning, stacklevel=2)
         return libra_bucket_p.bind(*xs, collective=self.collective, **self._params(params))
