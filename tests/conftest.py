@@ -155,6 +155,27 @@ def check_start_done_pairs(text: str, start: str | tuple[str, ...], call: str | 
     return len(starts)
 
 
+def copied_operands(hlo: str, collective: str) -> list[str]:
+    """The operands of a compiled program's `collective` instructions (a regular expression
+    matched against the instruction's line: ``all-reduce(``, a custom call's target) that XLA
+    made as copies: a ``copy`` or a fusion whose root is one (how XLA:CPU copies an operand
+    aliased to a result, in the fusion that computes it; a transpose copies so too)."""
+    import re
+    roots = dict(re.findall(r"^%(\S+) .*?\n(?:  .*\n)*?  ROOT %\S+ = \S+ ([\w-]+)\(", hlo,
+                            re.M))
+    made = {name: (calls if op == "fusion" else None) for name, op, calls in re.findall(
+        r"^  (%\S+) = \S+ ([\w-]+)\((?:.*calls=%([\w.-]+))?", hlo, re.M)}
+    copied = []
+    for line in hlo.splitlines():
+        if not re.search(collective, line):
+            continue
+        args = re.search(r"(?:custom-call|all-reduce(?:-start)?)\(([^)]*)\)", line)
+        for arg in re.sub(r"/\*index=\d+\*/", "", args.group(1) if args else "").split(", "):
+            if arg in made and (arg.startswith("%copy.") or roots.get(made[arg] or "") == "copy"):
+                copied.append(arg)
+    return copied
+
+
 def cpu_start_done_pairs(hlo: str) -> tuple[dict[str, str], list[tuple[str, str]],
                                             dict[str, tuple[str, str]]]:
     """A compiled CPU program's sharded start/done pairs, checked: each

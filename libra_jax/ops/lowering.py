@@ -274,7 +274,11 @@ def members_call(ctx: Any, call: Call, platform: Platform
     engine does (`engine_call`); elsewhere None, and a bucket is packed into one buffer first
     (`pack`). The twin (``"xla"``) lowers each member by XLA's own collective, as it is, so
     that the code around the bucket is the CPU program's; under `replaced_rule` each member
-    is lowered by the replacement. (`call` serves every member: the same layout.)"""
+    is lowered by the replacement. (`call` serves every member: the same layout.) The engine
+    writes the members' results to fresh buffers, never over the members: XLA copies an
+    operand aliased to a result where it is computed (copy insertion), which changes how it
+    fuses that code, so the program's arithmetic would not be its XLA control's (the twin's
+    all-reduces are out of place); the start/done pair's CPU start is alike."""
     if platform == "xla" or _RULES[platform] is not _LIBRA_RULES[platform]:
         def each(*xs: Any) -> list[Any]:
             return [_compat.ir_values(lower(ctx.replace(avals_in=[a], avals_out=[o]), x, call,
@@ -283,7 +287,7 @@ def members_call(ctx: Any, call: Call, platform: Platform
         return each
     if platform != "cpu":
         return None
-    emit, _ = engine_call(ctx, call)
+    emit, _ = engine_call(ctx, call._replace(inplace=False))
     return emit
 
 
