@@ -599,6 +599,9 @@ def _others_lines(e: Explanation) -> list[str]:
         lines.append("collectives optimize leaves unplanned (it plans psums and psum_scatters "
                      "and runs all_gathers): "
                      + "; ".join(e.report.unplanned))
+    if e.report.copied:
+        lines.append("gradients copied before their in-place all-reduce (another equation "
+                     "reads the local gradient too): " + "; ".join(e.report.copied))
     if e.report.dropped:
         lines.append("collectives removed before planning, their results unused by the step "
                      "(dead code, with the work only they needed): "

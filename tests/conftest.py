@@ -157,21 +157,43 @@ def check_start_done_pairs(text: str, start: str | tuple[str, ...], call: str | 
 
 def copied_operands(hlo: str, collective: str) -> list[str]:
     """The operands of a compiled program's `collective` instructions (a regular expression
-    matched against the instruction's line: ``all-reduce(``, a custom call's target) that XLA
-    made as copies: a ``copy`` or a fusion whose root is one (how XLA:CPU copies an operand
-    aliased to a result, in the fusion that computes it; a transpose copies so too)."""
+    matched against the instruction's line: ``all-reduce(``, a custom call's target) that are
+    copies XLA made: a ``copy``, or a fusion whose root is one, of a value of the same shape
+    and layout (how XLA:CPU copies an operand in the fusion that computes it; a transpose
+    done as a copy that changes the layout is not one)."""
     import re
-    roots = dict(re.findall(r"^%(\S+) .*?\n(?:  .*\n)*?  ROOT %\S+ = \S+ ([\w-]+)\(", hlo,
-                            re.M))
-    made = {name: (calls if op == "fusion" else None) for name, op, calls in re.findall(
-        r"^  (%\S+) = \S+ ([\w-]+)\((?:.*calls=%([\w.-]+))?", hlo, re.M)}
+    found: dict[str, tuple[str, str, list[str], str | None]] = {}  # name: shape, op, args, calls
+    root_of: dict[str, str] = {}  # computation: its root instruction
+    computation = ""
+    for line in hlo.splitlines():
+        header = re.match(r"^(?:ENTRY )?(%\S+) .*\{$", line)
+        if header:
+            computation = header.group(1)
+            continue
+        m = re.match(r"^\s+(ROOT )?(%\S+) = (\w+\[[^\]]*\](?:\{[^}]*\})?) ([\w-]+)\(([^)]*)\)(.*)",
+                     line)
+        if not m:
+            continue
+        root, name, shape, op, args, rest = m.groups()
+        calls = re.search(r"calls=(%[\w.-]+)", rest)
+        found[name] = (shape, op, re.sub(r"/\*index=\d+\*/", "", args).split(", "),
+                       calls.group(1) if calls else None)
+        if root:
+            root_of[computation] = name
+
+    def is_copy(name: str) -> bool:
+        shape, op, args, calls = found[name]
+        if op == "fusion":
+            return calls in root_of and is_copy(root_of[calls])
+        return op == "copy" and args[0] in found and found[args[0]][0] == shape
+
     copied = []
     for line in hlo.splitlines():
         if not re.search(collective, line):
             continue
         args = re.search(r"(?:custom-call|all-reduce(?:-start)?)\(([^)]*)\)", line)
         for arg in re.sub(r"/\*index=\d+\*/", "", args.group(1) if args else "").split(", "):
-            if arg in made and (arg.startswith("%copy.") or roots.get(made[arg] or "") == "copy"):
+            if arg in found and is_copy(arg):
                 copied.append(arg)
     return copied
 

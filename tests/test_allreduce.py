@@ -408,6 +408,35 @@ def test_inplace_default_aliases_intermediates_only():
         hlo(lambda v: libra_jax.psum(v, "x", inplace="yes"))
 
 
+@pytest.mark.parametrize("make", [
+    lambda v, u: (v @ v.T).T * 1.5,                              # a dot's result, transposed
+    lambda v, u: jnp.transpose(jnp.tanh(u), (2, 0, 1)),           # a 3-D transpose
+    lambda v, u: jnp.einsum("ab,ac->bc", v, v),                   # contracting the first dim
+    lambda v, u: jax.grad(lambda w: jnp.sum(jnp.tanh(v @ w)))(v.T).T,  # a weight gradient
+], ids=["transposed dot", "3-D transpose", "dot over dim 0", "gradient"])
+def test_in_place_needs_no_layout_constraint(make):
+    """An in-place CPU all-reduce is lowered without layout constraints
+    (`lowering.in_place_cpu_lowering`): whatever XLA makes of the operand's producer (a
+    transpose, a dot), the result is bitwise `jax.lax.psum`'s, and XLA copies nothing for the
+    call."""
+    from conftest import copied_operands
+    mesh = mesh_of((8,), ("x",))
+    rng = np.random.default_rng(5)
+    v = shard(rng.standard_normal((8 * 6, 10)).astype(np.float32), mesh, P("x"))
+    u = shard(rng.standard_normal((8 * 5, 6, 7)).astype(np.float32), mesh, P("x"))
+
+    def program(psum):
+        return jax.jit(jax.shard_map(lambda v, u: psum(make(v, u)), mesh=mesh,
+                                     in_specs=(P("x"), P("x")), out_specs=P(), check_vma=False))
+    libra = program(lambda g: libra_jax.psum(g, "x", inplace=True))
+    hlo = libra.lower(v, u).compile().as_text()
+    call = r'custom_call_target="libra_allreduce_cpu"'
+    line, = [x for x in hlo.splitlines() if re.search(call, x)]
+    assert "output_to_operand_aliasing" in line and "operand_layout_constraints" not in line
+    assert copied_operands(hlo, call) == []
+    assert_bitwise(libra(v, u), program(lambda g: jax.lax.psum(g, "x"))(v, u))
+
+
 def test_engine_uses_its_own_threads():
     mesh = mesh_of((8,), ("x",))
     x = shard(np.ones((8, 1 << 16), np.float32), mesh, P("x"))

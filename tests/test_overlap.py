@@ -144,7 +144,7 @@ def test_start_and_done_pack_mixed_dtypes_with_padding():
                                                   call_id=call_id)
         assert len(started) == 3  # a buffer per dtype, and the token
         return tuple(ops.libra_psum_done_p.bind(
-            *started, a, b, out_avals=tuple(avals), axes=("x",), blocks=2, call_id=call_id))
+            *started, out_avals=tuple(avals), axes=("x",), blocks=2, call_id=call_id))
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P("x")),
                               out_specs=(P("x"), P("x")), check_vma=False))
@@ -195,7 +195,7 @@ def test_a_gpu_bucket_is_one_start_per_member_the_kernels_take_as_it_is(monkeypa
         return tuple(ops.libra_psum_done_p.bind(
             *ops.libra_psum_start_p.bind(a, b, c, axes=("x",), blocks=2, invariant=False,
                                          call_id=77),
-            a, b, c, jnp.zeros((1,), jnp.int32),
+            jnp.zeros((1,), jnp.int32),
             out_avals=tuple(jax.core.ShapedArray(s, jnp.float32) for s in ((4, 8), (3,), (16,))),
             axes=("x",), blocks=2, call_id=77))
     f = jax.jit(jax.shard_map(bucket, mesh=mesh, in_specs=(P(),) * 3, out_specs=(P(),) * 3,
@@ -227,7 +227,7 @@ START_TIMEOUT_SCRIPT = TIMEOUT_SCRIPT.replace("def body(v):", textwrap.dedent(""
     def split_psum(u):
         flat = ops.libra_psum_start_p.bind(u, axes=("x",), blocks=1, invariant=False,
                                                call_id=call_id)
-        return ops.libra_psum_done_p.bind(*flat, u, out_avals=(jax.typeof(u),),
+        return ops.libra_psum_done_p.bind(*flat, out_avals=(jax.typeof(u),),
                                           axes=("x",), blocks=1, call_id=call_id)[0]
     def body(v):""")).replace('lambda u: libra_jax.psum(u, "x"), v)', "split_psum, v)")
 
@@ -254,7 +254,7 @@ ABANDONED_PROGRAM = """
             i = jax.lax.axis_index("x")
             v = jax.lax.cond(i == 2, lambda u: u, lambda u: libra_jax.psum(u, "x"), v)
         started, v = jax.lax.optimization_barrier((started, v))  # done after v's psum
-        done, = ops.libra_psum_done_p.bind(*started, a, out_avals=(aval,), axes=("x",),
+        done, = ops.libra_psum_done_p.bind(*started, out_avals=(aval,), axes=("x",),
                                            blocks=1, call_id=77)
         return done + v.sum()
 
@@ -286,18 +286,14 @@ def test_xla_copies_no_in_flight_buffer():
                         r'custom_call_target="libra_allreduce_cpu_start"', hlo)
     elements = {name: (tuple_, index) for name, tuple_, index in re.findall(
         r"(%get-tuple-element\S*) = \S+ get-tuple-element\((%\S+?)\), index=(\d)", hlo)}
-    # done's operands: (rank, group), its token, its buffer, its start's operand (held until
-    # done: the engine reads it after start returns), the latest start's token.
-    dones = re.findall(r"custom-call\(\S+?, (%\S+?), (%\S+?), (%\S+?), (%\S+?)\), "
+    # done's operands: (rank, group), its token, its buffer, the latest start's token.
+    dones = re.findall(r"custom-call\(\S+?, (%\S+?), (%\S+?), (%\S+?)\), "
                        r'custom_call_target="libra_allreduce_cpu_done", [^\n]*'
                        r"custom_call_has_side_effect=true", hlo)
-    operands = dict(re.findall(r"(%\S+) = \(\S+, s32\[1\]\{0\}\) custom-call\(\S+?, (%\S+?)\), "
-                               r'custom_call_target="libra_allreduce_cpu_start"', hlo))
     assert len(starts) >= 2 and len(dones) == len(starts), hlo
-    for token, buffer, held, after in dones:
+    for token, buffer, after in dones:
         assert elements[buffer][0] in starts and elements[buffer][1] == "0", (buffer, hlo)
         assert elements[token] == (elements[buffer][0], "1"), token
-        assert operands[elements[buffer][0]] == held, (held, hlo)
         assert elements[after][0] in starts and elements[after][1] == "1", after
 
 
@@ -482,7 +478,7 @@ for name, f in cases.items():
 
 def unused_done(v):  # a pair whose done's result nobody reads: XLA keeps the done
     flat = ops.libra_psum_start_p.bind(v, axes=("x",), blocks=1, invariant=False, call_id=905)
-    ops.libra_psum_done_p.bind(*flat, v, out_avals=(jax.typeof(v),), axes=("x",), blocks=1,
+    ops.libra_psum_done_p.bind(*flat, out_avals=(jax.typeof(v),), axes=("x",), blocks=1,
                                call_id=905)
     return v * 2
 hlo = smap(unused_done).lower(x).compile().as_text()
@@ -512,25 +508,8 @@ def test_a_call_id_out_of_range_is_refused_by_name():
     def pair(a):
         *buffers, token = ops.libra_psum_start_p.bind(a, axes=("x",), blocks=1,
                                                       invariant=False, call_id=2**48)
-        return ops.libra_psum_done_p.bind(*buffers, token, a, token, out_avals=(buffers[0].aval,),
+        return ops.libra_psum_done_p.bind(*buffers, token, token, out_avals=(buffers[0].aval,),
                                           axes=("x",), blocks=1, call_id=2**48)[0]
     f = jax.jit(jax.shard_map(pair, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False))
     with pytest.raises(ValueError, match=r"call_id must be in \[0, 2\*\*48\)"):
-        f.lower(np.ones((4,), np.float32))
-
-
-def test_a_done_without_its_starts_operands_is_refused_by_name():
-    """A CPU start reads its operands after it returns (out of place), so its done holds them
-    until the round is over: a done bound without them (the old form) is refused when traced,
-    naming what it takes, not lowered with operands XLA may free."""
-    mesh = mesh_of((8,), ("x",))
-
-    def old_form(a):
-        *buffers, token = ops.libra_psum_start_p.bind(a, axes=("x",), blocks=1,
-                                                      invariant=False, call_id=31)
-        return ops.libra_psum_done_p.bind(*buffers, token, token, out_avals=(buffers[0].aval,),
-                                          axes=("x",), blocks=1, call_id=31)[0]
-    f = jax.jit(jax.shard_map(old_form, mesh=mesh, in_specs=P(), out_specs=P(),
-                              check_vma=False))
-    with pytest.raises(TypeError, match=r"then the start's 1 operand\(s\) \(held until done"):
         f.lower(np.ones((4,), np.float32))

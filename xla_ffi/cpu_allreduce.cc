@@ -341,16 +341,13 @@ ffi::Future StartCall(CpuAllReduceSite* site, const libra::CallSpec& spec,
 // members, then any values it must not run before (read by nothing: XLA orders by data only,
 // and drops an optimization barrier on CPU, so `optimize` orders a start issued ahead by
 // passing it the result it waits for); results are one buffer per member and done's token.
-//  - all-reduce: member i's buffer is a fresh result (not aliased: an aliased operand makes
-//    XLA copy it where it is computed), the sum of the operands, which the round reads until
-//    it is over: done holds them (libra_jax.ops.start_done), as XLA's async all-reduce does;
-//    an aliased buffer is summed in place;
+//  - all-reduce: member i's buffer is its input (aliased), summed in place;
 //  - reduce-scatter: the buffer is the full input itself (aliased); rank r's shard of the sum
 //    is written over it at offset r * shard, which done then slices;
 //  - all-gather: the buffer is the full result, allocated by XLA; start first copies the
 //    device's shard to offset r * shard in it, so the round reads the shards from the outputs
 //    themselves and the input need not live until done.
-// A reduce-scatter's buffer that is not its operand gets the operand's bytes first.
+// A buffer that is not its operand (XLA did not alias them) gets the operand's bytes first.
 template <libra::Collective kKind>
 ffi::Future ExecuteStart(ffi::RunId run_id, CpuAllReduceSite* site,
                          ffi::Buffer<ffi::S32> rank_group, ffi::RemainingArgs args,
@@ -396,11 +393,6 @@ ffi::Future ExecuteStart(ffi::RunId run_id, CpuAllReduceSite* site,
       outputs.push_back(buffer);
       continue;
     }
-    if (kKind == libra::Collective::kAllReduce) {
-      inputs.push_back(x);
-      outputs.push_back(buffer);
-      continue;
-    }
     if (x != buffer && bytes > 0) std::memcpy(buffer, x, bytes);
     inputs.push_back(buffer);
     outputs.push_back(layout.shard_out ? own : buffer);
@@ -410,10 +402,9 @@ ffi::Future ExecuteStart(ffi::RunId run_id, CpuAllReduceSite* site,
 }
 
 // Every CPU start's done: operands (rank, group), its own start's token, then its start's
-// buffers (one per member, each aliased to one result), an all-reduce start's operands (held:
-// the round reads them) and any values it must not run before (the latest start's token:
-// optimize orders every done after the last start), read by nothing. It waits for the
-// round's end.
+// buffers (one per member, each aliased to one result) and any values it must not run before
+// (the latest start's token: optimize orders every done after the last start), read by
+// nothing. It waits for the round's end.
 ffi::Future ExecuteDone(ffi::RunId run_id, ffi::Buffer<ffi::S32> rank_group,
                         ffi::AnyBuffer /*token*/, ffi::RemainingArgs /*started_then_after*/,
                         ffi::RemainingRets /*buffers*/, int64_t call_id) {

@@ -40,7 +40,7 @@ from libra_jax.ops.base import Platform, Rule, warn_once
 
 __all__ = ["Call", "PairCall", "Collective", "COLLECTIVES", "ENGINE_DTYPES", "rule", "lower",
            "replaced_rule", "libra_call", "xla_collective", "warn_fallback", "engine_call",
-           "cpu_call", "members_call", "gpu_call", "pair_call", "nccl_attrs", "nccl_blocks",
+           "in_place_cpu_lowering", "cpu_call", "members_call", "gpu_call", "pair_call", "nccl_attrs", "nccl_blocks",
            "rank_group_operand", "to_row_of_shards", "from_row_of_shards", "mirrored",
            "default_blocks", "default_profile", "packed_layout", "packed_avals", "pack", "split",
            "MAX_BLOCKS", "CUDA_DTYPES", "NCCL_DTYPES", "CUDA_VECTOR_BYTES", "PACK_ALIGN_BYTES"]
@@ -255,9 +255,9 @@ def engine_call(ctx: Any, call: Call) -> tuple[Callable[..., Sequence[Any]] | No
     shards = avals_in if row.gathers else avals_out
     attrs["segments"] = np.array([math.prod(a.shape[call.dimension:])
                                   if row.layout != "replicated" else 0 for a in shards], np.int64)
-    lowered = jax.ffi.ffi_lowering(
+    lowered = in_place_cpu_lowering(
         _ffi.target(row.kind, "cpu"),
-        operand_output_aliases={1 + i: i for i in range(len(avals_in))} if call.inplace else {})
+        {1 + i: i for i in range(len(avals_in))} if call.inplace else {})
 
     def emit(*xs: Any) -> Sequence[Any]:
         if row.gathers and dtype == BF16:
@@ -267,6 +267,20 @@ def engine_call(ctx: Any, call: Call) -> tuple[Callable[..., Sequence[Any]] | No
     return emit, ""
 
 
+def in_place_cpu_lowering(target: str, aliases: dict[int, int]) -> Callable[..., Any]:
+    """The lowering of a CPU engine target whose results alias its operands (`aliases`, one
+    result per member; none: `jax.ffi.ffi_lowering`'s, with its row-major layouts), an
+    all-reduce's: without layout constraints. XLA:CPU's layout assignment makes every
+    operand and result of a custom call row-major anyway, and where an aliased operand carries
+    a constraint it copies the operand in the fusion that computes it: a copy per gradient,
+    and code fused otherwise than in the XLA control's program (the corpus's transformer step
+    was not bitwise its control at --xla_cpu_max_isa=AVX2). An all-reduce in place sums the
+    same element of every rank's buffer, laid out alike, so its bits do not depend on the
+    layout either (`tests/test_allreduce.py`)."""
+    return jax.ffi.ffi_lowering(target, operand_output_aliases=aliases,
+                                skip_ffi_layout_processing=bool(aliases))
+
+
 def members_call(ctx: Any, call: Call, platform: Platform
                  ) -> Callable[..., Sequence[Any]] | None:
     """Libra's one call over several members (the operands at `ctx`, of one dtype) where the
@@ -274,11 +288,7 @@ def members_call(ctx: Any, call: Call, platform: Platform
     engine does (`engine_call`); elsewhere None, and a bucket is packed into one buffer first
     (`pack`). The twin (``"xla"``) lowers each member by XLA's own collective, as it is, so
     that the code around the bucket is the CPU program's; under `replaced_rule` each member
-    is lowered by the replacement. (`call` serves every member: the same layout.) The engine
-    writes the members' results to fresh buffers, never over the members: XLA copies an
-    operand aliased to a result where it is computed (copy insertion), which changes how it
-    fuses that code, so the program's arithmetic would not be its XLA control's (the twin's
-    all-reduces are out of place); the start/done pair's CPU start is alike."""
+    is lowered by the replacement. (`call` serves every member: the same layout.)"""
     if platform == "xla" or _RULES[platform] is not _LIBRA_RULES[platform]:
         def each(*xs: Any) -> list[Any]:
             return [_compat.ir_values(lower(ctx.replace(avals_in=[a], avals_out=[o]), x, call,
@@ -287,7 +297,7 @@ def members_call(ctx: Any, call: Call, platform: Platform
         return each
     if platform != "cpu":
         return None
-    emit, _ = engine_call(ctx, call._replace(inplace=False))
+    emit, _ = engine_call(ctx, call)
     return emit
 
 

@@ -7,14 +7,12 @@ Start/done all-reduces: a gradient bucket's all-reduce runs beside the backward 
 rewritten program:
 
 * ``libra_psum_start(*xs)``, where the bucket's last gradient is ready: launches the
-  all-reduce on the members where XLA put them (no packed copy). Its results are the
-  members' buffers, in flight (each typed as its psum's result), and a token.
-* ``libra_psum_done(*buffers, token, *xs, *after)``, after the rest of the backward pass
-  (`rewrite`: the pure equations downstream of its results, the optimizer update, move with
-  it; an effect or another all-reduce that reads a result places it first): waits for the
-  all-reduce; its results are the buffers (aliased), the psums' results. It holds start's
-  operands `xs` (read by nothing): where start works out of place (CPU) the engine reads them
-  until the round is over, as XLA's own async all-reduce holds its operand until its done.
+  all-reduce *in place* on the members where XLA put them (no packed copy). Its results are
+  the members' buffers, in flight (each typed as its psum's result), and a token.
+* ``libra_psum_done(*buffers)``, after the rest of the backward pass (`rewrite`: the pure
+  equations downstream of its results, the optimizer update, move with it; an effect or
+  another all-reduce that reads a result places it first): waits for the all-reduce; its
+  results are the buffers (aliased), the psums' results.
 
 What runs in between is the compute the all-reduce overlaps. Per platform:
 
@@ -26,8 +24,8 @@ What runs in between is the compute the all-reduce overlaps. Per platform:
   unread until done. One call per member until the GPU starts take several (NCCL's group, a
   table of the kernels' pointers): a member the P2P kernels cannot take as it is (not whole
   16-byte vectors) is all-reduced in start.
-* CPU: start is ``libra_allreduce_cpu_start``, one per dtype over its members, out of place
-  (`_out_of_place`): the device's buffers join their round and the call returns at once, so nothing is pending in XLA's
+* CPU: start is ``libra_allreduce_cpu_start``, one per dtype over its members: the device's
+  buffers join their round and the call returns at once, so nothing is pending in XLA's
   program while the backward pass runs; the engine reduces when the last rank arrives. done
   is ``libra_allreduce_cpu_done``: a future for the end of that round (usually over by then),
   outputs aliased as on CUDA. (The one-call handler is asynchronous too, but its future
@@ -37,7 +35,7 @@ What runs in between is the compute the all-reduce overlaps. Per platform:
   done passes it through; elsewhere (TPU...) the same with XLA's all-reduce.
 
 Start has one more result, a token (`TOKEN_AVAL`). Done reads its own start's buffers and
-token, its start's operands, then any tokens it must not run before, read by nothing (`optimize` passes the latest
+token, then any tokens it must not run before, read by nothing (`optimize` passes the latest
 start's: XLA orders by data only, so this keeps every done after the last start), while the
 in-flight buffers have one reader, done, which XLA therefore never copies. A done is never dead
 code: lowered with a side effect, XLA keeps it, and JAX's dead-code elimination keeps it too,
@@ -181,13 +179,14 @@ def _start_lowering(platform: Platform) -> Rule:
         for j, (idx, group) in enumerate(_groups(ctx, ctx.avals_in, ctx.avals_out)):
             pair = lowering.pair_call(group, call, platform)
             for slot, members in _started(pair, j, idx, ctx.avals_in):
-                # One start over the members where they are: on CPU out of place (done
-                # holds the operands), on a GPU in place.
+                # One start over the members where they are, in place.
                 assert pair is not None
                 operands, avals, at = pair.start_operands(
                     [xs[i] for i in members], [ctx.avals_in[i] for i in members], [], [])
-                start = jax.ffi.ffi_lowering(pair.start, operand_output_aliases={} if (
-                    _out_of_place(pair)) else {at + k: k for k in range(len(members))})
+                aliases = {at + k: k for k in range(len(members))}
+                start = (lowering.in_place_cpu_lowering(pair.start, aliases)
+                         if pair.engine == "cpu" else
+                         jax.ffi.ffi_lowering(pair.start, operand_output_aliases=aliases))
                 *results, token = _compat.ir_values(start(ctx.replace(
                     primitive=None, avals_in=avals,
                     avals_out=[*(ctx.avals_out[i] for i in members), TOKEN_AVAL]),
@@ -202,17 +201,6 @@ def _start_lowering(platform: Platform) -> Rule:
             token = _compat.ir_constant(np.zeros(TOKEN_AVAL.shape, TOKEN_AVAL.dtype))
         return [*outs, token]
     return rule
-
-
-def _out_of_place(pair: lowering.PairCall) -> bool:
-    """Whether `pair`'s start writes fresh buffers, reading its operands until the round is
-    over (its done holds them), rather than its operands in place. The CPU engine's does: an
-    operand aliased to a result makes XLA copy it in its producer's fusion (copy insertion),
-    which changes how XLA fuses the code that computes it, so the program's arithmetic would
-    differ from its XLA control's (tests/test_corpus.py at --xla_cpu_max_isa=AVX2), and out of
-    place the engine writes past the caches (cpp/libra/engine.h). XLA's own async collectives
-    hold their operands until done alike. A GPU's starts (P2P kernels, NCCL) stay in place."""
-    return pair.engine == "cpu"
 
 
 def _one_call(ctx: Any, xs: Sequence[Any], idx: Sequence[int], call: lowering.Call,
@@ -239,15 +227,6 @@ def _one_call(ctx: Any, xs: Sequence[Any], idx: Sequence[int], call: lowering.Ca
 
 def done_abstract_eval(*operands: Any, out_avals: tuple, axes: tuple, blocks: int,
                        call_id: int) -> Any:
-    n = len(out_avals)
-    held = operands[n + 1:2 * n + 1]
-    if len(held) != n or any((a.shape, a.dtype) != (o.shape, o.dtype)
-                             for a, o in zip(held, out_avals)):
-        raise TypeError(
-            f"libra_psum_done (call_id={call_id}) takes its start's {n} buffer(s) and token, "
-            f"then the start's {n} operand(s) (held until done: on CPU the engine reads them "
-            "after start returns), then any values it must not run before; got operand types "
-            f"{[(tuple(a.shape), str(a.dtype)) for a in operands]}")
     register_pair("psum", call_id)
     return list(out_avals), set()
 
@@ -260,23 +239,18 @@ def _done_lowering(platform: Platform) -> Rule:
         # latest start's), read by nothing. Each of start's calls gets its done (the same
         # members, the same key); a member start all-reduced at once passes through.
         n = len(out_avals)
-        bufs, token = list(operands[:n]), operands[n]
-        held, after = operands[n + 1:2 * n + 1], list(operands[2 * n + 1:])
+        bufs, (token, *after) = list(operands[:n]), operands[n:]
         call = allreduce_call(axes, blocks, False, inplace=True)
         outs = list(bufs)
+        tokens = [TOKEN_AVAL] * (1 + len(after))
         for j, (idx, group) in enumerate(_groups(ctx, ctx.avals_in[:n], out_avals)):
             pair = lowering.pair_call(group, call, platform)
             for slot, members in _started(pair, j, idx, out_avals):
                 assert pair is not None
-                # The in-flight buffers once each (aliased to the outputs), the tokens and,
-                # where start works out of place, its operands: read by nothing, they keep
-                # the engine's inputs alive until the round is over.
-                keep = list(members) if _out_of_place(pair) else []
+                # The in-flight buffers once each (aliased to the outputs), and the tokens.
                 done_in, avals, at = pair.done_operands(
                     [bufs[i] for i in members], [ctx.avals_in[i] for i in members], token,
-                    [*(held[i] for i in keep), *after],
-                    [TOKEN_AVAL, *(ctx.avals_in[n + 1 + i] for i in keep),
-                     *ctx.avals_in[2 * n + 1:]])
+                    after, tokens)
                 results = _compat.ir_values(_done_call(pair.done, at, len(members))(
                     ctx.replace(primitive=None, avals_in=avals,
                                 avals_out=[out_avals[i] for i in members]),

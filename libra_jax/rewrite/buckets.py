@@ -86,7 +86,8 @@ def plan(rw: Rewriter, members: list[Site], costs: list[float], world: int, scop
 
 
 def edit_bucket(rw: Rewriter, eqns: Sequence[Any], bucket: list[Site], axes: tuple,
-                invariant: bool, k: int, split: bool, scope: str, edits: Edits) -> None:
+                invariant: bool, k: int, split: bool, scope: str, invars: set,
+                edits: Edits) -> None:
     """The edits that issue one planned gradient bucket: fused (or, where its members
     cannot be one call, each alone), as one call or a start/done pair; and its report."""
     mode = "start-done" if split else "sync"
@@ -96,7 +97,8 @@ def edit_bucket(rw: Rewriter, eqns: Sequence[Any], bucket: list[Site], axes: tup
                 edits.replacements[site.index], edits.dones[site.index] = start_done_eqns(
                     eqns, [site], axes, invariant, k, rw.call_id())
             else:
-                edits.replacements[site.index] = single_eqn(eqns[site.index], site, k)
+                edits.replacements[site.index] = single_eqn(eqns[site.index], site, k, invars)
+                _say_copy(rw, eqns, site, scope, invars)
         rw.report.plans.extend(
             PsumPlan(scope, axes, (s.index,), s.nbytes, k, "gradient", mode, s.collective)
             for s in bucket)
@@ -159,3 +161,20 @@ def deferred_s(rw: Rewriter, eqns: Sequence[Any], outvars: Sequence[Any],
     return [region_roofline_s(eqns, [i for i in sorted(r) if shared[i] == 1
                                       and not eqns[i].effects], readers, rw.profile)
             for r in reached]
+
+
+def _say_copy(rw: Rewriter, eqns: Sequence[Any], site: Site, scope: str, invars: set) -> None:
+    """Notes a psum issued in place (`single_eqn`) whose operand another equation reads too:
+    XLA must copy the operand first, as the all-reduce overwrites it (a bucket packs its
+    members into a buffer of its own, so only a psum alone is in place)."""
+    eqn = eqns[site.index]
+    operand = eqn.invars[0]
+    if not (site.collective == "all-reduce" and eqn.params.get("inplace", True)
+            and _compat.is_var(operand) and operand not in invars):
+        return
+    readers = sum(v is operand for e in eqns for v in e.invars if _compat.is_var(v))
+    if readers > 1:
+        shape = "x".join(map(str, operand.aval.shape)) or "scalar"
+        rw.report.copied.append(
+            f"psum of {operand.aval.dtype}[{shape}] in {scope}: its operand has "
+            f"{readers - 1} other reader(s), so XLA copies it before the in-place all-reduce")

@@ -185,11 +185,7 @@ def within_class(members: Sequence[Site], reach: Sequence[int] | None) -> list[i
     return out
 
 
-def single_eqn(eqn: Any, site: Site, blocks: int) -> Any:
-    """A site's collective as libra's one call. An all-reduce is out of place: XLA would copy
-    an operand aliased to its result where the operand is computed, which changes how it fuses
-    that code (the program's arithmetic would not be its XLA control's), and a second reader
-    of the gradient (a norm metric) would cost a copy more."""
+def single_eqn(eqn: Any, site: Site, blocks: int, invars: set) -> Any:
     if site.gather is not None:
         dimension, size, tiled, invariant = site.gather
         return eqn.replace(primitive=libra_all_gather_p,
@@ -201,8 +197,10 @@ def single_eqn(eqn: Any, site: Site, blocks: int) -> Any:
         return eqn.replace(primitive=libra_reduce_scatter_p,
                            params=dict(axis_name=site.axes, scatter_dimension=dimension,
                                        axis_size=size, tiled=tiled, blocks=int(blocks)))
+    operand = eqn.invars[0]
+    inplace = not (_compat.is_var(operand) and operand in invars)
     return eqn.replace(primitive=libra_psum_p,
-                       params=dict(axes=site.axes, blocks=int(blocks), inplace=False,
+                       params=dict(axes=site.axes, blocks=int(blocks), inplace=inplace,
                                    invariant=site.invariant))
 
 
@@ -242,7 +240,7 @@ def start_done_eqns(eqns: Sequence[Any], bucket: Sequence[Site], axes: tuple, in
         effects=effects)
     register_pair("psum", call_id)
     done = members[-1].replace(
-        invars=[*flat_vars, token, *operands, token], outvars=results, primitive=libra_psum_done_p,
+        invars=[*flat_vars, token, token], outvars=results, primitive=libra_psum_done_p,
         params=dict(out_avals=tuple(v.aval for v in results), axes=axes, blocks=int(blocks),
                     call_id=call_id), effects=set())
     return start, done

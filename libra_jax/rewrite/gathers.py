@@ -20,7 +20,8 @@ __all__ = ["edit_gathers", "prefetch_gathers", "hoist_regathers"]
 
 
 def edit_gathers(rw: Rewriter, eqns: Sequence[Any], gathers: Sequence[Site], axis_sizes: dict,
-                 scope: str, in_loop: bool, in_backward: bool, edits: Edits) -> None:
+                 scope: str, in_loop: bool, in_backward: bool, invars: set,
+                 edits: Edits) -> None:
     """Each all-gather (`gather_site`) as libra's, at the model's block count, or the count
     it was given (kind "user"). Kind "loop" in a loop body (one call each), "backward" on
     the backward pass (remat's re-gathers: in a scope autodiff's transpose made, reading
@@ -51,7 +52,7 @@ def edit_gathers(rw: Rewriter, eqns: Sequence[Any], gathers: Sequence[Site], axi
             k = allreduce.default_blocks(site.nbytes, group_size(axis_sizes, site.axes),
                                          rw.profile, collective="all_gather")
         if site.explicit_blocks is None and site.index not in issued:
-            edits.replacements[site.index] = single_eqn(eqns[site.index], site, k)
+            edits.replacements[site.index] = single_eqn(eqns[site.index], site, k, invars)
         rw.report.plans.append(PsumPlan(scope, site.axes, (site.index,), site.nbytes,
                                           int(k), kinds[site.index], overlap,
                                           "all-gather", distance))

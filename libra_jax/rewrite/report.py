@@ -85,6 +85,9 @@ class OptimizeReport:
     # psums of a known zero, computed without a call (`sites.fold_zero_psums`): one line
     # per psum, with its scope.
     folded: list[str] = dataclasses.field(default_factory=list)
+    # Gradient all-reduces issued in place whose operand has another reader (a norm metric
+    # of the local gradients): XLA copies the operand before the call. One line each.
+    copied: list[str] = dataclasses.field(default_factory=list)
     # Per scope whose all-gathers were planned together (`gathers.prefetch_gathers`): the
     # model's inputs and choice (`planner.GatherStep`s, `planner.GatherPlan`), for `explain`.
     gathers: list[dict[str, Any]] = dataclasses.field(default_factory=list)

@@ -234,8 +234,9 @@ class Rewriter:
                 self.unplanned.append(f"{other or libras} over {axis_names(eqn.params)} in "
                                       f"{scope}" + (" (libra's)" if libras else ""))
         edits = Edits()
+        invars = set(jaxpr.invars)
         edit_gathers(self, eqns, gathers, axis_sizes, scope, in_loop, in_backward or transposed,
-                     edits)
+                     invars, edits)
         if not sites:
             return self.finish(jaxpr, eqns, edits, scope)
         warn_invariant_operands(eqns, sites)
@@ -263,7 +264,7 @@ class Rewriter:
                 k = allreduce.default_blocks(site.nbytes, group_size(axis_sizes, site.axes),
                                              self.profile,
                                              collective=collectives.lax_name(site.collective))
-                edits.replacements[site.index] = single_eqn(eqns[site.index], site, k)
+                edits.replacements[site.index] = single_eqn(eqns[site.index], site, k, invars)
             self.report.plans.append(PsumPlan(scope, site.axes, (site.index,), site.nbytes,
                                               k, kind, collective=site.collective))
         planned = [(axes, bucket, k)
@@ -277,7 +278,8 @@ class Rewriter:
                   split_buckets(self, eqns, jaxpr.outvars, [b for _, b, _ in planned]))
         for (axes, bucket, k), split in zip(planned, splits):
             split = split and bucket[0].collective == "all-reduce"
-            edit_bucket(self, eqns, bucket, axes, bucket[0].invariant, k, split, scope, edits)
+            edit_bucket(self, eqns, bucket, axes, bucket[0].invariant, k, split, scope, invars,
+                             edits)
         return self.finish(jaxpr, eqns, edits, scope)
 
     def finish(self, jaxpr: Any, eqns: list[Any], edits: Edits, scope: str) -> Any:
