@@ -529,7 +529,9 @@ def test_plan_of_the_fsdp_example(capsys, jax_8):
     script = Path(__file__).resolve().parents[1] / "examples" / "fsdp.py"
     status, out, _ = run(capsys, "plan", str(script), "--small", "--plain")
     assert status == 0, out
-    assert re.search(r"\d+ gradient psums, \d+ gradient psum_scatters", out), out
+    # A stream per collective: the psums' buckets, the psum_scatters' (fused over the psums).
+    assert re.search(r"\d+ gradient psums -> \d+ bucket", out), out
+    assert re.search(r"\d+ gradient psum_scatters -> 1 bucket", out), out
     assert "all_gathers, one call each where used" in out and "sync (psum_scatter)" in out
     assert "Embed_0.embedding" in out, out
 

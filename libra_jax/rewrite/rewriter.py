@@ -251,13 +251,17 @@ class Rewriter:
         waits = downstream_of(eqns, [eqns[i].outvars[0] for i in sorted(gradient)])
         costs = [0.0 if i in waits else roofline_s(eqn, self.profile)
                  for i, eqn in enumerate(eqns)]
-        # Gradient collectives over the same axes are one backward stream: their psums and
-        # psum_scatters are planned together, a bucket holding one `Site.bucket_class`.
+        # Gradient collectives over the same axes of one `Site.bucket_class` are one stream,
+        # planned as one sequence of buckets: a bucket is one collective of one kind, so an
+        # FSDP step's reduce-scatters (the sharded weights) and all-reduces (the replicated
+        # biases and norms), which alternate in its backward pass, are two streams, each
+        # fused over the other's gradients (as one stream, no bucket could reach past a
+        # gradient of the other kind: one call per gradient).
         groups: dict[tuple, list[Site]] = {}
         for site in sites:  # in jaxpr order: the report lists them so
             kind = kinds[site.index]
             if kind == "gradient":
-                groups.setdefault(site.axes, []).append(site)
+                groups.setdefault((site.axes, site.bucket_class), []).append(site)
                 continue
             k = site.explicit_blocks
             if k is None:
@@ -268,7 +272,7 @@ class Rewriter:
             self.report.plans.append(PsumPlan(scope, site.axes, (site.index,), site.nbytes,
                                               k, kind, collective=site.collective))
         planned = [(axes, bucket, k)
-                   for axes, members in groups.items()
+                   for (axes, _), members in groups.items()
                    for bucket, k in plan_buckets(self, members, costs, group_size(axis_sizes, axes), scope,
                                               fusable_reach(eqns, members), in_loop)]
         # In a loop body each bucket is one call: every iteration's all-reduces are done
