@@ -68,9 +68,9 @@ Contract of the rewrite (`rewrite_jaxpr`):
   `libra_reduce_scatter` without an explicit block count) is a site as a psum is,
   classified by the same rule: the gradient of a sharded parameter (the transpose of a
   forward `all_gather`, or an explicit `psum_scatter` of gradients) is a gradient
-  collective. A scope's gradient psums and psum_scatters over the same axes are planned
-  together (`planner.Layer.collective`: one backward stream), a bucket holding one
-  `Site.bucket_class`; a bucket of psum_scatters along their first dimension is one
+  collective. A scope's gradient collectives over the same axes of one `Site.bucket_class`
+  are one stream, planned as one sequence of buckets (each stream's buckets reach over the
+  other streams' gradients; each is priced alone); a bucket of psum_scatters along their first dimension is one
   `libra_bucket` equation of kind psum_scatter (bitwise the unfused ones: the same sums), issued as
   one call. The gradient of ``all_gather(to='invarying')`` (a psum, then this rank's
   slice) becomes that slice's reduce-scatter first (`sites.scatter_sliced_psums`). Every
