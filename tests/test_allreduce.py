@@ -416,7 +416,7 @@ def test_inplace_default_aliases_intermediates_only():
 ], ids=["transposed dot", "3-D transpose", "dot over dim 0", "gradient"])
 def test_in_place_needs_no_layout_constraint(make):
     """An in-place CPU all-reduce is lowered without layout constraints
-    (`lowering.in_place_cpu_lowering`): whatever XLA makes of the operand's producer (a
+    (`lowering.engine_lowering`): whatever XLA makes of the operand's producer (a
     transpose, a dot), the result is bitwise `jax.lax.psum`'s, and XLA copies nothing for the
     call."""
     from conftest import copied_operands

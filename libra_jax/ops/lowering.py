@@ -40,7 +40,8 @@ from libra_jax.ops.base import Platform, Rule, warn_once
 
 __all__ = ["Call", "PairCall", "Collective", "COLLECTIVES", "ENGINE_DTYPES", "rule", "lower",
            "replaced_rule", "libra_call", "xla_collective", "warn_fallback", "engine_call",
-           "in_place_cpu_lowering", "cpu_call", "members_call", "gpu_call", "pair_call", "nccl_attrs", "nccl_blocks",
+           "engine_lowering", "cpu_call", "members_call", "gpu_call", "pair_call", "nccl_attrs",
+           "nccl_blocks",
            "rank_group_operand", "to_row_of_shards", "from_row_of_shards", "mirrored",
            "default_blocks", "default_profile", "packed_layout", "packed_avals", "pack", "split",
            "MAX_BLOCKS", "CUDA_DTYPES", "NCCL_DTYPES", "CUDA_VECTOR_BYTES", "PACK_ALIGN_BYTES"]
@@ -255,7 +256,7 @@ def engine_call(ctx: Any, call: Call) -> tuple[Callable[..., Sequence[Any]] | No
     shards = avals_in if row.gathers else avals_out
     attrs["segments"] = np.array([math.prod(a.shape[call.dimension:])
                                   if row.layout != "replicated" else 0 for a in shards], np.int64)
-    lowered = in_place_cpu_lowering(
+    lowered = engine_lowering(
         _ffi.target(row.kind, "cpu"),
         {1 + i: i for i in range(len(avals_in))} if call.inplace else {})
 
@@ -267,10 +268,10 @@ def engine_call(ctx: Any, call: Call) -> tuple[Callable[..., Sequence[Any]] | No
     return emit, ""
 
 
-def in_place_cpu_lowering(target: str, aliases: dict[int, int]) -> Callable[..., Any]:
-    """The lowering of a CPU engine target whose results alias its operands (`aliases`, one
-    result per member; none: `jax.ffi.ffi_lowering`'s, with its row-major layouts), an
-    all-reduce's: without layout constraints. XLA:CPU's layout assignment makes every
+def engine_lowering(target: str, aliases: dict[int, int]) -> Callable[..., Any]:
+    """The lowering of a CPU engine target (a call or a start). Where its results alias its
+    operands (`aliases`, one result per member: an all-reduce in place) it has no layout
+    constraints; otherwise `jax.ffi.ffi_lowering`'s row-major ones. XLA:CPU's layout assignment makes every
     operand and result of a custom call row-major anyway, and where an aliased operand carries
     a constraint it copies the operand in the fusion that computes it: a copy per gradient,
     and code fused otherwise than in the XLA control's program (the corpus's transformer step

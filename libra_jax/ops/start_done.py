@@ -184,7 +184,7 @@ def _start_lowering(platform: Platform) -> Rule:
                 operands, avals, at = pair.start_operands(
                     [xs[i] for i in members], [ctx.avals_in[i] for i in members], [], [])
                 aliases = {at + k: k for k in range(len(members))}
-                start = (lowering.in_place_cpu_lowering(pair.start, aliases)
+                start = (lowering.engine_lowering(pair.start, aliases)
                          if pair.engine == "cpu" else
                          jax.ffi.ffi_lowering(pair.start, operand_output_aliases=aliases))
                 *results, token = _compat.ir_values(start(ctx.replace(

@@ -70,9 +70,9 @@ Contract of the rewrite (`rewrite_jaxpr`):
   forward `all_gather`, or an explicit `psum_scatter` of gradients) is a gradient
   collective. A scope's gradient collectives over the same axes of one `Site.bucket_class`
   are one stream, planned as one sequence of buckets (each stream's buckets reach over the
-  other streams' gradients; each is priced alone); a bucket of psum_scatters along their first dimension is one
-  `libra_bucket` equation of kind psum_scatter (bitwise the unfused ones: the same sums), issued as
-  one call. The gradient of ``all_gather(to='invarying')`` (a psum, then this rank's
+  other streams' gradients; each is priced alone); a bucket of psum_scatters along their
+  first dimension is one `libra_bucket` equation of kind psum_scatter (bitwise the unfused
+  ones: the same sums), issued as one call. The gradient of ``all_gather(to='invarying')`` (a psum, then this rank's
   slice) becomes that slice's reduce-scatter first (`sites.scatter_sliced_psums`). Every
   `all_gather` it can serve becomes libra's, one call at the model's block count
   (`gathers.edit_gathers`); others stay XLA's, listed as unplanned.
