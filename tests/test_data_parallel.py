@@ -345,6 +345,43 @@ def test_parameters_sharded_over_data_are_gathered_and_reduce_scattered(shape, v
         assert xla not in text, xla
 
 
+def test_reduce_scatters_of_a_scanned_microbatch_accumulation_are_planned():
+    """Microbatches summed in a `lax.scan` of the jitted sharded step, each one's gradient
+    through the route: the reduce-scatters in the body are the body's gradients (the route's
+    shard_map that autodiff's transpose made is all backward pass), planned as one bucket
+    each iteration, and the loop's plan says so. Before, they were kind ``loop``, unplanned,
+    and the report had no loop plan. Bitwise the XLA control, class 3 of GSPMD's step."""
+    mesh = make_mesh()
+    params, specs, x, y = fsdp_problem(mesh)
+    xs = put(np.asarray(x).reshape(4, 16, 16), mesh, P(None, "data"))
+    ys = put(np.asarray(y).reshape(4, 16, 8), mesh, P(None, "data"))
+
+    def accumulate(value_and_grad):
+        def step(params, xs, ys):
+            def micro(acc, batch):
+                loss, grads = value_and_grad(mlp_loss)(params, *batch)
+                return jax.tree.map(jnp.add, acc, grads), loss
+            acc, losses = jax.lax.scan(micro, jax.tree.map(jnp.zeros_like, params), (xs, ys))
+            return jax.tree.map(lambda p, g: p - 0.1 * g, params, acc), losses
+        return step
+    step = accumulate(lambda f: route(f, in_specs=(specs, P("data"), P("data"))))
+    with mesh_context(mesh):
+        opt = libra_jax.optimize(step)
+        got = jax.jit(opt)(params, xs, ys)
+        control = jax.jit(libra_jax.optimize(step, collectives="xla"))(params, xs, ys)
+        want = jax.jit(accumulate(jax.value_and_grad))(params, xs, ys)
+    jax.tree.map(assert_bitwise, got, control)
+    assert_codegen_close(jax.tree.map(np.asarray, got), jax.tree.map(np.asarray, want))
+    report = opt.last_report
+    # One reduce-scatter per weight (one scattered along dimension 1: a bucket of its own).
+    scatters = [p for p in report.plans if p.collective == "reduce-scatter"]
+    assert [(p.kind, len(p.members)) for p in scatters] == [("gradient", 1)] * 2, scatters
+    gradient = [p for p in report.plans if p.kind == "gradient"]
+    loop, = report.loops
+    assert (loop.gradient, loop.calls, loop.length) == (
+        sum(len(p.members) for p in gradient), len(gradient), 4), (loop, report.plan_lines())
+
+
 @pytest.mark.parametrize("kind", ["auto", "explicit"])
 def test_batch_axes_of_one_device_are_dropped_from_every_collective(kind):
     """MaxText splits the batch over ('data', 'fsdp', 'sequence', ...), every axis but

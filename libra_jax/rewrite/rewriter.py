@@ -336,7 +336,11 @@ class Rewriter:
         first_plan = len(self.report.plans)
 
         made_by_transpose = _compat.made_by_transpose(eqn, deep=False)
-        transposed = loop and made_by_transpose
+        # The body of a loop or a shard_map that autodiff's transpose made is all backward
+        # pass (the backward scan of scan-over-layers; the route's shard_map of the
+        # reduce-scatters), though its own equations do not say so. A `checkpoint`'s is not:
+        # it computes the forward pass again.
+        transposed = made_by_transpose and (loop or mesh_param is not None)
 
         def rewrite(j: Any) -> Any:
             bodies.append(self.unique_scope(base))
@@ -351,15 +355,18 @@ class Rewriter:
     def loop_report(self, eqn: Any, index: int, scope: str, bodies: list[str], first_plan: int,
                     hoisting: LoopPlan | None) -> None:
         """The `LoopPlan` of a loop whose body was just planned: its gradient buckets, run once
-        per iteration, and the hoisting choice `hoist_loops` made for it, if any."""
-        planned = [p for p in self.report.plans[first_plan:]
-                   if p.kind == "gradient" and p.scope in bodies]
+        per iteration (in the body or a scope within it: the route's shard_maps in a scan of
+        microbatches), and the hoisting choice `hoist_loops` made for it, if any."""
+        inner = tuple(f"{b}/" for b in bodies)
+        within = [p for p in self.report.plans[first_plan:]
+                  if p.scope in bodies or p.scope.startswith(inner)]
+        planned = [p for p in within if p.kind == "gradient"]
         if not planned and hoisting is None:
             return
         body = planned[0].scope if planned else bodies[-1]
         length = int(eqn.params["length"]) if "length" in eqn.params else None
-        kept = sum(len(p.members) for p in self.report.plans[first_plan:]
-                   if p.scope in bodies and p.kind != "gradient" and p.collective != "all-gather")
+        kept = sum(len(p.members) for p in within
+                   if p.kind != "gradient" and p.collective != "all-gather")
         gradient = sum(len(p.members) for p in planned)
         if hoisting is None:
             hoisting = LoopPlan(scope, index, length, body, gradient, len(planned))
