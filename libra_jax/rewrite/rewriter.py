@@ -251,12 +251,9 @@ class Rewriter:
         waits = downstream_of(eqns, [eqns[i].outvars[0] for i in sorted(gradient)])
         costs = [0.0 if i in waits else roofline_s(eqn, self.profile)
                  for i, eqn in enumerate(eqns)]
-        # Gradient collectives over the same axes of one `Site.bucket_class` are one stream,
-        # planned as one sequence of buckets: a bucket is one collective of one kind, so an
-        # FSDP step's reduce-scatters (the sharded weights) and all-reduces (the replicated
-        # biases and norms), which alternate in its backward pass, are two streams, each
-        # fused over the other's gradients (as one stream, no bucket could reach past a
-        # gradient of the other kind: one call per gradient).
+        # Gradient collectives over the same axes of one `Site.bucket_class` are one stream
+        # of buckets: FSDP's reduce-scatters and all-reduces, which alternate in its backward
+        # pass, are two, each fused over the other's gradients (one stream fused none).
         groups: dict[tuple, list[Site]] = {}
         for site in sites:  # in jaxpr order: the report lists them so
             kind = kinds[site.index]
