@@ -434,6 +434,8 @@ def register_psum_rooflines(reducing: Sequence[Any], waiting: Sequence[Any]) -> 
         return False
 
     def reduce_rule(ctx: Any, *args: Any, axes: tuple, **params: Any) -> Any:
+        if params.get("collective") == "all_gather":  # gathers: no all-reduce to count
+            return _roofline.RooflineResult()
         return psum_rule(ctx, *args, axes=axes)
 
     def free_rule(ctx: Any, *args: Any, **params: Any) -> Any:

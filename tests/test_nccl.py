@@ -738,7 +738,7 @@ SHARDED_IN_PROCESS = """
     def pairs(g, w):
         # Both starts, then both dones, each with its own start's token and the latest
         # start's (as optimize places them): the compute between would go where the dones are.
-        params = dict(axis_name=("x",), dimension=1, axis_size=jax.lax.axis_size("x"),
+        params = dict(axes=("x",), dimension=1, axis_size=jax.lax.axis_size("x"),
                       tiled=True, blocks=6)
         rs_out, _ = ops.libra_reduce_scatter_p.abstract_eval(
             jax.typeof(g), axis_name=("x",), scatter_dimension=1, axis_size=params["axis_size"],
@@ -746,14 +746,13 @@ SHARDED_IN_PROCESS = """
         ag_out, _ = ops.libra_all_gather_p.abstract_eval(
             jax.typeof(w), axis_name=("x",), all_gather_dimension=1,
             axis_size=params["axis_size"], tiled=True, invariant=False, blocks=6)
-        rs, rs_token = ops.libra_sharded_start_p.bind(g, collective="psum_scatter", call_id=1,
-                                                      **params)
-        ag, token = ops.libra_sharded_start_p.bind(w, collective="all_gather", call_id=2,
-                                                   **params)
-        return (ops.libra_sharded_done_p.bind(rs, rs_token, token, collective="psum_scatter",
-                                              call_id=1, out_aval=rs_out, **params),
-                ops.libra_sharded_done_p.bind(ag, token, token, collective="all_gather",
-                                              call_id=2, out_aval=ag_out, **params))
+        rs, rs_token = ops.libra_start_p.bind(g, collective="psum_scatter", call_id=1,
+                                              **params)
+        ag, token = ops.libra_start_p.bind(w, collective="all_gather", call_id=2, **params)
+        return (ops.libra_done_p.bind(rs, rs_token, token, collective="psum_scatter",
+                                      call_id=1, out_avals=(rs_out,), **params)[0],
+                ops.libra_done_p.bind(ag, token, token, collective="all_gather",
+                                      call_id=2, out_avals=(ag_out,), **params)[0])
     for n in (2, 8):
         mesh = jax.make_mesh((n,), ("x",), devices=jax.devices()[:n])
         for form in ("one-call", "start-done"):

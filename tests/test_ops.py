@@ -19,8 +19,7 @@ from libra_jax.ops import base, lowering
 
 def test_every_op_is_registered_once_with_an_xla_twin():
     prims = [ops.libra_psum_p, ops.libra_bucket_p, ops.libra_reduce_scatter_p,
-             ops.libra_all_gather_p, ops.libra_psum_start_p,
-             ops.libra_psum_done_p, ops.libra_sharded_start_p, ops.libra_sharded_done_p]
+             ops.libra_all_gather_p, ops.libra_start_p, ops.libra_done_p]
     assert sorted(ops.XLA_TWINS, key=str) == sorted(prims, key=str)
     for prim in prims:
         twin = ops.XLA_TWINS[prim]
@@ -77,9 +76,11 @@ def test_replaced_rule_reaches_every_op_and_is_undone():
 def test_the_timeout_attribute_is_built_in_one_place(monkeypatch):
     monkeypatch.setenv("LIBRA_JAX_TIMEOUT_S", "4")
     start_done = jax.jit(jax.shard_map(
-        lambda v: ops.libra_psum_done_p.bind(
-            *ops.libra_psum_start_p.bind(v, axes=("x",), blocks=1, invariant=False, call_id=5),
-            out_avals=(jax.typeof(v),), axes=("x",), blocks=1, call_id=5)[0],
+        lambda v: ops.libra_done_p.bind(
+            *ops.libra_start_p.bind(v, collective="psum", axes=("x",), blocks=1,
+                                    invariant=False, call_id=5),
+            collective="psum", out_avals=(jax.typeof(v),), axes=("x",), blocks=1,
+            call_id=5)[0],
         mesh=mesh_of((8,), ("x",)), in_specs=P("x"), out_specs=P("x"), check_vma=False)).lower(
         np.ones((8, 4), np.float32)).as_text()
     for text in (_lowered(_step), start_done):
@@ -107,10 +108,11 @@ def test_jax_roofline_counts_libra_all_reduces_as_psums(jax_8) -> None:
     b = jax.ShapeDtypeStruct((8, 32), np.float32)
 
     def split_pair(u, v):
-        flats = ops.libra_psum_start_p.bind(u, v, axes=("x",), blocks=2, invariant=False,
-                                            call_id=7)
-        return tuple(ops.libra_psum_done_p.bind(*flats, out_avals=(jax.typeof(u), jax.typeof(v)),
-                                                axes=("x",), blocks=2, call_id=7))
+        flats = ops.libra_start_p.bind(u, v, collective="psum", axes=("x",), blocks=2,
+                                       invariant=False, call_id=7)
+        return tuple(ops.libra_done_p.bind(*flats, collective="psum",
+                                           out_avals=(jax.typeof(u), jax.typeof(v)),
+                                           axes=("x",), blocks=2, call_id=7))
 
     bodies = {
         "xla": lambda u, v: (jax.lax.psum(u, "x"), jax.lax.psum(v, "x")),
@@ -153,7 +155,7 @@ def test_jax_roofline_flops_of_a_libra_step_are_xlas(jax_8) -> None:
 
 @pytest.mark.parametrize("overlap, target, primitive", [
     ("sync", "libra_allreduce_cpu", "libra_bucket"),
-    ("start-done", "libra_allreduce_cpu_start", "libra_psum_start")])
+    ("start-done", "libra_allreduce_cpu_start", "libra_start")])
 def test_a_cpu_bucket_is_one_engine_call_over_its_members_as_they_are(overlap, target,
                                                                       primitive):
     """A fused bucket on CPU is one engine call (or start, and its done) per dtype whose
@@ -266,4 +268,57 @@ def test_one_bucket_primitive_for_every_kind_and_the_old_names_still_bind():
     with pytest.raises(ValueError, match="no bucket form for 'all_gather'"):
         jax.make_jaxpr(jax.shard_map(
             lambda v: ops.libra_bucket_p.bind(v, collective="all_gather", axes=("x",)),
+            mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))(x)
+
+
+def test_one_start_done_pair_for_every_kind_and_the_old_names_still_bind():
+    """`libra_start` / `libra_done` are every kind's pair (`start_done.PAIRS`): the former
+    names (`libra_psum_start_p`..., `libra_sharded_done_p`) bind them with their kind and
+    their params as they were, saying so (DeprecationWarning), for a release; the results
+    are the one-call collectives' bits; a kind without a pair is refused by name."""
+    from libra_jax.ops import start_done
+
+    assert set(start_done.PAIRS) == {"psum", "psum_scatter", "all_gather"}
+    mesh = mesh_of((8,), ("x",))
+    x = shard(np.arange(8 * 16, dtype=np.float32).reshape(8 * 8, 2), mesh, P("x"))
+    sharded = dict(dimension=0, axis_size=8, tiled=True, blocks=1)
+
+    def pairs(v):
+        psum = dict(axes=("x",), blocks=1)
+        new, = ops.libra_done_p.bind(
+            *ops.libra_start_p.bind(v, collective="psum", invariant=False, call_id=31, **psum),
+            collective="psum", out_avals=(jax.typeof(v),), call_id=31, **psum)
+        with pytest.warns(DeprecationWarning, match="libra_psum_start_p is libra_start_p"):
+            started = ops.libra_psum_start_p.bind(v, invariant=False, call_id=32, **psum)
+        with pytest.warns(DeprecationWarning, match="libra_psum_done_p is libra_done_p"):
+            old, = ops.libra_psum_done_p.bind(*started, out_avals=(jax.typeof(v),),
+                                              call_id=32, **psum)
+        rs_aval = jax.typeof(jax.lax.psum_scatter(v, "x", tiled=True))
+        flat, token = ops.libra_start_p.bind(v, collective="psum_scatter", axes=("x",),
+                                             call_id=33, **sharded)
+        scattered, = ops.libra_done_p.bind(flat, token, collective="psum_scatter",
+                                           axes=("x",), call_id=33, out_avals=(rs_aval,),
+                                           **sharded)
+        with pytest.warns(DeprecationWarning, match="libra_sharded_start_p is libra_start_p"):
+            flat, token = ops.libra_sharded_start_p.bind(
+                v, collective="psum_scatter", axis_name=("x",), call_id=34, **sharded)
+        with pytest.warns(DeprecationWarning, match="libra_sharded_done_p is libra_done_p"):
+            old_scattered = ops.libra_sharded_done_p.bind(  # one result, as it was
+                flat, token, collective="psum_scatter", axis_name=("x",), call_id=34,
+                out_aval=rs_aval, **sharded)
+        return new, old, jax.lax.psum(v, "x"), scattered, old_scattered, jax.lax.psum_scatter(
+            v, "x", tiled=True)
+    specs = (P("x"),) * 6
+    f = jax.jit(jax.shard_map(pairs, mesh=mesh, in_specs=P("x"), out_specs=specs,
+                              check_vma=False))
+    new, old, psum, scattered, old_scattered, reference = f(x)
+    assert_bitwise(new, psum)
+    assert_bitwise(old, psum)
+    assert_bitwise(scattered, reference)
+    assert_bitwise(old_scattered, reference)
+    text = str(jax.make_jaxpr(f)(x))
+    assert text.count("libra_start[") == text.count("libra_done[") == 4
+    with pytest.raises(ValueError, match="no start/done form for 'ppermute'"):
+        jax.make_jaxpr(jax.shard_map(
+            lambda v: ops.libra_start_p.bind(v, collective="ppermute", axes=("x",)),
             mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))(x)

@@ -31,7 +31,7 @@ pytestmark = pytest.mark.usefixtures("jax_8")
 def eqn_names(jaxpr):
     """Primitive names of the innermost jaxpr that holds a start (the shard_map body)."""
     for eqn in jaxpr.eqns:
-        if eqn.primitive is ops.libra_psum_start_p:
+        if eqn.primitive is ops.libra_start_p:
             return [e.primitive.name for e in jaxpr.eqns]
         for sub in _compat.jaxprs_in_params(eqn.params):
             names = eqn_names(sub)
@@ -62,8 +62,8 @@ def test_done_waits_until_a_result_is_needed():
     closed = jax.make_jaxpr(step)(*args)
     rewritten, report = rewrite_jaxpr(closed, fusion=False, overlap="start-done")
     names = eqn_names(rewritten.jaxpr)
-    starts = [i for i, n in enumerate(names) if n == "libra_psum_start"]
-    dones = [i for i, n in enumerate(names) if n == "libra_psum_done"]
+    starts = [i for i, n in enumerate(names) if n == "libra_start"]
+    dones = [i for i, n in enumerate(names) if n == "libra_done"]
     gradient_buckets = [p for p in report.plans if p.kind == "gradient"]
     assert len(starts) == len(dones) == len(gradient_buckets) >= 2
     # Every start comes before the first done, and so does all the backward pass: the
@@ -140,11 +140,11 @@ def test_start_and_done_pack_mixed_dtypes_with_padding():
     call_id = 12345
 
     def body(a, b):
-        started = ops.libra_psum_start_p.bind(a, b, axes=("x",), blocks=2, invariant=False,
+        started = ops.libra_start_p.bind(a, b, collective="psum", axes=("x",), blocks=2, invariant=False,
                                                   call_id=call_id)
         assert len(started) == 3  # a buffer per dtype, and the token
-        return tuple(ops.libra_psum_done_p.bind(
-            *started, out_avals=tuple(avals), axes=("x",), blocks=2, call_id=call_id))
+        return tuple(ops.libra_done_p.bind(
+            *started, collective="psum", out_avals=tuple(avals), axes=("x",), blocks=2, call_id=call_id))
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P("x")),
                               out_specs=(P("x"), P("x")), check_vma=False))
@@ -162,11 +162,11 @@ def test_overlap_mode_is_validated(monkeypatch):
     with pytest.raises(ValueError, match="LIBRA_JAX_OVERLAP"):
         optimize(step)
     monkeypatch.setenv("LIBRA_JAX_OVERLAP", "start-done")
-    assert "libra_psum_start" in str(jax.make_jaxpr(optimize(step))(*args))
+    assert "libra_start" in str(jax.make_jaxpr(optimize(step))(*args))
     monkeypatch.setenv("LIBRA_JAX_OVERLAP", "sync")
-    assert "libra_psum_start" not in str(jax.make_jaxpr(optimize(step))(*args))
+    assert "libra_start" not in str(jax.make_jaxpr(optimize(step))(*args))
     # The decorator form passes overlap on too.
-    assert "libra_psum_start" in str(jax.make_jaxpr(optimize(overlap="start-done")(step))(*args))
+    assert "libra_start" in str(jax.make_jaxpr(optimize(overlap="start-done")(step))(*args))
 
 
 @pytest.mark.skipif(not _ffi.HAS_CUDA, reason="libra_jax built without CUDA")
@@ -192,11 +192,11 @@ def test_a_gpu_bucket_is_one_start_per_member_the_kernels_take_as_it_is(monkeypa
     mesh = mesh_of((8,), ("x",))
 
     def bucket(a, b, c):
-        return tuple(ops.libra_psum_done_p.bind(
-            *ops.libra_psum_start_p.bind(a, b, c, axes=("x",), blocks=2, invariant=False,
+        return tuple(ops.libra_done_p.bind(
+            *ops.libra_start_p.bind(a, b, c, collective="psum", axes=("x",), blocks=2, invariant=False,
                                          call_id=77),
             jnp.zeros((1,), jnp.int32),
-            out_avals=tuple(jax.core.ShapedArray(s, jnp.float32) for s in ((4, 8), (3,), (16,))),
+            collective="psum", out_avals=tuple(jax.core.ShapedArray(s, jnp.float32) for s in ((4, 8), (3,), (16,))),
             axes=("x",), blocks=2, call_id=77))
     f = jax.jit(jax.shard_map(bucket, mesh=mesh, in_specs=(P(),) * 3, out_specs=(P(),) * 3,
                               check_vma=False))
@@ -225,9 +225,9 @@ START_TIMEOUT_SCRIPT = TIMEOUT_SCRIPT.replace("def body(v):", textwrap.dedent(""
     from libra_jax import ops
     call_id = 12345
     def split_psum(u):
-        flat = ops.libra_psum_start_p.bind(u, axes=("x",), blocks=1, invariant=False,
+        flat = ops.libra_start_p.bind(u, collective="psum", axes=("x",), blocks=1, invariant=False,
                                                call_id=call_id)
-        return ops.libra_psum_done_p.bind(*flat, out_avals=(jax.typeof(u),),
+        return ops.libra_done_p.bind(*flat, collective="psum", out_avals=(jax.typeof(u),),
                                           axes=("x",), blocks=1, call_id=call_id)[0]
     def body(v):""")).replace('lambda u: libra_jax.psum(u, "x"), v)', "split_psum, v)")
 
@@ -248,13 +248,13 @@ ABANDONED_PROGRAM = """
     aval = jax.core.ShapedArray((1, 4), np.float32)
 
     def body(a, v, fail):
-        started = ops.libra_psum_start_p.bind(a, axes=("x",), blocks=1, invariant=False,
+        started = ops.libra_start_p.bind(a, collective="psum", axes=("x",), blocks=1, invariant=False,
                                               call_id=77)
         if fail:
             i = jax.lax.axis_index("x")
             v = jax.lax.cond(i == 2, lambda u: u, lambda u: libra_jax.psum(u, "x"), v)
         started, v = jax.lax.optimization_barrier((started, v))  # done after v's psum
-        done, = ops.libra_psum_done_p.bind(*started, out_avals=(aval,), axes=("x",),
+        done, = ops.libra_done_p.bind(*started, collective="psum", out_avals=(aval,), axes=("x",),
                                            blocks=1, call_id=77)
         return done + v.sum()
 
@@ -457,13 +457,13 @@ mesh = Mesh(np.array(jax.devices()), ("x",))
 x = jax.device_put(np.arange(64, dtype=np.float32).reshape(16, 4), jax.NamedSharding(mesh, P("x")))
 smap = lambda f: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("x"), out_specs=P("x"),
                                        check_vma=False))
-sharded = dict(axis_name=("x",), dimension=0, axis_size=4, tiled=True, blocks=1)
+sharded = dict(axes=("x",), dimension=0, axis_size=4, tiled=True, blocks=1)
 cases = {
-    "psum start, buffer returned": lambda v: ops.libra_psum_start_p.bind(
-        v, axes=("x",), blocks=1, invariant=False, call_id=901)[0].reshape(v.shape),
-    "psum_scatter start, buffer returned": lambda v: ops.libra_sharded_start_p.bind(
+    "psum start, buffer returned": lambda v: ops.libra_start_p.bind(
+        v, collective="psum", axes=("x",), blocks=1, invariant=False, call_id=901)[0].reshape(v.shape),
+    "psum_scatter start, buffer returned": lambda v: ops.libra_start_p.bind(
         v, collective="psum_scatter", call_id=902, **sharded)[0].reshape(v.shape),
-    "all_gather start, buffer read without its done": lambda v: v + ops.libra_sharded_start_p.bind(
+    "all_gather start, buffer read without its done": lambda v: v + ops.libra_start_p.bind(
         v, collective="all_gather", call_id=903, **sharded)[0][:v.size].reshape(v.shape),
 }
 for name, f in cases.items():
@@ -477,8 +477,8 @@ for name, f in cases.items():
                 print("REFUSED", name)
 
 def unused_done(v):  # a pair whose done's result nobody reads: XLA keeps the done
-    flat = ops.libra_psum_start_p.bind(v, axes=("x",), blocks=1, invariant=False, call_id=905)
-    ops.libra_psum_done_p.bind(*flat, out_avals=(jax.typeof(v),), axes=("x",), blocks=1,
+    flat = ops.libra_start_p.bind(v, collective="psum", axes=("x",), blocks=1, invariant=False, call_id=905)
+    ops.libra_done_p.bind(*flat, collective="psum", out_avals=(jax.typeof(v),), axes=("x",), blocks=1,
                                call_id=905)
     return v * 2
 hlo = smap(unused_done).lower(x).compile().as_text()
@@ -506,9 +506,9 @@ def test_a_call_id_out_of_range_is_refused_by_name():
     mesh = mesh_of((8,), ("x",))
 
     def pair(a):
-        *buffers, token = ops.libra_psum_start_p.bind(a, axes=("x",), blocks=1,
+        *buffers, token = ops.libra_start_p.bind(a, collective="psum", axes=("x",), blocks=1,
                                                       invariant=False, call_id=2**48)
-        return ops.libra_psum_done_p.bind(*buffers, token, token, out_avals=(buffers[0].aval,),
+        return ops.libra_done_p.bind(*buffers, token, token, collective="psum", out_avals=(buffers[0].aval,),
                                           axes=("x",), blocks=1, call_id=2**48)[0]
     f = jax.jit(jax.shard_map(pair, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False))
     with pytest.raises(ValueError, match=r"call_id must be in \[0, 2\*\*48\)"):

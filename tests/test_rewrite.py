@@ -1208,6 +1208,12 @@ def _eqns_named(jaxpr, name):
     return found
 
 
+def _gather_pair_eqns(jaxpr, name):
+    """`_eqns_named` of an all-gather's start or done (`libra_start` / `libra_done` with
+    ``collective="all_gather"``)."""
+    return [(j, e) for j, e in _eqns_named(jaxpr, name) if e.params["collective"] == "all_gather"]
+
+
 @pytest.mark.parametrize("name", ["fsdp-explicit-psum-scatter", "fsdp-gspmd-route"])
 def test_gathers_made_up_front_move_to_their_first_use(name):
     """FSDP code that gathers every weight before the loss (and the GSPMD route, which does):
@@ -1253,8 +1259,8 @@ def test_prefetch_issues_each_gather_ahead_bitwise_its_control(distance):
     closed = jax.make_jaxpr(opt)(case.state, *case.batch)
     assert not _eqns_named(closed.jaxpr, "all_gather")
     assert not _eqns_named(closed.jaxpr, "libra_all_gather")
-    starts = _eqns_named(closed.jaxpr, "libra_sharded_start")
-    dones = _eqns_named(closed.jaxpr, "libra_sharded_done")
+    starts = _gather_pair_eqns(closed.jaxpr, "libra_start")
+    dones = _gather_pair_eqns(closed.jaxpr, "libra_done")
     assert len(starts) == len(dones) == 6
     body = starts[0][0]
     assert all(j is body for j, _ in starts + dones)  # one scope: forward and backward
@@ -1301,7 +1307,7 @@ def test_prefetch_off_and_auto_on_cpu_issue_one_call_where_used(prefetch):
     case = fsdp_remat()
     opt = optimize(case.step, prefetch=prefetch)
     closed = jax.make_jaxpr(opt)(case.state, *case.batch)
-    assert not _eqns_named(closed.jaxpr, "libra_sharded_start")
+    assert not _gather_pair_eqns(closed.jaxpr, "libra_start")
     assert not _eqns_named(closed.jaxpr, "optimization_barrier")
     regathers = [j for j, _ in _eqns_named(closed.jaxpr, "libra_all_gather")]
     assert len(regathers) == 6 and len({id(j) for j in regathers}) == 4  # 3 in checkpoints

@@ -583,13 +583,13 @@ def split_pair(collective, v, axes, *, dimension, tiled, blocks=None, call_id=5,
         out_aval, _ = ops.libra_all_gather_p.abstract_eval(
             jax.typeof(v), axis_name=axes, all_gather_dimension=dimension, axis_size=n,
             tiled=tiled, invariant=False, blocks=blocks)
-    params = dict(collective=collective, axis_name=axes, dimension=dimension, axis_size=n,
+    params = dict(collective=collective, axes=axes, dimension=dimension, axis_size=n,
                   tiled=tiled, blocks=blocks, call_id=call_id)
-    flat, token = ops.libra_sharded_start_p.bind(v, **params)
+    flat, token = ops.libra_start_p.bind(v, **params)
     if between is None:
-        return ops.libra_sharded_done_p.bind(flat, token, out_aval=out_aval, **params)
+        return ops.libra_done_p.bind(flat, token, out_avals=(out_aval,), **params)[0]
     (flat, token), extra = jax.lax.optimization_barrier(((flat, token), between()))
-    return ops.libra_sharded_done_p.bind(flat, token, out_aval=out_aval, **params), extra
+    return ops.libra_done_p.bind(flat, token, out_avals=(out_aval,), **params)[0], extra
 
 
 SPLIT_CASES = [("psum_scatter", 0, True), ("psum_scatter", 1, True), ("psum_scatter", 0, False),

@@ -12,9 +12,11 @@ call where it serves, else XLA's with one notice); each has an XLA twin (`XLA_TW
 - `fused`: `libra_bucket_p`, a bucket of one kind's collectives as one call per dtype (a
   gradient bucket's psums, or reduce-scatters along dimension 0: `fused.BUCKETS`); its former
   names `libra_psum_fused_p` and `libra_reduce_scatter_fused_p` bind it, for a release;
-- `start_done`: `libra_psum_start_p` / `libra_psum_done_p`, that all-reduce issued where the
-  gradients are ready and waited for where the result is needed; `libra_sharded_start_p` /
-  `libra_sharded_done_p`, the same for one reduce-scatter or all-gather;
+- `start_done`: `libra_start_p` / `libra_done_p`, every kind's collective issued early and
+  waited for where its result is needed (`start_done.PAIRS`: a gradient bucket's all-reduce
+  where the gradients are ready, one reduce-scatter or all-gather); its former names
+  `libra_psum_start_p` / `libra_psum_done_p` and `libra_sharded_start_p` /
+  `libra_sharded_done_p` bind it, for a release;
 - `sharded`: `libra_reduce_scatter_p` / `libra_all_gather_p`, the `psum_scatter` and the
   `all_gather` `jax.lax` would bind, each other's transpose.
 
@@ -25,14 +27,22 @@ from libra_jax.ops.base import XLA_TWINS, register_op
 from libra_jax.ops.fused import libra_bucket_p, libra_psum_fused_p, libra_reduce_scatter_fused_p
 from libra_jax.ops.psum import libra_psum_p
 from libra_jax.ops.sharded import libra_all_gather_p, libra_reduce_scatter_p
-from libra_jax.ops.start_done import libra_psum_done_p, libra_psum_start_p, libra_sharded_done_p, libra_sharded_start_p
+from libra_jax.ops.start_done import (
+    libra_done_p,
+    libra_psum_done_p,
+    libra_psum_start_p,
+    libra_sharded_done_p,
+    libra_sharded_start_p,
+    libra_start_p,
+)
 
 # JAX's roofline counts them as its psum (a start for its bucket, its done as nothing; a
-# reduce-scatter bucket as the all-reduce of its members, an upper bound).
-_compat.register_psum_rooflines([libra_psum_p, libra_bucket_p, libra_psum_start_p],
-                                [libra_psum_done_p])
+# reduce-scatter bucket or start as the all-reduce of its members, an upper bound; an
+# all-gather's start as nothing, as before it had a rule).
+_compat.register_psum_rooflines([libra_psum_p, libra_bucket_p, libra_start_p], [libra_done_p])
 
 __all__ = ["XLA_TWINS", "register_op", "libra_psum_p", "libra_bucket_p", "libra_psum_fused_p",
            "libra_reduce_scatter_fused_p",
-           "libra_psum_start_p", "libra_psum_done_p", "libra_reduce_scatter_p",
-           "libra_all_gather_p", "libra_sharded_start_p", "libra_sharded_done_p"]
+           "libra_start_p", "libra_done_p", "libra_reduce_scatter_p", "libra_all_gather_p",
+           "libra_psum_start_p", "libra_psum_done_p", "libra_sharded_start_p",
+           "libra_sharded_done_p"]

@@ -19,9 +19,9 @@ from collections.abc import Callable
 from typing import Any
 
 from libra_jax import _compat
-from libra_jax.config import notice_text
+from libra_jax.config import notice, notice_text
 
-__all__ = ["Platform", "PLATFORMS", "XLA_TWINS", "register_op", "warn_once"]
+__all__ = ["Platform", "PLATFORMS", "XLA_TWINS", "register_op", "warn_once", "OldName"]
 
 #: What a lowering is built for: None (the default rule), "cpu", "cuda", or "xla" (the twin).
 Platform = str | None
@@ -74,3 +74,30 @@ def warn_once(notice_id: str, message: str, stacklevel: int = 4) -> None:
     if message not in _warned:
         _warned.add(message)
         warnings.warn(notice_text(notice_id, message), stacklevel=stacklevel)
+
+
+class OldName:
+    """A former primitive's name, kept for a release after its kind became a param of one
+    primitive for every kind (`fused.libra_bucket_p`, `start_done.libra_start_p`): `bind`
+    binds `primitive` with ``collective`` and the params as the old primitive took them
+    (`params` maps them), its results as the old one gave them (`results`), with a
+    DeprecationWarning (notice ``primitive-renamed``)."""
+
+    def __init__(self, name: str, primitive: Any, collective: str | None,
+                 params: Callable[[dict], dict] = dict,
+                 results: Callable[[Any], Any] = lambda out: out) -> None:
+        self.name, self.primitive, self.collective = name, primitive, collective
+        self._params, self._results = params, results
+
+    def bind(self, *xs: Any, **params: Any) -> Any:
+        kind = f" with collective={self.collective!r}" if self.collective else ""
+        notice("primitive-renamed",
+               f"libra_jax.ops.{self.name}_p is {self.primitive.name}_p{kind} (its old name, "
+               "kept for a release)", DeprecationWarning, stacklevel=2)
+        params = self._params(params)
+        if self.collective:
+            params["collective"] = self.collective
+        return self._results(self.primitive.bind(*xs, **params))
+
+    def __repr__(self) -> str:
+        return f"OldName({self.name!r} -> {self.primitive.name}, collective={self.collective!r})"

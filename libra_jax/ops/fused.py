@@ -12,7 +12,7 @@ bucket's last member was: its operands are the members' operands, its results th
   ``axes``, ``blocks``, ``axis_size``, ``tiled``, one per member).
 
 The names of the two kinds' buckets before (`libra_psum_fused_p`,
-`libra_reduce_scatter_fused_p`) remain for a release as `BucketAlias`es: binding one binds
+`libra_reduce_scatter_fused_p`) remain for a release as `base.OldName`s: binding one binds
 `libra_bucket` with its kind and its params as they were.
 
 Every bucket lowers by one rule (`_bucket_rule`): per dtype, one call over the members as they are
@@ -40,13 +40,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from libra_jax import _compat, config
+from libra_jax import _compat
 from libra_jax.ops import lowering
-from libra_jax.ops.base import Platform, Rule, register_op
+from libra_jax.ops.base import OldName, Platform, Rule, register_op
 from libra_jax.ops.psum import allreduce_call, psum_abstract_eval
 from libra_jax.ops.sharded import mirror_abstract_eval, mirror_reduce_scatter, sharded_call
 
-__all__ = ["libra_bucket_p", "BUCKETS", "BucketAlias", "bucket_abstract_eval",
+__all__ = ["libra_bucket_p", "BUCKETS", "bucket_abstract_eval",
            "libra_psum_fused_p", "libra_reduce_scatter_fused_p"]
 
 
@@ -193,30 +193,12 @@ libra_bucket_p = register_op("libra_bucket", abstract_eval=bucket_abstract_eval,
                              lowering=_bucket_rule, multiple_results=True)
 
 
-class BucketAlias:
-    """A former bucket primitive's name (kept for a release): `bind` binds `libra_bucket` with
-    this kind and the params as the old primitive took them, with a DeprecationWarning."""
-
-    def __init__(self, name: str, collective: str, params: Callable[[dict], dict]) -> None:
-        self.name, self.collective, self._params = name, collective, params
-
-    def bind(self, *xs: Any, **params: Any) -> Any:
-        config.notice("bucket-renamed",
-                      f"libra_jax.ops.{self.name}_p is libra_bucket_p with "
-                      f"collective={self.collective!r} (its old name, kept for a release)",
-                      DeprecationWarning, stacklevel=2)
-        return libra_bucket_p.bind(*xs, collective=self.collective, **self._params(params))
-
-    def __repr__(self) -> str:
-        return f"BucketAlias({self.name!r} -> libra_bucket, collective={self.collective!r})"
-
-
 def _from_axis_name(params: dict) -> dict:
     params = dict(params)
     params["axes"] = params.pop("axis_name")
     return params
 
 
-libra_psum_fused_p = BucketAlias("libra_psum_fused", "psum", dict)
-libra_reduce_scatter_fused_p = BucketAlias("libra_reduce_scatter_fused", "psum_scatter",
-                                           _from_axis_name)
+libra_psum_fused_p = OldName("libra_psum_fused", libra_bucket_p, "psum")
+libra_reduce_scatter_fused_p = OldName("libra_reduce_scatter_fused", libra_bucket_p,
+                                       "psum_scatter", _from_axis_name)

@@ -1,16 +1,20 @@
-"""`libra_psum_start` / `libra_psum_done`: a gradient bucket's all-reduce beside the backward pass.
+"""`libra_start` / `libra_done`: a collective issued early and waited for where it is needed.
 
-Start/done all-reduces: a gradient bucket's all-reduce runs beside the backward pass.
+One pair of primitives for every kind, the kind a param (``collective``, a row of
+`libra_jax.collectives` with a start/done form: `PAIRS`, each kind's operands, params and
+lowering), as `libra_bucket` is every kind's bucket. The names the pairs had before
+(`libra_psum_start_p` / `libra_psum_done_p`, `libra_sharded_start_p` / `libra_sharded_done_p`)
+remain for a release as `base.OldName`s binding these.
 
-`libra_jax.optimize(step, overlap="start-done")` splits each planned gradient all-reduce
-(``overlap="auto"``, the default: each one the model picks) into two equations of the
-rewritten program:
+The all-reduce's pair (``collective="psum"``): `libra_jax.optimize(step, overlap="start-done")`
+splits each planned gradient all-reduce (``overlap="auto"``, the default: each one the model
+picks) into two equations of the rewritten program:
 
-* ``libra_psum_start(*xs)``, where the bucket's last gradient is ready: launches the
-  all-reduce *in place* on the members where XLA put them (no packed copy). Its results are
-  the members' buffers, in flight (each typed as its psum's result), and a token.
-* ``libra_psum_done(*buffers)``, after the rest of the backward pass (`rewrite`: the pure
-  equations downstream of its results, the optimizer update, move with it; an effect or
+* ``libra_start(*xs, collective="psum")``, where the bucket's last gradient is ready:
+  launches the all-reduce *in place* on the members where XLA put them (no packed copy). Its
+  results are the members' buffers, in flight (each typed as its psum's result), and a token.
+* ``libra_done(*buffers, token, ...)``, after the rest of the backward pass (`rewrite`: the
+  pure equations downstream of its results, the optimizer update, move with it; an effect or
   another all-reduce that reads a result places it first): waits for the all-reduce; its
   results are the buffers (aliased), the psums' results.
 
@@ -55,20 +59,21 @@ start drops it once its all-reduce has ended and its done has not come within th
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
 from libra_jax import _compat
 from libra_jax.ops import lowering
-from libra_jax.ops.base import Platform, Rule, register_op
+from libra_jax.ops.base import OldName, Platform, Rule, register_op
 from libra_jax.ops.psum import allreduce_call, psum_abstract_eval
 from libra_jax.ops.sharded import flat_call
 
-__all__ = ["libra_psum_start_p", "libra_psum_done_p", "libra_sharded_start_p", "register_pair",
-           "libra_sharded_done_p", "TOKEN_AVAL"]
+__all__ = ["libra_start_p", "libra_done_p", "PAIRS", "Pair", "register_pair", "TOKEN_AVAL",
+           "libra_psum_start_p", "libra_psum_done_p", "libra_sharded_start_p",
+           "libra_sharded_done_p"]
 
 #: Start's last result, read by its own done after the buffers (and by later dones as an
 #: ordering operand): written by start, it orders a done after a start by data (XLA orders by
@@ -96,14 +101,13 @@ def register_pair(collective: str, call_id: int) -> None:
     _DONES.add((collective, int(call_id)))
 
 
-def _check_paired(primitive: str, collective: str, call_id: int) -> None:
+def _check_paired(collective: str, call_id: int) -> None:
     if (collective, int(call_id)) not in _DONES:
-        done = "libra_psum_done" if collective == "psum" else "libra_sharded_done"
         raise ValueError(
-            f"{primitive} (call_id={call_id}{'' if collective == 'psum' else ', ' + collective}) "
-            f"has no {done} of the same call in its program: its collective writes the "
-            "in-flight buffer after start returns, so start must be followed by its done, "
-            "which reads start's results (bound with the same call_id). Bind the done, or let "
+            f"libra_start (collective={collective!r}, call_id={call_id}) has no libra_done of "
+            "the same call in its program: its collective writes the in-flight buffer after "
+            "start returns, so start must be followed by its done, which reads start's results "
+            "(bound with the same collective and call_id). Bind the done, or let "
             "libra_jax.optimize place both.")
 
 
@@ -157,8 +161,8 @@ def _started(pair: lowering.PairCall | None, j: int, idx: list[int], avals: Sequ
 
 # --- start ----------------------------------------------------------------------
 
-def start_abstract_eval(*avals: Any, axes: tuple, blocks: int, invariant: bool,
-                        call_id: int) -> Any:
+def _psum_start_eval(*avals: Any, collective: str, axes: tuple, blocks: int,
+                     invariant: bool, call_id: int) -> Any:
     """Each member's buffer in flight, typed as its psum's result, and the token."""
     outs, effects = [], set()
     for aval in avals:
@@ -169,10 +173,10 @@ def start_abstract_eval(*avals: Any, axes: tuple, blocks: int, invariant: bool,
     return [*outs, TOKEN_AVAL], effects
 
 
-def _start_lowering(platform: Platform) -> Rule:
-    def rule(ctx: Any, *xs: Any, axes: tuple, blocks: int, invariant: bool,
+def _psum_start_rule(platform: Platform) -> Rule:
+    def rule(ctx: Any, *xs: Any, collective: str, axes: tuple, blocks: int, invariant: bool,
              call_id: int) -> list[Any]:
-        _check_paired("libra_psum_start", "psum", call_id)
+        _check_paired(collective, call_id)
         call = allreduce_call(axes, blocks, invariant, inplace=True)
         outs: list[Any] = [None] * len(xs)
         token = None  # the last split call's; a constant where start reduced in one call
@@ -225,15 +229,15 @@ def _one_call(ctx: Any, xs: Sequence[Any], idx: Sequence[int], call: lowering.Ca
 
 # --- done -----------------------------------------------------------------------
 
-def done_abstract_eval(*operands: Any, out_avals: tuple, axes: tuple, blocks: int,
-                       call_id: int) -> Any:
+def _psum_done_eval(*operands: Any, collective: str, out_avals: tuple, axes: tuple,
+                    blocks: int, call_id: int) -> Any:
     register_pair("psum", call_id)
     return list(out_avals), set()
 
 
-def _done_lowering(platform: Platform) -> Rule:
-    def rule(ctx: Any, *operands: Any, out_avals: tuple, axes: tuple, blocks: int,
-             call_id: int) -> list[Any]:
+def _psum_done_rule(platform: Platform) -> Rule:
+    def rule(ctx: Any, *operands: Any, collective: str, out_avals: tuple, axes: tuple,
+             blocks: int, call_id: int) -> list[Any]:
         # Its own start's buffers and token (done reads only its own start's results: where
         # done goes, its start goes), then tokens it must not run before (optimize's: the
         # latest start's), read by nothing. Each of start's calls gets its done (the same
@@ -270,16 +274,12 @@ def _done_call(target: str, at: int, count: int = 1) -> Any:
                                 has_side_effect=True)
 
 
-libra_psum_start_p = register_op("libra_psum_start", abstract_eval=start_abstract_eval,
-                                 lowering=_start_lowering, multiple_results=True)
-libra_psum_done_p = register_op("libra_psum_done", abstract_eval=done_abstract_eval,
-                                lowering=_done_lowering, multiple_results=True)
 
 
-# --- The sharded pair's start/done (reduce-scatter, all-gather) ---------------------------
+# --- The sharded kinds' start/done (reduce-scatter, all-gather) ---------------------------
 #
-# One pair of primitives for both collectives (`collective`: "psum_scatter" or "all_gather",
-# a row of `lowering.COLLECTIVES`), each operand one array. The in-flight value is one flat
+# One form for both collectives (`collective`: "psum_scatter" or "all_gather", a row of
+# `lowering.COLLECTIVES`), each start's operand one array. The in-flight value is one flat
 # buffer of the full size per device, the devices' shards in rank order (the scattered or
 # gathered dimension moved to the front: no copy where it is the first), worked on in place
 # as NCCL's in-place collectives are (cpp/libra/engine.h, "In place"):
@@ -296,9 +296,9 @@ libra_psum_done_p = register_op("libra_psum_done", abstract_eval=done_abstract_e
 # platforms, CUDA until libra has GPU versions, groups across processes) the collective is
 # XLA's, with `lowering.rule`'s notice: the all-gather in start, the reduce-scatter in
 # done (its start then only flattens); the values are the same. Params: ``collective``,
-# ``axis_name``, ``dimension`` (the scattered dimension of the operand, or the gathered one
-# of the result), ``axis_size``, ``tiled``, ``blocks``, ``call_id``; done's ``out_aval`` is the
-# one-call form's result type. Start may take more operands after its own: values it must not
+# ``axes``, ``dimension`` (the scattered dimension of the operand, or the gathered one of the
+# result), ``axis_size``, ``tiled``, ``blocks``, ``call_id``; done's ``out_avals`` is the
+# one-call form's result type (one). Start may take more operands after its own: values it must not
 # run before, read by nothing (the engine's and NCCL's starts accept and ignore them; XLA orders
 # by data only and drops an `optimization_barrier` on CPU, so this is how `optimize` issues an
 # all-gather when the gather before it is done); the one-call fallback ignores them too. The
@@ -316,25 +316,24 @@ def _flat_aval(aval: Any, collective: str, axis_size: int) -> Any:
     return aval.update(shape=(int(np.prod(aval.shape)) * (axis_size if gathers else 1),))
 
 
-def sharded_start_abstract_eval(aval: Any, *after: Any, collective: str, axis_name: tuple,
-                                dimension: int, axis_size: int, tiled: bool,
-                                blocks: int | None, call_id: int) -> Any:
-    return [_flat_aval(aval, collective, axis_size), TOKEN_AVAL], _compat.axis_effects(axis_name)
+def _sharded_start_eval(aval: Any, *after: Any, collective: str, axes: tuple,
+                        dimension: int, axis_size: int, tiled: bool, blocks: int | None,
+                        call_id: int) -> Any:
+    return [_flat_aval(aval, collective, axis_size), TOKEN_AVAL], _compat.axis_effects(axes)
 
 
-def sharded_done_abstract_eval(flat: Any, token: Any, *after: Any, collective: str,
-                               axis_name: tuple,
-                               dimension: int, axis_size: int, tiled: bool,
-                               blocks: int | None, call_id: int, out_aval: Any) -> Any:
+def _sharded_done_eval(flat: Any, token: Any, *after: Any, collective: str, axes: tuple,
+                       dimension: int, axis_size: int, tiled: bool, blocks: int | None,
+                       call_id: int, out_avals: tuple) -> Any:
     register_pair(collective, call_id)
-    return out_aval, set()
+    return list(out_avals), set()
 
 
-def _sharded_start_lowering(platform: Platform) -> Rule:
-    def rule(ctx: Any, x: Any, *after: Any, collective: str, axis_name: tuple, dimension: int,
+def _sharded_start_rule(platform: Platform) -> Rule:
+    def rule(ctx: Any, x: Any, *after: Any, collective: str, axes: tuple, dimension: int,
              axis_size: int, tiled: bool, blocks: int | None, call_id: int) -> list[Any]:
-        _check_paired("libra_sharded_start", collective, call_id)
-        call = flat_call(collective, axis_name, axis_size, blocks)
+        _check_paired(collective, call_id)
+        call = flat_call(collective, axes, axis_size, blocks)
         gathers = call.row.gathers
         ctx_x = ctx.replace(avals_in=ctx.avals_in[:1])
         flat, flat_in = lowering.to_row_of_shards(ctx_x, x, gathers, dimension, tiled)
@@ -356,12 +355,13 @@ def _sharded_start_lowering(platform: Platform) -> Rule:
     return rule
 
 
-def _sharded_done_lowering(platform: Platform) -> Rule:
-    def rule(ctx: Any, flat: Any, token: Any, *after: Any, collective: str, axis_name: tuple,
+def _sharded_done_rule(platform: Platform) -> Rule:
+    def rule(ctx: Any, flat: Any, token: Any, *after: Any, collective: str, axes: tuple,
              dimension: int, axis_size: int, tiled: bool, blocks: int | None, call_id: int,
-             out_aval: Any) -> list[Any]:
+             out_avals: tuple) -> list[Any]:
         flat_aval = ctx.avals_in[0]
-        call = flat_call(collective, axis_name, axis_size, blocks)
+        out_aval, = out_avals
+        call = flat_call(collective, axes, axis_size, blocks)
         gathers = call.row.gathers
         shard = flat_aval.shape[0] // axis_size
         # The operand's flat form (start's lowering), which decides the split as start did.
@@ -387,13 +387,81 @@ def _sharded_done_lowering(platform: Platform) -> Rule:
     return rule
 
 
-libra_sharded_start_p = register_op("libra_sharded_start",
-                                    abstract_eval=sharded_start_abstract_eval,
-                                    lowering=_sharded_start_lowering, multiple_results=True)
-libra_sharded_done_p = register_op("libra_sharded_done",
-                                   abstract_eval=sharded_done_abstract_eval,
-                                   lowering=_sharded_done_lowering)
+
+# --- One pair for every kind --------------------------------------------------------------
+
+class Pair(NamedTuple):
+    """A kind's start/done form: its start's and its done's abstract evaluations and
+    lowerings (per platform), over that kind's operands and params."""
+
+    start_eval: Callable[..., Any]
+    start_rule: Callable[[Platform], Rule]
+    done_eval: Callable[..., Any]
+    done_rule: Callable[[Platform], Rule]
+
+
+_SHARDED_PAIR = Pair(_sharded_start_eval, _sharded_start_rule, _sharded_done_eval,
+                     _sharded_done_rule)
+#: The kinds with a start/done form, by their `jax.lax` names (rows of `libra_jax.collectives`).
+PAIRS: dict[str, Pair] = {
+    "psum": Pair(_psum_start_eval, _psum_start_rule, _psum_done_eval, _psum_done_rule),
+    "psum_scatter": _SHARDED_PAIR,
+    "all_gather": _SHARDED_PAIR,
+}
+
+
+def _pair(collective: str) -> Pair:
+    if collective not in PAIRS:
+        raise ValueError(f"libra_start/libra_done: no start/done form for {collective!r} (one "
+                         f"of {', '.join(PAIRS)})")
+    return PAIRS[collective]
+
+
+def start_abstract_eval(*operands: Any, collective: str, **params: Any) -> Any:
+    """The kind's in-flight buffers (typed as its `Pair` says) and the token; its effects."""
+    return _pair(collective).start_eval(*operands, collective=collective, **params)
+
+
+def done_abstract_eval(*operands: Any, collective: str, **params: Any) -> Any:
+    """The kind's results (``out_avals``); registers the call as paired (`register_pair`)."""
+    return _pair(collective).done_eval(*operands, collective=collective, **params)
+
+
+def _by_kind(form: str) -> Callable[[Platform], Rule]:
+    """The lowering of `form` (``"start_rule"`` or ``"done_rule"``) on a platform: the kind's."""
+    def lowering_for(platform: Platform) -> Rule:
+        rules = {kind: getattr(pair, form)(platform) for kind, pair in PAIRS.items()}
+
+        def rule(ctx: Any, *operands: Any, collective: str, **params: Any) -> Any:
+            return rules[collective](ctx, *operands, collective=collective, **params)
+        return rule
+    return lowering_for
+
+
+libra_start_p = register_op("libra_start", abstract_eval=start_abstract_eval,
+                            lowering=_by_kind("start_rule"), multiple_results=True)
+libra_done_p = register_op("libra_done", abstract_eval=done_abstract_eval,
+                           lowering=_by_kind("done_rule"), multiple_results=True)
 # A done is never dead code: JAX's dead-code elimination keeps it as it keeps an effect (and
 # XLA's, its side effect), so a start never outlives its done.
-_compat.keep_in_dce(libra_psum_done_p)
-_compat.keep_in_dce(libra_sharded_done_p)
+_compat.keep_in_dce(libra_done_p)
+
+
+def _sharded_params(params: dict) -> dict:
+    params = dict(params)
+    params["axes"] = params.pop("axis_name")
+    if "out_aval" in params:
+        params["out_avals"] = (params.pop("out_aval"),)
+    return params
+
+
+def _only(results: Any) -> Any:
+    return results[0]
+
+
+# The pairs' names before (kept for a release): the all-reduce's, and the sharded pair's,
+# whose kind was already a param.
+libra_psum_start_p = OldName("libra_psum_start", libra_start_p, "psum")
+libra_psum_done_p = OldName("libra_psum_done", libra_done_p, "psum")
+libra_sharded_start_p = OldName("libra_sharded_start", libra_start_p, None, _sharded_params)
+libra_sharded_done_p = OldName("libra_sharded_done", libra_done_p, None, _sharded_params, _only)

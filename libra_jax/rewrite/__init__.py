@@ -57,7 +57,7 @@ Contract of the rewrite (`rewrite_jaxpr`):
   so results are bitwise those of the unfused psums. Equations between the
   bucket's members that use an earlier member's result move after it.
 - A gradient bucket (fused or not) is issued either as that one call or as a
-  `libra_psum_start` where its last member was and a `libra_psum_done`, with
+  `libra_start` where its last member was and a `libra_done`, with
   the uses that moved, just before the first equation that reads a result
   (`libra_jax.ops.start_done`); the values are the same. ``overlap="sync"`` or
   ``"start-done"`` forces one way; ``"auto"`` (the default) chooses per bucket

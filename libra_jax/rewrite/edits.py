@@ -23,10 +23,8 @@ from libra_jax.ops import (
 )
 from libra_jax.ops.start_done import (
     TOKEN_AVAL,
-    libra_psum_done_p,
-    libra_psum_start_p,
-    libra_sharded_done_p,
-    libra_sharded_start_p,
+    libra_done_p,
+    libra_start_p,
     register_pair,
 )
 from libra_jax.rewrite.sites import GATHERS, Site, is_psum
@@ -223,8 +221,8 @@ def fused_eqn(eqns: Sequence[Any], bucket: Sequence[Site], axes: tuple, invarian
 
 def start_done_eqns(eqns: Sequence[Any], bucket: Sequence[Site], axes: tuple, invariant: bool,
                 blocks: int, call_id: int) -> tuple[Any, Any]:
-    """A bucket as a `libra_psum_start` equation (its operands -> each member's buffer in
-    flight and a token) and a `libra_psum_done` equation (those buffers, that token and an
+    """A bucket as a `libra_start` equation of the all-reduce (its operands -> each member's
+    buffer in flight and a token) and a `libra_done` equation (those buffers, that token and an
     ordering token -> the members' results; `schedule` makes the ordering token the latest
     start's)."""
     members = [eqns[s.index] for s in bucket]
@@ -235,36 +233,36 @@ def start_done_eqns(eqns: Sequence[Any], bucket: Sequence[Site], axes: tuple, in
     token = _compat.new_var(TOKEN_AVAL)
     # Both from the last member's equation: its context and source info carry over (`fused_eqn`).
     start = members[-1].replace(
-        invars=operands, outvars=[*flat_vars, token], primitive=libra_psum_start_p,
-        params=dict(axes=axes, blocks=int(blocks), invariant=invariant, call_id=call_id),
-        effects=effects)
+        invars=operands, outvars=[*flat_vars, token], primitive=libra_start_p,
+        params=dict(collective="psum", axes=axes, blocks=int(blocks), invariant=invariant,
+                    call_id=call_id), effects=effects)
     register_pair("psum", call_id)
     done = members[-1].replace(
-        invars=[*flat_vars, token, token], outvars=results, primitive=libra_psum_done_p,
-        params=dict(out_avals=tuple(v.aval for v in results), axes=axes, blocks=int(blocks),
-                    call_id=call_id), effects=set())
+        invars=[*flat_vars, token, token], outvars=results, primitive=libra_done_p,
+        params=dict(collective="psum", out_avals=tuple(v.aval for v in results), axes=axes,
+                    blocks=int(blocks), call_id=call_id), effects=set())
     return start, done
 
 
 def gather_pair_eqns(eqn: Any, site: Site, blocks: int, call_id: int,
                  after: Any = None) -> tuple[Any, Any]:
-    """An all_gather as a `libra_sharded_start` equation (its operand, and `after` where given:
-    a value it must not start before, which it reads and ignores -> the full buffer in flight
-    and a token) and a `libra_sharded_done` equation (those -> the gather's result), both from
-    the gather's equation (its context and source info carry over)."""
+    """An all_gather as a `libra_start` equation (its operand, and `after` where given: a value
+    it must not start before, which it reads and ignores -> the full buffer in flight and a
+    token) and a `libra_done` equation (those -> the gather's result), both from the gather's
+    equation (its context and source info carry over)."""
     dimension, size, tiled, _ = site.gather  # type: ignore[misc]
-    params = dict(collective="all_gather", axis_name=site.axes, dimension=dimension,
+    params = dict(collective="all_gather", axes=site.axes, dimension=dimension,
                   axis_size=size, tiled=tiled, blocks=int(blocks), call_id=call_id)
     operand, result = eqn.invars[0], eqn.outvars[0]
-    flat_aval, token_aval = libra_sharded_start_p.abstract_eval(operand.aval, **params)[0]
+    flat_aval, token_aval = libra_start_p.abstract_eval(operand.aval, **params)[0]
     flat, token = _compat.new_var(flat_aval), _compat.new_var(token_aval)
-    start = eqn.replace(primitive=libra_sharded_start_p,
+    start = eqn.replace(primitive=libra_start_p,
                         invars=[operand] + ([after] if after is not None else []),
                         outvars=[flat, token],
                         params=params, effects=eqn.effects)
     register_pair("all_gather", call_id)
-    done = eqn.replace(primitive=libra_sharded_done_p, invars=[flat, token], outvars=[result],
-                       params=dict(params, out_aval=result.aval), effects=set())
+    done = eqn.replace(primitive=libra_done_p, invars=[flat, token], outvars=[result],
+                       params=dict(params, out_avals=(result.aval,)), effects=set())
     return start, done
 
 

@@ -27,7 +27,7 @@ from libra_jax.ops import (
     libra_reduce_scatter_p,
 )
 from libra_jax.ops.lowering import ENGINE_DTYPES
-from libra_jax.ops.start_done import libra_psum_start_p
+from libra_jax.ops.start_done import libra_start_p
 
 __all__ = ["Site", "SITE_RULES", "site_rule", "find_site", "gather_site", "gradient_sites",
            "site_kinds", "fold_zero_psums", "scatter_sliced_psums", "is_psum", "axis_names",
@@ -112,8 +112,8 @@ def is_psum(eqn: Any) -> bool:
     """A psum or a psum_scatter (the collectives `optimize` plans), as JAX's or libra's."""
     return (eqn.primitive.name in _compat.PSUM_PRIMITIVES
             or eqn.primitive.name == _compat.reduce_scatter_p.name
-            or eqn.primitive in (libra_psum_p, libra_bucket_p, libra_psum_start_p,
-                                 libra_reduce_scatter_p))
+            or eqn.primitive in (libra_psum_p, libra_bucket_p, libra_reduce_scatter_p)
+            or (eqn.primitive is libra_start_p and eqn.params["collective"] == "psum"))
 
 
 #: Scalar integer primitives `_rank_values` evaluates (a slice start computed from
