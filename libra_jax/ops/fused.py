@@ -43,22 +43,11 @@ from typing import Any, NamedTuple
 from libra_jax import _compat
 from libra_jax.ops import lowering
 from libra_jax.ops.base import OldName, Platform, Rule, register_op
-from libra_jax.ops.psum import allreduce_call, psum_abstract_eval
+from libra_jax.ops.psum import allreduce_call, members_abstract_eval
 from libra_jax.ops.sharded import mirror_abstract_eval, mirror_reduce_scatter, sharded_call
 
 __all__ = ["libra_bucket_p", "BUCKETS", "bucket_abstract_eval",
            "libra_psum_fused_p", "libra_reduce_scatter_fused_p"]
-
-
-def _psum_abstract_eval(*avals: Any, axes: tuple, blocks: int | None,
-                        invariant: bool) -> Any:
-    outs, effects = [], set()
-    for aval in avals:
-        out, eff = psum_abstract_eval(aval, axes=axes, blocks=blocks, inplace=True,
-                                      invariant=invariant)
-        outs.append(out)
-        effects |= set(eff)
-    return outs, effects
 
 
 def _bucket_rule(platform: Platform) -> Rule:
@@ -176,7 +165,7 @@ class Bucket(NamedTuple):
 
 #: The kinds with a bucket form, by their `jax.lax` names (rows of `libra_jax.collectives`).
 BUCKETS: dict[str, Bucket] = {
-    "psum": Bucket(_psum_abstract_eval, _psum_bucket),
+    "psum": Bucket(members_abstract_eval, _psum_bucket),
     "psum_scatter": Bucket(_reduce_scatter_abstract_eval, _reduce_scatter_bucket),
 }
 

@@ -17,7 +17,7 @@ from libra_jax import _compat, collectives
 from libra_jax.ops import lowering
 from libra_jax.ops.base import Platform, Rule, register_op
 
-__all__ = ["libra_psum_p", "psum_abstract_eval", "allreduce_call"]
+__all__ = ["libra_psum_p", "psum_abstract_eval", "members_abstract_eval", "allreduce_call"]
 
 ALL_REDUCE = collectives.BY_LAX["psum"]
 
@@ -27,6 +27,19 @@ def psum_abstract_eval(aval: Any, *, axes: tuple, blocks: int | None, inplace: b
     """(type, effects) of one buffer's psum: the mirrored JAX primitive's."""
     prim, params = lowering.mirrored(invariant, axes)
     return prim.abstract_eval(aval, **params)
+
+
+def members_abstract_eval(*avals: Any, axes: tuple, blocks: int | None, invariant: bool
+                          ) -> tuple[list[Any], set[Any]]:
+    """Each member's type as its psum's result and the union of their effects: a bucket's
+    (`fused`) and a start's in-flight buffers (`start_done`)."""
+    outs, effects = [], set()
+    for aval in avals:
+        out, eff = psum_abstract_eval(aval, axes=axes, blocks=blocks, inplace=True,
+                                      invariant=invariant)
+        outs.append(out)
+        effects |= set(eff)
+    return outs, effects
 
 
 def _transpose(ct: Any, x: Any, *, axes: tuple, blocks: int | None, inplace: bool,

@@ -68,7 +68,7 @@ import numpy as np
 from libra_jax import _compat
 from libra_jax.ops import lowering
 from libra_jax.ops.base import OldName, Platform, Rule, register_op
-from libra_jax.ops.psum import allreduce_call, psum_abstract_eval
+from libra_jax.ops.psum import allreduce_call, members_abstract_eval
 from libra_jax.ops.sharded import flat_call
 
 __all__ = ["libra_start_p", "libra_done_p", "PAIRS", "Pair", "register_pair", "TOKEN_AVAL",
@@ -164,12 +164,7 @@ def _started(pair: lowering.PairCall | None, j: int, idx: list[int], avals: Sequ
 def _psum_start_eval(*avals: Any, collective: str, axes: tuple, blocks: int,
                      invariant: bool, call_id: int) -> Any:
     """Each member's buffer in flight, typed as its psum's result, and the token."""
-    outs, effects = [], set()
-    for aval in avals:
-        out, eff = psum_abstract_eval(aval, axes=axes, blocks=blocks, inplace=True,
-                                      invariant=invariant)
-        outs.append(out)
-        effects |= set(eff)
+    outs, effects = members_abstract_eval(*avals, axes=axes, blocks=blocks, invariant=invariant)
     return [*outs, TOKEN_AVAL], effects
 
 
