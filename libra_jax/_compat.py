@@ -40,7 +40,7 @@ __all__ = [
     "psum_p", "psum_invariant_p", "reduce_scatter_p", "all_gather_p", "all_gather_invariant_p",
     "canonicalize_axis", "axis_effects",
     "apply_primitive", "deflinear", "register_batcher", "register_lowering", "lower_fun",
-    "ir_constant", "ir_tensor_type", "jit_static_args", "made_by_transpose", "is_var",
+    "ir_constant", "ir_tensor_type", "jit_static_args", "made_by_transpose", "is_var", "is_ref",
     "is_dropped", "with_varying", "scan_num_carry",
     "check_vma_enabled", "auto_pcast_enabled", "varying_axes", "input_state",
     "pvary", "skip_size_one_axes", "axis_is_bound", "bound_axis_sizes", "context_mesh", "manual_axes", "replica_groups",
@@ -341,6 +341,16 @@ def new_var(aval: Any) -> Any:
 def mesh_axis_sizes(mesh: Any) -> dict:
     """Axis name -> size of a (concrete or abstract) mesh."""
     return dict(mesh.shape)
+
+
+def is_ref(x: Any) -> bool:
+    """Whether `x` is a mutable array reference (`jax.new_ref`'s, traced or not): a value
+    that is not passed to a shard_map as an input."""
+    try:
+        aval = jax.typeof(x)
+    except TypeError:
+        return False
+    return type(aval).__name__ == "AbstractRef"
 
 
 def is_var(v: Any) -> bool:

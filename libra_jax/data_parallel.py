@@ -31,12 +31,15 @@ Contract (what the tests check, tests/test_data_parallel.py):
   (a ``model`` axis of 1); the gradients come back laid out as their parameters.
 - A Flax NNX object (a model, `Rngs`) passed as an argument of its own is taken as
   `nnx.value_and_grad` takes it: differentiated, its gradient is the `nnx.State` of its
-  `nnx.Param`s; its other state is written back after the loss (`_NnxObjects`).
+  `nnx.Param`s; its other state is written back after the loss (`NnxObjects`).
 - Calls in the loss that lay arrays out over mesh axes (`jax.sharding.auto_axes`, an
   ``out_sharding=`` argument, `with_sharding_constraint`), which JAX refuses where every
   axis is manual, are refused by name, with the ways out (`_SHARDING_CALLS`).
 - Other arguments are split along their leading dimension (it must divide by the axis's
-  size); 0-d leaves (scalars, a typed PRNG key) are replicated. ``in_specs`` overrides this,
+  size); 0-d leaves (scalars, a typed PRNG key) are replicated. Arrays the loss closes over
+  are inputs too where their layout shows (`loss_inputs.Closure`): split the same way where
+  laid out over the batch's axes along their leading dimension, else (an explicit mesh's
+  traced values) whole. ``in_specs`` overrides this,
   one spec (or pytree of specs) per positional argument, as in `jax.shard_map`. On an
   explicit-sharding mesh, inputs whose sharding differs from their spec are resharded
   (`jax.reshard`), as the auto-sharding partitioner would do.
@@ -54,7 +57,6 @@ Contract (what the tests check, tests/test_data_parallel.py):
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -63,6 +65,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from libra_jax import _compat
+from libra_jax.loss_inputs import Closure, NnxObjects, spec_axes
 
 __all__ = ["value_and_grad", "grad"]
 
@@ -123,7 +126,7 @@ def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0,
             raise TypeError(f"libra_jax.value_and_grad: argnums {argnums} but only "
                             f"{len(args)} positional arguments")
         argnums_t = tuple(i % len(args) for i in nums)  # negative ones count from the end
-        objects = _NnxObjects.of(args, argnums_t)
+        objects = NnxObjects.of(args, argnums_t)
         n_args = len(args)
         the_mesh = _mesh(mesh, args)
         missing = [a for a in axes_named if a not in the_mesh.axis_names]
@@ -131,11 +134,18 @@ def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0,
             raise ValueError(f"libra_jax.value_and_grad: axis_name {missing[0]!r} is not an axis "
                              f"of the mesh {dict(the_mesh.shape)}")
         axes = _moving_axes(axes_named, the_mesh)
+        closure = Closure.of(fun, axes, the_mesh)
         args = objects.values(args)
         specs = _specs(args[:n_args], argnums_t, axes, the_mesh, in_specs)
         specs += (P(),) * (len(args) - n_args)  # the NNX objects' other state: replicated
         _check_parameters(args, argnums_t, specs, the_mesh, axes)
-        loss_fn, aux = (fun, has_aux) if not objects else (objects.merging(fun, has_aux), True)
+        closure.notice_unsplit(axes, _splits_batch(
+            [s for i, s in enumerate(specs[:n_args]) if i not in argnums_t] + closure.specs))
+        # The arrays the loss closes over that the shard_map takes (`Closure`): last.
+        args, specs = args + tuple(closure.hoisted), specs + tuple(closure.specs)
+        loss_fn = closure.taking(
+            lambda f: objects.merging(f, has_aux) if objects else f)
+        aux = has_aux or bool(objects)
 
         def run(*args: Any) -> Any:
             local = _local_loss(_gather_sharded(loss_fn, argnums_t, args, specs),
@@ -203,79 +213,6 @@ def _check_argnums(argnums: Any) -> int | tuple[int, ...]:
     return tuple(int(n) for n in nums)
 
 
-class _NnxObjects:
-    """Flax NNX objects (a model, `Rngs`) passed to the route as arguments of their own, as to
-    `nnx.value_and_grad`: a differentiated one is differentiated with respect to its
-    `nnx.Param` state, and the gradient is that `nnx.State`; each object's other state (batch
-    statistics, random streams) enters the shard_map replicated, and what the loss makes of
-    it is written back into the object, as `_mean_aux` makes aux (float values averaged over
-    the batch's shards, others the same on every shard).
-
-    Traced values cannot carry objects through `jax.shard_map` and `jax.value_and_grad`:
-    `values` replaces each by its `Param` state (differentiated) or None, and appends the
-    other states as arguments; `merging` wraps the loss to rebuild the objects and return
-    their other state as aux; `write_back` updates the caller's objects."""
-
-    def __init__(self, where: list[tuple[int, Any, bool]]) -> None:
-        self.where = where  # (argument, object, differentiated)
-        self.graphs: tuple = ()
-
-    @classmethod
-    def of(cls, args: tuple, argnums: tuple) -> _NnxObjects:
-        from libra_jax.rewrite import nnx_objects
-        where = [(i, a, i in argnums) for i, a in enumerate(args) if nnx_objects(a) == [a]]
-        top = {id(a) for _, a, _ in where}
-        nested = [o for o in nnx_objects(args) if id(o) not in top]
-        if nested:
-            raise TypeError(
-                f"libra_jax.value_and_grad: a Flax NNX {type(nested[0]).__name__} inside an "
-                "argument's pytree: pass NNX objects as arguments of their own (the route "
-                "writes their state back after the loss, as nnx.value_and_grad does)")
-        return cls(where)
-
-    def __bool__(self) -> bool:
-        return bool(self.where)
-
-    def values(self, args: tuple) -> tuple:
-        if not self.where:
-            return args
-        nnx = sys.modules["flax.nnx"]
-        values, rest, graphs = list(args), [], []
-        for i, obj, differentiated in self.where:
-            if differentiated:
-                graph, values[i], other = nnx.split(obj, nnx.Param, ...)
-            else:
-                graph, other = nnx.split(obj)
-                values[i] = None
-            graphs.append(graph)
-            rest.append(other)
-        self.graphs = tuple(graphs)
-        return tuple(values) + tuple(rest)
-
-    def merging(self, fun: Callable[..., Any], has_aux: bool) -> Callable[..., Any]:
-        nnx = sys.modules["flax.nnx"]
-        where, graphs, n = self.where, self.graphs, len(self.where)
-
-        def loss(*values: Any, **kwargs: Any) -> Any:
-            args, rest = list(values[:-n]), values[-n:]
-            for (i, _, differentiated), graph, other in zip(where, graphs, rest):
-                args[i] = (nnx.merge(graph, args[i], other) if differentiated
-                           else nnx.merge(graph, other))
-            out = fun(*args, **kwargs)
-            value, aux = out if has_aux else (out, None)
-            after = tuple(nnx.state(args[i], nnx.Not(nnx.Param)) if differentiated
-                          else nnx.state(args[i]) for i, _, differentiated in where)
-            return value, (aux, after)
-        return loss
-
-    def write_back(self, out: Any, has_aux: bool) -> Any:
-        nnx = sys.modules["flax.nnx"]
-        (value, (aux, after)), grads = out
-        for (_, obj, _), state in zip(self.where, after):
-            nnx.update(obj, state)
-        return ((value, aux) if has_aux else value), grads
-
-
 def _describe(value: Any) -> str:
     """A value's type in an error: ``float32[]``, ``tuple of 3``, ``dict``."""
     if isinstance(value, (tuple, list)):
@@ -304,7 +241,7 @@ def _local_loss(fun: Callable[..., Any], kwargs: dict, has_aux: bool, axes: tupl
         try:
             out = fun(*args, **kwargs)
         except (NotImplementedError, ValueError) as e:
-            refusal = _sharding_call_refusal(e)
+            refusal = _sharding_call_refusal(e) or _closure_refusal(e)
             if refusal is None:
                 raise
             raise ValueError(refusal) from e
@@ -398,6 +335,21 @@ def _sharding_call_refusal(error: Exception) -> str | None:
             "with a GSPMD step can skip it where jax.sharding.get_abstract_mesh().manual_axes "
             "is not empty), or keep jax.value_and_grad for this step: its gradient all-reduces "
             "then stay XLA's, which optimize does not plan")
+
+
+def _closure_refusal(error: Exception) -> str | None:
+    """The route's error for JAX's refusal of a value closed over on an explicit mesh that
+    `Closure` could not reach (else None)."""
+    import re
+    if "Closing over inputs to shard_map" not in str(error):
+        return None
+    shape = re.search(r"Got input with shape ([^\s(]+)", str(error))
+    return ("libra_jax.value_and_grad: the loss reads an array of an explicit-sharding mesh"
+            f"{' (' + shape.group(1) + ')' if shape else ''} that is neither its argument nor in "
+            "its own closure (a global, an object's attribute, or a function it calls closes "
+            "over it), and JAX takes no such value into the route's shard_map: pass it to the "
+            "loss as an argument (an array is split along its leading dimension as the batch; "
+            "in_specs says otherwise), or close over it in the loss itself")
 
 
 def _mean_aux(path: Any, value: Any, axes: tuple) -> Any:
@@ -508,6 +460,12 @@ def _spec_tree(i: int, spec: Any, arg: Any, split_only: Callable[[P], P]) -> Any
     return jax.tree.map(split_only, spec, is_leaf=_is_spec)
 
 
+def _splits_batch(specs: Sequence[Any]) -> bool:
+    """Whether any of `specs` (spec trees) splits something over a mesh axis."""
+    return any(spec_axes(e) for tree in specs
+               for spec in jax.tree.leaves(tree, is_leaf=_is_spec) for e in spec)
+
+
 def _is_spec(x: Any) -> bool:
     return isinstance(x, P)
 
@@ -541,13 +499,6 @@ def _leaf_specs(arg: Any, spec_tree: Any) -> list[tuple[Any, Any, P]]:
     return [(path, leaf, spec) for (path, leaf), spec in zip(leaves, specs)]
 
 
-def _spec_axes(entry: Any) -> tuple[str, ...]:
-    """The mesh axes one dimension of a spec names."""
-    if entry is None or entry is P.UNCONSTRAINED:
-        return ()
-    return (entry,) if isinstance(entry, str) else tuple(entry)
-
-
 def _check_parameters(args: tuple, argnums: tuple, specs: tuple, mesh: Any, axes: tuple
                       ) -> None:
     """Refuse a differentiated leaf laid out as the route cannot serve, naming the leaf and
@@ -563,7 +514,7 @@ def _check_parameters(args: tuple, argnums: tuple, specs: tuple, mesh: Any, axes
                 raise ValueError(f"libra_jax.value_and_grad: {where} of shape {shape} is laid "
                                  f"out by {spec}, which has more dimensions")
             for dim, entry in enumerate(spec):
-                names = _spec_axes(entry)
+                names = spec_axes(entry)
                 for axis in names:
                     if axis not in sizes:
                         raise ValueError(
@@ -593,7 +544,7 @@ def _gather_sharded(fun: Callable[..., Any], argnums: tuple, args: tuple, specs:
     each all-gather to a reduce-scatter, so the gradient leaves as shards again; `optimize`
     moves each all-gather to its first use (`rewrite`)."""
     gathers = {i: [tuple((dim, names) for dim, entry in enumerate(spec)
-                         if (names := _spec_axes(entry)))
+                         if (names := spec_axes(entry)))
                    for _, _, spec in _leaf_specs(args[i], specs[i])] for i in argnums}
     if not any(any(g) for g in gathers.values()):
         return fun

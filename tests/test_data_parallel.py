@@ -382,6 +382,99 @@ def test_reduce_scatters_of_a_scanned_microbatch_accumulation_are_planned():
         sum(len(p.members) for p in gradient), len(gradient), 4), (loop, report.plan_lines())
 
 
+def closing_step(value_and_grad, seen, form="closure"):
+    """A step whose loss closes over the batch and a frozen weight, as JAX's Training Cookbook
+    writes it (``def loss_fn(params): ... batch ...`` inside the jitted step); `seen` gets the
+    batch's shape the loss reads. ``form="partial"``: the batch as a `functools.partial`
+    keyword instead."""
+    import functools
+
+    def step(params, frozen, batch):
+        def loss_fn(params, batch=None):
+            batch = batch if form == "partial" else batch_of_step
+            seen.append(batch["x"].shape)
+            h = jnp.tanh(batch["x"] @ params["w"] + frozen)
+            return jnp.mean((h @ params["v"] - batch["y"]) ** 2)
+        batch_of_step = batch
+        fn = functools.partial(loss_fn, batch=batch) if form == "partial" else loss_fn
+        loss, grads = value_and_grad(fn)(params)
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), loss
+    return step
+
+
+def closing_problem(mesh):
+    rng = np.random.default_rng(21)
+    params = put({"w": rng.standard_normal((16, 32)).astype(np.float32) / 4,
+                  "v": rng.standard_normal((32, 8)).astype(np.float32) / 6}, mesh, P())
+    frozen = put(rng.standard_normal((32,)).astype(np.float32), mesh, P())
+    batch = put({"x": rng.standard_normal((64, 16)).astype(np.float32),
+                 "y": rng.standard_normal((64, 8)).astype(np.float32)}, mesh, P("data"))
+    return params, frozen, batch
+
+
+@pytest.mark.parametrize("kind, form, jitted", [
+    ("explicit", "closure", True), ("explicit", "partial", True), ("auto", "closure", False)])
+def test_a_loss_closing_over_the_batch_is_split_over_it(kind, form, jitted):
+    """The batch the loss closes over (its cell, or a partial's keyword) is an input of the
+    route's shard_map, split as a batch argument is: each shard's loss reads its (8, 16)
+    rows, where its layout shows (an explicit mesh's traced value; a concrete array's).
+    Before: on an explicit mesh JAX refused it from inside the route ("Closing over inputs to
+    shard_map"), and a concrete one was read whole by every shard. The frozen weight it also
+    closes over enters whole. Class 3 of GSPMD's step, bitwise the optimized XLA control."""
+    mesh = make_mesh(kind=kind)
+    params, frozen, batch = closing_problem(mesh)
+    seen: list = []
+    step = closing_step(route, seen, form)
+    compile_ = jax.jit if jitted else (lambda f: f)
+    with mesh_context(mesh):
+        got = compile_(step)(params, frozen, batch)
+        assert set(seen) == {(8, 16)}, seen
+        want = jax.jit(closing_step(jax.value_and_grad, [], form))(params, frozen, batch)
+        assert_codegen_close(jax.tree.map(np.asarray, got), jax.tree.map(np.asarray, want))
+        if not jitted:
+            return  # (under jit an auto mesh's traced batch shows no layout: the next test)
+        opt = libra_jax.optimize(step)
+        optimized = jax.jit(opt)(params, frozen, batch)
+        control = jax.jit(libra_jax.optimize(step, collectives="xla"))(params, frozen, batch)
+    assert set(seen) == {(8, 16)}, seen
+    jax.tree.map(assert_bitwise, optimized, control)
+    assert [p.kind for p in opt.last_report.plans if p.kind == "gradient"]
+
+
+def test_a_batch_closed_over_on_an_auto_mesh_under_jit_is_said():
+    """Traced on an auto mesh, a closed-over array's layout does not show: it stays closed
+    over (every shard reads all of it, and the values are right), and where no input of the
+    loss is split the route says so once, naming the array and the ways out."""
+    mesh = make_mesh(kind="auto")
+    params, frozen, batch = closing_problem(mesh)
+    seen: list = []
+    with pytest.warns(UserWarning, match=r"closes over float32\[64, 16\], float32\[64, 8\], "
+                                         r"float32\[32\] traced on an auto-sharding mesh.*"
+                                         r"closed-over-batch"):
+        jax.jit(closing_step(route, seen))(params, frozen, batch)
+    assert set(seen) == {(64, 16)}
+
+
+def test_a_value_closed_over_out_of_reach_is_refused_in_one_line():
+    """On an explicit mesh a traced array read from a function the loss calls (not its own
+    closure) cannot enter the route's shard_map: JAX's NotImplementedError becomes one line
+    naming the array and the way out."""
+    mesh = make_mesh(kind="explicit")
+    params, frozen, batch = closing_problem(mesh)
+
+    def step(params, batch):
+        def features():
+            return batch["x"]
+
+        def loss_fn(params):
+            return jnp.mean((features() @ params["w"]) ** 2)
+        return route(loss_fn)(params)
+    with mesh_context(mesh), pytest.raises(ValueError, match=r"reads an array of an explicit-"
+                                           r"sharding mesh \(f32\[64@data,16\]\) that is neither.*pass it to the "
+                                           r"loss as an argument"):
+        jax.jit(step)(params, batch)
+
+
 @pytest.mark.parametrize("kind", ["auto", "explicit"])
 def test_batch_axes_of_one_device_are_dropped_from_every_collective(kind):
     """MaxText splits the batch over ('data', 'fsdp', 'sequence', ...), every axis but

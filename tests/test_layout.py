@@ -25,7 +25,7 @@ LAYERS: dict[str, int] = {
     **dict.fromkeys(["_compat", "_ffi", "_nccl", "_libra_ffi"], 2),
     **dict.fromkeys(["ops", "ops.base", "ops.lowering", "ops.psum", "ops.fused",
                      "ops.start_done", "ops.sharded"], 3),
-    **dict.fromkeys(["allreduce", "overlap", "data_parallel", "loops", "rewrite",
+    **dict.fromkeys(["allreduce", "overlap", "data_parallel", "loss_inputs", "loops", "rewrite",
                      "rewrite.sites", "rewrite.costs", "rewrite.edits", "rewrite.report",
                      "rewrite.gathers", "rewrite.buckets", "rewrite.ready", "rewrite.rewriter",
                      "rewrite.transform"], 4),
