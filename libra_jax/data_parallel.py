@@ -32,9 +32,12 @@ Contract (what the tests check, tests/test_data_parallel.py):
 - A Flax NNX object (a model, `Rngs`) passed as an argument of its own is taken as
   `nnx.value_and_grad` takes it: differentiated, its gradient is the `nnx.State` of its
   `nnx.Param`s; its other state is written back after the loss (`NnxObjects`).
-- Calls in the loss that lay arrays out over mesh axes (`jax.sharding.auto_axes`, an
-  ``out_sharding=`` argument, `with_sharding_constraint`), which JAX refuses where every
-  axis is manual, are refused by name, with the ways out (`_SHARDING_CALLS`).
+- Calls in the loss that lay arrays out over mesh axes, which JAX refuses where every axis is
+  manual, change no value: those looked up at each call (`jax.lax.with_sharding_constraint`,
+  so Flax's `with_logical_constraint`; `jax.sharding.reshard`, `auto_axes`, `explicit_axes`,
+  so `nnx.Embed`'s ``out_sharding=``) are left out while the route traces the loss
+  (`_layouts_dropped`); the others (an ``out_sharding=`` argument of a `jax.numpy` function,
+  checked inside JAX) are refused by name, with the ways out (`_SHARDING_CALLS`).
 - Other arguments are split along their leading dimension (it must divide by the axis's
   size); 0-d leaves (scalars, a typed PRNG key) are replicated. Arrays the loss closes over
   are inputs too where their layout shows (`loss_inputs.Closure`): split the same way where
@@ -56,8 +59,9 @@ Contract (what the tests check, tests/test_data_parallel.py):
 """
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -239,7 +243,8 @@ def _local_loss(fun: Callable[..., Any], kwargs: dict, has_aux: bool, axes: tupl
     """The per-shard loss, averaged over `axes`: the function the shard_map maps."""
     def local(*args: Any) -> Any:
         try:
-            out = fun(*args, **kwargs)
+            with _layouts_dropped():
+                out = fun(*args, **kwargs)
         except (NotImplementedError, ValueError) as e:
             refusal = _sharding_call_refusal(e) or _closure_refusal(e)
             if refusal is None:
@@ -289,6 +294,64 @@ def _reduce_aux(path: Any, value: Any, axes: tuple, how: str | None) -> Any:
     if how == "mean":
         return jax.lax.pmean(value, axes)
     return jax.lax.all_gather(value, axes)  # None: one row per shard
+
+
+def _every_axis_manual() -> bool:
+    """Whether the context's mesh has axes and every one is manual (the route's shard_map)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return not mesh.empty and set(mesh.manual_axes) == set(mesh.axis_names)
+
+
+def _returning_operand(original: Callable[..., Any]) -> Callable[..., Any]:
+    def dropped(x: Any, *args: Any, **kwargs: Any) -> Any:
+        return x if _every_axis_manual() else original(x, *args, **kwargs)
+    return dropped
+
+
+def _calling_directly(original: Callable[..., Any]) -> Callable[..., Any]:
+    def dropped(f: Any = None, /, **kwargs: Any) -> Any:
+        if not _every_axis_manual():
+            return original(f, **kwargs)
+        return (lambda g: g) if f is None else f
+    return dropped
+
+
+#: Calls that lay arrays out over mesh axes that the route serves by leaving the layout out while
+#: it traces the loss (`_layouts_dropped`): where every axis is manual (the route's shard_map)
+#: each device computes its own shard's loss, there is nothing to lay out, and none of them
+#: changes a value. (module, attribute, the replacement made from JAX's function.) They are the
+#: attributes looked up at each call (`jax.lax.with_sharding_constraint`, which Flax's
+#: `with_logical_constraint` calls; `jax.sharding.auto_axes`, which `nnx.Embed` calls with
+#: ``out_sharding=``); an ``out_sharding=`` argument of a `jax.numpy` function is checked
+#: inside JAX, out of reach, and stays refused (`_SHARDING_CALLS`).
+_LAYOUT_CALLS = (
+    (jax.lax, "with_sharding_constraint", _returning_operand),
+    (jax.sharding, "reshard", _returning_operand),
+    (jax.sharding, "auto_axes", _calling_directly),
+    (jax.sharding, "explicit_axes", _calling_directly),
+)
+
+
+@contextlib.contextmanager
+def _layouts_dropped() -> Iterator[None]:
+    """`_LAYOUT_CALLS` replaced for the duration (for the route's trace of the loss), then
+    restored. Another thread tracing meanwhile sees the replacements, which defer to JAX's
+    functions outside a region where every axis is manual; a nested route keeps the outer
+    route's."""
+    swapped = []
+    for module, name, replacement in _LAYOUT_CALLS:
+        original = getattr(module, name, None)
+        if original is None or getattr(original, "__libra_original__", None) is not None:
+            continue
+        new = replacement(original)
+        new.__libra_original__ = original  # type: ignore[attr-defined]
+        setattr(module, name, new)
+        swapped.append((module, name, original))
+    try:
+        yield
+    finally:
+        for module, name, original in swapped:
+            setattr(module, name, original)
 
 
 #: JAX's errors for a call that lays arrays out over mesh axes, made inside a region where every
