@@ -197,14 +197,19 @@ def explain(fn: Callable[..., Any], *args: Any, profile: Any = None, fusion: boo
                                       overlap=overlap, loops=loops, prefetch=prefetch,
                                       prefetch_bytes=prefetch_bytes, ready=ready,
                                       inputs=jax.tree.leaves((dyn_args, dyn_kwargs)))
-    names = _result_names(closed, out_paths, report)
+    def spelled(flat: Any) -> list[tuple[str, Any]]:
+        return [(jax.tree_util.keystr(path, simple=True, separator="."), x) for path, x in flat]
+    flat_in = spelled(jax.tree_util.tree_flatten_with_path((dyn_args, dyn_kwargs))[0])
+    # An argument the step reads as a constant (a `jax.Ref`, which `outer_statics` keeps
+    # static) is named by its path among the arguments given.
+    given = {id(x): path for path, x in spelled(jax.tree_util.tree_flatten_with_path(
+        (args, kwargs))[0])}
+    operand_names = _input_names(closed.jaxpr, [path for path, _ in flat_in],
+                                 [given.get(id(c)) for c in closed.consts])
+    names = _result_names(closed, out_paths, report, operand_names)
     scopes = tuple(_scope_plan(entry, report, names) for entry in report.predicted)
     others = tuple(p for p in report.plans if p.kind != "gradient"
                    and not any(p.scope == g["scope"] for g in report.gathers))
-    flat_in = jax.tree_util.tree_flatten_with_path((dyn_args, dyn_kwargs))[0]
-    operand_names = _input_names(closed.jaxpr, [jax.tree_util.keystr(path, simple=True,
-                                                                     separator=".")
-                                                for path, _ in flat_in])
     gathers = tuple(_gather_scope(entry, report, operand_names) for entry in report.gathers)
     result = Explanation(scopes, others, report, gathers)
     if file is not None:
@@ -298,10 +303,13 @@ def _gather_scope(entry: dict, report: rewrite.OptimizeReport, names: dict) -> G
         rows=tuple(rows), total_s=tl.total_s, one_call_s=plan.one_call_s)
 
 
-def _input_names(jaxpr: Any, paths: Sequence[str]) -> dict[int, str]:
+def _input_names(jaxpr: Any, paths: Sequence[str], constants: Sequence[str | None] = ()
+                 ) -> dict[int, str]:
     """id(variable) -> the input path it is (a parameter, its shard inside a `shard_map`, the
-    same input of a `jit` or `checkpoint` body), for naming what an all-gather gathers."""
-    out: dict[int, str] = {}
+    same input of a `jit` or `checkpoint` body), for naming what an all-gather gathers and
+    the references a gradient is written into; `constants` names `jaxpr`'s constants."""
+    out: dict[int, str] = {id(v): name for v, name in zip(jaxpr.constvars, constants)
+                           if name is not None}
 
     def visit(j: Any, names: Sequence[str | None]) -> None:
         for v, name in zip(j.invars, names):
@@ -321,44 +329,51 @@ def _input_names(jaxpr: Any, paths: Sequence[str]) -> dict[int, str]:
 
 # --- Which parameter does a gradient psum update? ---------------------------------------------
 
-def _result_names(closed: Any, out_paths: Sequence[str], report: rewrite.OptimizeReport
-                  ) -> dict:
+def _result_names(closed: Any, out_paths: Sequence[str], report: rewrite.OptimizeReport,
+                  input_names: dict[int, str] | None = None) -> dict:
     """id(psum result var) -> the path of the output it updates.
 
     The result is followed through the data flow (into and out of `jit`, `shard_map`,
     `custom_jvp/vjp` and `checkpoint` bodies; conservatively through anything else) to the
     outputs of the traced function, through values of its own size only: what a reduction
-    of it (a global gradient norm, read by every update) feeds is not its parameter's. The
-    path that all the outputs it reaches with its size end with (the updated parameter and
-    its optimizer state: `_common_suffix`) names it, else the first of them in the output
-    tree. Paths are shortened by their common prefix.
+    of it (a global gradient norm, read by every update) feeds is not its parameter's. A
+    step that keeps its state in `jax.Ref`s (JAX's Training Cookbook) updates it in place:
+    a reference the result is written into (and what is read from it after) counts as the
+    input it is (`input_names`: id(variable) -> input path). The path that all the outputs and
+    references it reaches with its size end with (the updated parameter and its optimizer
+    state: `_common_suffix`) names it, else the first of them. Paths are shortened by their
+    common prefix.
     """
     wanted = {id(v): v for entry in report.predicted for v in entry["results"] if v is not None}
     if not wanted:
         return {}
     out_avals = [getattr(v, "aval", None) for v in closed.jaxpr.outvars]
-    found: dict[int, list[int]] = {}
+    input_names = input_names or {}
+    found: dict[int, tuple[list[int], set[int]]] = {}
 
     def visit(jaxpr: Any, chain: list[tuple[Any, Any]]) -> None:
         for k, eqn in enumerate(jaxpr.eqns):
             for v in eqn.outvars:
                 if id(v) in wanted:
-                    found[id(v)] = _reach_top(jaxpr, {v}, k, chain, _size(v.aval.shape))
+                    refs: set[int] = set()
+                    found[id(v)] = (_reach_top(jaxpr, {v}, k, chain, _size(v.aval.shape),
+                                               refs), refs)
             for sub in _aligned_subjaxprs(eqn):
                 visit(sub, chain + [(jaxpr, (k, eqn))])
 
     visit(closed.jaxpr, [])
     raw: dict[int, str] = {}
-    for key, positions in found.items():
+    for key, (positions, refs) in found.items():
         size = _size(wanted[key].aval.shape)
         if size <= 1:
             continue  # a scalar (the loss): no parameter
         # Reached through values of the result's size (bias gradients may carry extra unit
         # axes; pmap outputs a leading device axis unless out_axes=None), or out of a
-        # shard_map of the global array's (`_reach_top`).
-        same = [i for i in positions if out_avals[i] is not None]
-        if same:
-            raw[key] = _common_suffix([out_paths[i] for i in same]) or out_paths[same[0]]
+        # shard_map of the global array's (`_reach_top`); or the references written.
+        paths = ([out_paths[i] for i in positions if out_avals[i] is not None]
+                 + sorted(input_names[r] for r in refs if r in input_names))
+        if paths:
+            raw[key] = _common_suffix(paths) or paths[0]
     return _shorten(raw)
 
 
@@ -374,22 +389,29 @@ def _common_suffix(paths: Sequence[str]) -> str:
 
 
 def _reach_top(jaxpr: Any, seeds: set, start: int, chain: list[tuple[Any, Any]],
-               size: int) -> list[int]:
+               size: int, refs: set[int]) -> list[int]:
     """Positions of the top-level outputs that values `seeds` of `jaxpr` reach through
-    values of `size` elements (`_reach`)."""
-    positions = _reach(jaxpr, seeds, start, size)
+    values of `size` elements (`_reach`); the references they are written into join `refs`."""
+    positions = _reach(jaxpr, seeds, start, size, refs)
     for parent, (k, eqn) in reversed(chain):
         # Each output at its own size out there: a shard_map's is the global array, its
         # shards stacked (a sharded parameter's gradient shard updates that parameter).
         positions = set().union(*(_reach(parent, {eqn.outvars[i]}, k + 1,
-                                         _size(eqn.outvars[i].aval.shape))
+                                         _size(eqn.outvars[i].aval.shape), refs)
                                   for i in positions if i < len(eqn.outvars)))
     return sorted(positions)
 
 
-def _reach(jaxpr: Any, seeds: set, start: int, size: int) -> set[int]:
+#: `jax.Ref` writes: the reference is operand 0, the value written operand 1.
+_REF_WRITES = frozenset({"swap", "addupdate"})
+
+
+def _reach(jaxpr: Any, seeds: set, start: int, size: int, refs: set[int] | None = None
+           ) -> set[int]:
     """Positions of `jaxpr`'s outputs that `seeds` reach, from equation `start` on, through
-    values whose element count is `size` (or that many per device: a pmap's leading axis)."""
+    values whose element count is `size` (or that many per device: a pmap's leading axis).
+    A reference written with a reached value is reached (what is read from it after too)
+    and joins `refs`."""
     def same_size(v: Any) -> bool:
         shape = getattr(getattr(v, "aval", None), "shape", None)
         return shape is not None and size in (_size(shape), _size(shape[1:]))
@@ -399,16 +421,22 @@ def _reach(jaxpr: Any, seeds: set, start: int, size: int) -> set[int]:
         hit = [i for i, v in enumerate(eqn.invars) if _compat.is_var(v) and id(v) in live]
         if not hit:
             continue
+        if eqn.primitive.name in _REF_WRITES:
+            if 1 in hit and same_size(eqn.invars[0]):
+                live.add(id(eqn.invars[0]))
+                if refs is not None:
+                    refs.add(id(eqn.invars[0]))
+            continue
         subs = _aligned_subjaxprs(eqn)
         if len(subs) == 1 and len(subs[0].invars) == len(eqn.invars):
             sub = subs[0]
-            outs = _reach(sub, {sub.invars[i] for i in hit}, 0, size)
+            outs = _reach(sub, {sub.invars[i] for i in hit}, 0, size, refs)
         elif eqn.primitive.name == "cond" and 0 not in hit:
             # Operand i + 1 is each branch's input i; outputs align (optax.MultiSteps).
             outs = set()
             for branch in eqn.params["branches"]:
                 b = getattr(branch, "jaxpr", branch)
-                outs |= _reach(b, {b.invars[i - 1] for i in hit}, 0, size)
+                outs |= _reach(b, {b.invars[i - 1] for i in hit}, 0, size, refs)
         else:
             outs = set(range(len(eqn.outvars)))
         live.update(id(eqn.outvars[i]) for i in outs

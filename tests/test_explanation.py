@@ -190,6 +190,45 @@ def test_gradients_are_named_by_their_parameter_under_global_norm_clipping():
     assert names == sorted(f"layer{i}.{k}" for i in range(3) for k in ("b", "w")), names
 
 
+@pytest.mark.parametrize("jitted", [False, True])
+def test_gradients_written_into_refs_are_named_by_their_parameter(jitted):
+    """A step that keeps its parameters and optimizer state in `jax.Ref`s (JAX's Training
+    Cookbook), through the route on an explicit mesh with the loss closing over the batch:
+    the gradients update the references in place, and returns nothing of them; each is named
+    by the parameter it is written into (``w``, ``v``: the path its parameter and momentum
+    references share), not ``psum #16 [16, 32]``."""
+    from jax.sharding import AxisType, NamedSharding
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,),
+                         devices=jax.devices()[:8])
+    rng = np.random.default_rng(5)
+
+    def put(x, spec):
+        return jax.device_put(x, NamedSharding(mesh, spec))
+    with jax.set_mesh(mesh):
+        params = {"w": put(rng.standard_normal((16, 32)).astype(np.float32), P()),
+                  "v": put(rng.standard_normal((32, 8)).astype(np.float32), P())}
+        refs = jax.tree.map(jax.new_ref, params)
+        momentum = jax.tree.map(lambda p: jax.new_ref(jnp.zeros_like(p)), params)
+        batch = {"x": put(rng.standard_normal((64, 16)).astype(np.float32), P("data")),
+                 "y": put(rng.standard_normal((64, 8)).astype(np.float32), P("data"))}
+
+        def step(refs, momentum, batch):
+            def loss_fn(p):
+                h = jnp.tanh(batch["x"] @ p["w"])
+                return jnp.mean((h @ p["v"] - batch["y"]) ** 2)
+            loss, grads = libra_jax.value_and_grad(loss_fn)(jax.tree.map(lambda r: r[...], refs))
+
+            def update(ref, m, g):
+                m[...] = 0.9 * m[...] + g
+                ref[...] = ref[...] - 0.1 * m[...]
+            jax.tree.map(update, refs, momentum, grads)
+            return loss
+        e = libra_jax.explain(jax.jit(step) if jitted else step, refs, momentum, batch,
+                              fusion=False, file=None)
+    names = sorted(t for s in e.scopes for r in s.rows for t in r.tensors if "scalar" not in t)
+    assert names == ["v", "w"], names
+
+
 def test_table_uses_the_terminals_width(monkeypatch) -> None:
     """An 80-column terminal gets an 80-column table (rich's rendering), not a fixed 120."""
     pytest.importorskip("rich")
