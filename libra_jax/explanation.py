@@ -21,6 +21,7 @@ from typing import Any, TextIO
 import jax
 
 from libra_jax import _compat, collectives, gantt, planner, rewrite
+from libra_jax.loss_inputs import closure_parts
 
 __all__ = ["explain", "Explanation", "ScopePlan", "BucketRow", "GatherScope", "GatherRow"]
 
@@ -200,10 +201,14 @@ def explain(fn: Callable[..., Any], *args: Any, profile: Any = None, fusion: boo
     def spelled(flat: Any) -> list[tuple[str, Any]]:
         return [(jax.tree_util.keystr(path, simple=True, separator="."), x) for path, x in flat]
     flat_in = spelled(jax.tree_util.tree_flatten_with_path((dyn_args, dyn_kwargs))[0])
-    # An argument the step reads as a constant (a `jax.Ref`, which `outer_statics` keeps
-    # static) is named by its path among the arguments given.
+    # A value the step reads as a constant (a `jax.Ref` argument, which `outer_statics` keeps
+    # static; one it closes over) is named by its path among the arguments given, else in
+    # what the step captures.
     given = {id(x): path for path, x in spelled(jax.tree_util.tree_flatten_with_path(
         (args, kwargs))[0])}
+    for name, content in _captured(fn):
+        for path, x in spelled(jax.tree_util.tree_flatten_with_path(content)[0]):
+            given.setdefault(id(x), f"{name}.{path}" if path else name)
     operand_names = _input_names(closed.jaxpr, [path for path, _ in flat_in],
                                  [given.get(id(c)) for c in closed.consts])
     names = _result_names(closed, out_paths, report, operand_names)
@@ -220,6 +225,18 @@ def explain(fn: Callable[..., Any], *args: Any, profile: Any = None, fusion: boo
 
 
 _MISSING = object()
+
+
+def _captured(fn: Any) -> list[tuple[str, Any]]:
+    """(name, value) of what the step function captures: its closure (`loss_inputs.
+    closure_parts`) and the globals its code names, for naming the references it updates."""
+    import inspect
+    fn = inspect.unwrap(fn, stop=lambda f: not hasattr(f, "__wrapped__"))
+    parts = list((closure_parts(fn) or ([], None))[0])
+    code, scope = getattr(fn, "__code__", None), getattr(fn, "__globals__", {})
+    if code is not None:
+        parts += [(name, scope[name]) for name in code.co_names if name in scope]
+    return parts
 
 
 # --- Per-scope plan -------------------------------------------------------------------------

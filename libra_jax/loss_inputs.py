@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 from libra_jax import _compat, config
 
-__all__ = ["NnxObjects", "Closure", "spec_axes"]
+__all__ = ["NnxObjects", "Closure", "closure_parts", "spec_axes"]
 
 
 def spec_axes(entry: Any) -> tuple[str, ...]:
@@ -118,7 +118,7 @@ class Closure:
 
     def __init__(self, fun: Callable[..., Any]) -> None:
         self.fun = fun
-        self.parts: list[tuple[str, Any]] = []  # what it closes over (`_closure_parts`)
+        self.parts: list[tuple[str, Any]] = []  # what it closes over (`closure_parts`)
         self.make: Callable[[dict], Any] = lambda new: fun
         self.hoisted: list[Any] = []  # the arrays made inputs
         self.specs: list[P] = []  # theirs
@@ -128,7 +128,7 @@ class Closure:
     @classmethod
     def of(cls, fun: Callable[..., Any], axes: tuple, mesh: Any) -> Closure:
         closure = cls(fun)
-        found = _closure_parts(fun)
+        found = closure_parts(fun)
         if found is None:
             return closure
         closure.parts, closure.make = found
@@ -214,7 +214,7 @@ def _closed_over_spec(leaf: Any) -> P | None:
     return traced.spec
 
 
-def _closure_parts(fun: Any) -> tuple[list[tuple[str, Any]], Callable[[dict], Any]] | None:
+def closure_parts(fun: Any) -> tuple[list[tuple[str, Any]], Callable[[dict], Any]] | None:
     """What `fun` closes over, in parts (name, content): a Python function's cells, a
     `functools.partial`'s arguments and keywords (then its function's parts); and
     ``make({part: new content})``, `fun` again with those parts replaced and the others as
@@ -223,7 +223,7 @@ def _closure_parts(fun: Any) -> tuple[list[tuple[str, Any]], Callable[[dict], An
     import functools
     import types
     if isinstance(fun, functools.partial):
-        inner = _closure_parts(fun.func)
+        inner = closure_parts(fun.func)
         parts = [("the partial's arguments", fun.args), ("the partial's keywords", fun.keywords),
                  *(inner[0] if inner else [])]
 

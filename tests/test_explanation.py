@@ -190,13 +190,14 @@ def test_gradients_are_named_by_their_parameter_under_global_norm_clipping():
     assert names == sorted(f"layer{i}.{k}" for i in range(3) for k in ("b", "w")), names
 
 
-@pytest.mark.parametrize("jitted", [False, True])
-def test_gradients_written_into_refs_are_named_by_their_parameter(jitted):
+@pytest.mark.parametrize("jitted, closed_over", [(False, False), (True, False), (True, True)])
+def test_gradients_written_into_refs_are_named_by_their_parameter(jitted, closed_over):
     """A step that keeps its parameters and optimizer state in `jax.Ref`s (JAX's Training
     Cookbook), through the route on an explicit mesh with the loss closing over the batch:
     the gradients update the references in place, and returns nothing of them; each is named
     by the parameter it is written into (``w``, ``v``: the path its parameter and momentum
-    references share), not ``psum #16 [16, 32]``."""
+    references share), not ``psum #16 [16, 32]``; also where the step closes over the
+    references instead of taking them as arguments."""
     from jax.sharding import AxisType, NamedSharding
     mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,),
                          devices=jax.devices()[:8])
@@ -223,8 +224,12 @@ def test_gradients_written_into_refs_are_named_by_their_parameter(jitted):
                 ref[...] = ref[...] - 0.1 * m[...]
             jax.tree.map(update, refs, momentum, grads)
             return loss
-        e = libra_jax.explain(jax.jit(step) if jitted else step, refs, momentum, batch,
-                              fusion=False, file=None)
+        if closed_over:
+            e = libra_jax.explain(jax.jit(lambda batch: step(refs, momentum, batch)), batch,
+                                  fusion=False, file=None)
+        else:
+            e = libra_jax.explain(jax.jit(step) if jitted else step, refs, momentum, batch,
+                                  fusion=False, file=None)
     names = sorted(t for s in e.scopes for r in s.rows for t in r.tensors if "scalar" not in t)
     assert names == ["v", "w"], names
 
