@@ -160,8 +160,11 @@ def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0,
                 # Resharded inside the differentiated function: autodiff reshards each
                 # gradient back, so it is laid out as its parameter (as jax.grad's are).
                 return mapped(*(_reshard(a, s, the_mesh) for a, s in zip(args, specs)))
-            return jax.value_and_grad(
-                loss, argnums_t[0] if isinstance(argnums, int) else argnums_t, aux)(*args)
+            # Layout calls left out for the whole trace: the loss's own, and those traced
+            # while autodiff transposes it (a custom_vjp's backward rule).
+            with _layouts_dropped():
+                return jax.value_and_grad(
+                    loss, argnums_t[0] if isinstance(argnums, int) else argnums_t, aux)(*args)
 
         if any(isinstance(leaf, _compat.Tracer) for leaf in jax.tree.leaves((args, kwargs))):
             out = run(*args)  # already traced (under jit, grad...): the caller compiles it
@@ -243,8 +246,7 @@ def _local_loss(fun: Callable[..., Any], kwargs: dict, has_aux: bool, axes: tupl
     """The per-shard loss, averaged over `axes`: the function the shard_map maps."""
     def local(*args: Any) -> Any:
         try:
-            with _layouts_dropped():
-                out = fun(*args, **kwargs)
+            out = fun(*args, **kwargs)
         except (NotImplementedError, ValueError) as e:
             refusal = _sharding_call_refusal(e) or _closure_refusal(e)
             if refusal is None:
@@ -334,8 +336,8 @@ _LAYOUT_CALLS = (
 
 @contextlib.contextmanager
 def _layouts_dropped() -> Iterator[None]:
-    """`_LAYOUT_CALLS` replaced for the duration (for the route's trace of the loss), then
-    restored. Another thread tracing meanwhile sees the replacements, which defer to JAX's
+    """`_LAYOUT_CALLS` replaced for the duration (the route's trace of the loss and of its
+    gradient), then restored. Another thread tracing meanwhile sees the replacements, which defer to JAX's
     functions outside a region where every axis is manual; a nested route keeps the outer
     route's."""
     swapped = []

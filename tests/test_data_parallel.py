@@ -692,7 +692,20 @@ SERVED_LAYOUT_CALLS = {
                                                            out_sharding=P("data"))(x, w),
     "nnx.Embed(out_sharding=)": lambda x, w, mesh: _embed_lookup(x, w),
     "flax with_logical_constraint": _logical_constraint,
+    "in a custom_vjp's backward rule": lambda x, w, mesh: _tanh_constrained_backward(x @ w),
 }
+
+
+@jax.custom_vjp
+def _tanh_constrained_backward(x):
+    """tanh whose backward rule lays its cotangent out over ``data`` (traced while autodiff
+    transposes the loss, after the loss's own trace)."""
+    return jnp.tanh(x)
+
+
+_tanh_constrained_backward.defvjp(
+    lambda x: (jnp.tanh(x), x),
+    lambda x, g: (jax.lax.with_sharding_constraint(g * (1 - jnp.tanh(x) ** 2), P("data")),))
 
 
 @pytest.mark.parametrize("kind", ["auto", "explicit"])
