@@ -778,6 +778,15 @@ class NnxNet:
         return Net(nnx.Rngs(seed))
 
 
+def nnx_step_with(grad_fn):
+    """An NNX train step with `grad_fn` where `nnx.value_and_grad(loss)` would be."""
+    def step(model, optimizer, x, y):
+        loss, grads = grad_fn(model, x, y)
+        optimizer.update(model, grads)
+        return loss
+    return step
+
+
 def nnx_loss(model, x, y):
     return jnp.mean((model(x) - y) ** 2)
 
@@ -795,12 +804,6 @@ def test_an_nnx_model_trains_through_the_route_as_with_nnx_value_and_grad(shape)
     x = put(rng.standard_normal((32, 12)).astype(np.float32), mesh, P("data"))
     y = put(rng.standard_normal((32, 4)).astype(np.float32), mesh, P("data"))
 
-    def step_with(grad_fn):
-        def step(model, optimizer, x, y):
-            loss, grads = grad_fn(model, x, y)
-            optimizer.update(model, grads)
-            return loss
-        return step
 
     def gspmd(model, x, y):
         return nnx.value_and_grad(nnx_loss)(model, x, y)
@@ -810,9 +813,9 @@ def test_an_nnx_model_trains_through_the_route_as_with_nnx_value_and_grad(shape)
 
     trained = {}
     with jax.set_mesh(mesh):
-        for name, step in [("gspmd", nnx.jit(step_with(gspmd))),
-                           ("route", nnx.jit(libra_jax.optimize(step_with(through_route)))),
-                           ("control", nnx.jit(libra_jax.optimize(step_with(through_route),
+        for name, step in [("gspmd", nnx.jit(nnx_step_with(gspmd))),
+                           ("route", nnx.jit(libra_jax.optimize(nnx_step_with(through_route)))),
+                           ("control", nnx.jit(libra_jax.optimize(nnx_step_with(through_route),
                                                                   collectives="xla")))]:
             model = NnxNet.make(len(shape) == 2)
             optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
@@ -1116,22 +1119,16 @@ def test_an_nnx_step_with_an_embedding_trains_on_an_explicit_mesh():
     def loss_fn(model, tokens, y):
         return jnp.mean((model(tokens) - y) ** 2)
 
-    def step_with(grad_fn):
-        def step(model, optimizer, tokens, y):
-            loss, grads = grad_fn(model, tokens, y)
-            optimizer.update(model, grads)
-            return loss
-        return step
     rng = np.random.default_rng(33)
     tokens = put(rng.integers(0, 32, (64,)).astype(np.int32), mesh, P("batch"))
     y = put(rng.standard_normal((64, 4)).astype(np.float32), mesh, P("batch"))
     route_grad = libra_jax.value_and_grad(loss_fn, axis_name="batch")
     runs = {}
     with jax.set_mesh(mesh):
-        for name, step in [("gspmd", step_with(nnx.value_and_grad(loss_fn))),
-                           ("route", step_with(route_grad)),
-                           ("optimized", libra_jax.optimize(step_with(route_grad))),
-                           ("control", libra_jax.optimize(step_with(route_grad),
+        for name, step in [("gspmd", nnx_step_with(nnx.value_and_grad(loss_fn))),
+                           ("route", nnx_step_with(route_grad)),
+                           ("optimized", libra_jax.optimize(nnx_step_with(route_grad))),
+                           ("control", libra_jax.optimize(nnx_step_with(route_grad),
                                                           collectives="xla"))]:
             model = Net(nnx.Rngs(0))
             optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
