@@ -153,6 +153,7 @@ struct Library::Api {
   using CommGetAsyncError = int (*)(void*, int*);
   using CommSplit = int (*)(void*, int, int, void**, CommConfigV23100*);
   using GetErrorString = const char* (*)(int);
+  using Group = int (*)();
 
   GetVersion get_version = nullptr;
   GetUniqueId get_unique_id = nullptr;
@@ -168,6 +169,8 @@ struct Library::Api {
   CommAbort comm_abort = nullptr;
   CommGetAsyncError comm_get_async_error = nullptr;
   GetErrorString get_error_string = nullptr;
+  Group group_start = nullptr;
+  Group group_end = nullptr;
 };
 
 const char* Name(CtaRoute route) {
@@ -244,6 +247,8 @@ Status Library::Open(const std::string& path, std::unique_ptr<Library>* library)
       {"ncclCommAbort", reinterpret_cast<void**>(&api.comm_abort), true},
       {"ncclCommGetAsyncError", reinterpret_cast<void**>(&api.comm_get_async_error), true},
       {"ncclGetErrorString", reinterpret_cast<void**>(&api.get_error_string), true},
+      {"ncclGroupStart", reinterpret_cast<void**>(&api.group_start), true},
+      {"ncclGroupEnd", reinterpret_cast<void**>(&api.group_end), true},
       {"ncclAllReduceConfig", reinterpret_cast<void**>(&api.all_reduce_config), false},
       {"ncclReduceScatterConfig", reinterpret_cast<void**>(&api.reduce_scatter_config), false},
       {"ncclAllGatherConfig", reinterpret_cast<void**>(&api.all_gather_config), false},
@@ -440,10 +445,7 @@ Status Library::Wait(void* comm, int64_t timeout_ms, const std::string& what) co
   }
 }
 
-Status Library::Collective(libra::Collective kind, const void* input, void* output,
-                           std::size_t count, DType dtype, void* comm, int ctas, void* stream,
-                           int64_t timeout_ms, bool* aborted) const {
-  if (aborted != nullptr) *aborted = false;
+Status Library::Checked(libra::Collective kind, DType dtype, int ctas) const {
   if (!libra::KnownCollective(kind)) {
     return Error(Status::Code::kInvalidArgument,
                  "unknown collective kind " + std::to_string(static_cast<int>(kind)));
@@ -454,44 +456,82 @@ Status Library::Collective(libra::Collective kind, const void* input, void* outp
                  std::string("NCCL ") + libra::Name(kind) + " of " + Name(dtype) +
                      " is not served (bytes are only gathered)");
   }
+  const bool configured = ctas > 0 && route_ == CtaRoute::kPerCollective;
+  const bool scatters = libra::LayoutOf(kind).shard_out;
+  const bool gathers = libra::LayoutOf(kind).shard_in;
+  const bool has_config = gathers    ? api_->all_gather_config != nullptr
+                          : scatters ? api_->reduce_scatter_config != nullptr
+                                     : api_->all_reduce_config != nullptr;
+  if (configured && !has_config) {
+    return Error(Status::Code::kInternal, path_ + " has no per-call config entry for its " +
+                                              libra::Name(kind));
+  }
+  return Status::Ok();
+}
+
+int Library::Launch(libra::Collective kind, const void* input, void* output, std::size_t count,
+                    DType dtype, void* comm, int ctas, void* stream, const char** what) const {
+  const int nccl_dtype = ToNcclDataType(dtype);
   // The collective's plain and per-call-config entry points (the config's only from 2.31).
   const bool configured = ctas > 0 && route_ == CtaRoute::kPerCollective;
   CollConfigV23100 config{sizeof(CollConfigV23100), kApiMagic, kPerCollectiveVersion,
                           nullptr, ctas, ctas, kUndefInt, kUndefInt, nullptr, 1,
                           kUndefInt, 0};
-  const char* what = "";
-  int result = kSuccess;
-  switch (kind) {
-    case libra::Collective::kAllReduce:
-    case libra::Collective::kReduceScatter: {
-      const bool scatters = libra::LayoutOf(kind).shard_out;
-      const Api::AllReduceConfig with_config =
-          scatters ? api_->reduce_scatter_config : api_->all_reduce_config;
-      if (configured && with_config == nullptr) {
-        return Error(Status::Code::kInternal, path_ + " has no ncclReduceScatterConfig");
-      }
-      what = configured ? (scatters ? "ncclReduceScatterConfig" : "ncclAllReduceConfig")
-                        : (scatters ? "ncclReduceScatter" : "ncclAllReduce");
-      result = configured
-                   ? with_config(input, output, count, nccl_dtype, kSum, comm, stream, &config)
-                   : (scatters ? api_->reduce_scatter : api_->all_reduce)(
-                         input, output, count, nccl_dtype, kSum, comm, stream);
-      break;
-    }
-    case libra::Collective::kAllGather:
-      if (configured && api_->all_gather_config == nullptr) {
-        return Error(Status::Code::kInternal, path_ + " has no ncclAllGatherConfig");
-      }
-      what = configured ? "ncclAllGatherConfig" : "ncclAllGather";
-      result = configured ? api_->all_gather_config(input, output, count, nccl_dtype, comm,
-                                                    stream, &config)
-                          : api_->all_gather(input, output, count, nccl_dtype, comm, stream);
-      break;
+  if (libra::LayoutOf(kind).shard_in) {  // the all-gather: no reduction operator
+    *what = configured ? "ncclAllGatherConfig" : "ncclAllGather";
+    return configured ? api_->all_gather_config(input, output, count, nccl_dtype, comm, stream,
+                                                &config)
+                      : api_->all_gather(input, output, count, nccl_dtype, comm, stream);
   }
+  const bool scatters = libra::LayoutOf(kind).shard_out;
+  *what = configured ? (scatters ? "ncclReduceScatterConfig" : "ncclAllReduceConfig")
+                     : (scatters ? "ncclReduceScatter" : "ncclAllReduce");
+  if (configured) {
+    return (scatters ? api_->reduce_scatter_config : api_->all_reduce_config)(
+        input, output, count, nccl_dtype, kSum, comm, stream, &config);
+  }
+  return (scatters ? api_->reduce_scatter : api_->all_reduce)(input, output, count, nccl_dtype,
+                                                              kSum, comm, stream);
+}
+
+Status Library::Collective(libra::Collective kind, const void* input, void* output,
+                           std::size_t count, DType dtype, void* comm, int ctas, void* stream,
+                           int64_t timeout_ms, bool* aborted) const {
+  if (aborted != nullptr) *aborted = false;
+  if (Status checked = Checked(kind, dtype, ctas); !checked.ok()) return checked;
+  const char* what = "";
+  const int result = Launch(kind, input, output, count, dtype, comm, ctas, stream, &what);
   // On a non-blocking communicator the call may still be enqueueing: wait for that, bounded
   // (Wait aborts the communicator where it fails).
   if (result != kInProgress) return Check(result, what);
   const Status status = Wait(comm, timeout_ms, what);
+  if (aborted != nullptr) *aborted = !status.ok();
+  return status;
+}
+
+Status Library::CollectiveGroup(libra::Collective kind, const std::vector<Member>& members,
+                                void* comm, int ctas, void* stream, int64_t timeout_ms,
+                                bool* aborted) const {
+  if (aborted != nullptr) *aborted = false;
+  for (const Member& member : members) {
+    if (Status checked = Checked(kind, member.dtype, ctas); !checked.ok()) return checked;
+  }
+  if (Status opened = Check(api_->group_start(), "ncclGroupStart"); !opened.ok()) return opened;
+  Status launched = Status::Ok();
+  for (const Member& member : members) {
+    const char* what = "";
+    const int result = Launch(kind, member.input, member.output, member.count, member.dtype,
+                              comm, ctas, stream, &what);
+    if (result != kSuccess && result != kInProgress) {  // the rest is not launched
+      launched = Check(result, what);
+      break;
+    }
+  }
+  // Always closed (NCCL's groups nest per thread: one left open would swallow later calls).
+  const int ended = api_->group_end();
+  if (!launched.ok()) return launched;
+  if (ended != kInProgress) return Check(ended, "ncclGroupEnd");
+  const Status status = Wait(comm, timeout_ms, "ncclGroupEnd");
   if (aborted != nullptr) *aborted = !status.ok();
   return status;
 }
@@ -633,9 +673,9 @@ Status Communicators::Prepare(int64_t comm_id, int nranks, int rank, int ctas,
   return Prepare(comm_id, nranks, rank, ctas, timeout_ms, nullptr, nullptr, nullptr);
 }
 
-Status Communicators::Call(libra::Collective kind, int64_t comm_id, int nranks, int rank,
-                           int ctas, const void* input, void* output, std::size_t count,
-                           DType dtype, void* stream, int64_t timeout_ms) {
+template <typename IssueFn>
+Status Communicators::Issue(int64_t comm_id, int nranks, int rank, int ctas, int64_t timeout_ms,
+                            IssueFn issue) {
   std::shared_ptr<Comm> comm;
   const Library* library = nullptr;
   void* handle = nullptr;
@@ -644,8 +684,7 @@ Status Communicators::Call(libra::Collective kind, int64_t comm_id, int nranks, 
   if (!status.ok()) return status;
   if (library->route() == CtaRoute::kNone) ctas = 0;
   bool aborted = false;
-  const Status done = library->Collective(kind, input, output, count, dtype, handle, ctas,
-                                          stream, timeout_ms, &aborted);
+  const Status done = issue(*library, handle, ctas, &aborted);
   if (aborted) {  // that communicator is gone: forget the group's (its children share it)
     std::lock_guard<std::mutex> lock(comm->mu);
     if (handle != comm->handle) library->Abort(comm->handle);
@@ -656,6 +695,26 @@ Status Communicators::Call(libra::Collective kind, int64_t comm_id, int nranks, 
     comm->handle = nullptr;
   }
   return done;
+}
+
+Status Communicators::Call(libra::Collective kind, int64_t comm_id, int nranks, int rank,
+                           int ctas, const void* input, void* output, std::size_t count,
+                           DType dtype, void* stream, int64_t timeout_ms) {
+  return Issue(comm_id, nranks, rank, ctas, timeout_ms,
+               [&](const Library& library, void* handle, int limit, bool* aborted) {
+                 return library.Collective(kind, input, output, count, dtype, handle, limit,
+                                           stream, timeout_ms, aborted);
+               });
+}
+
+Status Communicators::CallGroup(libra::Collective kind, int64_t comm_id, int nranks, int rank,
+                                int ctas, const std::vector<Library::Member>& members,
+                                void* stream, int64_t timeout_ms) {
+  return Issue(comm_id, nranks, rank, ctas, timeout_ms,
+               [&](const Library& library, void* handle, int limit, bool* aborted) {
+                 return library.CollectiveGroup(kind, members, handle, limit, stream,
+                                                timeout_ms, aborted);
+               });
 }
 
 Status Communicators::Watch(int64_t comm_id, int rank, void* stream, int64_t timeout_ms,

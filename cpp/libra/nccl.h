@@ -151,6 +151,21 @@ class Library {
     return Collective(libra::Collective::kAllReduce, input, output, count, dtype, comm, ctas,
                       stream, timeout_ms, aborted);
   }
+  // One member of a grouped call: its buffers, count and type as Collective takes them.
+  struct Member {
+    const void* input;
+    void* output;
+    std::size_t count;
+    DType dtype;
+  };
+  // Collective `kind` of several members (a bucket's buffers, where XLA keeps them) as one
+  // NCCL group (ncclGroupStart, a call per member, ncclGroupEnd): NCCL launches them as one
+  // operation, each with the call's CTA limit, and no member waits for another's launch.
+  // Every member is checked before the group opens, and an opened group is always closed.
+  // An enqueue still in progress at the group's end is waited for as Collective waits.
+  Status CollectiveGroup(libra::Collective kind, const std::vector<Member>& members,
+                         void* comm, int ctas, void* stream, int64_t timeout_ms = 0,
+                         bool* aborted = nullptr) const;
   void Destroy(void* comm) const;
   void Abort(void* comm) const;
   // The communicator's asynchronous error as a message ("" while none).
@@ -159,6 +174,12 @@ class Library {
  private:
   Library() = default;
   Status Check(int result, const char* what) const;
+  // The checks of one member's call: its kind, its dtype, the route's entry point.
+  Status Checked(libra::Collective kind, DType dtype, int ctas) const;
+  // Issues one member's call on NCCL's entry point for its kind and route (checked first);
+  // returns NCCL's result and names the entry point in `what`.
+  int Launch(libra::Collective kind, const void* input, void* output, std::size_t count,
+             DType dtype, void* comm, int ctas, void* stream, const char** what) const;
   // Polls the communicator's async state until it is not in progress; after
   // timeout_ms (> 0) aborts it and fails with kDeadlineExceeded naming `what`.
   Status Wait(void* comm, int64_t timeout_ms, const std::string& what) const;
@@ -213,6 +234,11 @@ class Communicators {
     return Call(libra::Collective::kAllReduce, comm_id, nranks, rank, ctas, input, output,
                 count, dtype, stream, timeout_ms);
   }
+  // Call of several members as one NCCL group (Library::CollectiveGroup): a bucket's
+  // buffers, one launch, the call's CTA limit for each.
+  Status CallGroup(libra::Collective kind, int64_t comm_id, int nranks, int rank, int ctas,
+                   const std::vector<Library::Member>& members, void* stream,
+                   int64_t timeout_ms = 0);
 
   // Watches the call just issued on `stream` by this rank of `comm_id`: a collective
   // enqueued on the GPU whose peer never comes would spin there for ever, so the
@@ -257,6 +283,11 @@ class Communicators {
                  std::shared_ptr<Comm>* comm, void** handle, const Library** library);
   // Aborts a group's communicator and its children (comm->mu held).
   static void Forget(const Library& library, Comm* comm);
+  // Prepares `comm_id` and runs `issue(library, handle, ctas, &aborted)` on it (Call's and
+  // CallGroup's body); where the handle was aborted, forgets the group's communicators.
+  template <typename IssueFn>
+  Status Issue(int64_t comm_id, int nranks, int rank, int ctas, int64_t timeout_ms,
+               IssueFn issue);
 
   std::mutex mu_;
   bool opened_ = false;

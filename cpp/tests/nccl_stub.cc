@@ -37,7 +37,10 @@
 //   worker thread (ncclStubStreamPending counts them), as kernels on a GPU;
 // - launches on several communicators of one device need one order (Ordered
 //   below: the same stream, or implicit launch order where the version has it);
-//   a launch without one fails (logged: hazard ...), where NCCL might hang.
+//   a launch without one fails (logged: hazard ...), where NCCL might hang;
+// - ncclGroupStart/End nest per thread: a collective inside a group is checked and logged
+//   when called but runs only when the outermost group ends (logged: group rank=R
+//   calls=N), in the order called; a group end without a start is ncclInvalidUsage.
 // Build: g++ -std=c++17 -shared -fPIC -o libnccl_stub.so nccl_stub.cc
 #include <fcntl.h>
 #include <unistd.h>
@@ -193,6 +196,15 @@ struct LastLaunch {
 };
 thread_local LastLaunch last_launch;
 
+// This thread's open NCCL groups (ncclGroupStart/End nest) and the collectives called in
+// them, each with its rank, run when the outermost one ends.
+struct GroupCall {
+  int rank;
+  std::function<int()> run;
+};
+thread_local int group_depth = 0;
+thread_local std::vector<GroupCall> group_calls;
+
 bool Ordered(const Comm& comm, void* stream) {
   const LastLaunch& last = last_launch;
   if (last.id.empty() || last.id == comm.id || last.stream == stream) return true;
@@ -318,6 +330,10 @@ int Collective(Kind kind, const void* in, void* out, size_t count, int dtype, in
     }
     return kSuccess;
   };
+  if (group_depth > 0) {  // runs when the outermost group ends (ncclGroupEnd)
+    group_calls.push_back({comm->rank, run});
+    return kSuccess;
+  }
   if (Env("NCCL_STUB_ASYNC", "0") != "1") return run();
   Worker& worker = WorkerOf(stream);
   std::lock_guard<std::mutex> lock(worker.mu);
@@ -385,6 +401,26 @@ bool ReadConfig(const CommConfig* config, Comm* comm) {
 }  // namespace
 
 extern "C" {
+
+int ncclGroupStart() {
+  ++group_depth;
+  return kSuccess;
+}
+
+int ncclGroupEnd() {
+  if (group_depth == 0) return kInvalidUsage;
+  if (--group_depth > 0) return kSuccess;
+  std::vector<GroupCall> calls;
+  calls.swap(group_calls);
+  Log("group rank=" + std::to_string(calls.empty() ? -1 : calls.front().rank) +
+      " calls=" + std::to_string(calls.size()));
+  int result = kSuccess;
+  for (const GroupCall& call : calls) {
+    const int one = call.run();
+    if (result == kSuccess) result = one;
+  }
+  return result;
+}
 
 int ncclGetVersion(int* version) {
   *version = Version();
