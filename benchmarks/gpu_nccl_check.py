@@ -14,7 +14,9 @@ them into its summary), and NCCL's own log lines about channels and CTAs after e
   1-rank communicator on GPU 0 and the ``libra_allreduce_nccl`` custom call, XLA's own handler
   path (the communicator made at XLA's initialize stage, the call on libra's stream), and the
   same as ``libra_allreduce_nccl_start`` + ``libra_allreduce_cuda_done``, with ctas 1, 4 and
-  16 on a 1 MiB f32 buffer; a 1-rank sum returns its input, checked bit for bit. The same
+  16 on a 1 MiB f32 buffer; a 1-rank sum returns its input, checked bit for bit; and a
+  start/done bucket of three f32 members (one start: one NCCL group, one done), each its
+  input bit for bit. The same
   for NCCL's reduce-scatter and all-gather (``libra_reduce_scatter_nccl``,
   ``libra_all_gather_nccl`` and their starts), timed (median of 5): on one rank each is a copy
   of its input, as `jax.lax`'s are on one device, so this proves the handlers, the CTA routes
@@ -70,6 +72,20 @@ ONE_RANK = """
         xs = jax.device_put(x, gpu)
         ok = np.asarray(f(xs)).tobytes() == x.tobytes()
         split = np.asarray(g(xs)).tobytes() == x.tobytes()
+        # A start/done bucket of three members of one dtype, one start (one NCCL group) and
+        # one done over their buffers where they are (aliased), as optimize lowers it.
+        parts = (x, x[:1000] * 2, x[:7] * 3)
+        part_avals = tuple(jax.ShapeDtypeStruct(p.shape, p.dtype) for p in parts)
+        aliased = {i: i for i in range(len(parts))}
+        start3 = jax.ffi.ffi_call(_ffi.target("all-reduce", "nccl", "start"),
+                                  (*part_avals, token), input_output_aliases=aliased)
+        done3 = jax.ffi.ffi_call(_ffi.target("all-reduce", "cuda", "done"), part_avals,
+                                 input_output_aliases=aliased)
+        def grouped(*vs):
+            *buffers, started = start3(*(v + 0 for v in vs), call_id=np.int64(4), **attrs)
+            return done3(*buffers, started, started, call_id=np.int64(4))
+        got = jax.jit(grouped)(*(jax.device_put(p, gpu) for p in parts))
+        group = all(np.asarray(a).tobytes() == p.tobytes() for a, p in zip(got, parts))
         # The sharded pair on the same communicator: NCCL's reduce-scatter and all-gather, one
         # call and start/done (in place in the flat row; done is the kernels'). On one rank
         # each is its input, bit for bit, as jax.lax's are on one device.
@@ -92,6 +108,7 @@ ONE_RANK = """
             sharded.append(f"{role[5:]} {'OK' if good else 'WRONG'} "
                            f"{sorted(times)[2] * 1e3:.3f}ms")
         print("CTAS", ctas, "OK" if ok else "WRONG", "start/done", "OK" if split else "WRONG",
+              "group of 3", "OK" if group else "WRONG",
               "|", " | ".join(sharded), "| communicators", _nccl.communicators_created(),
               flush=True)
 """
@@ -168,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         if proc.returncode == 0 and len(good) == len(CTAS) and f"ROUTE {r}" in lines:
             comms = good[-1].split()[-1]
             say(r, "PASS", f"1 rank, ctas {CTAS}, all-reduce, reduce-scatter and all-gather, "
-                           f"one call and start/done: bitwise, {comms} communicator(s)")
+                           f"one call and start/done, a grouped bucket of 3: bitwise, "
+                           f"{comms} communicator(s)")
             for line in good:  # each block count's reduce-scatter and all-gather times
                 print("   ", line)
         else:

@@ -114,38 +114,47 @@ def check_start_done_pairs(text: str, start: str | tuple[str, ...], call: str | 
     """Asserts the structure of the CUDA start/done pairs in a lowered program's `text` (the
     fix of the stale-data defect: done(s, s) made XLA copy the in-flight buffer on its stream
     while the all-reduce could still write it): each `start` custom call (one target, or any
-    of several: the sharded pair's) works in place or on its own result (a start whose output
-    aliases its operand, the all-reduce's and the reduce-scatter's, says so); each
-    ``libra_allreduce_cuda_done`` reads its own start's buffer, aliased to its output, under
-    the same call id, its own start's token and the latest start's; it is lowered with a side
-    effect (XLA never removes it); the buffer has no other reader. `call`
-    is the one-call target, used once (the loss's pmean, never split), or None where there is
-    none. Returns the number of pairs."""
+    of several: the sharded pair's) over its members (one, or a bucket's of one dtype on
+    NCCL) works in place or on its own results (a start whose outputs alias its operands, the
+    all-reduce's and the reduce-scatter's, says so); each ``libra_allreduce_cuda_done`` reads
+    its own start's buffers, each aliased to its output, under the same call id, its own
+    start's token and the latest start's; it is lowered with a side effect (XLA never removes
+    it); the buffers have no other reader. `call` is the one-call target, used once (the
+    loss's pmean, never split), or None where there is none. Returns the number of pairs."""
     import re
     names = (start,) if isinstance(start, str) else start
     alternatives = "|".join(map(re.escape, names))
-    starts = re.findall(rf"%(\S+):2 = stablehlo.custom_call @(?:{alternatives})\(%(\S+?)\)"
-                        r".*?call_id = (\d+)", text)
-    dones = re.findall(r"stablehlo.custom_call @libra_allreduce_cuda_done\(%(\S+?), %(\S+?), "
-                       r"%(\S+?)\) \{[^{]*?has_side_effect = true"
-                       r".*?call_id = (\d+).*?output_operand_aliases = \[#stablehlo"
-                       r".output_operand_alias<output_tuple_indices = \[\], operand_index = 0",
-                       text)
+    # (result, its count: members + the token, operands, call id)
+    starts = [(result, int(count), operands.split(", "), call_id) for result, count, operands,
+              call_id in re.findall(rf"%(\S+):(\d+) = stablehlo.custom_call @(?:{alternatives})"
+                                    r"\(([^)]*)\).*?call_id = (\d+)", text)]
+    dones = re.findall(r"stablehlo.custom_call @libra_allreduce_cuda_done\(([^)]*)\) "
+                       r"\{[^{]*?has_side_effect = true.*?call_id = (\d+)"
+                       r".*?output_operand_aliases = \[([^\]]*(?:\][^\]]*)*?)\]\}", text)
     assert starts and len(dones) == len(starts), (starts, dones)
-    by_result = {result: call_id for result, _, call_id in starts}
-    order = [result for result, _, _ in starts]
+    by_result = {result: (count - 1, call_id) for result, count, _, call_id in starts}
+    order = [result for result, _, _, _ in starts]
     latest = order[-1]
-    for buffer, token, after, call_id in dones:
-        result, _, index = buffer.partition("#")
-        assert index == "0" and by_result[result] == call_id
-        # Its start's token, or a later one's of the same bucket (a bucket's members are one
-        # start each on a GPU; its equation's token is the last one's).
-        own, _, token_index = token.partition("#")
-        assert token_index == "1" and order.index(own) >= order.index(result), (buffer, token)
-        assert after == f"{latest}#1", (buffer, token, after)
-    assert len(set(by_result.values())) == len(starts)
-    for result in by_result:
-        assert len(re.findall(rf"%{result}#0\b", text)) == 1, result  # read by done only
+    for operands, call_id, aliases in dones:
+        *buffers, token, after = operands.split(", ")
+        result = buffers[0].partition("#")[0].lstrip("%")
+        members, own_id = by_result[result]
+        assert buffers == [f"%{result}#{i}" for i in range(members)], (buffers, members)
+        assert own_id == call_id
+        for i in range(members):  # each buffer aliased to its output
+            assert f"output_tuple_indices = [{i}], operand_index = {i}," in aliases or (
+                members == 1 and "output_tuple_indices = [], operand_index = 0," in aliases), (
+                aliases, i)
+        # Its start's token, or a later one's of the same bucket (a bucket's dtypes, or its
+        # members on the P2P kernels, are one start each; its equation's token is the last's).
+        own, _, token_index = token.lstrip("%").partition("#")
+        assert own in by_result and token_index == str(by_result[own][0]), (buffers, token)
+        assert order.index(own) >= order.index(result), (buffers, token)
+        assert after == f"%{latest}#{by_result[latest][0]}", (buffers, token, after)
+    assert len({call_id for _, call_id in by_result.values()}) == len(starts)
+    for result, (members, _) in by_result.items():
+        for i in range(members):  # read by done only
+            assert len(re.findall(rf"%{result}#{i}\b", text)) == 1, (result, i)
     in_place = [n for n in names if "all_gather" not in n]  # an all-gather's is a new buffer
     start_lines = [line for line in text.splitlines()
                    if any(f"@{n}(" in line for n in in_place)]

@@ -687,12 +687,29 @@ IN_PROCESS = """
             names = sorted(set(re.findall(r"custom_call @(libra_\\w+)", text)))
             ctas = sorted({int(c) for c in re.findall(r"ctas = (\\d+)", text)})
             planned = sorted({p.blocks for p in opt.last_report.plans})
-            # One start/done per member on a GPU (NCCL takes each member as it is).
-            split = sum(len(p.members) for p in opt.last_report.plans
-                        if p.overlap == "start-done")
+            # One start/done per bucket (its members one NCCL group: one dtype here).
+            split = sum(1 for p in opt.last_report.plans if p.overlap == "start-done")
             pairs = (check_start_done_pairs(text, "libra_allreduce_nccl_start",
                                             "libra_allreduce_nccl") if split else 0)
             print("STEP", n, mode, names, ctas == planned, "all_reduce" in text, pairs == split)
+        # A bucket of two dtypes bound by hand: one start per dtype over its members.
+        from libra_jax import ops
+        def bucket(a, b, c):
+            avals = tuple(jax.typeof(v) for v in (a, b, c))
+            started = ops.libra_start_p.bind(a, b, c, collective="psum", axes=("x",), blocks=2,
+                                             invariant=False, call_id=77)
+            return tuple(ops.libra_done_p.bind(  # ordered after the latest start, as optimize's
+                *started, started[-1], collective="psum", out_avals=avals, axes=("x",),
+                blocks=2, call_id=77))
+        h = jax.jit(jax.shard_map(bucket, mesh=mesh, in_specs=(P(),) * 3,
+                                  out_specs=(P(),) * 3, check_vma=False))
+        shapes = [((4, 8), np.float32), ((3,), np.int32), ((16,), np.float32)]
+        text = h.trace(*[jax.ShapeDtypeStruct(s, d) for s, d in shapes]).lower(
+            lowering_platforms=("cuda",)).as_text()
+        starts = re.findall(r"%\\S+:(\\d+) = stablehlo.custom_call @libra_allreduce_nccl_start",
+                            text)
+        print("BUCKET", n, sorted(starts), check_start_done_pairs(text,
+              "libra_allreduce_nccl_start", None), "concatenate" in text)
 """
 
 
@@ -717,6 +734,9 @@ def test_nccl_path_in_one_process(stub_env, version, communicators):
         for mode in ("start-done", "auto"):
             assert (f"STEP {n} {mode} ['libra_allreduce_cuda_done', 'libra_allreduce_nccl', "
                     "'libra_allreduce_nccl_start'] True False True") in out, out
+        # A bucket's members of one dtype are one start (one NCCL group), each dtype its own:
+        # 2 + token and 1 + token results; no packed copy.
+        assert f"BUCKET {n} ['2', '3'] 2 False" in out, out
 
 
 # The sharded pair lowered for cuda on LIBRA_JAX_CUDA=nccl: NCCL's reduce-scatter and

@@ -313,10 +313,11 @@ ffi::Error ExecuteStart(cudaStream_t stream, int32_t device, ffi::RunId run, ffi
   return WriteToken(stream, *token);
 }
 
-// As on CPU, operands after the token (`/*after*/`) only order done after them.
-ffi::Error ExecuteDone(cudaStream_t stream, int32_t device, ffi::AnyBuffer /*started*/,
-                       ffi::AnyBuffer /*token*/, ffi::RemainingArgs /*after*/,
-                       ffi::Result<ffi::AnyBuffer> /*out*/, int64_t call_id) {
+// Done's operands are its start's buffers (one per member, each aliased to its result),
+// start's token and, as on CPU, operands that only order done after them: it waits for the
+// call's end on XLA's stream, whatever the members.
+ffi::Error ExecuteDone(cudaStream_t stream, int32_t device, ffi::RemainingArgs /*started*/,
+                       ffi::RemainingRets /*out*/, int64_t call_id) {
   const libra::Status status = Side().Done(device, call_id, stream);
   return status.ok() ? ffi::Error::Success() : Prefixed("libra_jax CUDA all-reduce: ", status);
 }
@@ -354,17 +355,16 @@ auto BindKernelBuffers() {
       .Ret<ffi::AnyBuffer>();
 }
 
-// The NCCL starts: the buffer, then any number of values start must not run before (read by
-// nothing: XLA orders by data only; an all-gather issued ahead waits so for the gather before
-// it), the result and a token.
+// The NCCL starts: the members' buffers (a start/done bucket's of one dtype; one for the
+// sharded kinds), then any number of values start must not run before (read by nothing: XLA
+// orders by data only; an all-gather issued ahead waits so for the gather before it); the
+// members' results and a token. The results say how many members there are.
 auto BindNcclStartBuffers() {
   return ffi::Ffi::Bind()
       .Ctx<ffi::PlatformStream<cudaStream_t>>()
       .Ctx<ffi::DeviceOrdinal>()
-      .Arg<ffi::AnyBuffer>()
       .RemainingArgs()
-      .Ret<ffi::AnyBuffer>()
-      .Ret<ffi::AnyBuffer>();
+      .RemainingRets();
 }
 
 // --- NCCL with the call's block count as its CTA limit -----------------------
@@ -454,25 +454,44 @@ struct NcclCall {
     return ffi::Error::Success();
   }
 
-  // Checks it and issues it on `side` (called by SideStreams).
-  ffi::Error Issue(cudaStream_t side) const {
+  // Checked, this rank's member of the call: its buffers as NCCL takes them.
+  ffi::Error Member(int rank, libra::nccl::Library::Member* member) const {
     lc::DType dtype;
     std::size_t count = 0, share = 0;
     if (ffi::Error shaped = Shape(&dtype, &count, &share); shaped.failure()) return shaped;
-    ffi::ErrorOr<std::pair<int64_t, int>> me = NcclRank(device, comm_ids, ranks);
-    if (!me.has_value()) return me.error();
     const void* input = x.untyped_data();
     void* output = out.untyped_data();
-    const std::size_t own = share * static_cast<std::size_t>(me->second);
+    const std::size_t own = share * static_cast<std::size_t>(rank);
     if (in_place && libra::LayoutOf(kind).shard_out) {
       output = static_cast<char*>(out.untyped_data()) + own;
     } else if (in_place && libra::LayoutOf(kind).shard_in) {
       input = static_cast<const char*>(out.untyped_data()) + own;
     }
+    *member = {input, output, count, dtype};
+    return ffi::Error::Success();
+  }
+
+  // Checks it and issues it on `side` (called by SideStreams), with `more` (a bucket's other
+  // members: the same communicator and limit) as one NCCL group.
+  ffi::Error Issue(cudaStream_t side, const std::vector<NcclCall>& more = {}) const {
+    ffi::ErrorOr<std::pair<int64_t, int>> me = NcclRank(device, comm_ids, ranks);
+    if (!me.has_value()) return me.error();
+    std::vector<libra::nccl::Library::Member> members(1 + more.size());
+    if (ffi::Error first = Member(me->second, &members[0]); first.failure()) return first;
+    for (std::size_t i = 0; i < more.size(); ++i) {
+      if (ffi::Error next = more[i].Member(me->second, &members[1 + i]); next.failure()) {
+        return next;
+      }
+    }
     libra::nccl::Communicators& comms = libra::nccl::Communicators::Get();
-    libra::Status status = comms.Call(kind, me->first, static_cast<int>(nranks), me->second,
-                                      static_cast<int>(ctas), input, output, count, dtype, side,
-                                      timeout_ms);
+    const int n = static_cast<int>(nranks);
+    const int limit = static_cast<int>(ctas);
+    const libra::nccl::Library::Member& one = members[0];
+    libra::Status status =
+        members.size() == 1
+            ? comms.Call(kind, me->first, n, me->second, limit, one.input, one.output,
+                         one.count, one.dtype, side, timeout_ms)
+            : comms.CallGroup(kind, me->first, n, me->second, limit, members, side, timeout_ms);
     // Enqueued: a peer that never comes is the watchdog's to end (libra/nccl.h).
     if (status.ok()) status = comms.Watch(me->first, me->second, side, timeout_ms, kCudaStreamOps);
     return ToFfiError(status);
@@ -497,13 +516,14 @@ struct NcclCall {
   }
 };
 
-// Runs `call` on libra's stream through `run` (SideStreams::Call or Start).
+// Runs `call` (with `more`, a bucket's other members, as one NCCL group) on libra's stream
+// through `run` (SideStreams::Call or Start).
 template <typename Run>
-ffi::Error IssueNccl(const NcclCall& call, Run run) {
+ffi::Error IssueNccl(const NcclCall& call, Run run, const std::vector<NcclCall>& more = {}) {
   return OnDevice(call.device, [&] {
     ffi::Error issued = ffi::Error::Success();
     const libra::Status status = run([&](void* side) {
-      issued = call.Issue(static_cast<cudaStream_t>(side));
+      issued = call.Issue(static_cast<cudaStream_t>(side), more);
       return issued.success() ? libra::Status::Ok()
                               : libra::Status::Error(libra::Status::Code::kInternal, "issue");
     });
@@ -543,22 +563,38 @@ ffi::Error ExecuteNccl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
 }
 
 // Start: the all-reduce in place (out aliases x), the reduce-scatter and the all-gather in
-// place in one flat row of shards (NcclCall); done is kCudaAllReduceDone for every kind.
+// place in one flat row of shards (NcclCall); several members (a bucket's) as one NCCL group;
+// done is kCudaAllReduceDone for every kind.
 template <libra::Collective kKind>
-ffi::Error ExecuteNcclStart(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
-                            ffi::RemainingArgs /*after*/, ffi::Result<ffi::AnyBuffer> out,
-                            ffi::Result<ffi::AnyBuffer> token,
-                            ffi::Span<const int64_t> comm_ids, ffi::Span<const int32_t> ranks,
-                            int64_t nranks, int64_t ctas, int64_t timeout_ms, int64_t call_id) {
-  const NcclCall call{device,     x,          *out,  comm_ids, ranks, nranks,
-                      ctas,       timeout_ms, kKind, libra::LayoutOf(kKind).sharded()};
-  if (ffi::Error placed = call.PlaceOwnShard(stream); placed.failure()) return placed;
-  ffi::Error issued =
-      IssueNccl(call, [&](auto issue) {
-        return Side().Start(device, call_id, stream, issue, timeout_ms);
-      });
+ffi::Error ExecuteNcclStart(cudaStream_t stream, int32_t device, ffi::RemainingArgs args,
+                            ffi::RemainingRets rets, ffi::Span<const int64_t> comm_ids,
+                            ffi::Span<const int32_t> ranks, int64_t nranks, int64_t ctas,
+                            int64_t timeout_ms, int64_t call_id) {
+  const std::string what = std::string("libra_jax NCCL ") + libra::Name(kKind) + " start: ";
+  if (rets.size() < 2 || args.size() < rets.size() - 1) {
+    return ffi::Error::InvalidArgument(what + "one operand and one result per member, then "
+                                              "the token");
+  }
+  const std::size_t count = rets.size() - 1;
+  std::vector<NcclCall> calls;
+  for (std::size_t i = 0; i < count; ++i) {
+    ffi::ErrorOr<ffi::AnyBuffer> x = args.get<ffi::AnyBuffer>(i);
+    if (!x.has_value()) return x.error();
+    ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> out = rets.get<ffi::AnyBuffer>(i);
+    if (!out.has_value()) return out.error();
+    calls.push_back({device, *x, **out, comm_ids, ranks, nranks, ctas, timeout_ms, kKind,
+                     libra::LayoutOf(kKind).sharded()});
+    if (ffi::Error placed = calls.back().PlaceOwnShard(stream); placed.failure()) return placed;
+  }
+  ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> token = rets.get<ffi::AnyBuffer>(count);
+  if (!token.has_value()) return token.error();
+  const std::vector<NcclCall> more(calls.begin() + 1, calls.end());
+  ffi::Error issued = IssueNccl(
+      calls.front(),
+      [&](auto issue) { return Side().Start(device, call_id, stream, issue, timeout_ms); },
+      more);
   if (issued.failure()) return issued;
-  return WriteToken(stream, *token);
+  return WriteToken(stream, **token);
 }
 
 // The NCCL call's attributes, in every stage.
@@ -612,10 +648,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaAllReduceDone, ExecuteDone,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
                                   .RemainingArgs()
-                                  .Ret<ffi::AnyBuffer>()
+                                  .RemainingRets()
                                   .Attr<int64_t>("call_id"));
 
 std::size_t CudaPendingStarts() { return Side().pending(); }

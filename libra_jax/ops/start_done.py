@@ -20,14 +20,13 @@ picks) into two equations of the rewritten program:
 
 What runs in between is the compute the all-reduce overlaps. Per platform:
 
-* CUDA: per member, start is the ``libra_allreduce_cuda_start`` custom call (the P2P kernel
-  on libra's own stream, after an event from XLA's stream) or, on the ``nccl`` path,
-  ``libra_allreduce_nccl_start`` (NCCL's all-reduce on that stream); done is
-  ``libra_allreduce_cuda_done`` for both (XLA's stream waits for the call's end event) and
-  its output aliases its operand, the member's buffer, so XLA keeps that buffer alive and
-  unread until done. One call per member until the GPU starts take several (NCCL's group, a
-  table of the kernels' pointers): a member the P2P kernels cannot take as it is (not whole
-  16-byte vectors) is all-reduced in start.
+* CUDA: on the ``nccl`` path start is one ``libra_allreduce_nccl_start`` per dtype over its
+  members (NCCL's all-reduce of each, as one NCCL group, on libra's own stream after an event
+  from XLA's stream); with the P2P kernels one ``libra_allreduce_cuda_start`` per member (until
+  the kernels take a table of the members' pointers), a member they cannot take as it is (not
+  whole 16-byte vectors) all-reduced in start. Done is ``libra_allreduce_cuda_done`` for both
+  (XLA's stream waits for the call's end event) and its outputs alias its operands, the
+  members' buffers, so XLA keeps them alive and unread until done.
 * CPU: start is ``libra_allreduce_cpu_start``, one per dtype over its members: the device's
   buffers join their round and the call returns at once, so nothing is pending in XLA's
   program while the backward pass runs; the engine reduces when the last rank arrives. done
@@ -144,18 +143,18 @@ def _started(pair: lowering.PairCall | None, j: int, idx: list[int], avals: Sequ
              ) -> list[tuple[int, list[int]]]:
     """The starts, each (its key's slot, its members), of the `j`-th dtype's members `idx`,
     start and done deciding alike: none where `pair` is None (all-reduced in start); on CPU
-    one start over them all; on a GPU one per member it takes as it is (NCCL any buffer,
-    libra's P2P kernels whole 16-byte vectors; a member of another size, or past the key's
-    slots, is all-reduced in start)."""
+    and on NCCL one start over them all (NCCL: one group of a call per member, on the same
+    communicator and limit); with libra's P2P kernels one per member they take as it is (whole
+    16-byte vectors; a member of another size, or past the key's slots, is all-reduced in
+    start)."""
     if pair is None:
         return []
-    if pair.engine == "cpu":
+    if pair.engine in ("cpu", "nccl"):
         return [(j, idx)]
 
     def takes(i: int) -> bool:
         nbytes = math.prod(avals[i].shape) * np.dtype(avals[i].dtype).itemsize
-        return i < _SHARDED_SLOT and (
-            pair.engine == "nccl" or nbytes % lowering.CUDA_VECTOR_BYTES == 0)
+        return i < _SHARDED_SLOT and nbytes % lowering.CUDA_VECTOR_BYTES == 0
     return [(i, [i]) for i in idx if takes(i)]
 
 
