@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -294,6 +295,27 @@ struct RankOutcome {
   std::string error;
 };
 
+// The stub opened as NCCL `version`, and in `id` a unique id for a communicator of it.
+std::unique_ptr<nccl::Library> StubAt(const char* version, nccl::UniqueId* id) {
+  setenv("NCCL_STUB_VERSION", version, 1);
+  std::unique_ptr<nccl::Library> lib;
+  CHECK(nccl::Library::Open(stub_path, &lib).ok() && lib != nullptr);
+  CHECK(lib->GetUniqueId(id).ok());
+  return lib;
+}
+
+// Runs `body(rank, outcome)` for two ranks, each on a thread of its own (the ranks of one
+// communicator), and returns what each found.
+std::vector<RankOutcome> OnTwoRanks(const std::function<void(int, RankOutcome&)>& body) {
+  std::vector<RankOutcome> outcomes(2);
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < 2; ++rank) {
+    threads.emplace_back([&, rank] { body(rank, outcomes[rank]); });
+  }
+  for (std::thread& t : threads) t.join();
+  return outcomes;
+}
+
 // Several communicators on the same GPUs need one launch order (NCCL's rule, which the
 // stub keeps). Two ranks (threads, one per "GPU") run a program of four all-reduces on
 // two communicators, A B A B, as 2.17-2.30 do (one communicator per block count):
@@ -410,57 +432,47 @@ void TestPrepareThenCall() {
 // (a plain call after it runs at once). On the per-communicator route (2.24) the same.
 void TestGroupedCall() {
   for (const char* version : {"23100", "22400"}) {
-    setenv("NCCL_STUB_VERSION", version, 1);
     const std::string log = StubLog(version[1] == '3' ? "group.log" : "group_old.log");
-    std::unique_ptr<nccl::Library> lib;
-    CHECK(nccl::Library::Open(stub_path, &lib).ok());
     nccl::UniqueId id{};
-    CHECK(lib->GetUniqueId(&id).ok());
-    std::vector<RankOutcome> outcomes(2);
-    std::vector<std::thread> threads;
-    for (int rank = 0; rank < 2; ++rank) {
-      threads.emplace_back([&, rank] {
-        RankOutcome& o = outcomes[rank];
-        void* comm = nullptr;
-        if (libra::Status s = lib->InitRank(id, 2, rank, 4, &comm, 10000);
-            !s.ok()) {
-          o.error = s.message;
-          return;
-        }
-        std::vector<float> a(8, 1.0f + rank), b(3, 10.0f * (rank + 1));
-        std::vector<int32_t> c(5, 100 + rank);
-        const std::vector<nccl::Library::Member> bucket = {
-            {a.data(), a.data(), a.size(), libra::DType::kF32},
-            {b.data(), b.data(), b.size(), libra::DType::kF32},
-            {c.data(), c.data(), c.size(), libra::DType::kS32}};
-        libra::Status s = lib->CollectiveGroup(libra::Collective::kAllReduce, bucket, comm, 4,
-                                               AsPointer(1), 10000);
-        if (!s.ok()) o.error = s.message;
-        o.wrong += a[7] != 3.0f || b[2] != 30.0f || c[4] != 201;
-        // Reduce-scatters: each member's input two rows, rank r keeps row r's sums.
-        std::vector<float> x(4, 1.0f + rank), y(6, 2.0f + rank), x_out(2), y_out(3);
-        s = lib->CollectiveGroup(libra::Collective::kReduceScatter,
-                                 {{x.data(), x_out.data(), 2, libra::DType::kF32},
-                                  {y.data(), y_out.data(), 3, libra::DType::kF32}},
-                                 comm, 4, AsPointer(1), 10000);
-        if (!s.ok()) o.error = s.message;
-        o.wrong += x_out[1] != 3.0f || y_out[2] != 5.0f;
-        // Refused before the group opens: bytes are only gathered.
-        std::vector<uint8_t> bytes(4);
-        s = lib->CollectiveGroup(libra::Collective::kAllReduce,
-                                 {{a.data(), a.data(), a.size(), libra::DType::kF32},
-                                  {bytes.data(), bytes.data(), 4, libra::DType::kBytes}},
-                                 comm, 4, AsPointer(1), 10000);
-        o.wrong += s.ok() || s.message.find("not served") == std::string::npos;
-        std::vector<float> after(2, 1.0f);  // runs at once: no group was left open
-        s = lib->AllReduce(after.data(), after.data(), 2, libra::DType::kF32, comm, 4,
-                           AsPointer(1), 10000);
-        if (!s.ok()) o.error = s.message;
-        o.wrong += after[1] != 2.0f;
-        lib->Destroy(comm);
-      });
-    }
-    for (std::thread& t : threads) t.join();
+    const std::unique_ptr<nccl::Library> lib = StubAt(version, &id);
+    const std::vector<RankOutcome> outcomes = OnTwoRanks([&](int rank, RankOutcome& o) {
+      void* comm = nullptr;
+      if (libra::Status s = lib->InitRank(id, 2, rank, 4, &comm, 10000); !s.ok()) {
+        o.error = s.message;
+        return;
+      }
+      std::vector<float> a(8, 1.0f + rank), b(3, 10.0f * (rank + 1));
+      std::vector<int32_t> c(5, 100 + rank);
+      const std::vector<nccl::Library::Member> bucket = {
+          {a.data(), a.data(), a.size(), libra::DType::kF32},
+          {b.data(), b.data(), b.size(), libra::DType::kF32},
+          {c.data(), c.data(), c.size(), libra::DType::kS32}};
+      libra::Status s = lib->CollectiveGroup(libra::Collective::kAllReduce, bucket, comm, 4,
+                                             AsPointer(1), 10000);
+      if (!s.ok()) o.error = s.message;
+      o.wrong += a[7] != 3.0f || b[2] != 30.0f || c[4] != 201;
+      // Reduce-scatters: each member's input two rows, rank r keeps row r's sums.
+      std::vector<float> x(4, 1.0f + rank), y(6, 2.0f + rank), x_out(2), y_out(3);
+      s = lib->CollectiveGroup(libra::Collective::kReduceScatter,
+                               {{x.data(), x_out.data(), 2, libra::DType::kF32},
+                                {y.data(), y_out.data(), 3, libra::DType::kF32}},
+                               comm, 4, AsPointer(1), 10000);
+      if (!s.ok()) o.error = s.message;
+      o.wrong += x_out[1] != 3.0f || y_out[2] != 5.0f;
+      // Refused before the group opens: bytes are only gathered.
+      std::vector<uint8_t> bytes(4);
+      s = lib->CollectiveGroup(libra::Collective::kAllReduce,
+                               {{a.data(), a.data(), a.size(), libra::DType::kF32},
+                                {bytes.data(), bytes.data(), 4, libra::DType::kBytes}},
+                               comm, 4, AsPointer(1), 10000);
+      o.wrong += s.ok() || s.message.find("not served") == std::string::npos;
+      std::vector<float> after(2, 1.0f);  // runs at once: no group was left open
+      s = lib->AllReduce(after.data(), after.data(), 2, libra::DType::kF32, comm, 4,
+                         AsPointer(1), 10000);
+      if (!s.ok()) o.error = s.message;
+      o.wrong += after[1] != 2.0f;
+      lib->Destroy(comm);
+    });
     for (const RankOutcome& o : outcomes) CHECK(o.error.empty() && o.wrong == 0);
     const std::string text = ReadFile(log);
     for (const char* line : {"group rank=0 calls=3", "group rank=1 calls=3",
@@ -479,41 +491,28 @@ void TestGroupedCall() {
   nccl::Communicators& comms = StubCommunicators(&cached);
   nccl::UniqueId id{};
   CHECK(cached->GetUniqueId(&id).ok() && comms.RegisterId(61, id).ok());
-  std::vector<RankOutcome> outcomes(2);
-  std::vector<std::thread> threads;
-  for (int rank = 0; rank < 2; ++rank) {
-    threads.emplace_back([&, rank] {
-      std::vector<float> a(4, 1.0f + rank), b(2, 5.0f);
-      const libra::Status s = comms.CallGroup(
-          libra::Collective::kAllReduce, 61, 2, rank, 4,
-          {{a.data(), a.data(), 4, libra::DType::kF32}, {b.data(), b.data(), 2, libra::DType::kF32}},
-          AsPointer(1), 10000);
-      if (!s.ok()) outcomes[rank].error = s.message;
-      outcomes[rank].wrong += a[3] != 3.0f || b[1] != 10.0f;
-    });
-  }
-  for (std::thread& t : threads) t.join();
+  const std::vector<RankOutcome> outcomes = OnTwoRanks([&](int rank, RankOutcome& o) {
+    std::vector<float> a(4, 1.0f + rank), b(2, 5.0f);
+    const libra::Status s = comms.CallGroup(
+        libra::Collective::kAllReduce, 61, 2, rank, 4,
+        {{a.data(), a.data(), 4, libra::DType::kF32}, {b.data(), b.data(), 2, libra::DType::kF32}},
+        AsPointer(1), 10000);
+    if (!s.ok()) o.error = s.message;
+    o.wrong += a[3] != 3.0f || b[1] != 10.0f;
+  });
   for (const RankOutcome& o : outcomes) CHECK(o.error.empty() && o.wrong == 0);
 }
 
 // Every rank must ask for the same CTA configuration: the stub refuses a communicator
 // whose ranks disagree, as a mismatch NCCL would turn into a hang or a wrong channel count.
 void TestSameConfigOnEveryRank() {
-  setenv("NCCL_STUB_VERSION", "22400", 1);
-  std::unique_ptr<nccl::Library> lib;
-  CHECK(nccl::Library::Open(stub_path, &lib).ok());
   nccl::UniqueId id{};
-  CHECK(lib->GetUniqueId(&id).ok());
-  std::vector<RankOutcome> outcomes(2);
-  std::vector<std::thread> threads;
-  for (int rank = 0; rank < 2; ++rank) {
-    threads.emplace_back([&, rank] {
-      void* comm = nullptr;
-      const libra::Status s = lib->InitRank(id, 2, rank, rank == 0 ? 2 : 4, &comm, 10000);
-      if (!s.ok()) outcomes[rank].error = s.message;
-    });
-  }
-  for (std::thread& t : threads) t.join();
+  const std::unique_ptr<nccl::Library> lib = StubAt("22400", &id);
+  const std::vector<RankOutcome> outcomes = OnTwoRanks([&](int rank, RankOutcome& o) {
+    void* comm = nullptr;
+    const libra::Status s = lib->InitRank(id, 2, rank, rank == 0 ? 2 : 4, &comm, 10000);
+    if (!s.ok()) o.error = s.message;
+  });
   for (const RankOutcome& o : outcomes) CHECK(o.error.find("invalid usage") != std::string::npos);
   setenv("NCCL_STUB_VERSION", "23100", 1);
 }
