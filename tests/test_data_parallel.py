@@ -469,9 +469,9 @@ def test_a_value_closed_over_out_of_reach_is_refused_in_one_line():
         def loss_fn(params):
             return jnp.mean((features() @ params["w"]) ** 2)
         return route(loss_fn)(params)
-    with mesh_context(mesh), pytest.raises(ValueError, match=r"reads an array of an explicit-"
-                                           r"sharding mesh \(f32\[64@data,16\]\) that is neither.*pass it to the "
-                                           r"loss as an argument"):
+    refusal = (r"reads an array of an explicit-sharding mesh \(f32\[64@data,16\]\) that is "
+               r"neither.*pass it to the loss as an argument")
+    with mesh_context(mesh), pytest.raises(ValueError, match=refusal):
         jax.jit(step)(params, batch)
 
 

@@ -140,11 +140,11 @@ def test_start_and_done_pack_mixed_dtypes_with_padding():
     call_id = 12345
 
     def body(a, b):
-        started = ops.libra_start_p.bind(a, b, collective="psum", axes=("x",), blocks=2, invariant=False,
-                                                  call_id=call_id)
+        started = ops.libra_start_p.bind(a, b, collective="psum", axes=("x",), blocks=2,
+                                         invariant=False, call_id=call_id)
         assert len(started) == 3  # a buffer per dtype, and the token
-        return tuple(ops.libra_done_p.bind(
-            *started, collective="psum", out_avals=tuple(avals), axes=("x",), blocks=2, call_id=call_id))
+        return tuple(ops.libra_done_p.bind(*started, collective="psum", out_avals=tuple(avals),
+                                           axes=("x",), blocks=2, call_id=call_id))
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P("x")),
                               out_specs=(P("x"), P("x")), check_vma=False))
@@ -192,12 +192,12 @@ def test_a_gpu_bucket_is_one_start_per_member_the_kernels_take_as_it_is(monkeypa
     mesh = mesh_of((8,), ("x",))
 
     def bucket(a, b, c):
+        avals = tuple(jax.core.ShapedArray(s, jnp.float32) for s in ((4, 8), (3,), (16,)))
         return tuple(ops.libra_done_p.bind(
-            *ops.libra_start_p.bind(a, b, c, collective="psum", axes=("x",), blocks=2, invariant=False,
-                                         call_id=77),
+            *ops.libra_start_p.bind(a, b, c, collective="psum", axes=("x",), blocks=2,
+                                    invariant=False, call_id=77),
             jnp.zeros((1,), jnp.int32),
-            collective="psum", out_avals=tuple(jax.core.ShapedArray(s, jnp.float32) for s in ((4, 8), (3,), (16,))),
-            axes=("x",), blocks=2, call_id=77))
+            collective="psum", out_avals=avals, axes=("x",), blocks=2, call_id=77))
     f = jax.jit(jax.shard_map(bucket, mesh=mesh, in_specs=(P(),) * 3, out_specs=(P(),) * 3,
                               check_vma=False))
     args = [np.ones(s, np.float32) for s in ((4, 8), (3,), (16,))]
@@ -225,10 +225,10 @@ START_TIMEOUT_SCRIPT = TIMEOUT_SCRIPT.replace("def body(v):", textwrap.dedent(""
     from libra_jax import ops
     call_id = 12345
     def split_psum(u):
-        flat = ops.libra_start_p.bind(u, collective="psum", axes=("x",), blocks=1, invariant=False,
-                                               call_id=call_id)
+        flat = ops.libra_start_p.bind(u, collective="psum", axes=("x",), blocks=1,
+                                      invariant=False, call_id=call_id)
         return ops.libra_done_p.bind(*flat, collective="psum", out_avals=(jax.typeof(u),),
-                                          axes=("x",), blocks=1, call_id=call_id)[0]
+                                     axes=("x",), blocks=1, call_id=call_id)[0]
     def body(v):""")).replace('lambda u: libra_jax.psum(u, "x"), v)', "split_psum, v)")
 
 
@@ -248,14 +248,14 @@ ABANDONED_PROGRAM = """
     aval = jax.core.ShapedArray((1, 4), np.float32)
 
     def body(a, v, fail):
-        started = ops.libra_start_p.bind(a, collective="psum", axes=("x",), blocks=1, invariant=False,
-                                              call_id=77)
+        started = ops.libra_start_p.bind(a, collective="psum", axes=("x",), blocks=1,
+                                         invariant=False, call_id=77)
         if fail:
             i = jax.lax.axis_index("x")
             v = jax.lax.cond(i == 2, lambda u: u, lambda u: libra_jax.psum(u, "x"), v)
         started, v = jax.lax.optimization_barrier((started, v))  # done after v's psum
-        done, = ops.libra_done_p.bind(*started, collective="psum", out_avals=(aval,), axes=("x",),
-                                           blocks=1, call_id=77)
+        done, = ops.libra_done_p.bind(*started, collective="psum", out_avals=(aval,),
+                                      axes=("x",), blocks=1, call_id=77)
         return done + v.sum()
 
     def program(fail):
@@ -460,7 +460,8 @@ smap = lambda f: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P("x"), out_specs=
 sharded = dict(axes=("x",), dimension=0, axis_size=4, tiled=True, blocks=1)
 cases = {
     "psum start, buffer returned": lambda v: ops.libra_start_p.bind(
-        v, collective="psum", axes=("x",), blocks=1, invariant=False, call_id=901)[0].reshape(v.shape),
+        v, collective="psum", axes=("x",), blocks=1, invariant=False,
+        call_id=901)[0].reshape(v.shape),
     "psum_scatter start, buffer returned": lambda v: ops.libra_start_p.bind(
         v, collective="psum_scatter", call_id=902, **sharded)[0].reshape(v.shape),
     "all_gather start, buffer read without its done": lambda v: v + ops.libra_start_p.bind(
@@ -477,9 +478,10 @@ for name, f in cases.items():
                 print("REFUSED", name)
 
 def unused_done(v):  # a pair whose done's result nobody reads: XLA keeps the done
-    flat = ops.libra_start_p.bind(v, collective="psum", axes=("x",), blocks=1, invariant=False, call_id=905)
-    ops.libra_done_p.bind(*flat, collective="psum", out_avals=(jax.typeof(v),), axes=("x",), blocks=1,
-                               call_id=905)
+    flat = ops.libra_start_p.bind(v, collective="psum", axes=("x",), blocks=1, invariant=False,
+                                  call_id=905)
+    ops.libra_done_p.bind(*flat, collective="psum", out_avals=(jax.typeof(v),), axes=("x",),
+                          blocks=1, call_id=905)
     return v * 2
 hlo = smap(unused_done).lower(x).compile().as_text()
 print("UNUSED DONE", hlo.count("libra_allreduce_cpu_start"), hlo.count("libra_allreduce_cpu_done"))
@@ -507,9 +509,10 @@ def test_a_call_id_out_of_range_is_refused_by_name():
 
     def pair(a):
         *buffers, token = ops.libra_start_p.bind(a, collective="psum", axes=("x",), blocks=1,
-                                                      invariant=False, call_id=2**48)
-        return ops.libra_done_p.bind(*buffers, token, token, collective="psum", out_avals=(buffers[0].aval,),
-                                          axes=("x",), blocks=1, call_id=2**48)[0]
+                                                 invariant=False, call_id=2**48)
+        return ops.libra_done_p.bind(*buffers, token, token, collective="psum",
+                                     out_avals=(buffers[0].aval,), axes=("x",), blocks=1,
+                                     call_id=2**48)[0]
     f = jax.jit(jax.shard_map(pair, mesh=mesh, in_specs=P(), out_specs=P(), check_vma=False))
     with pytest.raises(ValueError, match=r"call_id must be in \[0, 2\*\*48\)"):
         f.lower(np.ones((4,), np.float32))
