@@ -16,7 +16,7 @@ them into its summary), and NCCL's own log lines about channels and CTAs after e
   same as ``libra_allreduce_nccl_start`` + ``libra_allreduce_cuda_done``, with ctas 1, 4 and
   16 on a 1 MiB f32 buffer; a 1-rank sum returns its input, checked bit for bit; and a
   start/done bucket of three f32 members (one start: one NCCL group, one done), each its
-  input bit for bit. The same
+  input bit for bit, timed against the same members packed into one call (median of 5). The same
   for NCCL's reduce-scatter and all-gather (``libra_reduce_scatter_nccl``,
   ``libra_all_gather_nccl`` and their starts), timed (median of 5): on one rank each is a copy
   of its input, as `jax.lax`'s are on one device, so this proves the handlers, the CTA routes
@@ -84,8 +84,26 @@ ONE_RANK = """
         def grouped(*vs):
             *buffers, started = start3(*(v + 0 for v in vs), call_id=np.int64(4), **attrs)
             return done3(*buffers, started, started, call_id=np.int64(4))
-        got = jax.jit(grouped)(*(jax.device_put(p, gpu) for p in parts))
+        on_gpu = [jax.device_put(p, gpu) for p in parts]
+        got = jax.jit(grouped)(*on_gpu)
         group = all(np.asarray(a).tobytes() == p.tobytes() for a, p in zip(got, parts))
+        # Its time against the same members packed into one buffer and one call (median of
+        # 5, after the compile above): what the group saves is the concatenate and the split.
+        packed_call = jax.ffi.ffi_call(_ffi.target("all-reduce", "nccl"), jax.ShapeDtypeStruct(
+            (sum(p.size for p in parts),), x.dtype))
+        def packed(*vs):
+            flat = packed_call(jax.numpy.concatenate([v.ravel() for v in vs]), **attrs)
+            ends = np.cumsum([p.size for p in parts])[:-1]
+            return tuple(jax.numpy.split(flat, ends))
+        timed = {"group": jax.jit(grouped), "packed": jax.jit(packed)}
+        group_ms = {}
+        for name, fn in timed.items():
+            jax.block_until_ready(fn(*on_gpu))
+            times = []
+            for _ in range(5):
+                t0 = time.perf_counter(); jax.block_until_ready(fn(*on_gpu))
+                times.append(time.perf_counter() - t0)
+            group_ms[name] = sorted(times)[2] * 1e3
         # The sharded pair on the same communicator: NCCL's reduce-scatter and all-gather, one
         # call and start/done (in place in the flat row; done is the kernels'). On one rank
         # each is its input, bit for bit, as jax.lax's are on one device.
@@ -109,6 +127,7 @@ ONE_RANK = """
                            f"{sorted(times)[2] * 1e3:.3f}ms")
         print("CTAS", ctas, "OK" if ok else "WRONG", "start/done", "OK" if split else "WRONG",
               "group of 3", "OK" if group else "WRONG",
+              f"{group_ms['group']:.3f}ms (packed {group_ms['packed']:.3f}ms)",
               "|", " | ".join(sharded), "| communicators", _nccl.communicators_created(),
               flush=True)
 """
