@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from libra_jax import calibrate, cli, model
+from libra_jax.calibrate.measure import CALL_REPEATS
 
 pytest.importorskip("scipy")
 
@@ -30,7 +31,15 @@ def test_tiny_calibration_writes_a_valid_profile(tiny_profile) -> None:
     assert profile.sources["fair_share.per_block_gbyte_per_s"].source == "measured"
     assert profile.sources["fair_share.compute_threads"].source == "measured"
     assert profile.fair_share.cores == calibrate.host_cores()
-    assert profile.fair_share.fusion_copy_bytes_per_s > 0
+    # The engine takes a bucket's members as they are: nothing is copied, fusion packs nothing.
+    assert profile.fair_share.fusion_copy_bytes_per_s == float("inf")
+    assert model.derive(profile, 8).cost.pack_s_per_byte == 0.0
+    for key in ("call_us", "overlap_block_efficiency"):  # fitted to the calls train steps
+        assert profile.sources[f"fair_share.{key}"].source == "measured", key
+    assert profile.fair_share.call_s >= 0 and 0 < profile.fair_share.overlap_block_efficiency <= 1
+    # The latency is the engine's own (the alone fit's intercept), not a call in a step.
+    assert profile.network.base_latency_s == pytest.approx(
+        doc["calibration"]["analysis"]["alone"]["fit"]["params"]["latency_s"])
     # What calibration does not measure comes from the shipped profile, marked so.
     shipped = model.load_profile("cpu-host").fair_share
     assert profile.fair_share.reduce_scatter_traffic == shipped.reduce_scatter_traffic
@@ -41,9 +50,17 @@ def test_tiny_calibration_writes_a_valid_profile(tiny_profile) -> None:
     cal = json.loads(path.read_text())["calibration"]
     for key in ("machine", "backend", "jax_version", "date", "samples", "analysis"):
         assert key in cal, key
-    assert {s["fused"] for s in cal["samples"]["pack"]} == {True, False}
-    assert len(cal["samples"]["pack"]) == 4 * calibrate.TINY.reps  # fused or not, big or small tensors
-    assert {s["small"] for s in cal["samples"]["pack"]} == {True, False}
+    assert {s["fused"] for s in cal["samples"]["calls"]} == {True, False}
+    # fused or not, big or small tensors, CALL_REPEATS pairs per repetition
+    assert len(cal["samples"]["calls"]) == 4 * CALL_REPEATS * calibrate.TINY.reps
+    assert {s["small"] for s in cal["samples"]["calls"]} == {True, False}
+    # The plans optimize made of the calls train steps: one call per gradient, or one for all.
+    plans = cal["analysis"]["calls"]["plans"]
+    for shape, tensors in (("big", calibrate.TINY.pack_tensors), ("small", calibrate.TINY.pack_small_tensors)):
+        assert len(plans[f"per-tensor, {shape}"]["buckets"]) == tensors
+        assert plans[f"fused, {shape}"]["buckets"] == [[0, tensors - 1, 2]]
+    fit = cal["analysis"]["calls"]["fit"]
+    assert set(fit["diff_s"]) == {"big", "small"} and np.isfinite(fit["rms_error_s"])
     assert cal["backend"] == "cpu" and cal["workers"] == 8
     assert len(cal["samples"]["alone"]) == (len(calibrate.TINY.sizes) * len(calibrate.TINY.blocks)
                                             * calibrate.TINY.reps)
@@ -99,7 +116,7 @@ def test_outdated_or_malformed_profiles_are_rejected(tiny_profile, tmp_path, mon
     _, doc = tiny_profile
     monkeypatch.setenv(model.PROFILE_DIR_ENV, str(tmp_path))
     old = dict(doc, schema_version=0)
-    with pytest.raises(ValueError, match=r"'schema_version' must be 2, got 0 \(an outdated profile: re-run "
+    with pytest.raises(ValueError, match=r"'schema_version' must be 3, got 0 \(an outdated profile: re-run "
                                          r"`libra-jax calibrate`"):
         model.load_profile(_write(tmp_path, old))
     with pytest.raises(ValueError, match=r"got 7 \(written by a newer libra_jax"):
@@ -224,26 +241,45 @@ def test_fit_alone_with_a_core_cap_recovers_the_per_worker_rate() -> None:
     assert calibrate.fit_alone(sz, k, t2, 8).rms_rel_error > 10 * capped.rms_rel_error
 
 
-def test_fusion_costs_recover_per_byte_and_per_all_reduce_costs() -> None:
-    c, h = 2.5e-9, 120e-6  # seconds per fused byte, per further all-reduce
-    big, small = (8 << 20, 8), (1 << 20, 64)
-    d = [c * b - (t - 1) * h for b, t in (big, small)]
-    got_c, got_h = calibrate.fusion_costs(d[0], big, d[1], small)
-    assert got_c == pytest.approx(c, rel=1e-9) and got_h == pytest.approx(h, rel=1e-9)
-    # From paired samples, with noise and bootstrap intervals.
-    rng = np.random.default_rng(3)
-    rows = []
-    for rep in range(1, 10):
-        for small_, (b, t), dd in ((False, big, d[0]), (True, small, d[1])):
-            one = 0.05 + rng.normal(0, 1e-4)
-            rows += [{"fused": False, "small": small_, "rep": rep, "seconds": one, "bytes": b, "tensors": t},
-                     {"fused": True, "small": small_, "rep": rep, "seconds": one + dd, "bytes": b, "tensors": t}]
-    out = calibrate.fusion_analysis(rows, n_boot=20)
-    rate, lo, hi = out["bytes_per_s"]
-    assert rate == pytest.approx(1 / c, rel=0.05) and lo <= rate <= hi
-    assert out["per_all_reduce_s"][0] == pytest.approx(h, rel=0.1)
-    with pytest.raises(ValueError):
-        calibrate.fusion_costs(0.0, (8, 2), 0.0, (16, 3))  # same bytes per tensor: not separable
+def test_call_terms_recover_what_the_model_was_told() -> None:
+    """`fit_call_terms` finds the per-call cost and the overlapped workers' efficiency that
+    make the model's prediction of two plans the measured difference: differences made by the
+    model itself at known terms (plus noise) give those terms back, and the steps as measured
+    on the 2-core VM (the MLP's one call per gradient slower than one for all, where the model
+    without the terms predicts it faster) need an efficiency below 1."""
+    from libra_jax import planner
+    base = model.load_profile("cpu-host")
+    doc = model.profile_to_dict(base)
+    big = [planner.Layer(2e-3, 2 << 20) for _ in range(8)]
+    small = [planner.Layer(5e-5, 16 << 10) for _ in range(64)]
+    arms = {shape: ([planner.Bucket(i, i, 2) for i in range(len(layers))],
+                    [planner.Bucket(0, len(layers) - 1, 2)], layers)
+            for shape, layers in (("big", big), ("small", small))}
+
+    def predict(shape: str, call_s: float, efficiency: float) -> float:
+        d = dict(doc, fair_share=dict(doc["fair_share"]))
+        d["fair_share"]["call_us"] = {"value": call_s * 1e6, "source": "assumption"}
+        d["fair_share"]["overlap_block_efficiency"] = {"value": efficiency, "source": "assumption"}
+        cost = model.derive(model.profile_from_dict(d), 8).cost
+        per_call, one, layers = arms[shape]
+        return planner.simulate(layers, per_call, cost) - planner.simulate(layers, one, cost)
+
+    rng = np.random.default_rng(0)
+    true = (60e-6, 0.45)
+    diffs = {shape: predict(shape, *true) + rng.normal(0, 2e-5, 9) for shape in arms}
+    out = calibrate.fit_call_terms(diffs, predict, n_boot=10)
+    assert out["call_s"][0] == pytest.approx(true[0], abs=10e-6)
+    assert out["efficiency"][0] == pytest.approx(true[1], abs=0.05)
+    assert out["call_s"][1] <= out["call_s"][0] <= out["call_s"][2]
+    assert out["efficiency"][1] <= out["efficiency"][0] <= out["efficiency"][2]
+    # Measured on the 2-core VM (calibrate's calls steps, 8 devices): one call per gradient of
+    # 8 MiB in 8 gradients 0.9-1.6 ms slower than one for all, which the model without the
+    # terms predicts 1.0 ms faster.
+    measured = {"big": np.full(9, 1.2e-3), "small": np.full(9, predict("small", 0.0, 1.0))}
+    assert predict("big", 0.0, 1.0) < 0
+    assert calibrate.fit_call_terms(measured, predict, n_boot=4)["efficiency"][0] < 0.9
+    with pytest.raises(calibrate.CalibrationError, match="no paired calls"):
+        calibrate.fit_call_terms({"big": np.array([])}, predict)
 
 
 def _good_analysis(doc: dict) -> dict:

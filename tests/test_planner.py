@@ -61,7 +61,7 @@ def reference_backward_time(layers, buckets, cost):
     while True:
         while active is None and nxt < len(buckets) and cur > buckets[nxt].last:
             if sizes[nxt] > 0:
-                pack = cost.pack_s_per_byte * sizes[nxt] if tensors[nxt] >= 2 else 0.0
+                pack = cost.call_s + (cost.pack_s_per_byte * sizes[nxt] if tensors[nxt] >= 2 else 0.0)
                 terms = cost.terms(layers[buckets[nxt].last].collective)
                 active = [buckets[nxt].blocks, terms.latency_s, sizes[nxt] * terms.traffic, pack]
             nxt += 1
@@ -131,7 +131,9 @@ def cost_models(draw, max_options=4, physical=True):
     slowdown = {k: draw(st.floats(1.0, 4.0)) for k in keys}
     latency = draw(st.one_of(st.just(0.0), st.floats(0.0, 0.1), st.floats(0.1, 3.0)))
     pack = draw(st.one_of(st.just(0.0), st.floats(0.0, 0.05)))
-    return CostModel(latency_s=latency, solo_bw=solo, overlap_bw=overlap, slowdown=slowdown, pack_s_per_byte=pack)
+    call = draw(st.one_of(st.just(0.0), st.floats(0.0, 0.5)))
+    return CostModel(latency_s=latency, solo_bw=solo, overlap_bw=overlap, slowdown=slowdown, pack_s_per_byte=pack,
+                     call_s=call)
 
 
 @st.composite
@@ -529,7 +531,7 @@ def test_plan_fusion_only_is_the_planner_with_one_allocation(case):
         p = plan_fusion_only(layers, cost, blocks=k)
         assert {b.blocks for b in p.buckets} == {k}
         one = CostModel(cost.latency_s, {k: cost.solo_bw[k]}, {k: cost.overlap_bw[k]}, {k: cost.slowdown[k]},
-                        cost.pack_s_per_byte)
+                        cost.pack_s_per_byte, cost.call_s)
         assert close(p.backward_s, plan_exhaustive(layers, one).backward_s)
 
 
@@ -590,6 +592,39 @@ def test_pack_cost_by_hand():
     t_cheap = simulate(stalls, [Bucket(0, 1, 1), Bucket(2, 2, 1)],
                        CostModel(0.5, {1: 10.0}, {1: 10.0}, {1: 1.0}, pack_s_per_byte=0.0))
     assert t == pytest.approx(t_cheap + 0.2)
+
+
+def test_a_call_costs_the_compute_stream_call_s():
+    # Every call, fused or not, takes call_s from the compute stream before its latency (the
+    # hand-offs of a call in a step); a fused bucket adds its packing.
+    cost = CostModel(latency_s=0.5, solo_bw={1: 10.0}, overlap_bw={1: 10.0}, slowdown={1: 1.0},
+                     pack_s_per_byte=0.01, call_s=0.25)
+    assert cost.issue_s(40, 1) == pytest.approx(0.25) and cost.issue_s(40, 2) == pytest.approx(0.65)
+    layers = [Layer(1.0, 10), Layer(0.0, 30)]
+    assert simulate(layers, [Bucket(0, 1, 1)], cost) == pytest.approx(1.0 + 0.65 + 0.5 + 4.0)
+    assert simulate(layers, [Bucket(0, 0, 1), Bucket(1, 1, 1)], cost) == pytest.approx(
+        1.0 + 0.25 + 0.5 + 1.0 + 0.25 + 0.5 + 3.0)
+    # It stalls compute: a call issued while later layers compute delays them by call_s.
+    stalls = [Layer(1.0, 10), Layer(2.0, 0)]
+    t = simulate(stalls, [Bucket(0, 0, 1), Bucket(1, 1, 1)], cost)
+    assert t == pytest.approx(1.0 + 0.25 + 2.0)
+    # A bucket of no bytes is no call.
+    assert simulate([Layer(1.0, 0)], [Bucket(0, 0, 1)], cost) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="call_s"):
+        CostModel(0.0, {1: 1.0}, {1: 1.0}, {1: 1.0}, call_s=-1.0)
+
+
+def test_a_call_priced_in_the_step_fuses_more():
+    # Gradients ready through the backward pass: with calls priced by their latency alone, the
+    # plan overlaps them one by one; priced as they run in a step (call_s), it fuses them.
+    layers = [Layer(1e-3, 1 << 16) for _ in range(8)]
+    base = dict(latency_s=1e-5, solo_bw={1: 1e9, 2: 1.5e9}, overlap_bw={1: 5e8, 2: 6e8},
+                slowdown={1: 1.2, 2: 1.5})
+    free = plan(layers, CostModel(**base))
+    priced = plan(layers, CostModel(**base, call_s=4e-4))
+    assert len(priced.buckets) < len(free.buckets)
+    for p_, c in ((free, 0.0), (priced, 4e-4)):
+        assert close(p_.backward_s, plan_exhaustive(layers, CostModel(**base, call_s=c)).backward_s)
 
 
 def test_pack_cost_changes_the_plan_when_copies_are_slow():
@@ -671,7 +706,8 @@ def test_timeline_is_simulate_phase_by_phase():
         cost = planner.CostModel(rng.choice([0.0, 1e-5]), solo,
                                  {k: solo[k] * rng.uniform(0.3, 1.0) for k in keys},
                                  {k: rng.uniform(1.0, 3.0) for k in keys},
-                                 pack_s_per_byte=rng.choice([0.0, 1e-10]))
+                                 pack_s_per_byte=rng.choice([0.0, 1e-10]),
+                                 call_s=rng.choice([0.0, 2e-5]))
         cuts = sorted(rng.sample(range(1, n), rng.randint(0, n - 1))) if n > 1 else []
         bounds = [0, *cuts, n]
         buckets = [planner.Bucket(a, b - 1, rng.choice(keys)) for a, b in zip(bounds, bounds[1:])]
@@ -701,7 +737,7 @@ def mixed_instances(draw, hi=7, max_options=3):
     cost = draw(cost_models(max_options=max_options))
     terms = CollectiveTerms(latency_s=draw(st.floats(0.0, 1.0)), traffic=draw(st.floats(0.2, 1.0)))
     return layers, CostModel(cost.latency_s, cost.solo_bw, cost.overlap_bw, cost.slowdown,
-                             cost.pack_s_per_byte, collectives={"reduce-scatter": terms})
+                             cost.pack_s_per_byte, call_s=cost.call_s, collectives={"reduce-scatter": terms})
 
 
 def one_collective_per_bucket(layers, buckets):

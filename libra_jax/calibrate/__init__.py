@@ -18,15 +18,12 @@ the engine's per-call records (`libra_jax._ffi.recording`, one clock for all dev
   the caches).
 * **peak rates** -- the solo chains give the sustained matmul FLOP/s and the streaming bytes/s
   per device, with every device running (as in data-parallel training).
-* **fusion** -- wall-clock time of a small MLP train step (``T`` gradient tensors, ``S`` bytes
-  per device) whose gradients are all-reduced as one fused bucket (``libra_bucket``: one engine
-  call over the tensors where XLA put them) minus that of the same step with one all-reduce per tensor,
-  paired per repetition; once with few big tensors (8 MiB in 8), once with many small ones
-  (1 MiB in 64). Not only the copies: on a host whose cores the devices share, a fused bucket
-  also waits for every device's whole backward pass (measured on a 2-core VM with 8 devices: an
-  isolated 8 MiB pack costs ~2 ms, the same bytes fused in a train step ~10x more), and each
-  all-reduce in a step costs more than alone (its ranks' threads hand off and wake up).
-
+* **calls** -- wall-clock time of a small MLP train step written ``pmean(jax.grad(loss))``
+  (``T`` gradient tensors, ``S`` bytes per device) through ``optimize`` at 2 blocks a call,
+  start/done pairs: one call per gradient, each issued where its gradient is ready, minus one
+  call for all after the backward pass, paired per repetition (``CALL_REPEATS`` pairs each);
+  once with few big tensors (8 MiB in 8), once with many small ones (1 MiB in 64). The plans
+  ``optimize`` made of them are recorded, so the model can predict the same difference.
 Every configuration is repeated ``reps`` times; each repetition runs all configurations once in
 a shuffled order (interleaved, so drift and noise spread over all of them). Medians come with
 bootstrap 95% confidence intervals.
@@ -50,9 +47,11 @@ compute threads and the engine's worker threads; a fair scheduler gives each run
 * overlapped: no new parameter -- the workers' share ``k min(1, P/(D_c + k))`` of the cores sets
   their rate -- and the all-reduces that ended inside the compute window check it (reported as
   the fit error of the overlapped prediction).
-* fusion: ``t_fused - t_per_tensor = c S - (T - 1) h`` for both steps -> ``c`` (seconds per
-  fused byte: ``fusion_copy_gbyte_per_s = 1 / c``) and ``h`` (seconds per further all-reduce in a
-  train step: ``base_latency_us`` when it exceeds the intercept of the alone fit).
+* calls: with the rest of the profile fitted, ``call_us`` (what one more call costs the compute
+  stream beside its latency) and ``overlap_block_efficiency`` (the fraction of a worker's fair
+  share kept beside compute) that make the model's difference of the two plans the measured one
+  for both shapes (`build.call_terms`); ``base_latency_us`` is the alone fit's intercept.
+  Nothing is packed (the engine takes a bucket's members as they are): the fusion copy is null.
 Least squares are on relative (log) residuals (scipy.optimize.least_squares); the fit error is
 the RMS and max relative error over the medians, and bootstrap fits give 95% intervals for the
 parameters. The NIC and the inter-node latency cannot be measured on one host and stay
@@ -83,6 +82,7 @@ from libra_jax.calibrate.build import (
     GATE_LIMITS,
     analyse,
     build_profile,
+    call_terms,
     host_meta,
     quality,
     summary,
@@ -92,12 +92,11 @@ from libra_jax.calibrate.fit import (
     Fit,
     alone_time_s,
     fit_alone,
+    fit_call_terms,
     fit_fair_share,
     fit_memory_traffic,
     fit_overlap,
     fit_slowdown_units,
-    fusion_analysis,
-    fusion_costs,
     host_cores,
     median_ci,
     slowdown_from_windows,
@@ -118,7 +117,7 @@ from libra_jax.calibrate.measure import (
 __all__ = [
     "CalibrationError", "Budget", "QUICK", "FULL", "TINY", "calibrate", "run", "fit_alone",
     "fit_overlap", "fit_slowdown_units", "fit_memory_traffic", "fit_fair_share",
-    "slowdown_from_windows", "fusion_costs", "fusion_analysis", "host_cores", "build_profile",
+    "slowdown_from_windows", "fit_call_terms", "call_terms", "host_cores", "build_profile",
     "median_ci", "alone_time_s", "Fit", "Samples", "measure", "analyse", "summary", "KIB", "MIB",
     "quality", "GATE_LIMITS", "Conditions", "reference_seconds",
 ]

@@ -3,7 +3,9 @@ document built from them (`build_profile`), every number with its provenance; `s
 in a few lines."""
 from __future__ import annotations
 
+import copy
 import datetime
+import functools
 import math
 import os
 import platform
@@ -12,20 +14,21 @@ from typing import Any
 
 import numpy as np
 
-from libra_jax import model
+from libra_jax import model, planner
 from libra_jax.calibrate.fit import (
     SOFTMIN_P,
     Fit,
     alone_time_s,
+    call_differences,
     fit_alone,
+    fit_call_terms,
     fit_fair_share,
-    fusion_analysis,
     host_cores,
     median_ci,
     relative_errors,
     slowdown_from_windows,
 )
-from libra_jax.calibrate.measure import Budget, Samples
+from libra_jax.calibrate.measure import CALL_PROFILE, Budget, Samples
 
 
 def _medians(rows: Iterable[dict], keys: Sequence[str], value: str) -> dict[tuple, list[float]]:
@@ -130,11 +133,47 @@ def analyse(samples: Samples, workers: int, budget: Budget, seed: int = 0,
     result["overlap"] = {"prediction": {"rms_rel_error": o_rms, "max_rel_error": o_max}, "medians": o_rows,
                          "ended_inside_fraction": len(inside) / max(1, sum("seconds" in s for s in samples.overlap))}
 
-    # Fusion: paired (same repetition) train-step times, one fused bucket minus one all-reduce per
-    # tensor, for few big and many small tensors: d = c B - (T - 1) h gives the cost c per fused
-    # byte and the cost h of each further all-reduce in a train step (two equations, two unknowns).
-    result["fusion_copy"] = fusion_analysis(samples.pack, n_boot=budget.bootstrap, seed=seed)
+    # Calls: paired (same repetition) train-step times, one call per gradient minus one call for
+    # all, for few big and many small gradients, and the plans `optimize` made of them; the call
+    # terms are fitted against the model's prediction of the same plans (`call_terms`), once the
+    # rest of the profile is known (`build_profile`).
+    result["calls"] = {"diffs_s": {k: v.tolist() for k, v in call_differences(samples.calls).items()},
+                       "plans": dict(samples.call_plans)}
     return result
+
+
+def call_terms(analysis: dict[str, Any], draft: dict[str, Any], workers: int, *, n_boot: int = 40,
+               seed: int = 0) -> dict[str, Any]:
+    """`fit.fit_call_terms` on the calls train steps of `analysis`, predicted by the profile
+    `draft` (a document, its call terms to be fitted) for `workers` ranks. The plans' layers
+    were priced by `measure.CALL_PROFILE`'s roofline: their compute is scaled to the draft's
+    matmul rate (the steps are matmul-bound MLPs)."""
+    plans = analysis["calls"]["plans"]
+    scale = (model.load_profile(CALL_PROFILE).device.flop_per_s()
+             / model.profile_from_dict(draft).device.flop_per_s())
+
+    def plan_of(shape: str, fused: bool) -> tuple[list[planner.Layer], list[planner.Bucket]]:
+        p = plans[f"{'fused' if fused else 'per-tensor'}, {shape}"]
+        return ([planner.Layer(c * scale, int(b)) for c, b in p["layers"]],
+                [planner.Bucket(*b) for b in p["buckets"]])
+
+    arms = {(shape, fused): plan_of(shape, fused) for shape in ("big", "small") for fused in (False, True)
+            if f"{'fused' if fused else 'per-tensor'}, {shape}" in plans}
+
+    @functools.cache
+    def cost(call_s: float, efficiency: float) -> planner.CostModel:
+        doc = copy.deepcopy(draft)
+        doc["fair_share"]["call_us"]["value"] = call_s * 1e6
+        doc["fair_share"]["overlap_block_efficiency"]["value"] = efficiency
+        return model.derive(model.profile_from_dict(doc), workers).cost
+
+    def predict(shape: str, call_s: float, efficiency: float) -> float:
+        c = cost(call_s, efficiency)
+        return (planner.simulate(*arms[(shape, False)], c) - planner.simulate(*arms[(shape, True)], c))
+
+    diffs = {k: np.asarray(v) for k, v in analysis["calls"]["diffs_s"].items()
+             if (k, False) in arms and (k, True) in arms}
+    return fit_call_terms(diffs, predict, n_boot=n_boot, seed=seed)
 
 
 #: What calibration does not measure, carried over from the shipped CPU profile (as
@@ -156,11 +195,6 @@ def _q(value: Any, source: str, ref: str) -> dict[str, Any]:
     return {"value": value, "source": source, "ref": ref}
 
 
-#: Where calibration cannot measure the fusion copies (no positive cost): half the streaming
-#: bandwidth, as a pack reads and writes each byte once.
-FUSION_COPY_FALLBACK_TRAFFIC = 2.0
-
-
 def build_profile(analysis: dict[str, Any], *, workers: int, budget: Budget, samples: Samples | None,
                   backend: str = "cpu", meta: dict[str, Any] | None = None) -> dict[str, Any]:
     """The profile document (``fair-share`` form; valid for `libra_jax.model.profile_from_dict`)."""
@@ -168,32 +202,11 @@ def build_profile(analysis: dict[str, Any], *, workers: int, budget: Budget, sam
     share = analysis["slowdown"]["fair_share_fit"]["params"]
     flop = analysis["peak"]["flop_per_s"][0]
     mem = analysis["peak"]["memory_bytes_per_s"][0]
-    copy_rate, copy_lo, _ = analysis["fusion_copy"]["bytes_per_s"]
-    fc = analysis["fusion_copy"]
-    shapes = fc["shapes"]
-    what = ("train steps with " + " and ".join(f"{int(b) >> 10} KiB in {t} gradients" for b, t in shapes.values())
-            + ", one fused bucket vs one all-reduce per tensor, paired")
-    if math.isfinite(copy_rate) and copy_rate > 0:
-        copy_q = _q(copy_rate / model.BYTES_PER_GBYTE, "measured", what)
-    elif math.isfinite(copy_lo) and copy_lo > 0:
-        copy_q = _q(copy_lo / model.BYTES_PER_GBYTE, "measured",
-                    f"{what}: no cost at the median; the lower end of the 95% interval")
-    else:
-        copy_q = _q(mem / FUSION_COPY_FALLBACK_TRAFFIC / model.BYTES_PER_GBYTE, "assumption",
-                    "no measurable fusion cost: half the streaming bandwidth")
-    # The one definition of the per-all-reduce latency (the shipped cpu-host's too): what one
-    # more all-reduce costs a train step, from the paired fusion train steps. The alone fit's
-    # intercept (the engine's own latency, arrival skew excluded) stands in only where those
-    # steps give no positive cost.
-    h = analysis["fusion_copy"]["per_all_reduce_s"][0]
-    if math.isfinite(h) and h > 0:
-        latency_q = _q(h * 1e6, "measured", f"cost of one more all-reduce in a train step (paired fusion train "
-                                            f"steps); alone, the fitted intercept is {solo['latency_s'] * 1e6:.0f} us")
-    else:
-        latency_q = _q(solo["latency_s"] * 1e6, "measured",
-                       "fitted intercept of the alone times (the fusion train steps gave no positive cost)")
+    latency_q = _q(solo["latency_s"] * 1e6, "measured",
+                   "fitted intercept of the alone times (the engine's own latency; the ranks' arrival "
+                   "and hand-offs in a step are call_us)")
     cal = "measured by libra-jax calibrate"
-    doc = {
+    doc: dict[str, Any] = {
         "schema_version": model.SCHEMA_VERSION,
         "name": f"{backend}-calibrated",
         "form": "fair-share",
@@ -240,7 +253,9 @@ def build_profile(analysis: dict[str, Any], *, workers: int, budget: Budget, sam
             "cores": _q(analysis["cores"], "measured", "CPUs this process may run on"),
             "compute_threads": _q(share["compute_threads"], "measured",
                                   "fitted: slowdown max(1, (D+k)/P) / max(1, D/P) of both chains"),
-            "fusion_copy_gbyte_per_s": copy_q,
+            "fusion_copy_gbyte_per_s": _q(None, "assumption", FUSION_COPY_NONE),
+            "overlap_block_efficiency": _q(1.0, "assumption", "not fitted"),
+            "call_us": _q(0.0, "assumption", "not fitted"),
             **{key: _shipped_q(key) for key in CARRIED_OVER},
         },
         "calibration": {
@@ -251,11 +266,34 @@ def build_profile(analysis: dict[str, Any], *, workers: int, budget: Budget, sam
                        "pack_tensors": budget.pack_tensors, "pack_small_bytes": budget.pack_small_bytes,
                        "pack_small_tensors": budget.pack_small_tensors},
             "analysis": analysis,
-            "samples": ({"alone": samples.alone, "overlap": samples.overlap, "pack": samples.pack}
+            "samples": ({"alone": samples.alone, "overlap": samples.overlap, "calls": samples.calls}
                         if samples else {}),
         },
     }
+    if analysis.get("calls", {}).get("plans"):
+        fit = call_terms(analysis, doc, workers, n_boot=budget.bootstrap)
+        analysis["calls"]["fit"] = fit
+        what = ("train steps through optimize, one call per gradient (each issued where it is ready) "
+                "against one call for all, " + " and ".join(
+                    f"{int(b) >> 10} KiB in {t} gradients" for b, t in _call_shapes(budget))
+                + ", paired; fitted against the model's prediction of the same plans")
+        call_s, efficiency = fit["call_s"], fit["efficiency"]
+        fair = doc["fair_share"]
+        fair["call_us"] = _q(call_s[0] * 1e6, "measured", f"{what} (95% CI {call_s[1] * 1e6:.0f}-"
+                                                            f"{call_s[2] * 1e6:.0f} us)")
+        fair["overlap_block_efficiency"] = _q(efficiency[0], "measured",
+                                              f"{what} (95% CI {efficiency[1]:.2f}-{efficiency[2]:.2f})")
     return doc
+
+
+def _call_shapes(budget: Budget) -> list[tuple[int, int]]:
+    return [(budget.pack_bytes, budget.pack_tensors), (budget.pack_small_bytes, budget.pack_small_tensors)]
+
+
+#: The CPU engine takes a bucket's members where XLA put them: nothing is packed.
+FUSION_COPY_NONE = ("nothing is copied: the engine takes a bucket's members where XLA put them "
+                    "(one operand and result per member); what fusing costs a step otherwise is in "
+                    "call_us and overlap_block_efficiency")
 
 
 #: What a calibration must meet to be installed as the default profile (`quality`). A run that
@@ -335,6 +373,20 @@ def host_meta(backend: str) -> dict[str, Any]:
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")}
 
 
+def _calls_line(calls: dict[str, Any]) -> str:
+    """`summary`'s line on the calls train steps and the call terms fitted to them."""
+    fit = calls.get("fit")
+    if fit is None:
+        return "calls     not measured"
+    c, e = fit["call_s"], fit["efficiency"]
+    return ("calls     train steps, one call per gradient minus one for all: "
+            + ", ".join(f"{shape} {d[0] * 1e3:+.2f} ms (model without the terms "
+                        f"{fit['predicted_at_no_terms_s'][shape] * 1e3:+.2f})"
+                        for shape, d in fit["diff_s"].items())
+            + f" -> one more call {c[0] * 1e6:.0f} us of compute (95% CI {c[1] * 1e6:.0f}-{c[2] * 1e6:.0f}), "
+            f"workers beside compute at {e[0]:.2f} of their rate ({e[1]:.2f}-{e[2]:.2f})")
+
+
 def summary(doc: dict[str, Any]) -> str:
     """Human-readable results of a calibration."""
     a = doc["calibration"]["analysis"]
@@ -342,8 +394,6 @@ def summary(doc: dict[str, Any]) -> str:
     ci = sf["ci95"]
     o = a["overlap"]["prediction"]
     fs = a["slowdown"]["fair_share_fit"]
-    fc = a["fusion_copy"]
-    rate, rlo, rhi = fc["bytes_per_s"]
     lines = [
         f"devices {doc['calibration']['workers']} ({doc['calibration']['backend']}), {a['cores']:g} cores, "
         f"jax {doc['calibration']['jax_version']}",
@@ -370,13 +420,7 @@ def summary(doc: dict[str, Any]) -> str:
         f"error rms {o['rms_rel_error'] * 100:.1f}%, "
         f"max {o['max_rel_error'] * 100:.1f}% ({a['overlap']['ended_inside_fraction'] * 100:.0f}% ended inside the "
         "compute window)",
-        "fusion    train steps, fused minus one all-reduce per tensor: "
-        + ", ".join(f"{int(fc['shapes'][k][0]) >> 10} KiB in {fc['shapes'][k][1]} gradients "
-                    f"{fc['diff_s'][k][0] * 1e3:+.2f} ms"
-                    for k in fc.get("diff_s", {}))
-        + f" -> fusion costs 1 s per {rate / 1e9:.2f} GB (95% CI {rlo / 1e9:.2f}-{rhi / 1e9:.2f}), one more "
-        f"all-reduce {fc['per_all_reduce_s'][0] * 1e6:.0f} us ({fc['per_all_reduce_s'][1] * 1e6:.0f}-"
-        f"{fc['per_all_reduce_s'][2] * 1e6:.0f})",
+        _calls_line(a.get("calls", {})),
     ]
     q = doc["calibration"].get("quality")
     if q is not None:

@@ -240,50 +240,53 @@ def fit_fair_share(blocks: Sequence[int], slowdowns: Sequence[float], cores: flo
     return Fit({"compute_threads": D, "cores": P}, rms, mx)
 
 
-def fusion_costs(d_big: float, big: tuple[float, int], d_small: float, small: tuple[float, int]) -> tuple[float, float]:
-    """``(c, h)`` from two train steps' fused-minus-unfused times ``d = c B - (T - 1) h``, one with
-    ``big = (B, T)`` (few big tensors), one with ``small`` (many small ones): ``c`` seconds per
-    fused byte, ``h`` seconds per further all-reduce. Both clipped at 0."""
-    (Bb, Tb), (Bs, Ts) = big, small
-    det = Bb * (Ts - 1) - Bs * (Tb - 1)
-    if det == 0:
-        raise ValueError("the two train steps must differ in bytes per tensor")
-    c = (d_big * (Ts - 1) - d_small * (Tb - 1)) / det
-    c = max(c, 0.0)
-    h = max((c * Bb - d_big) / (Tb - 1), (c * Bs - d_small) / (Ts - 1), 0.0) if Tb > 1 and Ts > 1 else 0.0
-    return c, h
+#: The bounds of the call terms' fit: seconds per call, the overlapped workers' efficiency.
+CALL_S_BOUNDS = (0.0, 5e-3)
+EFFICIENCY_BOUNDS = (0.05, 1.0)
 
 
-def fusion_analysis(rows: Sequence[dict], n_boot: int = 40, seed: int = 0) -> dict[str, Any]:
-    """Per-byte fusion cost and per-all-reduce cost from the paired train-step samples (see
-    `fusion_costs`), with bootstrap 95% intervals; rates are bytes per second (``inf``:
-    no measurable cost)."""
-    pairs: dict[bool, dict[int, dict[bool, float]]] = {False: {}, True: {}}
-    shape: dict[bool, tuple[float, int]] = {}
+def call_differences(rows: Sequence[dict]) -> dict[str, np.ndarray]:
+    """Per shape (``"big"``, ``"small"``), the paired (same repetition) differences of the
+    calls train steps: one call per gradient minus one call for all."""
+    pairs: dict[str, dict[int, dict[bool, float]]] = {}
     for r in rows:
-        small = bool(r.get("small", False))
-        pairs[small].setdefault(r["rep"], {})[r["fused"]] = r["seconds"]
-        shape[small] = (float(r["bytes"]), int(r["tensors"]))
-    diffs = {k: np.array([p[True] - p[False] for p in v.values() if True in p and False in p])
-             for k, v in pairs.items()}
-    out: dict[str, Any] = {"shapes": {("small" if k else "big"): list(v) for k, v in shape.items()},
-                           "diff_s": {("small" if k else "big"): median_ci(d) for k, d in diffs.items() if d.size}}
-    if not (diffs[False].size and diffs[True].size):
-        out.update(bytes_per_s=[math.inf] * 3, per_all_reduce_s=[0.0] * 3)
-        return out
+        shape = "small" if r.get("small") else "big"
+        pairs.setdefault(shape, {}).setdefault(r["rep"], {})[bool(r["fused"])] = r["seconds"]
+    return {shape: np.array([p[False] - p[True] for p in reps.values() if len(p) == 2])
+            for shape, reps in pairs.items()}
 
-    def solve(db: np.ndarray, ds: np.ndarray) -> tuple[float, float]:
-        return fusion_costs(float(np.median(db)), shape[False], float(np.median(ds)), shape[True])
 
-    c, h = solve(diffs[False], diffs[True])
+def fit_call_terms(diffs: dict[str, np.ndarray], predict: Callable[[str, float, float], float],
+                   n_boot: int = 40, seed: int = 0) -> dict[str, Any]:
+    """The two terms that price calls as they run in a train step, from the paired
+    differences `diffs` (`call_differences`) of two steps (few big gradients, many small
+    ones): ``call_s``, what one more call costs the compute stream beside its latency, and
+    ``efficiency``, the fraction of a worker's rate kept beside compute. ``predict(shape,
+    call_s, efficiency)`` is the model's difference of the same two plans; the fit makes it
+    the measured median, least squares over the shapes (two equations, two unknowns, within
+    `CALL_S_BOUNDS` and `EFFICIENCY_BOUNDS`), with bootstrap 95% intervals."""
+    least_squares = _least_squares()
+    shapes = sorted(d for d in diffs if diffs[d].size)
+    if not shapes:
+        raise CalibrationError("no paired calls train steps to fit the call terms")
+    lo, hi = (CALL_S_BOUNDS[0] * 1e6, EFFICIENCY_BOUNDS[0]), (CALL_S_BOUNDS[1] * 1e6, EFFICIENCY_BOUNDS[1])
+
+    def solve(targets: dict[str, float]) -> tuple[float, float, float]:
+        def resid(x: np.ndarray) -> np.ndarray:  # in ms, call_s in us: both of order 1
+            return np.array([(predict(shape, x[0] * 1e-6, x[1]) - targets[shape]) * 1e3
+                             for shape in shapes])
+        r = least_squares(resid, x0=np.array([20.0, 0.7]), bounds=(lo, hi), diff_step=1e-3)
+        return float(r.x[0]) * 1e-6, float(r.x[1]), float(np.sqrt(np.mean(r.fun ** 2))) * 1e-3
+
+    medians = {shape: float(np.median(diffs[shape])) for shape in shapes}
+    call_s, efficiency, rms = solve(medians)
     rng = np.random.default_rng(seed)
-    boots = [solve(rng.choice(diffs[False], diffs[False].size), rng.choice(diffs[True], diffs[True].size))
-             for _ in range(n_boot)]
-    cs, hs = np.array([b[0] for b in boots]), np.array([b[1] for b in boots])
-
-    def rate(x: float) -> float:
-        return 1.0 / x if x > 0 else math.inf
-
-    out["bytes_per_s"] = [rate(c), rate(float(np.percentile(cs, 97.5))), rate(float(np.percentile(cs, 2.5)))]
-    out["per_all_reduce_s"] = [h, float(np.percentile(hs, 2.5)), float(np.percentile(hs, 97.5))]
-    return out
+    boots = np.array([solve({shape: float(np.median(rng.choice(diffs[shape], diffs[shape].size)))
+                             for shape in shapes})[:2] for _ in range(n_boot)])
+    predicted = {shape: predict(shape, call_s, efficiency) for shape in shapes}
+    return {"call_s": [call_s, *map(float, np.percentile(boots[:, 0], [2.5, 97.5]))],
+            "efficiency": [efficiency, *map(float, np.percentile(boots[:, 1], [2.5, 97.5]))],
+            "diff_s": {shape: median_ci(diffs[shape]) for shape in shapes},
+            "predicted_diff_s": predicted,
+            "predicted_at_no_terms_s": {shape: predict(shape, 0.0, 1.0) for shape in shapes},
+            "rms_error_s": rms}

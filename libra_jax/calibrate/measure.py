@@ -224,6 +224,7 @@ class _Programs:
         sizes = sorted(set(b.sizes) | set(b.overlap_sizes))
         self.z = {s: put(np.zeros((n * (s // 4),), np.float32)) for s in sizes}
         self._cache: dict[tuple, Any] = {}
+        self.call_plans: dict[tuple[bool, bool], dict[str, Any]] = {}
 
     def _smap(self, body: Callable[..., Any], n_in: int, n_out: int) -> Any:
         P = self.P
@@ -269,18 +270,21 @@ class _Programs:
         return self._cache[key]
 
 
-    def pack(self, fused: bool, small: bool = False) -> Callable[[], Any]:
-        """A data-parallel train step whose gradients (``pack_tensors`` of them, ``pack_bytes``
-        in all per device, or the ``pack_small_`` pair: the weights and biases of an MLP) are
-        all-reduced after the backward pass as one fused bucket (``libra_bucket``), or each on
-        its own; then an SGD update. The difference of the two: what fusing costs per byte
-        against what each further all-reduce costs in a train step. ``self.pack_layout[small]``
-        is (layers, width, gradient bytes)."""
-        key = ("pack", fused, small)
+    def calls(self, fused: bool, small: bool = False) -> Callable[[], Any]:
+        """A data-parallel train step as users write it, ``pmean(jax.grad(loss))`` of a small
+        MLP (``pack_tensors`` weight and bias gradients, ``pack_bytes`` in all per device, or
+        the ``pack_small_`` pair), then an SGD update, through `libra_jax.optimize` at
+        ``CALL_BLOCKS`` blocks per call, each a start/done pair: with one call per gradient,
+        each issued where its gradient is ready in the backward pass (``fusion=False``), or
+        with every gradient in one call after it (``fused``). Both run as `optimize` runs a plan, so their difference
+        is what calls cost a step as they run in it; the model's prediction of the same two
+        plans (``self.call_plans[(fused, small)]``: the layers and buckets `optimize` planned,
+        priced by ``CALL_PROFILE``) leaves the per-call term (`fit.call_cost`)."""
+        key = ("calls", fused, small)
         if key not in self._cache:
             jax, P = self.jax, self.P
             jnp = jax.numpy
-            from libra_jax.ops import libra_bucket_p
+            import libra_jax
 
             b = self.budget
             nbytes, tensors = (b.pack_small_bytes, b.pack_small_tensors) if small else (b.pack_bytes, b.pack_tensors)
@@ -294,14 +298,7 @@ class _Programs:
                 return jnp.mean(x * x)
 
             def body(m: Any, x: Any, params: Any) -> Any:
-                grads = jax.grad(loss)(params, x * m[0])
-                flat, tree = jax.tree.flatten(grads)
-                if fused:
-                    flat = libra_bucket_p.bind(*flat, collective="psum", axes=("c",), blocks=1,
-                                               invariant=False)
-                else:
-                    flat = [self.psum(g, "c", blocks=1) for g in flat]
-                grads = jax.tree.unflatten(tree, flat)
+                grads = jax.lax.pmean(jax.grad(loss)(params, x * m[0]), "c")
                 return jax.tree.map(lambda p, g: p - 0.01 * g, params, grads)
 
             rng = np.random.default_rng(0)
@@ -309,13 +306,39 @@ class _Programs:
                        jax.numpy.zeros((width,), jax.numpy.float32)) for _ in range(layers)]
             params = jax.device_put(params, jax.sharding.NamedSharding(self.mesh, P()))
             x = jax.device_put(rng.standard_normal((self.n * batch, width)).astype(np.float32), self.sharding)
-            fn = jax.jit(jax.shard_map(body, mesh=self.mesh, in_specs=(P("c"), P("c"), P()), out_specs=P(),
-                                       check_vma=False))
-            if not hasattr(self, "pack_layout"):
-                self.pack_layout = {}
-            self.pack_layout[small] = (layers, width, sum(w.size + c.size for w, c in params) * 4)
+            step = jax.shard_map(body, mesh=self.mesh, in_specs=(P("c"), P("c"), P()), out_specs=P(),
+                                 check_vma=False)
+            profile = one_call_profile(CALL_PROFILE) if fused else CALL_PROFILE
+            optimized = libra_jax.optimize(step, blocks=CALL_BLOCKS, fusion=fused, profile=profile,
+                                           overlap="start-done")
+            fn = jax.jit(optimized)
+            fn.lower(self.marker, x, params)  # traced now: its plan is in the report
+            (entry,) = optimized.last_report.predicted
+            self.call_plans[(fused, small)] = {
+                "layers": [[layer.compute_s, layer.grad_bytes] for layer in entry["layers"]],
+                "buckets": [[bk.first, bk.last, bk.blocks] for bk in entry["buckets"]],
+                "bytes": sum(w.size + c.size for w, c in params) * 4, "tensors": 2 * layers}
             self._cache[key] = lambda: fn(self.marker, x, params)
         return self._cache[key]
+
+
+#: The profile `_Programs.calls` plans with (the layers' compute is this profile's roofline of
+#: the step), and the block count of its calls.
+CALL_PROFILE = "cpu-host"
+CALL_BLOCKS = 2
+#: Each calls step runs this many times per repetition (pairs within a repetition): their
+#: differences are a few percent of a step, and the steps take milliseconds.
+CALL_REPEATS = 4
+
+
+def one_call_profile(name: str) -> dict[str, Any]:
+    """Profile `name`'s document with a call priced at a second: `optimize` plans every
+    gradient in one bucket with it."""
+    from libra_jax import model
+
+    doc = model.profile_to_dict(model.load_profile(name))
+    doc["network"]["base_latency_us"]["value"] = 1e6
+    return doc
 
 
 def _records(fn: Callable[[], Any]) -> list[dict]:
@@ -334,7 +357,9 @@ class Samples:
 
     alone: list[dict] = field(default_factory=list)
     overlap: list[dict] = field(default_factory=list)
-    pack: list[dict] = field(default_factory=list)
+    calls: list[dict] = field(default_factory=list)
+    #: Per (fused, small): the plan `optimize` made of that train step (`_Programs.calls`).
+    call_plans: dict[str, dict] = field(default_factory=dict)
 
 
 def measure(budget: Budget, *, devices: int | None = 8, progress: bool = True, seed: int = 0) -> tuple[Samples, int]:
@@ -347,7 +372,8 @@ def measure(budget: Budget, *, devices: int | None = 8, progress: bool = True, s
     for wl in ("matmul", "stream"):
         configs.append(("overlap", wl, None, None))
         configs += [("overlap", wl, s, k) for s in budget.overlap_sizes for k in budget.blocks]
-    configs += [("pack", fused, small) for fused in (True, False) for small in (False, True)]
+    configs += [("calls", fused, small, j) for fused in (True, False) for small in (False, True)
+                for j in range(CALL_REPEATS)]
     bar = _progress(len(configs) * (budget.reps + 1), progress, "calibrate")
     samples = Samples()
     rng = random.Random(seed)
@@ -355,16 +381,16 @@ def measure(budget: Budget, *, devices: int | None = 8, progress: bool = True, s
         order = list(configs)
         rng.shuffle(order)
         for cfg in order:
-            if cfg[0] == "pack":
-                fn = progs.pack(cfg[1], cfg[2])
+            if cfg[0] == "calls":
+                fn = progs.calls(cfg[1], cfg[2])
                 t0 = time.perf_counter()
                 jax.block_until_ready(fn())
                 seconds = time.perf_counter() - t0
                 bar.update(1)
                 if rep:
-                    layers, width, nbytes = progs.pack_layout[cfg[2]]
-                    samples.pack.append({"fused": cfg[1], "small": cfg[2], "rep": rep, "seconds": seconds,
-                                         "bytes": nbytes, "tensors": 2 * layers, "width": width})
+                    plan = progs.call_plans[cfg[1:3]]
+                    samples.calls.append({"fused": cfg[1], "small": cfg[2], "rep": rep * CALL_REPEATS + cfg[3],
+                                          "seconds": seconds, "bytes": plan["bytes"], "tensors": plan["tensors"]})
                 continue
             fn = progs.alone(cfg[1], cfg[2]) if cfg[0] == "alone" else progs.overlapped(*cfg[1:])
             rec = _records(fn)
@@ -391,4 +417,6 @@ def measure(budget: Budget, *, devices: int | None = 8, progress: bool = True, s
                 s["ended_inside"] = bool(w0 <= r["start_us"] and r["end_us"] <= w1)
             samples.overlap.append(s)
     bar.close()
+    samples.call_plans = {f"{'fused' if fused else 'per-tensor'}, {'small' if small else 'big'}": plan
+                          for (fused, small), plan in progs.call_plans.items()}
     return samples, len(devs)

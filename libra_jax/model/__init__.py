@@ -57,28 +57,36 @@ each runnable thread ``min(1, P / threads)`` of a core; with ``D`` busy compute 
 (``compute_threads``, fitted by calibration):
 
     bus_solo(k)    = softmin_p(min(k, P) * beta,                 L)
-    bus_overlap(k) = softmin_p(k * min(1, P / (D + k)) * beta,   L)
+    bus_overlap(k) = softmin_p(eta * k * min(1, P / (D + k)) * beta,   L)
     slowdown(k)    = max(1, (D + k) / P) / max(1, D / P)          ((D + k) / D once D >= P)
 
-``beta`` is one worker's rate with a core to itself. The GPU form's SM partition (``U / (U - k u)``)
+``beta`` is one worker's rate with a core to itself, ``eta`` the fraction of it a worker keeps
+beside compute (caches and memory shared: measured, see below). The GPU form's SM partition (``U / (U - k u)``)
 does not describe threads time-sliced on a few cores.
 
-The price of fusion (both analytic forms)
------------------------------------------
-A fused bucket (two or more gradients) is packed into one buffer on the compute stream before its
-collective starts: ``pack_s = bytes / fusion_copy_gbyte_per_s`` (``CostModel.pack_s_per_byte``).
-On GPUs it is a datasheet copy rate (half the HBM rate); on CPU hosts calibration measures it in
-train steps, where it is far above the copy itself (a fused bucket waits for every device's whole
-backward pass). ``libra-fit`` prices fusion at nothing, as the paper does.
+The price of a call and of fusion (both analytic forms)
+-------------------------------------------------------
+Issuing a collective takes the compute stream ``call_us`` (``CostModel.call_s``): what one more
+call costs a step beside its latency, the ranks' hand-offs. A fused bucket (two or more
+gradients) packed into one buffer first adds ``pack_s = bytes / fusion_copy_gbyte_per_s``
+(``CostModel.pack_s_per_byte``); ``null`` there: nothing is copied (the CPU engine and NCCL's
+grouped calls take a bucket's members where they are). On GPUs the copy is a datasheet rate
+(half the HBM rate) and a call's stand-in is its latency (``call_us`` 0, on its own stream,
+until a GPU measures it). On CPU hosts calibration fits ``call_us`` and the workers' efficiency
+beside compute (``fair_share.overlap_block_efficiency`` ``eta``: ``bus_overlap(k) =
+softmin_p(eta k min(1, P/(D+k)) beta, L)``) to train steps run as `optimize` runs them, one
+call per gradient against one call for all: what the model's prediction of those two plans
+misses. ``libra-fit`` prices neither, as the paper does.
 
 One time formula for all forms (NCCL ``tuning.cc`` style): a collective of ``b`` bytes costs
-``pack_s + latency + b / bw`` with ``bw`` the solo or overlapped table entry of its allocation, and
-slows overlapped compute by the ``slowdown`` table entry; the per-form tables above fill them.
+``issue + latency + b / bw`` (``issue = call_s + pack_s``) with ``bw`` the solo or overlapped
+table entry of its allocation, and slows overlapped compute by the ``slowdown`` table entry; the
+per-form tables above fill them.
 
 Other collectives (sharded data parallelism)
 --------------------------------------------
 The tables are the all-reduce's. A reduce-scatter or an all-gather of an unsharded buffer of
-``b`` bytes costs ``pack_s + latency_c + traffic_c * b / bw`` with the same ``bw`` and the same
+``b`` bytes costs ``issue + latency_c + traffic_c * b / bw`` with the same ``bw`` and the same
 ``slowdown`` (the same blocks beside the same compute): `COLLECTIVE_SHAPES` is the one table of
 per-collective terms. ``latency_c`` is `ring_latency_s` with the collective's steps (``n-1``
 against the all-reduce's ``2(n-1)``); ``traffic_c`` (`collective_traffic`) is the ratio of bus

@@ -137,7 +137,7 @@ def _derive(profile: Profile, workers: int, link_gbit_per_s: float | None,
         others[collective] = CollectiveTerms(ring_latency_s(profile.network, workers, collective), traffic)
     cost = CostModel(latency_s=ring_latency_s(profile.network, workers), solo_bw=solo, overlap_bw=overlap,
                      slowdown=slowdown, pack_s_per_byte=1.0 / spec.fusion_copy_rate(section),
-                     collectives=others)
+                     call_s=spec.call_s(section), collectives=others)
     return Derivation(cost=cost, profile=profile.name, form=profile.form, workers=workers, link_bytes_per_s=link,
                       key_unit=key_unit, threads_per_block=tpb,
                       dropped=MappingProxyType(dict(sorted(dropped.items()))),

@@ -237,7 +237,8 @@ def _fair_share_options(profile: Profile, link: float, algo: float, dropped: dic
         cores_beside = k * fair_share_core_share(k + c.compute_threads, c.cores)
         return _Option(
             nccl_bus_bandwidth(1, cores_alone * c.per_block_bytes_per_s, link, c.softmin_p) * algo,
-            nccl_bus_bandwidth(1, cores_beside * c.per_block_bytes_per_s, link, c.softmin_p) * algo,
+            nccl_bus_bandwidth(1, cores_beside * c.per_block_bytes_per_s, link, c.softmin_p,
+                               c.overlap_block_efficiency) * algo,
             fair_share_slowdown(k, compute_threads=c.compute_threads, cores=c.cores))
     return _tables(c.block_options, row, dropped)
 
@@ -252,19 +253,24 @@ class _Form(NamedTuple):
     key_unit: str  # what the cost model's keys count
     threads_per_block: Callable[[Any], int]  # of the section's value
     #: The bucket bytes per second at which a fused bucket is packed and split back: the
-    #: profile's ``fusion_copy_gbyte_per_s``; the Libra artifact's fit prices fusion at nothing
-    #: (as the paper does).
+    #: profile's ``fusion_copy_gbyte_per_s`` (inf: nothing is copied); the Libra artifact's
+    #: fit prices fusion at nothing (as the paper does).
     fusion_copy_rate: Callable[[Any], float]
+    #: What one more call costs the compute stream beside its latency (``call_us``); the
+    #: artifact's fit: nothing, as the paper prices a call by its latency alone.
+    call_s: Callable[[Any], float]
 
 
 #: Every form, by name: the one place a form is dispatched on (its reader: `read.FORM_READERS`).
 FORM_TABLE: Mapping[str, _Form] = MappingProxyType({
     "libra-fit": _Form("libra_fit", _libra_fit_options, "total_threads",
-                       lambda f: f.max_threads_per_block, lambda f: math.inf),
+                       lambda f: f.max_threads_per_block, lambda f: math.inf, lambda f: 0.0),
     "nccl-style": _Form("nccl_style", _nccl_style_options, "blocks",
-                        lambda f: f.threads_per_block, lambda f: f.fusion_copy_bytes_per_s),
+                        lambda f: f.threads_per_block, lambda f: f.fusion_copy_bytes_per_s,
+                        lambda f: f.call_s),
     "fair-share": _Form("fair_share", _fair_share_options, "blocks",
-                        lambda f: f.threads_per_block, lambda f: f.fusion_copy_bytes_per_s),
+                        lambda f: f.threads_per_block, lambda f: f.fusion_copy_bytes_per_s,
+                        lambda f: f.call_s),
 })
 assert tuple(FORM_TABLE) == FORMS
 

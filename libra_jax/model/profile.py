@@ -14,7 +14,7 @@ from typing import Any
 #: cpp/libra/engine.h; tests/test_model.py checks the extension says the same).
 MAX_LAUNCH_BLOCKS = 64
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 SOURCES = ("datasheet", "measured", "assumption")
 FORMS = ("libra-fit", "nccl-style", "fair-share")
 #: What changed in each schema version (the error for an outdated profile names it).
@@ -22,6 +22,10 @@ SCHEMA_CHANGES = {
     2: "the 'fair-share' form (CPU hosts) and 'fusion_copy_gbyte_per_s' (the cost of packing a "
        "fused bucket) in 'nccl_style'; base_latency_us of calibrated CPU profiles no longer "
        "includes the ranks' arrival skew",
+    3: "'call_us' (what one more call costs a step beside its latency) in 'nccl_style' and "
+       "'fair_share', 'overlap_block_efficiency' in 'fair_share' too; 'fusion_copy_gbyte_per_s' "
+       "may be null (nothing is copied: the members are taken as they are); base_latency_us of "
+       "calibrated CPU profiles is the engine's own latency again",
 }
 PROFILE_DIR = Path(__file__).resolve().parent.parent / "profiles"
 
@@ -113,6 +117,7 @@ class NcclStyle:
     memory_bytes_per_bus_byte: float
     memory_bound_fraction: float
     fusion_copy_bytes_per_s: float  # bucket bytes per second packed into (and split from) one buffer
+    call_s: float  # what one more call costs the compute stream beside its latency
 
 
 @dataclass(frozen=True)
@@ -122,7 +127,11 @@ class FairShare:
     ``per_block_bytes_per_s`` is the bus rate of one worker thread with a core to itself,
     ``cores`` the host's hardware threads (shared by all its devices), ``compute_threads`` the
     runnable threads the backward pass keeps busy on the host (all devices together),
-    ``fusion_copy_bytes_per_s`` the bucket bytes per second packed into one buffer and split back.
+    ``fusion_copy_bytes_per_s`` the bucket bytes per second packed into one buffer and split back
+    (inf: nothing is copied, the engine takes a bucket's members where they are),
+    ``overlap_block_efficiency`` the fraction of a worker's rate kept beside compute (cache and
+    memory contention the fair share does not see), ``call_s`` what one more call costs the
+    compute stream beside its latency (the ranks' hand-offs): both measured in train steps.
     ``pending_allreduce_s`` (optional) what one all-reduce left pending in XLA:CPU's program
     while the backward pass runs costs the step; ``optimize(overlap="auto")`` weighs it against
     the work a start/done pair would defer (`libra_jax.rewrite`). None: not known.
@@ -138,6 +147,8 @@ class FairShare:
     cores: float
     compute_threads: float
     fusion_copy_bytes_per_s: float
+    overlap_block_efficiency: float
+    call_s: float
     pending_allreduce_s: float | None = None
     reduce_scatter_traffic: float | None = None
     all_gather_traffic: float | None = None

@@ -150,7 +150,7 @@ def _read_bw_fit(r: _Reader, section: Mapping[str, Any], key: str, prefix: str) 
 
 # The fields the block-count forms (fair-share, nccl-style) share.
 _BLOCK_FORM_KEYS = ("block_options", "threads_per_block", "per_block_gbyte_per_s", "softmin_p",
-                    "fusion_copy_gbyte_per_s")
+                    "fusion_copy_gbyte_per_s", "overlap_block_efficiency", "call_us")
 
 
 def _block_form_fields(r: _Reader, c: Mapping[str, Any], p: str) -> dict[str, Any]:
@@ -160,7 +160,10 @@ def _block_form_fields(r: _Reader, c: Mapping[str, Any], p: str) -> dict[str, An
         threads_per_block=r.integer(c, "threads_per_block", p),
         per_block_bytes_per_s=r.number(c, "per_block_gbyte_per_s", p) * BYTES_PER_GBYTE,
         softmin_p=r.number(c, "softmin_p", p),
-        fusion_copy_bytes_per_s=r.number(c, "fusion_copy_gbyte_per_s", p) * BYTES_PER_GBYTE,
+        fusion_copy_bytes_per_s=(math.inf if r.quantity(c, "fusion_copy_gbyte_per_s", p).value is None
+                                 else r.number(c, "fusion_copy_gbyte_per_s", p) * BYTES_PER_GBYTE),
+        overlap_block_efficiency=r.number(c, "overlap_block_efficiency", p, maximum=1.0),
+        call_s=r.number(c, "call_us", p, inclusive=True) * S_PER_US,
     )
 
 
@@ -277,12 +280,11 @@ TRAFFIC_KEYS = {"reduce-scatter": "reduce_scatter_traffic", "all-gather": "all_g
 
 def _read_nccl_style(r: _Reader, data: Mapping[str, Any]) -> NcclStyle:
     c = r.section(data, "nccl_style", allowed=_BLOCK_FORM_KEYS + (
-        "overlap_block_efficiency", "units_per_block", "memory_bytes_per_bus_byte",
+        "units_per_block", "memory_bytes_per_bus_byte",
         "memory_bound_fraction"))
     p = "nccl_style."
     return NcclStyle(
         **_block_form_fields(r, c, p),
-        overlap_block_efficiency=r.number(c, "overlap_block_efficiency", p, maximum=1.0),
         units_per_block=r.number(c, "units_per_block", p, minimum=0.0),
         memory_bytes_per_bus_byte=r.number(c, "memory_bytes_per_bus_byte", p, inclusive=True),
         memory_bound_fraction=r.number(c, "memory_bound_fraction", p, inclusive=True, maximum=1.0),

@@ -15,9 +15,10 @@ Model (`simulate`, exact)
 -------------------------------
 Layers run back to back on one compute stream and never wait for communication. A bucket is
 ready when its last layer ends; a bucket of 0 bytes issues no collective. Collectives run one
-at a time in bucket order, each starting at max(ready, previous collective's end). A collective
-of a fused bucket (two or more non-empty gradients) first packs them into one buffer on the
-compute stream: ``pack_s_per_byte * bytes`` seconds in which compute makes no progress. Then it
+at a time in bucket order, each starting at max(ready, previous collective's end). Issuing a
+collective takes the compute stream ``call_s`` (what a call costs a step beside its latency:
+its hand-offs), and a fused bucket (two or more non-empty gradients) first packs them into one
+buffer there: ``pack_s_per_byte * bytes`` more; compute makes no progress meanwhile. Then it
 spends ``latency_s``, then moves its bytes at ``overlap_bw[k]`` while compute still runs and at
 ``solo_bw[k]`` once compute has finished. While it is active (latency included) compute runs at
 ``1/slowdown[k]`` of full speed. Backward time is the end of the last collective or of compute,
@@ -84,7 +85,8 @@ compute done, more bytes at the solo rate) and ``Q >= Q'`` (``pi + d(pi)/slowdow
 ``pi = max(P, R)`` and the final time ``T + C - P`` preserve the order, so Pareto dominance is
 exact. Time-shift invariance (``(T + x, P)`` evolves exactly like ``(T, P)`` delayed by ``x``)
 makes the value of a state ``T + U_t(P)``, which justifies normalisation and idle sources.
-A pack is a time shift of the state at the collective's start, so it keeps both properties.
+A call's issue (``call_s``, packing) is a time shift of the state at the collective's start, so
+it keeps both properties.
 Differentiating along a fixed decision sequence, the sensitivity of the final time to ``P`` is
 ``-1`` until an idle start or the end, ``-slowdown (1 - overlap_bw/solo_bw)`` for the one
 collective during which compute ends, and 0 after either, so ``U_t`` is non-increasing and

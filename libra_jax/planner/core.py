@@ -151,13 +151,16 @@ class CostModel:
     kernels; a profile may use another integer unit such as total threads) and must be the same
     in all three. Bandwidths are in gradient bytes per second: ``solo_bw[k]`` when no compute
     runs, ``overlap_bw[k]`` while compute runs. ``slowdown[k] >= 1`` divides compute speed while a
-    collective with allocation ``k`` is active, its ``latency_s`` included. ``pack_s_per_byte``
-    prices fused buckets (`pack_s`): packing them into one buffer takes the compute stream
-    that long before the collective's latency starts (0: fusion is free, as in the paper).
+    collective with allocation ``k`` is active, its ``latency_s`` included. Issuing a bucket
+    takes the compute stream `issue_s` before the collective's latency starts: ``call_s`` for
+    any call (what one more call costs a step beside its latency: the hand-off to the
+    collective's workers, the ranks' arrival), plus, for a fused bucket, ``pack_s_per_byte``
+    per byte packed into one buffer (`pack_s`; 0: the members are taken as they are). Both 0:
+    a call costs only its latency and fusion is free, as in the paper.
 
     The tables and ``latency_s`` are the all-reduce's; ``collectives`` prices the others a
     layer may ask for (`Layer.collective`), each by its `CollectiveTerms`: a bucket of
-    ``b`` bytes of collective ``c`` costs ``pack_s + terms(c).latency_s + b * terms(c).traffic
+    ``b`` bytes of collective ``c`` costs ``issue_s + terms(c).latency_s + b * terms(c).traffic
     / bw[k]`` (`terms`).
     """
 
@@ -166,6 +169,7 @@ class CostModel:
     overlap_bw: Mapping[int, float]
     slowdown: Mapping[int, float]
     pack_s_per_byte: float = 0.0
+    call_s: float = 0.0
     collectives: Mapping[str, CollectiveTerms] = dataclasses.field(
         default_factory=lambda: MappingProxyType({}))
 
@@ -174,10 +178,11 @@ class CostModel:
         if not _is_real(lat) or not math.isfinite(lat) or lat < 0:
             raise ValueError(f"CostModel.latency_s must be a finite number >= 0, got {lat!r}")
         object.__setattr__(self, "latency_s", float(lat))
-        pack = self.pack_s_per_byte
-        if not _is_real(pack) or not math.isfinite(pack) or pack < 0:
-            raise ValueError(f"CostModel.pack_s_per_byte must be a finite number >= 0, got {pack!r}")
-        object.__setattr__(self, "pack_s_per_byte", float(pack))
+        for name in ("pack_s_per_byte", "call_s"):
+            value = getattr(self, name)
+            if not _is_real(value) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"CostModel.{name} must be a finite number >= 0, got {value!r}")
+            object.__setattr__(self, name, float(value))
         object.__setattr__(self, "solo_bw", _frozen_table("solo_bw", self.solo_bw, 0.0, strict=True))
         object.__setattr__(self, "overlap_bw", _frozen_table("overlap_bw", self.overlap_bw, 0.0, strict=True))
         object.__setattr__(self, "slowdown", _frozen_table("slowdown", self.slowdown, 1.0, strict=False))
@@ -205,7 +210,7 @@ class CostModel:
 
     def __hash__(self) -> int:
         return hash((self.latency_s, tuple(self.solo_bw.items()), tuple(self.overlap_bw.items()),
-                     tuple(self.slowdown.items()), self.pack_s_per_byte,
+                     tuple(self.slowdown.items()), self.pack_s_per_byte, self.call_s,
                      tuple(self.collectives.items())))
 
     def terms(self, collective: str) -> CollectiveTerms:
@@ -226,6 +231,11 @@ class CostModel:
         one buffer on the compute stream before its collective can start (and split after it).
         """
         return self.pack_s_per_byte * nbytes if tensors >= 2 else 0.0
+
+    def issue_s(self, nbytes: float, tensors: int) -> float:
+        """Seconds the compute stream gives to issuing a bucket of ``tensors`` non-empty
+        gradients of ``nbytes`` (one or more): ``call_s`` plus its packing (`pack_s`)."""
+        return self.call_s + self.pack_s(nbytes, tensors)
 
     @property
     def keys(self) -> tuple[int, ...]:
@@ -410,7 +420,7 @@ def _simulate_ranges(comp_prefix: list[float], byte_prefix: list[int], pricing: 
             tensors = tensor_prefix[last + 1] - tensor_prefix[first]
             T, P = _collective(T, P, comp_prefix[last + 1], wire[last + 1] - wire[first], lat[last],
                                cost.overlap_bw[k], cost.solo_bw[k], cost.slowdown[k], C,
-                               cost.pack_s(nbytes, tensors))
+                               cost.issue_s(nbytes, tensors))
     return T + (C - P)
 
 
@@ -525,7 +535,7 @@ def timeline(layers: Sequence[Layer], buckets: Sequence[Bucket], cost: CostModel
         tensors = sum(byts[i + 1] > byts[i] for i in range(b.first, b.last + 1))
         ph = _phases(T, P, comp[b.last + 1], pricing.wire[b.last + 1] - pricing.wire[b.first],
                      pricing.lat[b.last], cost.overlap_bw[k], cost.solo_bw[k], cost.slowdown[k], C,
-                     cost.pack_s(nbytes, tensors))
+                     cost.issue_s(nbytes, tensors))
         if ph.start > T:  # waited for the bucket: compute alone at full speed
             segments.append((T, ph.start, P, ph.progress_start, 1.0))
         if ph.pack_end > ph.start:

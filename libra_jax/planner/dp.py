@@ -214,16 +214,17 @@ def _lowest_sources(cuts: list[int], reach: Sequence[int] | None) -> np.ndarray:
 
 
 def _tail(Bc: np.ndarray, Rb: np.ndarray, Nc: np.ndarray, lo: np.ndarray, free: bool, lat: np.ndarray,
-          bw: float, key: int, pack_per_byte: float, scale: float
+          bw: float, key: int, pack_per_byte: float, call_s: float, scale: float
           ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The best way to finish once compute is over, from every boundary: all remaining layers are
     ready and contention is over, so every bucket runs alone at the best solo bandwidth ``bw``
-    (allocation ``key``) and costs ``lat + pack + bytes / bw`` (nothing without bytes): ``lat``
+    (allocation ``key``) and costs ``lat + issue + bytes / bw`` (nothing without bytes): ``lat``
     of the bucket's collective (per boundary it ends at), its bytes as priced (``Bc``, prefix
-    sums at the boundaries) and packed (``Rb``, the bytes themselves).
+    sums at the boundaries) and packed (``Rb``, the bytes themselves); issuing is ``call_s``
+    plus the packing of a fused bucket.
 
     With fusion, a backward dynamic program over the boundaries (buckets allowed by ``lo``)
-    chooses the cuts: fewer latencies against the packing of fused buckets. Returns, per
+    chooses the cuts: fewer calls against the packing of fused buckets. Returns, per
     boundary, the time, the blocks and buckets (tie keys) and the next cut.
     """
     M = len(Bc) - 1
@@ -237,7 +238,7 @@ def _tail(Bc: np.ndarray, Rb: np.ndarray, Nc: np.ndarray, lo: np.ndarray, free: 
         u = u[lo[u] <= t]
         nbytes = Bc[u] - Bc[t]
         real = Rb[u] - Rb[t]
-        packed = np.where(Nc[u] - Nc[t] >= 2, real * pack_per_byte, 0.0)
+        packed = call_s + np.where(Nc[u] - Nc[t] >= 2, real * pack_per_byte, 0.0)
         some = real > 0
         time = np.where(some, lat[u] + packed + nbytes / bw, 0.0) + t_best[u]
         blocks = np.where(some, key, 0) + blk[u]
@@ -305,14 +306,14 @@ class _Search:
         nonempty_prefix = _prefix(byts[i + 1] > byts[i] for i in range(len(byts) - 1))
         self.Nc = np.array([nonempty_prefix[c] for c in cuts])  # non-empty layers before each boundary
         self.lo = _lowest_sources(cuts, reach if free else None)
-        self.pack_c = cost.pack_s_per_byte
+        self.pack_c, self.call_s = cost.pack_s_per_byte, cost.call_s
         total = Bc[-1]
         # Best rest once compute is over, and a lower bound on the communication still due.
         group_bytes = np.diff(Bc)
         nonempty = group_bytes > 0
         self.tail_t, self.tail_blk, self.tail_nb, self.tail_next = _tail(
             Bc, self.Rb, self.Nc, self.lo, free, self.lat, float(self.sb[self.best_solo]),
-            int(self.keys[self.best_solo]), self.pack_c, max(upper, C, 1e-300))
+            int(self.keys[self.best_solo]), self.pack_c, self.call_s, max(upper, C, 1e-300))
         if free:
             rest = total - Bc
             # The least latency of a collective still due: of the layers from each boundary on.
@@ -373,7 +374,8 @@ class _Search:
         T0, P0 = front.T[src_i], front.P[src_i]
         nbytes = self.Bc[t] - self.Bc[front.B[src_i]]
         real = self.Rb[t] - self.Rb[front.B[src_i]]
-        packed = np.where(self.Nc[t] - self.Nc[front.B[src_i]] >= 2, real * self.pack_c, 0.0)
+        packed = self.call_s + np.where(self.Nc[t] - self.Nc[front.B[src_i]] >= 2,
+                                        real * self.pack_c, 0.0)
         E, Q = _collective_np(T0[:, None], P0[:, None], float(self.R[t]), nbytes[:, None], float(self.lat[t]),
                               self.ob, self.sb, self.sl, self.C, packed[:, None])
         empty = nbytes == 0

@@ -85,7 +85,8 @@ def plan_exhaustive(layers: Sequence[Layer], cost: CostModel, *, fusion: bool = 
             fire = close & (acc > 0)
             if fire.any():
                 kf = kk[fire]
-                packed = np.where(tensors[fire] >= 2, acc[fire] * cost.pack_s_per_byte, 0.0)
+                packed = cost.call_s + np.where(tensors[fire] >= 2,
+                                                acc[fire] * cost.pack_s_per_byte, 0.0)
                 T[fire], P[fire] = _collective_np(T[fire], P[fire], comp[last + 1], wired[fire],
                                                   pricing.lat[last], ob[kf], sb[kf], sl[kf], C, packed)
                 blk[fire] += keys[kf]
