@@ -11,7 +11,10 @@ CPU devices, five arms side by side in one process, in paired interleaved rounds
   25 MiB buffer (`lowering.default_blocks`);
 - ``one bucket``: `optimize(step)` planned with a call priced at 1 s (every gradient of a
   collective in one bucket, as XLA's combiner makes of the plain step's psums);
-- ``libra``: `optimize(step)`, the plan of the model.
+- ``libra``: `optimize(step)`, the plan of the model;
+- ``libra, start-done``: the same plan with every bucket a start/done pair
+  (``overlap="start-done"``): a diagnostic arm, not compared as a competitor, that separates
+  the plan's fusion from ``overlap="auto"``'s choice of one call or a pair per bucket.
 
 Each arm's ratio to Libra's plan is taken per round (the same round's step times: paired), its
 median over rounds given with a bootstrap 95% confidence interval. The goal (issue "Buckets
@@ -46,7 +49,10 @@ from libra_jax.ops import lowering  # noqa: E402
 
 #: PyTorch DDP's default bucket size.
 DDP_BUCKET_BYTES = 25 * 2**20
-ARMS = ("plain", "per-tensor", "25 MiB", "one bucket", "libra")
+ARMS = ("plain", "per-tensor", "25 MiB", "one bucket", "libra", "libra, start-done")
+#: Diagnostic arms, not competitors: Libra's plan with every bucket a start/done pair (whether
+#: `overlap="auto"`'s choice of one call or a pair is what separates the plan from an arm).
+DIAGNOSTIC = ("libra, start-done",)
 
 
 @contextlib.contextmanager
@@ -73,7 +79,8 @@ def bench(name: str, options: dict, rounds: int, steps: int
     optimized = {"per-tensor": libra_jax.optimize(step, fusion=False),
                  "25 MiB": libra_jax.optimize(step),
                  "one bucket": libra_jax.optimize(step, profile=one_bucket_profile()),
-                 "libra": libra_jax.optimize(step)}
+                 "libra": libra_jax.optimize(step),
+                 "libra, start-done": libra_jax.optimize(step, overlap="start-done")}
     arms = {"plain": jax.jit(common.plain_step(step), donate_argnums=0),
             **{arm: jax.jit(f, donate_argnums=0) for arm, f in optimized.items()}}
     state = {k: common.copy_tree(args[0]) for k in arms}
@@ -115,7 +122,7 @@ def main() -> None:
                         f"{np.median(res[arm]) * 1e3:.1f} | {to_plain:.2f} | "
                         f"{mid:.3f} ({lo:.3f}-{hi:.3f}) |")
             print(rows[-1], flush=True)
-        others = [arm for arm in ARMS if arm not in ("libra", "plain")]
+        others = [arm for arm in ARMS if arm not in ("libra", "plain", *DIAGNOSTIC)]
         best = min(others, key=lambda arm: np.median(res[arm] / plan))
         mid, lo, hi = median_ci(res[best] / plan)
         worse = hi < 1.0

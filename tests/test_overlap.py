@@ -75,20 +75,24 @@ def test_done_waits_until_a_result_is_needed():
     assert [p.kind for p in report.plans if p.kind != "gradient"] == ["forward"]
 
 
-def with_pending_cost(pending_us):
-    """The CPU host profile with another cost of a pending all-reduce (None: not known)."""
+def with_pending_cost(pending_us, compute_threads=1.0):
+    """The CPU host profile with another cost of a pending all-reduce (None: not known), on a
+    host whose backward pass leaves cores idle (`compute_threads` of its 2 cores busy: half
+    the deferred work is what the backward pass would have hidden)."""
     doc = model.profile_to_dict(model.load_profile("cpu-host"))
     if pending_us is None:
         del doc["fair_share"]["pending_allreduce_us"]
     else:
         doc["fair_share"]["pending_allreduce_us"]["value"] = pending_us
-    return model.profile_from_dict(doc, origin=f"pending {pending_us}")
+    doc["fair_share"]["compute_threads"]["value"] = compute_threads
+    return model.profile_from_dict(doc, origin=f"pending {pending_us}, D {compute_threads}")
 
 
 def test_auto_splits_the_buckets_whose_deferred_update_costs_less_than_pending():
     # Layers of 16x512 and 512x8 f32 weights (32 KiB and 16 KiB) and two small ones: their
     # SGD updates, as one fused region each, move about 3 x their bytes at the profile's
-    # memory rate (21.6 GB/s): ~4.5 us and ~2.3 us.
+    # memory rate (21.6 GB/s): ~4.5 us and ~2.3 us, of which the backward pass would hide
+    # half (one compute thread on 2 cores): ~2.3 us and ~1.1 us.
     step, args = mlp_step(sizes=(16, 512, 8, 8, 8))
     closed = jax.make_jaxpr(step)(*args)
 
@@ -100,17 +104,40 @@ def test_auto_splits_the_buckets_whose_deferred_update_costs_less_than_pending()
     assert set(modes(1e6).values()) == {"start-done"}
     assert set(modes(0).values()) == {"sync"}
     assert set(modes(None).values()) == {"sync"}  # not known: one call, as before
-    mixed = modes(3.5)
+    mixed = modes(1.75)
     assert mixed[16 * 512 * 4] == "sync" and mixed[512 * 8 * 4] == "start-done"
     assert mixed[8 * 8 * 4] == "start-done"
     # The GPU profiles do not know the cost: one call each until a GPU has measured start/done.
     _, report = rewrite_jaxpr(closed, profile="h200", fusion=False, overlap="auto")
     assert {p.overlap for p in report.plans if p.kind == "gradient"} == {"sync"}
     # A mixed plan computes the same values as plain JAX.
-    auto = optimize(step, profile=with_pending_cost(3.5), fusion=False, overlap="auto")
+    auto = optimize(step, profile=with_pending_cost(1.75), fusion=False, overlap="auto")
     assert_codegen_close(jax.jit(auto)(*args), jax.jit(step)(*args))
     assert {p.overlap for p in auto.last_report.plans if p.kind == "gradient"} == \
         {"sync", "start-done"}
+
+
+def test_auto_pairs_every_bucket_where_the_compute_threads_fill_the_cores():
+    # 8 host devices on 2 cores (cpu-host): the optimizer work a pair defers takes the same
+    # cores beside the backward pass as after it, so deferring costs nothing and every bucket
+    # is a pair. The MLP example's 4 MiB buckets (their Adam updates ~1.4 ms at the profile's
+    # memory rate, above pending_allreduce_us) were one call each, and that plan measured 8-15%
+    # slower than the same buckets as pairs (benchmarks/results/planning_quality.md).
+    import plan_fixture
+
+    lines = plan_fixture.example_plan("mlp", small=False)
+    gradient = [line for line in lines if "kind=gradient" in line]
+    assert gradient and all("overlap=start-done" in line for line in gradient), lines
+    profile = model.load_profile("cpu-host").fair_share
+    assert profile.compute_threads >= profile.cores
+    # The same buckets on a host with idle cores: the big updates' deferral is priced again.
+    step, args = mlp_step(sizes=(16, 512, 8, 8, 8))
+    _, report = rewrite_jaxpr(jax.make_jaxpr(step)(*args), fusion=False, overlap="auto",
+                              profile=with_pending_cost(1e-3, compute_threads=9.0))
+    assert {p.overlap for p in report.plans if p.kind == "gradient"} == {"start-done"}
+    _, report = rewrite_jaxpr(jax.make_jaxpr(step)(*args), fusion=False, overlap="auto",
+                              profile=with_pending_cost(1e-3, compute_threads=1.0))
+    assert {p.overlap for p in report.plans if p.kind == "gradient"} == {"sync"}
 
 
 def test_a_retrace_gives_the_same_program():

@@ -122,10 +122,14 @@ def split_buckets(rw: Rewriter, eqns: Sequence[Any], outvars: Sequence[Any],
 
     "auto" weighs what each way costs. A start/done pair defers the bucket's own
     downstream work (its optimizer update) until after the backward pass, where nothing
-    hides it: it costs that work's roofline time. One call lets that work run beside the
-    rest of the backward pass, but leaves the all-reduce pending in the device's program
-    until the last rank arrives: on XLA:CPU that costs the step about the profile's
-    `pending_allreduce_us` (measured, benchmarks/results/end_to_end.md). On a GPU under
+    hides it. One call lets that work run beside the rest of the backward pass, but leaves
+    the all-reduce pending in the device's program until the last rank arrives: on XLA:CPU
+    that costs the step about the profile's `pending_allreduce_us` (measured,
+    benchmarks/results/end_to_end.md). Deferring costs the work's roofline time times the
+    share of it the backward pass would have hidden: the cores its compute threads leave
+    idle, ``max(0, 1 - D / P)`` in the fair-share form; none where the compute threads fill
+    the cores (as 8 host devices do on 2: there the work takes the same cores either way,
+    and the pair wins; benchmarks/results/planning_quality.md). On a GPU under
     ``LIBRA_JAX_CUDA=nccl`` every bucket is a pair: libra's NCCL call as one call makes
     XLA's stream wait for it at once, which serialises it with the backward pass. Other
     profiles without `pending_allreduce_us` (the GPU forms on the other paths, until
@@ -139,7 +143,9 @@ def split_buckets(rw: Rewriter, eqns: Sequence[Any], outvars: Sequence[Any],
     pending_s = fair_share.pending_allreduce_s if fair_share is not None else None
     if pending_s is None:
         return [False] * len(buckets)
-    return [deferred < pending_s for deferred in deferred_s(rw, eqns, outvars, buckets)]
+    assert fair_share is not None
+    hidden = max(0.0, 1.0 - fair_share.compute_threads / fair_share.cores)
+    return [deferred * hidden < pending_s for deferred in deferred_s(rw, eqns, outvars, buckets)]
 
 
 def deferred_s(rw: Rewriter, eqns: Sequence[Any], outvars: Sequence[Any],
