@@ -30,7 +30,8 @@ PARAMS = [  # (column, where in the analysis, scale, format)
     ("beta GB/s", ("alone", "fit", "params", "beta_bytes_per_s"), 1e-9, "{:.2f}"),
     ("L GB/s", ("alone", "fit", "params", "link_bytes_per_s"), 1e-9, "{:.2f}"),
     ("latency us", ("alone", "fit", "params", "latency_s"), 1e6, "{:.0f}"),
-    ("one more all-reduce us", ("fusion_copy", "per_all_reduce_s", 0), 1e6, "{:.0f}"),
+    ("call us", ("calls", "fit", "call_s", 0), 1e6, "{:.0f}"),
+    ("workers beside compute", ("calls", "fit", "efficiency", 0), 1.0, "{:.2f}"),
 ]
 
 

@@ -173,8 +173,15 @@ def compile_variants(step, args, profile, makers):
         buckets = [b for p in rep.predicted for b in p["buckets"]]
         ks = [p.blocks for p in rep.plans if p.kind == "gradient"]
         out[name] = (compiled, exposure, f"{len(buckets)} buckets, blocks {'/'.join(map(str, ks))}")
-    # The same optimized step with its all-reduces lowered to the identity.
+    # The same optimized step with its all-reduces lowered to the identity. A reduce-scatter
+    # or an all-gather has no identity of its shape: such a step (FSDP) is not measured here
+    # (lowering it so is an invalid module, which jaxlib's verifier may hang on reporting).
     opt = libra_jax.optimize(step, profile=profile)
+    jax.jit(opt).lower(*args)
+    kinds = {p.collective for p in opt.last_report.plans} - {"all-reduce"}
+    if kinds:
+        raise ValueError(f"its {', '.join(sorted(kinds))}s have no identity stand-in "
+                         "(the psum-free baseline replaces all-reduces only)")
     with identity_all_reduces():
         out["no-psum"] = (jax.jit(opt).lower(*args).compile(), None, "all-reduces removed (identity)")
     return out
