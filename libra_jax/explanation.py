@@ -599,9 +599,10 @@ def _prediction_lines(e: Explanation) -> list[str]:
     if not e.scopes:
         return []
     lines = ["what the prediction covers: the contention model's backward time (each bucket's "
-             "collective at its block count, the compute it overlaps slowed by those blocks), "
-             "for this plan against the two baselines above; not how an all-reduce's result is "
-             "written, nor the fixed cost of each call beyond the profile's latency"]
+             "collective at its block count, the compute it overlaps slowed by those blocks, "
+             "each call's latency and what issuing it takes from compute: the profile's "
+             "call_us), for this plan against the two baselines above; not how an "
+             "all-reduce's result is written"]
     if jax.default_backend() == "cpu":
         lines.append("on CPU a measured gain comes mostly from outside this prediction: libra's "
                      "in-place all-reduce writes no fresh output buffers (XLA's psum page-faults "

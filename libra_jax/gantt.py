@@ -46,8 +46,9 @@ class ComputeSpan:
 
 @dataclass(frozen=True)
 class CollectiveSpan:
-    """One collective (an all-reduce, or a reduce-scatter: ``collective``): packing a fused
-    bucket until ``pack_end`` (compute stalls; = ``start`` for a single tensor), latency until
+    """One collective (an all-reduce, or a reduce-scatter: ``collective``): issuing it (the
+    profile's call cost, and packing a fused bucket where it is packed) until ``pack_end``
+    (compute stalls; = ``start`` where issuing costs nothing), latency until
     ``latency_end``, overlapped transfer until ``solo_start``
     (= ``latency_end`` when compute had already finished), solo transfer until ``end``."""
 
