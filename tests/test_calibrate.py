@@ -56,7 +56,7 @@ def test_tiny_calibration_writes_a_valid_profile(tiny_profile) -> None:
     assert {s["small"] for s in cal["samples"]["calls"]} == {True, False}
     # The plans optimize made of the calls train steps: one call per gradient, or one for all.
     plans = cal["analysis"]["calls"]["plans"]
-    for shape, tensors in (("big", calibrate.TINY.pack_tensors), ("small", calibrate.TINY.pack_small_tensors)):
+    for shape, tensors in (("big", calibrate.TINY.calls_tensors), ("small", calibrate.TINY.calls_small_tensors)):
         assert len(plans[f"per-tensor, {shape}"]["buckets"]) == tensors
         assert plans[f"fused, {shape}"]["buckets"] == [[0, tensors - 1, 2]]
     fit = cal["analysis"]["calls"]["fit"]

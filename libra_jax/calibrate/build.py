@@ -215,7 +215,8 @@ def build_profile(analysis: dict[str, Any], *, workers: int, budget: Budget, sam
         "notes": [
             "Measured: in-place all-reduce time vs bytes x blocks alone and while compute runs, compute slowdown "
             "vs blocks (matmul-bound and memory-bound chains), sustained matmul FLOP/s and streaming bandwidth "
-            "per device with every device running, and the cost of packing a fused bucket.",
+            "per device with every device running, and what a call costs in a train step (call_us, "
+            "overlap_block_efficiency: fitted against the model's prediction of the same plans).",
             "Peak rates are the sustained rates of XLA's kernels, so the efficiencies are 1.",
             f"Latency is for {workers} ranks (base_latency_us; the per-step latency is not separated); the ranks' "
             "arrival skew is not in it (a step's time contains it with or without all-reduces).",
@@ -262,9 +263,9 @@ def build_profile(analysis: dict[str, Any], *, workers: int, budget: Budget, sam
             **(meta or {}),
             "workers": workers,
             "budget": {"sizes": list(budget.sizes), "overlap_sizes": list(budget.overlap_sizes),
-                       "blocks": list(budget.blocks), "reps": budget.reps, "pack_bytes": budget.pack_bytes,
-                       "pack_tensors": budget.pack_tensors, "pack_small_bytes": budget.pack_small_bytes,
-                       "pack_small_tensors": budget.pack_small_tensors},
+                       "blocks": list(budget.blocks), "reps": budget.reps, "calls_bytes": budget.calls_bytes,
+                       "calls_tensors": budget.calls_tensors, "calls_small_bytes": budget.calls_small_bytes,
+                       "calls_small_tensors": budget.calls_small_tensors},
             "analysis": analysis,
             "samples": ({"alone": samples.alone, "overlap": samples.overlap, "calls": samples.calls}
                         if samples else {}),
@@ -287,7 +288,7 @@ def build_profile(analysis: dict[str, Any], *, workers: int, budget: Budget, sam
 
 
 def _call_shapes(budget: Budget) -> list[tuple[int, int]]:
-    return [(budget.pack_bytes, budget.pack_tensors), (budget.pack_small_bytes, budget.pack_small_tensors)]
+    return [(budget.calls_bytes, budget.calls_tensors), (budget.calls_small_bytes, budget.calls_small_tensors)]
 
 
 #: The CPU engine takes a bucket's members where XLA put them: nothing is packed.

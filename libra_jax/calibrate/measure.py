@@ -32,10 +32,10 @@ class Budget:
     stream_bytes: int = 8 * MIB
     stream_iters: int = 12
     bootstrap: int = 40
-    pack_bytes: int = 8 * MIB         # gradient bytes per device of the fusion train step, few big tensors
-    pack_tensors: int = 8             # its gradient tensors
-    pack_small_bytes: int = 1 * MIB   # the same with many small tensors
-    pack_small_tensors: int = 64
+    calls_bytes: int = 8 * MIB        # gradient bytes per device of the calls train step, few big tensors
+    calls_tensors: int = 8            # its gradient tensors
+    calls_small_bytes: int = 1 * MIB  # the same with many small tensors
+    calls_small_tensors: int = 64
     smoke: bool = False
 
 
@@ -44,13 +44,13 @@ FULL = Budget(sizes=(64 * KIB, 256 * KIB, 1 * MIB, 4 * MIB, 16 * MIB), overlap_s
 
 
 QUICK = Budget(sizes=(256 * KIB, 1 * MIB, 4 * MIB), overlap_sizes=(4 * MIB,), blocks=(1, 2, 4), reps=10,
-               pack_bytes=4 * MIB, pack_small_bytes=512 * KIB, pack_small_tensors=32, smoke=True)
+               calls_bytes=4 * MIB, calls_small_bytes=512 * KIB, calls_small_tensors=32, smoke=True)
 
 
 #: For tests: seconds, not minutes.
 TINY = Budget(sizes=(64 * KIB, 512 * KIB), overlap_sizes=(256 * KIB,), blocks=(1, 2), reps=2,
               matmul_n=128, matmul_iters=6, stream_bytes=1 * MIB, stream_iters=4, bootstrap=8,
-              pack_bytes=256 * KIB, pack_tensors=4, pack_small_bytes=64 * KIB, pack_small_tensors=8,
+              calls_bytes=256 * KIB, calls_tensors=4, calls_small_bytes=64 * KIB, calls_small_tensors=8,
               smoke=True)
 
 
@@ -272,8 +272,8 @@ class _Programs:
 
     def calls(self, fused: bool, small: bool = False) -> Callable[[], Any]:
         """A data-parallel train step as users write it, ``pmean(jax.grad(loss))`` of a small
-        MLP (``pack_tensors`` weight and bias gradients, ``pack_bytes`` in all per device, or
-        the ``pack_small_`` pair), then an SGD update, through `libra_jax.optimize` at
+        MLP (``calls_tensors`` weight and bias gradients, ``calls_bytes`` in all per device, or
+        the ``calls_small_`` pair), then an SGD update, through `libra_jax.optimize` at
         ``CALL_BLOCKS`` blocks per call, each a start/done pair: with one call per gradient,
         each issued where its gradient is ready in the backward pass (``fusion=False``), or
         with every gradient in one call after it (``fused``). Both run as `optimize` runs a plan, so their difference
@@ -287,7 +287,8 @@ class _Programs:
             import libra_jax
 
             b = self.budget
-            nbytes, tensors = (b.pack_small_bytes, b.pack_small_tensors) if small else (b.pack_bytes, b.pack_tensors)
+            nbytes, tensors = ((b.calls_small_bytes, b.calls_small_tensors) if small
+                               else (b.calls_bytes, b.calls_tensors))
             layers = max(1, tensors // 2)
             width = max(8, int(math.sqrt(nbytes / 4 / layers)))
             batch = 32
