@@ -329,7 +329,7 @@ CALL_PROFILE = "cpu-host"
 CALL_BLOCKS = 2
 #: Each calls step runs this many times per repetition (pairs within a repetition): their
 #: differences are a few percent of a step, and the steps take milliseconds.
-CALL_REPEATS = 4
+CALL_REPEATS = 8
 
 
 def one_call_profile(name: str) -> dict[str, Any]:
