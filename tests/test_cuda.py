@@ -183,6 +183,36 @@ def test_cuda_lowering_no_padding_when_aligned():
 
 
 @needs_cuda_build
+def test_cuda_lowering_of_a_bucket_is_one_call_over_its_members():
+    """A fused bucket on the P2P path is one kernel call whose operands and results are the
+    members themselves (the kernels take a table of their pointers): no concatenate of the
+    bucket and no slice of its result; a member that is not whole 16-byte vectors (3 floats)
+    is padded on its own, an empty one is a constant; the blocks default from the bucket's
+    bytes. The packed form (one concatenate, a slice per member) was lowered before."""
+    from libra_jax import ops
+
+    def body(v):
+        members = (v * 2.0, jnp.tile(v, (3, 1)), v[0, :3], v[0, :0])
+        return tuple(ops.libra_bucket_p.bind(*members, collective="psum", axes=("x",),
+                                             blocks=5, invariant=False))
+    text = lower_for_cuda(body, shape=(8, 8), out_spec=(P(),) * 4, check_vma=False)
+    calls = custom_calls(text)
+    assert len(calls) == 2, calls
+    bucket, = [c for c in calls if "tensor<1x8xf32>, tensor<3x8xf32>)" in c]
+    assert re.search(r"-> \(tensor<1x8xf32>, tensor<3x8xf32>\)", bucket), bucket
+    assert attr(bucket, "blocks") == "5"
+    assert "output_operand_aliases" in bucket  # intermediates: in place, each its own
+    assert "stablehlo.concatenate" not in text
+    padded, = [c for c in calls if c is not bucket]
+    assert "tensor<4xf32>" in padded  # 3 floats padded to a 16-byte vector
+    # The only slice of a result is the padded member's (back to its 3 floats).
+    results = set(re.findall(r"(%\w+)(?::\d+)? = stablehlo.custom_call @libra_allreduce_cuda\(",
+                             text))
+    sliced = re.findall(r"stablehlo.slice (%\w+)", text)
+    assert len([x for x in sliced if x in results]) == 1, text
+
+
+@needs_cuda_build
 @pytest.mark.parametrize("name,code", [("oneshot", 1), ("twoshot", 2), ("auto", 0)])
 def test_cuda_algorithm_setting(monkeypatch, name, code):
     monkeypatch.setenv("LIBRA_JAX_CUDA_ALGORITHM", name)

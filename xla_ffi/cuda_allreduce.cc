@@ -102,19 +102,49 @@ ffi::ErrorOr<int> CoResidentBlocks(TeamRegistry& registry, int device) {
   return blocks;
 }
 
-// Checks a call of execution `run`, finds (or creates) its team on `stream_kind`
-// and launches this GPU's kernel on `stream`.
+// One member of a call: its operand and its result (the same buffer where aliased).
+struct KernelMember {
+  ffi::AnyBuffer x;
+  ffi::AnyBuffer out;
+};
+
+// The members of a P2P call: its first `count` operands and results, or what is wrong.
+ffi::Error KernelMembers(ffi::RemainingArgs args, ffi::RemainingRets rets, std::size_t count,
+                         std::vector<KernelMember>* members) {
+  if (count == 0 || args.size() < count || rets.size() < count) {
+    return ffi::Error::InvalidArgument(
+        "libra_jax CUDA all-reduce: one operand and one result per member");
+  }
+  for (std::size_t i = 0; i < count; ++i) {
+    ffi::ErrorOr<ffi::AnyBuffer> x = args.get<ffi::AnyBuffer>(i);
+    if (!x.has_value()) return x.error();
+    ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> out = rets.get<ffi::AnyBuffer>(i);
+    if (!out.has_value()) return out.error();
+    members->push_back({*x, **out});
+  }
+  return ffi::Error::Success();
+}
+
+// Checks a call of execution `run` over `members` (a bucket's, of one dtype, each whole
+// 16-byte vectors), finds (or creates) its team on `stream_kind` and launches this GPU's
+// kernels on `stream`: one per kMaxMembers members (the launch's table), each a call of the
+// team (its own signature), in the same order on every GPU.
 ffi::Error Launch(cudaStream_t stream, int stream_kind, int32_t device, int64_t run,
-                  ffi::AnyBuffer x, ffi::AnyBuffer out, ffi::Span<const int32_t> devices,
+                  const std::vector<KernelMember>& members, ffi::Span<const int32_t> devices,
                   int64_t world, int64_t blocks, int64_t algorithm, int64_t timeout_ms) {
-  ffi::ErrorOr<lc::DType> dtype = ToEngineDType(x.element_type());
+  const ffi::DataType type = members.front().x.element_type();
+  ffi::ErrorOr<lc::DType> dtype = ToEngineDType(type);
   if (!dtype.has_value()) return dtype.error();
   if (*dtype == lc::DType::kS64) {
     return ffi::Error::InvalidArgument("libra_jax CUDA all-reduce: s64 is not supported on GPU");
   }
-  if (out.element_type() != x.element_type() || out.size_bytes() != x.size_bytes()) {
-    return ffi::Error::InvalidArgument(
-        "libra_jax CUDA all-reduce: output must match the input's type and size");
+  for (const KernelMember& m : members) {
+    if (m.x.element_type() != type || m.out.element_type() != type ||
+        m.out.size_bytes() != m.x.size_bytes()) {
+      return ffi::Error::InvalidArgument(
+          "libra_jax CUDA all-reduce: every member and its output must have the first "
+          "member's type, each output its input's size");
+    }
   }
   if (world < 1 || world > lc::kMaxRanks || devices.size() % world != 0) {
     return ffi::Error::InvalidArgument("libra_jax CUDA all-reduce: bad device table");
@@ -137,79 +167,85 @@ ffi::Error Launch(cudaStream_t stream, int stream_kind, int32_t device, int64_t 
   const std::size_t w = static_cast<std::size_t>(world);
   const int rank = static_cast<int>(index % w);
   const std::size_t first = index - index % w;
-  std::vector<int> members(devices.begin() + first, devices.begin() + first + w);
+  std::vector<int> gpus(devices.begin() + first, devices.begin() + first + w);
 
-  const std::string group = "libra_jax CUDA all-reduce over GPUs " + Join(members) + " (" +
+  const std::string group = "libra_jax CUDA all-reduce over GPUs " + Join(gpus) + " (" +
                             StreamName(stream_kind) + " stream)";
-  std::shared_ptr<lc::Team> team;
-  uint32_t signature = 0;  // of this call (its execution and index in it, on this team)
-  {
-    TeamRegistry& registry = Registry();
-    std::lock_guard<std::mutex> lock(registry.mu);
-    std::unique_ptr<lc::TeamSlot<lc::Team>>& slot = registry.teams[{members, stream_kind}];
-    if (!slot) slot = std::make_unique<lc::TeamSlot<lc::Team>>();
-    std::string message;
-    const auto create = [&](std::string* why) -> std::shared_ptr<lc::Team> {
-      std::size_t capacity = 0;
-      const libra::Status setting = CapacityBytes(&capacity);
-      if (!setting.ok()) {
-        *why = setting.message;
-        return nullptr;
+  for (std::size_t part = 0; part < members.size(); part += lc::kMaxMembers) {
+    lc::CallArgs call;
+    call.dtype = *dtype;
+    for (std::size_t i = part; i < members.size() && i < part + lc::kMaxMembers; ++i) {
+      call.members.push_back(
+          {members[i].x.untyped_data(), members[i].out.untyped_data(), members[i].x.size_bytes()});
+    }
+    call.blocks = static_cast<int>(blocks);
+    call.algorithm = static_cast<lc::Algorithm>(algorithm);
+    call.timeout_ns = timeout_ms > 0 ? static_cast<uint64_t>(timeout_ms) * 1000000u : 0;
+    std::size_t bytes = 0;
+    for (const lc::Buffer& b : call.members) bytes += b.bytes;
+    std::shared_ptr<lc::Team> team;
+    {
+      TeamRegistry& registry = Registry();
+      std::lock_guard<std::mutex> lock(registry.mu);
+      std::unique_ptr<lc::TeamSlot<lc::Team>>& slot = registry.teams[{gpus, stream_kind}];
+      if (!slot) slot = std::make_unique<lc::TeamSlot<lc::Team>>();
+      std::string message;
+      const auto create = [&](std::string* why) -> std::shared_ptr<lc::Team> {
+        std::size_t capacity = 0;
+        const libra::Status setting = CapacityBytes(&capacity);
+        if (!setting.ok()) {
+          *why = setting.message;
+          return nullptr;
+        }
+        std::unique_ptr<lc::Team> created;
+        if (lc::Team::Create(gpus, capacity, &created, why) != cudaSuccess) return nullptr;
+        return std::shared_ptr<lc::Team>(std::move(created));
+      };
+      const auto failure = [](const lc::Team& t) { return t.Failure(); };
+      const auto retire = [](lc::Team& t) { t.Abandon(); };  // its kernels may still hold it
+      switch (slot->Enter(run, rank, create, failure, retire, &team, &call.signature,
+                          &message)) {
+        case lc::TeamSlot<lc::Team>::Outcome::kLaunch: break;
+        case lc::TeamSlot<lc::Team>::Outcome::kDoomed:
+          return ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
+                            group + ": this execution met a failed call: " + message +
+                                " (LIBRA_JAX_TIMEOUT_S); it fails on every GPU of the group, "
+                                "and the next execution gets a fresh team");
+        case lc::TeamSlot<lc::Team>::Outcome::kFailedNow:
+          return ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
+                            group + ": an earlier call failed: " + message +
+                                " (LIBRA_JAX_TIMEOUT_S); this execution fails on every GPU of "
+                                "the group, and the next one gets a fresh team");
+        case lc::TeamSlot<lc::Team>::Outcome::kCreateError:
+          return ffi::Error::Internal(group + ": " + message);
       }
-      std::unique_ptr<lc::Team> created;
-      if (lc::Team::Create(members, capacity, &created, why) != cudaSuccess) return nullptr;
-      return std::shared_ptr<lc::Team>(std::move(created));
-    };
-    const auto failure = [](const lc::Team& t) { return t.Failure(); };
-    const auto retire = [](lc::Team& t) { t.Abandon(); };  // its kernels may still hold it
-    switch (slot->Enter(run, rank, create, failure, retire, &team, &signature, &message)) {
-      case lc::TeamSlot<lc::Team>::Outcome::kLaunch: break;
-      case lc::TeamSlot<lc::Team>::Outcome::kDoomed:
-        return ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
-                          group + ": this execution met a failed call: " + message +
-                              " (LIBRA_JAX_TIMEOUT_S); it fails on every GPU of the group, "
-                              "and the next execution gets a fresh team");
-      case lc::TeamSlot<lc::Team>::Outcome::kFailedNow:
-        return ffi::Error(ffi::ErrorCode::kDeadlineExceeded,
-                          group + ": an earlier call failed: " + message +
-                              " (LIBRA_JAX_TIMEOUT_S); this execution fails on every GPU of the "
-                              "group, and the next one gets a fresh team");
-      case lc::TeamSlot<lc::Team>::Outcome::kCreateError:
-        return ffi::Error::Internal(group + ": " + message);
+      // The co-residency bound: libra's spinning kernels on this GPU, all streams.
+      ffi::ErrorOr<int> capacity = CoResidentBlocks(registry, device);
+      if (!capacity.has_value()) return capacity.error();
+      const int effective = lc::EffectiveBlocks(bytes, static_cast<int>(world), call.algorithm,
+                                                call.blocks, team->capacity_bytes());
+      std::string crowded;
+      if (!registry.co_residency.Admit(device, stream_kind, effective, *capacity, &crowded)) {
+        return ffi::Error(ffi::ErrorCode::kResourceExhausted, group + ": " + crowded);
+      }
     }
-    // The co-residency bound: libra's spinning kernels on this GPU, all streams.
-    ffi::ErrorOr<int> capacity = CoResidentBlocks(registry, device);
-    if (!capacity.has_value()) return capacity.error();
-    const int effective =
-        lc::EffectiveBlocks(x.size_bytes(), static_cast<int>(world),
-                            static_cast<lc::Algorithm>(algorithm), static_cast<int>(blocks),
-                            team->capacity_bytes());
-    std::string crowded;
-    if (!registry.co_residency.Admit(device, stream_kind, effective, *capacity, &crowded)) {
-      return ffi::Error(ffi::ErrorCode::kResourceExhausted, group + ": " + crowded);
+    std::string message;
+    if (lc::LaunchAllReduce(team->View(rank), call, stream, &message) != cudaSuccess) {
+      return ffi::Error::Internal("libra_jax CUDA all-reduce: " + message);
     }
-  }
-
-  lc::CallArgs call;
-  call.dtype = *dtype;
-  call.input = x.untyped_data();
-  call.output = out.untyped_data();
-  call.bytes = x.size_bytes();
-  call.blocks = static_cast<int>(blocks);
-  call.algorithm = static_cast<lc::Algorithm>(algorithm);
-  call.timeout_ns = timeout_ms > 0 ? static_cast<uint64_t>(timeout_ms) * 1000000u : 0;
-  call.signature = signature;
-  std::string message;
-  if (lc::LaunchAllReduce(team->View(rank), call, stream, &message) != cudaSuccess) {
-    return ffi::Error::Internal("libra_jax CUDA all-reduce: " + message);
   }
   return ffi::Error::Success();
 }
 
-ffi::Error Execute(cudaStream_t stream, int32_t device, ffi::RunId run, ffi::AnyBuffer x,
-                   ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int32_t> devices,
-                   int64_t world, int64_t blocks, int64_t algorithm, int64_t timeout_ms) {
-  return Launch(stream, kXlaStream, device, run.run_id, x, *out, devices, world, blocks,
+// The synchronous call: the members (operands) and their results, in the same order.
+ffi::Error Execute(cudaStream_t stream, int32_t device, ffi::RunId run, ffi::RemainingArgs args,
+                   ffi::RemainingRets rets, ffi::Span<const int32_t> devices, int64_t world,
+                   int64_t blocks, int64_t algorithm, int64_t timeout_ms) {
+  std::vector<KernelMember> members;
+  if (ffi::Error got = KernelMembers(args, rets, rets.size(), &members); got.failure()) {
+    return got;
+  }
+  return Launch(stream, kXlaStream, device, run.run_id, members, devices, world, blocks,
                 algorithm, timeout_ms);
 }
 
@@ -218,10 +254,10 @@ ffi::Error Execute(cudaStream_t stream, int32_t device, ffi::RunId run, ffi::Any
 // start makes libra's stream on the GPU wait for XLA's stream (the input is
 // ready there), launches the kernel on it and keeps an event for its end,
 // keyed by (GPU, call id); done makes XLA's stream wait for that event
-// (libra/streams.h). start's output aliases its input (the packed bucket,
-// reduced in place) and done's output aliases that buffer, its only reader: so
-// XLA keeps it alive and unread until done, and copies nothing (a second reader
-// of it, as done(s, s) was, makes copy insertion copy it on XLA's stream while
+// (libra/streams.h). start's outputs alias its inputs (a bucket's members,
+// reduced in place) and done's outputs alias those buffers, their only reader: so
+// XLA keeps them alive and unread until done, and copies nothing (a second reader
+// of one, as done(s, s) was, makes copy insertion copy it on XLA's stream while
 // the kernel may still write it). done's other operand is a token written by
 // the latest start, which orders every done after the last start. Neither is
 // command-buffer compatible: a graph would capture the event hand-off once.
@@ -294,23 +330,36 @@ ffi::Error Prefixed(const char* prefix, const libra::Status& status) {
   return ToFfiError(named);
 }
 
-ffi::Error ExecuteStart(cudaStream_t stream, int32_t device, ffi::RunId run, ffi::AnyBuffer x,
-                        ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> token,
+// Start: the members (operands, then any values start must not run before, read by
+// nothing), their results (in place: each aliases its operand) and a token.
+ffi::Error ExecuteStart(cudaStream_t stream, int32_t device, ffi::RunId run,
+                        ffi::RemainingArgs args, ffi::RemainingRets rets,
                         ffi::Span<const int32_t> devices, int64_t world, int64_t blocks,
                         int64_t algorithm, int64_t timeout_ms, int64_t call_id) {
+  std::vector<KernelMember> members;
+  if (rets.size() < 2) {
+    return ffi::Error::InvalidArgument(
+        "libra_jax CUDA all-reduce start: one operand and one result per member, then the "
+        "token");
+  }
+  if (ffi::Error got = KernelMembers(args, rets, rets.size() - 1, &members); got.failure()) {
+    return got;
+  }
+  ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> token = rets.get<ffi::AnyBuffer>(rets.size() - 1);
+  if (!token.has_value()) return token.error();
   ffi::Error launched = ffi::Error::Success();
   const libra::Status status = Side().Start(
       device, call_id, stream,
       [&](void* side) {
-        launched = Launch(static_cast<cudaStream_t>(side), kLibraStream, device, run.run_id, x,
-                          *out, devices, world, blocks, algorithm, timeout_ms);
+        launched = Launch(static_cast<cudaStream_t>(side), kLibraStream, device, run.run_id,
+                          members, devices, world, blocks, algorithm, timeout_ms);
         return launched.success() ? libra::Status::Ok()
                                   : libra::Status::Error(libra::Status::Code::kInternal, "launch");
       },
       timeout_ms);
   if (launched.failure()) return launched;
   if (!status.ok()) return Prefixed("libra_jax CUDA all-reduce: ", status);
-  return WriteToken(stream, *token);
+  return WriteToken(stream, **token);
 }
 
 // Done's operands are its start's buffers (one per member, each aliased to its result),
@@ -333,15 +382,15 @@ auto BindKernelAttrs(Binding binding) {
       .template Attr<int64_t>("timeout_ms");
 }
 
-// The P2P kernel call's context (with the execution's RunId) and buffer
-// (start adds its token result).
+// The P2P kernel call's context (with the execution's RunId) and its members' buffers, as
+// operands and results (start adds its token, the last result).
 auto BindP2PBuffers() {
   return ffi::Ffi::Bind()
       .Ctx<ffi::PlatformStream<cudaStream_t>>()
       .Ctx<ffi::DeviceOrdinal>()
       .Ctx<ffi::RunId>()
-      .Arg<ffi::AnyBuffer>()
-      .Ret<ffi::AnyBuffer>();
+      .RemainingArgs()
+      .RemainingRets();
 }
 
 auto BindKernelCall() { return BindKernelAttrs(BindP2PBuffers()); }
@@ -639,10 +688,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kNcclAllReduceStartInitialize, InitializeNcclStart
                                                 .RemainingRets())
                                   .Attr<int64_t>("call_id"));
 
-// Start: the kernel call's operand, its result (in place) and a token for done.
+// Start: the members, their results (in place) and a token for done.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaAllReduceStart, ExecuteStart,
-                              BindKernelAttrs(BindP2PBuffers().Ret<ffi::AnyBuffer>())
-                                  .Attr<int64_t>("call_id"));
+                              BindKernelAttrs(BindP2PBuffers()).Attr<int64_t>("call_id"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaAllReduceDone, ExecuteDone,
                               ffi::Ffi::Bind()

@@ -162,11 +162,14 @@ uint32_t Input(int call, int rank, std::size_t i) {
   return static_cast<uint32_t>(call * 1000003u + rank * 7919u + i * 31u + 1u);
 }
 
-// One call of a program: its size in vectors, algorithm and block count.
+// One call of a program: its size in vectors, algorithm and block count, and
+// its members' sizes (summing to `vectors`; none: one member), each its own
+// buffer, every other one reduced in place.
 struct Call {
   std::size_t vectors;
   lc::Algorithm algorithm;
   int blocks;
+  std::vector<std::size_t> members = {};
 };
 
 // Runs `program` on `team` from rank `rank` in order, checking every output
@@ -177,21 +180,36 @@ std::size_t RunProgram(EmulatedTeam& team, int rank, const std::vector<Call>& pr
   for (std::size_t c = 0; c < program.size(); ++c) {
     const Call& call = program[c];
     const int id = call_base + static_cast<int>(c);
-    std::vector<Vec> in(call.vectors), out(call.vectors);
-    for (std::size_t v = 0; v < call.vectors; ++v) {
-      for (int e = 0; e < 4; ++e) in[v].w[e] = Input(id, rank, v * 4 + e);
-    }
-    const lc::RankCall rc = lc::MakeRankCall(team.View(rank), call.algorithm,
-                                             call.vectors * lc::kVectorBytes, call.blocks,
-                                             in.data(), out.data(), timeout_ns,
-                                             lc::CallSignature(0, static_cast<uint32_t>(id)));
-    RunKernel(rc);
-    for (std::size_t v = 0; v < call.vectors; ++v) {
-      for (int e = 0; e < 4; ++e) {
-        uint32_t want = 0;
-        for (int r = 0; r < team.nranks; ++r) want += Input(id, r, v * 4 + e);
-        wrong += out[v].w[e] != want;
+    const std::vector<std::size_t> sizes =
+        call.members.empty() ? std::vector<std::size_t>{call.vectors} : call.members;
+    std::vector<std::vector<Vec>> in(sizes.size()), out(sizes.size());
+    std::vector<lc::Member> members(sizes.size());
+    std::size_t at = 0;  // the member's first element word in the call
+    for (std::size_t m = 0; m < sizes.size(); ++m) {
+      in[m].resize(sizes[m]);
+      for (std::size_t v = 0; v < sizes[m]; ++v) {
+        for (int e = 0; e < 4; ++e) in[m][v].w[e] = Input(id, rank, at + v * 4 + e);
       }
+      const bool in_place = m % 2 == 1;
+      if (!in_place) out[m].resize(sizes[m]);
+      members[m] = {in[m].data(), in_place ? in[m].data() : out[m].data(),
+                    static_cast<uint32_t>(sizes[m]), 0};
+      at += 4 * sizes[m];
+    }
+    RunKernel(lc::MakeRankCall(team.View(rank), call.algorithm, members.data(),
+                               static_cast<int>(members.size()), call.blocks, timeout_ns,
+                               lc::CallSignature(0, static_cast<uint32_t>(id))));
+    at = 0;
+    for (std::size_t m = 0; m < sizes.size(); ++m) {
+      const Vec* result = static_cast<const Vec*>(members[m].output);
+      for (std::size_t v = 0; v < sizes[m]; ++v) {
+        for (int e = 0; e < 4; ++e) {
+          uint32_t want = 0;
+          for (int r = 0; r < team.nranks; ++r) want += Input(id, r, at + v * 4 + e);
+          wrong += result[v].w[e] != want;
+        }
+      }
+      at += 4 * sizes[m];
     }
   }
   return wrong;
@@ -235,6 +253,35 @@ void TestRanksAlgorithmsBlocksAndTails() {
     std::vector<Call> program = MixedProgram(team.capacity);
     const std::vector<Call> once = program;
     for (int i = 0; i < 2; ++i) program.insert(program.end(), once.begin(), once.end());
+    const std::size_t wrong = RunTeam(team, program);
+    CHECK(wrong == 0);
+    CHECK(!team.Failed());
+    if (wrong) std::fprintf(stderr, "  %d ranks: %zu wrong elements\n", n, wrong);
+  }
+}
+
+// A bucket's members in one call (the kernels' table, protocol::ForPieces):
+// members within a round, members across rounds and segments, many small
+// ones, empty ones, as many as a launch takes; one-shot and two-shot, block
+// counts changing, calls of one buffer between them; every member its own
+// buffer, every other one in place.
+void TestMembersInOneCall() {
+  for (int n : {2, 4, 8}) {
+    EmulatedTeam team(n, kCapacityBytes);
+    const std::size_t cap = team.capacity;
+    const std::vector<std::size_t> across = {3, cap - 1, 0, cap + 5, 1, 2 * cap, 7};
+    std::vector<std::size_t> many;
+    for (int m = 0; m < lc::kMaxMembers; ++m) many.push_back(static_cast<std::size_t>(m % 7));
+    const std::vector<std::size_t> segments = {cap / n - 1, 2, cap / n + 1, lc::kThreads + 3};
+    std::vector<Call> program;
+    for (const auto& members : {across, many, segments}) {
+      std::size_t total = 0;
+      for (std::size_t m : members) total += m;
+      for (lc::Algorithm a : {lc::Algorithm::kOneShot, lc::Algorithm::kTwoShot}) {
+        program.push_back({total, a, a == lc::Algorithm::kOneShot ? 3 : 2, members});
+        program.push_back({cap + 1, a, 1});
+      }
+    }
     const std::size_t wrong = RunTeam(team, program);
     CHECK(wrong == 0);
     CHECK(!team.Failed());
@@ -508,6 +555,7 @@ int main(int argc, char** argv) {
   }
   return libra_test::RunTests({
       {"ranks_algorithms_blocks_tails", TestRanksAlgorithmsBlocksAndTails},
+      {"members_in_one_call", TestMembersInOneCall},
       {"many_rounds_counter_wrap", TestManyRoundsAcrossTheCounterWrap},
       {"several_teams", TestSeveralTeamsInProgramOrder},
       {"two_streams_per_rank", TestTwoStreamsPerRankEachWithItsTeam},

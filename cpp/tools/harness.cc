@@ -209,21 +209,34 @@ struct Setup {
     for (void* p : out) cudaFree(p);
     cudaStreamDestroy(stream);
   }
-  std::vector<const void*> Inputs() const { return {in.begin(), in.end()}; }
   void Poison() {
     for (void* p : out) CHECK_CUDA(cudaMemsetAsync(p, 0xff, bytes, stream));
   }
+  // Each rank's buffer as `parts` members (a bucket's tensors, whole vectors), listed last
+  // piece first, so that a member table that read them in memory order would be caught.
+  std::vector<std::vector<lc::Buffer>> Members(int parts, bool in_place) const {
+    const std::size_t vectors = bytes / lc::kVectorBytes;
+    std::vector<std::vector<lc::Buffer>> members(in.size());
+    for (std::size_t r = 0; r < in.size(); ++r) {
+      char* output = static_cast<char*>(in_place ? in[r] : out[r]);
+      for (int m = parts - 1; m >= 0; --m) {
+        const std::size_t begin = vectors * m / parts * lc::kVectorBytes;
+        const std::size_t end = m + 1 == parts ? bytes : vectors * (m + 1) / parts * lc::kVectorBytes;
+        members[r].push_back({static_cast<const char*>(in[r]) + begin, output + begin, end - begin});
+      }
+    }
+    return members;
+  }
   cudaError_t Run(lc::DType t, int blocks, lc::Algorithm a, bool in_place = false,
-                  uint64_t timeout_ns = 10'000'000'000ull) {
+                  uint64_t timeout_ns = 10'000'000'000ull, int parts = 1) {
     lc::CallArgs call;
     call.dtype = t;
-    call.bytes = bytes;
     call.blocks = blocks;
     call.algorithm = a;
     call.timeout_ns = timeout_ns;
     std::string message;
-    const cudaError_t err = lc::LaunchVirtualAllReduce(
-        *team, call, Inputs(), in_place ? in : out, stream, &message);
+    const cudaError_t err =
+        lc::LaunchVirtualAllReduce(*team, call, Members(parts, in_place), stream, &message);
     if (err != cudaSuccess && err != cudaErrorCooperativeLaunchTooLarge) {
       std::fprintf(stderr, "launch: %s\n", message.c_str());
     }
@@ -268,14 +281,14 @@ CaseResult CaptureSkipped(cudaError_t launch, cudaError_t end, cudaError_t insta
 // the same inputs gave before: must match bitwise.
 CaseResult RunAndCheck(Setup& s, lc::DType t, int blocks, lc::Algorithm a, bool in_place,
                        const std::vector<std::vector<unsigned char>>& host_in,
-                       std::vector<unsigned char>* expect, double* worst) {
+                       std::vector<unsigned char>* expect, double* worst, int parts = 1) {
   const int n = s.team->nranks();
   for (int r = 0; r < n; ++r) {
     CHECK_CUDA(cudaMemcpyAsync(s.in[r], host_in[r].data(), s.bytes, cudaMemcpyHostToDevice,
                                s.stream));
   }
   s.Poison();
-  const cudaError_t err = s.Run(t, blocks, a, in_place);
+  const cudaError_t err = s.Run(t, blocks, a, in_place, 10'000'000'000ull, parts);
   if (err == cudaErrorCooperativeLaunchTooLarge) return Skipped("not co-resident");
   CHECK_CUDA(err);
   return CheckOutputs(s, t, in_place, host_in, expect, worst);
@@ -338,6 +351,18 @@ void CheckAll(int device, const std::vector<int>& ranks) {
         const CaseResult r =
             RunAndCheck(s, t, 5, lc::Algorithm::kAuto, true, host_in, &expect, &worst);
         Report("in_place", n, t, lc::Algorithm::kAuto, bytes, 5, r, worst);
+        // The buffer as a bucket's members in one launch (the kernels' table), in place and
+        // not: bitwise the one buffer's sums.
+        if (bytes >= 3 * lc::kVectorBytes) {
+          for (lc::Algorithm a : algos) {
+            for (bool in_place : {false, true}) {
+              const int parts = in_place ? lc::kMaxVirtualMembers : 3;
+              const CaseResult m =
+                  RunAndCheck(s, t, 4, a, in_place, host_in, &expect, &worst, parts);
+              Report(in_place ? "members_in_place" : "members", n, t, a, bytes, 4, m, worst);
+            }
+          }
+        }
       }
     }
   }
@@ -399,8 +424,7 @@ void CheckAll(int device, const std::vector<int>& ranks) {
     void* buf = nullptr;
     CHECK_CUDA(cudaMalloc(&buf, 4096));
     lc::CallArgs call;
-    call.input = call.output = buf;
-    call.bytes = 4096;
+    call.members = {{buf, buf, 4096}};
     call.blocks = 2;
     call.timeout_ns = 50'000'000;  // 50 ms
     const auto t0 = std::chrono::steady_clock::now();
@@ -434,6 +458,7 @@ void Bench(int device, const std::vector<int>& ranks, std::size_t min_bytes,
   int co_resident = 0;  // the virtual-rank kernel's (1 block a SM)
   CHECK_CUDA(lc::MaxCoResidentBlocks(&co_resident, /*virtual_team=*/true));
   Emit("bench_header,ranks,algorithm,bytes,blocks,effective_blocks,median_us,algbw_GBps,iters");
+  Emit("bench_members_header,ranks,bytes,members,blocks,one_buffer_median_us,members_median_us");
   const lc::Algorithm algos[] = {lc::Algorithm::kOneShot, lc::Algorithm::kTwoShot};
   for (int n : ranks) {
     std::size_t top = max_bytes;
@@ -485,6 +510,38 @@ void Bench(int device, const std::vector<int>& ranks, std::size_t min_bytes,
                         bytes, blocks, eff, us, bytes / us / 1000.0, times.size());
           Emit(line);
         }
+      }
+    }
+    {
+      // A bucket of kMaxVirtualMembers members against the same bytes as one buffer, in one
+      // launch each, interleaved: what the member table costs (ForPieces).
+      const std::size_t bytes = std::min<std::size_t>(top, std::size_t{8} << 20);
+      s.bytes = bytes;
+      for (int blocks : block_list) {
+        if (elapsed() > budget_s) break;
+        const int eff =
+            lc::EffectiveBlocks(bytes, n, lc::Algorithm::kAuto, blocks, lc::kDefaultCapacityBytes);
+        if (n * eff > co_resident) continue;
+        std::vector<float> one, members;
+        for (int i = 0; i < 21; ++i) {
+          for (int parts : {1, lc::kMaxVirtualMembers}) {
+            CHECK_CUDA(cudaEventRecord(e0, s.stream));
+            CHECK_CUDA(s.Run(lc::DType::kF32, blocks, lc::Algorithm::kAuto, false,
+                             10'000'000'000ull, parts));
+            CHECK_CUDA(cudaEventRecord(e1, s.stream));
+            CHECK_CUDA(cudaEventSynchronize(e1));
+            float ms = 0;
+            CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+            (parts == 1 ? one : members).push_back(ms);
+          }
+        }
+        std::sort(one.begin(), one.end());
+        std::sort(members.begin(), members.end());
+        char line[256];
+        std::snprintf(line, sizeof line, "bench_members,%d,%zu,%d,%d,%.2f,%.2f", n, bytes,
+                      lc::kMaxVirtualMembers, blocks, one[one.size() / 2] * 1000.0,
+                      members[members.size() / 2] * 1000.0);
+        Emit(line);
       }
     }
   next_rank:

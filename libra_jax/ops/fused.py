@@ -16,10 +16,11 @@ The names of the two kinds' buckets before (`libra_psum_fused_p`,
 `libra_bucket` with its kind and its params as they were.
 
 Every bucket lowers by one rule (`_bucket_rule`): per dtype, one call over the members as they are
-where the platform's call takes several buffers (the CPU engine: `lowering.members_call`, each
-member read where XLA put it and its result written to its own output, no copy); elsewhere the
-operands flattened and concatenated (`lowering.pack`), that buffer's one collective by the
-platform's rule, and the result split back (`lowering.split`).
+where the platform's call takes several buffers (`lowering.members_call`: the CPU engine, and
+libra's P2P kernels on a GPU, each member read where XLA put it and its result written to its
+own output, no copy); elsewhere (NCCL's one-call form, XLA's collective) the operands flattened
+and concatenated (`lowering.pack`), that buffer's one collective by the platform's rule, and the
+result split back (`lowering.split`).
 
 A reduce-scatter gives rank r the r-th of n equal runs of its buffer, so its bucket cannot
 concatenate the flattened members as the psum's does (rank r's run would hold whole members,
@@ -61,7 +62,7 @@ def _bucket_rule(platform: Platform) -> Rule:
     gives the flat buffer's `lowering.Call`, its rows, and each member's call.
 
     Where the platform's call takes the members as they are (`lowering.members_call`: the CPU
-    engine), a dtype's members are one call with no packing; the twin (``"xla"``) lowers
+    engine, the P2P kernels), a dtype's members are one call with no packing; the twin (``"xla"``) lowers
     each member by XLA's own collective, as they are too. Where libra's call does not
     serve a reduce-scatter bucket, each member is XLA's own: its rank-contiguous packing is a
     strided copy that only libra's call needs."""

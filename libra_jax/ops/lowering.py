@@ -18,10 +18,10 @@ one notice naming why (``xla-fallback``). What differs between the kinds is thei
 layout (`collectives.LAYOUTS`): what a call's operand and result are, and the ``segment`` of
 a sharded call. A start/done pair asks the same question for its flat buffer (`pair_call`).
 A call with ``blocks=None`` gets `default_blocks` (the model's choice without overlap) here,
-once the group size is known. A bucket's members are one engine call as they are on CPU
-(`members_call`: the engine's variadic targets, one operand and one result per member, no
-copy); elsewhere, and for start/done, they are packed into one buffer per dtype (`pack`,
-`split`).
+once the group size is known. A bucket's members are one call as they are on CPU and on the
+P2P kernels (`members_call`: variadic targets, one operand and one result per member, no
+copy; start/done likewise, `libra_jax.ops.start_done`); elsewhere (NCCL's one-call form, XLA's
+collective) they are packed into one buffer per dtype (`pack`, `split`).
 """
 from __future__ import annotations
 
@@ -286,7 +286,8 @@ def members_call(ctx: Any, call: Call, platform: Platform
                  ) -> Callable[..., Sequence[Any]] | None:
     """Libra's one call over several members (the operands at `ctx`, of one dtype) where the
     platform's call takes them as they are: ``emit(*xs)``, one result per member. The CPU
-    engine does (`engine_call`); elsewhere None, and a bucket is packed into one buffer first
+    engine does (`engine_call`), and so do libra's P2P kernels (`_gpu_members_emit`: a table
+    of the members' pointers); elsewhere None, and a bucket is packed into one buffer first
     (`pack`). The twin (``"xla"``) lowers each member by XLA's own collective, as it is, so
     that the code around the bucket is the CPU program's; under `replaced_rule` each member
     is lowered by the replacement. (`call` serves every member: the same layout.)"""
@@ -296,6 +297,8 @@ def members_call(ctx: Any, call: Call, platform: Platform
                                             platform))[0]
                     for a, o, x in zip(ctx.avals_in, ctx.avals_out, xs)]
         return each
+    if platform == "cuda":
+        return _gpu_members_emit(ctx, call)
     if platform != "cpu":
         return None
     emit, _ = engine_call(ctx, call)
@@ -368,12 +371,12 @@ def gpu_call(ctx: Any, call: Call) -> tuple[str | None, dict, str]:
 
 
 def _buffer_served(ctx: Any, dtypes: frozenset, path: str) -> tuple[np.dtype, int, str]:
-    """The lowered buffer's dtype and element count, and why a GPU call with `dtypes` does not
-    serve it ("" where it does): the check every GPU call's attributes start with."""
-    aval_in = ctx.avals_in[0]
-    dtype = np.dtype(aval_in.dtype)
+    """The lowered buffers' dtype (one buffer, or a bucket's members of one dtype) and element
+    count, and why a GPU call with `dtypes` does not serve them ("" where it does): the check
+    every GPU call's attributes start with."""
+    dtype = np.dtype(ctx.avals_in[0].dtype)
     reason = "" if dtype in dtypes else f"cuda {dtype.name}{path}"
-    return dtype, math.prod(aval_in.shape), reason
+    return dtype, sum(math.prod(a.shape) for a in ctx.avals_in), reason
 
 
 def _kernel_attrs(ctx: Any, call: Call) -> tuple[dict | None, str]:
@@ -404,7 +407,7 @@ def _kernel_attrs(ctx: Any, call: Call) -> tuple[dict | None, str]:
             return None, f"cuda GPUs {members} without peer access (P2P) between them"
     blocks = call.blocks
     if blocks is None:  # Chosen now that the group size is known.
-        blocks = default_blocks(_full_bytes(ctx.avals_in[:1], call.row, world), world,
+        blocks = default_blocks(_full_bytes(ctx.avals_in, call.row, world), world,
                                 default_profile("cuda"), call.row.lax)
     return dict(devices=np.array([ordinals[d] for g in groups for d in g], np.int32),
                 world=np.int64(world), blocks=np.int64(blocks),
@@ -426,7 +429,7 @@ def _gpu_emit(ctx: Any, call: Call) -> tuple[Callable[[Any], Sequence[Any]] | No
     _ffi.ensure_cuda_registered()
     target = _ffi.target(call.row.kind, engine)
     if engine == "cuda":
-        return partial(_padded_kernel_call, ctx, target, attrs, call.inplace), ""
+        return (lambda x: _kernel_members_call(ctx, target, attrs, call.inplace, [x])), ""
     aliases = {0: 0} if call.inplace else {}
     if call.row.layout == "replicated":  # any shape, dtype and length NCCL takes
         return (lambda x: jax.ffi.ffi_lowering(target, operand_output_aliases=aliases)(
@@ -442,6 +445,52 @@ def _gpu_emit(ctx: Any, call: Call) -> tuple[Callable[[Any], Sequence[Any]] | No
         return from_row_of_shards(ctx, result, flat_out, out_aval, gathers, call.dimension,
                                   call.tiled)
     return nccl, ""
+
+
+def _gpu_members_emit(ctx: Any, call: Call) -> Callable[..., Sequence[Any]] | None:
+    """`members_call` on CUDA: where `gpu_call` chooses libra's P2P kernels for the members
+    at `ctx` (one dtype), their one call (`_kernel_members_call`); None elsewhere (NCCL, XLA's
+    collective: the bucket is packed)."""
+    live = [i for i, a in enumerate(ctx.avals_in) if math.prod(a.shape)]
+    if not live:
+        return None
+    engine, attrs, _ = gpu_call(ctx.replace(avals_in=[ctx.avals_in[i] for i in live]), call)
+    if engine != "cuda":
+        return None
+    _ffi.ensure_cuda_registered()
+    target = _ffi.target(call.row.kind, engine)
+    return lambda *xs: _kernel_members_call(ctx, target, attrs, call.inplace, list(xs))
+
+
+def _kernel_members_call(ctx: Any, target: str, attrs: dict, inplace: bool, xs: Sequence[Any]
+                         ) -> list[Any]:
+    """The P2P kernels' all-reduce of the members `xs` (the operands at `ctx`, of one dtype):
+    those of whole 16-byte vectors as one call over them as they are (the kernels take a table
+    of the members' pointers, 32 a launch: the handler launches as many as the call needs),
+    each result aliased to its operand where `inplace`; a member of another size padded on
+    its own (`_padded_kernel_call`); an empty one a constant. Every element's sum is in rank
+    order, as in one buffer: the bits do not depend on how the members are called."""
+    outs: list[Any] = [None] * len(xs)
+    whole = []
+    for i, (a, x) in enumerate(zip(ctx.avals_in, xs)):
+        nbytes = math.prod(a.shape) * np.dtype(a.dtype).itemsize
+        if nbytes == 0:
+            outs[i] = _compat.ir_constant(np.zeros(ctx.avals_out[i].shape, ctx.avals_out[i].dtype))
+        elif nbytes % CUDA_VECTOR_BYTES:
+            outs[i], = _padded_kernel_call(
+                ctx.replace(avals_in=[a], avals_out=[ctx.avals_out[i]]), target, attrs, inplace, x)
+        else:
+            whole.append(i)
+    if whole:
+        rule = jax.ffi.ffi_lowering(
+            target, operand_output_aliases={k: k for k in range(len(whole))} if inplace else {})
+        results = _compat.ir_values(rule(
+            ctx.replace(avals_in=[ctx.avals_in[i] for i in whole],
+                        avals_out=[ctx.avals_out[i] for i in whole]),
+            *(xs[i] for i in whole), **attrs))
+        for i, result in zip(whole, results):
+            outs[i] = result
+    return outs
 
 
 def _padded_kernel_call(ctx: Any, target: str, attrs: dict, inplace: bool, x: Any

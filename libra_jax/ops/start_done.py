@@ -20,11 +20,11 @@ picks) into two equations of the rewritten program:
 
 What runs in between is the compute the all-reduce overlaps. Per platform:
 
-* CUDA: on the ``nccl`` path start is one ``libra_allreduce_nccl_start`` per dtype over its
-  members (NCCL's all-reduce of each, as one NCCL group, on libra's own stream after an event
-  from XLA's stream); with the P2P kernels one ``libra_allreduce_cuda_start`` per member (until
-  the kernels take a table of the members' pointers), a member they cannot take as it is (not
-  whole 16-byte vectors) all-reduced in start. Done is ``libra_allreduce_cuda_done`` for both
+* CUDA: start is one call per dtype over its members, on libra's own stream after an event
+  from XLA's stream: on the ``nccl`` path ``libra_allreduce_nccl_start`` (NCCL's all-reduce
+  of each member, as one NCCL group), with the P2P kernels ``libra_allreduce_cuda_start``
+  (one launch over a table of the members' pointers, a launch per 32), a member they cannot
+  take as it is (not whole 16-byte vectors) all-reduced in start. Done is ``libra_allreduce_cuda_done`` for both
   (XLA's stream waits for the call's end event) and its outputs alias its operands, the
   members' buffers, so XLA keeps them alive and unread until done.
 * CPU: start is ``libra_allreduce_cpu_start``, one per dtype over its members: the device's
@@ -113,10 +113,9 @@ def _check_paired(collective: str, call_id: int) -> None:
 # --- call keys ----------------------------------------------------------------------
 #
 # The engine keys a started call by ``call_id * KEY_SLOTS + slot`` (and run, group, rank on
-# CPU; the GPU on CUDA): a psum pair's slot is its dtype's index on CPU (one start per dtype)
-# and its member's index on a GPU (one start per member; members past the slots are
-# all-reduced in start), a sharded pair's `_SHARDED_SLOT` plus its kind's enum value, so a
-# program's pairs of every kind may share ids.
+# CPU; the GPU on CUDA): a psum pair's slot is its dtype's index (one start per dtype), a
+# sharded pair's `_SHARDED_SLOT` plus its kind's enum value, so a program's pairs of every
+# kind may share ids.
 
 #: Slots per call id; call ids are below `MAX_CALL_ID` so that every key fits an int64.
 KEY_SLOTS = 4096
@@ -142,11 +141,11 @@ def _groups(ctx: Any, avals_in: Sequence[Any], avals_out: Sequence[Any]
 def _started(pair: lowering.PairCall | None, j: int, idx: list[int], avals: Sequence[Any]
              ) -> list[tuple[int, list[int]]]:
     """The starts, each (its key's slot, its members), of the `j`-th dtype's members `idx`,
-    start and done deciding alike: none where `pair` is None (all-reduced in start); on CPU
-    and on NCCL one start over them all (NCCL: one group of a call per member, on the same
-    communicator and limit); with libra's P2P kernels one per member they take as it is (whole
-    16-byte vectors; a member of another size, or past the key's slots, is all-reduced in
-    start)."""
+    start and done deciding alike: none where `pair` is None (all-reduced in start); else
+    one start over them all: on CPU the engine's, on NCCL one group of a call per member (the
+    same communicator and limit), with libra's P2P kernels one call over the members they take
+    as they are (a table of their pointers; a member that is not whole 16-byte vectors is
+    all-reduced in start, padded, and so is an empty one)."""
     if pair is None:
         return []
     if pair.engine in ("cpu", "nccl"):
@@ -154,8 +153,9 @@ def _started(pair: lowering.PairCall | None, j: int, idx: list[int], avals: Sequ
 
     def takes(i: int) -> bool:
         nbytes = math.prod(avals[i].shape) * np.dtype(avals[i].dtype).itemsize
-        return i < _SHARDED_SLOT and nbytes % lowering.CUDA_VECTOR_BYTES == 0
-    return [(i, [i]) for i in idx if takes(i)]
+        return nbytes > 0 and nbytes % lowering.CUDA_VECTOR_BYTES == 0
+    members = [i for i in idx if takes(i)]
+    return [(j, members)] if members else []
 
 
 # --- start ----------------------------------------------------------------------

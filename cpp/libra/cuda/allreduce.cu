@@ -167,9 +167,11 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm) AllReduceKernel(Ran
 // calls are a kernel parameter (constant bank, indexed where used; a copy in
 // registers or shared memory spills), so a captured graph keeps its own.
 struct VirtualCalls {
-  RankCall call[kMaxRanks];
+  RankCallOf<kMaxVirtualMembers> call[kMaxRanks];
 };
+// Kernel parameters beyond 4 KiB need CUDA 12.1 and a driver to match: not asked for.
 static_assert(sizeof(VirtualCalls) <= 4000, "kernel parameters are limited to 4 KiB");
+static_assert(sizeof(RankCall) <= 4000, "kernel parameters are limited to 4 KiB");
 
 // Its own resource choice: 1 block per SM (up to 128 registers). At 64, the
 // indexed reads of its calls spill 8-48 bytes (nvcc 13); it is the harness's
@@ -263,29 +265,58 @@ cudaError_t CheckCall(const TeamView& view, const CallArgs& call, std::string* m
     return invalid("libra cuda all-reduce: blocks must be in [1, " + std::to_string(kMaxBlocks) +
                    "], got " + std::to_string(call.blocks));
   }
-  if (call.bytes % kVectorBytes != 0) {
-    return invalid("libra cuda all-reduce: the byte count must be a multiple of 16, got " +
-                   std::to_string(call.bytes));
+  if (call.members.empty() || call.members.size() > static_cast<std::size_t>(kMaxMembers)) {
+    return invalid("libra cuda all-reduce: a launch takes 1 to " + std::to_string(kMaxMembers) +
+                   " members, got " + std::to_string(call.members.size()));
   }
-  if (call.bytes % SizeOf(call.dtype) != 0 || KernelFor(call.dtype, view.nranks) == nullptr) {
+  if (KernelFor(call.dtype, view.nranks) == nullptr) {
     return invalid("libra cuda all-reduce: bad dtype");
   }
-  return cudaSuccess;
-}
-
-cudaError_t CheckPointers(const void* input, const void* output, std::string* message) {
-  if (reinterpret_cast<uintptr_t>(input) % kVectorBytes != 0 ||
-      reinterpret_cast<uintptr_t>(output) % kVectorBytes != 0) {
-    if (message) *message = "libra cuda all-reduce: buffers must be 16-byte aligned";
-    return cudaErrorMisalignedAddress;
+  std::size_t vectors = 0;
+  for (const Buffer& member : call.members) {
+    vectors += member.bytes / kVectorBytes;
+    if (vectors > kMaxCallVectors) {
+      return invalid("libra cuda all-reduce: a launch takes at most " +
+                     std::to_string(kMaxCallVectors * kVectorBytes) + " bytes");
+    }
+    if (member.bytes % kVectorBytes != 0) {
+      return invalid("libra cuda all-reduce: a member's byte count must be a multiple of 16, "
+                     "got " + std::to_string(member.bytes));
+    }
+    if (member.bytes % SizeOf(call.dtype) != 0) return invalid("libra cuda all-reduce: bad dtype");
   }
   return cudaSuccess;
 }
 
-RankCall MakeArgs(const TeamView& view, const CallArgs& call, const void* input,
-                  void* output, int* blocks) {
-  const RankCall a = MakeRankCall(view, call.algorithm, call.bytes, call.blocks, input, output,
-                                  call.timeout_ns, call.signature);
+cudaError_t CheckPointers(const std::vector<Buffer>& members, std::string* message) {
+  for (const Buffer& member : members) {
+    if (reinterpret_cast<uintptr_t>(member.input) % kVectorBytes != 0 ||
+        reinterpret_cast<uintptr_t>(member.output) % kVectorBytes != 0) {
+      if (message) *message = "libra cuda all-reduce: buffers must be 16-byte aligned";
+      return cudaErrorMisalignedAddress;
+    }
+  }
+  return cudaSuccess;
+}
+
+std::size_t TotalBytes(const std::vector<Buffer>& members) {
+  std::size_t bytes = 0;
+  for (const Buffer& member : members) bytes += member.bytes;
+  return bytes;
+}
+
+// The kernel's call for one rank's members (at most M, checked before).
+template <int M>
+RankCallOf<M> MakeArgs(const TeamView& view, const CallArgs& call,
+                       const std::vector<Buffer>& members, int* blocks) {
+  Member table[M] = {};
+  const int count = static_cast<int>(std::min<std::size_t>(members.size(), M));
+  for (int m = 0; m < count; ++m) {
+    table[m] = {members[m].input, members[m].output,
+                static_cast<uint32_t>(members[m].bytes / kVectorBytes), 0};
+  }
+  const RankCallOf<M> a = MakeRankCall<M>(view, call.algorithm, table, count, call.blocks,
+                                          call.timeout_ns, call.signature);
   *blocks = a.blocks;
   return a;
 }
@@ -484,10 +515,10 @@ cudaError_t LaunchKernel(bool cooperative, const void* kernel, dim3 grid, void**
 cudaError_t LaunchAllReduce(const TeamView& view, const CallArgs& call, cudaStream_t stream,
                             std::string* message) {
   LIBRA_CUDA_RETURN_IF_ERROR(CheckCall(view, call, message));
-  LIBRA_CUDA_RETURN_IF_ERROR(CheckPointers(call.input, call.output, message));
-  if (call.bytes == 0) return cudaSuccess;  // the same on every rank: nothing to do
+  LIBRA_CUDA_RETURN_IF_ERROR(CheckPointers(call.members, message));
+  if (TotalBytes(call.members) == 0) return cudaSuccess;  // the same on every rank: nothing to do
   int blocks = 1;
-  RankCall args = MakeArgs(view, call, call.input, call.output, &blocks);
+  RankCall args = MakeArgs<kMaxMembers>(view, call, call.members, &blocks);
   void* params[] = {&args};
   LIBRA_CUDA_RETURN_IF_ERROR(
       LaunchKernel(false, KernelFor(call.dtype, view.nranks), dim3(blocks), params, stream));
@@ -495,27 +526,39 @@ cudaError_t LaunchAllReduce(const TeamView& view, const CallArgs& call, cudaStre
 }
 
 cudaError_t LaunchVirtualAllReduce(const Team& team, const CallArgs& call,
-                                   const std::vector<const void*>& inputs,
-                                   const std::vector<void*>& outputs, cudaStream_t stream,
-                                   std::string* message) {
+                                   const std::vector<std::vector<Buffer>>& members,
+                                   cudaStream_t stream, std::string* message) {
   const int n = team.nranks();
-  if (!team.virtual_ || static_cast<int>(inputs.size()) != n ||
-      static_cast<int>(outputs.size()) != n) {
-    if (message) *message = "libra cuda all-reduce: a virtual team needs one buffer per rank";
+  if (!team.virtual_ || static_cast<int>(members.size()) != n) {
+    if (message) *message = "libra cuda all-reduce: a virtual team needs members for each rank";
     return cudaErrorInvalidValue;
   }
-  if (call.bytes == 0) return cudaSuccess;
-  int blocks = 1;
-  std::vector<RankCall> args(n);
   for (int r = 0; r < n; ++r) {
-    const TeamView view = team.View(r);
-    LIBRA_CUDA_RETURN_IF_ERROR(CheckCall(view, call, message));
-    LIBRA_CUDA_RETURN_IF_ERROR(CheckPointers(inputs[r], outputs[r], message));
-    args[r] = MakeArgs(view, call, inputs[r], outputs[r], &blocks);
+    bool same = members[r].size() == members[0].size() &&
+                members[r].size() <= static_cast<std::size_t>(kMaxVirtualMembers);
+    for (std::size_t m = 0; same && m < members[r].size(); ++m) {
+      same = members[r][m].bytes == members[0][m].bytes;
+    }
+    if (!same) {
+      if (message) {
+        *message = "libra cuda all-reduce: a virtual team's ranks need the same members, at "
+                   "most " + std::to_string(kMaxVirtualMembers);
+      }
+      return cudaErrorInvalidValue;
+    }
   }
+  int blocks = 1;
   VirtualCalls calls;
   std::memset(static_cast<void*>(&calls), 0, sizeof calls);
-  for (int r = 0; r < n; ++r) calls.call[r] = args[r];
+  for (int r = 0; r < n; ++r) {
+    const TeamView view = team.View(r);
+    CallArgs rank_call = call;
+    rank_call.members = members[r];
+    LIBRA_CUDA_RETURN_IF_ERROR(CheckCall(view, rank_call, message));
+    LIBRA_CUDA_RETURN_IF_ERROR(CheckPointers(members[r], message));
+    calls.call[r] = MakeArgs<kMaxVirtualMembers>(view, call, members[r], &blocks);
+  }
+  if (TotalBytes(members[0]) == 0) return cudaSuccess;
   void* params[] = {&calls};
   // cudaErrorCooperativeLaunchTooLarge (the grid cannot be co-resident) is returned as is,
   // and cleared from CUDA's last-error slot, like any failed launch (LaunchKernel).

@@ -44,17 +44,29 @@ using libra::SizeOf;
 // TeamView: libra/cuda/protocol.h.
 const char* Name(Algorithm algorithm);
 
-// One rank's part of one call.
+// One member of a call (a bucket's tensor) on one rank: device pointers,
+// 16-byte aligned; `output` may be `input` (in place).
+struct Buffer {
+  const void* input = nullptr;
+  void* output = nullptr;
+  std::size_t bytes = 0;  // a multiple of 16
+};
+
+// One rank's part of one call: its members, 1..kMaxMembers of them, the same
+// sizes in the same order on every rank, reduced as one buffer would be (each
+// element's sum in rank order; protocol::RankBody) in one launch.
 struct CallArgs {
   DType dtype = DType::kF32;
-  const void* input = nullptr;  // device pointer, 16-byte aligned
-  void* output = nullptr;       // device pointer, 16-byte aligned (may equal input)
-  std::size_t bytes = 0;        // a multiple of 16
+  std::vector<Buffer> members;
   int blocks = 1;               // 1..kMaxBlocks
   Algorithm algorithm = Algorithm::kAuto;
   uint64_t timeout_ns = 0;      // 0: wait forever
   uint32_t signature = 0;       // the same on every rank for one call (CallSignature)
 };
+
+// The members a virtual launch takes per rank: its calls of every rank are
+// one kernel parameter, kept under 4 KiB (allreduce.cu's VirtualCalls).
+inline constexpr int kMaxVirtualMembers = 8;
 
 // The GPU memory of a team. Not thread-safe; a team is used by one call at a
 // time per rank (stream order).
@@ -99,9 +111,8 @@ class Team {
   bool virtual_ = false;
 
   friend cudaError_t LaunchVirtualAllReduce(const Team&, const CallArgs&,
-                                            const std::vector<const void*>&,
-                                            const std::vector<void*>&, cudaStream_t,
-                                            std::string*);
+                                            const std::vector<std::vector<Buffer>>&,
+                                            cudaStream_t, std::string*);
 };
 
 // Launches rank view.rank's part of an all-reduce on `stream` (of that
@@ -111,14 +122,13 @@ cudaError_t LaunchAllReduce(const TeamView& view, const CallArgs& call, cudaStre
 
 // Launches every rank of a virtual team as one cooperative grid of
 // nranks x blocks blocks on the current device (so all ranks are
-// co-resident); `inputs`/`outputs` hold one buffer per rank
-// (`call.input`/`call.output` are ignored); every rank's call is a kernel
-// parameter, so a captured graph keeps its own. Returns
+// co-resident); `members` holds each rank's members, at most
+// kMaxVirtualMembers (`call.members` is ignored); every rank's call is a
+// kernel parameter, so a captured graph keeps its own. Returns
 // cudaErrorCooperativeLaunchTooLarge when the grid cannot be co-resident.
 cudaError_t LaunchVirtualAllReduce(const Team& team, const CallArgs& call,
-                                   const std::vector<const void*>& inputs,
-                                   const std::vector<void*>& outputs, cudaStream_t stream,
-                                   std::string* message);
+                                   const std::vector<std::vector<Buffer>>& members,
+                                   cudaStream_t stream, std::string* message);
 
 // How many blocks of the all-reduce kernels fit on the current device at once
 // (the least over the kernels' instantiations): of the per-rank kernels (at

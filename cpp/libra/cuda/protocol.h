@@ -127,20 +127,42 @@ struct TeamView {
   ErrorRecord* error = nullptr;      // device pointer to the host-mapped record
 };
 
-// One rank's part of one call, as the kernel sees it.
-struct RankCall {
-  TeamView view;
-  const void* input;   // 16-byte vectors
+// One member of a call (a bucket's tensor): whole 16-byte vectors read at
+// `input`, their sums written to `output` (which may be `input`: in place).
+struct Member {
+  const void* input;
   void* output;
-  std::size_t vectors;
+  uint32_t vectors;
+  uint32_t first;  // its first vector in the call (MakeRankCall sets it)
+};
+
+// The most vectors of one call (64 GiB): indices within a call are 32-bit,
+// which keeps the kernels within their registers (kMinBlocksPerSm).
+inline constexpr std::size_t kMaxCallVectors = (std::size_t{1} << 32) - 1;
+
+// The members one launch takes: a table in the kernel's parameters (with the
+// rest of the call, 1016 bytes, well inside the 4 KiB every driver takes); a
+// bucket of more is launched in parts (xla_ffi/cuda_allreduce.cc).
+inline constexpr int kMaxMembers = 32;
+
+// One rank's part of one call, as the kernel sees it, its members in a table
+// of at most M. The call's rounds run over the members end to end, as if
+// they were one buffer (RankBody): no copy of a bucket into one buffer.
+template <int M>
+struct RankCallOf {
+  TeamView view;
+  std::size_t vectors;  // of all members
   int two_shot;
-  int blocks;          // grid size of one rank
-  uint64_t timeout_ns; // 0: wait forever
+  int blocks;           // grid size of one rank
+  uint64_t timeout_ns;  // 0: wait forever
   // The same on every rank for the same call (CallSignature), so a rank that
   // pairs a peer's call with another of its own (a rank that skipped a call,
   // whose execution failed before it) finds out at the first barrier.
   uint32_t signature;
+  int members;
+  Member member[M];
 };
+using RankCall = RankCallOf<kMaxMembers>;
 
 // Flag words per rank: 2 stages of round flags, 2 parities of signatures.
 inline constexpr std::size_t kFlagWords = std::size_t{4} * kMaxBlocks * kMaxRanks;
@@ -192,23 +214,37 @@ inline uint32_t CallSignature(int64_t run, uint32_t index) {
 }
 
 // One rank's call as its kernel sees it (also what a virtual launch uploads:
-// zeroed first, since uploads are compared bytewise).
-inline RankCall MakeRankCall(const TeamView& view, Algorithm algorithm, std::size_t bytes,
-                             int blocks, const void* input, void* output, uint64_t timeout_ns,
-                             uint32_t signature) {
-  RankCall a;
+// zeroed first, since uploads are compared bytewise): members[0..count), each
+// of whole vectors, count at most M (the launch checks both). The algorithm
+// and the block count are chosen for all members together.
+template <int M = kMaxMembers>
+RankCallOf<M> MakeRankCall(const TeamView& view, Algorithm algorithm, const Member* members,
+                           int count, int blocks, uint64_t timeout_ns, uint32_t signature) {
+  RankCallOf<M> a;
   std::memset(static_cast<void*>(&a), 0, sizeof a);
+  a.members = std::min(count, M);
+  for (int m = 0; m < a.members; ++m) {
+    a.member[m] = members[m];
+    a.member[m].first = static_cast<uint32_t>(a.vectors);
+    a.vectors += members[m].vectors;
+  }
+  const std::size_t bytes = a.vectors * kVectorBytes;
   const Algorithm resolved = ResolveAlgorithm(algorithm, bytes, view.nranks);
   a.view = view;
-  a.input = input;
-  a.output = output;
-  a.vectors = bytes / kVectorBytes;
   a.two_shot = resolved == Algorithm::kTwoShot ? 1 : 0;
   a.blocks = EffectiveBlocks(bytes, view.nranks, resolved, blocks,
                              view.capacity_vectors * kVectorBytes);
   a.timeout_ns = timeout_ns;
   a.signature = signature;
   return a;
+}
+
+// A call of one buffer of `bytes` (a multiple of 16).
+inline RankCall MakeRankCall(const TeamView& view, Algorithm algorithm, std::size_t bytes,
+                             int blocks, const void* input, void* output, uint64_t timeout_ns,
+                             uint32_t signature) {
+  const Member one{input, output, static_cast<uint32_t>(bytes / kVectorBytes), 0};
+  return MakeRankCall(view, algorithm, &one, 1, blocks, timeout_ns, signature);
 }
 
 namespace protocol {
@@ -248,8 +284,8 @@ LIBRA_PROTOCOL_FN void RecordError(Ops& ops, ErrorRecord* e, int kind, int rank,
 // and checks that every peer is in the same call (its signature). Returns
 // false if the wait was abandoned (a timeout or another call here, or an
 // error of the team recorded anywhere: a dead team's kernels all end at once).
-template <class Ops>
-LIBRA_PROTOCOL_FN bool Barrier(Ops& ops, const RankCall& a, int stage, int block,
+template <class Ops, class Call>
+LIBRA_PROTOCOL_FN bool Barrier(Ops& ops, const Call& a, int stage, int block,
                                uint32_t round, volatile int* aborted) {
   ops.SyncBlock();
   const int n = a.view.nranks;
@@ -333,12 +369,50 @@ LIBRA_UNROLL
   return ops.Finish(acc);
 }
 
+// The first of a lane's positions v = first, first + step, ... (first < step)
+// at or after `at`, relative to `at`: where that lane starts in a piece of a
+// range that begins `at` vectors into it, so that a lane owns the same
+// positions of the range however the members cut it.
+LIBRA_PROTOCOL_FN uint32_t LaneStart(uint32_t first, uint32_t at, uint32_t step) {
+  const uint32_t phase = at % step;
+  return first >= phase ? first - phase : first + step - phase;
+}
+
+// The pieces of the range [begin, begin + count) of a call's members taken end
+// to end: piece(input, output, at, length) for each member's part in order,
+// its input and output at the part's first vector, `at` its offset in the
+// range. A range of one member (the common case) is one piece.
+template <class Ops, class Call, class Piece>
+LIBRA_PROTOCOL_FN void ForPieces(const Call& a, uint32_t begin, uint32_t count, Piece piece) {
+  using Vec = typename Ops::Vec;
+  uint32_t at = 0;
+LIBRA_NO_UNROLL
+  for (int m = 0; m < a.members && at < count; ++m) {
+    // Members before m end at or before begin + at; member m starts there or before.
+    const uint32_t skip = begin + at - a.member[m].first;
+    const uint32_t vectors = a.member[m].vectors;
+    if (skip < vectors) {
+      const uint32_t length = vectors - skip < count - at ? vectors - skip : count - at;
+      piece(static_cast<const Vec*>(a.member[m].input) + skip,
+            static_cast<Vec*>(a.member[m].output) + skip, at, length);
+      at += length;
+    }
+  }
+}
+
 // One block of one rank's call, for teams of at most N ranks (the kernels
 // are instantiated for N = 4 and 8: the sums over ranks unroll to N, in
 // groups of kSumGroup loads in flight).
 // `aborted` is the block's shared abort word, 0 on entry.
-template <int N, class Ops>
-LIBRA_PROTOCOL_FN void RankBody(Ops& ops, const RankCall& a, int block, volatile int* aborted) {
+//
+// The rounds run over the call's members end to end (ForPieces): round k's
+// chunk is vectors [k * cap, k * cap + vc) of that sequence, whichever members
+// hold them, and its staging, flags and barriers are as for one buffer. Only
+// where a vector is read from and written to depends on the members; a lane
+// handles the same positions of a chunk (and so of the staging) as it would in
+// one buffer (LaneStart), which is what re-using a staging half rests on.
+template <int N, class Ops, class Call>
+LIBRA_PROTOCOL_FN void RankBody(Ops& ops, const Call& a, int block, volatile int* aborted) {
   using Vec = typename Ops::Vec;
   const int n = a.view.nranks;
   const int rank = a.view.rank;
@@ -348,7 +422,8 @@ LIBRA_PROTOCOL_FN void RankBody(Ops& ops, const RankCall& a, int block, volatile
   const uint32_t step = static_cast<uint32_t>(a.blocks) * kThreads;
   uint32_t* counters = a.view.member[rank].counters;
   const uint32_t base = ops.LoadCounter(counters);
-  const std::size_t rounds = (a.vectors + cap - 1) / cap;
+  const uint32_t total = static_cast<uint32_t>(a.vectors);  // at most kMaxCallVectors
+  const uint32_t rounds = total / cap + (total % cap != 0);
   // A team whose error record is set is dead (Team, TeamGenerations): end at once.
   if (ops.ErrorCode(a.view.error) != 0) *aborted = 1;
 
@@ -360,25 +435,30 @@ LIBRA_PROTOCOL_FN void RankBody(Ops& ops, const RankCall& a, int block, volatile
   const auto load_peer = [&](const Vec* p) { return ops.LoadPeer(p); };
   ops.SyncBlock();
 
-  for (std::size_t k = 0; k < rounds && *aborted == 0; ++k) {
-    const uint32_t round = base + static_cast<uint32_t>(k) + 1;
+  for (uint32_t k = 0; k < rounds && *aborted == 0; ++k) {
+    const uint32_t round = base + k + 1;
     const uint32_t half = (round & 1u) * half_stride;
-    const std::size_t off = k * cap;
-    const uint32_t vc = static_cast<uint32_t>(a.vectors - off < cap ? a.vectors - off : cap);
-    const Vec* in = static_cast<const Vec*>(a.input) + off;
-    Vec* out = static_cast<Vec*>(a.output) + off;
+    const uint32_t off = k * cap;
+    const uint32_t vc = total - off < cap ? total - off : cap;
 
     if (!a.two_shot) {
       for (int lane = ops.FirstLane(); lane < kThreads; lane += Ops::kLanes) {
         const uint32_t first = static_cast<uint32_t>(block) * kThreads + lane;
-        CopyStrided(ops, mine + half, in, vc, first, step, load_input);
+        ForPieces<Ops>(a, off, vc, [&](const Vec* in, Vec*, uint32_t at, uint32_t length) {
+          CopyStrided(ops, mine + half + at, in, length, LaneStart(first, at, step), step,
+                      load_input);
+        });
       }
       if (!Barrier(ops, a, 0, block, round, aborted)) break;
       for (int lane = ops.FirstLane(); lane < kThreads; lane += Ops::kLanes) {
+        const uint32_t first = static_cast<uint32_t>(block) * kThreads + lane;
+        ForPieces<Ops>(a, off, vc, [&](const Vec*, Vec* out, uint32_t at, uint32_t length) {
 LIBRA_NO_UNROLL
-        for (uint32_t v = static_cast<uint32_t>(block) * kThreads + lane; v < vc; v += step) {
-          ops.Store(out + v, SumRanks<N>(ops, n, [&](int r) { return peer(r) + half + v; }));
-        }
+          for (uint32_t v = LaneStart(first, at, step); v < length; v += step) {
+            const uint32_t staged = half + at + v;
+            ops.Store(out + v, SumRanks<N>(ops, n, [&](int r) { return peer(r) + staged; }));
+          }
+        });
       }
       continue;
     }
@@ -390,22 +470,28 @@ LIBRA_NO_UNROLL
       const uint32_t first = static_cast<uint32_t>(block) * kThreads + lane;
 LIBRA_NO_UNROLL
       for (int s = 0; s < n; ++s) {  // no peer pointer: no need to unroll
-        {
-          CopyStrided(ops, mine + half + s * segcap, in + s * seg, SegmentLength(vc, seg, s),
-                      first, step, load_input);
-        }
+        Vec* const staged = mine + half + s * segcap;
+        ForPieces<Ops>(a, off + s * seg, SegmentLength(vc, seg, s),
+                       [&](const Vec* in, Vec*, uint32_t at, uint32_t length) {
+                         CopyStrided(ops, staged + at, in, length, LaneStart(first, at, step),
+                                     step, load_input);
+                       });
       }
     }
     if (!Barrier(ops, a, 0, block, round, aborted)) break;
     const uint32_t own = SegmentLength(vc, seg, rank);
     for (int lane = ops.FirstLane(); lane < kThreads; lane += Ops::kLanes) {
+      const uint32_t first = static_cast<uint32_t>(block) * kThreads + lane;
+      ForPieces<Ops>(a, off + rank * seg, own,
+                     [&](const Vec*, Vec* out, uint32_t at, uint32_t length) {
 LIBRA_NO_UNROLL
-      for (uint32_t v = static_cast<uint32_t>(block) * kThreads + lane; v < own; v += step) {
-        const Vec sum =
-            SumRanks<N>(ops, n, [&](int r) { return peer(r) + half + rank * segcap + v; });
-        ops.Store(mine + half + cap + v, sum);
-        ops.Store(out + rank * seg + v, sum);
-      }
+        for (uint32_t v = LaneStart(first, at, step); v < length; v += step) {
+          const uint32_t staged = half + rank * segcap + at + v;
+          const Vec sum = SumRanks<N>(ops, n, [&](int r) { return peer(r) + staged; });
+          ops.Store(mine + half + cap + at + v, sum);
+          ops.Store(out + v, sum);
+        }
+      });
     }
     if (!Barrier(ops, a, 1, block, round, aborted)) break;
     for (int lane = ops.FirstLane(); lane < kThreads; lane += Ops::kLanes) {
@@ -415,8 +501,12 @@ LIBRA_NO_UNROLL
 LIBRA_NO_UNROLL
       for (int s = 0; s < n; ++s) {
         if (s != rank) {
-          CopyStrided(ops, out + s * seg, peer(s) + half + cap, SegmentLength(vc, seg, s),
-                      first, step, load_peer);
+          const Vec* const reduced = peer(s) + half + cap;
+          ForPieces<Ops>(a, off + s * seg, SegmentLength(vc, seg, s),
+                         [&](const Vec*, Vec* out, uint32_t at, uint32_t length) {
+                           CopyStrided(ops, out, reduced + at, length,
+                                       LaneStart(first, at, step), step, load_peer);
+                         });
         }
       }
     }
@@ -426,7 +516,7 @@ LIBRA_NO_UNROLL
   // (an aborted kernel's team is dead: its counter no longer matters).
   ops.SyncBlock();
   if (ops.FirstLane() == 0 && ops.ArriveDone(counters, a.blocks)) {
-    ops.PublishRound(counters, base + static_cast<uint32_t>(rounds));
+    ops.PublishRound(counters, base + rounds);
   }
 }
 
