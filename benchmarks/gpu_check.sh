@@ -15,7 +15,7 @@
 # curves' fitted profile, start/done beside compute (gpu_overlap.py), the machine's NCCL
 # under libra's CTA limits (gpu_nccl_check.py: all-reduce, reduce-scatter, all-gather), whether jaxlib's command buffers capture custom
 # calls and keep libra's P2P call out (gpu_overlap.py --command-buffers), and time vs bytes x
-# blocks (bench).
+# blocks (bench; with a bucket of 8 members against one buffer of its bytes, bench_members).
 # libra's GPU data paths are opt-in (LIBRA_JAX_CUDA); this script opts in per step.
 #
 # What the FSDP simulation (benchmarks/paper_reproduction.py --fsdp) assumes and a GPU run must
@@ -31,7 +31,8 @@
 # it comes, so a run killed midway still returns them:
 #   summary.txt                one line per step, then the time-vs-blocks table
 #   log.txt                    every step's output, one rolling log (the last 2 MiB)
-#   harness.csv                the harness's check, contend and bench lines
+#   harness.csv                the harness's check (with a bucket's members in one launch),
+#                              contend and bench lines
 #   h200-virtual-ranks.json    the h200 profile with contention fitted to the proxy curves
 #                              (a separate, labelled profile: h200.json is not replaced)
 #   overlap.md                 gpu_overlap.py's tables
@@ -261,7 +262,9 @@ if [ "$dry_run" = 0 ] && [ -x "$harness" ]; then
       --max-bytes "$max_bytes" --blocks 1,2,4,8,16,32,64 --budget-s "$bench_budget" --csv "$csv"
     rc=$?
     rows=$(grep -c '^bench,' "$csv")
-    if [ $rc -eq 0 ]; then note bench PASS "$rows timings in a ${bench_budget}s budget"
+    members=$(grep -c '^bench_members,' "$csv")
+    if [ $rc -eq 0 ]; then
+      note bench PASS "$rows timings, $members of 8 members against one buffer, in a ${bench_budget}s budget"
     elif [ $rc -ne 125 ]; then note bench FAIL "rc $rc after $rows timings"; fi
   else
     note bench SKIP "budget: $(left)s of ${budget}s left"

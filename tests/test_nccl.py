@@ -710,6 +710,17 @@ IN_PROCESS = """
                             text)
         print("BUCKET", n, sorted(starts), check_start_done_pairs(text,
               "libra_allreduce_nccl_start", None), "concatenate" in text)
+        # The same bucket as one call: one libra_allreduce_nccl per dtype over its members.
+        def fused(a, b, c):
+            return tuple(ops.libra_bucket_p.bind(a, b, c, collective="psum", axes=("x",),
+                                                 blocks=2, invariant=False))
+        h = jax.jit(jax.shard_map(fused, mesh=mesh, in_specs=(P(),) * 3,
+                                  out_specs=(P(),) * 3, check_vma=False))
+        text = h.trace(*[jax.ShapeDtypeStruct(s, d) for s, d in shapes]).lower(
+            lowering_platforms=("cuda",)).as_text()
+        calls = re.findall(r"custom_call @libra_allreduce_nccl\\(([^)]*)\\)", text)
+        print("FUSED_BUCKET", n, sorted(len(c.split(", ")) for c in calls),
+              "concatenate" in text, "slice" in text)
 """
 
 
@@ -737,6 +748,8 @@ def test_nccl_path_in_one_process(stub_env, version, communicators):
         # A bucket's members of one dtype are one start (one NCCL group), each dtype its own:
         # 2 + token and 1 + token results; no packed copy.
         assert f"BUCKET {n} ['2', '3'] 2 False" in out, out
+        # One call per dtype over its members as they are (it was packed: concatenate, slice).
+        assert f"FUSED_BUCKET {n} [1, 2] False False" in out, out
 
 
 # The sharded pair lowered for cuda on LIBRA_JAX_CUDA=nccl: NCCL's reduce-scatter and
@@ -827,8 +840,9 @@ def test_sharded_pair_on_the_nccl_path(stub_env, version):
 
 
 # A reduce-scatter bucket (ops.libra_bucket_p of kind psum_scatter) lowered for cuda on
-# LIBRA_JAX_CUDA=nccl: one NCCL reduce-scatter per dtype NCCL sums, of the members packed as
-# one row of shards; a dtype it does not sum (int8) is XLA's, per member.
+# LIBRA_JAX_CUDA=nccl: one NCCL call per dtype NCCL sums, over the members as they are (each
+# its own row of shards, one NCCL group; they were packed into one row before); a dtype it
+# does not sum (int8) is XLA's, per member.
 FUSED_SHARDED_IN_PROCESS = """
     import os, re
     os.environ["LIBRA_JAX_CUDA"] = "nccl"
@@ -850,9 +864,9 @@ FUSED_SHARDED_IN_PROCESS = """
                                  sharding=jax.NamedSharding(mesh, P("x")))
         text = f.trace(v).lower(lowering_platforms=("cuda",)).as_text()
         calls = re.findall(r"custom_call @(libra_\\w+)\\(.*?ctas = (\\d+).*"
-                           r": \\(tensor<(\\w+)>\\) -> tensor<(\\w+)>", text)
+                           r": \\(([^)]*)\\) -> \\(?([^()]*?)\\)?$", text, re.M)
         print("FUSED", n, sorted(calls, key=lambda c: c[3]),
-              text.count("stablehlo.reduce_scatter"))
+              text.count("stablehlo.reduce_scatter"), "stablehlo.concatenate" in text)
 """
 
 
@@ -862,12 +876,12 @@ def test_reduce_scatter_bucket_on_the_nccl_path(stub_env):
         pytest.skip("libra_jax built without CUDA: the cuda lowering is XLA's")
     for n in (2, 8):
         line = next(l for l in out.splitlines() if l.startswith(f"FUSED {n} "))
-        # f32: rank r's shards of both members (3 * 4 + 2 elements) in one run of the row.
-        shards = {"f32": 3 * 4 + 2, "bf16": 3 * 4}
-        for dtype, count in shards.items():  # the row of n runs in, this rank's run out
-            assert f"'{n * count}x{dtype}', '{count}x{dtype}')" in line, line
+        # f32: both members in one call, each its row of n shards in, this rank's shard out.
+        assert (f"'tensor<{n * 12}xf32>, tensor<{n * 2}xf32>', 'tensor<12xf32>, tensor<2xf32>'"
+                in line), line
+        assert f"'tensor<{n * 12}xbf16>', 'tensor<12xbf16>'" in line, line
         assert line.count("libra_reduce_scatter_nccl") == 2 and "'6'" in line, line
-        assert line.endswith(" 1"), line  # int8: XLA's reduce-scatter
+        assert line.endswith(" 1 False"), line  # int8: XLA's reduce-scatter; no concatenate
 
 
 # The FSDP corpus steps (tests/corpus.py) under `optimize`, lowered for cuda on

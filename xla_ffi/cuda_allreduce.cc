@@ -395,20 +395,11 @@ auto BindP2PBuffers() {
 
 auto BindKernelCall() { return BindKernelAttrs(BindP2PBuffers()); }
 
-// The NCCL call's context and buffer (start adds its token result).
-auto BindKernelBuffers() {
-  return ffi::Ffi::Bind()
-      .Ctx<ffi::PlatformStream<cudaStream_t>>()
-      .Ctx<ffi::DeviceOrdinal>()
-      .Arg<ffi::AnyBuffer>()
-      .Ret<ffi::AnyBuffer>();
-}
-
-// The NCCL starts: the members' buffers (a start/done bucket's of one dtype; one for the
-// sharded kinds), then any number of values start must not run before (read by nothing: XLA
-// orders by data only; an all-gather issued ahead waits so for the gather before it); the
-// members' results and a token. The results say how many members there are.
-auto BindNcclStartBuffers() {
+// The NCCL calls' context and buffers: the members' (a bucket's of one dtype, or one), then,
+// for a start, any number of values it must not run before (read by nothing: XLA orders by
+// data only; an all-gather issued ahead waits so for the gather before it); the members'
+// results, and a start's token. The results say how many members there are.
+auto BindNcclBuffers() {
   return ffi::Ffi::Bind()
       .Ctx<ffi::PlatformStream<cudaStream_t>>()
       .Ctx<ffi::DeviceOrdinal>()
@@ -602,13 +593,28 @@ ffi::Error InitializeNcclStart(int32_t device, ffi::RemainingArgs args, ffi::Rem
   return InitializeNccl(device, args, rets, comm_ids, ranks, nranks, ctas, timeout_ms);
 }
 
+// The one-call form: the members (a bucket's, each as NCCL takes it: an all-reduce's buffer,
+// a sharded kind's row of shards) and their results, as one NCCL group.
 template <libra::Collective kKind>
-ffi::Error ExecuteNccl(cudaStream_t stream, int32_t device, ffi::AnyBuffer x,
-                       ffi::Result<ffi::AnyBuffer> out, ffi::Span<const int64_t> comm_ids,
+ffi::Error ExecuteNccl(cudaStream_t stream, int32_t device, ffi::RemainingArgs args,
+                       ffi::RemainingRets rets, ffi::Span<const int64_t> comm_ids,
                        ffi::Span<const int32_t> ranks, int64_t nranks, int64_t ctas,
                        int64_t timeout_ms) {
-  const NcclCall call{device, x, *out, comm_ids, ranks, nranks, ctas, timeout_ms, kKind};
-  return IssueNccl(call, [&](auto issue) { return Side().Call(device, stream, issue); });
+  if (rets.size() < 1 || args.size() < rets.size()) {
+    return ffi::Error::InvalidArgument(std::string("libra_jax NCCL ") + libra::Name(kKind) +
+                                       ": one operand and one result per member");
+  }
+  std::vector<NcclCall> calls;
+  for (std::size_t i = 0; i < rets.size(); ++i) {
+    ffi::ErrorOr<ffi::AnyBuffer> x = args.get<ffi::AnyBuffer>(i);
+    if (!x.has_value()) return x.error();
+    ffi::ErrorOr<ffi::Result<ffi::AnyBuffer>> out = rets.get<ffi::AnyBuffer>(i);
+    if (!out.has_value()) return out.error();
+    calls.push_back({device, *x, **out, comm_ids, ranks, nranks, ctas, timeout_ms, kKind});
+  }
+  const std::vector<NcclCall> more(calls.begin() + 1, calls.end());
+  return IssueNccl(
+      calls.front(), [&](auto issue) { return Side().Call(device, stream, issue); }, more);
 }
 
 // Start: the all-reduce in place (out aliases x), the reduce-scatter and the all-gather in
@@ -662,11 +668,11 @@ auto BindNcclAttrs(Binding binding) {
 // Not command-buffer compatible (see the top of this file).
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCudaAllReduce, Execute, BindKernelCall());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kNcclAllReduce, ExecuteNccl<libra::Collective::kAllReduce>,
-                              BindNcclAttrs(BindKernelBuffers()));
+                              BindNcclAttrs(BindNcclBuffers()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kNcclReduceScatter, ExecuteNccl<libra::Collective::kReduceScatter>,
-                              BindNcclAttrs(BindKernelBuffers()));
+                              BindNcclAttrs(BindNcclBuffers()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kNcclAllGather, ExecuteNccl<libra::Collective::kAllGather>,
-                              BindNcclAttrs(BindKernelBuffers()));
+                              BindNcclAttrs(BindNcclBuffers()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kNcclAllReduceInitialize, InitializeNccl,
                               BindNcclAttrs(ffi::Ffi::BindInitialize()
                                                 .Ctx<ffi::DeviceOrdinal>()
@@ -674,13 +680,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kNcclAllReduceInitialize, InitializeNccl,
                                                 .RemainingRets()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kNcclAllReduceStart,
                               ExecuteNcclStart<libra::Collective::kAllReduce>,
-                              BindNcclAttrs(BindNcclStartBuffers()).Attr<int64_t>("call_id"));
+                              BindNcclAttrs(BindNcclBuffers()).Attr<int64_t>("call_id"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kNcclReduceScatterStart,
                               ExecuteNcclStart<libra::Collective::kReduceScatter>,
-                              BindNcclAttrs(BindNcclStartBuffers()).Attr<int64_t>("call_id"));
+                              BindNcclAttrs(BindNcclBuffers()).Attr<int64_t>("call_id"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kNcclAllGatherStart,
                               ExecuteNcclStart<libra::Collective::kAllGather>,
-                              BindNcclAttrs(BindNcclStartBuffers()).Attr<int64_t>("call_id"));
+                              BindNcclAttrs(BindNcclBuffers()).Attr<int64_t>("call_id"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kNcclAllReduceStartInitialize, InitializeNcclStart,
                               BindNcclAttrs(ffi::Ffi::BindInitialize()
                                                 .Ctx<ffi::DeviceOrdinal>()

@@ -430,36 +430,63 @@ def _gpu_emit(ctx: Any, call: Call) -> tuple[Callable[[Any], Sequence[Any]] | No
     target = _ffi.target(call.row.kind, engine)
     if engine == "cuda":
         return (lambda x: _kernel_members_call(ctx, target, attrs, call.inplace, [x])), ""
-    aliases = {0: 0} if call.inplace else {}
-    if call.row.layout == "replicated":  # any shape, dtype and length NCCL takes
-        return (lambda x: jax.ffi.ffi_lowering(target, operand_output_aliases=aliases)(
-            ctx, x, **attrs)), ""
-    gathers = call.row.gathers
-
-    def nccl(x: Any) -> Sequence[Any]:
-        flat, flat_in = to_row_of_shards(ctx, x, gathers, call.dimension, call.tiled)
-        flat_out = flat_in.update(shape=(math.prod(out_aval.shape),))
-        result, = _compat.ir_values(jax.ffi.ffi_lowering(target)(
-            ctx.replace(primitive=None, avals_in=[flat_in], avals_out=[flat_out]), flat,
-            **attrs))
-        return from_row_of_shards(ctx, result, flat_out, out_aval, gathers, call.dimension,
-                                  call.tiled)
-    return nccl, ""
+    return (lambda x: _nccl_members_call(ctx, call, target, attrs, [x])), ""
 
 
 def _gpu_members_emit(ctx: Any, call: Call) -> Callable[..., Sequence[Any]] | None:
-    """`members_call` on CUDA: where `gpu_call` chooses libra's P2P kernels for the members
-    at `ctx` (one dtype), their one call (`_kernel_members_call`); None elsewhere (NCCL, XLA's
-    collective: the bucket is packed)."""
+    """`members_call` on CUDA: the one call `gpu_call` chooses for the members at `ctx` (one
+    dtype), over them as they are: libra's P2P kernels (`_kernel_members_call`) or NCCL
+    (`_nccl_members_call`); None where XLA's collective does it (the bucket is packed, and
+    the rule's notice says why)."""
     live = [i for i, a in enumerate(ctx.avals_in) if math.prod(a.shape)]
     if not live:
         return None
     engine, attrs, _ = gpu_call(ctx.replace(avals_in=[ctx.avals_in[i] for i in live]), call)
-    if engine != "cuda":
+    if not engine:
         return None
     _ffi.ensure_cuda_registered()
     target = _ffi.target(call.row.kind, engine)
+    if engine == "nccl":
+        return lambda *xs: _nccl_members_call(ctx, call, target, attrs, list(xs))
     return lambda *xs: _kernel_members_call(ctx, target, attrs, call.inplace, list(xs))
+
+
+def _nccl_members_call(ctx: Any, call: Call, target: str, attrs: dict, xs: Sequence[Any]
+                       ) -> list[Any]:
+    """NCCL's call of the members `xs` (the operands at `ctx`, of one dtype) as they are: one
+    custom call whose operands and results are the members (the handler issues one NCCL call
+    per member as one NCCL group, with the call's CTA limit): an all-reduce's buffers in any
+    shape (each result aliased to its operand where `call.inplace`), a sharded kind's each as
+    its row of shards (`to_row_of_shards`: no copy where the dimension leads, as in a
+    bucket's); an empty member a constant."""
+    outs: list[Any] = [None] * len(xs)
+    live, operands, avals_in, avals_out = [], [], [], []
+    sharded = call.row.layout != "replicated"
+    for i, (a, o, x) in enumerate(zip(ctx.avals_in, ctx.avals_out, xs)):
+        if not math.prod(a.shape):
+            outs[i] = _compat.ir_constant(np.zeros(o.shape, o.dtype))
+            continue
+        live.append(i)
+        if sharded:
+            flat, flat_in = to_row_of_shards(ctx.replace(avals_in=[a], avals_out=[o]), x,
+                                             call.row.gathers, call.dimension, call.tiled)
+            operands.append(flat)
+            avals_in.append(flat_in)
+            avals_out.append(flat_in.update(shape=(math.prod(o.shape),)))
+        else:
+            operands.append(x)
+            avals_in.append(a)
+            avals_out.append(o)
+    aliases = {k: k for k in range(len(live))} if call.inplace else {}
+    results = _compat.ir_values(jax.ffi.ffi_lowering(target, operand_output_aliases=aliases)(
+        ctx.replace(primitive=None, avals_in=avals_in, avals_out=avals_out), *operands,
+        **attrs))
+    for k, (i, result) in enumerate(zip(live, results)):
+        if sharded:
+            result, = from_row_of_shards(ctx, result, avals_out[k], ctx.avals_out[i],
+                                         call.row.gathers, call.dimension, call.tiled)
+        outs[i] = result
+    return outs
 
 
 def _kernel_members_call(ctx: Any, target: str, attrs: dict, inplace: bool, xs: Sequence[Any]
