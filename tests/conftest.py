@@ -114,8 +114,8 @@ def check_start_done_pairs(text: str, start: str | tuple[str, ...], call: str | 
     """Asserts the structure of the CUDA start/done pairs in a lowered program's `text` (the
     fix of the stale-data defect: done(s, s) made XLA copy the in-flight buffer on its stream
     while the all-reduce could still write it): each `start` custom call (one target, or any
-    of several: the sharded pair's) over its members (one, or a bucket's of one dtype on
-    NCCL) works in place or on its own results (a start whose outputs alias its operands, the
+    of several: the sharded pair's) over its members (one, or a bucket's of one dtype)
+    works in place or on its own results (a start whose outputs alias its operands, the
     all-reduce's and the reduce-scatter's, says so); each ``libra_allreduce_cuda_done`` reads
     its own start's buffers, each aliased to its output, under the same call id, its own
     start's token and the latest start's; it is lowered with a side effect (XLA never removes
