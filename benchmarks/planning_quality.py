@@ -21,6 +21,10 @@ median over rounds given with a bootstrap 95% confidence interval. The goal (iss
 without copies"): Libra's plan not worse than the best arm beyond that interval on any example.
 
     python benchmarks/planning_quality.py [--rounds 12] [--steps 3] [--only NAME] [--out FILE]
+
+Plans are made with `optimize`'s default profile: the shipped `cpu-host`, or a host's own
+calibration where ``LIBRA_JAX_PROFILE_DIR`` (or the default profile directory) holds one
+(`libra-jax calibrate --out DIR/cpu.json`); the table's header names it.
 """
 from __future__ import annotations
 
@@ -132,12 +136,15 @@ def main() -> None:
                         + f"; the plan against plain {np.median(plan / base):.2f}.")
         print(verdicts[-1], flush=True)
     load_after = os.getloadavg()
-    text = (f"Command: `python benchmarks/planning_quality.py {' '.join(sys.argv[1:])}`\n\n"
+    env = os.environ.get("LIBRA_JAX_PROFILE_DIR")  # a calibrated profile: planned with it
+    text = (f"Command: `{f'LIBRA_JAX_PROFILE_DIR={env} ' if env else ''}python "
+            f"benchmarks/planning_quality.py {' '.join(sys.argv[1:])}`\n\n"
             f"Date: {datetime.date.today()}; jax {jax.__version__}; Python "
             f"{platform.python_version()}; {os.cpu_count()} CPU cores; 8 host devices; profile "
             f"`{model.default_profile('cpu')}`.\nLoad average (1/5/15 min) before: "
             f"{'/'.join(f'{x:.1f}' for x in load_before)}, after: "
-            f"{'/'.join(f'{x:.1f}' for x in load_after)} (other jobs shared the cores).\n"
+            f"{'/'.join(f'{x:.1f}' for x in load_after)} (the run's own 8 device threads "
+            "count in it).\n"
             f"{a.rounds} paired interleaved rounds of {a.steps} steps per arm after "
             f"{common.WARMUP} warm-up steps.\n\n"
             "`gradient calls`: the plan's gradient buckets (each one call or start/done).\n\n"
