@@ -23,7 +23,7 @@ LAYERS: dict[str, int] = {
                      "model.forms", "model.read", "model.derive", "zoo",
                      "gantt", "gpu_calibration", "calibrate.fit"], 1),
     **dict.fromkeys(["_compat", "_ffi", "_nccl", "_libra_ffi"], 2),
-    **dict.fromkeys(["ops", "ops.base", "ops.lowering", "ops.psum", "ops.fused",
+    **dict.fromkeys(["ops", "ops.base", "ops.lowering", "ops.packing", "ops.psum", "ops.fused",
                      "ops.start_done", "ops.sharded"], 3),
     **dict.fromkeys(["allreduce", "overlap", "data_parallel", "loss_inputs", "loops", "rewrite",
                      "rewrite.sites", "rewrite.costs", "rewrite.edits", "rewrite.report",

@@ -161,7 +161,7 @@ def test_start_and_done_pack_mixed_dtypes_with_padding():
     a = shard(rng.standard_normal((8, 5)).astype(np.float32), mesh, P("x"))
     b = shard(rng.standard_normal((8, 3)).astype(jnp.bfloat16), mesh, P("x"))
     avals = [jax.core.ShapedArray((1, 5), np.float32), jax.core.ShapedArray((1, 3), jnp.bfloat16)]
-    flat = ops.lowering.packed_avals(avals)
+    flat = ops.packing.packed_avals(avals)
     assert [(f.shape, f.dtype) for f in flat] == [((8,), np.float32), ((8,), jnp.bfloat16)]
 
     call_id = 12345

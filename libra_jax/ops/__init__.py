@@ -18,7 +18,9 @@ call where it serves, else XLA's with one notice); each has an XLA twin (`XLA_TW
   `libra_psum_start_p` / `libra_psum_done_p` and `libra_sharded_start_p` /
   `libra_sharded_done_p` bind it, for a release;
 - `sharded`: `libra_reduce_scatter_p` / `libra_all_gather_p`, the `psum_scatter` and the
-  `all_gather` `jax.lax` would bind, each other's transpose.
+  `all_gather` `jax.lax` would bind, each other's transpose;
+- `packing`: a bucket's members as one flat buffer and back, where the call it is lowered to
+  takes one (XLA's collective standing in; libra's calls take the members as they are).
 
 `jax.experimental.roofline` counts each as the all-reduce it is (`_compat.register_psum_rooflines`).
 """

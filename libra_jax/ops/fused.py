@@ -19,18 +19,18 @@ Every bucket lowers by one rule (`_bucket_rule`): per dtype, one call over the m
 where the platform's call takes several buffers (`lowering.members_call`: the CPU engine, and
 libra's P2P kernels on a GPU, each member read where XLA put it and its result written to its
 own output, no copy); elsewhere (NCCL's one-call form, XLA's collective) the operands flattened
-and concatenated (`lowering.pack`), that buffer's one collective by the platform's rule, and the
-result split back (`lowering.split`).
+and concatenated (`packing.pack`), that buffer's one collective by the platform's rule, and the
+result split back (`packing.split`).
 
 A reduce-scatter gives rank r the r-th of n equal runs of its buffer, so its bucket cannot
 concatenate the flattened members as the psum's does (rank r's run would hold whole members,
 not its shard of each). Its packing keeps each rank's shards contiguous instead
-(`lowering.pack` with ``rows=n``): each member, whose dimension 0 is n or a multiple of n, is
+(`packing.pack` with ``rows=n``): each member, whose dimension 0 is n or a multiple of n, is
 viewed as (n, size / n), row r rank r's shard; the members are concatenated along the second
 axis into (n, S); and that is flattened to n * S elements, rank r's shards of every member
 at [r * S, (r + 1) * S). One reduce-scatter of that row with segment S (the engine's
 [world][segment] layout; NCCL's row of shards) leaves rank r the (S,) run of its shards'
-sums, which is split into the members' results (`lowering.split`). No padding: the engine
+sums, which is split into the members' results (`packing.split`). No padding: the engine
 takes any S, and NCCL any count.
 
 Summation is elementwise in rank order either way, so every bucket's results are bitwise
@@ -42,7 +42,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 from libra_jax import _compat
-from libra_jax.ops import lowering
+from libra_jax.ops import lowering, packing
 from libra_jax.ops.base import OldName, Platform, Rule, register_op
 from libra_jax.ops.psum import allreduce_call, members_abstract_eval
 from libra_jax.ops.sharded import mirror_abstract_eval, mirror_reduce_scatter, sharded_call
@@ -52,13 +52,13 @@ __all__ = ["libra_bucket_p", "BUCKETS", "bucket_abstract_eval",
 
 
 def _bucket_rule(platform: Platform) -> Rule:
-    """A bucket's lowering on `platform`, for either kind: per dtype (`lowering.packed_layout`'s
-    groups), the members packed into one flat buffer (`lowering.pack`; with ``rows`` the group
+    """A bucket's lowering on `platform`, for either kind: per dtype (`packing.packed_layout`'s
+    groups), the members packed into one flat buffer (`packing.pack`; with ``rows`` the group
     size for a reduce-scatter, each rank's shards contiguous), that buffer's one collective by
     the platform's rule (`lowering.lower`: libra's call, or XLA's of the same buffer with the
     notice; quietly for the twin, so that the code around the collective is the same in both
     and the control differs from the optimized program in the collective alone), and its
-    result split into the members' (`lowering.split`). The kind's `Bucket.calls(params)`
+    result split into the members' (`packing.split`). The kind's `Bucket.calls(params)`
     gives the flat buffer's `lowering.Call`, its rows, and each member's call.
 
     Where the platform's call takes the members as they are (`lowering.members_call`: the CPU
@@ -69,7 +69,7 @@ def _bucket_rule(platform: Platform) -> Rule:
     def rule(ctx: Any, *xs: Any, collective: str, **params: Any) -> list[Any]:
         call, rows, member_call = BUCKETS[collective].calls(params)
         outs: list[Any] = [None] * len(xs)
-        for _, idx, count in lowering.packed_layout(ctx.avals_in, align_bytes=1):
+        for _, idx, count in packing.packed_layout(ctx.avals_in, align_bytes=1):
             members_ctx = ctx.replace(primitive=None, avals_in=[ctx.avals_in[i] for i in idx],
                                       avals_out=[ctx.avals_out[i] for i in idx])
             if platform == "xla":
@@ -95,12 +95,12 @@ def _bucket_rule(platform: Platform) -> Rule:
                         primitive=None, avals_in=[ctx.avals_in[i]],
                         avals_out=[ctx.avals_out[i]]), xs[i], member_call(i), platform)
                 continue
-            # One HLO concatenate (`lowering.pack`), not a chain of dynamic-update-slices:
+            # One HLO concatenate (`packing.pack`), not a chain of dynamic-update-slices:
             # XLA:CPU fuses it, with the reshapes around it, into one loop over the buffer;
             # the chain was measured slower.
-            packed = lowering.pack(ctx, xs, idx, count, rows=rows)
+            packed = packing.pack(ctx, xs, idx, count, rows=rows)
             result, = _compat.ir_values(lowering.lower(flat_ctx, packed, call, platform))
-            lowering.split(ctx, result, flat_out, ctx.avals_out, idx, outs)
+            packing.split(ctx, result, flat_out, ctx.avals_out, idx, outs)
         return outs
     return rule
 
@@ -143,7 +143,7 @@ def _reduce_scatter_abstract_eval(*avals: Any, axes: tuple, axis_size: int, tile
 
 def _reduce_scatter_bucket(params: dict[str, Any]) -> tuple[lowering.Call, int, Any]:
     """The packed row's reduce-scatter: along dimension 0, tiled, every rank's shards of every
-    member in one run (`lowering.pack` with ``rows``); each member's own, as it is."""
+    member in one run (`packing.pack` with ``rows``); each member's own, as it is."""
     axis_name, axis_size, blocks = params["axes"], params["axis_size"], params["blocks"]
 
     def member_call(i: int) -> lowering.Call:

@@ -65,7 +65,7 @@ import jax
 import numpy as np
 
 from libra_jax import _compat
-from libra_jax.ops import lowering
+from libra_jax.ops import lowering, packing
 from libra_jax.ops.base import OldName, Platform, Rule, register_op
 from libra_jax.ops.psum import allreduce_call, members_abstract_eval
 from libra_jax.ops.sharded import flat_call
@@ -135,7 +135,7 @@ def _groups(ctx: Any, avals_in: Sequence[Any], avals_out: Sequence[Any]
     operands and results are theirs (`lowering.pair_call` decides per group)."""
     return [(idx, ctx.replace(primitive=None, avals_in=[avals_in[i] for i in idx],
                               avals_out=[avals_out[i] for i in idx]))
-            for _, idx, _ in lowering.packed_layout(avals_in, align_bytes=1)]
+            for _, idx, _ in packing.packed_layout(avals_in, align_bytes=1)]
 
 
 def _started(pair: lowering.PairCall | None, j: int, idx: list[int], avals: Sequence[Any]
@@ -214,10 +214,10 @@ def _one_call(ctx: Any, xs: Sequence[Any], idx: Sequence[int], call: lowering.Ca
     count = sum(math.prod(ctx.avals_in[i].shape) for i in idx)
     flat = _compat.ShapedArray((count,), dtype)
     flat_ctx = ctx.replace(primitive=None, avals_in=[flat], avals_out=[flat])
-    result, = _compat.ir_values(lowering.lower(flat_ctx, lowering.pack(ctx, xs, idx, count),
+    result, = _compat.ir_values(lowering.lower(flat_ctx, packing.pack(ctx, xs, idx, count),
                                                call, platform))
     outs: list[Any] = [None] * len(ctx.avals_out)
-    lowering.split(ctx, result, flat, ctx.avals_out, idx, outs)
+    packing.split(ctx, result, flat, ctx.avals_out, idx, outs)
     return [outs[i] for i in idx]
 
 

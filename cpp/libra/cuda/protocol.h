@@ -239,7 +239,7 @@ RankCallOf<M> MakeRankCall(const TeamView& view, Algorithm algorithm, const Memb
   return a;
 }
 
-// A call of one buffer of `bytes` (a multiple of 16).
+// A call of one buffer of `bytes` (a multiple of 16, at most kMaxCallVectors vectors).
 inline RankCall MakeRankCall(const TeamView& view, Algorithm algorithm, std::size_t bytes,
                              int blocks, const void* input, void* output, uint64_t timeout_ns,
                              uint32_t signature) {
