@@ -34,14 +34,17 @@ import math
 import numbers
 import os
 import re
+import sys
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 
 __all__ = [
     "TIMEOUT_ENV", "DEFAULT_TIMEOUT_S", "MAX_TIMEOUT_S", "timeout_s", "timeout_ms", "kv_wait_ms",
     "kv_timeout_ms",
     "CUDA_PATH_ENV", "CUDA_PATHS", "cuda_path", "CUDA_ALGORITHM_ENV", "CUDA_ALGORITHMS",
-    "cuda_algorithm", "OVERLAP_ENV", "OVERLAP_MODES", "overlap_mode", "PREFETCH_ENV",
+    "cuda_algorithm", "bool_option", "choice_option", "OVERLAP_ENV", "OVERLAP_MODES",
+    "overlap_mode", "PREFETCH_ENV",
     "prefetch_mode", "PREFETCH_BYTES_ENV", "DEFAULT_PREFETCH_BYTES", "prefetch_bytes", "DISABLE_ENV",
     "optimize_disabled", "NO_PROFILE_BROADCAST_ENV", "profile_broadcast", "PROFILE_DIR_ENV",
     "calibrated_profile_dir", "NCCL_CTA_ENVS", "nccl_cta_overrides", "NCCL_LAUNCH_ORDER_ENV",
@@ -154,15 +157,35 @@ def cuda_algorithm() -> int:
     return CUDA_ALGORITHMS[raw]
 
 
+def bool_option(value: object, name: str, who: str = "libra_jax.optimize") -> bool:
+    """A boolean option (``fusion=``, ``enabled=``) as its type says: a Python or NumPy bool,
+    returned as a Python bool. Anything else, 0 and 1 included, is a one-line TypeError naming
+    the option and the value: ``bool("off")`` is True, so taking a string's truth would turn
+    an option on that the caller meant off; no test, doc or example passes 0 or 1."""
+    numpy = sys.modules.get("numpy")  # looked up, never imported (module docstring)
+    if isinstance(value, bool) or (numpy is not None and isinstance(value, numpy.bool_)):
+        return bool(value)
+    raise TypeError(f"{who}: {name} must be True or False (a bool), got {value!r} "
+                    f"({type(value).__name__})")
+
+
+def choice_option(value: object, choices: Sequence[str], name: str,
+                  who: str = "libra_jax.optimize") -> str:
+    """`value` if it is a string among `choices`. Anything else, a non-string included (None, a
+    bool, a number, an array), is a one-line ValueError naming the option, the choices and the
+    value; the string is checked first, so no value is compared with the choices elementwise."""
+    if isinstance(value, str) and value in choices:
+        return value
+    raise ValueError(f"{who}: {name} must be one of {', '.join(map(repr, choices))}, "
+                     f"got {value!r}")
+
+
 def overlap_mode(overlap: str | None, who: str = "libra_jax.optimize") -> str:
     """`overlap` if given, else `$LIBRA_JAX_OVERLAP`, else "auto"; ValueError naming the source
     for anything outside `OVERLAP_MODES`."""
     mode = (os.environ.get(OVERLAP_ENV, "").strip() or "auto") if overlap is None else overlap
-    if mode not in OVERLAP_MODES:
-        source = f"${OVERLAP_ENV}" if overlap is None else "overlap"
-        raise ValueError(f"{who}: {source} must be one of "
-                         f"{', '.join(map(repr, OVERLAP_MODES))}, got {mode!r}")
-    return mode
+    source = f"${OVERLAP_ENV}" if overlap is None else "overlap"
+    return choice_option(mode, OVERLAP_MODES, source, who)
 
 
 def prefetch_mode(prefetch: str | int | None, who: str = "libra_jax.optimize") -> str | int:
@@ -173,10 +196,8 @@ def prefetch_mode(prefetch: str | int | None, who: str = "libra_jax.optimize") -
                      else prefetch)
     if isinstance(value, str) and value.strip().isdigit():
         value = int(value)
-    if value == "off":
-        return 0
-    if value == "auto":
-        return "auto"
+    if isinstance(value, str) and value in ("off", "auto"):
+        return 0 if value == "off" else "auto"
     if _is_integer(value) and 0 <= value <= 64:  # type: ignore[operator]
         return int(value)  # type: ignore[call-overload]
     raise ValueError(f"{who}: {source} must be 'auto', 'off' or a number of all-gathers ahead "

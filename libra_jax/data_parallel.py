@@ -104,9 +104,10 @@ def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0,
         the batch: ``"auto"`` (default) averages float leaves over the axis and requires the
         others to be the same on every shard (an integer that differs is refused, naming this
         option); ``"sum"`` sums every leaf over the shards (a token count); ``"mean"``
-        averages every leaf (`jax.lax.pmean`, integer division for integers); ``None``
-        stacks them, one row per shard (`jax.lax.all_gather`: a leading axis of the shard
-        count).
+        averages every leaf as `jax.lax.pmean` does: an integer's mean is a float of the
+        default float dtype, no integer division (int32 counts summing to 37 over 8 shards:
+        float32 4.625); ``None`` stacks them, one row per shard (`jax.lax.all_gather`: a
+        leading axis of the shard count).
 
     Returns:
       A function of `fun`'s arguments returning ``(value, grads)`` (``((value, aux), grads)``

@@ -592,6 +592,32 @@ def test_bad_calls_say_what_is_wrong():
         jax.jit(route(counts, has_aux=True))(params, x, y)
 
 
+def test_aux_reduce_mean_of_an_integer_count_is_pmeans_float():
+    """``aux_reduce="mean"`` averages an integer aux leaf as `jax.lax.pmean` does: int32
+    counts summing to 37 over the 8 shards are float32 4.625 (the docstring said integer
+    division, 4); ``"sum"`` keeps the count's int32, 37."""
+    params, x, y = mlp_batch(9)
+    mesh = make_mesh()
+    flags = np.zeros(64, np.int32)
+    flags[np.random.default_rng(9).permutation(64)[:37]] = 1
+    flags = put(flags, mesh, P("data"))
+    per_shard = flags.reshape(8, 8).sum(axis=1)
+    assert int(per_shard.sum()) == 37 and len(set(per_shard.tolist())) > 1
+
+    def counted(p, x, y, flags):
+        return mlp_loss(p, x, y), {"n": jnp.sum(flags)}
+    (_, mean), _ = jax.jit(route(counted, has_aux=True, aux_reduce="mean"))(params, x, y, flags)
+    (_, total), _ = jax.jit(route(counted, has_aux=True, aux_reduce="sum"))(params, x, y, flags)
+    pmean = jax.jit(jax.shard_map(lambda f: jax.lax.pmean(jnp.sum(f), "data"), mesh=mesh,
+                                  in_specs=P("data"), out_specs=P()))(flags)
+    assert mean["n"].dtype == pmean.dtype == jnp.float32 and mean["n"].shape == ()
+    assert float(mean["n"]) == float(pmean) == 4.625
+    assert total["n"].dtype == jnp.int32 and int(total["n"]) == 37
+    # The docstring states this value (its example is the one pinned here) and no division.
+    doc = " ".join(libra_jax.value_and_grad.__doc__.split())
+    assert "float32 4.625" in doc and "integer division for integers" not in doc
+
+
 def test_arguments_as_jax_value_and_grad_takes_them():
     # argnums as NumPy's integer or counted from the end, as JAX takes them: the same
     # gradients as argnums=0.

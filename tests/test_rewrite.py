@@ -624,6 +624,87 @@ def test_an_equinox_model_with_a_function_leaf_under_filter_jit():
     assert any(p.kind == "gradient" for p in opt.last_report.plans), opt.last_report.plan_lines()
 
 
+def _leaf_kinds(tree):
+    """Each leaf's type, and an array's dtype and weak type: what an outer transformation
+    made of it, compared between a step and its `optimize`d form."""
+    return [(type(x), getattr(x, "dtype", None), getattr(x, "weak_type", None))
+            for x in jax.tree.leaves(tree)]
+
+
+@pytest.mark.parametrize("wrap", ["eager", "jax.jit", "eqx.filter_jit", "nnx.jit"])
+def test_optimize_converts_no_output_leaf(wrap):
+    """A Python bool, int or float the step returns (a string and a function, where the
+    outer transformation allows them) leaves `optimize` as the step returned it, and the
+    outer transformation makes of it what it makes of the plain step's: `jax.jit` and
+    `nnx.jit` weak-typed arrays, `eqx.filter_jit` and an eager call the Python values.
+    optimize made every number an array, so `eqx.filter_jit` returned an Equinox model's
+    flag as one (issue 68)."""
+    eqx = pytest.importorskip("equinox")
+    from flax import nnx
+
+    mesh = mesh_of((8,), ("x",))
+    x = shard(np.arange(32, dtype=np.float32).reshape(8, 4), mesh, P("x"))
+
+    def step(x, extras):
+        total = jax.shard_map(lambda v: jax.lax.psum(v, "x"), mesh=mesh, in_specs=P("x"),
+                              out_specs=P())(x)
+        return {"sum": total, "flag": True, "count": 3, "rate": 0.5, **extras}
+
+    # jax.jit and nnx.jit return no string or function, of the plain step either.
+    extras = {"name": "mlp", "act": jax.nn.gelu} if wrap in ("eager", "eqx.filter_jit") else {}
+    outer = {"eager": lambda f: f, "jax.jit": jax.jit, "eqx.filter_jit": eqx.filter_jit,
+             "nnx.jit": nnx.jit}[wrap]
+    want, got = outer(step)(x, extras), outer(optimize(step))(x, extras)
+    assert _leaf_kinds(got) == _leaf_kinds(want)
+    assert len(_leaf_kinds(got)) == 4 + len(extras)
+    if wrap in ("eager", "eqx.filter_jit"):
+        assert got["flag"] is True and type(got["count"]) is int and got["rate"] == 0.5
+        assert got["act"] is jax.nn.gelu and got["name"] == "mlp"
+    jax.tree.map(assert_bitwise, eqx.filter(got, eqx.is_array), eqx.filter(want, eqx.is_array))
+
+
+def test_an_equinox_model_with_dropout_trains_steps_under_filter_jit():
+    """The README's Equinox pattern with an ``eqx.nn.Dropout(0.1, inference=True)`` in the
+    model: ``eqx.filter_jit(optimize(train_step))`` returns the model with ``inference``
+    the bool it was, as ``eqx.filter_jit(train_step)`` does, so its next step traces. It
+    came back an array, whose truth step 2 asked of a tracer (TracerBoolConversionError)."""
+    eqx = pytest.importorskip("equinox")
+
+    class Model(eqx.Module):
+        mlp: eqx.nn.MLP
+        dropout: eqx.nn.Dropout
+
+        def __call__(self, x):
+            return self.dropout(self.mlp(x))
+
+    mesh = mesh_of((8,), ("data",))
+    model = Model(eqx.nn.MLP(4, 1, 8, 1, activation=jax.nn.gelu, key=jax.random.key(0)),
+                  eqx.nn.Dropout(0.1, inference=True))
+
+    def train_step(model, x, y):
+        def local(x, y):
+            loss_fn = lambda m: jnp.mean((jax.vmap(m)(x) - y) ** 2)  # noqa: E731
+            loss, grads = eqx.filter_value_and_grad(loss_fn)(model)
+            return jax.lax.pmean(loss, "data"), jax.lax.pmean(grads, "data")
+        loss, grads = jax.shard_map(local, mesh=mesh, in_specs=(P("data"), P("data")),
+                                    out_specs=P(), check_vma=False)(x, y)
+        return eqx.apply_updates(model, jax.tree.map(lambda g: -0.1 * g, grads)), loss
+
+    x = shard(np.linspace(-1, 1, 256, dtype=np.float32).reshape(64, 4), mesh, P("data"))
+    y = shard(np.ones((64, 1), np.float32), mesh, P("data"))
+    plain, fast = eqx.filter_jit(train_step), eqx.filter_jit(optimize(train_step))
+    want, got = model, model
+    for _ in range(3):
+        want, want_loss = plain(want, x, y)
+        got, got_loss = fast(got, x, y)
+        assert _leaf_kinds(got) == _leaf_kinds(want)
+        assert got.dropout.inference is True and got.mlp.activation is jax.nn.gelu
+        np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
+    arrays = lambda t: eqx.filter(t, eqx.is_array)  # noqa: E731
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+                 arrays(got), arrays(want))
+
+
 def test_a_psum_of_a_constant_zero_costs_no_call():
     """The gradient of a float leaf no derivative reaches (Equinox's ``Dropout.p``) is a
     constant zero; each pmean of it was an all-reduce of its own. Folded, it is bitwise
@@ -836,6 +917,75 @@ def test_optimize_takes_a_profile_document_and_names_a_bad_profile_argument():
     with pytest.raises(TypeError, match=r"profile must be a profile name, a path, a "
                                         r"model.Profile or its JSON document \(a dict\), got int"):
         optimize(step, profile=3)
+
+
+#: Every option of `optimize` and `rewrite_jaxpr` typed bool, or a choice of strings, and the
+#: values of the bad ones each takes (`prefetch` takes "off" and numbers of gathers, `overlap`
+#: and `prefetch` None: the environment's default).
+BOOL_OPTIONS = ("fusion", "enabled")
+CHOICE_OPTIONS = {"overlap": (None,), "loops": (), "prefetch": (None, "off", 2, 0, 1), "ready": (),
+                  "collectives": ()}
+BAD_VALUES = ("off", "false", "no", "", 2, 0, 1, None, 1.0, True, np.array([True]))
+OF_REWRITE_JAXPR = ("fusion", "overlap", "loops", "prefetch", "ready")
+
+
+def _bad_option_cases():
+    for option in (*BOOL_OPTIONS, *CHOICE_OPTIONS):
+        allowed = CHOICE_OPTIONS.get(option, ())
+        for value in BAD_VALUES:
+            if option in BOOL_OPTIONS and value is True:
+                continue
+            if not any(value is a or (type(value) is type(a) and value == a) for a in allowed):
+                yield pytest.param(option, value, id=f"{option}={value!r}")
+
+
+@pytest.mark.parametrize("option, value", list(_bad_option_cases()))
+def test_options_take_what_their_type_says(option, value):
+    """A bool option takes a bool (Python's or NumPy's) and refuses anything else with a
+    one-line TypeError naming it and the value: ``fusion="off"`` was fusion on (``bool("off")``)
+    and 0/1 are no bools. A string option refuses a non-string and an unknown string with a
+    one-line ValueError naming it; both in the decorator form, where ``enabled=False``, and in
+    `rewrite_jaxpr` (whose fusion was not checked at all) and `explain`."""
+    error, says = ((TypeError, rf"{option} must be True or False \(a bool\), got ")
+                   if option in BOOL_OPTIONS else (ValueError, rf"{option} must be "))
+    calls = [lambda: optimize(lambda x: x, **{option: value}),
+             lambda: optimize(**{option: value})]
+    if option != "enabled":
+        calls.append(lambda: optimize(lambda x: x, enabled=False, **{option: value}))
+    if option in OF_REWRITE_JAXPR:
+        closed = jax.make_jaxpr(lambda x: x * 2)(np.ones(2, np.float32))
+        calls.append(lambda: rewrite_jaxpr(closed, **{option: value}))
+        calls.append(lambda: libra_jax.explain(lambda x: x * 2, np.ones(2, np.float32),
+                                               file=None, **{option: value}))
+    for call in calls:
+        with pytest.raises(error, match=f"^libra_jax.optimize: {says}") as info:
+            call()
+        assert "\n" not in str(info.value) and repr(value) in str(info.value)
+
+
+def test_numpy_bools_are_bools():
+    """``fusion=np.bool_(False)`` is fusion off, as ``fusion=False`` (the same plan, and one
+    program cached for both), and ``enabled=np.bool_(False)`` passes the step through."""
+    from libra_jax.rewrite.rewriter import Options
+
+    rng = np.random.default_rng(13)
+    params = init(rng, [16, 8, 8, 4])
+    step = data_parallel("check_vma", sgd_step(lambda p, x: jnp.sum(mlp(p, x) ** 2)))
+    x = inputs("check_vma", rng)
+    reports = {}
+    for fusion in (True, False, np.True_, np.False_):
+        opt = optimize(step, fusion=fusion, overlap="sync")
+        jax.make_jaxpr(opt)(params, x)
+        reports[fusion] = opt.last_report.plan_lines()
+    assert reports[np.False_] == reports[False] != reports[True] == reports[np.True_]
+    closed = jax.make_jaxpr(step)(params, x)
+    assert (rewrite_jaxpr(closed, fusion=np.False_, overlap="sync")[1].plan_lines()
+            == rewrite_jaxpr(closed, fusion=False, overlap="sync")[1].plan_lines())
+    assert Options(profile=None, fusion=np.False_, blocks=None).cache_key() == Options(
+        profile=None, fusion=False, blocks=None).cache_key()
+    assert type(Options(profile=None, fusion=np.True_, blocks=None).fusion) is bool
+    assert optimize(step, enabled=np.False_) is step
+    assert optimize(step, enabled=np.True_) is not step
 
 
 def test_the_default_profile_on_a_gpu_backend_is_the_gpu_one(monkeypatch):

@@ -83,10 +83,7 @@ LOOP_MODES = ("auto", "hoist", "in-loop")
 
 
 def _loop_mode(loops: str) -> str:
-    if loops not in LOOP_MODES:
-        raise ValueError(f"libra_jax.optimize: loops must be one of "
-                         f"{', '.join(map(repr, LOOP_MODES))}, got {loops!r}")
-    return loops
+    return config.choice_option(loops, LOOP_MODES, "loops")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,9 +98,10 @@ class Options:
     ready: str = "dataflow"         # `READY_MODES`
 
     def __post_init__(self) -> None:
-        if self.ready not in READY_MODES:
-            raise ValueError(f"libra_jax.optimize: ready must be one of "
-                             f"{', '.join(map(repr, READY_MODES))}, got {self.ready!r}")
+        # The options as their types say (`config`): a NumPy bool is kept as Python's, so
+        # that equal options share a cache key.
+        object.__setattr__(self, "fusion", config.bool_option(self.fusion, "fusion"))
+        config.choice_option(self.ready, READY_MODES, "ready")
         profile = self.profile  # checked when made; a JSON document is read now, once
         if isinstance(profile, collections.abc.Mapping):
             object.__setattr__(self, "profile", model.resolve_profile(profile))

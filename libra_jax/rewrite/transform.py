@@ -62,7 +62,9 @@ def optimize(fn: Callable[..., Any] | None = None, *, profile: Any = None, fusio
         built-in profile of the default backend (`allreduce.DEFAULT_PROFILES`). Under
         multi-process JAX every process plans with process 0's (`shared_profile`).
       fusion: fuse gradient psums into buckets (Libra's co-optimisation). False: one
-        all-reduce per psum, allocations still planned.
+        all-reduce per psum, allocations still planned. A bool (Python's or NumPy's), as
+        `enabled`: anything else, 0, 1 or a string such as "off" included, is a TypeError
+        naming the option (``bool("off")`` is True: a string would turn fusion on).
       blocks: fix every planned allocation to this block count and plan fusion only.
       overlap: "sync" issues each gradient all-reduce as one call (on CPU the engine's
         call is asynchronous already). "start-done" splits it into a start where the
@@ -106,7 +108,10 @@ def optimize(fn: Callable[..., Any] | None = None, *, profile: Any = None, fusio
         (buckets packed and split, start/done where they were) with XLA's all-reduce in
         each call's place: the control that isolates the engine from the rewrite (their
         results are compared bit for bit in tests/test_corpus.py). Not differentiable.
-      enabled: False returns `fn` unchanged (as does ``LIBRA_JAX_DISABLE=1``).
+      enabled: False returns `fn` unchanged (as does ``LIBRA_JAX_DISABLE=1``); a bool, as
+        `fusion`. The string options (`overlap`, `loops`, `prefetch`, `ready`,
+        `collectives`) take one of the strings listed (`prefetch` also its numbers); any
+        other value, a non-string included, is a ValueError naming the option.
 
     Returns:
       A function with `fn`'s signature and results. Its other arguments are handled as by
@@ -118,6 +123,18 @@ def optimize(fn: Callable[..., Any] | None = None, *, profile: Any = None, fusio
       `nnx.jit`, or wrapping an `nnx.jit`ted `fn`, likewise. ``wrapped.last_report`` holds
       the latest plan.
     """
+    # Every option is checked (`config`: one home for the checks), in the decorator form and
+    # where `enabled` is False too. The decorator's partial holds the options as given: a
+    # default from the environment is read again where it is applied.
+    enabled = config.bool_option(enabled, "enabled")
+    fusion = config.bool_option(fusion, "fusion")
+    if blocks is not None:
+        allreduce.check_blocks(blocks)
+    config.choice_option(collectives, COLLECTIVES, "collectives")
+    options = Options(profile=profile, fusion=fusion, blocks=blocks,
+                       overlap=config.overlap_mode(overlap), loops=_loop_mode(loops),
+                       prefetch=config.prefetch_mode(prefetch),
+                       prefetch_bytes=config.prefetch_bytes(prefetch_bytes), ready=ready)
     if fn is None:
         return functools.partial(optimize, profile=profile, fusion=fusion, blocks=blocks,
                                  overlap=overlap, loops=loops, prefetch=prefetch,
@@ -127,18 +144,9 @@ def optimize(fn: Callable[..., Any] | None = None, *, profile: Any = None, fusio
                                  enabled=enabled)
     if not callable(fn):
         raise TypeError(f"libra_jax.optimize: expected a function to optimize, got {fn!r}")
-    if blocks is not None:
-        allreduce.check_blocks(blocks)
-    if collectives not in COLLECTIVES:
-        raise ValueError(f"libra_jax.optimize: collectives must be one of "
-                         f"{', '.join(map(repr, COLLECTIVES))}, got {collectives!r}")
     statics = StaticArgs.of(fn, static_argnums, static_argnames)
     if not enabled:
         return fn
-    options = Options(profile=profile, fusion=bool(fusion), blocks=blocks,
-                       overlap=config.overlap_mode(overlap), loops=_loop_mode(loops),
-                       prefetch=config.prefetch_mode(prefetch),
-                       prefetch_bytes=config.prefetch_bytes(prefetch_bytes), ready=ready)
     cache: dict[Any, tuple[Callable[..., Any], Outputs, OptimizeReport]] = {}
 
     # Name, docstring and signature of `fn`, but not its attributes: a jitted or
@@ -290,9 +298,13 @@ def _arg_path(path: tuple) -> str:
 
 @dataclasses.dataclass
 class Outputs:
-    """A step's outputs split as its arguments are: the arrays leave the program; any other
-    leaf (a function in an Equinox model that `eqx.filter_jit` returns as it was) is kept
-    from the trace and put back. Python numbers are arrays here, as `jax.jit` returns them."""
+    """A step's outputs split into the arrays (jax or NumPy; tracers), which leave the program,
+    and every other leaf, kept from the trace and put back as the step returned it: a function
+    in an Equinox model, and a Python number or bool too (an `eqx.nn.Dropout`'s ``inference``
+    flag). `optimize` converts no output: the outer transformation decides, as it would for
+    the step itself (`jax.jit` returns a number as an array, `eqx.filter_jit` as it was; a
+    model whose flag came back an array would fail its next step under `eqx.filter_jit`). A
+    non-array leaf is no function of the traced arguments, so the trace's value is the value."""
 
     tree: Any = None
     static: dict[int, Any] = dataclasses.field(default_factory=dict)
@@ -301,7 +313,7 @@ class Outputs:
         """`call`, returning its array leaves only (recording the rest in `self`)."""
         def traced(*args: Any, **kwargs: Any) -> list[Any]:
             flat, self.tree = jax.tree.flatten(call(*args, **kwargs))
-            self.static = {i: x for i, x in enumerate(flat) if not _is_jax_value(x)}
+            self.static = {i: x for i, x in enumerate(flat) if not _is_array(x)}
             return [x for i, x in enumerate(flat) if i not in self.static]
         return traced
 
@@ -373,7 +385,8 @@ def rewrite_jaxpr(closed: Any, *, profile: Any = None, fusion: bool = True,
                   prefetch: str | int | None = None, prefetch_bytes: int | None = None,
                   ready: str = "dataflow", inputs: Sequence[Any] = ()
                   ) -> tuple[Any, OptimizeReport]:
-    """Rewrite `closed` (a ClosedJaxpr) as the module docstring states.
+    """Rewrite `closed` (a ClosedJaxpr) as the module docstring states. The options are
+    `optimize`'s, checked as it checks them (`fusion` a bool: a string is a TypeError).
 
     `inputs`: the values `closed` was traced from (arrays or tracers), where known. Only their
     shardings are read: a step with no psum whose inputs are sharded is a GSPMD step, and the
