@@ -152,6 +152,14 @@ def check_start_done_pairs(text: str, start: str | tuple[str, ...], call: str | 
         assert order.index(own) >= order.index(result), (buffers, token)
         assert after == f"%{latest}#{by_result[latest][0]}", (buffers, token, after)
     assert len({call_id for _, call_id in by_result.values()}) == len(starts)
+    # Every start's token is read: by its done, or by the next start of its equation (a
+    # bucket's dtypes, or its members on the P2P kernels), whose token then feeds the done.
+    # A start whose token nobody reads XLA deletes while its done stays (issue 68).
+    tokens_read = {token.lstrip("%").partition("#")[0] for operands, _, _ in dones
+                   for token in operands.split(", ")[-2:]}
+    for result, count, operands, _ in starts:
+        tokens_read.update(o.lstrip("%").partition("#")[0] for o in operands[count - 1:])
+    assert set(by_result) <= tokens_read, (set(by_result) - tokens_read, starts)
     for result, (members, _) in by_result.items():
         for i in range(members):  # read by done only
             assert len(re.findall(rf"%{result}#{i}\b", text)) == 1, (result, i)

@@ -710,6 +710,24 @@ IN_PROCESS = """
                             text)
         print("BUCKET", n, sorted(starts), check_start_done_pairs(text,
               "libra_allreduce_nccl_start", None), "concatenate" in text)
+        # With an empty member of a dtype of its own (issue 68): that group has no start (its
+        # result a constant); the other starts and their dones as before.
+        def with_empty(a, b, c, e):
+            avals = tuple(jax.typeof(v) for v in (a, b, c, e))
+            started = ops.libra_start_p.bind(a, b, c, e, collective="psum", axes=("x",),
+                                             blocks=2, invariant=False, call_id=78)
+            return tuple(ops.libra_done_p.bind(
+                *started, started[-1], collective="psum", out_avals=avals, axes=("x",),
+                blocks=2, call_id=78))
+        h = jax.jit(jax.shard_map(with_empty, mesh=mesh, in_specs=(P(),) * 4,
+                                  out_specs=(P(),) * 4, check_vma=False))
+        text = h.trace(*[jax.ShapeDtypeStruct(s, d) for s, d in
+                         shapes + [((0, 8), jax.numpy.bfloat16)]]).lower(
+            lowering_platforms=("cuda",)).as_text()
+        starts = re.findall(r"%\\S+:(\\d+) = stablehlo.custom_call @libra_allreduce_nccl_start",
+                            text)
+        print("EMPTY_GROUP", n, sorted(starts), check_start_done_pairs(text,
+              "libra_allreduce_nccl_start", None))
         # The same bucket as one call: one libra_allreduce_nccl per dtype over its members.
         def fused(a, b, c):
             return tuple(ops.libra_bucket_p.bind(a, b, c, collective="psum", axes=("x",),
@@ -748,6 +766,7 @@ def test_nccl_path_in_one_process(stub_env, version, communicators):
         # A bucket's members of one dtype are one start (one NCCL group), each dtype its own:
         # 2 + token and 1 + token results; no packed copy.
         assert f"BUCKET {n} ['2', '3'] 2 False" in out, out
+        assert f"EMPTY_GROUP {n} ['2', '3'] 2" in out, out  # no start for the empty bf16
         # One call per dtype over its members as they are (it was packed: concatenate, slice).
         assert f"FUSED_BUCKET {n} [1, 2] False False" in out, out
 

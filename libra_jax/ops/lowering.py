@@ -665,6 +665,13 @@ class PairCall(NamedTuple):
         lead, lead_avals = ([self.rank_group], [_RANK_AVAL]) if self.engine == "cpu" else ([], [])
         return ([*lead, *buffers, *after], [*lead_avals, *avals, *after_avals], len(lead))
 
+    def attrs_for(self, count: int) -> dict:
+        """The start's attributes for a call over `count` of the members `pair_call` saw
+        (the empty ones are not started): the CPU engine's name one segment per member."""
+        if "segments" not in self.attrs:
+            return dict(self.attrs)
+        return {**self.attrs, "segments": np.zeros(count, np.int64)}  # rows of shards
+
     def done_operands(self, buffers: Sequence[Any], avals: Sequence[Any], token: Any,
                       after: Sequence[Any], after_avals: Sequence[Any]) -> tuple[list, list, int]:
         """Done's operands and their types (its start's `buffers` and `token`, then `after`,

@@ -28,22 +28,25 @@ What runs in between is the compute the all-reduce overlaps. Per platform:
   (XLA's stream waits for the call's end event) and its outputs alias its operands, the
   members' buffers, so XLA keeps them alive and unread until done.
 * CPU: start is ``libra_allreduce_cpu_start``, one per dtype over its members: the device's
-  buffers join their round and the call returns at once, so nothing is pending in XLA's
-  program while the backward pass runs; the engine reduces when the last rank arrives. done
-  is ``libra_allreduce_cpu_done``: a future for the end of that round (usually over by then),
-  outputs aliased as on CUDA. (The one-call handler is asynchronous too, but its future
-  pending mid-program has a cost: `benchmarks/results/end_to_end.md`.)
+  buffers join their round; the call's future completes when the round ends (XLA runs what
+  does not read start's results meanwhile, and a failing execution does not end, nor free the
+  buffers, before the round has written them: docs/architecture.md, "Failed calls"); the
+  engine reduces when the last rank arrives. done is ``libra_allreduce_cpu_done``: a future
+  for the end of that round (usually over by then), outputs aliased as on CUDA.
 * A buffer the engine does not serve (CUDA: dtype, group size, groups across processes; CPU:
   groups across processes) is all-reduced in start by the platform's one-call lowering, and
   done passes it through; elsewhere (TPU...) the same with XLA's all-reduce.
 
-Start has one more result, a token (`TOKEN_AVAL`). Done reads its own start's buffers and
-token, then any tokens it must not run before, read by nothing (`optimize` passes the latest
-start's: XLA orders by data only, so this keeps every done after the last start), while the
-in-flight buffers have one reader, done, which XLA therefore never copies. A done is never dead
-code: lowered with a side effect, XLA keeps it, and JAX's dead-code elimination keeps it too,
-so a start always has its done. On a GPU, whether XLA's schedule keeps the
-kernel beside compute is what `benchmarks/gpu_check.sh` measures.
+Start has one more result, a token (`TOKEN_AVAL`). A bucket of several dtypes is one call per
+dtype; each call after the first reads the previous call's token (read by nothing: it orders
+them), and start's token is the last call's (a constant where every member is empty, none
+started). Done reads its own start's buffers and token, then any tokens it must not run
+before, read by nothing (`optimize` passes the latest start's: XLA orders by data only, so
+this keeps every done after the last start), while the in-flight buffers have one reader,
+done, which XLA therefore never copies. A done is never dead code: lowered with a side
+effect, XLA keeps it, and JAX's dead-code elimination keeps it too, so a start always has its
+done. On a GPU, whether XLA's schedule keeps the kernel beside compute is what
+`benchmarks/gpu_check.sh` measures.
 `call_id` ties a start to its done: the CPU engine keys a started call by (call id, run id,
 group, rank), a run id being unique per execution; the CUDA handlers key their events by
 (GPU, call id). `optimize` numbers a program's pairs from a fingerprint of the program's
@@ -51,7 +54,9 @@ structure, so a retrace yields the same program (JAX's compilation cache keeps w
 programs of another structure do not share ids. A GPU start whose id is still in flight (the
 same program dispatched from two threads at once) fails with an error rather than mixing the
 two; a pair inside a loop body is started and waited for in each iteration, in order. A start
-whose execution failed before its done leaves its entry behind, on either platform; a later
+whose execution failed before its done leaves its entry behind, on either platform (on CPU, a
+libra call that fails first waits for its run's started rounds still in flight; the CUDA
+handlers give no such guarantee); a later
 start drops it once its all-reduce has ended and its done has not come within the timeout
 (``_libra_ffi.cpu_pending_starts`` / ``cuda_pending_starts`` count the entries).
 """
@@ -138,24 +143,35 @@ def _groups(ctx: Any, avals_in: Sequence[Any], avals_out: Sequence[Any]
             for _, idx, _ in packing.packed_layout(avals_in, align_bytes=1)]
 
 
+def _nbytes(aval: Any) -> int:
+    return math.prod(aval.shape) * np.dtype(aval.dtype).itemsize
+
+
 def _started(pair: lowering.PairCall | None, j: int, idx: list[int], avals: Sequence[Any]
              ) -> list[tuple[int, list[int]]]:
     """The starts, each (its key's slot, its members), of the `j`-th dtype's members `idx`,
     start and done deciding alike: none where `pair` is None (all-reduced in start); else
-    one start over them all: on CPU the engine's, on NCCL one group of a call per member (the
-    same communicator and limit), with libra's P2P kernels one call over the members they take
-    as they are (a table of their pointers; a member that is not whole 16-byte vectors is
-    all-reduced in start, padded, and so is an empty one)."""
+    one start over the members that hold data: on CPU the engine's, on NCCL one group of a
+    call per member (the same communicator and limit), with libra's P2P kernels one call over
+    the members they take as they are (a table of their pointers; a member that is not whole
+    16-byte vectors is all-reduced in start, padded). An empty member is never started (its
+    result is a constant), so a group of empty members has no start and no done: a start
+    whose only in-flight buffers are empty has nothing XLA keeps alive, and XLA would delete
+    it as dead code while its done, a side effect, stays (a done without its start)."""
     if pair is None:
         return []
-    if pair.engine in ("cpu", "nccl"):
-        return [(j, idx)]
+    gpu_kernels = pair.engine not in ("cpu", "nccl")
 
     def takes(i: int) -> bool:
-        nbytes = math.prod(avals[i].shape) * np.dtype(avals[i].dtype).itemsize
-        return nbytes > 0 and nbytes % lowering.CUDA_VECTOR_BYTES == 0
+        nbytes = _nbytes(avals[i])
+        return nbytes > 0 and not (gpu_kernels and nbytes % lowering.CUDA_VECTOR_BYTES)
     members = [i for i in idx if takes(i)]
     return [(j, members)] if members else []
+
+
+def _empty(aval: Any) -> Any:
+    """The all-reduce of an empty member: itself, a constant (as the one-call path has it)."""
+    return _compat.ir_constant(np.zeros(aval.shape, aval.dtype))
 
 
 # --- start ----------------------------------------------------------------------
@@ -173,14 +189,19 @@ def _psum_start_rule(platform: Platform) -> Rule:
         _check_paired(collective, call_id)
         call = allreduce_call(axes, blocks, invariant, inplace=True)
         outs: list[Any] = [None] * len(xs)
-        token = None  # the last split call's; a constant where start reduced in one call
+        # Start's token is its last call's; each call reads the one before's (read by
+        # nothing), so every call started feeds the token each done reads: XLA deletes no
+        # call, and no done runs before every call of its equation has started.
+        token = _compat.ir_constant(np.zeros(TOKEN_AVAL.shape, TOKEN_AVAL.dtype))
+        started = False
         for j, (idx, group) in enumerate(_groups(ctx, ctx.avals_in, ctx.avals_out)):
             pair = lowering.pair_call(group, call, platform)
             for slot, members in _started(pair, j, idx, ctx.avals_in):
                 # One start over the members where they are, in place.
                 assert pair is not None
+                before = ([token], [TOKEN_AVAL]) if started else ([], [])
                 operands, avals, at = pair.start_operands(
-                    [xs[i] for i in members], [ctx.avals_in[i] for i in members], [], [])
+                    [xs[i] for i in members], [ctx.avals_in[i] for i in members], *before)
                 aliases = {at + k: k for k in range(len(members))}
                 start = (lowering.engine_lowering(pair.start, aliases)
                          if pair.engine == "cpu" else
@@ -188,15 +209,17 @@ def _psum_start_rule(platform: Platform) -> Rule:
                 *results, token = _compat.ir_values(start(ctx.replace(
                     primitive=None, avals_in=avals,
                     avals_out=[*(ctx.avals_out[i] for i in members), TOKEN_AVAL]),
-                    *operands, call_id=_key(call_id, slot), **pair.attrs))
+                    *operands, call_id=_key(call_id, slot), **pair.attrs_for(len(members))))
+                started = True
                 for i, result in zip(members, results):
                     outs[i] = result
+            for i in idx:
+                if outs[i] is None and _nbytes(ctx.avals_in[i]) == 0:
+                    outs[i] = _empty(ctx.avals_out[i])
             rest = [i for i in idx if outs[i] is None]  # all-reduced now, in start
             if rest:
                 for i, result in zip(rest, _one_call(ctx, xs, rest, call, platform)):
                     outs[i] = result
-        if token is None:
-            token = _compat.ir_constant(np.zeros(TOKEN_AVAL.shape, TOKEN_AVAL.dtype))
         return [*outs, token]
     return rule
 
