@@ -11,10 +11,13 @@
 // independent all-reduces).
 #include "xla_ffi/handlers.h"
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <functional>
 #include <iterator>
 #include <map>
 #include <memory>
@@ -52,13 +55,6 @@ ffi::ErrorOr<std::unique_ptr<CpuAllReduceSite>> InstantiateStart(
     std::string_view label, int64_t world, int64_t blocks, int64_t timeout_ms,
     ffi::Span<const int64_t> segments, int64_t /*call_id*/) {
   return Instantiate(label, world, blocks, timeout_ms, segments);
-}
-
-ffi::Future Failed(ffi::Error error) {
-  ffi::Promise promise;
-  ffi::Future future(promise);
-  promise.SetError(std::move(error));
-  return future;
 }
 
 ffi::Error InvalidCall(libra::Collective kind, const std::string& message) {
@@ -164,76 +160,39 @@ ffi::ErrorOr<CallBuffers> Members(libra::Collective kind, const ffi::RemainingAr
   return call;
 }
 
-ffi::Future Completed(const libra::Status& status) {
-  ffi::Promise promise;
-  ffi::Future future(promise);
-  if (status.ok()) {
-    promise.SetAvailable();
-  } else {
-    promise.SetError(ToFfiError(status));
-  }
-  return future;
-}
-
-// One call of kind kKind over a bucket's members where XLA keeps them: operand i is member i's
-// input, result i its output (aliased to the operand where the all-reduce is in place). The
-// device's buffers join the site's round, one pointer per member; the future completes when
-// the engine has written every output of the round (or fails with its error).
-template <libra::Collective kKind>
-ffi::Future Execute(ffi::RunId run_id, CpuAllReduceSite* site, ffi::Buffer<ffi::S32> rank_group,
-                    ffi::RemainingArgs args, ffi::RemainingRets rets, std::string_view /*label*/,
-                    int64_t world, int64_t blocks, int64_t timeout_ms,
-                    ffi::Span<const int64_t> segments) {
-  if (site == nullptr) return Failed(InvalidCall(kKind, "no call-site state"));
-  if (args.size() != rets.size()) {
-    return Failed(InvalidCall(kKind, "as many results as operands: one of each per member"));
-  }
-  ffi::ErrorOr<CallBuffers> call = Members(kKind, args, rets, args.size());
-  if (!call.has_value()) return Failed(call.error());
-  ffi::ErrorOr<libra::CallSpec> spec =
-      MakeCallSpec(kKind, run_id, call->members, segments, rank_group, world, blocks, timeout_ms);
-  if (!spec.has_value()) return Failed(spec.error());
-  std::vector<const void*> inputs;
-  std::vector<void*> outputs;
-  for (std::size_t i = 0; i < call->in.size(); ++i) {
-    inputs.push_back(call->in[i].untyped_data());
-    outputs.push_back(call->out[i]->untyped_data());
-  }
-  // reduce_on_caller stays off: the chunk would hold this XLA thread, which otherwise runs
-  // the step's independent compute while the pool reduces. Measured on the MLP example's
-  // optimized step (benchmarks/end_to_end.py --only mlp, 3 paired runs, 2-core VM): 0.90-1.00x
-  // plain with it, 0.81-0.93x without; it gains only in an isolated psum (1 MiB: 0.67 against
-  // 0.82 ms).
-  ffi::Promise promise;
-  ffi::Future future(promise);
-  site->rendezvous.Arrive(*spec, std::move(inputs), std::move(outputs),
-                          [promise](const libra::Status& status) mutable {
-                            if (status.ok()) {
-                              promise.SetAvailable();
-                            } else {
-                              promise.SetError(ToFfiError(status));
-                            }
-                          });
-  return future;
-}
-
-// --- Start/done (libra_jax.ops.start_done) ------------------------------------------
-//
-// start registers the device's buffer with its round and returns at once, so
-// XLA's program goes on with nothing pending; the reduction runs when the last
-// rank arrives. done, which the rewrite places after the backward pass, returns
-// a future for the end of that round. start's output aliases its input (the
-// packed bucket, reduced in place) and done's aliases that, so XLA keeps the
-// buffer alive, and neither reads nor reuses it, until done. start also writes
-// a token, which its done reads (then the latest start's): they order done by
-// data. done has a side effect, so XLA never removes it (libra_jax.ops.start_done).
-
+// A started call (a start's round), from its start to the end of its round.
+using RoundWaiter = std::function<void(const libra::Status&)>;
 struct InFlight {
   std::mutex mu;
   bool finished = false;
   std::chrono::steady_clock::time_point finished_at;
   libra::Status status;
-  std::vector<ffi::Promise> waiters;
+  std::vector<RoundWaiter> waiters;  // run, outside `mu`, with the round's status at its end
+
+  // Runs `waiter` at the end of the round: now (on this thread) if it is over.
+  void OnEnd(RoundWaiter waiter) {
+    std::unique_lock<std::mutex> lock(mu);
+    if (!finished) {
+      waiters.push_back(std::move(waiter));
+      return;
+    }
+    const libra::Status ended = status;
+    lock.unlock();
+    waiter(ended);
+  }
+
+  // The round's callback: records its end, then tells the waiters.
+  void End(const libra::Status& ended) {
+    std::vector<RoundWaiter> told;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      finished = true;
+      finished_at = std::chrono::steady_clock::now();
+      status = ended;
+      told.swap(waiters);
+    }
+    for (RoundWaiter& waiter : told) waiter(ended);
+  }
 };
 
 // Started calls by (call id, run, group, rank), oldest first.
@@ -259,6 +218,23 @@ class InFlightCalls {
     std::size_t n = 0;
     for (const auto& [key, calls] : calls_) n += calls.size();
     return n;
+  }
+
+  // The started calls of run `run_id` (every device's) whose done has not come and whose
+  // round has not ended: the rounds whose engine workers may still write a buffer of
+  // that execution that XLA would free if the execution ended now.
+  std::vector<std::shared_ptr<InFlight>> Unfinished(int64_t run_id) {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<std::shared_ptr<InFlight>> unfinished;
+    // Keys sort by call id first: every entry is looked at (a handful in flight).
+    for (const auto& [key, calls] : calls_) {
+      if (std::get<1>(key) != run_id) continue;
+      for (const std::shared_ptr<InFlight>& call : calls) {
+        std::lock_guard<std::mutex> call_lock(call->mu);
+        if (!call->finished) unfinished.push_back(call);
+      }
+    }
+    return unfinished;
   }
 
   std::shared_ptr<InFlight> Pop(const Key& key) {
@@ -305,35 +281,156 @@ class InFlightCalls {
   std::map<Key, std::deque<std::shared_ptr<InFlight>>> calls_;
 };
 
-// Joins `spec`'s round with `inputs` and `outputs` and returns at once; the round's end is
-// recorded under (call id, run, group, rank) for done. `token` is zeroed: it only orders done
-// after this start (by data).
+
+// --- A failed call waits for its run's rounds in flight ---------------------------------
+//
+// A CPU start returns before its round has written the device's buffers (StartCall). When an
+// execution fails between a start and its done, XLA ends the execution and frees its buffers
+// as soon as no thunk of it is pending, while the engine's workers may still write the
+// started round's buffers: heap corruption (issue 68: SIGSEGV, "malloc_consolidate():
+// unaligned fastbin chunk detected"). So a libra call that fails (a done without its start,
+// a round that timed out or was mismatched, bad arguments) does not complete its future with
+// the error at once: it completes it once every started call of the same run (any device of
+// the execution: a run id is shared by them all) whose done has not come has ended its round,
+// by success or by the engine's timeout (engine.cc: a round with absent ranks is aborted at
+// its deadline and no worker ever touches its buffers; a complete round's callbacks run after
+// its last piece is written). Nothing blocks: the error is chained onto those rounds' ends.
+// A wait is bounded by the timeout (a round in flight ends by then), and costs nothing on
+// the success path.
+//
+// A failure outside libra between a start and its done (a callback raising, another custom
+// call's error) is covered by the start's future itself: it stays pending until its round ends
+// (StartCall), and XLA's executor does not end a failing execution while a thunk of it is
+// pending.
+
+// Completes `promise` with `error`: at once if it is a success or no started call of `run_id`
+// is in flight, else once they have all ended (whatever their own status).
+void CompleteAfterRounds(int64_t run_id, ffi::Promise promise, ffi::Error error) {
+  if (error.success()) {
+    promise.SetAvailable();
+    return;
+  }
+  struct Pending {
+    std::atomic<std::size_t> left{1};  // the rounds not ended, + 1 while they are chained
+    ffi::Promise promise;
+    ffi::Error error;
+    void Release() {
+      if (left.fetch_sub(1, std::memory_order_acq_rel) == 1) promise.SetError(std::move(error));
+    }
+  };
+  auto pending = std::make_shared<Pending>();
+  pending->promise = std::move(promise);
+  pending->error = std::move(error);
+  std::vector<std::shared_ptr<InFlight>> unfinished = InFlightCalls::Get().Unfinished(run_id);
+  if (!unfinished.empty() && libra::DebugLoggingEnabled()) {
+    std::fprintf(stderr,
+                 "libra_jax: a failed call of run %lld waits for %zu started round(s) of its "
+                 "run still in flight before it reports its error\n",
+                 static_cast<long long>(run_id), unfinished.size());
+  }
+  pending->left.fetch_add(unfinished.size(), std::memory_order_relaxed);
+  for (const std::shared_ptr<InFlight>& call : unfinished) {
+    call->OnEnd([pending](const libra::Status&) { pending->Release(); });
+  }
+  pending->Release();
+}
+
+ffi::Future FailAfterRounds(ffi::RunId run_id, ffi::Error error) {
+  ffi::Promise promise;
+  ffi::Future future(promise);
+  CompleteAfterRounds(run_id.run_id, std::move(promise), std::move(error));
+  return future;
+}
+
+// One call of kind kKind over a bucket's members where XLA keeps them: operand i is member i's
+// input, result i its output (aliased to the operand where the all-reduce is in place). The
+// device's buffers join the site's round, one pointer per member; the future completes when
+// the engine has written every output of the round (or fails with its error).
+template <libra::Collective kKind>
+ffi::Future Execute(ffi::RunId run_id, CpuAllReduceSite* site, ffi::Buffer<ffi::S32> rank_group,
+                    ffi::RemainingArgs args, ffi::RemainingRets rets, std::string_view /*label*/,
+                    int64_t world, int64_t blocks, int64_t timeout_ms,
+                    ffi::Span<const int64_t> segments) {
+  if (site == nullptr) return FailAfterRounds(run_id, InvalidCall(kKind, "no call-site state"));
+  if (args.size() != rets.size()) {
+    return FailAfterRounds(run_id, InvalidCall(kKind, "as many results as operands: one of each per member"));
+  }
+  ffi::ErrorOr<CallBuffers> call = Members(kKind, args, rets, args.size());
+  if (!call.has_value()) return FailAfterRounds(run_id, call.error());
+  ffi::ErrorOr<libra::CallSpec> spec =
+      MakeCallSpec(kKind, run_id, call->members, segments, rank_group, world, blocks, timeout_ms);
+  if (!spec.has_value()) return FailAfterRounds(run_id, spec.error());
+  std::vector<const void*> inputs;
+  std::vector<void*> outputs;
+  for (std::size_t i = 0; i < call->in.size(); ++i) {
+    inputs.push_back(call->in[i].untyped_data());
+    outputs.push_back(call->out[i]->untyped_data());
+  }
+  // reduce_on_caller stays off: the chunk would hold this XLA thread, which otherwise runs
+  // the step's independent compute while the pool reduces. Measured on the MLP example's
+  // optimized step (benchmarks/end_to_end.py --only mlp, 3 paired runs, 2-core VM): 0.90-1.00x
+  // plain with it, 0.81-0.93x without; it gains only in an isolated psum (1 MiB: 0.67 against
+  // 0.82 ms).
+  ffi::Promise promise;
+  ffi::Future future(promise);
+  site->rendezvous.Arrive(*spec, std::move(inputs), std::move(outputs),
+                          [promise, run = run_id.run_id](const libra::Status& status) mutable {
+                            // A timeout or a mismatch: the run's started rounds end first.
+                            CompleteAfterRounds(run, std::move(promise), ToFfiError(status));
+                          });
+  return future;
+}
+
+// --- Start/done (libra_jax.ops.start_done) ------------------------------------------
+//
+// start registers the device's buffer with its round and returns without blocking:
+// its future completes when the round ends, and XLA's program goes on meanwhile with
+// everything that does not read start's results; the reduction runs when the last
+// rank arrives. done, which the rewrite places after the backward pass, returns
+// a future for the end of that round (a failed call's, "A failed call waits" above). start's output aliases its input (the
+// packed bucket, reduced in place) and done's aliases that, so XLA keeps the
+// buffer alive, and neither reads nor reuses it, until done. start also writes
+// a token, which its done reads (then the latest start's): they order done by
+// data. done has a side effect, so XLA never removes it (libra_jax.ops.start_done).
+
+// Whether a CPU start's future stays pending until its round ends (the default) rather than
+// completing at once. LIBRA_JAX_CPU_START_RETURNS=1 (read once) restores the old behaviour,
+// for measuring what the wait costs (docs/architecture.md, "Failed calls"); it gives up the
+// guarantee for failures outside libra between a start and its done.
+bool StartWaitsForRound() {
+  static const bool waits = [] {
+    const char* raw = std::getenv("LIBRA_JAX_CPU_START_RETURNS");
+    return raw == nullptr || std::string_view(raw) != "1";
+  }();
+  return waits;
+}
+
+// Joins `spec`'s round with `inputs` and `outputs`; the round's end is recorded under
+// (call id, run, group, rank) for done. The returned future completes when the round ends:
+// XLA goes on meanwhile with whatever does not read start's results (the backward pass; done
+// reads them), and an execution that fails in between (a callback raising) is not ended, nor
+// its buffers freed, while a worker may still write them. `token` is zeroed: it only orders
+// done after this start (by data).
 ffi::Future StartCall(CpuAllReduceSite* site, const libra::CallSpec& spec,
                       std::vector<const void*> inputs, std::vector<void*> outputs,
                       ffi::Result<ffi::Buffer<ffi::S32>>& token, int64_t timeout_ms,
                       int64_t call_id) {
   for (std::size_t i = 0; i < token->element_count(); ++i) token->typed_data()[i] = 0;
   auto call = std::make_shared<InFlight>();
+  ffi::Promise promise;
+  ffi::Future future(promise);
+  if (StartWaitsForRound()) {
+    // Nobody else holds `call` yet: the first waiter, told before done's.
+    call->waiters.push_back([promise, run = spec.run_id](const libra::Status& status) mutable {
+      CompleteAfterRounds(run, std::move(promise), ToFfiError(status));
+    });
+  } else {
+    promise.SetAvailable();
+  }
   InFlightCalls::Get().Push({call_id, spec.run_id, spec.group, spec.rank}, call, timeout_ms);
   site->rendezvous.Arrive(spec, std::move(inputs), std::move(outputs),
-                          [call](const libra::Status& status) {
-                            std::vector<ffi::Promise> waiters;
-                            {
-                              std::lock_guard<std::mutex> lock(call->mu);
-                              call->finished = true;
-                              call->finished_at = std::chrono::steady_clock::now();
-                              call->status = status;
-                              waiters.swap(call->waiters);
-                            }
-                            for (ffi::Promise& waiter : waiters) {
-                              if (status.ok()) {
-                                waiter.SetAvailable();
-                              } else {
-                                waiter.SetError(ToFfiError(status));
-                              }
-                            }
-                          });
-  return Completed(libra::Status::Ok());
+                          [call](const libra::Status& status) { call->End(status); });
+  return future;
 }
 
 // A start of kind kKind over a bucket's members, each in place in one flat buffer per device
@@ -354,19 +451,19 @@ ffi::Future ExecuteStart(ffi::RunId run_id, CpuAllReduceSite* site,
                          ffi::RemainingRets rets, std::string_view /*label*/, int64_t world,
                          int64_t blocks, int64_t timeout_ms, ffi::Span<const int64_t> segments,
                          int64_t call_id) {
-  if (site == nullptr) return Failed(InvalidCall(kKind, "no call-site state"));
-  if (rets.size() < 1) return Failed(InvalidCall(kKind, "a start's last result is its token"));
+  if (site == nullptr) return FailAfterRounds(run_id, InvalidCall(kKind, "no call-site state"));
+  if (rets.size() < 1) return FailAfterRounds(run_id, InvalidCall(kKind, "a start's last result is its token"));
   const std::size_t count = rets.size() - 1;
   ffi::ErrorOr<ffi::Result<ffi::Buffer<ffi::S32>>> token = rets.get<ffi::Buffer<ffi::S32>>(count);
-  if (!token.has_value()) return Failed(token.error());
+  if (!token.has_value()) return FailAfterRounds(run_id, token.error());
   const libra::Layout& layout = libra::LayoutOf(kKind);
   ffi::ErrorOr<CallBuffers> call = Members(kKind, args, rets, count);
-  if (!call.has_value()) return Failed(call.error());
+  if (!call.has_value()) return FailAfterRounds(run_id, call.error());
   // Start's buffer is the full buffer: the all-gather's one rank's share is the operand.
   for (std::size_t i = 0; i < count; ++i) {
     if (call->out[i]->size_bytes() !=
         call->in[i].size_bytes() * (layout.shard_in ? static_cast<std::size_t>(world) : 1)) {
-      return Failed(InvalidCall(kKind, layout.shard_in ? "output must hold world inputs"
+      return FailAfterRounds(run_id, InvalidCall(kKind, layout.shard_in ? "output must hold world inputs"
                                                        : "output must be the input"));
     }
     if (!layout.shard_in) call->members[i].share = call->members[i].full / (
@@ -374,13 +471,13 @@ ffi::Future ExecuteStart(ffi::RunId run_id, CpuAllReduceSite* site,
   }
   ffi::ErrorOr<libra::CallSpec> spec =
       MakeCallSpec(kKind, run_id, call->members, segments, rank_group, world, blocks, timeout_ms);
-  if (!spec.has_value()) return Failed(spec.error());
+  if (!spec.has_value()) return FailAfterRounds(run_id, spec.error());
   std::vector<const void*> inputs;
   std::vector<void*> outputs;
   for (std::size_t i = 0; i < count; ++i) {
     const libra::Member& member = spec->members[i];
     if (layout.sharded() && member.segment != 0 && member.segment * spec->world != member.count) {
-      return Failed(InvalidCall(kKind, "a start's buffer is one row of shards"));
+      return FailAfterRounds(run_id, InvalidCall(kKind, "a start's buffer is one row of shards"));
     }
     char* buffer = static_cast<char*>(call->out[i]->untyped_data());
     const void* x = call->in[i].untyped_data();
@@ -409,22 +506,23 @@ ffi::Future ExecuteDone(ffi::RunId run_id, ffi::Buffer<ffi::S32> rank_group,
                         ffi::AnyBuffer /*token*/, ffi::RemainingArgs /*started_then_after*/,
                         ffi::RemainingRets /*buffers*/, int64_t call_id) {
   if (rank_group.element_count() != 2) {
-    return Failed(ffi::Error::InvalidArgument(
+    return FailAfterRounds(run_id, ffi::Error::InvalidArgument(
         "libra_jax done: the rank operand must hold (rank, group)"));
   }
   const int32_t* rg = rank_group.typed_data();
   std::shared_ptr<InFlight> call =
       InFlightCalls::Get().Pop({call_id, run_id.run_id, rg[1], rg[0]});
   if (call == nullptr) {
-    return Failed(ffi::Error(ffi::ErrorCode::kFailedPrecondition,
-                             "libra_jax done: done of call " + std::to_string(call_id) +
-                                 " without its start"));
+    return FailAfterRounds(run_id, ffi::Error(ffi::ErrorCode::kFailedPrecondition,
+                                              "libra_jax done: done of call " +
+                                                  std::to_string(call_id) + " without its start"));
   }
-  std::lock_guard<std::mutex> lock(call->mu);
-  if (call->finished) return Completed(call->status);
   ffi::Promise promise;
   ffi::Future future(promise);
-  call->waiters.push_back(std::move(promise));
+  call->OnEnd([promise, run = run_id.run_id](const libra::Status& status) mutable {
+    // A round that failed: the run's other started rounds end first.
+    CompleteAfterRounds(run, std::move(promise), ToFfiError(status));
+  });
   return future;
 }
 
