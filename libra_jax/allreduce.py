@@ -24,6 +24,7 @@ to `jax.lax.psum`, silently.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Hashable, Iterator, Sequence
 from functools import partial
 from typing import Any
@@ -402,6 +403,10 @@ def _psum_leaf(leaf: Any, *, axes: tuple, blocks: int | None, inplace: bool | No
     if not isinstance(leaf, _compat.Tracer):
         return _JAX_PSUM(leaf, axes)  # A constant: no communication needed.
     aval = jax.typeof(leaf)
+    if not math.prod(aval.shape):
+        # The sum of an empty array is itself: a constant, no call (nor XLA's all-reduce of
+        # it, which jaxlib 0.11.2's XLA crashes compiling beside other results).
+        return jax.numpy.zeros(aval.shape, aval.dtype)
     state = _compat.input_state(aval, axes)
     if state in ("unreduced", "reduced"):
         return _delegate(leaf, axes, f"{state} inputs are not supported", blocks)

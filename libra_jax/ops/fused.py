@@ -38,8 +38,11 @@ those of its members done one by one.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
+
+import numpy as np
 
 from libra_jax import _compat
 from libra_jax.ops import lowering, packing
@@ -69,7 +72,15 @@ def _bucket_rule(platform: Platform) -> Rule:
     def rule(ctx: Any, *xs: Any, collective: str, **params: Any) -> list[Any]:
         call, rows, member_call = BUCKETS[collective].calls(params)
         outs: list[Any] = [None] * len(xs)
-        for _, idx, count in packing.packed_layout(ctx.avals_in, align_bytes=1):
+        # An empty member's collective is itself, a constant: no call holds it (XLA:CPU of
+        # jaxlib 0.11.2 crashes compiling a custom call or all-reduce over one beside others).
+        live = [i for i, a in enumerate(ctx.avals_in) if math.prod(a.shape)]
+        for i, o in enumerate(ctx.avals_out):
+            if i not in live:
+                outs[i] = _compat.ir_constant(np.zeros(o.shape, o.dtype))
+        for _, live_idx, count in packing.packed_layout([ctx.avals_in[i] for i in live],
+                                                        align_bytes=1):
+            idx = [live[k] for k in live_idx]
             members_ctx = ctx.replace(primitive=None, avals_in=[ctx.avals_in[i] for i in idx],
                                       avals_out=[ctx.avals_out[i] for i in idx])
             if platform == "xla":

@@ -114,7 +114,11 @@ def replaced_rule(platform: Platform, replacement: Rule) -> Iterator[None]:
 
 
 def _libra_or_xla(ctx: Any, x: Any, *, call: Call, platform: Platform) -> Any:
-    """The rule of every platform: libra's call where it serves, else XLA's."""
+    """The rule of every platform: libra's call where it serves, else XLA's. An empty
+    buffer's collective is a constant, no call: the same everywhere."""
+    if not math.prod(ctx.avals_in[0].shape):
+        out = ctx.avals_out[0]
+        return [_compat.ir_constant(np.zeros(out.shape, out.dtype))]
     emit, reason = libra_call(ctx, call, platform)
     if emit is None:
         return xla_collective(ctx, x, call, reason)

@@ -47,6 +47,7 @@ from libra_jax.rewrite.sites import (
     is_psum,
     scatter_sliced_psums,
     site_kinds,
+    split_empty_operands,
     warn_invariant_operands,
 )
 
@@ -206,7 +207,7 @@ class Rewriter:
             eqns = hoist_regathers(self, eqns, axis_sizes)
         eqns = [self.sub_jaxprs(eqn, i, axis_sizes, scope, in_loop, in_backward)
                 for i, eqn in enumerate(eqns)]
-        eqns, folded = fold_zero_psums(eqns)
+        eqns, folded = fold_zero_psums(split_empty_operands(eqns))
         self.report.folded.extend(f"{name} of zeros in {scope}" for name in folded)
         eqns = scatter_sliced_psums(eqns, jaxpr.outvars, axis_sizes)
         eqns = sink_gathers(eqns)

@@ -30,7 +30,7 @@ from libra_jax.ops.lowering import ENGINE_DTYPES
 from libra_jax.ops.start_done import libra_start_p
 
 __all__ = ["Site", "SITE_RULES", "site_rule", "find_site", "gather_site", "gradient_sites",
-           "site_kinds", "fold_zero_psums", "scatter_sliced_psums", "is_psum", "axis_names",
+           "site_kinds", "split_empty_operands", "fold_zero_psums", "scatter_sliced_psums", "is_psum", "axis_names",
            "contains_psum", "collective_counts", "backward_sites", "warn_invariant_operands",
            "aval_bytes", "group_size", "same_type", "GATHERS", "LIBRA_UNPLANNED",
            "UNPLANNED_NOTICE"]
@@ -401,6 +401,34 @@ def gather_site(index: int, eqn: Any) -> Site | None:
                 eqn.outvars[0], "all-gather",
                 gather=(int(p["all_gather_dimension"]), int(p["axis_size"]),
                         bool(p["tiled"]), bool(invariant)))
+
+
+def split_empty_operands(eqns: list[Any]) -> list[Any]:
+    """The equations, each psum's empty operands taken out of it: the sum of an empty array
+    is itself, written as a constant of its type (no collective, and nothing computed from
+    the operand). jaxlib 0.11.2's XLA crashes (SIGSEGV) compiling a shard_map that returns
+    an empty array computed from an operand beside a non-empty one, which a psum left to
+    XLA (a dtype the engine does not sum) or an engine call of the empty member would be."""
+    out: list[Any] = []
+    for eqn in eqns:
+        if eqn.primitive.name in _compat.PSUM_PRIMITIVES or eqn.primitive is libra_psum_p:
+            pairs = list(zip(eqn.invars, eqn.outvars))
+            full = [(v, o) for v, o in pairs if math.prod(v.aval.shape)]
+            if len(full) < len(pairs):
+                out.extend(_zeros_eqn(o) for v, o in pairs if not math.prod(v.aval.shape))
+                if full:
+                    out.append(eqn.replace(invars=[v for v, _ in full],
+                                           outvars=[o for _, o in full]))
+                continue
+        out.append(eqn)
+    return out
+
+
+def _zeros_eqn(outvar: Any) -> Any:
+    """An equation that writes zeros of `outvar`'s shape and dtype to it."""
+    aval = outvar.aval
+    eqn, = jax.make_jaxpr(lambda: jax.lax.full(aval.shape, 0, aval.dtype))().jaxpr.eqns
+    return eqn.replace(outvars=[outvar])
 
 
 def fold_zero_psums(eqns: list[Any]) -> tuple[list[Any], list[str]]:
