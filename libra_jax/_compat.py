@@ -58,6 +58,9 @@ psum_invariant_p: Primitive = _parallel.psum_invariant_p
 reduce_scatter_p: Primitive = _parallel.reduce_scatter_p
 all_gather_p: Primitive = _parallel.all_gather_p
 all_gather_invariant_p: Primitive = _parallel.all_gather_invariant_p
+#: `jax.lax.all_gather` whose result is the same on every device of the axes (its type says
+#: so under check_vma: a shard_map's ``P()`` output may be it); not public in jax <= 0.11.
+all_gather_invariant: Callable[..., Any] = _parallel.all_gather_invariant
 jax_version: tuple[int, ...] = tuple(int(p) for p in jax.__version__.split(".")[:3])
 
 

@@ -11,7 +11,7 @@ gradient all-reduces `optimize` plans. (Taking the gradient inside the shard_map
 `pmean`ing it is wrong under `check_vma`: the gradient is already summed, and the pmean would
 scale it again.)
 
-Contract (what the tests check, tests/test_data_parallel.py):
+Contract (what the tests check, tests/test_data_parallel.py and tests/test_loss_inputs.py):
 
 - Under `jax.jit`, the value, gradients and a mean metric in `aux` agree with those of
   ``jax.jit(jax.value_and_grad(loss_fn))`` on the same sharded inputs within class 3's
@@ -36,14 +36,20 @@ Contract (what the tests check, tests/test_data_parallel.py):
   manual, change no value: those looked up at each call (`jax.lax.with_sharding_constraint`,
   so Flax's `with_logical_constraint`; `jax.sharding.reshard`, `auto_axes`, `explicit_axes`,
   so `nnx.Embed`'s ``out_sharding=``) are left out while the route traces the loss
-  (`_layouts_dropped`); the others (an ``out_sharding=`` argument of a `jax.numpy` function,
+  (`_layouts_dropped`: each wrapped once, gated by a context variable, so that no other thread
+  sees the route's behaviour); the others (an ``out_sharding=`` argument of a `jax.numpy` function,
   checked inside JAX) are refused by name, with the ways out (`_SHARDING_CALLS`).
 - Other arguments are split along their leading dimension (it must divide by the axis's
-  size); 0-d leaves (scalars, a typed PRNG key) are replicated. Arrays the loss closes over
-  are inputs too where their layout shows (`loss_inputs.Closure`): split the same way where
-  laid out over the batch's axes along their leading dimension, else (an explicit mesh's
-  traced values) whole. ``in_specs`` overrides this,
-  one spec (or pytree of specs) per positional argument, as in `jax.shard_map`. On an
+  size) where no layout says otherwise (`_followed_layout`: a visible replicated layout
+  enters whole, one split over the batch's axes along the leading dimension is split, any
+  other is refused asking for ``in_specs``); 0-d leaves (scalars, a typed PRNG key) are
+  replicated; leaves that are not arrays (a model module, a config) and arguments whose
+  ``in_specs`` entry is None are passed as they are (`loss_inputs.NonArrays`). Arrays the
+  loss closes over enter whole, as GSPMD reads them (`loss_inputs.Closure`; split as the
+  batch only with ``split_closed_over=True``). Nothing is split by guess. ``in_specs``
+  overrides the rule, one spec (or pytree of specs) per positional argument, as in
+  `jax.shard_map`. Called eagerly, the compiled program is keyed by the closure's values
+  too (`Closure.key`): none outlives what it was traced with. On an
   explicit-sharding mesh, inputs whose sharding differs from their spec are resharded
   (`jax.reshard`), as the auto-sharding partitioner would do.
 - The shard_map is manual over every mesh axis: on a 2-D mesh (``data`` x ``model``) with
@@ -60,7 +66,10 @@ Contract (what the tests check, tests/test_data_parallel.py):
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import functools
 import math
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -68,8 +77,8 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from libra_jax import _compat
-from libra_jax.loss_inputs import Closure, NnxObjects, spec_axes
+from libra_jax import _compat, config
+from libra_jax.loss_inputs import Closure, NnxObjects, NonArrays, shown_layout, spec_axes
 
 __all__ = ["value_and_grad", "grad"]
 
@@ -77,7 +86,8 @@ __all__ = ["value_and_grad", "grad"]
 def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0,
                    has_aux: bool = False, *, axis_name: str | Sequence[str] = "data",
                    mesh: Any = None, in_specs: Any = None,
-                   aux_reduce: str | None = "auto") -> Callable[..., Any]:
+                   aux_reduce: str | None = "auto",
+                   split_closed_over: bool = False) -> Callable[..., Any]:
     """`jax.value_and_grad` of a data-parallel loss, with its all-reduces where `optimize` sees them.
 
     Use it in place of `jax.value_and_grad` in a GSPMD train step; then
@@ -108,6 +118,11 @@ def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0,
         default float dtype, no integer division (int32 counts summing to 37 over 8 shards:
         float32 4.625); ``None`` stacks them, one row per shard (`jax.lax.all_gather`: a
         leading axis of the shard count).
+      split_closed_over: whether an array the loss closes over that is laid out over
+        `axis_name`'s axes along its leading dimension is split as the batch (as JAX's
+        Training Cookbook's loss reads the step's batch from its scope). Default False: every
+        closed-over array enters whole, as GSPMD reads it (a sharded one is gathered for the
+        loss); the route never takes an array for the batch by its layout alone.
 
     Returns:
       A function of `fun`'s arguments returning ``(value, grads)`` (``((value, aux), grads)``
@@ -118,6 +133,8 @@ def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0,
         raise ValueError(f"libra_jax.value_and_grad: aux_reduce must be one of "
                          f"{', '.join(map(repr, AUX_REDUCTIONS))}, got {aux_reduce!r}")
     argnums = _check_argnums(argnums)
+    split_closed_over = config.bool_option(split_closed_over, "split_closed_over",
+                                           "libra_jax.value_and_grad")
     axes_named = ((axis_name,) if isinstance(axis_name, str) else
                   tuple(axis_name) if isinstance(axis_name, (tuple, list)) else ())
     if not axes_named or not all(isinstance(a, str) for a in axes_named):
@@ -131,6 +148,13 @@ def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0,
             raise TypeError(f"libra_jax.value_and_grad: argnums {argnums} but only "
                             f"{len(args)} positional arguments")
         argnums_t = tuple(i % len(args) for i in nums)  # negative ones count from the end
+        manual = set(jax.sharding.get_abstract_mesh().manual_axes)
+        if manual & set(axes_named):
+            raise ValueError(
+                f"libra_jax.value_and_grad: called where {sorted(manual & set(axes_named))} "
+                "are already mapped (inside another route's loss, or a shard_map over them): "
+                "the loss there sees one shard, and the route would split it again; use "
+                "jax.value_and_grad there (and jax.lax.pmean over the axes), or one route")
         objects = NnxObjects.of(args, argnums_t)
         n_args = len(args)
         the_mesh = _mesh(mesh, args)
@@ -139,22 +163,26 @@ def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0,
             raise ValueError(f"libra_jax.value_and_grad: axis_name {missing[0]!r} is not an axis "
                              f"of the mesh {dict(the_mesh.shape)}")
         axes = _moving_axes(axes_named, the_mesh)
-        closure = Closure.of(fun, axes, the_mesh)
+        closure = Closure.of(fun, axes, the_mesh, split_closed_over)
+        closure.notice_whole(axes)
         args = objects.values(args)
-        specs = _specs(args[:n_args], argnums_t, axes, the_mesh, in_specs)
+        non_arrays, args, given_specs = NonArrays.of(args, argnums_t, in_specs)
+        specs = _specs(args[:n_args], argnums_t, axes, the_mesh, given_specs)
         specs += (P(),) * (len(args) - n_args)  # the NNX objects' other state: replicated
         _check_parameters(args, argnums_t, specs, the_mesh, axes)
         closure.notice_unsplit(axes, _splits_batch(
             [s for i, s in enumerate(specs[:n_args]) if i not in argnums_t] + closure.specs))
         # The arrays the loss closes over that the shard_map takes (`Closure`): last.
         args, specs = args + tuple(closure.hoisted), specs + tuple(closure.specs)
-        loss_fn = closure.taking(
-            lambda f: objects.merging(f, has_aux) if objects else f)
+        loss_fn = closure.taking(lambda f: non_arrays.restoring(
+            objects.merging(f, has_aux) if objects else f))
         aux = has_aux or bool(objects)
 
         def run(*args: Any) -> Any:
             local = _local_loss(_gather_sharded(loss_fn, argnums_t, args, specs),
-                                kwargs, aux, axes, aux_reduce, nnx_state=bool(objects))
+                                kwargs, aux, axes, aux_reduce, nnx_state=bool(objects),
+                                inputs=_whole_and_split(args, specs, argnums_t, n_args,
+                                                        closure.names, axes))
             mapped = jax.shard_map(local, mesh=the_mesh, in_specs=specs, out_specs=P())
 
             def loss(*args: Any) -> Any:
@@ -174,9 +202,12 @@ def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0,
             # scalars), kept per mesh, argument structure (NNX graphs included), specs and
             # keyword values; with a keyword value that cannot key a cache (an array),
             # compiled for this call alone.
+            # The closure's values that are not inputs (a number, a function) key it too
+            # (`Closure.key`), so that no program outlives what it was traced with.
             key = (the_mesh, jax.tree.structure(args), objects.graphs, tuple(jax.tree.leaves(
-                specs, is_leaf=lambda s: isinstance(s, P))), _hashable(kwargs))
-            if key[-1] is None:
+                specs, is_leaf=lambda s: isinstance(s, P))), non_arrays.key(), closure.key(),
+                _hashable(kwargs))
+            if None in key[-3:]:
                 out = jax.jit(run)(*args)
             else:
                 if key not in jitted:
@@ -191,11 +222,13 @@ def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0,
 
 def grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False, *,
          axis_name: str | Sequence[str] = "data", mesh: Any = None,
-         in_specs: Any = None, aux_reduce: str | None = "auto") -> Callable[..., Any]:
+         in_specs: Any = None, aux_reduce: str | None = "auto",
+         split_closed_over: bool = False) -> Callable[..., Any]:
     """`jax.grad` of a data-parallel loss: `value_and_grad` without the value (``(grads, aux)``
     with `has_aux`, as `jax.grad` returns)."""
     both = value_and_grad(fun, argnums, has_aux, axis_name=axis_name, mesh=mesh,
-                          in_specs=in_specs, aux_reduce=aux_reduce)
+                          in_specs=in_specs, aux_reduce=aux_reduce,
+                          split_closed_over=split_closed_over)
 
     def gradient(*args: Any, **kwargs: Any) -> Any:
         value, grads = both(*args, **kwargs)
@@ -243,16 +276,25 @@ def _moving_axes(axes: tuple, mesh: Any) -> tuple:
 
 
 def _local_loss(fun: Callable[..., Any], kwargs: dict, has_aux: bool, axes: tuple,
-                aux_reduce: str | None = "auto", nnx_state: bool = False) -> Callable[..., Any]:
-    """The per-shard loss, averaged over `axes`: the function the shard_map maps."""
+                aux_reduce: str | None = "auto", nnx_state: bool = False,
+                inputs: str = "") -> Callable[..., Any]:
+    """The per-shard loss, averaged over `axes`: the function the shard_map maps. `inputs`
+    (`_whole_and_split`): which non-differentiated arrays entered whole and which split,
+    said where the loss fails on them (JAX's broadcasting error names neither)."""
     def local(*args: Any) -> Any:
         try:
             out = fun(*args, **kwargs)
         except (NotImplementedError, ValueError) as e:
             refusal = _sharding_call_refusal(e) or _closure_refusal(e)
             if refusal is None:
+                if inputs:
+                    raise ValueError(_failed_on_shards(e, inputs)) from e
                 raise
             raise ValueError(refusal) from e
+        except TypeError as e:
+            if inputs:
+                raise ValueError(_failed_on_shards(e, inputs)) from e
+            raise
         if has_aux and not (isinstance(out, (tuple, list)) and len(out) == 2):
             raise TypeError("libra_jax.value_and_grad: with has_aux=True the loss function must "
                             "return a pair (loss, aux), as for jax.value_and_grad; got "
@@ -280,6 +322,37 @@ def _local_loss(fun: Callable[..., Any], kwargs: dict, has_aux: bool, axes: tupl
     return local
 
 
+def _whole_and_split(args: tuple, specs: tuple, argnums: tuple, n_args: int,
+                     closed: Sequence[str], axes: tuple) -> str:
+    """Where the loss's non-differentiated arrays (arguments and closed-over values) are some
+    whole and some split over `axes`, each named with its global type and how it entered;
+    else "" (nothing to mix up)."""
+    whole: list[str] = []
+    split: list[str] = []
+    first_closed = len(args) - len(closed)  # the hoisted closed-over values come last
+    for i, (arg, spec_tree) in enumerate(zip(args, specs)):
+        if i in argnums or n_args <= i < first_closed:  # (an NNX object's other state)
+            continue
+        name = f"argument {i}" if i < n_args else f"the closed-over {closed[i - first_closed]}"
+        for path, leaf, spec in _leaf_specs(arg, spec_tree):
+            if not hasattr(leaf, "shape") or np.ndim(leaf) == 0:
+                continue
+            what = f"{name}{jax.tree_util.keystr(path)} {np.dtype(leaf.dtype).name}{list(leaf.shape)}"
+            (split if any(spec_axes(e) for e in spec) else whole).append(what)
+    if not whole or not split:
+        return ""
+    return (f"split over {list(axes)}: {', '.join(split[:4])}; whole on every shard (a layout "
+            f"that is replicated, or a closed-over value): {', '.join(whole[:4])}")
+
+
+def _failed_on_shards(error: Exception, inputs: str) -> str:
+    """The route's error for a loss that failed on its shard's inputs, mixed (`inputs`)."""
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return (f"libra_jax.value_and_grad: the loss failed on one shard's inputs ({first}); "
+            f"{inputs}. If a whole one is batch, place it as the batch is (split along its "
+            "leading dimension), or give in_specs")
+
+
 #: `value_and_grad(aux_reduce=...)`.
 AUX_REDUCTIONS = ("auto", "sum", "mean", None)
 
@@ -296,7 +369,8 @@ def _reduce_aux(path: Any, value: Any, axes: tuple, how: str | None) -> Any:
         return jax.lax.psum(value, axes)
     if how == "mean":
         return jax.lax.pmean(value, axes)
-    return jax.lax.all_gather(value, axes)  # None: one row per shard
+    # None: one row per shard, the same stack on every shard (the shard_map's P() output).
+    return _compat.all_gather_invariant(value, axes)
 
 
 def _every_axis_manual() -> bool:
@@ -305,15 +379,29 @@ def _every_axis_manual() -> bool:
     return not mesh.empty and set(mesh.manual_axes) == set(mesh.axis_names)
 
 
+#: Whether this thread (this context) is tracing a route's loss: the layout calls
+#: (`_LAYOUT_CALLS`) defer to JAX's functions everywhere else, other threads included.
+_DROPPING_LAYOUTS: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "libra_jax_layouts_dropped", default=False)
+
+
+def _dropping() -> bool:
+    """Whether a layout call made now is the route's to leave out: in this context's trace
+    of a route's loss, where every axis is manual (its shard_map)."""
+    return _DROPPING_LAYOUTS.get() and _every_axis_manual()
+
+
 def _returning_operand(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
     def dropped(x: Any, *args: Any, **kwargs: Any) -> Any:
-        return x if _every_axis_manual() else original(x, *args, **kwargs)
+        return x if _dropping() else original(x, *args, **kwargs)
     return dropped
 
 
 def _calling_directly(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
     def dropped(f: Any = None, /, **kwargs: Any) -> Any:
-        if not _every_axis_manual():
+        if not _dropping():
             return original(f, **kwargs)
         return (lambda g: g) if f is None else f
     return dropped
@@ -333,28 +421,35 @@ _LAYOUT_CALLS = (
     (jax.sharding, "auto_axes", _calling_directly),
     (jax.sharding, "explicit_axes", _calling_directly),
 )
+_layout_calls_lock = threading.Lock()
+
+
+def _install_layout_calls() -> None:
+    """Each of `_LAYOUT_CALLS` wrapped once, for good: the wrapper is JAX's function (its
+    name, signature and docstring) except within a route's trace in the calling context
+    (`_DROPPING_LAYOUTS`, a context variable: per thread, so that another thread tracing
+    meanwhile, a route's or not, gets JAX's own behaviour). Nothing is swapped per trace:
+    a swap and its restore were process-wide, and two threads' swaps interleaved."""
+    with _layout_calls_lock:
+        for module, name, replacement in _LAYOUT_CALLS:
+            original = getattr(module, name, None)
+            if original is None or getattr(original, "__libra_original__", None) is not None:
+                continue
+            new = replacement(original)
+            new.__libra_original__ = original  # type: ignore[attr-defined]
+            setattr(module, name, new)
 
 
 @contextlib.contextmanager
 def _layouts_dropped() -> Iterator[None]:
-    """`_LAYOUT_CALLS` replaced for the duration (the route's trace of the loss and of its
-    gradient), then restored. Another thread tracing meanwhile sees the replacements, which defer to JAX's
-    functions outside a region where every axis is manual; a nested route keeps the outer
-    route's."""
-    swapped = []
-    for module, name, replacement in _LAYOUT_CALLS:
-        original = getattr(module, name, None)
-        if original is None or getattr(original, "__libra_original__", None) is not None:
-            continue
-        new = replacement(original)
-        new.__libra_original__ = original  # type: ignore[attr-defined]
-        setattr(module, name, new)
-        swapped.append((module, name, original))
+    """`_LAYOUT_CALLS` left out in this context for the duration (the route's trace of the
+    loss and of its gradient); a nested route keeps the outer route's."""
+    _install_layout_calls()
+    token = _DROPPING_LAYOUTS.set(True)
     try:
         yield
     finally:
-        for module, name, original in swapped:
-            setattr(module, name, original)
+        _DROPPING_LAYOUTS.reset(token)
 
 
 #: JAX's errors for a call that lays arrays out over mesh axes, made inside a region where every
@@ -495,6 +590,10 @@ def _specs(args: tuple, argnums: tuple, axes: tuple, mesh: Any, in_specs: Any) -
             return split_only(_visible_spec(leaf, f"argument {i}{jax.tree_util.keystr(path)}"))
         if np.ndim(leaf) == 0:
             return P()
+        where = f"argument {i}{jax.tree_util.keystr(path)}"
+        shown = shown_layout(leaf)
+        if shown is not None:
+            return _followed_layout(shown, where, axes, batch, sizes)
         rows = np.shape(leaf)[0]
         if rows % shards:
             raise ValueError(
@@ -505,6 +604,23 @@ def _specs(args: tuple, argnums: tuple, axes: tuple, mesh: Any, in_specs: Any) -
         return P(batch)
     return tuple(jax.tree_util.tree_map_with_path(lambda p, x, i=i: spec(i, p, x), a)
                  for i, a in enumerate(args))
+
+
+def _followed_layout(shown: P, where: str, axes: tuple, batch: Any, sizes: dict) -> P:
+    """The spec of a non-differentiated leaf whose layout shows (`shown`, size-one axes left
+    out): replicated, it enters whole (``P()``); split over the batch's axes along its
+    leading dimension, it is split as the batch (``P(batch)``); laid out otherwise, it is
+    refused in one line: the rule would split it against its layout."""
+    entries = [tuple(a for a in spec_axes(e) if sizes.get(a, 2) > 1) for e in shown]
+    if not any(entries):
+        return P()
+    if set(entries[0]) == set(axes) and not any(entries[1:]):
+        return P(batch)
+    raise ValueError(
+        f"libra_jax.value_and_grad: {where} is laid out as {shown}, which is neither "
+        f"replicated nor split over {list(axes)} along its leading dimension; give its "
+        "PartitionSpec in in_specs (the route splits a non-differentiated array along its "
+        "leading dimension only where no layout says otherwise)")
 
 
 def _spec_tree(i: int, spec: Any, arg: Any, split_only: Callable[[P], P]) -> Any:

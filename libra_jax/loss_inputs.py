@@ -1,6 +1,7 @@
 """What a data-parallel loss reads besides its positional arrays, made inputs of the route's
 `jax.shard_map` (`libra_jax.data_parallel`): Flax NNX objects passed as arguments
-(`NnxObjects`), and arrays the loss closes over (`Closure`).
+(`NnxObjects`), arrays the loss closes over (`Closure`); and what it takes that is not an
+array, passed to it as it is (`NonArrays`).
 
 Layer: imports `libra_jax._compat` and `config` (and `rewrite.nnx_objects`, late); used by
 `data_parallel` alone.
@@ -101,20 +102,90 @@ class NnxObjects:
         return ((value, aux) if has_aux else value), grads
 
 
+class NonArrays:
+    """What the loss takes that is not an array: the leaves of its non-differentiated
+    arguments that are not arrays (a model module, a config's strings; MaxText's
+    ``loss_fn(model, config, data, ...)``), and every leaf of an argument `in_specs` marks
+    ``None``. They are passed to the loss as they are, on every shard: not inputs of the
+    route's shard_map, which takes arrays only (the arguments keep their place, these leaves
+    left out as ``None``, an empty subtree, and put back inside)."""
+
+    def __init__(self) -> None:
+        #: argument index -> (its tree, {leaf index: value})
+        self.held: dict[int, tuple[Any, dict[int, Any]]] = {}
+
+    @classmethod
+    def of(cls, args: tuple, argnums: tuple, in_specs: Any) -> tuple[NonArrays, tuple, Any]:
+        """The non-arrays of `args`, the arguments without them, and `in_specs` with each
+        ``None`` entry (an argument that is not an array) made ``P()``."""
+        found = cls()
+        entries = (tuple(in_specs) if isinstance(in_specs, (tuple, list)) else
+                   None if in_specs is None else (in_specs,))
+        marked = {i for i, e in enumerate(entries or ()) if e is None}
+        out = list(args)
+        for i, arg in enumerate(args):
+            if i in argnums:
+                continue
+            leaves, tree = jax.tree.flatten(arg)
+            held = {k: x for k, x in enumerate(leaves) if i in marked or not _is_array(x)}
+            if held:
+                found.held[i] = (tree, held)
+                out[i] = jax.tree.unflatten(tree, [None if k in held else x
+                                                  for k, x in enumerate(leaves)])
+        if entries is not None and marked:
+            in_specs = tuple(P() if e is None else e for e in entries)
+        return found, tuple(out), in_specs
+
+    def __bool__(self) -> bool:
+        return bool(self.held)
+
+    def restoring(self, fun: Callable[..., Any]) -> Callable[..., Any]:
+        """`fun` called with the held leaves back in their arguments."""
+        if not self.held:
+            return fun
+
+        def restored(*args: Any, **kwargs: Any) -> Any:
+            full = list(args)
+            for i, (tree, held) in self.held.items():
+                leaves = jax.tree.flatten(full[i], is_leaf=lambda x: x is None)[0]
+                full[i] = jax.tree.unflatten(tree, [held.get(k, x) for k, x in enumerate(leaves)])
+            return fun(*full, **kwargs)
+        return restored
+
+    def key(self) -> tuple | None:
+        """The held values as a compiled program's key (`Closure.key`'s terms), or None."""
+        keys: list[Any] = []
+        for i, (tree, held) in sorted(self.held.items()):
+            keys.append((i, tree))
+            for k, x in sorted(held.items()):
+                v = _value_key(x, depth=0)
+                if v is None:
+                    return None
+                keys.append((k, v))
+        return tuple(keys)
+
+
+def _is_array(x: Any) -> bool:
+    """Whether a leaf is a value a shard_map takes (an array, or a number that becomes one)."""
+    return (isinstance(x, (jax.Array, np.ndarray, np.generic, bool, int, float, complex))
+            or hasattr(x, "__jax_array__"))
+
+
 class Closure:
     """The arrays the loss closes over that the route's shard_map must take as inputs.
 
-    A loss often reads the batch from its enclosing scope (JAX's Training Cookbook:
-    ``def loss_fn(params): ... batch["x"] ...`` inside the jitted step). Read from inside the
-    shard_map, such an array is every shard's whole (an auto mesh: not data-parallel, though
-    the values are right), or refused by JAX (a traced value on an explicit mesh). So the
-    arrays in the loss's own closure (its cells, and a `functools.partial`'s arguments) whose
-    layout shows are made inputs: one laid out over the batch's axes along its leading
-    dimension is split as a batch argument is (``P(batch)``); any other traced value of an
-    explicit mesh enters whole (``P()``, resharded so: the loss reads it as GSPMD's would).
-    The loss is rebuilt around them for the trace (`taking`: a copy of the function with new
+    A loss often reads arrays from its enclosing scope (a frozen weight; JAX's Training
+    Cookbook's ``def loss_fn(params): ... batch["x"] ...`` inside the jitted step). They enter
+    as GSPMD reads them: whole on every shard (``P()``; one sharded over the mesh is gathered
+    for the loss), never split by guess. With ``split_closed_over=True`` (the opt-in), one
+    laid out over the batch's axes along its leading dimension is split as a batch argument
+    is (``P(batch)``). The arrays the loss's own closure holds (its cells, and a
+    `functools.partial`'s arguments) whose values are known (concrete arrays, NumPy's
+    included) or whose layout shows (an explicit mesh's traced values) are made inputs, so
+    that the compiled program reads their values at each call, not the first call's; the
+    loss is rebuilt around them for the trace (`taking`: a copy of the function with new
     cells; the caller's are untouched). A traced value of an auto mesh shows no layout: it
-    stays closed over, and `notice_unsplit` says so where nothing else is split."""
+    stays closed over (whole), and `notice_unsplit` says so where nothing else is split."""
 
     def __init__(self, fun: Callable[..., Any]) -> None:
         self.fun = fun
@@ -122,11 +193,14 @@ class Closure:
         self.make: Callable[[dict], Any] = lambda new: fun
         self.hoisted: list[Any] = []  # the arrays made inputs
         self.specs: list[P] = []  # theirs
+        self.names: list[str] = []  # theirs, as the closure names them ("batch['x']")
         self.touched: set[int] = set()  # the parts holding them
         self.unseen: list[Any] = []  # traced arrays of an auto mesh, left closed over
+        self.whole_batch_shaped: list[str] = []  # laid out over the batch, entered whole
 
     @classmethod
-    def of(cls, fun: Callable[..., Any], axes: tuple, mesh: Any) -> Closure:
+    def of(cls, fun: Callable[..., Any], axes: tuple, mesh: Any,
+           split_closed_over: bool = False) -> Closure:
         closure = cls(fun)
         found = closure_parts(fun)
         if found is None:
@@ -136,29 +210,65 @@ class Closure:
         batch = axes[0] if len(axes) == 1 else axes
         for part, (name, content) in enumerate(closure.parts):
             for path, leaf in jax.tree_util.tree_flatten_with_path(content, is_leaf=_is_opaque)[0]:
+                where = f"{name}{jax.tree_util.keystr(path)}"
                 spec = _closed_over_spec(leaf)
                 if spec is None:
                     if (isinstance(leaf, _compat.Tracer) and not _compat.is_ref(leaf)
                             and np.ndim(leaf) > 0):
                         closure.unseen.append(leaf)
                     continue
-                if spec and set(spec_axes(spec[0])) & set(axes) and np.ndim(leaf) > 0:
+                over_batch = (np.ndim(leaf) > 0 and bool(spec)
+                              and bool(set(spec_axes(spec[0])) & set(axes)))
+                if over_batch and split_closed_over:
                     if np.shape(leaf)[0] % shards:
                         raise ValueError(
-                            f"libra_jax.value_and_grad: the loss closes over "
-                            f"{name}{jax.tree_util.keystr(path)}, laid out over the batch's axes "
-                            f"({spec}) with leading dimension {np.shape(leaf)[0]}, which does "
-                            f"not split over the {shards} shards of "
-                            f"{axes if len(axes) > 1 else axes[0]!r}")
+                            f"libra_jax.value_and_grad: the loss closes over {where}, laid out "
+                            f"over the batch's axes ({spec}) with leading dimension "
+                            f"{np.shape(leaf)[0]}, which does not split over the {shards} "
+                            f"shards of {axes if len(axes) > 1 else axes[0]!r} "
+                            "(split_closed_over=True)")
                     spec = P(batch)
-                elif not isinstance(leaf, _compat.Tracer):
-                    continue  # a concrete array not split over the batch: a constant, as before
                 else:
-                    spec = P()  # an explicit mesh's: JAX takes no closed-over value there
+                    if over_batch:
+                        closure.whole_batch_shaped.append(
+                            f"{where} {np.dtype(leaf.dtype).name}{list(np.shape(leaf))}")
+                    spec = P()
                 closure.hoisted.append(leaf)
                 closure.specs.append(spec)
+                closure.names.append(where)
                 closure.touched.add(part)
         return closure
+
+    def key(self) -> tuple | None:
+        """What of the closure a compiled program depends on beyond its inputs: the
+        hoisted arrays' specs and every other leaf's value (a number, a string, a module, a
+        function by its code and its own closure), so that an eager route compiles again
+        where any of them changed; None where a leaf's value cannot key a cache (an object
+        whose attributes the loss may read): the route then compiles for the call alone."""
+        hoisted = {id(x) for x in self.hoisted}
+        keys: list[Any] = [tuple(self.specs)]
+        for _, content in self.parts:
+            leaves, treedef = jax.tree.flatten(content, is_leaf=_is_opaque)
+            keys.append(treedef)
+            for leaf in leaves:
+                k = ("input",) if id(leaf) in hoisted else _value_key(leaf, depth=0)
+                if k is None:
+                    return None
+                keys.append(k)
+        return tuple(keys)
+
+    def notice_whole(self, axes: tuple) -> None:
+        """The one-release notice: arrays laid out over the batch's axes that the route
+        split as batch before this release enter whole now."""
+        if not self.whole_batch_shaped:
+            return
+        config.notice(
+            "closed-over-whole",
+            f"libra_jax.value_and_grad: the loss closes over {', '.join(self.whole_batch_shaped[:3])}, "
+            f"laid out over {list(axes)}: it enters whole, as GSPMD reads it (every shard "
+            "computes with all of it). Before this release the route split such an array as "
+            "the batch; if it is the batch, pass it to the loss as an argument, or pass "
+            "split_closed_over=True")
 
     def __len__(self) -> int:
         return len(self.hoisted)
@@ -195,16 +305,49 @@ class Closure:
             "over the batch's axes is split as an argument is")
 
 
-def _closed_over_spec(leaf: Any) -> P | None:
-    """A closed-over leaf's layout where it shows: a concrete array's `NamedSharding` spec
-    (``P()`` where replicated), an explicit mesh's traced value's; else None (not an array,
-    or traced on an auto mesh)."""
-    if _compat.is_ref(leaf):
-        return None  # a mutable reference (`jax.new_ref`): read in place, closed over
+#: Closed-over values that key a compiled program by their value.
+_VALUE_TYPES = (type(None), bool, int, float, complex, str, bytes, np.generic, np.dtype)
+
+
+def _value_key(leaf: Any, depth: int) -> Any:
+    """`leaf`'s part of `Closure.key`, or None where its value cannot key a cache."""
+    import types
+    if isinstance(leaf, _VALUE_TYPES):
+        return (type(leaf), leaf)
+    if leaf is _EMPTY_CELL or isinstance(leaf, (types.ModuleType, type,
+                                                  types.BuiltinFunctionType)):
+        return ("object", id(leaf))
+    if isinstance(leaf, _compat.Tracer):
+        return ("traced", id(leaf))  # under a trace: the caller's trace decides
+    if isinstance(leaf, types.FunctionType) and depth < 4:
+        found = closure_parts(leaf)
+        inner: list[Any] = [id(leaf.__code__), leaf.__defaults__ is None]
+        for _, content in (found[0] if found else []):
+            leaves, treedef = jax.tree.flatten(content, is_leaf=_is_opaque)
+            inner.append(treedef)
+            for x in leaves:
+                k = _value_key(x, depth + 1)
+                if k is None:
+                    return None
+                inner.append(k)
+        for x in leaf.__defaults__ or ():
+            k = _value_key(x, depth + 1)
+            if k is None:
+                return None
+            inner.append(k)
+        return ("function", tuple(inner))
+    return None
+
+
+def shown_layout(leaf: Any) -> P | None:
+    """A leaf's layout over a mesh where it shows (a concrete array's `NamedSharding`, ``P()``
+    where replicated; an explicit-sharding mesh's traced value's), else None: a NumPy array,
+    an array on one device, a value traced on an auto mesh."""
     if isinstance(leaf, jax.Array) and not isinstance(leaf, _compat.Tracer):
         sharding = leaf.sharding
-        return (sharding.spec if isinstance(sharding, jax.sharding.NamedSharding)
-                and not sharding.is_fully_replicated else P())
+        if not isinstance(sharding, jax.sharding.NamedSharding):
+            return None
+        return P() if sharding.is_fully_replicated else sharding.spec
     if not isinstance(leaf, _compat.Tracer):
         return None
     traced: Any = getattr(jax.typeof(leaf), "sharding", None)
@@ -212,6 +355,19 @@ def _closed_over_spec(leaf: Any) -> P | None:
     if mesh is None or mesh.empty or jax.sharding.AxisType.Explicit not in mesh.axis_types:
         return None
     return traced.spec
+
+
+def _closed_over_spec(leaf: Any) -> P | None:
+    """A closed-over leaf's layout where it is an input of the route: `shown_layout`, and
+    ``P()`` for a concrete array whose layout does not show (on one device, or NumPy's);
+    else None (not an array, or traced on an auto mesh)."""
+    if _compat.is_ref(leaf):
+        return None  # a mutable reference (`jax.new_ref`): read in place, closed over
+    shown = shown_layout(leaf)
+    if shown is None and (isinstance(leaf, np.ndarray) or (
+            isinstance(leaf, jax.Array) and not isinstance(leaf, _compat.Tracer))):
+        return P()
+    return shown
 
 
 def closure_parts(fun: Any) -> tuple[list[tuple[str, Any]], Callable[[dict], Any]] | None:

@@ -94,6 +94,11 @@ def route(fn, **kw):
     return libra_jax.value_and_grad(fn, axis_name="data", **kw)
 
 
+def splitting_route(fn, **kw):
+    """The route with the opt-in that splits a closed-over batch (`split_closed_over`)."""
+    return route(fn, split_closed_over=True, **kw)
+
+
 # --- Equal to the GSPMD step ------------------------------------------------------------------
 
 def mesh_context(mesh):
@@ -206,12 +211,19 @@ def test_the_mesh_comes_from_set_mesh_or_the_inputs():
     y = rng.standard_normal((64, 8)).astype(np.float32)
     want = jax.jit(jax.value_and_grad(mlp_loss))(params, put(x, mesh, P("data")),
                                                  put(y, mesh, P("data")))
-    # Numpy batches (replicated when traced) are resharded to the batch spec on an explicit mesh.
+    # Numpy batches traced under jax.set_mesh show the layout P() (replicated): they enter
+    # whole, as GSPMD reads them (every shard computes the loss of all of it), and the
+    # values are GSPMD's; split, eagerly, where no layout shows.
     with jax.set_mesh(mesh):
         got = jax.jit(route(mlp_loss))(jax.tree.map(np.asarray, params), x, y)
     assert_codegen_close(got, want)
-    got = jax.jit(route(mlp_loss))(params, put(x, mesh, P()), put(y, mesh, P("data")))
-    assert_codegen_close(got, want)
+    assert_codegen_close(route(mlp_loss, mesh=mesh)(params, x, y), want)
+    # A batch placed replicated beside one split over "data" is not split by guess: the loss
+    # fails on the shard's inputs, and the route says which entered how.
+    with pytest.raises(ValueError, match=r"the loss failed on one shard's inputs .*split over "
+                                         r"\['data'\]: argument 2 float32\[64, 8\]; whole on every "
+                                         r"shard .*: argument 1 float32\[64, 16\]"):
+        jax.jit(route(mlp_loss))(params, put(x, mesh, P()), put(y, mesh, P("data")))
 
 
 # --- optimize plans the route ----------------------------------------------------------------
@@ -415,16 +427,17 @@ def closing_problem(mesh):
 @pytest.mark.parametrize("kind, form, jitted", [
     ("explicit", "closure", True), ("explicit", "partial", True), ("auto", "closure", False)])
 def test_a_loss_closing_over_the_batch_is_split_over_it(kind, form, jitted):
-    """The batch the loss closes over (its cell, or a partial's keyword) is an input of the
-    route's shard_map, split as a batch argument is: each shard's loss reads its (8, 16)
-    rows, where its layout shows (an explicit mesh's traced value; a concrete array's).
+    """Opted in (``split_closed_over=True``), the batch the loss closes over (its cell, or a
+    partial's keyword) is an input of the route's shard_map, split as a batch argument is:
+    each shard's loss reads its (8, 16) rows, where its layout shows (an explicit mesh's
+    traced value; a concrete array's). (Issue 69: without the opt-in it enters whole.)
     Before: on an explicit mesh JAX refused it from inside the route ("Closing over inputs to
     shard_map"), and a concrete one was read whole by every shard. The frozen weight it also
     closes over enters whole. Class 3 of GSPMD's step, bitwise the optimized XLA control."""
     mesh = make_mesh(kind=kind)
     params, frozen, batch = closing_problem(mesh)
     seen: list = []
-    step = closing_step(route, seen, form)
+    step = closing_step(splitting_route, seen, form)
     compile_ = jax.jit if jitted else (lambda f: f)
     with mesh_context(mesh):
         got = compile_(step)(params, frozen, batch)
@@ -1083,7 +1096,8 @@ def test_a_cookbook_style_step_trains_once_its_out_sharding_is_dropped():
     state in `jax.Ref`s updated in place, the loss closing over the batch, a matmul with
     ``out_sharding=``. As written the route refuses the ``out_sharding=`` in one line (JAX
     checks it inside itself); without it the step trains: class 3 of GSPMD's step, the
-    closed-over batch split, and `explain` names each gradient by its reference."""
+    closed-over batch split (``split_closed_over=True``), and `explain` names each gradient by
+    its reference."""
     mesh = make_mesh(kind="explicit")
     rng = np.random.default_rng(32)
     params = {"w": rng.standard_normal((16, 32)).astype(np.float32) / 4,
@@ -1112,15 +1126,16 @@ def test_a_cookbook_style_step_trains_once_its_out_sharding_is_dropped():
         on_mesh = put(batch, mesh, P("data"))
         with pytest.raises(ValueError, match=r"calls dot_general with a sharding \(an "
                                              r"out_sharding= argument.*keep jax.value_and_grad"):
-            jax.jit(step_with(route, P("data")))(*state(), on_mesh)
+            jax.jit(step_with(splitting_route, P("data")))(*state(), on_mesh)
         results = []
-        for grad_fn in (route, jax.value_and_grad):
+        for grad_fn in (splitting_route, jax.value_and_grad):
             weights, momentum = state()
             losses = [jax.jit(step_with(grad_fn, None))(weights, momentum, on_mesh)
                       for _ in range(3)]
             results.append((losses, jax.tree.map(lambda r: np.asarray(r[...]), weights)))
         weights, momentum = state()
-        e = libra_jax.explain(step_with(route, None), weights, momentum, on_mesh, file=None)
+        e = libra_jax.explain(step_with(splitting_route, None), weights, momentum, on_mesh,
+                              file=None)
     assert_codegen_close(results[0], results[1])
     named = sorted(t for s in e.scopes for r in s.rows for t in r.tensors if "scalar" not in t)
     assert named == ["v", "w"], named

@@ -193,7 +193,8 @@ def test_gradients_are_named_by_their_parameter_under_global_norm_clipping():
 @pytest.mark.parametrize("jitted, closed_over", [(False, False), (True, False), (True, True)])
 def test_gradients_written_into_refs_are_named_by_their_parameter(jitted, closed_over):
     """A step that keeps its parameters and optimizer state in `jax.Ref`s (JAX's Training
-    Cookbook), through the route on an explicit mesh with the loss closing over the batch:
+    Cookbook), through the route on an explicit mesh with the loss closing over the batch
+    (split: ``split_closed_over=True``):
     the gradients update the references in place, and returns nothing of them; each is named
     by the parameter it is written into (``w``, ``v``: the path its parameter and momentum
     references share), not ``psum #16 [16, 32]``; also where the step closes over the
@@ -217,7 +218,8 @@ def test_gradients_written_into_refs_are_named_by_their_parameter(jitted, closed
             def loss_fn(p):
                 h = jnp.tanh(batch["x"] @ p["w"])
                 return jnp.mean((h @ p["v"] - batch["y"]) ** 2)
-            loss, grads = libra_jax.value_and_grad(loss_fn)(jax.tree.map(lambda r: r[...], refs))
+            loss, grads = libra_jax.value_and_grad(loss_fn, split_closed_over=True)(
+                jax.tree.map(lambda r: r[...], refs))
 
             def update(ref, m, g):
                 m[...] = 0.9 * m[...] + g
