@@ -58,9 +58,15 @@ psum_invariant_p: Primitive = _parallel.psum_invariant_p
 reduce_scatter_p: Primitive = _parallel.reduce_scatter_p
 all_gather_p: Primitive = _parallel.all_gather_p
 all_gather_invariant_p: Primitive = _parallel.all_gather_invariant_p
-#: `jax.lax.all_gather` whose result is the same on every device of the axes (its type says
-#: so under check_vma: a shard_map's ``P()`` output may be it); not public in jax <= 0.11.
-all_gather_invariant: Callable[..., Any] = _parallel.all_gather_invariant
+
+
+def all_gather_invariant(x: Any, axis_name: Any) -> Any:
+    """`jax.lax.all_gather` (untiled, along a new leading axis) whose result is the same on
+    every device of the axes and typed so under check_vma (a shard_map's ``P()`` output may
+    be it): ``to="invarying"`` from jax 0.12, `all_gather_invariant` before."""
+    if "to" in inspect.signature(jax.lax.all_gather).parameters:
+        return jax.lax.all_gather(x, axis_name, to="invarying")
+    return _parallel.all_gather_invariant(x, axis_name)
 jax_version: tuple[int, ...] = tuple(int(p) for p in jax.__version__.split(".")[:3])
 
 
