@@ -77,7 +77,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from libra_jax import _compat, config
+from libra_jax import _compat, config, reductions
 from libra_jax.loss_inputs import Closure, NnxObjects, NonArrays, shown_layout, spec_axes
 
 __all__ = ["value_and_grad", "grad"]
@@ -86,7 +86,7 @@ __all__ = ["value_and_grad", "grad"]
 def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0,
                    has_aux: bool = False, *, axis_name: str | Sequence[str] = "data",
                    mesh: Any = None, in_specs: Any = None,
-                   aux_reduce: str | None = "auto",
+                   aux_reduce: Any = "auto", loss_reduce: str = "mean",
                    split_closed_over: bool = False) -> Callable[..., Any]:
     """`jax.value_and_grad` of a data-parallel loss, with its all-reduces where `optimize` sees them.
 
@@ -116,8 +116,19 @@ def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0,
         option); ``"sum"`` sums every leaf over the shards (a token count); ``"mean"``
         averages every leaf as `jax.lax.pmean` does: an integer's mean is a float of the
         default float dtype, no integer division (int32 counts summing to 37 over 8 shards:
-        float32 4.625); ``None`` stacks them, one row per shard (`jax.lax.all_gather`: a
-        leading axis of the shard count).
+        float32 4.625); ``"ratio"`` takes a leaf that is a pair (numerator, denominator),
+        sums both over the shards and divides (an accuracy over the whole batch's real
+        tokens); ``None`` stacks them, one row per shard (a leading axis of the shard count).
+        Or a pytree prefix of aux with one of these per subtree, as clu-style metrics need
+        (``{"loss_sum": "sum", "tokens": "sum", "accuracy": "ratio"}``).
+      loss_reduce: how the shards' losses make the value GSPMD computes from the whole
+        batch: ``"mean"`` (default; a loss that is a mean over examples), ``"sum"`` (a sum
+        over examples or tokens, T5X's default: the mean would be 1/shards of it, and so
+        would every gradient; a term added to the loss that is the same on every shard, a
+        weight penalty, is refused, as the sum would count it once per shard), or
+        ``"ratio"``: the loss returns the pair it divides, ``(numerator, denominator)``, both
+        summed over the shards, then divided (a loss normalised by the whole batch's real-token
+        count). Never inferred from the program.
       split_closed_over: whether an array the loss closes over that is laid out over
         `axis_name`'s axes along its leading dimension is split as the batch (as JAX's
         Training Cookbook's loss reads the step's batch from its scope). Default False: every
@@ -126,12 +137,12 @@ def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0,
 
     Returns:
       A function of `fun`'s arguments returning ``(value, grads)`` (``((value, aux), grads)``
-      with `has_aux`). The value is the loss averaged over the axis (`jax.lax.pmean`); aux as
-      `aux_reduce` says. Keyword arguments are passed to `fun` whole, on every shard.
+      with `has_aux`). The value is the loss combined over the axis as `loss_reduce` says;
+      aux as `aux_reduce` says. Keyword arguments are passed to `fun` whole, on every shard.
     """
-    if aux_reduce not in AUX_REDUCTIONS:
-        raise ValueError(f"libra_jax.value_and_grad: aux_reduce must be one of "
-                         f"{', '.join(map(repr, AUX_REDUCTIONS))}, got {aux_reduce!r}")
+    aux_reduce = reductions.check_aux_reduce(aux_reduce)
+    loss_reduce = config.choice_option(loss_reduce, reductions.LOSS_REDUCTIONS, "loss_reduce",
+                                       "libra_jax.value_and_grad")
     argnums = _check_argnums(argnums)
     split_closed_over = config.bool_option(split_closed_over, "split_closed_over",
                                            "libra_jax.value_and_grad")
@@ -182,7 +193,8 @@ def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0,
             local = _local_loss(_gather_sharded(loss_fn, argnums_t, args, specs),
                                 kwargs, aux, axes, aux_reduce, nnx_state=bool(objects),
                                 inputs=_whole_and_split(args, specs, argnums_t, n_args,
-                                                        closure.names, axes))
+                                                        closure.names, axes),
+                                loss_reduce=loss_reduce)
             mapped = jax.shard_map(local, mesh=the_mesh, in_specs=specs, out_specs=P())
 
             def loss(*args: Any) -> Any:
@@ -222,12 +234,12 @@ def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0,
 
 def grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False, *,
          axis_name: str | Sequence[str] = "data", mesh: Any = None,
-         in_specs: Any = None, aux_reduce: str | None = "auto",
+         in_specs: Any = None, aux_reduce: Any = "auto", loss_reduce: str = "mean",
          split_closed_over: bool = False) -> Callable[..., Any]:
     """`jax.grad` of a data-parallel loss: `value_and_grad` without the value (``(grads, aux)``
     with `has_aux`, as `jax.grad` returns)."""
     both = value_and_grad(fun, argnums, has_aux, axis_name=axis_name, mesh=mesh,
-                          in_specs=in_specs, aux_reduce=aux_reduce,
+                          in_specs=in_specs, aux_reduce=aux_reduce, loss_reduce=loss_reduce,
                           split_closed_over=split_closed_over)
 
     def gradient(*args: Any, **kwargs: Any) -> Any:
@@ -276,9 +288,10 @@ def _moving_axes(axes: tuple, mesh: Any) -> tuple:
 
 
 def _local_loss(fun: Callable[..., Any], kwargs: dict, has_aux: bool, axes: tuple,
-                aux_reduce: str | None = "auto", nnx_state: bool = False,
-                inputs: str = "") -> Callable[..., Any]:
-    """The per-shard loss, averaged over `axes`: the function the shard_map maps. `inputs`
+                aux_reduce: Any = "auto", nnx_state: bool = False,
+                inputs: str = "", loss_reduce: str = "mean") -> Callable[..., Any]:
+    """The per-shard loss, combined over `axes` as `loss_reduce` says (`reductions`): the
+    function the shard_map maps. `inputs`
     (`_whole_and_split`): which non-differentiated arrays entered whole and which split,
     said where the loss fails on them (JAX's broadcasting error names neither)."""
     def local(*args: Any) -> Any:
@@ -299,26 +312,23 @@ def _local_loss(fun: Callable[..., Any], kwargs: dict, has_aux: bool, axes: tupl
             raise TypeError("libra_jax.value_and_grad: with has_aux=True the loss function must "
                             "return a pair (loss, aux), as for jax.value_and_grad; got "
                             f"{_describe(out)}")
-        if not has_aux and isinstance(out, (tuple, list)):
+        if not has_aux and loss_reduce != "ratio" and isinstance(out, (tuple, list)):
             raise TypeError("libra_jax.value_and_grad: the loss function returned a "
                             f"{type(out).__name__} of {len(out)}; if it is (loss, aux), pass "
                             "has_aux=True, as for jax.value_and_grad")
         loss, aux = out if has_aux else (out, None)
-        shape, dtype = np.shape(loss), jax.numpy.result_type(loss)
-        if shape != () or not jax.numpy.issubdtype(dtype, np.floating):
-            raise TypeError(f"libra_jax.value_and_grad: the loss must be a float scalar (as "
-                            f"for jax.value_and_grad), got {dtype}{list(shape)}")
-        loss = jax.lax.pmean(loss, axes)
+        if loss_reduce == "sum":
+            # Read from the loss's own jaxpr (a second trace of it, under this option only).
+            reductions.refuse_invariant_terms(jax.make_jaxpr(
+                lambda *a: fun(*a, **kwargs)[0] if has_aux else fun(*a, **kwargs))(*args), axes)
+        loss = reductions.reduce_loss(loss, axes, loss_reduce)
         if not has_aux:
             return loss
-
-        def reduced(tree: Any, how: str | None) -> Any:
-            return jax.tree_util.tree_map_with_path(
-                lambda p, v: _reduce_aux(p, v, axes, how), tree)
         if nnx_state:  # (the loss's aux, the NNX objects' other state: "auto"'s rule)
             user, state = out[1]
-            return loss, (reduced(user, aux_reduce), reduced(state, "auto"))
-        return loss, reduced(aux, aux_reduce)
+            return loss, (reductions.reduce_aux(user, axes, aux_reduce),
+                          reductions.reduce_aux(state, axes, "auto"))
+        return loss, reductions.reduce_aux(aux, axes, aux_reduce)
     return local
 
 
@@ -351,26 +361,6 @@ def _failed_on_shards(error: Exception, inputs: str) -> str:
     return (f"libra_jax.value_and_grad: the loss failed on one shard's inputs ({first}); "
             f"{inputs}. If a whole one is batch, place it as the batch is (split along its "
             "leading dimension), or give in_specs")
-
-
-#: `value_and_grad(aux_reduce=...)`.
-AUX_REDUCTIONS = ("auto", "sum", "mean", None)
-
-
-def _reduce_aux(path: Any, value: Any, axes: tuple, how: str | None) -> Any:
-    """An aux leaf made the same on every shard as `how` (`AUX_REDUCTIONS`) says."""
-    if how == "auto":
-        return _mean_aux(path, value, axes)
-    value = jax.numpy.asarray(value)
-    missing = tuple(a for a in axes if a not in _compat.varying_axes(jax.typeof(value)))
-    if missing and _compat.check_vma_enabled():
-        value = _compat.pvary(value, missing)  # the same on those shards: varying for the sum
-    if how == "sum":
-        return jax.lax.psum(value, axes)
-    if how == "mean":
-        return jax.lax.pmean(value, axes)
-    # None: one row per shard, the same stack on every shard (the shard_map's P() output).
-    return _compat.all_gather_invariant(value, axes)
 
 
 def _every_axis_manual() -> bool:
@@ -511,24 +501,6 @@ def _closure_refusal(error: Exception) -> str | None:
             "over it), and JAX takes no such value into the route's shard_map: pass it to the "
             "loss as an argument (an array is split along its leading dimension as the batch; "
             "in_specs says otherwise), or close over it in the loss itself")
-
-
-def _mean_aux(path: Any, value: Any, axes: tuple) -> Any:
-    """An aux leaf, the same on every shard: averaged over `axes` where it differs (a float),
-    else as it is (averaging the same value would round it, on a mesh of other than a power
-    of two devices)."""
-    value = jax.numpy.asarray(value)
-    varying = set(axes) & _compat.varying_axes(jax.typeof(value))
-    if varying and jax.numpy.issubdtype(value.dtype, np.inexact):
-        return jax.lax.pmean(value, axes)
-    if varying:
-        raise TypeError(
-            f"libra_jax.value_and_grad: aux{jax.tree_util.keystr(path)} is a {value.dtype} that "
-            f"differs from shard to shard (it varies over {sorted(varying)}); by default float "
-            "aux is averaged over the batch's shards and other aux must be the same on every "
-            "shard: pass aux_reduce='sum' (a count over the whole batch), 'mean', or None (one "
-            "value per shard)")
-    return value
 
 
 def _mesh(mesh: Any, args: tuple) -> Any:

@@ -34,7 +34,7 @@ class NnxObjects:
     `nnx.value_and_grad`: a differentiated one is differentiated with respect to its
     `nnx.Param` state, and the gradient is that `nnx.State`; each object's other state (batch
     statistics, random streams) enters the shard_map replicated, and what the loss makes of
-    it is written back into the object, as `_mean_aux` makes aux (float values averaged over
+    it is written back into the object, as `reductions` makes "auto" aux (float values averaged over
     the batch's shards, others the same on every shard).
 
     Traced values cannot carry objects through `jax.shard_map` and `jax.value_and_grad`:
