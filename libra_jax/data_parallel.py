@@ -78,7 +78,14 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from libra_jax import _compat, config, reductions
-from libra_jax.loss_inputs import Closure, NnxObjects, NonArrays, shown_layout, spec_axes
+from libra_jax.loss_inputs import (
+    Closure,
+    EqxModules,
+    NnxObjects,
+    NonArrays,
+    shown_layout,
+    spec_axes,
+)
 
 __all__ = ["value_and_grad", "grad"]
 
@@ -176,17 +183,20 @@ def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0,
         axes = _moving_axes(axes_named, the_mesh)
         closure = Closure.of(fun, axes, the_mesh, split_closed_over)
         closure.notice_whole(axes)
-        args = objects.values(args)
-        non_arrays, args, given_specs = NonArrays.of(args, argnums_t, in_specs)
+        modules = EqxModules.of(args, argnums_t)
+        args = modules.values(objects.values(args))
+        non_arrays, args, given_specs = NonArrays.of(args, argnums_t, in_specs,
+                                                     len(modules.where))
         specs = _specs(args[:n_args], argnums_t, axes, the_mesh, given_specs)
-        specs += (P(),) * (len(args) - n_args)  # the NNX objects' other state: replicated
+        # The NNX objects' other state, the Equinox modules' static part: replicated.
+        specs += (P(),) * (len(args) - n_args)
         _check_parameters(args, argnums_t, specs, the_mesh, axes)
         closure.notice_unsplit(axes, _splits_batch(
             [s for i, s in enumerate(specs[:n_args]) if i not in argnums_t] + closure.specs))
         # The arrays the loss closes over that the shard_map takes (`Closure`): last.
         args, specs = args + tuple(closure.hoisted), specs + tuple(closure.specs)
-        loss_fn = closure.taking(lambda f: non_arrays.restoring(
-            objects.merging(f, has_aux) if objects else f))
+        loss_fn = closure.taking(lambda f: non_arrays.restoring(modules.merging(
+            objects.merging(f, has_aux) if objects else f)))
         aux = has_aux or bool(objects)
 
         def run(*args: Any) -> Any:

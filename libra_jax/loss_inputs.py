@@ -1,7 +1,7 @@
 """What a data-parallel loss reads besides its positional arrays, made inputs of the route's
 `jax.shard_map` (`libra_jax.data_parallel`): Flax NNX objects passed as arguments
-(`NnxObjects`), arrays the loss closes over (`Closure`); and what it takes that is not an
-array, passed to it as it is (`NonArrays`).
+(`NnxObjects`) and Equinox modules (`EqxModules`), arrays the loss closes over (`Closure`);
+and what it takes that is not an array, passed to it as it is (`NonArrays`).
 
 Layer: imports `libra_jax._compat` and `config` (and `rewrite.nnx_objects`, late); used by
 `data_parallel` alone.
@@ -102,6 +102,55 @@ class NnxObjects:
         return ((value, aux) if has_aux else value), grads
 
 
+class EqxModules:
+    """Equinox modules passed to the route as differentiated arguments of their own (Levanter's
+    GPT-2, with `bool` fields such as ``inference``), differentiated as
+    `eqx.filter_value_and_grad` differentiates them: with respect to their inexact arrays, the
+    other leaves (bools, ints, integer arrays, functions) static. The gradient is the module's
+    inexact part, None elsewhere, as `eqx.filter_value_and_grad` returns it. A plain pytree
+    with non-float leaves keeps JAX's refusal.
+
+    `values` replaces each by its inexact part (`eqx.partition`) and appends the rest as
+    arguments (entering whole; `NonArrays` passes its non-arrays as they are); `merging` wraps
+    the loss to combine them again (`eqx.combine`)."""
+
+    def __init__(self, where: list[int]) -> None:
+        self.where = where
+
+    @classmethod
+    def of(cls, args: tuple, argnums: tuple) -> EqxModules:
+        eqx = sys.modules.get("equinox")
+        if eqx is None:
+            return cls([])
+        return cls([i for i in argnums if isinstance(args[i], eqx.Module)])
+
+    def __bool__(self) -> bool:
+        return bool(self.where)
+
+    def values(self, args: tuple) -> tuple:
+        if not self.where:
+            return args
+        eqx = sys.modules["equinox"]
+        values, rest = list(args), []
+        for i in self.where:
+            values[i], static = eqx.partition(args[i], eqx.is_inexact_array)
+            rest.append(static)
+        return tuple(values) + tuple(rest)
+
+    def merging(self, fun: Callable[..., Any]) -> Callable[..., Any]:
+        if not self.where:
+            return fun
+        eqx = sys.modules["equinox"]
+        where, n = self.where, len(self.where)
+
+        def loss(*values: Any, **kwargs: Any) -> Any:
+            args, rest = list(values[:-n]), values[-n:]
+            for i, static in zip(where, rest):
+                args[i] = eqx.combine(args[i], static)
+            return fun(*args, **kwargs)
+        return loss
+
+
 class NonArrays:
     """What the loss takes that is not an array: the leaves of its non-differentiated
     arguments that are not arrays (a model module, a config's strings; MaxText's
@@ -115,9 +164,12 @@ class NonArrays:
         self.held: dict[int, tuple[Any, dict[int, Any]]] = {}
 
     @classmethod
-    def of(cls, args: tuple, argnums: tuple, in_specs: Any) -> tuple[NonArrays, tuple, Any]:
+    def of(cls, args: tuple, argnums: tuple, in_specs: Any, static_numbers: int = 0
+           ) -> tuple[NonArrays, tuple, Any]:
         """The non-arrays of `args`, the arguments without them, and `in_specs` with each
-        ``None`` entry (an argument that is not an array) made ``P()``."""
+        ``None`` entry (an argument that is not an array) made ``P()``. In the last
+        `static_numbers` arguments (the Equinox modules' static parts) a Python number is
+        static too, as Equinox takes it."""
         found = cls()
         entries = (tuple(in_specs) if isinstance(in_specs, (tuple, list)) else
                    None if in_specs is None else (in_specs,))
@@ -127,7 +179,9 @@ class NonArrays:
             if i in argnums:
                 continue
             leaves, tree = jax.tree.flatten(arg)
-            held = {k: x for k, x in enumerate(leaves) if i in marked or not _is_array(x)}
+            numbers = i >= len(args) - static_numbers
+            held = {k: x for k, x in enumerate(leaves)
+                    if i in marked or not _is_array(x) or (numbers and not hasattr(x, "shape"))}
             if held:
                 found.held[i] = (tree, held)
                 out[i] = jax.tree.unflatten(tree, [None if k in held else x
@@ -147,7 +201,7 @@ class NonArrays:
         def restored(*args: Any, **kwargs: Any) -> Any:
             full = list(args)
             for i, (tree, held) in self.held.items():
-                leaves = jax.tree.flatten(full[i], is_leaf=lambda x: x is None)[0]
+                leaves = tree.flatten_up_to(full[i])
                 full[i] = jax.tree.unflatten(tree, [held.get(k, x) for k, x in enumerate(leaves)])
             return fun(*full, **kwargs)
         return restored
@@ -319,6 +373,8 @@ def _value_key(leaf: Any, depth: int) -> Any:
         return ("object", id(leaf))
     if isinstance(leaf, _compat.Tracer):
         return ("traced", id(leaf))  # under a trace: the caller's trace decides
+    if callable(leaf) and type(leaf).__module__.split(".")[0] in ("jax", "jaxlib"):
+        return ("object", id(leaf))  # JAX's functions (jax.nn.gelu): fixed
     if isinstance(leaf, types.FunctionType) and depth < 4:
         found = closure_parts(leaf)
         inner: list[Any] = [id(leaf.__code__), leaf.__defaults__ is None]

@@ -401,3 +401,75 @@ def test_a_replicated_batch_shaped_array_beside_the_split_batch_is_named():
                               r"argument 1 float32\[64, 16\]; whole on every shard .*: the "
                               r"closed-over targets float32\[64, 4\]"):
         route(loss)(w, x)
+
+
+# --- Equinox modules, as eqx.filter_value_and_grad differentiates them ----------------------
+
+def eqx_model(key):
+    import equinox as eqx
+
+    class Block(eqx.Module):
+        """Levanter's shape of module: `bool` and `int` fields, an integer array, a Dropout."""
+        layers: list
+        dropout: eqx.nn.Dropout
+        inference: bool
+        repeats: int
+        offsets: jax.Array  # int32: not differentiated
+        activation: object = jax.nn.gelu
+
+        def __call__(self, x):
+            h = x
+            for _ in range(self.repeats):
+                for layer in self.layers:
+                    h = self.activation(layer(h))
+            h = self.dropout(h, inference=self.inference)
+            return h + self.offsets.astype(h.dtype)
+
+    k1, k2 = jax.random.split(key)
+    return Block([eqx.nn.Linear(16, 16, key=k1), eqx.nn.Linear(16, 4, key=k2)],
+                 eqx.nn.Dropout(0.1), inference=True, repeats=1,
+                 offsets=jnp.arange(4, dtype=jnp.int32))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_equinox_module_with_bool_and_int_fields_trains(kind):
+    """Levanter's GPT-2 is an Equinox module with bool fields: the route ended in JAX's "grad
+    requires real- or complex-valued inputs ... got bool". A module passed as a
+    differentiated argument is differentiated as eqx.filter_value_and_grad does (its inexact
+    arrays; the rest static): 3 SGD steps, class 3 of eqx.filter_value_and_grad's, the
+    gradient None where it is; optimized, bitwise its XLA control."""
+    import equinox as eqx
+    mesh = make_mesh(kind)
+    rng = np.random.default_rng(4)
+    x = put(rng.standard_normal((64, 16)).astype(np.float32), mesh, P("data"))
+    y = put(rng.standard_normal((64, 4)).astype(np.float32), mesh, P("data"))
+
+    def loss(model, x, y):
+        return jnp.mean((jax.vmap(model)(x) - y) ** 2)
+
+    def step_with(value_and_grad):
+        def step(model, x, y):
+            value, grads = value_and_grad(loss)(model, x, y)
+            return eqx.apply_updates(model, jax.tree.map(lambda g: -0.1 * g, grads)), value
+        return step
+    runs = {}
+    with jax.set_mesh(mesh):
+        for name, vg in (("route", route), ("plain", eqx.filter_value_and_grad)):
+            model, losses = eqx_model(jax.random.key(0)), []
+            step = eqx.filter_jit(step_with(vg))
+            for _ in range(3):
+                model, value = step(model, x, y)
+                losses.append(value)
+            runs[name] = (eqx.filter(model, eqx.is_inexact_array), losses)
+        _, grads = route(loss)(eqx_model(jax.random.key(0)), x, y)
+        model = eqx_model(jax.random.key(0))
+        fast = eqx.filter_jit(libra_jax.optimize(step_with(route)))(model, x, y)
+        control = eqx.filter_jit(libra_jax.optimize(step_with(route), collectives="xla"))(
+            model, x, y)
+    close(runs["route"], runs["plain"])
+    assert grads.inference is None and grads.offsets is None and grads.repeats is None
+    assert grads.layers[0].weight.shape == (16, 16)
+    jax.tree.map(assert_bitwise, eqx.filter(fast, eqx.is_array), eqx.filter(control, eqx.is_array))
+    # A plain pytree with a bool leaf keeps JAX's refusal.
+    with pytest.raises(TypeError, match="grad requires real- or complex-valued inputs"):
+        route(lambda p, x: jnp.mean(x @ p["w"]))({"w": jnp.ones((16, 4)), "flag": True}, x)
