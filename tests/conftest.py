@@ -42,6 +42,21 @@ def shard(x, mesh, spec):
     return jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))
 
 
+def data_mesh(kind: str):
+    """A 1-D ("data",) mesh over 8 CPU devices whose axis is of `kind`: "auto" or "explicit"."""
+    jax = _jax()
+    axis_type = (jax.sharding.AxisType.Explicit if kind == "explicit" else
+                 jax.sharding.AxisType.Auto)
+    return jax.sharding.Mesh(np.array(jax.devices("cpu")[:8]), ("data",),
+                             axis_types=(axis_type,))
+
+
+def assert_trees_close(got, want) -> None:
+    """`assert_codegen_close` of two pytrees of arrays (jax's or NumPy's)."""
+    jax = _jax()
+    assert_codegen_close(jax.tree.map(np.asarray, got), jax.tree.map(np.asarray, want))
+
+
 # --- Comparing results: the three classes of docs/bitwise.md ---------------------
 # (libra_jax.testing): classes 1 and 2 (by construction; the same program but the collective)
 # are bitwise, class 3 (two programs: by XLA's code generation) is within CODEGEN_ULPS.

@@ -16,40 +16,27 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import libra_jax
 
-from conftest import assert_bitwise, assert_codegen_close
+from conftest import assert_bitwise, assert_trees_close as close, data_mesh as make_mesh
+from conftest import shard as put
 
 pytestmark = pytest.mark.usefixtures("jax_8")
 
 KINDS = ("auto", "explicit")
 
 
-def make_mesh(kind: str) -> jax.sharding.Mesh:
-    axis_type = AxisType.Explicit if kind == "explicit" else AxisType.Auto
-    return jax.sharding.Mesh(np.array(jax.devices("cpu")[:8]), ("data",),
-                             axis_types=(axis_type,))
-
-
-def put(x, mesh, spec):
-    return jax.device_put(x, NamedSharding(mesh, spec))
-
-
 def route(fn, **kw):
     return libra_jax.value_and_grad(fn, axis_name="data", **kw)
-
-
-def close(got, want):
-    assert_codegen_close(jax.tree.map(np.asarray, got), jax.tree.map(np.asarray, want))
 
 
 def read_whole(x, mesh):
     """`x` read whole, as a GSPMD loss reads an FSDP-sharded table: `reshard` on an explicit
     mesh, `with_sharding_constraint` on an auto one."""
-    if AxisType.Explicit in mesh.axis_types:
+    if jax.sharding.AxisType.Explicit in mesh.axis_types:
         return jax.sharding.reshard(x, P())
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P()))
 
@@ -251,7 +238,7 @@ def test_two_routes_tracing_at_once_in_two_threads():
             if before is not None:
                 assert before.wait(30)
             results[name] = jax.jit(route(loss, in_specs=(P(), P(), P("data"))))(w, table, x)
-        except BaseException as e:  # noqa: BLE001 (reported below)
+        except BaseException as e:
             results[name] = e
         finally:
             if after is not None:

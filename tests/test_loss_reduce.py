@@ -9,30 +9,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import libra_jax
 
-from conftest import assert_bitwise, assert_codegen_close
+from conftest import assert_bitwise, assert_trees_close as close, data_mesh as make_mesh
+from conftest import shard as put
 
 pytestmark = pytest.mark.usefixtures("jax_8")
 
 KINDS = ("auto", "explicit")
-
-
-def make_mesh(kind: str) -> jax.sharding.Mesh:
-    axis_type = AxisType.Explicit if kind == "explicit" else AxisType.Auto
-    return jax.sharding.Mesh(np.array(jax.devices("cpu")[:8]), ("data",),
-                             axis_types=(axis_type,))
-
-
-def put(x, mesh, spec):
-    return jax.device_put(x, NamedSharding(mesh, spec))
-
-
-def close(got, want):
-    assert_codegen_close(jax.tree.map(np.asarray, got), jax.tree.map(np.asarray, want))
 
 
 def problem(mesh, seed=0):
