@@ -83,6 +83,7 @@ from libra_jax.loss_inputs import (
     EqxModules,
     NnxObjects,
     NonArrays,
+    resizing_named_arrays,
     shown_layout,
     spec_axes,
 )
@@ -93,7 +94,7 @@ __all__ = ["value_and_grad", "grad"]
 def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0,
                    has_aux: bool = False, *, axis_name: str | Sequence[str] = "data",
                    mesh: Any = None, in_specs: Any = None,
-                   aux_reduce: Any = "auto", loss_reduce: str = "mean",
+                   aux_reduce: Any = "auto", loss_reduce: str | None = None,
                    split_closed_over: bool = False) -> Callable[..., Any]:
     """`jax.value_and_grad` of a data-parallel loss, with its all-reduces where `optimize` sees them.
 
@@ -129,7 +130,9 @@ def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0,
         Or a pytree prefix of aux with one of these per subtree, as clu-style metrics need
         (``{"loss_sum": "sum", "tokens": "sum", "accuracy": "ratio"}``).
       loss_reduce: how the shards' losses make the value GSPMD computes from the whole
-        batch: ``"mean"`` (default; a loss that is a mean over examples), ``"sum"`` (a sum
+        batch: ``"mean"`` (a loss that is a mean over examples; the default, None, is the
+        mean, with a notice where the loss is a sum over the shard's examples, as no mean
+        is), ``"sum"`` (a sum
         over examples or tokens, T5X's default: the mean would be 1/shards of it, and so
         would every gradient; a term added to the loss that is the same on every shard, a
         weight penalty, is refused, as the sum would count it once per shard), or
@@ -148,7 +151,9 @@ def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0,
       aux as `aux_reduce` says. Keyword arguments are passed to `fun` whole, on every shard.
     """
     aux_reduce = reductions.check_aux_reduce(aux_reduce)
-    loss_reduce = config.choice_option(loss_reduce, reductions.LOSS_REDUCTIONS, "loss_reduce",
+    read_sum = loss_reduce is None  # the default: the mean, said where the loss is a sum
+    loss_reduce = config.choice_option("mean" if read_sum else loss_reduce,
+                                       reductions.LOSS_REDUCTIONS, "loss_reduce",
                                        "libra_jax.value_and_grad")
     argnums = _check_argnums(argnums)
     split_closed_over = config.bool_option(split_closed_over, "split_closed_over",
@@ -200,11 +205,13 @@ def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0,
         aux = has_aux or bool(objects)
 
         def run(*args: Any) -> Any:
-            local = _local_loss(_gather_sharded(loss_fn, argnums_t, args, specs),
+            local = _local_loss(_gather_sharded(resizing_named_arrays(loss_fn), argnums_t, args,
+                                                specs),
                                 kwargs, aux, axes, aux_reduce, nnx_state=bool(objects),
                                 inputs=_whole_and_split(args, specs, argnums_t, n_args,
                                                         closure.names, axes),
-                                loss_reduce=loss_reduce)
+                                loss_reduce=loss_reduce, read_sum=read_sum,
+                                shards=math.prod(the_mesh.shape[a] for a in axes))
             mapped = jax.shard_map(local, mesh=the_mesh, in_specs=specs, out_specs=P())
 
             def loss(*args: Any) -> Any:
@@ -244,7 +251,7 @@ def value_and_grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0,
 
 def grad(fun: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False, *,
          axis_name: str | Sequence[str] = "data", mesh: Any = None,
-         in_specs: Any = None, aux_reduce: Any = "auto", loss_reduce: str = "mean",
+         in_specs: Any = None, aux_reduce: Any = "auto", loss_reduce: str | None = None,
          split_closed_over: bool = False) -> Callable[..., Any]:
     """`jax.grad` of a data-parallel loss: `value_and_grad` without the value (``(grads, aux)``
     with `has_aux`, as `jax.grad` returns)."""
@@ -299,9 +306,11 @@ def _moving_axes(axes: tuple, mesh: Any) -> tuple:
 
 def _local_loss(fun: Callable[..., Any], kwargs: dict, has_aux: bool, axes: tuple,
                 aux_reduce: Any = "auto", nnx_state: bool = False,
-                inputs: str = "", loss_reduce: str = "mean") -> Callable[..., Any]:
+                inputs: str = "", loss_reduce: str = "mean", read_sum: bool = False,
+                shards: int = 1) -> Callable[..., Any]:
     """The per-shard loss, combined over `axes` as `loss_reduce` says (`reductions`): the
-    function the shard_map maps. `inputs`
+    function the shard_map maps; with `read_sum` (the default reduction), a notice where the
+    loss is a sum over the shard's examples (of `shards`). `inputs`
     (`_whole_and_split`): which non-differentiated arrays entered whole and which split,
     said where the loss fails on them (JAX's broadcasting error names neither)."""
     def local(*args: Any) -> Any:
@@ -327,10 +336,15 @@ def _local_loss(fun: Callable[..., Any], kwargs: dict, has_aux: bool, axes: tupl
                             f"{type(out).__name__} of {len(out)}; if it is (loss, aux), pass "
                             "has_aux=True, as for jax.value_and_grad")
         loss, aux = out if has_aux else (out, None)
-        if loss_reduce == "sum":
-            # Read from the loss's own jaxpr (a second trace of it, under this option only).
-            reductions.refuse_invariant_terms(jax.make_jaxpr(
-                lambda *a: fun(*a, **kwargs)[0] if has_aux else fun(*a, **kwargs))(*args), axes)
+        if loss_reduce == "sum" or read_sum:
+            # Read from the loss's own jaxpr: a second trace of it, under "sum" and the
+            # default (an explicit "mean" skips it).
+            closed = jax.make_jaxpr(
+                lambda *a: fun(*a, **kwargs)[0] if has_aux else fun(*a, **kwargs))(*args)
+            if read_sum:
+                reductions.notice_unnormalised_sum(closed, axes, shards)
+            else:
+                reductions.refuse_invariant_terms(closed, axes)
         loss = reductions.reduce_loss(loss, axes, loss_reduce)
         if not has_aux:
             return loss

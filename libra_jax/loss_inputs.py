@@ -1,7 +1,8 @@
 """What a data-parallel loss reads besides its positional arrays, made inputs of the route's
 `jax.shard_map` (`libra_jax.data_parallel`): Flax NNX objects passed as arguments
 (`NnxObjects`) and Equinox modules (`EqxModules`), arrays the loss closes over (`Closure`);
-and what it takes that is not an array, passed to it as it is (`NonArrays`).
+what it takes that is not an array, passed to it as it is (`NonArrays`); and Haliax named
+arrays, whose axes are resized to their shard (`resizing_named_arrays`).
 
 Layer: imports `libra_jax._compat` and `config` (and `rewrite.nnx_objects`, late); used by
 `data_parallel` alone.
@@ -19,7 +20,8 @@ from jax.sharding import PartitionSpec as P
 
 from libra_jax import _compat, config
 
-__all__ = ["NnxObjects", "Closure", "closure_parts", "spec_axes"]
+__all__ = ["NnxObjects", "EqxModules", "NonArrays", "Closure", "closure_parts", "spec_axes",
+           "resizing_named_arrays"]
 
 
 def spec_axes(entry: Any) -> tuple[str, ...]:
@@ -149,6 +151,33 @@ class EqxModules:
                 args[i] = eqx.combine(args[i], static)
             return fun(*args, **kwargs)
         return loss
+
+
+def resizing_named_arrays(fun: Callable[..., Any]) -> Callable[..., Any]:
+    """`fun` called with each Haliax `NamedArray` among its arguments given the axis sizes of
+    its own array. The route's shard_map splits a NamedArray's array as it splits any array
+    (along its leading dimension, or as in_specs says), and JAX rebuilds the NamedArray
+    around the shard with the whole batch's axes (``batch`` 16 over a shard of 2), which
+    Haliax's operations then broadcast against the wrong sizes. Resized here, after the
+    FSDP gathers (a gathered parameter's axes match again and are left as they are)."""
+    haliax = sys.modules.get("haliax")
+    if haliax is None:
+        return fun
+
+    def is_named(x: Any) -> bool:
+        return isinstance(x, haliax.NamedArray)
+
+    def resized(x: Any) -> Any:
+        if not is_named(x) or not hasattr(x.array, "shape"):  # (an Equinox static part's)
+            return x
+        shape = tuple(x.array.shape)
+        if len(shape) != len(x.axes) or shape == tuple(axis.size for axis in x.axes):
+            return x
+        return haliax.named(x.array, tuple(axis.resize(n) for axis, n in zip(x.axes, shape)))
+
+    def loss(*args: Any, **kwargs: Any) -> Any:
+        return fun(*jax.tree.map(resized, args, is_leaf=is_named), **kwargs)
+    return loss
 
 
 class NonArrays:

@@ -14,10 +14,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from libra_jax import _compat
+from libra_jax import _compat, config
 
 __all__ = ["LOSS_REDUCTIONS", "AUX_REDUCTIONS", "check_aux_reduce", "reduce_loss",
-           "reduce_aux", "refuse_invariant_terms"]
+           "reduce_aux", "refuse_invariant_terms", "notice_unnormalised_sum"]
 
 #: `value_and_grad(loss_reduce=...)`: the mean of the shards' losses (a mean over examples),
 #: their sum (a sum over examples or tokens), or a loss written as the pair it divides,
@@ -193,3 +193,46 @@ def _invariant_refusal(term: str) -> str:
             f"shard ({term}: a weight penalty, a constant), which the sum over the shards "
             "would count once per shard; add it outside the route (to the value, and its "
             "gradient to the gradients), or divide it by the shard count")
+
+
+#: Primitives that carry a value on at its scale: a cast, a reshape (`notice_unnormalised_sum`).
+_SAME_SCALE = {"reshape", "squeeze"}
+
+
+def notice_unnormalised_sum(closed: Any, axes: tuple, shards: int) -> None:
+    """Under the default ``loss_reduce``: say where the loss (the jaxpr `closed` of the
+    per-shard loss, its first output) is a sum over its shard's examples, a ``reduce_sum`` of
+    a value that varies over the batch's `axes` reaching the output through additions and
+    casts only: the mean of the shards' sums is 1/`shards` of GSPMD's loss over the whole
+    batch, and so is every gradient (T5X's default loss). Read from the program's structure
+    (a division or a product after the sum is a normaliser: no notice), never from its
+    literals; the reduction itself stays the user's to say."""
+    producers = {v: e for e in closed.jaxpr.eqns for v in e.outvars}
+    batch = set(axes)
+    stack: list[Any] = [closed.jaxpr.outvars[0]]
+    seen: set[int] = set()
+    while stack:
+        v = stack.pop()
+        if id(v) in seen or not _compat.is_var(v):
+            continue
+        seen.add(id(v))
+        eqn = producers.get(v)
+        if eqn is None:
+            continue
+        name = eqn.primitive.name
+        if name == "reduce_sum":
+            operand = eqn.invars[0]
+            if (_compat.is_var(operand) and operand.aval.ndim
+                    and batch <= _compat.varying_axes(operand.aval)):
+                config.notice(
+                    "loss-is-a-sum",
+                    f"{_WHO}: the loss is a sum over its shard's examples, and the default "
+                    "loss_reduce averages the shards' losses: the value and every gradient "
+                    f"are 1/{shards} of the loss's over the whole batch. Pass "
+                    "loss_reduce='sum' for a sum over the batch (T5X's default), 'ratio' "
+                    "with the pair (numerator, denominator) for one normalised by a count "
+                    "over the whole batch, or 'mean' to say the mean of the shards' sums is "
+                    "meant")
+                return
+        elif name in _ADDITIVE or name in _SAME_SCALE:
+            stack.extend(eqn.invars)

@@ -93,6 +93,33 @@ def test_the_default_is_the_mean_of_the_shards_losses():
     check("explicit", mean_loss, mean_loss, loss_reduce="mean")
 
 
+def notices(loss, **options):
+    """The notices' ids the route's trace of `loss` gives (under jax.jit), in order."""
+    import warnings
+    mesh = make_mesh("auto")
+    with warnings.catch_warnings(record=True) as caught, jax.set_mesh(mesh):
+        warnings.simplefilter("always")
+        jax.jit(libra_jax.value_and_grad(loss, **options))(*problem(mesh))
+    return [str(w.message).split("[libra_jax notice ")[1].split(":")[0]
+            for w in caught if "[libra_jax notice " in str(w.message)]
+
+
+def test_a_sum_loss_under_the_default_is_noticed():
+    """T5X's sum loss under the default reduction was 1/8 of GSPMD's, and nothing said so: a
+    notice names the option. A mean, a loss normalised by a count (a division after the sum)
+    and an explicit reduction give none."""
+    assert notices(sum_loss) == ["loss-is-a-sum"]
+    # through additions and casts: a sum is still a sum
+    assert notices(lambda *a: (sum_loss(*a) - 1.0).astype(jnp.bfloat16).astype(
+        jnp.float32)) == ["loss-is-a-sum"]
+    assert notices(lambda w, x, y, mask: jnp.mean(token_losses(w, x, y))) == []
+    assert notices(normalised_loss) == []
+    assert notices(lambda *a: sum_loss(*a) / 384.0) == []
+    assert notices(sum_loss, loss_reduce="mean") == []
+    assert notices(sum_loss, loss_reduce="sum") == []
+    assert notices(normalised_parts, loss_reduce="ratio") == []
+
+
 def test_a_penalty_under_a_sum_is_refused_in_one_line():
     """A term the same on every shard (a weight penalty) added to a summed loss would count
     once per shard: refused, naming the option."""
