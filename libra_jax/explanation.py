@@ -15,6 +15,7 @@ import dataclasses
 import io
 import shutil
 import sys
+import textwrap
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
@@ -157,7 +158,7 @@ class Explanation:
             except ImportError:
                 if use_rich:
                     raise
-        return _plain_text(self)
+        return _plain_text(self, width)
 
     def __str__(self) -> str:
         return self.table(use_rich=False)
@@ -358,7 +359,7 @@ def _result_names(closed: Any, out_paths: Sequence[str], report: rewrite.Optimiz
     a reference the result is written into (and what is read from it after) counts as the
     input it is (`input_names`: id(variable) -> input path). The path that all the outputs and
     references it reaches with its size end with (the updated parameter and its optimizer
-    state: `_common_suffix`) names it, else the first of them. Paths are shortened by their
+    state: `_common_run`) names it, else the first of them. Paths are shortened by their
     common prefix.
     """
     wanted = {id(v): v for entry in report.predicted for v in entry["results"] if v is not None}
@@ -381,28 +382,44 @@ def _result_names(closed: Any, out_paths: Sequence[str], report: rewrite.Optimiz
     visit(closed.jaxpr, [])
     raw: dict[int, str] = {}
     for key, (positions, refs) in found.items():
-        size = _size(wanted[key].aval.shape)
-        if size <= 1:
-            continue  # a scalar (the loss): no parameter
         # Reached through values of the result's size (bias gradients may carry extra unit
         # axes; pmap outputs a leading device axis unless out_axes=None), or out of a
         # shard_map of the global array's (`_reach_top`); or the references written.
         paths = ([out_paths[i] for i in positions if out_avals[i] is not None]
                  + sorted(input_names[r] for r in refs if r in input_names))
-        if paths:
-            raw[key] = _common_suffix(paths) or paths[0]
+        shared = _common_run(paths)
+        if not wanted[key].aval.shape:
+            # A scalar: the loss or a metric reaches an output of its own; a scalar
+            # parameter's gradient reaches the parameter and its optimizer state, which
+            # share its path.
+            if len(paths) > 1 and shared:
+                raw[key] = shared
+        elif paths:
+            raw[key] = shared or paths[0]
     return _shorten(raw)
 
 
-def _common_suffix(paths: Sequence[str]) -> str:
-    """The path components every one of `paths` ends with: a gradient reaches its parameter
-    and that parameter's optimizer state (``params.layer0.b``, ``opt.0.mu.layer0.b``,
-    ``opt.acc_grads.layer0.b``), all of which end with the parameter's own path."""
+def _common_run(paths: Sequence[str]) -> str:
+    """The longest run of path components every one of `paths` holds: a gradient reaches its
+    parameter and that parameter's optimizer state, all of which hold the parameter's own
+    path: at their end (``params.layer0.b``, ``opt.0.mu.layer0.b``) or before a moment's
+    name (JAX's Training Cookbook's references: ``params.linear_out.kernel``,
+    ``opt.linear_out.kernel.mu``). Of runs as long, the last in the first path; "" where
+    they share none."""
     split = [p.split(".") for p in paths]
-    n = 0
-    while all(len(p) > n for p in split) and len({p[-1 - n] for p in split}) == 1:
-        n += 1
-    return ".".join(split[0][len(split[0]) - n:]) if n else ""
+    if not split:
+        return ""
+    first, rest = split[0], split[1:]
+
+    def held(run: list[str], path: list[str]) -> bool:
+        n = len(run)
+        return any(path[i:i + n] == run for i in range(len(path) - n + 1))
+    for n in range(len(first), 0, -1):
+        for start in range(len(first) - n, -1, -1):
+            run = first[start:start + n]
+            if all(held(run, p) for p in rest):
+                return ".".join(run)
+    return ""
 
 
 def _reach_top(jaxpr: Any, seeds: set, start: int, chain: list[tuple[Any, Any]],
@@ -481,12 +498,22 @@ def _aligned_subjaxprs(eqn: Any) -> list[Any]:
 _PIPED_WIDTH = 1000
 
 
+#: The end of the label of a scalar psum that no parameter's path reaches (`_unnamed`).
+_SCALAR = " of a scalar (a loss or metric)"
+
+
 def _unnamed(var: Any, index: int, collective: str = "all-reduce") -> str:
     shape = tuple(getattr(getattr(var, "aval", None), "shape", ()))
     name = collectives.lax_name(collective)
-    if not shape:  # no parameter's path reaches it: the loss or a metric, most likely
-        return f"{name} #{index} of a scalar (a loss or metric?)"
+    if not shape:  # no parameter's path reaches it: the loss or a metric
+        return f"{name} #{index}{_SCALAR}"
     return f"{name} #{index} {list(shape)}"
+
+
+def _is_loss_or_metric(name: str) -> bool:
+    """Whether a bucket member's name is `_unnamed`'s for a scalar no parameter's path
+    reaches: a loss or a metric, not a gradient."""
+    return name.endswith(_SCALAR)
 
 
 
@@ -500,10 +527,15 @@ def _size(shape: Sequence[int]) -> int:
 
 
 def _shorten(paths: dict[int, str]) -> dict[int, str]:
-    """Drop the leading components all paths share (e.g. ``0.0.params.``)."""
+    """Drop the leading components all paths share (e.g. ``0.0.params.``); a path alone
+    drops its leading argument indices (``0.w``: ``w``)."""
     split = {k: v.split(".") for k, v in paths.items()}
     if len(split) < 2:
-        return {k: ".".join(v[-2:]) for k, v in split.items()}
+        def own(v: list[str]) -> list[str]:
+            while len(v) > 1 and v[0].isdigit():
+                v = v[1:]
+            return v
+        return {k: ".".join(own(v)) for k, v in split.items()}
     common = 0
     values = list(split.values())
     while all(len(v) > common + 1 for v in values) and len({v[common] for v in values}) == 1:
@@ -520,30 +552,69 @@ def _fmt_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def _tensor_list(tensors: Sequence[str], limit: int = 60) -> str:
+def _tensor_list(tensors: Sequence[str], limit: int = 48) -> str:
+    """`tensors` for a table's cell of about `limit` characters: as many names as fit, the
+    first always (cut in the middle where it alone is longer), then how many more; the whole
+    list is printed under the table (`_member_lines`)."""
     text = ", ".join(tensors)
     if len(text) <= limit:
         return text
-    shown, total = [], 0
-    for t in tensors:
-        if total + len(t) + 2 > limit - 12:
+    room = limit - 10
+    shown = [_clip(tensors[0], room)]
+    total = len(shown[0])
+    for t in tensors[1:]:
+        if total + len(t) + 2 > room:
             break
         shown.append(t)
         total += len(t) + 2
-    return ", ".join(shown) + f" +{len(tensors) - len(shown)} more"
+    more = len(tensors) - len(shown)
+    return ", ".join(shown) + (f" +{more} more" if more else "")
+
+
+def _clip(name: str, room: int) -> str:
+    """`name` in at most `room` characters, its middle left out (``params…kernel``)."""
+    if len(name) <= room:
+        return name
+    head = (room - 1) // 2
+    return name[:head] + "\u2026" + name[len(name) - (room - 1 - head):]
+
+
+def _member_lines(rows: Sequence[BucketRow], width: int) -> list[str]:
+    """Every member of each bucket whose cell could not hold all of them, wrapped to `width`:
+    a gradient is named, never dropped."""
+    lines = []
+    for r in rows:
+        if _tensor_list(r.tensors) != ", ".join(r.tensors):
+            lines.extend(textwrap.wrap(f"#{r.index} ({len(r.tensors)}): " + ", ".join(r.tensors),
+                                       width=max(width, 40), initial_indent="  ",
+                                       subsequent_indent="      ", break_on_hyphens=False,
+                                       break_long_words=False))
+    return (["  members of the buckets above:"] + lines) if lines else []
+
+
+def _gradient_rows(s: ScopePlan) -> list[BucketRow]:
+    """The scope's buckets that carry a gradient: a bucket of losses and metrics alone (a
+    scalar no parameter's path reaches) is planned as the gradients are, and said apart."""
+    return [r for r in s.rows if not all(_is_loss_or_metric(t) for t in r.tensors)]
 
 
 def _header(s: ScopePlan) -> str:
+    kinds = [s.layers[i].collective for b in s.buckets for i in range(b.first, b.last + 1)]
+    names = [t for r in s.rows for t in r.tensors]
+    losses = sum(map(_is_loss_or_metric, names))
+    gradient = [k for k, t in zip(kinds, names) if not _is_loss_or_metric(t)]
+    counted = [_gradient_count(gradient)] if gradient or not losses else []
+    if losses:
+        counted.append(_plural(losses, "psum") + " of a loss or metric")
     return (f"scope {s.scope}{' (a loop body: each iteration)' if s.in_loop else ''}, axes "
             f"{', '.join(map(str, s.axes))}, {s.world} ranks, profile "
             f"{s.profile} (allocation in {s.key_unit.replace('_', ' ')}); "
-            f"{_gradient_count(s.layers)} -> {_plural(len(s.buckets), 'bucket')}")
+            f"{', '.join(counted)} -> {_plural(len(s.buckets), 'bucket')}")
 
 
-def _gradient_count(layers: Sequence[planner.Layer]) -> str:
+def _gradient_count(kinds: Sequence[str]) -> str:
     """"3 gradient psums", or "2 gradient psums, 4 gradient psum_scatters" in a mixed scope."""
-    counts = {c: sum(layer.collective == c for layer in layers) for c in collectives.KINDS
-              if c != "all-gather"}
+    counts = {c: kinds.count(c) for c in collectives.KINDS if c != "all-gather"}
     return ", ".join(_plural(n, f"gradient {collectives.lax_name(c)}") for c, n in counts.items()
                      if n or (c == "all-reduce" and not any(counts.values())))
 
@@ -566,16 +637,38 @@ def _cells(r: BucketRow) -> list[str]:
             f"{r.start_s * ms:.3f}-{r.end_s * ms:.3f}"]
 
 
-def _summary(s: ScopePlan) -> list[str]:
+def _summary(s: ScopePlan, width: int) -> list[str]:
+    """The lines under a scope's table: its buckets' members where a cell could not hold them,
+    the losses and metrics planned with the gradients, the predicted backward times (no
+    predicted ratio: the model prices the collectives and their contention, not the step),
+    where each bucket is issued."""
     ms = 1e3
+    rows = _gradient_rows(s)
+    lines = _member_lines(rows, width) + _loss_lines(s)
+    if not rows:
+        return lines
+    return lines + [
+        f"predicted backward: Libra {s.backward_s * ms:.3f} ms (compute alone "
+        f"{s.compute_s * ms:.3f} ms)",
+        f"  default allocation ({s.default_allocation}, 64 MiB fusion): "
+        f"{s.default_s * ms:.3f} ms",
+        f"  fusion only (allocation {s.default_allocation}): {s.fusion_only_s * ms:.3f} ms"
+    ] + ([f"  {s.limit}"] if s.limit else []) + _ready_lines(s)
 
-    def vs(t: float) -> str:
-        return f"{t * ms:.3f} ms (Libra {(s.backward_s / t - 1) * 100:+.1f}%)" if t > 0 else "0"
-    return [f"predicted backward: Libra {s.backward_s * ms:.3f} ms (compute alone "
-            f"{s.compute_s * ms:.3f} ms)",
-            f"  default allocation ({s.default_allocation}, 64 MiB fusion): {vs(s.default_s)}",
-            f"  fusion only (allocation {s.default_allocation}): {vs(s.fusion_only_s)}"
-            ] + ([f"  {s.limit}"] if s.limit else []) + _ready_lines(s)
+
+def _loss_lines(s: ScopePlan) -> list[str]:
+    """The scope's psums of a loss or metric (a scalar no parameter's path reaches): planned
+    with the gradients (the plan is the same), listed apart from them, identical ones once."""
+    lines = []
+    for r in s.rows:
+        losses = [t for t in r.tensors if _is_loss_or_metric(t)]
+        if not losses:
+            continue
+        where = (f"in bucket #{r.index}" if len(losses) < len(r.tensors) else
+                 f"{_fmt_bytes(r.nbytes)}, {r.blocks} blocks, {r.overlap}")
+        lines.append(f"  {', '.join(t[:-len(_SCALAR)] for t in losses)}: a scalar no "
+                     f"parameter's path reaches (a loss or metric), not a gradient; {where}")
+    return lines
 
 
 def _ready_lines(s: ScopePlan) -> list[str]:
@@ -585,7 +678,7 @@ def _ready_lines(s: ScopePlan) -> list[str]:
     if not any(r.ready_after for r in s.rows):
         return ["  buckets planned where the code wrote their collectives (ready=\"written\")"]
     lines = ["  ready (issued) in the backward pass:"]
-    for r in s.rows:
+    for r in _gradient_rows(s):
         if r.ready_after:
             lines.append(f"    #{r.index} after {r.ready_after}"
                          + (f" ({r.ready_why})" if r.ready_why else ""))
@@ -611,14 +704,24 @@ def _prediction_lines(e: Explanation) -> list[str]:
     return lines
 
 
+def _counted(lines: Sequence[str]) -> list[str]:
+    """`lines` with each repeated one given once, where it first appears, with its count
+    (a step's loss and accuracy pmeans: two identical lines)."""
+    counts: dict[str, int] = {}
+    for line in lines:
+        counts[line] = counts.get(line, 0) + 1
+    return [line + (f" (x{n})" if n > 1 else "") for line, n in counts.items()]
+
+
 def _others_lines(e: Explanation) -> list[str]:
     lines = []
     if e.others:
         lines.append("other collectives (not planned with the backward pass):")
-    for p in e.others:
-        what = "" if p.collective == "all-reduce" else f" ({collectives.lax_name(p.collective)})"
-        lines.append(f"  {p.kind:<8} {p.scope} axes {', '.join(map(str, p.axes))}: "
-                     f"{_fmt_bytes(p.nbytes)}, blocks {p.blocks}{what}")
+    lines.extend(_counted([
+        f"  {p.kind:<8} {p.scope} axes {', '.join(map(str, p.axes))}: {_fmt_bytes(p.nbytes)}, "
+        f"blocks {p.blocks}"
+        + ("" if p.collective == "all-reduce" else f" ({collectives.lax_name(p.collective)})")
+        for p in e.others]))
     if e.report.loops:
         lines.append("loops (each iteration issues its body's plan; stacked slices may leave "
                      "a scan: libra_jax.loops):")
@@ -655,6 +758,34 @@ def _others_lines(e: Explanation) -> list[str]:
     return lines
 
 
+def _to_try(e: Explanation) -> list[str]:
+    """The report's last line: the options of `optimize` that would change this plan, to
+    time against it (docs/optimize.md); nothing where none would."""
+    rows = [r for s in e.scopes for r in _gradient_rows(s)]
+    options = []
+    overlaps = {r.overlap for r in rows if r.collective == "all-reduce"}
+    if "start-done" in overlaps:
+        options.append('overlap="sync" (one call per bucket, where it is ready)')
+    elif overlaps:
+        options.append('overlap="start-done" (each bucket started when ready, done when used)')
+    if any(len(r.tensors) > 1 for r in rows):
+        options.append("fusion=False (one call per gradient)")
+    elif sum(len(r.tensors) for r in rows) > 1:
+        options.append("fusion=True with a profile that prices calls higher (fewer, larger calls)")
+    if rows:
+        blocks = sorted({r.blocks for r in rows})
+        options.append(f"blocks=N (every bucket at N blocks; planned: {', '.join(map(str, blocks))})")
+    for g in e.gathers:
+        options.append("prefetch=0 (one all-gather where it is used)" if g.distance else
+                       "prefetch=1 or 2 (all-gathers issued ahead of their use)")
+        break
+    if e.report.loops:
+        options.append('loops="body" or "hoist" (a loop\'s stacked psums kept or hoisted)')
+    if not options:
+        return []
+    return ["to try (time each against this plan: docs/optimize.md): " + "; ".join(options)]
+
+
 def _gather_header(g: GatherScope) -> str:
     how = (f"issued {g.distance} ahead" if g.distance else "one call each where used")
     return (f"scope {g.scope}, axes {', '.join(map(str, g.axes))}, {g.world} ranks: "
@@ -686,34 +817,73 @@ def _gather_summary(g: GatherScope) -> list[str]:
     return lines
 
 
-def _tables(e: Explanation) -> list[tuple[str, list[str], list[list[str]], tuple[int, ...],
-                                             list[str]]]:
+def _tables(e: Explanation, width: int
+            ) -> list[tuple[str, list[str], list[list[str]], tuple[int, ...], list[str]]]:
     """Each table either rendering prints: (title, columns, rows, the left-aligned columns,
-    the lines under it): one per planned scope, then one per scope's all-gathers."""
-    return ([(_header(s), _columns(), [_cells(r) for r in s.rows], (1,), _summary(s))
-             for s in e.scopes]
+    the lines under it): one per planned scope (no rows where it holds no gradient), then one
+    per scope's all-gathers."""
+    return ([(_header(s), _columns(), [_cells(r) for r in _gradient_rows(s)], (1,),
+              _summary(s, width)) for s in e.scopes]
             + [(_gather_header(g), _gather_columns(), [_gather_cells(r) for r in g.rows],
                 (1, 2, 6), _gather_summary(g)) for g in e.gathers])
 
 
-def _plain_text(e: Explanation) -> str:
+def _aligned(columns: list[str], rows: list[list[str]], left: tuple[int, ...]) -> list[str]:
+    """The plain table: a header, a rule, the rows, columns aligned."""
+    table = [columns] + rows
+    widths = [max(len(r[i]) for r in table) for i in range(len(columns))]
+    out = []
+    for n, r in enumerate(table):
+        out.append("  ".join(c.ljust(w) if i in left else c.rjust(w)
+                             for i, (c, w) in enumerate(zip(r, widths))))
+        if n == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return out
+
+
+def _stacked(columns: list[str], rows: list[list[str]], width: int) -> list[str]:
+    """The rows where the table is wider than the terminal: each its own lines, the first
+    column's value, then each other column's as ``name value``, wrapped to `width` (a name is
+    never cut or folded apart)."""
+    out = []
+    for r in rows:
+        out.extend(textwrap.wrap(f"#{r[0]}  " + "; ".join(f"{c}: {v}" for c, v in
+                                                        zip(columns[1:], r[1:])),
+                                 width=max(width, 40), subsequent_indent="    ",
+                                 break_long_words=False, break_on_hyphens=False))
+    return out
+
+
+def _plain_text(e: Explanation, width: int = _PIPED_WIDTH) -> str:
     out: list[str] = []
     if not e.scopes and not e.gathers:
         out.extend(e.report.notes or ["no gradient psums to plan"])
-    for title, columns, rows, left, summary in _tables(e):
+    for title, columns, rows, left, summary in _tables(e, width):
         out.append(title)
-        table = [columns] + rows
-        widths = [max(len(r[i]) for r in table) for i in range(len(columns))]
-        for n, r in enumerate(table):
-            out.append("  ".join(c.ljust(w) if i in left else c.rjust(w)
-                                 for i, (c, w) in enumerate(zip(r, widths))))
-            if n == 0:
-                out.append("  ".join("-" * w for w in widths))
+        if rows:
+            table = _aligned(columns, rows, left)
+            out.extend(table if max(map(len, table)) <= width
+                       else _stacked(columns, rows, width))
         out.extend(summary)
         out.append("")
     out.extend(_prediction_lines(e))
     out.extend(_others_lines(e))
-    return "\n".join(out).rstrip()
+    out.extend(_to_try(e))
+    return "\n".join(_wrapped(out, width)).rstrip()
+
+
+def _wrapped(lines: Sequence[str], width: int) -> list[str]:
+    """`lines` wrapped to `width`, each continuation indented under its line's text; a word
+    longer than the width is left whole."""
+    out: list[str] = []
+    for line in lines:
+        if len(line) <= width:
+            out.append(line)
+            continue
+        indent = " " * (len(line) - len(line.lstrip()))
+        out.extend(textwrap.wrap(line, width=max(width, 40), subsequent_indent=indent + "  ",
+                                 break_long_words=False, break_on_hyphens=False))
+    return out
 
 
 def _rich_text(e: Explanation, width: int) -> str:
@@ -722,20 +892,24 @@ def _rich_text(e: Explanation, width: int) -> str:
 
     buf = io.StringIO()
     console = Console(file=buf, width=width, force_terminal=False, color_system=None)
+
+    def say(lines: Sequence[str]) -> None:  # wrapped here: indented as the plain text's
+        for line in _wrapped(lines, width):
+            console.print(line, highlight=False, markup=False, overflow="ignore", crop=False)
     if not e.scopes and not e.gathers:
-        for line in e.report.notes or ["no gradient psums to plan"]:
-            console.print(line)
-    for title, columns, rows, left, summary in _tables(e):
+        say(e.report.notes or ["no gradient psums to plan"])
+    for title, columns, rows, left, summary in _tables(e, width):
+        # Where the table cannot fit the terminal (its plain form, plus rich's borders),
+        # each row is stacked as lines: rich would fold the names apart.
+        if not rows or max(map(len, _aligned(columns, rows, left))) + 3 * len(columns) > width:
+            say([title] + _stacked(columns, rows, width) + summary + [""])
+            continue
         table = Table(title=title, title_justify="left")
         for i, c in enumerate(columns):
             table.add_column(c, justify="left" if i in left else "right", overflow="fold")
         for row in rows:
             table.add_row(*row)
         console.print(table)
-        for line in summary:
-            console.print(line, highlight=False)
-        console.print()
-    for line in _prediction_lines(e) + _others_lines(e):
-        console.print(line, highlight=False)
+        say(summary + [""])
+    say(_prediction_lines(e) + _others_lines(e) + _to_try(e))
     return buf.getvalue().rstrip()
-

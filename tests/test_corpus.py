@@ -127,7 +127,7 @@ def test_explain_names_every_gradient_by_its_parameter(name):
                               static_argnames=case.static_argnames, **case.kwargs)
     # A scope of only scalars named as losses is a forward pass planned as a backward one (the
     # route's pmean'ed loss and metrics, gspmd-route: no backward pass shows there).
-    names = [t for s in e.scopes if any(not t.endswith("of a scalar (a loss or metric?)")
+    names = [t for s in e.scopes if any(not t.endswith("of a scalar (a loss or metric)")
                                         for r in s.rows for t in r.tensors)
              for r in s.rows for t in r.tensors]
     assert names, str(e)

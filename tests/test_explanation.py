@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import io
+import re
 import sys
 from pathlib import Path
 
@@ -279,3 +280,192 @@ def test_explain_shows_which_gather_overlaps_which_compute():
     assert g.distance == 0 and len(g.rows) == 3 and all(r.ahead == 0 for r in g.rows)
     assert "measures as fast as issuing ahead or faster" in g.why
     assert "issued one call each: on CPU" in e.table(use_rich=False)
+
+
+# --- What a user reads: every gradient named, at any width (issue 71) -----------------------
+
+def readme_pmean_step():
+    """The README's first quickstart: psums after jax.grad, `libra_jax.pmean`."""
+    mesh = mesh_of((8,), ("data",))
+
+    def loss_fn(params, batch):
+        x, y = batch
+        return jnp.mean((x @ params["w"] + params["b"] - y) ** 2)
+
+    def train_step(params, batch):
+        grads = libra_jax.pmean(jax.grad(loss_fn)(params, batch), "data")
+        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads)
+    step = jax.jit(jax.shard_map(train_step, mesh=mesh, in_specs=(P(), P("data")),
+                                 out_specs=P(), check_vma=False))
+    batch = (shard(np.linspace(-1, 1, 256, dtype=np.float32).reshape(64, 4), mesh, P("data")),
+             shard(np.ones((64, 1), np.float32), mesh, P("data")))
+    return step, ({"w": jnp.zeros((4, 1)), "b": jnp.zeros(1)}, batch), None
+
+
+def readme_route_step(fsdp: bool):
+    """The README's GSPMD (replicated parameters, SGD) and FSDP (rows split, Adam)
+    quickstarts: the gradient by `libra_jax.value_and_grad`, the loss's pmean in the route."""
+    optax = pytest.importorskip("optax")
+    from jax.sharding import AxisType, NamedSharding
+    mesh = jax.make_mesh((8,), ("data",), devices=jax.devices()[:8],
+                         axis_types=(AxisType.Explicit,) if fsdp else None)
+    rng = np.random.default_rng(0)
+    tx = optax.adam(1e-3) if fsdp else optax.sgd(0.1)
+    if fsdp:
+        params = {"w1": shard(rng.standard_normal((16, 64), np.float32) / 4, mesh, P("data")),
+                  "w2": shard(rng.standard_normal((64, 8), np.float32) / 8, mesh, P("data")),
+                  "b": shard(np.zeros(8, np.float32), mesh, P())}
+        x = shard(rng.standard_normal((64, 16), np.float32), mesh, P("data"))
+
+        def loss_fn(params, x, y):
+            h = jnp.tanh(x @ params["w1"])
+            return jnp.mean((h @ params["w2"] + params["b"] - y) ** 2)
+    else:
+        params = {"w": shard(np.zeros((4, 1), np.float32), mesh, P()),
+                  "b": shard(np.zeros(1, np.float32), mesh, P())}
+        x = shard(rng.standard_normal((64, 4), np.float32), mesh, P("data"))
+
+        def loss_fn(params, x, y):
+            return jnp.mean((x @ params["w"] + params["b"] - y) ** 2)
+    y = shard(rng.standard_normal((64, 8 if fsdp else 1), np.float32), mesh, P("data"))
+
+    def step(params, opt_state, x, y):
+        loss, grads = libra_jax.value_and_grad(loss_fn)(params, x, y)
+        updates, opt_state = tx.update(grads, opt_state)
+        return optax.apply_updates(params, updates), opt_state, loss
+    del NamedSharding
+    return jax.jit(step), (params, tx.init(params), x, y), mesh
+
+
+def cookbook_ref_step():
+    """JAX's Training Cookbook's layout: parameters in `jax.Ref`s, and Adam's moments in a
+    tree of ``{"mu": ref, "nu": ref}`` per parameter (``opt.w.mu``)."""
+    from jax.sharding import AxisType
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(AxisType.Explicit,),
+                         devices=jax.devices()[:8])
+    rng = np.random.default_rng(5)
+    with jax.set_mesh(mesh):
+        params = {"linear_in": {"kernel": shard(rng.standard_normal((16, 32), np.float32),
+                                                mesh, P())},
+                  "linear_out": {"kernel": shard(rng.standard_normal((32, 8), np.float32),
+                                                 mesh, P())}}
+        state = {"params": jax.tree.map(jax.new_ref, params),
+                 "opt": jax.tree.map(lambda p: {"mu": jax.new_ref(jnp.zeros_like(p)),
+                                                "nu": jax.new_ref(jnp.zeros_like(p))}, params)}
+    x = shard(rng.standard_normal((64, 16), np.float32), mesh, P("data"))
+    y = shard(rng.standard_normal((64, 8), np.float32), mesh, P("data"))
+
+    def step(state, x, y):
+        def loss_fn(p, x, y):
+            return jnp.mean((jnp.tanh(x @ p["linear_in"]["kernel"]) @ p["linear_out"]["kernel"]
+                             - y) ** 2)
+        loss, grads = libra_jax.value_and_grad(loss_fn)(
+            jax.tree.map(lambda r: r[...], state["params"]), x, y)
+
+        def adam(ref, moments, g):
+            moments["mu"][...] = 0.9 * moments["mu"][...] + 0.1 * g
+            moments["nu"][...] = 0.999 * moments["nu"][...] + 0.001 * g * g
+            ref[...] = ref[...] - 1e-3 * moments["mu"][...] / (jnp.sqrt(moments["nu"][...]) + 1e-8)
+        jax.tree.map(adam, state["params"], state["opt"], grads,
+                     is_leaf=lambda t: isinstance(t, dict) and "mu" in t)
+        return loss
+    return step, (state, x, y), mesh
+
+
+def example_step(name):
+    pytest.importorskip("flax")
+    pytest.importorskip("optax")
+    sys.path.insert(0, str(EXAMPLES))
+    import common
+    step, args = common.load_example(EXAMPLES / f"{name}.py").build(True)
+    return step, args, None
+
+
+def parameter_names(params):
+    """Each leaf's path, less the components all paths start with (``Block_0.Dense_0.kernel``,
+    ``pos``)."""
+    paths = [[str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
+             for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    while len({p[0] for p in paths}) == 1 and all(len(p) > 1 for p in paths):
+        paths = [p[1:] for p in paths]
+    return {".".join(p) for p in paths}
+
+
+CASES = {
+    "readme-pmean": (readme_pmean_step, {"w", "b"}),
+    "readme-gspmd": (lambda: readme_route_step(False), {"w", "b"}),
+    "readme-fsdp": (lambda: readme_route_step(True), {"w1", "w2", "b"}),
+    "cookbook-refs": (cookbook_ref_step, {"linear_in.kernel", "linear_out.kernel"}),
+    "cnn": (lambda: example_step("cnn"), None),
+    "transformer": (lambda: example_step("transformer"), None),
+}
+
+
+@pytest.mark.parametrize("columns", [60, 250])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_every_gradient_is_named_at_any_width(case, columns, monkeypatch):
+    """`explain` hid names: ``+10 more`` alone where the first name was long (the
+    transformer example), ``psum #14 [1], w`` (the bias unnamed), ``0.w`` for ``w``, a
+    Cookbook gradient named after its Adam moment (``linear_out.kernel.mu``). Every gradient
+    is named by its parameter's path, whole somewhere in the text (never cut or folded
+    apart), in either rendering, at 60 columns and at 250; a loss's psum is not a gradient
+    bucket; no predicted ratio (``+0.0%``); a "to try" line closes it."""
+    monkeypatch.setenv("COLUMNS", str(columns))
+    build, expected = CASES[case]
+    step, args, mesh = build()
+    if mesh is not None:
+        with jax.set_mesh(mesh):
+            e = libra_jax.explain(step, *args, file=None)
+    else:
+        e = libra_jax.explain(step, *args, file=None)
+    got = {t for s in e.scopes for r in s.rows for t in r.tensors if "a loss or metric" not in t}
+    if expected is None:  # an example's state: (params, opt_state), its parameters' paths
+        expected = parameter_names(args[0][0])
+    assert got == expected, (got, expected)
+    renderings = [e.table(use_rich=False, width=columns)]
+    try:
+        import rich  # noqa: F401
+        renderings.append(e.table(use_rich=True, width=columns))
+    except ImportError:
+        pass
+    for text in renderings:
+        words = set(re.findall(r"[\w.]+", text))
+        assert expected <= words, expected - words
+        lines = text.splitlines()
+        assert all(len(line) <= columns or " " not in line.strip() for line in lines)
+        assert "%" not in text and "+0.0" not in text
+        last = max(k for k, line in enumerate(lines) if line.startswith("to try"))
+        assert all(line.startswith("  ") for line in lines[last + 1:])  # (wrapped)
+        assert "(a loss or metric?)" not in text
+    if case.startswith("readme-") and case != "readme-pmean":
+        # the route's loss pmean: said apart, not a bucket of the gradient table
+        flat = " ".join(renderings[0].split())
+        assert "1 psum of a loss or metric" in flat and "not a gradient" in flat
+
+
+def test_identical_lines_merge_with_a_count():
+    """A Linen step's loss and accuracy pmeans in the forward pass were two identical lines:
+    one, with its count."""
+    from libra_jax.explanation import _counted
+    assert _counted(["  a", "  b", "  a"]) == ["  a (x2)", "  b"]
+    mesh = mesh_of((8,), ("x",))
+    rng = np.random.default_rng(0)
+    params = {"w": rng.standard_normal((16, 4)).astype(np.float32)}
+
+    def local(params, x, y):
+        def loss(p):
+            logits = x @ p["w"]
+            return jnp.mean((logits - jax.nn.one_hot(y, 4)) ** 2), logits
+        (value, logits), grads = jax.value_and_grad(loss, has_aux=True)(params)
+        grads = jax.lax.psum(grads, "x")
+        accuracy = jnp.mean(jnp.argmax(logits, -1) == y)
+        return (jax.tree.map(lambda p, g: p - 0.1 * g, params, grads),
+                jax.lax.pmean(value, "x"), jax.lax.pmean(accuracy, "x"))
+    step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P("x"), P("x")),
+                                 out_specs=(P(), P(), P()), check_vma=False))
+    x = shard(rng.standard_normal((32, 16)).astype(np.float32), mesh, P("x"))
+    y = shard(rng.integers(0, 4, (32,)).astype(np.int32), mesh, P("x"))
+    text = libra_jax.explain(step, params, x, y, file=None).table(use_rich=False)
+    lines = [line for line in text.splitlines() if line.startswith("  ")]
+    assert len(lines) == len(set(lines)), text
+    assert any(line.endswith("(x2)") for line in lines), text

@@ -213,7 +213,7 @@ def test_enabled_false_and_environment_switch(monkeypatch):
     opt = optimize(g)
     monkeypatch.setenv("LIBRA_JAX_DISABLE", "1")
     assert float(opt(jnp.float32(2))) == 4.0
-    assert opt.last_report is None  # nothing traced or planned
+    assert not opt.last_report and opt.last_report.report is None  # nothing planned
     with pytest.raises(ValueError, match="blocks must be in"):
         optimize(g, blocks=0)
 
@@ -1575,3 +1575,22 @@ def test_one_call_gathers_compile_as_xla_s_own_under_remat():
     assert xla == (3 if _compat.jax_version < (0, 11) else 6)
     assert gathers(optimize(case.step, prefetch=1),
                    r'custom_call_target="libra_all_gather_cpu_start"') == 6
+
+
+def test_last_report_reads_through_jax_jit():
+    """``jax.jit(libra_jax.optimize(step)).last_report`` was None for good: jit copied the
+    attribute when it wrapped the function, before any call. The copy is a view of the
+    latest plan: false before the first call, then the plan the optimized function made."""
+    def step(x):
+        return jax.pmap(lambda v: jax.lax.psum(v * 2, "i"), axis_name="i")(x)
+    optimized = optimize(step)
+    fast = jax.jit(optimized)
+    assert not fast.last_report
+    with pytest.raises(AttributeError, match="no plan yet to read 'plans'"):
+        fast.last_report.plans
+    fast(np.arange(8.0, dtype=np.float32))
+    assert fast.last_report and fast.last_report == optimized.last_report
+    assert fast.last_report.plans == optimized.last_report.plans and fast.last_report.plans
+    assert fast.last_report.report is optimized.last_report
+    fast(np.arange(16.0, dtype=np.float32).reshape(8, 2))  # a new plan: read through the view
+    assert fast.last_report.report is optimized.last_report

@@ -14,7 +14,7 @@ import jax
 from libra_jax import _compat, _nccl, config, model
 from libra_jax.ops.base import warn_once
 
-__all__ = ["PsumPlan", "LoopPlan", "OptimizeReport", "block_cap", "shared_profile",
+__all__ = ["PsumPlan", "LoopPlan", "OptimizeReport", "LatestReport", "block_cap", "shared_profile",
            "data_path_lines", "check_plan_agreement", "NO_PROFILE_BROADCAST_ENV"]
 
 
@@ -104,6 +104,42 @@ class OptimizeReport:
                  for p in self.plans]
                 + [f"{p.scope} loop={p.index} body={p.body} gradient={p.gradient} "
                    f"calls={p.calls} psums={p.psums} {p.choice}" for p in self.loops])
+
+
+class LatestReport:
+    """``optimize(fn).last_report`` before the first call: a view of the latest plan of the
+    function `optimize` returned, read at each access. `jax.jit` (like `functools.wraps`)
+    copies a function's attributes when it wraps it, before any call has planned:
+    ``jax.jit(optimize(step)).last_report`` is this object, so it reads the plan the
+    optimized function made last (the function's own attribute is that `OptimizeReport`
+    from its first call on). It reads as that report (its attributes, ``repr``, ``==``);
+    false, and `report` None, before the first call; `report` is the `OptimizeReport`."""
+
+    __slots__ = ("report",)
+
+    def __init__(self) -> None:
+        #: The latest `OptimizeReport`, or None before the function's first call.
+        self.report: OptimizeReport | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        report = object.__getattribute__(self, "report")
+        if report is None:
+            raise AttributeError(
+                f"libra_jax.optimize: no plan yet to read {name!r} from: the optimized "
+                "function plans at its first call (or call libra_jax.explain)")
+        return getattr(report, name)
+
+    def __bool__(self) -> bool:
+        return self.report is not None
+
+    def __eq__(self, other: object) -> bool:
+        other = other.report if isinstance(other, LatestReport) else other
+        return self.report == other
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return repr(self.report) if self.report is not None else "LatestReport(no plan yet)"
 
 
 def block_cap(profile: model.Profile) -> tuple[int | None, str]:

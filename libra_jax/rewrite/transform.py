@@ -19,6 +19,7 @@ from libra_jax.ops import XLA_TWINS
 from libra_jax.ops.base import warn_once
 from libra_jax.rewrite.edits import map_jaxprs
 from libra_jax.rewrite.report import (
+    LatestReport,
     OptimizeReport,
     check_plan_agreement,
     shared_profile,
@@ -121,7 +122,8 @@ def optimize(fn: Callable[..., Any] | None = None, *, profile: Any = None, fusio
       nothing. Flax NNX objects among the arguments (modules, `nnx.Optimizer`, metrics,
       `Rngs`) are updated in place as `fn` updates them, as under `nnx.jit`; called inside
       `nnx.jit`, or wrapping an `nnx.jit`ted `fn`, likewise. ``wrapped.last_report`` holds
-      the latest plan.
+      the latest plan (an `OptimizeReport`); before the first call, a `LatestReport` (false,
+      a view of the latest plan), which ``jax.jit(wrapped)`` copies and so reads each plan.
     """
     # Every option is checked (`config`: one home for the checks), in the decorator form and
     # where `enabled` is False too. The decorator's partial holds the options as given: a
@@ -148,6 +150,7 @@ def optimize(fn: Callable[..., Any] | None = None, *, profile: Any = None, fusio
     if not enabled:
         return fn
     cache: dict[Any, tuple[Callable[..., Any], Outputs, OptimizeReport]] = {}
+    latest = LatestReport()
 
     # Name, docstring and signature of `fn`, but not its attributes: a jitted or
     # pmapped `fn` carries attributes that would make `jax.jit(wrapped)` compile `fn`.
@@ -180,7 +183,7 @@ def optimize(fn: Callable[..., Any] | None = None, *, profile: Any = None, fusio
             entry = (jax.jit(_compat.jaxpr_as_fun(rewritten)), outputs, report)
             cache[key] = entry
         run, outputs, report = entry
-        wrapped.last_report = report  # type: ignore[attr-defined]
+        latest.report = wrapped.last_report = report  # type: ignore[attr-defined]
         out = outputs.rebuild(run(*leaves))
         if nodes:
             out, states = out
@@ -188,7 +191,9 @@ def optimize(fn: Callable[..., Any] | None = None, *, profile: Any = None, fusio
                 _nnx_update(node, state)
         return out
 
-    wrapped.last_report = None  # type: ignore[attr-defined]
+    # Until the first call plans, a view of the latest plan: `jax.jit(wrapped)` copies the
+    # attribute as it is at wrap time, and so keeps reading each new plan.
+    wrapped.last_report = latest  # type: ignore[attr-defined]
     wrapped.static_args = statics  # type: ignore[attr-defined]  # for `libra_jax.explain`
     return wrapped
 
