@@ -1237,7 +1237,7 @@ def test_a_bucket_holds_one_collective_and_one_class():
     # The class cut, directly: members of other classes never share a reach.
     sites = [rewrite.sites.Site(i, ("x",), False, 64, None, None, "reduce-scatter", (d, 8, True))
              for i, d in enumerate((0, 0, 1, 0))]
-    sites.insert(2, rewrite.sites.Site(9, ("x",), True, 64, None))
+    sites.insert(2, rewrite.sites.Site(9, ("x",), True, 64, None, None, "all-reduce"))
     assert rewrite.edits.within_class(sites, [4, 4, 4, 4, 4]) == [1, 1, 2, 3, 4]
     assert rewrite.edits.within_class(sites, None) == [1, 1, 2, 3, 4]
 
@@ -1594,3 +1594,24 @@ def test_last_report_reads_through_jax_jit():
     assert fast.last_report.report is optimized.last_report
     fast(np.arange(16.0, dtype=np.float32).reshape(8, 2))  # a new plan: read through the view
     assert fast.last_report.report is optimized.last_report
+
+
+@pytest.mark.parametrize("form", ["single", "bucket", "class"])
+def test_a_kind_without_a_form_is_refused_by_name(form):
+    """A site of a kind the rewrite has no form for (a fourth row, an all-to-all) was issued
+    as an all-reduce, silently: `single_eqn` and `Site.bucket_class` fell back to the psum
+    where `Site.scatter`/`Site.gather` were None. Each now raises, naming the kind."""
+    from libra_jax.rewrite.edits import fused_eqn, single_eqn
+
+    def f(x):
+        return jax.lax.psum(x, "x")
+    eqn = jax.make_jaxpr(jax.vmap(f, axis_name="x"))(jnp.ones((2, 3))).jaxpr.eqns[0]
+    site = libra_jax.rewrite.sites.Site(0, ("x",), False, 12, None, eqn.outvars[0],
+                                        "all-to-all")
+    with pytest.raises(NotImplementedError, match="the all-to-all collective has no"):
+        if form == "single":
+            single_eqn(eqn, site, 2, set())
+        elif form == "bucket":
+            fused_eqn([eqn], [site], ("x",), False, 2)
+        else:
+            site.bucket_class

@@ -20,6 +20,7 @@ constexpr int kUndefInt = INT_MIN;           // NCCL_CONFIG_UNDEF_INT
 constexpr int kSuccess = 0;                  // ncclSuccess
 constexpr int kInProgress = 7;               // ncclInProgress (non-blocking communicators)
 constexpr int kSum = 0;                      // ncclSum
+constexpr int kInvalidArgument = 4;          // ncclInvalidArgument
 
 struct RawUniqueId {
   char internal[kUniqueIdBytes];
@@ -450,6 +451,10 @@ Status Library::Checked(libra::Collective kind, DType dtype, int ctas) const {
     return Error(Status::Code::kInvalidArgument,
                  "unknown collective kind " + std::to_string(static_cast<int>(kind)));
   }
+  if (!Launches(kind)) {
+    return Error(Status::Code::kInvalidArgument,
+                 std::string("libra's NCCL path has no launch for the ") + libra::Name(kind));
+  }
   const int nccl_dtype = ToNcclDataType(dtype);
   if (nccl_dtype < 0 || (dtype == DType::kBytes && libra::LayoutOf(kind).sums)) {
     return Error(Status::Code::kInvalidArgument,
@@ -477,21 +482,39 @@ int Library::Launch(libra::Collective kind, const void* input, void* output, std
   CollConfigV23100 config{sizeof(CollConfigV23100), kApiMagic, kPerCollectiveVersion,
                           nullptr, ctas, ctas, kUndefInt, kUndefInt, nullptr, 1,
                           kUndefInt, 0};
-  if (libra::LayoutOf(kind).shard_in) {  // the all-gather: no reduction operator
-    *what = configured ? "ncclAllGatherConfig" : "ncclAllGather";
-    return configured ? api_->all_gather_config(input, output, count, nccl_dtype, comm, stream,
-                                                &config)
-                      : api_->all_gather(input, output, count, nccl_dtype, comm, stream);
+  // One case per kind, each naming its own entry points: a kind without one (a new row of
+  // dtype.h's table) is refused by name (`Checked`), never launched as another kind.
+  switch (kind) {
+    case libra::Collective::kAllGather:  // no reduction operator
+      *what = configured ? "ncclAllGatherConfig" : "ncclAllGather";
+      return configured ? api_->all_gather_config(input, output, count, nccl_dtype, comm,
+                                                  stream, &config)
+                        : api_->all_gather(input, output, count, nccl_dtype, comm, stream);
+    case libra::Collective::kReduceScatter:
+      *what = configured ? "ncclReduceScatterConfig" : "ncclReduceScatter";
+      return configured ? api_->reduce_scatter_config(input, output, count, nccl_dtype, kSum,
+                                                      comm, stream, &config)
+                        : api_->reduce_scatter(input, output, count, nccl_dtype, kSum, comm,
+                                               stream);
+    case libra::Collective::kAllReduce:
+      *what = configured ? "ncclAllReduceConfig" : "ncclAllReduce";
+      return configured ? api_->all_reduce_config(input, output, count, nccl_dtype, kSum, comm,
+                                                  stream, &config)
+                        : api_->all_reduce(input, output, count, nccl_dtype, kSum, comm,
+                                           stream);
   }
-  const bool scatters = libra::LayoutOf(kind).shard_out;
-  *what = configured ? (scatters ? "ncclReduceScatterConfig" : "ncclAllReduceConfig")
-                     : (scatters ? "ncclReduceScatter" : "ncclAllReduce");
-  if (configured) {
-    return (scatters ? api_->reduce_scatter_config : api_->all_reduce_config)(
-        input, output, count, nccl_dtype, kSum, comm, stream, &config);
+  *what = "no NCCL launch for this collective kind";
+  return kInvalidArgument;
+}
+
+bool Library::Launches(libra::Collective kind) {
+  switch (kind) {
+    case libra::Collective::kAllGather:
+    case libra::Collective::kReduceScatter:
+    case libra::Collective::kAllReduce:
+      return true;
   }
-  return (scatters ? api_->reduce_scatter : api_->all_reduce)(input, output, count, nccl_dtype,
-                                                              kSum, comm, stream);
+  return false;
 }
 
 Status Library::Collective(libra::Collective kind, const void* input, void* output,

@@ -171,6 +171,10 @@ class Library {
   // The communicator's asynchronous error as a message ("" while none).
   std::string AsyncError(void* comm) const;
 
+  // Whether libra's NCCL path has entry points for `kind`; a kind without them (a new row of
+  // dtype.h's table) is refused by name, never launched as another kind.
+  static bool Launches(libra::Collective kind);
+
  private:
   Library() = default;
   Status Check(int result, const char* what) const;

@@ -36,6 +36,15 @@ void TestVersions() {
   CHECK(nccl::MaxCtas(22500) == 64 && nccl::MaxCtas(23100) == 64);
 }
 
+// Every kind of dtype.h's table has its own NCCL launch; one past the table has none and
+// is refused by name, never launched as the all-reduce.
+void TestEveryKindHasItsLaunch() {
+  for (int k = 0; k < libra::kNumCollectives; ++k) {
+    CHECK(nccl::Library::Launches(static_cast<libra::Collective>(k)));
+  }
+  CHECK(!nccl::Library::Launches(static_cast<libra::Collective>(libra::kNumCollectives)));
+}
+
 void TestOpen() {
   std::unique_ptr<nccl::Library> lib;
   libra::Status s = nccl::Library::Open("/nonexistent/libnccl.so.2", &lib);
@@ -672,6 +681,7 @@ int main(int argc, char** argv) {
   setenv("NCCL_STUB_DIR", dir, 1);
   const int status = libra_test::RunTests({
       {"versions", TestVersions},
+      {"every_kind_has_its_launch", TestEveryKindHasItsLaunch},
       {"open", TestOpen},
       {"cta_limits_reach_nccl", TestCtaLimitsReachNccl},
       {"communicators", TestCommunicatorsConcurrently},

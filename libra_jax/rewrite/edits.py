@@ -27,7 +27,7 @@ from libra_jax.ops.start_done import (
     libra_start_p,
     register_pair,
 )
-from libra_jax.rewrite.sites import GATHERS, Site, is_psum
+from libra_jax.rewrite.sites import GATHERS, Site, is_psum, no_form
 
 __all__ = ["Edits", "schedule", "downstream_of", "sunk_after", "can_fuse", "fusable_reach",
            "within_class", "single_eqn", "fused_eqn", "start_done_eqns", "gather_pair_eqns",
@@ -184,17 +184,24 @@ def within_class(members: Sequence[Site], reach: Sequence[int] | None) -> list[i
 
 
 def single_eqn(eqn: Any, site: Site, blocks: int, invars: set) -> Any:
-    if site.gather is not None:
+    """The site's equation as libra's single call of its kind, at `blocks`."""
+    if site.collective == "all-gather":
+        if site.gather is None:
+            raise no_form(site.collective, "all_gather parameters (Site.gather)")
         dimension, size, tiled, invariant = site.gather
         return eqn.replace(primitive=libra_all_gather_p,
                            params=dict(axis_name=site.axes, all_gather_dimension=dimension,
                                        axis_size=size, tiled=tiled, invariant=invariant,
                                        blocks=int(blocks)))
-    if site.scatter is not None:
+    if site.collective == "reduce-scatter":
+        if site.scatter is None:
+            raise no_form(site.collective, "psum_scatter parameters (Site.scatter)")
         dimension, size, tiled = site.scatter
         return eqn.replace(primitive=libra_reduce_scatter_p,
                            params=dict(axis_name=site.axes, scatter_dimension=dimension,
                                        axis_size=size, tiled=tiled, blocks=int(blocks)))
+    if site.collective != "all-reduce":
+        raise no_form(site.collective, "single call")
     operand = eqn.invars[0]
     inplace = not (_compat.is_var(operand) and operand in invars)
     return eqn.replace(primitive=libra_psum_p,
@@ -206,12 +213,15 @@ def fused_eqn(eqns: Sequence[Any], bucket: Sequence[Site], axes: tuple, invarian
            blocks: int) -> Any:
     members = [eqns[s.index] for s in bucket]
     effects = set().union(*(e.effects for e in members))
-    if bucket[0].scatter is not None:  # psum_scatters along their first dimension
+    kind = bucket[0].collective
+    if kind == "reduce-scatter" and bucket[0].scatter is not None:  # along their first dimension
         params = dict(collective="psum_scatter", axes=axes, axis_size=bucket[0].scatter[1],
                       tiled=tuple(s.scatter[2] for s in bucket if s.scatter is not None),
                       blocks=int(blocks))
-    else:
+    elif kind == "all-reduce":
         params = dict(collective="psum", axes=axes, blocks=int(blocks), invariant=invariant)
+    else:
+        raise no_form(kind, "bucket (one call over its members)")
     # From the last member's equation, so that its context (the mesh JAX checks the psum's
     # types against, under `jax.set_mesh`) and source info carry over, as `single_eqn`'s do.
     return members[-1].replace(

@@ -29,11 +29,19 @@ from libra_jax.ops import (
 from libra_jax.ops.lowering import ENGINE_DTYPES
 from libra_jax.ops.start_done import libra_start_p
 
-__all__ = ["Site", "SITE_RULES", "site_rule", "find_site", "gather_site", "gradient_sites",
+__all__ = ["Site", "no_form", "SITE_RULES", "site_rule", "find_site", "gather_site", "gradient_sites",
            "site_kinds", "split_empty_operands", "fold_zero_psums", "scatter_sliced_psums", "is_psum", "axis_names",
            "contains_psum", "collective_counts", "backward_sites", "warn_invariant_operands",
            "aval_bytes", "group_size", "same_type", "GATHERS", "LIBRA_UNPLANNED",
            "UNPLANNED_NOTICE"]
+
+
+def no_form(kind: str, form: str) -> NotImplementedError:
+    """The error of a collective kind without `form` (its single call, its bucket): raised
+    where the form is asked for, by the kind's name, so that no branch issues it as
+    another kind (the all-reduce, which every branch's last case used to be)."""
+    return NotImplementedError(f"libra_jax.optimize: the {kind} collective has no {form} in "
+                               "the rewrite (docs/architecture.md, \"Adding a collective\")")
 
 
 @dataclasses.dataclass
@@ -46,8 +54,9 @@ class Site:
     invariant: bool
     nbytes: int                     # the operand's bytes (a psum_scatter's: the unsharded buffer)
     explicit_blocks: int | None
-    result: Any = None              # the psum's result variable (for `libra_jax.explain`)
-    collective: str = "all-reduce"  # or "reduce-scatter" (a psum_scatter), "all-gather"
+    result: Any                     # the psum's result variable (for `libra_jax.explain`)
+    #: Its kind (`collectives.KINDS`): given by its site rule, never assumed.
+    collective: str
     # A psum_scatter's JAX params: (scatter_dimension, axis_size, tiled).
     scatter: tuple[int, int, bool] | None = None
     # An all_gather's: (all_gather_dimension, axis_size, tiled, invariant); `nbytes` is then
@@ -59,10 +68,13 @@ class Site:
         """What the members of one bucket share: the collective, and a psum's invariance or a
         psum_scatter's group size; one scattered along another dimension than the first is a
         class of its own (its shards are not rows: fusing it would take a transposed copy)."""
-        if self.scatter is None:
+        if self.collective == "all-reduce":
             return ("all-reduce", self.invariant)
-        dimension, size, _ = self.scatter
-        return ("reduce-scatter", size) if dimension == 0 else ("reduce-scatter", size, self.index)
+        if self.collective == "reduce-scatter" and self.scatter is not None:
+            dimension, size, _ = self.scatter
+            return ((self.collective, size) if dimension == 0 else
+                    (self.collective, size, self.index))
+        raise no_form(self.collective, "bucket class")
 
 
 def gradient_sites(eqns: Sequence[Any], sites: Sequence[Site], outvars: Sequence[Any],
@@ -357,7 +369,7 @@ def _psum_site(index: int, eqn: Any) -> Site | str | None:
     if not why and allreduce.engine_dtype(aval.dtype) is None:
         why = f"{name} of {aval.dtype}"
     return why or Site(index, axes, _compat.PSUM_PRIMITIVES[name], aval_bytes(aval), None,
-                       eqn.outvars[0])
+                       eqn.outvars[0], "all-reduce")
 
 
 @site_rule(libra_psum_p.name)
@@ -365,7 +377,7 @@ def _libra_psum_site(index: int, eqn: Any) -> Site:
     """libra's psum: planned unless it carries a block count of its own (kind "user")."""
     p = eqn.params
     return Site(index, tuple(p["axes"]), p["invariant"], aval_bytes(eqn.invars[0].aval),
-                p["blocks"], eqn.outvars[0])
+                p["blocks"], eqn.outvars[0], "all-reduce")
 
 
 @site_rule(_compat.reduce_scatter_p.name, libra_reduce_scatter_p.name)
