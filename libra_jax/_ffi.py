@@ -15,7 +15,16 @@ from typing import Any
 
 import jax
 
-from libra_jax import _libra_ffi, collectives
+from libra_jax import collectives
+
+try:
+    from libra_jax import _libra_ffi
+except ImportError:  # a source tree without its build: one line saying so (libra_jax._unbuilt)
+    from libra_jax import _unbuilt_error
+
+    if (_error := _unbuilt_error()) is None:
+        raise
+    raise _error from None
 
 #: Role -> FFI target name, from the extension's one registration table
 #: (xla_ffi/registry.cc), which also names the CUDA targets in a build without CUDA. Roles and
@@ -216,11 +225,14 @@ def build_info() -> dict[str, Any]:
     with a one-time notice, whatever ``LIBRA_JAX_CUDA`` says.
     ``gpus_visible``: how many GPUs JAX sees here. ``runs_here``: one sentence saying which
     collectives this machine runs (the CPU engine; on a GPU, XLA's, libra's P2P kernels or NCCL)
-    and why (built with CUDA or not, a GPU visible or not, NCCL found or not)."""
+    and why (built with CUDA or not, a GPU visible or not, NCCL found or not).
+    ``extension``: the compiled module's path; None in a source tree without its build, where
+    ``runs_here`` says so and what to do (`libra_jax` imports there, and warns where an
+    installed copy exists elsewhere on the path)."""
     from libra_jax import _nccl, config
 
     info: dict[str, Any] = {"version": _package_version(), "cuda": HAS_CUDA,
-                            "cuda_path": config.cuda_path()}
+                            "cuda_path": config.cuda_path(), "extension": _libra_ffi.__file__}
     info.update(getattr(_libra_ffi, "CUDA_BUILD", {}))
     ok, why = _nccl.available()
     if ok:

@@ -21,9 +21,17 @@ from collections.abc import Sequence
 
 from libra_jax import (
     _compat,
-    _libra_ffi,
     config,
 )
+
+try:
+    from libra_jax import _libra_ffi
+except ImportError:  # a source tree without its build: one line saying so (libra_jax._unbuilt)
+    from libra_jax import _unbuilt_error
+
+    if (_error := _unbuilt_error()) is None:
+        raise
+    raise _error from None
 
 #: Environment variable naming the NCCL library to use (default: the
 #: libnccl.so.2 already loaded, e.g. by XLA, else the loader's search).

@@ -16,6 +16,12 @@ It needs neither JAX nor the compiled extension; ``--gantt`` needs matplotlib.
 defines ``build(small=False) -> (step, args)``, as the scripts in ``examples/`` do):
 
     libra-jax plan examples/transformer.py --gantt out.png
+
+Exit status: 0; 2 for misuse, checked before the work where it can be (a bad option, a missing
+file, a folder where a script is expected, a profile that does not load, an output folder that
+does not exist, a script that does not keep ``plan``'s contract); 1 for an error while running,
+the user's script raising included (importing it, or its ``build()``); 130 when interrupted.
+Each error is one line on stderr.
 """
 from __future__ import annotations
 
@@ -24,6 +30,7 @@ import json
 import math
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from libra_jax import config, planner, zoo
@@ -34,6 +41,13 @@ __all__ = ["main", "build_parser", "SUBCOMMANDS"]
 
 BYTES_PER_MIB = 1 << 20
 HOROVOD_FUSION_MIB = planner.HOROVOD_FUSION_BYTES // BYTES_PER_MIB  # --fusion-mib's default
+
+
+class ScriptError(Exception):
+    """The user's script raised (importing it, or its ``build()``): exit status 1, as for any
+    error while running, not 2 (misuse). The message names the script's line and the
+    exception."""
+
 
 def _alloc_summary(buckets: Sequence[object]) -> str:
     """Allocations of non-empty runs, e.g. ``2048x3 1024 512x2``."""
@@ -79,8 +93,6 @@ def _check_output(path: str | None, option: str) -> None:
     folder itself."""
     if path is None:
         return
-    from pathlib import Path
-
     target = Path(path)
     if target.is_dir():
         raise ValueError(f"{option} {path}: is a directory; give a file name")
@@ -312,11 +324,16 @@ def _add_plan(subparsers: argparse._SubParsersAction) -> None:
         description="Trace the training step of SCRIPT (a Python file defining build(small=False) "
                     "-> (step, args), like examples/*.py) on 8 host CPU devices and print the "
                     "plan libra_jax.optimize makes: buckets, tensors, bytes, allocation, predicted "
-                    "times against the default allocation and fusion only.")
-    p.add_argument("script", help="e.g. examples/transformer.py")
+                    "times against the default allocation and fusion only. The options, SCRIPT "
+                    "and --profile are checked before the script is imported (exit status 2); "
+                    "an exception raised by the script itself exits with 1.")
+    p.add_argument("script", help="one script, e.g. examples/transformer.py (a folder is refused, "
+                                  "with the scripts in it that define build() named)")
     p.add_argument("--small", action="store_true", help="build the script's small sizes")
     p.add_argument("--variant", default=None, help="passed to build(variant=...) if given")
-    p.add_argument("--profile", default=None, help="profile name or JSON path (default: the backend's)")
+    p.add_argument("--profile", default=None,
+                   help="profile name or JSON path, loaded before the script is (default: the "
+                        "backend's)")
     p.add_argument("--no-fusion", action="store_true", help="plan allocations only, no fusion")
     p.add_argument("--overlap", choices=("auto", "sync", "start-done"), default=None,
                    help="how each gradient all-reduce is issued, as optimize(overlap=...) "
@@ -342,18 +359,31 @@ def _prefetch_arg(text: str) -> str | int:
         raise argparse.ArgumentTypeError("must be" + str(exc).split("must be", 1)[-1]) from None
 
 
+def _script_file(path: str) -> Path:
+    """`path` resolved, where it names a file; ValueError (misuse) where it is missing or a
+    folder (naming the folder's scripts that define ``build(``, found by their text)."""
+    file = Path(path).resolve()
+    if file.is_dir():
+        scripts = sorted(p.name for p in file.glob("*.py")
+                         if "def build(" in p.read_text(errors="replace"))
+        found = (f"one of {', '.join(scripts)}" if scripts
+                 else "none in it defines build(small=False)")
+        raise ValueError(f"{path} is a folder: plan takes one script ({found})")
+    if not file.is_file():
+        raise ValueError(f"no such file: {path}")
+    return file
+
+
 def _load_script(path: str) -> object:
     """The script as a module. Not `runpy.run_path`: it leaves the script's folder off
     sys.path (examples/*.py import their common.py from there) and returns a dict of globals,
-    not a module kept in sys.modules (which a second load of the same file reuses)."""
+    not a module kept in sys.modules (which a second load of the same file reuses).
+    ValueError where the file cannot be a script; `ScriptError` where importing it raised."""
     import importlib.util
     import os
-    from pathlib import Path
 
+    file = _script_file(path)
     os.environ["XLA_FLAGS"] = config.xla_flags(8)  # the caller's flags kept
-    file = Path(path).resolve()
-    if not file.is_file():
-        raise ValueError(f"no such file: {path}")
     if str(file.parent) not in sys.path:
         sys.path.insert(0, str(file.parent))
     name = f"libra_plan_{file.stem}"
@@ -371,8 +401,8 @@ def _load_script(path: str) -> object:
         raise ValueError(f"{path}:{exc.lineno}: syntax error: {exc.msg}") from None
     except Exception as exc:  # the script's own error, said in one line with its place
         del sys.modules[name]
-        raise ValueError(f"{_where(exc, file, path)}: importing it failed: "
-                         f"{type(exc).__name__}: {exc}") from None
+        raise ScriptError(f"{_where(exc, file, path)}: importing it failed: "
+                          f"{type(exc).__name__}: {exc}") from None
     if not callable(getattr(module, "build", None)):
         raise ValueError(f"{path} defines no build(small=False) -> (step, args)")
     return module
@@ -392,7 +422,8 @@ def _where(exc: BaseException, file: object, path: str) -> str:
 
 def _build(module: object, path: str, small: bool, kwargs: dict) -> tuple[object, tuple]:
     """(step, args) from the script's ``build(small, **kwargs)``; ValueError naming the script
-    and `_BUILD_CONTRACT` where build cannot be called so or returns something else."""
+    and `_BUILD_CONTRACT` where build cannot be called so or returns something else;
+    `ScriptError` where it raises."""
     import inspect
 
     build = module.build  # type: ignore[attr-defined]
@@ -404,8 +435,8 @@ def _build(module: object, path: str, small: bool, kwargs: dict) -> tuple[object
     try:
         built = build(small, **kwargs)
     except Exception as exc:
-        raise ValueError(f"{_where(exc, getattr(module, '__file__', ''), path)}: build() "
-                         f"failed: {type(exc).__name__}: {exc}") from None
+        raise ScriptError(f"{_where(exc, getattr(module, '__file__', ''), path)}: build() "
+                          f"failed: {type(exc).__name__}: {exc}") from None
     if (not isinstance(built, (tuple, list)) or len(built) != 2 or not callable(built[0])
             or not isinstance(built[1], (tuple, list))):
         raise ValueError(f"{path}: build() returned {_short(built)}; {_BUILD_CONTRACT}")
@@ -420,8 +451,12 @@ def _short(value: object) -> str:
 def _run_plan(args: argparse.Namespace) -> int:
     import inspect
 
+    # Misuse first, before the script is imported and its step traced (tens of seconds).
     _check_output(args.gantt, "--gantt")
     _check_output(args.gantt_gathers, "--gantt-gathers")
+    _script_file(args.script)
+    if args.profile is not None:
+        cost_models.load_profile(args.profile)  # ValueError: unknown, missing or malformed
     module = _load_script(args.script)
     if args.variant and "variant" not in inspect.signature(module.build).parameters:  # type: ignore[attr-defined]
         raise ValueError(f"{args.script}: build() takes no variant, so --variant "
@@ -492,7 +527,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status: 0, 2 for a usage or input error, 1 for
-    an error while running, 130 when interrupted; an error is one line on stderr."""
+    an error while running (the user's script raising included), 130 when interrupted; an
+    error is one line on stderr."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -503,6 +539,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"libra-jax {args.command}: interrupted", file=sys.stderr)
         return 130
+    except ScriptError as exc:  # the user's script raised: an error while running
+        print(f"libra-jax {args.command}: error: {exc}", file=sys.stderr)
+        return 1
     except (OSError, RuntimeError) as exc:  # it went wrong while running
         print(f"libra-jax {args.command}: error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

@@ -7,15 +7,28 @@ neither Bazel nor a prebuilt library is at hand.
 
 LIBRA_JAX_BAZEL_OUTPUT_USER_ROOT, if set, is passed to Bazel as
 --output_user_root (CI keeps it in a temporary directory it deletes).
+
+The Bazel server the build starts (a JVM of about 220 MB, which would otherwise idle for 3 h)
+is shut down after the module's tests (`bazel shutdown`, same startup options), and the
+teardown checks that no server for that output base remains. Under pytest-xdist each worker
+that runs these tests builds (a cached no-op after the first) and shuts down; a lock keeps one
+worker's shutdown and check apart from another's build.
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import fcntl
+import hashlib
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -33,26 +46,118 @@ from conftest import mesh_of, mlp_step
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def ffi_library() -> Path:
-    prebuilt = os.environ.get(_ffi.FFI_LIBRARY_ENV)
-    if prebuilt:
-        return Path(prebuilt).resolve()
+def _startup() -> list[str]:
+    """Bazel's startup options: the output root CI names, else Bazel's default."""
+    root = os.environ.get("LIBRA_JAX_BAZEL_OUTPUT_USER_ROOT")
+    return [f"--output_user_root={root}"] if root else []
+
+
+@contextlib.contextmanager
+def _bazel_lock() -> Iterator[None]:
+    """One process at a time builds, or shuts down and checks, this checkout's Bazel server
+    (pytest-xdist workers each set the module's fixture up)."""
+    key = hashlib.md5(str(REPO).encode()).hexdigest()
+    with open(Path(tempfile.gettempdir()) / f"libra_jax_bazel_{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def bazel_servers(output_base: str) -> list[int]:
+    """Pids of the Bazel servers of `output_base` (the server's command line names it)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            args = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:  # gone, or not ours to read
+            continue
+        if f"--output_base={output_base}".encode() in args:
+            found.append(int(proc.name))
+    return found
+
+
+def stop_bazel(bazel: str, output_base: str | None) -> list[int]:
+    """`bazel shutdown` for this checkout (a no-op without a server); the servers of
+    `output_base` still running after it (waited for up to 30 s): none, normally."""
+    subprocess.run([bazel, *_startup(), "shutdown"], cwd=REPO, capture_output=True, text=True,
+                   timeout=120)
+    if output_base is None:
+        return []
+    deadline = time.monotonic() + 30
+    while (left := bazel_servers(output_base)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+@dataclasses.dataclass
+class BazelBuild:
+    library: Path  # the built //:libra_jax_ffi.so (a file under the output base)
+    output_base: str
+    servers: list[int]  # the output base's servers right after the build (its own, normally)
+    left: list[int] | None = None  # those still running after the shutdown
+
+
+@contextlib.contextmanager
+def bazel_built_library(bazel: str) -> Iterator[BazelBuild]:
+    """Build //:libra_jax_ffi.so with Bazel; on leaving, shut the Bazel server down (it idles
+    3 h otherwise) and record in `BazelBuild.left` the servers still running."""
+    cmd = [bazel, *_startup(), "build", f"--repo_env=XLA_FFI_INCLUDE_DIR={jax.ffi.include_dir()}",
+           "//:libra_jax_ffi.so"]
+    output_base = None
+    try:
+        with _bazel_lock():
+            proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+            info = subprocess.run([bazel, *_startup(), "info", "output_base"], cwd=REPO,
+                                  capture_output=True, text=True, timeout=120)
+            output_base = info.stdout.strip() or None
+            servers = bazel_servers(output_base) if output_base else []
+        assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stderr[-6000:]}"
+        assert output_base, f"bazel info output_base failed: {info.stderr[-2000:]}"
+        library = REPO / "bazel-bin" / "libra_jax_ffi.so"
+        assert library.is_file(), proc.stderr[-3000:]
+        build = BazelBuild(library.resolve(), output_base, servers)
+        yield build
+    finally:
+        with _bazel_lock():
+            left = stop_bazel(bazel, output_base)
+    build.left = left
+
+
+def _bazel() -> str:
+    """The bazel command; skips where there is none or no checkout to build."""
     bazel = shutil.which("bazel")
     if bazel is None:
         pytest.skip("bazel is not installed (Debian: apt-get install bazel-bootstrap)")
     if not (REPO / "WORKSPACE").is_file():
         pytest.skip("not in a source checkout")
-    startup = []
-    if os.environ.get("LIBRA_JAX_BAZEL_OUTPUT_USER_ROOT"):
-        startup.append(f"--output_user_root={os.environ['LIBRA_JAX_BAZEL_OUTPUT_USER_ROOT']}")
-    cmd = [bazel, *startup, "build", f"--repo_env=XLA_FFI_INCLUDE_DIR={jax.ffi.include_dir()}",
-           "//:libra_jax_ffi.so"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stderr[-6000:]}"
-    library = REPO / "bazel-bin" / "libra_jax_ffi.so"
-    assert library.is_file(), proc.stderr[-3000:]
-    return library.resolve()
+    return bazel
+
+
+@pytest.fixture(scope="module")
+def ffi_library() -> Iterator[Path]:
+    prebuilt = os.environ.get(_ffi.FFI_LIBRARY_ENV)
+    if prebuilt:
+        yield Path(prebuilt).resolve()
+        return
+    with bazel_built_library(_bazel()) as build:
+        # The tests read the library's file, not the server.
+        yield build.library
+    assert not build.left, f"Bazel servers of {build.output_base} still running: {build.left}"
+
+
+def test_the_bazel_server_the_build_starts_is_stopped(ffi_library):
+    """The module's build and teardown, run here again (a cached build): a server of the
+    output base runs after the build (so the check can fail) and none after leaving."""
+    if os.environ.get(_ffi.FFI_LIBRARY_ENV):
+        pytest.skip("a prebuilt library: no Bazel server is started")
+    with bazel_built_library(_bazel()) as build:
+        assert build.library == ffi_library
+    assert build.servers, f"no server found for {build.output_base} after the build"
+    assert build.left == [], f"Bazel servers of {build.output_base} still running: {build.left}"
 
 
 SCRIPT = textwrap.dedent("""

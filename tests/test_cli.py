@@ -287,24 +287,75 @@ def test_plan_errors(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
     status, _, err = run(capsys, "plan", str(bad))
     assert status == 2 and "defines no build" in err
     contract = "plan expects build(small=False) -> (step, args)"
-    for name, source, want in [
-            ("syntax.py", "x = 1\ndef build(:\n", "syntax.py:2: syntax error"),
-            ("imports.py", "x = 1\nimport no_such_module_here\n",
+    # 2: the script cannot be used as plan's contract says (misuse); 1: the user's code raised
+    # while running (importing the script, or its build()), as docs/optimize.md says.
+    for name, source, code, want in [
+            ("syntax.py", "x = 1\ndef build(:\n", 2, "syntax.py:2: syntax error"),
+            ("imports.py", "x = 1\nimport no_such_module_here\n", 1,
              "imports.py:2: importing it failed: ModuleNotFoundError"),
-            ("no_argument.py", "def build():\n    return None\n",
+            ("no_argument.py", "def build():\n    return None\n", 2,
              "no_argument.py: build() cannot be called as build(False)"),
-            ("none.py", "def build(small=False):\n    return None\n",
+            ("none.py", "def build(small=False):\n    return None\n", 2,
              "none.py: build() returned None; " + contract),
-            ("number.py", "def build(small=False):\n    return 42\n",
+            ("number.py", "def build(small=False):\n    return 42\n", 2,
              "number.py: build() returned 42; " + contract),
-            ("raises.py", "def build(small=False):\n    return 1 / 0\n",
-             "raises.py:2: build() failed: ZeroDivisionError")]:
+            ("raises.py", "def build(small=False):\n    return 1 / 0\n", 1,
+             "raises.py:2: build() failed: ZeroDivisionError: division by zero")]:
         script = tmp_path / name
         script.write_text(source)
         status, out, err = run(capsys, "plan", str(script))
         lines = err.strip().splitlines()
-        assert status == 2 and len(lines) == 1 and want in lines[0], (name, err)
+        assert status == code and len(lines) == 1 and want in lines[0], (name, status, err)
+        assert lines[0].startswith("libra-jax plan: error: ")
         assert "Traceback" not in err + out
+
+
+def test_an_error_in_the_users_build_exits_1_not_2(capsys, tmp_path) -> None:
+    """2 is misuse (docs/optimize.md); a build() that raises is an error in the user's code
+    while running: 1, one line naming the exception and the script's line."""
+    script = tmp_path / "broken.py"
+    script.write_text("def build(small=False):\n    raise KeyError('params')\n")
+    status, out, err = run(capsys, "plan", str(script))
+    assert status == 1, err
+    assert err.strip() == f"libra-jax plan: error: {script}:2: build() failed: KeyError: 'params'"
+
+
+def test_plan_of_a_folder_names_its_scripts(capsys, tmp_path) -> None:
+    """A folder is refused in one line (exit 2) naming the scripts in it that define build(),
+    not said to be a missing file."""
+    (tmp_path / "b_step.py").write_text("def build(small=False):\n    return None\n")
+    (tmp_path / "a_step.py").write_text("import x\ndef build(small=False, variant=None):\n    pass\n")
+    (tmp_path / "common.py").write_text("def helper():\n    pass\n")
+    status, out, err = run(capsys, "plan", str(tmp_path))
+    assert status == 2 and out == "", err
+    assert err.strip() == (f"libra-jax plan: error: {tmp_path} is a folder: plan takes one "
+                           "script (one of a_step.py, b_step.py)")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    status, _, err = run(capsys, "plan", str(empty))
+    assert status == 2 and "is a folder: plan takes one script (none in it defines build(" in err
+
+
+@pytest.mark.parametrize("profile, message", [
+    ("nope", "unknown profile 'nope': not a file, and not one of"),
+    ("missing.json", "missing.json' does not exist"),
+    ("bad.json", "bad.json' is not valid JSON"),
+    ("empty.json", "empty.json"),
+])
+def test_plan_checks_its_profile_before_the_script(capsys, tmp_path, monkeypatch, profile,
+                                                    message) -> None:
+    """A --profile that does not load is misuse, said before the script is imported and its
+    step traced (tens of seconds for examples/transformer.py): one line, exit 2."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bad.json").write_text('{"name": "x",')
+    (tmp_path / "empty.json").write_text("{}")
+    marker = tmp_path / "imported"
+    script = tmp_path / "step.py"
+    script.write_text(f"open({str(marker)!r}, 'w').close()\n" + PLAN_SCRIPT)
+    status, out, err = run(capsys, "plan", str(script), "--profile", profile)
+    assert status == 2 and message in err, err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("libra-jax plan: error: ")
+    assert not marker.exists(), "the script was imported before --profile was checked"
 
 
 # --- Profiles other than the shipped names ---------------------------------------------------
@@ -393,6 +444,9 @@ def test_profiles_not_shipped_plan_alike_in_optimize_explain_plan_and_simulate(
     (["simulate", "--model", "vgg16", "--gantt", "/nonexistent/dir/x.png"], 2,
      "--gantt /nonexistent/dir/x.png: no such directory '/nonexistent/dir'"),
     (["plan", "README.md"], 2, "README.md is not a Python file"),
+    (["plan", "examples"], 2, "examples is a folder: plan takes one script (one of cnn.py, "
+                              "fsdp.py, mlp.py, transformer.py)"),
+    (["plan", "examples/"], 2, "examples/ is a folder: plan takes one script"),
     (["calibrate", "--out", "/"], 2, "--out /: is a directory"),
     (["simulate", "--model", "nope"], 2, "argument --model: invalid choice"),
     (["plan", "README.md", "--prefetch", "soon"], 2,

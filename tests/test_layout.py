@@ -30,7 +30,8 @@ LAYERS: dict[str, int] = {
                      "rewrite.sites", "rewrite.costs", "rewrite.edits", "rewrite.report",
                      "rewrite.gathers", "rewrite.buckets", "rewrite.ready", "rewrite.rewriter",
                      "rewrite.transform"], 4),
-    **dict.fromkeys(["explanation", "calibrate", "calibrate.measure", "calibrate.build", "cli",
+    **dict.fromkeys(["explanation", "gradient_names", "calibrate", "calibrate.measure",
+                     "calibrate.build", "cli",
                      "__main__", "testing"], 5),
 }
 PURE = [name for name, layer in LAYERS.items() if layer == 1]
