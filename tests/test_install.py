@@ -1,9 +1,10 @@
 """What a user sees after installing: the clone's source tree, which has no built extension,
 imported instead of the installed copy (issue 71's import trap).
 
-README's demo installs with ``pip install '.[examples]'`` (not editable): Python started in the
-clone (a script there, or ``python`` itself) puts the clone first on the path and imports its
-``libra_jax``, which has no ``_libra_ffi``. `import libra_jax` warns in one line naming both
+README's demo installed with ``pip install '.[examples]'`` (not editable; it is editable now,
+which removes the trap there, but any non-editable install beside a clone has it): Python
+started in the clone (a script there, or ``python`` itself) puts the clone first on the path
+and imports its ``libra_jax``, which has no ``_libra_ffi``. `import libra_jax` warns in one line naming both
 folders and the fix; the pure layer and `build_info` work; the first use of the extension
 raises a one-line ImportError, not a traceback from deep inside the user's tracing.
 

@@ -75,12 +75,13 @@ def _sites() -> tuple[list[tuple[str, str]], list[str], list[str]]:
 
 
 def _anchors() -> list[str]:
-    """The ids of docs/troubleshooting.md's entries: headings ``## `id` {#id}``."""
+    """The ids of docs/troubleshooting.md's entries: headings ``### `id` {#id}`` under their
+    group's ``##`` heading."""
     anchors = []
     for line in PAGE.read_text().splitlines():
-        if line.startswith("## ") and "{#" in line:
-            match = re.fullmatch(r"## `([^`]+)` \{#([^}]+)\}", line)
-            assert match and match[1] == match[2], f"an entry's heading is ## `id` {{#id}}: {line}"
+        if line.startswith("#") and "{#" in line:
+            match = re.fullmatch(r"### `([^`]+)` \{#([^}]+)\}", line)
+            assert match and match[1] == match[2], f"an entry's heading is ### `id` {{#id}}: {line}"
             anchors.append(match[2])
     return anchors
 
