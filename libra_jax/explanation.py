@@ -161,7 +161,8 @@ class Explanation:
         return _plain_text(self, width)
 
     def __str__(self) -> str:
-        return self.table(use_rich=False)
+        """The plain table, unwrapped (as `explain` prints it to a file or a pipe)."""
+        return self.table(use_rich=False, width=_PIPED_WIDTH)
 
 
 def explain(fn: Callable[..., Any], *args: Any, profile: Any = None, fusion: bool = True,
