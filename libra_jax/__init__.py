@@ -13,7 +13,8 @@ Layers, lowest first; a module imports only from its own layer or below
 3. the primitives: `ops`;
 4. the front ends: `allreduce` (`psum`), `rewrite` (`optimize`), `data_parallel`
    (`value_and_grad` for GSPMD steps);
-5. tools: `explanation` (its gradients' names, `gradient_names`), `calibrate` (its fits, `calibrate.fit`, are pure), `cli`, `testing`.
+5. tools: `explanation` (its gradients' names, `gradient_names`), `calibrate` (its fits,
+   `calibrate.fit`, are pure), `cli`, `testing`.
 
 The JAX front end is loaded on first attribute access, so that ``import libra_jax.planner``
 needs neither JAX nor the compiled extension.

@@ -17,10 +17,12 @@ Layer 1: pure Python, no JAX.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
-__all__ = ["Collective", "ROWS", "BY_LAX", "BY_KIND", "KINDS", "ENGINES", "PHASES", "LAYOUTS",
-           "lax_name", "done_target"]
+__all__ = ["Collective", "Shape", "ROWS", "BY_LAX", "BY_KIND", "KINDS", "ENGINES", "PHASES",
+           "LAYOUTS", "lax_name", "done_target"]
 
 #: The engines a collective's FFI target may name: the CPU engine, libra's CUDA P2P kernels
 #: (their targets say "cuda"), NCCL on libra's stream.
@@ -31,9 +33,22 @@ PHASES = ("", "start", "done")
 LAYOUTS = ("replicated", "scattered", "gathered")
 
 
+class Shape(NamedTuple):
+    """What one collective over ``n`` ranks does with an unsharded buffer of ``b`` bytes (a
+    reduce-scatter's input, an all-gather's output): as a ring (NCCL's ``nsteps`` and bus
+    bandwidth factors), ``steps(n)`` hop latencies and ``bus_fraction(n) * b`` bytes through each
+    rank's link; in the CPU engine (not a ring: each range is reduced or copied by one worker
+    from all ranks' buffers), ``engine_traffic(n) * b`` bytes of memory read and written in all.
+    The model's terms of a kind (`libra_jax.model`)."""
+
+    steps: Callable[[int], int]
+    bus_fraction: Callable[[int], float]
+    engine_traffic: Callable[[int], float]
+
+
 @dataclass(frozen=True)
 class Collective:
-    """One collective kind."""
+    """One collective kind: every layer reads what it knows of a kind here."""
 
     #: The `jax.lax` function it serves: "psum", "psum_scatter", "all_gather".
     lax: str
@@ -47,6 +62,15 @@ class Collective:
     layout: str
     #: Its FFI targets' names start ``libra_<stem>_``.
     stem: str
+    #: The model's terms (`Shape`).
+    shape: Shape
+    #: The key of its measured traffic in a fair-share profile, its seconds over the
+    #: all-reduce's for the same buffer (``fair_share.<key>``; `model.collective_traffic`);
+    #: None for the all-reduce, the reference every other kind is measured against (another
+    #: kind without one is refused where the fair-share form prices it).
+    traffic_key: str | None
+    #: Its mark after a bucket's number in the Gantt chart (`libra_jax.gantt`).
+    label: str
 
     @property
     def name(self) -> str:
@@ -81,11 +105,20 @@ class Collective:
         return self.role("cpu")
 
 
-#: The rows, in the engine's enum order.
+#: The rows, in the engine's enum order. A ring all-reduce is a reduce-scatter then an
+#: all-gather: twice their steps and bytes. The engine's all-reduce reads the n inputs and
+#: writes n outputs; its reduce-scatter reads n and writes one shard's worth (1/n on each of n
+#: ranks), its all-gather reads the n shards once and writes n outputs.
 ROWS: tuple[Collective, ...] = (
-    Collective("psum", "all-reduce", 0, "replicated", "allreduce"),
-    Collective("psum_scatter", "reduce-scatter", 1, "scattered", "reduce_scatter"),
-    Collective("all_gather", "all-gather", 2, "gathered", "all_gather"),
+    Collective("psum", "all-reduce", 0, "replicated", "allreduce",
+               Shape(lambda n: 2 * (n - 1), lambda n: 2 * (n - 1) / n, lambda n: 2.0 * n),
+               traffic_key=None, label=""),
+    Collective("psum_scatter", "reduce-scatter", 1, "scattered", "reduce_scatter",
+               Shape(lambda n: n - 1, lambda n: (n - 1) / n, lambda n: n + 1.0),
+               traffic_key="reduce_scatter_traffic", label="RS"),
+    Collective("all_gather", "all-gather", 2, "gathered", "all_gather",
+               Shape(lambda n: n - 1, lambda n: (n - 1) / n, lambda n: n + 1.0),
+               traffic_key="all_gather_traffic", label="AG"),
 )
 BY_LAX: dict[str, Collective] = {row.lax: row for row in ROWS}
 BY_KIND: dict[str, Collective] = {row.kind: row for row in ROWS}

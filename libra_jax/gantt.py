@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from libra_jax import collectives
+
 if TYPE_CHECKING:  # pragma: no cover
     from libra_jax.planner import Bucket, CostModel, GatherTimeline, Layer
 
@@ -133,8 +135,6 @@ def _figure_class() -> Any:
 #: The chart's parts, as its legend names them.
 LEGEND = ("compute (darker: slowed by a collective)", "all-reduce latency",
           "all-reduce beside compute", "all-reduce alone")
-#: How a bucket's label marks its collective.
-_SHORT = {"all-reduce": "", "reduce-scatter": " RS", "all-gather": " AG"}
 #: A bucket narrower than this share of the backward pass is listed under the chart, not labelled.
 LABEL_MIN_SHARE = 0.03
 
@@ -177,7 +177,8 @@ def chart(tl: Timeline | GatherTimeline, *, title: str = "", key_unit: str = "bl
         ax.barh(0, (c.end - c.solo_start) * ms, left=c.solo_start * ms, height=0.6,
                 color=cm.Blues(0.85), edgecolor="white", linewidth=0.3)
         ax.axvline(c.start * ms, ymin=0.05, ymax=0.45, color="black", linewidth=0.4)
-        name = f"#{c.bucket}{_SHORT[c.collective]}: {c.blocks}"
+        label = collectives.BY_KIND[c.collective].label
+        name = f"#{c.bucket}{' ' + label if label else ''}: {c.blocks}"
         if (c.end - c.start) > LABEL_MIN_SHARE * tl.backward_s:
             ax.text((c.start + c.end) / 2 * ms, 0, name, ha="center", va="center", fontsize=7,
                     color="black")

@@ -70,7 +70,8 @@ def test_a_new_row_goes_through_the_table_to_a_lowering(monkeypatch, jax_8):
 
     # 1. Its row.
     fake = collectives.Collective("fake_sum", "fake-sum", len(collectives.ROWS), "replicated",
-                                  "fake_sum")
+                                  "fake_sum", collectives.BY_KIND["all-reduce"].shape,
+                                  traffic_key="fake_sum_traffic", label="FS")
     monkeypatch.setattr(collectives, "ROWS", collectives.ROWS + (fake,))
     monkeypatch.setitem(collectives.BY_LAX, fake.lax, fake)
     monkeypatch.setitem(collectives.BY_KIND, fake.kind, fake)

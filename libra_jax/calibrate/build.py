@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from libra_jax import model, planner
+from libra_jax import collectives, model, planner
 from libra_jax.calibrate.fit import (
     SOFTMIN_P,
     Fit,
@@ -178,9 +178,10 @@ def call_terms(analysis: dict[str, Any], draft: dict[str, Any], workers: int, *,
 
 #: What calibration does not measure, carried over from the shipped CPU profile (as
 #: assumptions, with its reference): the cost of a pending all-reduce (`optimize(overlap=
-#: "auto")`), and the reduce-scatter's and all-gather's time against the all-reduce's
-#: (`model.collective_traffic`, measured by benchmarks/sharded_cpu.py).
-CARRIED_OVER = ("pending_allreduce_us", "reduce_scatter_traffic", "all_gather_traffic")
+#: "auto")`), and each other kind's time against the all-reduce's (its row's traffic key:
+#: `model.collective_traffic`, measured by benchmarks/sharded_cpu.py).
+CARRIED_OVER = ("pending_allreduce_us",
+                *(row.traffic_key for row in collectives.ROWS if row.traffic_key is not None))
 
 
 def _shipped_q(key: str) -> dict:

@@ -10,15 +10,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 
+from libra_jax.collectives import BY_KIND
 from libra_jax.model.forms import (
-    COLLECTIVE_SHAPES,
     FORM_TABLE,
     check_workers,
     ring_algo_factor,
     ring_latency_s,
 )
 from libra_jax.model.profile import BYTES_PER_GBIT, MAX_LAUNCH_BLOCKS, Profile
-from libra_jax.model.read import TRAFFIC_KEYS, resolve_profile
+from libra_jax.model.read import resolve_profile
 from libra_jax.planner import COLLECTIVES, CollectiveTerms, CostModel, no_overlap_allocation
 from libra_jax.planner import default_allocation as planner_default_allocation
 
@@ -148,20 +148,24 @@ def collective_traffic(profile: Profile, collective: str, workers: int) -> tuple
     """`collective`'s seconds per gradient byte over the all-reduce's, at the same allocation
     (`planner.CollectiveTerms.traffic`), and where the number comes from.
 
-    The GPU forms price rings: the ratio of the collectives' bus fractions (`COLLECTIVE_SHAPES`;
+    The GPU forms price rings: the ratio of the collectives' bus fractions (their rows' shapes;
     1/2 for either half of the all-reduce). The CPU engine is no ring: the fair-share form
-    takes the profile's measured ratio (``fair_share.<collective>_traffic``,
+    takes the profile's measured ratio (``fair_share.<its row's traffic_key>``,
     ``benchmarks/sharded_cpu.py``) where it has one, else the ratio of the memory each moves
     (``engine_traffic``: (n+1)/(2n), 9/16 at 8 ranks).
     """
-    if collective == "all-reduce":
+    row, reference = BY_KIND[collective], BY_KIND["all-reduce"]
+    if row is reference:
         return 1.0, "the all-reduce"
-    shape, ring = COLLECTIVE_SHAPES[collective], COLLECTIVE_SHAPES["all-reduce"]
+    shape, ring = row.shape, reference.shape
     if profile.fair_share is None:
         return shape.bus_fraction(workers) / ring.bus_fraction(workers), "ring bus fractions"
-    measured = getattr(profile.fair_share, TRAFFIC_KEYS[collective])
+    if row.traffic_key is None:
+        raise ValueError(f"the {row.kind} collective's row has no traffic_key: the fair-share "
+                         "form has no measured traffic of it to read")
+    measured = getattr(profile.fair_share, row.traffic_key)
     if measured is not None:
-        return measured, f"fair_share.{TRAFFIC_KEYS[collective]}"
+        return measured, f"fair_share.{row.traffic_key}"
     return (shape.engine_traffic(workers) / ring.engine_traffic(workers),
             "the engine's memory traffic (not measured)")
 

@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
+from libra_jax.collectives import ROWS, Shape
 from libra_jax.model.profile import (
     BYTES_PER_GBYTE,
     BYTES_PER_S_PER_MIB_PER_MS,
@@ -24,27 +25,13 @@ def check_workers(workers: int) -> None:
         raise ValueError(f"workers must be an integer >= 2 (a ring needs two ranks), got {workers!r}")
 
 
-class CollectiveShape(NamedTuple):
-    """What one collective over ``n`` ranks does with an unsharded buffer of ``b`` bytes (a
-    reduce-scatter's input, an all-gather's output): as a ring (NCCL's ``nsteps`` and bus
-    bandwidth factors), ``steps(n)`` hop latencies and ``bus_fraction(n) * b`` bytes through each
-    rank's link; in the CPU engine (not a ring: each range is reduced or copied by one worker
-    from all ranks' buffers), ``engine_traffic(n) * b`` bytes of memory read and written in all."""
+#: A kind's model terms: its row's (`collectives.Shape`).
+CollectiveShape = Shape
 
-    steps: Callable[[int], int]
-    bus_fraction: Callable[[int], float]
-    engine_traffic: Callable[[int], float]
-
-
-#: The per-collective terms, one row per collective (`planner.COLLECTIVES`). A ring all-reduce is
-#: a reduce-scatter then an all-gather: twice their steps and bytes. The engine's all-reduce
-#: reads the n inputs and writes n outputs; its reduce-scatter reads n and writes one shard's
-#: worth (1/n on each of n ranks), its all-gather reads the n shards once and writes n outputs.
-COLLECTIVE_SHAPES: Mapping[str, CollectiveShape] = MappingProxyType({
-    "all-reduce": CollectiveShape(lambda n: 2 * (n - 1), lambda n: 2 * (n - 1) / n, lambda n: 2.0 * n),
-    "reduce-scatter": CollectiveShape(lambda n: n - 1, lambda n: (n - 1) / n, lambda n: n + 1.0),
-    "all-gather": CollectiveShape(lambda n: n - 1, lambda n: (n - 1) / n, lambda n: n + 1.0),
-})
+#: The per-collective terms by the model's name of each kind, read from the kinds' rows
+#: (`collectives.ROWS`: a kind's terms are written there once).
+COLLECTIVE_SHAPES: Mapping[str, CollectiveShape] = MappingProxyType(
+    {row.kind: row.shape for row in ROWS})
 assert tuple(COLLECTIVE_SHAPES) == COLLECTIVES
 
 

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from libra_jax.collectives import ROWS
+
 #: The most blocks a call is launched with: the CPU engine's pool (``kMaxBlocks``,
 #: cpp/libra/engine.h; tests/test_model.py checks the extension says the same).
 MAX_LAUNCH_BLOCKS = 64
@@ -152,6 +154,12 @@ class FairShare:
     pending_allreduce_s: float | None = None
     reduce_scatter_traffic: float | None = None
     all_gather_traffic: float | None = None
+
+
+# Every kind measured against the all-reduce has its field here (its row's traffic key).
+if _unfielded := sorted({row.traffic_key for row in ROWS if row.traffic_key is not None}
+                        - {f.name for f in fields(FairShare)}):
+    raise TypeError(f"collectives.ROWS' traffic keys {_unfielded} are no FairShare fields")
 
 
 @dataclass(frozen=True, eq=False)

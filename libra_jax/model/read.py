@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from libra_jax import config
+from libra_jax.collectives import ROWS
 from libra_jax.model.forms import FORM_TABLE
 from libra_jax.model.profile import (
     BYTES_PER_GBIT,
@@ -259,14 +260,15 @@ def _read_fair_share(r: _Reader, data: Mapping[str, Any]) -> FairShare:
     c = r.section(data, "fair_share", allowed=_BLOCK_FORM_KEYS + (
         "cores", "compute_threads", "pending_allreduce_us", *TRAFFIC_KEYS.values()))
     p = "fair_share."
+    # Each kind's measured traffic, by its row's key (`collectives.Collective.traffic_key`).
+    traffic: dict[str, Any] = {key: _optional_number(r, c, key, p) for key in TRAFFIC_KEYS.values()}
     return FairShare(
         **_block_form_fields(r, c, p),
         cores=r.number(c, "cores", p),
         compute_threads=r.number(c, "compute_threads", p),
         pending_allreduce_s=(r.number(c, "pending_allreduce_us", p, inclusive=True) * S_PER_US
                              if "pending_allreduce_us" in c else None),
-        reduce_scatter_traffic=_optional_number(r, c, "reduce_scatter_traffic", p),
-        all_gather_traffic=_optional_number(r, c, "all_gather_traffic", p),
+        **traffic,
     )
 
 
@@ -274,8 +276,9 @@ def _optional_number(r: _Reader, section: Mapping[str, Any], key: str, prefix: s
     return r.number(section, key, prefix) if key in section else None
 
 
-#: The fair-share form's measured `collective_traffic`, by collective: its field (and key).
-TRAFFIC_KEYS = {"reduce-scatter": "reduce_scatter_traffic", "all-gather": "all_gather_traffic"}
+#: The fair-share form's measured `collective_traffic`, by collective: its field (and key),
+#: from the kinds' rows (`collectives.Collective.traffic_key`).
+TRAFFIC_KEYS = {row.kind: row.traffic_key for row in ROWS if row.traffic_key is not None}
 
 
 def _read_nccl_style(r: _Reader, data: Mapping[str, Any]) -> NcclStyle:
