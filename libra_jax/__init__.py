@@ -124,14 +124,23 @@ def _build_info_unbuilt() -> dict[str, Any]:
 
 if TYPE_CHECKING:  # what a type checker sees; at run time they load lazily (`__getattr__`)
     from libra_jax._ffi import build_info
-    from libra_jax.allreduce import MAX_BLOCKS, all_gather, default_blocks, patch_lax, pmean, psum, psum_scatter
+    from libra_jax.allreduce import (
+        MAX_BLOCKS,
+        all_gather,
+        all_to_all,
+        default_blocks,
+        patch_lax,
+        pmean,
+        psum,
+        psum_scatter,
+    )
     from libra_jax.data_parallel import grad, value_and_grad
     from libra_jax.explanation import Explanation, explain
     from libra_jax.model import Profile, load_profile
     from libra_jax.rewrite import OptimizeReport, PsumPlan, optimize, rewrite_jaxpr
 
 __all__ = [
-    "psum", "pmean", "psum_scatter", "all_gather", "patch_lax", "default_blocks", "MAX_BLOCKS",
+    "psum", "pmean", "psum_scatter", "all_gather", "all_to_all", "patch_lax", "default_blocks", "MAX_BLOCKS",
     "optimize", "rewrite_jaxpr", "OptimizeReport", "PsumPlan",
     "value_and_grad", "grad",
     "explain", "Explanation",
@@ -146,6 +155,7 @@ _LAZY = {
     "pmean": "libra_jax.allreduce",
     "psum_scatter": "libra_jax.allreduce",
     "all_gather": "libra_jax.allreduce",
+    "all_to_all": "libra_jax.allreduce",
     "patch_lax": "libra_jax.allreduce",
     "default_blocks": "libra_jax.allreduce",
     "MAX_BLOCKS": "libra_jax.allreduce",

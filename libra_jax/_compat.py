@@ -37,7 +37,7 @@ __all__ = [
     "ClosedJaxpr", "Jaxpr", "Var", "jaxpr_as_fun", "closed_jaxpr", "jaxprs_in_params",
     "memoized_sub_jaxprs", "register_psum_rooflines", "dce", "keep_in_dce",
     "mesh_axis_sizes", "distributed_client", "on_stream", "Primitive", "Tracer", "ShapedArray", "ir", "hlo",
-    "psum_p", "psum_invariant_p", "reduce_scatter_p", "all_gather_p", "all_gather_invariant_p",
+    "psum_p", "psum_invariant_p", "reduce_scatter_p", "all_gather_p", "all_to_all_p", "all_gather_invariant_p",
     "canonicalize_axis", "axis_effects",
     "apply_primitive", "deflinear", "register_batcher", "register_lowering", "lower_fun",
     "ir_constant", "ir_tensor_type", "jit_static_args", "made_by_transpose", "is_var", "is_ref",
@@ -57,6 +57,7 @@ psum_invariant_p: Primitive = _parallel.psum_invariant_p
 #: `.all_gather` stand for them).
 reduce_scatter_p: Primitive = _parallel.reduce_scatter_p
 all_gather_p: Primitive = _parallel.all_gather_p
+all_to_all_p: Primitive = _parallel.all_to_all_p
 all_gather_invariant_p: Primitive = _parallel.all_gather_invariant_p
 
 

@@ -35,10 +35,12 @@ import numpy as np
 from libra_jax import _compat, model, planner
 from libra_jax.ops import lowering
 from libra_jax.ops.base import warn_once
+from libra_jax.ops.exchange import libra_all_to_all_p
 from libra_jax.ops.psum import libra_psum_p
 from libra_jax.ops.sharded import libra_all_gather_p, libra_reduce_scatter_p
 
-__all__ = ["psum", "pmean", "psum_scatter", "all_gather", "patch_lax", "default_blocks", "check_blocks", "engine_dtype",
+__all__ = ["psum", "pmean", "psum_scatter", "all_gather", "all_to_all", "patch_lax",
+           "default_blocks", "check_blocks", "engine_dtype",
            "warn_invariant_operand", "MAX_BLOCKS", "DEFAULT_PROFILES", "BLOCK_PENALTY",
            "libra_psum_p"]
 
@@ -49,6 +51,7 @@ _JAX_PSUM = jax.lax.psum
 _JAX_PMEAN = jax.lax.pmean
 _JAX_PSUM_SCATTER = jax.lax.psum_scatter
 _JAX_ALL_GATHER = jax.lax.all_gather
+_JAX_ALL_TO_ALL = jax.lax.all_to_all
 
 #: Largest block count (engine worker tasks per all-reduce).
 MAX_BLOCKS: int = lowering.MAX_BLOCKS
@@ -277,6 +280,87 @@ def all_gather(x: Any, axis_name: AxisName | Sequence[AxisName], *,
                             axis_size=_axis_size(axes), tiled=bool(tiled),
                             invariant=invariant, blocks=_blocks(blocks))
     return jax.tree_util.tree_map(leaf_call, x)
+
+
+def all_to_all(x: Any, axis_name: AxisName | Sequence[AxisName], split_axis: int,
+               concat_axis: int, *, axis_index_groups: Sequence[Sequence[int]] | None = None,
+               tiled: bool = False, blocks: int | None = None) -> Any:
+    """All-to-all, like `jax.lax.all_to_all`, with a chosen block count.
+
+    Each device splits `x` along `split_axis` into one segment per device and sends segment
+    ``d`` to device ``d``; what it receives it concatenates (`tiled`) or stacks along
+    `concat_axis`, in device order: an expert-parallel layer's dispatch and combine. A copy:
+    on CPU, libra's engine serves every dtype of whole bytes by its bytes.
+
+    Args:
+      x: array or pytree of arrays, inside `jax.shard_map` or `jax.pmap`.
+      axis_name: a mesh axis name or a tuple of them.
+      split_axis, concat_axis, tiled, axis_index_groups: as in `jax.lax.all_to_all` (calls
+        with `axis_index_groups` are delegated to it).
+      blocks: engine worker tasks, 1..`MAX_BLOCKS`; ``None``: `default_blocks` (the model's
+        choice for an all-to-all of the buffer), chosen when the program is lowered.
+
+    Returns:
+      The same as `jax.lax.all_to_all`, bit for bit. Its transpose (`jax.grad`) is libra's
+      all-to-all back, as JAX's is its own.
+
+    Raises:
+      NameError: an axis name is not bound.
+      ValueError: `split_axis` does not split over the devices (JAX's error), or `blocks`
+        outside 1..MAX_BLOCKS.
+      TypeError: `blocks` is not an int, or is given for a call delegated to
+        `jax.lax.all_to_all`.
+    """
+    who = "all_to_all"
+    check_blocks(blocks, f"libra_jax.{who}")
+    kwargs = dict(split_axis=split_axis, concat_axis=concat_axis, tiled=tiled)
+    axes = _mesh_axes(x, axis_name, who, _JAX_ALL_TO_ALL)
+    if axis_index_groups is not None or isinstance(axes, str):
+        reason = ("axis_index_groups is not supported" if axis_index_groups is not None
+                  else axes if isinstance(axes, str) else "")
+        return _delegate(x, axis_name, reason, blocks, op=_JAX_ALL_TO_ALL, who=who,
+                         quiet=reason == "", axis_index_groups=axis_index_groups, **kwargs)
+
+    def leaf_call(leaf: Any) -> Any:
+        aval = jax.typeof(leaf)
+        state = _compat.input_state(aval, axes)
+        reason = (f"{state} inputs are not supported" if state in ("unreduced", "reduced")
+                  else "" if copyable(aval.dtype)
+                  else f"dtype {aval.dtype} is not of whole bytes")
+        if reason or not axes or not isinstance(leaf, _compat.Tracer):
+            return _delegate(leaf, axis_name, reason, blocks, op=_JAX_ALL_TO_ALL, who=who,
+                             quiet=not reason, **kwargs)
+        return _bind_all_to_all(_vary(leaf, axes), axes, split_axis, concat_axis, bool(tiled),
+                                _blocks(blocks))
+    return jax.tree_util.tree_map(leaf_call, x)
+
+
+def _bind_all_to_all(x: Any, axes: tuple, split: int, concat: int, tiled: bool,
+                     blocks: int | None) -> Any:
+    """libra's all-to-all primitive bound as `jax.lax.all_to_all` binds JAX's: an untiled
+    call's stacked axis inserted before and its split axis taken out after (the primitive
+    always splits and concatenates), with JAX's checks of the split axis's size."""
+    size = _axis_size(axes)
+    split = _compat.canonicalize_axis(split, np.ndim(x))
+    concat = _compat.canonicalize_axis(concat, np.ndim(x))
+    if tiled and x.shape[split] % size:
+        raise ValueError(f"The size of all_to_all split_axis ({x.shape[split]}) has to be "
+                         f"divisible by the size of the named axis {axes} ({size})")
+    if not tiled and x.shape[split] != size:
+        raise ValueError("all_to_all requires the size of the mapped axis axis_name to equal "
+                         f"x.shape[split_axis], but they are {size} and {x.shape[split]} "
+                         "respectively.")
+    if not tiled and split != concat:
+        if split < concat:
+            concat += 1  # a position after the split axis is taken out
+        else:
+            split += 1
+        x = jax.lax.expand_dims(x, (concat,))
+    result = libra_all_to_all_p.bind(x, axis_name=axes, split_axis=split, concat_axis=concat,
+                                     tiled=tiled, blocks=blocks)
+    if not tiled and split != concat:
+        result = jax.lax.squeeze(result, (split,))
+    return result
 
 
 def _mesh_axes(x: Any, axis_name: Any, who: str, op: Any) -> tuple | str:

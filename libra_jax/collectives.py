@@ -30,7 +30,7 @@ ENGINES = ("cpu", "cuda", "nccl")
 #: A call in one piece (""), or the two halves of a start/done pair.
 PHASES = ("", "start", "done")
 #: How each layout spreads a collective's full buffer over the ranks.
-LAYOUTS = ("replicated", "scattered", "gathered")
+LAYOUTS = ("replicated", "scattered", "gathered", "exchanged")
 
 
 class Shape(NamedTuple):
@@ -58,7 +58,9 @@ class Collective:
     enum: int
     #: "replicated": every rank brings the whole buffer and gets the whole result;
     #: "scattered": every rank brings the whole buffer and keeps its shard of the result;
-    #: "gathered": every rank brings its shard and gets the whole buffer.
+    #: "gathered": every rank brings its shard and gets the whole buffer;
+    #: "exchanged": every rank brings a buffer of one segment per rank (in each row) and gets
+    #: one segment from every rank: its segment of theirs (the all-to-all).
     layout: str
     #: Its FFI targets' names start ``libra_<stem>_``.
     stem: str
@@ -81,6 +83,12 @@ class Collective:
     def gathers(self) -> bool:
         """Its operand is one rank's shard; the full buffer is its result."""
         return self.layout == "gathered"
+
+    @property
+    def sums(self) -> bool:
+        """It adds the ranks' elements (of the dtypes the engine sums); else it copies them,
+        by their bytes (any dtype of whole bytes)."""
+        return self.layout in ("replicated", "scattered")
 
     def target(self, engine: str, phase: str = "") -> str:
         """The name of this kind's FFI target on `engine` (`ENGINES`): its one call, or with
@@ -119,6 +127,11 @@ ROWS: tuple[Collective, ...] = (
     Collective("all_gather", "all-gather", 2, "gathered", "all_gather",
                Shape(lambda n: n - 1, lambda n: (n - 1) / n, lambda n: n + 1.0),
                traffic_key="all_gather_traffic", label="AG"),
+    # Each rank sends (n-1)/n of its buffer, one segment to each other rank (a ring's n-1
+    # steps); the engine reads the n buffers once and writes n: the all-reduce's 2n.
+    Collective("all_to_all", "all-to-all", 3, "exchanged", "all_to_all",
+               Shape(lambda n: n - 1, lambda n: (n - 1) / n, lambda n: 2.0 * n),
+               traffic_key="all_to_all_traffic", label="A2A"),
 )
 BY_LAX: dict[str, Collective] = {row.lax: row for row in ROWS}
 BY_KIND: dict[str, Collective] = {row.kind: row for row in ROWS}

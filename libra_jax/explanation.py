@@ -551,7 +551,7 @@ def _others_lines(e: Explanation) -> list[str]:
         lines.append(line)
     if e.report.unplanned:
         lines.append("collectives optimize leaves unplanned (it plans psums and psum_scatters "
-                     "and runs all_gathers): "
+                     "and runs all_gathers and all_to_alls): "
                      + "; ".join(e.report.unplanned))
     if e.report.copied:
         lines.append("gradients copied before their in-place all-reduce (another equation "

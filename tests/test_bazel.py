@@ -250,6 +250,7 @@ def test_python_target_names_come_from_the_table():
     table = {t["role"]: t["name"] for t in _libra_ffi.registry()}
     assert _ffi.TARGETS == _libra_ffi.TARGETS == table
     assert set(table) == {"cpu", "cpu_start", "cpu_done", "cpu_reduce_scatter", "cpu_all_gather",
+                          "cpu_all_to_all",
                           "cpu_reduce_scatter_start", "cpu_all_gather_start",
                           "cuda", "cuda_start", "cuda_done", "nccl", "nccl_start",
                           "nccl_reduce_scatter", "nccl_reduce_scatter_start", "nccl_all_gather",

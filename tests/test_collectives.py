@@ -3,6 +3,7 @@ kinds reads it (the engine's enum, the model's table, the lowering's, the FFI ta
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,21 +19,22 @@ def test_rows_are_the_engines_enum_in_order():
     enum = re.search(r"enum class Collective : int \{([^}]*)\}", header).group(1)
     names = [n.split("=")[0].strip() for n in enum.split(",")]
     assert [row.enum for row in collectives.ROWS] == list(range(len(names)))
-    # The C++ rows (libra::kLayouts, indexed by the enum): name, sums, shard_in, shard_out.
-    rows = re.findall(r'\{"([\w-]+)", (true|false), (true|false), (true|false)\}',
+    # The C++ rows (libra::kLayouts, indexed by the enum): name, sums, shard_in, shard_out,
+    # exchanges.
+    rows = re.findall(r'\{"([\w-]+)", (true|false), (true|false), (true|false), (true|false)\}',
                       header[header.index("kLayouts[]"):])
-    assert [(name, sums == "true", shard_in == "true", shard_out == "true")
-            for name, sums, shard_in, shard_out in rows] == [
-        (row.kind, not row.gathers, row.layout == "gathered", row.layout == "scattered")
-        for row in collectives.ROWS]
+    assert [(name, *(flag == "true" for flag in flags)) for name, *flags in rows] == [
+        (row.kind, row.sums, row.layout == "gathered", row.layout == "scattered",
+         row.layout == "exchanged") for row in collectives.ROWS]
 
 
 def test_every_table_of_kinds_is_the_rows():
     assert planner.COLLECTIVES == collectives.KINDS == tuple(model.COLLECTIVE_SHAPES)
     assert lowering.COLLECTIVES is collectives.BY_LAX
     assert [collectives.lax_name(k) for k in collectives.KINDS] == [
-        "psum", "psum_scatter", "all_gather"]
-    assert [row.gathers for row in collectives.ROWS] == [False, False, True]
+        "psum", "psum_scatter", "all_gather", "all_to_all"]
+    assert [row.gathers for row in collectives.ROWS] == [False, False, True, False]
+    assert [row.sums for row in collectives.ROWS] == [True, True, False, False]
     assert {row.layout for row in collectives.ROWS} == set(collectives.LAYOUTS)
 
 
@@ -113,3 +115,91 @@ def test_a_new_row_goes_through_the_table_to_a_lowering(monkeypatch, jax_8):
     assert "blocks = 3 : i64" in call and "world = 8 : i64" in call, call
     assert 'label = "fake_sum(\'x\',)"' in call, call
     assert "stablehlo.all_reduce" not in text
+
+
+# --- The all-to-all's row, each piece taken out in turn (issue 72) ----------------------------
+
+def _without(monkeypatch, **changes):
+    """The real all-to-all row with `changes` (a piece taken out), in every table of rows."""
+    import dataclasses
+    real = collectives.BY_KIND["all-to-all"]
+    row = dataclasses.replace(real, **changes)
+    monkeypatch.setattr(collectives, "ROWS", tuple(row if r is real else r
+                                                   for r in collectives.ROWS))
+    monkeypatch.setitem(collectives.BY_KIND, row.kind, row)
+    monkeypatch.setitem(collectives.BY_LAX, row.lax, row)
+    sys.modules["libra_jax.model.derive"]._derive.cache_clear()  # priced afresh (and after)
+    return row
+
+
+@pytest.fixture(autouse=True)
+def _fresh_derivations():
+    yield
+    sys.modules["libra_jax.model.derive"]._derive.cache_clear()
+
+
+def test_the_all_to_all_without_its_model_shape_is_refused_by_name(monkeypatch):
+    from libra_jax.model import forms
+    _without(monkeypatch, shape=None)
+    with pytest.raises(ValueError, match="the all-to-all collective's row has no model shape"):
+        model.derive("cpu-host", 8)
+    with pytest.raises(ValueError, match="the all-to-all collective's row has no model shape"):
+        forms.ring_steps(8, "all-to-all")
+    assert forms.ring_steps(8, "all-reduce") == 14  # the other kinds priced as they were
+
+
+def test_the_all_to_all_without_its_traffic_key_is_refused_by_name(monkeypatch):
+    _without(monkeypatch, traffic_key=None)
+    with pytest.raises(ValueError, match="the all-to-all collective's row has no traffic_key"):
+        model.derive("cpu-host", 8)
+    # A ring form prices it by its shape alone: no traffic key needed there.
+    assert model.derive("h100", 8).cost.terms("all-to-all").traffic > 0
+
+
+def test_the_all_to_all_without_its_emitter_or_bucket_form_is_refused_by_name(jax_8):
+    import jax
+    import jax.numpy as jnp
+
+    from libra_jax.rewrite.edits import fused_eqn, single_eqn
+    from libra_jax.rewrite.sites import Site
+    eqn = jax.make_jaxpr(jax.vmap(lambda x: jax.lax.psum(x, "x"), axis_name="x"))(
+        jnp.ones((2, 3))).jaxpr.eqns[0]
+    site = Site(0, ("x",), False, 12, None, eqn.outvars[0], "all-to-all")  # no exchange
+    with pytest.raises(NotImplementedError, match=r"all-to-all collective has no all_to_all "
+                                                  r"parameters \(Site.exchange\)"):
+        single_eqn(eqn, site, 2, set())
+    with pytest.raises(NotImplementedError, match="all-to-all collective has no bucket"):
+        fused_eqn([eqn], [site], ("x",), False, 2)
+    with pytest.raises(NotImplementedError, match="all-to-all collective has no bucket class"):
+        site.bucket_class
+
+
+def test_the_all_to_all_without_its_site_rule_or_engine_piece_stays_xlas(monkeypatch, jax_8):
+    """Without its site rule `optimize` leaves each all-to-all as JAX's, named in its
+    unplanned-collectives warning; without the engine's target its op lowers to XLA's
+    all-to-all with the notice naming the kind. Never a call of another kind."""
+    import jax
+
+    import libra_jax
+    from libra_jax import _ffi
+    from libra_jax.rewrite import sites
+    from test_exchange import moe_step
+
+    step, args = moe_step()
+    monkeypatch.delitem(sites.SITE_RULES, "all_to_all")
+    with pytest.warns(UserWarning, match=r"all_to_all over \('x',\)"):
+        opt = libra_jax.optimize(step)
+        hlo = jax.jit(opt).lower(*args).compile().as_text()
+    assert not [p for p in opt.last_report.plans if p.collective == "all-to-all"]
+    assert hlo.count(" all-to-all(") == 4 and "libra_all_to_all" not in hlo
+    assert hlo.count("libra_allreduce_cpu") == hlo.count("custom_call_target=\"libra_allreduce")
+    monkeypatch.undo()
+
+    has_target = _ffi.has_target
+    monkeypatch.setattr(_ffi, "has_target",
+                        lambda kind, *rest: kind != "all-to-all" and has_target(kind, *rest))
+    from libra_jax.ops import base
+    monkeypatch.setattr(base, "_warned", set())
+    with pytest.warns(UserWarning, match="the extension registers no all-to-all target"):
+        hlo = jax.jit(libra_jax.optimize(step)).lower(*args).compile().as_text()
+    assert hlo.count(" all-to-all(") == 4 and "libra_all_to_all" not in hlo

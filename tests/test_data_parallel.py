@@ -999,7 +999,7 @@ def test_optimize_says_once_which_collectives_it_leaves_to_xla(monkeypatch):
     w = put(np.ones((16, 8), np.float32), mesh, P("data"))
     x = put(np.ones((64, 16), np.float32), mesh, P("data"))
     opt = libra_jax.optimize(step)
-    with pytest.warns(UserWarning, match=r"plans psums and psum_scatters and runs all_gathers; "
+    with pytest.warns(UserWarning, match=r"plans psums and psum_scatters and runs all_gathers and all_to_alls; "
                                          r"these collectives keep their own lowering \(XLA's, or "
                                          r"libra's at their own blocks\): ppermute over "
                                          r"\('data',\) in top/shard_map\. optimize plans the "

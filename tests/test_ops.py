@@ -19,7 +19,8 @@ from libra_jax.ops import base, lowering
 
 def test_every_op_is_registered_once_with_an_xla_twin():
     prims = [ops.libra_psum_p, ops.libra_bucket_p, ops.libra_reduce_scatter_p,
-             ops.libra_all_gather_p, ops.libra_start_p, ops.libra_done_p]
+             ops.libra_all_gather_p, ops.libra_start_p, ops.libra_done_p,
+             ops.libra_all_to_all_p]
     assert sorted(ops.XLA_TWINS, key=str) == sorted(prims, key=str)
     for prim in prims:
         twin = ops.XLA_TWINS[prim]

@@ -1,5 +1,5 @@
 // XLA FFI handlers: the CPU collectives' custom calls over the libra engine (the
-// all-reduce, its start/done pair, the reduce-scatter and the all-gather).
+// all-reduce, its start/done pair, the reduce-scatter, the all-gather and the all-to-all).
 //
 // One custom call site in one executable gets one CpuAllReduceSite, created at
 // the instantiate stage and shared by every device of the executable (XLA:CPU
@@ -44,7 +44,8 @@ ffi::TypeId CpuAllReduceSite::id = {};
 
 // Every CPU target's call site: one rendezvous. The attributes every target's site carries
 // (the starts add call_id): a label, the group size, the block count, the timeout and one
-// segment per member (a sharded kind's run of one shard in elements; 0 for the all-reduce).
+// segment per member (a sharded kind's run of one shard in elements, the all-to-all's
+// exchanged segment; 0 for the all-reduce, and 0 for count / world).
 ffi::ErrorOr<std::unique_ptr<CpuAllReduceSite>> Instantiate(
     std::string_view label, int64_t /*world*/, int64_t /*blocks*/, int64_t /*timeout_ms*/,
     ffi::Span<const int64_t> /*segments*/) {
@@ -64,7 +65,8 @@ ffi::Error InvalidCall(libra::Collective kind, const std::string& message) {
 
 // One member of a call as its buffers have it: the element type, the full (unsharded)
 // buffer's elements and bytes, and one rank's share in elements (the full buffer is the
-// input, or for an all-gather the output; an all-reduce's share is the whole).
+// input, or for an all-gather the output; an all-reduce's and an all-to-all's share is the
+// whole: each rank brings and gets `count` elements).
 struct MemberBuffers {
   ffi::DataType type;
   std::size_t full = 0, share = 0, full_bytes = 0;
@@ -95,8 +97,9 @@ ffi::ErrorOr<libra::CallSpec> MakeCallSpec(libra::Collective kind, ffi::RunId ru
     ffi::ErrorOr<libra::DType> dtype = ToEngineDType(type);
     if (dtype.has_value()) {
       spec.dtype = *dtype;
-    } else if (layout.shard_in) {
-      // A copy serves any element type of whole bytes (bool, s8, fp8, u32, c64 ...) as bytes.
+    } else if (!layout.sums) {
+      // A copy (the all-gather, the all-to-all) serves any element type of whole bytes (bool,
+      // s8, fp8, u32, c64 ...) as bytes; its segments are then counted in bytes too.
       spec.dtype = libra::DType::kBytes;
       for (const MemberBuffers& m : members) {
         if (m.full == 0) continue;
@@ -559,6 +562,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuReduceScatterExecute,
                               Execute<libra::Collective::kReduceScatter>,
                               BindSiteAttrs(EngineCall()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuAllGatherExecute, Execute<libra::Collective::kAllGather>,
+                              BindSiteAttrs(EngineCall()));
+// Operand i + 1 and result i are member i's input and output, of the same shape (each rank
+// brings and gets `count` elements), never aliased (the engine refuses an output over an
+// input); segments[i] is its exchanged segment in elements (0: count / world).
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuAllToAllExecute, Execute<libra::Collective::kAllToAll>,
                               BindSiteAttrs(EngineCall()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kCpuAllReduceStartInstantiate, InstantiateStart,

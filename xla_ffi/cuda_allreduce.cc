@@ -468,6 +468,12 @@ struct NcclCall {
     if (out.element_type() != x.element_type() || nranks < 1) {
       return ffi::Error::InvalidArgument(what + "output must have the input's element type");
     }
+    // The shapes below are the all-reduce's and the sharded kinds'; an exchanging kind (the
+    // all-to-all: NCCL's count is per peer) has no NCCL target yet, and is never sized as
+    // an all-reduce.
+    if (libra::LayoutOf(kind).exchanges) {
+      return ffi::Error::InvalidArgument(what + "libra's NCCL targets do not serve it yet");
+    }
     const bool scatters = libra::LayoutOf(kind).shard_out;
     const bool gathers = libra::LayoutOf(kind).shard_in;
     const std::size_t n = static_cast<std::size_t>(nranks);

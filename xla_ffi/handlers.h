@@ -52,8 +52,10 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(kCpuAllReduceInstantiate);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kCpuAllReduceExecute);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kCpuReduceScatterExecute);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kCpuAllGatherExecute);
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kCpuAllToAllExecute);
 // The same calls split in two (libra_jax.ops.start_done): a start arrives and returns at
 // once; the one done (every kind's) waits for the round's end. One instantiate for the starts.
+// (The all-to-all has no start yet: it is one call.)
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kCpuAllReduceStartInstantiate);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kCpuAllReduceStart);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kCpuReduceScatterStart);

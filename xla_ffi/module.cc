@@ -202,10 +202,11 @@ void NcclAllReduceHost(int64_t comm_id, int nranks, int rank, int ctas, HostArra
   if (!status.ok()) throw std::runtime_error(status.message);
 }
 
-// One rank's collective (`kind`: "all-reduce", "reduce-scatter" or "all-gather") from one host
-// array into another (the same memory, or views of one buffer, for NCCL's in-place forms),
-// through the communicator cache; `count` is NCCL's (the output's elements for a
-// reduce-scatter, the input's for an all-gather).
+// One rank's collective (`kind`: "all-reduce", "reduce-scatter", "all-gather" or "all-to-all")
+// from one host array into another (the same memory, or views of one buffer, for NCCL's
+// in-place forms; never for the all-to-all), through the communicator cache; `count` is
+// NCCL's (the output's elements for a reduce-scatter, the input's for an all-gather, the
+// elements sent to each peer for an all-to-all: the input's / nranks).
 void NcclCollectiveHost(const std::string& kind, int64_t comm_id, int nranks, int rank, int ctas,
                         HostArray input, HostArray output, int64_t timeout_ms) {
   OpenNccl();
@@ -219,10 +220,14 @@ void NcclCollectiveHost(const std::string& kind, int64_t comm_id, int nranks, in
   if (HostDType(output) != dtype) throw nb::type_error("nccl_collective_host: dtypes differ");
   const bool scatters = libra::LayoutOf(collective).shard_out;
   const bool gathers = libra::LayoutOf(collective).shard_in;
-  const std::size_t count = scatters ? output.size() : input.size();
-  const std::size_t want_in = count * (scatters ? nranks : 1);
-  const std::size_t want_out = count * (gathers ? nranks : 1);
-  if (nranks < 1 || input.size() != want_in || output.size() != want_out) {
+  const bool exchanges = libra::LayoutOf(collective).exchanges;
+  if (nranks < 1) throw nb::value_error("nccl_collective_host: nranks must be positive");
+  const std::size_t count = scatters    ? output.size()
+                            : exchanges ? input.size() / static_cast<std::size_t>(nranks)
+                                        : input.size();
+  const std::size_t want_in = count * (scatters || exchanges ? nranks : 1);
+  const std::size_t want_out = count * (gathers || exchanges ? nranks : 1);
+  if (input.size() != want_in || output.size() != want_out) {
     throw nb::value_error("nccl_collective_host: sizes do not fit the collective and nranks");
   }
   libra::Status status;
@@ -320,7 +325,8 @@ NB_MODULE(_libra_ffi, m) {
           return out;
         },
         "The recorded calls (dicts, oldest first; 'collective': 'all-reduce', "
-        "'reduce-scatter' or 'all-gather', 'bytes': the full buffer's), clearing them.");
+        "'reduce-scatter', 'all-gather' or 'all-to-all', 'bytes': the full buffer's), "
+        "clearing them.");
   m.def("now_us", &libra::NowMicros, "Now, in microseconds on the call records' clock.");
 
   m.def("nccl_open",
@@ -358,8 +364,8 @@ NB_MODULE(_libra_ffi, m) {
   m.def("nccl_collective_host", &NcclCollectiveHost, nb::arg("kind"), nb::arg("comm_id"),
         nb::arg("nranks"), nb::arg("rank"), nb::arg("ctas"), nb::arg("input"),
         nb::arg("output"), nb::arg("timeout_ms") = 0,
-        "One rank's all-reduce, reduce-scatter or all-gather between host arrays through the "
-        "communicator cache (for tests against a host-memory NCCL).");
+        "One rank's all-reduce, reduce-scatter, all-gather or all-to-all between host arrays "
+        "through the communicator cache (for tests against a host-memory NCCL).");
   m.def("nccl_communicators", [] { return libra::nccl::Communicators::Get().size(); },
         "NCCL communicators this process has created.");
 }

@@ -32,7 +32,10 @@ constexpr LibraFfiTarget kTargets[] = {
      lf::kCpuAllReduceInstantiate, nullptr, nullptr, lf::kCpuReduceScatterExecute},
     {"cpu_all_gather", "libra_all_gather_cpu", kLibraFfiPlatformCpu, lf::kCpuAllReduceInstantiate,
      nullptr, nullptr, lf::kCpuAllGatherExecute},
-    // Their starts (in place, a flat buffer per member); their done is cpu_done.
+    {"cpu_all_to_all", "libra_all_to_all_cpu", kLibraFfiPlatformCpu, lf::kCpuAllReduceInstantiate,
+     nullptr, nullptr, lf::kCpuAllToAllExecute},
+    // The sharded kinds' starts (in place, a flat buffer per member); their done is cpu_done.
+    // (The all-to-all has none: never in place, its overlap is not planned yet.)
     {"cpu_reduce_scatter_start", "libra_reduce_scatter_cpu_start", kLibraFfiPlatformCpu,
      lf::kCpuAllReduceStartInstantiate, nullptr, nullptr, lf::kCpuReduceScatterStart},
     {"cpu_all_gather_start", "libra_all_gather_cpu_start", kLibraFfiPlatformCpu,

@@ -34,7 +34,7 @@ inline const char* Name(DType dtype) {
 }
 
 // What a call computes (the engine's table of kinds: engine.h; NCCL's calls: nccl.h).
-enum class Collective : int { kAllReduce = 0, kReduceScatter, kAllGather };
+enum class Collective : int { kAllReduce = 0, kReduceScatter, kAllGather, kAllToAll };
 
 // One row per kind, indexed by Collective: its name and how it spreads the full buffer over
 // the ranks. The engine's table (engine.cc kKinds), the XLA handlers and NCCL's path read a
@@ -45,12 +45,20 @@ struct Layout {
   bool sums;       // Adds elements (else copies them, by their bytes: DType::kBytes too).
   bool shard_in;   // Each rank brings one shard of the full buffer (the all-gather).
   bool shard_out;  // Each rank keeps one shard of the full buffer (the reduce-scatter).
+  // Each rank's segment d of every row goes to rank d, which keeps it as its segment of the
+  // sender's rank (the all-to-all): every rank brings and gets the full buffer's `count`
+  // elements, not in place, and the segment is the unit exchanged.
+  bool exchanges;
   constexpr bool sharded() const { return shard_in || shard_out; }
+  // Whether the buffer is cut in rows of world segments (CallSpec::segment): `count` must be
+  // whole rows of `segment * world` elements.
+  constexpr bool segmented() const { return sharded() || exchanges; }
 };
 inline constexpr Layout kLayouts[] = {
-    {"all-reduce", true, false, false},
-    {"reduce-scatter", true, false, true},
-    {"all-gather", false, true, false},
+    {"all-reduce", true, false, false, false},
+    {"reduce-scatter", true, false, true, false},
+    {"all-gather", false, true, false, false},
+    {"all-to-all", false, false, false, true},
 };
 inline constexpr int kNumCollectives = static_cast<int>(sizeof(kLayouts) / sizeof(kLayouts[0]));
 

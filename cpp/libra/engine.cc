@@ -494,6 +494,25 @@ class ShiftedInputs {
   const void* const* data_;
 };
 
+// Copies `bytes` from `src` to `out` (which do not overlap). `stream`: past the caches where
+// `out` is 16-byte aligned (see StoreStep); the caller fences (StreamFence) after its last.
+void CopyRun(char* out, const char* src, std::size_t bytes, bool stream) {
+  std::size_t done = 0;
+#if defined(__x86_64__)
+  if (stream && reinterpret_cast<uintptr_t>(out) % 16 == 0) {
+    for (; done + kStepBytes <= bytes; done += kStepBytes) {
+      for (int k = 0; k < 4; ++k) {
+        _mm_stream_si128(reinterpret_cast<__m128i*>(out + done) + k,
+                         _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + done) + k));
+      }
+    }
+  }
+#else
+  (void)stream;
+#endif
+  std::memcpy(out + done, src + done, bytes - done);
+}
+
 // Copies `bytes` from `src` to each of outputs[0..m) at `offset`: an all-gather's run. An
 // output that is `src` itself (an in-place all-gather's own shard) is already there.
 // `stream`: past the caches where an output is 16-byte aligned there (see StoreStep).
@@ -502,19 +521,7 @@ void CopyToAll(const void* src, void* const* outputs, int m, std::size_t offset,
   for (int r = 0; r < m; ++r) {
     char* out = static_cast<char*>(outputs[r]) + offset;
     if (out == src) continue;
-    std::size_t done = 0;
-#if defined(__x86_64__)
-    if (stream && reinterpret_cast<uintptr_t>(out) % 16 == 0) {
-      for (; done + kStepBytes <= bytes; done += kStepBytes) {
-        const char* from = static_cast<const char*>(src) + done;
-        for (int k = 0; k < 4; ++k) {
-          _mm_stream_si128(reinterpret_cast<__m128i*>(out + done) + k,
-                           _mm_loadu_si128(reinterpret_cast<const __m128i*>(from) + k));
-        }
-      }
-    }
-#endif
-    std::memcpy(out + done, static_cast<const char*>(src) + done, bytes - done);
+    CopyRun(out, static_cast<const char*>(src), bytes, stream);
   }
   if (stream) StreamFence();
 }
@@ -788,15 +795,42 @@ void AllGatherPiece(const Part& job, std::size_t begin, std::size_t end, bool la
   });
 }
 
+// Output positions [begin, end) of every rank's output: run `at` of output d's segment s (in
+// its row) is input s's segment d of the same row, copied by its bytes. Every rank's output
+// gets the piece's whole range, each run from one input (no sum, any dtype: DType::kBytes).
+// Never in place (CheckNotAliased): a piece reads segments that another piece of the same
+// call writes on other ranks.
+void AllToAllPiece(const Part& job, std::size_t begin, std::size_t end, bool large) {
+  const std::size_t elem = SizeOf(job.dtype);
+  for (int d = 0; large && d < job.world; ++d) {
+    PopulateIfFresh(static_cast<char*>(job.outputs[d]) + begin * elem, (end - begin) * elem);
+  }
+  const std::size_t segment = job.segment;
+  ForEachRun(job, begin, end, [&](int source, std::size_t /*at*/, std::size_t from,
+                                  std::size_t length) {
+    // Output position `from` of rank d is row * period + source * segment + j; its element
+    // is input `source`'s at row * period + d * segment + j.
+    const char* in =
+        static_cast<const char*>(job.inputs[source]) + (from - source * segment) * elem;
+    for (int d = 0; d < job.world; ++d) {
+      CopyRun(static_cast<char*>(job.outputs[d]) + from * elem, in + d * segment * elem,
+              length * elem, large);
+    }
+  });
+  if (large) StreamFence();
+}
+
 // A kind's shapes are its row of libra/dtype.h (LayoutOf): sums (not for DType::kBytes),
-// sharded (shards of count / world elements, CallSpec::segment), and every output (each
-// element goes to every rank's output, else to its owner's) where no rank keeps a shard.
+// segmented (rows of world segments of CallSpec::segment elements: the sharded kinds' shards,
+// the all-to-all's exchanged segments), and every output (each element goes to every rank's
+// output, else to its owner's) where no rank keeps a shard.
 struct CollectiveKind {
   void (*piece)(const Part& part, std::size_t begin, std::size_t end, bool large);
 };
 
 // Indexed by Collective, as libra/dtype.h's kLayouts.
-constexpr CollectiveKind kKinds[] = {{AllReducePiece}, {ReduceScatterPiece}, {AllGatherPiece}};
+constexpr CollectiveKind kKinds[] = {
+    {AllReducePiece}, {ReduceScatterPiece}, {AllGatherPiece}, {AllToAllPiece}};
 static_assert(std::size(kKinds) == static_cast<std::size_t>(kNumCollectives),
               "one engine row per collective kind of libra/dtype.h");
 
@@ -810,6 +844,8 @@ const CollectiveKind& KindOf(Collective collective) {
 void RunPiece(const Job& job, std::size_t piece) {
   const std::size_t begin = piece * job.chunking.per_piece;
   const std::size_t end = std::min(job.spec.count, begin + job.chunking.per_piece);
+  // Bytes written in all: `count` per rank (all-reduce, all-gather, all-to-all), or one
+  // shard per rank (the reduce-scatter: count in all).
   const bool every_output = !LayoutOf(job.spec.collective).shard_out;
   const std::size_t written = job.spec.count * SizeOf(job.spec.dtype) *
                               (every_output ? job.spec.world : 1);
@@ -865,14 +901,16 @@ Status Invalid(std::string message) {
 }
 
 // `spec` with its members filled in (one of `count` elements where it names none; `count`
-// their total) and their segments (a sharded kind's 0: count / world); `segment` the first
-// member's.
+// their total) and their segments (a segmented kind's 0: count / world, one row); `segment`
+// the first member's.
 CallSpec Normalized(CallSpec spec) {
   if (spec.members.empty()) spec.members.push_back({spec.count, spec.segment});
-  const bool sharded = KnownKind(spec.collective) && LayoutOf(spec.collective).sharded();
+  const bool segmented = KnownKind(spec.collective) && LayoutOf(spec.collective).segmented();
   spec.count = 0;
   for (Member& member : spec.members) {
-    if (sharded && member.segment == 0 && spec.world > 0) member.segment = member.count / spec.world;
+    if (segmented && member.segment == 0 && spec.world > 0) {
+      member.segment = member.count / spec.world;
+    }
     spec.count += member.count;
   }
   spec.segment = spec.members.front().segment;
@@ -896,14 +934,50 @@ Status ValidateSpec(const CallSpec& spec) {
   if (kind.sums && spec.dtype == DType::kBytes) {
     return Invalid(std::string("a ") + kind.name + " sums numbers: it cannot take raw bytes");
   }
-  for (std::size_t m = 0; m < spec.members.size() && kind.sharded(); ++m) {
+  // A segmented kind's rows: a sharded kind's shards, the all-to-all's exchanged segments.
+  for (std::size_t m = 0; m < spec.members.size() && kind.segmented(); ++m) {
     const Member& member = spec.members[m];
     if (member.count > 0 &&
         (member.segment == 0 || member.count % (member.segment * spec.world) != 0)) {
-      return Invalid((spec.members.size() > 1 ? "member " + std::to_string(m) + ": " : "") +
-                     std::to_string(member.count) + " elements are not whole shards of " +
+      const std::string which =
+          spec.members.size() > 1 ? "member " + std::to_string(m) + ": " : "";
+      if (kind.exchanges) {
+        return Invalid(which + std::to_string(member.count) + " elements are not whole rows of " +
+                       std::to_string(spec.world) + " ranks x segment " +
+                       std::to_string(member.segment) + " (each rank's segment d goes to rank d)");
+      }
+      return Invalid(which + std::to_string(member.count) + " elements are not whole shards of " +
                      std::to_string(spec.world) + " ranks x " + std::to_string(member.segment) +
                      " elements per run");
+    }
+  }
+  return Status::Ok();
+}
+
+// An exchanging kind (the all-to-all) is never in place: its pieces run at once on several
+// threads, and each reads segments of every input that another piece writes in some output.
+// So no output of a member may overlap any input of it (any rank's: the buffers of one
+// process's ranks may be views of one array); the other kinds' in-place forms are engine.h's.
+Status CheckNotAliased(const CallSpec& spec, const std::vector<const void*>& inputs,
+                       const std::vector<void*>& outputs,
+                       const std::vector<std::size_t>& offsets) {
+  if (!KnownKind(spec.collective) || !LayoutOf(spec.collective).exchanges) return Status::Ok();
+  const std::size_t world = static_cast<std::size_t>(spec.world);
+  const std::size_t elem = SizeOf(spec.dtype);
+  for (std::size_t m = 0; m + 1 < offsets.size(); ++m) {
+    const std::size_t bytes = (offsets[m + 1] - offsets[m]) * elem;
+    if (bytes == 0) continue;
+    for (std::size_t d = 0; d < world; ++d) {
+      const uintptr_t out = reinterpret_cast<uintptr_t>(outputs[m * world + d]);
+      for (std::size_t s = 0; s < world; ++s) {
+        const uintptr_t in = reinterpret_cast<uintptr_t>(inputs[m * world + s]);
+        if (out < in + bytes && in < out + bytes) {
+          return Invalid((offsets.size() > 2 ? "member " + std::to_string(m) + ": " : "") +
+                         "the output of rank " + std::to_string(d) +
+                         " overlaps the input of rank " + std::to_string(s) + ": a " +
+                         LayoutOf(spec.collective).name + " is not done in place");
+        }
+      }
     }
   }
   return Status::Ok();
@@ -978,6 +1052,9 @@ Status RunCollective(Collective collective, DType dtype, const std::vector<const
   job->inputs = inputs;
   job->outputs = outputs;
   job->offsets = {0, spec.count};
+  if (Status s = CheckNotAliased(spec, job->inputs, job->outputs, job->offsets); !s.ok()) {
+    return s;
+  }
   for (int r = 0; r < n; ++r) {
     job->done.emplace_back([&](const Status&) {
       std::lock_guard<std::mutex> lock(mu);
@@ -1337,6 +1414,12 @@ void Rendezvous::Arrive(const CallSpec& call, std::vector<const void*> inputs,
   for (const Member& member : first.members) job->offsets.push_back(job->offsets.back() + member.count);
   job->done = std::move(round->done);
   job->first_arrival = round->first_arrival;
+  if (Status s = CheckNotAliased(first, job->inputs, job->outputs, job->offsets); !s.ok()) {
+    // Only now are every rank's buffers known: every participant is told.
+    s.message = what + st.label + "': " + s.message;
+    CompleteAll(std::move(job->done), s);
+    return;
+  }
   if (spec.reduce_on_caller) job->caller = spec.rank;
   StartJob(std::move(job));
 }

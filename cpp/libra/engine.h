@@ -1,4 +1,4 @@
-// libra engine: in-process collectives (all-reduce, reduce-scatter, all-gather)
+// libra engine: in-process collectives (all-reduce, reduce-scatter, all-gather, all-to-all)
 // among the participants of one call, with a configurable block count.
 // Framework-free: no XLA here.
 //
@@ -9,7 +9,8 @@
 // pieces of the full buffer's element range in turn; each piece is done as its
 // collective kind says (summed over the inputs in rank order and written to every
 // output, or to its shard's owner only; or copied from its shard's owner to every
-// output). Nobody waits for another participant:
+// output; or each output's segments copied from the inputs' segments of its rank).
+// Nobody waits for another participant:
 // callers are told of completion (or failure) through their callback, run by
 // the reduce thread that finished (one after another, with a completion thread
 // standing by to take over from one that runs long), or, for a caller whose task
@@ -52,6 +53,11 @@ Status StagingBytes(const char* raw, std::size_t default_bytes, std::size_t* byt
 //                    input is read once; each output written once; no full-size temporary.
 //  - kAllGather:     count / world in, count out on every rank: rank r's input is shard r.
 //                    A copy: any element type, by its bytes (DType::kBytes).
+//  - kAllToAll:      count in, count out on every rank, in rows of world segments of
+//                    `segment` elements: output segment s of rank d (in each row) is input
+//                    segment d of rank s (jax.lax.all_to_all with the split axis first). A
+//                    copy, as the all-gather's; never in place: an output that overlaps any
+//                    rank's input is refused (InvalidArgument), as its pieces run at once.
 // In place (a start/done pair's buffers, NCCL's rule): with outer = 1, a reduce-scatter may
 // write rank r's shard over its own input at offset r * shard (output = input + r * shard),
 // and an all-gather may read rank r's shard from its own output at that offset (input =
@@ -60,7 +66,8 @@ Status StagingBytes(const char* raw, std::size_t default_bytes, std::size_t* byt
 // Shards: the full buffer is [outer][world][segment], row-major, and shard r is
 // [outer][segment], its rows at r: a scatter or gather along one dimension of an array,
 // `segment` the elements of one rank's share from that dimension on, `outer` the product of
-// the dimensions before it (1 along the first).
+// the dimensions before it (1 along the first). The all-to-all's buffers have the same rows
+// (count = outer * world * segment; outer is usually 1): segment s of a row goes to rank s.
 // (The enum and its Name are libra/dtype.h's, shared with the NCCL path.)
 
 // Number of worker tasks that reduce `count` elements when `blocks` are asked
@@ -110,14 +117,16 @@ Status AllReduce(DType dtype, const std::vector<const void*>& inputs,
                  int blocks);
 
 // Any collective kind, synchronously, as AllReduce: `count` is the full buffer's elements
-// and `segment` one shard's run (0: count / n), as CallSpec has them.
+// and `segment` one shard's run, or the all-to-all's segment (0: count / n), as CallSpec has
+// them.
 Status RunCollective(Collective collective, DType dtype, const std::vector<const void*>& inputs,
                      const std::vector<void*>& outputs, std::size_t count, std::size_t segment,
                      int blocks);
 
 // One of several buffers a participant brings to one call (a bucket's members): each its
-// own full buffer of `count` elements and, for a sharded kind, its own shards of `segment`
-// elements per run (0: count / world), laid out as a one-buffer call's are. A call with
+// own full buffer of `count` elements and, for a segmented kind (sharded, or the all-to-all),
+// its own rows of world segments of `segment` elements (0: count / world), laid out as a
+// one-buffer call's are. A call with
 // members does each member as that call would, all in one round and one set of pieces: the
 // pieces cut the members' ranges laid end to end, so one call with its block count serves a
 // whole bucket where XLA put its tensors, with no packed copy. Each element's sum is the same
@@ -138,7 +147,8 @@ struct CallSpec {
   Collective collective = Collective::kAllReduce;
   DType dtype = DType::kF32;
   std::size_t count = 0;    // Elements of the full (unsharded) buffer, the same on every rank.
-  std::size_t segment = 0;  // Sharded kinds: elements of one shard's run (0: count / world).
+  std::size_t segment = 0;  // Segmented kinds: elements of one shard's run, or of one
+                            // exchanged segment (the all-to-all) (0: count / world).
   int blocks = 1;           // Requested worker tasks, 1..kMaxBlocks.
   int64_t timeout_ms = 0;  // Give up on absent ranks after this long.
   // The caller's thread has nothing else to do until this call completes: if

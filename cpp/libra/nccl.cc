@@ -149,6 +149,11 @@ struct Library::Api {
   using AllGather = int (*)(const void*, void*, std::size_t, int, void*, void*);
   using AllGatherConfig = int (*)(const void*, void*, std::size_t, int, void*, void*,
                                   const CollConfigV23100*);
+  // ncclAlltoAll and ncclAlltoAllConfig have ncclAllGather's signatures (count: per peer).
+  // ncclSend(sendbuff, count, datatype, peer, comm, stream); ncclRecv likewise.
+  using Send = int (*)(const void*, std::size_t, int, int, void*, void*);
+  using Recv = int (*)(void*, std::size_t, int, int, void*, void*);
+  using CommCount = int (*)(const void*, int*);
   using CommDestroy = int (*)(void*);
   using CommAbort = int (*)(void*);
   using CommGetAsyncError = int (*)(void*, int*);
@@ -165,6 +170,11 @@ struct Library::Api {
   AllReduceConfig reduce_scatter_config = nullptr;  // NCCL >= 2.31 only
   AllGather all_gather = nullptr;
   AllGatherConfig all_gather_config = nullptr;  // NCCL >= 2.31 only
+  AllGather all_to_all = nullptr;                // NCCL >= 2.28 only
+  AllGatherConfig all_to_all_config = nullptr;   // NCCL >= 2.31 only
+  Send send = nullptr;                           // the all-to-all's route before 2.28
+  Recv recv = nullptr;
+  CommCount comm_count = nullptr;
   CommSplit comm_split = nullptr;                // NCCL >= 2.18 only
   CommDestroy comm_destroy = nullptr;
   CommAbort comm_abort = nullptr;
@@ -253,6 +263,11 @@ Status Library::Open(const std::string& path, std::unique_ptr<Library>* library)
       {"ncclAllReduceConfig", reinterpret_cast<void**>(&api.all_reduce_config), false},
       {"ncclReduceScatterConfig", reinterpret_cast<void**>(&api.reduce_scatter_config), false},
       {"ncclAllGatherConfig", reinterpret_cast<void**>(&api.all_gather_config), false},
+      {"ncclAlltoAll", reinterpret_cast<void**>(&api.all_to_all), false},
+      {"ncclAlltoAllConfig", reinterpret_cast<void**>(&api.all_to_all_config), false},
+      {"ncclSend", reinterpret_cast<void**>(&api.send), false},
+      {"ncclRecv", reinterpret_cast<void**>(&api.recv), false},
+      {"ncclCommCount", reinterpret_cast<void**>(&api.comm_count), false},
       {"ncclCommSplit", reinterpret_cast<void**>(&api.comm_split), false},
   };
   for (const Entry& entry : entries) {
@@ -446,7 +461,12 @@ Status Library::Wait(void* comm, int64_t timeout_ms, const std::string& what) co
   }
 }
 
-Status Library::Checked(libra::Collective kind, DType dtype, int ctas) const {
+bool Library::direct_all_to_all() const {
+  return version_ >= kAlltoAllVersion && api_->all_to_all != nullptr;
+}
+
+Status Library::Checked(libra::Collective kind, DType dtype, int ctas, const void* input,
+                        const void* output) const {
   if (!libra::KnownCollective(kind)) {
     return Error(Status::Code::kInvalidArgument,
                  "unknown collective kind " + std::to_string(static_cast<int>(kind)));
@@ -459,19 +479,71 @@ Status Library::Checked(libra::Collective kind, DType dtype, int ctas) const {
   if (nccl_dtype < 0 || (dtype == DType::kBytes && libra::LayoutOf(kind).sums)) {
     return Error(Status::Code::kInvalidArgument,
                  std::string("NCCL ") + libra::Name(kind) + " of " + Name(dtype) +
-                     " is not served (bytes are only gathered)");
+                     " is not served (bytes are only copied: gathered or exchanged)");
   }
   const bool configured = ctas > 0 && route_ == CtaRoute::kPerCollective;
   const bool scatters = libra::LayoutOf(kind).shard_out;
   const bool gathers = libra::LayoutOf(kind).shard_in;
-  const bool has_config = gathers    ? api_->all_gather_config != nullptr
+  const bool exchanges = libra::LayoutOf(kind).exchanges;
+  const bool has_config = exchanges  ? api_->all_to_all_config != nullptr
+                          : gathers  ? api_->all_gather_config != nullptr
                           : scatters ? api_->reduce_scatter_config != nullptr
                                      : api_->all_reduce_config != nullptr;
   if (configured && !has_config) {
     return Error(Status::Code::kInternal, path_ + " has no per-call config entry for its " +
                                               libra::Name(kind));
   }
+  if (exchanges) {
+    if (input == output && input != nullptr) {
+      return Error(Status::Code::kInvalidArgument,
+                   std::string("an ") + libra::Name(kind) +
+                       " is never in place (NCCL has no in-place all-to-all): output == input");
+    }
+    const bool by_sends = api_->send != nullptr && api_->recv != nullptr &&
+                          api_->comm_count != nullptr;
+    if (!configured && !direct_all_to_all() && !by_sends) {
+      return Error(Status::Code::kInternal,
+                   path_ + " (NCCL " + VersionString(version_) + ") has neither ncclAlltoAll " +
+                       "(NCCL >= 2.28) nor ncclSend/ncclRecv/ncclCommCount for its " +
+                       libra::Name(kind));
+    }
+  }
   return Status::Ok();
+}
+
+int Library::SendRecvAllToAll(const void* input, void* output, std::size_t count, DType dtype,
+                              void* comm, void* stream, const char** what) const {
+  const int nccl_dtype = ToNcclDataType(dtype);
+  int nranks = 0;
+  *what = "ncclCommCount";
+  int result = api_->comm_count(comm, &nranks);
+  if (result != kSuccess) return result;
+  const std::size_t bytes = count * SizeOf(dtype);
+  // One group: NCCL runs every send and receive at once (alone, a send waits for its
+  // receiver). Nested in a bucket's group (CollectiveGroup), it joins that one.
+  *what = "ncclGroupStart";
+  if ((result = api_->group_start()) != kSuccess) return result;
+  int failed = kSuccess;
+  for (int peer = 0; peer < nranks && failed == kSuccess; ++peer) {
+    const int sent = api_->send(static_cast<const char*>(input) + peer * bytes, count, nccl_dtype,
+                                peer, comm, stream);
+    if (sent != kSuccess && sent != kInProgress) {
+      *what = "ncclSend";
+      failed = sent;
+      break;
+    }
+    const int received = api_->recv(static_cast<char*>(output) + peer * bytes, count,
+                                    nccl_dtype, peer, comm, stream);
+    if (received != kSuccess && received != kInProgress) {
+      *what = "ncclRecv";
+      failed = received;
+    }
+  }
+  // Always closed (NCCL's groups nest per thread: one left open would swallow later calls).
+  const int ended = api_->group_end();
+  if (failed != kSuccess) return failed;
+  *what = "ncclGroupEnd";
+  return ended;
 }
 
 int Library::Launch(libra::Collective kind, const void* input, void* output, std::size_t count,
@@ -485,6 +557,16 @@ int Library::Launch(libra::Collective kind, const void* input, void* output, std
   // One case per kind, each naming its own entry points: a kind without one (a new row of
   // dtype.h's table) is refused by name (`Checked`), never launched as another kind.
   switch (kind) {
+    case libra::Collective::kAllToAll:  // no reduction operator; count per peer
+      if (configured) {
+        *what = "ncclAlltoAllConfig";
+        return api_->all_to_all_config(input, output, count, nccl_dtype, comm, stream, &config);
+      }
+      if (direct_all_to_all()) {
+        *what = "ncclAlltoAll";
+        return api_->all_to_all(input, output, count, nccl_dtype, comm, stream);
+      }
+      return SendRecvAllToAll(input, output, count, dtype, comm, stream, what);
     case libra::Collective::kAllGather:  // no reduction operator
       *what = configured ? "ncclAllGatherConfig" : "ncclAllGather";
       return configured ? api_->all_gather_config(input, output, count, nccl_dtype, comm,
@@ -509,6 +591,7 @@ int Library::Launch(libra::Collective kind, const void* input, void* output, std
 
 bool Library::Launches(libra::Collective kind) {
   switch (kind) {
+    case libra::Collective::kAllToAll:
     case libra::Collective::kAllGather:
     case libra::Collective::kReduceScatter:
     case libra::Collective::kAllReduce:
@@ -521,7 +604,7 @@ Status Library::Collective(libra::Collective kind, const void* input, void* outp
                            std::size_t count, DType dtype, void* comm, int ctas, void* stream,
                            int64_t timeout_ms, bool* aborted) const {
   if (aborted != nullptr) *aborted = false;
-  if (Status checked = Checked(kind, dtype, ctas); !checked.ok()) return checked;
+  if (Status checked = Checked(kind, dtype, ctas, input, output); !checked.ok()) return checked;
   const char* what = "";
   const int result = Launch(kind, input, output, count, dtype, comm, ctas, stream, &what);
   // On a non-blocking communicator the call may still be enqueueing: wait for that, bounded
@@ -537,7 +620,10 @@ Status Library::CollectiveGroup(libra::Collective kind, const std::vector<Member
                                 bool* aborted) const {
   if (aborted != nullptr) *aborted = false;
   for (const Member& member : members) {
-    if (Status checked = Checked(kind, member.dtype, ctas); !checked.ok()) return checked;
+    if (Status checked = Checked(kind, member.dtype, ctas, member.input, member.output);
+        !checked.ok()) {
+      return checked;
+    }
   }
   if (Status opened = Check(api_->group_start(), "ncclGroupStart"); !opened.ok()) return opened;
   Status launched = Status::Ok();

@@ -1,4 +1,4 @@
-// libra NCCL: an all-reduce, reduce-scatter or all-gather over NCCL (in one
+// libra NCCL: an all-reduce, reduce-scatter, all-gather or all-to-all over NCCL (in one
 // process or across processes, every GPU one rank), with the call's block count
 // as NCCL's CTA limit. Framework-free and CUDA-free: NCCL is resolved at
 // run time (dlopen/dlsym) and streams are opaque pointers, so the control path
@@ -13,7 +13,7 @@
 //
 // How the CTA limit reaches NCCL, by version (ncclGetVersion):
 //   >= 2.31    per collective: ncclAllReduceConfig (ncclReduceScatterConfig,
-//              ncclAllGatherConfig) with an ncclCollConfig_t
+//              ncclAllGatherConfig, ncclAlltoAllConfig) with an ncclCollConfig_t
 //              whose minCTAs = maxCTAs = the call's blocks; one communicator
 //              per group, made with minCTAs = maxCTAs = CommCtas(version), so
 //              that it has the channels every per-call limit up to that asks
@@ -34,6 +34,11 @@
 // (NCCL's configs are append-only; NCCL copies a config up to its own size and
 // resets the fields its `version` predates), the collective's in its only one.
 // A limit above the version's channel maximum (MaxCtas) is an error.
+//
+// The all-to-all is NCCL's ncclAlltoAll from 2.28 (ncclAlltoAllConfig on the per-collective
+// route); an older NCCL (2.18-2.27), or one without the symbol, does it as NCCL 2.28 itself
+// lowers it: one group of an ncclSend to and an ncclRecv from every rank (itself included),
+// under the communicator's CTA configuration as NCCL applies it to point-to-point calls.
 //
 // Several communicators on one GPU (one per block count on 2.17-2.30, and
 // XLA's own) need one launch order (libra/streams.h): libra issues its calls on
@@ -81,6 +86,8 @@ inline constexpr int kCtaConfigVersion = 21700;
 inline constexpr int kSplitShareVersion = 21800;
 // NCCL_VERSION(2, 25, 0): MAXCHANNELS grew from 32 to 64.
 inline constexpr int kWideChannelsVersion = 22500;
+// NCCL_VERSION(2, 28, 0): the first NCCL with ncclAlltoAll (older: ncclSend/ncclRecv).
+inline constexpr int kAlltoAllVersion = 22800;
 // The channels a per-collective communicator is made with (and so the largest
 // per-call limit it honours): NCCL allocates buffers per channel, so this
 // bounds each communicator's memory; libra's GPU profiles use up to 32.
@@ -120,6 +127,9 @@ class Library {
   // Whether per-block-count communicators are split from one per group with shared
   // resources (ncclCommSplit with splitShare: NCCL >= 2.18 and the symbol).
   bool splits() const { return splits_; }
+  // How this library does an all-to-all: NCCL's own ncclAlltoAll (NCCL >= 2.28 and the
+  // symbol), else a group of ncclSend/ncclRecv with every rank (where it has them).
+  bool direct_all_to_all() const;
   const std::string& path() const { return path_; }
 
   Status GetUniqueId(UniqueId* id) const;
@@ -137,9 +147,12 @@ class Library {
   // One rank's part of collective `kind`: an all-reduce (sum) of `count` elements, a
   // reduce-scatter (sum) whose output is `count` elements (NCCL's recvcount; the input is
   // nranks times that), or an all-gather whose input is `count` elements (NCCL's sendcount;
-  // the output nranks times that; any dtype, kBytes as bytes). In place as NCCL defines it:
-  // a reduce-scatter's output at input + rank * count, an all-gather's input at output +
-  // rank * count. ctas > 0 limits this call (per-collective route only). Where NCCL is still
+  // the output nranks times that; any dtype, kBytes as bytes), or an all-to-all whose input
+  // and output are nranks times `count` elements, `count` going to each rank (NCCL's count:
+  // block j of the input to rank j, block i of the output from rank i; any dtype). In place
+  // as NCCL defines it: a reduce-scatter's output at input + rank * count, an all-gather's
+  // input at output + rank * count; an all-to-all never (NCCL has no in-place form: output ==
+  // input is refused). ctas > 0 limits this call (per-collective route only). Where NCCL is still
   // enqueueing it (ncclInProgress), waits at most timeout_ms, then aborts. `aborted`
   // (optional) says whether it aborted the communicator.
   Status Collective(libra::Collective kind, const void* input, void* output, std::size_t count,
@@ -178,8 +191,15 @@ class Library {
  private:
   Library() = default;
   Status Check(int result, const char* what) const;
-  // The checks of one member's call: its kind, its dtype, the route's entry point.
-  Status Checked(libra::Collective kind, DType dtype, int ctas) const;
+  // The checks of one member's call: its kind, its dtype, the route's entry point, its
+  // buffers (an all-to-all is never in place).
+  Status Checked(libra::Collective kind, DType dtype, int ctas, const void* input,
+                 const void* output) const;
+  // The all-to-all as NCCL 2.28 lowers it, for a library without ncclAlltoAll: one group of a
+  // send to and a receive from every rank (`count` each); returns NCCL's result, `what` the
+  // failed entry point's name.
+  int SendRecvAllToAll(const void* input, void* output, std::size_t count, DType dtype,
+                       void* comm, void* stream, const char** what) const;
   // Issues one member's call on NCCL's entry point for its kind and route (checked first);
   // returns NCCL's result and names the entry point in `what`.
   int Launch(libra::Collective kind, const void* input, void* output, std::size_t count,

@@ -1,5 +1,6 @@
 // Unit tests of the framework-free engine (run under ASan and TSan in CI).
 // A tiny harness: no test framework download at build time.
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -669,7 +670,7 @@ void TestMembers() {
   const std::vector<libra::Member> shapes = {{n * 5, 5}, {0, 0}, {2 * n * 4099, 4099},
                                              {n * 1, 1}, {n * 20000, 20000}};
   for (libra::Collective kind : {libra::Collective::kAllReduce, libra::Collective::kReduceScatter,
-                                 libra::Collective::kAllGather}) {
+                                 libra::Collective::kAllGather, libra::Collective::kAllToAll}) {
     const bool shard_in = libra::LayoutOf(kind).shard_in, shard_out = libra::LayoutOf(kind).shard_out;
     for (int blocks : {1, 3, libra::kMaxBlocks}) {
       std::vector<libra::Member> members = shapes;
@@ -874,6 +875,221 @@ void TestInPlaceSharded() {
   }
 }
 
+// --- The all-to-all -----------------------------------------------------------------------
+
+// Random bytes for `n` ranks' buffers of `bytes` each.
+std::vector<std::vector<unsigned char>> RandomBuffers(int n, std::size_t bytes, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::vector<std::vector<unsigned char>> buffers(n, std::vector<unsigned char>(bytes));
+  for (auto& b : buffers) {
+    for (auto& x : b) x = static_cast<unsigned char>(rng());
+  }
+  return buffers;
+}
+
+// jax.lax.all_to_all's result, computed here element by element (`elem` bytes each): in row
+// `row`, rank d's output at s * segment + j is rank s's input at row * period + d * segment + j.
+std::vector<std::vector<unsigned char>> AllToAllReference(
+    const std::vector<std::vector<unsigned char>>& in, std::size_t count, std::size_t segment,
+    std::size_t elem) {
+  const std::size_t n = in.size(), period = segment * n;
+  std::vector<std::vector<unsigned char>> out(n, std::vector<unsigned char>(count * elem));
+  if (count == 0) return out;
+  for (std::size_t d = 0; d < n; ++d) {
+    for (std::size_t row = 0; row < count / period; ++row) {
+      for (std::size_t s = 0; s < n; ++s) {
+        for (std::size_t j = 0; j < segment; ++j) {
+          std::memcpy(&out[d][(row * period + s * segment + j) * elem],
+                      &in[s][(row * period + d * segment + j) * elem], elem);
+        }
+      }
+    }
+  }
+  return out;
+}
+
+// Every rank's output against the reference, for worlds of 2, 4 and 8 ranks, one row and
+// several, segments of 1, 3 and 1000 elements (and 0: one row of count / world), f32, s64 and
+// bytes, block counts 1, 2 and 8: every block count gives the same bytes. The inputs are left
+// as they were.
+void TestAllToAll() {
+  const std::pair<DType, std::size_t> dtypes[] = {
+      {DType::kF32, 4}, {DType::kS64, 8}, {DType::kBytes, 1}};
+  for (int n : {2, 4, 8}) {
+    for (std::size_t rows : {std::size_t{1}, std::size_t{3}}) {
+      for (std::size_t segment : {std::size_t{1}, std::size_t{3}, std::size_t{1000}}) {
+        for (const auto& [dtype, elem] : dtypes) {
+          const std::size_t count = rows * n * segment;
+          const auto in = RandomBuffers(n, count * elem, n * 131 + rows * 17 + segment + elem);
+          const auto want = AllToAllReference(in, count, segment, elem);
+          for (int blocks : {1, 2, 8}) {
+            std::vector<std::vector<unsigned char>> out(
+                n, std::vector<unsigned char>(count * elem, 0xa5));
+            std::vector<const void*> ins;
+            std::vector<void*> outs;
+            for (int r = 0; r < n; ++r) {
+              ins.push_back(in[r].data());
+              outs.push_back(out[r].data());
+            }
+            // One row may leave its segment to the engine (0: count / world).
+            const std::size_t asked = rows == 1 && segment == 3 ? 0 : segment;
+            CHECK(libra::RunCollective(libra::Collective::kAllToAll, dtype, ins, outs, count,
+                                       asked, blocks).ok());
+            CHECK(out == want);
+          }
+          CHECK(in == RandomBuffers(n, count * elem, n * 131 + rows * 17 + segment + elem));
+        }
+      }
+    }
+  }
+  // An empty call is done at once; one rank keeps its own buffer.
+  CHECK(libra::RunCollective(libra::Collective::kAllToAll, DType::kF32, {nullptr, nullptr},
+                             {nullptr, nullptr}, 0, 0, 2).ok());
+  std::vector<float> x = {1.5f, 2.5f}, y(2);
+  CHECK(libra::RunCollective(libra::Collective::kAllToAll, DType::kF32, {x.data()}, {y.data()}, 2,
+                             1, 1).ok());
+  CHECK(y == x);
+}
+
+// Outputs large enough for streaming stores (>= kStreamingOutputBytes written in all), one of
+// them a fresh mapping (populated first) and one not 16-byte aligned: the reference's bytes.
+void TestLargeAllToAll() {
+  const int n = 2;
+  const std::size_t segment = libra::kStreamingOutputBytes / (n * n * 4) + 3;  // odd: unaligned
+  const std::size_t count = n * segment, bytes = count * 4;
+  const auto in = RandomBuffers(n, bytes, 77);
+  const auto want = AllToAllReference(in, count, segment, 4);
+  const std::size_t mapped = bytes + 8192;
+  char* fresh = static_cast<char*>(mmap(nullptr, mapped, PROT_READ | PROT_WRITE,
+                                        MAP_PRIVATE | MAP_ANONYMOUS, -1, 0));
+  CHECK(fresh != MAP_FAILED);
+  std::vector<unsigned char> other(bytes + 1);
+  std::vector<const void*> ins = {in[0].data(), in[1].data()};
+  std::vector<void*> outs = {fresh + 64, other.data() + 1};
+  CHECK(libra::RunCollective(libra::Collective::kAllToAll, DType::kF32, ins, outs, count, segment,
+                             4).ok());
+  CHECK(std::memcmp(outs[0], want[0].data(), bytes) == 0);
+  CHECK(std::memcmp(outs[1], want[1].data(), bytes) == 0);
+  munmap(fresh, mapped);
+}
+
+// Several members in one call through the rendezvous (a bucket: each member its own segment
+// and rows, an empty one among them), ranks arriving in random order with their own
+// pointers, for s64 and bytes: each member is its own all-to-all. The call is recorded as an
+// all-to-all of the members' total.
+void TestAllToAllMembers() {
+  const int n = 4;
+  const std::vector<libra::Member> members = {
+      {n * 3, 3}, {0, 0}, {2 * n * 1000, 1000}, {n * 1, 1}, {3 * n * 5, 5}, {n * 7, 0}};
+  for (const auto& [dtype, elem] : {std::pair<DType, std::size_t>{DType::kS64, 8},
+                                    std::pair<DType, std::size_t>{DType::kBytes, 1}}) {
+    for (int blocks : {1, 2, 8}) {
+      std::vector<std::vector<std::vector<unsigned char>>> in, out, want;
+      std::size_t total = 0;
+      for (std::size_t m = 0; m < members.size(); ++m) {
+        const std::size_t count = members[m].count, segment = members[m].segment;
+        in.push_back(RandomBuffers(n, count * elem, static_cast<unsigned>(m * 7 + blocks)));
+        out.emplace_back(n, std::vector<unsigned char>(count * elem, 0x5a));
+        want.push_back(AllToAllReference(in.back(), count, segment ? segment : count / n, elem));
+        total += count;
+      }
+      libra::SetCallRecording(4);
+      libra::Rendezvous site("a2a members");
+      Latch latch(n);
+      std::vector<int> order = {2, 0, 3, 1};
+      std::shuffle(order.begin(), order.end(), std::mt19937(blocks));
+      std::vector<std::thread> threads;
+      for (int r : order) {
+        threads.emplace_back([&, r] {
+          libra::CallSpec spec = Spec(r, n, 0);
+          spec.collective = libra::Collective::kAllToAll;
+          spec.dtype = dtype;
+          spec.blocks = blocks;
+          spec.members = members;
+          std::vector<const void*> ins;
+          std::vector<void*> outs;
+          for (std::size_t m = 0; m < members.size(); ++m) {
+            ins.push_back(in[m][r].data());
+            outs.push_back(out[m][r].data());
+          }
+          site.Arrive(spec, ins, outs, latch.Callback());
+        });
+      }
+      for (std::thread& t : threads) t.join();
+      CHECK(latch.Wait());
+      for (const auto& status : latch.statuses()) CHECK(status.ok());
+      for (std::size_t m = 0; m < members.size(); ++m) CHECK(out[m] == want[m]);
+      const std::vector<libra::CallRecord> records = libra::TakeCallRecords();
+      libra::SetCallRecording(0);
+      CHECK(records.size() == 1 && records[0].collective == libra::Collective::kAllToAll);
+      CHECK(records.size() == 1 && records[0].bytes == total * elem && records[0].world == n);
+    }
+  }
+  CHECK(std::string(libra::Name(libra::Collective::kAllToAll)) == "all-to-all");
+}
+
+// A count that is not whole rows of world x segment is refused, naming the kind, the member
+// and the segment; so is an output over any rank's input (never in place), in a synchronous
+// call and in a round (every participant told, naming the ranks). The all-to-all is not an
+// all-reduce: bytes are accepted (a copy), and a kind past the table is refused by its number.
+void TestAllToAllBadArguments() {
+  std::vector<float> a(12), b(12), oa(12), ob(12);
+  std::vector<const void*> ins{a.data(), b.data()};
+  std::vector<void*> outs{oa.data(), ob.data()};
+  libra::Status s =
+      libra::RunCollective(libra::Collective::kAllToAll, DType::kF32, ins, outs, 12, 4, 1);
+  CHECK(!s.ok() && s.code == libra::Status::Code::kInvalidArgument);
+  CHECK(s.message.find("not whole rows of 2 ranks x segment 4") != std::string::npos);
+  s = libra::RunCollective(libra::Collective::kAllToAll, DType::kF32, ins, outs, 7, 0, 1);
+  CHECK(!s.ok() && s.message.find("not whole rows of 2 ranks x segment 3") != std::string::npos);
+  CHECK(libra::RunCollective(libra::Collective::kAllToAll, DType::kBytes, ins, outs, 48, 12, 1)
+            .ok());
+  // In place, and an output over another rank's input (views of one array): refused.
+  s = libra::RunCollective(libra::Collective::kAllToAll, DType::kF32, ins,
+                           {a.data(), ob.data()}, 12, 3, 1);
+  CHECK(!s.ok() && s.message.find("output of rank 0 overlaps the input of rank 0") !=
+                       std::string::npos);
+  CHECK(s.message.find("not done in place") != std::string::npos);
+  s = libra::RunCollective(libra::Collective::kAllToAll, DType::kF32, ins,
+                           {oa.data(), a.data() + 6}, 12, 3, 1);
+  CHECK(!s.ok() && s.message.find("output of rank 1 overlaps the input of rank 0") !=
+                       std::string::npos);
+  s = libra::RunCollective(static_cast<libra::Collective>(libra::kNumCollectives), DType::kF32,
+                           ins, outs, 12, 3, 1);
+  CHECK(!s.ok() && s.message.find("unknown collective kind " +
+                                  std::to_string(libra::kNumCollectives)) != std::string::npos);
+
+  // Through the rendezvous: a bad member's segment, then an aliased member.
+  libra::Rendezvous site("a2a bad");
+  Latch bad(1);
+  libra::CallSpec spec = Spec(0, 2, 0);
+  spec.collective = libra::Collective::kAllToAll;
+  spec.members = {{4, 1}, {6, 2}};
+  site.Arrive(spec, {a.data(), b.data()}, {oa.data(), ob.data()}, bad.Callback());
+  CHECK(bad.Wait());
+  const libra::Status named = bad.statuses()[0];
+  CHECK(!named.ok() && named.message.find("libra_jax all-to-all 'a2a bad'") != std::string::npos);
+  CHECK(named.message.find("member 1: 6 elements are not whole rows of 2 ranks x segment 2") !=
+        std::string::npos);
+  Latch aliased(2);
+  for (int r : {1, 0}) {
+    libra::CallSpec one = Spec(r, 2, 0);
+    one.collective = libra::Collective::kAllToAll;
+    one.members = {{4, 1}, {4, 2}};
+    std::vector<float>& own = r == 0 ? a : b;
+    std::vector<float>& got = r == 0 ? oa : ob;
+    // Rank 1's second member writes over its own input.
+    void* second = r == 1 ? static_cast<void*>(own.data() + 4) : got.data() + 4;
+    site.Arrive(one, {own.data(), own.data() + 4}, {got.data(), second}, aliased.Callback());
+  }
+  CHECK(aliased.Wait());
+  for (const libra::Status& st : aliased.statuses()) {
+    CHECK(!st.ok() && st.code == libra::Status::Code::kInvalidArgument);
+    CHECK(st.message.find("'a2a bad': member 1: the output of rank 1 overlaps the input of "
+                          "rank 1") != std::string::npos);
+  }
+}
+
 void TestCallRecords() {
   std::vector<float> a(5000, 1.0f), b(5000, 2.0f);
   libra::SetCallRecording(2);
@@ -932,6 +1148,10 @@ int main() {
       {"sharded_bad_arguments", TestShardedBadArguments},
       {"members", AtEveryWidth<TestMembers>},
       {"sharded_timeout_and_mismatch", TestShardedTimeoutAndMismatch},
+      {"all_to_all", TestAllToAll},
+      {"large_all_to_all", TestLargeAllToAll},
+      {"all_to_all_members", TestAllToAllMembers},
+      {"all_to_all_bad_arguments", TestAllToAllBadArguments},
       {"call_records", TestCallRecords},
       {"fork", TestFork},
       {"staging_bytes", TestStagingBytes},

@@ -9,8 +9,10 @@
 //   init rank=R nranks=N minCTAs=A maxCTAs=B channels=H blocking=0|1 implicit=0|1 mem=M id=ID
 //   split rank=R parent=ID minCTAs=A maxCTAs=B channels=H share=0|1 implicit=0|1 mem=M id=ID
 //   allreduce rank=R count=C dtype=D ctas=K asked=Q config=0|1 stream=S id=ID
-//   reducescatter|allgather rank=R count=C dtype=D ctas=K asked=Q config=0|1 inplace=0|1
-//                 stream=S id=ID   (count: NCCL's, the recvcount or the sendcount)
+//   reducescatter|allgather|alltoall rank=R count=C dtype=D ctas=K asked=Q config=0|1
+//                 inplace=0|1 stream=S id=ID   (count: NCCL's, the recvcount, the sendcount
+//                 or the count per peer)
+//   send|recv rank=R peer=P count=C dtype=D stream=S id=ID
 // ($NCCL_STUB_VERSION sets ncclGetVersion, default 23100 = 2.31.0.)
 //
 // It keeps NCCL's rules that libra must get right (NCCL 2.17-2.31 docs and
@@ -22,10 +24,16 @@
 //   version's MAXCHANNELS (32 up to 2.24, 64 from 2.25);
 // - a collective runs on at most its communicator's channels: a larger
 //   per-call limit is clipped (`ctas` is what ran, `asked` what was asked);
-// - ncclAllReduceConfig (and ncclReduceScatterConfig, ncclAllGatherConfig) exist from 2.31
-//   only (ncclInvalidUsage before);
+// - ncclAllReduceConfig (and ncclReduceScatterConfig, ncclAllGatherConfig,
+//   ncclAlltoAllConfig) exist from 2.31 only, ncclAlltoAll from 2.28 only (ncclInvalidUsage
+//   before: the version, $NCCL_STUB_VERSION, picks libra's all-to-all route);
 // - in place only as NCCL places it: a reduce-scatter's output at input + rank x recvcount, an
-//   all-gather's input at output + rank x sendcount; other overlaps are refused;
+//   all-gather's input at output + rank x sendcount, an all-to-all never; other overlaps are
+//   refused;
+// - ncclSend/ncclRecv pair by order per (sender, receiver) and must agree on the byte count
+//   (else ncclInvalidArgument); a send publishes its bytes when it runs, a receive waits for
+//   its peer's; in a group every send runs before any receive (NCCL runs them at once), so a
+//   group of sends and receives with every peer never waits on itself;
 // - a non-blocking config (blocking = 0) makes creation return ncclInProgress
 //   and complete in the background; ncclCommGetAsyncError reports its state,
 //   ncclCommAbort stops it (logged: abort rank=R id=ID);
@@ -114,6 +122,7 @@ struct Comm {
   bool launch_order_implicit = false;
   bool blocking = true;
   int splits = 0;  // children split from it so far
+  std::map<int, long> sent, received;  // point-to-point calls so far, per peer
   // Channels whose buffers exist, shared by a communicator and the children that share its
   // resources (NCCL allocates a channel's once for all of them).
   std::shared_ptr<std::atomic<int>> allocated = std::make_shared<std::atomic<int>>(0);
@@ -201,6 +210,7 @@ thread_local LastLaunch last_launch;
 struct GroupCall {
   int rank;
   std::function<int()> run;
+  bool publishes = false;  // a send: run before the group's other calls (it never waits)
 };
 thread_local int group_depth = 0;
 thread_local std::vector<GroupCall> group_calls;
@@ -251,8 +261,9 @@ Worker& WorkerOf(void* stream) {
   return *worker;
 }
 
-enum Kind { kAllReduceKind, kReduceScatterKind, kAllGatherKind };
-const char* const kKindNames[] = {"allreduce", "reducescatter", "allgather"};
+enum Kind { kAllReduceKind, kReduceScatterKind, kAllGatherKind, kAllToAllKind };
+const char* const kKindNames[] = {"allreduce", "reducescatter", "allgather", "alltoall"};
+constexpr int kAlltoAllVersion = 22800;
 
 size_t ItemSize(int dtype) {
   switch (dtype) {
@@ -274,21 +285,27 @@ void SumSlices(const std::vector<std::string>& parts, size_t offset, size_t coun
 
 // One rank's collective: an all-reduce of `count` elements, a reduce-scatter whose output is
 // `count` (its input nranks x count), an all-gather whose input is `count` (its output
-// nranks x count), as NCCL counts them. NCCL's in-place rule: a reduce-scatter is in place
-// where out == in + rank * count, an all-gather where in == out + rank * count (an all-reduce
-// where out == in); buffers that overlap otherwise are refused (logged: overlap ...).
+// nranks x count), an all-to-all of `count` per peer (input and output nranks x count), as
+// NCCL counts them. NCCL's in-place rule: a reduce-scatter is in place where out == in +
+// rank * count, an all-gather where in == out + rank * count (an all-reduce where out == in),
+// an all-to-all never; buffers that overlap otherwise are refused (logged: overlap ...).
 int Collective(Kind kind, const void* in, void* out, size_t count, int dtype, int op,
                Comm* comm, void* stream, int asked, bool configured) {
   const size_t itemsize = ItemSize(dtype);
-  if (itemsize == 0 || (dtype == 1 && kind != kAllGatherKind)) return kInvalidArgument;
+  const bool copies = kind == kAllGatherKind || kind == kAllToAllKind;
+  if (itemsize == 0 || (dtype == 1 && !copies)) return kInvalidArgument;
   if (op != 0 || comm == nullptr) return kInvalidArgument;
-  const size_t in_bytes = count * itemsize * (kind == kReduceScatterKind ? comm->nranks : 1);
-  const size_t out_bytes = count * itemsize * (kind == kAllGatherKind ? comm->nranks : 1);
+  const bool exchanges = kind == kAllToAllKind;
+  const size_t in_bytes =
+      count * itemsize * (kind == kReduceScatterKind || exchanges ? comm->nranks : 1);
+  const size_t out_bytes =
+      count * itemsize * (kind == kAllGatherKind || exchanges ? comm->nranks : 1);
   const char* in_lo = static_cast<const char*>(in);
   const char* out_lo = static_cast<const char*>(out);
   const size_t shard = count * itemsize * comm->rank;
   const bool in_place = kind == kReduceScatterKind ? out_lo == in_lo + shard
                         : kind == kAllGatherKind   ? in_lo == out_lo + shard
+                        : exchanges                ? false
                                                    : out_lo == in_lo;
   if (!in_place && in_lo < out_lo + out_bytes && out_lo < in_lo + in_bytes) {
     Log("overlap rank=" + std::to_string(comm->rank) + " id=" + comm->id +
@@ -309,8 +326,8 @@ int Collective(Kind kind, const void* in, void* out, size_t count, int dtype, in
       (kind == kAllReduceKind ? "" : " inplace=" + std::to_string(in_place ? 1 : 0)) +
       " stream=" + std::to_string(reinterpret_cast<uintptr_t>(stream)) + " id=" + comm->id);
   // What runs "on the GPU": a copy of the communicator's identity (an aborted Comm is freed).
-  auto run = [copy = *comm, step = comm->sequence++, kind, in, out, count, dtype, in_bytes,
-              out_bytes] {
+  auto run = [copy = *comm, step = comm->sequence++, kind, in, out, count, dtype, itemsize,
+              in_bytes, out_bytes] {
     std::vector<std::string> parts;
     const int result = Exchange(copy, "step" + std::to_string(step),
                                 std::string(static_cast<const char*>(in), in_bytes), &parts);
@@ -319,6 +336,14 @@ int Collective(Kind kind, const void* in, void* out, size_t count, int dtype, in
       std::string all;
       for (const std::string& part : parts) all += part;
       std::memcpy(out, all.data(), out_bytes);
+      return kSuccess;
+    }
+    if (kind == kAllToAllKind) {  // block i of the output: block `rank` of rank i's input
+      const size_t block = count * itemsize;
+      for (size_t i = 0; i < parts.size(); ++i) {
+        std::memcpy(static_cast<char*>(out) + i * block, parts[i].data() + copy.rank * block,
+                    block);
+      }
       return kSuccess;
     }
     const size_t offset = kind == kReduceScatterKind ? count * copy.rank : 0;
@@ -332,6 +357,71 @@ int Collective(Kind kind, const void* in, void* out, size_t count, int dtype, in
   };
   if (group_depth > 0) {  // runs when the outermost group ends (ncclGroupEnd)
     group_calls.push_back({comm->rank, run});
+    return kSuccess;
+  }
+  if (Env("NCCL_STUB_ASYNC", "0") != "1") return run();
+  Worker& worker = WorkerOf(stream);
+  std::lock_guard<std::mutex> lock(worker.mu);
+  ++worker.pending;
+  worker.tasks.push_back([run, comm_id = comm->id] {
+    if (run() != kSuccess) Log("failed id=" + comm_id + " (aborted, or a peer never came)");
+  });
+  worker.cv.notify_one();
+  return kSuccess;
+}
+
+// A point-to-point file: the `seq`th message from rank `from` to rank `to` of `comm`.
+std::string P2pPath(const Comm& comm, int from, int to, long seq) {
+  return Env("NCCL_STUB_DIR", "/tmp") + "/" + comm.id + ".p2p" + std::to_string(seq) + "." +
+         std::to_string(from) + "to" + std::to_string(to);
+}
+
+// ncclSend (`send`) or ncclRecv of `count` elements with rank `peer`. A send publishes its
+// bytes when it runs (a file); a receive waits for its peer's, as NCCL's pair by order.
+int PointToPoint(bool send, void* buffer, size_t count, int dtype, int peer, Comm* comm,
+                 void* stream) {
+  const size_t itemsize = ItemSize(dtype);
+  if (itemsize == 0 || comm == nullptr || peer < 0 || peer >= comm->nranks) {
+    return kInvalidArgument;
+  }
+  if (!Ordered(*comm, stream)) {
+    Log("hazard rank=" + std::to_string(comm->rank) + " id=" + comm->id +
+        " after=" + last_launch.id + " (another communicator on another stream, no launch order)");
+    return kInvalidUsage;
+  }
+  last_launch = {comm->id, stream, comm->launch_order_implicit};
+  Log(std::string(send ? "send" : "recv") + " rank=" + std::to_string(comm->rank) +
+      " peer=" + std::to_string(peer) + " count=" + std::to_string(count) +
+      " dtype=" + std::to_string(dtype) +
+      " stream=" + std::to_string(reinterpret_cast<uintptr_t>(stream)) + " id=" + comm->id);
+  const long seq = send ? comm->sent[peer]++ : comm->received[peer]++;
+  const std::string path = send ? P2pPath(*comm, comm->rank, peer, seq)
+                                : P2pPath(*comm, peer, comm->rank, seq);
+  const size_t bytes = count * itemsize;
+  auto run = [send, buffer, bytes, path, aborted = comm->aborted] {
+    if (send) {
+      {
+        std::ofstream out(path + ".tmp", std::ios::binary);
+        out.write(static_cast<const char*>(buffer), static_cast<std::streamsize>(bytes));
+        if (!out) return kSystemError;
+      }
+      return std::rename((path + ".tmp").c_str(), path.c_str()) == 0 ? kSuccess : kSystemError;
+    }
+    const double timeout_s = std::atof(Env("NCCL_STUB_TIMEOUT_S", "30").c_str());
+    const auto deadline = std::chrono::steady_clock::now() +
+                          std::chrono::milliseconds(static_cast<long>(timeout_s * 1000));
+    std::ifstream in;
+    while (!(in = std::ifstream(path, std::ios::binary))) {
+      if (std::chrono::steady_clock::now() > deadline || aborted->load()) return kRemoteError;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    const std::string got{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+    if (got.size() != bytes) return kInvalidArgument;  // the peers disagree on the count
+    std::memcpy(buffer, got.data(), bytes);
+    return kSuccess;
+  };
+  if (group_depth > 0) {  // runs when the outermost group ends (ncclGroupEnd)
+    group_calls.push_back({comm->rank, run, send});
     return kSuccess;
   }
   if (Env("NCCL_STUB_ASYNC", "0") != "1") return run();
@@ -414,6 +504,9 @@ int ncclGroupEnd() {
   calls.swap(group_calls);
   Log("group rank=" + std::to_string(calls.empty() ? -1 : calls.front().rank) +
       " calls=" + std::to_string(calls.size()));
+  // Sends first: they never wait, so no receive of the group waits on a send behind it.
+  std::stable_partition(calls.begin(), calls.end(),
+                        [](const GroupCall& call) { return call.publishes; });
   int result = kSuccess;
   for (const GroupCall& call : calls) {
     const int one = call.run();
@@ -502,6 +595,32 @@ int ncclAllGatherConfig(const void* in, void* out, size_t sendcount, int dtype, 
   const int ctas = CallCtas(config);
   if (ctas < 0) return -ctas;
   return Collective(kAllGatherKind, in, out, sendcount, dtype, 0, comm, stream, ctas, true);
+}
+
+int ncclAlltoAll(const void* in, void* out, size_t count, int dtype, Comm* comm, void* stream) {
+  if (Version() < kAlltoAllVersion) return kInvalidUsage;  // not in this NCCL
+  return Collective(kAllToAllKind, in, out, count, dtype, 0, comm, stream, 0, false);
+}
+
+int ncclAlltoAllConfig(const void* in, void* out, size_t count, int dtype, Comm* comm,
+                       void* stream, const CollConfig* config) {
+  const int ctas = CallCtas(config);
+  if (ctas < 0) return -ctas;
+  return Collective(kAllToAllKind, in, out, count, dtype, 0, comm, stream, ctas, true);
+}
+
+int ncclSend(const void* in, size_t count, int dtype, int peer, Comm* comm, void* stream) {
+  return PointToPoint(true, const_cast<void*>(in), count, dtype, peer, comm, stream);
+}
+
+int ncclRecv(void* out, size_t count, int dtype, int peer, Comm* comm, void* stream) {
+  return PointToPoint(false, out, count, dtype, peer, comm, stream);
+}
+
+int ncclCommCount(const Comm* comm, int* count) {
+  if (comm == nullptr || count == nullptr) return kInvalidArgument;
+  *count = comm->nranks;
+  return kSuccess;
 }
 
 // ncclCommSplit (2.18+), every rank with color 0: a child with the parent's ranks. With

@@ -512,6 +512,90 @@ void TestGroupedCall() {
   for (const RankOutcome& o : outcomes) CHECK(o.error.empty() && o.wrong == 0);
 }
 
+// The all-to-all on two ranks through each route, as the stub's version picks it: 2.31 with
+// a per-call limit (ncclAlltoAllConfig), 2.28 on the per-communicator route (ncclAlltoAll),
+// 2.27 and 2.24 (no ncclAlltoAll: one group of ncclSend/ncclRecv with every rank). Rank s
+// sends block d of its input to rank d, which keeps it as block s: f32 and bytes, one call and
+// a bucket of two members (one NCCL group; the sends and receives nest in it). An all-to-all
+// in place is refused by name before NCCL sees it.
+void TestAllToAllRoutes() {
+  struct Route {
+    const char* version;
+    bool direct;
+    const char* seen;  // what the stub logs of the route's calls
+  };
+  const Route routes[] = {
+      {"23100", true, "alltoall rank=0 count=3 dtype=7 ctas=4 asked=4 config=1"},
+      {"22800", true, "alltoall rank=0 count=3 dtype=7 ctas=4 asked=0 config=0"},
+      {"22700", false, "send rank=0 peer=1 count=3 dtype=7"},
+      {"22400", false, "recv rank=1 peer=0 count=5 dtype=1"}};
+  for (const Route& route : routes) {
+    const std::string log = StubLog((std::string("alltoall_") + route.version + ".log").c_str());
+    nccl::UniqueId id{};
+    const std::unique_ptr<nccl::Library> lib = StubAt(route.version, &id);
+    CHECK(lib->direct_all_to_all() == route.direct);
+    const std::vector<RankOutcome> outcomes = OnTwoRanks([&](int rank, RankOutcome& o) {
+      void* comm = nullptr;
+      if (libra::Status s = lib->InitRank(id, 2, rank, 4, &comm, 10000); !s.ok()) {
+        o.error = s.message;
+        return;
+      }
+      // Input element i of rank r: 100 r + i; output block s of rank d: rank s's block d.
+      std::vector<float> in(6), out(6, -1.0f);
+      for (int i = 0; i < 6; ++i) in[i] = 100.0f * rank + i;
+      libra::Status s = lib->Collective(libra::Collective::kAllToAll, in.data(), out.data(), 3,
+                                        libra::DType::kF32, comm, 4, AsPointer(1), 10000);
+      if (!s.ok()) o.error = s.message;
+      for (int src = 0; src < 2; ++src) {
+        for (int j = 0; j < 3; ++j) o.wrong += out[src * 3 + j] != 100.0f * src + rank * 3 + j;
+      }
+      // A bucket: bytes (5 per peer) and s64 (1 per peer), one group.
+      std::vector<uint8_t> bytes(10), bytes_out(10);
+      for (int i = 0; i < 10; ++i) bytes[i] = static_cast<uint8_t>(16 * rank + i);
+      std::vector<int64_t> wide = {10 * rank, 10 * rank + 1}, wide_out(2, -1);
+      s = lib->CollectiveGroup(libra::Collective::kAllToAll,
+                               {{bytes.data(), bytes_out.data(), 5, libra::DType::kBytes},
+                                {wide.data(), wide_out.data(), 1, libra::DType::kS64}},
+                               comm, 4, AsPointer(1), 10000);
+      if (!s.ok()) o.error = s.message;
+      for (int src = 0; src < 2; ++src) {
+        for (int j = 0; j < 5; ++j) o.wrong += bytes_out[src * 5 + j] != 16 * src + rank * 5 + j;
+        o.wrong += wide_out[src] != 10 * src + rank;
+      }
+      // Never in place: refused before NCCL, naming the kind (nothing reaches the stub).
+      s = lib->Collective(libra::Collective::kAllToAll, in.data(), in.data(), 3,
+                          libra::DType::kF32, comm, 4, AsPointer(1), 10000);
+      o.wrong += s.ok() || s.message.find("all-to-all is never in place") == std::string::npos;
+      lib->Destroy(comm);
+    });
+    for (const RankOutcome& o : outcomes) {
+      CHECK(o.error.empty());
+      CHECK(o.wrong == 0);
+    }
+    const std::string text = ReadFile(log);
+    CHECK(text.find(route.seen) != std::string::npos);
+    CHECK((text.find("alltoall rank=") != std::string::npos) == route.direct);
+    CHECK((text.find("send rank=") != std::string::npos) == !route.direct);
+    CHECK(text.find("group rank=0 calls=2") != std::string::npos || !route.direct);
+    CHECK(text.find("overlap") == std::string::npos && text.find("hazard") == std::string::npos);
+    unsetenv("NCCL_STUB_LOG");
+  }
+  setenv("NCCL_STUB_VERSION", "23100", 1);
+  // Through the communicator cache, as an FFI handler would call it.
+  const nccl::Library* cached = nullptr;
+  nccl::Communicators& comms = StubCommunicators(&cached);
+  nccl::UniqueId id{};
+  CHECK(cached->GetUniqueId(&id).ok() && comms.RegisterId(71, id).ok());
+  const std::vector<RankOutcome> outcomes = OnTwoRanks([&](int rank, RankOutcome& o) {
+    std::vector<double> in = {1.0 + rank, 2.0 + rank}, out(2);
+    const libra::Status s = comms.Call(libra::Collective::kAllToAll, 71, 2, rank, 2, in.data(),
+                                       out.data(), 1, libra::DType::kF64, AsPointer(1), 10000);
+    if (!s.ok()) o.error = s.message;
+    o.wrong += out[0] != 1.0 + rank || out[1] != 2.0 + rank;
+  });
+  for (const RankOutcome& o : outcomes) CHECK(o.error.empty() && o.wrong == 0);
+}
+
 // Every rank must ask for the same CTA configuration: the stub refuses a communicator
 // whose ranks disagree, as a mismatch NCCL would turn into a hang or a wrong channel count.
 void TestSameConfigOnEveryRank() {
@@ -694,6 +778,7 @@ int main(int argc, char** argv) {
       {"split_shares_resources", TestSplitSharesResources},
       {"watchdog", TestWatchdog},
       {"grouped_call", TestGroupedCall},
+      {"all_to_all_routes", TestAllToAllRoutes},
   });
   std::string cleanup = std::string("rm -rf ") + dir;
   if (std::system(cleanup.c_str()) != 0) std::fprintf(stderr, "could not remove %s\n", dir);

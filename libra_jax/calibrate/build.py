@@ -184,11 +184,14 @@ CARRIED_OVER = ("pending_allreduce_us",
                 *(row.traffic_key for row in collectives.ROWS if row.traffic_key is not None))
 
 
-def _shipped_q(key: str) -> dict:
+def _shipped_q(key: str) -> dict | None:
     """The shipped CPU profile's ``fair_share.<key>``, carried over: calibration does not
-    measure it."""
+    measure it; None where the shipped profile has none either (a kind's traffic not yet
+    measured: derived from the memory it moves)."""
     shipped = model.load_profile(model.PROFILE_DIR / "cpu-host.json").sources
-    q = shipped[f"fair_share.{key}"]
+    q = shipped.get(f"fair_share.{key}")
+    if q is None:
+        return None
     return _q(q.value, "assumption", f"not calibrated; from the shipped cpu-host profile: {q.ref}")
 
 
@@ -258,7 +261,7 @@ def build_profile(analysis: dict[str, Any], *, workers: int, budget: Budget, sam
             "fusion_copy_gbyte_per_s": _q(None, "assumption", FUSION_COPY_NONE),
             "overlap_block_efficiency": _q(1.0, "assumption", "not fitted"),
             "call_us": _q(0.0, "assumption", "not fitted"),
-            **{key: _shipped_q(key) for key in CARRIED_OVER},
+            **{key: q for key in CARRIED_OVER if (q := _shipped_q(key)) is not None},
         },
         "calibration": {
             **(meta or {}),

@@ -16,6 +16,7 @@ from libra_jax.model.forms import (
     check_workers,
     ring_algo_factor,
     ring_latency_s,
+    shape_of,
 )
 from libra_jax.model.profile import BYTES_PER_GBIT, MAX_LAUNCH_BLOCKS, Profile
 from libra_jax.model.read import resolve_profile
@@ -157,7 +158,7 @@ def collective_traffic(profile: Profile, collective: str, workers: int) -> tuple
     row, reference = BY_KIND[collective], BY_KIND["all-reduce"]
     if row is reference:
         return 1.0, "the all-reduce"
-    shape, ring = row.shape, reference.shape
+    shape, ring = shape_of(row.kind), shape_of(reference.kind)
     if profile.fair_share is None:
         return shape.bus_fraction(workers) / ring.bus_fraction(workers), "ring bus fractions"
     if row.traffic_key is None:

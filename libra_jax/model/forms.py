@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
-from libra_jax.collectives import ROWS, Shape
+from libra_jax.collectives import BY_KIND, ROWS, Shape
 from libra_jax.model.profile import (
     BYTES_PER_GBYTE,
     BYTES_PER_S_PER_MIB_PER_MS,
@@ -35,11 +35,21 @@ COLLECTIVE_SHAPES: Mapping[str, CollectiveShape] = MappingProxyType(
 assert tuple(COLLECTIVE_SHAPES) == COLLECTIVES
 
 
+def shape_of(collective: str) -> CollectiveShape:
+    """The model's terms of `collective` (a kind's model name), read from its row when asked;
+    a row without them is refused by the kind's name, never priced as another kind."""
+    shape = BY_KIND[collective].shape
+    if not isinstance(shape, Shape):
+        raise ValueError(f"the {collective} collective's row has no model shape "
+                         "(collectives.Shape: ring steps, bus fraction, engine traffic)")
+    return shape
+
+
 def ring_steps(workers: int, collective: str = "all-reduce") -> int:
     """Communication steps of a ring `collective`: ``2(n-1)`` for the all-reduce (a
     reduce-scatter plus an all-gather), ``n-1`` for either half."""
     check_workers(workers)
-    return COLLECTIVE_SHAPES[collective].steps(workers)
+    return shape_of(collective).steps(workers)
 
 
 def ring_bytes_per_rank(grad_bytes: float, workers: int) -> float:
@@ -63,7 +73,7 @@ def ring_latency_s(network: NetworkSpec, workers: int, collective: str = "all-re
     """
     steps = ring_steps(workers, collective)
     nodes = math.ceil(workers / network.devices_per_node)
-    inter = COLLECTIVE_SHAPES[collective].steps(nodes)
+    inter = shape_of(collective).steps(nodes)
     return (network.base_latency_s + (steps - inter) * network.intra_step_latency_s
             + inter * network.inter_step_latency_s)
 

@@ -137,7 +137,8 @@ class FairShare:
     ``pending_allreduce_s`` (optional) what one all-reduce left pending in XLA:CPU's program
     while the backward pass runs costs the step; ``optimize(overlap="auto")`` weighs it against
     the work a start/done pair would defer (`libra_jax.rewrite`). None: not known.
-    ``reduce_scatter_traffic`` / ``all_gather_traffic`` (optional): the engine's seconds for
+    ``reduce_scatter_traffic`` / ``all_gather_traffic`` / ``all_to_all_traffic`` (optional,
+    one per kind's row: `collectives.Collective.traffic_key`): the engine's seconds for
     that collective of a buffer over its all-reduce's of the same buffer at the same block
     count, measured (`collective_traffic`; None: derived from the memory each moves).
     """
@@ -154,6 +155,7 @@ class FairShare:
     pending_allreduce_s: float | None = None
     reduce_scatter_traffic: float | None = None
     all_gather_traffic: float | None = None
+    all_to_all_traffic: float | None = None
 
 
 # Every kind measured against the all-reduce has its field here (its row's traffic key).

@@ -19,6 +19,8 @@ call where it serves, else XLA's with one notice); each has an XLA twin (`XLA_TW
   `libra_sharded_done_p` bind it, for a release;
 - `sharded`: `libra_reduce_scatter_p` / `libra_all_gather_p`, the `psum_scatter` and the
   `all_gather` `jax.lax` would bind, each other's transpose;
+- `exchange`: `libra_all_to_all_p`, the `all_to_all` `jax.lax` would bind (its transpose is
+  itself, the axes swapped);
 - `packing`: a bucket's members as one flat buffer and back, where the call it is lowered to
   takes one (XLA's collective standing in; libra's calls take the members as they are).
 
@@ -26,6 +28,7 @@ call where it serves, else XLA's with one notice); each has an XLA twin (`XLA_TW
 """
 from libra_jax import _compat
 from libra_jax.ops.base import XLA_TWINS, register_op
+from libra_jax.ops.exchange import libra_all_to_all_p
 from libra_jax.ops.fused import libra_bucket_p, libra_psum_fused_p, libra_reduce_scatter_fused_p
 from libra_jax.ops.psum import libra_psum_p
 from libra_jax.ops.sharded import libra_all_gather_p, libra_reduce_scatter_p
@@ -44,7 +47,7 @@ from libra_jax.ops.start_done import (
 _compat.register_psum_rooflines([libra_psum_p, libra_bucket_p, libra_start_p], [libra_done_p])
 
 __all__ = ["XLA_TWINS", "register_op", "libra_psum_p", "libra_bucket_p", "libra_psum_fused_p",
-           "libra_reduce_scatter_fused_p",
+           "libra_reduce_scatter_fused_p", "libra_all_to_all_p",
            "libra_start_p", "libra_done_p", "libra_reduce_scatter_p", "libra_all_gather_p",
            "libra_psum_start_p", "libra_psum_done_p", "libra_sharded_start_p",
            "libra_sharded_done_p"]

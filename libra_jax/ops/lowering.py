@@ -83,6 +83,9 @@ class Call(NamedTuple):
     tiled: bool = True
     #: The result aliases the operand (an all-reduce in place).
     inplace: bool = False
+    #: The exchanged layout's (the all-to-all's): its engine result (in the operand's type)
+    #: made the op's, ``arrange(value, world)`` (`ops.exchange.arrange`).
+    arrange: Callable[[Any, int], Any] | None = None
 
 
 def rule(platform: Platform) -> Rule:
@@ -249,24 +252,38 @@ def engine_call(ctx: Any, call: Call) -> tuple[Callable[..., Sequence[Any]] | No
     dtype = np.dtype(avals_in[0].dtype)
     if not _ffi.has_target(row.kind, "cpu"):
         return None, f"cpu (the extension registers no {row.kind} target)"
-    if not row.gathers and dtype not in ENGINE_DTYPES:
+    if row.sums and dtype not in ENGINE_DTYPES:
         return None, f"cpu {dtype.name}"
     found, reason = cpu_call(ctx, call.axes, call.blocks, row.lax)
     if found is None:
         return None, reason
     rank_group, attrs = found
-    shards = avals_in if row.gathers else avals_out
-    attrs["segments"] = np.array([math.prod(a.shape[call.dimension:])
-                                  if row.layout != "replicated" else 0 for a in shards], np.int64)
+    world = int(attrs["world"])
+    if row.layout == "exchanged":  # one segment per rank along the split dimension
+        segments = [math.prod(a.shape[call.dimension:]) // world for a in avals_in]
+        engine_out = avals_in  # the exchanged segments, in the operand's shape (`arrange`)
+    else:
+        shards = avals_in if row.gathers else avals_out
+        segments = [math.prod(a.shape[call.dimension:]) if row.layout != "replicated" else 0
+                    for a in shards]
+        engine_out = avals_out
+    attrs["segments"] = np.array(segments, np.int64)
     lowered = engine_lowering(
         _ffi.target(row.kind, "cpu"),
         {1 + i: i for i in range(len(avals_in))} if call.inplace else {})
 
     def emit(*xs: Any) -> Sequence[Any]:
-        if row.gathers and dtype == BF16:
+        if not row.sums and dtype == BF16:
             xs = tuple(_canonical_bf16_nans(ctx.replace(avals_in=[a]), x)
                        for a, x in zip(avals_in, xs))
-        return lowered(ctx.replace(avals_in=[_RANK_AVAL, *avals_in]), rank_group, *xs, **attrs)
+        results = lowered(ctx.replace(avals_in=[_RANK_AVAL, *avals_in], avals_out=engine_out),
+                          rank_group, *xs, **attrs)
+        arrange = call.arrange  # the exchanged segments made the op's result
+        if engine_out is avals_out or arrange is None:
+            return results
+        return [_compat.lower_fun(lambda v: arrange(v, world))(
+            ctx.replace(primitive=None, avals_in=[a], avals_out=[o]), result)[0]
+            for result, a, o in zip(_compat.ir_values(results), engine_out, avals_out)]
     return emit, ""
 
 
@@ -342,12 +359,14 @@ def gpu_call(ctx: Any, call: Call) -> tuple[str | None, dict, str]:
     row = call.row
     kernels = _ffi.has_target(row.kind, "cuda")
     if path != "nccl" and not kernels:
-        nccl_only = " and ".join(r.kind for r in collectives.ROWS
-                                 if not _ffi.has_target(r.kind, "cuda"))
+        nccl_only = " and ".join(r.kind for r in collectives.ROWS if not _ffi.has_target(
+            r.kind, "cuda") and _ffi.has_target(r.kind, "nccl"))
         return None, {}, (f"cuda ({config.CUDA_PATH_ENV}={path}: libra's GPU {nccl_only} are "
                           f"NCCL's, {config.CUDA_PATH_ENV}=nccl)")
     if path == "xla":
         return None, {}, _cuda_default_reason()
+    if not kernels and not _ffi.has_target(row.kind, "nccl"):
+        return None, {}, f"cuda (the extension registers no {row.kind} target)"
     groups = _compat.replica_groups(ctx, call.axes)
     devices = _compat.mesh_devices(ctx)
     across = devices is not None and any(d.process_index != jax.process_index()
@@ -568,7 +587,7 @@ def nccl_attrs(ctx: Any, groups: Sequence[Sequence[int]], devices: Sequence[Any]
     if not ok:
         return None, f"cuda without NCCL ({why})"
     dtype, count, reason = _buffer_served(ctx, NCCL_DTYPES, " over NCCL")
-    if reason and not COLLECTIVES[collective].gathers:  # a gather copies any dtype, as bytes
+    if reason and COLLECTIVES[collective].sums:  # a copy takes any dtype, as bytes
         return None, reason
     if count == 0:
         return {}, ""

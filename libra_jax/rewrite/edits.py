@@ -17,6 +17,7 @@ from typing import Any
 from libra_jax import _compat
 from libra_jax.ops import (
     libra_all_gather_p,
+    libra_all_to_all_p,
     libra_bucket_p,
     libra_psum_p,
     libra_reduce_scatter_p,
@@ -200,6 +201,13 @@ def single_eqn(eqn: Any, site: Site, blocks: int, invars: set) -> Any:
         return eqn.replace(primitive=libra_reduce_scatter_p,
                            params=dict(axis_name=site.axes, scatter_dimension=dimension,
                                        axis_size=size, tiled=tiled, blocks=int(blocks)))
+    if site.collective == "all-to-all":
+        if site.exchange is None:
+            raise no_form(site.collective, "all_to_all parameters (Site.exchange)")
+        split, concat, tiled = site.exchange
+        return eqn.replace(primitive=libra_all_to_all_p,
+                           params=dict(axis_name=site.axes, split_axis=split,
+                                       concat_axis=concat, tiled=tiled, blocks=int(blocks)))
     if site.collective != "all-reduce":
         raise no_form(site.collective, "single call")
     operand = eqn.invars[0]

@@ -32,6 +32,7 @@ from libra_jax.rewrite.edits import (
     single_eqn,
     sink_gathers,
 )
+from libra_jax.rewrite.exchanges import edit_exchanges
 from libra_jax.rewrite.gathers import edit_gathers, hoist_regathers
 from libra_jax.rewrite.ready import READY_MODES, Ready, inline_calls, to_ready_points
 from libra_jax.rewrite.report import LoopPlan, OptimizeReport, PsumPlan, block_cap
@@ -54,19 +55,22 @@ from libra_jax.rewrite.sites import (
 __all__ = ["Options", "Rewriter", "LOOP_MODES"]
 
 
-def _find_sites(eqns: Sequence[Any]) -> tuple[list[Site], list[Site], list[str]]:
-    """(the psums and psum_scatters, the all-gathers, why others are skipped) of a scope, by
-    the site rules (`sites.find_site`), in order."""
+def _find_sites(eqns: Sequence[Any]
+                ) -> tuple[list[Site], list[Site], list[Site], list[str]]:
+    """(the psums and psum_scatters, the all-gathers, the all-to-alls, why others are
+    skipped) of a scope, by the site rules (`sites.find_site`), in order."""
     sites: list[Site] = []
     gathers: list[Site] = []
+    exchanges: list[Site] = []
     skipped: list[str] = []
     for i, eqn in enumerate(eqns):
         found = find_site(i, eqn)
         if isinstance(found, str):
             skipped.append(found)
         elif found is not None:
-            (gathers if found.collective == "all-gather" else sites).append(found)
-    return sites, gathers, skipped
+            {"all-gather": gathers, "all-to-all": exchanges}.get(
+                found.collective, sites).append(found)
+    return sites, gathers, exchanges, skipped
 
 
 def _label(eqns: Sequence[Any], point: int) -> str:
@@ -211,7 +215,7 @@ class Rewriter:
         self.report.folded.extend(f"{name} of zeros in {scope}" for name in folded)
         eqns = scatter_sliced_psums(eqns, jaxpr.outvars, axis_sizes)
         eqns = sink_gathers(eqns)
-        sites, gathers, skipped = _find_sites(eqns)
+        sites, gathers, exchanges, skipped = _find_sites(eqns)
         if self.options.ready == "dataflow" and sites:
             # Each gradient collective where its operand is ready (`ready`), so that the
             # planner's layers are the backward pass's whichever way the code was written.
@@ -223,9 +227,9 @@ class Rewriter:
                 self.ready[scope] = {i: dataclasses.replace(r, after=_label(eqns, r.point))
                                      for i, r in ready.items()}
                 self.written[scope] = order
-                sites, gathers, skipped = _find_sites(eqns)
+                sites, gathers, exchanges, skipped = _find_sites(eqns)
         self.report.skipped.extend(f"{why} in {scope}" for why in skipped)
-        served = {site.index for site in sites + gathers}
+        served = {site.index for site in sites + gathers + exchanges}
         for i, eqn in enumerate(eqns):
             other = _compat.OTHER_COLLECTIVES.get(eqn.primitive.name)
             libras = LIBRA_UNPLANNED.get(eqn.primitive)
@@ -236,6 +240,8 @@ class Rewriter:
         invars = set(jaxpr.invars)
         edit_gathers(self, eqns, gathers, axis_sizes, scope, in_loop, in_backward or transposed,
                      invars, edits)
+        self.report.plans += edit_exchanges(eqns, exchanges, axis_sizes, scope, in_loop,
+                                            in_backward or transposed, self.profile, invars, edits)
         if not sites:
             return self.finish(jaxpr, eqns, edits, scope)
         warn_invariant_operands(eqns, sites)

@@ -22,6 +22,7 @@ import numpy as np
 from libra_jax import _compat, allreduce
 from libra_jax.ops import (
     libra_all_gather_p,
+    libra_all_to_all_p,
     libra_bucket_p,
     libra_psum_p,
     libra_reduce_scatter_p,
@@ -29,7 +30,7 @@ from libra_jax.ops import (
 from libra_jax.ops.lowering import ENGINE_DTYPES
 from libra_jax.ops.start_done import libra_start_p
 
-__all__ = ["Site", "no_form", "SITE_RULES", "site_rule", "find_site", "gather_site", "gradient_sites",
+__all__ = ["Site", "no_form", "exchange_site", "SITE_RULES", "site_rule", "find_site", "gather_site", "gradient_sites",
            "site_kinds", "split_empty_operands", "fold_zero_psums", "scatter_sliced_psums", "is_psum", "axis_names",
            "contains_psum", "collective_counts", "backward_sites", "warn_invariant_operands",
            "aval_bytes", "group_size", "same_type", "GATHERS", "LIBRA_UNPLANNED",
@@ -62,6 +63,8 @@ class Site:
     # An all_gather's: (all_gather_dimension, axis_size, tiled, invariant); `nbytes` is then
     # its result's (the gathered buffer's).
     gather: tuple[int, int, bool, bool] | None = None
+    # An all_to_all's: (split_axis, concat_axis, tiled), of the primitive (`exchange_site`).
+    exchange: tuple[int, int, bool] | None = None
 
     @property
     def bucket_class(self) -> tuple:
@@ -117,7 +120,8 @@ UNPLANNED_NOTICE = ("optimize plans the gradient psum_scatters of sharded parame
 
 #: libra's own collectives that `optimize` leaves at their own blocks where it does not serve
 #: them (named as `jax.lax` names them).
-LIBRA_UNPLANNED = {libra_reduce_scatter_p: "psum_scatter", libra_all_gather_p: "all_gather"}
+LIBRA_UNPLANNED = {libra_reduce_scatter_p: "psum_scatter", libra_all_gather_p: "all_gather",
+                   libra_all_to_all_p: "all_to_all"}
 
 
 def is_psum(eqn: Any) -> bool:
@@ -241,6 +245,8 @@ def collective_counts(jaxpr: Any) -> collections.Counter[str]:
             counts["psum_scatter"] += 1
         elif name in GATHERS or eqn.primitive is libra_all_gather_p:
             counts["all_gather"] += 1
+        elif name == _compat.all_to_all_p.name or eqn.primitive is libra_all_to_all_p:
+            counts["all_to_all"] += 1
         for sub in _compat.jaxprs_in_params(eqn.params):
             counts.update(collective_counts(sub))
     return counts
@@ -413,6 +419,24 @@ def gather_site(index: int, eqn: Any) -> Site | None:
                 eqn.outvars[0], "all-gather",
                 gather=(int(p["all_gather_dimension"]), int(p["axis_size"]),
                         bool(p["tiled"]), bool(invariant)))
+
+
+@site_rule(_compat.all_to_all_p.name, libra_all_to_all_p.name)
+def exchange_site(index: int, eqn: Any) -> Site | None:
+    """An all_to_all (JAX's or libra's) that libra's engine can serve: not over
+    `axis_index_groups` or positional axes, of a dtype of whole bytes, not of unreduced or
+    reduced inputs; issued as libra's at the model's block count (`rewrite.exchanges`).
+    Others stay as they are (`OptimizeReport.unplanned`)."""
+    p = eqn.params
+    axes = axis_names(p)
+    aval = eqn.invars[0].aval
+    if (p.get("axis_index_groups") is not None or any(isinstance(a, int) for a in axes)
+            or not allreduce.copyable(aval.dtype)
+            or _compat.input_state(aval, axes) in ("unreduced", "reduced")):
+        return None
+    return Site(index, axes, False, aval_bytes(aval), p.get("blocks"), eqn.outvars[0],
+                "all-to-all", exchange=(int(p["split_axis"]), int(p["concat_axis"]),
+                                        bool(p["tiled"])))
 
 
 def split_empty_operands(eqns: list[Any]) -> list[Any]:

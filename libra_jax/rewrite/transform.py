@@ -424,7 +424,8 @@ def rewrite_jaxpr(closed: Any, *, profile: Any = None, fusion: bool = True,
     report.unplanned = [f"{what}" + (f" (x{n})" if n > 1 else "") for what, n in counts.items()]
     if report.unplanned:
         warn_once("unplanned-collectives",
-                  "libra_jax.optimize plans psums and psum_scatters and runs all_gathers; these "
+                  "libra_jax.optimize plans psums and psum_scatters and runs all_gathers and "
+                  "all_to_alls; these "
                   "collectives keep their own lowering (XLA's, or libra's at their own blocks): "
                   + "; ".join(report.unplanned) + ". " + UNPLANNED_NOTICE)
     if not report.plans and not report.skipped and not maps_devices:
