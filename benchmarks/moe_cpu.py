@@ -10,7 +10,7 @@ repetition in a shuffled order, after warm-up, from one process; the table gives
 variant's median time per call and interquartile range, and the ratios' medians with their
 10th-90th percentiles.
 
-Second table: a mixture-of-experts layer, one expert per device (tests/test_exchange.py's
+Second table: a mixture-of-experts layer, one expert per device (tests/corpus.py's
 `moe_step`, larger): tokens dispatched by an all-to-all and combined by another, forward and
 backward, a replicated router's gradient all-reduced. Plain (XLA's collectives) against
 ``jax.jit(libra_jax.optimize(step))``, interleaved rounds (`report.interleaved_steps`).
@@ -29,7 +29,6 @@ from libra_jax.config import xla_flags
 os.environ["XLA_FLAGS"] = xla_flags(8)  # the caller's flags kept
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import report
 from allreduce_cpu import parse_size
@@ -73,30 +72,6 @@ def time_collectives(sizes, reps):
     return rows
 
 
-def moe_step(tokens, width):
-    """tests/test_exchange.py's expert-parallel step at `tokens` per device, `width` wide."""
-    n = DEVICES
-    mesh = jax.make_mesh((n,), ("x",), axis_types=(jax.sharding.AxisType.Auto,))
-    rng = np.random.default_rng(3)
-    params = {"experts": rng.standard_normal((n, width, width)).astype(np.float32) / width**0.5,
-              "router": rng.standard_normal((width, width)).astype(np.float32) / width**0.5}
-    x = rng.standard_normal((n * tokens, width)).astype(np.float32)
-
-    def local(params, x):
-        def loss(p):
-            h = jnp.tanh(x @ p["router"])
-            sent = jax.lax.all_to_all(h.reshape(n, tokens // n, width), "x", 0, 0, tiled=True)
-            done = jnp.tanh(sent @ p["experts"][0])
-            back = jax.lax.all_to_all(done, "x", 0, 0, tiled=True)
-            return jax.lax.pmean(jnp.mean((back.reshape(tokens, width) - x) ** 2), "x")
-        value, grads = jax.value_and_grad(loss)(params)
-        return jax.tree.map(lambda a, g: a - 0.1 * g, params, grads), value
-    specs = {"experts": P("x"), "router": P()}
-    step = jax.shard_map(local, mesh=mesh, in_specs=(specs, P("x")), out_specs=(specs, P()))
-    params = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in params.items()}
-    return step, params, jax.device_put(x, NamedSharding(mesh, P("x")))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=15)
@@ -124,7 +99,8 @@ def main() -> None:
                      f"{cell(t['libra all_to_all'])} | {np.median(vs_xla):.2f} "
                      f"({report.spread(vs_xla)}) | {np.median(vs_psum):.2f} "
                      f"({report.spread(vs_psum)}) |")
-    step, params, x = moe_step(args.tokens, args.width)
+    corpus = report.load_file(report.ROOT / "tests" / "corpus.py", "libra_corpus")
+    step, params, x = corpus.moe_step(args.tokens, args.width)
     arms = {"plain": jax.jit(step),
             "optimized": jax.jit(libra_jax.optimize(step))}
     per_step = report.interleaved_steps(arms, {k: params for k in arms}, (x,), args.rounds,

@@ -265,11 +265,7 @@ def all_gather(x: Any, axis_name: AxisName | Sequence[AxisName], *,
     invariant = to == "invarying" and _compat.check_vma_enabled()
 
     def leaf_call(leaf: Any) -> Any:
-        aval = jax.typeof(leaf)
-        state = _compat.input_state(aval, axes)
-        reason = (f"{state} inputs are not supported" if state in ("unreduced", "reduced")
-                  else "" if copyable(aval.dtype)
-                  else f"dtype {aval.dtype} is not of whole bytes")
+        reason = _copy_refused(jax.typeof(leaf), axes)
         if reason or not isinstance(leaf, _compat.Tracer):
             return _delegate(leaf, axes, reason, blocks, op=_JAX_ALL_GATHER, who=who,
                              quiet=not reason, **kwargs)
@@ -322,11 +318,7 @@ def all_to_all(x: Any, axis_name: AxisName | Sequence[AxisName], split_axis: int
                          quiet=reason == "", axis_index_groups=axis_index_groups, **kwargs)
 
     def leaf_call(leaf: Any) -> Any:
-        aval = jax.typeof(leaf)
-        state = _compat.input_state(aval, axes)
-        reason = (f"{state} inputs are not supported" if state in ("unreduced", "reduced")
-                  else "" if copyable(aval.dtype)
-                  else f"dtype {aval.dtype} is not of whole bytes")
+        reason = _copy_refused(jax.typeof(leaf), axes)
         if reason or not axes or not isinstance(leaf, _compat.Tracer):
             return _delegate(leaf, axis_name, reason, blocks, op=_JAX_ALL_TO_ALL, who=who,
                              quiet=not reason, **kwargs)
@@ -392,6 +384,15 @@ def _axis_size(axes: tuple) -> int:
 
 def _blocks(blocks: int | None) -> int | None:
     return None if blocks is None else int(blocks)
+
+
+def _copy_refused(aval: Any, axes: tuple) -> str:
+    """Why libra's copying collectives (all-gather, all-to-all) do not serve a leaf of type
+    `aval` over `axes`, or "" where they do."""
+    state = _compat.input_state(aval, axes)
+    if state in ("unreduced", "reduced"):
+        return f"{state} inputs are not supported"
+    return "" if copyable(aval.dtype) else f"dtype {aval.dtype} is not of whole bytes"
 
 
 def copyable(dtype: Any) -> bool:

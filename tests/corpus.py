@@ -93,6 +93,34 @@ def _shard(x: Any, mesh: jax.sharding.Mesh) -> Any:
     return jax.device_put(x, NamedSharding(mesh, P("data")))
 
 
+def moe_step(tokens: int = 32, width: int = 16) -> tuple[Callable[..., Any], dict, Any]:
+    """A mixture-of-experts layer, one expert per device (tests/test_exchange.py,
+    benchmarks/moe_cpu.py): tokens dispatched to their expert by an all-to-all, computed
+    there, combined back by another (both again, transposed, in the backward pass); the
+    experts' weights sharded over the devices, a replicated router's gradient all-reduced by
+    autodiff. (the shard_mapped step, unjitted; its parameters and batch, placed)."""
+    n, mesh = N, _mesh()
+    rng = np.random.default_rng(3)
+    params = {"experts": rng.standard_normal((n, width, width)).astype(np.float32) / width**0.5,
+              "router": rng.standard_normal((width, width)).astype(np.float32) / width**0.5}
+    x = rng.standard_normal((n * tokens, width)).astype(np.float32)
+
+    def local(params: dict, x: Any) -> Any:
+        def loss(p: dict) -> Any:
+            h = jnp.tanh(x @ p["router"])
+            sent = jax.lax.all_to_all(h.reshape(n, tokens // n, width), "data", 0, 0,
+                                      tiled=True)
+            done = jnp.tanh(sent @ p["experts"][0])
+            back = jax.lax.all_to_all(done, "data", 0, 0, tiled=True)
+            return jax.lax.pmean(jnp.mean((back.reshape(tokens, width) - x) ** 2), "data")
+        value, grads = jax.value_and_grad(loss)(params)
+        return jax.tree.map(lambda a, g: a - 0.1 * g, params, grads), value
+    specs = {"experts": P("data"), "router": P()}
+    step = jax.shard_map(local, mesh=mesh, in_specs=(specs, P("data")), out_specs=(specs, P()))
+    placed = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in params.items()}
+    return step, placed, _shard(x, mesh)
+
+
 def _mse_step(predict: Callable[..., Any], tx: Any, mesh: jax.sharding.Mesh,
               pmean: Callable[..., Any]) -> Callable[..., Any]:
     """A `check_vma` shard_map step of a mean-squared-error regression: the loss `pmean`ed

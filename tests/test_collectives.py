@@ -187,7 +187,7 @@ def test_the_all_to_all_without_its_site_rule_or_engine_piece_stays_xlas(monkeyp
 
     step, args = moe_step()
     monkeypatch.delitem(sites.SITE_RULES, "all_to_all")
-    with pytest.warns(UserWarning, match=r"all_to_all over \('x',\)"):
+    with pytest.warns(UserWarning, match=r"all_to_all over \('data',\)"):
         opt = libra_jax.optimize(step)
         hlo = jax.jit(opt).lower(*args).compile().as_text()
     assert not [p for p in opt.last_report.plans if p.collective == "all-to-all"]

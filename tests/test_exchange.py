@@ -123,30 +123,11 @@ def test_pytrees_and_refusals():
 
 # --- optimize: an expert-parallel layer's dispatch and combine --------------------------------
 
-def moe_step(n=8, tokens=32, width=16):
-    """A mixture-of-experts layer, one expert per device: tokens dispatched to their expert
-    by an all-to-all, computed there, combined back by another (and both again, transposed,
-    in the backward pass); the experts' weights sharded over the devices, a replicated
-    router's gradient all-reduced by autodiff."""
-    mesh = mesh_of((n,), ("x",))
-    rng = np.random.default_rng(3)
-    params = {"experts": rng.standard_normal((n, width, width)).astype(np.float32) / 4,
-              "router": rng.standard_normal((width, width)).astype(np.float32) / 4}
-    x = rng.standard_normal((n * tokens, width)).astype(np.float32)
-
-    def local(params, x):
-        def loss(p):
-            h = jnp.tanh(x @ p["router"])
-            sent = jax.lax.all_to_all(h.reshape(n, tokens // n, width), "x", 0, 0, tiled=True)
-            done = jnp.tanh(sent @ p["experts"][0])
-            back = jax.lax.all_to_all(done, "x", 0, 0, tiled=True)
-            return jax.lax.pmean(jnp.mean((back.reshape(tokens, width) - x) ** 2), "x")
-        value, grads = jax.value_and_grad(loss)(params)
-        return jax.tree.map(lambda a, g: a - 0.1 * g, params, grads), value
-    specs = {"experts": P("x"), "router": P()}
-    step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(specs, P("x")),
-                                 out_specs=(specs, P())))
-    return step, (params, x)
+def moe_step():
+    """tests/corpus.py's expert-parallel step, jitted, and its arguments."""
+    import corpus
+    step, params, x = corpus.moe_step()
+    return jax.jit(step), (params, x)
 
 
 def test_optimize_issues_each_all_to_all_as_libras():

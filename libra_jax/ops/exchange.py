@@ -17,7 +17,6 @@ makes it
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -25,6 +24,7 @@ import jax
 from libra_jax import _compat, collectives
 from libra_jax.ops import lowering
 from libra_jax.ops.base import Platform, Rule, register_op
+from libra_jax.ops.sharded import moved_batcher
 
 __all__ = ["libra_all_to_all_p", "mirror_all_to_all", "all_to_all_call", "arrange"]
 
@@ -88,20 +88,7 @@ def _transpose(ct: Any, x: Any, *, axis_name: tuple, split_axis: int, concat_axi
                                     concat_axis=split_axis, tiled=tiled, blocks=blocks),)
 
 
-def _batcher(axis_data: Any, vals_in: Sequence[Any], dims_in: Sequence[Any],
-             **params: Any) -> tuple[Any, Any]:
-    """A `vmap` rule: a vmapped axis among the collective's axes is JAX's rule; any other
-    batch dimension moves to the front, and the split and concat axes one further."""
-    (x,), (dim,) = vals_in, dims_in
-    if axis_data.name in params["axis_name"]:
-        jax_prim, jax_params = mirror_all_to_all(**params)
-        return _compat.jax_batcher(jax_prim)(axis_data, vals_in, dims_in, **jax_params)
-    if dim is None:
-        return libra_all_to_all_p.bind(x, **params), None
-    x = jax.numpy.moveaxis(x, dim, 0)
-    return libra_all_to_all_p.bind(x, **dict(params, split_axis=params["split_axis"] + 1,
-                                             concat_axis=params["concat_axis"] + 1)), 0
-
-
 libra_all_to_all_p = register_op("libra_all_to_all", abstract_eval=_abstract_eval,
-                                 lowering=_lowering, transpose=_transpose, batcher=_batcher)
+                                 lowering=_lowering, transpose=_transpose)
+_compat.register_batcher(libra_all_to_all_p, moved_batcher(
+    libra_all_to_all_p, mirror_all_to_all, "split_axis", "concat_axis"))

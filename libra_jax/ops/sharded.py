@@ -26,7 +26,8 @@ from libra_jax.ops import lowering
 from libra_jax.ops.base import Platform, Rule, register_op
 
 __all__ = ["libra_reduce_scatter_p", "libra_all_gather_p", "mirror_reduce_scatter",
-           "mirror_all_gather", "mirror_abstract_eval", "sharded_call", "flat_call"]
+           "mirror_all_gather", "mirror_abstract_eval", "moved_batcher", "sharded_call",
+           "flat_call"]
 
 
 def mirror_reduce_scatter(*, axis_name: tuple, scatter_dimension: int, axis_size: int,
@@ -84,10 +85,11 @@ def _all_gather_transpose(ct: Any, x: Any, *, axis_name: tuple, all_gather_dimen
     return (libra_reduce_scatter_p.bind(ct, **params),)
 
 
-def _batcher(prim: Any, mirror: Any, dimension: str) -> Any:
-    """A `vmap` rule: a vmapped axis among the collective's axes is JAX's rule (no
-    communication: the collective over the batch, within the device); any other batch
-    dimension moves to the front, and the collective's dimension one further."""
+def moved_batcher(prim: Any, mirror: Any, *dimensions: str) -> Any:
+    """A `vmap` rule of a collective op over one operand: a vmapped axis among the
+    collective's axes is JAX's rule for its `mirror` (no communication: the collective over
+    the batch, within the device); any other batch dimension moves to the front, and each
+    param in `dimensions` (the axes the collective splits or joins) one further."""
     def rule(axis_data: Any, vals_in: Sequence[Any], dims_in: Sequence[Any],
              **params: Any) -> tuple[Any, Any]:
         (x,), (dim,) = vals_in, dims_in
@@ -97,7 +99,7 @@ def _batcher(prim: Any, mirror: Any, dimension: str) -> Any:
         if dim is None:
             return prim.bind(x, **params), None
         x = jax.numpy.moveaxis(x, dim, 0)
-        return prim.bind(x, **dict(params, **{dimension: params[dimension] + 1})), 0
+        return prim.bind(x, **dict(params, **{d: params[d] + 1 for d in dimensions})), 0
     return rule
 
 
@@ -139,7 +141,7 @@ libra_reduce_scatter_p = register_op(
 libra_all_gather_p = register_op(
     "libra_all_gather", abstract_eval=mirror_abstract_eval(mirror_all_gather),
     lowering=_lowering("all_gather"), transpose=_all_gather_transpose)
-_compat.register_batcher(libra_reduce_scatter_p, _batcher(
+_compat.register_batcher(libra_reduce_scatter_p, moved_batcher(
     libra_reduce_scatter_p, mirror_reduce_scatter, "scatter_dimension"))
-_compat.register_batcher(libra_all_gather_p, _batcher(
+_compat.register_batcher(libra_all_gather_p, moved_batcher(
     libra_all_gather_p, mirror_all_gather, "all_gather_dimension"))

@@ -400,6 +400,16 @@ def _reduce_scatter_site(index: int, eqn: Any) -> Site | str:
                        (int(p["scatter_dimension"]), int(p["axis_size"]), bool(p["tiled"])))
 
 
+def _engine_copies(params: dict, axes: tuple, aval: Any) -> bool:
+    """Whether libra's engine serves a copying collective (all-gather, all-to-all) with
+    JAX's `params` over `axes` of an operand `aval`: not over `axis_index_groups` or
+    positional axes, of a dtype of whole bytes, not of unreduced or reduced inputs."""
+    return (params.get("axis_index_groups") is None
+            and not any(isinstance(a, int) for a in axes)
+            and allreduce.copyable(aval.dtype)
+            and _compat.input_state(aval, axes) not in ("unreduced", "reduced"))
+
+
 @site_rule(*GATHERS, libra_all_gather_p.name)
 def gather_site(index: int, eqn: Any) -> Site | None:
     """An all_gather (JAX's, either kind, or libra's) that libra's engine can serve: not
@@ -407,12 +417,9 @@ def gather_site(index: int, eqn: Any) -> Site | None:
     unreduced or reduced inputs. Others stay as they are (`OptimizeReport.unplanned`)."""
     if SITE_RULES.get(eqn.primitive.name) is not gather_site:
         return None  # not an all-gather (the rule is also asked of any equation)
-    p = eqn.params
+    p, aval = eqn.params, eqn.invars[0].aval
     axes = axis_names(p)
-    aval = eqn.invars[0].aval
-    if (p.get("axis_index_groups") is not None or any(isinstance(a, int) for a in axes)
-            or not allreduce.copyable(aval.dtype)
-            or _compat.input_state(aval, axes) in ("unreduced", "reduced")):
+    if not _engine_copies(p, axes, aval):
         return None
     invariant = p.get("invariant", eqn.primitive.name == _compat.all_gather_invariant_p.name)
     return Site(index, axes, False, aval_bytes(eqn.outvars[0].aval), p.get("blocks"),
@@ -427,12 +434,9 @@ def exchange_site(index: int, eqn: Any) -> Site | None:
     `axis_index_groups` or positional axes, of a dtype of whole bytes, not of unreduced or
     reduced inputs; issued as libra's at the model's block count (`rewrite.exchanges`).
     Others stay as they are (`OptimizeReport.unplanned`)."""
-    p = eqn.params
+    p, aval = eqn.params, eqn.invars[0].aval
     axes = axis_names(p)
-    aval = eqn.invars[0].aval
-    if (p.get("axis_index_groups") is not None or any(isinstance(a, int) for a in axes)
-            or not allreduce.copyable(aval.dtype)
-            or _compat.input_state(aval, axes) in ("unreduced", "reduced")):
+    if not _engine_copies(p, axes, aval):
         return None
     return Site(index, axes, False, aval_bytes(aval), p.get("blocks"), eqn.outvars[0],
                 "all-to-all", exchange=(int(p["split_axis"]), int(p["concat_axis"]),
