@@ -291,8 +291,12 @@ def all_to_all(x: Any, axis_name: AxisName | Sequence[AxisName], split_axis: int
     Args:
       x: array or pytree of arrays, inside `jax.shard_map` or `jax.pmap`.
       axis_name: a mesh axis name or a tuple of them.
-      split_axis, concat_axis, tiled, axis_index_groups: as in `jax.lax.all_to_all` (calls
-        with `axis_index_groups` are delegated to it).
+      split_axis: the dimension split into one segment per device, as in
+        `jax.lax.all_to_all`.
+      concat_axis: the dimension the received segments are concatenated (or stacked) along.
+      axis_index_groups: as in `jax.lax.all_to_all`; such calls are delegated to it.
+      tiled: as in `jax.lax.all_to_all`: untiled, `split_axis`'s size is the axis size and it
+        is removed, and a new dimension of that size is inserted at `concat_axis`.
       blocks: engine worker tasks, 1..`MAX_BLOCKS`; ``None``: `default_blocks` (the model's
         choice for an all-to-all of the buffer), chosen when the program is lowered.
 
