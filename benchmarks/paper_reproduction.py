@@ -39,7 +39,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from libra_jax import model, planner, zoo
+from libra_jax import collectives, model, planner, zoo
 
 PROFILE = "libra-testbed"
 MODELS = ("vgg16", "resnet152", "xception", "bert-large")
@@ -348,8 +348,8 @@ def run_fsdp(args: tuple[str, str, int]) -> FsdpRun:
     plans = planner.compare_fsdp(w.step, derivation.cost, default_alloc=alloc)
     cost = derivation.cost
 
-    def alone(collective: str, nbytes: int) -> float:
-        terms = cost.terms(collective)
+    def alone(kind: str, nbytes: int) -> float:
+        terms = cost.terms(collectives.BY_KIND[kind])
         return terms.latency_s + nbytes * terms.traffic / cost.solo_bw[alloc]
     comm = (sum(alone("all-gather", g.nbytes) for g in (*w.step.forward, *w.step.backward))
             + sum(alone("reduce-scatter", layer.grad_bytes) for layer in w.step.layers))

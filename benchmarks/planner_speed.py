@@ -181,7 +181,7 @@ def main() -> None:
         with_f = median_time(lambda: plan(layers, cost), args.repeat)
         without = median_time(lambda: plan(layers, cost, fusion=False), args.repeat)
         found = plan(layers, cost).buckets
-        scatters = sum(layers[b.first].collective == "reduce-scatter" for b in found)
+        scatters = sum(layers[b.first].collective.scatters for b in found)
         lines.append(f"| {ratio} | {with_f * 1e3:.1f} | {without * 1e3:.1f} | {len(found)} | "
                      f"{scatters} |")
     if args.baseline:

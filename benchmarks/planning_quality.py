@@ -48,7 +48,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import libra_jax  # noqa: E402
-from libra_jax import model, planner  # noqa: E402
+from libra_jax import collectives, model, planner  # noqa: E402
 from libra_jax.ops import lowering  # noqa: E402
 
 #: PyTorch DDP's default bucket size.
@@ -63,7 +63,8 @@ DIAGNOSTIC = ("libra, start-done",)
 def ddp_buckets(world: int) -> Iterator[None]:
     """Within the block, `optimize`'s planner cuts buckets as DDP does (`plan_default`)."""
     saved = planner.plan
-    blocks = lowering.default_blocks(DDP_BUCKET_BYTES, world, model.default_profile("cpu"))
+    blocks = lowering.default_blocks(DDP_BUCKET_BYTES, world, model.default_profile("cpu"),
+                                     collectives.REFERENCE)
 
     def by_size(layers, cost, fusion=True, reach=None):  # type: ignore[no-untyped-def]
         key = min(cost.solo_bw, key=lambda k: abs(k - blocks))

@@ -33,6 +33,8 @@ from jax.extend.core import ClosedJaxpr, Jaxpr, Primitive, Var
 from jax.extend.core import jaxpr_as_fun as _jaxpr_as_fun
 from jax.extend.core import jaxprs_in_params as _jaxprs_in_params
 
+from libra_jax import collectives
+
 __all__ = [
     "ClosedJaxpr", "Jaxpr", "Var", "jaxpr_as_fun", "closed_jaxpr", "jaxprs_in_params",
     "memoized_sub_jaxprs", "register_psum_rooflines", "dce", "keep_in_dce",
@@ -78,11 +80,14 @@ PSUM_PRIMITIVES: dict[str, bool] = {"psum": False, "psum_invariant": True}
 #: Primitives that map a function over devices (where psums can be bound).
 DEVICE_MAPS = ("shard_map", "xla_pmap", "pmap")
 #: JAX's collectives other than psum (name -> what a user calls it), which `optimize` leaves to
-#: XLA: `reduce_scatter` is `psum_scatter`, the gradient collective of sharded parameters.
+#: XLA: the kinds' primitives by their rows (`collectives.Collective.jax_primitives`:
+#: `reduce_scatter` is `psum_scatter`, the gradient collective of sharded parameters), then
+#: those of no kind.
 OTHER_COLLECTIVES: dict[str, str] = {
-    "reduce_scatter": "psum_scatter", "all_gather": "all_gather",
-    "all_gather_invariant": "all_gather", "all_to_all": "all_to_all", "ppermute": "ppermute",
-    "pmax": "pmax", "pmin": "pmin", "ragged_all_to_all": "ragged_all_to_all",
+    **{name: row.lax for row in collectives.ROWS for name in row.jax_primitives
+       if name not in PSUM_PRIMITIVES},
+    "ppermute": "ppermute", "pmax": "pmax", "pmin": "pmin",
+    "ragged_all_to_all": "ragged_all_to_all",
 }
 
 
@@ -454,7 +459,8 @@ def register_psum_rooflines(reducing: Sequence[Any], waiting: Sequence[Any]) -> 
         return False
 
     def reduce_rule(ctx: Any, *args: Any, axes: tuple, **params: Any) -> Any:
-        if params.get("collective") == "all_gather":  # gathers: no all-reduce to count
+        kind = params.get("collective")  # a bucket's, a start's: its row
+        if kind is not None and kind.gathers:  # gathers: no all-reduce to count
             return _roofline.RooflineResult()
         return psum_rule(ctx, *args, axes=axes)
 

@@ -33,20 +33,21 @@ except ImportError:  # a source tree without its build: one line saying so (libr
 TARGETS: dict[str, str] = dict(_libra_ffi.TARGETS)
 
 
-def target(kind: str, engine: str, phase: str = "") -> str:
-    """The registered FFI target of collective `kind` (the model's name: "all-reduce"...) on
-    `engine` ("cpu", "cuda": libra's P2P kernels, "nccl"), for one call or a pair's "start";
-    "done" is every pair's done on that engine's platform (`collectives.done_target`).
-    RuntimeError where the extension registers none (libra's P2P kernels are all-reduces)."""
-    row = collectives.BY_KIND[kind]
+def target(kind: collectives.Collective | str, engine: str, phase: str = "") -> str:
+    """The registered FFI target of collective `kind` (its row; or a name, "all-reduce" or
+    "psum", where a test or a tool asks: `collectives.row_of`) on `engine` ("cpu", "cuda":
+    libra's P2P kernels, "nccl"), for one call or a pair's "start"; "done" is every pair's done
+    on that engine's platform (`collectives.done_target`). RuntimeError where the extension
+    registers none (libra's P2P kernels are all-reduces)."""
+    row = collectives.row_of(kind)
     name = (collectives.done_target(engine) if phase == "done" else row.target(engine, phase))
     if name not in _NAMES:
-        raise RuntimeError(f"libra_jax: the extension registers no {kind} target for "
+        raise RuntimeError(f"libra_jax: the extension registers no {row.kind} target for "
                            f"{engine}{' ' + phase if phase else ''} ({name})")
     return name
 
 
-def has_target(kind: str, engine: str, phase: str = "") -> bool:
+def has_target(kind: collectives.Collective | str, engine: str, phase: str = "") -> bool:
     """Whether the extension registers `target(kind, engine, phase)` (the P2P kernels serve
     the all-reduce only, say)."""
     try:

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 from libra_jax import (
     _compat,
+    collectives,
     config,
 )
 
@@ -141,14 +142,15 @@ def allreduce_host(comm_id: int, nranks: int, rank: int, blocks: int, array: obj
                                    timeout_ms=config.timeout_ms())
 
 
-def collective_host(kind: str, comm_id: int, nranks: int, rank: int, blocks: int,
-                    input: object, output: object) -> None:
-    """One rank's `kind` ("all-reduce", "reduce-scatter" or "all-gather") from host array
-    `input` into `output` on communicator `comm_id`, as `allreduce_host`: NCCL's counts (a
-    reduce-scatter's output and an all-gather's input are one rank's share) and in-place rule
-    (views of one buffer at rank x share)."""
-    _libra_ffi.nccl_collective_host(kind, comm_id, nranks, rank, blocks, input, output,
-                                    timeout_ms=config.timeout_ms())
+def collective_host(kind: collectives.Collective | str, comm_id: int, nranks: int, rank: int,
+                    blocks: int, input: object, output: object) -> None:
+    """One rank's `kind` (a row, or its name as a test writes it: "all-reduce",
+    "reduce-scatter", "all-gather", `collectives.row_of`) from host array `input` into
+    `output` on communicator `comm_id`, as `allreduce_host`: NCCL's counts (a reduce-scatter's
+    output and an all-gather's input are one rank's share) and in-place rule (views of one
+    buffer at rank x share). The extension takes the kind by its model's name."""
+    _libra_ffi.nccl_collective_host(collectives.row_of(kind).kind, comm_id, nranks, rank,
+                                    blocks, input, output, timeout_ms=config.timeout_ms())
 
 
 def communicators_created() -> int:

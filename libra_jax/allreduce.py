@@ -32,12 +32,16 @@ from typing import Any
 import jax
 import numpy as np
 
-from libra_jax import _compat, model, planner
+from libra_jax import _compat, collectives, model, planner
+from libra_jax.collectives import Collective
 from libra_jax.ops import lowering
 from libra_jax.ops.base import warn_once
-from libra_jax.ops.exchange import libra_all_to_all_p
-from libra_jax.ops.psum import libra_psum_p
-from libra_jax.ops.sharded import libra_all_gather_p, libra_reduce_scatter_p
+from libra_jax.ops.exchange import ALL_TO_ALL, libra_all_to_all_p
+from libra_jax.ops.psum import ALL_REDUCE, libra_psum_p
+from libra_jax.ops.sharded import (
+    ALL_GATHER,
+    REDUCE_SCATTER,
+)
 
 __all__ = ["psum", "pmean", "psum_scatter", "all_gather", "all_to_all", "patch_lax",
            "default_blocks", "check_blocks", "engine_dtype",
@@ -52,6 +56,10 @@ _JAX_PMEAN = jax.lax.pmean
 _JAX_PSUM_SCATTER = jax.lax.psum_scatter
 _JAX_ALL_GATHER = jax.lax.all_gather
 _JAX_ALL_TO_ALL = jax.lax.all_to_all
+#: Each kind's: `jax.lax`'s function of that name (the row's `lax`), as JAX defined it.
+_JAX_FUNCTIONS: dict[Collective, Any] = {
+    ALL_REDUCE: _JAX_PSUM, REDUCE_SCATTER: _JAX_PSUM_SCATTER, ALL_GATHER: _JAX_ALL_GATHER,
+    ALL_TO_ALL: _JAX_ALL_TO_ALL}
 
 #: Largest block count (engine worker tasks per all-reduce).
 MAX_BLOCKS: int = lowering.MAX_BLOCKS
@@ -63,9 +71,17 @@ _SUPPORTED_DTYPES = lowering.ENGINE_DTYPES
 DEFAULT_PROFILES = model.BUILTIN_PROFILES
 #: With no overlap known, a block costs this fraction of the all-reduce's time (`planner`'s).
 BLOCK_PENALTY = planner.BLOCK_PENALTY
-#: Block count of a psum with `blocks=None` outside `@libra_jax.optimize`, chosen when it is
-#: lowered (`libra_jax.ops.lowering.default_blocks`).
-default_blocks = lowering.default_blocks
+
+
+def default_blocks(nbytes: int, world: int, profile: Any = "cpu-host",
+                   collective: Collective | str = ALL_REDUCE) -> int:
+    """Block count of a call with `blocks=None` outside `@libra_jax.optimize`, chosen when it
+    is lowered: the model's choice with no overlapped compute known, 1..MAX_BLOCKS
+    (`libra_jax.ops.lowering.default_blocks`). `profile` is a profile name, path or
+    `model.Profile`; `nbytes` the full (unsharded) buffer's size per device; `collective` the
+    kind (a name, "psum_scatter" or "reduce-scatter", or its row: `collectives.row_of`),
+    priced by its own terms; the all-reduce by default."""
+    return lowering.default_blocks(nbytes, world, profile, collectives.row_of(collective))
 
 
 def psum(x: Any, axis_name: AxisName | Sequence[AxisName], *,
@@ -101,10 +117,10 @@ def psum(x: Any, axis_name: AxisName | Sequence[AxisName], *,
     axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
     if axis_index_groups is not None:
         return _delegate(x, axis_name, "axis_index_groups is not supported", blocks,
-                         axis_index_groups=axis_index_groups)
+                         ALL_REDUCE, axis_index_groups=axis_index_groups)
     for name in axes:
         if not isinstance(name, int) and not _compat.axis_is_bound(name):
-            _unbound_axis(x, axis_name, name)
+            _unbound_axis(x, axis_name, name, ALL_REDUCE)
     manual = _compat.manual_axes()
     mapped = [name for name in axes if not isinstance(name, int) and name in manual]
     if len(mapped) < len(axes):
@@ -113,7 +129,7 @@ def psum(x: Any, axis_name: AxisName | Sequence[AxisName], *,
         # eqx.filter_pmap's, see nothing else). With a mesh axis among them, XLA's
         # all-reduce does the communication: said once.
         return _delegate(x, axis_name, "axes bound by vmap or positional axes are reduced "
-                         "by XLA", blocks, quiet=not mapped)
+                         "by XLA", blocks, ALL_REDUCE, quiet=not mapped)
     axes = _compat.skip_size_one_axes(axes)
     if not axes:
         return x
@@ -133,7 +149,8 @@ def patch_lax() -> Iterator[None]:
     ``jax.lax.psum``/``pmean`` by that name, such as Flax's BatchNorm with ``axis_name``.
     It changes a module attribute: not for several threads tracing at once.
     """
-    names = ("psum", "pmean", "psum_scatter", "all_gather")
+    # `jax.lax`'s functions of these names: the kinds' (their rows' `lax`), and pmean.
+    names = (ALL_REDUCE.lax, "pmean", REDUCE_SCATTER.lax, ALL_GATHER.lax)
     saved = [getattr(jax.lax, name) for name in names]
     for name in names:
         setattr(jax.lax, name, globals()[name])
@@ -151,7 +168,7 @@ def pmean(x: Any, axis_name: AxisName | Sequence[AxisName], *,
     if axis_index_groups is not None:
         check_blocks(blocks)
         return _delegate(x, axis_name, "axis_index_groups is not supported", blocks,
-                         axis_index_groups=axis_index_groups, op=_JAX_PMEAN)
+                         ALL_REDUCE, axis_index_groups=axis_index_groups, op=_JAX_PMEAN)
     total = psum(x, axis_name, blocks=blocks, inplace=inplace)
     n = _JAX_PSUM(1, axis_name)
     return jax.tree_util.tree_map(lambda v: v / n, total)
@@ -188,14 +205,14 @@ def psum_scatter(x: Any, axis_name: AxisName | Sequence[AxisName], *, scatter_di
       TypeError: `blocks` is not an int, or is given for a call delegated to
         `jax.lax.psum_scatter`.
     """
-    who = "psum_scatter"
-    check_blocks(blocks, f"libra_jax.{who}")
-    axes = _mesh_axes(x, axis_name, who, _JAX_PSUM_SCATTER)
+    row = REDUCE_SCATTER
+    check_blocks(blocks, f"libra_jax.{row.lax}")
+    axes = _mesh_axes(x, axis_name, row)
     kwargs = dict(scatter_dimension=scatter_dimension, tiled=tiled)
     if axis_index_groups is not None or isinstance(axes, str):
         reason = axes if isinstance(axes, str) else "axis_index_groups is not supported"
-        return _delegate(x, axis_name, reason, blocks, op=_JAX_PSUM_SCATTER, who=who,
-                         quiet=reason == "", axis_index_groups=axis_index_groups, **kwargs)
+        return _delegate(x, axis_name, reason, blocks, row, quiet=reason == "",
+                         axis_index_groups=axis_index_groups, **kwargs)
     if not axes:
         return x
 
@@ -206,11 +223,10 @@ def psum_scatter(x: Any, axis_name: AxisName | Sequence[AxisName], *, scatter_di
                   else "" if engine_dtype(aval.dtype) is not None
                   else f"dtype {aval.dtype} is not one the engine sums")
         if reason or not isinstance(leaf, _compat.Tracer):
-            return _delegate(leaf, axes, reason, blocks, op=_JAX_PSUM_SCATTER, who=who,
-                             quiet=not reason, **kwargs)
+            return _delegate(leaf, axes, reason, blocks, row, quiet=not reason, **kwargs)
         leaf = _vary(leaf, axes)
         dimension = _compat.canonicalize_axis(scatter_dimension, np.ndim(leaf))
-        return _bind_noting(who, libra_reduce_scatter_p, leaf, axis_name=axes,
+        return _bind_noting(row, leaf, axis_name=axes,
                             scatter_dimension=dimension, axis_size=_axis_size(axes),
                             tiled=bool(tiled), blocks=_blocks(blocks))
     return jax.tree_util.tree_map(leaf_call, x)
@@ -248,18 +264,18 @@ def all_gather(x: Any, axis_name: AxisName | Sequence[AxisName], *,
       TypeError: `blocks` is not an int, or is given for a call delegated to
         `jax.lax.all_gather`.
     """
-    who = "all_gather"
-    check_blocks(blocks, f"libra_jax.{who}")
+    row = ALL_GATHER
+    check_blocks(blocks, f"libra_jax.{row.lax}")
     if to not in ("varying", "invarying", "reduced"):
         _JAX_ALL_GATHER(x, axis_name, axis=axis, tiled=tiled, to=to)  # JAX's error
     kwargs = dict(axis=axis, tiled=tiled, to=to)
-    axes = _mesh_axes(x, axis_name, who, _JAX_ALL_GATHER)
+    axes = _mesh_axes(x, axis_name, row)
     if axis_index_groups is not None or to == "reduced" or isinstance(axes, str):
         reason = ("axis_index_groups is not supported" if axis_index_groups is not None
                   else "to='reduced' is not supported" if to == "reduced"
                   else axes if isinstance(axes, str) else "")
-        return _delegate(x, axis_name, reason, blocks, op=_JAX_ALL_GATHER, who=who,
-                         quiet=reason == "", axis_index_groups=axis_index_groups, **kwargs)
+        return _delegate(x, axis_name, reason, blocks, row, quiet=reason == "",
+                         axis_index_groups=axis_index_groups, **kwargs)
     if not axes:
         return x
     invariant = to == "invarying" and _compat.check_vma_enabled()
@@ -267,11 +283,10 @@ def all_gather(x: Any, axis_name: AxisName | Sequence[AxisName], *,
     def leaf_call(leaf: Any) -> Any:
         reason = _copy_refused(jax.typeof(leaf), axes)
         if reason or not isinstance(leaf, _compat.Tracer):
-            return _delegate(leaf, axes, reason, blocks, op=_JAX_ALL_GATHER, who=who,
-                             quiet=not reason, **kwargs)
+            return _delegate(leaf, axes, reason, blocks, row, quiet=not reason, **kwargs)
         leaf = _vary(leaf, axes)
         ndim = np.ndim(leaf) if tiled else np.ndim(leaf) + 1
-        return _bind_noting(who, libra_all_gather_p, leaf, axis_name=axes,
+        return _bind_noting(row, leaf, axis_name=axes,
                             all_gather_dimension=_compat.canonicalize_axis(axis, ndim),
                             axis_size=_axis_size(axes), tiled=bool(tiled),
                             invariant=invariant, blocks=_blocks(blocks))
@@ -311,21 +326,21 @@ def all_to_all(x: Any, axis_name: AxisName | Sequence[AxisName], split_axis: int
       TypeError: `blocks` is not an int, or is given for a call delegated to
         `jax.lax.all_to_all`.
     """
-    who = "all_to_all"
-    check_blocks(blocks, f"libra_jax.{who}")
+    row = ALL_TO_ALL
+    check_blocks(blocks, f"libra_jax.{row.lax}")
     kwargs = dict(split_axis=split_axis, concat_axis=concat_axis, tiled=tiled)
-    axes = _mesh_axes(x, axis_name, who, _JAX_ALL_TO_ALL)
+    axes = _mesh_axes(x, axis_name, row)
     if axis_index_groups is not None or isinstance(axes, str):
         reason = ("axis_index_groups is not supported" if axis_index_groups is not None
                   else axes if isinstance(axes, str) else "")
-        return _delegate(x, axis_name, reason, blocks, op=_JAX_ALL_TO_ALL, who=who,
-                         quiet=reason == "", axis_index_groups=axis_index_groups, **kwargs)
+        return _delegate(x, axis_name, reason, blocks, row, quiet=reason == "",
+                         axis_index_groups=axis_index_groups, **kwargs)
 
     def leaf_call(leaf: Any) -> Any:
         reason = _copy_refused(jax.typeof(leaf), axes)
         if reason or not axes or not isinstance(leaf, _compat.Tracer):
-            return _delegate(leaf, axis_name, reason, blocks, op=_JAX_ALL_TO_ALL, who=who,
-                             quiet=not reason, **kwargs)
+            return _delegate(leaf, axis_name, reason, blocks, row, quiet=not reason,
+                             **kwargs)
         return _bind_all_to_all(_vary(leaf, axes), axes, split_axis, concat_axis, bool(tiled),
                                 _blocks(blocks))
     return jax.tree_util.tree_map(leaf_call, x)
@@ -359,13 +374,14 @@ def _bind_all_to_all(x: Any, axes: tuple, split: int, concat: int, tiled: bool,
     return result
 
 
-def _mesh_axes(x: Any, axis_name: Any, who: str, op: Any) -> tuple | str:
-    """The mesh axes a sharded collective runs over (size-1 axes dropped, as JAX does), or,
-    where `jax.lax` must do it, why ("" where nothing needs saying: only vmap's axes)."""
+def _mesh_axes(x: Any, axis_name: Any, row: Collective) -> tuple | str:
+    """The mesh axes a sharded collective (`row`) runs over (size-1 axes dropped, as JAX
+    does), or, where `jax.lax` must do it, why ("" where nothing needs saying: only vmap's
+    axes)."""
     axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
     for name in axes:
         if not isinstance(name, int) and not _compat.axis_is_bound(name):
-            _unbound_axis(x, axis_name, name, who, op)
+            _unbound_axis(x, axis_name, name, row)
     manual = _compat.manual_axes()
     mapped = [name for name in axes if not isinstance(name, int) and name in manual]
     if len(mapped) < len(axes):
@@ -408,17 +424,18 @@ def copyable(dtype: Any) -> bool:
     return bits >= 8 and bits % 8 == 0
 
 
-def _bind_noting(who: str, prim: Any, leaf: Any, **params: Any) -> Any:
-    """Bind `prim`, adding to JAX's error (from its abstract evaluation) what libra was asked."""
+def _bind_noting(row: Collective, leaf: Any, **params: Any) -> Any:
+    """Bind `row`'s libra primitive (its "primitive" form), adding to JAX's error (from its
+    abstract evaluation) what libra was asked."""
     try:
-        return prim.bind(leaf, **params)
+        return row.form("primitive").bind(leaf, **params)
     except (ValueError, TypeError) as e:
         dim = next(k for k in params if k.endswith("dimension"))
         rule = ""
-        if who == "psum_scatter":
+        if row.scatters:
             rule = (": that dimension's size must "
                     + ("be divisible by" if params["tiled"] else "equal") + " the axis size")
-        e.add_note(f"libra_jax.{who}: {jax.typeof(leaf).str_short()} over "
+        e.add_note(f"libra_jax.{row.lax}: {jax.typeof(leaf).str_short()} over "
                    f"{params['axis_name']} (axis size {params['axis_size']}), {dim}="
                    f"{params[dim]}, tiled={params['tiled']}{rule}.")
         raise
@@ -461,11 +478,11 @@ def warn_invariant_operand(axes: tuple, who: str) -> None:
         "differentiated function instead, or use check_vma=False for per-device gradients.")
 
 
-def _unbound_axis(x: Any, axis_name: Any, name: Any, who: str = "psum",
-                  op: Any = _JAX_PSUM) -> None:
-    """Raise what `jax.lax`'s `op` raises for an unbound axis in this context (its message
-    differs between eager and traced code), with libra's hint added."""
-    hint = (f"libra_jax.{who}: call it inside jax.shard_map or jax.pmap over a mesh with an "
+def _unbound_axis(x: Any, axis_name: Any, name: Any, row: Collective) -> None:
+    """Raise what `jax.lax`'s function of `row` raises for an unbound axis in this context (its
+    message differs between eager and traced code), with libra's hint added."""
+    op = _JAX_FUNCTIONS[row]
+    hint = (f"libra_jax.{row.lax}: call it inside jax.shard_map or jax.pmap over a mesh with an "
             f"axis named {name!r}.")
     try:
         op(x, axis_name)
@@ -475,9 +492,12 @@ def _unbound_axis(x: Any, axis_name: Any, name: Any, who: str = "psum",
     raise NameError(f"unbound axis name: {name}. {hint}")  # JAX accepted it: say so anyway
 
 
-def _delegate(x: Any, axis_name: Any, reason: str, blocks: int | None, *,
-              op: Any = _JAX_PSUM, quiet: bool = False, who: str = "psum", **kwargs: Any) -> Any:
-    """`op` (JAX's function `who`) does the call: said once, unless `quiet`."""
+def _delegate(x: Any, axis_name: Any, reason: str, blocks: int | None, row: Collective, *,
+              op: Any = None, quiet: bool = False, **kwargs: Any) -> Any:
+    """`op` (by default `jax.lax`'s function of `row`, as JAX defined it) does the call: said
+    once, unless `quiet`."""
+    who = row.lax
+    op = _JAX_FUNCTIONS[row] if op is None else op
     if blocks is not None:
         raise TypeError(
             f"libra_jax.{who}: blocks={blocks} cannot be honoured: {reason}, so this {who} is "
@@ -498,11 +518,11 @@ def _psum_leaf(leaf: Any, *, axes: tuple, blocks: int | None, inplace: bool | No
         return jax.numpy.zeros(aval.shape, aval.dtype)
     state = _compat.input_state(aval, axes)
     if state in ("unreduced", "reduced"):
-        return _delegate(leaf, axes, f"{state} inputs are not supported", blocks)
+        return _delegate(leaf, axes, f"{state} inputs are not supported", blocks, ALL_REDUCE)
     dtype = engine_dtype(aval.dtype)
     if dtype is None:
         return _delegate(leaf, axes, f"dtype {aval.dtype} is not supported by the engine",
-                         blocks)
+                         blocks, ALL_REDUCE)
     if inplace is None:
         inplace = not _compat.is_traced_argument(leaf)
     invariant = _compat.check_vma_enabled()

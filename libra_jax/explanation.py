@@ -22,7 +22,9 @@ from typing import Any, TextIO
 import jax
 
 from libra_jax import collectives, gantt, gradient_names, planner, rewrite
+from libra_jax.collectives import Collective
 from libra_jax.loss_inputs import closure_parts
+from libra_jax.rewrite.edits import pairs_bucket
 
 __all__ = ["explain", "Explanation", "ScopePlan", "BucketRow", "GatherScope", "GatherRow"]
 
@@ -43,7 +45,7 @@ class BucketRow:
     ready_s: float                  # predicted time its last gradient is ready
     start_s: float                  # predicted start and end of its collective
     end_s: float
-    collective: str = "all-reduce"  # or "reduce-scatter" (`planner.COLLECTIVES`)
+    collective: Collective          # its kind (its layers': `planner.Layer.collective`)
     #: Where in the backward pass its last gradient is ready (`rewrite.ready`): the equation
     #: that produces it, and why readiness stopped there if it is a call or a loop ("" where
     #: planned as written: `optimize(ready="written")`).
@@ -299,10 +301,11 @@ def _gather_scope(entry: dict, report: rewrite.OptimizeReport, names: dict) -> G
     tl = planner.gather_timeline(list(steps), entry["cost"], distance=d, blocks=list(blocks),
                                  lead_s=entry["lead_s"])
     issued = {p.members[0]: p for p in report.plans
-              if p.scope == entry["scope"] and p.collective == "all-gather"}
+              if p.scope == entry["scope"] and p.collective is entry["collective"]}
     known = gradient_names.shorten({i: names[id(v)] for i, v in enumerate(entry["operands"])
                       if id(v) in names})
-    tensors = [known.get(i, _unnamed(v, i, "all-gather")) for i, v in enumerate(entry["operands"])]
+    tensors = [known.get(i, _unnamed(v, i, entry["collective"]))
+               for i, v in enumerate(entry["operands"])]
     rows = []
     for j, (span, position) in enumerate(zip(tl.gathers, entry["positions"])):
         p = issued.get(position)
@@ -331,9 +334,10 @@ _PIPED_WIDTH = 1000
 _SCALAR = " of a scalar (a loss or metric)"
 
 
-def _unnamed(var: Any, index: int, collective: str = "all-reduce") -> str:
+def _unnamed(var: Any, index: int, collective: Collective) -> str:
+    """A member no parameter's path reaches, by its kind's `jax.lax` name and its position."""
     shape = tuple(getattr(getattr(var, "aval", None), "shape", ()))
-    name = collectives.lax_name(collective)
+    name = collective.lax
     if not shape:  # no parameter's path reaches it: the loss or a metric
         return f"{name} #{index}{_SCALAR}"
     return f"{name} #{index} {list(shape)}"
@@ -417,11 +421,18 @@ def _header(s: ScopePlan) -> str:
             f"{', '.join(counted)} -> {_plural(len(s.buckets), 'bucket')}")
 
 
-def _gradient_count(kinds: Sequence[str]) -> str:
-    """"3 gradient psums", or "2 gradient psums, 4 gradient psum_scatters" in a mixed scope."""
-    counts = {c: kinds.count(c) for c in collectives.KINDS if c != "all-gather"}
-    return ", ".join(_plural(n, f"gradient {collectives.lax_name(c)}") for c, n in counts.items()
-                     if n or (c == "all-reduce" and not any(counts.values())))
+def _gradient_count(kinds: Sequence[Collective]) -> str:
+    """"3 gradient psums", or "2 gradient psums, 4 gradient psum_scatters" in a mixed scope
+    (in the rows' order; "0 gradient psums", the unmarked kind's, where there are none)."""
+    counts = {row: kinds.count(row) for row in collectives.ROWS if not row.gathers}
+    return ", ".join(_plural(n, f"gradient {row.lax}") for row, n in counts.items()
+                     if n or (not _marked(row) and not any(counts.values())))
+
+
+def _marked(row: Collective) -> bool:
+    """Whether a bucket's kind is said by its `jax.lax` name where it is listed: every kind
+    but the all-reduce, as the Gantt chart marks them (`Collective.label`)."""
+    return bool(row.label)
 
 
 def _plural(n: int, noun: str) -> str:
@@ -436,7 +447,7 @@ def _columns() -> list[str]:
 def _cells(r: BucketRow) -> list[str]:
     ms = 1e3
     alloc = f"{r.blocks}" if r.blocks == r.allocation else f"{r.blocks} ({r.allocation})"
-    issued = r.overlap if r.collective == "all-reduce" else f"{r.overlap} ({collectives.lax_name(r.collective)})"
+    issued = f"{r.overlap} ({r.collective.lax})" if _marked(r.collective) else r.overlap
     return [str(r.index), _tensor_list(r.tensors), _fmt_bytes(r.nbytes), alloc, issued,
             f"{r.compute_s * ms:.3f}", f"{r.ready_s * ms:.3f}", f"{r.comm_s * ms:.3f}",
             f"{r.start_s * ms:.3f}-{r.end_s * ms:.3f}"]
@@ -525,7 +536,7 @@ def _others_lines(e: Explanation) -> list[str]:
     lines.extend(_counted([
         f"  {p.kind:<8} {p.scope} axes {', '.join(map(str, p.axes))}: {_fmt_bytes(p.nbytes)}, "
         f"blocks {p.blocks}"
-        + ("" if p.collective == "all-reduce" else f" ({collectives.lax_name(p.collective)})")
+        + (f" ({p.collective.lax})" if _marked(p.collective) else "")
         for p in e.others]))
     if e.report.loops:
         lines.append("loops (each iteration issues its body's plan; stacked slices may leave "
@@ -568,7 +579,7 @@ def _to_try(e: Explanation) -> list[str]:
     time against it (docs/optimize.md); nothing where none would."""
     rows = [r for s in e.scopes for r in _gradient_rows(s)]
     options = []
-    overlaps = {r.overlap for r in rows if r.collective == "all-reduce"}
+    overlaps = {r.overlap for r in rows if pairs_bucket(r.collective)}
     if "start-done" in overlaps:
         options.append('overlap="sync" (one call per bucket, where it is ready)')
     elif overlaps:

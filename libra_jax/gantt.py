@@ -19,11 +19,11 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from libra_jax import collectives
+from libra_jax.collectives import REFERENCE, Collective
 
 if TYPE_CHECKING:  # pragma: no cover
     from libra_jax.planner import Bucket, CostModel, GatherTimeline, Layer
@@ -48,7 +48,7 @@ class ComputeSpan:
 
 @dataclass(frozen=True)
 class CollectiveSpan:
-    """One collective (an all-reduce, or a reduce-scatter: ``collective``): issuing it (the
+    """One collective (an all-reduce, or a reduce-scatter: ``collective``, its row): issuing it (the
     profile's call cost, and packing a fused bucket where it is packed) until ``pack_end``
     (compute stalls; = ``start`` where issuing costs nothing), latency until
     ``latency_end``, overlapped transfer until ``solo_start``
@@ -63,7 +63,7 @@ class CollectiveSpan:
     solo_start: float
     end: float
     pack_end: float = math.nan
-    collective: str = "all-reduce"
+    collective: Collective = field(kw_only=True)
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,7 @@ def timeline(layers: Sequence[Layer], buckets: Sequence[Bucket], cost: CostModel
         # A collective never starts before it is ready (min: against interpolation's rounding).
         CollectiveSpan(j, blocks, nbytes, min(ph.start, time_at(ends[buckets[j].last + 1])), ph.start,
                        ph.latency_end, ph.solo_start, ph.end, ph.pack_end,
-                       layers[buckets[j].first].collective)
+                       collective=layers[buckets[j].first].collective)
         for j, blocks, nbytes, ph in tl.collectives)
     return Timeline(tuple(_merge(spans)), collectives, tl.compute_end, tl.backward_s)
 
@@ -167,8 +167,10 @@ def chart(tl: Timeline | GatherTimeline, *, title: str = "", key_unit: str = "bl
         ax.barh(1, (s.end - s.start) * ms, left=s.start * ms, height=0.6, color=cm.Oranges(shade),
                 linewidth=0)
     listed = []
-    mixed = any(c.collective != "all-reduce" for c in tl.collectives)
-    row = "collective" if mixed else "all-reduce"
+    # The row is named for the tables' own kind (the all-reduce), or "collective" where other
+    # kinds (marked by their rows' labels) share it.
+    mixed = any(c.collective is not REFERENCE for c in tl.collectives)
+    row = "collective" if mixed else REFERENCE.kind
     for c in tl.collectives:
         ax.barh(0, (c.latency_end - c.start) * ms, left=c.start * ms, height=0.6, color="lightgray",
                 hatch="///", edgecolor="gray", linewidth=0.3)
@@ -177,7 +179,7 @@ def chart(tl: Timeline | GatherTimeline, *, title: str = "", key_unit: str = "bl
         ax.barh(0, (c.end - c.solo_start) * ms, left=c.solo_start * ms, height=0.6,
                 color=cm.Blues(0.85), edgecolor="white", linewidth=0.3)
         ax.axvline(c.start * ms, ymin=0.05, ymax=0.45, color="black", linewidth=0.4)
-        label = collectives.BY_KIND[c.collective].label
+        label = c.collective.label
         name = f"#{c.bucket}{' ' + label if label else ''}: {c.blocks}"
         if (c.end - c.start) > LABEL_MIN_SHARE * tl.backward_s:
             ax.text((c.start + c.end) / 2 * ms, 0, name, ha="center", va="center", fontsize=7,
@@ -193,7 +195,7 @@ def chart(tl: Timeline | GatherTimeline, *, title: str = "", key_unit: str = "bl
     handles = [Patch(color=cm.Oranges(0.6)), Patch(facecolor="lightgray", hatch="///",
                                                  edgecolor="gray"),
                Patch(color=cm.Blues(0.45)), Patch(color=cm.Blues(0.85))]
-    legend = [entry.replace("all-reduce", row) for entry in LEGEND]
+    legend = [entry.replace(REFERENCE.kind, row) for entry in LEGEND]
     ax.legend(handles, legend, loc="upper center", ncol=4, fontsize=7, frameon=False,
               bbox_to_anchor=(0.5, 1.0))
     _list_narrow(fig, "narrow buckets (ms): ", listed)

@@ -154,7 +154,7 @@ def sink(eqns: Sequence[Any], outvars: Sequence[Any]) -> list[Any]:
     sunk: dict[int, dict[int, Any]] = {}  # scan position -> ys position -> the psum
     for e in eqns:
         operand = e.invars[0] if len(e.invars) == 1 else None
-        if (e.primitive.name != "psum" or operand is None or not _compat.is_var(operand)
+        if (e.primitive is not _compat.psum_p or operand is None or not _compat.is_var(operand)
                 or operand not in made or readers.get(operand) != 1
                 or e.params.get("axis_index_groups") is not None or not e.params["axes"]
                 or any(isinstance(a, int) for a in e.params["axes"])

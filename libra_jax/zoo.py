@@ -34,6 +34,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from libra_jax import collectives
+
 if TYPE_CHECKING:  # pragma: no cover - import for type checkers only
     from libra_jax.planner import FsdpStep, GatherStep, Layer
 
@@ -533,7 +535,8 @@ def fsdp_workload(name: str, *, flop_per_s: float, bytes_per_s: float, workers: 
     spec = get_model(name, seq_len=seq_len or DEFAULT_BERT_SEQ_LEN) if name == "bert-large" else get_model(name)
     lead, forward = forward_gathers(spec, batch=dp.batch, flop_per_s=flop_per_s,
                                     bytes_per_s=bytes_per_s)
-    layers = tuple(Layer(layer.compute_s, layer.grad_bytes, "reduce-scatter") for layer in dp.layers)
+    scatter = next(row for row in collectives.ROWS if row.scatters)  # each gradient's kind
+    layers = tuple(Layer(layer.compute_s, layer.grad_bytes, scatter) for layer in dp.layers)
     backward = tuple(GatherStep(layer.compute_s, layer.grad_bytes) for layer in dp.layers)
     return FsdpWorkload(name, dp.batch, workers, FsdpStep(tuple(forward), lead, backward, layers),
                         dp.optimizer_s / workers)

@@ -254,7 +254,7 @@ def test_python_target_names_come_from_the_table():
                           "cpu_reduce_scatter_start", "cpu_all_gather_start",
                           "cuda", "cuda_start", "cuda_done", "nccl", "nccl_start",
                           "nccl_reduce_scatter", "nccl_reduce_scatter_start", "nccl_all_gather",
-                          "nccl_all_gather_start"}
+                          "nccl_all_gather_start", "nccl_all_to_all"}
     # Every registered role and name follows from a collective's row by one rule
     # (libra_jax.collectives), which _ffi.target looks up; nothing else names a target.
     derived = {row.role(engine, phase): row.target(engine, phase) for row in collectives.ROWS

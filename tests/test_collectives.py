@@ -140,23 +140,26 @@ def _fresh_derivations():
 
 def test_the_all_to_all_without_its_model_shape_is_refused_by_name(monkeypatch):
     from libra_jax.model import forms
-    _without(monkeypatch, shape=None)
+    row = _without(monkeypatch, shape=None)
     with pytest.raises(ValueError, match="the all-to-all collective's row has no model shape"):
         model.derive("cpu-host", 8)
     with pytest.raises(ValueError, match="the all-to-all collective's row has no model shape"):
-        forms.ring_steps(8, "all-to-all")
-    assert forms.ring_steps(8, "all-reduce") == 14  # the other kinds priced as they were
+        forms.ring_steps(8, row)
+    assert forms.ring_steps(8, collectives.BY_KIND["all-reduce"]) == 14  # the other kinds priced as they were
 
 
 def test_the_all_to_all_without_its_traffic_key_is_refused_by_name(monkeypatch):
-    _without(monkeypatch, traffic_key=None)
+    row = _without(monkeypatch, traffic_key=None)
     with pytest.raises(ValueError, match="the all-to-all collective's row has no traffic_key"):
         model.derive("cpu-host", 8)
     # A ring form prices it by its shape alone: no traffic key needed there.
-    assert model.derive("h100", 8).cost.terms("all-to-all").traffic > 0
+    assert model.derive("h100", 8).cost.terms(row).traffic > 0
 
 
 def test_the_all_to_all_without_its_emitter_or_bucket_form_is_refused_by_name(jax_8):
+    """The forms the all-to-all's row holds none of (a bucket, a bucket class) and the
+    parameters its emitter needs (`Site.exchange`), each asked for: `collectives.NoForm`
+    naming the kind and what it lacks."""
     import jax
     import jax.numpy as jnp
 
@@ -164,14 +167,49 @@ def test_the_all_to_all_without_its_emitter_or_bucket_form_is_refused_by_name(ja
     from libra_jax.rewrite.sites import Site
     eqn = jax.make_jaxpr(jax.vmap(lambda x: jax.lax.psum(x, "x"), axis_name="x"))(
         jnp.ones((2, 3))).jaxpr.eqns[0]
-    site = Site(0, ("x",), False, 12, None, eqn.outvars[0], "all-to-all")  # no exchange
-    with pytest.raises(NotImplementedError, match=r"all-to-all collective has no all_to_all "
-                                                  r"parameters \(Site.exchange\)"):
+    site = Site(0, ("x",), False, 12, None, eqn.outvars[0],
+                collectives.BY_KIND["all-to-all"])  # no exchange
+    with pytest.raises(collectives.NoForm, match=r"the all-to-all collective \(all_to_all\) has "
+                                                 r"no all_to_all parameters \(Site.exchange\)"):
         single_eqn(eqn, site, 2, set())
-    with pytest.raises(NotImplementedError, match="all-to-all collective has no bucket"):
+    with pytest.raises(collectives.NoForm,
+                       match=r"the all-to-all collective \(all_to_all\) has no bucket "):
         fused_eqn([eqn], [site], ("x",), False, 2)
-    with pytest.raises(NotImplementedError, match="all-to-all collective has no bucket class"):
+    with pytest.raises(collectives.NoForm,
+                       match=r"the all-to-all collective \(all_to_all\) has no bucket class"):
         site.bucket_class
+
+
+@pytest.mark.parametrize("form", collectives.FORMS)
+def test_the_all_to_all_without_each_of_its_forms_is_refused_by_name(monkeypatch, jax_8, form):
+    """Each form of the real all-to-all's row taken out in turn (`collectives.FORMS`; one it
+    holds none of is refused as it is): `optimize`, issuing the MoE step's all-to-alls, asks
+    for it and gets `collectives.NoForm` naming the kind and the form. No plan, and no call
+    of another kind: the step is refused, not issued as the all-reduce."""
+    import jax
+
+    import libra_jax
+    import libra_jax.rewrite  # its forms (the emitter) given to the rows
+    from test_exchange import moe_step
+
+    real = collectives.BY_KIND["all-to-all"]
+    message = rf"the all-to-all collective \(all_to_all\) has no {form}\b"
+    if form not in real.forms:
+        with pytest.raises(collectives.NoForm, match=message):
+            real.form(form)
+        return
+    assert form in ("primitive", "emitter"), (
+        f"the all-to-all's row holds a {form}: say here where `optimize` asks for it")
+    _without(monkeypatch, forms={k: v for k, v in real.forms.items() if k != form})
+    step, args = moe_step()
+    opt = libra_jax.optimize(step)
+    with pytest.raises(collectives.NoForm, match=message):
+        jax.jit(opt).lower(*args)
+    assert not opt.last_report  # nothing planned
+    monkeypatch.undo()  # the real row back: issued as libra's all-to-all
+    sys.modules["libra_jax.model.derive"]._derive.cache_clear()
+    hlo = jax.jit(libra_jax.optimize(step)).lower(*args).compile().as_text()
+    assert hlo.count("libra_all_to_all_cpu") == 4
 
 
 def test_the_all_to_all_without_its_site_rule_or_engine_piece_stays_xlas(monkeypatch, jax_8):
@@ -190,16 +228,82 @@ def test_the_all_to_all_without_its_site_rule_or_engine_piece_stays_xlas(monkeyp
     with pytest.warns(UserWarning, match=r"all_to_all over \('data',\)"):
         opt = libra_jax.optimize(step)
         hlo = jax.jit(opt).lower(*args).compile().as_text()
-    assert not [p for p in opt.last_report.plans if p.collective == "all-to-all"]
+    assert not [p for p in opt.last_report.plans if p.collective.exchanges]
     assert hlo.count(" all-to-all(") == 4 and "libra_all_to_all" not in hlo
     assert hlo.count("libra_allreduce_cpu") == hlo.count("custom_call_target=\"libra_allreduce")
     monkeypatch.undo()
 
     has_target = _ffi.has_target
     monkeypatch.setattr(_ffi, "has_target",
-                        lambda kind, *rest: kind != "all-to-all" and has_target(kind, *rest))
+                        lambda kind, *rest: (collectives.row_of(kind).kind != "all-to-all"
+                                             and has_target(kind, *rest)))
     from libra_jax.ops import base
     monkeypatch.setattr(base, "_warned", set())
     with pytest.warns(UserWarning, match="the extension registers no all-to-all target"):
         hlo = jax.jit(libra_jax.optimize(step)).lower(*args).compile().as_text()
     assert hlo.count(" all-to-all(") == 4 and "libra_all_to_all" not in hlo
+
+
+# --- No behaviour keyed by a kind's name outside its row (issue 72) ---------------------------
+
+def _kind_literals() -> dict[str, list[tuple[int, str]]]:
+    """Each module's string constants that are a kind's name (the model's, `jax.lax`'s, or
+    one of JAX's primitives of it), docstrings and ``__all__`` aside: (line, how it is used:
+    "compare", "key" of a dict literal, or "other")."""
+    import ast
+    names = ({row.kind for row in collectives.ROWS} | {row.lax for row in collectives.ROWS}
+             | {p for row in collectives.ROWS for p in row.jax_primitives})
+    found: dict[str, list[tuple[int, str]]] = {}
+    for path in sorted((ROOT / "libra_jax").rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        skip, use = set(), {}
+        for node in ast.walk(tree):
+            body = getattr(node, "body", None)
+            if isinstance(body, list) and body and isinstance(body[0], ast.Expr):
+                skip.add(id(body[0].value))  # a docstring
+            if isinstance(node, ast.Assign) and any(
+                    isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+                skip.update(id(n) for n in ast.walk(node.value))
+            if isinstance(node, ast.Compare):
+                use.update({id(n): "compare" for n in [node.left, *node.comparators]})
+            if isinstance(node, ast.Dict):
+                use.update({id(k): "key" for k in node.keys if k is not None})
+        hits = [(n.lineno, use.get(id(n), "other")) for n in ast.walk(tree)
+                if isinstance(n, ast.Constant) and n.value in names and id(n) not in skip]
+        if hits:
+            found[str(path.relative_to(ROOT))] = sorted(hits)
+    return found
+
+
+def test_no_module_branches_on_a_kinds_name():
+    """A kind's behaviour is its row's (attributes and forms): outside libra_jax/collectives.py
+    no code compares a value with a kind's name or keys a table by one, and the modules that
+    write a name at all are these (each says why)."""
+    found = _kind_literals()
+    found.pop("libra_jax/collectives.py")
+    assert not [(m, line) for m, hits in found.items() for line, use in hits
+                if use == "compare"], found
+    keyed = {m for m, hits in found.items() if any(use == "key" for _, use in hits)}
+    assert keyed <= {"libra_jax/__init__.py",  # public function names -> their module
+                     "libra_jax/_compat.py"}, found  # JAX's psum primitives (its names)
+    assert set(found) <= {
+        "libra_jax/__init__.py", "libra_jax/_compat.py",
+        "libra_jax/explanation.py",  # nouns of its text ("2 psums of a loss or metric")
+        # Where a kind's op or form is defined, its one naming of the kind (`provide`):
+        "libra_jax/ops/psum.py", "libra_jax/ops/sharded.py", "libra_jax/ops/exchange.py",
+        "libra_jax/rewrite/edits.py", "libra_jax/rewrite/sites.py"}, found
+
+
+def test_a_row_equals_its_model_name_as_a_dtype_does():
+    """Report fields hold rows: ``plan.collective == "all-gather"``, a set of them and a sort
+    (written when they held the model's names) keep their meaning; rows are one object each."""
+    gather = collectives.BY_KIND["all-gather"]
+    reduce = collectives.BY_KIND["all-reduce"]
+    assert gather == "all-gather" and gather != "all-reduce" and gather != "all_gather"
+    assert gather != reduce and gather == collectives.row_of("all_gather")
+    assert {gather, reduce} == {"all-gather", "all-reduce"} and "all-gather" in {gather}
+    assert sorted([(reduce, 1), (gather, 2)]) == [(gather, 2), (reduce, 1)]  # as the names
+    assert str(gather) == repr(gather) == "all_gather"
+    assert {gather: 1}[collectives.row_of("all-gather")] == 1
+    with pytest.raises(ValueError, match="no collective kind 'allgather'"):
+        collectives.row_of("allgather")

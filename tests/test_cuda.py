@@ -82,11 +82,11 @@ def test_module_reports_cuda_build():
     regs = _libra_ffi.cuda_registrations()
     if _ffi.HAS_CUDA:
         # NCCL's targets (the all-reduce's, the reduce-scatter's and the all-gather's, one
-        # call and start) also have an initialize stage (communicators made before a program
-        # runs).
+        # call and start; the all-to-all's, one call) also have an initialize stage
+        # (communicators made before a program runs).
         nccl = {_ffi.TARGETS[role] for role in ("nccl", "nccl_start", "nccl_reduce_scatter",
                                                 "nccl_reduce_scatter_start", "nccl_all_gather",
-                                                "nccl_all_gather_start")}
+                                                "nccl_all_gather_start", "nccl_all_to_all")}
         assert set(regs) == {CUDA_TARGET, CUDA_TARGET + "_start", CUDA_TARGET + "_done"} | nccl
         assert all(type(r).__name__ == "PyCapsule" for n, r in regs.items() if n not in nccl)
         assert all(sorted(regs[n]) == ["execute", "initialize"] for n in nccl)

@@ -24,7 +24,7 @@ LAYERS: dict[str, int] = {
                      "gantt", "gpu_calibration", "calibrate.fit"], 1),
     **dict.fromkeys(["_compat", "_ffi", "_nccl", "_libra_ffi"], 2),
     **dict.fromkeys(["ops", "ops.base", "ops.lowering", "ops.packing", "ops.psum", "ops.fused",
-                     "ops.start_done", "ops.sharded", "ops.exchange"], 3),
+                     "ops.start_done", "ops.sharded", "ops.exchange", "ops.shards"], 3),
     **dict.fromkeys(["allreduce", "overlap", "data_parallel", "loss_inputs", "reductions",
                      "loops", "rewrite",
                      "rewrite.sites", "rewrite.costs", "rewrite.edits", "rewrite.report",

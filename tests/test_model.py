@@ -8,6 +8,7 @@ import math
 import pytest
 
 from libra_jax import model, planner
+from libra_jax.collectives import BY_KIND
 from libra_jax.model import BYTES_PER_S_PER_MIB_PER_MS, S_PER_US
 
 PROFILES = model.list_profiles()
@@ -137,7 +138,7 @@ def test_ring_scaling(workers: int) -> None:
         assert n.solo_bw[t] == pytest.approx(two.solo_bw[t] * factor)
     assert n.latency_s == pytest.approx((2 * workers - 2) * 5 * S_PER_US)
     assert model.ring_bytes_per_rank(1000, workers) == pytest.approx(1000 * 2 * (workers - 1) / workers)
-    assert model.ring_steps(workers) == 2 * workers - 2
+    assert model.ring_steps(workers, BY_KIND["all-reduce"]) == 2 * workers - 2
 
 
 def test_faster_network_rule_and_dropped_options() -> None:
@@ -326,7 +327,7 @@ def test_collective_terms_of_a_ring(workers: int) -> None:
     net = profile.network
     cost = model.derive(profile, workers).cost
     nodes = math.ceil(workers / net.devices_per_node)
-    for collective in ("reduce-scatter", "all-gather"):
+    for collective in (BY_KIND["reduce-scatter"], BY_KIND["all-gather"]):
         terms = cost.terms(collective)
         assert terms.traffic == 0.5
         assert model.ring_steps(workers, collective) == workers - 1
@@ -335,7 +336,7 @@ def test_collective_terms_of_a_ring(workers: int) -> None:
             net.base_latency_s + (workers - 1 - inter) * net.intra_step_latency_s
             + inter * net.inter_step_latency_s)
         assert terms.latency_s < cost.latency_s
-    assert cost.terms("all-reduce") == planner.CollectiveTerms(cost.latency_s, 1.0)
+    assert cost.terms(BY_KIND["all-reduce"]) == planner.CollectiveTerms(cost.latency_s, 1.0)
 
 
 def test_collective_terms_of_the_cpu_engine() -> None:
@@ -343,14 +344,15 @@ def test_collective_terms_of_the_cpu_engine() -> None:
     else the ratio of the memory each collective moves, (n+1)/(2n)."""
     host = raw("cpu-host")["fair_share"]
     cost = model.derive("cpu-host", 8).cost
-    assert cost.terms("reduce-scatter").traffic == host["reduce_scatter_traffic"]["value"]
-    assert cost.terms("all-gather").traffic == host["all_gather_traffic"]["value"]
+    assert cost.terms(BY_KIND["reduce-scatter"]).traffic == host["reduce_scatter_traffic"]["value"]
+    assert cost.terms(BY_KIND["all-gather"]).traffic == host["all_gather_traffic"]["value"]
     assert host["reduce_scatter_traffic"]["source"] == "measured"
     doc = mutate("cpu-host", "fair_share.reduce_scatter_traffic", delete=True)
     derived = model.derive(model.profile_from_dict(doc), 8).cost
-    assert derived.terms("reduce-scatter").traffic == 9 / 16
-    assert derived.terms("all-gather").traffic == host["all_gather_traffic"]["value"]
-    value, how = model.collective_traffic(model.profile_from_dict(doc), "reduce-scatter", 4)
+    assert derived.terms(BY_KIND["reduce-scatter"]).traffic == 9 / 16
+    assert derived.terms(BY_KIND["all-gather"]).traffic == host["all_gather_traffic"]["value"]
+    value, how = model.collective_traffic(model.profile_from_dict(doc),
+                                         BY_KIND["reduce-scatter"], 4)
     assert (value, how) == (5 / 8, "the engine's memory traffic (not measured)")
 
 
@@ -637,5 +639,6 @@ def test_a_calls_block_count_is_chosen_by_the_derivation():
     for k in keys:
         assert d.key_for_blocks(d.launch_shape(k)[0]) == min(
             j for j in keys if d.launch_shape(j)[0] == d.launch_shape(k)[0])
-    key = d.no_overlap_key(64 << 20, "reduce-scatter")
-    assert key in keys and d.no_overlap_blocks(64 << 20, "reduce-scatter") == d.launch_blocks(key)
+    scatter = BY_KIND["reduce-scatter"]
+    key = d.no_overlap_key(64 << 20, scatter)
+    assert key in keys and d.no_overlap_blocks(64 << 20, scatter) == d.launch_blocks(key)

@@ -211,6 +211,54 @@ def test_reduce_scatter_and_all_gather_reach_nccl_by_version(stub_env, version, 
         assert all(c["config"] == (route == "per-collective") for c in calls)
 
 
+# The all-to-all on NCCL: two ranks as threads, one exchange per block count (2, 4, 2) of 8
+# elements, 4 to each peer (NCCL's count, from the buffers by the kind's row: the FFI target
+# libra_all_to_all_nccl sizes its calls so too), through the extension's host entry point.
+THREADED_ALL_TO_ALL = two_ranks(
+    prelude="""
+        from libra_jax import _libra_ffi
+    """,
+    per_call="""
+        sent = np.arange(8, dtype=np.float32) + 100 * r + blocks
+        got = np.full(8, -1, np.float32)
+        _libra_ffi.nccl_collective_host("all-to-all", comm, 2, r, blocks, sent, got,
+                                        timeout_ms=10000)
+        outs.append(got.tolist())
+    """,
+    report="""
+        print("EXCHANGED", results[0][1], results[1][1])
+    """)
+
+
+@pytest.mark.parametrize("version, route", [(22400, "sends"), (22700, "sends"),
+                                            (22800, "ncclAlltoAll"),
+                                            (23100, "ncclAlltoAllConfig")])
+def test_all_to_all_reaches_nccl_by_version(stub_env, version, route):
+    """ncclAlltoAll from 2.28 (with its per-call config from 2.31), else one group of
+    ncclSend/ncclRecv with every rank on the communicator pinned to the call's block count
+    (2.18-2.27: the group's, or its split); 4 elements to and from each peer either way."""
+    stub_env["NCCL_STUB_VERSION"] = str(version)
+    out = run(THREADED_ALL_TO_ALL, stub_env)
+    # blocks 4: rank d's block s is rank s's block d (rank s sent arange + 100 s + 4).
+    assert ("EXCHANGED [4.0, 5.0, 6.0, 7.0, 104.0, 105.0, 106.0, 107.0] "
+            "[8.0, 9.0, 10.0, 11.0, 108.0, 109.0, 110.0, 111.0]") in out, out
+    direct, sends = log_lines(stub_env, "alltoall"), log_lines(stub_env, "send")
+    if route == "sends":
+        recvs = log_lines(stub_env, "recv")
+        assert not direct and len(sends) == len(recvs) == 12  # 3 calls x 2 ranks x 2 peers
+        assert all(c["count"] == 4 and c["dtype"] == 7 for c in sends + recvs)
+        # Each call's sends on the communicator pinned to its block count (2, 4, 2).
+        pinned = {c["id"]: c["minCTAs"]
+                  for c in log_lines(stub_env, "init") + log_lines(stub_env, "split")}
+        for rank in (0, 1):
+            assert [pinned[c["id"]] for c in sends if c["rank"] == rank] == [2, 2, 4, 4, 2, 2]
+        return
+    assert not sends and len(direct) == 6 and all(c["count"] == 4 for c in direct), direct
+    assert sorted(c["ctas"] for c in direct) == [2, 2, 2, 2, 4, 4]  # every call as asked
+    assert all(c["config"] == (route == "ncclAlltoAllConfig") and c["inplace"] == 0
+               for c in direct)
+
+
 def test_nccl_overlapping_buffers_outside_the_in_place_rule_are_refused(stub_env):
     out = run("""
         import numpy as np
@@ -858,6 +906,55 @@ def test_sharded_pair_on_the_nccl_path(stub_env, version):
                 ) in out, out
 
 
+# The all-to-all on LIBRA_JAX_CUDA=nccl, lowered for cuda: NCCL sends contiguous block d of its
+# buffer to rank d, so the split dimension is moved to the front and flattened before the call
+# (a transpose where it does not lead) and moved back after it, then the received segments
+# concatenated along the concat dimension (`lowering.Call.arrange`): one libra call, no XLA
+# all-to-all, flat buffers of the whole operand in and out.
+EXCHANGE_IN_PROCESS = """
+    import os, re
+    os.environ["LIBRA_JAX_CUDA"] = "nccl"
+    import jax, numpy as np
+    jax.config.update("jax_num_cpu_devices", 8)
+    from jax.sharding import PartitionSpec as P
+    import libra_jax
+    from libra_jax import _ffi
+    print("HAS_CUDA", _ffi.HAS_CUDA)
+    for n in (2, 4):
+        mesh = jax.make_mesh((n,), ("x",), devices=jax.devices()[:n])
+        for split, concat in ((0, 0), (1, 0), (0, 1)):
+            f = jax.jit(jax.shard_map(
+                lambda v: libra_jax.all_to_all(v, "x", split, concat, tiled=True, blocks=4),
+                mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
+            x = jax.ShapeDtypeStruct((n * 4, 4 * n), np.float32,
+                                     sharding=jax.NamedSharding(mesh, P("x")))
+            text = f.trace(x).lower(lowering_platforms=("cuda",)).as_text()
+            calls = re.findall(r"custom_call @(libra_\\w+)\\(.*?ctas = (\\d+).*?"
+                               r": \\((tensor<[^>]*>)[^)]*\\) -> (tensor<[^>]*>)", text)
+            print("EXCHANGE", n, split, concat, calls, "stablehlo.all_to_all" in text,
+                  text.count("stablehlo.transpose"))
+"""
+
+
+def test_all_to_all_on_the_nccl_path(stub_env):
+    stub_env["NCCL_STUB_VERSION"] = "22800"
+    out = run(EXCHANGE_IN_PROCESS, stub_env)
+    if "HAS_CUDA False" in out:
+        pytest.skip("libra_jax built without CUDA: the cuda lowering is XLA's")
+    for n in (2, 4):
+        flat = f"tensor<{16 * n}xf32>"  # the operand (4, 4n), flat, in and out
+        call = f"[('libra_all_to_all_nccl', '4', '{flat}', '{flat}')] False"
+        # Split along the leading dimension: no transpose (the shape's own order), else one
+        # to bring the split dimension to the front and one back; concat along another
+        # dimension: the arrangement's transpose.
+        assert f"EXCHANGE {n} 0 0 {call} 0" in out, out
+        assert f"EXCHANGE {n} 1 0 {call} " in out and f"EXCHANGE {n} 0 1 {call} " in out, out
+        for split, concat in ((1, 0), (0, 1)):
+            transposes = int(re.search(rf"EXCHANGE {n} {split} {concat} .* (\d+)$", out,
+                                       re.M).group(1))
+            assert transposes >= 1, out
+
+
 # A reduce-scatter bucket (ops.libra_bucket_p of kind psum_scatter) lowered for cuda on
 # LIBRA_JAX_CUDA=nccl: one NCCL call per dtype NCCL sums, over the members as they are (each
 # its own row of shards, one NCCL group; they were packed into one row before); a dtype it
@@ -928,7 +1025,7 @@ FSDP_CORPUS_IN_PROCESS = FSDP_PRELUDE + """
             opt = libra_jax.optimize(case.step)
             text = case.trace(opt).lower(lowering_platforms=("cuda",)).as_text()
         planned = sorted(p.blocks for p in opt.last_report.plans
-                         if p.collective == "reduce-scatter")
+                         if p.collective.kind == "reduce-scatter")
         ctas = sorted(int(c) for c in re.findall(
             r"custom_call @libra_reduce_scatter_nccl\\(.*?ctas = (\\d+)", text))
         print("CASE", name, planned, ctas, text.count("stablehlo.reduce_scatter"))
@@ -997,7 +1094,7 @@ FSDP_PREFETCH_IN_PROCESS = FSDP_PRELUDE + """
     case = CASES["fsdp-remat"]()
     opt = libra_jax.optimize(case.step, profile="h200")  # "auto": the model's distance
     text = case.trace(opt).lower(lowering_platforms=("cuda",)).as_text()
-    ahead = sorted({p.ahead for p in opt.last_report.plans if p.collective == "all-gather"})
+    ahead = sorted({p.ahead for p in opt.last_report.plans if p.collective.kind == "all-gather"})
     starts = re.findall(r"%(\\S+):2 = stablehlo.custom_call @libra_all_gather_nccl_start", text)
     dones = re.findall(r"custom_call @libra_allreduce_cuda_done\\(%(\\S+?)#0, %(\\S+?)#1\\)", text)
     once = all(len(re.findall(rf"%{s}#0\\b", text)) == 1 for s in starts)  # read by done only

@@ -89,14 +89,20 @@ def test_the_timeout_attribute_is_built_in_one_place(monkeypatch):
 
 
 def test_default_blocks_matches_the_planners_rule():
-    from libra_jax import model, planner
+    from libra_jax import collectives, model, planner
 
+    all_reduce = collectives.BY_KIND["all-reduce"]
     for nbytes in (1 << 10, 1 << 20, 64 << 20):
         d = model.derive("cpu-host", 8)
-        key = planner.no_overlap_allocation(d.cost, nbytes, lambda k: d.launch_shape(k)[0])
-        assert lowering.default_blocks(nbytes, 8) == min(lowering.MAX_BLOCKS,
-                                                         d.launch_shape(key)[0])
-    assert lowering.default_blocks(0, 8) == lowering.default_blocks(1 << 20, 1) == 1
+        key = planner.no_overlap_allocation(d.cost, nbytes, lambda k: d.launch_shape(k)[0],
+                                            all_reduce)
+        assert lowering.default_blocks(nbytes, 8, "cpu-host", all_reduce) == min(
+            lowering.MAX_BLOCKS, d.launch_shape(key)[0])
+        # The public form: the all-reduce, the CPU's built-in profile, by default.
+        assert libra_jax.default_blocks(nbytes, 8) == lowering.default_blocks(
+            nbytes, 8, "cpu-host", all_reduce)
+    assert (lowering.default_blocks(0, 8, "cpu-host", all_reduce)
+            == lowering.default_blocks(1 << 20, 1, "cpu-host", all_reduce) == 1)
 
 
 def test_jax_roofline_counts_libra_all_reduces_as_psums(jax_8) -> None:
@@ -240,12 +246,14 @@ def test_xla_copies_no_gradient_for_an_in_place_cpu_all_reduce(overlap, fusion):
 
 
 def test_one_bucket_primitive_for_every_kind_and_the_old_names_still_bind():
-    """`libra_bucket` is every kind's bucket (`fused.BUCKETS`, one rule); the former names
-    bind it with their kind and their params as they were, saying so (DeprecationWarning),
-    for a release; a kind without a bucket form is refused by name."""
-    from libra_jax.ops import fused
+    """`libra_bucket` is every kind's bucket (each kind's row's "bucket" form, one rule); the
+    former names bind it with their kind and their params as they were, saying so
+    (DeprecationWarning), for a release; a kind without a bucket form is refused by name
+    (`collectives.NoForm`), and a name of no kind by `collectives.row_of`."""
+    from libra_jax import collectives
 
-    assert set(fused.BUCKETS) == {"psum", "psum_scatter"}
+    assert [r.kind for r in collectives.ROWS if r.has("bucket")] == ["all-reduce",
+                                                                     "reduce-scatter"]
     mesh = mesh_of((8,), ("x",))
     x = shard(np.arange(8 * 16, dtype=np.float32).reshape(8 * 8, 2), mesh, P("x"))
 
@@ -266,20 +274,37 @@ def test_one_bucket_primitive_for_every_kind_and_the_old_names_still_bind():
     assert_bitwise(a, c)
     assert_bitwise(b, d)
     assert_bitwise(e, g)
-    with pytest.raises(ValueError, match="no bucket form for 'all_gather'"):
-        jax.make_jaxpr(jax.shard_map(
-            lambda v: ops.libra_bucket_p.bind(v, collective="all_gather", axes=("x",)),
-            mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))(x)
+    # Bound by its name (a hand-bound primitive's boundary) the param holds the row.
+    closed = jax.make_jaxpr(jax.shard_map(
+        lambda v: ops.libra_bucket_p.bind(v, collective="psum", axes=("x",), blocks=1,
+                                          invariant=False),
+        mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))(x)
+    bucket, = closed.jaxpr.eqns[0].params["jaxpr"].eqns
+    assert bucket.params["collective"] is collectives.BY_KIND["all-reduce"]
+    assert "collective=psum" in str(bucket)  # printed as its jax.lax name, as before
+    for kind in ("all_gather", collectives.BY_KIND["all-gather"]):
+        with pytest.raises(collectives.NoForm, match=r"all-gather collective \(all_gather\) "
+                                                     "has no bucket"):
+            jax.make_jaxpr(jax.shard_map(
+                lambda v: ops.libra_bucket_p.bind(v, collective=kind, axes=("x",)),
+                mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))(x)
+    with pytest.raises(ValueError, match="no collective kind 'ppermute'"):
+        ops.libra_bucket_p.bind(x, collective="ppermute", axes=("x",))
 
 
 def test_one_start_done_pair_for_every_kind_and_the_old_names_still_bind():
-    """`libra_start` / `libra_done` are every kind's pair (`start_done.PAIRS`): the former
-    names (`libra_psum_start_p`..., `libra_sharded_done_p`) bind them with their kind and
-    their params as they were, saying so (DeprecationWarning), for a release; the results
-    are the one-call collectives' bits; a kind without a pair is refused by name."""
-    from libra_jax.ops import start_done
+    """`libra_start` / `libra_done` are every kind's pair (each kind's row's "pair" form, the
+    sharded kinds' one): the former names (`libra_psum_start_p`..., `libra_sharded_done_p`)
+    bind them with their kind and their params as they were, saying so (DeprecationWarning),
+    for a release; the results are the one-call collectives' bits; a kind without a pair is
+    refused by name (`collectives.NoForm`)."""
+    from libra_jax import collectives
 
-    assert set(start_done.PAIRS) == {"psum", "psum_scatter", "all_gather"}
+    rs, ag = collectives.BY_KIND["reduce-scatter"], collectives.BY_KIND["all-gather"]
+    assert [r.kind for r in collectives.ROWS if r.has("pair")] == ["all-reduce",
+                                                                   "reduce-scatter",
+                                                                   "all-gather"]
+    assert rs.form("pair") is ag.form("pair")
     mesh = mesh_of((8,), ("x",))
     x = shard(np.arange(8 * 16, dtype=np.float32).reshape(8 * 8, 2), mesh, P("x"))
     sharded = dict(dimension=0, axis_size=8, tiled=True, blocks=1)
@@ -319,7 +344,11 @@ def test_one_start_done_pair_for_every_kind_and_the_old_names_still_bind():
     assert_bitwise(old_scattered, reference)
     text = str(jax.make_jaxpr(f)(x))
     assert text.count("libra_start[") == text.count("libra_done[") == 4
-    with pytest.raises(ValueError, match="no start/done form for 'ppermute'"):
+    with pytest.raises(collectives.NoForm, match=r"all-to-all collective \(all_to_all\) "
+                                                 "has no pair"):
         jax.make_jaxpr(jax.shard_map(
-            lambda v: ops.libra_start_p.bind(v, collective="ppermute", axes=("x",)),
+            lambda v: ops.libra_start_p.bind(v, collective=collectives.BY_KIND["all-to-all"],
+                                             axes=("x",)),
             mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))(x)
+    with pytest.raises(ValueError, match="no collective kind 'ppermute'"):
+        ops.libra_start_p.bind(x, collective="ppermute", axes=("x",))

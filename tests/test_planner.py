@@ -811,6 +811,28 @@ def test_reduce_scatter_is_priced_by_its_terms():
     assert plan(rs, same) == plan(layers, same)
 
 
+def test_a_layers_collective_is_its_row():
+    """`Layer.collective` and `CostModel.collectives`' keys are rows (`libra_jax.collectives`),
+    given by the row or by its name (the model's or `jax.lax`'s); the default is the all-reduce."""
+    from libra_jax.collectives import BY_KIND
+    scatter = BY_KIND["reduce-scatter"]
+    assert Layer(1.0, 8).collective is BY_KIND["all-reduce"]
+    assert (Layer(1.0, 8, "reduce-scatter").collective is Layer(1.0, 8, "psum_scatter").collective
+            is Layer(1.0, 8, scatter).collective is scatter)
+    assert Layer(1.0, 8, "reduce-scatter") == Layer(1.0, 8, scatter)
+    terms = CollectiveTerms(0.25, 0.5)
+    by_name = CostModel(0.5, {1: 10.0}, {1: 5.0}, {1: 2.0}, collectives={"reduce-scatter": terms})
+    by_row = CostModel(0.5, {1: 10.0}, {1: 5.0}, {1: 2.0}, collectives={scatter: terms})
+    assert by_name == by_row and hash(by_name) == hash(by_row)
+    assert dict(by_name.collectives) == {scatter: terms} and by_name.terms(scatter) is terms
+    assert by_name.terms(BY_KIND["all-reduce"]) == CollectiveTerms(0.5, 1.0)
+    with pytest.raises(ValueError, match="does not price the all-gather: give "
+                                         r"CostModel\(collectives=\{'all-gather'"):
+        by_name.terms(BY_KIND["all-gather"])
+    with pytest.raises(ValueError, match="'all-reduce' is not priced this way"):
+        CostModel(0.0, {1: 1.0}, {1: 1.0}, {1: 1.0}, collectives={"psum": terms})
+
+
 def test_mixed_collectives_errors():
     with pytest.raises(ValueError, match="Layer.collective must be one of"):
         Layer(1.0, 1, "all_reduce")
@@ -1024,7 +1046,7 @@ def test_regathered_layers_end_where_their_compute_ends(step, distance, blocks):
     layers = regathered_layers(step, cost, distance=distance, blocks=blocks)
     tl = gather_timeline(step.backward, cost, distance=distance, blocks=blocks)
     assert [l.grad_bytes for l in layers] == [l.grad_bytes for l in step.layers]
-    assert {l.collective for l in layers} == {"reduce-scatter"}
+    assert {l.collective.kind for l in layers} == {"reduce-scatter"}
     # (to the rounding of a difference of two times of the pass: 1e-15 s)
     assert all(l.compute_s >= s.compute_s * (1 - 1e-9) - 1e-15 for l, s in zip(layers, step.layers))
     assert math.isclose(sum(l.compute_s for l in layers), tl.total_s, rel_tol=1e-9)

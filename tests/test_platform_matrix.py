@@ -262,9 +262,9 @@ def test_cpu_lowers_the_sharded_pair_to_libra_calls_with_their_blocks(form):
 @pytest.mark.parametrize("path", ["xla", "p2p", "nccl"])
 def test_cuda_lowers_the_sharded_pair_to_xla_with_a_notice(monkeypatch, fresh_warnings, path,
                                                             form):
-    """libra's GPU reduce-scatter and all-gather are NCCL's: on the xla and p2p paths, and on
-    nccl where NCCL does not load, XLA's collectives, one call or start/done, no libra call,
-    and the notice naming why (with NCCL: tests/test_nccl.py)."""
+    """libra's GPU reduce-scatter, all-gather and all-to-all are NCCL's: on the xla and p2p
+    paths, and on nccl where NCCL does not load, XLA's collectives, one call or start/done,
+    no libra call, and the notice naming why (with NCCL: tests/test_nccl.py)."""
     monkeypatch.setenv("LIBRA_JAX_CUDA", path)
     monkeypatch.setenv("LIBRA_JAX_NCCL_LIBRARY", "/nonexistent/libnccl.so.2")
     mesh = mesh_of((8,), ("x",))
@@ -275,7 +275,8 @@ def test_cuda_lowers_the_sharded_pair_to_xla_with_a_notice(monkeypatch, fresh_wa
     said = " ".join(str(w.message) for w in caught)
     why = ("cuda without NCCL" if path == "nccl" and _ffi.HAS_CUDA else
            "built without CUDA" if not _ffi.HAS_CUDA else
-           f"LIBRA_JAX_CUDA={path}: libra's GPU reduce-scatter and all-gather are NCCL's")
+           f"LIBRA_JAX_CUDA={path}: libra's GPU reduce-scatter, all-gather and all-to-all are "
+           "NCCL's")
     for kind in ("reduce-scatter", "all-gather"):
         assert f"no Libra {kind} for cuda" in said and why in said, said
     assert "libra_" not in text

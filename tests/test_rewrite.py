@@ -1038,7 +1038,7 @@ def _sites(jaxpr):
     from libra_jax import rewrite
 
     found = [rewrite.sites.find_site(i, e) for i, e in enumerate(jaxpr.eqns)]
-    return [s for s in found if isinstance(s, rewrite.sites.Site) and s.collective != "all-gather"]
+    return [s for s in found if isinstance(s, rewrite.sites.Site) and s.collective.kind != "all-gather"]
 
 
 def test_phase_sites_and_classification_on_a_toy_jaxpr():
@@ -1166,11 +1166,11 @@ def test_gradient_psum_scatters_are_planned_fused_and_bitwise():
         got = jax.jit(opt)(*args)
         control = jax.jit(optimize(step, overlap="sync", collectives="xla"))(*args)
     assert opt.last_report.unplanned == []  # the all-gathers are libra's too
-    assert [p.kind for p in opt.last_report.plans if p.collective == "all-gather"] == ["forward"] * 3
+    assert [p.kind for p in opt.last_report.plans if p.collective.kind == "all-gather"] == ["forward"] * 3
     assert_bitwise(got, control)
     assert_codegen_close(got, jax.jit(step)(*args))
     plans = [p for p in opt.last_report.plans if p.kind == "gradient"]
-    assert [(p.collective, len(p.members)) for p in plans] == [("reduce-scatter", 3)]
+    assert [(p.collective.kind, len(p.members)) for p in plans] == [("reduce-scatter", 3)]
     assert plans[0].nbytes == 3 * 16 * 8 * 4  # the unsharded buffers, per rank
     text = jax.jit(opt).lower(*args).compile().as_text()
     assert text.count("libra_reduce_scatter_cpu") == 1 and "reduce-scatter(" not in text
@@ -1186,7 +1186,7 @@ def test_psum_scatter_blocks_kinds_and_what_stays_xla():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         jax.jit(opt)(*args)
-    assert {(p.kind, p.blocks, p.collective) for p in opt.last_report.plans
+    assert {(p.kind, p.blocks, p.collective.kind) for p in opt.last_report.plans
             if p.kind != "forward"} == {("user", 3, "reduce-scatter")}
 
     def odd(g, i):
@@ -1200,7 +1200,7 @@ def test_psum_scatter_blocks_kinds_and_what_stays_xla():
     _, report = rewrite_jaxpr(jax.make_jaxpr(step)(*args))
     assert report.skipped == ["psum_scatter with axis_index_groups in top/shard_map",
                               "psum_scatter of int8 in top/shard_map"]
-    assert [p.collective for p in report.plans if p.kind == "gradient"] == ["reduce-scatter"]
+    assert [p.collective.kind for p in report.plans if p.kind == "gradient"] == ["reduce-scatter"]
 
 
 def test_a_bucket_holds_one_collective_and_one_class():
@@ -1229,15 +1229,16 @@ def test_a_bucket_holds_one_collective_and_one_class():
     # psum_scatter, one along dimension 1, the psum, a psum_scatter. The two along the first
     # dimension are one bucket over the two between them (one stream); the others alone.
     plans = [p for p in opt.last_report.plans if p.kind == "gradient"]
-    assert sorted((p.collective, len(p.members)) for p in plans) == [
+    assert sorted((p.collective.kind, len(p.members)) for p in plans) == [
         ("all-reduce", 1), ("reduce-scatter", 1), ("reduce-scatter", 2)]
     fused, = [p for p in plans if len(p.members) == 2]
     between = [p.members[0] for p in plans if len(p.members) == 1]
     assert all(min(fused.members) < m < max(fused.members) for m in between), plans
     # The class cut, directly: members of other classes never share a reach.
-    sites = [rewrite.sites.Site(i, ("x",), False, 64, None, None, "reduce-scatter", (d, 8, True))
-             for i, d in enumerate((0, 0, 1, 0))]
-    sites.insert(2, rewrite.sites.Site(9, ("x",), True, 64, None, None, "all-reduce"))
+    from libra_jax.collectives import BY_KIND
+    sites = [rewrite.sites.Site(i, ("x",), False, 64, None, None, BY_KIND["reduce-scatter"],
+                                (d, 8, True)) for i, d in enumerate((0, 0, 1, 0))]
+    sites.insert(2, rewrite.sites.Site(9, ("x",), True, 64, None, None, BY_KIND["all-reduce"]))
     assert rewrite.edits.within_class(sites, [4, 4, 4, 4, 4]) == [1, 1, 2, 3, 4]
     assert rewrite.edits.within_class(sites, None) == [1, 1, 2, 3, 4]
 
@@ -1248,9 +1249,10 @@ def test_plan_agreement_compares_the_collective(monkeypatch):
     import json
 
     from libra_jax import _compat, rewrite
+    from libra_jax.collectives import BY_KIND
 
     report = rewrite.OptimizeReport(plans=[rewrite.PsumPlan(
-        "top/shard_map", ("x",), (3, 5), 4096, 2, "gradient", "sync", "reduce-scatter")])
+        "top/shard_map", ("x",), (3, 5), 4096, 2, "gradient", "sync", BY_KIND["reduce-scatter"])])
     theirs = [line.replace("collective=reduce-scatter", "collective=all-reduce")
               for line in report.plan_lines() + rewrite.data_path_lines()]
     store: dict[str, str] = {}
@@ -1304,7 +1306,7 @@ def test_invarying_gathers_gradient_becomes_a_reduce_scatter(gather, tiled):
     assert_bitwise(got, control)
     assert_codegen_close(got, jax.jit(step)(w, x))
     gradient = [p for p in opt.last_report.plans if p.kind == "gradient"]
-    assert [(p.collective, p.nbytes) for p in gradient] == [("reduce-scatter", 8 * 4 * math.prod(shape))]
+    assert [(p.collective.kind, p.nbytes) for p in gradient] == [("reduce-scatter", 8 * 4 * math.prod(shape))]
     text = jax.jit(opt).lower(w, x).as_text()
     assert "libra_reduce_scatter_cpu" in text and "all_reduce" not in text
 
@@ -1316,7 +1318,7 @@ def test_invarying_gathers_gradient_becomes_a_reduce_scatter(gather, tiled):
     step = jax.shard_map(other, mesh=mesh, in_specs=(P("x"), P("x")), out_specs=(P("x"), P()),
                          check_vma=False)
     _, report = rewrite_jaxpr(jax.make_jaxpr(step)(w, x))
-    assert [p.collective for p in report.plans] == ["all-reduce"]
+    assert [p.collective.kind for p in report.plans] == ["all-reduce"]
 
 
 @pytest.mark.parametrize("where", ["pmap", "shard_map"])
@@ -1361,7 +1363,7 @@ def _eqns_named(jaxpr, name):
 def _gather_pair_eqns(jaxpr, name):
     """`_eqns_named` of an all-gather's start or done (`libra_start` / `libra_done` with
     ``collective="all_gather"``)."""
-    return [(j, e) for j, e in _eqns_named(jaxpr, name) if e.params["collective"] == "all_gather"]
+    return [(j, e) for j, e in _eqns_named(jaxpr, name) if e.params["collective"].lax == "all_gather"]
 
 
 @pytest.mark.parametrize("name", ["fsdp-explicit-psum-scatter", "fsdp-gspmd-route"])
@@ -1430,7 +1432,7 @@ def test_prefetch_issues_each_gather_ahead_bitwise_its_control(distance):
             assert all(order[id(d)] > order[id(start)] for d in dones[j - distance + 1:j + 1])
         else:
             assert len(start.invars) == 1
-    gathers = [p for p in opt.last_report.plans if p.collective == "all-gather"]
+    gathers = [p for p in opt.last_report.plans if p.collective.kind == "all-gather"]
     assert [(p.kind, p.overlap, p.ahead) for p in gathers] == (
         [("forward", "prefetch", distance)] * 3 + [("backward", "prefetch", distance)] * 3)
     assert all(line.endswith(f"ahead={distance}") for line in opt.last_report.plan_lines()
@@ -1461,7 +1463,7 @@ def test_prefetch_off_and_auto_on_cpu_issue_one_call_where_used(prefetch):
     assert not _eqns_named(closed.jaxpr, "optimization_barrier")
     regathers = [j for j, _ in _eqns_named(closed.jaxpr, "libra_all_gather")]
     assert len(regathers) == 6 and len({id(j) for j in regathers}) == 4  # 3 in checkpoints
-    gathers = [p for p in opt.last_report.plans if p.collective == "all-gather"]
+    gathers = [p for p in opt.last_report.plans if p.collective.kind == "all-gather"]
     assert {(p.overlap, p.ahead) for p in gathers} == {("sync", 0)}
     entry, = opt.last_report.gathers  # the forward pass's three (the re-gathers stay apart)
     assert entry["distance"] == 0 and len(entry["steps"]) == 3
@@ -1485,11 +1487,11 @@ def test_prefetch_auto_takes_the_models_distance_on_the_nccl_path_within_its_mem
     plan = planner.plan_gathers(entry["steps"], entry["cost"], one_call_blocks=entry["one_call"],
                                 max_bytes=1 << 30, lead_s=entry["lead_s"])
     assert plan == entry["plan"] and entry["distance"] == plan.distance >= 1
-    gathers = [p for p in report.plans if p.collective == "all-gather"]
+    gathers = [p for p in report.plans if p.collective.kind == "all-gather"]
     assert {(p.overlap, p.ahead) for p in gathers} == {("prefetch", plan.distance)}
     _, bounded = rewrite_jaxpr(closed, profile="h200", prefetch_bytes=1024)
     assert bounded.gathers[0]["distance"] == 0
-    assert {p.overlap for p in bounded.plans if p.collective == "all-gather"} == {"sync"}
+    assert {p.overlap for p in bounded.plans if p.collective.kind == "all-gather"} == {"sync"}
 
 
 def test_a_gather_whose_operand_is_computed_late_stays_one_call():
@@ -1513,7 +1515,7 @@ def test_a_gather_whose_operand_is_computed_late_stays_one_call():
     step = jax.shard_map(local, mesh=mesh, in_specs=(P("data"), P("data")), out_specs=P("data"))
     opt = optimize(step, prefetch=1)
     got = jax.jit(opt)(ws, x)
-    gathers = [p for p in opt.last_report.plans if p.collective == "all-gather"]
+    gathers = [p for p in opt.last_report.plans if p.collective.kind == "all-gather"]
     assert [p.overlap for p in gathers] == ["prefetch", "sync", "prefetch"]
     assert_bitwise(got, jax.jit(optimize(step, prefetch=1, collectives="xla"))(ws, x))
     assert_codegen_close(got, jax.jit(step)(ws, x))
@@ -1553,7 +1555,7 @@ def test_prefetch_options_are_checked(monkeypatch):
     monkeypatch.setenv("LIBRA_JAX_PREFETCH", "2")
     opt = optimize(case.step)
     jax.make_jaxpr(opt)(case.state, *case.batch)
-    assert {p.ahead for p in opt.last_report.plans if p.collective == "all-gather"} == {2}
+    assert {p.ahead for p in opt.last_report.plans if p.collective.kind == "all-gather"} == {2}
 
 
 def test_one_call_gathers_compile_as_xla_s_own_under_remat():
@@ -1607,8 +1609,9 @@ def test_a_kind_without_a_form_is_refused_by_name(form):
         return jax.lax.psum(x, "x")
     eqn = jax.make_jaxpr(jax.vmap(f, axis_name="x"))(jnp.ones((2, 3))).jaxpr.eqns[0]
     site = libra_jax.rewrite.sites.Site(0, ("x",), False, 12, None, eqn.outvars[0],
-                                        "all-to-all")
-    with pytest.raises(NotImplementedError, match="the all-to-all collective has no"):
+                                        libra_jax.collectives.BY_KIND["all-to-all"])
+    with pytest.raises(libra_jax.collectives.NoForm,
+                       match=r"the all-to-all collective \(all_to_all\) has no"):
         if form == "single":
             single_eqn(eqn, site, 2, set())
         elif form == "bucket":

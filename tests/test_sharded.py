@@ -324,12 +324,13 @@ def test_property_bitwise_with_nan_inf_and_negative_zero():
 def test_default_blocks_rule_and_block_counts_in_hlo():
     """blocks=None: the model's choice for the collective (its latency and traffic, the
     all-reduce's tables), chosen at lowering; an explicit count is in the HLO."""
-    from libra_jax import model, planner
+    from libra_jax import collectives, model, planner
     derivation = model.derive("cpu-host", 8)
     for nbytes in (1 << 10, 1 << 20, 16 << 20, 64 << 20):
         for collective, kind in (("psum_scatter", "reduce-scatter"), ("all_gather", "all-gather")):
             key = planner.no_overlap_allocation(derivation.cost, nbytes,
-                                                lambda k: derivation.launch_shape(k)[0], kind)
+                                                lambda k: derivation.launch_shape(k)[0],
+                                                collectives.BY_KIND[kind])
             assert default_blocks(nbytes, 8, collective=collective) == key
     # A ring (h200) prices either half at half the all-reduce's bytes and steps: the
     # all-reduce's choice for half the buffer, where latency does not decide.
@@ -474,7 +475,7 @@ def test_xla_twins_and_optimize_leave_them_named():
     opt = libra_jax.optimize(step)
     jax.jit(opt)(x)
     assert opt.last_report.unplanned == []
-    assert sorted((p.collective, p.kind) for p in opt.last_report.plans) == [
+    assert sorted((p.collective.kind, p.kind) for p in opt.last_report.plans) == [
         ("all-gather", "forward"), ("reduce-scatter", "gradient")]
 
 

@@ -118,7 +118,7 @@ def test_fsdp_workload(name: str) -> None:
     assert [g.nbytes for g in w.step.forward] == weights
     assert [g.nbytes for g in w.step.backward] == weights[::-1]
     assert [layer.grad_bytes for layer in w.step.layers] == weights[::-1]
-    assert {layer.collective for layer in w.step.layers} == {"reduce-scatter"}
+    assert {layer.collective.kind for layer in w.step.layers} == {"reduce-scatter"}
     assert w.param_bytes == dp.grad_bytes
     assert math.isclose(w.step.forward_lead_s + sum(g.compute_s for g in w.step.forward),
                         dp.forward_s, rel_tol=1e-12)

@@ -445,9 +445,11 @@ ffi::Error OnDevice(int32_t device, Body body) {
 }
 
 // The NCCL call's buffers and attributes, shared by the one-call forms and the starts, of
-// every collective kind (libra::Collective). Buffers as NCCL counts them: an all-reduce's out
-// is x's size; a reduce-scatter's x holds nranks of its out (recvcount: out's elements); an
-// all-gather's out holds nranks of its x (sendcount: x's elements). `in_place` (the starts,
+// every collective kind (libra::Collective). Buffers as NCCL counts them (libra::nccl::CountOf,
+// by the kind's row): an all-reduce's out is x's size; a reduce-scatter's x holds nranks of its
+// out (recvcount: out's elements); an all-gather's out holds nranks of its x (sendcount: x's
+// elements); an all-to-all's x and out hold nranks segments each (count: x's elements /
+// nranks; segment d of x goes to rank d, segment s of out comes from rank s; never in place). `in_place` (the starts,
 // whose buffer is one flat row of shards): the reduce-scatter's shard goes to x + rank x
 // recvcount (out aliases x); the all-gather's shard is first copied to out + rank x sendcount,
 // on XLA's stream, so that x may be reused as soon as start returns.
@@ -461,42 +463,33 @@ struct NcclCall {
   libra::Collective kind = libra::Collective::kAllReduce;
   bool in_place = false;
 
-  // The engine's element type (any whole-byte type as bytes for an all-gather), NCCL's
-  // count, and the byte size of one rank's share; or what is wrong with the buffers.
+  // The engine's element type (any whole-byte type as bytes for a kind that copies: the
+  // all-gather, the all-to-all), NCCL's count (libra::nccl::CountOf: the kind's row says how
+  // many counts each buffer holds; an all-to-all's is its segment per peer) and the byte size
+  // of one rank's share (an in-place start's offset); or what is wrong with the buffers.
   ffi::Error Shape(lc::DType* dtype, std::size_t* count, std::size_t* share) const {
     const std::string what = std::string("libra_jax NCCL ") + libra::Name(kind) + ": ";
     if (out.element_type() != x.element_type() || nranks < 1) {
       return ffi::Error::InvalidArgument(what + "output must have the input's element type");
     }
-    // The shapes below are the all-reduce's and the sharded kinds'; an exchanging kind (the
-    // all-to-all: NCCL's count is per peer) has no NCCL target yet, and is never sized as
-    // an all-reduce.
-    if (libra::LayoutOf(kind).exchanges) {
-      return ffi::Error::InvalidArgument(what + "libra's NCCL targets do not serve it yet");
-    }
-    const bool scatters = libra::LayoutOf(kind).shard_out;
-    const bool gathers = libra::LayoutOf(kind).shard_in;
+    const libra::Layout& layout = libra::LayoutOf(kind);
+    ffi::ErrorOr<lc::DType> engine = ToEngineDType(x.element_type());
+    if (!engine.has_value() && layout.sums) return engine.error();
+    *dtype = engine.has_value() ? *engine : lc::DType::kBytes;
+    const std::size_t unit = libra::SizeOf(*dtype);
+    // In place, a reduce-scatter's output is its whole row (out aliases x): NCCL's output is
+    // this rank's shard of it.
+    const bool whole_row = in_place && layout.shard_out;
     const std::size_t n = static_cast<std::size_t>(nranks);
-    const std::size_t want_out = (in_place && scatters) ? x.size_bytes()
-                                 : scatters ? x.size_bytes() / n
-                                 : gathers  ? x.size_bytes() * n
-                                            : x.size_bytes();
-    if (out.size_bytes() != want_out || (scatters && x.size_bytes() % n != 0)) {
+    const std::size_t out_units = (whole_row ? out.size_bytes() / n : out.size_bytes()) / unit;
+    if ((whole_row && out.size_bytes() != x.size_bytes()) ||
+        !libra::nccl::CountOf(kind, x.size_bytes() / unit, out_units, static_cast<int>(nranks),
+                              count)
+             .ok()) {
       return ffi::Error::InvalidArgument(what + "the buffers' sizes do not fit " +
                                          std::to_string(nranks) + " ranks");
     }
-    const std::size_t elements = scatters ? x.element_count() / n : x.element_count();
-    *share = scatters ? x.size_bytes() / n : x.size_bytes();
-    ffi::ErrorOr<lc::DType> engine = ToEngineDType(x.element_type());
-    if (engine.has_value()) {
-      *dtype = *engine;
-      *count = elements;
-    } else if (gathers) {  // a copy: any element type of whole bytes, as bytes
-      *dtype = lc::DType::kBytes;
-      *count = *share;
-    } else {
-      return engine.error();
-    }
+    *share = *count * unit;
     return ffi::Error::Success();
   }
 
@@ -600,7 +593,8 @@ ffi::Error InitializeNcclStart(int32_t device, ffi::RemainingArgs args, ffi::Rem
 }
 
 // The one-call form: the members (a bucket's, each as NCCL takes it: an all-reduce's buffer,
-// a sharded kind's row of shards) and their results, as one NCCL group.
+// a sharded kind's row of shards, an all-to-all's row of segments, one per rank in rank order)
+// and their results, as one NCCL group.
 template <libra::Collective kKind>
 ffi::Error ExecuteNccl(cudaStream_t stream, int32_t device, ffi::RemainingArgs args,
                        ffi::RemainingRets rets, ffi::Span<const int64_t> comm_ids,
@@ -678,6 +672,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(kNcclAllReduce, ExecuteNccl<libra::Collective::kAl
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kNcclReduceScatter, ExecuteNccl<libra::Collective::kReduceScatter>,
                               BindNcclAttrs(BindNcclBuffers()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kNcclAllGather, ExecuteNccl<libra::Collective::kAllGather>,
+                              BindNcclAttrs(BindNcclBuffers()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(kNcclAllToAll, ExecuteNccl<libra::Collective::kAllToAll>,
                               BindNcclAttrs(BindNcclBuffers()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(kNcclAllReduceInitialize, InitializeNccl,
                               BindNcclAttrs(ffi::Ffi::BindInitialize()

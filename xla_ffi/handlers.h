@@ -88,6 +88,9 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(kNcclReduceScatter);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kNcclAllGather);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kNcclReduceScatterStart);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kNcclAllGatherStart);
+// NCCL's all-to-all, one call (never in place, no start yet): each member's x and result hold
+// a segment per rank, in rank order; its initialize stage is the all-reduce's.
+XLA_FFI_DECLARE_HANDLER_SYMBOL(kNcclAllToAll);
 // CUDA (and NCCL) starts whose done has not come yet (libra's streams' pending map).
 std::size_t CudaPendingStarts();
 // Blocks the CUDA kernel uses for a call (see libra::cuda::EffectiveBlocks).

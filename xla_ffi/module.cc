@@ -205,8 +205,8 @@ void NcclAllReduceHost(int64_t comm_id, int nranks, int rank, int ctas, HostArra
 // One rank's collective (`kind`: "all-reduce", "reduce-scatter", "all-gather" or "all-to-all")
 // from one host array into another (the same memory, or views of one buffer, for NCCL's
 // in-place forms; never for the all-to-all), through the communicator cache; `count` is
-// NCCL's (the output's elements for a reduce-scatter, the input's for an all-gather, the
-// elements sent to each peer for an all-to-all: the input's / nranks).
+// NCCL's (libra::nccl::CountOf: the output's elements for a reduce-scatter, the input's for an
+// all-gather, the elements sent to each peer for an all-to-all: the input's / nranks).
 void NcclCollectiveHost(const std::string& kind, int64_t comm_id, int nranks, int rank, int ctas,
                         HostArray input, HostArray output, int64_t timeout_ms) {
   OpenNccl();
@@ -218,16 +218,9 @@ void NcclCollectiveHost(const std::string& kind, int64_t comm_id, int nranks, in
   const auto collective = static_cast<libra::Collective>(index);
   const libra::DType dtype = HostDType(input);
   if (HostDType(output) != dtype) throw nb::type_error("nccl_collective_host: dtypes differ");
-  const bool scatters = libra::LayoutOf(collective).shard_out;
-  const bool gathers = libra::LayoutOf(collective).shard_in;
-  const bool exchanges = libra::LayoutOf(collective).exchanges;
   if (nranks < 1) throw nb::value_error("nccl_collective_host: nranks must be positive");
-  const std::size_t count = scatters    ? output.size()
-                            : exchanges ? input.size() / static_cast<std::size_t>(nranks)
-                                        : input.size();
-  const std::size_t want_in = count * (scatters || exchanges ? nranks : 1);
-  const std::size_t want_out = count * (gathers || exchanges ? nranks : 1);
-  if (input.size() != want_in || output.size() != want_out) {
+  std::size_t count = 0;  // NCCL's, by the kind's row (the FFI handlers' rule)
+  if (!libra::nccl::CountOf(collective, input.size(), output.size(), nranks, &count).ok()) {
     throw nb::value_error("nccl_collective_host: sizes do not fit the collective and nranks");
   }
   libra::Status status;

@@ -61,6 +61,10 @@ constexpr LibraFfiTarget kTargets[] = {
      LIBRA_CUDA_HANDLER(lf::kNcclReduceScatter)},
     {"nccl_all_gather", "libra_all_gather_nccl", kLibraFfiPlatformCuda, nullptr, nullptr,
      LIBRA_CUDA_HANDLER(lf::kNcclAllReduceInitialize), LIBRA_CUDA_HANDLER(lf::kNcclAllGather)},
+    // NCCL's all-to-all: one call (ncclAlltoAll from 2.28, a group of ncclSend/ncclRecv
+    // before; never in place, no start yet), communicators made at initialization.
+    {"nccl_all_to_all", "libra_all_to_all_nccl", kLibraFfiPlatformCuda, nullptr, nullptr,
+     LIBRA_CUDA_HANDLER(lf::kNcclAllReduceInitialize), LIBRA_CUDA_HANDLER(lf::kNcclAllToAll)},
     {"nccl_reduce_scatter_start", "libra_reduce_scatter_nccl_start", kLibraFfiPlatformCuda,
      nullptr, nullptr, LIBRA_CUDA_HANDLER(lf::kNcclAllReduceStartInitialize),
      LIBRA_CUDA_HANDLER(lf::kNcclReduceScatterStart)},

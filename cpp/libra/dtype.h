@@ -53,6 +53,15 @@ struct Layout {
   // Whether the buffer is cut in rows of world segments (CallSpec::segment): `count` must be
   // whole rows of `segment * world` elements.
   constexpr bool segmented() const { return sharded() || exchanges; }
+  // One rank's call counted as NCCL counts it (libra::nccl::CountOf): its input holds
+  // counts_in(world) counts, its output counts_out(world) (a reduce-scatter's input and an
+  // all-gather's output one per rank, an all-to-all's both: a segment per peer).
+  constexpr std::size_t counts_in(std::size_t world) const {
+    return shard_out || exchanges ? world : 1;
+  }
+  constexpr std::size_t counts_out(std::size_t world) const {
+    return shard_in || exchanges ? world : 1;
+  }
 };
 inline constexpr Layout kLayouts[] = {
     {"all-reduce", true, false, false, false},

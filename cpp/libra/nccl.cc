@@ -8,6 +8,7 @@
 #include <cstddef>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
 #include <thread>
 #include <vector>
 
@@ -141,15 +142,15 @@ struct Library::Api {
   using GetVersion = int (*)(int*);
   using GetUniqueId = int (*)(RawUniqueId*);
   using CommInitRankConfig = int (*)(void**, int, RawUniqueId, int, CommConfigV23100*);
-  using AllReduce = int (*)(const void*, void*, std::size_t, int, int, void*, void*);
-  using AllReduceConfig = int (*)(const void*, void*, std::size_t, int, int, void*, void*,
-                                  const CollConfigV23100*);
-  // ncclReduceScatter has ncclAllReduce's signature (its count is the recvcount);
-  // ncclAllGather has no reduction operator.
-  using AllGather = int (*)(const void*, void*, std::size_t, int, void*, void*);
-  using AllGatherConfig = int (*)(const void*, void*, std::size_t, int, void*, void*,
-                                  const CollConfigV23100*);
-  // ncclAlltoAll and ncclAlltoAllConfig have ncclAllGather's signatures (count: per peer).
+  // A summing kind's entry points (ncclAllReduce, ncclReduceScatter: count, datatype, op) and
+  // a copying kind's (ncclAllGather, ncclAlltoAll: no operator), plain and with a per-call
+  // config (NCCL >= 2.31); the count is the kind's as libra/dtype.h's Layout::counts_in says.
+  using Sums = int (*)(const void*, void*, std::size_t, int, int, void*, void*);
+  using SumsConfig = int (*)(const void*, void*, std::size_t, int, int, void*, void*,
+                             const CollConfigV23100*);
+  using Copies = int (*)(const void*, void*, std::size_t, int, void*, void*);
+  using CopiesConfig = int (*)(const void*, void*, std::size_t, int, void*, void*,
+                               const CollConfigV23100*);
   // ncclSend(sendbuff, count, datatype, peer, comm, stream); ncclRecv likewise.
   using Send = int (*)(const void*, std::size_t, int, int, void*, void*);
   using Recv = int (*)(void*, std::size_t, int, int, void*, void*);
@@ -164,14 +165,10 @@ struct Library::Api {
   GetVersion get_version = nullptr;
   GetUniqueId get_unique_id = nullptr;
   CommInitRankConfig comm_init_rank_config = nullptr;
-  AllReduce all_reduce = nullptr;
-  AllReduceConfig all_reduce_config = nullptr;  // NCCL >= 2.31 only
-  AllReduce reduce_scatter = nullptr;
-  AllReduceConfig reduce_scatter_config = nullptr;  // NCCL >= 2.31 only
-  AllGather all_gather = nullptr;
-  AllGatherConfig all_gather_config = nullptr;  // NCCL >= 2.31 only
-  AllGather all_to_all = nullptr;                // NCCL >= 2.28 only
-  AllGatherConfig all_to_all_config = nullptr;   // NCCL >= 2.31 only
+  // Each kind's entry points, by libra::Collective (kLaunches' symbols): null where this
+  // library lacks one (ncclAlltoAll before 2.28, every config form before 2.31).
+  void* plain[libra::kNumCollectives] = {};
+  void* configured[libra::kNumCollectives] = {};
   Send send = nullptr;                           // the all-to-all's route before 2.28
   Recv recv = nullptr;
   CommCount comm_count = nullptr;
@@ -183,6 +180,43 @@ struct Library::Api {
   Group group_start = nullptr;
   Group group_end = nullptr;
 };
+
+namespace {
+
+// NCCL's launch of each collective kind: one row per kind, indexed by libra::Collective as
+// libra/dtype.h's kLayouts (NCCL's src/graph/tuning.cc style: a table, read by one formula in
+// Library::Launch). A kind whose layout row sums is issued with ncclSum (Api::Sums), the
+// others copy (Api::Copies); `count` is NCCL's (Layout::counts_in). Where the library lacks
+// `plain` (older than `since`), a `by_sends` kind (an exchanging one) runs as one group of
+// ncclSend/ncclRecv with every rank; others are refused. A kind without a row does not
+// compile (the static_assert below); a row without `plain` is refused by name (Checked).
+struct NcclLaunch {
+  const char* plain;       // NCCL's entry point; null: libra's NCCL path has none
+  const char* configured;  // its per-call-config form (NCCL >= 2.31)
+  int since;               // the first NCCL with `plain` (0: any libra loads, 2.14 on)
+  bool by_sends;           // before `since`: `count` sent to and received from every rank
+};
+constexpr NcclLaunch kLaunches[] = {
+    {"ncclAllReduce", "ncclAllReduceConfig", 0, false},
+    {"ncclReduceScatter", "ncclReduceScatterConfig", 0, false},
+    {"ncclAllGather", "ncclAllGatherConfig", 0, false},
+    {"ncclAlltoAll", "ncclAlltoAllConfig", kAlltoAllVersion, true},
+};
+static_assert(std::size(kLaunches) == static_cast<std::size_t>(libra::kNumCollectives),
+              "one NCCL launch per collective kind of libra/dtype.h: a new kind needs its row");
+
+// Sends and receives stand for an exchange only (block d to rank d, block s from rank s).
+constexpr bool SendsOnlyExchange() {
+  for (int k = 0; k < libra::kNumCollectives; ++k) {
+    if (kLaunches[k].by_sends && !libra::kLayouts[k].exchanges) return false;
+  }
+  return true;
+}
+static_assert(SendsOnlyExchange(), "ncclSend/ncclRecv stand for an exchanging kind only");
+
+const NcclLaunch& LaunchOf(libra::Collective kind) { return kLaunches[static_cast<int>(kind)]; }
+
+}  // namespace
 
 const char* Name(CtaRoute route) {
   switch (route) {
@@ -221,6 +255,25 @@ CtaRoute RouteFor(int version, bool has_per_collective_entry) {
              : CtaRoute::kPerCommunicator;
 }
 
+Status CountOf(libra::Collective kind, std::size_t input, std::size_t output, int nranks,
+               std::size_t* count) {
+  if (!libra::KnownCollective(kind)) {
+    return Error(Status::Code::kInvalidArgument,
+                 "unknown collective kind " + std::to_string(static_cast<int>(kind)));
+  }
+  const libra::Layout& layout = libra::LayoutOf(kind);
+  const std::size_t n = nranks > 0 ? static_cast<std::size_t>(nranks) : 0;
+  const std::size_t in_counts = layout.counts_in(n), out_counts = layout.counts_out(n);
+  if (n == 0 || input % in_counts != 0 || output != input / in_counts * out_counts) {
+    return Error(Status::Code::kInvalidArgument,
+                 std::string("NCCL ") + layout.name + ": " + std::to_string(input) + " in and " +
+                     std::to_string(output) + " out do not fit " + std::to_string(nranks) +
+                     " ranks");
+  }
+  *count = input / in_counts;
+  return Status::Ok();
+}
+
 Status Library::Open(const std::string& path, std::unique_ptr<Library>* library) {
   void* handle = nullptr;
   std::string name = path;
@@ -251,20 +304,12 @@ Status Library::Open(const std::string& path, std::unique_ptr<Library>* library)
       {"ncclGetVersion", reinterpret_cast<void**>(&api.get_version), true},
       {"ncclGetUniqueId", reinterpret_cast<void**>(&api.get_unique_id), true},
       {"ncclCommInitRankConfig", reinterpret_cast<void**>(&api.comm_init_rank_config), true},
-      {"ncclAllReduce", reinterpret_cast<void**>(&api.all_reduce), true},
-      {"ncclReduceScatter", reinterpret_cast<void**>(&api.reduce_scatter), true},
-      {"ncclAllGather", reinterpret_cast<void**>(&api.all_gather), true},
       {"ncclCommDestroy", reinterpret_cast<void**>(&api.comm_destroy), true},
       {"ncclCommAbort", reinterpret_cast<void**>(&api.comm_abort), true},
       {"ncclCommGetAsyncError", reinterpret_cast<void**>(&api.comm_get_async_error), true},
       {"ncclGetErrorString", reinterpret_cast<void**>(&api.get_error_string), true},
       {"ncclGroupStart", reinterpret_cast<void**>(&api.group_start), true},
       {"ncclGroupEnd", reinterpret_cast<void**>(&api.group_end), true},
-      {"ncclAllReduceConfig", reinterpret_cast<void**>(&api.all_reduce_config), false},
-      {"ncclReduceScatterConfig", reinterpret_cast<void**>(&api.reduce_scatter_config), false},
-      {"ncclAllGatherConfig", reinterpret_cast<void**>(&api.all_gather_config), false},
-      {"ncclAlltoAll", reinterpret_cast<void**>(&api.all_to_all), false},
-      {"ncclAlltoAllConfig", reinterpret_cast<void**>(&api.all_to_all_config), false},
       {"ncclSend", reinterpret_cast<void**>(&api.send), false},
       {"ncclRecv", reinterpret_cast<void**>(&api.recv), false},
       {"ncclCommCount", reinterpret_cast<void**>(&api.comm_count), false},
@@ -277,9 +322,20 @@ Status Library::Open(const std::string& path, std::unique_ptr<Library>* library)
                                                 " (NCCL >= 2.14 is needed)");
     }
   }
+  for (int k = 0; k < libra::kNumCollectives; ++k) {  // each kind's, from its row
+    const NcclLaunch& launch = kLaunches[k];
+    if (launch.plain != nullptr) api.plain[k] = dlsym(handle, launch.plain);
+    if (launch.configured != nullptr) api.configured[k] = dlsym(handle, launch.configured);
+    if (launch.plain != nullptr && launch.since == 0 && api.plain[k] == nullptr) {
+      return Error(Status::Code::kInternal, name + " has no " + launch.plain +
+                                                " (NCCL >= 2.14 is needed)");
+    }
+  }
   Status status = lib->Check(api.get_version(&lib->version_), "ncclGetVersion");
   if (!status.ok()) return status;
-  lib->route_ = RouteFor(lib->version_, api.all_reduce_config != nullptr);
+  lib->route_ = RouteFor(
+      lib->version_,
+      api.configured[static_cast<int>(libra::Collective::kAllReduce)] != nullptr);
   lib->splits_ = lib->version_ >= kSplitShareVersion && api.comm_split != nullptr;
   // $LIBRA_JAX_NCCL_CTA_ROUTE forces a route (A/B runs; the GPU check runs each one).
   const char* forced = std::getenv("LIBRA_JAX_NCCL_CTA_ROUTE");
@@ -461,9 +517,12 @@ Status Library::Wait(void* comm, int64_t timeout_ms, const std::string& what) co
   }
 }
 
-bool Library::direct_all_to_all() const {
-  return version_ >= kAlltoAllVersion && api_->all_to_all != nullptr;
+bool Library::Direct(libra::Collective kind) const {
+  const NcclLaunch& launch = LaunchOf(kind);
+  return version_ >= launch.since && api_->plain[static_cast<int>(kind)] != nullptr;
 }
+
+bool Library::direct_all_to_all() const { return Direct(libra::Collective::kAllToAll); }
 
 Status Library::Checked(libra::Collective kind, DType dtype, int ctas, const void* input,
                         const void* output) const {
@@ -473,40 +532,36 @@ Status Library::Checked(libra::Collective kind, DType dtype, int ctas, const voi
   }
   if (!Launches(kind)) {
     return Error(Status::Code::kInvalidArgument,
-                 std::string("libra's NCCL path has no launch for the ") + libra::Name(kind));
+                 std::string("libra's NCCL path has no NCCL launch for the ") +
+                     libra::Name(kind));
   }
+  const libra::Layout& layout = libra::LayoutOf(kind);
+  const NcclLaunch& launch = LaunchOf(kind);
   const int nccl_dtype = ToNcclDataType(dtype);
-  if (nccl_dtype < 0 || (dtype == DType::kBytes && libra::LayoutOf(kind).sums)) {
+  if (nccl_dtype < 0 || (dtype == DType::kBytes && layout.sums)) {
     return Error(Status::Code::kInvalidArgument,
                  std::string("NCCL ") + libra::Name(kind) + " of " + Name(dtype) +
                      " is not served (bytes are only copied: gathered or exchanged)");
   }
+  if (layout.exchanges && input == output && input != nullptr) {
+    return Error(Status::Code::kInvalidArgument,
+                 std::string("an ") + libra::Name(kind) +
+                     " is never in place (NCCL has no in-place all-to-all): output == input");
+  }
   const bool configured = ctas > 0 && route_ == CtaRoute::kPerCollective;
-  const bool scatters = libra::LayoutOf(kind).shard_out;
-  const bool gathers = libra::LayoutOf(kind).shard_in;
-  const bool exchanges = libra::LayoutOf(kind).exchanges;
-  const bool has_config = exchanges  ? api_->all_to_all_config != nullptr
-                          : gathers  ? api_->all_gather_config != nullptr
-                          : scatters ? api_->reduce_scatter_config != nullptr
-                                     : api_->all_reduce_config != nullptr;
-  if (configured && !has_config) {
-    return Error(Status::Code::kInternal, path_ + " has no per-call config entry for its " +
+  if (configured && api_->configured[static_cast<int>(kind)] == nullptr) {
+    return Error(Status::Code::kInternal, path_ + " has no per-call config entry (" +
+                                              launch.configured + ") for its " +
                                               libra::Name(kind));
   }
-  if (exchanges) {
-    if (input == output && input != nullptr) {
-      return Error(Status::Code::kInvalidArgument,
-                   std::string("an ") + libra::Name(kind) +
-                       " is never in place (NCCL has no in-place all-to-all): output == input");
-    }
-    const bool by_sends = api_->send != nullptr && api_->recv != nullptr &&
-                          api_->comm_count != nullptr;
-    if (!configured && !direct_all_to_all() && !by_sends) {
-      return Error(Status::Code::kInternal,
-                   path_ + " (NCCL " + VersionString(version_) + ") has neither ncclAlltoAll " +
-                       "(NCCL >= 2.28) nor ncclSend/ncclRecv/ncclCommCount for its " +
-                       libra::Name(kind));
-    }
+  const bool by_sends = launch.by_sends && api_->send != nullptr && api_->recv != nullptr &&
+                        api_->comm_count != nullptr;
+  if (!configured && !Direct(kind) && !by_sends) {
+    return Error(Status::Code::kInternal,
+                 path_ + " (NCCL " + VersionString(version_) + ") has no " + launch.plain +
+                     " (NCCL >= " + VersionString(launch.since) + ")" +
+                     (launch.by_sends ? " nor ncclSend/ncclRecv/ncclCommCount" : "") +
+                     " for its " + libra::Name(kind));
   }
   return Status::Ok();
 }
@@ -548,56 +603,37 @@ int Library::SendRecvAllToAll(const void* input, void* output, std::size_t count
 
 int Library::Launch(libra::Collective kind, const void* input, void* output, std::size_t count,
                     DType dtype, void* comm, int ctas, void* stream, const char** what) const {
-  const int nccl_dtype = ToNcclDataType(dtype);
-  // The collective's plain and per-call-config entry points (the config's only from 2.31).
+  // The kind's row (kLaunches, Checked first) and one formula: its per-call-config entry
+  // where the call has a limit on the per-collective route, else the plain one, else (an
+  // exchange on an NCCL before ncclAlltoAll) sends and receives; with ncclSum where it sums.
+  const int k = static_cast<int>(kind);
+  const NcclLaunch& launch = kLaunches[k];
   const bool configured = ctas > 0 && route_ == CtaRoute::kPerCollective;
-  CollConfigV23100 config{sizeof(CollConfigV23100), kApiMagic, kPerCollectiveVersion,
-                          nullptr, ctas, ctas, kUndefInt, kUndefInt, nullptr, 1,
-                          kUndefInt, 0};
-  // One case per kind, each naming its own entry points: a kind without one (a new row of
-  // dtype.h's table) is refused by name (`Checked`), never launched as another kind.
-  switch (kind) {
-    case libra::Collective::kAllToAll:  // no reduction operator; count per peer
-      if (configured) {
-        *what = "ncclAlltoAllConfig";
-        return api_->all_to_all_config(input, output, count, nccl_dtype, comm, stream, &config);
-      }
-      if (direct_all_to_all()) {
-        *what = "ncclAlltoAll";
-        return api_->all_to_all(input, output, count, nccl_dtype, comm, stream);
-      }
-      return SendRecvAllToAll(input, output, count, dtype, comm, stream, what);
-    case libra::Collective::kAllGather:  // no reduction operator
-      *what = configured ? "ncclAllGatherConfig" : "ncclAllGather";
-      return configured ? api_->all_gather_config(input, output, count, nccl_dtype, comm,
-                                                  stream, &config)
-                        : api_->all_gather(input, output, count, nccl_dtype, comm, stream);
-    case libra::Collective::kReduceScatter:
-      *what = configured ? "ncclReduceScatterConfig" : "ncclReduceScatter";
-      return configured ? api_->reduce_scatter_config(input, output, count, nccl_dtype, kSum,
-                                                      comm, stream, &config)
-                        : api_->reduce_scatter(input, output, count, nccl_dtype, kSum, comm,
-                                               stream);
-    case libra::Collective::kAllReduce:
-      *what = configured ? "ncclAllReduceConfig" : "ncclAllReduce";
-      return configured ? api_->all_reduce_config(input, output, count, nccl_dtype, kSum, comm,
-                                                  stream, &config)
-                        : api_->all_reduce(input, output, count, nccl_dtype, kSum, comm,
-                                           stream);
+  if (!configured && !Direct(kind)) {
+    return SendRecvAllToAll(input, output, count, dtype, comm, stream, what);
   }
-  *what = "no NCCL launch for this collective kind";
-  return kInvalidArgument;
+  const int nccl_dtype = ToNcclDataType(dtype);
+  const CollConfigV23100 config{sizeof(CollConfigV23100), kApiMagic, kPerCollectiveVersion,
+                                nullptr, ctas, ctas, kUndefInt, kUndefInt, nullptr, 1,
+                                kUndefInt, 0};
+  void* const entry = configured ? api_->configured[k] : api_->plain[k];
+  *what = configured ? launch.configured : launch.plain;
+  if (libra::LayoutOf(kind).sums) {
+    return configured ? reinterpret_cast<Api::SumsConfig>(entry)(input, output, count,
+                                                                 nccl_dtype, kSum, comm,
+                                                                 stream, &config)
+                      : reinterpret_cast<Api::Sums>(entry)(input, output, count, nccl_dtype,
+                                                           kSum, comm, stream);
+  }
+  return configured ? reinterpret_cast<Api::CopiesConfig>(entry)(input, output, count,
+                                                                 nccl_dtype, comm, stream,
+                                                                 &config)
+                    : reinterpret_cast<Api::Copies>(entry)(input, output, count, nccl_dtype,
+                                                           comm, stream);
 }
 
 bool Library::Launches(libra::Collective kind) {
-  switch (kind) {
-    case libra::Collective::kAllToAll:
-    case libra::Collective::kAllGather:
-    case libra::Collective::kReduceScatter:
-    case libra::Collective::kAllReduce:
-      return true;
-  }
-  return false;
+  return libra::KnownCollective(kind) && LaunchOf(kind).plain != nullptr;
 }
 
 Status Library::Collective(libra::Collective kind, const void* input, void* output,

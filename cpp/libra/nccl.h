@@ -110,6 +110,16 @@ int MaxCtas(int version);
 // The largest per-call limit libra asks of NCCL `version` on `route`.
 int CallCtasLimit(int version, CtaRoute route);
 
+// NCCL's count of one rank's `kind` call (elements per call, or bytes for DType::kBytes) whose
+// input holds `input` units and output `output` (the same units) on `nranks` ranks, by the
+// kind's row (libra/dtype.h: Layout::counts_in, counts_out): an all-reduce's buffer, a
+// reduce-scatter's output, an all-gather's input, an all-to-all's segment per peer (its
+// input / nranks). InvalidArgument naming the kind where the sizes do not fit. The FFI
+// handlers (xla_ffi/cuda_allreduce.cc) and the host entry point (xla_ffi/module.cc) size
+// their calls here.
+Status CountOf(libra::Collective kind, std::size_t input, std::size_t output, int nranks,
+               std::size_t* count);
+
 // The NCCL entry points libra uses, resolved from one shared library.
 class Library {
  public:
@@ -184,13 +194,16 @@ class Library {
   // The communicator's asynchronous error as a message ("" while none).
   std::string AsyncError(void* comm) const;
 
-  // Whether libra's NCCL path has entry points for `kind`; a kind without them (a new row of
-  // dtype.h's table) is refused by name, never launched as another kind.
+  // Whether libra's NCCL path has a launch for `kind` (its row of nccl.cc's kLaunches names an
+  // entry point); a kind without one is refused by name ("no NCCL launch for the ..."), never
+  // launched as another kind. (A kind of dtype.h without a row in kLaunches does not compile.)
   static bool Launches(libra::Collective kind);
 
  private:
   Library() = default;
   Status Check(int result, const char* what) const;
+  // Whether this library has `kind`'s plain entry point (its row's, from its NCCL version).
+  bool Direct(libra::Collective kind) const;
   // The checks of one member's call: its kind, its dtype, the route's entry point, its
   // buffers (an all-to-all is never in place).
   Status Checked(libra::Collective kind, DType dtype, int ctas, const void* input,

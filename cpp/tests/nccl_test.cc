@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <iterator>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -43,6 +44,37 @@ void TestEveryKindHasItsLaunch() {
     CHECK(nccl::Library::Launches(static_cast<libra::Collective>(k)));
   }
   CHECK(!nccl::Library::Launches(static_cast<libra::Collective>(libra::kNumCollectives)));
+}
+
+// NCCL's count of each kind, from its buffers' sizes by its row (libra/dtype.h counts_in,
+// counts_out), as the FFI handlers and the host entry point size their calls: on 4 ranks an
+// all-to-all of 12 elements in and out sends 3 to each peer. Sizes that do not fit are
+// refused, naming the kind.
+void TestCountsByKind() {
+  using libra::Collective;
+  struct Case {
+    Collective kind;
+    std::size_t input, output, count;
+  };
+  const Case cases[] = {{Collective::kAllReduce, 12, 12, 12},
+                        {Collective::kReduceScatter, 12, 3, 3},
+                        {Collective::kAllGather, 3, 12, 3},
+                        {Collective::kAllToAll, 12, 12, 3}};
+  static_assert(std::size(cases) == libra::kNumCollectives, "a case per kind");
+  for (const Case& c : cases) {
+    std::size_t count = 0;
+    CHECK(nccl::CountOf(c.kind, c.input, c.output, 4, &count).ok() && count == c.count);
+  }
+  std::size_t count = 0;
+  libra::Status s = nccl::CountOf(Collective::kAllToAll, 12, 3, 4, &count);
+  CHECK(!s.ok() && s.message.find("NCCL all-to-all: 12 in and 3 out do not fit 4 ranks") !=
+                       std::string::npos);
+  CHECK(!nccl::CountOf(Collective::kAllToAll, 10, 10, 4, &count).ok());
+  CHECK(!nccl::CountOf(Collective::kReduceScatter, 12, 12, 4, &count).ok());
+  CHECK(!nccl::CountOf(Collective::kAllGather, 3, 3, 4, &count).ok());
+  CHECK(!nccl::CountOf(Collective::kAllReduce, 12, 12, 0, &count).ok());
+  s = nccl::CountOf(static_cast<Collective>(libra::kNumCollectives), 12, 12, 4, &count);
+  CHECK(!s.ok() && s.message.find("unknown collective kind") != std::string::npos);
 }
 
 void TestOpen() {
@@ -543,8 +575,12 @@ void TestAllToAllRoutes() {
       // Input element i of rank r: 100 r + i; output block s of rank d: rank s's block d.
       std::vector<float> in(6), out(6, -1.0f);
       for (int i = 0; i < 6; ++i) in[i] = 100.0f * rank + i;
-      libra::Status s = lib->Collective(libra::Collective::kAllToAll, in.data(), out.data(), 3,
-                                        libra::DType::kF32, comm, 4, AsPointer(1), 10000);
+      std::size_t count = 0;  // per peer, from the full buffers (as the FFI handler sizes it)
+      libra::Status s = nccl::CountOf(libra::Collective::kAllToAll, in.size(), out.size(), 2,
+                                      &count);
+      o.wrong += !s.ok() || count != 3;
+      s = lib->Collective(libra::Collective::kAllToAll, in.data(), out.data(), count,
+                          libra::DType::kF32, comm, 4, AsPointer(1), 10000);
       if (!s.ok()) o.error = s.message;
       for (int src = 0; src < 2; ++src) {
         for (int j = 0; j < 3; ++j) o.wrong += out[src * 3 + j] != 100.0f * src + rank * 3 + j;
@@ -766,6 +802,7 @@ int main(int argc, char** argv) {
   const int status = libra_test::RunTests({
       {"versions", TestVersions},
       {"every_kind_has_its_launch", TestEveryKindHasItsLaunch},
+      {"counts_by_kind", TestCountsByKind},
       {"open", TestOpen},
       {"cta_limits_reach_nccl", TestCtaLimitsReachNccl},
       {"communicators", TestCommunicatorsConcurrently},

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
 
-from libra_jax.collectives import BY_KIND
+from libra_jax import collectives
+from libra_jax.collectives import REFERENCE, Collective
 from libra_jax.model.forms import (
     FORM_TABLE,
     check_workers,
@@ -20,7 +21,7 @@ from libra_jax.model.forms import (
 )
 from libra_jax.model.profile import BYTES_PER_GBIT, MAX_LAUNCH_BLOCKS, Profile
 from libra_jax.model.read import resolve_profile
-from libra_jax.planner import COLLECTIVES, CollectiveTerms, CostModel, no_overlap_allocation
+from libra_jax.planner import CollectiveTerms, CostModel, no_overlap_allocation
 from libra_jax.planner import default_allocation as planner_default_allocation
 
 
@@ -73,13 +74,13 @@ class Derivation:
         launch is nearest `blocks` (the smaller on a tie)."""
         return min(self.cost.slowdown, key=lambda k: (abs(self.launch_shape(k)[0] - blocks), k))
 
-    def no_overlap_key(self, nbytes: int, collective: str = "all-reduce") -> int:
-        """The allocation of a `collective` (the model's name) of `nbytes` with no overlapped
-        compute known (`planner.no_overlap_allocation`)."""
+    def no_overlap_key(self, nbytes: int, collective: Collective) -> int:
+        """The allocation of a `collective` (its row) of `nbytes` with no overlapped compute
+        known (`planner.no_overlap_allocation`)."""
         return no_overlap_allocation(self.cost, nbytes, lambda k: self.launch_shape(k)[0],
                                      collective)
 
-    def no_overlap_blocks(self, nbytes: int, collective: str = "all-reduce") -> int:
+    def no_overlap_blocks(self, nbytes: int, collective: Collective) -> int:
         """`no_overlap_key`'s block count (`launch_blocks`): a call's ``blocks=None``."""
         return self.launch_blocks(self.no_overlap_key(nbytes, collective))
 
@@ -132,12 +133,14 @@ def _derive(profile: Profile, workers: int, link_gbit_per_s: float | None,
     if not slowdown:
         reasons = "; ".join(f"{k}: {why}" for k, why in sorted(dropped.items()))
         raise ValueError(f"profile {profile.name!r} leaves no valid allocation for {workers} workers ({reasons})")
-    others = {}
-    for collective in COLLECTIVES[1:]:
-        traffic, _ = collective_traffic(profile, collective, workers)
-        others[collective] = CollectiveTerms(ring_latency_s(profile.network, workers, collective), traffic)
-    cost = CostModel(latency_s=ring_latency_s(profile.network, workers), solo_bw=solo, overlap_bw=overlap,
-                     slowdown=slowdown, pack_s_per_byte=1.0 / spec.fusion_copy_rate(section),
+    others: dict[Collective, CollectiveTerms] = {}
+    for row in collectives.ROWS:  # every kind but the tables' own, by its row's terms
+        if row is not REFERENCE:
+            traffic, _ = collective_traffic(profile, row, workers)
+            others[row] = CollectiveTerms(ring_latency_s(profile.network, workers, row), traffic)
+    cost = CostModel(latency_s=ring_latency_s(profile.network, workers, REFERENCE), solo_bw=solo,
+                     overlap_bw=overlap, slowdown=slowdown,
+                     pack_s_per_byte=1.0 / spec.fusion_copy_rate(section),
                      call_s=spec.call_s(section), collectives=others)
     return Derivation(cost=cost, profile=profile.name, form=profile.form, workers=workers, link_bytes_per_s=link,
                       key_unit=key_unit, threads_per_block=tpb,
@@ -145,8 +148,9 @@ def _derive(profile: Profile, workers: int, link_gbit_per_s: float | None,
                       notes=tuple(notes))
 
 
-def collective_traffic(profile: Profile, collective: str, workers: int) -> tuple[float, str]:
-    """`collective`'s seconds per gradient byte over the all-reduce's, at the same allocation
+def collective_traffic(profile: Profile, collective: Collective, workers: int) -> tuple[float, str]:
+    """`collective`'s (its row's) seconds per gradient byte over the all-reduce's (the row
+    without a traffic key, `collectives.REFERENCE`), at the same allocation
     (`planner.CollectiveTerms.traffic`), and where the number comes from.
 
     The GPU forms price rings: the ratio of the collectives' bus fractions (their rows' shapes;
@@ -155,10 +159,10 @@ def collective_traffic(profile: Profile, collective: str, workers: int) -> tuple
     ``benchmarks/sharded_cpu.py``) where it has one, else the ratio of the memory each moves
     (``engine_traffic``: (n+1)/(2n), 9/16 at 8 ranks).
     """
-    row, reference = BY_KIND[collective], BY_KIND["all-reduce"]
+    row, reference = collective, REFERENCE
     if row is reference:
         return 1.0, "the all-reduce"
-    shape, ring = shape_of(row.kind), shape_of(reference.kind)
+    shape, ring = shape_of(row), shape_of(reference)
     if profile.fair_share is None:
         return shape.bus_fraction(workers) / ring.bus_fraction(workers), "ring bus fractions"
     if row.traffic_key is None:

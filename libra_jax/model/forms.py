@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
 from typing import Any, NamedTuple
 
-from libra_jax.collectives import BY_KIND, ROWS, Shape
+from libra_jax.collectives import ROWS, Collective, Shape
 from libra_jax.model.profile import (
     BYTES_PER_GBYTE,
     BYTES_PER_S_PER_MIB_PER_MS,
@@ -35,18 +35,18 @@ COLLECTIVE_SHAPES: Mapping[str, CollectiveShape] = MappingProxyType(
 assert tuple(COLLECTIVE_SHAPES) == COLLECTIVES
 
 
-def shape_of(collective: str) -> CollectiveShape:
-    """The model's terms of `collective` (a kind's model name), read from its row when asked;
-    a row without them is refused by the kind's name, never priced as another kind."""
-    shape = BY_KIND[collective].shape
+def shape_of(collective: Collective) -> CollectiveShape:
+    """The model's terms of `collective` (its row), read from the row when asked; a row
+    without them is refused by the kind's name, never priced as another kind."""
+    shape = collective.shape
     if not isinstance(shape, Shape):
-        raise ValueError(f"the {collective} collective's row has no model shape "
+        raise ValueError(f"the {collective.kind} collective's row has no model shape "
                          "(collectives.Shape: ring steps, bus fraction, engine traffic)")
     return shape
 
 
-def ring_steps(workers: int, collective: str = "all-reduce") -> int:
-    """Communication steps of a ring `collective`: ``2(n-1)`` for the all-reduce (a
+def ring_steps(workers: int, collective: Collective) -> int:
+    """Communication steps of a ring `collective` (its row): ``2(n-1)`` for the all-reduce (a
     reduce-scatter plus an all-gather), ``n-1`` for either half."""
     check_workers(workers)
     return shape_of(collective).steps(workers)
@@ -64,8 +64,8 @@ def ring_algo_factor(workers: int) -> float:
     return workers / (2.0 * (workers - 1))
 
 
-def ring_latency_s(network: NetworkSpec, workers: int, collective: str = "all-reduce") -> float:
-    """Latency of one ring `collective`: base plus one hop latency per step (NCCL tuning.cc
+def ring_latency_s(network: NetworkSpec, workers: int, collective: Collective) -> float:
+    """Latency of one ring `collective` (its row): base plus one hop latency per step (NCCL tuning.cc
     shape).
 
     Steps that cross nodes (the collective's steps over the nodes: ``2(nodes-1)`` for the

@@ -276,9 +276,9 @@ def _optional_number(r: _Reader, section: Mapping[str, Any], key: str, prefix: s
     return r.number(section, key, prefix) if key in section else None
 
 
-#: The fair-share form's measured `collective_traffic`, by collective: its field (and key),
-#: from the kinds' rows (`collectives.Collective.traffic_key`).
-TRAFFIC_KEYS = {row.kind: row.traffic_key for row in ROWS if row.traffic_key is not None}
+#: The fair-share form's measured `collective_traffic`, by collective (its row): its field (and
+#: key), from the kinds' rows (`collectives.Collective.traffic_key`).
+TRAFFIC_KEYS = {row: row.traffic_key for row in ROWS if row.traffic_key is not None}
 
 
 def _read_nccl_style(r: _Reader, data: Mapping[str, Any]) -> NcclStyle:

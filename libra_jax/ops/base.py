@@ -18,7 +18,8 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from libra_jax import _compat
+from libra_jax import _compat, collectives
+from libra_jax.collectives import Collective
 from libra_jax.config import notice, notice_text
 
 __all__ = ["Platform", "PLATFORMS", "XLA_TWINS", "register_op", "warn_once", "OldName"]
@@ -33,8 +34,19 @@ Rule = Callable[..., Any]
 XLA_TWINS: dict[Any, Any] = {}
 
 
+class _Primitive(_compat.Primitive):
+    """A libra primitive: a ``collective`` param given by its name when bound (by hand, or by
+    an old name: `OldName`) is bound as its row (`collectives.row_of`, the boundary where a
+    name becomes a row), so that every equation's params hold rows."""
+
+    def bind(self, *args: Any, **params: Any) -> Any:
+        if "collective" in params:
+            params["collective"] = collectives.row_of(params["collective"])
+        return super().bind(*args, **params)
+
+
 def _primitive(name: str, abstract_eval: Callable[..., Any], multiple_results: bool) -> Any:
-    prim = _compat.Primitive(name)
+    prim = _Primitive(name)
     prim.multiple_results = multiple_results
     prim.def_impl(functools.partial(_compat.apply_primitive, prim))
     prim.def_effectful_abstract_eval(abstract_eval)
@@ -49,7 +61,8 @@ def register_op(name: str, *, abstract_eval: Callable[..., Any],
     `abstract_eval` returns (types, effects). `transpose(ct, x, **params)` makes the primitive
     linear (JAX derives its JVP). `batcher(axis_data, vals_in, dims_in, **params)` is a
     `vmap` rule. The twin is neither differentiable nor batchable: it only ever appears in a
-    rewritten program's jaxpr.
+    rewritten program's jaxpr. A ``collective`` param bound by its name is bound as its row
+    (`_Primitive.bind`).
     """
     prim = _primitive(name, abstract_eval, multiple_results)
     if transpose is not None:
@@ -83,14 +96,14 @@ class OldName:
     (`params` maps them), its results as the old one gave them (`results`), with a
     DeprecationWarning (notice ``primitive-renamed``)."""
 
-    def __init__(self, name: str, primitive: Any, collective: str | None,
+    def __init__(self, name: str, primitive: Any, collective: Collective | None,
                  params: Callable[[dict], dict] = dict,
                  results: Callable[[Any], Any] = lambda out: out) -> None:
         self.name, self.primitive, self.collective = name, primitive, collective
         self._params, self._results = params, results
 
     def bind(self, *xs: Any, **params: Any) -> Any:
-        kind = f" with collective={self.collective!r}" if self.collective else ""
+        kind = f" with collective={self.collective.lax!r}" if self.collective else ""
         notice("primitive-renamed",
                f"libra_jax.ops.{self.name}_p is {self.primitive.name}_p{kind} (its old name, "
                "kept for a release)", DeprecationWarning, stacklevel=2)
@@ -100,4 +113,5 @@ class OldName:
         return self._results(self.primitive.bind(*xs, **params))
 
     def __repr__(self) -> str:
-        return f"OldName({self.name!r} -> {self.primitive.name}, collective={self.collective!r})"
+        kind = self.collective.lax if self.collective else None
+        return f"OldName({self.name!r} -> {self.primitive.name}, collective={kind!r})"

@@ -26,9 +26,11 @@ from libra_jax.ops import lowering
 from libra_jax.ops.base import Platform, Rule, register_op
 from libra_jax.ops.sharded import moved_batcher
 
-__all__ = ["libra_all_to_all_p", "mirror_all_to_all", "all_to_all_call", "arrange"]
+__all__ = ["ALL_TO_ALL", "libra_all_to_all_p", "mirror_all_to_all", "all_to_all_call",
+           "arrange"]
 
-ROW = collectives.BY_LAX["all_to_all"]
+#: The kind this module defines the op of (its row's "primitive" form is `libra_all_to_all_p`).
+ALL_TO_ALL = collectives.BY_LAX["all_to_all"]
 
 
 def mirror_all_to_all(*, axis_name: tuple, split_axis: int, concat_axis: int, tiled: bool,
@@ -68,7 +70,7 @@ def arrange(y: Any, world: int, split_axis: int, concat_axis: int) -> Any:
 
 def all_to_all_call(params: dict[str, Any]) -> lowering.Call:
     """The `lowering.Call` of the all-to-all with the primitive's `params`."""
-    return lowering.Call(ROW, params["axis_name"], params["blocks"],
+    return lowering.Call(ALL_TO_ALL, params["axis_name"], params["blocks"],
                          lambda aval: mirror_all_to_all(**params),
                          dimension=params["split_axis"], tiled=params["tiled"],
                          arrange=lambda y, world: arrange(y, world, params["split_axis"],
@@ -88,7 +90,7 @@ def _transpose(ct: Any, x: Any, *, axis_name: tuple, split_axis: int, concat_axi
                                     concat_axis=split_axis, tiled=tiled, blocks=blocks),)
 
 
-libra_all_to_all_p = register_op("libra_all_to_all", abstract_eval=_abstract_eval,
-                                 lowering=_lowering, transpose=_transpose)
+libra_all_to_all_p = ALL_TO_ALL.provide("primitive", register_op(
+    "libra_all_to_all", abstract_eval=_abstract_eval, lowering=_lowering, transpose=_transpose))
 _compat.register_batcher(libra_all_to_all_p, moved_batcher(
     libra_all_to_all_p, mirror_all_to_all, "split_axis", "concat_axis"))

@@ -1,15 +1,18 @@
 """Buckets: several collectives of one kind over the same axes done as one call per dtype.
 
 `libra_bucket` is every kind's bucket, the kind a param (``collective``, a row of
-`libra_jax.collectives` with a bucket form: `BUCKETS`). The equation `optimize` puts where a
-bucket's last member was: its operands are the members' operands, its results their results.
+`libra_jax.collectives` with a "bucket" form, `Bucket`, which this module provides the
+all-reduce's and the reduce-scatter's rows; another kind's is refused by its row,
+`collectives.NoForm`). The equation `optimize` puts where a bucket's last member was: its
+operands are the members' operands, its results their results.
 
-- ``collective="psum"``: a gradient bucket's psums as one all-reduce per dtype, each result
-  typed as that member's psum (params ``axes``, ``blocks``, ``invariant``);
-- ``collective="psum_scatter"``: a bucket of reduce-scatters (each `jax.lax.psum_scatter`
-  along dimension 0, tiled or not, over the same axes) as one reduce-scatter per dtype, each
-  result typed as that member's (`sharded.mirror_reduce_scatter`'s primitive's; params
-  ``axes``, ``blocks``, ``axis_size``, ``tiled``, one per member).
+- the all-reduce (``collective=psum``): a gradient bucket's psums as one all-reduce per dtype,
+  each result typed as that member's psum (params ``axes``, ``blocks``, ``invariant``);
+- the reduce-scatter (``collective=psum_scatter``): a bucket of reduce-scatters (each
+  `jax.lax.psum_scatter` along dimension 0, tiled or not, over the same axes) as one
+  reduce-scatter per dtype, each result typed as that member's
+  (`sharded.mirror_reduce_scatter`'s primitive's; params ``axes``, ``blocks``,
+  ``axis_size``, ``tiled``, one per member).
 
 The names of the two kinds' buckets before (`libra_psum_fused_p`,
 `libra_reduce_scatter_fused_p`) remain for a release as `base.OldName`s: binding one binds
@@ -45,12 +48,18 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from libra_jax import _compat
+from libra_jax.collectives import Collective
 from libra_jax.ops import lowering, packing
 from libra_jax.ops.base import OldName, Platform, Rule, register_op
-from libra_jax.ops.psum import allreduce_call, members_abstract_eval
-from libra_jax.ops.sharded import mirror_abstract_eval, mirror_reduce_scatter, sharded_call
+from libra_jax.ops.psum import ALL_REDUCE, allreduce_call, members_abstract_eval
+from libra_jax.ops.sharded import (
+    REDUCE_SCATTER,
+    mirror_abstract_eval,
+    mirror_reduce_scatter,
+    sharded_call,
+)
 
-__all__ = ["libra_bucket_p", "BUCKETS", "bucket_abstract_eval",
+__all__ = ["libra_bucket_p", "Bucket", "bucket_abstract_eval",
            "libra_psum_fused_p", "libra_reduce_scatter_fused_p"]
 
 
@@ -61,16 +70,17 @@ def _bucket_rule(platform: Platform) -> Rule:
     the platform's rule (`lowering.lower`: libra's call, or XLA's of the same buffer with the
     notice; quietly for the twin, so that the code around the collective is the same in both
     and the control differs from the optimized program in the collective alone), and its
-    result split into the members' (`packing.split`). The kind's `Bucket.calls(params)`
-    gives the flat buffer's `lowering.Call`, its rows, and each member's call.
+    result split into the members' (`packing.split`). The kind's bucket form
+    (``collective.form("bucket")``, `Bucket`) gives by its ``calls(params)`` the flat
+    buffer's `lowering.Call`, its rows, and each member's call.
 
     Where the platform's call takes the members as they are (`lowering.members_call`: the CPU
     engine, the P2P kernels), a dtype's members are one call with no packing; the twin (``"xla"``) lowers
     each member by XLA's own collective, as they are too. Where libra's call does not
     serve a reduce-scatter bucket, each member is XLA's own: its rank-contiguous packing is a
     strided copy that only libra's call needs."""
-    def rule(ctx: Any, *xs: Any, collective: str, **params: Any) -> list[Any]:
-        call, rows, member_call = BUCKETS[collective].calls(params)
+    def rule(ctx: Any, *xs: Any, collective: Collective, **params: Any) -> list[Any]:
+        call, rows, member_call = collective.form("bucket").calls(params)
         outs: list[Any] = [None] * len(xs)
         # An empty member's collective is itself, a constant: no call holds it (XLA:CPU of
         # jaxlib 0.11.2 crashes compiling a custom call or all-reduce over one beside others).
@@ -138,12 +148,12 @@ def _reduce_scatter_abstract_eval(*avals: Any, axes: tuple, axis_size: int, tile
     """Each member's type as its `jax.lax.psum_scatter` along dimension 0 has it (JAX's
     abstract evaluation, and JAX's errors), the union of their effects."""
     if len(tiled) != len(avals):
-        raise ValueError(f"libra_bucket (psum_scatter): tiled has {len(tiled)} entries for "
+        raise ValueError(f"libra_bucket ({REDUCE_SCATTER}): tiled has {len(tiled)} entries for "
                          f"{len(avals)} operands (one per member)")
     outs, effects = [], set()
     for k, (aval, member_tiled) in enumerate(zip(avals, tiled)):
         if not aval.shape:
-            raise ValueError(f"libra_bucket (psum_scatter): operand {k} is a scalar: a "
+            raise ValueError(f"libra_bucket ({REDUCE_SCATTER}): operand {k} is a scalar: a "
                              "reduce-scatter needs a dimension 0 to scatter")
         out, eff = _member_abstract_eval(aval, **_member_params(axes, axis_size,
                                                                 member_tiled, blocks))
@@ -158,9 +168,9 @@ def _reduce_scatter_bucket(params: dict[str, Any]) -> tuple[lowering.Call, int, 
     axis_name, axis_size, blocks = params["axes"], params["axis_size"], params["blocks"]
 
     def member_call(i: int) -> lowering.Call:
-        return sharded_call("psum_scatter", _member_params(axis_name, axis_size,
+        return sharded_call(REDUCE_SCATTER, _member_params(axis_name, axis_size,
                                                             params["tiled"][i], blocks))
-    return (sharded_call("psum_scatter", _member_params(axis_name, axis_size, True, blocks)),
+    return (sharded_call(REDUCE_SCATTER, _member_params(axis_name, axis_size, True, blocks)),
             axis_size, member_call)
 
 
@@ -175,19 +185,15 @@ class Bucket(NamedTuple):
     calls: Callable[[dict[str, Any]], tuple[lowering.Call, int, Any]]
 
 
-#: The kinds with a bucket form, by their `jax.lax` names (rows of `libra_jax.collectives`).
-BUCKETS: dict[str, Bucket] = {
-    "psum": Bucket(members_abstract_eval, _psum_bucket),
-    "psum_scatter": Bucket(_reduce_scatter_abstract_eval, _reduce_scatter_bucket),
-}
+# The kinds with a bucket form: their rows hold it (`collectives.Collective.provide`).
+ALL_REDUCE.provide("bucket", Bucket(members_abstract_eval, _psum_bucket))
+REDUCE_SCATTER.provide("bucket", Bucket(_reduce_scatter_abstract_eval, _reduce_scatter_bucket))
 
 
-def bucket_abstract_eval(*avals: Any, collective: str, **params: Any) -> Any:
-    """Each member's type as its own collective has it, and their effects (the kind's)."""
-    if collective not in BUCKETS:
-        raise ValueError(f"libra_bucket: no bucket form for {collective!r} (one of "
-                         f"{', '.join(BUCKETS)})")
-    return BUCKETS[collective].abstract_eval(*avals, **params)
+def bucket_abstract_eval(*avals: Any, collective: Collective, **params: Any) -> Any:
+    """Each member's type as its own collective has it, and their effects (the kind's); a
+    kind without a bucket form is refused by its row (`collectives.NoForm`)."""
+    return collective.form("bucket").abstract_eval(*avals, **params)
 
 
 libra_bucket_p = register_op("libra_bucket", abstract_eval=bucket_abstract_eval,
@@ -200,6 +206,6 @@ def _from_axis_name(params: dict) -> dict:
     return params
 
 
-libra_psum_fused_p = OldName("libra_psum_fused", libra_bucket_p, "psum")
+libra_psum_fused_p = OldName("libra_psum_fused", libra_bucket_p, ALL_REDUCE)
 libra_reduce_scatter_fused_p = OldName("libra_reduce_scatter_fused", libra_bucket_p,
-                                       "psum_scatter", _from_axis_name)
+                                       REDUCE_SCATTER, _from_axis_name)

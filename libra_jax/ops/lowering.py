@@ -37,12 +37,19 @@ import numpy as np
 from libra_jax import _compat, _ffi, _nccl, collectives, config, model
 from libra_jax.collectives import Collective
 from libra_jax.ops.base import Platform, Rule, warn_once
+from libra_jax.ops.shards import (
+    BF16,
+    arranged,
+    canonical_bf16_nans,
+    from_row_of_shards,
+    to_row_of_shards,
+)
 
 __all__ = ["Call", "PairCall", "Collective", "COLLECTIVES", "ENGINE_DTYPES", "rule", "lower",
            "replaced_rule", "libra_call", "xla_collective", "warn_fallback", "engine_call",
            "engine_lowering", "cpu_call", "members_call", "gpu_call", "pair_call", "nccl_attrs",
            "nccl_blocks",
-           "rank_group_operand", "to_row_of_shards", "from_row_of_shards", "mirrored",
+           "rank_group_operand", "mirrored",
            "default_blocks", "default_profile",
            "MAX_BLOCKS", "CUDA_DTYPES", "NCCL_DTYPES", "CUDA_VECTOR_BYTES"]
 
@@ -172,18 +179,18 @@ def mirrored(invariant: bool, axes: tuple) -> tuple[Any, dict]:
     return _compat.psum_p, {"axes": axes, "axis_index_groups": None}
 
 
-def default_blocks(nbytes: int, world: int, profile: Any = "cpu-host",
-                   collective: str = "psum") -> int:
+def default_blocks(nbytes: int, world: int, profile: Any, collective: Collective) -> int:
     """Block count of a call with `blocks=None` outside `@libra_jax.optimize`: the model's
     choice with no overlapped compute known (`model.Derivation.no_overlap_blocks`), as a
     launch's block count, 1..MAX_BLOCKS. `profile` is a profile name, path or `model.Profile`.
 
-    `nbytes` is the full (unsharded) buffer's size per device; a `psum_scatter` or
-    `all_gather` (`collective`) is priced by its own terms (`model.collective_traffic`, its
-    latency), with the all-reduce's tables."""
+    `nbytes` is the full (unsharded) buffer's size per device; a kind other than the
+    all-reduce (`collective`, its row) is priced by its own terms (`model.collective_traffic`,
+    its latency), with the all-reduce's tables. (The public form, with the documented
+    defaults, is `libra_jax.default_blocks`.)"""
     if world < 2 or nbytes <= 0:
         return 1
-    return model.derive(profile, world).no_overlap_blocks(nbytes, COLLECTIVES[collective].kind)
+    return model.derive(profile, world).no_overlap_blocks(nbytes, collective)
 
 
 def default_profile(platform: str) -> str:
@@ -217,10 +224,10 @@ def _groups_in_this_process(ctx: Any, axes: tuple) -> tuple[Any, Any, str]:
     return groups, devices, ""
 
 
-def cpu_call(ctx: Any, axes: tuple, blocks: int | None, collective: str = "psum"
+def cpu_call(ctx: Any, axes: tuple, blocks: int | None, collective: Collective
              ) -> tuple[tuple | None, str]:
-    """The engine call's (rank, group) operand and attributes for the `collective` (a row of
-    `COLLECTIVES`) lowered at `ctx` (its operands the call's members), or ``(None, reason)``
+    """The engine call's (rank, group) operand and attributes for the `collective` (its row)
+    lowered at `ctx` (its operands the call's members), or ``(None, reason)``
     where XLA's must do it. Shared by the one call (`engine_call`) and the start/done pair
     (`pair_call`); the caller adds ``segments``."""
     groups, devices, reason = _groups_in_this_process(ctx, axes)
@@ -229,13 +236,12 @@ def cpu_call(ctx: Any, axes: tuple, blocks: int | None, collective: str = "psum"
         # cross processes. Never wait for ranks that cannot come.
         return None, f"cpu {reason}"
     _ffi.ensure_registered()
-    row = COLLECTIVES[collective]
     world = len(groups[0])
     if blocks is None:  # Chosen now that the group size is known.
-        blocks = default_blocks(_full_bytes(ctx.avals_in, row, world), world,
+        blocks = default_blocks(_full_bytes(ctx.avals_in, collective, world), world,
                                 default_profile("cpu"), collective)
     return (rank_group_operand(ctx, groups),
-            dict(label=f"{collective}{tuple(axes)}", world=np.int64(world),
+            dict(label=f"{collective.lax}{tuple(axes)}", world=np.int64(world),
                  blocks=np.int64(blocks), **_timeout_attr())), ""
 
 
@@ -250,40 +256,38 @@ def engine_call(ctx: Any, call: Call) -> tuple[Callable[..., Sequence[Any]] | No
     row = call.row
     avals_in, avals_out = list(ctx.avals_in), list(ctx.avals_out)
     dtype = np.dtype(avals_in[0].dtype)
-    if not _ffi.has_target(row.kind, "cpu"):
+    if not _ffi.has_target(row, "cpu"):
         return None, f"cpu (the extension registers no {row.kind} target)"
     if row.sums and dtype not in ENGINE_DTYPES:
         return None, f"cpu {dtype.name}"
-    found, reason = cpu_call(ctx, call.axes, call.blocks, row.lax)
+    found, reason = cpu_call(ctx, call.axes, call.blocks, row)
     if found is None:
         return None, reason
     rank_group, attrs = found
     world = int(attrs["world"])
-    if row.layout == "exchanged":  # one segment per rank along the split dimension
+    if row.exchanges:  # one segment per rank along the split dimension
         segments = [math.prod(a.shape[call.dimension:]) // world for a in avals_in]
         engine_out = avals_in  # the exchanged segments, in the operand's shape (`arrange`)
     else:
         shards = avals_in if row.gathers else avals_out
-        segments = [math.prod(a.shape[call.dimension:]) if row.layout != "replicated" else 0
+        segments = [math.prod(a.shape[call.dimension:]) if row.gathers or row.scatters else 0
                     for a in shards]
         engine_out = avals_out
     attrs["segments"] = np.array(segments, np.int64)
     lowered = engine_lowering(
-        _ffi.target(row.kind, "cpu"),
+        _ffi.target(row, "cpu"),
         {1 + i: i for i in range(len(avals_in))} if call.inplace else {})
 
     def emit(*xs: Any) -> Sequence[Any]:
         if not row.sums and dtype == BF16:
-            xs = tuple(_canonical_bf16_nans(ctx.replace(avals_in=[a]), x)
+            xs = tuple(canonical_bf16_nans(ctx.replace(avals_in=[a]), x)
                        for a, x in zip(avals_in, xs))
         results = lowered(ctx.replace(avals_in=[_RANK_AVAL, *avals_in], avals_out=engine_out),
                           rank_group, *xs, **attrs)
-        arrange = call.arrange  # the exchanged segments made the op's result
-        if engine_out is avals_out or arrange is None:
+        if engine_out is avals_out or call.arrange is None:
             return results
-        return [_compat.lower_fun(lambda v: arrange(v, world))(
-            ctx.replace(primitive=None, avals_in=[a], avals_out=[o]), result)[0]
-            for result, a, o in zip(_compat.ir_values(results), engine_out, avals_out)]
+        return arranged(ctx, call.arrange, world, _compat.ir_values(results), engine_out,
+                        avals_out)
     return emit, ""
 
 
@@ -357,22 +361,23 @@ def gpu_call(ctx: Any, call: Call) -> tuple[str | None, dict, str]:
         return None, {}, "cuda (libra_jax was built without CUDA)"
     path = config.cuda_path()
     row = call.row
-    kernels = _ffi.has_target(row.kind, "cuda")
+    kernels = _ffi.has_target(row, "cuda")
     if path != "nccl" and not kernels:
-        nccl_only = " and ".join(r.kind for r in collectives.ROWS if not _ffi.has_target(
-            r.kind, "cuda") and _ffi.has_target(r.kind, "nccl"))
+        *rest, last = [r.kind for r in collectives.ROWS if not _ffi.has_target(r, "cuda")
+                       and _ffi.has_target(r, "nccl")] or ["collectives"]
+        nccl_only = ", ".join(rest) + (" and " if rest else "") + last
         return None, {}, (f"cuda ({config.CUDA_PATH_ENV}={path}: libra's GPU {nccl_only} are "
                           f"NCCL's, {config.CUDA_PATH_ENV}=nccl)")
     if path == "xla":
         return None, {}, _cuda_default_reason()
-    if not kernels and not _ffi.has_target(row.kind, "nccl"):
+    if not kernels and not _ffi.has_target(row, "nccl"):
         return None, {}, f"cuda (the extension registers no {row.kind} target)"
     groups = _compat.replica_groups(ctx, call.axes)
     devices = _compat.mesh_devices(ctx)
     across = devices is not None and any(d.process_index != jax.process_index()
                                          for d in devices)
     if path == "nccl" or across:
-        if not _ffi.has_target(row.kind, "nccl"):
+        if not _ffi.has_target(row, "nccl"):
             return None, {}, f"cuda (the extension registers no NCCL {row.kind} target)"
         if groups is None:
             return None, {}, "cuda in a partially automatic shard_map"
@@ -381,7 +386,7 @@ def gpu_call(ctx: Any, call: Call) -> tuple[str | None, dict, str]:
                               "(libra's NCCL call needs the mesh's devices: give shard_map or "
                               "libra_jax.value_and_grad a jax.sharding.Mesh, or trace under "
                               "jax.set_mesh)")
-        attrs, reason = nccl_attrs(ctx, groups, devices, call.blocks, row.lax)
+        attrs, reason = nccl_attrs(ctx, groups, devices, call.blocks, row)
         if attrs is None:
             return None, {}, reason
         return ("nccl" if attrs else ""), attrs, ""
@@ -429,7 +434,7 @@ def _kernel_attrs(ctx: Any, call: Call) -> tuple[dict | None, str]:
     blocks = call.blocks
     if blocks is None:  # Chosen now that the group size is known.
         blocks = default_blocks(_full_bytes(ctx.avals_in, call.row, world), world,
-                                default_profile("cuda"), call.row.lax)
+                                default_profile("cuda"), call.row)
     return dict(devices=np.array([ordinals[d] for g in groups for d in g], np.int32),
                 world=np.int64(world), blocks=np.int64(blocks),
                 algorithm=np.int64(config.cuda_algorithm()),
@@ -448,7 +453,7 @@ def _gpu_emit(ctx: Any, call: Call) -> tuple[Callable[[Any], Sequence[Any]] | No
     if not engine:  # an empty buffer: nothing to call
         return (lambda x: [_compat.ir_constant(np.zeros(out_aval.shape, out_aval.dtype))]), ""
     _ffi.ensure_cuda_registered()
-    target = _ffi.target(call.row.kind, engine)
+    target = _ffi.target(call.row, engine)
     if engine == "cuda":
         return (lambda x: _kernel_members_call(ctx, target, attrs, call.inplace, [x])), ""
     return (lambda x: _nccl_members_call(ctx, call, target, attrs, [x])), ""
@@ -466,7 +471,7 @@ def _gpu_members_emit(ctx: Any, call: Call) -> Callable[..., Sequence[Any]] | No
     if not engine:
         return None
     _ffi.ensure_cuda_registered()
-    target = _ffi.target(call.row.kind, engine)
+    target = _ffi.target(call.row, engine)
     if engine == "nccl":
         return lambda *xs: _nccl_members_call(ctx, call, target, attrs, list(xs))
     return lambda *xs: _kernel_members_call(ctx, target, attrs, call.inplace, list(xs))
@@ -479,21 +484,27 @@ def _nccl_members_call(ctx: Any, call: Call, target: str, attrs: dict, xs: Seque
     per member as one NCCL group, with the call's CTA limit): an all-reduce's buffers in any
     shape (each result aliased to its operand where `call.inplace`), a sharded kind's each as
     its row of shards (`to_row_of_shards`: no copy where the dimension leads, as in a
-    bucket's); an empty member a constant."""
+    bucket's), an exchanging kind's with its split dimension leading (NCCL sends contiguous
+    block ``d`` to rank ``d``), made the op's result by `call.arrange`; an empty member a
+    constant."""
+    row = call.row
+    rows_of_shards = row.scatters or row.gathers or row.exchanges
+    tiled = call.tiled or row.exchanges  # an exchange's segments: along its split dimension
     outs: list[Any] = [None] * len(xs)
-    live, operands, avals_in, avals_out = [], [], [], []
-    sharded = call.row.layout != "replicated"
+    live, operands, avals_in, avals_out, shaped = [], [], [], [], []
     for i, (a, o, x) in enumerate(zip(ctx.avals_in, ctx.avals_out, xs)):
         if not math.prod(a.shape):
             outs[i] = _compat.ir_constant(np.zeros(o.shape, o.dtype))
             continue
         live.append(i)
-        if sharded:
-            flat, flat_in = to_row_of_shards(ctx.replace(avals_in=[a], avals_out=[o]), x,
-                                             call.row.gathers, call.dimension, call.tiled)
+        got = a if row.exchanges else o  # what NCCL's call writes, as the operand's shape
+        shaped.append(got)
+        if rows_of_shards:
+            flat, flat_in = to_row_of_shards(ctx.replace(avals_in=[a], avals_out=[got]), x,
+                                             row.gathers, call.dimension, tiled)
             operands.append(flat)
             avals_in.append(flat_in)
-            avals_out.append(flat_in.update(shape=(math.prod(o.shape),)))
+            avals_out.append(flat_in.update(shape=(math.prod(got.shape),)))
         else:
             operands.append(x)
             avals_in.append(a)
@@ -503,9 +514,12 @@ def _nccl_members_call(ctx: Any, call: Call, target: str, attrs: dict, xs: Seque
         ctx.replace(primitive=None, avals_in=avals_in, avals_out=avals_out), *operands,
         **attrs))
     for k, (i, result) in enumerate(zip(live, results)):
-        if sharded:
-            result, = from_row_of_shards(ctx, result, avals_out[k], ctx.avals_out[i],
-                                         call.row.gathers, call.dimension, call.tiled)
+        if rows_of_shards:
+            result, = from_row_of_shards(ctx, result, avals_out[k], shaped[k], row.gathers,
+                                         call.dimension, tiled)
+        if row.exchanges and call.arrange is not None:
+            result, = arranged(ctx, call.arrange, int(attrs["nranks"]), [result],
+                               [shaped[k]], [ctx.avals_out[i]])
         outs[i] = result
     return outs
 
@@ -571,9 +585,9 @@ def _padded_kernel_call(ctx: Any, target: str, attrs: dict, inplace: bool, x: An
 
 
 def nccl_attrs(ctx: Any, groups: Sequence[Sequence[int]], devices: Sequence[Any],
-               blocks: int | None, collective: str = "psum") -> tuple[dict | None, str]:
-    """The attributes of the `libra_allreduce_nccl` call (and its start) for the psum lowered
-    at `ctx` (or of `collective`'s NCCL call: `gpu_call`) over XLA's replica `groups`
+               blocks: int | None, collective: Collective) -> tuple[dict | None, str]:
+    """The attributes of `collective`'s NCCL call (and its start: `gpu_call`), the
+    all-reduce's `libra_allreduce_nccl` say, lowered at `ctx` over XLA's replica `groups`
     of the mesh's `devices`: NCCL with `blocks` as the
     call's CTA limit (cpp/libra/nccl.h), every GPU one rank of its group, ranks in XLA's group
     order; ``({}, "")`` for an empty buffer; ``(None, reason)`` without NCCL.
@@ -587,7 +601,7 @@ def nccl_attrs(ctx: Any, groups: Sequence[Sequence[int]], devices: Sequence[Any]
     if not ok:
         return None, f"cuda without NCCL ({why})"
     dtype, count, reason = _buffer_served(ctx, NCCL_DTYPES, " over NCCL")
-    if reason and COLLECTIVES[collective].sums:  # a copy takes any dtype, as bytes
+    if reason and collective.sums:  # a copy takes any dtype, as bytes
         return None, reason
     if count == 0:
         return {}, ""
@@ -597,7 +611,7 @@ def nccl_attrs(ctx: Any, groups: Sequence[Sequence[int]], devices: Sequence[Any]
         # every process must pick the same count (and, on older NCCL, the same
         # communicator), and a host's own calibration is not shared here
         # (optimize broadcasts process 0's profile; a bare psum cannot).
-        full = count * dtype.itemsize * (world if COLLECTIVES[collective].gathers else 1)
+        full = count * dtype.itemsize * (world if collective.gathers else 1)
         blocks = default_blocks(full, world, model.BUILTIN_PROFILES["cuda"], collective)
     blocks = nccl_blocks(blocks)
     _say_launch_order(_nccl.library())
@@ -714,16 +728,16 @@ def pair_call(flat_ctx: Any, call: Call, platform: Platform) -> PairCall | None:
     same buffer, axes and blocks; an empty buffer included)."""
     row = call.row
     if platform == "cpu":
-        if (not _ffi.has_target(row.kind, "cpu", "start")
+        if (not _ffi.has_target(row, "cpu", "start")
                 or not row.gathers and np.dtype(flat_ctx.avals_in[0].dtype) not in ENGINE_DTYPES):
             return None
-        found, _ = cpu_call(flat_ctx, call.axes, call.blocks, row.lax)
+        found, _ = cpu_call(flat_ctx, call.axes, call.blocks, row)
         if found is None:
             return None
         rank_group, attrs = found
         attrs["segments"] = np.zeros(len(flat_ctx.avals_in), np.int64)  # rows of shards
-        return PairCall(_ffi.target(row.kind, "cpu", "start"), rank_group,
-                        _ffi.target(row.kind, "cpu", "done"), attrs, "cpu")
+        return PairCall(_ffi.target(row, "cpu", "start"), rank_group,
+                        _ffi.target(row, "cpu", "done"), attrs, "cpu")
     if platform == "cuda":
         engine, attrs, _ = gpu_call(flat_ctx, call)
         if not engine:
@@ -731,66 +745,12 @@ def pair_call(flat_ctx: Any, call: Call, platform: Platform) -> PairCall | None:
         _ffi.ensure_cuda_registered()
         rank_group = None
         groups = _compat.replica_groups(flat_ctx, call.axes)  # known: gpu_call chose a call
-        if row.layout == "scattered" and groups is not None:
+        if row.scatters and groups is not None:
             rank_group = rank_group_operand(flat_ctx, groups)
-        return PairCall(_ffi.target(row.kind, engine, "start"), rank_group,
-                        _ffi.target(row.kind, engine, "done"), attrs, engine)
+        return PairCall(_ffi.target(row, engine, "start"), rank_group,
+                        _ffi.target(row, engine, "done"), attrs, engine)
     return None
 
 
 # --- Rows of shards: the sharded calls' flat layout --------------------------------------
 
-def to_row_of_shards(ctx: Any, x: Any, gathers: bool, dimension: int, tiled: bool
-                     ) -> tuple[Any, Any]:
-    """(value, type) of the operand lowered at `ctx` as one flat row of shards, the devices'
-    shards in rank order (NCCL's layout, and the start/done pairs'): the scattered dimension
-    (or a tiled gather's) moved to the front, then flattened; an untiled gather's operand is
-    one shard as it is. A copy only where that dimension does not lead."""
-    aval_in, = ctx.avals_in
-    flat_in = aval_in.update(shape=(math.prod(aval_in.shape),))
-    moved = dimension if (tiled or not gathers) else None
-
-    def flatten(v: Any) -> Any:
-        return (v if moved is None else jax.numpy.moveaxis(v, moved, 0)).reshape(-1)
-    flat, = _compat.ir_values(_compat.lower_fun(flatten)(
-        ctx.replace(primitive=None, avals_out=[flat_in]), x))
-    return flat, flat_in
-
-
-def from_row_of_shards(ctx: Any, flat: Any, flat_aval: Any, out_aval: Any, gathers: bool,
-                       dimension: int, tiled: bool, rank_group: Any = None) -> list[Any]:
-    """The inverse of `to_row_of_shards` for the collective's result `out_aval`: `flat` (the
-    gathered row, or one shard; with `rank_group`, the whole row of an in-place
-    reduce-scatter, of which this device's shard is sliced) reshaped, its leading dimension
-    moved back to `dimension`."""
-    shape = out_aval.shape
-    front = ((shape[dimension], *shape[:dimension], *shape[dimension + 1:])
-             if (tiled or gathers) else shape)
-    shard = math.prod(shape)
-
-    def unflatten(v: Any, *rank: Any) -> Any:
-        if rank:  # this device's shard of an in-place reduce-scatter's row
-            v = jax.lax.dynamic_slice_in_dim(v, rank[0][0] * shard, shard)
-        v = v.reshape(front)
-        return jax.numpy.moveaxis(v, 0, dimension) if front is not shape else v
-    operands = [flat] if rank_group is None else [flat, rank_group]
-    avals = [flat_aval] + ([] if rank_group is None else [_compat.ShapedArray((2,), np.int32)])
-    return list(_compat.lower_fun(unflatten)(
-        ctx.replace(primitive=None, avals_in=avals, avals_out=[out_aval]), *operands))
-
-
-BF16 = np.dtype(jax.numpy.bfloat16)
-
-
-def _canonical_bf16_nans(ctx: Any, x: Any) -> Any:
-    """`x` (bf16) with every NaN made canonical (sign | 0x7fc0), as XLA:CPU's all-gather leaves
-    them: it gathers bf16 through f32 (0x7fd0 comes back 0x7fc0; pinned by
-    tests/test_sharded.py). One elementwise pass over the shard, before the copy."""
-    def canonical(v: Any) -> Any:
-        bits = jax.lax.bitcast_convert_type(v, np.uint16)
-        nan = (bits & np.uint16(0x7FFF)) > np.uint16(0x7F80)
-        fixed = (bits & np.uint16(0x8000)) | np.uint16(0x7FC0)
-        return jax.lax.bitcast_convert_type(jax.numpy.where(nan, fixed, bits), BF16)
-    aval = ctx.avals_in[0]
-    return _compat.lower_fun(canonical)(
-        ctx.replace(primitive=None, avals_in=[aval], avals_out=[aval]), x)[0]

@@ -17,8 +17,10 @@ from libra_jax import _compat, collectives
 from libra_jax.ops import lowering
 from libra_jax.ops.base import Platform, Rule, register_op
 
-__all__ = ["libra_psum_p", "psum_abstract_eval", "members_abstract_eval", "allreduce_call"]
+__all__ = ["ALL_REDUCE", "libra_psum_p", "psum_abstract_eval", "members_abstract_eval",
+           "allreduce_call"]
 
+#: The kind this module defines the op of (its row's "primitive" form is `libra_psum_p`).
 ALL_REDUCE = collectives.BY_LAX["psum"]
 
 
@@ -84,6 +86,6 @@ def _batcher(axis_data: Any, vals_in: Sequence[Any], dims_in: Sequence[Any], *,
                              invariant=invariant), dim
 
 
-libra_psum_p = register_op("libra_psum", abstract_eval=psum_abstract_eval,
-                           lowering=_lowering, transpose=_transpose,
-                           batcher=_batcher)
+libra_psum_p = ALL_REDUCE.provide("primitive", register_op(
+    "libra_psum", abstract_eval=psum_abstract_eval, lowering=_lowering, transpose=_transpose,
+    batcher=_batcher))

@@ -16,18 +16,23 @@ None for `lowering.default_blocks`) and, for the all-gather, ``invariant``.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
 from libra_jax import _compat, collectives
+from libra_jax.collectives import Collective
 from libra_jax.ops import lowering
 from libra_jax.ops.base import Platform, Rule, register_op
 
-__all__ = ["libra_reduce_scatter_p", "libra_all_gather_p", "mirror_reduce_scatter",
-           "mirror_all_gather", "mirror_abstract_eval", "moved_batcher", "sharded_call",
-           "flat_call"]
+__all__ = ["REDUCE_SCATTER", "ALL_GATHER", "Mirror", "libra_reduce_scatter_p",
+           "libra_all_gather_p", "mirror_reduce_scatter", "mirror_all_gather",
+           "mirror_abstract_eval", "moved_batcher", "sharded_call", "flat_call"]
+
+#: The two kinds this module defines the ops of (their rows' "primitive" and "mirror" forms).
+REDUCE_SCATTER = collectives.BY_LAX["psum_scatter"]
+ALL_GATHER = collectives.BY_LAX["all_gather"]
 
 
 def mirror_reduce_scatter(*, axis_name: tuple, scatter_dimension: int, axis_size: int,
@@ -103,44 +108,53 @@ def moved_batcher(prim: Any, mirror: Any, *dimensions: str) -> Any:
     return rule
 
 
-def sharded_call(collective: str, params: dict[str, Any]) -> lowering.Call:
-    """The `lowering.Call` of the reduce-scatter or all-gather (`collective`) with the
-    primitive's `params` (JAX's, and ``blocks``)."""
-    mirror, dimension, _ = _MIRRORS[collective]
-    return lowering.Call(collectives.BY_LAX[collective], params["axis_name"], params["blocks"],
-                         lambda aval: mirror(**params), dimension=params[dimension],
+class Mirror(NamedTuple):
+    """A sharded kind's "mirror" form: the JAX primitive its op stands for (by the op's
+    params: ``jax(**params) -> (primitive, params)``), the param naming the dimension it
+    scatters or gathers, and its other params' values in a flat call (`flat_call`)."""
+
+    jax: Callable[..., tuple[Any, dict]]
+    dimension: str
+    flat: dict[str, Any]
+
+
+REDUCE_SCATTER.provide("mirror", Mirror(mirror_reduce_scatter, "scatter_dimension", {}))
+ALL_GATHER.provide("mirror", Mirror(mirror_all_gather, "all_gather_dimension",
+                                    {"invariant": False}))
+
+
+def sharded_call(collective: Collective, params: dict[str, Any]) -> lowering.Call:
+    """The `lowering.Call` of a sharded kind's op (`collective`: its row, with a "mirror"
+    form) with the primitive's `params` (JAX's, and ``blocks``)."""
+    mirror = collective.form("mirror")
+    return lowering.Call(collective, params["axis_name"], params["blocks"],
+                         lambda aval: mirror.jax(**params), dimension=params[mirror.dimension],
                          tiled=params["tiled"])
 
 
-def _lowering(collective: str) -> Callable[[Platform], Rule]:
+def _lowering(collective: Collective) -> Callable[[Platform], Rule]:
     def for_platform(platform: Platform) -> Rule:
         lower = lowering.rule(platform)
         return lambda ctx, x, **params: lower(ctx, x, call=sharded_call(collective, params))
     return for_platform
 
 
-#: Each sharded kind's JAX primitive (by its params), the param naming its dimension, and
-#: its other params' values in a flat call (`flat_call`).
-_MIRRORS: dict[str, tuple[Callable[..., tuple[Any, dict]], str, dict[str, Any]]] = {
-    "psum_scatter": (mirror_reduce_scatter, "scatter_dimension", {}),
-    "all_gather": (mirror_all_gather, "all_gather_dimension", {"invariant": False}),
-}
-
-
-def flat_call(collective: str, axis_name: tuple, axis_size: int, blocks: int | None
+def flat_call(collective: Collective, axis_name: tuple, axis_size: int, blocks: int | None
               ) -> lowering.Call:
-    """The reduce-scatter's or all-gather's `lowering.Call` of a flat row of shards
-    (`lowering.to_row_of_shards`): along its only dimension, tiled."""
-    _, dimension, others = _MIRRORS[collective]
+    """The reduce-scatter's or all-gather's (`collective`) `lowering.Call` of a flat row of
+    shards (`shards.to_row_of_shards`): along its only dimension, tiled."""
+    mirror = collective.form("mirror")
     return sharded_call(collective, dict(axis_name=axis_name, axis_size=axis_size, tiled=True,
-                                         blocks=blocks, **{dimension: 0}, **others))
+                                         blocks=blocks, **{mirror.dimension: 0},
+                                         **mirror.flat))
 
-libra_reduce_scatter_p = register_op(
+
+libra_reduce_scatter_p = REDUCE_SCATTER.provide("primitive", register_op(
     "libra_reduce_scatter", abstract_eval=mirror_abstract_eval(mirror_reduce_scatter),
-    lowering=_lowering("psum_scatter"), transpose=_reduce_scatter_transpose)
-libra_all_gather_p = register_op(
+    lowering=_lowering(REDUCE_SCATTER), transpose=_reduce_scatter_transpose))
+libra_all_gather_p = ALL_GATHER.provide("primitive", register_op(
     "libra_all_gather", abstract_eval=mirror_abstract_eval(mirror_all_gather),
-    lowering=_lowering("all_gather"), transpose=_all_gather_transpose)
+    lowering=_lowering(ALL_GATHER), transpose=_all_gather_transpose))
 _compat.register_batcher(libra_reduce_scatter_p, moved_batcher(
     libra_reduce_scatter_p, mirror_reduce_scatter, "scatter_dimension"))
 _compat.register_batcher(libra_all_gather_p, moved_batcher(

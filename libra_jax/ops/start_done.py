@@ -1,16 +1,18 @@
 """`libra_start` / `libra_done`: a collective issued early and waited for where it is needed.
 
 One pair of primitives for every kind, the kind a param (``collective``, a row of
-`libra_jax.collectives` with a start/done form: `PAIRS`, each kind's operands, params and
-lowering), as `libra_bucket` is every kind's bucket. The names the pairs had before
-(`libra_psum_start_p` / `libra_psum_done_p`, `libra_sharded_start_p` / `libra_sharded_done_p`)
-remain for a release as `base.OldName`s binding these.
+`libra_jax.collectives` with a "pair" form, `Pair`: each kind's operands, params and
+lowering, which this module provides the all-reduce's and the two sharded kinds' rows; another
+kind's is refused by its row, `collectives.NoForm`), as `libra_bucket` is every kind's bucket.
+The names the pairs had before (`libra_psum_start_p` / `libra_psum_done_p`,
+`libra_sharded_start_p` / `libra_sharded_done_p`) remain for a release as `base.OldName`s
+binding these.
 
-The all-reduce's pair (``collective="psum"``): `libra_jax.optimize(step, overlap="start-done")`
+The all-reduce's pair (``collective=psum``, its row): `libra_jax.optimize(step, overlap="start-done")`
 splits each planned gradient all-reduce (``overlap="auto"``, the default: each one the model
 picks) into two equations of the rewritten program:
 
-* ``libra_start(*xs, collective="psum")``, where the bucket's last gradient is ready:
+* ``libra_start(*xs, collective=psum)``, where the bucket's last gradient is ready:
   launches the all-reduce *in place* on the members where XLA put them (no packed copy). Its
   results are the members' buffers, in flight (each typed as its psum's result), and a token.
 * ``libra_done(*buffers, token, ...)``, after the rest of the backward pass (`rewrite`: the
@@ -69,13 +71,14 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from libra_jax import _compat
-from libra_jax.ops import lowering, packing
+from libra_jax import _compat, collectives
+from libra_jax.collectives import Collective
+from libra_jax.ops import lowering, packing, shards
 from libra_jax.ops.base import OldName, Platform, Rule, register_op
-from libra_jax.ops.psum import allreduce_call, members_abstract_eval
-from libra_jax.ops.sharded import flat_call
+from libra_jax.ops.psum import ALL_REDUCE, allreduce_call, members_abstract_eval
+from libra_jax.ops.sharded import ALL_GATHER, REDUCE_SCATTER, flat_call
 
-__all__ = ["libra_start_p", "libra_done_p", "PAIRS", "Pair", "register_pair", "TOKEN_AVAL",
+__all__ = ["libra_start_p", "libra_done_p", "Pair", "register_pair", "TOKEN_AVAL",
            "libra_psum_start_p", "libra_psum_done_p", "libra_sharded_start_p",
            "libra_sharded_done_p"]
 
@@ -95,20 +98,21 @@ TOKEN_AVAL = _compat.ShapedArray((1,), np.int32)
 # bound alone (eagerly, or in a program that returns or drops its buffer) is refused, naming
 # the call. A call id names one pair: two pairs of one program need two ids.
 
-_DONES: set[tuple[str, int]] = set()
+_DONES: set[tuple[Collective, int]] = set()
 
 
-def register_pair(collective: str, call_id: int) -> None:
-    """Says that the done of `collective`'s (``"psum"``, ``"psum_scatter"``, ``"all_gather"``)
-    call `call_id` is in the program being made (`optimize` calls it for the pairs it makes;
-    a done's abstract evaluation, for those bound by hand)."""
-    _DONES.add((collective, int(call_id)))
+def register_pair(collective: Collective | str, call_id: int) -> None:
+    """Says that the done of `collective`'s call `call_id` is in the program being made
+    (`optimize` calls it for the pairs it makes; a done's abstract evaluation, for those bound
+    by hand). `collective` is a row with a "pair" form, or its name where a pair is bound by
+    hand (`collectives.row_of`: the boundary where a name becomes a row)."""
+    _DONES.add((collectives.row_of(collective), int(call_id)))
 
 
-def _check_paired(collective: str, call_id: int) -> None:
+def _check_paired(collective: Collective, call_id: int) -> None:
     if (collective, int(call_id)) not in _DONES:
         raise ValueError(
-            f"libra_start (collective={collective!r}, call_id={call_id}) has no libra_done of "
+            f"libra_start (collective={collective.lax!r}, call_id={call_id}) has no libra_done of "
             "the same call in its program: its collective writes the in-flight buffer after "
             "start returns, so start must be followed by its done, which reads start's results "
             "(bound with the same collective and call_id). Bind the done, or let "
@@ -176,7 +180,7 @@ def _empty(aval: Any) -> Any:
 
 # --- start ----------------------------------------------------------------------
 
-def _psum_start_eval(*avals: Any, collective: str, axes: tuple, blocks: int,
+def _psum_start_eval(*avals: Any, collective: Collective, axes: tuple, blocks: int,
                      invariant: bool, call_id: int) -> Any:
     """Each member's buffer in flight, typed as its psum's result, and the token."""
     outs, effects = members_abstract_eval(*avals, axes=axes, blocks=blocks, invariant=invariant)
@@ -184,8 +188,8 @@ def _psum_start_eval(*avals: Any, collective: str, axes: tuple, blocks: int,
 
 
 def _psum_start_rule(platform: Platform) -> Rule:
-    def rule(ctx: Any, *xs: Any, collective: str, axes: tuple, blocks: int, invariant: bool,
-             call_id: int) -> list[Any]:
+    def rule(ctx: Any, *xs: Any, collective: Collective, axes: tuple, blocks: int,
+             invariant: bool, call_id: int) -> list[Any]:
         _check_paired(collective, call_id)
         call = allreduce_call(axes, blocks, invariant, inplace=True)
         outs: list[Any] = [None] * len(xs)
@@ -246,14 +250,14 @@ def _one_call(ctx: Any, xs: Sequence[Any], idx: Sequence[int], call: lowering.Ca
 
 # --- done -----------------------------------------------------------------------
 
-def _psum_done_eval(*operands: Any, collective: str, out_avals: tuple, axes: tuple,
+def _psum_done_eval(*operands: Any, collective: Collective, out_avals: tuple, axes: tuple,
                     blocks: int, call_id: int) -> Any:
-    register_pair("psum", call_id)
+    register_pair(collective, call_id)
     return list(out_avals), set()
 
 
 def _psum_done_rule(platform: Platform) -> Rule:
-    def rule(ctx: Any, *operands: Any, collective: str, out_avals: tuple, axes: tuple,
+    def rule(ctx: Any, *operands: Any, collective: Collective, out_avals: tuple, axes: tuple,
              blocks: int, call_id: int) -> list[Any]:
         # Its own start's buffers and token (done reads only its own start's results: where
         # done goes, its start goes), then tokens it must not run before (optimize's: the
@@ -295,8 +299,8 @@ def _done_call(target: str, at: int, count: int = 1) -> Any:
 
 # --- The sharded kinds' start/done (reduce-scatter, all-gather) ---------------------------
 #
-# One form for both collectives (`collective`: "psum_scatter" or "all_gather", a row of
-# `lowering.COLLECTIVES`), each start's operand one array. The in-flight value is one flat
+# One form for both collectives (`collective`: the reduce-scatter's or the all-gather's row,
+# each holding this pair), each start's operand one array. The in-flight value is one flat
 # buffer of the full size per device, the devices' shards in rank order (the scattered or
 # gathered dimension moved to the front: no copy where it is the first), worked on in place
 # as NCCL's in-place collectives are (cpp/libra/engine.h, "In place"):
@@ -323,23 +327,23 @@ def _done_call(target: str, at: int, count: int = 1) -> Any:
 # value), apart from the psum buckets' slots, so a program's pairs of every kind may share ids.
 
 
-def _sharded_key(call_id: int, collective: str) -> np.int64:
-    return _key(call_id, _SHARDED_SLOT + lowering.COLLECTIVES[collective].enum)
+def _sharded_key(call_id: int, collective: Collective) -> np.int64:
+    return _key(call_id, _SHARDED_SLOT + collective.enum)
 
 
-def _flat_aval(aval: Any, collective: str, axis_size: int) -> Any:
+def _flat_aval(aval: Any, collective: Collective, axis_size: int) -> Any:
     """The in-flight buffer's type: the full buffer, flat, typed as the operand otherwise."""
-    gathers = lowering.COLLECTIVES[collective].gathers
-    return aval.update(shape=(int(np.prod(aval.shape)) * (axis_size if gathers else 1),))
+    size = int(np.prod(aval.shape)) * (axis_size if collective.gathers else 1)
+    return aval.update(shape=(size,))
 
 
-def _sharded_start_eval(aval: Any, *after: Any, collective: str, axes: tuple,
+def _sharded_start_eval(aval: Any, *after: Any, collective: Collective, axes: tuple,
                         dimension: int, axis_size: int, tiled: bool, blocks: int | None,
                         call_id: int) -> Any:
     return [_flat_aval(aval, collective, axis_size), TOKEN_AVAL], _compat.axis_effects(axes)
 
 
-def _sharded_done_eval(flat: Any, token: Any, *after: Any, collective: str, axes: tuple,
+def _sharded_done_eval(flat: Any, token: Any, *after: Any, collective: Collective, axes: tuple,
                        dimension: int, axis_size: int, tiled: bool, blocks: int | None,
                        call_id: int, out_avals: tuple) -> Any:
     register_pair(collective, call_id)
@@ -347,13 +351,13 @@ def _sharded_done_eval(flat: Any, token: Any, *after: Any, collective: str, axes
 
 
 def _sharded_start_rule(platform: Platform) -> Rule:
-    def rule(ctx: Any, x: Any, *after: Any, collective: str, axes: tuple, dimension: int,
+    def rule(ctx: Any, x: Any, *after: Any, collective: Collective, axes: tuple, dimension: int,
              axis_size: int, tiled: bool, blocks: int | None, call_id: int) -> list[Any]:
         _check_paired(collective, call_id)
         call = flat_call(collective, axes, axis_size, blocks)
         gathers = call.row.gathers
         ctx_x = ctx.replace(avals_in=ctx.avals_in[:1])
-        flat, flat_in = lowering.to_row_of_shards(ctx_x, x, gathers, dimension, tiled)
+        flat, flat_in = shards.to_row_of_shards(ctx_x, x, gathers, dimension, tiled)
         flat_ctx = ctx.replace(primitive=None, avals_in=[flat_in])
         full = ctx.avals_out[0]
         pair = lowering.pair_call(flat_ctx, call, platform)
@@ -373,7 +377,7 @@ def _sharded_start_rule(platform: Platform) -> Rule:
 
 
 def _sharded_done_rule(platform: Platform) -> Rule:
-    def rule(ctx: Any, flat: Any, token: Any, *after: Any, collective: str, axes: tuple,
+    def rule(ctx: Any, flat: Any, token: Any, *after: Any, collective: Collective, axes: tuple,
              dimension: int, axis_size: int, tiled: bool, blocks: int | None, call_id: int,
              out_avals: tuple) -> list[Any]:
         flat_aval = ctx.avals_in[0]
@@ -391,7 +395,7 @@ def _sharded_done_rule(platform: Platform) -> Rule:
                 flat, = _compat.ir_values(lowering.lower(
                     ctx.replace(primitive=None, avals_in=[flat_aval], avals_out=[result_flat]),
                     flat, call, platform))
-            return lowering.from_row_of_shards(ctx, flat, result_flat, out_aval, gathers,
+            return shards.from_row_of_shards(ctx, flat, result_flat, out_aval, gathers,
                                                dimension, tiled)
         # The in-flight buffer once (aliased to the output), and the token: no copy.
         done_in, avals, at = pair.done_operands([flat], [flat_aval], token, after,
@@ -399,7 +403,7 @@ def _sharded_done_rule(platform: Platform) -> Rule:
         flat, = _compat.ir_values(_done_call(pair.done, at)(ctx.replace(
             primitive=None, avals_in=avals, avals_out=[flat_aval]), *done_in,
             call_id=_sharded_key(call_id, collective)))
-        return lowering.from_row_of_shards(ctx, flat, flat_aval, out_aval, gathers, dimension,
+        return shards.from_row_of_shards(ctx, flat, flat_aval, out_aval, gathers, dimension,
                                            tiled, rank_group=None if gathers else pair.rank_group)
     return rule
 
@@ -417,40 +421,34 @@ class Pair(NamedTuple):
     done_rule: Callable[[Platform], Rule]
 
 
+# The kinds with a start/done form: their rows hold it (`collectives.Collective.provide`);
+# the two sharded kinds share one.
+ALL_REDUCE.provide("pair", Pair(_psum_start_eval, _psum_start_rule, _psum_done_eval,
+                                _psum_done_rule))
 _SHARDED_PAIR = Pair(_sharded_start_eval, _sharded_start_rule, _sharded_done_eval,
                      _sharded_done_rule)
-#: The kinds with a start/done form, by their `jax.lax` names (rows of `libra_jax.collectives`).
-PAIRS: dict[str, Pair] = {
-    "psum": Pair(_psum_start_eval, _psum_start_rule, _psum_done_eval, _psum_done_rule),
-    "psum_scatter": _SHARDED_PAIR,
-    "all_gather": _SHARDED_PAIR,
-}
+REDUCE_SCATTER.provide("pair", _SHARDED_PAIR)
+ALL_GATHER.provide("pair", _SHARDED_PAIR)
 
 
-def _pair(collective: str) -> Pair:
-    if collective not in PAIRS:
-        raise ValueError(f"libra_start/libra_done: no start/done form for {collective!r} (one "
-                         f"of {', '.join(PAIRS)})")
-    return PAIRS[collective]
+def start_abstract_eval(*operands: Any, collective: Collective, **params: Any) -> Any:
+    """The kind's in-flight buffers (typed as its `Pair` says) and the token; its effects. A
+    kind without a pair is refused by its row (`collectives.NoForm`)."""
+    return collective.form("pair").start_eval(*operands, collective=collective, **params)
 
 
-def start_abstract_eval(*operands: Any, collective: str, **params: Any) -> Any:
-    """The kind's in-flight buffers (typed as its `Pair` says) and the token; its effects."""
-    return _pair(collective).start_eval(*operands, collective=collective, **params)
-
-
-def done_abstract_eval(*operands: Any, collective: str, **params: Any) -> Any:
+def done_abstract_eval(*operands: Any, collective: Collective, **params: Any) -> Any:
     """The kind's results (``out_avals``); registers the call as paired (`register_pair`)."""
-    return _pair(collective).done_eval(*operands, collective=collective, **params)
+    return collective.form("pair").done_eval(*operands, collective=collective, **params)
 
 
-def _by_kind(form: str) -> Callable[[Platform], Rule]:
-    """The lowering of `form` (``"start_rule"`` or ``"done_rule"``) on a platform: the kind's."""
+def _by_kind(rule_of: str) -> Callable[[Platform], Rule]:
+    """The lowering of `rule_of` (``"start_rule"`` or ``"done_rule"``) on a platform: the
+    kind's, from its row's pair."""
     def lowering_for(platform: Platform) -> Rule:
-        rules = {kind: getattr(pair, form)(platform) for kind, pair in PAIRS.items()}
-
-        def rule(ctx: Any, *operands: Any, collective: str, **params: Any) -> Any:
-            return rules[collective](ctx, *operands, collective=collective, **params)
+        def rule(ctx: Any, *operands: Any, collective: Collective, **params: Any) -> Any:
+            kind_rule = getattr(collective.form("pair"), rule_of)(platform)
+            return kind_rule(ctx, *operands, collective=collective, **params)
         return rule
     return lowering_for
 
@@ -478,7 +476,7 @@ def _only(results: Any) -> Any:
 
 # The pairs' names before (kept for a release): the all-reduce's, and the sharded pair's,
 # whose kind was already a param.
-libra_psum_start_p = OldName("libra_psum_start", libra_start_p, "psum")
-libra_psum_done_p = OldName("libra_psum_done", libra_done_p, "psum")
+libra_psum_start_p = OldName("libra_psum_start", libra_start_p, ALL_REDUCE)
+libra_psum_done_p = OldName("libra_psum_done", libra_done_p, ALL_REDUCE)
 libra_sharded_start_p = OldName("libra_sharded_start", libra_start_p, None, _sharded_params)
 libra_sharded_done_p = OldName("libra_sharded_done", libra_done_p, None, _sharded_params, _only)

@@ -15,6 +15,7 @@ from typing import NamedTuple, TypeGuard
 import numpy as np
 
 from libra_jax import collectives
+from libra_jax.collectives import Collective
 
 TIE_RTOL = 1e-12  # backward times within this relative distance are a tie
 #: Horovod 0.20.3's HOROVOD_FUSION_THRESHOLD default (the version Libra patched): the default
@@ -40,8 +41,8 @@ BLOCK_PENALTY = 0.025
 
 
 def no_overlap_allocation(cost: CostModel, nbytes: float, blocks_of: Callable[[int], int],
-                          collective: str = "all-reduce") -> int:
-    """The allocation of a `collective` of `nbytes` per rank (a reduce-scatter's input, an
+                          collective: Collective) -> int:
+    """The allocation of a `collective` (its row) of `nbytes` per rank (a reduce-scatter's input, an
     all-gather's output) with no overlapped compute known (``psum(blocks=None)`` outside
     `optimize`): the option that minimises its predicted time times (1 + `BLOCK_PENALTY` x
     blocks), `blocks_of(key)` being the option's block count, so that more blocks must buy
@@ -73,6 +74,14 @@ def _is_real(value: object) -> bool:
 #: data-parallel gradient is all-reduced; a sharded parameter's (FSDP, ZeRO-3) is
 #: reduce-scattered; the all-gather is priced by the same terms.
 COLLECTIVES: tuple[str, ...] = collectives.KINDS
+#: The kind a `CostModel`'s tables and ``latency_s`` price, every other kind's terms measured
+#: against it (`CollectiveTerms`), a `Layer`'s default: `collectives.REFERENCE`.
+REFERENCE: Collective = collectives.REFERENCE
+
+
+def _others() -> list[Collective]:
+    """The kinds priced by their `CollectiveTerms`, in table order (the rows as they are now)."""
+    return [row for row in collectives.ROWS if row is not REFERENCE]
 
 
 @dataclass(frozen=True)
@@ -81,22 +90,28 @@ class Layer:
 
     ``compute_s`` is its backward compute at full speed (seconds); ``grad_bytes`` the size of the
     gradient it produces, ready for its collective when the layer ends (the unsharded buffer:
-    a reduce-scatter's input); ``collective`` (one of `COLLECTIVES`) what reduces it. A bucket
-    holds layers of one collective only.
+    a reduce-scatter's input); ``collective`` what reduces it: its row (`libra_jax.collectives`),
+    or its name (one of `COLLECTIVES`, or its `jax.lax` name), which becomes its row; the
+    all-reduce by default. A bucket holds layers of one collective only.
     """
 
     compute_s: float
     grad_bytes: int
-    collective: str = "all-reduce"
+    collective: Collective = REFERENCE
 
     def __post_init__(self) -> None:
         if not _is_real(self.compute_s) or not math.isfinite(self.compute_s) or self.compute_s < 0:
             raise ValueError(f"Layer.compute_s must be a finite number >= 0, got {self.compute_s!r}")
         if not _is_int(self.grad_bytes) or self.grad_bytes < 0:
             raise ValueError(f"Layer.grad_bytes must be an integer >= 0, got {self.grad_bytes!r}")
-        if self.collective not in COLLECTIVES:
+        try:
+            row = collectives.row_of(self.collective)
+        except (ValueError, TypeError):
+            row = None
+        if row is None or row not in collectives.ROWS:
             raise ValueError(f"Layer.collective must be one of {', '.join(COLLECTIVES)}, "
                              f"got {self.collective!r}")
+        object.__setattr__(self, "collective", row)
         object.__setattr__(self, "compute_s", float(self.compute_s))
         object.__setattr__(self, "grad_bytes", int(self.grad_bytes))
 
@@ -159,9 +174,9 @@ class CostModel:
     a call costs only its latency and fusion is free, as in the paper.
 
     The tables and ``latency_s`` are the all-reduce's; ``collectives`` prices the others a
-    layer may ask for (`Layer.collective`), each by its `CollectiveTerms`: a bucket of
-    ``b`` bytes of collective ``c`` costs ``issue_s + terms(c).latency_s + b * terms(c).traffic
-    / bw[k]`` (`terms`).
+    layer may ask for (`Layer.collective`), each by its `CollectiveTerms` under its row (given
+    by its row or its name, which becomes its row): a bucket of ``b`` bytes of collective ``c``
+    costs ``issue_s + terms(c).latency_s + b * terms(c).traffic / bw[k]`` (`terms`).
     """
 
     latency_s: float
@@ -170,7 +185,7 @@ class CostModel:
     slowdown: Mapping[int, float]
     pack_s_per_byte: float = 0.0
     call_s: float = 0.0
-    collectives: Mapping[str, CollectiveTerms] = dataclasses.field(
+    collectives: Mapping[Collective, CollectiveTerms] = dataclasses.field(
         default_factory=lambda: MappingProxyType({}))
 
     def __post_init__(self) -> None:
@@ -194,33 +209,39 @@ class CostModel:
         if not isinstance(self.collectives, Mapping):
             raise ValueError("CostModel.collectives must map a collective to its CollectiveTerms, "
                              f"got {type(self.collectives).__name__}")
-        others = {}
-        for name in COLLECTIVES[1:]:  # in table order
-            if name in self.collectives:
-                if not isinstance(self.collectives[name], CollectiveTerms):
-                    raise ValueError(f"CostModel.collectives[{name!r}] must be CollectiveTerms, "
-                                     f"got {type(self.collectives[name]).__name__}")
-                others[name] = self.collectives[name]
-        unknown = [c for c in self.collectives if c not in others]
-        if unknown:
-            raise ValueError(f"CostModel.collectives: {unknown[0]!r} is not priced this way "
-                             f"(one of {', '.join(COLLECTIVES[1:])}; the all-reduce's terms are "
-                             "latency_s and the tables)")
-        object.__setattr__(self, "collectives", MappingProxyType(others))
+        others = _others()
+        given: dict[Collective, CollectiveTerms] = {}
+        for key, terms in self.collectives.items():  # a row, or its name (the public form)
+            try:
+                row: Collective | None = collectives.row_of(key)
+            except (ValueError, TypeError):
+                row = None
+            if row is None or row not in others:
+                given_as = key if row is None else row.kind
+                raise ValueError(f"CostModel.collectives: {given_as!r} is not priced this way "
+                                 f"(one of {', '.join(r.kind for r in others)}; the all-reduce's "
+                                 "terms are latency_s and the tables)")
+            if not isinstance(terms, CollectiveTerms):
+                raise ValueError(f"CostModel.collectives[{row.kind!r}] must be CollectiveTerms, "
+                                 f"got {type(terms).__name__}")
+            given[row] = terms
+        object.__setattr__(self, "collectives", MappingProxyType(  # in table order
+            {row: given[row] for row in others if row in given}))
 
     def __hash__(self) -> int:
         return hash((self.latency_s, tuple(self.solo_bw.items()), tuple(self.overlap_bw.items()),
                      tuple(self.slowdown.items()), self.pack_s_per_byte, self.call_s,
                      tuple(self.collectives.items())))
 
-    def terms(self, collective: str) -> CollectiveTerms:
-        """The latency and traffic of `collective` (the all-reduce's: ``latency_s`` and 1)."""
-        if collective == "all-reduce":
+    def terms(self, collective: Collective) -> CollectiveTerms:
+        """The latency and traffic of `collective` (its row; the all-reduce's: ``latency_s``
+        and 1)."""
+        if collective is REFERENCE:
             return CollectiveTerms(self.latency_s, 1.0)
         terms = self.collectives.get(collective)
         if terms is None:
-            raise ValueError(f"this CostModel does not price the {collective}: give "
-                             f"CostModel(collectives={{{collective!r}: CollectiveTerms(...)}}) "
+            raise ValueError(f"this CostModel does not price the {collective.kind}: give "
+                             f"CostModel(collectives={{{collective.kind!r}: CollectiveTerms(...)}}) "
                              "(`model.derive` prices every collective)")
         return terms
 
@@ -445,7 +466,7 @@ def _pricing(layers: Sequence[Layer], cost: CostModel) -> _Pricing:
         return _Pricing(wire, lat, None)
     runs = [len(layers) - 1] * len(layers)
     for i in range(len(layers) - 2, -1, -1):
-        same = layers[i + 1].collective == layers[i].collective
+        same = layers[i + 1].collective is layers[i].collective
         runs[i] = runs[i + 1] if same else i
     return _Pricing(wire, lat, runs)
 
@@ -463,10 +484,10 @@ def _check_one_collective(layers: Sequence[Layer], ranges: Sequence[tuple[int, i
     """Raise unless every bucket of `ranges` holds layers of one collective."""
     for j, (first, last) in enumerate(ranges):
         for i in range(first + 1, last + 1):
-            if layers[i].collective != layers[first].collective:
+            if layers[i].collective is not layers[first].collective:
                 raise ValueError(f"bucket {j} (layers {first}..{last}) mixes the "
-                                 f"{layers[first].collective} of layer {first} and the "
-                                 f"{layers[i].collective} of layer {i}: a bucket holds one "
+                                 f"{layers[first].collective.kind} of layer {first} and the "
+                                 f"{layers[i].collective.kind} of layer {i}: a bucket holds one "
                                  "collective")
 
 

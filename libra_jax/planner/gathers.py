@@ -6,6 +6,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from libra_jax import collectives
 from libra_jax.planner.core import (
     TIE_RTOL,
     CostModel,
@@ -30,6 +31,12 @@ from libra_jax.planner.core import (
 # ``1/slowdown[k]`` while a gather is active (latency included). Gathers run one at a time in
 # order (one communication stream), so a larger distance only helps until the stream is busy,
 # and every gather issued but not yet used holds its gathered buffer: the memory bound.
+
+
+def _gather() -> collectives.Collective:
+    """The kind these passes issue: the row whose operand is one rank's shard and whose result
+    the whole buffer (`collectives.Collective.gathers`), as the rows are when asked."""
+    return next(row for row in collectives.ROWS if row.gathers)
 
 
 @dataclass(frozen=True)
@@ -118,7 +125,7 @@ def gather_timeline(steps: Sequence[GatherStep], cost: CostModel, *, distance: i
         ks = [_check_blocks(blocks, cost)] * m
     if not _is_real(lead_s) or not math.isfinite(lead_s) or lead_s < 0:
         raise ValueError(f"lead_s must be a finite number >= 0, got {lead_s!r}")
-    terms = cost.terms("all-gather")
+    terms = cost.terms(_gather())
     if not m:  # the lead's compute alone
         return GatherTimeline((), ((-1, 0.0, float(lead_s), 1.0),) if lead_s else (), float(lead_s))
     issue = [0.0 if i < distance else math.inf for i in range(m)]

@@ -98,7 +98,7 @@ def edit_bucket(rw: Rewriter, eqns: Sequence[Any], bucket: list[Site], axes: tup
                     eqns, [site], axes, invariant, k, rw.call_id())
             else:
                 edits.replacements[site.index] = single_eqn(eqns[site.index], site, k, invars)
-                _say_copy(rw, eqns, site, scope, invars)
+                _say_copy(rw, eqns, site, scope, edits.replacements[site.index])
         rw.report.plans.extend(
             PsumPlan(scope, axes, (s.index,), s.nbytes, k, "gradient", mode, s.collective)
             for s in bucket)
@@ -169,14 +169,15 @@ def deferred_s(rw: Rewriter, eqns: Sequence[Any], outvars: Sequence[Any],
             for r in reached]
 
 
-def _say_copy(rw: Rewriter, eqns: Sequence[Any], site: Site, scope: str, invars: set) -> None:
-    """Notes a psum issued in place (`single_eqn`) whose operand another equation reads too:
-    XLA must copy the operand first, as the all-reduce overwrites it (a bucket packs its
-    members into a buffer of its own, so only a psum alone is in place)."""
+def _say_copy(rw: Rewriter, eqns: Sequence[Any], site: Site, scope: str, issued: Any) -> None:
+    """Notes a psum issued in place (`single_eqn`'s equation `issued`, ``inplace``: its
+    operand is no input of the scope) whose operand another equation reads too: XLA must copy
+    the operand first, as the all-reduce overwrites it (a bucket packs its members into a
+    buffer of its own, so only a psum alone is in place)."""
     eqn = eqns[site.index]
     operand = eqn.invars[0]
-    if not (site.collective == "all-reduce" and eqn.params.get("inplace", True)
-            and _compat.is_var(operand) and operand not in invars):
+    if not (issued.params.get("inplace", False) and eqn.params.get("inplace", True)
+            and _compat.is_var(operand)):
         return
     readers = sum(v is operand for e in eqns for v in e.invars if _compat.is_var(v))
     if readers > 1:

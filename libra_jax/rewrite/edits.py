@@ -2,9 +2,12 @@
 
 `Edits` records the changes by equation position; `schedule` applies them (a start/done
 pair's done waits, with the compute downstream of its results, until something needs them).
-The equations the rewrite writes for a site or a bucket (`single_eqn`, `fused_eqn`,
-`start_done_eqns`, `gather_pair_eqns`) and the rules of what may be fused and moved
-(`fusable_reach`, `within_class`, `can_fuse`, `sunk_after`, `sink_gathers`) are here.
+The equations the rewrite writes for a site or a bucket (`single_eqn`: its kind's "emitter"
+form, provided here for each kind; `fused_eqn`, `start_done_eqns`, `gather_pair_eqns`) and the
+rules of what may be fused and moved (`fusable_reach`, `within_class`, `can_fuse`,
+`sunk_after`, `sink_gathers`) are here. Every equation binds its kind's libra primitive (its
+row's "primitive" form) or names its row (``collective=<row>``); a kind without the form asked
+for is refused by name (`collectives.NoForm`), never issued as another kind.
 """
 from __future__ import annotations
 
@@ -14,25 +17,20 @@ import hashlib
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from libra_jax import _compat
-from libra_jax.ops import (
-    libra_all_gather_p,
-    libra_all_to_all_p,
-    libra_bucket_p,
-    libra_psum_p,
-    libra_reduce_scatter_p,
-)
+from libra_jax import _compat, collectives
+from libra_jax.collectives import Collective
+from libra_jax.ops import libra_bucket_p
 from libra_jax.ops.start_done import (
     TOKEN_AVAL,
     libra_done_p,
     libra_start_p,
     register_pair,
 )
-from libra_jax.rewrite.sites import GATHERS, Site, is_psum, no_form
+from libra_jax.rewrite.sites import Site, is_psum, no_form
 
 __all__ = ["Edits", "schedule", "downstream_of", "sunk_after", "can_fuse", "fusable_reach",
-           "within_class", "single_eqn", "fused_eqn", "start_done_eqns", "gather_pair_eqns",
-           "program_fingerprint", "sink_gathers", "map_jaxprs"]
+           "within_class", "single_eqn", "fused_eqn", "pairs_bucket", "start_done_eqns",
+           "gather_pair_eqns", "program_fingerprint", "sink_gathers", "map_jaxprs"]
 
 
 @dataclasses.dataclass
@@ -184,52 +182,88 @@ def within_class(members: Sequence[Site], reach: Sequence[int] | None) -> list[i
     return out
 
 
+#: An "emitter" form: ``emit(eqn, site, blocks, invars)``, the site's equation as libra's
+#: single call of its kind at `blocks` (`invars`: the scope's inputs, which a psum may not
+#: overwrite).
+Emitter = Callable[[Any, Site, int, set], Any]
+
+
 def single_eqn(eqn: Any, site: Site, blocks: int, invars: set) -> Any:
-    """The site's equation as libra's single call of its kind, at `blocks`."""
-    if site.collective == "all-gather":
-        if site.gather is None:
-            raise no_form(site.collective, "all_gather parameters (Site.gather)")
-        dimension, size, tiled, invariant = site.gather
-        return eqn.replace(primitive=libra_all_gather_p,
-                           params=dict(axis_name=site.axes, all_gather_dimension=dimension,
-                                       axis_size=size, tiled=tiled, invariant=invariant,
-                                       blocks=int(blocks)))
-    if site.collective == "reduce-scatter":
-        if site.scatter is None:
-            raise no_form(site.collective, "psum_scatter parameters (Site.scatter)")
-        dimension, size, tiled = site.scatter
-        return eqn.replace(primitive=libra_reduce_scatter_p,
-                           params=dict(axis_name=site.axes, scatter_dimension=dimension,
-                                       axis_size=size, tiled=tiled, blocks=int(blocks)))
-    if site.collective == "all-to-all":
-        if site.exchange is None:
-            raise no_form(site.collective, "all_to_all parameters (Site.exchange)")
-        split, concat, tiled = site.exchange
-        return eqn.replace(primitive=libra_all_to_all_p,
-                           params=dict(axis_name=site.axes, split_axis=split,
-                                       concat_axis=concat, tiled=tiled, blocks=int(blocks)))
-    if site.collective != "all-reduce":
-        raise no_form(site.collective, "single call")
+    """The site's equation as libra's single call of its kind, at `blocks`: its row's
+    "emitter" form (`collectives.NoForm` naming the kind where it has none)."""
+    emit: Emitter = site.collective.form("emitter")
+    return emit(eqn, site, blocks, invars)
+
+
+def _emits(lax: str) -> Callable[[Emitter], Emitter]:
+    """Provides the decorated function as the "emitter" form of the kind `jax.lax` calls
+    `lax`: where this module defines that kind's equation, its one naming of the kind."""
+    return lambda emit: collectives.BY_LAX[lax].provide("emitter", emit)
+
+
+@_emits("psum")
+def _all_reduce(eqn: Any, site: Site, blocks: int, invars: set) -> Any:
+    """libra's psum, in place unless its operand is one of the scope's inputs."""
     operand = eqn.invars[0]
     inplace = not (_compat.is_var(operand) and operand in invars)
-    return eqn.replace(primitive=libra_psum_p,
+    return eqn.replace(primitive=site.collective.form("primitive"),
                        params=dict(axes=site.axes, blocks=int(blocks), inplace=inplace,
                                    invariant=site.invariant))
 
 
+@_emits("psum_scatter")
+def _reduce_scatter(eqn: Any, site: Site, blocks: int, invars: set) -> Any:
+    if site.scatter is None:
+        raise no_form(site.collective, "psum_scatter parameters (Site.scatter)")
+    dimension, size, tiled = site.scatter
+    return eqn.replace(primitive=site.collective.form("primitive"),
+                       params=dict(axis_name=site.axes, scatter_dimension=dimension,
+                                   axis_size=size, tiled=tiled, blocks=int(blocks)))
+
+
+@_emits("all_gather")
+def _all_gather(eqn: Any, site: Site, blocks: int, invars: set) -> Any:
+    if site.gather is None:
+        raise no_form(site.collective, "all_gather parameters (Site.gather)")
+    dimension, size, tiled, invariant = site.gather
+    return eqn.replace(primitive=site.collective.form("primitive"),
+                       params=dict(axis_name=site.axes, all_gather_dimension=dimension,
+                                   axis_size=size, tiled=tiled, invariant=invariant,
+                                   blocks=int(blocks)))
+
+
+@_emits("all_to_all")
+def _all_to_all(eqn: Any, site: Site, blocks: int, invars: set) -> Any:
+    if site.exchange is None:
+        raise no_form(site.collective, "all_to_all parameters (Site.exchange)")
+    split, concat, tiled = site.exchange
+    return eqn.replace(primitive=site.collective.form("primitive"),
+                       params=dict(axis_name=site.axes, split_axis=split,
+                                   concat_axis=concat, tiled=tiled, blocks=int(blocks)))
+
+
 def fused_eqn(eqns: Sequence[Any], bucket: Sequence[Site], axes: tuple, invariant: bool,
            blocks: int) -> Any:
+    """A bucket as one `libra_bucket` equation of its kind (its row's "bucket" form:
+    `collectives.NoForm` where it has none): a reduce-scatter's with its members' group size
+    and tiling (along their first dimension: `Site.bucket_class`), an all-reduce's with its
+    invariance."""
     members = [eqns[s.index] for s in bucket]
     effects = set().union(*(e.effects for e in members))
-    kind = bucket[0].collective
-    if kind == "reduce-scatter" and bucket[0].scatter is not None:  # along their first dimension
-        params = dict(collective="psum_scatter", axes=axes, axis_size=bucket[0].scatter[1],
+    row = bucket[0].collective
+    row.form("bucket")
+    params: dict[str, Any]
+    if row.scatters:
+        scatter = bucket[0].scatter
+        if scatter is None:
+            raise no_form(row, "psum_scatter parameters (Site.scatter)")
+        params = dict(collective=row, axes=axes, axis_size=scatter[1],
                       tiled=tuple(s.scatter[2] for s in bucket if s.scatter is not None),
                       blocks=int(blocks))
-    elif kind == "all-reduce":
-        params = dict(collective="psum", axes=axes, blocks=int(blocks), invariant=invariant)
+    elif row.sums:
+        params = dict(collective=row, axes=axes, blocks=int(blocks), invariant=invariant)
     else:
-        raise no_form(kind, "bucket (one call over its members)")
+        raise no_form(row, "bucket parameters")
     # From the last member's equation, so that its context (the mesh JAX checks the psum's
     # types against, under `jax.set_mesh`) and source info carry over, as `single_eqn`'s do.
     return members[-1].replace(
@@ -237,12 +271,23 @@ def fused_eqn(eqns: Sequence[Any], bucket: Sequence[Site], axes: tuple, invarian
         primitive=libra_bucket_p, params=params, effects=effects)
 
 
+def pairs_bucket(row: Collective) -> bool:
+    """Whether `start_done_eqns` issues a bucket of kind `row` as a start/done pair: a kind
+    with a pair (`ops.start_done`) whose members' results are their operands' shape (the
+    replicated layout, the all-reduce's). A bucket of another kind (psum_scatters) is one
+    call: no start/done pair of a bucket of it yet."""
+    return row.has("pair") and row.layout == "replicated"
+
+
 def start_done_eqns(eqns: Sequence[Any], bucket: Sequence[Site], axes: tuple, invariant: bool,
                 blocks: int, call_id: int) -> tuple[Any, Any]:
-    """A bucket as a `libra_start` equation of the all-reduce (its operands -> each member's
-    buffer in flight and a token) and a `libra_done` equation (those buffers, that token and an
-    ordering token -> the members' results; `schedule` makes the ordering token the latest
-    start's)."""
+    """A bucket as a `libra_start` equation of its kind (the all-reduce's: `pairs_bucket`; its
+    operands -> each member's buffer in flight and a token) and a `libra_done` equation (those
+    buffers, that token and an ordering token -> the members' results; `schedule` makes the
+    ordering token the latest start's)."""
+    row = bucket[0].collective
+    if not pairs_bucket(row):
+        raise no_form(row, "start/done pair of a bucket")
     members = [eqns[s.index] for s in bucket]
     effects = set().union(*(e.effects for e in members))
     operands = [e.invars[0] for e in members]
@@ -252,24 +297,28 @@ def start_done_eqns(eqns: Sequence[Any], bucket: Sequence[Site], axes: tuple, in
     # Both from the last member's equation: its context and source info carry over (`fused_eqn`).
     start = members[-1].replace(
         invars=operands, outvars=[*flat_vars, token], primitive=libra_start_p,
-        params=dict(collective="psum", axes=axes, blocks=int(blocks), invariant=invariant,
+        params=dict(collective=row, axes=axes, blocks=int(blocks), invariant=invariant,
                     call_id=call_id), effects=effects)
-    register_pair("psum", call_id)
+    register_pair(row, call_id)
     done = members[-1].replace(
         invars=[*flat_vars, token, token], outvars=results, primitive=libra_done_p,
-        params=dict(collective="psum", out_avals=tuple(v.aval for v in results), axes=axes,
+        params=dict(collective=row, out_avals=tuple(v.aval for v in results), axes=axes,
                     blocks=int(blocks), call_id=call_id), effects=set())
     return start, done
 
 
 def gather_pair_eqns(eqn: Any, site: Site, blocks: int, call_id: int,
                  after: Any = None) -> tuple[Any, Any]:
-    """An all_gather as a `libra_start` equation (its operand, and `after` where given: a value
-    it must not start before, which it reads and ignores -> the full buffer in flight and a
-    token) and a `libra_done` equation (those -> the gather's result), both from the gather's
-    equation (its context and source info carry over)."""
-    dimension, size, tiled, _ = site.gather  # type: ignore[misc]
-    params = dict(collective="all_gather", axes=site.axes, dimension=dimension,
+    """An all_gather as a `libra_start` equation of its kind's pair (its operand, and `after`
+    where given: a value it must not start before, which it reads and ignores -> the full
+    buffer in flight and a token) and a `libra_done` equation (those -> the gather's result),
+    both from the gather's equation (its context and source info carry over)."""
+    row = site.collective
+    row.form("pair")
+    if site.gather is None:
+        raise no_form(row, "all_gather parameters (Site.gather)")
+    dimension, size, tiled, _ = site.gather
+    params = dict(collective=row, axes=site.axes, dimension=dimension,
                   axis_size=size, tiled=tiled, blocks=int(blocks), call_id=call_id)
     operand, result = eqn.invars[0], eqn.outvars[0]
     flat_aval, token_aval = libra_start_p.abstract_eval(operand.aval, **params)[0]
@@ -278,7 +327,7 @@ def gather_pair_eqns(eqn: Any, site: Site, blocks: int, call_id: int,
                         invars=[operand] + ([after] if after is not None else []),
                         outvars=[flat, token],
                         params=params, effects=eqn.effects)
-    register_pair("all_gather", call_id)
+    register_pair(row, call_id)
     done = eqn.replace(primitive=libra_done_p, invars=[flat, token], outvars=[result],
                        params=dict(params, out_avals=(result.aval,)), effects=set())
     return start, done
@@ -325,7 +374,8 @@ def sink_gathers(eqns: Sequence[Any]) -> list[Any]:
     for i, eqn in enumerate(eqns):
         out.extend(moved.pop(i, ()))
         use = first_use.get(eqn.outvars[0], i + 1) if eqn.outvars else i + 1
-        if (eqn.primitive.name in GATHERS or eqn.primitive is libra_all_gather_p) and use > i + 1:
+        row = collectives.of_primitive(eqn.primitive)
+        if row is not None and row.gathers and use > i + 1:
             moved.setdefault(use, []).append(eqn)
         else:
             out.append(eqn)

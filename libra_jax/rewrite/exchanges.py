@@ -32,8 +32,8 @@ def edit_exchanges(eqns: Sequence[Any], exchanges: Sequence[Site], axis_sizes: d
                 else "backward" if in_backward or site.index in backward else "forward")
         if k is None:
             k = allreduce.default_blocks(site.nbytes, group_size(axis_sizes, site.axes),
-                                         profile, collective="all_to_all")
+                                         profile, collective=site.collective)
             edits.replacements[site.index] = single_eqn(eqns[site.index], site, k, invars)
         plans.append(PsumPlan(scope, site.axes, (site.index,), site.nbytes, int(k), kind,
-                              collective=site.collective))
+                              "sync", site.collective))
     return plans

@@ -50,12 +50,12 @@ def edit_gathers(rw: Rewriter, eqns: Sequence[Any], gathers: Sequence[Site], axi
         k, overlap, distance = issued.get(site.index, (site.explicit_blocks, "sync", 0))
         if k is None:
             k = allreduce.default_blocks(site.nbytes, group_size(axis_sizes, site.axes),
-                                         rw.profile, collective="all_gather")
+                                         rw.profile, collective=site.collective)
         if site.explicit_blocks is None and site.index not in issued:
             edits.replacements[site.index] = single_eqn(eqns[site.index], site, k, invars)
         rw.report.plans.append(PsumPlan(scope, site.axes, (site.index,), site.nbytes,
                                           int(k), kinds[site.index], overlap,
-                                          "all-gather", distance))
+                                          site.collective, distance))
 
 
 def prefetch_gathers(rw: Rewriter, eqns: Sequence[Any], sites: Sequence[Site], axis_sizes: dict,
@@ -84,7 +84,7 @@ def prefetch_gathers(rw: Rewriter, eqns: Sequence[Any], sites: Sequence[Site], a
     bounds = [*positions, len(eqns)]
     steps = [planner.GatherStep(float(sum(costs[bounds[j] + 1:bounds[j + 1]])),
                                 int(site.nbytes)) for j, site in enumerate(sites)]
-    one_call = [derivation.no_overlap_key(site.nbytes, "all-gather") for site in sites]
+    one_call = [derivation.no_overlap_key(site.nbytes, site.collective) for site in sites]
     lead_s = float(sum(costs[:positions[0]]))
     if len(sites) == 1 and lead_s == 0:
         return {}  # no compute before its use: nothing to issue it ahead of
@@ -96,7 +96,8 @@ def prefetch_gathers(rw: Rewriter, eqns: Sequence[Any], sites: Sequence[Site], a
         not rw.options.prefetch else int(rw.options.prefetch))
     d = plan.distance if rw.prefetch is None else min(plan.distance, rw.prefetch)
     rw.report.gathers.append({
-        "scope": scope, "axes": sites[0].axes, "world": world, "steps": steps,
+        "scope": scope, "axes": sites[0].axes, "collective": sites[0].collective,
+        "world": world, "steps": steps,
         "plan": plan, "distance": d, "why": rw.prefetch_why if d != plan.distance else "",
         "cost": cost, "lead_s": lead_s, "positions": tuple(positions), "one_call": one_call,
         "operands": tuple(eqns[i].invars[0] for i in positions),

@@ -12,6 +12,7 @@ from typing import Any
 import jax
 
 from libra_jax import _compat, _nccl, config, model
+from libra_jax.collectives import Collective
 from libra_jax.ops.base import warn_once
 
 __all__ = ["PsumPlan", "LoopPlan", "OptimizeReport", "LatestReport", "block_cap", "shared_profile",
@@ -32,11 +33,12 @@ class PsumPlan:
     # feeding more of it: e.g. a batch norm statistic's cotangent), "forward" (the forward
     # pass, metrics), "loop" (in a loop body) or "user" (blocks= given)
     kind: str
-    overlap: str = "sync"           # "sync" (one call) or "start-done" (`libra_jax.ops.start_done`)
-    # What the bucket issues (`planner.COLLECTIVES`): "all-reduce" (psums), "reduce-scatter"
-    # (psum_scatters: a sharded parameter's gradient; `nbytes` is then the unsharded buffers'
-    # bytes per rank) or "all-gather" (one all_gather; `nbytes`: the gathered buffer's).
-    collective: str = "all-reduce"
+    overlap: str                    # "sync" (one call) or "start-done" (`libra_jax.ops.start_done`)
+    # What the bucket issues (its row of `libra_jax.collectives`; `plan_lines` writes its
+    # ``kind``): the all-reduce (psums), the reduce-scatter (psum_scatters: a sharded
+    # parameter's gradient; `nbytes` is then the unsharded buffers' bytes per rank), the
+    # all-gather (one all_gather; `nbytes`: the gathered buffer's) or the all-to-all.
+    collective: Collective
     # An all-gather issued ahead of its use (`overlap` "prefetch": a start/done pair): how many
     # gathers of its scope ahead (`planner.GatherPlan.distance`); 0 for one call.
     ahead: int = 0
@@ -99,8 +101,8 @@ class OptimizeReport:
     def plan_lines(self) -> list[str]:
         """One line per planned collective: what every process must agree on."""
         return ([f"{p.scope} axes={p.axes} psums={p.members} bytes={p.nbytes} blocks={p.blocks} "
-                 f"kind={p.kind} overlap={p.overlap} collective={p.collective}"
-                 + (f" ahead={p.ahead}" if p.collective == "all-gather" else "")
+                 f"kind={p.kind} overlap={p.overlap} collective={p.collective.kind}"
+                 + (f" ahead={p.ahead}" if p.collective.gathers else "")
                  for p in self.plans]
                 + [f"{p.scope} loop={p.index} body={p.body} gradient={p.gradient} "
                    f"calls={p.calls} psums={p.psums} {p.choice}" for p in self.loops])

@@ -17,7 +17,7 @@ from typing import Any
 
 import jax
 
-from libra_jax import _compat, allreduce, collectives, config, loops, model, planner
+from libra_jax import _compat, allreduce, config, loops, model, planner
 from libra_jax.ops.start_done import MAX_CALL_ID
 from libra_jax.rewrite.buckets import edit_bucket, split_buckets
 from libra_jax.rewrite.buckets import plan as plan_buckets
@@ -27,6 +27,7 @@ from libra_jax.rewrite.edits import (
     downstream_of,
     fusable_reach,
     map_jaxprs,
+    pairs_bucket,
     program_fingerprint,
     schedule,
     single_eqn,
@@ -37,7 +38,6 @@ from libra_jax.rewrite.gathers import edit_gathers, hoist_regathers
 from libra_jax.rewrite.ready import READY_MODES, Ready, inline_calls, to_ready_points
 from libra_jax.rewrite.report import LoopPlan, OptimizeReport, PsumPlan, block_cap
 from libra_jax.rewrite.sites import (
-    LIBRA_UNPLANNED,
     Site,
     axis_names,
     contains_psum,
@@ -46,6 +46,7 @@ from libra_jax.rewrite.sites import (
     gradient_sites,
     group_size,
     is_psum,
+    libras_row,
     scatter_sliced_psums,
     site_kinds,
     split_empty_operands,
@@ -67,9 +68,9 @@ def _find_sites(eqns: Sequence[Any]
         found = find_site(i, eqn)
         if isinstance(found, str):
             skipped.append(found)
-        elif found is not None:
-            {"all-gather": gathers, "all-to-all": exchanges}.get(
-                found.collective, sites).append(found)
+        elif found is not None:  # by its kind's layout: gathered, exchanged, or summed
+            row = found.collective
+            (gathers if row.gathers else exchanges if row.exchanges else sites).append(found)
     return sites, gathers, exchanges, skipped
 
 
@@ -232,10 +233,11 @@ class Rewriter:
         served = {site.index for site in sites + gathers + exchanges}
         for i, eqn in enumerate(eqns):
             other = _compat.OTHER_COLLECTIVES.get(eqn.primitive.name)
-            libras = LIBRA_UNPLANNED.get(eqn.primitive)
-            if (other is not None or libras is not None) and i not in served:
-                self.unplanned.append(f"{other or libras} over {axis_names(eqn.params)} in "
-                                      f"{scope}" + (" (libra's)" if libras else ""))
+            libras = libras_row(eqn.primitive)
+            name = other or (libras.lax if libras is not None else None)
+            if name is not None and i not in served:
+                self.unplanned.append(f"{name} over {axis_names(eqn.params)} in {scope}"
+                                      + (" (libra's)" if libras else ""))
         edits = Edits()
         invars = set(jaxpr.invars)
         edit_gathers(self, eqns, gathers, axis_sizes, scope, in_loop, in_backward or transposed,
@@ -268,11 +270,10 @@ class Rewriter:
             k = site.explicit_blocks
             if k is None:
                 k = allreduce.default_blocks(site.nbytes, group_size(axis_sizes, site.axes),
-                                             self.profile,
-                                             collective=collectives.lax_name(site.collective))
+                                             self.profile, collective=site.collective)
                 edits.replacements[site.index] = single_eqn(eqns[site.index], site, k, invars)
             self.report.plans.append(PsumPlan(scope, site.axes, (site.index,), site.nbytes,
-                                              k, kind, collective=site.collective))
+                                              k, kind, "sync", site.collective))
         planned = [(axes, bucket, k)
                    for (axes, _), members in groups.items()
                    for bucket, k in plan_buckets(self, members, costs, group_size(axis_sizes, axes), scope,
@@ -283,7 +284,7 @@ class Rewriter:
         splits = ([False] * len(planned) if in_loop else
                   split_buckets(self, eqns, jaxpr.outvars, [b for _, b, _ in planned]))
         for (axes, bucket, k), split in zip(planned, splits):
-            split = split and bucket[0].collective == "all-reduce"
+            split = split and pairs_bucket(bucket[0].collective)
             edit_bucket(self, eqns, bucket, axes, bucket[0].invariant, k, split, scope, invars,
                              edits)
         return self.finish(jaxpr, eqns, edits, scope)
@@ -368,7 +369,7 @@ class Rewriter:
         body = planned[0].scope if planned else bodies[-1]
         length = int(eqn.params["length"]) if "length" in eqn.params else None
         kept = sum(len(p.members) for p in within
-                   if p.kind != "gradient" and p.collective != "all-gather")
+                   if p.kind != "gradient" and not p.collective.gathers)
         gradient = sum(len(p.members) for p in planned)
         if hoisting is None:
             hoisting = LoopPlan(scope, index, length, body, gradient, len(planned))

@@ -5,7 +5,9 @@ A *site* (`Site`) is an equation the rewrite serves: a psum or psum_scatter the 
 allocate and fuse, or an all_gather given the model's block count. `SITE_RULES` holds the rule
 of each primitive (`find_site`), as equinox's `_finalise_jaxpr` holds its rules. A *gradient*
 site is on the backward pass and feeds no later collective (`gradient_sites`); `site_kinds`
-names every site's kind. The helpers the other concerns share to read collectives in a jaxpr
+names every site's kind. What the members of one bucket share is its kind's "bucket class"
+form (`Site.bucket_class`), provided here for the kinds the planner buckets (the all-reduce,
+the reduce-scatter). The helpers the other concerns share to read collectives in a jaxpr
 (`is_psum`, `axis_names`, `contains_psum`, `collective_counts`) live here too.
 """
 from __future__ import annotations
@@ -19,7 +21,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from libra_jax import _compat, allreduce
+from libra_jax import _compat, allreduce, collectives
+from libra_jax.collectives import Collective, NoForm
 from libra_jax.ops import (
     libra_all_gather_p,
     libra_all_to_all_p,
@@ -33,16 +36,17 @@ from libra_jax.ops.start_done import libra_start_p
 __all__ = ["Site", "no_form", "exchange_site", "SITE_RULES", "site_rule", "find_site", "gather_site", "gradient_sites",
            "site_kinds", "split_empty_operands", "fold_zero_psums", "scatter_sliced_psums", "is_psum", "axis_names",
            "contains_psum", "collective_counts", "backward_sites", "warn_invariant_operands",
-           "aval_bytes", "group_size", "same_type", "GATHERS", "LIBRA_UNPLANNED",
-           "UNPLANNED_NOTICE"]
+           "aval_bytes", "group_size", "same_type", "GATHERS", "libras_row",
+           "row_of_eqn", "UNPLANNED_NOTICE"]
 
 
-def no_form(kind: str, form: str) -> NotImplementedError:
-    """The error of a collective kind without `form` (its single call, its bucket): raised
-    where the form is asked for, by the kind's name, so that no branch issues it as
-    another kind (the all-reduce, which every branch's last case used to be)."""
-    return NotImplementedError(f"libra_jax.optimize: the {kind} collective has no {form} in "
-                               "the rewrite (docs/architecture.md, \"Adding a collective\")")
+def no_form(row: Collective, what: str) -> NoForm:
+    """The error of a site of kind `row` without `what` its form needs (`Site.scatter`, a
+    bucket's parameters), said as `Collective.form` says a missing form, by the kind's name:
+    never issued as another kind (the all-reduce, which every branch's last case used to
+    be)."""
+    return NoForm(f"libra_jax.optimize: the {row.kind} collective ({row.lax}) has no {what} "
+                  "in the rewrite (docs/architecture.md, \"Adding a collective\")")
 
 
 @dataclasses.dataclass
@@ -56,8 +60,8 @@ class Site:
     nbytes: int                     # the operand's bytes (a psum_scatter's: the unsharded buffer)
     explicit_blocks: int | None
     result: Any                     # the psum's result variable (for `libra_jax.explain`)
-    #: Its kind (`collectives.KINDS`): given by its site rule, never assumed.
-    collective: str
+    #: Its kind (a row of `collectives`): given by its site rule, never assumed.
+    collective: Collective
     # A psum_scatter's JAX params: (scatter_dimension, axis_size, tiled).
     scatter: tuple[int, int, bool] | None = None
     # An all_gather's: (all_gather_dimension, axis_size, tiled, invariant); `nbytes` is then
@@ -68,16 +72,32 @@ class Site:
 
     @property
     def bucket_class(self) -> tuple:
-        """What the members of one bucket share: the collective, and a psum's invariance or a
-        psum_scatter's group size; one scattered along another dimension than the first is a
-        class of its own (its shards are not rows: fusing it would take a transposed copy)."""
-        if self.collective == "all-reduce":
-            return ("all-reduce", self.invariant)
-        if self.collective == "reduce-scatter" and self.scatter is not None:
-            dimension, size, _ = self.scatter
-            return ((self.collective, size) if dimension == 0 else
-                    (self.collective, size, self.index))
-        raise no_form(self.collective, "bucket class")
+        """What the members of one bucket share (its kind's "bucket class" form: the kind,
+        and what else its members must share); `collectives.NoForm` for a kind that has no
+        bucket."""
+        return self.collective.form("bucket class")(self)
+
+
+# --- Each kind's bucket class (its row's "bucket class" form) -------------------------------
+
+def _all_reduce_class(site: Site) -> tuple:
+    """A psum's: its invariance (a bucket's results are all invariant or none)."""
+    return (site.collective, site.invariant)
+
+
+def _reduce_scatter_class(site: Site) -> tuple:
+    """A psum_scatter's: its group size; one scattered along another dimension than the first
+    is a class of its own (its shards are not rows: fusing it would take a transposed
+    copy)."""
+    if site.scatter is None:
+        raise no_form(site.collective, "psum_scatter parameters (Site.scatter)")
+    dimension, size, _ = site.scatter
+    return ((site.collective, size) if dimension == 0 else
+            (site.collective, size, site.index))
+
+
+collectives.BY_LAX["psum"].provide("bucket class", _all_reduce_class)
+collectives.BY_LAX["psum_scatter"].provide("bucket class", _reduce_scatter_class)
 
 
 def gradient_sites(eqns: Sequence[Any], sites: Sequence[Site], outvars: Sequence[Any],
@@ -118,18 +138,29 @@ UNPLANNED_NOTICE = ("optimize plans the gradient psum_scatters of sharded parame
                     "not run (all_to_all, ppermute, pmax, pmin) keep their lowering.")
 
 
-#: libra's own collectives that `optimize` leaves at their own blocks where it does not serve
-#: them (named as `jax.lax` names them).
-LIBRA_UNPLANNED = {libra_reduce_scatter_p: "psum_scatter", libra_all_gather_p: "all_gather",
-                   libra_all_to_all_p: "all_to_all"}
+def libras_row(primitive: Any) -> Collective | None:
+    """The kind of libra's own collective `primitive` (its row's "primitive" form), which
+    `optimize` leaves at its own blocks where it does not serve it; None for JAX's and
+    others."""
+    row = collectives.of_primitive(primitive)
+    return row if row is not None and row.has("primitive") and row.form(
+        "primitive") is primitive else None
+
+
+def row_of_eqn(eqn: Any) -> Collective | None:
+    """The kind of a collective equation: its primitive's (`collectives.of_primitive`), or a
+    bucket's or a start's (their ``collective`` param); None for others."""
+    if eqn.primitive is libra_bucket_p or eqn.primitive is libra_start_p:
+        row: Collective = eqn.params["collective"]
+        return row
+    return collectives.of_primitive(eqn.primitive)
 
 
 def is_psum(eqn: Any) -> bool:
-    """A psum or a psum_scatter (the collectives `optimize` plans), as JAX's or libra's."""
-    return (eqn.primitive.name in _compat.PSUM_PRIMITIVES
-            or eqn.primitive.name == _compat.reduce_scatter_p.name
-            or eqn.primitive in (libra_psum_p, libra_bucket_p, libra_reduce_scatter_p)
-            or (eqn.primitive is libra_start_p and eqn.params["collective"] == "psum"))
+    """A psum or a psum_scatter (the collectives `optimize` plans: the kinds that sum), as
+    JAX's or libra's, one call, a bucket or a start."""
+    row = row_of_eqn(eqn)
+    return row is not None and row.sums
 
 
 #: Scalar integer primitives `_rank_values` evaluates (a slice start computed from
@@ -229,24 +260,19 @@ def axis_names(params: dict) -> tuple:
     return tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
 
 
-#: JAX's all-gather primitives (`to='varying'` and `to='invarying'`).
-GATHERS = (_compat.all_gather_p.name, _compat.all_gather_invariant_p.name)
+#: JAX's all-gather primitives (`to='varying'` and `to='invarying'`): the gathering kinds'.
+GATHERS = tuple(name for row in collectives.ROWS if row.gathers for name in row.jax_primitives)
 
 
 def collective_counts(jaxpr: Any) -> collections.Counter[str]:
-    """How many collectives of each kind `jaxpr` holds, sub-jaxprs included, by the name
-    `jax.lax` gives them (a psum, pmean's too: "psum")."""
+    """How many collectives of each kind `jaxpr` holds (one call each, JAX's or libra's),
+    sub-jaxprs included, by the name `jax.lax` gives them (a psum, pmean's too: "psum"):
+    text for the report (`OptimizeReport.dropped`)."""
     counts: collections.Counter[str] = collections.Counter()
     for eqn in jaxpr.eqns:
-        name = eqn.primitive.name
-        if name in _compat.PSUM_PRIMITIVES or eqn.primitive is libra_psum_p:
-            counts["psum"] += 1
-        elif name == _compat.reduce_scatter_p.name or eqn.primitive is libra_reduce_scatter_p:
-            counts["psum_scatter"] += 1
-        elif name in GATHERS or eqn.primitive is libra_all_gather_p:
-            counts["all_gather"] += 1
-        elif name == _compat.all_to_all_p.name or eqn.primitive is libra_all_to_all_p:
-            counts["all_to_all"] += 1
+        row = collectives.of_primitive(eqn.primitive)
+        if row is not None:
+            counts[row.lax] += 1
         for sub in _compat.jaxprs_in_params(eqn.params):
             counts.update(collective_counts(sub))
     return counts
@@ -334,8 +360,10 @@ def group_size(axis_sizes: dict, axes: tuple) -> int:
 # How each primitive's equation becomes a site: ``rule(index, eqn)`` returns a `Site`, the
 # reason it is skipped (a str: said in `OptimizeReport.skipped`, with its scope), or None (not
 # a site: an all-gather libra does not serve stays as it is, listed as unplanned). Keyed by
-# the primitive's name; `find_site` looks one up. A new collective the rewrite plans joins as
-# a rule here.
+# the primitive's name; `find_site` looks one up. A site's kind is its primitive's row
+# (`collectives.of_primitive`), read as the rule runs: a primitive no row claims (libra's,
+# its row's "primitive" form taken out) is no site. A new collective the rewrite plans joins
+# as a rule here.
 
 SiteRule = Callable[[int, Any], "Site | str | None"]
 SITE_RULES: dict[str, SiteRule] = {}
@@ -369,35 +397,40 @@ def _unserved_axes(name: str, params: dict, axes: tuple) -> str:
 def _psum_site(index: int, eqn: Any) -> Site | str | None:
     """JAX's psum (or psum_invariant) of a dtype the engine sums."""
     name = eqn.primitive.name
+    row = collectives.of_primitive(eqn.primitive)
+    if row is None:
+        return None
     axes = tuple(eqn.params["axes"])
     aval = eqn.invars[0].aval
     why = _unserved_axes(name, eqn.params, axes)
     if not why and allreduce.engine_dtype(aval.dtype) is None:
         why = f"{name} of {aval.dtype}"
     return why or Site(index, axes, _compat.PSUM_PRIMITIVES[name], aval_bytes(aval), None,
-                       eqn.outvars[0], "all-reduce")
+                       eqn.outvars[0], row)
 
 
 @site_rule(libra_psum_p.name)
-def _libra_psum_site(index: int, eqn: Any) -> Site:
+def _libra_psum_site(index: int, eqn: Any) -> Site | None:
     """libra's psum: planned unless it carries a block count of its own (kind "user")."""
-    p = eqn.params
-    return Site(index, tuple(p["axes"]), p["invariant"], aval_bytes(eqn.invars[0].aval),
-                p["blocks"], eqn.outvars[0], "all-reduce")
+    p, row = eqn.params, collectives.of_primitive(eqn.primitive)
+    return None if row is None else Site(
+        index, tuple(p["axes"]), p["invariant"], aval_bytes(eqn.invars[0].aval), p["blocks"],
+        eqn.outvars[0], row)
 
 
 @site_rule(_compat.reduce_scatter_p.name, libra_reduce_scatter_p.name)
-def _reduce_scatter_site(index: int, eqn: Any) -> Site | str:
+def _reduce_scatter_site(index: int, eqn: Any) -> Site | str | None:
     """A psum_scatter (JAX's or libra's) of a dtype the engine sums."""
-    p = eqn.params
+    p, row = eqn.params, collectives.of_primitive(eqn.primitive)
+    if row is None:
+        return None
     axes = axis_names(p)
     aval = eqn.invars[0].aval
-    why = _unserved_axes("psum_scatter", p, axes)
+    why = _unserved_axes(row.lax, p, axes)
     if not why and np.dtype(aval.dtype) not in ENGINE_DTYPES:
-        why = f"psum_scatter of {aval.dtype}"
+        why = f"{row.lax} of {aval.dtype}"
     return why or Site(index, axes, False, aval_bytes(aval), p.get("blocks"), eqn.outvars[0],
-                       "reduce-scatter",
-                       (int(p["scatter_dimension"]), int(p["axis_size"]), bool(p["tiled"])))
+                       row, (int(p["scatter_dimension"]), int(p["axis_size"]), bool(p["tiled"])))
 
 
 def _engine_copies(params: dict, axes: tuple, aval: Any) -> bool:
@@ -417,13 +450,13 @@ def gather_site(index: int, eqn: Any) -> Site | None:
     unreduced or reduced inputs. Others stay as they are (`OptimizeReport.unplanned`)."""
     if SITE_RULES.get(eqn.primitive.name) is not gather_site:
         return None  # not an all-gather (the rule is also asked of any equation)
-    p, aval = eqn.params, eqn.invars[0].aval
+    p, aval, row = eqn.params, eqn.invars[0].aval, collectives.of_primitive(eqn.primitive)
     axes = axis_names(p)
-    if not _engine_copies(p, axes, aval):
+    if row is None or not _engine_copies(p, axes, aval):
         return None
     invariant = p.get("invariant", eqn.primitive.name == _compat.all_gather_invariant_p.name)
     return Site(index, axes, False, aval_bytes(eqn.outvars[0].aval), p.get("blocks"),
-                eqn.outvars[0], "all-gather",
+                eqn.outvars[0], row,
                 gather=(int(p["all_gather_dimension"]), int(p["axis_size"]),
                         bool(p["tiled"]), bool(invariant)))
 
@@ -434,13 +467,12 @@ def exchange_site(index: int, eqn: Any) -> Site | None:
     `axis_index_groups` or positional axes, of a dtype of whole bytes, not of unreduced or
     reduced inputs; issued as libra's at the model's block count (`rewrite.exchanges`).
     Others stay as they are (`OptimizeReport.unplanned`)."""
-    p, aval = eqn.params, eqn.invars[0].aval
+    p, aval, row = eqn.params, eqn.invars[0].aval, collectives.of_primitive(eqn.primitive)
     axes = axis_names(p)
-    if not _engine_copies(p, axes, aval):
+    if row is None or not _engine_copies(p, axes, aval):
         return None
-    return Site(index, axes, False, aval_bytes(aval), p.get("blocks"), eqn.outvars[0],
-                "all-to-all", exchange=(int(p["split_axis"]), int(p["concat_axis"]),
-                                        bool(p["tiled"])))
+    return Site(index, axes, False, aval_bytes(aval), p.get("blocks"), eqn.outvars[0], row,
+                exchange=(int(p["split_axis"]), int(p["concat_axis"]), bool(p["tiled"])))
 
 
 def split_empty_operands(eqns: list[Any]) -> list[Any]:
