@@ -211,35 +211,23 @@ def _all_reduce(eqn: Any, site: Site, blocks: int, invars: set) -> Any:
                                    invariant=site.invariant))
 
 
-@_emits("psum_scatter")
-def _reduce_scatter(eqn: Any, site: Site, blocks: int, invars: set) -> Any:
-    if site.scatter is None:
-        raise no_form(site.collective, "psum_scatter parameters (Site.scatter)")
-    dimension, size, tiled = site.scatter
-    return eqn.replace(primitive=site.collective.form("primitive"),
-                       params=dict(axis_name=site.axes, scatter_dimension=dimension,
-                                   axis_size=size, tiled=tiled, blocks=int(blocks)))
+def _libra_eqn(field: str, names: tuple[str, ...]) -> Emitter:
+    """The emitter of a kind whose site carries its JAX params in `field` (`Site.scatter`,
+    `Site.gather`, `Site.exchange`), in the order of `names`: libra's primitive with them."""
+    def emit(eqn: Any, site: Site, blocks: int, invars: set) -> Any:
+        values = getattr(site, field)
+        if values is None:
+            raise no_form(site.collective, f"{site.collective.lax} parameters (Site.{field})")
+        return eqn.replace(primitive=site.collective.form("primitive"),
+                           params=dict(axis_name=site.axes, **dict(zip(names, values)),
+                                       blocks=int(blocks)))
+    return emit
 
 
-@_emits("all_gather")
-def _all_gather(eqn: Any, site: Site, blocks: int, invars: set) -> Any:
-    if site.gather is None:
-        raise no_form(site.collective, "all_gather parameters (Site.gather)")
-    dimension, size, tiled, invariant = site.gather
-    return eqn.replace(primitive=site.collective.form("primitive"),
-                       params=dict(axis_name=site.axes, all_gather_dimension=dimension,
-                                   axis_size=size, tiled=tiled, invariant=invariant,
-                                   blocks=int(blocks)))
-
-
-@_emits("all_to_all")
-def _all_to_all(eqn: Any, site: Site, blocks: int, invars: set) -> Any:
-    if site.exchange is None:
-        raise no_form(site.collective, "all_to_all parameters (Site.exchange)")
-    split, concat, tiled = site.exchange
-    return eqn.replace(primitive=site.collective.form("primitive"),
-                       params=dict(axis_name=site.axes, split_axis=split,
-                                   concat_axis=concat, tiled=tiled, blocks=int(blocks)))
+_emits("psum_scatter")(_libra_eqn("scatter", ("scatter_dimension", "axis_size", "tiled")))
+_emits("all_gather")(_libra_eqn("gather", ("all_gather_dimension", "axis_size", "tiled",
+                                           "invariant")))
+_emits("all_to_all")(_libra_eqn("exchange", ("split_axis", "concat_axis", "tiled")))
 
 
 def fused_eqn(eqns: Sequence[Any], bucket: Sequence[Site], axes: tuple, invariant: bool,
