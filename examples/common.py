@@ -21,7 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-DEVICES = 8
+#: Host CPU devices the examples run on: 8, or $LIBRA_JAX_EXAMPLE_DEVICES (a benchmark's sweep
+#: of device counts, benchmarks/contention_sweep.py); read before JAX starts.
+DEVICES = int(os.environ.get("LIBRA_JAX_EXAMPLE_DEVICES", "8"))
+if DEVICES < 1:
+    raise ValueError(f"LIBRA_JAX_EXAMPLE_DEVICES must be a positive int, got {DEVICES}")
 from libra_jax.config import xla_flags  # noqa: E402  (pure Python: JAX does not start)
 
 os.environ["XLA_FLAGS"] = xla_flags(DEVICES)  # the caller's flags kept
