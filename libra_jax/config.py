@@ -16,6 +16,7 @@ planner's layer may use it.
 | ``LIBRA_JAX_DISABLE``              | ``1``: `optimize` passes every call through unchanged           |
 | ``LIBRA_JAX_NO_PROFILE_BROADCAST`` | ``1``: each process plans with its own profile                  |
 | ``LIBRA_JAX_PROFILE_DIR``          | where calibrated profiles are written and found                 |
+| ``LIBRA_JAX_PROFILE_PROBE``        | ``0``/``off``: plan with the shipped CPU profile as shipped     |
 
 ``LIBRA_JAX_FFI_LIBRARY`` (the FFI library to register from) and ``LIBRA_JAX_NCCL_LIBRARY``
 (the NCCL to open) name libraries and are read where they are loaded (``_ffi``, ``_nccl``).
@@ -47,7 +48,8 @@ __all__ = [
     "overlap_mode", "PREFETCH_ENV",
     "prefetch_mode", "PREFETCH_BYTES_ENV", "DEFAULT_PREFETCH_BYTES", "prefetch_bytes", "DISABLE_ENV",
     "optimize_disabled", "NO_PROFILE_BROADCAST_ENV", "profile_broadcast", "PROFILE_DIR_ENV",
-    "calibrated_profile_dir", "NCCL_CTA_ENVS", "nccl_cta_overrides", "NCCL_LAUNCH_ORDER_ENV",
+    "calibrated_profile_dir", "PROFILE_PROBE_ENV", "profile_probe", "NCCL_CTA_ENVS",
+    "nccl_cta_overrides", "NCCL_LAUNCH_ORDER_ENV",
     "nccl_launch_order_implicit", "request_nccl_launch_order", "HOST_DEVICES_FLAG", "xla_flags",
     "TROUBLESHOOTING_PAGE", "notice_text", "notice",
 ]
@@ -95,6 +97,9 @@ DISABLE_ENV = "LIBRA_JAX_DISABLE"
 NO_PROFILE_BROADCAST_ENV = "LIBRA_JAX_NO_PROFILE_BROADCAST"
 #: Directory of calibrated profiles (overrides the per-user cache directory).
 PROFILE_DIR_ENV = "LIBRA_JAX_PROFILE_DIR"
+#: ``0`` or ``off``: the CPU default is the shipped profile exactly, not rescaled by this
+#: machine's probe (`libra_jax.model.probe`); ``1``, ``on`` or unset: rescaled.
+PROFILE_PROBE_ENV = "LIBRA_JAX_PROFILE_PROBE"
 
 
 def _flag(name: str) -> bool:
@@ -231,6 +236,20 @@ def optimize_disabled() -> bool:
 def profile_broadcast() -> bool:
     """Whether multi-process `optimize` plans with process 0's profile (the default)."""
     return not _flag(NO_PROFILE_BROADCAST_ENV)
+
+
+def profile_probe() -> bool:
+    """Whether the CPU default profile is the shipped one rescaled by this machine's probe
+    (`$LIBRA_JAX_PROFILE_PROBE`: unset, ``1`` or ``on``) or the shipped one exactly (``0`` or
+    ``off``, what the tests set: their plans must not depend on the machine); ValueError naming
+    the variable for anything else."""
+    raw = os.environ.get(PROFILE_PROBE_ENV, "")
+    value = raw.strip().lower()
+    if value in ("", "1", "on"):
+        return True
+    if value in ("0", "off"):
+        return False
+    raise ValueError(f"{PROFILE_PROBE_ENV} must be 1, on, 0 or off, got {raw!r}")
 
 
 #: NCCL's own settings that override the CTA limits libra passes (NCCL reads them itself).

@@ -24,6 +24,7 @@ import jax
 from libra_jax import collectives, gantt, gradient_names, planner, rewrite
 from libra_jax.collectives import Collective
 from libra_jax.loss_inputs import closure_parts
+from libra_jax.model import probe
 from libra_jax.rewrite.edits import pairs_bucket
 
 __all__ = ["explain", "Explanation", "ScopePlan", "BucketRow", "GatherScope", "GatherRow"]
@@ -520,6 +521,15 @@ def _prediction_lines(e: Explanation) -> list[str]:
     return lines
 
 
+def _profile_lines(e: Explanation) -> list[str]:
+    """Which profile planned (`model.probe.describe`: shipped, rescaled by this machine's
+    probe with its numbers, or calibrated with its path), and ``libra-jax calibrate`` where the
+    probe puts this machine far from the profile; nothing where nothing was planned."""
+    entries = list(e.report.predicted) + list(e.report.gathers) if e.scopes or e.gathers else []
+    profiles = list(dict.fromkeys(entry["profile"] for entry in entries))
+    return [line for profile in profiles for line in probe.describe(profile)]
+
+
 def _counted(lines: Sequence[str]) -> list[str]:
     """`lines` with each repeated one given once, where it first appears, with its count
     (a step's loss and accuracy pmeans: two identical lines)."""
@@ -683,6 +693,7 @@ def _plain_text(e: Explanation, width: int = _PIPED_WIDTH) -> str:
         out.extend(summary)
         out.append("")
     out.extend(_prediction_lines(e))
+    out.extend(_profile_lines(e))
     out.extend(_others_lines(e))
     out.extend(_to_try(e))
     return "\n".join(_wrapped(out, width)).rstrip()
@@ -727,5 +738,5 @@ def _rich_text(e: Explanation, width: int) -> str:
             table.add_row(*row)
         console.print(table)
         say(summary + [""])
-    say(_prediction_lines(e) + _others_lines(e) + _to_try(e))
+    say(_prediction_lines(e) + _profile_lines(e) + _others_lines(e) + _to_try(e))
     return buf.getvalue().rstrip()

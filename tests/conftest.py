@@ -14,6 +14,9 @@ from libra_jax.config import xla_flags  # pure Python: JAX does not start
 os.environ["XLA_FLAGS"] = xla_flags(8)
 # A user's calibrated profile must not change what the tests expect.
 os.environ["LIBRA_JAX_PROFILE_DIR"] = tempfile.mkdtemp(prefix="libra_jax_test_profiles_")
+# Nor this machine's probe: plans (tests/data/plans.json) come from the shipped profile exactly;
+# subprocesses inherit it (they pass os.environ). tests/test_probe.py turns it on where it tests it.
+os.environ["LIBRA_JAX_PROFILE_PROBE"] = "0"
 
 import numpy as np
 import pytest

@@ -20,7 +20,7 @@ PACKAGE = Path(libra_jax.__file__).parent
 LAYERS: dict[str, int] = {
     **dict.fromkeys(["config", "collectives", "planner", "planner.core", "planner.gathers",
                      "planner.dp", "planner.baselines", "planner.exhaustive", "model", "model.profile",
-                     "model.forms", "model.read", "model.derive", "zoo",
+                     "model.forms", "model.read", "model.derive", "model.probe", "zoo",
                      "gantt", "gpu_calibration", "calibrate.fit"], 1),
     **dict.fromkeys(["_compat", "_ffi", "_nccl", "_libra_ffi"], 2),
     **dict.fromkeys(["ops", "ops.base", "ops.lowering", "ops.packing", "ops.psum", "ops.fused",
@@ -31,7 +31,7 @@ LAYERS: dict[str, int] = {
                      "rewrite.gathers", "rewrite.exchanges", "rewrite.buckets", "rewrite.ready", "rewrite.rewriter",
                      "rewrite.transform"], 4),
     **dict.fromkeys(["explanation", "gradient_names", "calibrate", "calibrate.measure",
-                     "calibrate.build", "cli",
+                     "calibrate.build", "calibrate.probe", "cli",
                      "__main__", "testing"], 5),
 }
 PURE = [name for name, layer in LAYERS.items() if layer == 1]

@@ -28,7 +28,7 @@ from libra_jax.calibrate.fit import (
     relative_errors,
     slowdown_from_windows,
 )
-from libra_jax.calibrate.measure import CALL_PROFILE, Budget, Samples
+from libra_jax.calibrate.measure import CALL_PROFILE, Budget, Samples, chain_bytes, chain_flop
 
 
 def _medians(rows: Iterable[dict], keys: Sequence[str], value: str) -> dict[tuple, list[float]]:
@@ -52,9 +52,7 @@ def analyse(samples: Samples, workers: int, budget: Budget, seed: int = 0,
     # Compute chains alone: window medians -> peak rates.
     base = {wl: median_ci([s["window_s"] for s in samples.overlap if s["workload"] == wl and s["bytes"] is None])
             for wl in ("matmul", "stream")}
-    n_mm = budget.matmul_n
-    flops = budget.matmul_iters * 2.0 * n_mm**3
-    stream_traffic = budget.stream_iters * 2.0 * budget.stream_bytes
+    flops, stream_traffic = chain_flop(budget), chain_bytes(budget)
     result["peak"] = {
         "matmul_chain_s": base["matmul"], "stream_chain_s": base["stream"],
         "flop_per_s": [flops / base["matmul"][0], flops / base["matmul"][2], flops / base["matmul"][1]],

@@ -3,7 +3,6 @@ when a fit runs; no JAX), so profiles can be refit anywhere from recorded sample
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from libra_jax import model
+from libra_jax.model.probe import host_cores  # noqa: F401  (calibration's `cores`, one definition)
 
 
 class CalibrationError(RuntimeError):
@@ -75,14 +75,6 @@ def alone_time_s(nbytes: np.ndarray, blocks: np.ndarray, workers: int, beta: flo
     """
     algo = model.ring_algo_factor(workers)
     return lat + nbytes / (algo * _softmin_np(blocks * beta * eta, np.full_like(nbytes, link, dtype=float), p))
-
-
-def host_cores() -> int:
-    """The CPUs this process may run on (the ``cores`` of the fair-share form)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
 
 
 def fit_alone(nbytes: Sequence[float], blocks: Sequence[float], seconds: Sequence[float], workers: int,

@@ -342,6 +342,29 @@ def one_call_profile(name: str) -> dict[str, Any]:
     return doc
 
 
+def chain_flop(budget: Budget) -> float:
+    """FLOP one device's matmul chain does (`_Programs.overlapped`'s ``matmul``): its rate over
+    the chain's window is the profile's ``device.peak_dense_tflop_per_s`` (sustained, all
+    devices running)."""
+    return budget.matmul_iters * 2.0 * budget.matmul_n**3
+
+
+def chain_bytes(budget: Budget) -> float:
+    """Bytes one device's streaming chain (``a * c + 1``) reads and writes: its rate over the
+    chain's window is the profile's ``device.memory_gbyte_per_s``."""
+    return budget.stream_iters * 2.0 * budget.stream_bytes
+
+
+def marker_window(records: list[dict]) -> tuple[float, float] | None:
+    """The compute window of an overlapped program's records, in engine microseconds: from the
+    first marker all-reduce's end to the last one's start (the slowest device's chain); None
+    where the records hold fewer than two markers."""
+    markers = sorted((r for r in records if r["bytes"] == 4), key=lambda r: r["start_us"])
+    if len(markers) < 2:
+        return None
+    return markers[0]["end_us"], markers[-1]["start_us"]
+
+
 def _records(fn: Callable[[], Any]) -> list[dict]:
     import jax
 
@@ -405,10 +428,10 @@ def measure(budget: Budget, *, devices: int | None = 8, progress: bool = True, s
                                       "skew_s": (r["start_us"] - r["first_arrival_us"]) * 1e-6})
                 continue
             _, wl, size, k = cfg
-            markers = sorted((r for r in rec if r["bytes"] == 4), key=lambda r: r["start_us"])
-            if len(markers) < 2:
+            window = marker_window(rec)
+            if window is None:
                 continue
-            w0, w1 = markers[0]["end_us"], markers[-1]["start_us"]
+            w0, w1 = window
             s = {"workload": wl, "bytes": size, "blocks": k, "rep": rep, "window_s": (w1 - w0) * 1e-6}
             big = [r for r in rec if r["bytes"] != 4]
             if big:

@@ -114,6 +114,7 @@ Pure Python: no JAX, no compiled extension.
 """
 from __future__ import annotations
 
+from libra_jax.model import probe  # noqa: F401  (sets read.probe_hook: the CPU default's probe)
 from libra_jax.model.derive import (
     Derivation,
     collective_traffic,

@@ -307,17 +307,22 @@ def calibrated_profile_path(backend: str) -> Path:
 #: Built-in profile per backend, used when the backend has not been calibrated.
 BUILTIN_PROFILES = {"cpu": "cpu-host", "cuda": "h100", "gpu": "h100"}
 _warned_profiles: set[str] = set()
+#: Profiles held in memory, by the label `default_profile` returns for them: the shipped CPU
+#: profile rescaled by this machine's probe (`libra_jax.model.probe`), one per machine key.
+PROBED: dict[str, Profile] = {}
 
 
 def default_profile(backend: str, builtin: str | None = None) -> str:
     """The profile ``optimize`` and ``psum(blocks=None)`` use on ``backend``: the calibrated one
-    (`calibrated_profile_path`) if it exists and loads, else ``builtin`` (by default the
-    backend's shipped profile). A calibrated profile that does not load is skipped with a warning
-    that says why. Returns a name or a path, for `load_profile`."""
+    (`calibrated_profile_path`) if it exists and loads, else ``builtin`` if given, else the
+    backend's shipped profile -- on CPU rescaled by this machine's probe
+    (`libra_jax.model.probe.probed_default`; ``LIBRA_JAX_PROFILE_PROBE=0``: as shipped). A
+    calibrated profile that does not load is skipped with a warning that says why. Returns a
+    name, a path, or a probed profile's label (`PROBED`), for `load_profile`."""
     fallback = builtin or BUILTIN_PROFILES.get(backend, "cpu-host")
     path = calibrated_profile_path(backend)
     if not path.is_file():
-        return fallback
+        return _shipped_default(backend, fallback, builtin)
     text = str(path)
     try:
         _loaded(text)
@@ -327,8 +332,21 @@ def default_profile(backend: str, builtin: str | None = None) -> str:
             config.notice("profile-ignored",
                           f"libra_jax: ignoring the calibrated profile {text}: {exc}; using {fallback!r}",
                           RuntimeWarning, stacklevel=2)
-        return fallback
+        return _shipped_default(backend, fallback, builtin)
     return text
+
+
+#: The CPU default rescaled to this machine: `libra_jax.model.probe.probed_default`, which sets
+#: it when imported (`libra_jax.model` imports it; the probe reads profiles with this module, so
+#: this module does not import it). (backend, shipped name) -> the name or label to plan with.
+probe_hook: Callable[[str, str], str] | None = None
+
+
+def _shipped_default(backend: str, fallback: str, builtin: str | None) -> str:
+    """`fallback`, the shipped profile, rescaled by the probe where `builtin` was not given."""
+    if builtin is not None or probe_hook is None:
+        return fallback
+    return probe_hook(backend, fallback)
 
 
 @functools.lru_cache(maxsize=16)
@@ -339,6 +357,8 @@ def _load_cached(path: str, mtime_ns: int) -> Profile:
 def _loaded(name_or_path: str | os.PathLike[str]) -> Profile:
     """`load_profile`, read once per file version (path and modification time)."""
     text = os.fspath(name_or_path)
+    if text in PROBED:
+        return PROBED[text]
     path = Path(text)
     if not (text.endswith(".json") or path.is_file()):
         path = PROFILE_DIR / f"{text}.json"
@@ -369,6 +389,11 @@ def resolve_profile(profile: Profile | str | os.PathLike[str] | Mapping[str, Any
                     f"JSON document (a dict), got {type(profile).__name__}")
 
 
+def profile_path(name: str) -> Path:
+    """The file of the shipped profile `name`."""
+    return PROFILE_DIR / f"{name}.json"
+
+
 def list_profiles() -> list[str]:
     """Names of the profiles shipped with the package."""
     return sorted(p.stem for p in PROFILE_DIR.glob("*.json"))
@@ -394,8 +419,11 @@ def profile_to_dict(profile: Profile) -> dict[str, Any]:
 
 
 def load_profile(name_or_path: str | Path) -> Profile:
-    """Load and validate a profile: a shipped name (``"h200"``) or a path to a JSON file."""
+    """Load and validate a profile: a shipped name (``"h200"``), a path to a JSON file, or a
+    probed profile's label (`default_profile`)."""
     text_arg = str(name_or_path)
+    if text_arg in PROBED:
+        return PROBED[text_arg]
     path = Path(text_arg)
     if not (text_arg.endswith(".json") or path.is_file()):
         path = PROFILE_DIR / f"{text_arg}.json"

@@ -1,0 +1,363 @@
+"""The CPU default profile carried to this machine: the shipped ``cpu-host`` rescaled by a probe
+of about a second, cached per machine.
+
+Why: ``cpu-host`` was fitted on one 2-core VM (its ``notes``); on any other host its rates are
+that VM's (two VMs measured so far differ 31 vs 46 GFLOP/s a device), and a full `libra-jax
+calibrate` is opt-in. The probe measures two rates the way calibration does
+(`libra_jax.calibrate.probe`: calibration's own matmul and streaming chains, timed between its
+marker all-reduces, every device running) and scales the shipped profile by probe/shipped:
+
+* compute ratio ``r_c`` (matmul FLOP/s a device over the shipped sustained
+  ``peak_dense_tflop_per_s * compute_efficiency``): every dtype's peak (efficiency kept);
+* memory ratio ``r_m`` (streaming bytes/s a device over the shipped sustained
+  ``memory_gbyte_per_s * memory_efficiency``): the memory bandwidth, and the rates the engine's
+  copies run at, which are memory-bound on a host: ``fair_share.per_block_gbyte_per_s`` (one
+  worker's bus rate), ``network.intra_node_gbyte_per_s`` (the bus cap among host devices) and
+  ``fusion_copy_gbyte_per_s`` where it is a number.
+
+Kept as shipped, and why: latencies and call costs (``base_latency_us``, ``call_us``,
+``pending_allreduce_us``: thread hand-offs and wake-ups, which neither rate measures, so a
+scale would be a guess), counts and fitted structure (``cores``, ``compute_threads``,
+``overlap_block_efficiency``, the traffic ratios: a probe of a second cannot fit them), and the
+NIC (not on this host). Where the machine is far from the profile (a rate off by more than
+`FAR_RATIO` either way, or another core count), `explain` suggests ``libra-jax calibrate``.
+
+Cached per machine in ``<profile dir>/<backend>.probe.json`` (`config.calibrated_profile_dir`),
+a loadable profile document whose ``calibration.probe`` holds the key and the two numbers. The
+key (`machine_key`): libra_jax's version, the profile schema, the shipped profile's content, the
+CPU model, the cores this process may run on, the CPU device count, JAX's version, ``XLA_FLAGS``
+and the thread settings. A file is used only if its key is this one and its profile is exactly
+the shipped one rescaled by its recorded numbers; any other (corrupt, another key, edited) is
+refused with a notice and the probe runs again. Writes are atomic (a temporary file in the same
+folder, then `os.replace`), so two processes writing at once leave one whole file. A folder
+that cannot be written (a read-only or missing home) keeps the probe in memory, said once.
+
+Where it is off (the shipped profile exactly): ``LIBRA_JAX_PROFILE_PROBE=0`` (`config`; the
+tests set it, so plans.json stays machine-independent); a calibrated profile (it wins:
+`read.default_profile`); a backend other than CPU; JAX not running (the pure layer never
+imports it); fewer than two CPU devices; and a multi-process run: each process would measure
+its own machine, and plans must be identical on every process, so every process plans with the
+shipped profile unchanged (process 0's probe broadcast through `rewrite.shared_profile` is
+the next step). A probe that fails is said once and the shipped profile is used.
+
+The measuring side needs JAX and the engine (layer 5, `libra_jax.calibrate.probe`): this pure
+module names it (`MEASURER`) and imports it only where a probe runs, with JAX already running.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib
+import json
+import math
+import os
+import sys
+import tempfile
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from libra_jax import config
+from libra_jax.model import read
+from libra_jax.model.profile import BYTES_PER_GBYTE, SCHEMA_VERSION, Profile
+
+#: The module that measures (JAX and the engine): ``context()`` and ``measure()``.
+MEASURER = "libra_jax.calibrate.probe"
+#: How far a probed rate may be from the profile's (either way) before `explain` suggests a
+#: full calibration: past it, the profile's other fitted numbers (call cost, compute threads,
+#: overlap efficiency) came from a machine too unlike this one to trust.
+FAR_RATIO = 1.5
+#: The thread settings that change how fast the host's compute runs (part of the cache key).
+THREAD_ENVS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
+               "TF_NUM_INTEROP_THREADS", "TF_NUM_INTRAOP_THREADS")
+
+
+@dataclass(frozen=True)
+class Rates:
+    """A device's sustained rates, every device running: matmul FLOP/s and streaming bytes/s."""
+
+    flop_per_s: float
+    memory_bytes_per_s: float
+
+    def ratios(self, other: Rates) -> tuple[float, float]:
+        """(compute, memory): these rates over `other`'s."""
+        return self.flop_per_s / other.flop_per_s, self.memory_bytes_per_s / other.memory_bytes_per_s
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """A probe's result: the profile it made of `shipped`, its rates and the shipped ones, and
+    the cache file (None: kept in memory) it came from or went to."""
+
+    shipped: str
+    profile: Profile
+    probed: Rates
+    shipped_rates: Rates
+    path: Path | None
+    cores: int
+
+    def far(self) -> list[str]:
+        """Why this machine is far from the profile (empty: it is not): each rate off by more
+        than `FAR_RATIO` either way, and a core count other than the profile's."""
+        compute, memory = self.probed.ratios(self.shipped_rates)
+        why = [f"{name} {ratio:.2f}x the profile's" for name, ratio in
+               (("matmul", compute), ("memory copy", memory))
+               if max(ratio, 1 / ratio) > FAR_RATIO]
+        fair = self.profile.fair_share
+        if fair is not None and self.cores != fair.cores:
+            why.append(f"{self.cores} cores, the profile's {fair.cores:g}")
+        return why
+
+
+def sustained(profile: Profile) -> Rates:
+    """The profile's sustained rates a device (peak times efficiency, the default dtype)."""
+    return Rates(profile.device.flop_per_s(), profile.device.bytes_per_s())
+
+
+def rescaled(document: Mapping[str, Any], probed: Rates, key: Mapping[str, Any]) -> dict[str, Any]:
+    """The shipped profile `document` rescaled by `probed` over its own sustained rates (the
+    module docstring's rule), with the probe recorded in ``calibration.probe``."""
+    doc = json.loads(json.dumps(document))
+    doc.pop("calibration", None)
+    shipped = sustained(read.profile_from_dict(doc))
+    compute, memory = probed.ratios(shipped)
+    how = ("rescaled by this machine's probe (libra_jax.model.probe): {0:.3g}x the shipped "
+           "value; was: {1}")
+
+    def scale(q: dict[str, Any], ratio: float) -> None:
+        if q.get("value") is not None:
+            q["ref"] = how.format(ratio, q.get("ref", ""))
+            q["value"] = q["value"] * ratio
+
+    device = doc["device"]
+    for q in device["peak_dense_tflop_per_s"].values():
+        if isinstance(q, dict):
+            scale(q, compute)
+    scale(device["memory_gbyte_per_s"], memory)
+    scale(doc["network"]["intra_node_gbyte_per_s"], memory)
+    for section in ("fair_share", "nccl_style"):
+        if isinstance(doc.get(section), dict):
+            scale(doc[section]["per_block_gbyte_per_s"], memory)
+            scale(doc[section]["fusion_copy_gbyte_per_s"], memory)
+    doc["notes"] = list(doc.get("notes", [])) + [
+        f"Rescaled to this machine by a probe (matmul {probed.flop_per_s / 1e9:.1f} GFLOP/s a "
+        f"device, shipped {shipped.flop_per_s / 1e9:.1f}; streaming "
+        f"{probed.memory_bytes_per_s / BYTES_PER_GBYTE:.1f} GB/s, shipped "
+        f"{shipped.memory_bytes_per_s / BYTES_PER_GBYTE:.1f}); latencies, call costs and "
+        "counts as shipped (libra_jax.model.probe)."]
+    doc["calibration"] = {"probe": {"key": dict(key), "flop_per_s": probed.flop_per_s,
+                                    "memory_bytes_per_s": probed.memory_bytes_per_s}}
+    return doc
+
+
+def host_cores() -> int:
+    """The CPUs this process may run on (calibration's ``cores`` of the fair-share form, and
+    part of the probe's key)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``; the platform's processor elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+@functools.lru_cache(maxsize=8)
+def _content_hash(name: str) -> str:
+    return hashlib.sha256(read.profile_path(name).read_bytes()).hexdigest()[:16]
+
+
+def machine_key(shipped: str, devices: int, jax_version: str) -> dict[str, Any]:
+    """What a cached probe holds for: a probe made under any other key is not used."""
+    from libra_jax import __version__
+
+    return {"libra_jax": __version__, "schema_version": SCHEMA_VERSION, "shipped": shipped,
+            "shipped_sha256": _content_hash(shipped), "cpu": cpu_model(), "cores": host_cores(),
+            "devices": devices, "jax": jax_version, "xla_flags": os.environ.get("XLA_FLAGS", ""),
+            "threads": {name: os.environ[name] for name in THREAD_ENVS if name in os.environ}}
+
+
+def cache_path(backend: str) -> Path:
+    """Where `backend`'s probe is cached: ``<profile dir>/<backend>.probe.json``."""
+    return config.calibrated_profile_dir() / f"{backend}.probe.json"
+
+
+def store(path: Path, document: Mapping[str, Any]) -> None:
+    """Write `document` to `path` atomically: a temporary file beside it, then `os.replace`
+    (readers, and other writers, see the old file or the new one, whole). OSError where the
+    folder cannot be made or written."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(document, indent=1) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def cached(path: Path, key: Mapping[str, Any], shipped: Mapping[str, Any]) -> Rates | None:
+    """The rates of the probe cached at `path` for `key`, or None (no file, or none readable:
+    silently; a file
+    that is not whole JSON, another key's, or whose profile is not `shipped` rescaled by its
+    numbers: refused with a notice, never used)."""
+    try:
+        text = path.read_text()
+    except OSError:  # no file to read (none, or no folder): nothing to refuse
+        return None
+    except UnicodeDecodeError as exc:
+        return _refused(path, f"it is not UTF-8 text ({exc})")
+    try:
+        doc = json.loads(text)
+        record = doc["calibration"]["probe"]
+        rates = Rates(float(record["flop_per_s"]), float(record["memory_bytes_per_s"]))
+    except (ValueError, KeyError, TypeError) as exc:
+        return _refused(path, f"it is not a whole probe record ({type(exc).__name__}: {exc})")
+    if record.get("key") != dict(key):
+        theirs = record.get("key") if isinstance(record.get("key"), dict) else {}
+        changed = sorted(k for k in set(key) | set(theirs) if theirs.get(k) != key.get(k))
+        return _refused(path, f"it was probed under another key ({', '.join(changed)} differ)")
+    if not all(math.isfinite(v) and v > 0 for v in (rates.flop_per_s, rates.memory_bytes_per_s)):
+        return _refused(path, "its rates are not positive numbers")
+    try:
+        mine = read.profile_from_dict(doc, origin=str(path))
+        if mine != read.profile_from_dict(rescaled(shipped, rates, key)):
+            return _refused(path, "its profile is not the shipped one rescaled by its probe")
+    except (ValueError, KeyError, TypeError) as exc:
+        return _refused(path, f"its profile does not load ({exc})")
+    return rates
+
+
+def _refused(path: Path, why: str) -> Rates | None:
+    """None, said: the cache file at `path` is not used, for `why`."""
+    config.notice("probe-cache-refused", f"libra_jax: not using the cached probe {path}: {why}; "
+                  "probing this machine again", RuntimeWarning, stacklevel=4)
+    return None
+
+
+#: Outcomes by the label `read.default_profile` returns for them (`read.PROBED`'s keys).
+_outcomes: dict[str, Outcome] = {}
+_said: set[str] = set()
+#: Labels whose probe failed in this process (not retried: the shipped profile plans).
+_failed_keys: set[str] = set()
+
+
+def _once(notice_id: str, message: str) -> None:
+    """Say a probe's notice once per process (each has one call site: `_failed`, `_unwritable`)."""
+    if notice_id not in _said:
+        _said.add(notice_id)
+        _SAYERS[notice_id](message)
+
+
+def _failed(message: str) -> None:
+    config.notice("probe-failed", message, RuntimeWarning, stacklevel=5)
+
+
+def _unwritable(message: str) -> None:
+    config.notice("probe-cache-unwritable", message, RuntimeWarning, stacklevel=5)
+
+
+_SAYERS: dict[str, Callable[[str], None]] = {"probe-failed": _failed,
+                                             "probe-cache-unwritable": _unwritable}
+
+
+def _measurer() -> Any:
+    return importlib.import_module(MEASURER)
+
+
+def probed_default(backend: str, shipped: str) -> str:
+    """The CPU default `read.default_profile` returns where no calibrated profile is:
+    `shipped` rescaled by this machine's probe (its label in `read.PROBED`), or `shipped`
+    itself where the probe is off or failed (the module docstring). Probes once per process
+    and machine key; a failed probe is not retried in the process."""
+    if backend != "cpu" or not config.profile_probe() or "jax" not in sys.modules:
+        return shipped
+    measurer = _measurer()
+    devices, jax_version, off = measurer.context()
+    if off:
+        return shipped
+    key = machine_key(shipped, devices, jax_version)
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+    label = f"{shipped} (probe {digest})"
+    if label in read.PROBED or label in _failed_keys:
+        return label if label in read.PROBED else shipped
+    path = cache_path(backend)
+    document = read.profile_to_dict(read.load_profile(shipped))
+    rates = cached(path, key, document)
+    kept: Path | None = path
+    if rates is None:
+        try:
+            rates = measurer.measure()
+        except Exception as exc:  # a failed probe must not fail the step: the shipped profile plans
+            _failed_keys.add(label)
+            _once("probe-failed", f"libra_jax: the machine probe failed ({type(exc).__name__}: "
+                  f"{exc}); planning with the shipped profile {shipped!r}")
+            return shipped
+        try:
+            store(path, rescaled(document, rates, key))
+        except OSError as exc:
+            kept = None
+            _once("probe-cache-unwritable", f"libra_jax: cannot cache the machine probe at {path} "
+                  f"({exc}); it is kept in memory, and each process probes again")
+    profile = read.profile_from_dict(rescaled(document, rates, key),
+                                     origin=str(kept) if kept else f"<{label}, in memory>")
+    read.PROBED[label] = profile
+    _outcomes[label] = Outcome(shipped, profile, rates, sustained(read.load_profile(shipped)),
+                               kept, key["cores"])
+    return label
+
+
+def outcome_of(profile: Profile) -> Outcome | None:
+    """The probe that made `profile` in this process, if one did."""
+    return next((o for o in _outcomes.values() if o.profile == profile), None)
+
+
+def describe(profile: Profile) -> list[str]:
+    """Which profile planned, said for `explain`: probe-rescaled (the probe's two numbers and
+    the shipped ones, and ``libra-jax calibrate`` where the machine is far from the profile),
+    calibrated (its path), shipped, or another one (its origin)."""
+    outcome = outcome_of(profile)
+    if outcome is not None:
+        p, s = outcome.probed, outcome.shipped_rates
+        where = f"cached at {outcome.path}" if outcome.path else "kept in memory"
+        lines = [f"profile: {outcome.shipped} rescaled by this machine's probe: matmul "
+                 f"{p.flop_per_s / 1e9:.1f} GFLOP/s a device (shipped {s.flop_per_s / 1e9:.1f}), "
+                 f"memory copy {p.memory_bytes_per_s / BYTES_PER_GBYTE:.1f} GB/s (shipped "
+                 f"{s.memory_bytes_per_s / BYTES_PER_GBYTE:.1f}); latencies and call costs as "
+                 f"shipped ({where}; {config.PROFILE_PROBE_ENV}=0 plans with the shipped one)"]
+        far = outcome.far()
+        if far:
+            lines.append(f"this machine is far from the profile ({'; '.join(far)}): `libra-jax "
+                         "calibrate` measures it (docs/calibration.md)")
+        return lines
+    origin = profile.origin.strip("'\"")
+    if origin.startswith(str(config.calibrated_profile_dir())):
+        return [f"profile: calibrated, {profile.name} from {origin}"]
+    if origin == str(read.profile_path(profile.name)):
+        why = ""
+        if profile.form == "fair-share" and not config.profile_probe():
+            why = f" ({config.PROFILE_PROBE_ENV}=0: not rescaled to this machine)"
+        return [f"profile: shipped, {profile.name}{why}"]
+    return [f"profile: {profile.name} from {profile.origin}"]
+
+
+read.probe_hook = probed_default  # `read.default_profile`'s CPU default goes through the probe
