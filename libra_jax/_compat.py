@@ -43,7 +43,7 @@ __all__ = [
     "canonicalize_axis", "axis_effects",
     "apply_primitive", "deflinear", "register_batcher", "register_lowering", "lower_fun",
     "ir_constant", "ir_tensor_type", "jit_static_args", "made_by_transpose", "is_var", "is_ref",
-    "is_dropped", "with_varying", "scan_num_carry",
+    "is_dropped", "with_varying", "pvary_eqn", "scan_num_carry",
     "check_vma_enabled", "auto_pcast_enabled", "varying_axes", "input_state",
     "pvary", "skip_size_one_axes", "axis_is_bound", "bound_axis_sizes", "context_mesh", "manual_axes", "replica_groups",
     "mesh_devices", "ffi_target_registration", "device_index", "is_traced_argument", "is_zero_cotangent",
@@ -393,6 +393,18 @@ def with_varying(aval: Any, axes: Sequence[Any]) -> Any:
     if not hasattr(aval, "vma"):
         return aval
     return aval.update(vma=frozenset(aval.vma) | frozenset(axes))
+
+
+def pvary_eqn(operand: Any, axes: Sequence[Any], like: Any) -> Any:
+    """An equation casting jaxpr variable `operand` to varying over `axes` (check_vma's
+    `pvary`, as autodiff writes it), with `like`'s source; None where this JAX has no
+    `pvary` primitive."""
+    prim = getattr(_core, "pvary_p", None)
+    if prim is None:  # pragma: no cover - depends on the JAX version
+        return None
+    out = new_var(with_varying(operand.aval, axes))
+    return like.replace(primitive=prim, invars=[operand], outvars=[out],
+                        params={"axes": tuple(axes)}, effects=_core.no_effects)
 
 
 def made_by_transpose(eqn: Any, deep: bool = True) -> bool:

@@ -19,7 +19,7 @@ PACKAGE = Path(libra_jax.__file__).parent
 #: layer and those below.
 LAYERS: dict[str, int] = {
     **dict.fromkeys(["config", "collectives", "planner", "planner.core", "planner.gathers",
-                     "planner.dp", "planner.baselines", "planner.exhaustive", "model", "model.profile",
+                     "planner.dp", "planner.baselines", "planner.exhaustive", "planner.step", "model", "model.profile",
                      "model.forms", "model.read", "model.derive", "model.probe", "zoo",
                      "gantt", "gpu_calibration", "calibrate.fit"], 1),
     **dict.fromkeys(["_compat", "_ffi", "_nccl", "_libra_ffi"], 2),
@@ -29,6 +29,7 @@ LAYERS: dict[str, int] = {
                      "loops", "rewrite",
                      "rewrite.sites", "rewrite.costs", "rewrite.edits", "rewrite.report",
                      "rewrite.gathers", "rewrite.exchanges", "rewrite.buckets", "rewrite.ready", "rewrite.rewriter",
+                     "rewrite.shrink",
                      "rewrite.transform"], 4),
     **dict.fromkeys(["explanation", "gradient_names", "calibrate", "calibrate.measure",
                      "calibrate.build", "calibrate.probe", "cli",

@@ -2,7 +2,8 @@
 
 The package, by concern: `transform` (`optimize`, `rewrite_jaxpr`, what outer transformations
 hand over), `report` (`OptimizeReport`, the profile and plan every process agrees on),
-`rewriter` (the walk over a program's scopes), `sites` (which equations are collectives to
+`rewriter` (the walk over a program's scopes), `shrink` (psums issued after the linear maps
+that shrink them), `sites` (which equations are collectives to
 serve: one rule per primitive, `sites.SITE_RULES`), `buckets` (the planner's buckets and how
 each is issued), `gathers` (FSDP's all-gathers), `edits` (the equations written and their
 schedule), `costs` (the roofline of the compute between collectives).
@@ -64,6 +65,12 @@ Contract of the rewrite (`rewrite_jaxpr`):
   (`buckets.split_buckets`).
 - A psum of a known zero (a literal, or broadcast from one) is folded to ``z + z``,
   bitwise `jax.lax.psum`'s, with no call (`sites.fold_zero_psums`).
+- A psum whose result feeds only a linear map that shrinks it (a `reduce_sum`: a broadcast
+  bias's transpose under `check_vma`; a `dot_general` with an operand invariant over its
+  axes: a one-hot contraction), through data movement, is issued after the map, at its
+  output's size (`shrink.shrink_psums`, before loops are hoisted, in every scope and scan
+  body): the same sums in another order, so class 3 of the step as written and bitwise its
+  ``collectives="xla"`` control (docs/bitwise.md).
 - Sharded data parallelism: a `psum_scatter` (JAX's `reduce_scatter`, or
   `libra_reduce_scatter` without an explicit block count) is a site as a psum is,
   classified by the same rule: the gradient of a sharded parameter (the transpose of a

@@ -4,7 +4,8 @@ A scope (a jaxpr: the step's, a `shard_map`'s body, a loop's body) is rewritten 
 (`Rewriter.jaxpr`): its sub-jaxprs first, then its sites found (`sites.find_site`) and
 classified, its gradient collectives planned and edited (`buckets`), its all-gathers edited
 (`gathers`), and its equations scheduled (`edits.schedule`). A scan's hoistable psums leave
-its body first where the model prices that lower (`loop_plan`).
+its body first where the model prices that lower (`loop_plan`), after each psum that feeds
+only a linear map shrinking it is issued past the map (`shrink`).
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ from libra_jax.rewrite.exchanges import edit_exchanges
 from libra_jax.rewrite.gathers import edit_gathers, hoist_regathers
 from libra_jax.rewrite.ready import READY_MODES, Ready, inline_calls, to_ready_points
 from libra_jax.rewrite.report import LoopPlan, OptimizeReport, PsumPlan, block_cap
+from libra_jax.rewrite.shrink import shrink_psums
 from libra_jax.rewrite.sites import (
     Site,
     axis_names,
@@ -207,7 +209,7 @@ class Rewriter:
             eqns = inline_calls(eqns)  # a jit inside the step is a boundary only
             # psums of a backward scan's stacked slices: per iteration, in its body (`loops`)
             eqns = loops.sink(eqns, jaxpr.outvars)
-        eqns = self.hoist_loops(eqns, axis_sizes, scope)
+        eqns = self.hoist_loops(shrink_psums(eqns, jaxpr.outvars), axis_sizes, scope)
         if not in_loop and self.prefetch != 0:
             eqns = hoist_regathers(self, eqns, axis_sizes)
         eqns = [self.sub_jaxprs(eqn, i, axis_sizes, scope, in_loop, in_backward)
