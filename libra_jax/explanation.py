@@ -140,6 +140,17 @@ class Explanation:
         return sum(s.backward_s for s in self.scopes)
 
     @property
+    def step(self) -> planner.StepPrice | None:
+        """The whole step priced both ways (`rewrite.OptimizeReport.step`): its terms, the
+        predicted ``plain_s`` and ``optimized_s``; None where not priced."""
+        return self.report.step
+
+    @property
+    def predicted_ratio(self) -> float | None:
+        """The model's optimized / plain step time (`rewrite.OptimizeReport.predicted_ratio`)."""
+        return self.report.predicted_ratio
+
+    @property
     def default_s(self) -> float:
         return sum(s.default_s for s in self.scopes)
 

@@ -80,10 +80,12 @@ def test_sources_are_labelled_as_expected() -> None:
     cpu = model.load_profile("cpu-host").sources
     # Its latency and the price of a call in a step are measured as calibration measures them
     # (one definition), the collectives' traffic by benchmarks/sharded_cpu.py; the rest are
-    # assumptions (the fusion copy: none, the engine copies nothing).
+    # assumptions (the fusion copy: none, the engine copies nothing). XLA's all-reduce (the
+    # plain step's, `planner.StepPrice`) is measured by benchmarks/allreduce_cpu.py.
     measured = ("network.base_latency_us", "fair_share.reduce_scatter_traffic",
                 "fair_share.all_gather_traffic", "fair_share.call_us",
-                "fair_share.overlap_block_efficiency")
+                "fair_share.overlap_block_efficiency", "fair_share.xla_allreduce_call_us",
+                "fair_share.xla_allreduce_gbyte_per_s")
     assert all(cpu[k].source == "measured" for k in measured)
     assert all(q.source == "assumption" for k, q in cpu.items() if k not in measured)
 

@@ -141,6 +141,10 @@ class FairShare:
     one per kind's row: `collectives.Collective.traffic_key`): the engine's seconds for
     that collective of a buffer over its all-reduce's of the same buffer at the same block
     count, measured (`collective_traffic`; None: derived from the memory each moves).
+    ``xla_call_s`` / ``xla_bytes_per_s`` (optional) how XLA:CPU runs the plain step's
+    all-reduce (`planner.StepPrice`): what one operand's call costs (its device threads'
+    rendezvous) and its bytes per rank a second, fresh output buffer written; None: the documented defaults,
+    `XLA_CPU_ALLREDUCE_CALL_S` and `XLA_CPU_ALLREDUCE_BYTES_PER_S`.
     """
 
     block_options: tuple[int, ...]
@@ -156,6 +160,28 @@ class FairShare:
     reduce_scatter_traffic: float | None = None
     all_gather_traffic: float | None = None
     all_to_all_traffic: float | None = None
+    xla_call_s: float | None = None
+    xla_bytes_per_s: float | None = None
+
+    def xla_terms(self) -> tuple[float, float]:
+        """(seconds an operand's call, bytes per rank a second) of XLA:CPU's all-reduce: the profile's
+        ``xla_allreduce_call_us`` and ``xla_allreduce_gbyte_per_s``, else the defaults."""
+        return (XLA_CPU_ALLREDUCE_CALL_S if self.xla_call_s is None else self.xla_call_s,
+                XLA_CPU_ALLREDUCE_BYTES_PER_S if self.xla_bytes_per_s is None
+                else self.xla_bytes_per_s)
+
+
+#: XLA:CPU's all-reduce (`jax.lax.psum` in a jitted program, 8 host devices on the 2-core VM,
+#: float32; benchmarks/results/allreduce_cpu.md, 2026-12-01, medians of 60 interleaved
+#: repetitions). Per operand (XLA:CPU's all-reduce thunk runs one rendezvous of every rank per
+#: operand of a combined all-reduce): psum's 1 KiB call (0.328 ms) less what the same harness
+#: adds to libra's (its 1 KiB call, 0.249 ms, less the 73 us `cpu-host` prices it at in a
+#: step: base_latency_us + call_us), 0.152 ms. Per byte: the slope of psum's medians from 1 KiB
+#: to 16 MiB (14.083 ms), bytes per rank a second with a fresh output written (4097 page faults
+#: a call at 16 MiB; the 1 MiB median lies 15% under the line, in cache). The defaults of
+#: ``fair_share.xla_allreduce_call_us`` and ``fair_share.xla_allreduce_gbyte_per_s``.
+XLA_CPU_ALLREDUCE_CALL_S = 152e-6
+XLA_CPU_ALLREDUCE_BYTES_PER_S = 1.22e9
 
 
 # Every kind measured against the all-reduce has its field here (its row's traffic key).

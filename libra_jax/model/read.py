@@ -258,7 +258,8 @@ def _read_libra_fit(r: _Reader, data: Mapping[str, Any]) -> LibraFit:
 
 def _read_fair_share(r: _Reader, data: Mapping[str, Any]) -> FairShare:
     c = r.section(data, "fair_share", allowed=_BLOCK_FORM_KEYS + (
-        "cores", "compute_threads", "pending_allreduce_us", *TRAFFIC_KEYS.values()))
+        "cores", "compute_threads", "pending_allreduce_us", "xla_allreduce_call_us",
+        "xla_allreduce_gbyte_per_s", *TRAFFIC_KEYS.values()))
     p = "fair_share."
     # Each kind's measured traffic, by its row's key (`collectives.Collective.traffic_key`).
     traffic: dict[str, Any] = {key: _optional_number(r, c, key, p) for key in TRAFFIC_KEYS.values()}
@@ -268,6 +269,10 @@ def _read_fair_share(r: _Reader, data: Mapping[str, Any]) -> FairShare:
         compute_threads=r.number(c, "compute_threads", p),
         pending_allreduce_s=(r.number(c, "pending_allreduce_us", p, inclusive=True) * S_PER_US
                              if "pending_allreduce_us" in c else None),
+        xla_call_s=(r.number(c, "xla_allreduce_call_us", p, inclusive=True) * S_PER_US
+                    if "xla_allreduce_call_us" in c else None),
+        xla_bytes_per_s=(r.number(c, "xla_allreduce_gbyte_per_s", p) * BYTES_PER_GBYTE
+                         if "xla_allreduce_gbyte_per_s" in c else None),
         **traffic,
     )
 

@@ -183,6 +183,14 @@ from libra_jax.planner.gathers import (
     plan_gathers,
     simulate_gathers,
 )
+from libra_jax.planner.step import (
+    XLA_CPU_COMBINE_COUNT,
+    OtherCall,
+    PlannedScope,
+    StepPrice,
+    XlaTerms,
+    price_step,
+)
 
 __all__ = [
     "BLOCK_PENALTY",
@@ -228,4 +236,10 @@ __all__ = [
     "XLA_COMBINE_BYTES",
     "regathered_layers",
     "compare_fsdp",
+    "XLA_CPU_COMBINE_COUNT",
+    "XlaTerms",
+    "PlannedScope",
+    "OtherCall",
+    "StepPrice",
+    "price_step",
 ]

@@ -11,12 +11,13 @@ from typing import Any
 
 import jax
 
-from libra_jax import _compat, _nccl, config, model
+from libra_jax import _compat, _nccl, collectives, config, model, planner
 from libra_jax.collectives import Collective
 from libra_jax.ops.base import warn_once
+from libra_jax.rewrite.costs import roofline_s
 
 __all__ = ["PsumPlan", "LoopPlan", "OptimizeReport", "LatestReport", "block_cap", "shared_profile",
-           "data_path_lines", "check_plan_agreement", "NO_PROFILE_BROADCAST_ENV"]
+           "data_path_lines", "check_plan_agreement", "NO_PROFILE_BROADCAST_ENV", "price_step"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +94,19 @@ class OptimizeReport:
     # Per scope whose all-gathers were planned together (`gathers.prefetch_gathers`): the
     # model's inputs and choice (`planner.GatherStep`s, `planner.GatherPlan`), for `explain`.
     gathers: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    # The whole step priced both ways, plain (XLA's collectives, combined as XLA:CPU's
+    # combiner does) and as planned (`price_step`, `planner.StepPrice`: its terms, plain_s,
+    # optimized_s, predicted_ratio); None where nothing was planned or the profile has no
+    # XLA terms (the GPU forms).
+    step: planner.StepPrice | None = None
+
+    @property
+    def predicted_ratio(self) -> float | None:
+        """The model's optimized / plain step time (`planner.StepPrice.predicted_ratio`): 1.0
+        where nothing was planned (both programs are one), None where not priced."""
+        if self.step is not None:
+            return self.step.predicted_ratio
+        return None if self.plans or self.predicted or self.gathers else 1.0
 
     @property
     def num_psums(self) -> int:
@@ -288,3 +302,75 @@ def check_plan_agreement(report: OptimizeReport, *, program: str) -> None:
                 "this step differently, so their all-reduces would not match. Use the same "
                 "profile everywhere (optimize(profile=...)), and the same LIBRA_JAX_CUDA and "
                 "NCCL. Differing all-reduces:\n" + "\n".join(diff))
+
+
+def price_step(report: OptimizeReport, jaxpr: Any) -> planner.StepPrice | None:
+    """The step `jaxpr` (the program as traced, before the rewrite), whose plan `report`
+    holds, priced both ways (`planner.price_step`): its compute the roofline of its equations
+    at the planning profile's rates, as the planner's layers are priced; every planned scope
+    (`report.predicted`) with its buckets as issued (one call or a start/done pair, from
+    `report.plans`); the collectives planned apart (a loss's pmean, a psum given ``blocks=``)
+    at the model's price of one call alone; each scope's all-gathers at their predicted
+    exposed time (the pass as issued minus its compute). None where nothing was planned or the
+    profile is not the fair-share form (no XLA terms known)."""
+    entries = list(report.predicted) + list(report.gathers)
+    if not entries or entries[0]["profile"].fair_share is None:
+        return None
+    profile = entries[0]["profile"]
+    fair = profile.fair_share
+    call_s, bytes_per_s = fair.xla_terms()
+    xla = planner.XlaTerms(call_s, bytes_per_s)
+    issued: dict[tuple[str, int], list[PsumPlan]] = {}
+    for p in report.plans:
+        if p.kind == "gradient":
+            issued.setdefault((p.scope, p.members[-1]), []).append(p)
+    scopes: list[planner.PlannedScope] = []
+    costs: dict[tuple, tuple[planner.CostModel, Any]] = {}
+    for entry in report.predicted:
+        key = (entry["scope"], tuple(entry["axes"]))
+        costs.setdefault(key, (entry["cost"], entry["derivation"]))
+        members = entry["members"]
+        plans = [issued.get((entry["scope"], members[i]), []) for i in range(len(members))]
+        in_bucket = [p for b in entry["buckets"] for i in range(b.first, b.last + 1)
+                     for p in plans[i]]
+        sync = tuple(all(p.overlap == "sync" for p in plans[b.last]) for b in entry["buckets"])
+        scopes.append(planner.PlannedScope(
+            key=key, layers=tuple(entry["layers"]), buckets=tuple(entry["buckets"]),
+            cost=entry["cost"], sync=sync, calls=len(in_bucket) or None,
+            in_loop=entry.get("in_loop", False)))
+    gathered = {g["scope"] for g in report.gathers}
+    others = []
+    for p in report.plans:
+        if p.kind == "gradient" or (p.collective.gathers and p.scope in gathered):
+            continue
+        key = (p.scope, tuple(p.axes))
+        cost, derivation = costs.get(key) or next(iter(costs.values()), (None, None))
+        if cost is None:
+            continue  # no planned scope to price it with: the same call both ways, left out
+        others.append(_other_call(key, p, cost, derivation))
+    for g in report.gathers:
+        steps, cost = g["steps"], g["cost"]
+        plan = g["plan"]
+        total = plan.total_s if g["distance"] == plan.distance else plan.one_call_s
+        exposed = max(0.0, total - g["lead_s"] - sum(s.compute_s for s in steps))
+        traffic = cost.terms(g["collective"]).traffic
+        others.extend(planner.OtherCall(None, s.nbytes, g["collective"], traffic,
+                                        exposed / len(steps)) for s in steps)
+    compute_s = sum(roofline_s(eqn, profile) for eqn in jaxpr.eqns)
+    return planner.price_step(compute_s, scopes, others, xla, fair.pending_allreduce_s)
+
+
+def _other_call(key: tuple, p: PsumPlan, cost: planner.CostModel,
+                derivation: Any) -> planner.OtherCall:
+    """A collective planned apart from a backward pass, as one call alone: its issue, its
+    latency and its bytes at the solo rate of its blocks."""
+    terms = cost.terms(p.collective)
+    try:
+        k = derivation.key_for_blocks(p.blocks)
+    except (ValueError, KeyError):
+        k = max(cost.keys)
+    k = k if k in cost.solo_bw else max(cost.keys)
+    libra_s = (cost.issue_s(p.nbytes, 1) + terms.latency_s
+               + p.nbytes * terms.traffic / cost.solo_bw[k])
+    return planner.OtherCall(key if p.collective is collectives.REFERENCE else None, p.nbytes,
+                             p.collective, terms.traffic, libra_s)

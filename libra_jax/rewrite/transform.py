@@ -22,6 +22,7 @@ from libra_jax.rewrite.report import (
     LatestReport,
     OptimizeReport,
     check_plan_agreement,
+    price_step,
     shared_profile,
 )
 from libra_jax.rewrite.rewriter import Options, Rewriter, _loop_mode
@@ -418,6 +419,7 @@ def rewrite_jaxpr(closed: Any, *, profile: Any = None, fusion: bool = True,
         new_jaxpr = rewriter.jaxpr(closed.jaxpr, axis_sizes=_compat.bound_axis_sizes(),
                                    scope="top", in_loop=False)
         maps_devices = _maps_devices(closed.jaxpr)
+    report.step = price_step(report, closed.jaxpr)  # the step both ways (issue 73)
     for line in report.skipped:
         warn_once("psum-left-in-place", f"libra_jax.optimize left an XLA psum in place: {line}")
     counts = collections.Counter(rewriter.unplanned)
