@@ -467,9 +467,9 @@ def _cells(r: BucketRow) -> list[str]:
 
 def _summary(s: ScopePlan, width: int) -> list[str]:
     """The lines under a scope's table: its buckets' members where a cell could not hold them,
-    the losses and metrics planned with the gradients, the predicted backward times (no
-    predicted ratio: the model prices the collectives and their contention, not the step),
-    where each bucket is issued."""
+    the losses and metrics planned with the gradients, the predicted backward times (the
+    backward pass's: the whole step's ratio is `_prediction_lines`'), where each bucket is
+    issued."""
     ms = 1e3
     rows = _gradient_rows(s)
     lines = _member_lines(rows, width) + _loss_lines(s)
@@ -514,9 +514,10 @@ def _ready_lines(s: ScopePlan) -> list[str]:
 
 
 def _prediction_lines(e: Explanation) -> list[str]:
-    """What the predicted times above cover, and (on CPU) where a measured gain comes from
-    instead: the plan's predicted gain there is a few percent while a train step measures
-    ~10-20% faster (README "When it helps"; benchmarks/results/end_to_end.md, allreduce_cpu.md)."""
+    """What the predicted times above cover, and the whole step priced both ways where the
+    profile prices plain's XLA collectives (`planner.StepPrice`, the CPU profiles): the
+    number to hold a measured optimized/plain ratio against (its fidelity per example:
+    benchmarks/results/step_prediction.md)."""
     if not e.scopes:
         return []
     lines = ["what the prediction covers: the contention model's backward time (each bucket's "
@@ -524,11 +525,19 @@ def _prediction_lines(e: Explanation) -> list[str]:
              "each call's latency and what issuing it takes from compute: the profile's "
              "call_us), for this plan against the two baselines above; not how an "
              "all-reduce's result is written"]
-    if jax.default_backend() == "cpu":
-        lines.append("on CPU a measured gain comes mostly from outside this prediction: libra's "
-                     "in-place all-reduce writes no fresh output buffers (XLA's psum page-faults "
-                     "a new one on every call) and fusion issues fewer all-reduces "
-                     "(benchmarks/results/end_to_end.md, allreduce_cpu.md)")
+    price = e.report.step
+    if price is not None:
+        ms = 1e3
+        lines.append(
+            f"predicted step: {price.optimized_s * ms:.2f} ms optimized, "
+            f"{price.plain_s * ms:.2f} ms plain ({price.predicted_ratio:.2f}x): compute "
+            f"{price.compute_s * ms:.2f} ms (the roofline of the step's equations); plain's "
+            f"collectives {price.plain_collectives_s * ms:.2f} ms (XLA's "
+            f"{_plural(price.plain_calls, 'call')} of {_plural(price.plain_operands, 'operand')}"
+            f", each operand a rendezvous and a fresh output), the plan's "
+            f"{price.optimized_collectives_s * ms:.2f} ms ({_plural(price.optimized_calls, 'call')}"
+            " of libra's) (benchmarks/results/step_prediction.md: how close it came on the "
+            "examples)")
     return lines
 
 

@@ -258,16 +258,15 @@ def test_plan_prints_a_table(capsys: pytest.CaptureFixture[str], plan_script, ja
 @pytest.mark.parametrize("table", ["--plain", None])
 def test_plan_says_what_its_prediction_covers_and_where_a_cpu_gain_comes_from(
         capsys: pytest.CaptureFixture[str], plan_script, jax_8, table) -> None:
-    # The transformer's plan predicts about -1% while its train step measures 8-23% faster on
-    # CPU: the output says what the prediction models and what it leaves out.
+    # The backward pass's prediction leaves out what a CPU gain comes from (the in-place
+    # write, fewer calls); the whole step's price (issue 73) holds them: both are said.
     status, out, _ = run(capsys, "plan", str(plan_script), *([table] if table else []))
     assert status == 0
     text = " ".join(out.split())  # rich wraps at the terminal's width
     assert "what the prediction covers: the contention model's backward time" in text
     assert "not how an all-reduce's result is written" in text
-    assert ("on CPU a measured gain comes mostly from outside this prediction: libra's in-place "
-            "all-reduce writes no fresh output buffers") in text
-    assert "fusion issues fewer all-reduces" in text
+    assert re.search(r"predicted step: [\d.]+ ms optimized, [\d.]+ ms plain \(0\.\d\dx\)", text)
+    assert "each operand a rendezvous and a fresh output" in text
 
 
 @pytest.mark.skipif(not HAS_MATPLOTLIB, reason="matplotlib is not installed")

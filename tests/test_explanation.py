@@ -76,6 +76,13 @@ def test_explain_plain_jax_step():
     assert "fusion only" in text and "layer0.w" in text
     # the report's prediction is the same plan
     assert e.report.predicted[0]["backward_s"] == pytest.approx(e.scopes[0].backward_s, rel=1e-12)
+    # The whole step priced both ways (issue 73), said in one line with the report's numbers.
+    price = e.report.step
+    assert price is not None and e.predicted_ratio == price.predicted_ratio < 1
+    line, = [t for t in " ".join(text.split()).split("what the prediction covers")[1:]]
+    assert (f"predicted step: {price.optimized_s * 1e3:.2f} ms optimized, "
+            f"{price.plain_s * 1e3:.2f} ms plain ({price.predicted_ratio:.2f}x)") in line
+    assert "on CPU a measured gain comes mostly from outside this prediction" not in text
 
 
 def test_explain_options_and_optimized_functions():
