@@ -23,10 +23,11 @@ pytestmark = pytest.mark.usefixtures("jax_8")
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
-def mlp_step():
-    """A data-parallel SGD step in plain JAX, gradients psummed under check_vma=False."""
+def mlp_step(hidden: int = 64):
+    """A data-parallel SGD step in plain JAX, gradients psummed under check_vma=False: 6
+    gradient psums and a loss pmean over 8 devices."""
     rng = np.random.default_rng(0)
-    sizes = [16, 64, 64, 8]
+    sizes = [16, hidden, hidden, 8]
     params = {f"layer{i}": {"w": (rng.standard_normal((m, n)) * 0.3).astype(np.float32),
                             "b": np.zeros(n, np.float32)}
               for i, (m, n) in enumerate(zip(sizes[:-1], sizes[1:]))}

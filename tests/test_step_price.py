@@ -2,12 +2,8 @@
 arithmetic on a hand-built case, and the predicted optimized/plain ratio's direction."""
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 import pytest
-from conftest import mesh_of, shard
-from jax.sharding import PartitionSpec as P
+from test_explanation import mlp_step
 
 import libra_jax
 from libra_jax import collectives, model, planner, rewrite
@@ -114,34 +110,9 @@ def test_the_profile_carries_xla_terms_with_documented_defaults():
                                    model.profile.XLA_CPU_ALLREDUCE_BYTES_PER_S)
 
 
-def sgd_step():
-    """A data-parallel SGD step: 6 gradient psums and a loss pmean over 8 devices."""
-    rng = np.random.default_rng(0)
-    sizes = [16, 256, 256, 8]
-    params = {f"layer{i}": {"w": (rng.standard_normal((m, n)) * 0.3).astype(np.float32),
-                            "b": np.zeros(n, np.float32)}
-              for i, (m, n) in enumerate(zip(sizes[:-1], sizes[1:]))}
-
-    def local(params, x):
-        def loss(p):
-            h = x
-            for i in range(len(p)):
-                h = jnp.tanh(h @ p[f"layer{i}"]["w"] + p[f"layer{i}"]["b"])
-            return jnp.mean(h ** 2)
-        value, grads = jax.value_and_grad(loss)(params)
-        grads = jax.tree.map(lambda g: jax.lax.psum(g, "x"), grads)
-        return jax.tree.map(lambda p, g: p - 0.1 * g, params, grads), jax.lax.pmean(value, "x")
-
-    mesh = mesh_of((8,), ("x",))
-    step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P("x")), out_specs=(P(), P()),
-                                 check_vma=False))
-    return step, (params, shard(rng.standard_normal((32, sizes[0])).astype(np.float32), mesh,
-                                P("x")))
-
-
 @pytest.mark.usefixtures("jax_8")
 def test_a_planned_step_is_priced_both_ways():
-    step, args = sgd_step()
+    step, args = mlp_step(hidden=256)
     e = libra_jax.explain(step, *args, file=None)
     price = e.step
     assert price is not None and price is e.report.step
