@@ -906,20 +906,26 @@ def test_sharded_pair_on_the_nccl_path(stub_env, version):
                 ) in out, out
 
 
-# The all-to-all on LIBRA_JAX_CUDA=nccl, lowered for cuda: NCCL sends contiguous block d of its
-# buffer to rank d, so the split dimension is moved to the front and flattened before the call
-# (a transpose where it does not lead) and moved back after it, then the received segments
-# concatenated along the concat dimension (`lowering.Call.arrange`): one libra call, no XLA
-# all-to-all, flat buffers of the whole operand in and out.
-EXCHANGE_IN_PROCESS = """
+# One process on LIBRA_JAX_CUDA=nccl lowering for cuda from 8 CPU devices (the scripts below
+# continue it); it says whether the extension has CUDA (else the lowering is XLA's: skipped).
+NCCL_LOWERING_PRELUDE = """
     import os, re
     os.environ["LIBRA_JAX_CUDA"] = "nccl"
     import jax, numpy as np
     jax.config.update("jax_num_cpu_devices", 8)
     from jax.sharding import PartitionSpec as P
-    import libra_jax
     from libra_jax import _ffi
     print("HAS_CUDA", _ffi.HAS_CUDA)
+"""
+
+
+# The all-to-all on LIBRA_JAX_CUDA=nccl, lowered for cuda: NCCL sends contiguous block d of its
+# buffer to rank d, so the split dimension is moved to the front and flattened before the call
+# (a transpose where it does not lead) and moved back after it, then the received segments
+# concatenated along the concat dimension (`lowering.Call.arrange`): one libra call, no XLA
+# all-to-all, flat buffers of the whole operand in and out.
+EXCHANGE_IN_PROCESS = NCCL_LOWERING_PRELUDE + """
+    import libra_jax
     for n in (2, 4):
         mesh = jax.make_mesh((n,), ("x",), devices=jax.devices()[:n])
         for split, concat in ((0, 0), (1, 0), (0, 1)):
@@ -959,14 +965,8 @@ def test_all_to_all_on_the_nccl_path(stub_env):
 # LIBRA_JAX_CUDA=nccl: one NCCL call per dtype NCCL sums, over the members as they are (each
 # its own row of shards, one NCCL group; they were packed into one row before); a dtype it
 # does not sum (int8) is XLA's, per member.
-FUSED_SHARDED_IN_PROCESS = """
-    import os, re
-    os.environ["LIBRA_JAX_CUDA"] = "nccl"
-    import jax, numpy as np
-    jax.config.update("jax_num_cpu_devices", 8)
-    from jax.sharding import PartitionSpec as P
-    from libra_jax import _ffi, ops
-    print("HAS_CUDA", _ffi.HAS_CUDA)
+FUSED_SHARDED_IN_PROCESS = NCCL_LOWERING_PRELUDE + """
+    from libra_jax import ops
     for n in (2, 8):
         mesh = jax.make_mesh((n,), ("x",), devices=jax.devices()[:n])
         def body(v):

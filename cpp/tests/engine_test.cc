@@ -327,6 +327,27 @@ libra::CallSpec Spec(int rank, int world, std::size_t count, int64_t run = 1) {
   return spec;
 }
 
+// Rank `r` of `n` arrives at `site` with its buffers of every member of a bucket
+// (in[m][r], out[m][r]: member m's), as one call of `kind` at `blocks`.
+template <typename T>
+void ArriveMembers(libra::Rendezvous& site, int r, int n, libra::Collective kind, DType dtype,
+                   int blocks, const std::vector<libra::Member>& members,
+                   std::vector<std::vector<std::vector<T>>>& in,
+                   std::vector<std::vector<std::vector<T>>>& out, Latch& latch) {
+  libra::CallSpec spec = Spec(r, n, 0);
+  spec.collective = kind;
+  spec.dtype = dtype;
+  spec.blocks = blocks;
+  spec.members = members;
+  std::vector<const void*> ins;
+  std::vector<void*> outs;
+  for (std::size_t m = 0; m < members.size(); ++m) {
+    ins.push_back(in[m][r].data());
+    outs.push_back(out[m][r].data());
+  }
+  site.Arrive(spec, ins, outs, latch.Callback());
+}
+
 // Many threads arrive in random order, over several rounds (loop iterations)
 // and runs: every round pairs the right buffers.
 void TestRendezvousRounds() {
@@ -698,18 +719,7 @@ void TestMembers() {
       Latch latch(n);
       std::vector<int> order = {2, 0, 1};
       for (int r : order) {
-        libra::CallSpec spec = Spec(r, n, 0);
-        spec.collective = kind;
-        spec.dtype = DType::kF64;
-        spec.blocks = blocks;
-        spec.members = members;
-        std::vector<const void*> ins;
-        std::vector<void*> outs;
-        for (std::size_t m = 0; m < members.size(); ++m) {
-          ins.push_back(in[m][r].data());
-          outs.push_back(out[m][r].data());
-        }
-        site.Arrive(spec, ins, outs, latch.Callback());
+        ArriveMembers(site, r, n, kind, DType::kF64, blocks, members, in, out, latch);
       }
       CHECK(latch.Wait());
       for (const auto& status : latch.statuses()) CHECK(status.ok());
@@ -1002,18 +1012,8 @@ void TestAllToAllMembers() {
       std::vector<std::thread> threads;
       for (int r : order) {
         threads.emplace_back([&, r] {
-          libra::CallSpec spec = Spec(r, n, 0);
-          spec.collective = libra::Collective::kAllToAll;
-          spec.dtype = dtype;
-          spec.blocks = blocks;
-          spec.members = members;
-          std::vector<const void*> ins;
-          std::vector<void*> outs;
-          for (std::size_t m = 0; m < members.size(); ++m) {
-            ins.push_back(in[m][r].data());
-            outs.push_back(out[m][r].data());
-          }
-          site.Arrive(spec, ins, outs, latch.Callback());
+          ArriveMembers(site, r, n, libra::Collective::kAllToAll, dtype, blocks, members, in,
+                        out, latch);
         });
       }
       for (std::thread& t : threads) t.join();

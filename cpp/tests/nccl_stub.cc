@@ -261,6 +261,37 @@ Worker& WorkerOf(void* stream) {
   return *worker;
 }
 
+// The launch-order check of every call: another communicator's launch on another stream
+// before this one, with no order NCCL guarantees, is a hazard (logged, refused); else this
+// call is the thread's last launch.
+bool Launched(const Comm& comm, void* stream) {
+  if (!Ordered(comm, stream)) {
+    Log("hazard rank=" + std::to_string(comm.rank) + " id=" + comm.id +
+        " after=" + last_launch.id + " (another communicator on another stream, no launch order)");
+    return false;
+  }
+  last_launch = {comm.id, stream, comm.launch_order_implicit};
+  return true;
+}
+
+// A call's `run` as NCCL issues it: kept for the end of the outermost open group; else run
+// now, or (NCCL_STUB_ASYNC=1) on its stream's worker. `publishes`: a send (`GroupCall`).
+int Issue(const Comm& comm, void* stream, const std::function<int()>& run, bool publishes) {
+  if (group_depth > 0) {  // runs when the outermost group ends (ncclGroupEnd)
+    group_calls.push_back({comm.rank, run, publishes});
+    return kSuccess;
+  }
+  if (Env("NCCL_STUB_ASYNC", "0") != "1") return run();
+  Worker& worker = WorkerOf(stream);
+  std::lock_guard<std::mutex> lock(worker.mu);
+  ++worker.pending;
+  worker.tasks.push_back([run, comm_id = comm.id] {
+    if (run() != kSuccess) Log("failed id=" + comm_id + " (aborted, or a peer never came)");
+  });
+  worker.cv.notify_one();
+  return kSuccess;
+}
+
 enum Kind { kAllReduceKind, kReduceScatterKind, kAllGatherKind, kAllToAllKind };
 const char* const kKindNames[] = {"allreduce", "reducescatter", "allgather", "alltoall"};
 constexpr int kAlltoAllVersion = 22800;
@@ -312,12 +343,7 @@ int Collective(Kind kind, const void* in, void* out, size_t count, int dtype, in
         " (input and output overlap, and not as NCCL's in-place rule places them)");
     return kInvalidArgument;
   }
-  if (!Ordered(*comm, stream)) {
-    Log("hazard rank=" + std::to_string(comm->rank) + " id=" + comm->id +
-        " after=" + last_launch.id + " (another communicator on another stream, no launch order)");
-    return kInvalidUsage;
-  }
-  last_launch = {comm->id, stream, comm->launch_order_implicit};
+  if (!Launched(*comm, stream)) return kInvalidUsage;
   const int ctas = asked > 0 ? std::min(asked, comm->channels) : comm->channels;
   Log(std::string(kKindNames[kind]) + " rank=" + std::to_string(comm->rank) +
       " count=" + std::to_string(count) + " dtype=" + std::to_string(dtype) +
@@ -355,19 +381,7 @@ int Collective(Kind kind, const void* in, void* out, size_t count, int dtype, in
     }
     return kSuccess;
   };
-  if (group_depth > 0) {  // runs when the outermost group ends (ncclGroupEnd)
-    group_calls.push_back({comm->rank, run});
-    return kSuccess;
-  }
-  if (Env("NCCL_STUB_ASYNC", "0") != "1") return run();
-  Worker& worker = WorkerOf(stream);
-  std::lock_guard<std::mutex> lock(worker.mu);
-  ++worker.pending;
-  worker.tasks.push_back([run, comm_id = comm->id] {
-    if (run() != kSuccess) Log("failed id=" + comm_id + " (aborted, or a peer never came)");
-  });
-  worker.cv.notify_one();
-  return kSuccess;
+  return Issue(*comm, stream, run, false);
 }
 
 // A point-to-point file: the `seq`th message from rank `from` to rank `to` of `comm`.
@@ -384,12 +398,7 @@ int PointToPoint(bool send, void* buffer, size_t count, int dtype, int peer, Com
   if (itemsize == 0 || comm == nullptr || peer < 0 || peer >= comm->nranks) {
     return kInvalidArgument;
   }
-  if (!Ordered(*comm, stream)) {
-    Log("hazard rank=" + std::to_string(comm->rank) + " id=" + comm->id +
-        " after=" + last_launch.id + " (another communicator on another stream, no launch order)");
-    return kInvalidUsage;
-  }
-  last_launch = {comm->id, stream, comm->launch_order_implicit};
+  if (!Launched(*comm, stream)) return kInvalidUsage;
   Log(std::string(send ? "send" : "recv") + " rank=" + std::to_string(comm->rank) +
       " peer=" + std::to_string(peer) + " count=" + std::to_string(count) +
       " dtype=" + std::to_string(dtype) +
@@ -420,19 +429,7 @@ int PointToPoint(bool send, void* buffer, size_t count, int dtype, int peer, Com
     std::memcpy(buffer, got.data(), bytes);
     return kSuccess;
   };
-  if (group_depth > 0) {  // runs when the outermost group ends (ncclGroupEnd)
-    group_calls.push_back({comm->rank, run, send});
-    return kSuccess;
-  }
-  if (Env("NCCL_STUB_ASYNC", "0") != "1") return run();
-  Worker& worker = WorkerOf(stream);
-  std::lock_guard<std::mutex> lock(worker.mu);
-  ++worker.pending;
-  worker.tasks.push_back([run, comm_id = comm->id] {
-    if (run() != kSuccess) Log("failed id=" + comm_id + " (aborted, or a peer never came)");
-  });
-  worker.cv.notify_one();
-  return kSuccess;
+  return Issue(*comm, stream, run, send);
 }
 
 // A per-call config (ncclCollConfig_t, 2.31+): its CTA limit, or an error code (< 0 means

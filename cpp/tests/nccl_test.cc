@@ -118,6 +118,17 @@ nccl::Communicators& StubCommunicators(const nccl::Library** lib) {
   return comms;
 }
 
+// The communicator cache on the stub at 2.31, with a fresh unique id registered as
+// `comm_id`: what an FFI handler's call goes through.
+nccl::Communicators& CachedCommunicators(int64_t comm_id) {
+  setenv("NCCL_STUB_VERSION", "23100", 1);
+  const nccl::Library* cached = nullptr;
+  nccl::Communicators& comms = StubCommunicators(&cached);
+  nccl::UniqueId id{};
+  CHECK(cached->GetUniqueId(&id).ok() && comms.RegisterId(comm_id, id).ok());
+  return comms;
+}
+
 // What reaches the stub (which keeps NCCL's version rules): the CTA fields of a
 // pinned communicator on 2.17-2.30, the channel maximum, no limit below 2.17.
 void TestCtaLimitsReachNccl() {
@@ -526,12 +537,8 @@ void TestGroupedCall() {
     CHECK(text.find("hazard") == std::string::npos);
     unsetenv("NCCL_STUB_LOG");
   }
-  setenv("NCCL_STUB_VERSION", "23100", 1);
   // Through the communicator cache, as the FFI handlers call it.
-  const nccl::Library* cached = nullptr;
-  nccl::Communicators& comms = StubCommunicators(&cached);
-  nccl::UniqueId id{};
-  CHECK(cached->GetUniqueId(&id).ok() && comms.RegisterId(61, id).ok());
+  nccl::Communicators& comms = CachedCommunicators(61);
   const std::vector<RankOutcome> outcomes = OnTwoRanks([&](int rank, RankOutcome& o) {
     std::vector<float> a(4, 1.0f + rank), b(2, 5.0f);
     const libra::Status s = comms.CallGroup(
@@ -616,12 +623,8 @@ void TestAllToAllRoutes() {
     CHECK(text.find("overlap") == std::string::npos && text.find("hazard") == std::string::npos);
     unsetenv("NCCL_STUB_LOG");
   }
-  setenv("NCCL_STUB_VERSION", "23100", 1);
-  // Through the communicator cache, as an FFI handler would call it.
-  const nccl::Library* cached = nullptr;
-  nccl::Communicators& comms = StubCommunicators(&cached);
-  nccl::UniqueId id{};
-  CHECK(cached->GetUniqueId(&id).ok() && comms.RegisterId(71, id).ok());
+  // Through the communicator cache, as the FFI handlers call it.
+  nccl::Communicators& comms = CachedCommunicators(71);
   const std::vector<RankOutcome> outcomes = OnTwoRanks([&](int rank, RankOutcome& o) {
     std::vector<double> in = {1.0 + rank, 2.0 + rank}, out(2);
     const libra::Status s = comms.Call(libra::Collective::kAllToAll, 71, 2, rank, 2, in.data(),
