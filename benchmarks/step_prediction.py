@@ -6,7 +6,13 @@ Examples: those of `examples/` (MLP, CNN, transformer, its pmap variant, FSDP) a
 fit has seen: a Flax Linen MLP data-parallel step with optax AdamW under `jax.shard_map`, built
 here (`flax_adamw`).
 
-    python benchmarks/step_prediction.py [--rounds 15] [--steps 4] [--only mlp,flax] [--out FILE]
+    python benchmarks/step_prediction.py [--rounds 15] [--steps 4] [--only mlp,flax]
+        [--optimization-level O1] [--out FILE]
+
+``--optimization-level`` sets ``jax_optimization_level`` for every arm (plain and optimized
+alike), so that libra composes with XLA's own setting: libra + O1 against O1 alone. The
+predictions are the same (the model knows no optimization level): the table says how far XLA's
+setting moves the measurement from them.
 
 Each round times `--steps` consecutive steps of the plain and the optimized step in an order
 that alternates from round to round (interleaved: drift hits both alike); per round, the ratio
@@ -14,9 +20,12 @@ optimized/plain. The table gives the predicted ratio, the median measured ratio 
 over rounds and a bootstrap 95% interval of the median, the error |predicted - median| in
 points, and whether the prediction lies inside the p10-p90 and the 95% interval. The machine's
 load average is recorded before and after: on a shared machine it says what the numbers are
-worth. The FSDP example's plain arm is GSPMD's program (`step.plain`), which runs other
-collectives than the traced route the model prices (benchmarks/results/end_to_end.md); its row
-says so.
+worth. Plain is the step jitted without `optimize`, the program the model prices. For the FSDP
+example that is the route's program (`libra_jax.value_and_grad`: 15 all-gathers, 15
+reduce-scatters and one combined all-reduce of XLA's); its GSPMD twin (`step.plain`,
+`jax.value_and_grad`: XLA's partitioner inserts 15 all-gathers and one combined all-reduce of
+every gradient, and lays the compute out its own way) is timed as a third arm in the same
+rounds and reported beside it, not priced (issue 74 compares the two).
 """
 from __future__ import annotations
 
@@ -97,8 +106,11 @@ def row(name: str, rounds: int, steps: int) -> str:
     e = libra_jax.explain(step, *args, file=None)
     price = e.step
     predicted = e.predicted_ratio
-    arms = {"plain": jax.jit(common.plain_step(step), donate_argnums=0),
+    arms = {"plain": jax.jit(step, donate_argnums=0),
             "optimized": jax.jit(libra_jax.optimize(step), donate_argnums=0)}
+    twin = common.plain_step(step)
+    if twin is not step:
+        arms["gspmd"] = jax.jit(twin, donate_argnums=0)
     state = {k: common.copy_tree(args[0]) for k in arms}
     times = interleaved_steps(arms, state, args[1:], rounds, steps, common.WARMUP)
     ratios = np.asarray(times["optimized"]) / np.asarray(times["plain"])
@@ -112,8 +124,11 @@ def row(name: str, rounds: int, steps: int) -> str:
              f" ms ({price.plain_calls} calls, {price.plain_operands} operands); optimized "
              f"+{price.optimized_collectives_s * 1e3:.2f} ms ({price.optimized_calls} calls); "
              f"measured plain {np.median(times['plain']) * 1e3:.1f} ms")
-    if common.plain_step(step) is not step:
-        terms += "; plain is GSPMD's program, not the priced one"
+    if "gspmd" in times:
+        gspmd = np.asarray(times["optimized"]) / np.asarray(times["gspmd"])
+        terms += (f"; GSPMD's own step (not priced) {np.median(times['gspmd']) * 1e3:.1f} ms, "
+                  f"optimized/GSPMD {np.median(gspmd):.3f} (p10-p90 "
+                  f"{np.percentile(gspmd, 10):.3f}-{np.percentile(gspmd, 90):.3f})")
     return (f"| {name} | {predicted:.3f} | {median:.3f} | {p10:.3f}-{p90:.3f} | {lo:.3f}-{hi:.3f} "
             f"| {error:.1f} | {'yes' if p10 <= predicted <= p90 else 'no'} "
             f"| {'yes' if lo <= predicted <= hi else 'no'} | {terms} |")
@@ -126,15 +141,21 @@ def main() -> None:
     names = [*EXAMPLES, "flax (AdamW, no fit)"]
     parser.add_argument("--only", default="", help="comma-separated names' prefixes "
                         f"({', '.join(names)})")
+    parser.add_argument("--optimization-level", default=None,
+                        help="jax_optimization_level for every arm (e.g. O1); default: JAX's")
     parser.add_argument("--out", default=None)
     a = parser.parse_args()
+    level = ""
+    if a.optimization_level:
+        jax.config.update("jax_optimization_level", a.optimization_level)
+        level = f"; jax_optimization_level={a.optimization_level} in every arm"
     if a.only:
         names = [n for n in names if any(n.startswith(p) for p in a.only.split(","))]
     before = os.getloadavg()
     rows = [row(name, a.rounds, a.steps) for name in names]
     after = os.getloadavg()
     profile = libra_jax.model.default_profile("cpu")
-    lines = header(f"; {common.DEVICES} host devices; profile `{profile}`") + [
+    lines = header(f"; {common.DEVICES} host devices; profile `{profile}`{level}") + [
         f"Load average (1/5/15 min) before: {'/'.join(f'{v:.1f}' for v in before)}, after: "
         f"{'/'.join(f'{v:.1f}' for v in after)}.",
         f"{a.rounds} interleaved rounds of {a.steps} steps per arm after {common.WARMUP} warm-up "

@@ -320,6 +320,20 @@ def test_profile_broadcast_plans_with_process_0s_profile(how, tmp_path):
             np.testing.assert_allclose(np.asarray(g, np.float32), w, rtol=1e-5, atol=1e-5)
 
 
+def test_with_the_probe_on_every_process_plans_with_the_shipped_profile(tmp_path):
+    """With the machine probe on, no process of a multi-process run probes (its marker
+    all-reduces would wait for every process under gloo): each plans with the shipped profile
+    (the single process's plan), caches nothing, and is told nothing."""
+    _, plan = reference_grads("cpu-host")
+    dirs = [tmp_path / f"process{pid}" for pid in (0, 1)]
+    runs = run_processes(GRAD_WORKER, [["-", str(d)] for d in dirs],
+                         env={"LIBRA_JAX_PROFILE_PROBE": "1"})
+    for r, folder in zip(runs, dirs):
+        assert field(r.out, "PLAN") == plan
+        assert field(r.out, "WARNINGS") == []
+        assert not (folder / "cpu.probe.json").exists()
+
+
 def test_profile_broadcast_timeout_is_a_clear_error():
     """Process 0 does not publish its profile (broadcast off there only): process 1 gives up
     after LIBRA_JAX_TIMEOUT_S with a RuntimeError that says what it waited for; nobody hangs."""

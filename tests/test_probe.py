@@ -55,6 +55,7 @@ def probing(tmp_path, monkeypatch):
     monkeypatch.setattr(probe, "_failed_keys", set())
     fake = FakeMeasurer()
     monkeypatch.setattr(probe, "_measurer", lambda: fake)
+    monkeypatch.setattr(probe, "load_average", lambda: 0.0)  # a quiet machine, whatever runs
     return fake
 
 
@@ -88,8 +89,11 @@ def test_the_rescaled_profile_scales_rates_and_keeps_latencies(probing):
         SHIPPED.network.intra_node_bytes_per_s * memory)
     for kept in ("base_latency_s", "inter_node_bytes_per_s", "inter_step_latency_s"):
         assert getattr(probed.network, kept) == getattr(SHIPPED.network, kept)
+    # XLA's all-reduce writes a fresh output: its bytes move with memory, its call does not.
+    assert probed.fair_share.xla_terms() == pytest.approx(
+        (SHIPPED.fair_share.xla_terms()[0], SHIPPED.fair_share.xla_terms()[1] * memory))
     for kept in ("call_s", "cores", "compute_threads", "overlap_block_efficiency",
-                 "pending_allreduce_s", "fusion_copy_bytes_per_s"):
+                 "pending_allreduce_s", "fusion_copy_bytes_per_s", "xla_call_s"):
         assert getattr(probed.fair_share, kept) == getattr(SHIPPED.fair_share, kept)
     # Every user of the CPU default gets it: the lowering's default and derive.
     assert model.derive(model.default_profile("cpu"), 8).cost != model.derive(SHIPPED, 8).cost
@@ -138,7 +142,32 @@ def test_a_corrupt_file_is_refused_with_a_notice_and_refit(probing, monkeypatch,
     assert again.fair_share.call_s == SHIPPED.fair_share.call_s
     key = json.loads(path.read_text())["calibration"]["probe"]["key"]
     with _no_warnings():
-        assert probe.cached(path, key, read.profile_to_dict(SHIPPED)) == probing.rates
+        assert probe.cached(path, key, read.profile_to_dict(SHIPPED)) == (probing.rates, 0.0)
+
+
+def test_a_probe_of_a_busy_machine_is_measured_again_once_it_is_quiet(probing, monkeypatch):
+    """A probe measured while other work filled the cores is used and cached with its load
+    average; a later process on a machine still busy keeps it, one on a quiet machine probes
+    again (said), and `explain`'s profile line says when the rates came from a busy machine."""
+    cores = probe.host_cores()
+    monkeypatch.setattr(probe, "load_average", lambda: 2.0 * cores)
+    slow = model.resolve_profile(None, "cpu")
+    record = json.loads(probe.cache_path("cpu").read_text())["calibration"]["probe"]
+    assert probing.calls == 1 and record["load_average"] == 2.0 * cores
+    assert any("busy (load average" in line for line in probe.describe(slow))
+    monkeypatch.setattr(read, "PROBED", {})  # a new process, the machine still busy
+    with _no_warnings():
+        assert model.resolve_profile(None, "cpu") == slow
+    assert probing.calls == 1
+    monkeypatch.setattr(read, "PROBED", {})  # a new process, the machine quiet
+    monkeypatch.setattr(probe, "load_average", lambda: 0.1)
+    probing.rates = probe.Rates(probing.rates.flop_per_s * 2, probing.rates.memory_bytes_per_s)
+    with pytest.warns(RuntimeWarning, match=r"busy \(load average .*quiet now"):
+        quiet = model.resolve_profile(None, "cpu")
+    assert probing.calls == 2 and quiet != slow
+    assert not any("machine was busy" in line for line in probe.describe(quiet))
+    record = json.loads(probe.cache_path("cpu").read_text())["calibration"]["probe"]
+    assert record["load_average"] == 0.1 and record["flop_per_s"] == probing.rates.flop_per_s
 
 
 def test_two_processes_writing_at_once_leave_a_valid_file(tmp_path):

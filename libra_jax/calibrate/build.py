@@ -176,9 +176,11 @@ def call_terms(analysis: dict[str, Any], draft: dict[str, Any], workers: int, *,
 
 #: What calibration does not measure, carried over from the shipped CPU profile (as
 #: assumptions, with its reference): the cost of a pending all-reduce (`optimize(overlap=
-#: "auto")`), and each other kind's time against the all-reduce's (its row's traffic key:
-#: `model.collective_traffic`, measured by benchmarks/sharded_cpu.py).
-CARRIED_OVER = ("pending_allreduce_us",
+#: "auto")`), XLA's own all-reduce (the plain step `planner.StepPrice` prices against: its
+#: call and its bytes rate, benchmarks/allreduce_cpu.py), and each other kind's time against
+#: the all-reduce's (its row's traffic key: `model.collective_traffic`, measured by
+#: benchmarks/sharded_cpu.py).
+CARRIED_OVER = ("pending_allreduce_us", "xla_allreduce_call_us", "xla_allreduce_gbyte_per_s",
                 *(row.traffic_key for row in collectives.ROWS if row.traffic_key is not None))
 
 

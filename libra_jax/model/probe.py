@@ -12,8 +12,10 @@ marker all-reduces, every device running) and scales the shipped profile by prob
 * memory ratio ``r_m`` (streaming bytes/s a device over the shipped sustained
   ``memory_gbyte_per_s * memory_efficiency``): the memory bandwidth, and the rates the engine's
   copies run at, which are memory-bound on a host: ``fair_share.per_block_gbyte_per_s`` (one
-  worker's bus rate), ``network.intra_node_gbyte_per_s`` (the bus cap among host devices) and
-  ``fusion_copy_gbyte_per_s`` where it is a number.
+  worker's bus rate), ``network.intra_node_gbyte_per_s`` (the bus cap among host devices),
+  ``fusion_copy_gbyte_per_s`` where it is a number, and ``xla_allreduce_gbyte_per_s`` (XLA's
+  all-reduce writing its fresh output: the plain step's bytes, `planner.StepPrice`), so that
+  both sides of the predicted optimized/plain ratio move with the machine.
 
 Kept as shipped, and why: latencies and call costs (``base_latency_us``, ``call_us``,
 ``pending_allreduce_us``: thread hand-offs and wake-ups, which neither rate measures, so a
@@ -32,13 +34,21 @@ refused with a notice and the probe runs again. Writes are atomic (a temporary f
 folder, then `os.replace`), so two processes writing at once leave one whole file. A folder
 that cannot be written (a read-only or missing home) keeps the probe in memory, said once.
 
+A probe taken while the machine is busy (`busy`: the 1-minute load average at or above the
+cores this process may run on, so other work shared the cores the chains ran on) is used and
+cached with its load average, and a later process that finds the machine quiet probes again
+(said once): a rate measured beside someone's build is not kept for good.
+
 Where it is off (the shipped profile exactly): ``LIBRA_JAX_PROFILE_PROBE=0`` (`config`; the
 tests set it, so plans.json stays machine-independent); a calibrated profile (it wins:
 `read.default_profile`); a backend other than CPU; JAX not running (the pure layer never
-imports it); fewer than two CPU devices; and a multi-process run: each process would measure
-its own machine, and plans must be identical on every process, so every process plans with the
-shipped profile unchanged (process 0's probe broadcast through `rewrite.shared_profile` is
-the next step). A probe that fails is said once and the shipped profile is used.
+imports it); fewer than two CPU devices; and a multi-process run, where every process plans
+with the shipped profile unchanged, so plans are identical everywhere. Why not process 0's
+probe, broadcast (`rewrite.shared_profile` would carry it): the probe times its chains between
+marker all-reduces over the process's devices, and under multi-process JAX a CPU collective
+goes through the cross-process implementation (gloo), which waits for every process: process
+0's probe alone fails there (measured: gloo's context times out). A probe that fails is said
+once and the shipped profile is used.
 
 The measuring side needs JAX and the engine (layer 5, `libra_jax.calibrate.probe`): this pure
 module names it (`MEASURER`) and imports it only where a probe runs, with JAX already running.
@@ -96,6 +106,7 @@ class Outcome:
     shipped_rates: Rates
     path: Path | None
     cores: int
+    load: float | None = None
 
     def far(self) -> list[str]:
         """Why this machine is far from the profile (empty: it is not): each rate off by more
@@ -110,14 +121,30 @@ class Outcome:
         return why
 
 
+def load_average() -> float | None:
+    """The 1-minute load average (None where the platform has none)."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):  # pragma: no cover - not Unix
+        return None
+
+
+def busy(load: float | None, cores: int) -> bool:
+    """Whether a machine of `cores` cores with 1-minute load average `load` is busy: other
+    work as heavy as every core running (a probe measured then shares the cores)."""
+    return load is not None and load >= cores
+
+
 def sustained(profile: Profile) -> Rates:
     """The profile's sustained rates a device (peak times efficiency, the default dtype)."""
     return Rates(profile.device.flop_per_s(), profile.device.bytes_per_s())
 
 
-def rescaled(document: Mapping[str, Any], probed: Rates, key: Mapping[str, Any]) -> dict[str, Any]:
+def rescaled(document: Mapping[str, Any], probed: Rates, key: Mapping[str, Any],
+             load: float | None = None) -> dict[str, Any]:
     """The shipped profile `document` rescaled by `probed` over its own sustained rates (the
-    module docstring's rule), with the probe recorded in ``calibration.probe``."""
+    module docstring's rule), with the probe (and the load average `load` it was measured
+    under, where known) recorded in ``calibration.probe``."""
     doc = json.loads(json.dumps(document))
     doc.pop("calibration", None)
     shipped = sustained(read.profile_from_dict(doc))
@@ -140,6 +167,8 @@ def rescaled(document: Mapping[str, Any], probed: Rates, key: Mapping[str, Any])
         if isinstance(doc.get(section), dict):
             scale(doc[section]["per_block_gbyte_per_s"], memory)
             scale(doc[section]["fusion_copy_gbyte_per_s"], memory)
+            if isinstance(doc[section].get("xla_allreduce_gbyte_per_s"), dict):
+                scale(doc[section]["xla_allreduce_gbyte_per_s"], memory)
     doc["notes"] = list(doc.get("notes", [])) + [
         f"Rescaled to this machine by a probe (matmul {probed.flop_per_s / 1e9:.1f} GFLOP/s a "
         f"device, shipped {shipped.flop_per_s / 1e9:.1f}; streaming "
@@ -148,6 +177,8 @@ def rescaled(document: Mapping[str, Any], probed: Rates, key: Mapping[str, Any])
         "counts as shipped (libra_jax.model.probe)."]
     doc["calibration"] = {"probe": {"key": dict(key), "flop_per_s": probed.flop_per_s,
                                     "memory_bytes_per_s": probed.memory_bytes_per_s}}
+    if load is not None:
+        doc["calibration"]["probe"]["load_average"] = load
     return doc
 
 
@@ -215,11 +246,13 @@ def store(path: Path, document: Mapping[str, Any]) -> None:
         raise
 
 
-def cached(path: Path, key: Mapping[str, Any], shipped: Mapping[str, Any]) -> Rates | None:
-    """The rates of the probe cached at `path` for `key`, or None (no file, or none readable:
-    silently; a file
-    that is not whole JSON, another key's, or whose profile is not `shipped` rescaled by its
-    numbers: refused with a notice, never used)."""
+def cached(path: Path, key: Mapping[str, Any], shipped: Mapping[str, Any],
+           load_now: float | None = None) -> tuple[Rates, float | None] | None:
+    """The rates of the probe cached at `path` for `key` and the load average they were
+    measured under, or None (no file, or none readable: silently; a file that is not whole
+    JSON, another key's, or whose profile is not `shipped` rescaled by its numbers: refused
+    with a notice, never used; one measured on a busy machine while it is quiet now
+    (`load_now`): probed again, said)."""
     try:
         text = path.read_text()
     except OSError:  # no file to read (none, or no folder): nothing to refuse
@@ -238,13 +271,22 @@ def cached(path: Path, key: Mapping[str, Any], shipped: Mapping[str, Any]) -> Ra
         return _refused(path, f"it was probed under another key ({', '.join(changed)} differ)")
     if not all(math.isfinite(v) and v > 0 for v in (rates.flop_per_s, rates.memory_bytes_per_s)):
         return _refused(path, "its rates are not positive numbers")
+    load = record.get("load_average")
+    if load is not None and not (isinstance(load, (int, float)) and math.isfinite(load)
+                                 and load >= 0):
+        return _refused(path, f"its load average is not a number >= 0 ({load!r})")
     try:
         mine = read.profile_from_dict(doc, origin=str(path))
         if mine != read.profile_from_dict(rescaled(shipped, rates, key)):
             return _refused(path, "its profile is not the shipped one rescaled by its probe")
     except (ValueError, KeyError, TypeError) as exc:
         return _refused(path, f"its profile does not load ({exc})")
-    return rates
+    cores = int(key.get("cores", 1))
+    if busy(load, cores) and not busy(load_now, cores) and load_now is not None:
+        return _refused(path, f"it was measured while the machine was busy (load average "
+                        f"{load:.1f} on {cores} cores) and the machine is quiet now "
+                        f"({load_now:.1f})")
+    return rates, load
 
 
 def _refused(path: Path, why: str) -> Rates | None:
@@ -302,9 +344,12 @@ def probed_default(backend: str, shipped: str) -> str:
         return label if label in read.PROBED else shipped
     path = cache_path(backend)
     document = read.profile_to_dict(read.load_profile(shipped))
-    rates = cached(path, key, document)
+    found = cached(path, key, document, load_now=load_average())
     kept: Path | None = path
-    if rates is None:
+    if found is not None:
+        rates, load = found
+    else:
+        load = load_average()
         try:
             rates = measurer.measure()
         except Exception as exc:  # a failed probe must not fail the step: the shipped profile plans
@@ -313,16 +358,16 @@ def probed_default(backend: str, shipped: str) -> str:
                   f"{exc}); planning with the shipped profile {shipped!r}")
             return shipped
         try:
-            store(path, rescaled(document, rates, key))
+            store(path, rescaled(document, rates, key, load))
         except OSError as exc:
             kept = None
             _once("probe-cache-unwritable", f"libra_jax: cannot cache the machine probe at {path} "
                   f"({exc}); it is kept in memory, and each process probes again")
-    profile = read.profile_from_dict(rescaled(document, rates, key),
+    profile = read.profile_from_dict(rescaled(document, rates, key, load),
                                      origin=str(kept) if kept else f"<{label}, in memory>")
     read.PROBED[label] = profile
     _outcomes[label] = Outcome(shipped, profile, rates, sustained(read.load_profile(shipped)),
-                               kept, key["cores"])
+                               kept, key["cores"], load)
     return label
 
 
@@ -344,6 +389,10 @@ def describe(profile: Profile) -> list[str]:
                  f"memory copy {p.memory_bytes_per_s / BYTES_PER_GBYTE:.1f} GB/s (shipped "
                  f"{s.memory_bytes_per_s / BYTES_PER_GBYTE:.1f}); latencies and call costs as "
                  f"shipped ({where}; {config.PROFILE_PROBE_ENV}=0 plans with the shipped one)"]
+        if busy(outcome.load, outcome.cores):
+            lines.append(f"the probe ran while the machine was busy (load average "
+                         f"{outcome.load:.1f} on {outcome.cores} cores): its rates are low; a "
+                         "process that finds the machine quiet probes again")
         far = outcome.far()
         if far:
             lines.append(f"this machine is far from the profile ({'; '.join(far)}): `libra-jax "

@@ -34,10 +34,15 @@ terms, so that their ratio is the number to compare with a measurement:
   collectives planned apart from the backward pass (a loss's pmean, an all-gather's exposed
   time) at what the model prices each (`OtherCall.libra_s`).
 
+Plain is the step jitted without `optimize`: for the GSPMD route (`libra_jax.value_and_grad`)
+the route's own program, not the program XLA's partitioner makes of `jax.value_and_grad`
+(which lays out compute and collectives its own way: benchmarks/results/step_prediction.md
+times both). The probe (`model.probe`) rescales the XLA bytes rate with the machine's memory
+rate and keeps its call cost, as it does the engine's.
+
 Not priced: a start/done pair's deferred work beside idle cores (0 where the compute threads
-fill the cores, as 8 host devices do on 2), a loop body's iterations (each side once), the
-probe's rescaling of the XLA terms (kept as measured), and the GPU forms (no XLA terms known:
-`StepPrice` is None there).
+fill the cores, as 8 host devices do on 2), a loop body's iterations (each side once), and
+the GPU forms (no XLA terms known: `StepPrice` is None there).
 
 Layer 1: pure Python, no JAX.
 """
