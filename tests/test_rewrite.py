@@ -189,6 +189,30 @@ def test_function_without_psum_is_unchanged():
     assert_bitwise(optimize(f)(jnp.ones(3)), f(jnp.ones(3)))  # the same program
 
 
+def test_optimize_builds_its_options_and_profile_once(monkeypatch):
+    """`optimize` checks its options where it wraps and resolves the profile once a trace:
+    the rewrite takes both as they are (issue 75: `Options` was built and checked again, and
+    the profile resolved again, for every trace)."""
+    from libra_jax import model
+    from libra_jax.rewrite import rewriter
+
+    built, resolved = [], []
+    post_init = rewriter.Options.__post_init__
+    monkeypatch.setattr(rewriter.Options, "__post_init__",
+                        lambda self: (built.append(1), post_init(self))[1])
+    resolve = model.resolve_profile
+    monkeypatch.setattr(model, "resolve_profile",
+                        lambda *a, **k: (resolved.append(1), resolve(*a, **k))[1])
+    mesh = mesh_of((8,), ("x",))
+    x = shard(np.ones((8, 64), np.float32), mesh, P("x"))
+    f = optimize(jax.shard_map(lambda v: jax.lax.psum(v * 2, "x"), mesh=mesh, in_specs=P("x"),
+                               out_specs=P()))
+    assert len(built) == 1
+    f(x)
+    f(x * 2)  # cached: no trace
+    assert len(built) == 1 and len(resolved) == 1
+
+
 def test_explicit_blocks_kept_and_global_blocks():
     mesh = mesh_of((8,), ("x",))
     x = shard(np.ones((8, 64), np.float32), mesh, P("x"))
@@ -1166,7 +1190,9 @@ def test_gradient_psum_scatters_are_planned_fused_and_bitwise():
         got = jax.jit(opt)(*args)
         control = jax.jit(optimize(step, overlap="sync", collectives="xla"))(*args)
     assert opt.last_report.unplanned == []  # the all-gathers are libra's too
-    assert [p.kind for p in opt.last_report.plans if p.collective.kind == "all-gather"] == ["forward"] * 3
+    # The three forward gathers are one call over them (`prefetch_gathers`' groups).
+    assert [(p.kind, len(p.members)) for p in opt.last_report.plans
+            if p.collective.kind == "all-gather"] == [("forward", 3)]
     assert_bitwise(got, control)
     assert_codegen_close(got, jax.jit(step)(*args))
     plans = [p for p in opt.last_report.plans if p.kind == "gradient"]
@@ -1174,7 +1200,7 @@ def test_gradient_psum_scatters_are_planned_fused_and_bitwise():
     assert plans[0].nbytes == 3 * 16 * 8 * 4  # the unsharded buffers, per rank
     text = jax.jit(opt).lower(*args).compile().as_text()
     assert text.count("libra_reduce_scatter_cpu") == 1 and "reduce-scatter(" not in text
-    assert text.count("libra_all_gather_cpu") == 3 and "all-gather(" not in text
+    assert text.count("libra_all_gather_cpu") == 1 and "all-gather(" not in text
     assert "collective=reduce-scatter" in opt.last_report.plan_lines()[-1]
 
 
@@ -1380,8 +1406,9 @@ def test_gathers_made_up_front_move_to_their_first_use(name):
                 for body, e in _eqns_named(jaxpr, gather)]
     with case.context():
         before = placed(jax.make_jaxpr(case.step)(case.state, *case.batch).jaxpr, "all_gather")
-        after = placed(jax.make_jaxpr(optimize(case.step))(case.state, *case.batch).jaxpr,
-                       "libra_all_gather")
+        # One call each (fusion=False): each at its own first use (`sink_gathers`).
+        after = placed(jax.make_jaxpr(optimize(case.step, fusion=False))(
+            case.state, *case.batch).jaxpr, "libra_all_gather")
     assert len(before) == len(after) == 3 and not all(before), before
     assert all(after), after
 
@@ -1407,7 +1434,8 @@ def test_prefetch_issues_each_gather_ahead_bitwise_its_control(distance):
     kinds are the corpus's."""
     from corpus import fsdp_remat
     case = fsdp_remat()
-    opt = optimize(case.step, prefetch=distance)
+    # One call each (fusion=False): each gather its own pair (groups: test_gathers_fused_...).
+    opt = optimize(case.step, prefetch=distance, fusion=False)
     closed = jax.make_jaxpr(opt)(case.state, *case.batch)
     assert not _eqns_named(closed.jaxpr, "all_gather")
     assert not _eqns_named(closed.jaxpr, "libra_all_gather")
@@ -1437,7 +1465,7 @@ def test_prefetch_issues_each_gather_ahead_bitwise_its_control(distance):
         [("forward", "prefetch", distance)] * 3 + [("backward", "prefetch", distance)] * 3)
     assert all(line.endswith(f"ahead={distance}") for line in opt.last_report.plan_lines()
                if "collective=all-gather" in line)
-    control = optimize(case.step, prefetch=distance, collectives="xla")
+    control = optimize(case.step, prefetch=distance, fusion=False, collectives="xla")
     assert_bitwise(_train(jax.jit(opt), case.state, case.batch),
                    _train(jax.jit(control), case.state, case.batch))
     kinds = collections_counter(p.kind for p in opt.last_report.plans for _ in p.members)
@@ -1462,7 +1490,11 @@ def test_prefetch_off_and_auto_on_cpu_issue_one_call_where_used(prefetch):
     assert not _gather_pair_eqns(closed.jaxpr, "libra_start")
     assert not _eqns_named(closed.jaxpr, "optimization_barrier")
     regathers = [j for j, _ in _eqns_named(closed.jaxpr, "libra_all_gather")]
-    assert len(regathers) == 6 and len({id(j) for j in regathers}) == 4  # 3 in checkpoints
+    assert len(regathers) == 3 and len({id(j) for j in regathers}) == 3  # in checkpoints
+    # The forward's three: one call over them, where the first is used (in the step's scope).
+    fused, = [(j, e) for j, e in _eqns_named(closed.jaxpr, "libra_bucket")
+              if e.params["collective"].gathers]
+    assert len(fused[1].invars) == 3 and fused[0] not in regathers
     gathers = [p for p in opt.last_report.plans if p.collective.kind == "all-gather"]
     assert {(p.overlap, p.ahead) for p in gathers} == {("sync", 0)}
     entry, = opt.last_report.gathers  # the forward pass's three (the re-gathers stay apart)
@@ -1485,7 +1517,8 @@ def test_prefetch_auto_takes_the_models_distance_on_the_nccl_path_within_its_mem
     _, report = rewrite_jaxpr(closed, profile="h200")
     entry, = report.gathers
     plan = planner.plan_gathers(entry["steps"], entry["cost"], one_call_blocks=entry["one_call"],
-                                max_bytes=1 << 30, lead_s=entry["lead_s"])
+                                max_bytes=1 << 30, lead_s=entry["lead_s"], reach=entry["reach"],
+                                group_blocks=entry["group_blocks"])
     assert plan == entry["plan"] and entry["distance"] == plan.distance >= 1
     gathers = [p for p in report.plans if p.collective.kind == "all-gather"]
     assert {(p.overlap, p.ahead) for p in gathers} == {("prefetch", plan.distance)}
@@ -1528,7 +1561,8 @@ def test_prefetched_gathers_compile_with_no_copy_of_an_in_flight_buffer():
     `optimization_barrier` would have been dropped)."""
     from corpus import fsdp_remat
     case = fsdp_remat()
-    hlo = jax.jit(optimize(case.step, prefetch=2)).lower(case.state, *case.batch).compile().as_text()
+    hlo = jax.jit(optimize(case.step, prefetch=2, fusion=False)).lower(
+        case.state, *case.batch).compile().as_text()  # one pair each (groups: test_gathers_...)
     starts, dones, elements = cpu_start_done_pairs(hlo)
     assert set(starts.values()) == {"libra_all_gather_cpu_start"} and len(starts) == 6, hlo
     assert len(dones) == 6, hlo
@@ -1572,11 +1606,15 @@ def test_one_call_gathers_compile_as_xla_s_own_under_remat():
         hlo = jax.jit(fn).lower(case.state, *case.batch).compile().as_text()
         return len(re.findall(pattern, hlo))
     xla = gathers(case.step, r"= \S+ all-gather(?:-start)?\(")
-    assert xla == gathers(optimize(case.step, prefetch="off"),
+    assert xla == gathers(optimize(case.step, prefetch="off", fusion=False),
                           r'custom_call_target="libra_all_gather_cpu"')
     assert xla == (3 if _compat.jax_version < (0, 11) else 6)
-    assert gathers(optimize(case.step, prefetch=1),
+    assert gathers(optimize(case.step, prefetch=1, fusion=False),
                    r'custom_call_target="libra_all_gather_cpu_start"') == 6
+    # The forward's three as one call (the default, fusion): no re-gather is one of its
+    # members alone, so XLA merges none, and remat runs as written: 1 + 3 calls.
+    assert gathers(optimize(case.step, prefetch="off"),
+                   r'custom_call_target="libra_all_gather_cpu"') == 4
 
 
 def test_last_report_reads_through_jax_jit():

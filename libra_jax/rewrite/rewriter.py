@@ -140,11 +140,12 @@ class Rewriter:
     Each concern is a module of its own: the sites (`sites`), the gradient buckets
     (`buckets`), the all-gathers (`gathers`), the edits and their schedule (`edits`)."""
 
-    def __init__(self, options: Options, report: OptimizeReport, program: Any) -> None:
+    def __init__(self, options: Options, report: OptimizeReport, program: Any,
+                 profile: model.Profile) -> None:
         self.options = options
         self.report = report
-        # Resolved once: the rewrite, its cost estimates and the report share this value.
-        self.profile = options.resolved_profile()
+        # Resolved once, by the caller: the rewrite, its cost estimates and the report share it.
+        self.profile = profile
         self.program = program  # the ClosedJaxpr being rewritten (for `call_id`)
         self.fingerprint: int | None = None
         self.calls = 0

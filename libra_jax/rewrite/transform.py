@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from libra_jax import _compat, allreduce, config
+from libra_jax import _compat, allreduce, config, model
 from libra_jax.ops import XLA_TWINS
 from libra_jax.ops.base import warn_once
 from libra_jax.rewrite.edits import map_jaxprs
@@ -173,11 +173,7 @@ def optimize(fn: Callable[..., Any] | None = None, *, profile: Any = None, fusio
             closed = jax.make_jaxpr(outputs.arrays_of(call))(*dynamic[0], **dynamic[1])
             program = str(closed.jaxpr)
             profile = shared_profile(options.resolved_profile, program=program)
-            rewritten, report = rewrite_jaxpr(closed, profile=profile, fusion=options.fusion,
-                                              blocks=options.blocks, overlap=options.overlap,
-                                              loops=options.loops, prefetch=options.prefetch,
-                                              prefetch_bytes=options.prefetch_bytes,
-                                              ready=options.ready, inputs=leaves)
+            rewritten, report = rewrite_with(closed, options, profile, inputs=leaves)
             check_plan_agreement(report, program=program)
             if collectives == "xla":
                 rewritten = with_xla_collectives(rewritten)
@@ -399,11 +395,19 @@ def rewrite_jaxpr(closed: Any, *, profile: Any = None, fusion: bool = True,
     notice says so (`gspmd_notice`)."""
     if blocks is not None:
         allreduce.check_blocks(blocks)
-    report = OptimizeReport()
     options = Options(profile=profile, fusion=fusion, blocks=blocks,
                        overlap=config.overlap_mode(overlap), loops=_loop_mode(loops),
                        prefetch=config.prefetch_mode(prefetch),
                        prefetch_bytes=config.prefetch_bytes(prefetch_bytes), ready=ready)
+    return rewrite_with(closed, options, options.resolved_profile(), inputs=inputs)
+
+
+def rewrite_with(closed: Any, options: Options, profile: model.Profile,
+                 inputs: Sequence[Any] = ()) -> tuple[Any, OptimizeReport]:
+    """`rewrite_jaxpr` under `options` as built and checked once (by `optimize`, at wrap
+    time, or by `rewrite_jaxpr` from its keywords) and `profile` as resolved once (by
+    `optimize`: every process's, `shared_profile`): nothing is read or checked again."""
+    report = OptimizeReport()
     # A collective whose result the step never uses (a frozen parameter's gradient zeroed
     # after its pmean, a psum'd metric nobody returns) is no gradient to plan, and as a
     # start/done pair it would lose its done to XLA's dead-code elimination while its
@@ -413,7 +417,7 @@ def rewrite_jaxpr(closed: Any, *, profile: Any = None, fusion: bool = True,
     report.dropped = [f"{name}" + (f" (x{n})" if n > 1 else "") for name, n in dropped.items()]
     closed = _compat.closed_jaxpr(live, closed.consts)
     with _compat.memoized_sub_jaxprs():
-        rewriter = Rewriter(options, report, closed)
+        rewriter = Rewriter(options, report, closed, profile)
         # A step traced inside a `pmap` or `shard_map` (``pmap(optimize(step))``) sees its
         # axes bound there: their sizes come from where it is traced.
         new_jaxpr = rewriter.jaxpr(closed.jaxpr, axis_sizes=_compat.bound_axis_sizes(),
