@@ -142,10 +142,8 @@ class Rewriter:
 
     def __init__(self, options: Options, report: OptimizeReport, program: Any,
                  profile: model.Profile) -> None:
-        self.options = options
-        self.report = report
-        # Resolved once, by the caller: the rewrite, its cost estimates and the report share it.
-        self.profile = profile
+        self.options, self.report = options, report
+        self.profile = profile  # resolved once by the caller: the rewrite and report share it
         self.program = program  # the ClosedJaxpr being rewritten (for `call_id`)
         self.fingerprint: int | None = None
         self.calls = 0
