@@ -13,8 +13,11 @@
 # (tests/test_cuda.py, tests/test_platform_matrix.py), the harness on the GPU (check: N = 2,
 # 4, 8 virtual ranks against a float64 reference; contend: the contention curves), the
 # curves' fitted profile, start/done beside compute (gpu_overlap.py), the machine's NCCL
-# under libra's CTA limits (gpu_nccl_check.py: all-reduce, reduce-scatter, all-gather), whether jaxlib's command buffers capture custom
-# calls and keep libra's P2P call out (gpu_overlap.py --command-buffers), and time vs bytes x
+# under libra's CTA limits (gpu_nccl_check.py: all-reduce, reduce-scatter, all-gather; on NCCL
+# >= 2.31 both CTA routes, a bucket of 3 and of 8 members as one group timed on each, side by
+# side: the numbers that decide the route's default), whether jaxlib's command buffers
+# capture custom calls and keep libra's P2P call out (gpu_overlap.py --command-buffers), and
+# time vs bytes x
 # blocks (bench; with a bucket of 8 members against one buffer of its bytes, bench_members).
 # libra's GPU data paths are opt-in (LIBRA_JAX_CUDA); this script opts in per step.
 #
@@ -49,7 +52,7 @@ dry_run=0
 case "${1:-}" in
   --dry-run) dry_run=1 ;;
   "") ;;
-  -h|--help) sed -n '2,33p' "$0"; exit 0 ;;
+  -h|--help) sed -n '2,36p' "$0"; exit 0 ;;
   *) echo "usage: $0 [--dry-run]" >&2; exit 2 ;;
 esac
 
@@ -247,7 +250,12 @@ if [ "$dry_run" = 0 ] && [ -x "$harness" ]; then
     done
     [ $rc -ne 0 ] && [ $rc -ne 125 ] && note cmdbuf FAIL "rc $rc (see log.txt)"
 
-    PYTHONPATH=$site step nccl 90 "$python" "$repo/benchmarks/gpu_nccl_check.py"
+    # Both routes share the step's time (each at most half of what is left when it starts),
+    # and each bucket timing is written as it comes: a cut-short run still leaves them.
+    nccl_budget=$(( $(left) - reserve - 10 ))
+    [ "$nccl_budget" -gt 140 ] && nccl_budget=140
+    PYTHONPATH=$site step nccl 150 "$python" "$repo/benchmarks/gpu_nccl_check.py" \
+      --budget-s "$nccl_budget" --timeout-s 90
     rc=$?
     grep '^nccl-' "$log" | tail -8 | while read -r what result detail; do
       note "$what" "$result" "$detail"

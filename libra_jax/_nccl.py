@@ -2,7 +2,8 @@
 
 The C++ side (cpp/libra/nccl.h) resolves NCCL at run time, picks how a call's
 block count reaches NCCL (per collective on NCCL >= 2.31, else one communicator
-per block count), and creates and caches communicators when XLA initialises a
+per block count; `$LIBRA_JAX_NCCL_CTA_ROUTE` may force either where the version has it,
+`config.nccl_cta_route`), and creates and caches communicators when XLA initialises a
 program. This module gives it what only Python has: the unique id of each communicator,
 made by the process that holds the group's rank 0 and fetched by the others
 through JAX's distributed key-value store (the store `jax.distributed` already
@@ -47,7 +48,8 @@ class Library:
     version_code: int
     version: str
     #: "per-collective" (ncclAllReduceConfig, >= 2.31), "per-communicator" (a communicator per
-    #: block count, 2.17-2.30) or "none" (older: the block count cannot be honoured).
+    #: block count, 2.17-2.30, or forced on any later one) or "none" (older: the block count
+    #: cannot be honoured).
     route: str
     #: The largest per-call CTA limit libra asks of it (0: none); block counts above are capped.
     max_ctas: int
@@ -74,8 +76,13 @@ _ids: dict[str, int] = {}
 
 
 def library() -> Library:
-    """Load NCCL (once per process) and describe it; RuntimeError naming the problem."""
-    path, code, version, route, max_ctas, splits = _libra_ffi.nccl_open()
+    """Load NCCL (once per process) and describe it; RuntimeError naming the problem.
+
+    The CTA route is `config.nccl_cta_route`'s (a ValueError for a value that is none), taken
+    the first time NCCL is opened in the process: a forced route the loaded version lacks
+    (per-collective below NCCL 2.31), or another forced route once NCCL is open, is a
+    RuntimeError naming both."""
+    path, code, version, route, max_ctas, splits = _libra_ffi.nccl_open(config.nccl_cta_route())
     return Library(path, int(code), version, route, int(max_ctas), bool(splits))
 
 
@@ -151,6 +158,18 @@ def collective_host(kind: collectives.Collective | str, comm_id: int, nranks: in
     buffer at rank x share). The extension takes the kind by its model's name."""
     _libra_ffi.nccl_collective_host(collectives.row_of(kind).kind, comm_id, nranks, rank,
                                     blocks, input, output, timeout_ms=config.timeout_ms())
+
+
+def collective_group_host(kind: collectives.Collective | str, comm_id: int, nranks: int,
+                          rank: int, blocks: int, inputs: Sequence[object],
+                          outputs: Sequence[object]) -> None:
+    """One rank's bucket, `kind` from each host array of `inputs` into the same place of
+    `outputs` (each pair as `collective_host` takes it), as one NCCL group through the
+    communicator cache: what the start and one-call handlers issue for a bucket on the GPU,
+    for tests of what each CTA route issues."""
+    _libra_ffi.nccl_collective_group_host(collectives.row_of(kind).kind, comm_id, nranks, rank,
+                                          blocks, list(inputs), list(outputs),
+                                          timeout_ms=config.timeout_ms())
 
 
 def communicators_created() -> int:

@@ -10,6 +10,7 @@ planner's layer may use it.
 | ``LIBRA_JAX_TIMEOUT_S``            | how long a rank waits for the others (`timeout_s`)              |
 | ``LIBRA_JAX_CUDA``                 | the GPU data path: ``xla`` (default), ``p2p``, ``nccl``         |
 | ``LIBRA_JAX_CUDA_ALGORITHM``       | the P2P kernels' algorithm: ``auto``, ``oneshot``, ``twoshot``  |
+| ``LIBRA_JAX_NCCL_CTA_ROUTE``       | NCCL's CTA route: ``auto`` or one forced (`NCCL_CTA_ROUTES`)    |
 | ``LIBRA_JAX_OVERLAP``              | `optimize`'s default ``overlap=``                               |
 | ``LIBRA_JAX_PREFETCH``             | `optimize`'s default ``prefetch=``                              |
 | ``LIBRA_JAX_PREFETCH_BYTES``       | `optimize`'s default ``prefetch_bytes=``                        |
@@ -49,7 +50,8 @@ __all__ = [
     "prefetch_mode", "PREFETCH_BYTES_ENV", "DEFAULT_PREFETCH_BYTES", "prefetch_bytes", "DISABLE_ENV",
     "optimize_disabled", "NO_PROFILE_BROADCAST_ENV", "profile_broadcast", "PROFILE_DIR_ENV",
     "calibrated_profile_dir", "PROFILE_PROBE_ENV", "profile_probe", "NCCL_CTA_ENVS",
-    "nccl_cta_overrides", "NCCL_LAUNCH_ORDER_ENV",
+    "nccl_cta_overrides", "NCCL_CTA_ROUTE_ENV", "NCCL_CTA_ROUTES", "nccl_cta_route",
+    "NCCL_LAUNCH_ORDER_ENV",
     "nccl_launch_order_implicit", "request_nccl_launch_order", "HOST_DEVICES_FLAG", "xla_flags",
     "TROUBLESHOOTING_PAGE", "notice_text", "notice",
 ]
@@ -254,6 +256,30 @@ def profile_probe() -> bool:
 
 #: NCCL's own settings that override the CTA limits libra passes (NCCL reads them itself).
 NCCL_CTA_ENVS = ("NCCL_MIN_CTAS", "NCCL_MAX_CTAS")
+
+
+#: How the NCCL path's block count reaches NCCL (cpp/libra/nccl.h's CTA routes): ``auto`` (the
+#: default: the loaded version's, per collective from NCCL 2.31, per communicator on 2.17-2.30),
+#: ``per-collective`` (``ncclAllReduceConfig`` and its kin with a per-call limit; NCCL >= 2.31
+#: only) or ``per-communicator`` (communicators whose config pins the CTAs, the plain entry
+#: points; any NCCL >= 2.17). Why choose: NCCL >= 2.32 launches a call with a per-call CTA
+#: limit apart from the rest of its group, so a bucket may cost a kernel per member per
+#: collective and one per communicator; neither is measured yet (docs/gpu.md).
+NCCL_CTA_ROUTE_ENV = "LIBRA_JAX_NCCL_CTA_ROUTE"
+NCCL_CTA_ROUTES = ("auto", "per-collective", "per-communicator")
+
+
+def nccl_cta_route() -> str:
+    """The CTA route `$LIBRA_JAX_NCCL_CTA_ROUTE` asks for (`NCCL_CTA_ROUTES`; unset: "auto");
+    ValueError naming the variable for anything else. The extension takes it when the process
+    first opens NCCL (`libra_jax._nccl.library`), and refuses a route the loaded NCCL lacks
+    (per-collective below 2.31) or another route once NCCL is open, naming it."""
+    raw = os.environ.get(NCCL_CTA_ROUTE_ENV, "")
+    route = raw.strip().lower() or "auto"
+    if route not in NCCL_CTA_ROUTES:
+        raise ValueError(f"{NCCL_CTA_ROUTE_ENV} must be one of {', '.join(NCCL_CTA_ROUTES)}, "
+                         f"got {raw!r}")
+    return route
 
 
 #: NCCL's switch (2.26+) that orders a GPU's communicators' launches by the host's launch

@@ -53,6 +53,7 @@ def test_key_value_waits_are_whole_milliseconds_a_c_int_holds(seconds, ms):
     (config.CUDA_ALGORITHM_ENV, config.cuda_algorithm, "threeshot"),
     (config.OVERLAP_ENV, lambda: config.overlap_mode(None), "later"),
     (config.TIMEOUT_ENV, config.timeout_s, "soon"),
+    (config.NCCL_CTA_ROUTE_ENV, config.nccl_cta_route, "per-call"),
 ])
 def test_a_bad_value_names_its_variable(monkeypatch, name, read, raw):
     monkeypatch.setenv(name, raw)
@@ -79,6 +80,19 @@ def test_choices_and_their_defaults(monkeypatch):
     assert not config.optimize_disabled()
     with pytest.raises(ValueError, match="overlap must be one of"):
         config.overlap_mode("later")
+
+
+@pytest.mark.parametrize("raw, route", [(None, "auto"), ("", "auto"), (" AUTO ", "auto"),
+                                        ("per-collective", "per-collective"),
+                                        (" Per-Communicator ", "per-communicator")])
+def test_nccl_cta_route(monkeypatch, raw, route):
+    # auto (the loaded NCCL's own route) unless one is forced; the extension checks the version.
+    if raw is None:
+        monkeypatch.delenv(config.NCCL_CTA_ROUTE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(config.NCCL_CTA_ROUTE_ENV, raw)
+    assert config.nccl_cta_route() == route
+    assert route in config.NCCL_CTA_ROUTES
 
 
 def test_calibrated_profile_dir(monkeypatch, tmp_path):

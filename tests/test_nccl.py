@@ -519,28 +519,110 @@ def test_unusable_library_is_a_clear_error_and_the_lowering_falls_back(stub_env,
 
 @pytest.mark.parametrize("version, forced, expect", [
     ("23100", "", "ROUTE per-collective"),
-    ("23100", "per-communicator", "ROUTE per-communicator"),
+    ("23100", "auto", "ROUTE per-collective"),
+    ("22700", " Auto ", "ROUTE per-communicator"),
+    ("23100", "per-communicator", "ROUTE per-communicator 64"),
+    ("23200", "per-communicator", "ROUTE per-communicator 64"),
+    ("23200", "per-collective", "ROUTE per-collective 32"),
     ("23100", "per-collective", "ROUTE per-collective"),
     ("22700", "per-communicator", "ROUTE per-communicator"),
-    ("22700", "per-collective", "ERROR libra NCCL: LIBRA_JAX_NCCL_CTA_ROUTE=per-collective, "
-                                "but"),
-    ("23100", "per-call", "ERROR libra NCCL: LIBRA_JAX_NCCL_CTA_ROUTE must be per-collective or "
-                          "per-communicator, got 'per-call'"),
-    ("21400", "per-communicator", "ERROR libra NCCL: LIBRA_JAX_NCCL_CTA_ROUTE=per-communicator, "
-                                  "but"),
+    ("22700", "per-collective", "ERROR RuntimeError libra NCCL: "
+                                "LIBRA_JAX_NCCL_CTA_ROUTE=per-collective, but"),
+    ("22800", "per-collective", "(NCCL 2.28.0) has no ncclAllReduceConfig (NCCL >= 2.31 has)"),
+    ("23100", "per-call", "ERROR ValueError LIBRA_JAX_NCCL_CTA_ROUTE must be one of auto, "
+                          "per-collective, per-communicator, got 'per-call'"),
+    ("21400", "per-communicator", "ERROR RuntimeError libra NCCL: "
+                                  "LIBRA_JAX_NCCL_CTA_ROUTE=per-communicator, but"),
 ])
 def test_the_cta_route_can_be_forced(stub_env, version, forced, expect):
-    # The GPU check runs each route on the machine's NCCL; an A/B run may force one.
+    # auto (or unset) is the version's route; either route may be forced where the version has
+    # it (per-communicator on every NCCL with CTA limits, 2.31 and 2.32 included), and one it
+    # lacks is an error naming the version; a value that is no route is config's ValueError.
     stub_env["NCCL_STUB_VERSION"] = version
     stub_env["LIBRA_JAX_NCCL_CTA_ROUTE"] = forced
     out = run("""
         from libra_jax import _nccl
         try:
-            print("ROUTE", _nccl.library().route)
-        except RuntimeError as e:
-            print("ERROR", e)
+            lib = _nccl.library()
+            print("ROUTE", lib.route, lib.max_ctas)
+        except (RuntimeError, ValueError) as e:
+            print("ERROR", type(e).__name__, e)
     """, stub_env)
     assert expect in out, out
+
+
+def test_the_route_is_chosen_when_nccl_is_first_opened(stub_env):
+    # Its communicators are that route's: a later forced request for the other is an error
+    # naming both (it was ignored before), the same route or auto is the open library.
+    out = run("""
+        import os
+        from libra_jax import _nccl
+        print("FIRST", _nccl.library().route)
+        for route in ("per-communicator", "per-collective", "auto"):
+            os.environ["LIBRA_JAX_NCCL_CTA_ROUTE"] = route
+            try:
+                print("AGAIN", route, _nccl.library().route)
+            except RuntimeError as e:
+                print("ERROR", route, e)
+    """, stub_env)
+    assert "FIRST per-collective" in out, out
+    assert ("ERROR per-communicator libra NCCL: LIBRA_JAX_NCCL_CTA_ROUTE=per-communicator, but "
+            "NCCL 2.31.0 is already open on the per-collective route") in out, out
+    assert "AGAIN per-collective per-collective" in out and "AGAIN auto per-collective" in out
+
+
+# Two ranks as threads, a bucket of three members (two f32, one s32) as one NCCL group per block
+# count (2, 4, 2) through the communicator cache, as the start and one-call handlers issue it.
+THREADED_BUCKET = two_ranks(
+    prelude="""
+        lib = _nccl.library()
+        print("ROUTE", lib.route, lib.version)
+    """,
+    per_call="""
+        a = np.arange(6, dtype=np.float32) * (r + 1) + blocks
+        b = np.full(3, 10.0 * (r + 1), np.float32)
+        c = np.full(5, 100 + r, np.int32)
+        _nccl.collective_group_host("all-reduce", comm, 2, r, blocks, [a, b, c], [a, b, c])
+        outs.append((a.tolist(), b.tolist(), c.tolist()))
+    """,
+    report="""
+        print("RESULTS", results[0] == results[1], results[0][1])
+        print("COMMUNICATORS", _nccl.communicators_created())
+    """)
+
+
+@pytest.mark.parametrize("version, forced", [("23100", "per-communicator"),
+                                             ("23200", "per-communicator"),
+                                             ("23200", "auto"), ("22700", "auto")])
+def test_a_bucket_on_each_cta_route(stub_env, version, forced):
+    """The per-communicator route forced on NCCL 2.31 and 2.32 issues a bucket as 2.18-2.30 do:
+    one group of plain ncclAllReduce calls (no ncclAllReduceConfig) on communicators whose
+    config pins the CTAs (the first block count's made with it, the other's split from it,
+    sharing its buffers), one launch per group in the stub's model of NCCL's planner. The
+    per-collective route (auto on 2.32) gives each member a per-call limit, which NCCL 2.32
+    isolates from aggregation: a launch per member. Sums right on every route."""
+    stub_env["NCCL_STUB_VERSION"] = version
+    stub_env["LIBRA_JAX_NCCL_CTA_ROUTE"] = forced
+    out = run(THREADED_BUCKET, stub_env)
+    pinned = forced == "per-communicator" or int(version) < 23100
+    assert f"ROUTE {'per-communicator' if pinned else 'per-collective'} " in out, out
+    # blocks 4: rank 0 arange+4, rank 1 2*arange+4 -> 3*arange+8; 10+20; 100+101
+    assert ("RESULTS True ([8.0, 11.0, 14.0, 17.0, 20.0, 23.0], [30.0, 30.0, 30.0], "
+            "[201, 201, 201, 201, 201])") in out, out
+    calls, groups = log_lines(stub_env, "allreduce"), log_lines(stub_env, "group")
+    assert len(calls) == 2 * 3 * 3 and sorted(c["ctas"] for c in calls) == [2] * 12 + [4] * 6
+    assert [g["calls"] for g in groups] == [3] * 6  # each rank: one group per bucket
+    if pinned:
+        assert all(c["config"] == 0 and c["asked"] == 0 for c in calls)  # ncclAllReduce
+        inits, splits = log_lines(stub_env, "init"), log_lines(stub_env, "split")
+        assert [(i["minCTAs"], i["maxCTAs"]) for i in inits] == [(2, 2)] * 2
+        assert [(p["minCTAs"], p["maxCTAs"], p["share"]) for p in splits] == [(4, 4, 1)] * 2
+        assert "COMMUNICATORS 4" in out, out
+        assert all(g["launches"] == 1 for g in groups), groups
+    else:
+        assert all(c["config"] == 1 and c["asked"] == c["ctas"] for c in calls)
+        assert "COMMUNICATORS 2" in out, out
+        assert all(g["launches"] == 3 for g in groups), groups  # 2.32: isolated per member
 
 
 def test_bad_unique_id_and_unknown_communicator(stub_env):

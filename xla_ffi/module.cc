@@ -158,9 +158,12 @@ void EngineAllReduceF32(std::vector<F32Array> buffers, int blocks) {
 // --- NCCL's control path (libra/nccl.h): usable from Python without a GPU,
 // against any library with NCCL's entry points (tests use a host-memory stub).
 
-const libra::nccl::Library& OpenNccl() {
+// The process's NCCL, opened on the CTA route `request` asks for the first time; auto (the
+// entry points below but nccl_open) takes whatever route it was opened on.
+const libra::nccl::Library& OpenNccl(
+    libra::nccl::RouteRequest request = libra::nccl::RouteRequest::kAuto) {
   const libra::nccl::Library* library = nullptr;
-  const libra::Status status = libra::nccl::Communicators::Get().Open("", &library);
+  const libra::Status status = libra::nccl::Communicators::Get().Open("", request, &library);
   if (!status.ok()) throw std::runtime_error(status.message);
   return *library;
 }
@@ -207,28 +210,73 @@ void NcclAllReduceHost(int64_t comm_id, int nranks, int rank, int ctas, HostArra
 // in-place forms; never for the all-to-all), through the communicator cache; `count` is
 // NCCL's (libra::nccl::CountOf: the output's elements for a reduce-scatter, the input's for an
 // all-gather, the elements sent to each peer for an all-to-all: the input's / nranks).
-void NcclCollectiveHost(const std::string& kind, int64_t comm_id, int nranks, int rank, int ctas,
-                        HostArray input, HostArray output, int64_t timeout_ms) {
-  OpenNccl();
+// The collective `kind` names (its model's name, libra/dtype.h's kLayouts); `who` names the
+// entry point in the error.
+libra::Collective HostKind(const std::string& kind, const char* who) {
   int index = 0;
   while (index < libra::kNumCollectives && kind != libra::kLayouts[index].name) ++index;
   if (index == libra::kNumCollectives) {
-    throw nb::value_error(("nccl_collective_host: unknown collective '" + kind + "'").c_str());
+    throw nb::value_error((std::string(who) + ": unknown collective '" + kind + "'").c_str());
   }
-  const auto collective = static_cast<libra::Collective>(index);
+  return static_cast<libra::Collective>(index);
+}
+
+// One member's call between host arrays: NCCL's count and the dtype, checked as `who`.
+libra::nccl::Library::Member HostMember(libra::Collective collective, HostArray& input,
+                                        HostArray& output, int nranks, const char* who) {
   const libra::DType dtype = HostDType(input);
-  if (HostDType(output) != dtype) throw nb::type_error("nccl_collective_host: dtypes differ");
-  if (nranks < 1) throw nb::value_error("nccl_collective_host: nranks must be positive");
+  if (HostDType(output) != dtype) {
+    throw nb::type_error((std::string(who) + ": dtypes differ").c_str());
+  }
+  if (nranks < 1) throw nb::value_error((std::string(who) + ": nranks must be positive").c_str());
   std::size_t count = 0;  // NCCL's, by the kind's row (the FFI handlers' rule)
   if (!libra::nccl::CountOf(collective, input.size(), output.size(), nranks, &count).ok()) {
-    throw nb::value_error("nccl_collective_host: sizes do not fit the collective and nranks");
+    throw nb::value_error(
+        (std::string(who) + ": sizes do not fit the collective and nranks").c_str());
   }
+  return {input.data(), output.data(), count, dtype};
+}
+
+void NcclCollectiveHost(const std::string& kind, int64_t comm_id, int nranks, int rank, int ctas,
+                        HostArray input, HostArray output, int64_t timeout_ms) {
+  OpenNccl();
+  const libra::Collective collective = HostKind(kind, "nccl_collective_host");
+  const libra::nccl::Library::Member member =
+      HostMember(collective, input, output, nranks, "nccl_collective_host");
+  const libra::DType dtype = member.dtype;
+  const std::size_t count = member.count;
   libra::Status status;
   {
     nb::gil_scoped_release release;
     status = libra::nccl::Communicators::Get().Call(collective, comm_id, nranks, rank, ctas,
                                                     input.data(), output.data(), count, dtype,
                                                     nullptr, timeout_ms);
+  }
+  if (!status.ok()) throw std::runtime_error(status.message);
+}
+
+// One rank's bucket (`inputs[i]` into `outputs[i]`, each member as NcclCollectiveHost takes
+// its arrays) as one NCCL group through the communicator cache (Communicators::CallGroup, what
+// the start and one-call handlers issue): the host-side check of what each CTA route issues
+// for a bucket.
+void NcclCollectiveGroupHost(const std::string& kind, int64_t comm_id, int nranks, int rank,
+                             int ctas, std::vector<HostArray> inputs,
+                             std::vector<HostArray> outputs, int64_t timeout_ms) {
+  OpenNccl();
+  constexpr const char* kWho = "nccl_collective_group_host";
+  const libra::Collective collective = HostKind(kind, kWho);
+  if (inputs.empty() || inputs.size() != outputs.size()) {
+    throw nb::value_error("nccl_collective_group_host: as many outputs as inputs, at least one");
+  }
+  std::vector<libra::nccl::Library::Member> members;
+  for (std::size_t i = 0; i < inputs.size(); ++i) {
+    members.push_back(HostMember(collective, inputs[i], outputs[i], nranks, kWho));
+  }
+  libra::Status status;
+  {
+    nb::gil_scoped_release release;
+    status = libra::nccl::Communicators::Get().CallGroup(collective, comm_id, nranks, rank, ctas,
+                                                         members, nullptr, timeout_ms);
   }
   if (!status.ok()) throw std::runtime_error(status.message);
 }
@@ -323,17 +371,23 @@ NB_MODULE(_libra_ffi, m) {
   m.def("now_us", &libra::NowMicros, "Now, in microseconds on the call records' clock.");
 
   m.def("nccl_open",
-        [] {
-          const libra::nccl::Library& lib = OpenNccl();
+        [](const std::string& route) {
+          libra::nccl::RouteRequest request = libra::nccl::RouteRequest::kAuto;
+          const libra::Status parsed = libra::nccl::ParseRouteRequest(route, &request);
+          if (!parsed.ok()) throw nb::value_error(parsed.message.c_str());
+          const libra::nccl::Library& lib = OpenNccl(request);
           return std::make_tuple(lib.path(), lib.version(),
                                  libra::nccl::VersionString(lib.version()),
                                  std::string(libra::nccl::Name(lib.route())), lib.max_ctas(),
                                  lib.splits());
         },
-        "Loads NCCL once (see libra/nccl.h): (path, version code, version, CTA route, the "
-        "largest per-call CTA limit it honours, 0 for none, whether per-block-count "
-        "communicators are split from the group's); "
-        "RuntimeError naming the problem if it cannot.");
+        nb::arg("route") = "auto",
+        "Loads NCCL once (see libra/nccl.h), on CTA route `route` ('auto': the version's, "
+        "'per-collective' or 'per-communicator'; read the first time only): (path, version "
+        "code, version, CTA route, the largest per-call CTA limit it honours, 0 for none, "
+        "whether per-block-count communicators are split from the group's); "
+        "RuntimeError naming the problem if it cannot, or if a forced route is not the one "
+        "NCCL was opened on.");
   m.def("nccl_unique_id",
         [] {
           libra::nccl::UniqueId id;
@@ -359,6 +413,11 @@ NB_MODULE(_libra_ffi, m) {
         nb::arg("output"), nb::arg("timeout_ms") = 0,
         "One rank's all-reduce, reduce-scatter, all-gather or all-to-all between host arrays "
         "through the communicator cache (for tests against a host-memory NCCL).");
+  m.def("nccl_collective_group_host", &NcclCollectiveGroupHost, nb::arg("kind"),
+        nb::arg("comm_id"), nb::arg("nranks"), nb::arg("rank"), nb::arg("ctas"),
+        nb::arg("inputs"), nb::arg("outputs"), nb::arg("timeout_ms") = 0,
+        "One rank's bucket of host arrays as one NCCL group through the communicator cache "
+        "(for tests against a host-memory NCCL).");
   m.def("nccl_communicators", [] { return libra::nccl::Communicators::Get().size(); },
         "NCCL communicators this process has created.");
 }

@@ -227,6 +227,28 @@ const char* Name(CtaRoute route) {
   return "none";
 }
 
+const char* Name(RouteRequest request) {
+  switch (request) {
+    case RouteRequest::kAuto: return "auto";
+    case RouteRequest::kPerCollective: return Name(CtaRoute::kPerCollective);
+    case RouteRequest::kPerCommunicator: return Name(CtaRoute::kPerCommunicator);
+  }
+  return "auto";
+}
+
+Status ParseRouteRequest(const std::string& name, RouteRequest* request) {
+  for (const RouteRequest known : {RouteRequest::kAuto, RouteRequest::kPerCollective,
+                                   RouteRequest::kPerCommunicator}) {
+    if (name == Name(known)) {
+      *request = known;
+      return Status::Ok();
+    }
+  }
+  return Error(Status::Code::kInvalidArgument,
+               "LIBRA_JAX_NCCL_CTA_ROUTE must be auto, per-collective or per-communicator, "
+               "got '" + name + "'");
+}
+
 int MaxCtas(int version) {
   if (version < kCtaConfigVersion) return 0;
   return version < kWideChannelsVersion ? 32 : 64;
@@ -255,6 +277,35 @@ CtaRoute RouteFor(int version, bool has_per_collective_entry) {
              : CtaRoute::kPerCommunicator;
 }
 
+Status ChooseRoute(int version, bool has_per_collective_entry, RouteRequest request,
+                   const std::string& library, CtaRoute* route) {
+  const CtaRoute own = RouteFor(version, has_per_collective_entry);
+  // The messages name the setting the request comes from (libra_jax.config reads it).
+  const std::string asked = std::string("LIBRA_JAX_NCCL_CTA_ROUTE=") + Name(request) +
+                            ", but " + library + " (NCCL " + VersionString(version) + ")";
+  switch (request) {
+    case RouteRequest::kAuto:
+      *route = own;
+      return Status::Ok();
+    case RouteRequest::kPerCommunicator:  // a pinned communicator: every NCCL with CTA fields
+      if (own == CtaRoute::kNone) {
+        return Error(Status::Code::kInvalidArgument,
+                     asked + " has no CTA limit (NCCL >= 2.17 has)");
+      }
+      *route = CtaRoute::kPerCommunicator;
+      return Status::Ok();
+    case RouteRequest::kPerCollective:
+      if (own != CtaRoute::kPerCollective) {
+        return Error(Status::Code::kInvalidArgument,
+                     asked + " has no ncclAllReduceConfig (NCCL >= 2.31 has)");
+      }
+      *route = CtaRoute::kPerCollective;
+      return Status::Ok();
+  }
+  return Error(Status::Code::kInvalidArgument,
+               "unknown CTA route request " + std::to_string(static_cast<int>(request)));
+}
+
 Status CountOf(libra::Collective kind, std::size_t input, std::size_t output, int nranks,
                std::size_t* count) {
   if (!libra::KnownCollective(kind)) {
@@ -274,7 +325,8 @@ Status CountOf(libra::Collective kind, std::size_t input, std::size_t output, in
   return Status::Ok();
 }
 
-Status Library::Open(const std::string& path, std::unique_ptr<Library>* library) {
+Status Library::Open(const std::string& path, RouteRequest request,
+                     std::unique_ptr<Library>* library) {
   void* handle = nullptr;
   std::string name = path;
   if (path.empty()) {
@@ -333,32 +385,12 @@ Status Library::Open(const std::string& path, std::unique_ptr<Library>* library)
   }
   Status status = lib->Check(api.get_version(&lib->version_), "ncclGetVersion");
   if (!status.ok()) return status;
-  lib->route_ = RouteFor(
+  status = ChooseRoute(
       lib->version_,
-      api.configured[static_cast<int>(libra::Collective::kAllReduce)] != nullptr);
+      api.configured[static_cast<int>(libra::Collective::kAllReduce)] != nullptr, request,
+      name, &lib->route_);
+  if (!status.ok()) return status;
   lib->splits_ = lib->version_ >= kSplitShareVersion && api.comm_split != nullptr;
-  // $LIBRA_JAX_NCCL_CTA_ROUTE forces a route (A/B runs; the GPU check runs each one).
-  const char* forced = std::getenv("LIBRA_JAX_NCCL_CTA_ROUTE");
-  if (forced != nullptr && *forced != '\0') {
-    const std::string want = forced;
-    if (want == Name(CtaRoute::kPerCommunicator)) {
-      if (lib->route_ == CtaRoute::kNone) {
-        return Error(Status::Code::kInvalidArgument,
-                     "LIBRA_JAX_NCCL_CTA_ROUTE=per-communicator, but " + name + " (NCCL " +
-                         VersionString(lib->version_) + ") has no CTA limit (NCCL >= 2.17 has)");
-      }
-      lib->route_ = CtaRoute::kPerCommunicator;
-    } else if (want != Name(CtaRoute::kPerCollective)) {
-      return Error(Status::Code::kInvalidArgument,
-                   "LIBRA_JAX_NCCL_CTA_ROUTE must be per-collective or per-communicator, got '" +
-                       want + "'");
-    } else if (lib->route_ != CtaRoute::kPerCollective) {
-      return Error(Status::Code::kInvalidArgument,
-                   "LIBRA_JAX_NCCL_CTA_ROUTE=per-collective, but " + name + " (NCCL " +
-                       VersionString(lib->version_) +
-                       ") has no ncclAllReduceConfig (NCCL >= 2.31 has)");
-    }
-  }
   *library = std::move(lib);
   return Status::Ok();
 }
@@ -704,7 +736,8 @@ Communicators& Communicators::Get() {
   return *communicators;
 }
 
-Status Communicators::Open(const std::string& path, const Library** library) {
+Status Communicators::Open(const std::string& path, RouteRequest request,
+                           const Library** library) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!opened_) {
     std::string chosen = path;
@@ -712,8 +745,17 @@ Status Communicators::Open(const std::string& path, const Library** library) {
       const char* env = std::getenv("LIBRA_JAX_NCCL_LIBRARY");
       if (env != nullptr) chosen = env;
     }
-    open_status_ = Library::Open(chosen, &library_);
+    open_status_ = Library::Open(chosen, request, &library_);
     opened_ = true;
+  } else if (open_status_.ok() && request != RouteRequest::kAuto &&
+             std::string(Name(request)) != Name(library_->route())) {
+    // The communicators already made are the open route's: another cannot start midway.
+    if (library != nullptr) *library = nullptr;
+    return Error(Status::Code::kFailedPrecondition,
+                 std::string("LIBRA_JAX_NCCL_CTA_ROUTE=") + Name(request) + ", but NCCL " +
+                     VersionString(library_->version()) + " is already open on the " +
+                     Name(library_->route()) + " route (the route is chosen once, when the "
+                     "process first opens NCCL: set it before)");
   }
   if (library != nullptr) *library = library_.get();
   return open_status_;

@@ -30,6 +30,15 @@
 //              own (its own unique id and buffers);
 //   older      none: the config has no CTA fields (they arrived in
 //              ncclConfig_v21700), so the block count cannot be honoured.
+// Either route may be asked for instead when NCCL is opened (RouteRequest, from
+// $LIBRA_JAX_NCCL_CTA_ROUTE, read by libra_jax.config): per communicator on every NCCL from
+// 2.17 (on >= 2.31 too: pinned communicators and the plain entry points, as 2.18-2.30 run),
+// per collective only where the version has it. Why both: NCCL >= 2.32 launches a call
+// with a per-call CTA configuration apart from the rest of its group (its aggregation
+// isolation, ncclCollConfigNeedAggIsolate), so a bucket's group may cost a kernel per member
+// on the per-collective route and one on the per-communicator route; unmeasured, so the
+// default (auto: the version's route) is unchanged until a GPU run times both
+// (benchmarks/gpu_nccl_check.py).
 // The communicator's config is passed in the 2.31 layout with version 2.31
 // (NCCL's configs are append-only; NCCL copies a config up to its own size and
 // resets the fields its `version` predates), the collective's in its only one.
@@ -96,12 +105,28 @@ inline constexpr int kCommCtas = 32;
 enum class CtaRoute : int { kPerCollective = 0, kPerCommunicator = 1, kNone = 2 };
 const char* Name(CtaRoute route);
 
+// The route asked for when NCCL is opened: the version's own (kAuto: RouteFor), or one
+// forced (A/B runs, and the per-communicator route's group aggregation on NCCL >= 2.32).
+enum class RouteRequest : int { kAuto = 0, kPerCollective = 1, kPerCommunicator = 2 };
+// "auto", or the forced route's Name.
+const char* Name(RouteRequest request);
+// The request `name` names (Name's words, as libra_jax.config.NCCL_CTA_ROUTES spells them);
+// InvalidArgument naming the value otherwise.
+Status ParseRouteRequest(const std::string& name, RouteRequest* request);
+
 // "2.31.0" for 23100 (and "2.8.4" for the old encoding 2804).
 std::string VersionString(int code);
 
 // The route for a library of `version` that does (or does not) export
 // ncclAllReduceConfig.
 CtaRoute RouteFor(int version, bool has_per_collective_entry);
+
+// The route such a library takes when `request` is asked of it: RouteFor's on kAuto; a
+// forced route where the library has it (per-collective: NCCL >= 2.31 and
+// ncclAllReduceConfig; per-communicator: any NCCL with CTA limits, >= 2.17), else
+// InvalidArgument naming `library`, its version and what it lacks.
+Status ChooseRoute(int version, bool has_per_collective_entry, RouteRequest request,
+                   const std::string& library, CtaRoute* route);
 
 // The most CTAs (channels) one collective of NCCL `version` may run on: 0 below
 // 2.17 (no CTA limit at all), 32 up to 2.24, 64 from 2.25.
@@ -124,8 +149,13 @@ Status CountOf(libra::Collective kind, std::size_t input, std::size_t output, in
 class Library {
  public:
   // Opens `path`, or (empty) the libnccl.so.2 already loaded, else the
-  // loader's. Fails with a message naming the library and the missing symbol.
-  static Status Open(const std::string& path, std::unique_ptr<Library>* library);
+  // loader's, on the route `request` asks for (ChooseRoute). Fails with a message naming the
+  // library and the missing symbol, or the route it cannot take.
+  static Status Open(const std::string& path, RouteRequest request,
+                     std::unique_ptr<Library>* library);
+  static Status Open(const std::string& path, std::unique_ptr<Library>* library) {
+    return Open(path, RouteRequest::kAuto, library);
+  }
   ~Library();
   Library(const Library&) = delete;
   Library& operator=(const Library&) = delete;
@@ -237,9 +267,14 @@ class Communicators {
  public:
   static Communicators& Get();
 
-  // Opens the library once (later calls return the first outcome). `path`
-  // empty: $LIBRA_JAX_NCCL_LIBRARY if set, else the default search.
-  Status Open(const std::string& path, const Library** library);
+  // Opens the library once, on the route `request` asks for (later calls return the first
+  // outcome: the route is chosen once per process). A later forced request the open library's
+  // route is not is an error (kFailedPrecondition naming both), never a silent other route.
+  // `path` empty: $LIBRA_JAX_NCCL_LIBRARY if set, else the default search.
+  Status Open(const std::string& path, RouteRequest request, const Library** library);
+  Status Open(const std::string& path, const Library** library) {
+    return Open(path, RouteRequest::kAuto, library);
+  }
 
   // The unique id of communicator `comm_id` (made by one process, passed to
   // the others). Registering an id twice is an error unless it is the same.

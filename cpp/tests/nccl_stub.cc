@@ -48,7 +48,13 @@
 //   a launch without one fails (logged: hazard ...), where NCCL might hang;
 // - ncclGroupStart/End nest per thread: a collective inside a group is checked and logged
 //   when called but runs only when the outermost group ends (logged: group rank=R
-//   calls=N), in the order called; a group end without a start is ncclInvalidUsage.
+//   calls=N launches=L), in the order called; a group end without a start is
+//   ncclInvalidUsage. L counts the group's kernel launches as NCCL plans them: its calls
+//   aggregated into one, except from 2.32 a call with a per-call CTA configuration, which
+//   NCCL isolates from aggregation (ncclCollConfigNeedAggIsolate, src/config/collconfig.cc:
+//   any minCTAs/maxCTAs set) and launches alone. A model of NCCL's planner, not its whole
+//   rule (NCCL also splits a group whose calls' sizes differ by more than 4x): what differs
+//   between libra's CTA routes, unmeasured on a GPU.
 // Build: g++ -std=c++17 -shared -fPIC -o libnccl_stub.so nccl_stub.cc
 #include <fcntl.h>
 #include <unistd.h>
@@ -79,7 +85,8 @@ namespace {
 constexpr int kSuccess = 0, kSystemError = 2, kInvalidArgument = 4, kInvalidUsage = 5,
               kRemoteError = 6, kInProgress = 7;
 constexpr int kCtaConfigVersion = 21700, kSplitVersion = 21800, kWideChannelsVersion = 22500,
-              kImplicitOrderVersion = 22600, kPerCollectiveVersion = 23100;
+              kImplicitOrderVersion = 22600, kPerCollectiveVersion = 23100,
+              kAggIsolateVersion = 23200;
 constexpr unsigned kMagic = 0xcafebeef;
 
 struct UniqueId {
@@ -211,6 +218,7 @@ struct GroupCall {
   int rank;
   std::function<int()> run;
   bool publishes = false;  // a send: run before the group's other calls (it never waits)
+  bool isolated = false;   // launched alone (a per-call CTA configuration, NCCL >= 2.32)
 };
 thread_local int group_depth = 0;
 thread_local std::vector<GroupCall> group_calls;
@@ -275,10 +283,12 @@ bool Launched(const Comm& comm, void* stream) {
 }
 
 // A call's `run` as NCCL issues it: kept for the end of the outermost open group; else run
-// now, or (NCCL_STUB_ASYNC=1) on its stream's worker. `publishes`: a send (`GroupCall`).
-int Issue(const Comm& comm, void* stream, const std::function<int()>& run, bool publishes) {
+// now, or (NCCL_STUB_ASYNC=1) on its stream's worker. `publishes`: a send, `isolated`: a
+// kernel of its own in a group (`GroupCall`).
+int Issue(const Comm& comm, void* stream, const std::function<int()>& run, bool publishes,
+          bool isolated = false) {
   if (group_depth > 0) {  // runs when the outermost group ends (ncclGroupEnd)
-    group_calls.push_back({comm.rank, run, publishes});
+    group_calls.push_back({comm.rank, run, publishes, isolated});
     return kSuccess;
   }
   if (Env("NCCL_STUB_ASYNC", "0") != "1") return run();
@@ -381,7 +391,7 @@ int Collective(Kind kind, const void* in, void* out, size_t count, int dtype, in
     }
     return kSuccess;
   };
-  return Issue(*comm, stream, run, false);
+  return Issue(*comm, stream, run, false, configured && Version() >= kAggIsolateVersion);
 }
 
 // A point-to-point file: the `seq`th message from rank `from` to rank `to` of `comm`.
@@ -499,8 +509,13 @@ int ncclGroupEnd() {
   if (--group_depth > 0) return kSuccess;
   std::vector<GroupCall> calls;
   calls.swap(group_calls);
+  // Kernel launches: one per isolated call, one for the aggregated rest (if any).
+  const auto isolated = std::count_if(calls.begin(), calls.end(),
+                                      [](const GroupCall& call) { return call.isolated; });
+  const std::size_t launches =
+      static_cast<std::size_t>(isolated) + (calls.size() > static_cast<std::size_t>(isolated));
   Log("group rank=" + std::to_string(calls.empty() ? -1 : calls.front().rank) +
-      " calls=" + std::to_string(calls.size()));
+      " calls=" + std::to_string(calls.size()) + " launches=" + std::to_string(launches));
   // Sends first: they never wait, so no receive of the group waits on a send behind it.
   std::stable_partition(calls.begin(), calls.end(),
                         [](const GroupCall& call) { return call.publishes; });

@@ -37,6 +37,58 @@ void TestVersions() {
   CHECK(nccl::MaxCtas(22500) == 64 && nccl::MaxCtas(23100) == 64);
 }
 
+// The route asked for when NCCL is opened: auto is the version's (RouteFor); per-communicator
+// on every NCCL with CTA limits (2.31 and 2.32 included); per-collective only where there is
+// a per-call limit. A request a version cannot take is refused, naming the library, its version
+// and what it lacks; a name that is no route is refused, naming it.
+void TestRouteRequests() {
+  using nccl::CtaRoute;
+  using nccl::RouteRequest;
+  struct Case {
+    int version;
+    bool has_entry;
+    RouteRequest request;
+    CtaRoute route;  // kNone with `refused`: no route
+    const char* refused;
+  };
+  const Case cases[] = {
+      {23100, true, RouteRequest::kAuto, CtaRoute::kPerCollective, nullptr},
+      {23200, true, RouteRequest::kAuto, CtaRoute::kPerCollective, nullptr},
+      {22800, false, RouteRequest::kAuto, CtaRoute::kPerCommunicator, nullptr},
+      {21600, false, RouteRequest::kAuto, CtaRoute::kNone, nullptr},
+      {23100, true, RouteRequest::kPerCommunicator, CtaRoute::kPerCommunicator, nullptr},
+      {23200, true, RouteRequest::kPerCommunicator, CtaRoute::kPerCommunicator, nullptr},
+      {21700, false, RouteRequest::kPerCommunicator, CtaRoute::kPerCommunicator, nullptr},
+      {23200, true, RouteRequest::kPerCollective, CtaRoute::kPerCollective, nullptr},
+      {22800, false, RouteRequest::kPerCollective, CtaRoute::kNone,
+       "LIBRA_JAX_NCCL_CTA_ROUTE=per-collective, but lib.so (NCCL 2.28.0) has no "
+       "ncclAllReduceConfig (NCCL >= 2.31 has)"},
+      {23100, false, RouteRequest::kPerCollective, CtaRoute::kNone, "has no ncclAllReduceConfig"},
+      {21600, false, RouteRequest::kPerCommunicator, CtaRoute::kNone,
+       "LIBRA_JAX_NCCL_CTA_ROUTE=per-communicator, but lib.so (NCCL 2.16.0) has no CTA limit"},
+  };
+  for (const Case& c : cases) {
+    CtaRoute route = CtaRoute::kNone;
+    const libra::Status s = nccl::ChooseRoute(c.version, c.has_entry, c.request, "lib.so", &route);
+    if (c.refused == nullptr) {
+      CHECK(s.ok() && route == c.route);
+    } else {
+      CHECK(s.code == libra::Status::Code::kInvalidArgument &&
+            s.message.find(c.refused) != std::string::npos);
+    }
+  }
+  for (const RouteRequest request : {RouteRequest::kAuto, RouteRequest::kPerCollective,
+                                     RouteRequest::kPerCommunicator}) {
+    RouteRequest parsed = RouteRequest::kAuto;
+    CHECK(nccl::ParseRouteRequest(nccl::Name(request), &parsed).ok() && parsed == request);
+  }
+  CHECK(std::string(nccl::Name(RouteRequest::kPerCommunicator)) ==
+        nccl::Name(CtaRoute::kPerCommunicator));
+  RouteRequest parsed = RouteRequest::kAuto;
+  const libra::Status bad = nccl::ParseRouteRequest("per-call", &parsed);
+  CHECK(!bad.ok() && bad.message.find("got 'per-call'") != std::string::npos);
+}
+
 // Every kind of dtype.h's table has its own NCCL launch; one past the table has none and
 // is refused by name, never launched as the all-reduce.
 void TestEveryKindHasItsLaunch() {
@@ -551,6 +603,128 @@ void TestGroupedCall() {
   for (const RankOutcome& o : outcomes) CHECK(o.error.empty() && o.wrong == 0);
 }
 
+// The per-communicator route forced on NCCL 2.31 and 2.32 (which have per-call limits): a
+// bucket as one group on communicators pinned by their config (the first block count's made
+// with minCTAs = maxCTAs = 2, another's split from it with 4, sharing its buffers), every member
+// of each kind issued on the plain entry points (ncclAllReduce, ncclReduceScatter,
+// ncclAllGather, ncclAlltoAll: config=0, no *Config call), as 2.18-2.30 run; in the stub's model
+// of NCCL's planner the group is one launch. On 2.32's own route (per collective) the same
+// bucket's members each carry a per-call config, which 2.32 isolates from aggregation: a launch
+// per member. Sums, shards and exchanges are right on both.
+void TestForcedPerCommunicatorRoute() {
+  struct Case {
+    const char* version;
+    nccl::RouteRequest request;
+    const char* launches;  // of the all-reduce bucket's group, in the stub's log
+  };
+  const Case cases[] = {
+      {"23100", nccl::RouteRequest::kPerCommunicator, "group rank=0 calls=3 launches=1"},
+      {"23200", nccl::RouteRequest::kPerCommunicator, "group rank=0 calls=3 launches=1"},
+      {"23200", nccl::RouteRequest::kAuto, "group rank=0 calls=3 launches=3"},
+  };
+  for (const Case& c : cases) {
+    const bool pinned = c.request == nccl::RouteRequest::kPerCommunicator;
+    const std::string log = StubLog((std::string("forced_") + c.version +
+                                     (pinned ? "_pinned" : "_auto") + ".log").c_str());
+    setenv("NCCL_STUB_VERSION", c.version, 1);
+    std::unique_ptr<nccl::Library> lib;
+    CHECK(nccl::Library::Open(stub_path, c.request, &lib).ok() && lib != nullptr);
+    CHECK(lib->route() == (pinned ? nccl::CtaRoute::kPerCommunicator
+                                  : nccl::CtaRoute::kPerCollective));
+    CHECK(lib->max_ctas() == (pinned ? 64 : nccl::kCommCtas) && lib->splits());
+    nccl::UniqueId id{};
+    CHECK(lib->GetUniqueId(&id).ok());
+    const std::vector<RankOutcome> outcomes = OnTwoRanks([&](int rank, RankOutcome& o) {
+      // As Communicators::Prepare makes them on this route: pinned to the first block count
+      // (2), then a child for 4; per collective one communicator with kCommCtas channels.
+      void* group = nullptr;
+      void* comm = nullptr;
+      if (libra::Status s = lib->InitRank(id, 2, rank, pinned ? 2 : nccl::kCommCtas, &group,
+                                          10000);
+          !s.ok()) {
+        o.error = s.message;
+        return;
+      }
+      comm = group;
+      if (pinned) {
+        if (libra::Status s = lib->Split(group, rank, 4, &comm, 10000); !s.ok()) {
+          o.error = s.message;
+          lib->Abort(group);
+          return;
+        }
+      }
+      auto check = [&](const libra::Status& s) {
+        if (!s.ok()) o.error = s.message;
+      };
+      std::vector<float> a(8, 1.0f + rank), b(3, 10.0f * (rank + 1));
+      std::vector<int32_t> c32(5, 100 + rank);
+      check(lib->CollectiveGroup(libra::Collective::kAllReduce,
+                                 {{a.data(), a.data(), a.size(), libra::DType::kF32},
+                                  {b.data(), b.data(), b.size(), libra::DType::kF32},
+                                  {c32.data(), c32.data(), c32.size(), libra::DType::kS32}},
+                                 comm, 4, AsPointer(1), 10000));
+      o.wrong += a[7] != 3.0f || b[2] != 30.0f || c32[4] != 201;
+      std::vector<float> x(4, 1.0f + rank), x_out(2), y(2, 5.0f + rank), y_out(4);
+      check(lib->CollectiveGroup(libra::Collective::kReduceScatter,
+                                 {{x.data(), x_out.data(), 2, libra::DType::kF32}}, comm, 4,
+                                 AsPointer(1), 10000));
+      check(lib->CollectiveGroup(libra::Collective::kAllGather,
+                                 {{y.data(), y_out.data(), 2, libra::DType::kF32}}, comm, 4,
+                                 AsPointer(1), 10000));
+      std::vector<double> in = {1.0 + rank, 2.0 + rank}, out(2);
+      check(lib->CollectiveGroup(libra::Collective::kAllToAll,
+                                 {{in.data(), out.data(), 1, libra::DType::kF64}}, comm, 4,
+                                 AsPointer(1), 10000));
+      o.wrong += x_out[1] != 3.0f || y_out[0] != 5.0f || y_out[3] != 6.0f;
+      o.wrong += out[0] != 1.0 + rank || out[1] != 2.0 + rank;
+      if (comm != group) lib->Destroy(comm);
+      lib->Destroy(group);
+    });
+    for (const RankOutcome& o : outcomes) CHECK(o.error.empty() && o.wrong == 0);
+    const std::string text = ReadFile(log);
+    CHECK(text.find(c.launches) != std::string::npos);
+    CHECK(text.find("hazard") == std::string::npos);
+    if (pinned) {
+      CHECK(text.find("init rank=0 nranks=2 minCTAs=2 maxCTAs=2 channels=2") !=
+            std::string::npos);
+      CHECK(text.find("minCTAs=4 maxCTAs=4 channels=4 share=1") != std::string::npos);
+      CHECK(text.find("config=1") == std::string::npos);  // no *Config entry point
+      for (const char* plain : {"allreduce rank=0 count=8 dtype=7 ctas=4 asked=0 config=0",
+                                "reducescatter rank=0 count=2 dtype=7 ctas=4 asked=0 config=0",
+                                "allgather rank=0 count=2 dtype=7 ctas=4 asked=0 config=0",
+                                "alltoall rank=0 count=1 dtype=8 ctas=4 asked=0 config=0"}) {
+        CHECK(text.find(plain) != std::string::npos);
+      }
+    } else {
+      CHECK(text.find("allreduce rank=0 count=8 dtype=7 ctas=4 asked=4 config=1") !=
+            std::string::npos);
+      CHECK(text.find("config=0") == std::string::npos);
+    }
+    unsetenv("NCCL_STUB_LOG");
+  }
+  setenv("NCCL_STUB_VERSION", "23100", 1);
+}
+
+// The process's route is chosen when it first opens NCCL: a later forced request for the
+// other route is refused by name (its communicators are the open route's), the same route or
+// auto is the open library.
+void TestOpenedRouteIsKept() {
+  const nccl::Library* lib = nullptr;
+  nccl::Communicators& comms = StubCommunicators(&lib);
+  const bool per_call = lib->route() == nccl::CtaRoute::kPerCollective;
+  const nccl::RouteRequest same = per_call ? nccl::RouteRequest::kPerCollective
+                                           : nccl::RouteRequest::kPerCommunicator;
+  const nccl::RouteRequest other = per_call ? nccl::RouteRequest::kPerCommunicator
+                                            : nccl::RouteRequest::kPerCollective;
+  const nccl::Library* again = nullptr;
+  CHECK(comms.Open(stub_path, same, &again).ok() && again == lib);
+  CHECK(comms.Open(stub_path, nccl::RouteRequest::kAuto, &again).ok() && again == lib);
+  const libra::Status s = comms.Open(stub_path, other, &again);
+  CHECK(s.code == libra::Status::Code::kFailedPrecondition && again == nullptr);
+  CHECK(s.message.find(std::string("is already open on the ") + nccl::Name(lib->route()) +
+                       " route") != std::string::npos);
+}
+
 // The all-to-all on two ranks through each route, as the stub's version picks it: 2.31 with
 // a per-call limit (ncclAlltoAllConfig), 2.28 on the per-communicator route (ncclAlltoAll),
 // 2.27 and 2.24 (no ncclAlltoAll: one group of ncclSend/ncclRecv with every rank). Rank s
@@ -804,6 +978,7 @@ int main(int argc, char** argv) {
   setenv("NCCL_STUB_DIR", dir, 1);
   const int status = libra_test::RunTests({
       {"versions", TestVersions},
+      {"route_requests", TestRouteRequests},
       {"every_kind_has_its_launch", TestEveryKindHasItsLaunch},
       {"counts_by_kind", TestCountsByKind},
       {"open", TestOpen},
@@ -819,6 +994,8 @@ int main(int argc, char** argv) {
       {"watchdog", TestWatchdog},
       {"grouped_call", TestGroupedCall},
       {"all_to_all_routes", TestAllToAllRoutes},
+      {"forced_route", TestForcedPerCommunicatorRoute},
+      {"opened_route_is_kept", TestOpenedRouteIsKept},
   });
   std::string cleanup = std::string("rm -rf ") + dir;
   if (std::system(cleanup.c_str()) != 0) std::fprintf(stderr, "could not remove %s\n", dir);
