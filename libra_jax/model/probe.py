@@ -289,7 +289,7 @@ def cached(path: Path, key: Mapping[str, Any], shipped: Mapping[str, Any],
     return rates, load
 
 
-def _refused(path: Path, why: str) -> Rates | None:
+def _refused(path: Path, why: str) -> tuple[Rates, float | None] | None:
     """None, said: the cache file at `path` is not used, for `why`."""
     config.notice("probe-cache-refused", f"libra_jax: not using the cached probe {path}: {why}; "
                   "probing this machine again", RuntimeWarning, stacklevel=4)

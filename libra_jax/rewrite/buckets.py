@@ -1,12 +1,12 @@
 """The rewrite of a scope's gradient collectives: the planner's buckets and block counts
 (`plan`), each bucket issued as one call or a start/done pair (`split_buckets`), and the edits
-that issue it (`edit_bucket`). Functions of the scope's `Rewriter`.
+that issue it (`edit_bucket`). Functions of the rewrite's shared state (`scope.Scope`).
 """
 from __future__ import annotations
 
 import collections
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from libra_jax import _compat, config, model, planner
 from libra_jax.rewrite.costs import region_roofline_s
@@ -21,15 +21,13 @@ from libra_jax.rewrite.edits import (
     within_class,
 )
 from libra_jax.rewrite.report import PsumPlan, block_cap
+from libra_jax.rewrite.scope import Scope
 from libra_jax.rewrite.sites import Site
-
-if TYPE_CHECKING:
-    from libra_jax.rewrite.rewriter import Rewriter
 
 __all__ = ["plan", "edit_bucket", "split_buckets", "deferred_s"]
 
 
-def plan(rw: Rewriter, members: list[Site], costs: list[float], world: int, scope: str,
+def plan(rw: Scope, members: list[Site], costs: list[float], world: int, scope: str,
          reach: list[int] | None = None, in_loop: bool = False
          ) -> Iterable[tuple[list[Site], int]]:
     """Buckets (lists of sites) and their block counts for one group of gradient psums.
@@ -85,7 +83,7 @@ def plan(rw: Rewriter, members: list[Site], costs: list[float], world: int, scop
     return out
 
 
-def edit_bucket(rw: Rewriter, eqns: Sequence[Any], bucket: list[Site], axes: tuple,
+def edit_bucket(rw: Scope, eqns: Sequence[Any], bucket: list[Site], axes: tuple,
                 invariant: bool, k: int, split: bool, scope: str, invars: set,
                 edits: Edits) -> None:
     """The edits that issue one planned gradient bucket: fused (or, where its members
@@ -116,7 +114,7 @@ def edit_bucket(rw: Rewriter, eqns: Sequence[Any], bucket: list[Site], axes: tup
                                       bucket[0].collective))
 
 
-def split_buckets(rw: Rewriter, eqns: Sequence[Any], outvars: Sequence[Any],
+def split_buckets(rw: Scope, eqns: Sequence[Any], outvars: Sequence[Any],
                   buckets: list[list[Site]]) -> list[bool]:
     """Per gradient bucket, whether it is issued as a start/done pair (else one call).
 
@@ -148,7 +146,7 @@ def split_buckets(rw: Rewriter, eqns: Sequence[Any], outvars: Sequence[Any],
     return [deferred * hidden < pending_s for deferred in deferred_s(rw, eqns, outvars, buckets)]
 
 
-def deferred_s(rw: Rewriter, eqns: Sequence[Any], outvars: Sequence[Any],
+def deferred_s(rw: Scope, eqns: Sequence[Any], outvars: Sequence[Any],
                buckets: list[list[Site]]) -> list[float]:
     """Per bucket, the predicted seconds of the work that waits for its all-reduce alone:
     the pure equations downstream of its results and of no other bucket's, priced as one
@@ -169,7 +167,7 @@ def deferred_s(rw: Rewriter, eqns: Sequence[Any], outvars: Sequence[Any],
             for r in reached]
 
 
-def _say_copy(rw: Rewriter, eqns: Sequence[Any], site: Site, scope: str, issued: Any) -> None:
+def _say_copy(rw: Scope, eqns: Sequence[Any], site: Site, scope: str, issued: Any) -> None:
     """Notes a psum issued in place (`single_eqn`'s equation `issued`, ``inplace``: its
     operand is no input of the scope) whose operand another equation reads too: XLA must copy
     the operand first, as the all-reduce overwrites it (a bucket packs its members into a

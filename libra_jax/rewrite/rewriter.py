@@ -12,11 +12,8 @@ from __future__ import annotations
 import collections
 import collections.abc
 import dataclasses
-import os
 from collections.abc import Sequence
 from typing import Any
-
-import jax
 
 from libra_jax import _compat, allreduce, config, loops, model, planner
 from libra_jax.ops.start_done import MAX_CALL_ID
@@ -36,8 +33,9 @@ from libra_jax.rewrite.edits import (
 )
 from libra_jax.rewrite.exchanges import edit_exchanges
 from libra_jax.rewrite.gathers import edit_gathers, hoist_regathers
-from libra_jax.rewrite.ready import READY_MODES, Ready, inline_calls, to_ready_points
+from libra_jax.rewrite.ready import Ready, inline_calls, to_ready_points
 from libra_jax.rewrite.report import LoopPlan, OptimizeReport, PsumPlan, block_cap
+from libra_jax.rewrite.scope import LOOP_MODES, Options
 from libra_jax.rewrite.shrink import shrink_psums
 from libra_jax.rewrite.sites import (
     Site,
@@ -84,54 +82,6 @@ def _label(eqns: Sequence[Any], point: int) -> str:
     out = eqn.outvars[0].aval if eqn.outvars else None
     shape = "x".join(map(str, getattr(out, "shape", ()))) or "scalar"
     return f"{eqn.primitive.name} ({shape}) at equation {point}"
-
-
-#: `optimize(loops=...)`: what happens to the psums that may leave a scan body (`loops`).
-LOOP_MODES = ("auto", "hoist", "in-loop")
-
-
-def _loop_mode(loops: str) -> str:
-    return config.choice_option(loops, LOOP_MODES, "loops")
-
-
-@dataclasses.dataclass(frozen=True)
-class Options:
-    profile: Any
-    fusion: bool
-    blocks: int | None
-    overlap: str = "auto"
-    loops: str = "auto"
-    prefetch: str | int = "auto"    # `config.prefetch_mode`
-    prefetch_bytes: int = config.DEFAULT_PREFETCH_BYTES
-    ready: str = "dataflow"         # `READY_MODES`
-
-    def __post_init__(self) -> None:
-        # The options as their types say (`config`): a NumPy bool is kept as Python's, so
-        # that equal options share a cache key.
-        object.__setattr__(self, "fusion", config.bool_option(self.fusion, "fusion"))
-        config.choice_option(self.ready, READY_MODES, "ready")
-        profile = self.profile  # checked when made; a JSON document is read now, once
-        if isinstance(profile, collections.abc.Mapping):
-            object.__setattr__(self, "profile", model.resolve_profile(profile))
-        elif not (profile is None or isinstance(profile, (str, os.PathLike, model.Profile))):
-            raise TypeError("libra_jax.optimize: profile must be a profile name, a path, a "
-                            "model.Profile or its JSON document (a dict), got "
-                            f"{type(profile).__name__}")
-
-    def cache_key(self) -> tuple:
-        profile = self.profile
-        if isinstance(profile, model.Profile):
-            profile = ("profile", profile)  # a value (`model.Profile`): equal ones share
-        elif profile is not None:
-            profile = ("name", os.fspath(profile))
-        return (profile, self.fusion, self.blocks, self.overlap, self.loops, self.prefetch,
-                self.prefetch_bytes, self.ready)
-
-    def resolved_profile(self) -> model.Profile:
-        """The profile as a loaded `model.Profile`: resolved once per trace (None: the
-        default backend's, `model.default_profile`)."""
-        return model.resolve_profile(self.profile, jax.default_backend(),
-                                     who="libra_jax.optimize")
 
 
 class Rewriter:

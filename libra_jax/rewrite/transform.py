@@ -25,7 +25,8 @@ from libra_jax.rewrite.report import (
     price_step,
     shared_profile,
 )
-from libra_jax.rewrite.rewriter import Options, Rewriter, _loop_mode
+from libra_jax.rewrite.rewriter import Rewriter
+from libra_jax.rewrite.scope import Options, _loop_mode
 from libra_jax.rewrite.sites import UNPLANNED_NOTICE, collective_counts, is_psum
 
 __all__ = ["optimize", "rewrite_jaxpr", "StaticArgs", "outer_statics", "Outputs",
@@ -63,8 +64,10 @@ def optimize(fn: Callable[..., Any] | None = None, *, profile: Any = None, fusio
         as a dict); default: the
         built-in profile of the default backend (`allreduce.DEFAULT_PROFILES`). Under
         multi-process JAX every process plans with process 0's (`shared_profile`).
-      fusion: fuse gradient psums into buckets (Libra's co-optimisation). False: one
-        all-reduce per psum, allocations still planned. A bool (Python's or NumPy's), as
+      fusion: fuse gradient psums into buckets (Libra's co-optimisation), and consecutive
+        forward all-gathers into one call where the model says so (within
+        `prefetch_bytes`). False: one all-reduce per psum and one call per all-gather,
+        allocations still planned. A bool (Python's or NumPy's), as
         `enabled`: anything else, 0, 1 or a string such as "off" included, is a TypeError
         naming the option (``bool("off")`` is True: a string would turn fusion on).
       blocks: fix every planned allocation to this block count and plan fusion only.
@@ -90,8 +93,9 @@ def optimize(fn: Callable[..., Any] | None = None, *, profile: Any = None, fusio
         d issues gather i as a start/done pair when gather i - d is done. Remat's re-gathers
         leave their `checkpoint` to be issued ahead (only when prefetching). None:
         ``$LIBRA_JAX_PREFETCH``, else "auto".
-      prefetch_bytes: the most gathered bytes per device issued ahead at once (the memory
-        prefetching holds); None: ``$LIBRA_JAX_PREFETCH_BYTES``, else 1 GiB.
+      prefetch_bytes: the most gathered bytes per device held ahead of their use at once
+        (the memory prefetching, and a fused all-gather's later members, hold); None:
+        ``$LIBRA_JAX_PREFETCH_BYTES``, else 1 GiB.
       ready: where a gradient collective is planned and issued. "dataflow" (default): where
         its operand is ready in the backward pass (`libra_jax.rewrite.ready`), however the
         code was written (``pmean(jax.grad(...))`` writes every psum after the backward
