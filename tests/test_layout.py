@@ -29,6 +29,7 @@ LAYERS: dict[str, int] = {
                      "loops", "rewrite",
                      "rewrite.sites", "rewrite.costs", "rewrite.edits", "rewrite.report",
                      "rewrite.gathers", "rewrite.exchanges", "rewrite.buckets", "rewrite.ready", "rewrite.rewriter",
+                     "rewrite.scope",
                      "rewrite.shrink",
                      "rewrite.transform"], 4),
     **dict.fromkeys(["explanation", "gradient_names", "calibrate", "calibrate.measure",
