@@ -4,7 +4,8 @@ optimized (`jax.jit(libra_jax.optimize(step))`), for the examples in `examples/`
 The FSDP example is GSPMD code: its plain arm is the step with `jax.value_and_grad` (XLA's
 partitioner inserts the all-gathers and reduce-scatters), its optimized arms the step through
 `libra_jax.value_and_grad`; two more arms, the route with XLA's collectives (optimize's
-control: what the route costs apart from the engine) and ``prefetch=1``.
+control: what the route costs apart from the engine), ``prefetch=1`` and ``prefetch_bytes=0``
+(each forward all-gather one call: the plan before they were grouped).
 
     python benchmarks/end_to_end.py [--rounds 12] [--steps 5] [--out benchmarks/results/end_to_end.md [--append]]
 
@@ -95,6 +96,10 @@ def bench(name: str, options: dict, rounds: int, steps: int, one_bucket: bool = 
             libra_jax.optimize(step, collectives="xla"), donate_argnums=0)
         arms["optimized, prefetch=1"] = jax.jit(libra_jax.optimize(step, prefetch=1),
                                                 donate_argnums=0)
+        # The forward all-gathers one call each (nothing held ahead of its use: no group),
+        # the plan before they were grouped (issue 74).
+        arms["optimized, prefetch_bytes=0"] = jax.jit(
+            libra_jax.optimize(step, prefetch_bytes=0), donate_argnums=0)
     if one_bucket:
         arms["optimized, one bucket"] = jax.jit(
             libra_jax.optimize(step, profile=one_bucket_profile()), donate_argnums=0)

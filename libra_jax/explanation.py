@@ -101,7 +101,7 @@ class GatherRow:
 class GatherScope:
     """A scope's all-gathers (`planner.plan_gathers`): the model's inputs and choice, what was
     issued, and the predicted pass (compute from the first gather's use on, plus ``lead_s``
-    of compute reading none) as issued and with one call each."""
+    of compute reading none) as issued and with each call where it is used."""
 
     scope: str
     axes: tuple
@@ -117,12 +117,14 @@ class GatherScope:
     blocks: tuple[int, ...]         # the allocation each gather was issued with (cost keys)
     rows: tuple[GatherRow, ...]
     total_s: float                  # predicted pass as issued
-    one_call_s: float               # predicted pass with one call each
+    one_call_s: float               # predicted pass with each call where it is used
+    groups: planner.Groups = ()     # the calls issued (`planner.Groups`; (): one call each)
 
     def timeline(self) -> planner.GatherTimeline:
         """The pass as issued, as the model times it (for `gantt.chart`)."""
         return planner.gather_timeline(list(self.steps), self.cost, distance=self.distance,
-                                       blocks=list(self.blocks), lead_s=self.lead_s)
+                                       blocks=list(self.blocks), lead_s=self.lead_s,
+                                       groups=self.groups or None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -308,12 +310,17 @@ def _scope_plan(entry: dict, report: rewrite.OptimizeReport, names: dict) -> Sco
 
 def _gather_scope(entry: dict, report: rewrite.OptimizeReport, names: dict) -> GatherScope:
     plan, d = entry["plan"], entry["distance"]
-    blocks = plan.blocks if d == plan.distance else tuple(entry["one_call"])
+    blocks = (plan.blocks if d == plan.distance else
+              plan.one_call_blocks or tuple(entry["one_call"]))
     steps = tuple(entry["steps"])
+    groups = planner.each_alone(len(steps)) if not entry.get("groups") else entry["groups"]
     tl = planner.gather_timeline(list(steps), entry["cost"], distance=d, blocks=list(blocks),
-                                 lead_s=entry["lead_s"])
-    issued = {p.members[0]: p for p in report.plans
-              if p.scope == entry["scope"] and p.collective is entry["collective"]}
+                                 lead_s=entry["lead_s"], groups=groups)
+    # Every member of a call of several is said by that call's plan.
+    issued = {i: p for p in report.plans
+              if p.scope == entry["scope"] and p.collective is entry["collective"]
+              for i in p.members}
+    group_of = {j: gi for gi, (a, b) in enumerate(groups) for j in range(a, b + 1)}
     known = gradient_names.shorten({i: names[id(v)] for i, v in enumerate(entry["operands"])
                       if id(v) in names})
     tensors = [known.get(i, _unnamed(v, i, entry["collective"]))
@@ -327,14 +334,16 @@ def _gather_scope(entry: dict, report: rewrite.OptimizeReport, names: dict) -> G
             nbytes=steps[j].nbytes,
             blocks=p.blocks if p is not None else span.blocks, ahead=ahead,
             start_s=span.start, end_s=span.end, compute_start_s=span.compute_start,
-            overlaps=tuple(tensors[max(0, j - ahead):j]) if ahead else ()))
+            # Beside the compute of the gathers of the `ahead` calls before its own.
+            overlaps=tuple(tensors[groups[max(0, group_of[j] - ahead)][0]:groups[group_of[j]][0]])
+            if ahead else ()))
     why = entry["why"] or (f"prefetch={entry['distance']} was asked for"
                            if d != plan.distance else "")
     return GatherScope(
         scope=entry["scope"], axes=tuple(entry["axes"]), world=entry["world"],
         profile=entry["profile"].name, key_unit=entry["key_unit"], steps=steps, plan=plan,
         distance=d, why=why, cost=entry["cost"], lead_s=entry["lead_s"], blocks=tuple(blocks),
-        rows=tuple(rows), total_s=tl.total_s, one_call_s=plan.one_call_s)
+        rows=tuple(rows), total_s=tl.total_s, one_call_s=plan.one_call_s, groups=groups)
 
 
 #: The width `explain` renders to where its output is not a terminal: wide enough that no
@@ -632,8 +641,15 @@ def _to_try(e: Explanation) -> list[str]:
     return ["to try (time each against this plan: docs/optimize.md): " + "; ".join(options)]
 
 
+def _calls(g: GatherScope) -> str:
+    """How many calls its gathers are, where several share one (""where one call each)."""
+    calls = len(g.groups) if g.groups else len(g.rows)
+    return f" in {_plural(calls, 'call')}" if calls < len(g.rows) else ""
+
+
 def _gather_header(g: GatherScope) -> str:
-    how = (f"issued {g.distance} ahead" if g.distance else "one call each where used")
+    how = (f"issued {g.distance} ahead{_calls(g)}" if g.distance else
+           "one call each where used" if not _calls(g) else f"where used{_calls(g)}")
     return (f"scope {g.scope}, axes {', '.join(map(str, g.axes))}, {g.world} ranks: "
             f"{_plural(len(g.rows), 'all_gather')}, {how}")
 
@@ -656,10 +672,11 @@ def _gather_summary(g: GatherScope) -> list[str]:
     model = (f"the model's choice: {g.plan.distance} ahead, "
              f"{g.plan.total_s * ms:.3f} ms" if g.plan.distance else
              "the model's choice: one call each")
+    where = "where used" if any(a != b for a, b in g.plan.one_call_groups) else "one call each"
     lines = [f"predicted pass: {g.total_s * ms:.3f} ms as issued, {g.one_call_s * ms:.3f} ms "
-             f"with one call each; {model}"]
+             f"{'with ' if where == 'one call each' else 'issued '}{where}; {model}"]
     if g.why:
-        lines.append(f"  issued one call each: {g.why}" if not g.distance else f"  {g.why}")
+        lines.append(f"  issued {where}: {g.why}" if not g.distance else f"  {g.why}")
     return lines
 
 

@@ -566,14 +566,19 @@ def test_plan_shows_the_all_gathers_and_how_far_ahead(capsys, fsdp_script, tmp_p
     """`plan --prefetch N` lists each gather (forward and remat's re-gathers) issued N ahead,
     beside whose compute it runs; the default on CPU issues one call each and says why;
     `--gantt-gathers` draws the pass."""
-    status, out, _ = run(capsys, "plan", str(fsdp_script), "--plain", "--prefetch", "1")
+    status, out, _ = run(capsys, "plan", str(fsdp_script), "--plain", "--prefetch", "1",
+                         "--no-fusion")  # one call each: each beside the one before it
     assert status == 0
     assert "6 all_gathers, issued 1 ahead" in out and "beside the compute of" in out
     assert re.search(r"\n1\s+w2\s+forward .* 1 ahead\s+w1\s", out), out
     assert re.search(r"\n3\s+w3\s+backward .* 1 ahead\s+w3\s", out), out
-    status, out, _ = run(capsys, "plan", str(fsdp_script), "--plain")
+    status, out, _ = run(capsys, "plan", str(fsdp_script), "--plain", "--no-fusion")
     assert status == 0 and "3 all_gathers, one call each where used" in out
     assert "issued one call each: on CPU one call where it is used measures as fast" in out
+    # With fusion (the default) the forward's three are one call where the first is used.
+    status, out, _ = run(capsys, "plan", str(fsdp_script), "--plain")
+    assert status == 0 and "3 all_gathers, where used in 1 call" in out
+    assert "issued where used: on CPU one call where it is used measures as fast" in out
     if HAS_MATPLOTLIB:
         path = tmp_path / "gathers.png"
         status, out, _ = run(capsys, "plan", str(fsdp_script), "--prefetch", "2",
@@ -592,7 +597,8 @@ def test_plan_of_the_fsdp_example(capsys, jax_8):
     # A stream per collective: the psums' buckets, the psum_scatters' (fused over the psums).
     assert re.search(r"\d+ gradient psums -> \d+ bucket", out), out
     assert re.search(r"\d+ gradient psum_scatters -> 1 bucket", out), out
-    assert "all_gathers, one call each where used" in out and "sync (psum_scatter)" in out
+    # The forward all-gathers: one call over them all where the first is used.
+    assert "all_gathers, where used in 1 call" in out and "sync (psum_scatter)" in out
     assert "Embed_0.embedding" in out, out
 
 

@@ -267,7 +267,9 @@ def test_explain_shows_which_gather_overlaps_which_compute():
     from libra_jax import planner
     from corpus import fsdp_remat
     case = fsdp_remat()
-    e = libra_jax.explain(case.step, case.state, *case.batch, prefetch=1, file=None)
+    # One call each (fusion=False): each gather beside the compute of the one before it.
+    e = libra_jax.explain(case.step, case.state, *case.batch, prefetch=1, fusion=False,
+                          file=None)
     g, = e.gathers
     assert [(r.tensor, r.kind, r.ahead) for r in g.rows] == (
         [(w, "forward", 1) for w in ("w1", "w2", "w3")]
@@ -287,7 +289,11 @@ def test_explain_shows_which_gather_overlaps_which_compute():
     g, = e.gathers
     assert g.distance == 0 and len(g.rows) == 3 and all(r.ahead == 0 for r in g.rows)
     assert "measures as fast as issuing ahead or faster" in g.why
-    assert "issued one call each: on CPU" in " ".join(e.table(use_rich=False).split())
+    # The forward's three are one call where the first is used (fusion, the default).
+    assert g.groups == ((0, 2),) and {r.blocks for r in g.rows} == {g.rows[0].blocks}
+    text = " ".join(e.table(use_rich=False).split())
+    assert "3 all_gathers, where used in 1 call" in text
+    assert "issued where used: on CPU" in text
 
 
 # --- What a user reads: every gradient named, at any width (issue 71) -----------------------

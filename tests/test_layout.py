@@ -45,17 +45,12 @@ def _module_name(path: Path) -> str:
 
 
 def _imports(path: Path) -> set[str]:
-    """libra_jax modules `path` imports (anywhere in it, lazily too), names relative to the
-    package; imports under ``if TYPE_CHECKING:`` do not run and are left out."""
+    """libra_jax modules `path` imports (anywhere in it, lazily too, and under ``if
+    TYPE_CHECKING:``: a type-only import is a dependency of the module's meaning, and a cycle
+    hidden there is still a cycle), names relative to the package."""
     tree = ast.parse(path.read_text())
-    skipped: set[int] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            skipped.update(id(n) for child in node.body for n in ast.walk(child))
     found: set[str] = set()
     for node in ast.walk(tree):
-        if id(node) in skipped:
-            continue
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module:
@@ -119,7 +114,10 @@ def test_the_checker_sees_a_cycle_and_an_upward_import(tmp_path, monkeypatch):
     fake.mkdir()
     (fake / "__init__.py").write_text("")
     (fake / "planner.py").write_text("from libra_jax import rewrite\n")
-    (fake / "rewrite.py").write_text("import libra_jax.planner\nfrom libra_jax.ops.base import x\n")
+    # rewrite -> planner only for a type checker: still a cycle (issue 75 found one hidden so).
+    (fake / "rewrite.py").write_text("from typing import TYPE_CHECKING\n"
+                                     "from libra_jax.ops.base import x\n"
+                                     "if TYPE_CHECKING:\n    import libra_jax.planner\n")
     monkeypatch.setattr(sys.modules[__name__], "PACKAGE", fake)
     graph = _graph()
     assert graph == {"planner": {"rewrite"}, "rewrite": {"planner", "ops.base"}}

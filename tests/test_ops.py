@@ -253,7 +253,8 @@ def test_one_bucket_primitive_for_every_kind_and_the_old_names_still_bind():
     from libra_jax import collectives
 
     assert [r.kind for r in collectives.ROWS if r.has("bucket")] == ["all-reduce",
-                                                                     "reduce-scatter"]
+                                                                     "reduce-scatter",
+                                                                     "all-gather"]
     mesh = mesh_of((8,), ("x",))
     x = shard(np.arange(8 * 16, dtype=np.float32).reshape(8 * 8, 2), mesh, P("x"))
 
@@ -282,8 +283,8 @@ def test_one_bucket_primitive_for_every_kind_and_the_old_names_still_bind():
     bucket, = closed.jaxpr.eqns[0].params["jaxpr"].eqns
     assert bucket.params["collective"] is collectives.BY_KIND["all-reduce"]
     assert "collective=psum" in str(bucket)  # printed as its jax.lax name, as before
-    for kind in ("all_gather", collectives.BY_KIND["all-gather"]):
-        with pytest.raises(collectives.NoForm, match=r"all-gather collective \(all_gather\) "
+    for kind in ("all_to_all", collectives.BY_KIND["all-to-all"]):
+        with pytest.raises(collectives.NoForm, match=r"all-to-all collective \(all_to_all\) "
                                                      "has no bucket"):
             jax.make_jaxpr(jax.shard_map(
                 lambda v: ops.libra_bucket_p.bind(v, collective=kind, axes=("x",)),

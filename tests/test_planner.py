@@ -12,8 +12,9 @@ import subprocess
 import sys
 from dataclasses import FrozenInstanceError
 
+import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from libra_jax import planner
@@ -347,6 +348,75 @@ def test_simulate_matches_reference_long(data):
     ranges = data.draw(groupings(len(layers)))
     buckets = [Bucket(f, l, data.draw(st.sampled_from(cost.keys))) for f, l in ranges]
     assert close(simulate(layers, buckets, cost), reference_backward_time(layers, buckets, cost))
+
+# The one cost formula (`core._collective`) runs on Python floats (`simulate`, `timeline`, the
+# plans' scores) and on NumPy arrays (`plan`'s search, `plan_exhaustive`), whose plans the
+# tests above compare exactly: the two must give the same floats, bit for bit, in every case.
+
+CASES = ("solo only", "hidden", "partly overlapped")
+
+
+@st.composite
+def one_collective(draw):
+    """One collective's `_collective` arguments aimed at one of its cases (compute ends during
+    the latency; the transfer ends first; compute ends during the transfer), issued before or
+    after its bucket is ready, with or without packing: (case, arguments)."""
+    case = draw(st.sampled_from(CASES))
+    C = draw(st.floats(0.0, 4.0))
+    P = draw(st.floats(0.0, C))
+    ready = draw(st.one_of(st.floats(0.0, P), st.floats(P, C)))  # late when above P
+    T = draw(st.floats(0.0, 10.0))
+    pack = draw(st.one_of(st.just(0.0), st.floats(1e-6, 0.5)))
+    s = draw(st.floats(1.0, 4.0))
+    sb = draw(st.floats(1.0, 1e10))
+    ob = sb * draw(st.floats(0.05, 1.2))
+    busy = (C - max(P, ready)) * s  # compute's wall time left once the bucket is ready
+    if case == "solo only":
+        lat = busy + draw(st.floats(0.0, 1.0))
+        nbytes = draw(st.floats(0.0, 1e10))
+    else:
+        assume(busy > 1e-9)
+        lat = busy * draw(st.floats(0.0, 0.99))
+        cap = (busy - lat) * ob
+        share = draw(st.floats(0.0, 1.0) if case == "hidden" else st.floats(1.01, 100.0))
+        nbytes = cap * share
+    return case, (T, P, ready, nbytes, lat, ob, sb, s, C, pack)
+
+
+def bits(x):
+    return np.asarray(x, dtype=np.float64).view(np.uint64)
+
+
+@FAST
+@given(st.lists(one_collective(), min_size=1, max_size=12))
+def test_the_cost_formula_is_the_same_on_floats_and_arrays(drawn):
+    from libra_jax.planner import core
+
+    rows = [args for _, args in drawn]
+    scalar = [core._collective(*args, phases=True) for args in rows]
+    for (case, args), ph in zip(drawn, scalar):  # each case is the one aimed at
+        C = args[8]
+        assert (ph.end, ph.progress_end) == core._collective(*args)
+        assert ph.start <= ph.pack_end <= ph.latency_end <= ph.solo_start <= ph.end
+        if case == "solo only":
+            assert ph.solo_start == ph.latency_end and ph.progress_end == C
+        elif case == "hidden":
+            assert ph.solo_start == ph.end
+        else:
+            assert ph.progress_end == C
+    # As `plan_exhaustive` calls it: one candidate per element.
+    columns = [np.array(column) for column in zip(*rows)]
+    for got, want in zip(core._collective_np(*columns, phases=True), zip(*scalar)):
+        assert np.array_equal(bits(got), bits(want))
+    # As `plan`'s search calls it: states down, allocations across, one bucket (ready, latency
+    # and total compute shared); every pairing against the float path.
+    T, P, _, nbytes, _, ob, sb, s, _, pack = columns
+    ready, lat, C = rows[0][2], rows[0][4], rows[0][8]
+    E, Q = core._collective_np(T[:, None], P[:, None], ready, nbytes[:, None], lat, ob, sb, s, C,
+                               pack[:, None])
+    for (i, state), (j, alloc) in itertools.product(enumerate(rows), repeat=2):
+        e, q = core._collective(state[0], state[1], ready, state[3], lat, *alloc[5:8], C, state[9])
+        assert (bits(E[i, j]), bits(Q[i, j])) == (bits(e), bits(q))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1003,6 +1073,156 @@ def test_a_pass_without_gathers_is_its_lead():
     assert simulate_gathers([], cost, distance=1, blocks=2, lead_s=2e-3) == 2e-3
     assert gather_timeline([], cost, distance=0, blocks=[], lead_s=0.0).total_s == 0.0
     assert plan_gathers([], cost, one_call_blocks=[], max_bytes=0).total_s == 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Several all-gathers as one call (groups): gather_timeline(groups=), plan_gathers(reach=)
+# ---------------------------------------------------------------------------------------------
+
+def call_cost(call_s=5e-5, latency=2e-5, overlap_ratio=0.6, slowdown=1.25):
+    """`gather_cost` with a price per call (its issue on the compute stream), as the CPU
+    profile's ``call_s``."""
+    cost = gather_cost(slowdown=slowdown, overlap_ratio=overlap_ratio, latency=latency)
+    return CostModel(cost.latency_s, dict(cost.solo_bw), dict(cost.overlap_bw),
+                     dict(cost.slowdown), call_s=call_s,
+                     collectives={"all-gather": CollectiveTerms(latency, 0.5)})
+
+
+def _key_of(cost):
+    """A call's one-call allocation by its bytes: the fastest alone (`group_blocks`)."""
+    return lambda nbytes: min(cost.keys, key=lambda k: (nbytes / cost.solo_bw[k], k))
+
+
+def _groupings(m):
+    """Every grouping of m gathers into consecutive calls."""
+    for cuts in itertools.product([False, True], repeat=max(0, m - 1)):
+        runs, first = [], 0
+        for i, cut in enumerate(cuts):
+            if cut:
+                runs.append((first, i))
+                first = i + 1
+        runs.append((first, m - 1))
+        yield tuple(runs)
+
+
+def test_a_call_over_several_gathers_pays_one_issue_and_one_latency():
+    """Distance 0: the pass is its compute plus, per call, call_s + latency + its bytes at the
+    solo rate; members share their call's span, the first member's compute waits for all of
+    it and the later members' do not wait again."""
+    cost = call_cost()
+    steps = [GatherStep(1e-3, 2_000_000), GatherStep(5e-4, 1_000_000), GatherStep(2e-3, 3_000_000)]
+    per_call = cost.call_s + 2e-5
+    alone = simulate_gathers(steps, cost, distance=0, blocks=4, lead_s=3e-4)
+    assert alone == pytest.approx(3e-4 + sum(per_call + s.nbytes * 0.5 / 3e9 + s.compute_s
+                                             for s in steps), rel=1e-12)
+    tl = gather_timeline(steps, cost, distance=0, blocks=4, lead_s=3e-4, groups=((0, 1), (2, 2)))
+    assert tl.total_s == pytest.approx(alone - per_call, rel=1e-12)
+    g0, g1, g2 = tl.gathers
+    assert (g0.start, g0.end) == (g1.start, g1.end) and g0.issue == pytest.approx(3e-4)
+    assert g0.start == pytest.approx(3e-4 + cost.call_s)  # after its issue
+    assert g1.compute_start == pytest.approx(g0.compute_end)  # no second wait
+    assert g2.issue == pytest.approx(g1.compute_end)
+    assert held_bytes(steps, 0, ((0, 1), (2, 2))) == 1_000_000
+    assert held_bytes(steps, 1, ((0, 1), (2, 2))) == 1_000_000 + 3_000_000
+    assert held_bytes(steps, 0, ((0, 2),)) == 4_000_000 == held_bytes(steps, 2)
+    with pytest.raises(ValueError, match="consecutive"):
+        gather_timeline(steps, cost, distance=0, blocks=4, groups=((0, 0), (2, 2)))
+
+
+def test_fusing_wins_where_calls_cost_more_than_the_overlap_they_give():
+    """Small gathers, a price per call: one call over all of them, at distance 0 and ahead
+    alike, beats one call each; its allocation is `group_blocks` of its bytes."""
+    cost = call_cost()
+    steps = [GatherStep(1e-5, 8_192) for _ in range(6)]
+    key = _key_of(cost)
+    alone = plan_gathers(steps, cost, one_call_blocks=[1] * 6, max_bytes=1 << 30)
+    fused = plan_gathers(steps, cost, one_call_blocks=[1] * 6, max_bytes=1 << 30,
+                         reach=[5] * 6, group_blocks=key)
+    assert alone.groups == planner.each_alone(6) == alone.one_call_groups
+    assert fused.one_call_groups == ((0, 5),)
+    assert fused.one_call_blocks == (key(6 * 8_192),) * 6
+    assert fused.one_call_s < alone.one_call_s and fused.total_s < alone.total_s
+    assert fused.one_call_s == simulate_gathers(steps, cost, distance=0, blocks=list(
+        fused.one_call_blocks), groups=fused.one_call_groups)
+    assert len(fused.groups) < 6  # ahead too, fewer calls
+    # fusion=False's: no reach, one call each (the plan of before).
+    assert alone == plan_gathers(steps, cost, one_call_blocks=[1] * 6, max_bytes=1 << 30)
+
+
+def test_the_memory_bound_forbids_a_fused_gather():
+    """A call of several holds its later members' gathered bytes from its first member's
+    use: at most max_bytes. Below one gather's bytes none is fused; between, calls as large
+    as the bound allows; reach cuts them too."""
+    cost = call_cost()
+    steps = [GatherStep(1e-5, 8_192) for _ in range(6)]
+    key = _key_of(cost)
+
+    def plan(limit, reach=(5,) * 6):
+        return plan_gathers(steps, cost, one_call_blocks=[1] * 6, max_bytes=limit,
+                            reach=list(reach), group_blocks=key)
+    tight = plan(8_191)
+    assert tight.one_call_groups == planner.each_alone(6) and tight.distance == 0
+    two = plan(8_192)
+    assert two.one_call_groups == ((0, 1), (2, 3), (4, 5))
+    assert held_bytes(steps, 0, two.one_call_groups) <= 8_192
+    assert held_bytes(steps, two.distance, two.groups) <= 8_192
+    cut = plan(1 << 30, reach=(2, 2, 2, 5, 5, 5))
+    assert cut.one_call_groups == ((0, 2), (3, 5))
+
+
+def test_overlap_can_beat_one_call():
+    """Large gathers, each step's compute just long enough to hide one gather issued a call
+    ahead (0.7 ms against 0.67): a call of two would make the first member's compute wait
+    for the second's bytes, so the plan keeps one call each ahead, though it fuses them
+    where each is issued at its use (there nothing overlaps, and one call saves the calls)."""
+    cost = call_cost(call_s=1e-6, latency=1e-6, overlap_ratio=1.0, slowdown=1.0)
+    steps = [GatherStep(7e-4, 4_000_000) for _ in range(4)]
+    got = plan_gathers(steps, cost, one_call_blocks=[4] * 4, max_bytes=1 << 30,
+                       reach=[3] * 4, group_blocks=_key_of(cost))
+    assert got.distance >= 1 and got.groups == planner.each_alone(4)
+    assert got.one_call_groups == ((0, 3),)
+    assert got.total_s < got.one_call_s
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.floats(0, 1e-3), st.integers(0, 400_000)), min_size=1, max_size=6),
+       st.integers(0, 1_000_000), st.floats(0, 1e-4), st.data())
+def test_one_call_groups_are_the_best_grouping_within_bound_and_reach(raw, limit, call_s, data):
+    """At distance 0 the grouping is the best of every grouping whose calls fit the memory
+    bound and the reach (exhaustive over them), and it keeps to both."""
+    steps = [GatherStep(c, b) for c, b in raw]
+    m = len(steps)
+    reach = [data.draw(st.integers(i, m - 1)) for i in range(m)]
+    cost = call_cost(call_s=call_s)
+    key = _key_of(cost)
+    one = [key(s.nbytes) for s in steps]
+    got = plan_gathers(steps, cost, one_call_blocks=one, max_bytes=limit, reach=reach,
+                       group_blocks=key)
+
+    def fits(groups):
+        return (held_bytes(steps, 0, groups) <= limit
+                and all(reach[j] >= b for a, b in groups for j in range(a, b)))
+
+    def seconds(groups):
+        blocks = [one[a] if a == b else key(sum(s.nbytes for s in steps[a:b + 1]))
+                  for a, b in groups for _ in range(a, b + 1)]
+        return simulate_gathers(steps, cost, distance=0, blocks=blocks, groups=groups)
+    best = min(seconds(g) for g in _groupings(m) if fits(g))
+    assert fits(got.one_call_groups)
+    assert got.one_call_s == pytest.approx(best, rel=1e-9)
+    assert got.one_call_s == pytest.approx(seconds(got.one_call_groups), rel=1e-12)
+    assert held_bytes(steps, got.distance, got.groups) <= limit
+    assert all(reach[j] >= b for a, b in got.groups for j in range(a, b))
+
+
+def test_grouping_errors():
+    cost = call_cost()
+    steps = [GatherStep(1e-3, 10), GatherStep(1e-3, 10)]
+    with pytest.raises(ValueError, match="reach needs group_blocks"):
+        plan_gathers(steps, cost, one_call_blocks=[1, 1], max_bytes=1, reach=[1, 1])
+    with pytest.raises(ValueError, match="reach must give"):
+        plan_gathers(steps, cost, one_call_blocks=[1, 1], max_bytes=1, reach=[0, 0],
+                     group_blocks=_key_of(cost))
 
 
 # ---------------------------------------------------------------------------------------------

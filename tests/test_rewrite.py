@@ -1617,6 +1617,102 @@ def test_one_call_gathers_compile_as_xla_s_own_under_remat():
                    r'custom_call_target="libra_all_gather_cpu"') == 4
 
 
+# --- Forward all-gathers as one call over several (groups) ----------------------------------
+
+def _fsdp_example():
+    """The FSDP example (examples/fsdp.py, small): the GSPMD route's step and its arguments."""
+    examples = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                            "examples")
+    if examples not in sys.path:
+        sys.path.insert(0, examples)
+    import common
+    return common.load_example("fsdp").build(True)
+
+
+def test_the_fsdp_examples_forward_gathers_are_fewer_calls_within_the_memory_bound():
+    """The FSDP example's forward all-gathers (one per weight matrix): the plan before this
+    (``prefetch_bytes=0``: nothing may be held ahead of its use, so one call each, as every
+    plan was) issues one engine call per gather; within a bound of half their bytes, fewer
+    calls, each holding at most the bound ahead of its later members' use; by default (1 GiB)
+    one call. Trained state bitwise the one-call-each plan's and the XLA control's (an
+    all-gather copies); XLA's peak temporary memory of the step not above the one-call-each
+    plan's by more than the bound."""
+    step, args = _fsdp_example()
+
+    def issued(fn):
+        compiled = jax.jit(fn).lower(*args).compile()
+        calls = compiled.as_text().count('custom_call_target="libra_all_gather_cpu"')
+        return calls, compiled.memory_analysis().temp_size_in_bytes
+
+    def trained(fn, steps=2):
+        state, tokens = args
+        for _ in range(steps):
+            state, loss = jax.jit(fn)(state, tokens)
+        return jax.tree.leaves((state, loss))
+    alone = optimize(step, prefetch_bytes=0)
+    calls_alone, temp_alone = issued(alone)
+    gathers = [p for p in alone.last_report.plans if p.collective.kind == "all-gather"]
+    assert {(p.kind, len(p.members)) for p in gathers} == {("forward", 1)}
+    assert calls_alone == len(gathers) >= 6
+    budget = sum(p.nbytes for p in gathers) // 2
+    bounded = optimize(step, prefetch_bytes=budget)
+    calls, temp = issued(bounded)
+    fused = [p for p in bounded.last_report.plans if p.collective.kind == "all-gather"]
+    assert sum(len(p.members) for p in fused) == len(gathers)
+    assert 1 < calls == len(fused) < len(gathers)
+    sizes = {i: p.nbytes for p in gathers for i in p.members}
+    for p in fused:  # each call holds its later members' bytes: at most the bound
+        assert sum(sizes[i] for i in p.members[1:]) <= budget, p
+        assert p.nbytes == sum(sizes[i] for i in p.members)
+    assert temp <= temp_alone + budget, (temp, temp_alone, budget)
+    default = optimize(step)
+    assert issued(default)[0] == 1
+    assert bounded.last_report.gathers[0]["plan"].one_call_groups == \
+        bounded.last_report.gathers[0]["groups"]
+    want = trained(alone)
+    assert_bitwise(trained(bounded), want)
+    assert_bitwise(trained(default), want)
+    assert_bitwise(trained(optimize(step, collectives="xla")), want)
+
+
+def test_forward_gathers_issued_ahead_are_one_start_over_their_members():
+    """FSDP under remat with ``prefetch=1``: the forward's three gathers are one start/done
+    pair over them (the model's group: their calls cost more than the overlap they give),
+    started at the scope's start, done where the first is used; remat's re-gathers one pair
+    each, each started after the call before it is done. The compiled program starts the
+    group once, its three buffers each read by its done only; trained state bitwise the XLA
+    control's and the one-pair-each plan's (``fusion=False``)."""
+    from corpus import fsdp_remat
+    case = fsdp_remat()
+    opt = optimize(case.step, prefetch=1)
+    closed = jax.make_jaxpr(opt)(case.state, *case.batch)
+    starts = [e for _, e in _gather_pair_eqns(closed.jaxpr, "libra_start")]
+    dones = [e for _, e in _gather_pair_eqns(closed.jaxpr, "libra_done")]
+    assert [len(e.outvars) - 1 for e in starts] == [3, 1, 1, 1]  # members (and a token)
+    group, group_done = starts[0], next(e for e in dones if len(e.outvars) == 3)
+    assert group.params["dimension"] == (0, 0, 0) and len(group.invars) == 3  # scope start
+    assert group_done.invars[:4] == group.outvars  # its buffers and its token
+    assert starts[1].invars[1:] == [group_done.outvars[0]]  # after the group is done
+    gathers = [p for p in opt.last_report.plans if p.collective.kind == "all-gather"]
+    assert [(p.kind, len(p.members), p.overlap, p.ahead) for p in gathers] == (
+        [("forward", 3, "prefetch", 1)] + [("backward", 1, "prefetch", 1)] * 3)
+    hlo = jax.jit(opt).lower(case.state, *case.batch).compile().as_text()
+    assert hlo.count('custom_call_target="libra_all_gather_cpu_start"') == 4
+    started = re.findall(r"(%\S+) = \((f32\[\S+\]\{[\d,]+\}, f32\[\S+\]\{[\d,]+\}, f32\[\S+\]"
+                         r"\{[\d,]+\}), s32\[1\]\{0\}\) custom-call\(.*?"
+                         r'custom_call_target="libra_all_gather_cpu_start"', hlo)
+    assert len(started) == 1, hlo  # one start over the three members
+    name = re.escape(started[0][0])
+    for index in range(3):  # each in-flight buffer read once: by its done
+        element, = re.findall(rf"(%\S+) = \S+ get-tuple-element\({name}\), index={index}\b", hlo)
+        assert len(re.findall(rf"{re.escape(element)}\b", hlo)) == 2, element
+    want = _train(jax.jit(optimize(case.step, prefetch=1, collectives="xla")), case.state,
+                  case.batch)
+    assert_bitwise(_train(jax.jit(opt), case.state, case.batch), want)
+    assert_bitwise(_train(jax.jit(optimize(case.step, prefetch=1, fusion=False)), case.state,
+                          case.batch), want)
+
+
 def test_last_report_reads_through_jax_jit():
     """``jax.jit(libra_jax.optimize(step)).last_report`` was None for good: jit copied the
     attribute when it wrapped the function, before any call. The copy is a view of the

@@ -122,6 +122,49 @@ def test_all_gather_bitwise_any_dtype(dtype, tiled, axis):
     assert_bitwise(ours, theirs)
 
 
+@pytest.mark.parametrize("tiled", [True, False])
+def test_a_bucket_of_all_gathers_is_one_call_bitwise_each_gather(tiled):
+    """`libra_bucket` of the all-gather (`optimize`'s group of forward gathers): members
+    gathered along different dimensions, invariant or not, with NaN payloads and bf16, one
+    engine call per dtype over them as they are, each result bitwise its own
+    `jax.lax.all_gather` and typed as it."""
+    from libra_jax import ops
+    mesh = mesh_of((8,), ("x",))
+    rng = np.random.default_rng(74)
+    xs = [with_specials(rng, rng.standard_normal((8 * 2, 3, 4)).astype(np.float32)),
+          with_specials(rng, rng.standard_normal((8 * 2, 8 * 3)).astype(np.float32)),
+          rng.standard_normal((8 * 2, 5)).astype(jnp.bfloat16)]
+    specs = (P("x"), P(None, "x"), P("x"))
+    dims = (0, 1, 0) if tiled else (0, 0, 1)  # untiled: a new dimension there
+    invariant = (False, True, False)
+
+    def local(a, b, c):
+        if not tiled:
+            a, b, c = a[0], b[:, 0], c[0]
+        ours = ops.libra_bucket_p.bind(a, b, c, collective="all_gather", axes=("x",),
+                                       axis_size=8, tiled=tiled, dimension=dims,
+                                       invariant=invariant, blocks=2)
+        theirs = [jax.lax.all_gather(v, "x", axis=d, tiled=tiled, to="invarying" if inv
+                                     else "varying")
+                  for v, d, inv in zip((a, b, c), dims, invariant)]
+        return (*ours, *theirs)
+    f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=P("x"),
+                              check_vma=False))
+    args = [shard(x, mesh, s) for x, s in zip(xs, specs)]
+    out = f(*args)
+    for ours, theirs in zip(out[:3], out[3:]):
+        assert_bitwise(ours, theirs)
+    closed = jax.make_jaxpr(jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=P("x"),
+                                          check_vma=True))(*args)
+    body = closed.jaxpr.eqns[0].params["jaxpr"]
+    bucket = next(e for e in body.eqns if e.primitive is ops.libra_bucket_p)
+    theirs = [e for e in body.eqns if "all_gather" in e.primitive.name]
+    assert [v.aval for v in bucket.outvars] == [e.outvars[0].aval for e in theirs]
+    text = f.lower(*args).compile().as_text()
+    # One call for the two float32 members, one for the bf16 (one dtype a call).
+    assert text.count('custom_call_target="libra_all_gather_cpu"') == 2
+
+
 @pytest.mark.parametrize("axes", ["a", "b", ("a", "b"), ("b", "a")])
 def test_2d_mesh_bitwise(axes):
     mesh = mesh_of((2, 4), ("a", "b"))

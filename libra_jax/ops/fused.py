@@ -2,9 +2,10 @@
 
 `libra_bucket` is every kind's bucket, the kind a param (``collective``, a row of
 `libra_jax.collectives` with a "bucket" form, `Bucket`, which this module provides the
-all-reduce's and the reduce-scatter's rows; another kind's is refused by its row,
-`collectives.NoForm`). The equation `optimize` puts where a bucket's last member was: its
-operands are the members' operands, its results their results.
+all-reduce's, the reduce-scatter's and the all-gather's rows; another kind's is refused by its
+row, `collectives.NoForm`). The equation `optimize` puts where a bucket's last member was (a
+gradient bucket's) or its first (a group of forward all-gathers'): its operands are the
+members' operands, its results their results.
 
 - the all-reduce (``collective=psum``): a gradient bucket's psums as one all-reduce per dtype,
   each result typed as that member's psum (params ``axes``, ``blocks``, ``invariant``);
@@ -12,7 +13,14 @@ operands are the members' operands, its results their results.
   `jax.lax.psum_scatter` along dimension 0, tiled or not, over the same axes) as one
   reduce-scatter per dtype, each result typed as that member's
   (`sharded.mirror_reduce_scatter`'s primitive's; params ``axes``, ``blocks``,
-  ``axis_size``, ``tiled``, one per member).
+  ``axis_size``, ``tiled``, one per member);
+- the all-gather (``collective=all_gather``): consecutive all-gathers over the same axes (FSDP's
+  forward parameter gathers, `optimize`'s groups: `planner.plan_gathers`) as one all-gather
+  per dtype, each result typed as that member's `jax.lax.all_gather` (params ``axes``,
+  ``axis_size``, ``tiled``, ``blocks``; ``dimension`` and ``invariant``, one per member). The
+  engine takes each member where it is, gathered along its own dimension (its segment); where
+  the members cannot be one call as they are, each is its own call (packing shards of several
+  members in one buffer would interleave them by rank).
 
 The names of the two kinds' buckets before (`libra_psum_fused_p`,
 `libra_reduce_scatter_fused_p`) remain for a release as `base.OldName`s: binding one binds
@@ -36,8 +44,8 @@ at [r * S, (r + 1) * S). One reduce-scatter of that row with segment S (the engi
 sums, which is split into the members' results (`packing.split`). No padding: the engine
 takes any S, and NCCL any count.
 
-Summation is elementwise in rank order either way, so every bucket's results are bitwise
-those of its members done one by one.
+Summation is elementwise in rank order either way, and a gather copies, so every bucket's
+results are bitwise those of its members done one by one.
 """
 from __future__ import annotations
 
@@ -53,8 +61,10 @@ from libra_jax.ops import lowering, packing
 from libra_jax.ops.base import OldName, Platform, Rule, register_op
 from libra_jax.ops.psum import ALL_REDUCE, allreduce_call, members_abstract_eval
 from libra_jax.ops.sharded import (
+    ALL_GATHER,
     REDUCE_SCATTER,
     mirror_abstract_eval,
+    mirror_all_gather,
     mirror_reduce_scatter,
     sharded_call,
 )
@@ -91,6 +101,9 @@ def _bucket_rule(platform: Platform) -> Rule:
         for _, live_idx, count in packing.packed_layout([ctx.avals_in[i] for i in live],
                                                         align_bytes=1):
             idx = [live[k] for k in live_idx]
+            # The call over these members: each with its own dimension, where they differ.
+            group_call = call._replace(member_dimensions=tuple(
+                call.member_dimensions[i] for i in idx)) if call.member_dimensions else call
             members_ctx = ctx.replace(primitive=None, avals_in=[ctx.avals_in[i] for i in idx],
                                       avals_out=[ctx.avals_out[i] for i in idx])
             if platform == "xla":
@@ -101,7 +114,7 @@ def _bucket_rule(platform: Platform) -> Rule:
                         primitive=None, avals_in=[ctx.avals_in[i]],
                         avals_out=[ctx.avals_out[i]]), xs[i], member_call(i), platform))
                 continue
-            emit = lowering.members_call(members_ctx, call, platform)
+            emit = lowering.members_call(members_ctx, group_call, platform)
             if emit is not None:
                 for i, out in zip(idx, _compat.ir_values(emit(*(xs[i] for i in idx)))):
                     outs[i] = out
@@ -110,7 +123,8 @@ def _bucket_rule(platform: Platform) -> Rule:
             flat_in = ctx.avals_in[idx[0]].update(shape=(count,))
             flat_out = flat_in.update(shape=(count // rows,))
             flat_ctx = ctx.replace(primitive=None, avals_in=[flat_in], avals_out=[flat_out])
-            if rows > 1 and lowering.libra_call(flat_ctx, call, platform)[1]:
+            if collective.gathers or (rows > 1
+                                      and lowering.libra_call(flat_ctx, call, platform)[1]):
                 for i in idx:
                     outs[i], = lowering.lower(ctx.replace(
                         primitive=None, avals_in=[ctx.avals_in[i]],
@@ -174,6 +188,44 @@ def _reduce_scatter_bucket(params: dict[str, Any]) -> tuple[lowering.Call, int, 
             axis_size, member_call)
 
 
+# --- The all-gather bucket ------------------------------------------------------------
+
+def _gather_member_params(params: dict[str, Any], i: int) -> dict[str, Any]:
+    """Member `i`'s `libra_all_gather` params (`sharded.mirror_all_gather`'s)."""
+    return dict(axis_name=params["axes"], all_gather_dimension=params["dimension"][i],
+                axis_size=params["axis_size"], tiled=params["tiled"],
+                invariant=params["invariant"][i], blocks=params["blocks"])
+
+
+_gather_abstract_eval = mirror_abstract_eval(mirror_all_gather)
+
+
+def _all_gather_abstract_eval(*avals: Any, axes: tuple, axis_size: int, tiled: bool,
+                              dimension: tuple, invariant: tuple, blocks: int | None) -> Any:
+    """Each member's type as its `jax.lax.all_gather` has it (JAX's abstract evaluation, and
+    JAX's errors), the union of their effects."""
+    params = dict(axes=axes, axis_size=axis_size, tiled=tiled, dimension=dimension,
+                  invariant=invariant, blocks=blocks)
+    if not len(dimension) == len(invariant) == len(avals):
+        raise ValueError(f"libra_bucket ({ALL_GATHER}): dimension and invariant need one entry "
+                         f"per operand ({len(avals)}), got {len(dimension)} and {len(invariant)}")
+    outs, effects = [], set()
+    for k, aval in enumerate(avals):
+        out, eff = _gather_abstract_eval(aval, **_gather_member_params(params, k))
+        outs.append(out)
+        effects |= set(eff)
+    return outs, effects
+
+
+def _all_gather_bucket(params: dict[str, Any]) -> tuple[lowering.Call, int, Any]:
+    """One all-gather over the members as they are, each along its own dimension (the
+    engine's segments: `lowering.Call.member_dimensions`); each member's own call."""
+    def member_call(i: int) -> lowering.Call:
+        return sharded_call(ALL_GATHER, _gather_member_params(params, i))
+    return (member_call(0)._replace(member_dimensions=tuple(params["dimension"])),
+            params["axis_size"], member_call)
+
+
 # --- One primitive for every kind's bucket ---------------------------------------------
 
 class Bucket(NamedTuple):
@@ -188,6 +240,7 @@ class Bucket(NamedTuple):
 # The kinds with a bucket form: their rows hold it (`collectives.Collective.provide`).
 ALL_REDUCE.provide("bucket", Bucket(members_abstract_eval, _psum_bucket))
 REDUCE_SCATTER.provide("bucket", Bucket(_reduce_scatter_abstract_eval, _reduce_scatter_bucket))
+ALL_GATHER.provide("bucket", Bucket(_all_gather_abstract_eval, _all_gather_bucket))
 
 
 def bucket_abstract_eval(*avals: Any, collective: Collective, **params: Any) -> Any:

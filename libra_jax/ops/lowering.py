@@ -93,6 +93,14 @@ class Call(NamedTuple):
     #: The exchanged layout's (the all-to-all's): its engine result (in the operand's type)
     #: made the op's, ``arrange(value, world)`` (`ops.exchange.arrange`).
     arrange: Callable[[Any, int], Any] | None = None
+    #: A bucket of a sharded kind whose members gather (scatter) along different dimensions:
+    #: one per member, in `dimension`'s place (`dimension_of`); (): every member's is
+    #: `dimension`.
+    member_dimensions: tuple[int, ...] = ()
+
+    def dimension_of(self, i: int) -> int:
+        """Member `i`'s gathered (scattered) dimension."""
+        return self.member_dimensions[i] if self.member_dimensions else self.dimension
 
 
 def rule(platform: Platform) -> Rule:
@@ -270,8 +278,8 @@ def engine_call(ctx: Any, call: Call) -> tuple[Callable[..., Sequence[Any]] | No
         engine_out = avals_in  # the exchanged segments, in the operand's shape (`arrange`)
     else:
         shards = avals_in if row.gathers else avals_out
-        segments = [math.prod(a.shape[call.dimension:]) if row.gathers or row.scatters else 0
-                    for a in shards]
+        segments = [math.prod(a.shape[call.dimension_of(i):])
+                    if row.gathers or row.scatters else 0 for i, a in enumerate(shards)]
         engine_out = avals_out
     attrs["segments"] = np.array(segments, np.int64)
     lowered = engine_lowering(
@@ -316,9 +324,11 @@ def members_call(ctx: Any, call: Call, platform: Platform
     is lowered by the replacement. (`call` serves every member: the same layout.)"""
     if platform == "xla" or _RULES[platform] is not _LIBRA_RULES[platform]:
         def each(*xs: Any) -> list[Any]:
-            return [_compat.ir_values(lower(ctx.replace(avals_in=[a], avals_out=[o]), x, call,
+            return [_compat.ir_values(lower(ctx.replace(avals_in=[a], avals_out=[o]), x,
+                                            call._replace(dimension=call.dimension_of(i),
+                                                          member_dimensions=()),
                                             platform))[0]
-                    for a, o, x in zip(ctx.avals_in, ctx.avals_out, xs)]
+                    for i, (a, o, x) in enumerate(zip(ctx.avals_in, ctx.avals_out, xs))]
         return each
     if platform == "cuda":
         return _gpu_members_emit(ctx, call)
@@ -501,7 +511,7 @@ def _nccl_members_call(ctx: Any, call: Call, target: str, attrs: dict, xs: Seque
         shaped.append(got)
         if rows_of_shards:
             flat, flat_in = to_row_of_shards(ctx.replace(avals_in=[a], avals_out=[got]), x,
-                                             row.gathers, call.dimension, tiled)
+                                             row.gathers, call.dimension_of(i), tiled)
             operands.append(flat)
             avals_in.append(flat_in)
             avals_out.append(flat_in.update(shape=(math.prod(got.shape),)))
@@ -516,7 +526,7 @@ def _nccl_members_call(ctx: Any, call: Call, target: str, attrs: dict, xs: Seque
     for k, (i, result) in enumerate(zip(live, results)):
         if rows_of_shards:
             result, = from_row_of_shards(ctx, result, avals_out[k], shaped[k], row.gathers,
-                                         call.dimension, tiled)
+                                         call.dimension_of(i), tiled)
         if row.exchanges and call.arrange is not None:
             result, = arranged(ctx, call.arrange, int(attrs["nranks"]), [result],
                                [shaped[k]], [ctx.avals_out[i]])

@@ -300,10 +300,13 @@ def _done_call(target: str, at: int, count: int = 1) -> Any:
 # --- The sharded kinds' start/done (reduce-scatter, all-gather) ---------------------------
 #
 # One form for both collectives (`collective`: the reduce-scatter's or the all-gather's row,
-# each holding this pair), each start's operand one array. The in-flight value is one flat
-# buffer of the full size per device, the devices' shards in rank order (the scattered or
-# gathered dimension moved to the front: no copy where it is the first), worked on in place
-# as NCCL's in-place collectives are (cpp/libra/engine.h, "In place"):
+# each holding this pair), each start's operand one array, or several (a bucket's members, as
+# `optimize` issues a group of forward all-gathers ahead: ``dimension`` then holds one
+# dimension per member, the start one call over them all, done one result each). Each
+# member's in-flight value is one flat buffer of the full size per device, the devices'
+# shards in rank order (the scattered or gathered dimension moved to the front: no copy where
+# it is the first), worked on in place as NCCL's in-place collectives are (cpp/libra/engine.h,
+# "In place"):
 #
 # * reduce-scatter: start's buffer *is* its (flattened) operand, aliased; the engine writes
 #   rank r's shard of the sum over it at offset r * shard; done waits and slices that shard.
@@ -318,11 +321,12 @@ def _done_call(target: str, at: int, count: int = 1) -> Any:
 # XLA's, with `lowering.rule`'s notice: the all-gather in start, the reduce-scatter in
 # done (its start then only flattens); the values are the same. Params: ``collective``,
 # ``axes``, ``dimension`` (the scattered dimension of the operand, or the gathered one of the
-# result), ``axis_size``, ``tiled``, ``blocks``, ``call_id``; done's ``out_avals`` is the
-# one-call form's result type (one). Start may take more operands after its own: values it must not
-# run before, read by nothing (the engine's and NCCL's starts accept and ignore them; XLA orders
-# by data only and drops an `optimization_barrier` on CPU, so this is how `optimize` issues an
-# all-gather when the gather before it is done); the one-call fallback ignores them too. The
+# result; a tuple, one per member), ``axis_size``, ``tiled``, ``blocks``, ``call_id``; done's
+# ``out_avals`` is the one-call form's result types (one per member). Start may take more
+# operands after its members: values it must not run before, read by nothing (the engine's
+# and NCCL's starts accept and ignore them; XLA orders by data only and drops an
+# `optimization_barrier` on CPU, so this is how `optimize` issues an all-gather when the
+# gather before it is done); the one-call fallback ignores them too. The
 # engine keys the pair by `_sharded_key` (`_key`'s slot `_SHARDED_SLOT` plus the kind's enum
 # value), apart from the psum buckets' slots, so a program's pairs of every kind may share ids.
 
@@ -337,74 +341,99 @@ def _flat_aval(aval: Any, collective: Collective, axis_size: int) -> Any:
     return aval.update(shape=(size,))
 
 
-def _sharded_start_eval(aval: Any, *after: Any, collective: Collective, axes: tuple,
-                        dimension: int, axis_size: int, tiled: bool, blocks: int | None,
-                        call_id: int) -> Any:
-    return [_flat_aval(aval, collective, axis_size), TOKEN_AVAL], _compat.axis_effects(axes)
+def _dimensions(dimension: int | tuple[int, ...]) -> tuple[int, ...]:
+    """The members' dimensions: ``dimension`` an int for one member, a tuple (one each) for a
+    bucket's start (its members lead its operands, then the values it waits for)."""
+    return tuple(dimension) if isinstance(dimension, tuple) else (int(dimension),)
 
 
-def _sharded_done_eval(flat: Any, token: Any, *after: Any, collective: Collective, axes: tuple,
-                       dimension: int, axis_size: int, tiled: bool, blocks: int | None,
-                       call_id: int, out_avals: tuple) -> Any:
+def _sharded_start_eval(*operands: Any, collective: Collective, axes: tuple,
+                        dimension: int | tuple[int, ...], axis_size: int, tiled: bool,
+                        blocks: int | None, call_id: int) -> Any:
+    n = len(_dimensions(dimension))
+    return ([*(_flat_aval(a, collective, axis_size) for a in operands[:n]), TOKEN_AVAL],
+            _compat.axis_effects(axes))
+
+
+def _sharded_done_eval(*operands: Any, collective: Collective, axes: tuple,
+                       dimension: int | tuple[int, ...], axis_size: int, tiled: bool,
+                       blocks: int | None, call_id: int, out_avals: tuple) -> Any:
     register_pair(collective, call_id)
     return list(out_avals), set()
 
 
 def _sharded_start_rule(platform: Platform) -> Rule:
-    def rule(ctx: Any, x: Any, *after: Any, collective: Collective, axes: tuple, dimension: int,
-             axis_size: int, tiled: bool, blocks: int | None, call_id: int) -> list[Any]:
+    def rule(ctx: Any, *operands: Any, collective: Collective, axes: tuple,
+             dimension: int | tuple[int, ...], axis_size: int, tiled: bool,
+             blocks: int | None, call_id: int) -> list[Any]:
         _check_paired(collective, call_id)
+        dims = _dimensions(dimension)
+        n = len(dims)
+        xs, after = operands[:n], operands[n:]
         call = flat_call(collective, axes, axis_size, blocks)
         gathers = call.row.gathers
-        ctx_x = ctx.replace(avals_in=ctx.avals_in[:1])
-        flat, flat_in = shards.to_row_of_shards(ctx_x, x, gathers, dimension, tiled)
-        flat_ctx = ctx.replace(primitive=None, avals_in=[flat_in])
-        full = ctx.avals_out[0]
-        pair = lowering.pair_call(flat_ctx, call, platform)
+        flats, flat_ins = [], []
+        for i, x in enumerate(xs):  # each member as one flat row of shards
+            flat, flat_in = shards.to_row_of_shards(
+                ctx.replace(avals_in=[ctx.avals_in[i]]), x, gathers, dims[i], tiled)
+            flats.append(flat)
+            flat_ins.append(flat_in)
+        fulls = ctx.avals_out[:n]
+        pair = lowering.pair_call(ctx.replace(primitive=None, avals_in=flat_ins), call,
+                                  platform)
         if pair is None:
             token = _compat.ir_constant(np.zeros(TOKEN_AVAL.shape, TOKEN_AVAL.dtype))
-            if not gathers:  # done reduce-scatters the flat buffer
-                return [flat, token]
-            result, = _compat.ir_values(lowering.lower(
-                flat_ctx.replace(avals_out=[full]), flat, call, platform))
-            return [result, token]
-        operands, avals, at = pair.start_operands([flat], [flat_in], after, ctx.avals_in[1:])
-        start = jax.ffi.ffi_lowering(pair.start,
-                                     operand_output_aliases={} if gathers else {at: 0})
-        return list(start(ctx.replace(primitive=None, avals_in=avals), *operands,
-                          call_id=_sharded_key(call_id, collective), **pair.attrs))
+            if not gathers:  # done reduce-scatters the flat buffers
+                return [*flats, token]
+            return [*(_compat.ir_values(lowering.lower(
+                ctx.replace(primitive=None, avals_in=[flat_in], avals_out=[full]), flat,
+                call, platform))[0] for flat, flat_in, full in zip(flats, flat_ins, fulls)),
+                token]
+        start_in, avals, at = pair.start_operands(flats, flat_ins, after, ctx.avals_in[n:])
+        start = jax.ffi.ffi_lowering(
+            pair.start, operand_output_aliases={} if gathers else {at + k: k for k in range(n)})
+        return list(start(ctx.replace(primitive=None, avals_in=avals), *start_in,
+                          call_id=_sharded_key(call_id, collective), **pair.attrs_for(n)))
     return rule
 
 
 def _sharded_done_rule(platform: Platform) -> Rule:
-    def rule(ctx: Any, flat: Any, token: Any, *after: Any, collective: Collective, axes: tuple,
-             dimension: int, axis_size: int, tiled: bool, blocks: int | None, call_id: int,
-             out_avals: tuple) -> list[Any]:
-        flat_aval = ctx.avals_in[0]
-        out_aval, = out_avals
+    def rule(ctx: Any, *operands: Any, collective: Collective, axes: tuple,
+             dimension: int | tuple[int, ...], axis_size: int, tiled: bool,
+             blocks: int | None, call_id: int, out_avals: tuple) -> list[Any]:
+        dims = _dimensions(dimension)
+        n = len(dims)
+        flats, (token, *after) = operands[:n], operands[n:]
+        flat_avals = ctx.avals_in[:n]
         call = flat_call(collective, axes, axis_size, blocks)
         gathers = call.row.gathers
-        shard = flat_aval.shape[0] // axis_size
-        # The operand's flat form (start's lowering), which decides the split as start did.
-        flat_in = flat_aval.update(shape=(shard if gathers else flat_aval.shape[0],))
-        pair = lowering.pair_call(ctx.replace(primitive=None, avals_in=[flat_in]), call,
+        # The operands' flat forms (start's lowering), which decide the split as start did.
+        flat_ins = [a.update(shape=(a.shape[0] // axis_size if gathers else a.shape[0],))
+                    for a in flat_avals]
+        pair = lowering.pair_call(ctx.replace(primitive=None, avals_in=flat_ins), call,
                                   platform)
+        outs: list[Any] = []
         if pair is None:
-            result_flat = flat_aval if gathers else flat_aval.update(shape=(shard,))
-            if not gathers:
-                flat, = _compat.ir_values(lowering.lower(
-                    ctx.replace(primitive=None, avals_in=[flat_aval], avals_out=[result_flat]),
-                    flat, call, platform))
-            return shards.from_row_of_shards(ctx, flat, result_flat, out_aval, gathers,
-                                               dimension, tiled)
-        # The in-flight buffer once (aliased to the output), and the token: no copy.
-        done_in, avals, at = pair.done_operands([flat], [flat_aval], token, after,
-                                                ctx.avals_in[1:])
-        flat, = _compat.ir_values(_done_call(pair.done, at)(ctx.replace(
-            primitive=None, avals_in=avals, avals_out=[flat_aval]), *done_in,
+            for flat, flat_aval, out_aval, d in zip(flats, flat_avals, out_avals, dims):
+                result_flat = (flat_aval if gathers else
+                               flat_aval.update(shape=(flat_aval.shape[0] // axis_size,)))
+                if not gathers:
+                    flat, = _compat.ir_values(lowering.lower(
+                        ctx.replace(primitive=None, avals_in=[flat_aval],
+                                    avals_out=[result_flat]), flat, call, platform))
+                outs += shards.from_row_of_shards(ctx, flat, result_flat, out_aval, gathers, d,
+                                                  tiled)
+            return outs
+        # The in-flight buffers once each (aliased to the outputs), and the token: no copy.
+        done_in, avals, at = pair.done_operands(list(flats), list(flat_avals), token, after,
+                                                ctx.avals_in[n:])
+        results = _compat.ir_values(_done_call(pair.done, at, n)(ctx.replace(
+            primitive=None, avals_in=avals, avals_out=list(flat_avals)), *done_in,
             call_id=_sharded_key(call_id, collective)))
-        return shards.from_row_of_shards(ctx, flat, flat_aval, out_aval, gathers, dimension,
-                                           tiled, rank_group=None if gathers else pair.rank_group)
+        for flat, flat_aval, out_aval, d in zip(results, flat_avals, out_avals, dims):
+            outs += shards.from_row_of_shards(ctx, flat, flat_aval, out_aval, gathers, d, tiled,
+                                              rank_group=None if gathers else pair.rank_group)
+        return outs
     return rule
 
 

@@ -35,7 +35,10 @@ collective, the bounds take the least latency still due.
 All-gathers (FSDP's parameter gathers) are planned apart (`plan_gathers`, the section "All-gathers
 issued ahead"): there compute waits for the collective, and the choice is how far ahead of its
 use each gather is issued, priced by the same phases and contention; exhaustive over a few
-distances and the allocations, so exact for its model.
+distances and the allocations, so exact for its model. Consecutive gathers may be one call over
+their members (one issue and latency for all; the first member's compute waits for the whole
+call), within the same memory bound as prefetch: the best grouping exactly where each call is
+issued at its use, greedily farther ahead.
 
 Everything the future depends on after a collective is the pair ``(T, P)``: the time the
 collective ends and the compute *progress* ``P`` reached by then (seconds of full-speed work,
@@ -178,6 +181,8 @@ from libra_jax.planner.gathers import (
     GatherSpan,
     GatherStep,
     GatherTimeline,
+    Groups,
+    each_alone,
     gather_timeline,
     held_bytes,
     plan_gathers,
@@ -225,6 +230,8 @@ __all__ = [
     "GatherSpan",
     "GatherTimeline",
     "GatherPlan",
+    "Groups",
+    "each_alone",
     "gather_timeline",
     "simulate_gathers",
     "held_bytes",

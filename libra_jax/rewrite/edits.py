@@ -30,7 +30,8 @@ from libra_jax.rewrite.sites import Site, is_psum, no_form
 
 __all__ = ["Edits", "schedule", "downstream_of", "sunk_after", "can_fuse", "fusable_reach",
            "within_class", "single_eqn", "fused_eqn", "pairs_bucket", "start_done_eqns",
-           "gather_pair_eqns", "program_fingerprint", "sink_gathers", "map_jaxprs"]
+           "gather_pair_eqns", "gather_bucket_pair_eqns", "program_fingerprint", "sink_gathers",
+           "map_jaxprs"]
 
 
 @dataclasses.dataclass
@@ -250,13 +251,27 @@ def fused_eqn(eqns: Sequence[Any], bucket: Sequence[Site], axes: tuple, invarian
                       blocks=int(blocks))
     elif row.sums:
         params = dict(collective=row, axes=axes, blocks=int(blocks), invariant=invariant)
+    elif row.gathers:
+        gathers = _gathers_of(row, bucket)
+        params = dict(collective=row, axes=axes, axis_size=gathers[0][1], tiled=gathers[0][2],
+                      dimension=tuple(g[0] for g in gathers),
+                      invariant=tuple(g[3] for g in gathers), blocks=int(blocks))
     else:
         raise no_form(row, "bucket parameters")
-    # From the last member's equation, so that its context (the mesh JAX checks the psum's
-    # types against, under `jax.set_mesh`) and source info carry over, as `single_eqn`'s do.
-    return members[-1].replace(
+    # From the equation of the member it replaces (a gradient bucket's last, a group of
+    # all-gathers' first: `gathers.prefetch_gathers`), so that its context (the mesh JAX checks
+    # the types against, under `jax.set_mesh`) and source info carry over, as `single_eqn`'s.
+    return members[0 if row.gathers else -1].replace(
         invars=[e.invars[0] for e in members], outvars=[e.outvars[0] for e in members],
         primitive=libra_bucket_p, params=params, effects=effects)
+
+
+def _gathers_of(row: Collective, sites: Sequence[Site]) -> list[tuple[int, int, bool, bool]]:
+    """The sites' all_gather params (`Site.gather`); `collectives.NoForm` where one has none."""
+    gathers = [s.gather for s in sites]
+    if any(g is None for g in gathers):
+        raise no_form(row, "all_gather parameters (Site.gather)")
+    return [g for g in gathers if g is not None]
 
 
 def pairs_bucket(row: Collective) -> bool:
@@ -301,23 +316,37 @@ def gather_pair_eqns(eqn: Any, site: Site, blocks: int, call_id: int,
     where given: a value it must not start before, which it reads and ignores -> the full
     buffer in flight and a token) and a `libra_done` equation (those -> the gather's result),
     both from the gather's equation (its context and source info carry over)."""
-    row = site.collective
+    return gather_bucket_pair_eqns([eqn], [site], blocks, call_id, after)
+
+
+def gather_bucket_pair_eqns(members: Sequence[Any], sites: Sequence[Site], blocks: int,
+                            call_id: int, after: Any = None) -> tuple[Any, Any]:
+    """All_gathers over the same axes (`members`, their `sites`: a group `prefetch_gathers`
+    issues ahead) as one `libra_start` over them (their operands, then `after` where given
+    -> each full buffer in flight and a token) and one `libra_done` (-> each gather's
+    result), both from the first member's equation. One member: the pair's params as one
+    gather's (``dimension`` an int)."""
+    row = sites[0].collective
     row.form("pair")
-    if site.gather is None:
-        raise no_form(row, "all_gather parameters (Site.gather)")
-    dimension, size, tiled, _ = site.gather
-    params = dict(collective=row, axes=site.axes, dimension=dimension,
-                  axis_size=size, tiled=tiled, blocks=int(blocks), call_id=call_id)
-    operand, result = eqn.invars[0], eqn.outvars[0]
-    flat_aval, token_aval = libra_start_p.abstract_eval(operand.aval, **params)[0]
-    flat, token = _compat.new_var(flat_aval), _compat.new_var(token_aval)
-    start = eqn.replace(primitive=libra_start_p,
-                        invars=[operand] + ([after] if after is not None else []),
-                        outvars=[flat, token],
-                        params=params, effects=eqn.effects)
+    gathers = _gathers_of(row, sites)
+    dims = tuple(g[0] for g in gathers)
+    params = dict(collective=row, axes=sites[0].axes,
+                  dimension=dims[0] if len(dims) == 1 else dims, axis_size=gathers[0][1],
+                  tiled=gathers[0][2], blocks=int(blocks), call_id=call_id)
+    operands = [e.invars[0] for e in members]
+    results = [e.outvars[0] for e in members]
+    *flat_avals, token_aval = libra_start_p.abstract_eval(*(v.aval for v in operands),
+                                                          **params)[0]
+    flats, token = [_compat.new_var(a) for a in flat_avals], _compat.new_var(token_aval)
+    first = members[0]
+    start = first.replace(primitive=libra_start_p,
+                          invars=operands + ([after] if after is not None else []),
+                          outvars=[*flats, token], params=params,
+                          effects=set().union(*(e.effects for e in members)))
     register_pair(row, call_id)
-    done = eqn.replace(primitive=libra_done_p, invars=[flat, token], outvars=[result],
-                       params=dict(params, out_avals=(result.aval,)), effects=set())
+    done = first.replace(primitive=libra_done_p, invars=[*flats, token], outvars=results,
+                         params=dict(params, out_avals=tuple(v.aval for v in results)),
+                         effects=set())
     return start, done
 
 

@@ -2,12 +2,13 @@
 primitive, and their kinds.
 
 A *site* (`Site`) is an equation the rewrite serves: a psum or psum_scatter the planner may
-allocate and fuse, or an all_gather given the model's block count. `SITE_RULES` holds the rule
+allocate and fuse, or an all_gather given the model's block count (and grouped with its
+neighbours where the model says so: `gathers.prefetch_gathers`). `SITE_RULES` holds the rule
 of each primitive (`find_site`), as equinox's `_finalise_jaxpr` holds its rules. A *gradient*
 site is on the backward pass and feeds no later collective (`gradient_sites`); `site_kinds`
 names every site's kind. What the members of one bucket share is its kind's "bucket class"
 form (`Site.bucket_class`), provided here for the kinds the planner buckets (the all-reduce,
-the reduce-scatter). The helpers the other concerns share to read collectives in a jaxpr
+the reduce-scatter, the all-gather). The helpers the other concerns share to read collectives in a jaxpr
 (`is_psum`, `axis_names`, `contains_psum`, `collective_counts`) live here too.
 """
 from __future__ import annotations
@@ -96,8 +97,19 @@ def _reduce_scatter_class(site: Site) -> tuple:
             (site.collective, size, site.index))
 
 
+def _all_gather_class(site: Site) -> tuple:
+    """An all_gather's: its group size, tiling and dtype (one engine call copies one dtype);
+    its gathered dimension and invariance are its own (the engine takes each member along its
+    own dimension: `lowering.Call.member_dimensions`)."""
+    if site.gather is None:
+        raise no_form(site.collective, "all_gather parameters (Site.gather)")
+    _, size, tiled, _ = site.gather
+    return (site.collective, size, tiled, np.dtype(site.result.aval.dtype))
+
+
 collectives.BY_LAX["psum"].provide("bucket class", _all_reduce_class)
 collectives.BY_LAX["psum_scatter"].provide("bucket class", _reduce_scatter_class)
+collectives.BY_LAX["all_gather"].provide("bucket class", _all_gather_class)
 
 
 def gradient_sites(eqns: Sequence[Any], sites: Sequence[Site], outvars: Sequence[Any],
@@ -133,7 +145,8 @@ def site_kinds(sites: Sequence[Site], gradient: set[int], backward: set[int] | N
 #: What `optimize` does with the collectives of sharded steps, said with those it leaves.
 UNPLANNED_NOTICE = ("optimize plans the gradient psum_scatters of sharded parameters (FSDP, "
                     "ZeRO) with the psums, and runs every all_gather it can serve on libra's "
-                    "engine, one call each at the model's block count; these it cannot serve "
+                    "engine at the model's block count (consecutive forward ones as one "
+                    "call where the model says so); these it cannot serve "
                     "(axis_index_groups, positional axes, dtypes not of whole bytes) or does "
                     "not run (all_to_all, ppermute, pmax, pmin) keep their lowering.")
 
