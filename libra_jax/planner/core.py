@@ -4,13 +4,14 @@ package docstring)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import numbers
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import NamedTuple, TypeGuard
+from typing import Any, NamedTuple, TypeGuard
 
 import numpy as np
 
@@ -359,7 +360,7 @@ def _grouping_ranges(buckets: Iterable[object], n_layers: int) -> list[tuple[int
 
 
 class Phases(NamedTuple):
-    """One collective's phases as the model times them (`_phases`): issued at ``start``
+    """One collective's phases as the model times them (`_collective`): issued at ``start``
     with compute progress ``progress_start``; packing (compute stalls) until ``pack_end``,
     latency until ``latency_end``, overlapped transfer until ``solo_start`` (= ``latency_end``
     when compute had finished, = ``end`` when the transfer ended first), solo transfer until
@@ -374,51 +375,68 @@ class Phases(NamedTuple):
     progress_end: float
 
 
-def _phases(T: float, P: float, ready: float, nbytes: float, lat: float, ob: float, sb: float,
-            s: float, C: float, pack: float = 0.0) -> Phases:
-    """One collective issued when the comm stream is free at time ``T`` with progress ``P``.
+# `_collective`'s selections on Python floats: NumPy's `where`, `maximum` and `minimum` for one
+# float each (the builtins `max` and `min` take several times longer to call, on the path that
+# scores every plan).
+
+
+def _pick(cond: bool, a: float, b: float) -> float:
+    return a if cond else b
+
+
+def _larger(a: float, b: float) -> float:
+    return a if a >= b else b
+
+
+def _smaller(a: float, b: float) -> float:
+    return a if a <= b else b
+
+
+def _collective(T: Any, P: Any, ready: float, nbytes: Any, lat: float, ob: Any, sb: Any, s: Any,
+                C: float, pack: Any = 0.0, *, where: Callable[..., Any] = _pick,
+                maximum: Callable[..., Any] = _larger, minimum: Callable[..., Any] = _smaller,
+                phases: bool = False) -> Any:
+    """One collective issued when the comm stream is free at time ``T`` with progress ``P``:
+    (end time, progress then), or with ``phases`` its `Phases`.
 
     ``ready`` is the progress at which the bucket's last layer ends. Phases: ``pack`` seconds of
     packing on the compute stream (compute makes no progress), ``lat`` seconds, then bytes at
     ``ob`` until compute ends and at ``sb`` after; compute runs at ``1/s`` from the latency on.
+    Three cases: compute ends during the latency (all bytes at the solo rate), the transfer
+    ends while compute still runs (hidden), or compute ends during the transfer.
+
+    The model's only statement of this formula: `simulate`, `timeline`, `plan`'s search and
+    `plan_exhaustive` all price a collective here, so that they cannot drift apart (their plans
+    are compared exactly). It runs on Python floats with the defaults and on NumPy arrays that
+    broadcast together with NumPy's ``where``, ``maximum`` and ``minimum`` (`_collective_np`):
+    every value is computed and then selected, one expression tree for both, so both give the
+    same floats. The sums keep the order `simulate` has always used, which scored the committed
+    plans: end = (start of the solo phase) + (its bytes) / ``sb``.
     """
-    if P < ready:  # wait for the bucket at full compute speed
-        T, P = T + (ready - P), ready
-    start, P0 = T, P
-    T += pack
+    # Wait for the bucket at full compute speed (adding 0.0 leaves a time as it is).
+    start = T + maximum(ready - P, 0.0)
+    P = maximum(P, ready)
+    T = start + pack
     busy = (C - P) * s  # wall time compute still needs under this collective's contention
     window = busy - lat  # overlapped transfer time available after the latency
-    if window <= 0:  # compute ends during the latency: all bytes at the solo rate
-        return Phases(start, P0, T, T + lat, T + lat, T + lat + nbytes / sb, C)
-    if nbytes <= window * ob:  # the transfer ends while compute still runs
-        d = lat + nbytes / ob
-        return Phases(start, P0, T, T + lat, T + d, T + d, min(C, P + d / s))
-    return Phases(start, P0, T, T + lat, T + busy, T + busy + (nbytes - window * ob) / sb, C)
-
-
-def _collective(T: float, P: float, ready: float, nbytes: float, lat: float, ob: float, sb: float,
-                s: float, C: float, pack: float = 0.0) -> tuple[float, float]:
-    """(end time, progress then) of `_phases`."""
-    ph = _phases(T, P, ready, nbytes, lat, ob, sb, s, C, pack)
-    return ph.end, ph.progress_end
-
-
-def _collective_np(T: np.ndarray, P: np.ndarray, ready: float, nbytes: np.ndarray, lat: float, ob: np.ndarray,
-                   sb: np.ndarray, s: np.ndarray, C: float,
-                   pack: np.ndarray | float = 0.0) -> tuple[np.ndarray, np.ndarray]:
-    """`_collective` over broadcast arrays (same formula, branch by branch)."""
-    late = P < ready
-    T = np.where(late, T + (ready - P), T) + pack
-    P = np.where(late, ready, P)
-    busy = (C - P) * s
-    window = busy - lat
-    cap = window * ob
-    solo_only = window <= 0
-    hidden = ~solo_only & (nbytes <= cap)
+    cap = window * ob  # bytes that fit in it
+    hidden = (window > 0) & (nbytes <= cap)  # the transfer ends while compute still runs
     d_hidden = lat + nbytes / ob
-    d = np.where(solo_only, lat + nbytes / sb, np.where(hidden, d_hidden, busy + (nbytes - cap) / sb))
-    Q = np.where(hidden, np.minimum(C, P + d_hidden / s), C)
-    return T + d, Q
+    # Otherwise the solo phase starts once the latency and compute are both over, with the
+    # bytes that did not fit in the window (all of them when compute ended during the latency;
+    # none when hidden, as they all fit).
+    # Maxima rather than a `where` per case: the same floats, as `window <= 0` exactly when
+    # `busy <= lat`, and cheaper on arrays (a `where` costs the array path most).
+    solo_start = T + where(hidden, d_hidden, maximum(lat, busy))
+    end = solo_start + maximum(nbytes - maximum(cap, 0.0), 0.0) / sb
+    Q = where(hidden, minimum(C, P + d_hidden / s), C)
+    if phases:
+        return Phases(start, P, T, T + lat, solo_start, end, Q)
+    return end, Q
+
+
+#: `_collective` over NumPy arrays that broadcast together (the search, the enumeration).
+_collective_np = functools.partial(_collective, where=np.where, maximum=np.maximum, minimum=np.minimum)
 
 
 def _prefix(values: Iterable[float]) -> list[float]:
@@ -532,7 +550,7 @@ class Timeline:
 
 def timeline(layers: Sequence[Layer], buckets: Sequence[Bucket], cost: CostModel) -> Timeline:
     """The phases of every collective of ``buckets`` and the compute stream's progress over time,
-    from the same formula `simulate` uses (`_phases`)."""
+    from the same formula `simulate` uses (`_collective`)."""
     layers = _check_layers(layers)
     if not layers:
         raise ValueError("layers must not be empty")
@@ -554,9 +572,9 @@ def timeline(layers: Sequence[Layer], buckets: Sequence[Bucket], cost: CostModel
             continue
         k = b.blocks
         tensors = sum(byts[i + 1] > byts[i] for i in range(b.first, b.last + 1))
-        ph = _phases(T, P, comp[b.last + 1], pricing.wire[b.last + 1] - pricing.wire[b.first],
-                     pricing.lat[b.last], cost.overlap_bw[k], cost.solo_bw[k], cost.slowdown[k], C,
-                     cost.issue_s(nbytes, tensors))
+        ph = _collective(T, P, comp[b.last + 1], pricing.wire[b.last + 1] - pricing.wire[b.first],
+                         pricing.lat[b.last], cost.overlap_bw[k], cost.solo_bw[k], cost.slowdown[k], C,
+                         cost.issue_s(nbytes, tensors), phases=True)
         if ph.start > T:  # waited for the bucket: compute alone at full speed
             segments.append((T, ph.start, P, ph.progress_start, 1.0))
         if ph.pack_end > ph.start:
