@@ -1667,6 +1667,9 @@ def test_the_fsdp_examples_forward_gathers_are_fewer_calls_within_the_memory_bou
     assert temp <= temp_alone + budget, (temp, temp_alone, budget)
     default = optimize(step)
     assert issued(default)[0] == 1
+    # The step's price counts the calls issued: one for the fused gathers, not one each.
+    assert (default.last_report.step.optimized_calls
+            == alone.last_report.step.optimized_calls - (len(gathers) - 1))
     assert bounded.last_report.gathers[0]["plan"].one_call_groups == \
         bounded.last_report.gathers[0]["groups"]
     want = trained(alone)

@@ -32,7 +32,8 @@ terms, so that their ratio is the number to compare with a measurement:
   (``sync``) mid-backward leaves an all-reduce pending in XLA:CPU's program, which costs the
   step the profile's ``pending_allreduce_us`` (the cost `optimize(overlap="auto")` weighs); the
   collectives planned apart from the backward pass (a loss's pmean, an all-gather's exposed
-  time) at what the model prices each (`OtherCall.libra_s`).
+  time) at what the model prices each (`OtherCall.libra_s`), each the calls it makes
+  (`OtherCall.calls`: the members of a fused forward all-gather after its first make none).
 
 Plain is the step jitted without `optimize`: for the GSPMD route (`libra_jax.value_and_grad`)
 the route's own program, not the program XLA's partitioner makes of `jax.value_and_grad`
@@ -121,6 +122,9 @@ class OtherCall:
     collective: Collective
     traffic: float
     libra_s: float
+    #: The calls it makes in the optimized step: 1, or 0 for a member of a call over several
+    #: (a fused forward all-gather's members after its first).
+    calls: int = 1
 
 
 @dataclass(frozen=True)
@@ -206,7 +210,7 @@ def price_step(compute_s: float, scopes: Sequence[PlannedScope], others: Sequenc
                 and scope.layers[b.first].collective is collectives.REFERENCE)
     for other in others:
         plain_one(other.key, other.nbytes, other.collective, other.traffic)
-        optimized_calls += 1
+        optimized_calls += other.calls
     for operands in combined.values():
         plain_calls += -(-len(operands) // xla.combine_count)
         plain_operands += len(operands)

@@ -354,8 +354,10 @@ def price_step(report: OptimizeReport, jaxpr: Any) -> planner.StepPrice | None:
         total = plan.total_s if g["distance"] == plan.distance else plan.one_call_s
         exposed = max(0.0, total - g["lead_s"] - sum(s.compute_s for s in steps))
         traffic = cost.terms(g["collective"]).traffic
+        firsts = {first for first, _ in g["groups"]} if g["groups"] else set(range(len(steps)))
         others.extend(planner.OtherCall(None, s.nbytes, g["collective"], traffic,
-                                        exposed / len(steps)) for s in steps)
+                                        exposed / len(steps), int(i in firsts))
+                      for i, s in enumerate(steps))
     compute_s = sum(roofline_s(eqn, profile) for eqn in jaxpr.eqns)
     return planner.price_step(compute_s, scopes, others, xla, fair.pending_allreduce_s)
 
