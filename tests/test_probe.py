@@ -25,6 +25,9 @@ jax = _jax()  # 8 host devices, before any JAX operation
 
 SHIPPED = model.load_profile("cpu-host")
 SHIPPED_RATES = probe.sustained(SHIPPED)
+#: XLA's all-reduce as the fake probe measures it: 100 us an operand, 1 GB/s (the shipped
+#: profile's are 152 us and 1.22 GB/s).
+FAKE_XLA = probe.XlaRates(100e-6, 1e9)
 
 
 class FakeMeasurer:
@@ -32,7 +35,7 @@ class FakeMeasurer:
 
     def __init__(self, compute: float = 1.25, memory: float = 0.8, off: str = "") -> None:
         self.rates = probe.Rates(SHIPPED_RATES.flop_per_s * compute,
-                                 SHIPPED_RATES.memory_bytes_per_s * memory)
+                                 SHIPPED_RATES.memory_bytes_per_s * memory, FAKE_XLA)
         self.off, self.calls = off, 0
 
     def context(self) -> tuple[int, str, str]:
@@ -89,15 +92,31 @@ def test_the_rescaled_profile_scales_rates_and_keeps_latencies(probing):
         SHIPPED.network.intra_node_bytes_per_s * memory)
     for kept in ("base_latency_s", "inter_node_bytes_per_s", "inter_step_latency_s"):
         assert getattr(probed.network, kept) == getattr(SHIPPED.network, kept)
-    # XLA's all-reduce writes a fresh output: its bytes move with memory, its call does not.
-    assert probed.fair_share.xla_terms() == pytest.approx(
-        (SHIPPED.fair_share.xla_terms()[0], SHIPPED.fair_share.xla_terms()[1] * memory))
+    # XLA's all-reduce (the plain step's) is the probe's measurement, not a rescale.
+    assert probed.fair_share.xla_terms() == pytest.approx((FAKE_XLA.call_s, FAKE_XLA.bytes_per_s))
+    assert probed.sources["fair_share.xla_allreduce_call_us"].source == "measured"
     for kept in ("call_s", "cores", "compute_threads", "overlap_block_efficiency",
-                 "pending_allreduce_s", "fusion_copy_bytes_per_s", "xla_call_s"):
+                 "pending_allreduce_s", "fusion_copy_bytes_per_s"):
         assert getattr(probed.fair_share, kept) == getattr(SHIPPED.fair_share, kept)
     # Every user of the CPU default gets it: the lowering's default and derive.
     assert model.derive(model.default_profile("cpu"), 8).cost != model.derive(SHIPPED, 8).cost
     assert model.load_profile(model.default_profile("cpu")) == probed
+
+
+def test_a_probe_without_xla_terms_scales_xla_bytes_by_memory(probing, monkeypatch):
+    """A measurer that does not time XLA (`Rates.xla` None): XLA's bytes rate moves with the
+    memory rate and its call cost stays as shipped; the cache keeps the difference."""
+    probing.rates = probe.Rates(probing.rates.flop_per_s, probing.rates.memory_bytes_per_s)
+    probed = model.resolve_profile(None, "cpu")
+    memory = probing.rates.ratios(SHIPPED_RATES)[1]
+    assert probed.fair_share.xla_terms() == pytest.approx(
+        (SHIPPED.fair_share.xla_terms()[0], SHIPPED.fair_share.xla_terms()[1] * memory))
+    record = json.loads(probe.cache_path("cpu").read_text())["calibration"]["probe"]
+    assert "xla_call_s" not in record
+    monkeypatch.setattr(read, "PROBED", {})  # a new process: the file, not the memory
+    with _no_warnings():
+        assert model.resolve_profile(None, "cpu") == probed
+    assert probing.calls == 1
 
 
 def test_a_calibrated_profile_wins_over_the_probe(probing):
@@ -114,7 +133,8 @@ def test_the_cache_is_used_and_a_changed_key_refits(probing, monkeypatch):
         assert model.resolve_profile(None, "cpu") == first
     assert probing.calls == 1
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "") + " --xla_cpu_enable_fast_math=false")
-    probing.rates = probe.Rates(probing.rates.flop_per_s * 2, probing.rates.memory_bytes_per_s)
+    probing.rates = probe.Rates(probing.rates.flop_per_s * 2, probing.rates.memory_bytes_per_s,
+                                FAKE_XLA)
     with pytest.warns(RuntimeWarning, match=r"another key \(xla_flags differ\).*probe-cache-refused"):
         second = model.resolve_profile(None, "cpu")
     assert probing.calls == 2 and second != first
@@ -122,7 +142,7 @@ def test_the_cache_is_used_and_a_changed_key_refits(probing, monkeypatch):
     assert "--xla_cpu_enable_fast_math=false" in record["key"]["xla_flags"]
 
 
-@pytest.mark.parametrize("damage", ["truncated", "edited", "not-json"])
+@pytest.mark.parametrize("damage", ["truncated", "edited", "not-json", "xla-call"])
 def test_a_corrupt_file_is_refused_with_a_notice_and_refit(probing, monkeypatch, damage):
     good = model.resolve_profile(None, "cpu")
     path = probe.cache_path("cpu")
@@ -132,6 +152,10 @@ def test_a_corrupt_file_is_refused_with_a_notice_and_refit(probing, monkeypatch,
     elif damage == "edited":  # whole JSON, its key right, a rate changed by hand
         doc = json.loads(text)
         doc["fair_share"]["call_us"]["value"] = 1.0
+        path.write_text(json.dumps(doc))
+    elif damage == "xla-call":  # the record's XLA call cost made negative, key and profile kept
+        doc = json.loads(text)
+        doc["calibration"]["probe"]["xla_call_s"] = -1e-4
         path.write_text(json.dumps(doc))
     else:
         path.write_bytes(b"\xff\x00 not a profile")
@@ -161,7 +185,8 @@ def test_a_probe_of_a_busy_machine_is_measured_again_once_it_is_quiet(probing, m
     assert probing.calls == 1
     monkeypatch.setattr(read, "PROBED", {})  # a new process, the machine quiet
     monkeypatch.setattr(probe, "load_average", lambda: 0.1)
-    probing.rates = probe.Rates(probing.rates.flop_per_s * 2, probing.rates.memory_bytes_per_s)
+    probing.rates = probe.Rates(probing.rates.flop_per_s * 2, probing.rates.memory_bytes_per_s,
+                                FAKE_XLA)
     with pytest.warns(RuntimeWarning, match=r"busy \(load average .*quiet now"):
         quiet = model.resolve_profile(None, "cpu")
     assert probing.calls == 2 and quiet != slow
@@ -237,11 +262,13 @@ def test_the_probe_measures_as_calibration_does():
 
     rates = measuring.measure()
     assert rates.flop_per_s > 0 and rates.memory_bytes_per_s > 0
+    assert rates.xla is not None and rates.xla.call_s >= 0 and rates.xla.bytes_per_s > 0
     key = probe.machine_key("cpu-host", 8, jax.__version__)
     doc = probe.rescaled(read.profile_to_dict(SHIPPED), rates, key)
     rescaled = read.profile_from_dict(doc)
     assert rescaled.device.flop_per_s() == pytest.approx(rates.flop_per_s)
     assert rescaled.device.bytes_per_s() == pytest.approx(rates.memory_bytes_per_s)
+    assert rescaled.fair_share.xla_terms() == pytest.approx((rates.xla.call_s, rates.xla.bytes_per_s))
     assert measuring.PROBE_BUDGET.matmul_n == 256  # the chain cpu-host's matmul rate names
 
 
@@ -260,10 +287,12 @@ def test_explain_names_the_profile(probing, monkeypatch):
     monkeypatch.setenv(config.PROFILE_PROBE_ENV, "0")
     assert "profile: shipped, cpu-host (LIBRA_JAX_PROFILE_PROBE=0" in _explained()
     monkeypatch.setenv(config.PROFILE_PROBE_ENV, "1")
-    probing.rates = probe.Rates(SHIPPED_RATES.flop_per_s * 2, SHIPPED_RATES.memory_bytes_per_s)
+    probing.rates = probe.Rates(SHIPPED_RATES.flop_per_s * 2, SHIPPED_RATES.memory_bytes_per_s,
+                                FAKE_XLA)
     text = " ".join(_explained().split())
     assert "cpu-host rescaled by this machine's probe: matmul 92.8 GFLOP/s a device (shipped 46.4)" in text
     assert "memory copy 21.6 GB/s (shipped 21.6)" in text
+    assert "XLA's all-reduce measured: 100 us an operand, 1.00 GB/s" in text
     assert "matmul 2.00x the profile's" in text and "`libra-jax calibrate`" in text
     monkeypatch.setattr(read, "PROBED", {})
     monkeypatch.setattr(probe, "_outcomes", {})

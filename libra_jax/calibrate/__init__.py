@@ -113,6 +113,7 @@ from libra_jax.calibrate.measure import (
     measure,
     reference_seconds,
 )
+from libra_jax.calibrate.probe import xla_rates
 
 __all__ = [
     "CalibrationError", "Budget", "QUICK", "FULL", "TINY", "calibrate", "run", "fit_alone",
@@ -150,7 +151,9 @@ def calibrate(budget: Budget = QUICK, *, devices: int | None = 8, progress: bool
     failures = quality(analysis, workers, host)
     meta["quality"] = {"passed": not failures, "failures": failures, "limits": GATE_LIMITS,
                        "conditions": host}
-    doc = build_profile(analysis, workers=workers, budget=budget, samples=samples, backend=backend, meta=meta)
+    xla = xla_rates(devices=devices) if backend == "cpu" else None  # XLA's own: the plain step
+    doc = build_profile(analysis, workers=workers, budget=budget, samples=samples, backend=backend,
+                        meta=meta, xla=xla)
     if out is not None:
         path = Path(out)
         if failures:

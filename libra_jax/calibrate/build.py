@@ -29,6 +29,7 @@ from libra_jax.calibrate.fit import (
     slowdown_from_windows,
 )
 from libra_jax.calibrate.measure import CALL_PROFILE, Budget, Samples, chain_bytes, chain_flop
+from libra_jax.model.probe import XlaRates
 
 
 def _medians(rows: Iterable[dict], keys: Sequence[str], value: str) -> dict[tuple, list[float]]:
@@ -176,12 +177,22 @@ def call_terms(analysis: dict[str, Any], draft: dict[str, Any], workers: int, *,
 
 #: What calibration does not measure, carried over from the shipped CPU profile (as
 #: assumptions, with its reference): the cost of a pending all-reduce (`optimize(overlap=
-#: "auto")`), XLA's own all-reduce (the plain step `planner.StepPrice` prices against: its
-#: call and its bytes rate, benchmarks/allreduce_cpu.py), and each other kind's time against
+#: "auto")`), XLA's own all-reduce where it was not measured (`build_profile`'s ``xla``: the
+#: plain step `planner.StepPrice` prices against), and each other kind's time against
 #: the all-reduce's (its row's traffic key: `model.collective_traffic`, measured by
 #: benchmarks/sharded_cpu.py).
 CARRIED_OVER = ("pending_allreduce_us", "xla_allreduce_call_us", "xla_allreduce_gbyte_per_s",
                 *(row.traffic_key for row in collectives.ROWS if row.traffic_key is not None))
+
+
+def _xla_terms(xla: XlaRates) -> dict[str, dict[str, Any]]:
+    """The fair-share fields of XLA's all-reduce, as `xla` measured them."""
+    how = ("measured by libra-jax calibrate (libra_jax.calibrate.probe.xla_rates: jax.lax.psum in "
+           "a jitted shard_map over the calibrated devices; {0})")
+    return {"xla_allreduce_call_us": _q(xla.call_s * 1e6, "measured", how.format(
+                "one more operand of a combined all-reduce")),
+            "xla_allreduce_gbyte_per_s": _q(xla.bytes_per_s / model.BYTES_PER_GBYTE, "measured",
+                                            how.format("bytes per rank a second, output written"))}
 
 
 def _shipped_q(key: str) -> dict | None:
@@ -200,8 +211,10 @@ def _q(value: Any, source: str, ref: str) -> dict[str, Any]:
 
 
 def build_profile(analysis: dict[str, Any], *, workers: int, budget: Budget, samples: Samples | None,
-                  backend: str = "cpu", meta: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The profile document (``fair-share`` form; valid for `libra_jax.model.profile_from_dict`)."""
+                  backend: str = "cpu", meta: dict[str, Any] | None = None,
+                  xla: XlaRates | None = None) -> dict[str, Any]:
+    """The profile document (``fair-share`` form; valid for `libra_jax.model.profile_from_dict`);
+    XLA's all-reduce terms `xla` where measured (`probe.xla_rates`), else carried over."""
     solo = analysis["alone"]["fit"]["params"]
     share = analysis["slowdown"]["fair_share_fit"]["params"]
     flop = analysis["peak"]["flop_per_s"][0]
@@ -262,6 +275,7 @@ def build_profile(analysis: dict[str, Any], *, workers: int, budget: Budget, sam
             "overlap_block_efficiency": _q(1.0, "assumption", "not fitted"),
             "call_us": _q(0.0, "assumption", "not fitted"),
             **{key: q for key in CARRIED_OVER if (q := _shipped_q(key)) is not None},
+            **(_xla_terms(xla) if xla is not None else {}),
         },
         "calibration": {
             **(meta or {}),

@@ -1,5 +1,6 @@
 """The machine probe's measuring side (`libra_jax.model.probe` rescales the shipped CPU profile
-with it): about a second of calibration's own measurements, nothing of its own.
+with it): about a second of calibration's own measurements, and XLA's all-reduce timed
+(`xla_rates`, a third of a second, which calibration runs too).
 
 What it measures, and why so: the two rates the profile's rate fields mean, as calibration
 measures them (`measure._Programs.overlapped` without an all-reduce, timed by
@@ -35,10 +36,17 @@ from libra_jax.calibrate.measure import (
     chain_flop,
     marker_window,
 )
-from libra_jax.model.probe import Rates
+from libra_jax.model.probe import Rates, XlaRates
 
 #: Timed runs of each chain (after one warm-up run that compiles).
 PROBE_REPS = 5
+#: XLA's all-reduce (`xla_rates`): timed rounds, per-device f32 elements of the small and the
+#: large operand (1 KiB: its call; 4 MiB, past the caches of a host's 8 devices: its bytes, as
+#: the shipped profile's slope was fitted up to 16 MiB), and the operands of the combined call.
+XLA_REPS = 15
+XLA_SMALL_ELEMENTS = 256
+XLA_LARGE_ELEMENTS = 1 << 20
+XLA_OPERANDS = 16
 #: The longest a probe may take before the shipped profile plans instead.
 PROBE_TIMEOUT_S = 60.0
 #: Calibration's full budget with its chains only: no all-reduce sizes, no block counts.
@@ -78,13 +86,77 @@ def rates(budget: Budget = PROBE_BUDGET, seed: int = 0) -> Rates:
                  chain_bytes(budget) / statistics.median(windows["stream"]))
 
 
+def _psum_program(jax: Any, mesh: Any, elements: int, operands: int, reduce: bool) -> Any:
+    """A jitted shard_map over `mesh` taking one f32 array of `elements` per device and psum-ing
+    `operands` distinct arrays of that size (one all-reduce of `operands` operands, as XLA's
+    combiner makes of a plain step's gradients), or none (`reduce` False: the same program's
+    other costs, dispatch included). One input and one small output either way."""
+    from jax.sharding import PartitionSpec as P
+
+    def body(x: Any) -> Any:
+        ys = [x * (1.0 + i / 1024) for i in range(operands)]
+        if reduce:
+            ys = jax.lax.psum(ys, "p")
+        return sum(y[:1] for y in ys)
+
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("p"), out_specs=P("p")))
+
+
+def xla_rates(reps: int = XLA_REPS, seed: int = 0, devices: int | None = None) -> XlaRates:
+    """XLA's all-reduce on this machine's CPU devices (`XlaRates`), in the calling thread.
+
+    Five programs (`_psum_program`), timed whole (``block_until_ready``) in `reps` interleaved
+    rounds after one that compiles, medians: `XLA_SMALL_ELEMENTS` per device psum-ed as 1 and
+    as `XLA_OPERANDS` operands (their difference over the operands added: an operand's call),
+    and `XLA_LARGE_ELEMENTS` psum-ed and not (less the small one-operand psum's own cost: its
+    bytes). What the programs share (dispatch, the multiplies) cancels in the differences.
+    `devices`: the first that many CPU devices (None: all)."""
+    import time
+
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    devices = jax.devices("cpu")[:devices]
+    mesh = Mesh(np.array(devices), ("p",))
+    arms = {"small": (XLA_SMALL_ELEMENTS, 1, True), "many": (XLA_SMALL_ELEMENTS, XLA_OPERANDS, True),
+            "small_none": (XLA_SMALL_ELEMENTS, 1, False),
+            "large": (XLA_LARGE_ELEMENTS, 1, True), "large_none": (XLA_LARGE_ELEMENTS, 1, False)}
+    programs = {}
+    for name, (elements, operands, reduce) in arms.items():
+        x = jax.device_put(np.ones(elements * len(devices), np.float32), NamedSharding(mesh, P("p")))
+        programs[name] = (_psum_program(jax, mesh, elements, operands, reduce), x)
+    times: dict[str, list[float]] = {name: [] for name in arms}
+    order = list(arms)
+    rng = random.Random(seed)
+    for rep in range(reps + 1):  # repetition 0 compiles and warms up
+        rng.shuffle(order)
+        for name in order:
+            program, x = programs[name]
+            start = time.perf_counter()
+            jax.block_until_ready(program(x))
+            if rep:
+                times[name].append(time.perf_counter() - start)
+    t = {name: statistics.median(v) for name, v in times.items()}
+    call_s = max(0.0, (t["many"] - t["small"]) / (XLA_OPERANDS - 1))
+    small_s = t["small"] - t["small_none"]
+    large_s = t["large"] - t["large_none"]
+    moved = (XLA_LARGE_ELEMENTS - XLA_SMALL_ELEMENTS) * 4
+    if not large_s > small_s:
+        raise CalibrationError(f"XLA's psum of {XLA_LARGE_ELEMENTS * 4} bytes took no longer "
+                               f"than of {XLA_SMALL_ELEMENTS * 4} ({large_s:.2e} s against "
+                               f"{small_s:.2e}): no bytes rate")
+    return XlaRates(call_s, moved / (large_s - small_s))
+
+
 def measure(timeout_s: float = PROBE_TIMEOUT_S) -> Rates:
-    """`rates`, in a fresh thread (no trace of the caller's), within `timeout_s`."""
+    """`rates` and `xla_rates`, in a fresh thread (no trace of the caller's), within
+    `timeout_s`."""
     result: dict[str, Any] = {}
 
     def run() -> None:
         try:
-            result["rates"] = rates()
+            result["rates"] = dataclasses.replace(rates(), xla=xla_rates())
         except BaseException as exc:  # handed to the caller
             result["error"] = exc
 

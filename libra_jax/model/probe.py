@@ -12,21 +12,29 @@ marker all-reduces, every device running) and scales the shipped profile by prob
 * memory ratio ``r_m`` (streaming bytes/s a device over the shipped sustained
   ``memory_gbyte_per_s * memory_efficiency``): the memory bandwidth, and the rates the engine's
   copies run at, which are memory-bound on a host: ``fair_share.per_block_gbyte_per_s`` (one
-  worker's bus rate), ``network.intra_node_gbyte_per_s`` (the bus cap among host devices),
-  ``fusion_copy_gbyte_per_s`` where it is a number, and ``xla_allreduce_gbyte_per_s`` (XLA's
-  all-reduce writing its fresh output: the plain step's bytes, `planner.StepPrice`), so that
-  both sides of the predicted optimized/plain ratio move with the machine.
+  worker's bus rate), ``network.intra_node_gbyte_per_s`` (the bus cap among host devices)
+  and ``fusion_copy_gbyte_per_s`` where it is a number.
 
-Kept as shipped, and why: latencies and call costs (``base_latency_us``, ``call_us``,
-``pending_allreduce_us``: thread hand-offs and wake-ups, which neither rate measures, so a
-scale would be a guess), counts and fitted structure (``cores``, ``compute_threads``,
+XLA's own all-reduce, the plain step's collectives (`planner.StepPrice`), is measured, not
+scaled (`XlaRates`: ``xla_allreduce_call_us`` an operand of a combined all-reduce,
+``xla_allreduce_gbyte_per_s`` with its fresh output written), so that both sides of the
+predicted optimized/plain ratio are this machine's. Why measured: neither rate predicts them
+(measured on one 2-core VM, 2026-12-06: the memory ratio 0.27 made XLA's bytes rate 0.33 GB/s
+where psum ran at 0.99 GB/s; its call cost, 152 us an operand as shipped, was 110 there), and
+a psum of a few operands is cheap to time. A `Rates` without them (a measurer that does not
+time XLA) scales the bytes rate by the memory ratio and keeps the call cost.
+
+Kept as shipped, and why: the engine's latencies and call costs (``base_latency_us``,
+``call_us``, ``pending_allreduce_us``: its thread hand-offs and wake-ups inside a step, which
+neither rate measures and a probe outside a step cannot fit), counts and fitted structure (``cores``, ``compute_threads``,
 ``overlap_block_efficiency``, the traffic ratios: a probe of a second cannot fit them), and the
 NIC (not on this host). Where the machine is far from the profile (a rate off by more than
 `FAR_RATIO` either way, or another core count), `explain` suggests ``libra-jax calibrate``.
 
 Cached per machine in ``<profile dir>/<backend>.probe.json`` (`config.calibrated_profile_dir`),
-a loadable profile document whose ``calibration.probe`` holds the key and the two numbers. The
-key (`machine_key`): libra_jax's version, the profile schema, the shipped profile's content, the
+a loadable profile document whose ``calibration.probe`` holds the key and the numbers. The
+key (`machine_key`): libra_jax's version, the profile schema, what the probe measures
+(`PROBE_FORMAT`), the shipped profile's content, the
 CPU model, the cores this process may run on, the CPU device count, JAX's version, ``XLA_FLAGS``
 and the thread settings. A file is used only if its key is this one and its profile is exactly
 the shipped one rescaled by its recorded numbers; any other (corrupt, another key, edited) is
@@ -70,7 +78,7 @@ from typing import Any
 
 from libra_jax import config
 from libra_jax.model import read
-from libra_jax.model.profile import BYTES_PER_GBYTE, SCHEMA_VERSION, Profile
+from libra_jax.model.profile import BYTES_PER_GBYTE, S_PER_US, SCHEMA_VERSION, Profile
 
 #: The module that measures (JAX and the engine): ``context()`` and ``measure()``.
 MEASURER = "libra_jax.calibrate.probe"
@@ -78,6 +86,9 @@ MEASURER = "libra_jax.calibrate.probe"
 #: full calibration: past it, the profile's other fitted numbers (call cost, compute threads,
 #: overlap efficiency) came from a machine too unlike this one to trust.
 FAR_RATIO = 1.5
+#: What the probe measures (part of the key: a file from a probe that measured less is refit).
+#: 2: XLA's all-reduce terms too (`XlaRates`).
+PROBE_FORMAT = 2
 #: The thread settings that change how fast the host's compute runs (part of the cache key).
 THREAD_ENVS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
                "TF_NUM_INTEROP_THREADS", "TF_NUM_INTRAOP_THREADS")
@@ -85,14 +96,28 @@ THREAD_ENVS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
 
 @dataclass(frozen=True)
 class Rates:
-    """A device's sustained rates, every device running: matmul FLOP/s and streaming bytes/s."""
+    """A device's sustained rates, every device running: matmul FLOP/s and streaming bytes/s;
+    and, where measured, XLA's own all-reduce as the plain step runs it (`XlaRates`)."""
 
     flop_per_s: float
     memory_bytes_per_s: float
+    xla: XlaRates | None = None
 
     def ratios(self, other: Rates) -> tuple[float, float]:
         """(compute, memory): these rates over `other`'s."""
         return self.flop_per_s / other.flop_per_s, self.memory_bytes_per_s / other.memory_bytes_per_s
+
+
+@dataclass(frozen=True)
+class XlaRates:
+    """XLA:CPU's all-reduce (``jax.lax.psum`` in a jitted ``shard_map`` over every CPU device),
+    measured: ``call_s`` what one more operand of a combined all-reduce costs (its thunk meets
+    every rank once per operand: `planner.step`), ``bytes_per_s`` the bytes per rank a second
+    with its fresh output written. The profile's ``xla_allreduce_call_us`` and
+    ``xla_allreduce_gbyte_per_s`` mean these two numbers."""
+
+    call_s: float
+    bytes_per_s: float
 
 
 @dataclass(frozen=True)
@@ -167,19 +192,43 @@ def rescaled(document: Mapping[str, Any], probed: Rates, key: Mapping[str, Any],
         if isinstance(doc.get(section), dict):
             scale(doc[section]["per_block_gbyte_per_s"], memory)
             scale(doc[section]["fusion_copy_gbyte_per_s"], memory)
-            if isinstance(doc[section].get("xla_allreduce_gbyte_per_s"), dict):
-                scale(doc[section]["xla_allreduce_gbyte_per_s"], memory)
+            xla_rate = doc[section].get("xla_allreduce_gbyte_per_s")
+            if probed.xla is not None and section == "fair_share":
+                _measured(doc[section], probed.xla)
+            elif isinstance(xla_rate, dict):
+                scale(xla_rate, memory)
     doc["notes"] = list(doc.get("notes", [])) + [
         f"Rescaled to this machine by a probe (matmul {probed.flop_per_s / 1e9:.1f} GFLOP/s a "
         f"device, shipped {shipped.flop_per_s / 1e9:.1f}; streaming "
         f"{probed.memory_bytes_per_s / BYTES_PER_GBYTE:.1f} GB/s, shipped "
-        f"{shipped.memory_bytes_per_s / BYTES_PER_GBYTE:.1f}); latencies, call costs and "
-        "counts as shipped (libra_jax.model.probe)."]
-    doc["calibration"] = {"probe": {"key": dict(key), "flop_per_s": probed.flop_per_s,
-                                    "memory_bytes_per_s": probed.memory_bytes_per_s}}
+        f"{shipped.memory_bytes_per_s / BYTES_PER_GBYTE:.1f}){_xla_note(probed.xla)}; the "
+        "engine's latencies, call costs and counts as shipped (libra_jax.model.probe)."]
+    record: dict[str, Any] = {"key": dict(key), "flop_per_s": probed.flop_per_s,
+                              "memory_bytes_per_s": probed.memory_bytes_per_s}
+    if probed.xla is not None:
+        record["xla_call_s"] = probed.xla.call_s
+        record["xla_bytes_per_s"] = probed.xla.bytes_per_s
+    doc["calibration"] = {"probe": record}
     if load is not None:
         doc["calibration"]["probe"]["load_average"] = load
     return doc
+
+
+def _measured(fair_share: dict[str, Any], xla: XlaRates) -> None:
+    """Set the fair-share section's XLA terms to the probe's measurement of them."""
+    how = "measured on this machine by its probe (libra_jax.calibrate.probe.xla_rates); was: {0}"
+    for field, value in (("xla_allreduce_call_us", xla.call_s / S_PER_US),
+                         ("xla_allreduce_gbyte_per_s", xla.bytes_per_s / BYTES_PER_GBYTE)):
+        was = fair_share.get(field)
+        ref = was.get("ref", "") if isinstance(was, dict) else "the default"
+        fair_share[field] = {"value": value, "source": "measured", "ref": how.format(ref)}
+
+
+def _xla_note(xla: XlaRates | None) -> str:
+    if xla is None:
+        return ""
+    return (f"; XLA's all-reduce measured: {xla.call_s / S_PER_US:.0f} us an operand, "
+            f"{xla.bytes_per_s / BYTES_PER_GBYTE:.2f} GB/s")
 
 
 def host_cores() -> int:
@@ -215,7 +264,8 @@ def machine_key(shipped: str, devices: int, jax_version: str) -> dict[str, Any]:
     """What a cached probe holds for: a probe made under any other key is not used."""
     from libra_jax import __version__
 
-    return {"libra_jax": __version__, "schema_version": SCHEMA_VERSION, "shipped": shipped,
+    return {"libra_jax": __version__, "schema_version": SCHEMA_VERSION, "probe": PROBE_FORMAT,
+            "shipped": shipped,
             "shipped_sha256": _content_hash(shipped), "cpu": cpu_model(), "cores": host_cores(),
             "devices": devices, "jax": jax_version, "xla_flags": os.environ.get("XLA_FLAGS", ""),
             "threads": {name: os.environ[name] for name in THREAD_ENVS if name in os.environ}}
@@ -262,15 +312,21 @@ def cached(path: Path, key: Mapping[str, Any], shipped: Mapping[str, Any],
     try:
         doc = json.loads(text)
         record = doc["calibration"]["probe"]
-        rates = Rates(float(record["flop_per_s"]), float(record["memory_bytes_per_s"]))
+        xla = (XlaRates(float(record["xla_call_s"]), float(record["xla_bytes_per_s"]))
+               if "xla_call_s" in record or "xla_bytes_per_s" in record else None)
+        rates = Rates(float(record["flop_per_s"]), float(record["memory_bytes_per_s"]), xla)
     except (ValueError, KeyError, TypeError) as exc:
         return _refused(path, f"it is not a whole probe record ({type(exc).__name__}: {exc})")
     if record.get("key") != dict(key):
         theirs = record.get("key") if isinstance(record.get("key"), dict) else {}
         changed = sorted(k for k in set(key) | set(theirs) if theirs.get(k) != key.get(k))
         return _refused(path, f"it was probed under another key ({', '.join(changed)} differ)")
-    if not all(math.isfinite(v) and v > 0 for v in (rates.flop_per_s, rates.memory_bytes_per_s)):
+    positive = [rates.flop_per_s, rates.memory_bytes_per_s]
+    positive += [rates.xla.bytes_per_s] if rates.xla is not None else []
+    if not all(math.isfinite(v) and v > 0 for v in positive):
         return _refused(path, "its rates are not positive numbers")
+    if rates.xla is not None and not (math.isfinite(rates.xla.call_s) and rates.xla.call_s >= 0):
+        return _refused(path, "its XLA call cost is not a number >= 0")
     load = record.get("load_average")
     if load is not None and not (isinstance(load, (int, float)) and math.isfinite(load)
                                  and load >= 0):
@@ -387,8 +443,9 @@ def describe(profile: Profile) -> list[str]:
         lines = [f"profile: {outcome.shipped} rescaled by this machine's probe: matmul "
                  f"{p.flop_per_s / 1e9:.1f} GFLOP/s a device (shipped {s.flop_per_s / 1e9:.1f}), "
                  f"memory copy {p.memory_bytes_per_s / BYTES_PER_GBYTE:.1f} GB/s (shipped "
-                 f"{s.memory_bytes_per_s / BYTES_PER_GBYTE:.1f}); latencies and call costs as "
-                 f"shipped ({where}; {config.PROFILE_PROBE_ENV}=0 plans with the shipped one)"]
+                 f"{s.memory_bytes_per_s / BYTES_PER_GBYTE:.1f}){_xla_note(p.xla)}; the engine's "
+                 f"latencies and call costs as shipped ({where}; {config.PROFILE_PROBE_ENV}=0 "
+                 "plans with the shipped one)"]
         if busy(outcome.load, outcome.cores):
             lines.append(f"the probe ran while the machine was busy (load average "
                          f"{outcome.load:.1f} on {outcome.cores} cores): its rates are low; a "
