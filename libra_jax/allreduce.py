@@ -34,6 +34,7 @@ import numpy as np
 
 from libra_jax import _compat, collectives, model, planner
 from libra_jax.collectives import Collective
+from libra_jax.ops import blocks as block_rule
 from libra_jax.ops import lowering
 from libra_jax.ops.base import warn_once
 from libra_jax.ops.exchange import ALL_TO_ALL, libra_all_to_all_p
@@ -77,11 +78,11 @@ def default_blocks(nbytes: int, world: int, profile: Any = "cpu-host",
                    collective: Collective | str = ALL_REDUCE) -> int:
     """Block count of a call with `blocks=None` outside `@libra_jax.optimize`, chosen when it
     is lowered: the model's choice with no overlapped compute known, 1..MAX_BLOCKS
-    (`libra_jax.ops.lowering.default_blocks`). `profile` is a profile name, path or
-    `model.Profile`; `nbytes` the full (unsharded) buffer's size per device; `collective` the
-    kind (a name, "psum_scatter" or "reduce-scatter", or its row: `collectives.row_of`),
-    priced by its own terms; the all-reduce by default."""
-    return lowering.default_blocks(nbytes, world, profile, collectives.row_of(collective))
+    (`libra_jax.ops.blocks.resolve_blocks`, the one rule every layer calls). `profile` is a
+    profile name, path or `model.Profile`; `nbytes` the full (unsharded) buffer's size per
+    device; `collective` the kind (a name, "psum_scatter" or "reduce-scatter", or its row:
+    `collectives.row_of`), priced by its own terms; the all-reduce by default."""
+    return block_rule.resolve_blocks(collectives.row_of(collective), nbytes, world, profile)
 
 
 def psum(x: Any, axis_name: AxisName | Sequence[AxisName], *,

@@ -41,11 +41,11 @@ from libra_jax.model.probe import Rates, XlaRates
 #: Timed runs of each chain (after one warm-up run that compiles).
 PROBE_REPS = 5
 #: XLA's all-reduce (`xla_rates`): timed rounds, per-device f32 elements of the small and the
-#: large operand (1 KiB: its call; 4 MiB, past the caches of a host's 8 devices: its bytes, as
-#: the shipped profile's slope was fitted up to 16 MiB), and the operands of the combined call.
-XLA_REPS = 15
+#: large operand (1 KiB: its call; 256 KiB, 4 MiB a device over the operands, 32 MiB over a
+#: host's 8 devices, past their caches: its bytes), and the operands of a combined call.
+XLA_REPS = 21
 XLA_SMALL_ELEMENTS = 256
-XLA_LARGE_ELEMENTS = 1 << 20
+XLA_LARGE_ELEMENTS = 1 << 16
 XLA_OPERANDS = 16
 #: The longest a probe may take before the shipped profile plans instead.
 PROBE_TIMEOUT_S = 60.0
@@ -105,48 +105,53 @@ def _psum_program(jax: Any, mesh: Any, elements: int, operands: int, reduce: boo
 def xla_rates(reps: int = XLA_REPS, seed: int = 0, devices: int | None = None) -> XlaRates:
     """XLA's all-reduce on this machine's CPU devices (`XlaRates`), in the calling thread.
 
-    Five programs (`_psum_program`), timed whole (``block_until_ready``) in `reps` interleaved
-    rounds after one that compiles, medians: `XLA_SMALL_ELEMENTS` per device psum-ed as 1 and
-    as `XLA_OPERANDS` operands (their difference over the operands added: an operand's call),
-    and `XLA_LARGE_ELEMENTS` psum-ed and not (less the small one-operand psum's own cost: its
-    bytes). What the programs share (dispatch, the multiplies) cancels in the differences.
-    `devices`: the first that many CPU devices (None: all)."""
+    Six programs (`_psum_program`), timed whole (``block_until_ready``) in `reps` interleaved
+    rounds after one that compiles, medians: one and `XLA_OPERANDS` operands of
+    `XLA_SMALL_ELEMENTS` psum-ed (their difference over the operands added: an operand's
+    call), and `XLA_OPERANDS` operands of `XLA_LARGE_ELEMENTS` against as many small ones,
+    each less the same program without the psum (the difference: their bytes). What programs
+    share (dispatch, the multiplies) cancels in the differences. The bytes are timed over
+    several operands because a plain step's combined all-reduce has several, and XLA:CPU
+    moves a byte of one operand among several at about half the rate of a lone operand's
+    (benchmarks/results/xla_operands.md). `devices`: the first that many CPU
+    devices (None: all)."""
     import time
 
     import jax
     import numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
-    devices = jax.devices("cpu")[:devices]
-    mesh = Mesh(np.array(devices), ("p",))
-    arms = {"small": (XLA_SMALL_ELEMENTS, 1, True), "many": (XLA_SMALL_ELEMENTS, XLA_OPERANDS, True),
-            "small_none": (XLA_SMALL_ELEMENTS, 1, False),
-            "large": (XLA_LARGE_ELEMENTS, 1, True), "large_none": (XLA_LARGE_ELEMENTS, 1, False)}
+    chosen = jax.devices("cpu")[:devices]
+    mesh = Mesh(np.array(chosen), ("p",))
+    small, large, many = XLA_SMALL_ELEMENTS, XLA_LARGE_ELEMENTS, XLA_OPERANDS
+    arms = {"one": (small, 1, True), "many": (small, many, True), "many_none": (small, many, False),
+            "large": (large, many, True), "large_none": (large, many, False)}
     programs = {}
     for name, (elements, operands, reduce) in arms.items():
-        x = jax.device_put(np.ones(elements * len(devices), np.float32), NamedSharding(mesh, P("p")))
+        x = jax.device_put(np.ones(elements * len(chosen), np.float32), NamedSharding(mesh, P("p")))
         programs[name] = (_psum_program(jax, mesh, elements, operands, reduce), x)
-    times: dict[str, list[float]] = {name: [] for name in arms}
-    order = list(arms)
+    times: dict[str, list[float]] = {}  # by arm and phase
     rng = random.Random(seed)
-    for rep in range(reps + 1):  # repetition 0 compiles and warms up
-        rng.shuffle(order)
-        for name in order:
-            program, x = programs[name]
-            start = time.perf_counter()
-            jax.block_until_ready(program(x))
-            if rep:
-                times[name].append(time.perf_counter() - start)
+    # Two phases: the calls' arms apart from the large ones, whose long calls leave the device
+    # threads slower to meet the next small call's rendezvous (measured: the call cost two to
+    # six times itself when interleaved with them).
+    for phase, names in enumerate((["one", "many"], ["many", "many_none", "large", "large_none"])):
+        for rep in range(reps + 1):  # repetition 0 compiles and warms up
+            rng.shuffle(names)
+            for name in names:
+                program, x = programs[name]
+                start = time.perf_counter()
+                jax.block_until_ready(program(x))
+                if rep:
+                    times.setdefault(f"{name}{phase}", []).append(time.perf_counter() - start)
     t = {name: statistics.median(v) for name, v in times.items()}
-    call_s = max(0.0, (t["many"] - t["small"]) / (XLA_OPERANDS - 1))
-    small_s = t["small"] - t["small_none"]
-    large_s = t["large"] - t["large_none"]
-    moved = (XLA_LARGE_ELEMENTS - XLA_SMALL_ELEMENTS) * 4
-    if not large_s > small_s:
-        raise CalibrationError(f"XLA's psum of {XLA_LARGE_ELEMENTS * 4} bytes took no longer "
-                               f"than of {XLA_SMALL_ELEMENTS * 4} ({large_s:.2e} s against "
-                               f"{small_s:.2e}): no bytes rate")
-    return XlaRates(call_s, moved / (large_s - small_s))
+    call_s = max(0.0, (t["many0"] - t["one0"]) / (many - 1))
+    bytes_s = (t["large1"] - t["large_none1"]) - (t["many1"] - t["many_none1"])
+    if not bytes_s > 0:
+        raise CalibrationError(f"XLA's psum of {many} operands of {large * 4} bytes took no longer "
+                               f"than of {small * 4} bytes: no bytes rate")
+    return XlaRates(call_s, many * (large - small) * 4 / bytes_s)
 
 
 def measure(timeout_s: float = PROBE_TIMEOUT_S) -> Rates:

@@ -56,13 +56,11 @@ class Derivation:
         """
         if key not in self.cost.slowdown:
             raise ValueError(f"allocation {key} is not an option of this cost model")
-        if self.key_unit == "blocks":
-            return key, self.threads_per_block
-        return max(1, key // self.threads_per_block), min(self.threads_per_block, key)
+        return _launch_shape(key, self.key_unit, self.threads_per_block)
 
-    # The block count of a call is chosen here, once: the planner works in allocation keys,
-    # and every call's ``blocks`` comes from one of these (rewrite, and the lowering of a
-    # collective left at ``blocks=None``), never from a conversion of its own.
+    # An allocation key becomes a block count here, once (`_launch_shape`): the planner works
+    # in keys, and every call's ``blocks`` comes from one of these (the planner's buckets, and
+    # `libra_jax.ops.blocks.resolve_blocks` for a call left at ``blocks=None``).
 
     def launch_blocks(self, key: int) -> int:
         """The block count a call is launched with for allocation ``key``: `launch_shape`'s
@@ -85,6 +83,12 @@ class Derivation:
         return self.launch_blocks(self.no_overlap_key(nbytes, collective))
 
 
+def _launch_shape(key: int, key_unit: str, threads_per_block: int) -> tuple[int, int]:
+    """`Derivation.launch_shape`'s conversion, for an option not yet in a cost model (the
+    options `derive` drops above ``max_blocks`` are measured by it too)."""
+    if key_unit == "blocks":
+        return key, threads_per_block
+    return max(1, key // threads_per_block), min(threads_per_block, key)
 
 
 def derive(profile: Profile | str | Path, workers: int, *, link_gbit_per_s: float | None = None,
@@ -125,7 +129,7 @@ def _derive(profile: Profile, workers: int, link_gbit_per_s: float | None,
     key_unit, tpb = spec.key_unit, spec.threads_per_block(section)
     if max_blocks is not None:
         for key in list(slowdown):
-            blocks = key if key_unit == "blocks" else max(1, key // tpb)
+            blocks = _launch_shape(key, key_unit, tpb)[0]
             if blocks > max_blocks:
                 dropped[key] = (f"{blocks} blocks, above the {max_blocks} the all-reduce may take"
                                 + (f" ({max_blocks_why})" if max_blocks_why else ""))

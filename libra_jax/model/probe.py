@@ -18,18 +18,21 @@ marker all-reduces, every device running) and scales the shipped profile by prob
 XLA's own all-reduce, the plain step's collectives (`planner.StepPrice`), is measured, not
 scaled (`XlaRates`: ``xla_allreduce_call_us`` an operand of a combined all-reduce,
 ``xla_allreduce_gbyte_per_s`` with its fresh output written), so that both sides of the
-predicted optimized/plain ratio are this machine's. Why measured: neither rate predicts them
-(measured on one 2-core VM, 2026-12-06: the memory ratio 0.27 made XLA's bytes rate 0.33 GB/s
-where psum ran at 0.99 GB/s; its call cost, 152 us an operand as shipped, was 110 there), and
-a psum of a few operands is cheap to time. A `Rates` without them (a measurer that does not
-time XLA) scales the bytes rate by the memory ratio and keeps the call cost.
+predicted optimized/plain ratio are this machine's. Why measured: they are XLA's, not the
+memory's or the engine's. On one 2-core VM (2026-12-06, benchmarks/results/xla_operands.md)
+psum moved 0.75-0.91 GB/s a device with one operand and 0.37-0.54 with several (a plain step
+combines several), where the shipped profile's single-operand slope is 1.22, and an operand's
+call cost 117-125 us against the shipped 152; a psum of a few operands is cheap to time. A
+`Rates` without them (a measurer that does not time XLA) scales the bytes rate by the memory
+ratio and keeps the call cost.
 
 Kept as shipped, and why: the engine's latencies and call costs (``base_latency_us``,
 ``call_us``, ``pending_allreduce_us``: its thread hand-offs and wake-ups inside a step, which
-neither rate measures and a probe outside a step cannot fit), counts and fitted structure (``cores``, ``compute_threads``,
-``overlap_block_efficiency``, the traffic ratios: a probe of a second cannot fit them), and the
-NIC (not on this host). Where the machine is far from the profile (a rate off by more than
-`FAR_RATIO` either way, or another core count), `explain` suggests ``libra-jax calibrate``.
+neither rate measures and a probe outside a step cannot fit), counts and fitted structure
+(``cores``, ``compute_threads``, ``overlap_block_efficiency``, the traffic ratios: a probe of a
+second cannot fit them), and the NIC (not on this host). Where the machine is far from the
+profile (a rate off by more than `FAR_RATIO` either way, or another core count), `explain`
+suggests ``libra-jax calibrate``.
 
 Cached per machine in ``<profile dir>/<backend>.probe.json`` (`config.calibrated_profile_dir`),
 a loadable profile document whose ``calibration.probe`` holds the key and the numbers. The

@@ -13,15 +13,15 @@ and the JAX primitive that does the same (XLA's own, `Call.xla`). One rule per p
 * ``None`` (TPU, ...): XLA's, with the notice; ``"xla"`` (the ops' twins,
   `optimize(collectives="xla")`): XLA's, quietly.
 
-Where libra's call does not serve, the rule lowers XLA's collective (`xla_collective`) with
-one notice naming why (``xla-fallback``). What differs between the kinds is their row's
-layout (`collectives.LAYOUTS`): what a call's operand and result are, and the ``segment`` of
-a sharded call. A start/done pair asks the same question for its flat buffer (`pair_call`).
-A call with ``blocks=None`` gets `default_blocks` (the model's choice without overlap) here,
-once the group size is known. A bucket's members are one call as they are on CPU and on the
-P2P kernels (`members_call`: variadic targets, one operand and one result per member, no
-copy; start/done likewise, `libra_jax.ops.start_done`); elsewhere (NCCL's one-call form, XLA's
-collective) they are packed into one buffer per dtype (`pack`, `split`).
+Where libra's call does not serve, the rule lowers XLA's collective (`xla_collective`) with one
+notice naming why (``xla-fallback``). What differs between the kinds is their row's layout
+(`collectives.LAYOUTS`): what a call's operand and result are, and the ``segment`` of a sharded
+call. A start/done pair asks the same question for its flat buffer (`pair_call`). A call with
+``blocks=None`` gets `blocks.resolve_blocks` (the model's choice without overlap, within the
+data path's cap) here, once the group size is known. A bucket's members are one call as they
+are on CPU and on the P2P kernels (`members_call`: variadic targets, one operand and one result
+per member, no copy; start/done likewise, `libra_jax.ops.start_done`); elsewhere (NCCL's
+one-call form, XLA's collective) they are packed into one buffer per dtype (`pack`, `split`).
 """
 from __future__ import annotations
 
@@ -36,6 +36,7 @@ import numpy as np
 
 from libra_jax import _compat, _ffi, _nccl, collectives, config, model
 from libra_jax.collectives import Collective
+from libra_jax.ops import blocks as block_rule
 from libra_jax.ops.base import Platform, Rule, warn_once
 from libra_jax.ops.shards import (
     BF16,
@@ -188,17 +189,9 @@ def mirrored(invariant: bool, axes: tuple) -> tuple[Any, dict]:
 
 
 def default_blocks(nbytes: int, world: int, profile: Any, collective: Collective) -> int:
-    """Block count of a call with `blocks=None` outside `@libra_jax.optimize`: the model's
-    choice with no overlapped compute known (`model.Derivation.no_overlap_blocks`), as a
-    launch's block count, 1..MAX_BLOCKS. `profile` is a profile name, path or `model.Profile`.
-
-    `nbytes` is the full (unsharded) buffer's size per device; a kind other than the
-    all-reduce (`collective`, its row) is priced by its own terms (`model.collective_traffic`,
-    its latency), with the all-reduce's tables. (The public form, with the documented
-    defaults, is `libra_jax.default_blocks`.)"""
-    if world < 2 or nbytes <= 0:
-        return 1
-    return model.derive(profile, world).no_overlap_blocks(nbytes, collective)
+    """`libra_jax.ops.blocks.resolve_blocks` in this module's older argument order (kept for
+    callers of it; the public form is `libra_jax.default_blocks`)."""
+    return block_rule.resolve_blocks(collective, nbytes, world, profile)
 
 
 def default_profile(platform: str) -> str:
@@ -246,8 +239,8 @@ def cpu_call(ctx: Any, axes: tuple, blocks: int | None, collective: Collective
     _ffi.ensure_registered()
     world = len(groups[0])
     if blocks is None:  # Chosen now that the group size is known.
-        blocks = default_blocks(_full_bytes(ctx.avals_in, collective, world), world,
-                                default_profile("cpu"), collective)
+        blocks = block_rule.resolve_blocks(collective, _full_bytes(ctx.avals_in, collective, world),
+                                           world, default_profile("cpu"))
     return (rank_group_operand(ctx, groups),
             dict(label=f"{collective.lax}{tuple(axes)}", world=np.int64(world),
                  blocks=np.int64(blocks), **_timeout_attr())), ""
@@ -443,8 +436,8 @@ def _kernel_attrs(ctx: Any, call: Call) -> tuple[dict | None, str]:
             return None, f"cuda GPUs {members} without peer access (P2P) between them"
     blocks = call.blocks
     if blocks is None:  # Chosen now that the group size is known.
-        blocks = default_blocks(_full_bytes(ctx.avals_in, call.row, world), world,
-                                default_profile("cuda"), call.row)
+        blocks = block_rule.resolve_blocks(call.row, _full_bytes(ctx.avals_in, call.row, world),
+                                           world, default_profile("cuda"))
     return dict(devices=np.array([ordinals[d] for g in groups for d in g], np.int32),
                 world=np.int64(world), blocks=np.int64(blocks),
                 algorithm=np.int64(config.cuda_algorithm()),
@@ -622,7 +615,7 @@ def nccl_attrs(ctx: Any, groups: Sequence[Sequence[int]], devices: Sequence[Any]
         # communicator), and a host's own calibration is not shared here
         # (optimize broadcasts process 0's profile; a bare psum cannot).
         full = count * dtype.itemsize * (world if collective.gathers else 1)
-        blocks = default_blocks(full, world, model.BUILTIN_PROFILES["cuda"], collective)
+        blocks = block_rule.resolve_blocks(collective, full, world, model.BUILTIN_PROFILES["cuda"])
     blocks = nccl_blocks(blocks)
     _say_launch_order(_nccl.library())
     me = jax.process_index()

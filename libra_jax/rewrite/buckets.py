@@ -8,7 +8,8 @@ import collections
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from libra_jax import _compat, config, model, planner
+from libra_jax import _compat, config, planner
+from libra_jax.ops import blocks as block_rule
 from libra_jax.rewrite.costs import region_roofline_s
 from libra_jax.rewrite.edits import (
     Edits,
@@ -20,7 +21,7 @@ from libra_jax.rewrite.edits import (
     sunk_after,
     within_class,
 )
-from libra_jax.rewrite.report import PsumPlan, block_cap
+from libra_jax.rewrite.report import PsumPlan
 from libra_jax.rewrite.scope import Scope
 from libra_jax.rewrite.sites import Site
 
@@ -35,8 +36,8 @@ def plan(rw: Scope, members: list[Site], costs: list[float], world: int, scope: 
     `in_loop`: the scope is a loop body, and this is one iteration's plan."""
     if world < 2:
         return [([site], 1) for site in members]
-    cap, cap_why = block_cap(rw.profile)
-    derivation = model.derive(rw.profile, world, max_blocks=cap, max_blocks_why=cap_why)
+    cap, cap_why = block_rule.block_cap(rw.profile)  # said below where it took an option away
+    derivation = block_rule.capped_derivation(rw.profile, world)
     layers, start = [], 0
     for site in members:
         layers.append(planner.Layer(compute_s=float(sum(costs[start:site.index])),

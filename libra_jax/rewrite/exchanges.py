@@ -1,6 +1,6 @@
 """The rewrite of a scope's all-to-alls (an expert-parallel layer's dispatch and combine):
 each libra's, one call where it was, at the model's block count for it with no overlap known
-(`allreduce.default_blocks`), or the count it was given (kind "user"). Planning them for
+(`ops.blocks.resolve_blocks`), or the count it was given (kind "user"). Planning them for
 overlap (start/done, fusion) waits until the model shows a block count matters for them.
 """
 from __future__ import annotations
@@ -8,7 +8,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from libra_jax import allreduce, model
+from libra_jax import model
+from libra_jax.ops import blocks as block_rule
 from libra_jax.rewrite.edits import Edits, single_eqn
 from libra_jax.rewrite.report import PsumPlan
 from libra_jax.rewrite.sites import Site, backward_sites, group_size
@@ -31,8 +32,8 @@ def edit_exchanges(eqns: Sequence[Any], exchanges: Sequence[Site], axis_sizes: d
         kind = ("user" if k is not None else "loop" if in_loop
                 else "backward" if in_backward or site.index in backward else "forward")
         if k is None:
-            k = allreduce.default_blocks(site.nbytes, group_size(axis_sizes, site.axes),
-                                         profile, collective=site.collective)
+            k = block_rule.resolve_blocks(site.collective, site.nbytes,
+                                          group_size(axis_sizes, site.axes), profile)
             edits.replacements[site.index] = single_eqn(eqns[site.index], site, k, invars)
         plans.append(PsumPlan(scope, site.axes, (site.index,), site.nbytes, int(k), kind,
                               "sync", site.collective))

@@ -8,10 +8,11 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from typing import Any
 
-from libra_jax import _compat, allreduce, model, planner
+from libra_jax import _compat, planner
+from libra_jax.ops import blocks as block_rule
 from libra_jax.rewrite.costs import roofline_s
 from libra_jax.rewrite.edits import Edits, fused_eqn, gather_bucket_pair_eqns, single_eqn
-from libra_jax.rewrite.report import PsumPlan, block_cap
+from libra_jax.rewrite.report import PsumPlan
 from libra_jax.rewrite.scope import Scope
 from libra_jax.rewrite.sites import Site, axis_names, backward_sites, gather_site, group_size
 
@@ -27,7 +28,7 @@ def edit_gathers(rw: Scope, eqns: Sequence[Any], gathers: Sequence[Site], axis_s
     what it computed, or taken out of their checkpoint by `hoist_regathers`), else
     "forward". A scope's forward and backward gathers over the same axes are issued as
     `prefetch_gathers` plans them: each one call where it is used
-    (`allreduce.default_blocks`), or a start/done pair issued ahead, and consecutive forward
+    (`ops.blocks.resolve_blocks`), or a start/done pair issued ahead, and consecutive forward
     gathers one call over several where the model says so (one plan line each call, its
     members' positions and bytes)."""
     if not gathers:
@@ -58,8 +59,8 @@ def edit_gathers(rw: Scope, eqns: Sequence[Any], gathers: Sequence[Site], axis_s
             continue
         k, overlap, distance = issued.get(site.index, (site.explicit_blocks, "sync", 0))
         if k is None:
-            k = allreduce.default_blocks(site.nbytes, group_size(axis_sizes, site.axes),
-                                         rw.profile, collective=site.collective)
+            k = block_rule.resolve_blocks(site.collective, site.nbytes,
+                                          group_size(axis_sizes, site.axes), rw.profile)
         if site.explicit_blocks is None and site.index not in issued:
             edits.replacements[site.index] = single_eqn(eqns[site.index], site, k, invars)
         members = calls.get(site.index, (site.index,))
@@ -114,8 +115,7 @@ def prefetch_gathers(rw: Scope, eqns: Sequence[Any], sites: Sequence[Site], axis
     world = group_size(axis_sizes, sites[0].axes)
     if world < 2:
         return {}, {}
-    cap, cap_why = block_cap(rw.profile)
-    derivation = model.derive(rw.profile, world, max_blocks=cap, max_blocks_why=cap_why)
+    derivation = block_rule.capped_derivation(rw.profile, world)
     cost = derivation.cost
     collective = sites[0].collective
     positions = [site.index for site in sites]

@@ -14,6 +14,7 @@ import jax
 from libra_jax import _compat, _nccl, collectives, config, model, planner
 from libra_jax.collectives import Collective
 from libra_jax.ops.base import warn_once
+from libra_jax.ops.blocks import block_cap  # its home; named here for the rewrite's callers
 from libra_jax.rewrite.costs import roofline_s
 
 __all__ = ["PsumPlan", "LoopPlan", "OptimizeReport", "LatestReport", "block_cap", "shared_profile",
@@ -156,20 +157,6 @@ class LatestReport:
 
     def __repr__(self) -> str:
         return repr(self.report) if self.report is not None else "LatestReport(no plan yet)"
-
-
-def block_cap(profile: model.Profile) -> tuple[int | None, str]:
-    """The most blocks one all-reduce of a GPU plan may take, and why: on the ``nccl`` path the
-    loaded NCCL's CTA limit (`libra_jax._nccl.Library.max_ctas`: a larger count would run with
-    that many CTAs, so the planner must not price it); ``(None, "")`` otherwise (CPU profiles,
-    the other paths, no NCCL, or an NCCL that cannot limit CTAs at all)."""
-    if profile.form == "fair-share" or config.cuda_path() != "nccl" or not _nccl.available()[0]:
-        return None, ""
-    lib = _nccl.library()
-    if lib.max_ctas == 0:
-        return None, ""
-    return lib.max_ctas, (f"NCCL {lib.version} ({lib.route} CTA limits) runs an all-reduce on "
-                          f"at most {lib.max_ctas} CTAs")
 
 
 #: Set to 1 (on every process) to plan with each process's own profile under multi-process JAX.

@@ -15,7 +15,8 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from libra_jax import _compat, allreduce, config, loops, model, planner
+from libra_jax import _compat, config, loops, model, planner
+from libra_jax.ops import blocks as block_rule
 from libra_jax.ops.start_done import MAX_CALL_ID
 from libra_jax.rewrite.buckets import edit_bucket, split_buckets
 from libra_jax.rewrite.buckets import plan as plan_buckets
@@ -34,7 +35,7 @@ from libra_jax.rewrite.edits import (
 from libra_jax.rewrite.exchanges import edit_exchanges
 from libra_jax.rewrite.gathers import edit_gathers, hoist_regathers
 from libra_jax.rewrite.ready import Ready, inline_calls, to_ready_points
-from libra_jax.rewrite.report import LoopPlan, OptimizeReport, PsumPlan, block_cap
+from libra_jax.rewrite.report import LoopPlan, OptimizeReport, PsumPlan
 from libra_jax.rewrite.scope import LOOP_MODES, Options
 from libra_jax.rewrite.shrink import shrink_psums
 from libra_jax.rewrite.sites import (
@@ -220,8 +221,8 @@ class Rewriter:
                 continue
             k = site.explicit_blocks
             if k is None:
-                k = allreduce.default_blocks(site.nbytes, group_size(axis_sizes, site.axes),
-                                             self.profile, collective=site.collective)
+                k = block_rule.resolve_blocks(site.collective, site.nbytes,
+                                              group_size(axis_sizes, site.axes), self.profile)
                 edits.replacements[site.index] = single_eqn(eqns[site.index], site, k, invars)
             self.report.plans.append(PsumPlan(scope, site.axes, (site.index,), site.nbytes,
                                               k, kind, "sync", site.collective))
@@ -353,8 +354,7 @@ def loop_plan(rw: Rewriter, eqn: Any, hoists: list[loops.Hoist], world: int, sco
                                     grad_bytes=h.nbytes))
         start = h.psum + 1
     layers.append(planner.Layer(compute_s=float(sum(costs[start:])), grad_bytes=0))
-    cap, cap_why = block_cap(rw.profile)
-    cost = model.derive(rw.profile, world, max_blocks=cap, max_blocks_why=cap_why).cost
+    cost = block_rule.capped_derivation(rw.profile, world).cost
     nbytes = sum(h.nbytes for h in hoists)
     whole = [planner.Layer(compute_s=length * sum(layer.compute_s for layer in layers),
                            grad_bytes=length * nbytes)]
