@@ -137,11 +137,11 @@ if TYPE_CHECKING:  # what a type checker sees; at run time they load lazily (`__
     from libra_jax.data_parallel import grad, value_and_grad
     from libra_jax.explanation import Explanation, explain
     from libra_jax.model import Profile, load_profile
-    from libra_jax.rewrite import OptimizeReport, PsumPlan, optimize, rewrite_jaxpr
+    from libra_jax.rewrite import CallPlan, OptimizeReport, optimize, rewrite_jaxpr
 
 __all__ = [
     "psum", "pmean", "psum_scatter", "all_gather", "all_to_all", "patch_lax", "default_blocks", "MAX_BLOCKS",
-    "optimize", "rewrite_jaxpr", "OptimizeReport", "PsumPlan",
+    "optimize", "rewrite_jaxpr", "OptimizeReport", "CallPlan",
     "value_and_grad", "grad",
     "explain", "Explanation",
     "Profile", "load_profile",
@@ -162,7 +162,8 @@ _LAZY = {
     "optimize": "libra_jax.rewrite",
     "rewrite_jaxpr": "libra_jax.rewrite",
     "OptimizeReport": "libra_jax.rewrite",
-    "PsumPlan": "libra_jax.rewrite",
+    "CallPlan": "libra_jax.rewrite",
+    "PsumPlan": "libra_jax.rewrite",  # CallPlan's deprecated name (warns), not in __all__
     "value_and_grad": "libra_jax.data_parallel",
     "grad": "libra_jax.data_parallel",
     "explain": "libra_jax.explanation",

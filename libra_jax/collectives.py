@@ -145,7 +145,7 @@ class Collective:
 
     @property
     def name(self) -> str:
-        """The `jax.lax` name (`lax`): the key of `BY_LAX` and of ``ops.lowering.COLLECTIVES``."""
+        """The `jax.lax` name (`lax`): the key of `BY_LAX`."""
         return self.lax
 
     @property
@@ -220,7 +220,7 @@ BY_KIND: dict[str, Collective] = {row.kind: row for row in ROWS}
 #: all-reduce, the data-parallel gradient collective the paper's model prices (`planner.Layer`'s
 #: default, the model's fitted terms, the Gantt chart's row).
 REFERENCE: Collective = next(row for row in ROWS if row.traffic_key is None)
-#: The model's names, in order (`planner.COLLECTIVES`).
+#: The model's names, in order (`planner.KINDS`).
 KINDS: tuple[str, ...] = tuple(row.kind for row in ROWS)
 
 

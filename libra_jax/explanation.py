@@ -133,7 +133,7 @@ class Explanation:
     (`others`) and the rewrite's report; printed, the table `table` renders."""
 
     scopes: tuple[ScopePlan, ...]
-    others: tuple[rewrite.PsumPlan, ...]   # forward / loop / user all-reduces (not planned)
+    others: tuple[rewrite.CallPlan, ...]   # forward / loop / user all-reduces (not planned)
     report: rewrite.OptimizeReport
     gathers: tuple[GatherScope, ...] = ()  # all-gathers issued one call each or ahead
 

@@ -36,7 +36,7 @@ class Case:
     autodiff_psums: bool = False  # gradients summed by autodiff (check_vma), not by pmean
     library_psums: bool = False   # a library's own pmean (Flax BatchNorm): swapping misses it
     context: Callable[[], Any] = contextlib.nullcontext  # entered around tracing and running
-    # How many psums of each kind `optimize` must find (`rewrite.PsumPlan.kind`).
+    # How many psums of each kind `optimize` must find (`rewrite.CallPlan.kind`).
     kinds: dict[str, int] = dataclasses.field(default_factory=dict)
     # Per scan whose psums could leave the loop, `optimize`'s choice (`rewrite.LoopPlan`).
     loops: tuple[str, ...] = ()

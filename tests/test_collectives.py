@@ -29,8 +29,7 @@ def test_rows_are_the_engines_enum_in_order():
 
 
 def test_every_table_of_kinds_is_the_rows():
-    assert planner.COLLECTIVES == collectives.KINDS == tuple(model.COLLECTIVE_SHAPES)
-    assert lowering.COLLECTIVES is collectives.BY_LAX
+    assert planner.KINDS == collectives.KINDS == tuple(model.COLLECTIVE_SHAPES)
     assert [collectives.lax_name(k) for k in collectives.KINDS] == [
         "psum", "psum_scatter", "all_gather", "all_to_all"]
     assert [row.gathers for row in collectives.ROWS] == [False, False, True, False]
@@ -79,7 +78,6 @@ def test_a_new_row_goes_through_the_table_to_a_lowering(monkeypatch, jax_8):
     monkeypatch.setitem(collectives.BY_KIND, fake.kind, fake)
     assert fake.target("cpu") == "libra_fake_sum_cpu"
     assert fake.target("nccl", "start") == "libra_fake_sum_nccl_start"
-    assert lowering.COLLECTIVES["fake_sum"] is fake  # the lowering's table is the rows
     assert not _ffi.has_target("fake-sum", "cpu")
 
     # 4. Its op: a primitive over the row, lowered by the platform's one rule.

@@ -18,13 +18,13 @@ PACKAGE = Path(libra_jax.__file__).parent
 #: Layers, lowest first (the package docstring states them); a module may import its own
 #: layer and those below.
 LAYERS: dict[str, int] = {
-    **dict.fromkeys(["config", "collectives", "planner", "planner.core", "planner.gathers",
+    **dict.fromkeys(["_deprecated", "config", "collectives", "planner", "planner.core", "planner.gathers",
                      "planner.dp", "planner.baselines", "planner.exhaustive", "planner.step", "model", "model.profile",
                      "model.forms", "model.read", "model.derive", "model.probe", "zoo",
                      "gantt", "gpu_calibration", "calibrate.fit"], 1),
     **dict.fromkeys(["_compat", "_ffi", "_nccl", "_libra_ffi"], 2),
     **dict.fromkeys(["ops", "ops.base", "ops.lowering", "ops.packing", "ops.psum", "ops.fused",
-                     "ops.start_done", "ops.sharded", "ops.exchange", "ops.shards"], 3),
+                     "ops.start_done", "ops.sharded", "ops.exchange", "ops.shards", "ops.blocks"], 3),
     **dict.fromkeys(["allreduce", "overlap", "data_parallel", "loss_inputs", "reductions",
                      "loops", "rewrite",
                      "rewrite.sites", "rewrite.costs", "rewrite.edits", "rewrite.report",

@@ -292,7 +292,7 @@ def test_plan_identical_in_two_fresh_processes():
                               text=True, timeout=300, env=env)
         assert proc.returncode == 0, proc.stderr
         outs.append(proc.stdout)
-    assert outs[0] == outs[1] and "PsumPlan" in outs[0]
+    assert outs[0] == outs[1] and "CallPlan" in outs[0]
 
 
 def test_public_name():
@@ -1277,7 +1277,7 @@ def test_plan_agreement_compares_the_collective(monkeypatch):
     from libra_jax import _compat, rewrite
     from libra_jax.collectives import BY_KIND
 
-    report = rewrite.OptimizeReport(plans=[rewrite.PsumPlan(
+    report = rewrite.OptimizeReport(plans=[rewrite.CallPlan(
         "top/shard_map", ("x",), (3, 5), 4096, 2, "gradient", "sync", BY_KIND["reduce-scatter"])])
     theirs = [line.replace("collective=reduce-scatter", "collective=all-reduce")
               for line in report.plan_lines() + rewrite.data_path_lines()]

@@ -17,7 +17,7 @@ from libra_jax.model.profile import (
     NetworkSpec,
     Profile,
 )
-from libra_jax.planner import COLLECTIVES
+from libra_jax.planner import KINDS
 
 
 def check_workers(workers: int) -> None:
@@ -32,7 +32,7 @@ CollectiveShape = Shape
 #: (`collectives.ROWS`: a kind's terms are written there once).
 COLLECTIVE_SHAPES: Mapping[str, CollectiveShape] = MappingProxyType(
     {row.kind: row.shape for row in ROWS})
-assert tuple(COLLECTIVE_SHAPES) == COLLECTIVES
+assert tuple(COLLECTIVE_SHAPES) == KINDS
 
 
 def shape_of(collective: Collective) -> CollectiveShape:

@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from libra_jax import _compat, _ffi, _nccl, collectives, config, model
+from libra_jax import _compat, _deprecated, _ffi, _nccl, collectives, config, model
 from libra_jax.collectives import Collective
 from libra_jax.ops import blocks as block_rule
 from libra_jax.ops.base import Platform, Rule, warn_once
@@ -46,7 +46,7 @@ from libra_jax.ops.shards import (
     to_row_of_shards,
 )
 
-__all__ = ["Call", "PairCall", "Collective", "COLLECTIVES", "ENGINE_DTYPES", "rule", "lower",
+__all__ = ["Call", "PairCall", "Collective", "ENGINE_DTYPES", "rule", "lower",
            "replaced_rule", "libra_call", "xla_collective", "warn_fallback", "engine_call",
            "engine_lowering", "cpu_call", "members_call", "gpu_call", "pair_call", "nccl_attrs",
            "nccl_blocks",
@@ -61,9 +61,6 @@ ENGINE_DTYPES = frozenset(
     np.dtype(d) for d in (np.float32, np.float64, jax.numpy.bfloat16, np.float16, np.int32, np.int64))
 
 
-#: The collective kinds, by the `jax.lax` function each serves: the rows of
-#: `libra_jax.collectives` (`Collective`: its names, layout and FFI targets).
-COLLECTIVES: dict[str, Collective] = collectives.BY_LAX
 CUDA_DTYPES = frozenset(
     np.dtype(d) for d in (np.float32, np.float64, jax.numpy.bfloat16, np.float16, np.int32))
 #: What libra's NCCL call reduces (cpp/libra/nccl.cc: ToNcclDataType).
@@ -757,3 +754,8 @@ def pair_call(flat_ctx: Any, call: Call, platform: Platform) -> PairCall | None:
 
 # --- Rows of shards: the sharded calls' flat layout --------------------------------------
 
+
+def __getattr__(name: str) -> Any:
+    # The kinds by `jax.lax` name are `collectives.BY_LAX`, their one home.
+    return _deprecated.alias(__name__, name, {"COLLECTIVES": ("collectives.BY_LAX",
+                                                              collectives.BY_LAX)})

@@ -133,6 +133,9 @@ in vectorised chunks and refuses more than ``EXHAUSTIVE_LIMIT``.
 """
 from __future__ import annotations
 
+from typing import Any
+
+from libra_jax import _deprecated
 from libra_jax.planner.baselines import (
     DEFAULT_PREFUSE,
     FSDP_POLICIES,
@@ -152,8 +155,8 @@ from libra_jax.planner.baselines import (
 )
 from libra_jax.planner.core import (
     BLOCK_PENALTY,
-    COLLECTIVES,
     HOROVOD_FUSION_BYTES,
+    KINDS,
     LIBRA_DEFAULT_THREADS,
     TIE_RTOL,
     Bucket,
@@ -199,7 +202,7 @@ from libra_jax.planner.step import (
 
 __all__ = [
     "BLOCK_PENALTY",
-    "COLLECTIVES",
+    "KINDS",
     "CollectiveTerms",
     "HOROVOD_FUSION_BYTES",
     "LIBRA_DEFAULT_THREADS",
@@ -250,3 +253,7 @@ __all__ = [
     "StepPrice",
     "price_step",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    return _deprecated.alias(__name__, name, {"COLLECTIVES": ("KINDS", KINDS)})

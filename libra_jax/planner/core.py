@@ -74,7 +74,7 @@ def _is_real(value: object) -> bool:
 #: The collectives a bucket may issue (the model's names of `libra_jax.collectives`' rows). A
 #: data-parallel gradient is all-reduced; a sharded parameter's (FSDP, ZeRO-3) is
 #: reduce-scattered; the all-gather is priced by the same terms.
-COLLECTIVES: tuple[str, ...] = collectives.KINDS
+KINDS: tuple[str, ...] = collectives.KINDS
 #: The kind a `CostModel`'s tables and ``latency_s`` price, every other kind's terms measured
 #: against it (`CollectiveTerms`), a `Layer`'s default: `collectives.REFERENCE`.
 REFERENCE: Collective = collectives.REFERENCE
@@ -92,7 +92,7 @@ class Layer:
     ``compute_s`` is its backward compute at full speed (seconds); ``grad_bytes`` the size of the
     gradient it produces, ready for its collective when the layer ends (the unsharded buffer:
     a reduce-scatter's input); ``collective`` what reduces it: its row (`libra_jax.collectives`),
-    or its name (one of `COLLECTIVES`, or its `jax.lax` name), which becomes its row; the
+    or its name (one of `KINDS`, or its `jax.lax` name), which becomes its row; the
     all-reduce by default. A bucket holds layers of one collective only.
     """
 
@@ -110,7 +110,7 @@ class Layer:
         except (ValueError, TypeError):
             row = None
         if row is None or row not in collectives.ROWS:
-            raise ValueError(f"Layer.collective must be one of {', '.join(COLLECTIVES)}, "
+            raise ValueError(f"Layer.collective must be one of {', '.join(KINDS)}, "
                              f"got {self.collective!r}")
         object.__setattr__(self, "collective", row)
         object.__setattr__(self, "compute_s", float(self.compute_s))

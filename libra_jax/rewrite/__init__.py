@@ -89,12 +89,15 @@ Contract of the rewrite (`rewrite_jaxpr`):
 
 from __future__ import annotations
 
+from typing import Any
+
+from libra_jax import _deprecated
 from libra_jax.ops import libra_bucket_p, libra_psum_fused_p
 from libra_jax.rewrite.report import (
     NO_PROFILE_BROADCAST_ENV,
+    CallPlan,
     LoopPlan,
     OptimizeReport,
-    PsumPlan,
     block_cap,
     check_plan_agreement,
     data_path_lines,
@@ -103,7 +106,7 @@ from libra_jax.rewrite.report import (
 from libra_jax.rewrite.rewriter import LOOP_MODES
 from libra_jax.rewrite.sites import UNPLANNED_NOTICE
 from libra_jax.rewrite.transform import (
-    COLLECTIVES,
+    COLLECTIVE_CHOICES,
     DISABLE_ENV,
     GSPMD_ROUTE,
     OVERLAP_ENV,
@@ -118,9 +121,15 @@ from libra_jax.rewrite.transform import (
     with_xla_collectives,
 )
 
-__all__ = ["optimize", "rewrite_jaxpr", "PsumPlan", "LoopPlan", "OptimizeReport",
+__all__ = ["optimize", "rewrite_jaxpr", "CallPlan", "LoopPlan", "OptimizeReport",
            "libra_bucket_p", "libra_psum_fused_p", "StaticArgs", "outer_statics", "Outputs", "nnx_objects",
            "block_cap", "shared_profile", "data_path_lines", "check_plan_agreement",
-           "gspmd_notice", "with_xla_collectives", "DISABLE_ENV", "OVERLAP_ENV", "COLLECTIVES",
+           "gspmd_notice", "with_xla_collectives", "DISABLE_ENV", "OVERLAP_ENV", "COLLECTIVE_CHOICES",
            "OVERLAP_MODES", "LOOP_MODES", "GSPMD_ROUTE", "UNPLANNED_NOTICE",
            "NO_PROFILE_BROADCAST_ENV"]
+
+
+def __getattr__(name: str) -> Any:
+    return _deprecated.alias(__name__, name, {"PsumPlan": ("CallPlan", CallPlan),
+                                              "COLLECTIVES": ("COLLECTIVE_CHOICES",
+                                                              COLLECTIVE_CHOICES)})

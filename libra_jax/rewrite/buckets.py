@@ -21,7 +21,7 @@ from libra_jax.rewrite.edits import (
     sunk_after,
     within_class,
 )
-from libra_jax.rewrite.report import PsumPlan
+from libra_jax.rewrite.report import CallPlan
 from libra_jax.rewrite.scope import Scope
 from libra_jax.rewrite.sites import Site
 
@@ -99,7 +99,7 @@ def edit_bucket(rw: Scope, eqns: Sequence[Any], bucket: list[Site], axes: tuple,
                 edits.replacements[site.index] = single_eqn(eqns[site.index], site, k, invars)
                 _say_copy(rw, eqns, site, scope, edits.replacements[site.index])
         rw.report.plans.extend(
-            PsumPlan(scope, axes, (s.index,), s.nbytes, k, "gradient", mode, s.collective)
+            CallPlan(scope, axes, (s.index,), s.nbytes, k, "gradient", mode, s.collective)
             for s in bucket)
         return
     last = bucket[-1].index
@@ -110,7 +110,7 @@ def edit_bucket(rw: Scope, eqns: Sequence[Any], bucket: list[Site], axes: tuple,
         edits.replacements[last] = fused_eqn(eqns, bucket, axes, invariant, k)
     edits.removed.update(site.index for site in bucket[:-1])
     edits.sink[last] = sunk_after(eqns, bucket)
-    rw.report.plans.append(PsumPlan(scope, axes, tuple(s.index for s in bucket),
+    rw.report.plans.append(CallPlan(scope, axes, tuple(s.index for s in bucket),
                                       sum(s.nbytes for s in bucket), k, "gradient", mode,
                                       bucket[0].collective))
 

@@ -11,7 +11,7 @@ from typing import Any
 from libra_jax import model
 from libra_jax.ops import blocks as block_rule
 from libra_jax.rewrite.edits import Edits, single_eqn
-from libra_jax.rewrite.report import PsumPlan
+from libra_jax.rewrite.report import CallPlan
 from libra_jax.rewrite.sites import Site, backward_sites, group_size
 
 __all__ = ["edit_exchanges"]
@@ -19,7 +19,7 @@ __all__ = ["edit_exchanges"]
 
 def edit_exchanges(eqns: Sequence[Any], exchanges: Sequence[Site], axis_sizes: dict,
                    scope: str, in_loop: bool, in_backward: bool, profile: model.Profile,
-                   invars: set, edits: Edits) -> list[PsumPlan]:
+                   invars: set, edits: Edits) -> list[CallPlan]:
     """Each all-to-all (`sites.exchange_site`) replaced by libra's in `edits`, and its plan:
     kind "user" where it carries its own block count (left as it is), "loop" in a loop
     body, "backward" on the backward pass (autodiff's transpose of one), else "forward"."""
@@ -35,6 +35,6 @@ def edit_exchanges(eqns: Sequence[Any], exchanges: Sequence[Site], axis_sizes: d
             k = block_rule.resolve_blocks(site.collective, site.nbytes,
                                           group_size(axis_sizes, site.axes), profile)
             edits.replacements[site.index] = single_eqn(eqns[site.index], site, k, invars)
-        plans.append(PsumPlan(scope, site.axes, (site.index,), site.nbytes, int(k), kind,
+        plans.append(CallPlan(scope, site.axes, (site.index,), site.nbytes, int(k), kind,
                               "sync", site.collective))
     return plans

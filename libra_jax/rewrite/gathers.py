@@ -12,7 +12,7 @@ from libra_jax import _compat, planner
 from libra_jax.ops import blocks as block_rule
 from libra_jax.rewrite.costs import roofline_s
 from libra_jax.rewrite.edits import Edits, fused_eqn, gather_bucket_pair_eqns, single_eqn
-from libra_jax.rewrite.report import PsumPlan
+from libra_jax.rewrite.report import CallPlan
 from libra_jax.rewrite.scope import Scope
 from libra_jax.rewrite.sites import Site, axis_names, backward_sites, gather_site, group_size
 
@@ -64,7 +64,7 @@ def edit_gathers(rw: Scope, eqns: Sequence[Any], gathers: Sequence[Site], axis_s
         if site.explicit_blocks is None and site.index not in issued:
             edits.replacements[site.index] = single_eqn(eqns[site.index], site, k, invars)
         members = calls.get(site.index, (site.index,))
-        rw.report.plans.append(PsumPlan(scope, site.axes, members,
+        rw.report.plans.append(CallPlan(scope, site.axes, members,
                                         sum(nbytes[i] for i in members), int(k),
                                         kinds[site.index], overlap, site.collective, distance))
 

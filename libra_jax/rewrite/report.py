@@ -11,20 +11,21 @@ from typing import Any
 
 import jax
 
-from libra_jax import _compat, _nccl, collectives, config, model, planner
+from libra_jax import _compat, _deprecated, _nccl, collectives, config, model, planner
 from libra_jax.collectives import Collective
 from libra_jax.ops.base import warn_once
 from libra_jax.ops.blocks import block_cap  # its home; named here for the rewrite's callers
 from libra_jax.rewrite.costs import roofline_s
 
-__all__ = ["PsumPlan", "LoopPlan", "OptimizeReport", "LatestReport", "block_cap", "shared_profile",
+__all__ = ["CallPlan", "LoopPlan", "OptimizeReport", "LatestReport", "block_cap", "shared_profile",
            "data_path_lines", "check_plan_agreement", "NO_PROFILE_BROADCAST_ENV", "price_step"]
 
 
 @dataclasses.dataclass(frozen=True)
-class PsumPlan:
-    """One planned collective (a bucket of one or more psums, or of psum_scatters) in one
-    jaxpr scope."""
+class CallPlan:
+    """One planned call of a collective in one jaxpr scope: a bucket of one or more members
+    (psums, psum_scatters, all-gathers) or one all-to-all. (Named ``PsumPlan`` before it
+    planned every kind; that name is a deprecated alias.)"""
 
     scope: str                      # where: "shard_map/jit/..." path of the jaxpr
     axes: tuple                     # the reduced mesh axes
@@ -46,10 +47,14 @@ class PsumPlan:
     ahead: int = 0
 
 
+def __getattr__(name: str) -> Any:
+    return _deprecated.alias(__name__, name, {"PsumPlan": ("CallPlan", CallPlan)})
+
+
 @dataclasses.dataclass(frozen=True)
 class LoopPlan:
     """What `optimize` did with one loop (`scan`, `while`) whose body holds gradient psums:
-    each iteration's plan (the body's scope, whose `PsumPlan`s run once per iteration) and,
+    each iteration's plan (the body's scope, whose `CallPlan`s run once per iteration) and,
     for a scan whose psums could leave the body (a stacked weight's gradient slices:
     `libra_jax.loops`), the choice to hoist them or keep them in the body."""
 
@@ -74,7 +79,7 @@ class LoopPlan:
 class OptimizeReport:
     """What the rewrite did: every planned all-reduce, and what it left alone."""
 
-    plans: list[PsumPlan] = dataclasses.field(default_factory=list)
+    plans: list[CallPlan] = dataclasses.field(default_factory=list)
     predicted: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     skipped: list[str] = dataclasses.field(default_factory=list)
     notes: list[str] = dataclasses.field(default_factory=list)  # why nothing was planned
@@ -307,7 +312,7 @@ def price_step(report: OptimizeReport, jaxpr: Any) -> planner.StepPrice | None:
     fair = profile.fair_share
     call_s, bytes_per_s = fair.xla_terms()
     xla = planner.XlaTerms(call_s, bytes_per_s)
-    issued: dict[tuple[str, int], list[PsumPlan]] = {}
+    issued: dict[tuple[str, int], list[CallPlan]] = {}
     for p in report.plans:
         if p.kind == "gradient":
             issued.setdefault((p.scope, p.members[-1]), []).append(p)
@@ -349,7 +354,7 @@ def price_step(report: OptimizeReport, jaxpr: Any) -> planner.StepPrice | None:
     return planner.price_step(compute_s, scopes, others, xla, fair.pending_allreduce_s)
 
 
-def _other_call(key: tuple, p: PsumPlan, cost: planner.CostModel,
+def _other_call(key: tuple, p: CallPlan, cost: planner.CostModel,
                 derivation: Any) -> planner.OtherCall:
     """A collective planned apart from a backward pass, as one call alone: its issue, its
     latency and its bytes at the solo rate of its blocks."""

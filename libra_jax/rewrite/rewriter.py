@@ -35,7 +35,7 @@ from libra_jax.rewrite.edits import (
 from libra_jax.rewrite.exchanges import edit_exchanges
 from libra_jax.rewrite.gathers import edit_gathers, hoist_regathers
 from libra_jax.rewrite.ready import Ready, inline_calls, to_ready_points
-from libra_jax.rewrite.report import LoopPlan, OptimizeReport, PsumPlan
+from libra_jax.rewrite.report import CallPlan, LoopPlan, OptimizeReport
 from libra_jax.rewrite.scope import LOOP_MODES, Options
 from libra_jax.rewrite.shrink import shrink_psums
 from libra_jax.rewrite.sites import (
@@ -224,7 +224,7 @@ class Rewriter:
                 k = block_rule.resolve_blocks(site.collective, site.nbytes,
                                               group_size(axis_sizes, site.axes), self.profile)
                 edits.replacements[site.index] = single_eqn(eqns[site.index], site, k, invars)
-            self.report.plans.append(PsumPlan(scope, site.axes, (site.index,), site.nbytes,
+            self.report.plans.append(CallPlan(scope, site.axes, (site.index,), site.nbytes,
                                               k, kind, "sync", site.collective))
         planned = [(axes, bucket, k)
                    for (axes, _), members in groups.items()

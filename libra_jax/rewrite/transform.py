@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from libra_jax import _compat, allreduce, config, model
+from libra_jax import _compat, _deprecated, allreduce, config, model
 from libra_jax.ops import XLA_TWINS
 from libra_jax.ops.base import warn_once
 from libra_jax.rewrite.edits import map_jaxprs
@@ -31,7 +31,7 @@ from libra_jax.rewrite.sites import UNPLANNED_NOTICE, collective_counts, is_psum
 
 __all__ = ["optimize", "rewrite_jaxpr", "StaticArgs", "outer_statics", "Outputs",
            "nnx_objects", "gspmd_notice", "with_xla_collectives", "DISABLE_ENV", "OVERLAP_ENV",
-           "COLLECTIVES", "OVERLAP_MODES", "GSPMD_ROUTE"]
+           "COLLECTIVE_CHOICES", "OVERLAP_MODES", "GSPMD_ROUTE"]
 
 
 #: Environment switch that turns `optimize` into a pass-through (`config`).
@@ -40,7 +40,7 @@ DISABLE_ENV = config.DISABLE_ENV
 OVERLAP_ENV = config.OVERLAP_ENV
 #: What carries out the rewritten program's all-reduces: Libra's engine ("libra"), or XLA's
 #: all-reduce in each call's place, the program otherwise the same ("xla": a control).
-COLLECTIVES = ("libra", "xla")
+COLLECTIVE_CHOICES = ("libra", "xla")
 #: How a gradient all-reduce is issued: one call ("sync"; on CPU already asynchronous), a
 #: start/done pair around the compute it overlaps ("start-done", `libra_jax.ops.start_done`), or
 #: per bucket whichever the model prices lower ("auto", `buckets.split_buckets`).
@@ -137,7 +137,7 @@ def optimize(fn: Callable[..., Any] | None = None, *, profile: Any = None, fusio
     fusion = config.bool_option(fusion, "fusion")
     if blocks is not None:
         allreduce.check_blocks(blocks)
-    config.choice_option(collectives, COLLECTIVES, "collectives")
+    config.choice_option(collectives, COLLECTIVE_CHOICES, "collectives")
     options = Options(profile=profile, fusion=fusion, blocks=blocks,
                        overlap=config.overlap_mode(overlap), loops=_loop_mode(loops),
                        prefetch=config.prefetch_mode(prefetch),
@@ -504,3 +504,8 @@ def with_xla_collectives(closed: Any) -> Any:
                 for eqn in jaxpr.eqns]
         return jaxpr.replace(eqns=eqns)
     return _compat.closed_jaxpr(visit(closed.jaxpr), closed.consts)
+
+
+def __getattr__(name: str) -> Any:
+    return _deprecated.alias(__name__, name, {"COLLECTIVES": ("COLLECTIVE_CHOICES",
+                                                              COLLECTIVE_CHOICES)})
