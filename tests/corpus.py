@@ -755,7 +755,7 @@ def fsdp_explicit_psum_scatter(pmean: Callable[..., Any] | None = None) -> Case:
     """FSDP written out (`check_vma=False`): the weights all-gathered before the loss, the
     full gradients taken locally and reduce-scattered explicitly by
     `jax.lax.psum_scatter(..., tiled=True)` (mean over ranks); the last weight is sharded
-    along its second dimension (scatter_dimension=1: a bucket of its own)."""
+    along its second dimension (scatter_dimension=1: in the others' bucket all the same)."""
     pmean = pmean or _lax_pmean
     mesh, params, x, y = _fsdp_problem(22)
     dims = {"w1": 0, "w2": 0, "w3": 1}

@@ -1233,8 +1233,9 @@ def test_a_bucket_holds_one_collective_and_one_class():
     """A bucket holds one `Site.bucket_class`: gradient psums and psum_scatters over the same
     axes are a stream each, each fused over the other's gradients (FSDP's reduce-scatters and
     all-reduces alternate in the backward pass; as one stream, no bucket reached past a
-    gradient of the other kind), and a psum_scatter along its second dimension is a bucket
-    of its own."""
+    gradient of the other kind); a psum_scatter along its second dimension shares a bucket with
+    those along their first (the engine takes each member along its own dimension), bitwise
+    the XLA control."""
     from libra_jax import rewrite
 
     def scatter(g, i):
@@ -1252,12 +1253,12 @@ def test_a_bucket_holds_one_collective_and_one_class():
     assert_bitwise(got, control)
     assert_codegen_close(got, jax.jit(step)(*args))
     # In the order the backward pass makes them (the last parameter's first): a
-    # psum_scatter, one along dimension 1, the psum, a psum_scatter. The two along the first
-    # dimension are one bucket over the two between them (one stream); the others alone.
+    # psum_scatter, one along dimension 1, the psum, a psum_scatter. The three psum_scatters
+    # are one bucket over the psum between them (one stream); the psum alone.
     plans = [p for p in opt.last_report.plans if p.kind == "gradient"]
     assert sorted((p.collective.kind, len(p.members)) for p in plans) == [
-        ("all-reduce", 1), ("reduce-scatter", 1), ("reduce-scatter", 2)]
-    fused, = [p for p in plans if len(p.members) == 2]
+        ("all-reduce", 1), ("reduce-scatter", 3)]
+    fused, = [p for p in plans if len(p.members) == 3]
     between = [p.members[0] for p in plans if len(p.members) == 1]
     assert all(min(fused.members) < m < max(fused.members) for m in between), plans
     # The class cut, directly: members of other classes never share a reach.
@@ -1265,8 +1266,8 @@ def test_a_bucket_holds_one_collective_and_one_class():
     sites = [rewrite.sites.Site(i, ("x",), False, 64, None, None, BY_KIND["reduce-scatter"],
                                 (d, 8, True)) for i, d in enumerate((0, 0, 1, 0))]
     sites.insert(2, rewrite.sites.Site(9, ("x",), True, 64, None, None, BY_KIND["all-reduce"]))
-    assert rewrite.edits.within_class(sites, [4, 4, 4, 4, 4]) == [1, 1, 2, 3, 4]
-    assert rewrite.edits.within_class(sites, None) == [1, 1, 2, 3, 4]
+    assert rewrite.edits.within_class(sites, [4, 4, 4, 4, 4]) == [1, 1, 2, 4, 4]
+    assert rewrite.edits.within_class(sites, None) == [1, 1, 2, 4, 4]
 
 
 def test_plan_agreement_compares_the_collective(monkeypatch):

@@ -123,8 +123,10 @@ def _bucket_rule(platform: Platform) -> Rule:
             flat_in = ctx.avals_in[idx[0]].update(shape=(count,))
             flat_out = flat_in.update(shape=(count // rows,))
             flat_ctx = ctx.replace(primitive=None, avals_in=[flat_in], avals_out=[flat_out])
-            if collective.gathers or (rows > 1
-                                      and lowering.libra_call(flat_ctx, call, platform)[1]):
+            # Packed into one row only members that scatter along dimension 0: another's
+            # shards are not contiguous (each is then its own call, as an all-gather's).
+            if (collective.gathers or any(group_call.member_dimensions)
+                    or (rows > 1 and lowering.libra_call(flat_ctx, call, platform)[1])):
                 for i in idx:
                     outs[i], = lowering.lower(ctx.replace(
                         primitive=None, avals_in=[ctx.avals_in[i]],
@@ -150,42 +152,54 @@ def _psum_bucket(params: dict[str, Any]) -> tuple[lowering.Call, int, Any]:
 _member_abstract_eval = mirror_abstract_eval(mirror_reduce_scatter)
 
 
-def _member_params(axis_name: tuple, axis_size: int, tiled: bool, blocks: int | None
-                   ) -> dict[str, Any]:
-    """One member's `libra_reduce_scatter` params: scattered along dimension 0."""
-    return dict(axis_name=axis_name, scatter_dimension=0, axis_size=axis_size,
+def _member_params(axis_name: tuple, axis_size: int, tiled: bool, blocks: int | None,
+                   dimension: int = 0) -> dict[str, Any]:
+    """One member's `libra_reduce_scatter` params: scattered along `dimension`."""
+    return dict(axis_name=axis_name, scatter_dimension=int(dimension), axis_size=axis_size,
                 tiled=bool(tiled), blocks=blocks)
 
 
+def _scatter_dimensions(params: dict[str, Any], members: int) -> tuple[int, ...]:
+    """Each member's scattered dimension (``dimension``; absent: every member's is 0)."""
+    dimension = params.get("dimension")
+    return tuple(dimension) if dimension is not None else (0,) * members
+
+
 def _reduce_scatter_abstract_eval(*avals: Any, axes: tuple, axis_size: int, tiled: tuple,
-                                  blocks: int | None) -> Any:
-    """Each member's type as its `jax.lax.psum_scatter` along dimension 0 has it (JAX's
-    abstract evaluation, and JAX's errors), the union of their effects."""
-    if len(tiled) != len(avals):
-        raise ValueError(f"libra_bucket ({REDUCE_SCATTER}): tiled has {len(tiled)} entries for "
-                         f"{len(avals)} operands (one per member)")
+                                  blocks: int | None, dimension: tuple | None = None) -> Any:
+    """Each member's type as its `jax.lax.psum_scatter` along its dimension (``dimension``, one
+    per member; None: 0 for all) has it (JAX's abstract evaluation, and JAX's errors), the
+    union of their effects."""
+    dims = _scatter_dimensions({"dimension": dimension}, len(avals))
+    if len(tiled) != len(avals) or len(dims) != len(avals):
+        raise ValueError(f"libra_bucket ({REDUCE_SCATTER}): tiled and dimension need one entry "
+                         f"per operand ({len(avals)}), got {len(tiled)} and {len(dims)}")
     outs, effects = [], set()
-    for k, (aval, member_tiled) in enumerate(zip(avals, tiled)):
+    for k, (aval, member_tiled, d) in enumerate(zip(avals, tiled, dims)):
         if not aval.shape:
             raise ValueError(f"libra_bucket ({REDUCE_SCATTER}): operand {k} is a scalar: a "
-                             "reduce-scatter needs a dimension 0 to scatter")
+                             "reduce-scatter needs a dimension to scatter")
         out, eff = _member_abstract_eval(aval, **_member_params(axes, axis_size,
-                                                                member_tiled, blocks))
+                                                                member_tiled, blocks, d))
         outs.append(out)
         effects |= set(eff)
     return outs, effects
 
 
 def _reduce_scatter_bucket(params: dict[str, Any]) -> tuple[lowering.Call, int, Any]:
-    """The packed row's reduce-scatter: along dimension 0, tiled, every rank's shards of every
-    member in one run (`packing.pack` with ``rows``); each member's own, as it is."""
+    """The members' reduce-scatter: where a platform's call takes them as they are (the CPU
+    engine, NCCL's and the kernels' member calls), each along its own dimension (the engine's
+    segments: `lowering.Call.member_dimensions`); else the packed row's, along dimension 0,
+    tiled, every rank's shards of every member in one run (`packing.pack` with ``rows``:
+    members scattered along dimension 0 only); each member's own, as it is."""
     axis_name, axis_size, blocks = params["axes"], params["axis_size"], params["blocks"]
+    dims = _scatter_dimensions(params, len(params["tiled"]))
 
     def member_call(i: int) -> lowering.Call:
         return sharded_call(REDUCE_SCATTER, _member_params(axis_name, axis_size,
-                                                            params["tiled"][i], blocks))
-    return (sharded_call(REDUCE_SCATTER, _member_params(axis_name, axis_size, True, blocks)),
-            axis_size, member_call)
+                                                            params["tiled"][i], blocks, dims[i]))
+    call = sharded_call(REDUCE_SCATTER, _member_params(axis_name, axis_size, True, blocks))
+    return (call._replace(member_dimensions=dims) if any(dims) else call), axis_size, member_call
 
 
 # --- The all-gather bucket ------------------------------------------------------------

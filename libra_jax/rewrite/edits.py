@@ -234,9 +234,8 @@ _emits("all_to_all")(_libra_eqn("exchange", ("split_axis", "concat_axis", "tiled
 def fused_eqn(eqns: Sequence[Any], bucket: Sequence[Site], axes: tuple, invariant: bool,
            blocks: int) -> Any:
     """A bucket as one `libra_bucket` equation of its kind (its row's "bucket" form:
-    `collectives.NoForm` where it has none): a reduce-scatter's with its members' group size
-    and tiling (along their first dimension: `Site.bucket_class`), an all-reduce's with its
-    invariance."""
+    `collectives.NoForm` where it has none): a reduce-scatter's with its members' group size,
+    tiling and scattered dimensions, an all-reduce's with its invariance."""
     members = [eqns[s.index] for s in bucket]
     effects = set().union(*(e.effects for e in members))
     row = bucket[0].collective
@@ -249,6 +248,9 @@ def fused_eqn(eqns: Sequence[Any], bucket: Sequence[Site], axes: tuple, invarian
         params = dict(collective=row, axes=axes, axis_size=scatter[1],
                       tiled=tuple(s.scatter[2] for s in bucket if s.scatter is not None),
                       blocks=int(blocks))
+        dims = tuple(s.scatter[0] for s in bucket if s.scatter is not None)
+        if any(dims):  # (absent where every member scatters its first dimension)
+            params["dimension"] = dims
     elif row.sums:
         params = dict(collective=row, axes=axes, blocks=int(blocks), invariant=invariant)
     elif row.gathers:

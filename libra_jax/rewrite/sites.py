@@ -87,14 +87,12 @@ def _all_reduce_class(site: Site) -> tuple:
 
 
 def _reduce_scatter_class(site: Site) -> tuple:
-    """A psum_scatter's: its group size; one scattered along another dimension than the first
-    is a class of its own (its shards are not rows: fusing it would take a transposed
-    copy)."""
+    """A psum_scatter's: its group size; its scattered dimension is its own (the engine takes
+    each member along its own dimension: `lowering.Call.member_dimensions`)."""
     if site.scatter is None:
         raise no_form(site.collective, "psum_scatter parameters (Site.scatter)")
-    dimension, size, _ = site.scatter
-    return ((site.collective, size) if dimension == 0 else
-            (site.collective, size, site.index))
+    _, size, _ = site.scatter
+    return (site.collective, size)
 
 
 def _all_gather_class(site: Site) -> tuple:
