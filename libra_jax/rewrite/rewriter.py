@@ -53,6 +53,7 @@ from libra_jax.rewrite.sites import (
     split_empty_operands,
     warn_invariant_operands,
 )
+from libra_jax.rewrite.transposes import scatter_before_transpose
 
 __all__ = ["Options", "Rewriter", "LOOP_MODES"]
 
@@ -159,7 +160,8 @@ class Rewriter:
             eqns = inline_calls(eqns)  # a jit inside the step is a boundary only
             # psums of a backward scan's stacked slices: per iteration, in its body (`loops`)
             eqns = loops.sink(eqns, jaxpr.outvars)
-        eqns = self.hoist_loops(shrink_psums(eqns, jaxpr.outvars), axis_sizes, scope)
+        eqns = scatter_before_transpose(shrink_psums(eqns, jaxpr.outvars), jaxpr.outvars)
+        eqns = self.hoist_loops(eqns, axis_sizes, scope)
         if not in_loop and self.prefetch != 0:
             eqns = hoist_regathers(self, eqns, axis_sizes)
         eqns = [self.sub_jaxprs(eqn, i, axis_sizes, scope, in_loop, in_backward)
