@@ -188,10 +188,10 @@ def _reduce_scatter_abstract_eval(*avals: Any, axes: tuple, axis_size: int, tile
 
 def _reduce_scatter_bucket(params: dict[str, Any]) -> tuple[lowering.Call, int, Any]:
     """The members' reduce-scatter: where a platform's call takes them as they are (the CPU
-    engine, NCCL's and the kernels' member calls), each along its own dimension (the engine's
-    segments: `lowering.Call.member_dimensions`); else the packed row's, along dimension 0,
-    tiled, every rank's shards of every member in one run (`packing.pack` with ``rows``:
-    members scattered along dimension 0 only); each member's own, as it is."""
+    engine's call, NCCL's member call), each along its own dimension (the engine's segments,
+    NCCL's rows of shards: `lowering.Call.member_dimensions`); else the packed row's, along
+    dimension 0, tiled, every rank's shards of every member in one run (`packing.pack` with
+    ``rows``: members scattered along dimension 0 only); each member's own, as it is."""
     axis_name, axis_size, blocks = params["axes"], params["axis_size"], params["blocks"]
     dims = _scatter_dimensions(params, len(params["tiled"]))
 
