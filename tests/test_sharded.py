@@ -981,7 +981,8 @@ class TestFusedReduceScatter:
             run(whole, seven, tiled=(True, True))
         with pytest.raises(ValueError, match="4 must match shard count 8"):
             run(whole, four, tiled=(True, False))
-        with pytest.raises(ValueError, match="tiled has 1 entries for 2 operands"):
+        with pytest.raises(ValueError, match=r"tiled and dimension need one entry per operand "
+                           r"\(2\), got 1 and 2"):
             run(whole, whole, tiled=(True,))
         with pytest.raises(ValueError, match="operand 1 is a scalar"):
             run(whole, lambda v: v.sum(), tiled=(True, True))

@@ -44,7 +44,7 @@ def block_cap(profile: model.Profile) -> tuple[int | None, str]:
 def capped_derivation(profile: Any, world: int) -> model.Derivation:
     """`profile`'s cost model for `world` ranks with the options above `block_cap` dropped.
     `profile`: a name, path or `model.Profile`."""
-    resolved = model.resolve_profile(profile)
+    resolved = profile if isinstance(profile, model.Profile) else model.resolve_profile(profile)
     cap, why = block_cap(resolved)
     return model.derive(resolved, world, max_blocks=cap, max_blocks_why=why)
 

@@ -64,7 +64,7 @@ def plan(rw: Scope, members: list[Site], costs: list[float], world: int, scope: 
         # For `libra_jax.explain`: per layer, the psum's equation index and result variable;
         # the cost model and what its keys count.
         "axes": members[0].axes, "members": tuple(s.index for s in members),
-        "results": tuple(s.result for s in members), "cost": cost,
+        "results": tuple(rw.renamed.get(s.result, s.result) for s in members), "cost": cost,
         "key_unit": derivation.key_unit, "reach": reach,
         # Where each member is ready in the backward pass (`ready`; None: where written).
         "ready": tuple(rw.ready.get(scope, {}).get(s.index) for s in members),

@@ -104,10 +104,10 @@ class Rewriter:
         # (scope, a scan equation's position) -> the choice hoist_loops made for its stacked
         # slices: a LoopPlan, completed once the body is planned (`loop_report`).
         self.hoisting: dict[tuple[str, int], LoopPlan] = {}
-        # Remat's re-gathers taken out of their `checkpoint` to be issued ahead
-        # (`gathers.hoist_regathers`): their results, each with the checkpoint's cotangent it must
-        # not start before.
+        # Remat's re-gathers taken out of their `checkpoint` to be issued ahead (`gathers.
+        # hoist_regathers`): their results, each with the cotangent it must not start before.
         self.regathered: dict[Any, Any] = {}
+        self.renamed: dict[Any, Any] = {}  # `transposes`: a moved scatter's result -> the old
         self.prefetch, self.prefetch_why = self.prefetch_mode()
         # Per scope, each gradient collective's ready point by its position (`ready`), and
         # each position's before the collectives moved (the report says those).
@@ -160,7 +160,7 @@ class Rewriter:
             eqns = inline_calls(eqns)  # a jit inside the step is a boundary only
             # psums of a backward scan's stacked slices: per iteration, in its body (`loops`)
             eqns = loops.sink(eqns, jaxpr.outvars)
-        eqns = scatter_before_transpose(shrink_psums(eqns, jaxpr.outvars), jaxpr.outvars)
+        eqns = scatter_before_transpose(shrink_psums(eqns, jaxpr.outvars), jaxpr.outvars, self.renamed)
         eqns = self.hoist_loops(eqns, axis_sizes, scope)
         if not in_loop and self.prefetch != 0:
             eqns = hoist_regathers(self, eqns, axis_sizes)

@@ -76,7 +76,9 @@ class Scope(Protocol):
     (`Rewriter` holds it): the options and the profile as resolved once, the report the passes
     fill, each scope's ready points (`ready`), the all-gathers' prefetch distance and why
     (`prefetch`, `prefetch_why`), remat's re-gathers taken out of their checkpoints
-    (`regathered`), and the ids of start/done pairs (`call_id`)."""
+    (`regathered`), the results a pass renamed, by the variable the program as written has
+    (`renamed`: `transposes`' moved reduce-scatters, whose gradients `explain` names), and the
+    ids of start/done pairs (`call_id`)."""
 
     options: Options
     profile: model.Profile
@@ -85,6 +87,7 @@ class Scope(Protocol):
     prefetch: int | None
     prefetch_why: str
     regathered: dict[Any, Any]
+    renamed: dict[Any, Any]
 
     def call_id(self) -> int:
         """The id of the program's next start/done pair."""

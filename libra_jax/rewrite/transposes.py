@@ -41,9 +41,12 @@ from libra_jax import _compat
 __all__ = ["scatter_before_transpose"]
 
 
-def scatter_before_transpose(eqns: Sequence[Any], outvars: Sequence[Any]) -> list[Any]:
+def scatter_before_transpose(eqns: Sequence[Any], outvars: Sequence[Any],
+                             renamed: dict[Any, Any] | None = None) -> list[Any]:
     """The scope's equations with each psum_scatter of a transpose issued before it (module
-    docstring); the equations as they are where there is none."""
+    docstring); the equations as they are where there is none. Each moved psum_scatter's new
+    result maps to its old one in `renamed` (`explain` names a gradient by the variable the
+    program as written has)."""
     uses: collections.Counter[Any] = collections.Counter(
         v for e in eqns for v in e.invars if _compat.is_var(v))
     uses.update(v for v in outvars if _compat.is_var(v))
@@ -55,6 +58,8 @@ def scatter_before_transpose(eqns: Sequence[Any], outvars: Sequence[Any]) -> lis
         if scatter is not None:
             moved[id(scatter)] = _swapped(eqn, scatter)
             dropped.add(id(eqn))
+            if renamed is not None:
+                renamed[moved[id(scatter)][0].outvars[0]] = scatter.outvars[0]
     if not moved:
         return list(eqns)
     out: list[Any] = []
