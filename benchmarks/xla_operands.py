@@ -13,17 +13,16 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import time
 
 from report import header, publish, spread
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from libra_jax.calibrate.probe import _psum_program  # noqa: E402
+from libra_jax.calibrate.probe import interleaved_times, psum_program
 
 MIB = 1 << 20
 #: (bytes an operand a device, operands): one operand up to 16 MiB, then 4 and 16 of them.
@@ -49,18 +48,8 @@ def main() -> None:
                            NamedSharding(mesh, P("p")))
         for reduce in (True, False):
             arms[(nbytes, operands, reduce)] = (
-                _psum_program(jax, mesh, nbytes // 4, operands, reduce), x)
-    times: dict = {key: [] for key in arms}
-    order = list(arms)
-    rng = random.Random(0)
-    for rep in range(args.rounds + 1):  # round 0 compiles
-        rng.shuffle(order)
-        for key in order:
-            program, x = arms[key]
-            start = time.perf_counter()
-            jax.block_until_ready(program(x))
-            if rep:
-                times[key].append(time.perf_counter() - start)
+                psum_program(jax, mesh, nbytes // 4, operands, reduce), x)
+    times = interleaved_times(arms, args.rounds, random.Random(0))  # after a round that compiles
     lines = header(f"; {len(devices)} host devices")
     lines += [f"Load average (1/5/15 min) before: {'/'.join(f'{v:.1f}' for v in load_before)}, "
               f"after: {'/'.join(f'{v:.1f}' for v in os.getloadavg())}.",

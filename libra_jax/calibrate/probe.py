@@ -24,6 +24,7 @@ import dataclasses
 import random
 import statistics
 import threading
+import time
 from typing import Any
 
 from libra_jax.calibrate.fit import CalibrationError
@@ -86,7 +87,7 @@ def rates(budget: Budget = PROBE_BUDGET, seed: int = 0) -> Rates:
                  chain_bytes(budget) / statistics.median(windows["stream"]))
 
 
-def _psum_program(jax: Any, mesh: Any, elements: int, operands: int, reduce: bool) -> Any:
+def psum_program(jax: Any, mesh: Any, elements: int, operands: int, reduce: bool) -> Any:
     """A jitted shard_map over `mesh` taking one f32 array of `elements` per device and psum-ing
     `operands` distinct arrays of that size (one all-reduce of `operands` operands, as XLA's
     combiner makes of a plain step's gradients), or none (`reduce` False: the same program's
@@ -102,10 +103,30 @@ def _psum_program(jax: Any, mesh: Any, elements: int, operands: int, reduce: boo
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("p"), out_specs=P("p")))
 
 
+def interleaved_times(programs: dict[Any, tuple[Any, Any]], reps: int, rng: random.Random
+                      ) -> dict[Any, list[float]]:
+    """Per key, the seconds of `reps` runs of its ``(program, argument)``, each whole
+    (``block_until_ready``), the keys in a shuffled order each round, after a round that
+    compiles and warms up."""
+    import jax
+
+    times: dict[Any, list[float]] = {key: [] for key in programs}
+    order = list(programs)
+    for rep in range(reps + 1):
+        rng.shuffle(order)
+        for key in order:
+            program, x = programs[key]
+            start = time.perf_counter()
+            jax.block_until_ready(program(x))
+            if rep:
+                times[key].append(time.perf_counter() - start)
+    return times
+
+
 def xla_rates(reps: int = XLA_REPS, seed: int = 0, devices: int | None = None) -> XlaRates:
     """XLA's all-reduce on this machine's CPU devices (`XlaRates`), in the calling thread.
 
-    Six programs (`_psum_program`), timed whole (``block_until_ready``) in `reps` interleaved
+    Six programs (`psum_program`), timed whole (``block_until_ready``) in `reps` interleaved
     rounds after one that compiles, medians: one and `XLA_OPERANDS` operands of
     `XLA_SMALL_ELEMENTS` psum-ed (their difference over the operands added: an operand's
     call), and `XLA_OPERANDS` operands of `XLA_LARGE_ELEMENTS` against as many small ones,
@@ -115,8 +136,6 @@ def xla_rates(reps: int = XLA_REPS, seed: int = 0, devices: int | None = None) -
     moves a byte of one operand among several at about half the rate of a lone operand's
     (benchmarks/results/xla_operands.md). `devices`: the first that many CPU
     devices (None: all)."""
-    import time
-
     import jax
     import numpy as np
     from jax.sharding import Mesh, NamedSharding
@@ -130,24 +149,17 @@ def xla_rates(reps: int = XLA_REPS, seed: int = 0, devices: int | None = None) -
     programs = {}
     for name, (elements, operands, reduce) in arms.items():
         x = jax.device_put(np.ones(elements * len(chosen), np.float32), NamedSharding(mesh, P("p")))
-        programs[name] = (_psum_program(jax, mesh, elements, operands, reduce), x)
-    times: dict[str, list[float]] = {}  # by arm and phase
+        programs[name] = (psum_program(jax, mesh, elements, operands, reduce), x)
     rng = random.Random(seed)
     # Two phases: the calls' arms apart from the large ones, whose long calls leave the device
     # threads slower to meet the next small call's rendezvous (measured: the call cost two to
     # six times itself when interleaved with them).
-    for phase, names in enumerate((["one", "many"], ["many", "many_none", "large", "large_none"])):
-        for rep in range(reps + 1):  # repetition 0 compiles and warms up
-            rng.shuffle(names)
-            for name in names:
-                program, x = programs[name]
-                start = time.perf_counter()
-                jax.block_until_ready(program(x))
-                if rep:
-                    times.setdefault(f"{name}{phase}", []).append(time.perf_counter() - start)
-    t = {name: statistics.median(v) for name, v in times.items()}
-    call_s = max(0.0, (t["many0"] - t["one0"]) / (many - 1))
-    bytes_s = (t["large1"] - t["large_none1"]) - (t["many1"] - t["many_none1"])
+    calls = {k: statistics.median(v) for k, v in interleaved_times(
+        {k: programs[k] for k in ("one", "many")}, reps, rng).items()}
+    moved = {k: statistics.median(v) for k, v in interleaved_times(
+        {k: programs[k] for k in ("many", "many_none", "large", "large_none")}, reps, rng).items()}
+    call_s = max(0.0, (calls["many"] - calls["one"]) / (many - 1))
+    bytes_s = (moved["large"] - moved["large_none"]) - (moved["many"] - moved["many_none"])
     if not bytes_s > 0:
         raise CalibrationError(f"XLA's psum of {many} operands of {large * 4} bytes took no longer "
                                f"than of {small * 4} bytes: no bytes rate")
