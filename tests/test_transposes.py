@@ -159,3 +159,37 @@ def _all_eqns(jaxpr):
         yield e
         for sub in _compat.jaxprs_in_params(e.params):
             yield from _all_eqns(sub)
+
+
+@pytest.mark.parametrize("permutation, dimension", [((1, 0, 2), 0), ((2, 0, 1), 1),
+                                                    ((0, 2, 1), 2), ((2, 1, 0), 0)])
+def test_any_permutation_and_scattered_dimension(permutation, dimension):
+    """A 3-D array transposed by `permutation` and reduce-scattered along `dimension` (the
+    moved scatter is along ``permutation[dimension]``): the same values as the program
+    written, bitwise (only data moves between them), and the scatter reads the array as
+    computed."""
+    mesh = mesh_of((8,), ("data",))
+    shape = [3, 5, 7]
+    shape[permutation[dimension]] = 16  # the dimension scattered over 8 ranks, 2 each
+
+    def local(x):
+        y = jnp.sin(x) * 3.0
+        return jax.lax.psum_scatter(jnp.transpose(y, permutation), "data",
+                                    scatter_dimension=dimension, tiled=True)
+
+    out_shape = [shape[p] for p in permutation]
+    out_spec = P(*([None] * dimension), "data")
+    step = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P(), out_specs=out_spec,
+                                 check_vma=False))
+    x = np.random.default_rng(sum(permutation) + dimension).standard_normal(shape).astype(
+        np.float32)
+    opt = optimize(step)
+    got = jax.jit(opt)(x)
+    assert got.shape == tuple(out_shape)
+    assert_bitwise(got, step(x))
+    assert_bitwise(got, jax.jit(optimize(step, collectives="xla"))(x))
+    body = next(e for e in _all_eqns(jax.make_jaxpr(step)(x).jaxpr)
+                if e.primitive.name == "shard_map").params["jaxpr"]
+    moved = scatter_before_transpose(body.eqns, body.outvars)
+    scatter, = [e for e in moved if e.primitive.name == "reduce_scatter"]
+    assert int(scatter.params["scatter_dimension"]) == permutation[dimension]
