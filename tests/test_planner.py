@@ -6,6 +6,7 @@ semantics; the planner against exhaustive enumeration (itself checked against a 
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import subprocess
@@ -31,6 +32,7 @@ from libra_jax.planner import (
     plan_fusion_only,
     plan_mgwfbp,
     simulate,
+    timeline,
 )
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -62,8 +64,11 @@ def reference_backward_time(layers, buckets, cost):
     while True:
         while active is None and nxt < len(buckets) and cur > buckets[nxt].last:
             if sizes[nxt] > 0:
-                pack = cost.call_s + (cost.pack_s_per_byte * sizes[nxt] if tensors[nxt] >= 2 else 0.0)
                 terms = cost.terms(layers[buckets[nxt].last].collective)
+                # A one-call bucket's pending cost: at most the compute left after its ready point.
+                after = sum(work[buckets[nxt].last + 1:])
+                pack = (cost.call_s + (cost.pack_s_per_byte * sizes[nxt] if tensors[nxt] >= 2 else 0.0)
+                        + min(terms.pending_s, after))
                 active = [buckets[nxt].blocks, terms.latency_s, sizes[nxt] * terms.traffic, pack]
             nxt += 1
         computing = cur < n
@@ -133,8 +138,9 @@ def cost_models(draw, max_options=4, physical=True):
     latency = draw(st.one_of(st.just(0.0), st.floats(0.0, 0.1), st.floats(0.1, 3.0)))
     pack = draw(st.one_of(st.just(0.0), st.floats(0.0, 0.05)))
     call = draw(st.one_of(st.just(0.0), st.floats(0.0, 0.5)))
+    pending = draw(st.one_of(st.just(0.0), st.floats(0.0, 1.0)))
     return CostModel(latency_s=latency, solo_bw=solo, overlap_bw=overlap, slowdown=slowdown, pack_s_per_byte=pack,
-                     call_s=call)
+                     call_s=call, pending_s=pending)
 
 
 @st.composite
@@ -601,7 +607,7 @@ def test_plan_fusion_only_is_the_planner_with_one_allocation(case):
         p = plan_fusion_only(layers, cost, blocks=k)
         assert {b.blocks for b in p.buckets} == {k}
         one = CostModel(cost.latency_s, {k: cost.solo_bw[k]}, {k: cost.overlap_bw[k]}, {k: cost.slowdown[k]},
-                        cost.pack_s_per_byte, cost.call_s)
+                        cost.pack_s_per_byte, cost.call_s, pending_s=cost.pending_s)
         assert close(p.backward_s, plan_exhaustive(layers, one).backward_s)
 
 
@@ -805,9 +811,11 @@ def mixed_instances(draw, hi=7, max_options=3):
     layers = [Layer(draw(compute_times), draw(grad_sizes),
                     draw(st.sampled_from(["all-reduce", "reduce-scatter"]))) for _ in range(n)]
     cost = draw(cost_models(max_options=max_options))
-    terms = CollectiveTerms(latency_s=draw(st.floats(0.0, 1.0)), traffic=draw(st.floats(0.2, 1.0)))
+    terms = CollectiveTerms(latency_s=draw(st.floats(0.0, 1.0)), traffic=draw(st.floats(0.2, 1.0)),
+                            pending_s=draw(st.one_of(st.just(0.0), st.floats(0.0, 1.0))))
     return layers, CostModel(cost.latency_s, cost.solo_bw, cost.overlap_bw, cost.slowdown,
-                             cost.pack_s_per_byte, call_s=cost.call_s, collectives={"reduce-scatter": terms})
+                             cost.pack_s_per_byte, call_s=cost.call_s, collectives={"reduce-scatter": terms},
+                             pending_s=cost.pending_s)
 
 
 def one_collective_per_bucket(layers, buckets):
@@ -1296,3 +1304,29 @@ def test_fsdp_step_needs_one_regather_per_layer():
     with pytest.raises(ValueError, match="2 backward gathers for 1 layers"):
         FsdpStep((), 0.0, (GatherStep(1e-3, 8), GatherStep(1e-3, 8)),
                  (Layer(1e-3, 8, "reduce-scatter"),))
+
+
+def test_a_pending_wait_merges_buckets_that_overlap_would_split():
+    # Two reduce-scatter gradients of 100 bytes, 1 s of compute each, 100 B/s, 0.1 s latency.
+    # Without a wait the first overlaps the second's compute: 3.2 s against one bucket's 4.1.
+    # A one-call bucket ready mid-backward holds the compute stream for the wait, at most the
+    # compute left after it (`pending_at`: 1 s here): split 4.2 s, so one bucket wins; the last
+    # bucket, ready when compute ends, waits for nothing.
+    layers = [Layer(1.0, 100, "reduce-scatter"), Layer(1.0, 100, "reduce-scatter")]
+
+    def cost(pending_s):
+        return CostModel(latency_s=0.1, solo_bw={1: 100.0}, overlap_bw={1: 100.0}, slowdown={1: 1.0},
+                         collectives={"reduce-scatter": CollectiveTerms(0.1, 1.0, pending_s)})
+
+    split, one = [Bucket(0, 0, 1), Bucket(1, 1, 1)], [Bucket(0, 1, 1)]
+    assert close(simulate(layers, split, cost(0.0)), 3.2)
+    assert close(simulate(layers, split, cost(2.0)), 4.2)
+    assert close(simulate(layers, one, cost(2.0)), simulate(layers, one, cost(0.0)))
+    assert close(simulate(layers, one, cost(2.0)), 4.1)
+    assert plan(layers, cost(0.0)).buckets == split
+    assert plan(layers, cost(2.0)).buckets == one
+    assert plan_exhaustive(layers, cost(2.0)).buckets == one
+    # The all-reduce's wait is the cost model's own (`CostModel.pending_s`).
+    reduce = [Layer(1.0, 100), Layer(1.0, 100)]
+    assert plan(reduce, dataclasses.replace(cost(0.0), pending_s=2.0)).buckets == one
+    assert timeline(layers, split, cost(2.0)).backward_s == simulate(layers, split, cost(2.0))

@@ -2,6 +2,8 @@
 arithmetic on a hand-built case, and the predicted optimized/plain ratio's direction."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from test_explanation import mlp_step
 
@@ -47,13 +49,33 @@ def test_the_arithmetic_of_one_bucket_after_the_backward_pass():
 
 
 def test_a_one_call_bucket_costs_the_pending_all_reduce():
-    one_call = planner.price_step(10 * MS, [scope((planner.Bucket(0, 1, 1),), (True,))], [],
-                                  XLA, pending_s=0.9 * MS)
+    # Layer 0's bucket is ready with 1 ms of compute left after it: one call leaves 0.9 ms
+    # pending (at most that 1 ms); layer 1's, ready when compute ends, leaves nothing pending.
+    mid = (planner.Bucket(0, 0, 1), planner.Bucket(1, 1, 1))
+    one_call = planner.price_step(10 * MS, [scope(mid, (True, True))], [], XLA,
+                                  pending_s=0.9 * MS)
     assert one_call.pending_s == pytest.approx(0.9 * MS)
-    unknown = planner.price_step(10 * MS, [scope((planner.Bucket(0, 1, 1),), (True,))], [],
-                                 XLA, pending_s=None)
+    longer = planner.price_step(10 * MS, [scope(mid, (True, True))], [], XLA, pending_s=3 * MS)
+    assert longer.pending_s == pytest.approx(1 * MS)  # no more than the compute left
+    unknown = planner.price_step(10 * MS, [scope(mid, (True, True))], [], XLA, pending_s=None)
     assert unknown.pending_s == 0.0
     assert one_call.optimized_s - unknown.optimized_s == pytest.approx(0.9 * MS)
+    at_the_end = planner.price_step(10 * MS, [scope((planner.Bucket(0, 1, 1),), (True,))], [],
+                                    XLA, pending_s=0.9 * MS)
+    assert at_the_end.pending_s == 0.0
+
+
+def test_a_kind_the_planner_prices_pending_is_not_counted_twice():
+    # A cost model whose all-reduce carries the pending cost (`overlap="sync"`, or a kind with
+    # no pair): `simulate` has it in the exposed time; the sum adds nothing.
+    mid = (planner.Bucket(0, 0, 1), planner.Bucket(1, 1, 1))
+    priced = planner.PlannedScope(key=("top", ("x",)), layers=LAYERS, buckets=mid,
+                                  cost=dataclasses.replace(cost(), pending_s=0.9 * MS),
+                                  sync=(True, True))
+    price = planner.price_step(10 * MS, [priced], [], XLA, pending_s=0.9 * MS)
+    assert price.pending_s == 0.0
+    plain = planner.price_step(10 * MS, [scope(mid, (True, True))], [], XLA, pending_s=None)
+    assert price.exposed_s == pytest.approx(plain.exposed_s + 0.9 * MS)
 
 
 def test_two_buckets_overlap_the_backward_pass_and_make_two_calls():

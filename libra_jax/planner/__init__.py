@@ -168,6 +168,7 @@ from libra_jax.planner.core import (
     Timeline,
     default_allocation,
     no_overlap_allocation,
+    pending_at,
     simulate,
     timeline,
 )
@@ -213,6 +214,7 @@ __all__ = [
     "prefuse_groups",
     "DEFAULT_PREFUSE",
     "no_overlap_allocation",
+    "pending_at",
     "EXHAUSTIVE_LIMIT",
     "TIE_RTOL",
     "Bucket",

@@ -30,6 +30,7 @@ from libra_jax.planner.core import (
     _simulate_ranges,
     _tensor_prefix,
     _within_reach,
+    pending_at,
 )
 
 ATOMS = 128  # with fusion, layers beyond this count are pre-fused into about this many groups
@@ -214,14 +215,15 @@ def _lowest_sources(cuts: list[int], reach: Sequence[int] | None) -> np.ndarray:
 
 
 def _tail(Bc: np.ndarray, Rb: np.ndarray, Nc: np.ndarray, lo: np.ndarray, free: bool, lat: np.ndarray,
-          bw: float, key: int, pack_per_byte: float, call_s: float, scale: float
-          ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+          bw: float, key: int, pack_per_byte: float, call_s: float, scale: float,
+          pend: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The best way to finish once compute is over, from every boundary: all remaining layers are
     ready and contention is over, so every bucket runs alone at the best solo bandwidth ``bw``
     (allocation ``key``) and costs ``lat + issue + bytes / bw`` (nothing without bytes): ``lat``
     of the bucket's collective (per boundary it ends at), its bytes as priced (``Bc``, prefix
     sums at the boundaries) and packed (``Rb``, the bytes themselves); issuing is ``call_s``
-    plus the packing of a fused bucket.
+    plus the packing of a fused bucket and the bucket's pending cost (``pend``, per boundary:
+    `core.pending_at` of its collective's, fixed by where it is ready).
 
     With fusion, a backward dynamic program over the boundaries (buckets allowed by ``lo``)
     chooses the cuts: fewer calls against the packing of fused buckets. Returns, per
@@ -238,7 +240,7 @@ def _tail(Bc: np.ndarray, Rb: np.ndarray, Nc: np.ndarray, lo: np.ndarray, free: 
         u = u[lo[u] <= t]
         nbytes = Bc[u] - Bc[t]
         real = Rb[u] - Rb[t]
-        packed = call_s + np.where(Nc[u] - Nc[t] >= 2, real * pack_per_byte, 0.0)
+        packed = call_s + np.where(Nc[u] - Nc[t] >= 2, real * pack_per_byte, 0.0) + pend[u]
         some = real > 0
         time = np.where(some, lat[u] + packed + nbytes / bw, 0.0) + t_best[u]
         blocks = np.where(some, key, 0) + blk[u]
@@ -307,13 +309,17 @@ class _Search:
         self.Nc = np.array([nonempty_prefix[c] for c in cuts])  # non-empty layers before each boundary
         self.lo = _lowest_sources(cuts, reach if free else None)
         self.pack_c, self.call_s = cost.pack_s_per_byte, cost.call_s
+        # Per boundary t: the pending cost of a bucket ending there (`pending_at`; 0 at t = 0).
+        self.pend = np.array([0.0] + [pending_at(pricing.pend[c - 1], comp[c], C)
+                                      for c in cuts[1:]])
         total = Bc[-1]
         # Best rest once compute is over, and a lower bound on the communication still due.
         group_bytes = np.diff(Bc)
         nonempty = group_bytes > 0
         self.tail_t, self.tail_blk, self.tail_nb, self.tail_next = _tail(
             Bc, self.Rb, self.Nc, self.lo, free, self.lat, float(self.sb[self.best_solo]),
-            int(self.keys[self.best_solo]), self.pack_c, self.call_s, max(upper, C, 1e-300))
+            int(self.keys[self.best_solo]), self.pack_c, self.call_s, max(upper, C, 1e-300),
+            self.pend)
         if free:
             rest = total - Bc
             # The least latency of a collective still due: of the layers from each boundary on.
@@ -375,7 +381,7 @@ class _Search:
         nbytes = self.Bc[t] - self.Bc[front.B[src_i]]
         real = self.Rb[t] - self.Rb[front.B[src_i]]
         packed = self.call_s + np.where(self.Nc[t] - self.Nc[front.B[src_i]] >= 2,
-                                        real * self.pack_c, 0.0)
+                                        real * self.pack_c, 0.0) + self.pend[t]
         E, Q = _collective_np(T0[:, None], P0[:, None], float(self.R[t]), nbytes[:, None], float(self.lat[t]),
                               self.ob, self.sb, self.sl, self.C, packed[:, None])
         empty = nbytes == 0

@@ -17,6 +17,7 @@ from libra_jax.planner.core import (
     _make_plan,
     _plan_key,
     _problem,
+    pending_at,
 )
 
 EXHAUSTIVE_LIMIT = 10**7  # most candidate plans plan_exhaustive will enumerate
@@ -86,7 +87,8 @@ def plan_exhaustive(layers: Sequence[Layer], cost: CostModel, *, fusion: bool = 
             if fire.any():
                 kf = kk[fire]
                 packed = cost.call_s + np.where(tensors[fire] >= 2,
-                                                acc[fire] * cost.pack_s_per_byte, 0.0)
+                                                acc[fire] * cost.pack_s_per_byte, 0.0) + \
+                    pending_at(pricing.pend[last], comp[last + 1], C)
                 T[fire], P[fire] = _collective_np(T[fire], P[fire], comp[last + 1], wired[fire],
                                                   pricing.lat[last], ob[kf], sb[kf], sl[kf], C, packed)
                 blk[fire] += keys[kf]

@@ -7,7 +7,8 @@ terms, so that their ratio is the number to compare with a measurement:
 
     plain     = compute_s + Σ_operands_of_XLA's_calls (xla.call_s + wire_bytes / xla.bytes_per_s)
     optimized = compute_s + Σ_scopes (simulate(layers, buckets, cost) - Σ layer.compute_s)
-                          + pending_s x (one-call all-reduce buckets outside loops)
+                          + Σ pending_at(pending_s, its ready point) (one-call buckets
+                            outside loops that the planner priced as pairs)
                           + Σ_other_calls libra_s
 
 * ``compute_s``: the step's own compute (forward, backward, update) at the profile's rates,
@@ -29,8 +30,11 @@ terms, so that their ratio is the number to compare with a measurement:
 * Optimized: per planned scope what the planner's model adds to the compute it overlaps: the
   exposed part of each bucket's collective, its issue (``call_s``), and the compute's slowdown
   under its blocks (`simulate` minus the layers' compute); each bucket issued as one call
-  (``sync``) mid-backward leaves an all-reduce pending in XLA:CPU's program, which costs the
-  step the profile's ``pending_allreduce_us`` (the cost `optimize(overlap="auto")` weighs); the
+  (``sync``) mid-backward leaves a collective pending in XLA:CPU's program, which costs the
+  step the profile's ``pending_allreduce_us``, at most the compute left after its ready point
+  (`core.pending_at`: the cost `optimize(overlap="auto")` weighs): the planner prices it for
+  the kinds whose buckets are one call (`CollectiveTerms.pending_s`, in `simulate`), this
+  sum the all-reduce buckets planned as pairs that were issued as one call; the
   collectives planned apart from the backward pass (a loss's pmean, an all-gather's exposed
   time) at what the model prices each (`OtherCall.libra_s`), each the calls it makes
   (`OtherCall.calls`: the members of a fused forward all-gather after its first make none).
@@ -49,13 +53,14 @@ Layer 1: pure Python, no JAX.
 """
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 from libra_jax import collectives
 from libra_jax.collectives import Collective
-from libra_jax.planner.core import Bucket, CostModel, Layer, simulate
+from libra_jax.planner.core import Bucket, CostModel, Layer, pending_at, simulate
 
 __all__ = ["XLA_CPU_COMBINE_COUNT", "XlaTerms", "PlannedScope", "OtherCall", "StepPrice",
            "price_step"]
@@ -136,7 +141,8 @@ class StepPrice:
     combiner), the rendezvous they make (one per operand), their bytes per rank and their cost;
     ``optimized_calls`` the calls libra's engine makes, ``exposed_s`` what the planned scopes
     add to their compute (`simulate` minus compute: exposed collective, issue, contention),
-    ``pending_s`` the one-call buckets left pending in XLA:CPU's program,
+    ``pending_s`` the one-call buckets left pending in XLA:CPU's program that the planner
+    priced as pairs (the others' is in ``exposed_s``),
     ``others_s`` the other collectives' cost."""
 
     compute_s: float
@@ -203,11 +209,15 @@ def price_step(compute_s: float, scopes: Sequence[PlannedScope], others: Sequenc
                 if any(scope.layers[i].grad_bytes for i in range(b.first, b.last + 1))]
         optimized_calls += scope.calls if scope.calls is not None else len(full)
         if not scope.in_loop and pending_s:
+            # The one-call buckets the planner priced as pairs (`CollectiveTerms.pending_s` 0:
+            # `overlap="auto"` chose one call after planning), at what `pending_at` gives them.
             sync = scope.sync or (True,) * len(scope.buckets)
-            pending += pending_s * sum(
-                1 for b, one_call in zip(scope.buckets, sync)
+            done = list(itertools.accumulate(layer.compute_s for layer in scope.layers))
+            pending += sum(
+                pending_at(pending_s, done[b.last], done[-1])
+                for b, one_call in zip(scope.buckets, sync)
                 if one_call and b in full
-                and scope.layers[b.first].collective is collectives.REFERENCE)
+                and scope.cost.terms(scope.layers[b.first].collective).pending_s == 0)
     for other in others:
         plain_one(other.key, other.nbytes, other.collective, other.traffic)
         optimized_calls += other.calls

@@ -5,10 +5,11 @@ that issue it (`edit_bucket`). Functions of the rewrite's shared state (`scope.S
 from __future__ import annotations
 
 import collections
+import dataclasses
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from libra_jax import _compat, config, planner
+from libra_jax import _compat, collectives, config, planner
 from libra_jax.ops import blocks as block_rule
 from libra_jax.rewrite.costs import region_roofline_s
 from libra_jax.rewrite.edits import (
@@ -16,6 +17,7 @@ from libra_jax.rewrite.edits import (
     can_fuse,
     downstream_of,
     fused_eqn,
+    pairs_bucket,
     single_eqn,
     start_done_eqns,
     sunk_after,
@@ -44,7 +46,7 @@ def plan(rw: Scope, members: list[Site], costs: list[float], world: int, scope: 
                                     grad_bytes=int(site.nbytes), collective=site.collective))
         start = site.index + 1
     reach = within_class(members, reach)
-    cost = derivation.cost
+    cost = with_pending(rw, derivation.cost, in_loop)
     fixed = rw.options.blocks
     if fixed is not None:
         key = derivation.key_for_blocks(fixed)  # stands for it in the model
@@ -84,6 +86,29 @@ def plan(rw: Scope, members: list[Site], costs: list[float], world: int, scope: 
     return out
 
 
+def with_pending(rw: Scope, cost: planner.CostModel, in_loop: bool) -> planner.CostModel:
+    """`cost` with the pending cost (`planner.CollectiveTerms.pending_s`) of each kind whose
+    buckets this scope issues as one call: the profile's ``pending_allreduce_us`` for a kind
+    with no start/done pair of a bucket (`pairs_bucket`: the reduce-scatter's) and, under
+    ``overlap="sync"``, for every kind. Why: a one-call bucket ready mid-backward holds the
+    device until the last rank arrives, which the planner must weigh when it splits a stream
+    (measured, 2026-12-07: the FSDP example's reduce-scatters in two one-call buckets against
+    one, priced 0.7% ahead without it, ran 1.5-3% behind). None in a loop body (each
+    iteration's calls are done within it) or where the profile has no such wait (GPUs)."""
+    fair = rw.profile.fair_share
+    pending = fair.pending_allreduce_s if fair is not None else None
+    if in_loop or not pending:
+        return cost
+
+    def of(row: Any) -> float:
+        return pending if rw.options.overlap == "sync" or not pairs_bucket(row) else 0.0
+
+    return dataclasses.replace(
+        cost, pending_s=of(collectives.REFERENCE),
+        collectives={row: dataclasses.replace(terms, pending_s=of(row))
+                     for row, terms in cost.collectives.items()})
+
+
 def edit_bucket(rw: Scope, eqns: Sequence[Any], bucket: list[Site], axes: tuple,
                 invariant: bool, k: int, split: bool, scope: str, invars: set,
                 edits: Edits) -> None:
@@ -116,35 +141,42 @@ def edit_bucket(rw: Scope, eqns: Sequence[Any], bucket: list[Site], axes: tuple,
 
 
 def split_buckets(rw: Scope, eqns: Sequence[Any], outvars: Sequence[Any],
-                  buckets: list[list[Site]]) -> list[bool]:
+                  buckets: list[list[Site]], costs: Sequence[float]) -> list[bool]:
     """Per gradient bucket, whether it is issued as a start/done pair (else one call).
 
     "auto" weighs what each way costs. A start/done pair defers the bucket's own
     downstream work (its optimizer update) until after the backward pass, where nothing
-    hides it. One call lets that work run beside the rest of the backward pass, but leaves
-    the all-reduce pending in the device's program until the last rank arrives: on XLA:CPU
-    that costs the step about the profile's `pending_allreduce_us` (measured,
-    benchmarks/results/end_to_end.md). Deferring costs the work's roofline time times the
-    share of it the backward pass would have hidden: the cores its compute threads leave
-    idle, ``max(0, 1 - D / P)`` in the fair-share form; none where the compute threads fill
-    the cores (as 8 host devices do on 2: there the work takes the same cores either way,
-    and the pair wins; benchmarks/results/planning_quality.md). On a GPU under
-    ``LIBRA_JAX_CUDA=nccl`` every bucket is a pair: libra's NCCL call as one call makes
-    XLA's stream wait for it at once, which serialises it with the backward pass. Other
-    profiles without `pending_allreduce_us` (the GPU forms on the other paths, until
-    `benchmarks/gpu_check.sh` has measured start/done) issue one call."""
+    hides it, and makes one call more than one call does (the profile's ``call_us``). One
+    call lets that work run beside the rest of the backward pass, but leaves the all-reduce
+    pending in the device's program until the last rank arrives: on XLA:CPU that costs the
+    step about the profile's `pending_allreduce_us` (measured, benchmarks/results/
+    end_to_end.md), at most the compute left after the bucket to hide it (`costs` after its
+    last member: `planner.pending_at`; a bucket ready at the end of the backward pass costs
+    nothing pending, as the step waits for every rank there anyway). Deferring costs the
+    work's roofline time times the share of it the backward pass would have hidden: the
+    cores its compute threads leave idle, ``max(0, 1 - D / P)`` in the fair-share form; none
+    where the compute threads fill the cores (as 8 host devices do on 2: there the work
+    takes the same cores either way, and the pair wins where compute is left to hide the
+    wait; benchmarks/results/planning_quality.md). Under ``LIBRA_JAX_CUDA=nccl`` every bucket
+    is a pair, whatever the profile: on a GPU libra's NCCL call as one call makes XLA's stream
+    wait for it at once, which serialises it with the backward pass. Other profiles without
+    `pending_allreduce_us` (the GPU forms on the other paths, until `benchmarks/gpu_check.sh`
+    has measured start/done) issue one call."""
     mode = rw.options.overlap
     if mode != "auto":
         return [mode == "start-done"] * len(buckets)
-    fair_share = rw.profile.fair_share
-    if fair_share is None and config.cuda_path() == "nccl":
+    if config.cuda_path() == "nccl":  # whatever the profile: the program a GPU runs
         return [True] * len(buckets)
+    fair_share = rw.profile.fair_share
     pending_s = fair_share.pending_allreduce_s if fair_share is not None else None
     if pending_s is None:
         return [False] * len(buckets)
     assert fair_share is not None
     hidden = max(0.0, 1.0 - fair_share.compute_threads / fair_share.cores)
-    return [deferred * hidden < pending_s for deferred in deferred_s(rw, eqns, outvars, buckets)]
+    total = float(sum(costs))
+    return [deferred * hidden + fair_share.call_s
+            < planner.pending_at(pending_s, float(sum(costs[:bucket[-1].index + 1])), total)
+            for bucket, deferred in zip(buckets, deferred_s(rw, eqns, outvars, buckets))]
 
 
 def deferred_s(rw: Scope, eqns: Sequence[Any], outvars: Sequence[Any],

@@ -236,7 +236,7 @@ class Rewriter:
         # within it, so a start/done pair could only overlap the rest of that iteration.
         # A bucket of psum_scatters is one call too (no start/done pair for it yet).
         splits = ([False] * len(planned) if in_loop else
-                  split_buckets(self, eqns, jaxpr.outvars, [b for _, b, _ in planned]))
+                  split_buckets(self, eqns, jaxpr.outvars, [b for _, b, _ in planned], costs))
         for (axes, bucket, k), split in zip(planned, splits):
             split = split and pairs_bucket(bucket[0].collective)
             edit_bucket(self, eqns, bucket, axes, bucket[0].invariant, k, split, scope, invars,

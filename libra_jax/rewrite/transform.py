@@ -77,8 +77,9 @@ def optimize(fn: Callable[..., Any] | None = None, *, profile: Any = None, fusio
         needed (on a GPU the kernel runs on libra's own stream beside the backward pass).
         "auto" chooses per bucket: a start/done pair where the work it defers (the bucket's
         optimizer update, as far as the backward pass would have hidden it: not at all where
-        its compute threads fill the cores) is predicted to cost less than leaving the one
-        call pending in the program (the profile's ``pending_allreduce_us``); on a GPU under
+        its compute threads fill the cores) and its one call more are predicted to cost less
+        than leaving the one call pending in the program (the profile's
+        ``pending_allreduce_us``, at most the compute left after the bucket); on a GPU under
         ``LIBRA_JAX_CUDA=nccl`` always a pair; other GPU profiles, until measured, issue one
         call. None: ``$LIBRA_JAX_OVERLAP``, else "auto".
       loops: what happens to a `scan` body's psums that may leave the loop (a stacked
