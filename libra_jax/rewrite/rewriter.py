@@ -1,11 +1,11 @@
 """The rewrite of one program: `Options`, and the `Rewriter` that walks its scopes.
 
 A scope (a jaxpr: the step's, a `shard_map`'s body, a loop's body) is rewritten in phases
-(`Rewriter.jaxpr`): its sub-jaxprs first, then its sites found (`sites.find_site`) and
-classified, its gradient collectives planned and edited (`buckets`), its all-gathers edited
-(`gathers`), and its equations scheduled (`edits.schedule`). A scan's hoistable psums leave
-its body first where the model prices that lower (`loop_plan`), after each psum that feeds
-only a linear map shrinking it is issued past the map (`shrink`).
+(`Rewriter.jaxpr`): the passes that normalise its equations (`passes.NORMALISE`, its
+sub-jaxprs rewritten among them, a scan's hoistable psums out of its body where the model
+prices that lower: `loop_plan`), then its sites found (`sites.find_site`) and classified,
+its gradient collectives planned and edited (`buckets`), its all-gathers edited (`gathers`),
+and its equations scheduled (`edits.schedule`).
 """
 from __future__ import annotations
 
@@ -30,30 +30,24 @@ from libra_jax.rewrite.edits import (
     program_fingerprint,
     schedule,
     single_eqn,
-    sink_gathers,
 )
 from libra_jax.rewrite.exchanges import edit_exchanges
-from libra_jax.rewrite.gathers import edit_gathers, hoist_regathers
-from libra_jax.rewrite.ready import Ready, inline_calls, to_ready_points
+from libra_jax.rewrite.gathers import edit_gathers
+from libra_jax.rewrite.passes import ScopeState, normalise
+from libra_jax.rewrite.ready import Ready, to_ready_points
 from libra_jax.rewrite.report import CallPlan, LoopPlan, OptimizeReport
 from libra_jax.rewrite.scope import LOOP_MODES, Options
-from libra_jax.rewrite.shrink import shrink_psums
 from libra_jax.rewrite.sites import (
     Site,
     axis_names,
     contains_psum,
     find_site,
-    fold_zero_psums,
     gradient_sites,
     group_size,
-    is_psum,
     libras_row,
-    scatter_sliced_psums,
     site_kinds,
-    split_empty_operands,
     warn_invariant_operands,
 )
-from libra_jax.rewrite.transposes import scatter_before_transpose
 
 __all__ = ["Options", "Rewriter", "LOOP_MODES"]
 
@@ -155,21 +149,8 @@ class Rewriter:
         it backward pass though its own equations do not say so; `in_backward`: it is (in) the
         body of any equation autodiff's transpose made (a `checkpoint`'s backward pass: its
         all-gathers are remat's re-gathers)."""
-        eqns = jaxpr.eqns
-        if self.options.ready == "dataflow" and any(is_psum(e) for e in eqns):
-            eqns = inline_calls(eqns)  # a jit inside the step is a boundary only
-            # psums of a backward scan's stacked slices: per iteration, in its body (`loops`)
-            eqns = loops.sink(eqns, jaxpr.outvars)
-        eqns = scatter_before_transpose(shrink_psums(eqns, jaxpr.outvars), jaxpr.outvars, self.renamed)
-        eqns = self.hoist_loops(eqns, axis_sizes, scope)
-        if not in_loop and self.prefetch != 0:
-            eqns = hoist_regathers(self, eqns, axis_sizes)
-        eqns = [self.sub_jaxprs(eqn, i, axis_sizes, scope, in_loop, in_backward)
-                for i, eqn in enumerate(eqns)]
-        eqns, folded = fold_zero_psums(split_empty_operands(eqns))
-        self.report.folded.extend(f"{name} of zeros in {scope}" for name in folded)
-        eqns = scatter_sliced_psums(eqns, jaxpr.outvars, axis_sizes)
-        eqns = sink_gathers(eqns)
+        eqns = normalise(self, ScopeState(list(jaxpr.eqns), jaxpr.outvars, axis_sizes, scope,
+                                          in_loop, transposed, in_backward)).eqns
         sites, gathers, exchanges, skipped = _find_sites(eqns)
         if self.options.ready == "dataflow" and sites:
             # Each gradient collective where its operand is ready (`ready`), so that the

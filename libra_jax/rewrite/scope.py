@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections.abc
 import dataclasses
 import os
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import jax
@@ -77,8 +78,9 @@ class Scope(Protocol):
     fill, each scope's ready points (`ready`), the all-gathers' prefetch distance and why
     (`prefetch`, `prefetch_why`), remat's re-gathers taken out of their checkpoints
     (`regathered`), the results a pass renamed, by the variable the program as written has
-    (`renamed`: `transposes`' moved reduce-scatters, whose gradients `explain` names), and the
-    ids of start/done pairs (`call_id`)."""
+    (`renamed`: `transposes`' moved reduce-scatters, whose gradients `explain` names), the
+    ids of start/done pairs (`call_id`), and the walk's two steps the passes call
+    (`hoist_loops`, `sub_jaxprs`: `passes`)."""
 
     options: Options
     profile: model.Profile
@@ -91,4 +93,13 @@ class Scope(Protocol):
 
     def call_id(self) -> int:
         """The id of the program's next start/done pair."""
+        ...
+
+    def hoist_loops(self, eqns: Sequence[Any], axis_sizes: dict, scope: str) -> list[Any]:
+        """The scope's equations with its scans' hoistable psums taken out where planned."""
+        ...
+
+    def sub_jaxprs(self, eqn: Any, index: int, axis_sizes: dict, scope: str, in_loop: bool,
+                   in_backward: bool = False) -> Any:
+        """`eqn` with its sub-jaxprs rewritten, each a scope of its own."""
         ...

@@ -1,0 +1,156 @@
+"""`libra_jax.rewrite.passes`: each normalising pass alone on a small jaxpr (a shard_map's
+body), with a stand-in for the rewrite's shared state, and their order."""
+from __future__ import annotations
+
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from libra_jax.rewrite import passes
+from libra_jax.rewrite.passes import NORMALISE, ScopeState, normalise
+
+from conftest import mesh_of
+
+pytestmark = pytest.mark.usefixtures("jax_8")
+
+
+def body(fn, *shapes, check_vma=True):
+    """The jaxpr of `fn`'s body in a shard_map over 8 devices (axis ``x``), arguments
+    replicated (a first argument of `shapes[0]`) or split (the rest) over ``x``."""
+    mesh = mesh_of((8,), ("x",))
+    specs = (P(),) + (P("x"),) * (len(shapes) - 1)
+    mapped = jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=P(), check_vma=check_vma)
+    args = [jax.ShapeDtypeStruct(s, np.float32) for s in shapes]
+    closed = jax.make_jaxpr(mapped)(*args)
+    (eqn,) = [e for e in closed.jaxpr.eqns if e.primitive.name == "shard_map"]
+    return eqn.params["jaxpr"]
+
+
+def state(jaxpr, **where):
+    return ScopeState(list(jaxpr.eqns), jaxpr.outvars, {"x": 8}, "top/shard_map", **where)
+
+
+def shared(ready="dataflow", prefetch=None):
+    """A stand-in for the rewrite's shared state (`scope.Scope`) recording the walk's calls."""
+    calls = []
+    return types.SimpleNamespace(
+        options=types.SimpleNamespace(ready=ready), renamed={}, prefetch=prefetch,
+        report=types.SimpleNamespace(folded=[]), calls=calls,
+        hoist_loops=lambda eqns, sizes, scope: calls.append(("loops", scope)) or list(eqns),
+        sub_jaxprs=lambda eqn, i, sizes, scope, in_loop, in_backward: (
+            calls.append(("sub", i, in_loop, in_backward)) or eqn))
+
+
+def names(eqns):
+    return [e.primitive.name for e in eqns]
+
+
+def test_the_passes_run_in_the_documented_order():
+    assert [name for name, _ in NORMALISE] == ["inline", "shrink", "transposes", "loops",
+                                               "regathers", "sub_jaxprs", "zeros", "sliced",
+                                               "gathers"]
+    seen = []
+    order = tuple((name, (lambda n: lambda rw, st: seen.append(n) or st.eqns)(name))
+                  for name, _ in NORMALISE)
+    jaxpr = body(lambda w, x: jax.lax.psum(x @ w, "x"), (4, 4), (16, 4))
+    saved = passes.NORMALISE
+    passes.NORMALISE = order
+    try:
+        normalise(shared(), state(jaxpr))
+    finally:
+        passes.NORMALISE = saved
+    assert seen == [name for name, _ in NORMALISE]
+
+
+def test_inline_takes_a_jit_inside_the_scope_apart_under_dataflow_only():
+    # A jit of the loss's compute (no collective in it: those stay calls) in a scope that
+    # psums its gradient: a boundary only, its equations the scope's.
+    inner = jax.jit(lambda v, w: jnp.tanh(v @ w))
+    jaxpr = body(lambda w, x: jax.lax.psum(inner(x, w), "x"), (4, 4), (16, 4), check_vma=False)
+    assert {"jit", "pjit"} & set(names(jaxpr.eqns))
+    inlined = passes.inline(shared(), state(jaxpr))
+    assert not {"jit", "pjit"} & set(names(inlined))
+    assert {"tanh", "dot_general"} <= set(names(inlined))
+    assert passes.inline(shared(ready="written"), state(jaxpr)) == list(jaxpr.eqns)
+    # No psum in the scope: its calls stay.
+    plain = body(lambda w, x: jnp.tanh(inner(x, w)), (4, 4), (16, 4), check_vma=False)
+    assert passes.inline(shared(), state(plain)) == list(plain.eqns)
+
+
+def test_shrink_issues_a_psum_after_the_sum_that_shrinks_it():
+    jaxpr = body(lambda w, x: jax.lax.psum(x @ w, "x").sum(0), (4, 4), (16, 4),
+                 check_vma=False)
+    before = names(jaxpr.eqns)
+    assert before.index("psum") < before.index("reduce_sum")
+    after = names(passes.shrink(shared(), state(jaxpr)))
+    assert after.index("reduce_sum") < after.index("psum")
+
+
+def test_transposes_scatters_before_the_transpose():
+    def fn(w, x):
+        return jax.lax.psum_scatter(jnp.transpose(x.T @ x), "x", tiled=True).sum()
+    jaxpr = body(fn, (4, 4), (16, 8), check_vma=False)
+    rw = shared()
+    eqns = passes.transposes(rw, state(jaxpr))
+    scatter = next(e for e in eqns if e.primitive.name == "reduce_scatter")
+    producer = {v: e for e in eqns for v in e.outvars}
+    assert producer[scatter.invars[0]].primitive.name == "dot_general"
+    assert rw.renamed  # the moved result, named by the program's own variable
+
+
+def test_loops_and_sub_jaxprs_are_the_walks_own_steps():
+    jaxpr = body(lambda w, x: jax.lax.psum(x @ w, "x"), (4, 4), (16, 4))
+    rw = shared()
+    assert passes.hoisted_loops(rw, state(jaxpr)) == list(jaxpr.eqns)
+    assert rw.calls == [("loops", "top/shard_map")]
+    rw = shared()
+    passes.sub_jaxprs(rw, state(jaxpr, in_loop=True, in_backward=True))
+    assert rw.calls == [("sub", i, True, True) for i in range(len(jaxpr.eqns))]
+
+
+def test_regathers_only_outside_loops_with_a_prefetch_distance():
+    jaxpr = body(lambda w, x: jax.lax.psum(x @ w, "x"), (4, 4), (16, 4))
+    for rw, where in ((shared(prefetch=0), {}), (shared(prefetch=None), {"in_loop": True})):
+        assert passes.regathers(rw, state(jaxpr, **where)) == list(jaxpr.eqns)
+
+
+def test_zeros_folds_a_psum_of_zeros_and_says_so():
+    jaxpr = body(lambda w, x: (jax.lax.psum(jnp.zeros((3,)), "x"), jax.lax.psum(x @ w, "x")),
+                 (4, 4), (16, 4), check_vma=False)
+    rw = shared()
+    eqns = passes.zeros(rw, state(jaxpr))
+    assert names(eqns).count("psum") == names(jaxpr.eqns).count("psum") - 1
+    assert rw.report.folded == ["psum of zeros in top/shard_map"]
+
+
+def test_sliced_makes_the_invarying_gathers_gradient_a_psum_scatter():
+    # The gradient of all_gather(to="invarying") of a varying loss: a psum of the whole
+    # cotangent, then this rank's slice of it.
+    def fn(w, x):
+        return jax.grad(lambda v: jnp.sum(jnp.sin(
+            jax.lax.all_gather(v, "x", tiled=True, to="invarying") * w) ** 2))(x)
+    mesh = mesh_of((8,), ("x",))
+    closed = jax.make_jaxpr(jax.shard_map(fn, mesh=mesh, in_specs=(P("x"), P("x")),
+                                          out_specs=P("x")))(
+        jax.ShapeDtypeStruct((128, 3), np.float32), jax.ShapeDtypeStruct((16, 3), np.float32))
+    (eqn,) = [e for e in closed.jaxpr.eqns if e.primitive.name == "shard_map"]
+    jaxpr = eqn.params["jaxpr"]
+    assert "psum_invariant" in names(jaxpr.eqns) and "dynamic_slice" in names(jaxpr.eqns)
+    eqns = passes.sliced(shared(), state(jaxpr))
+    assert "reduce_scatter" in names(eqns) and "dynamic_slice" not in names(eqns)
+
+
+def test_gathers_moves_an_all_gather_to_its_first_use():
+    def fn(w, x):
+        full = jax.lax.all_gather(x, "x", tiled=True)
+        h = jnp.tanh(w @ w)
+        return jnp.sum(full) + jnp.sum(h)
+    jaxpr = body(fn, (4, 4), (16, 4), check_vma=False)
+    before = names(jaxpr.eqns)
+    assert before.index("all_gather") < before.index("tanh")
+    after = names(passes.gathers(shared(), state(jaxpr)))
+    assert after.index("tanh") < after.index("all_gather")
