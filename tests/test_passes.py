@@ -1,5 +1,6 @@
-"""`libra_jax.rewrite.passes`: each normalising pass alone on a small jaxpr (a shard_map's
-body), with a stand-in for the rewrite's shared state, and their order."""
+"""`libra_jax.rewrite.passes`: each pass alone on a small jaxpr (a shard_map's body), and
+their order: the normalising ones (`NORMALISE`) with a stand-in for the rewrite's shared
+state, the planning ones (`PLAN`) with a real `Rewriter` and the passes before them run."""
 from __future__ import annotations
 
 import types
@@ -154,3 +155,114 @@ def test_gathers_moves_an_all_gather_to_its_first_use():
     assert before.index("all_gather") < before.index("tanh")
     after = names(passes.gathers(shared(), state(jaxpr)))
     assert after.index("tanh") < after.index("all_gather")
+
+
+# --- PLAN: the passes that plan a normalised scope ---------------------------------------
+
+
+def rewriter(jaxpr, **options):
+    """A real `Rewriter` (the shared state) for the scope `jaxpr`, profile cpu-host."""
+    from libra_jax import model
+    from libra_jax.rewrite.report import OptimizeReport
+    from libra_jax.rewrite.rewriter import Rewriter
+    from libra_jax.rewrite.scope import Options
+
+    opts = Options(profile="cpu-host", fusion=options.pop("fusion", True),
+                   blocks=options.pop("blocks", None), **options)
+    closed = jax.extend.core.ClosedJaxpr(jaxpr, [])
+    return Rewriter(opts, OptimizeReport(), closed, model.load_profile("cpu-host"))
+
+
+def dp_body(check_vma=False):
+    """A data-parallel SGD step's body: two layers' gradients psummed after `jax.grad` (as
+    written: after the whole backward pass), a loss pmean."""
+    def fn(w, x):
+        def loss(w):
+            return jnp.mean(jnp.tanh(jnp.tanh(x @ w["a"]) @ w["b"]) ** 2)
+        value, g = jax.value_and_grad(loss)(w)
+        g = jax.tree.map(lambda t: jax.lax.psum(t, "x"), g)
+        return jax.lax.pmean(value, "x"), jax.tree.map(lambda p, t: p - 0.1 * t, w, g)
+    mesh = mesh_of((8,), ("x",))
+    w = {"a": jax.ShapeDtypeStruct((16, 32), np.float32),
+         "b": jax.ShapeDtypeStruct((32, 4), np.float32)}
+    closed = jax.make_jaxpr(jax.shard_map(fn, mesh=mesh, in_specs=(P(), P("x")),
+                                          out_specs=(P(), P()), check_vma=check_vma))(
+        w, jax.ShapeDtypeStruct((64, 16), np.float32))
+    (eqn,) = [e for e in closed.jaxpr.eqns if e.primitive.name == "shard_map"]
+    return eqn.params["jaxpr"]
+
+
+def planned(jaxpr, upto, **options):
+    """The shared state and the scope's state after `NORMALISE` and `PLAN` up to `upto`."""
+    rw = rewriter(jaxpr, **options)
+    st = normalise(rw, ScopeState(list(jaxpr.eqns), jaxpr.outvars, {"x": 8}, "top/shard_map",
+                                  invars=set(jaxpr.invars)))
+    for name, step in passes.PLAN:
+        if name == upto:
+            return rw, st, step
+        step(rw, st)
+    raise AssertionError(upto)
+
+
+def test_the_plan_passes_run_in_the_documented_order():
+    assert [name for name, _ in passes.PLAN] == ["sites", "readiness", "unplanned",
+                                                 "other_collectives", "classify", "singles",
+                                                 "buckets"]
+
+
+def test_sites_finds_the_psums_by_kind():
+    rw, st, step = planned(dp_body(), "sites")
+    step(rw, st)
+    assert len(st.sites) == 3 and not st.gathers and not st.exchanges  # 2 gradients + loss
+    assert all(names(st.eqns)[s.index] == "psum" for s in st.sites)
+
+
+def test_readiness_moves_each_gradient_psum_to_its_ready_point_under_dataflow_only():
+    rw, st, step = planned(dp_body(), "readiness")
+    written = [s.index for s in st.sites]
+    step(rw, st)
+    assert [s.index for s in st.sites] != written  # each now right after its gradient
+    assert set(rw.ready["top/shard_map"]) and rw.written["top/shard_map"]
+    rw, st, step = planned(dp_body(), "readiness", ready="written")
+    before = list(st.eqns)
+    step(rw, st)
+    assert st.eqns == before and not rw.ready
+
+
+def test_unplanned_says_each_collective_no_rule_serves():
+    def fn(w, x):
+        return jax.lax.pmax(x @ w, "x").sum() + jax.lax.psum(x @ w, "x").sum()
+    rw, st, step = planned(body(fn, (4, 4), (16, 4), check_vma=False), "unplanned")
+    step(rw, st)
+    assert rw.unplanned == ["pmax over ('x',) in top/shard_map"]
+
+
+def test_classify_kinds_and_costs():
+    rw, st, step = planned(dp_body(), "classify")
+    step(rw, st)
+    kinds = sorted(st.kinds[s.index] for s in st.sites)
+    assert kinds == ["forward", "gradient", "gradient"]
+    assert len(st.costs) == len(st.eqns) and sum(st.costs) > 0
+    # The update waits for the gradients: priced at nothing (it overlaps no collective).
+    update = [i for i, e in enumerate(st.eqns) if e.primitive.name == "sub"][-2:]  # p - 0.1 t
+    assert all(st.costs[i] == 0.0 for i in update)
+    assert all(st.costs[i] > 0 for i, e in enumerate(st.eqns) if e.primitive.name == "tanh")
+
+
+def test_singles_issues_the_loss_pmean_alone_and_streams_the_gradients():
+    rw, st, step = planned(dp_body(), "singles")
+    step(rw, st)
+    assert [(p.kind, len(p.members)) for p in rw.report.plans] == [("forward", 1)]
+    assert len(st.edits.replacements) == 1
+    assert [len(members) for members in st.streams.values()] == [2]
+
+
+def test_buckets_plans_the_stream_and_records_its_edits():
+    rw, st, step = planned(dp_body(), "buckets")
+    step(rw, st)
+    gradient = [p for p in rw.report.plans if p.kind == "gradient"]
+    assert sum(len(p.members) for p in gradient) == 2
+    assert rw.report.predicted and st.edits.replacements
+    rw, st, step = planned(dp_body(), "buckets", fusion=False)
+    step(rw, st)
+    assert [len(p.members) for p in rw.report.plans if p.kind == "gradient"] == [1, 1]

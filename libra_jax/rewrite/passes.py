@@ -1,9 +1,11 @@
-"""The passes that bring a scope's equations into the form the rewrite plans: an ordered list
-(`NORMALISE`) of functions over one `ScopeState`, each returning the scope's new equations.
+"""A scope's rewrite as passes over one `ScopeState`, in two ordered lists: `NORMALISE`, the
+passes that bring its equations into the form the rewrite plans (each returns the new
+equations), then `PLAN`, the passes that find its collectives, plan them and record the edits
+that issue them (each fills the state). `Rewriter.jaxpr` runs both (`run`) and schedules the
+edits (`Rewriter.finish`).
 
-A scope (a jaxpr: the step's, a `shard_map`'s body, a loop's body) is rewritten by
-`Rewriter.jaxpr`: these passes first, in this order, then its sites found, classified,
-planned, edited and scheduled. Why an order, pass by pass:
+A scope is a jaxpr: the step's, a `shard_map`'s body, a loop's body. `NORMALISE`, and why
+this order, pass by pass:
 
 1. ``inline``: with ``ready="dataflow"``, a `jit` inside the step is a boundary only (its body
    inlined, `ready.inline_calls`), and a backward scan's stacked-slice psums go into its body
@@ -23,9 +25,26 @@ planned, edited and scheduled. Why an order, pass by pass:
    psum_scatter (`sites.scatter_sliced_psums`);
 9. ``gathers``: each all-gather moved to just before its first use (`edits.sink_gathers`).
 
-Each pass is a function ``(rw, state) -> equations`` of the rewrite's shared state
-(`scope.Scope`) and this scope's (`ScopeState`); tests/test_passes.py runs each alone on a
-small jaxpr.
+`PLAN`, in order:
+
+1. ``sites``: the scope's collectives by the site rules (`sites.find_site`): psums and
+   psum_scatters, all-gathers, all-to-alls, and why others are skipped;
+2. ``readiness``: with ``ready="dataflow"``, each gradient collective moved to where its
+   operand is ready (`ready.to_ready_points`), so that the planner's layers are the backward
+   pass's whichever way the code was written; the sites found again there;
+3. ``unplanned``: what the report says of the collectives no rule serves;
+4. ``other_collectives``: the all-gathers' and the all-to-alls' edits (`gathers`,
+   `exchanges`);
+5. ``classify``: each psum's kind (`sites.site_kinds`: gradient, forward, ...) and each
+   equation's compute (`costs.roofline_s`; none for what waits for a gradient, the update);
+6. ``singles``: every collective that is no gradient issued alone, at its resolved block
+   count (`ops.blocks.resolve_blocks`);
+7. ``buckets``: the gradient collectives planned per stream (`buckets.plan`), each bucket
+   one call or a start/done pair (`buckets.split_buckets`), and its edits
+   (`buckets.edit_bucket`).
+
+Each pass is a function of the rewrite's shared state (`scope.Scope`) and this scope's
+(`ScopeState`); tests/test_passes.py runs each alone on a small jaxpr.
 """
 from __future__ import annotations
 
@@ -33,21 +52,42 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from libra_jax import loops
-from libra_jax.rewrite.edits import sink_gathers
-from libra_jax.rewrite.gathers import hoist_regathers
-from libra_jax.rewrite.ready import inline_calls
+from libra_jax import _compat, loops
+from libra_jax.ops import blocks as block_rule
+from libra_jax.rewrite.buckets import edit_bucket, split_buckets
+from libra_jax.rewrite.buckets import plan as plan_buckets
+from libra_jax.rewrite.costs import roofline_s
+from libra_jax.rewrite.edits import (
+    Edits,
+    downstream_of,
+    fusable_reach,
+    pairs_bucket,
+    single_eqn,
+    sink_gathers,
+)
+from libra_jax.rewrite.exchanges import edit_exchanges
+from libra_jax.rewrite.gathers import edit_gathers, hoist_regathers
+from libra_jax.rewrite.ready import inline_calls, to_ready_points
+from libra_jax.rewrite.report import CallPlan
 from libra_jax.rewrite.scope import Scope
 from libra_jax.rewrite.shrink import shrink_psums
 from libra_jax.rewrite.sites import (
+    Site,
+    axis_names,
+    find_site,
     fold_zero_psums,
+    gradient_sites,
+    group_size,
     is_psum,
+    libras_row,
     scatter_sliced_psums,
+    site_kinds,
     split_empty_operands,
+    warn_invariant_operands,
 )
 from libra_jax.rewrite.transposes import scatter_before_transpose
 
-__all__ = ["ScopeState", "Pass", "NORMALISE", "normalise"]
+__all__ = ["ScopeState", "Pass", "Step", "NORMALISE", "PLAN", "normalise", "run"]
 
 
 @dataclasses.dataclass
@@ -64,6 +104,18 @@ class ScopeState:
     in_loop: bool = False
     transposed: bool = False
     in_backward: bool = False
+    invars: set = dataclasses.field(default_factory=set)  # the scope's inputs
+    # Filled by `PLAN`: the sites by kind of collective (`sites`), why others were skipped,
+    # each psum's kind by position (`classify`), each equation's compute, the gradient
+    # streams (`singles`: per axes and bucket class, its sites), and the edits.
+    sites: list[Site] = dataclasses.field(default_factory=list)
+    gathers: list[Site] = dataclasses.field(default_factory=list)
+    exchanges: list[Site] = dataclasses.field(default_factory=list)
+    skipped: list[str] = dataclasses.field(default_factory=list)
+    kinds: dict[int, str] = dataclasses.field(default_factory=dict)
+    costs: list[float] = dataclasses.field(default_factory=list)
+    streams: dict[tuple, list[Site]] = dataclasses.field(default_factory=dict)
+    edits: Edits = dataclasses.field(default_factory=Edits)
 
 
 #: A pass: the scope's new equations from the shared state and the scope's.
@@ -132,6 +184,143 @@ NORMALISE: tuple[tuple[str, Pass], ...] = (
 
 def normalise(rw: Scope, st: ScopeState) -> ScopeState:
     """`st` after every pass of `NORMALISE`, in order (its equations replaced)."""
-    for _, run in NORMALISE:
-        st.eqns = list(run(rw, st))
+    for _, one in NORMALISE:
+        st.eqns = list(one(rw, st))
+    return st
+
+
+#: A pass of `PLAN`: fills the scope's state.
+Step = Callable[[Scope, ScopeState], None]
+
+
+def sites(rw: Scope, st: ScopeState) -> None:
+    """The scope's collectives, by kind, and why others are skipped, in order."""
+    st.sites, st.gathers, st.exchanges, st.skipped = [], [], [], []
+    for i, eqn in enumerate(st.eqns):
+        found = find_site(i, eqn)
+        if isinstance(found, str):
+            st.skipped.append(found)
+        elif found is not None:  # by its kind's layout: gathered, exchanged, or summed
+            row = found.collective
+            (st.gathers if row.gathers else st.exchanges if row.exchanges
+             else st.sites).append(found)
+
+
+def readiness(rw: Scope, st: ScopeState) -> None:
+    """Each gradient collective moved to its ready point (``ready="dataflow"``; in a loop body
+    only where it has a backward pass), its ready point and the written order recorded."""
+    if rw.options.ready != "dataflow" or not st.sites:
+        return
+    gradient, backward = gradient_sites(st.eqns, st.sites, st.outvars, st.transposed)
+    movable = [] if st.in_loop and backward is None else [
+        s.index for s in st.sites if s.index in gradient and s.explicit_blocks is None]
+    if movable:
+        st.eqns, order, ready = to_ready_points(st.eqns, movable)
+        rw.ready[st.scope] = {i: dataclasses.replace(r, after=_label(st.eqns, r.point))
+                              for i, r in ready.items()}
+        rw.written[st.scope] = order
+        sites(rw, st)
+
+
+def _label(eqns: Sequence[Any], point: int) -> str:
+    """The equation at a ready point, as a report says it: its primitive and result's type."""
+    if point < 0:
+        return "the scope's start"
+    eqn = eqns[point]
+    out = eqn.outvars[0].aval if eqn.outvars else None
+    shape = "x".join(map(str, getattr(out, "shape", ()))) or "scalar"
+    return f"{eqn.primitive.name} ({shape}) at equation {point}"
+
+
+def unplanned(rw: Scope, st: ScopeState) -> None:
+    """The report's skipped sites, and each collective no rule serves (`unplanned`)."""
+    rw.report.skipped.extend(f"{why} in {st.scope}" for why in st.skipped)
+    served = {site.index for site in st.sites + st.gathers + st.exchanges}
+    for i, eqn in enumerate(st.eqns):
+        other = _compat.OTHER_COLLECTIVES.get(eqn.primitive.name)
+        libras = libras_row(eqn.primitive)
+        name = other or (libras.lax if libras is not None else None)
+        if name is not None and i not in served:
+            rw.unplanned.append(f"{name} over {axis_names(eqn.params)} in {st.scope}"
+                                + (" (libra's)" if libras else ""))
+
+
+def other_collectives(rw: Scope, st: ScopeState) -> None:
+    """The all-gathers' and the all-to-alls' edits."""
+    backward = st.in_backward or st.transposed
+    edit_gathers(rw, st.eqns, st.gathers, st.axis_sizes, st.scope, st.in_loop, backward,
+                 st.invars, st.edits)
+    rw.report.plans += edit_exchanges(st.eqns, st.exchanges, st.axis_sizes, st.scope,
+                                      st.in_loop, backward, rw.profile, st.invars, st.edits)
+
+
+def classify(rw: Scope, st: ScopeState) -> None:
+    """Each psum's kind and each equation's compute (none for what waits for a gradient)."""
+    if not st.sites:
+        return
+    warn_invariant_operands(st.eqns, st.sites)
+    gradient, backward = gradient_sites(st.eqns, st.sites, st.outvars, st.transposed)
+    if st.in_loop and backward is None:
+        # No backward pass in the body: a forward loop (a metric, a statistic per layer)
+        # whose psums are no gradients; at top level this is a hand-written backward pass.
+        gradient = set()
+    st.kinds = site_kinds(st.sites, gradient, backward, st.in_loop)
+    # Compute that consumes a gradient all-reduce (the optimizer update) waits for it
+    # and overlaps nothing: it is not part of the backward stream the planner sees.
+    waits = downstream_of(st.eqns, [st.eqns[i].outvars[0] for i in sorted(gradient)])
+    st.costs = [0.0 if i in waits else roofline_s(eqn, rw.profile)
+                for i, eqn in enumerate(st.eqns)]
+
+
+def singles(rw: Scope, st: ScopeState) -> None:
+    """Every collective that is no gradient issued alone; the gradient ones into streams.
+    Gradient collectives over the same axes of one `Site.bucket_class` are one stream of
+    buckets: FSDP's reduce-scatters and all-reduces, which alternate in its backward pass,
+    are two, each fused over the other's gradients (one stream fused none)."""
+    st.streams = {}
+    for site in st.sites:  # in jaxpr order: the report lists them so
+        kind = st.kinds[site.index]
+        if kind == "gradient":
+            st.streams.setdefault((site.axes, site.bucket_class), []).append(site)
+            continue
+        k = site.explicit_blocks
+        if k is None:
+            k = block_rule.resolve_blocks(site.collective, site.nbytes,
+                                          group_size(st.axis_sizes, site.axes), rw.profile)
+            st.edits.replacements[site.index] = single_eqn(st.eqns[site.index], site, k,
+                                                           st.invars)
+        rw.report.plans.append(CallPlan(st.scope, site.axes, (site.index,), site.nbytes, k,
+                                        kind, "sync", site.collective))
+
+
+def buckets(rw: Scope, st: ScopeState) -> None:
+    """The gradient streams planned into buckets, each one call or a start/done pair, and
+    their edits. In a loop body each bucket is one call: every iteration's collectives are
+    done within it, so a pair could only overlap the rest of that iteration; a bucket of a
+    kind with no pair of a bucket (psum_scatters: `edits.pairs_bucket`) is one call too."""
+    planned = [(axes, bucket, k)
+               for (axes, _), members in st.streams.items()
+               for bucket, k in plan_buckets(rw, members, st.costs,
+                                             group_size(st.axis_sizes, axes), st.scope,
+                                             fusable_reach(st.eqns, members), st.in_loop)]
+    splits = ([False] * len(planned) if st.in_loop else
+              split_buckets(rw, st.eqns, st.outvars, [b for _, b, _ in planned], st.costs))
+    for (axes, bucket, k), split in zip(planned, splits):
+        edit_bucket(rw, st.eqns, bucket, axes, bucket[0].invariant, k,
+                    split and pairs_bucket(bucket[0].collective), st.scope, st.invars,
+                    st.edits)
+
+
+#: The passes that plan a normalised scope, in the order the module docstring gives.
+PLAN: tuple[tuple[str, Step], ...] = (
+    ("sites", sites), ("readiness", readiness), ("unplanned", unplanned),
+    ("other_collectives", other_collectives), ("classify", classify), ("singles", singles),
+    ("buckets", buckets))
+
+
+def run(rw: Scope, st: ScopeState) -> ScopeState:
+    """`st` normalised (`NORMALISE`) and planned (`PLAN`): its edits, ready to schedule."""
+    normalise(rw, st)
+    for _, step in PLAN:
+        step(rw, st)
     return st

@@ -1,11 +1,11 @@
 """The rewrite of one program: `Options`, and the `Rewriter` that walks its scopes.
 
-A scope (a jaxpr: the step's, a `shard_map`'s body, a loop's body) is rewritten in phases
-(`Rewriter.jaxpr`): the passes that normalise its equations (`passes.NORMALISE`, its
-sub-jaxprs rewritten among them, a scan's hoistable psums out of its body where the model
-prices that lower: `loop_plan`), then its sites found (`sites.find_site`) and classified,
-its gradient collectives planned and edited (`buckets`), its all-gathers edited (`gathers`),
-and its equations scheduled (`edits.schedule`).
+A scope (a jaxpr: the step's, a `shard_map`'s body, a loop's body) is rewritten by its passes
+(`Rewriter.jaxpr`, `passes.run`): those that normalise its equations (`passes.NORMALISE`: its
+sub-jaxprs rewritten among them, through `sub_jaxprs`, and a scan's hoistable psums out of
+its body where the model prices that lower, through `hoist_loops` and `loop_plan`), then
+those that find, classify and plan its collectives and record their edits (`passes.PLAN`);
+then its equations are scheduled (`finish`, `edits.schedule`).
 """
 from __future__ import annotations
 
@@ -18,66 +18,23 @@ from typing import Any
 from libra_jax import _compat, config, loops, model, planner
 from libra_jax.ops import blocks as block_rule
 from libra_jax.ops.start_done import MAX_CALL_ID
-from libra_jax.rewrite.buckets import edit_bucket, split_buckets
-from libra_jax.rewrite.buckets import plan as plan_buckets
 from libra_jax.rewrite.costs import roofline_s
 from libra_jax.rewrite.edits import (
     Edits,
-    downstream_of,
-    fusable_reach,
     map_jaxprs,
-    pairs_bucket,
     program_fingerprint,
     schedule,
-    single_eqn,
 )
-from libra_jax.rewrite.exchanges import edit_exchanges
-from libra_jax.rewrite.gathers import edit_gathers
-from libra_jax.rewrite.passes import ScopeState, normalise
-from libra_jax.rewrite.ready import Ready, to_ready_points
-from libra_jax.rewrite.report import CallPlan, LoopPlan, OptimizeReport
+from libra_jax.rewrite.passes import ScopeState, run
+from libra_jax.rewrite.ready import Ready
+from libra_jax.rewrite.report import LoopPlan, OptimizeReport
 from libra_jax.rewrite.scope import LOOP_MODES, Options
 from libra_jax.rewrite.sites import (
-    Site,
-    axis_names,
     contains_psum,
-    find_site,
-    gradient_sites,
     group_size,
-    libras_row,
-    site_kinds,
-    warn_invariant_operands,
 )
 
 __all__ = ["Options", "Rewriter", "LOOP_MODES"]
-
-
-def _find_sites(eqns: Sequence[Any]
-                ) -> tuple[list[Site], list[Site], list[Site], list[str]]:
-    """(the psums and psum_scatters, the all-gathers, the all-to-alls, why others are
-    skipped) of a scope, by the site rules (`sites.find_site`), in order."""
-    sites: list[Site] = []
-    gathers: list[Site] = []
-    exchanges: list[Site] = []
-    skipped: list[str] = []
-    for i, eqn in enumerate(eqns):
-        found = find_site(i, eqn)
-        if isinstance(found, str):
-            skipped.append(found)
-        elif found is not None:  # by its kind's layout: gathered, exchanged, or summed
-            row = found.collective
-            (gathers if row.gathers else exchanges if row.exchanges else sites).append(found)
-    return sites, gathers, exchanges, skipped
-
-
-def _label(eqns: Sequence[Any], point: int) -> str:
-    """The equation at a ready point, as a report says it: its primitive and result's type."""
-    if point < 0:
-        return "the scope's start"
-    eqn = eqns[point]
-    out = eqn.outvars[0].aval if eqn.outvars else None
-    shape = "x".join(map(str, getattr(out, "shape", ()))) or "scalar"
-    return f"{eqn.primitive.name} ({shape}) at equation {point}"
 
 
 class Rewriter:
@@ -139,8 +96,8 @@ class Rewriter:
         self.calls += 1
         return (self.fingerprint + self.calls) % MAX_CALL_ID
 
-    # One jaxpr scope, in phases: rewrite sub-jaxprs, find the psum sites, classify them,
-    # plan the gradient ones, turn the plan into edits, schedule the equations.
+    # One jaxpr scope: its passes (`passes.run`: normalised, sites found, classified,
+    # planned, edits made), then its equations scheduled (`finish`).
 
     def jaxpr(self, jaxpr: Any, *, axis_sizes: dict, scope: str, in_loop: bool,
               transposed: bool = False, in_backward: bool = False) -> Any:
@@ -149,80 +106,9 @@ class Rewriter:
         it backward pass though its own equations do not say so; `in_backward`: it is (in) the
         body of any equation autodiff's transpose made (a `checkpoint`'s backward pass: its
         all-gathers are remat's re-gathers)."""
-        eqns = normalise(self, ScopeState(list(jaxpr.eqns), jaxpr.outvars, axis_sizes, scope,
-                                          in_loop, transposed, in_backward)).eqns
-        sites, gathers, exchanges, skipped = _find_sites(eqns)
-        if self.options.ready == "dataflow" and sites:
-            # Each gradient collective where its operand is ready (`ready`), so that the
-            # planner's layers are the backward pass's whichever way the code was written.
-            gradient, backward = gradient_sites(eqns, sites, jaxpr.outvars, transposed)
-            movable = [] if in_loop and backward is None else [
-                s.index for s in sites if s.index in gradient and s.explicit_blocks is None]
-            if movable:
-                eqns, order, ready = to_ready_points(eqns, movable)
-                self.ready[scope] = {i: dataclasses.replace(r, after=_label(eqns, r.point))
-                                     for i, r in ready.items()}
-                self.written[scope] = order
-                sites, gathers, exchanges, skipped = _find_sites(eqns)
-        self.report.skipped.extend(f"{why} in {scope}" for why in skipped)
-        served = {site.index for site in sites + gathers + exchanges}
-        for i, eqn in enumerate(eqns):
-            other = _compat.OTHER_COLLECTIVES.get(eqn.primitive.name)
-            libras = libras_row(eqn.primitive)
-            name = other or (libras.lax if libras is not None else None)
-            if name is not None and i not in served:
-                self.unplanned.append(f"{name} over {axis_names(eqn.params)} in {scope}"
-                                      + (" (libra's)" if libras else ""))
-        edits = Edits()
-        invars = set(jaxpr.invars)
-        edit_gathers(self, eqns, gathers, axis_sizes, scope, in_loop, in_backward or transposed,
-                     invars, edits)
-        self.report.plans += edit_exchanges(eqns, exchanges, axis_sizes, scope, in_loop,
-                                            in_backward or transposed, self.profile, invars, edits)
-        if not sites:
-            return self.finish(jaxpr, eqns, edits, scope)
-        warn_invariant_operands(eqns, sites)
-        gradient, backward = gradient_sites(eqns, sites, jaxpr.outvars, transposed)
-        if in_loop and backward is None:
-            # No backward pass in the body: a forward loop (a metric, a statistic per layer)
-            # whose psums are no gradients; at top level this is a hand-written backward pass.
-            gradient = set()
-        kinds = site_kinds(sites, gradient, backward, in_loop)
-        # Compute that consumes a gradient all-reduce (the optimizer update) waits for it
-        # and overlaps nothing: it is not part of the backward stream the planner sees.
-        waits = downstream_of(eqns, [eqns[i].outvars[0] for i in sorted(gradient)])
-        costs = [0.0 if i in waits else roofline_s(eqn, self.profile)
-                 for i, eqn in enumerate(eqns)]
-        # Gradient collectives over the same axes of one `Site.bucket_class` are one stream
-        # of buckets: FSDP's reduce-scatters and all-reduces, which alternate in its backward
-        # pass, are two, each fused over the other's gradients (one stream fused none).
-        groups: dict[tuple, list[Site]] = {}
-        for site in sites:  # in jaxpr order: the report lists them so
-            kind = kinds[site.index]
-            if kind == "gradient":
-                groups.setdefault((site.axes, site.bucket_class), []).append(site)
-                continue
-            k = site.explicit_blocks
-            if k is None:
-                k = block_rule.resolve_blocks(site.collective, site.nbytes,
-                                              group_size(axis_sizes, site.axes), self.profile)
-                edits.replacements[site.index] = single_eqn(eqns[site.index], site, k, invars)
-            self.report.plans.append(CallPlan(scope, site.axes, (site.index,), site.nbytes,
-                                              k, kind, "sync", site.collective))
-        planned = [(axes, bucket, k)
-                   for (axes, _), members in groups.items()
-                   for bucket, k in plan_buckets(self, members, costs, group_size(axis_sizes, axes), scope,
-                                              fusable_reach(eqns, members), in_loop)]
-        # In a loop body each bucket is one call: every iteration's all-reduces are done
-        # within it, so a start/done pair could only overlap the rest of that iteration.
-        # A bucket of psum_scatters is one call too (no start/done pair for it yet).
-        splits = ([False] * len(planned) if in_loop else
-                  split_buckets(self, eqns, jaxpr.outvars, [b for _, b, _ in planned], costs))
-        for (axes, bucket, k), split in zip(planned, splits):
-            split = split and pairs_bucket(bucket[0].collective)
-            edit_bucket(self, eqns, bucket, axes, bucket[0].invariant, k, split, scope, invars,
-                             edits)
-        return self.finish(jaxpr, eqns, edits, scope)
+        st = run(self, ScopeState(list(jaxpr.eqns), jaxpr.outvars, axis_sizes, scope, in_loop,
+                                  transposed, in_backward, invars=set(jaxpr.invars)))
+        return self.finish(jaxpr, st.eqns, st.edits, scope)
 
     def finish(self, jaxpr: Any, eqns: list[Any], edits: Edits, scope: str) -> Any:
         """The scope scheduled; its report's equation positions are the ones before its

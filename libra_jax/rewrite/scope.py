@@ -79,8 +79,10 @@ class Scope(Protocol):
     (`prefetch`, `prefetch_why`), remat's re-gathers taken out of their checkpoints
     (`regathered`), the results a pass renamed, by the variable the program as written has
     (`renamed`: `transposes`' moved reduce-scatters, whose gradients `explain` names), the
-    ids of start/done pairs (`call_id`), and the walk's two steps the passes call
-    (`hoist_loops`, `sub_jaxprs`: `passes`)."""
+    ids of start/done pairs (`call_id`), the collectives no rule serves (`unplanned`), each
+    scope's equation order as written before its collectives moved to their ready points
+    (`written`), and the walk's two steps the passes call (`hoist_loops`, `sub_jaxprs`:
+    `passes`)."""
 
     options: Options
     profile: model.Profile
@@ -90,6 +92,8 @@ class Scope(Protocol):
     prefetch_why: str
     regathered: dict[Any, Any]
     renamed: dict[Any, Any]
+    unplanned: list[str]
+    written: dict[str, list[int]]
 
     def call_id(self) -> int:
         """The id of the program's next start/done pair."""
