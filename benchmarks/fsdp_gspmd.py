@@ -32,7 +32,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
-from report import interleaved_steps, load_file  # noqa: E402
+from report import interleaved_steps, load_file, median_ci  # noqa: E402
 
 common = load_file(ROOT / "examples" / "common.py", "common")  # (8 host devices)
 
@@ -119,13 +119,6 @@ def without_communication(fn: Callable[..., Any], *example: Any) -> Callable[...
         return jax.tree.unflatten(tree, _run(closed.jaxpr, closed.consts,
                                               jax.tree.leaves(args), manual=False))
     return local
-
-
-def median_ci(ratios: np.ndarray, seed: int = 0, n: int = 2000) -> tuple[float, float, float]:
-    """The median of paired per-round ratios and its bootstrap 95% interval."""
-    rng = np.random.default_rng(seed)
-    boots = np.median(rng.choice(ratios, (n, ratios.size)), axis=1)
-    return float(np.median(ratios)), *np.percentile(boots, (2.5, 97.5))
 
 
 def main() -> None:

@@ -40,7 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
 from end_to_end import CONFIGS, label, one_bucket_profile  # noqa: E402
-from report import interleaved_steps, load_file  # noqa: E402
+from report import interleaved_steps, load_file, median_ci  # noqa: E402
 
 common = load_file(ROOT / "examples" / "common.py", "common")  # (8 host devices)
 
@@ -96,13 +96,6 @@ def bench(name: str, options: dict, rounds: int, steps: int
     calls = {arm: sum(p.kind == "gradient" for p in f.last_report.plans)
              for arm, f in optimized.items()}
     return times, calls
-
-
-def median_ci(ratios: np.ndarray, seed: int = 0, n: int = 2000) -> tuple[float, float, float]:
-    """The median of paired per-round ratios and its bootstrap 95% interval."""
-    rng = np.random.default_rng(seed)
-    boots = np.median(rng.choice(ratios, (n, ratios.size)), axis=1)
-    return float(np.median(ratios)), *np.percentile(boots, (2.5, 97.5))
 
 
 def main() -> None:

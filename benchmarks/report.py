@@ -71,6 +71,15 @@ def spread(values, q: tuple[float, float] = (10, 90), scale: float = 1.0,
     return f"{lo:.{digits}f}-{hi:.{digits}f}"
 
 
+def median_ci(ratios, seed: int = 0, n: int = 2000) -> tuple[float, float, float]:
+    """The median of paired per-round ratios (a NumPy array) and its bootstrap 95% interval."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    boots = np.median(rng.choice(ratios, (n, ratios.size)), axis=1)
+    return float(np.median(ratios)), *np.percentile(boots, (2.5, 97.5))
+
+
 def publish(lines: list[str], out: str | None) -> None:
     """Print the table, and write it to `out` when given."""
     text = "\n".join(lines) + "\n"
