@@ -11,7 +11,7 @@ Layers, lowest first; a module imports only from its own layer or below
 1. pure Python, no JAX: `config`, `planner`, `model`, `zoo`, `gantt`, `gpu_calibration`;
 2. JAX and the extension: `_compat`, `_ffi`, `_nccl`;
 3. the primitives: `ops`;
-4. the front ends: `allreduce` (`psum`), `rewrite` (`optimize`), `data_parallel`
+4. the front ends: `dropins` (`psum` and the other drop-ins), `rewrite` (`optimize`), `data_parallel`
    (`value_and_grad` for GSPMD steps);
 5. tools: `explanation` (its gradients' names, `gradient_names`), `calibrate` (its fits,
    `calibrate.fit`, are pure), `cli`, `testing`.
@@ -124,7 +124,8 @@ def _build_info_unbuilt() -> dict[str, Any]:
 
 if TYPE_CHECKING:  # what a type checker sees; at run time they load lazily (`__getattr__`)
     from libra_jax._ffi import build_info
-    from libra_jax.allreduce import (
+    from libra_jax.data_parallel import grad, value_and_grad
+    from libra_jax.dropins import (
         MAX_BLOCKS,
         all_gather,
         all_to_all,
@@ -134,7 +135,6 @@ if TYPE_CHECKING:  # what a type checker sees; at run time they load lazily (`__
         psum,
         psum_scatter,
     )
-    from libra_jax.data_parallel import grad, value_and_grad
     from libra_jax.explanation import Explanation, explain
     from libra_jax.model import Profile, load_profile
     from libra_jax.rewrite import CallPlan, OptimizeReport, optimize, rewrite_jaxpr
@@ -151,14 +151,14 @@ __all__ = [
 # Public name -> module that defines it.
 _LAZY = {
     "build_info": "libra_jax._ffi",
-    "psum": "libra_jax.allreduce",
-    "pmean": "libra_jax.allreduce",
-    "psum_scatter": "libra_jax.allreduce",
-    "all_gather": "libra_jax.allreduce",
-    "all_to_all": "libra_jax.allreduce",
-    "patch_lax": "libra_jax.allreduce",
-    "default_blocks": "libra_jax.allreduce",
-    "MAX_BLOCKS": "libra_jax.allreduce",
+    "psum": "libra_jax.dropins",
+    "pmean": "libra_jax.dropins",
+    "psum_scatter": "libra_jax.dropins",
+    "all_gather": "libra_jax.dropins",
+    "all_to_all": "libra_jax.dropins",
+    "patch_lax": "libra_jax.dropins",
+    "default_blocks": "libra_jax.dropins",
+    "MAX_BLOCKS": "libra_jax.dropins",
     "optimize": "libra_jax.rewrite",
     "rewrite_jaxpr": "libra_jax.rewrite",
     "OptimizeReport": "libra_jax.rewrite",

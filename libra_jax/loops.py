@@ -38,7 +38,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from libra_jax import _compat, allreduce
+from libra_jax import _compat, dropins
 
 __all__ = ["Hoist", "hoistable", "hoist", "sink", "DATA_MOVEMENT"]
 
@@ -81,7 +81,7 @@ def hoistable(eqn: Any) -> list[Hoist]:
         aval = e.invars[0].aval
         if (e.params.get("axis_index_groups") is not None or not axes
                 or any(isinstance(a, int) for a in axes)
-                or allreduce.engine_dtype(aval.dtype) is None):
+                or dropins.engine_dtype(aval.dtype) is None):
             continue
         v, chain = e.outvars[0], list[int]()
         while True:
@@ -158,7 +158,7 @@ def sink(eqns: Sequence[Any], outvars: Sequence[Any]) -> list[Any]:
                 or operand not in made or readers.get(operand) != 1
                 or e.params.get("axis_index_groups") is not None or not e.params["axes"]
                 or any(isinstance(a, int) for a in e.params["axes"])
-                or allreduce.engine_dtype(operand.aval.dtype) is None):
+                or dropins.engine_dtype(operand.aval.dtype) is None):
             continue
         i, j = made[operand]
         scan = eqns[i]

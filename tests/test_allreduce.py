@@ -1,4 +1,4 @@
-"""Tests of libra_jax.allreduce: `psum`/`pmean` against `jax.lax.psum`, bit for bit."""
+"""Tests of libra_jax.dropins' all-reduce: `psum`/`pmean` against `jax.lax.psum`, bit for bit."""
 from __future__ import annotations
 
 import multiprocessing
@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 import libra_jax
 from libra_jax import _libra_ffi
-from libra_jax.allreduce import MAX_BLOCKS, default_blocks
+from libra_jax.dropins import MAX_BLOCKS, default_blocks
 from libra_jax.config import xla_flags
 
 from conftest import assert_bitwise, lower_for, mesh_of, shard
@@ -339,7 +339,7 @@ def test_block_counts_same_result_recorded_in_hlo(blocks):
 
 def test_default_blocks_rule():
     from libra_jax import model
-    from libra_jax.allreduce import BLOCK_PENALTY
+    from libra_jax.dropins import BLOCK_PENALTY
 
     assert default_blocks(0, 8) == 1 and default_blocks(1 << 20, 1) == 1
     # The rule: argmin over the profile's options of predicted time x (1 + 0.025 blocks).

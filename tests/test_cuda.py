@@ -17,7 +17,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import libra_jax
-from libra_jax import _compat, _ffi, _libra_ffi, allreduce
+from libra_jax import _compat, _ffi, _libra_ffi, dropins
 from libra_jax.config import xla_flags
 
 from conftest import _jax
@@ -389,9 +389,9 @@ def test_gpu_single_rank_custom_call(dtype, count):
     x = _random(np.random.default_rng(count), (count,), dtype)
 
     def body(v):
-        a = allreduce.libra_psum_p.bind(v, axes=("x",), blocks=7, inplace=False,
+        a = dropins.libra_psum_p.bind(v, axes=("x",), blocks=7, inplace=False,
                                         invariant=False)
-        b = allreduce.libra_psum_p.bind(v * 1, axes=("x",), blocks=64, inplace=True,
+        b = dropins.libra_psum_p.bind(v * 1, axes=("x",), blocks=64, inplace=True,
                                         invariant=False)
         return a, b
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(), out_specs=(P(), P()),
@@ -509,7 +509,7 @@ def test_gpu_timeout_is_reported_at_the_next_call():
 @needs_cuda_build
 def test_cuda_lowering_default_blocks_from_the_model():
     """blocks=None: the h100 profile's choice for this size and group, recorded in the HLO."""
-    from libra_jax.allreduce import DEFAULT_PROFILES, default_blocks
+    from libra_jax.dropins import DEFAULT_PROFILES, default_blocks
 
     text = lower_for_cuda(lambda v: libra_jax.psum(v * 2.0, "x"), shape=(8, 1 << 18))
     expected = default_blocks((1 << 18) * 4, 8, DEFAULT_PROFILES["cuda"])

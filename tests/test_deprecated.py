@@ -39,3 +39,32 @@ def test_an_unknown_name_is_still_an_attribute_error():
     for module in (rewrite, planner, lowering, transform, report):
         with pytest.raises(AttributeError, match="no attribute 'NotAName'"):
             module.NotAName  # noqa: B018
+
+
+def test_the_old_module_name_is_the_drop_ins_module():
+    # libra_jax.allreduce held every kind's drop-in: renamed libra_jax.dropins. The old name
+    # imports the same module object (a patch through it is the drop-ins' own), with the
+    # notice. In a fresh process: the notice comes once, on the first import.
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import warnings
+        import libra_jax
+        warnings.simplefilter("always")
+        with warnings.catch_warnings(record=True) as caught:
+            import libra_jax.allreduce as old
+            from libra_jax import allreduce as old_attr
+        import libra_jax.dropins as new
+        assert old is new and old_attr is new, (old, new)
+        assert old.psum is libra_jax.psum and old.libra_psum_p is new.libra_psum_p
+        said = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)
+                and "libra_jax.allreduce" in str(w.message)]
+        assert len(said) == 1, said
+        assert "it is libra_jax.dropins" in said[0] and "name-renamed" in said[0], said
+        print("OK")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("OK"), out.stderr[-2000:]

@@ -25,7 +25,7 @@ LAYERS: dict[str, int] = {
     **dict.fromkeys(["_compat", "_ffi", "_nccl", "_libra_ffi"], 2),
     **dict.fromkeys(["ops", "ops.base", "ops.lowering", "ops.packing", "ops.psum", "ops.fused",
                      "ops.start_done", "ops.sharded", "ops.exchange", "ops.shards", "ops.blocks"], 3),
-    **dict.fromkeys(["allreduce", "overlap", "data_parallel", "loss_inputs", "reductions",
+    **dict.fromkeys(["allreduce", "dropins", "overlap", "data_parallel", "loss_inputs", "reductions",
                      "loops", "rewrite",
                      "rewrite.sites", "rewrite.costs", "rewrite.edits", "rewrite.report",
                      "rewrite.gathers", "rewrite.exchanges", "rewrite.buckets", "rewrite.ready", "rewrite.rewriter",
@@ -161,9 +161,9 @@ def test_old_module_paths_still_import_with_a_deprecation_warning(module):
 
 
 def test_modules_the_docs_name_keep_their_names():
-    from libra_jax import allreduce, model, rewrite
+    from libra_jax import dropins, model, rewrite
 
-    assert callable(allreduce.default_blocks) and allreduce.DEFAULT_PROFILES["cpu"] == "cpu-host"
+    assert callable(dropins.default_blocks) and dropins.DEFAULT_PROFILES["cpu"] == "cpu-host"
     assert rewrite.rewrite_jaxpr is libra_jax.rewrite_jaxpr
     assert rewrite.OptimizeReport is libra_jax.OptimizeReport
     assert model.Profile is libra_jax.Profile

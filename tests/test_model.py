@@ -524,7 +524,7 @@ def test_profiles_are_values_equal_by_content_not_origin(tmp_path) -> None:
     cores = doc["fair_share"]["cores"]
     cores["source"] = "measured" if cores["source"] != "measured" else "assumption"
     assert model.profile_from_dict(doc) != a
-    # Hashable: a profile keys a cache as its name does (allreduce.default_blocks).
+    # Hashable: a profile keys a cache as its name does (dropins.default_blocks).
     assert {a: 1}[c] == 1 and len({a, b, c}) == 1
     assert a != "cpu-host"
 

@@ -22,7 +22,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import libra_jax
-from libra_jax import _compat, _ffi, allreduce, rewrite
+from libra_jax import _compat, _ffi, dropins, rewrite
 
 from conftest import mesh_of, shard
 
@@ -209,7 +209,7 @@ def test_every_libra_primitive_has_a_cpu_and_a_cuda_lowering():
     from jax._src.interpreters import mlir
 
     from libra_jax import ops
-    prims = [allreduce.libra_psum_p, rewrite.libra_bucket_p, ops.libra_start_p,
+    prims = [dropins.libra_psum_p, rewrite.libra_bucket_p, ops.libra_start_p,
              ops.libra_done_p, ops.libra_reduce_scatter_p, ops.libra_all_gather_p]
     for platform in ("cpu", "cuda"):
         table = mlir._platform_specific_lowerings[platform]

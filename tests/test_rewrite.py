@@ -427,7 +427,7 @@ def test_fused_bucket_falls_back_to_xla_under_check_vma(monkeypatch):
 
 def test_optimize_with_a_profile_object_plans_forward_and_loop_psums():
     # A forward pmean (statistics) and a psum in a scan body are given the model's default
-    # blocks, through allreduce.default_blocks' cache: with a model.Profile object that
+    # blocks, through dropins.default_blocks' cache: with a model.Profile object that
     # raised "unhashable type: 'dict'".
     from libra_jax import model
 
@@ -1026,7 +1026,7 @@ def test_the_default_profile_on_a_gpu_backend_is_the_gpu_one(monkeypatch):
 def test_a_gspmd_step_is_said_to_have_nothing_to_plan(monkeypatch):
     # jax.jit with sharded inputs and no psum: XLA's partitioner makes the all-reduces after
     # tracing. optimize passed it by in silence, and explain said only "no gradient psums".
-    from libra_jax import allreduce
+    from libra_jax import dropins  # noqa: F401
 
     monkeypatch.setattr("libra_jax.ops.base._warned", set())
     mesh = mesh_of((8,), ("data",))

@@ -23,7 +23,7 @@ from test_allreduce import _NAN_BITS, DTYPES, random_array
 
 import libra_jax
 from libra_jax import _libra_ffi
-from libra_jax.allreduce import MAX_BLOCKS, default_blocks
+from libra_jax.dropins import MAX_BLOCKS, default_blocks
 from libra_jax.config import xla_flags
 
 pytestmark = pytest.mark.usefixtures("jax_8")

@@ -198,7 +198,7 @@ class Profile:
     equal (the numbers, their provenance in ``sources``, the text fields). ``origin`` (where
     it was read from) does not take part, so two loads of the same file, a copy of it
     elsewhere, and the document process 0 broadcasts to the others are one profile.
-    Hashable, so a profile keys caches (``allreduce.default_blocks``) as a name does.
+    Hashable, so a profile keys caches (``dropins.default_blocks``) as a name does.
     """
 
     name: str

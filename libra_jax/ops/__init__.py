@@ -1,7 +1,7 @@
 """libra's JAX primitives: one psum, a fused bucket, a start/done pair, and the sharded pair.
 
 Layer: imports `libra_jax._compat`, `_ffi`, `_nccl`, `collectives`, `config` and `model`;
-nothing above it (`allreduce`, `rewrite`, the planner, the tools). Every primitive is wired by
+nothing above it (`dropins`, `rewrite`, the planner, the tools). Every primitive is wired by
 one helper (`base.register_op`) from its abstract evaluation, its autodiff and batching rules
 and a lowering per platform, built on that platform's one rule for every kind
 (`lowering.rule`: a `lowering.Call` over the kind's row of `libra_jax.collectives`, libra's

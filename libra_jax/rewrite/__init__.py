@@ -35,7 +35,7 @@ Contract of the rewrite (`rewrite_jaxpr`):
   into buckets. Other psums (kind "forward": the loss, metrics, forward
   statistics; "backward": a psum the rest of the backward pass depends on, such
   as a batch statistic's cotangent) get an allocation from
-  `allreduce.default_blocks` and no fusion.
+  `dropins.default_blocks` and no fusion.
 - Loops: a `scan` body's psums whose result only goes, by data movement, into a
   stacked output (a stacked weight's gradient slice, `libra_jax.loops`) are
   hoisted before the scope is planned: the scan returns the slices unreduced and
@@ -51,7 +51,7 @@ Contract of the rewrite (`rewrite_jaxpr`):
   call (no start/done pair in a body: its all-reduces are done within the
   iteration, where a pair could only overlap the rest of it). The body's other
   psums (kind "loop": a loss, a statistic, a forward loop's) get
-  `allreduce.default_blocks`. `OptimizeReport.loops` has a `LoopPlan` per loop.
+  `dropins.default_blocks`. `OptimizeReport.loops` has a `LoopPlan` per loop.
 - A bucket is one `libra_bucket` equation placed where its last member
   was; it all-reduces each dtype once (on CPU the members as they are; elsewhere
   concatenated per dtype and split back). Summation is elementwise in rank order either way,

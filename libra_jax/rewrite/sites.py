@@ -22,7 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from libra_jax import _compat, allreduce, collectives
+from libra_jax import _compat, collectives, dropins
 from libra_jax.collectives import Collective, NoForm
 from libra_jax.ops import (
     libra_all_gather_p,
@@ -296,7 +296,7 @@ def contains_psum(jaxpr: Any) -> bool:
 
 
 def warn_invariant_operands(eqns: Sequence[Any], sites: Sequence[Site]) -> None:
-    """`allreduce.warn_invariant_operand` for a psum whose operand is a `pvary` of the
+    """`dropins.warn_invariant_operand` for a psum whose operand is a `pvary` of the
     program (not of autodiff's transpose) over its axes: `lax.psum` casts an array that is
     already invariant that way (under `check_vma`) before summing it."""
     producer = {v: eqn for eqn in eqns for v in eqn.outvars if _compat.is_var(v)}
@@ -306,7 +306,7 @@ def warn_invariant_operands(eqns: Sequence[Any], sites: Sequence[Site]) -> None:
         if (cast is not None and cast.primitive.name == "pvary"
                 and not _compat.made_by_transpose(cast)
                 and set(site.axes) <= set(cast.params.get("axes", ()))):
-            allreduce.warn_invariant_operand(site.axes, "libra_jax.optimize")
+            dropins.warn_invariant_operand(site.axes, "libra_jax.optimize")
 
 
 def backward_sites(eqns: Sequence[Any], sites: Sequence[Site]) -> set[int] | None:
@@ -414,7 +414,7 @@ def _psum_site(index: int, eqn: Any) -> Site | str | None:
     axes = tuple(eqn.params["axes"])
     aval = eqn.invars[0].aval
     why = _unserved_axes(name, eqn.params, axes)
-    if not why and allreduce.engine_dtype(aval.dtype) is None:
+    if not why and dropins.engine_dtype(aval.dtype) is None:
         why = f"{name} of {aval.dtype}"
     return why or Site(index, axes, _compat.PSUM_PRIMITIVES[name], aval_bytes(aval), None,
                        eqn.outvars[0], row)
@@ -450,7 +450,7 @@ def _engine_copies(params: dict, axes: tuple, aval: Any) -> bool:
     positional axes, of a dtype of whole bytes, not of unreduced or reduced inputs."""
     return (params.get("axis_index_groups") is None
             and not any(isinstance(a, int) for a in axes)
-            and allreduce.copyable(aval.dtype)
+            and dropins.copyable(aval.dtype)
             and _compat.input_state(aval, axes) not in ("unreduced", "reduced"))
 
 

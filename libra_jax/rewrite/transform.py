@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from libra_jax import _compat, _deprecated, allreduce, config, model
+from libra_jax import _compat, _deprecated, config, dropins, model
 from libra_jax.ops import XLA_TWINS
 from libra_jax.ops.base import warn_once
 from libra_jax.rewrite.edits import map_jaxprs
@@ -62,7 +62,7 @@ def optimize(fn: Callable[..., Any] | None = None, *, profile: Any = None, fusio
       fn: the function; without it, a decorator is returned.
       profile: the hardware profile (a name, a path, a `model.Profile` or its JSON document
         as a dict); default: the
-        built-in profile of the default backend (`allreduce.DEFAULT_PROFILES`). Under
+        built-in profile of the default backend (`dropins.DEFAULT_PROFILES`). Under
         multi-process JAX every process plans with process 0's (`shared_profile`).
       fusion: fuse gradient psums into buckets (Libra's co-optimisation), and consecutive
         forward all-gathers into one call where the model says so (within
@@ -137,7 +137,7 @@ def optimize(fn: Callable[..., Any] | None = None, *, profile: Any = None, fusio
     enabled = config.bool_option(enabled, "enabled")
     fusion = config.bool_option(fusion, "fusion")
     if blocks is not None:
-        allreduce.check_blocks(blocks)
+        dropins.check_blocks(blocks)
     config.choice_option(collectives, COLLECTIVE_CHOICES, "collectives")
     options = Options(profile=profile, fusion=fusion, blocks=blocks,
                        overlap=config.overlap_mode(overlap), loops=_loop_mode(loops),
@@ -399,7 +399,7 @@ def rewrite_jaxpr(closed: Any, *, profile: Any = None, fusion: bool = True,
     shardings are read: a step with no psum whose inputs are sharded is a GSPMD step, and the
     notice says so (`gspmd_notice`)."""
     if blocks is not None:
-        allreduce.check_blocks(blocks)
+        dropins.check_blocks(blocks)
     options = Options(profile=profile, fusion=fusion, blocks=blocks,
                        overlap=config.overlap_mode(overlap), loops=_loop_mode(loops),
                        prefetch=config.prefetch_mode(prefetch),
