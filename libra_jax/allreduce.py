@@ -7,10 +7,6 @@ DeprecationWarning (notice ``name-renamed``), which name to use.
 """
 from __future__ import annotations
 
-import sys
+from libra_jax import _deprecated, dropins
 
-from libra_jax import config, dropins
-
-config.notice("name-renamed", "libra_jax.allreduce is deprecated: it is libra_jax.dropins",
-              DeprecationWarning, stacklevel=2)
-sys.modules[__name__] = dropins
+_deprecated.module_alias(__name__, dropins)
