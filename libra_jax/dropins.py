@@ -115,26 +115,21 @@ def psum(x: Any, axis_name: AxisName | Sequence[AxisName], *,
     check_blocks(blocks)
     if inplace is not None and not isinstance(inplace, bool):
         raise TypeError(f"libra_jax.psum: inplace must be True, False or None, got {inplace!r}")
-    axes = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
     if axis_index_groups is not None:
         return _delegate(x, axis_name, "axis_index_groups is not supported", blocks,
                          ALL_REDUCE, axis_index_groups=axis_index_groups)
-    for name in axes:
-        if not isinstance(name, int) and not _compat.axis_is_bound(name):
-            _unbound_axis(x, axis_name, name, ALL_REDUCE)
-    manual = _compat.manual_axes()
-    mapped = [name for name in axes if not isinstance(name, int) and name in manual]
-    if len(mapped) < len(axes):
+    mesh_axes = _mesh_axes(x, axis_name, ALL_REDUCE)
+    if isinstance(mesh_axes, str):
         # Only axes bound by vmap (or positional ones): a sum within each device, no
         # communication, so nothing to warn about (shape-only traces under vmap, such as
         # eqx.filter_pmap's, see nothing else). With a mesh axis among them, XLA's
         # all-reduce does the communication: said once.
-        return _delegate(x, axis_name, "axes bound by vmap or positional axes are reduced "
-                         "by XLA", blocks, ALL_REDUCE, quiet=not mapped)
-    axes = _compat.skip_size_one_axes(axes)
-    if not axes:
+        return _delegate(x, axis_name, mesh_axes or _VMAP_AXES, blocks, ALL_REDUCE,
+                         quiet=not mesh_axes)
+    if not mesh_axes:
         return x
-    return jax.tree_util.tree_map(partial(_psum_leaf, axes=axes, blocks=blocks, inplace=inplace), x)
+    return jax.tree_util.tree_map(partial(_psum_leaf, axes=mesh_axes, blocks=blocks,
+                                          inplace=inplace), x)
 
 
 @contextlib.contextmanager
@@ -375,6 +370,10 @@ def _bind_all_to_all(x: Any, axes: tuple, split: int, concat: int, tiled: bool,
     return result
 
 
+#: Why a collective over axes bound by vmap (or positional ones) is `jax.lax`'s.
+_VMAP_AXES = "axes bound by vmap or positional axes are done by XLA"
+
+
 def _mesh_axes(x: Any, axis_name: Any, row: Collective) -> tuple | str:
     """The mesh axes a sharded collective (`row`) runs over (size-1 axes dropped, as JAX
     does), or, where `jax.lax` must do it, why ("" where nothing needs saying: only vmap's
@@ -386,7 +385,7 @@ def _mesh_axes(x: Any, axis_name: Any, row: Collective) -> tuple | str:
     manual = _compat.manual_axes()
     mapped = [name for name in axes if not isinstance(name, int) and name in manual]
     if len(mapped) < len(axes):
-        return "axes bound by vmap or positional axes are done by XLA" if mapped else ""
+        return _VMAP_AXES if mapped else ""
     return _compat.skip_size_one_axes(axes)
 
 
