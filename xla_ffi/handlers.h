@@ -46,7 +46,7 @@ inline ffi::ErrorOr<libra::DType> ToEngineDType(ffi::DataType dtype) {
   }
 }
 
-// The CPU engine's calls (xla_ffi/cpu_allreduce.cc), each over a bucket's members as separate
+// The CPU engine's calls (xla_ffi/cpu_collectives.cc), each over a bucket's members as separate
 // operands and results: one call of each kind (libra::Collective), one instantiate for all.
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kCpuAllReduceInstantiate);
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kCpuAllReduceExecute);
@@ -66,10 +66,10 @@ XLA_FFI_DECLARE_HANDLER_SYMBOL(kCpuAllReduceDone);
 const XLA_FFI_TypeInfo* CpuAllReduceSiteTypeInfo();
 ffi::TypeId* CpuAllReduceSiteTypeId();
 
-// CPU starts whose done has not come yet (entries of the in-flight map, cpu_allreduce.cc).
+// CPU starts whose done has not come yet (entries of the in-flight map, cpu_collectives.cc).
 std::size_t CpuPendingStarts();
 
-// The CUDA all-reduce (xla_ffi/cuda_allreduce.cc; built when nvcc is found,
+// The CUDA all-reduce (xla_ffi/cuda_collectives.cc; built when nvcc is found,
 // which defines LIBRA_WITH_CUDA).
 XLA_FFI_DECLARE_HANDLER_SYMBOL(kCudaAllReduce);
 // The same kernel on libra's own stream: start launches, done joins XLA's stream.

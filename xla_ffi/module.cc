@@ -334,7 +334,7 @@ NB_MODULE(_libra_ffi, m) {
         "Worker tasks that reduce `count` elements when `blocks` are asked for.");
   m.def("cpu_pending_starts", &libra_ffi::CpuPendingStarts,
         "CPU start/done pairs started and not yet done (abandoned ones expire: "
-        "xla_ffi/cpu_allreduce.cc).");
+        "xla_ffi/cpu_collectives.cc).");
   m.def("pool_threads",
         [] {
           return std::make_pair(libra::ThreadPool::Reduce().num_threads(),

@@ -53,7 +53,7 @@ struct LibraFfiTable {
 // The table (static, never null, never freed).
 const LibraFfiTable* LibraFfiRegistry();
 
-// The call-site state type as C functions (cpu_allreduce.cc), for the table.
+// The call-site state type as C functions (cpu_collectives.cc), for the table.
 XLA_FFI_TypeId* LibraCpuAllReduceSiteTypeId();
 const XLA_FFI_TypeInfo* LibraCpuAllReduceSiteTypeInfo();
 

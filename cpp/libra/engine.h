@@ -156,7 +156,7 @@ struct CallSpec {
   // is the last to finish, its callback runs before Arrive returns (a thread hand-off less
   // each way). The synchronous AllReduce sets it. XLA's handlers leave it false:
   // their thread goes on with the program's independent compute meanwhile,
-  // which measured faster in a train step (xla_ffi/cpu_allreduce.cc).
+  // which measured faster in a train step (xla_ffi/cpu_collectives.cc).
   bool reduce_on_caller = false;
   // Several buffers (Member) instead of one: `count` is then their total and `segment` unused.
   // Empty: one buffer of `count` elements in runs of `segment`.

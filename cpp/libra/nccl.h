@@ -140,7 +140,7 @@ int CallCtasLimit(int version, CtaRoute route);
 // kind's row (libra/dtype.h: Layout::counts_in, counts_out): an all-reduce's buffer, a
 // reduce-scatter's output, an all-gather's input, an all-to-all's segment per peer (its
 // input / nranks). InvalidArgument naming the kind where the sizes do not fit. The FFI
-// handlers (xla_ffi/cuda_allreduce.cc) and the host entry point (xla_ffi/module.cc) size
+// handlers (xla_ffi/cuda_collectives.cc) and the host entry point (xla_ffi/module.cc) size
 // their calls here.
 Status CountOf(libra::Collective kind, std::size_t input, std::size_t output, int nranks,
                std::size_t* count);

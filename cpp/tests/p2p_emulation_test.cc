@@ -327,7 +327,7 @@ void TestSeveralTeamsInProgramOrder() {
 
 // Two streams per rank (XLA's for synchronous calls, libra's for starts),
 // both in flight at once; each stream gets the team the handler gives it
-// (xla_ffi/cuda_allreduce.cc: one per replica group and stream), or, with
+// (xla_ffi/cuda_collectives.cc: one per replica group and stream), or, with
 // `shared`, one team for both (the defect: hangs or wrong sums).
 std::size_t RunTwoStreams(int n, bool shared, uint64_t timeout_ns, bool* failed) {
   EmulatedTeam xla_team(n, kCapacityBytes), libra_team(n, kCapacityBytes);
@@ -359,7 +359,7 @@ void TestTwoStreamsPerRankEachWithItsTeam() {
 
 // --- Abort and recovery ------------------------------------------------------
 //
-// The handler's per-call logic (lc::TeamSlot, which xla_ffi/cuda_allreduce.cc's
+// The handler's per-call logic (lc::TeamSlot, which xla_ffi/cuda_collectives.cc's
 // Launch calls) over emulated teams: which team generation serves a call's
 // execution, or that the call fails; a team whose error record is set is
 // failed and, for the executions that never met it, replaced.

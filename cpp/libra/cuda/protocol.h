@@ -46,7 +46,7 @@
 //
 // All of this holds for the calls of one team issued in one order on every
 // rank: two streams of one GPU (XLA's, for a synchronous call, and libra's,
-// for a start) each get a team of their own (xla_ffi/cuda_allreduce.cc),
+// for a start) each get a team of their own (xla_ffi/cuda_collectives.cc),
 // since the GPUs may interleave two streams' kernels differently.
 #pragma once
 
@@ -142,7 +142,7 @@ inline constexpr std::size_t kMaxCallVectors = (std::size_t{1} << 32) - 1;
 
 // The members one launch takes: a table in the kernel's parameters (with the
 // rest of the call, 1016 bytes, well inside the 4 KiB every driver takes); a
-// bucket of more is launched in parts (xla_ffi/cuda_allreduce.cc).
+// bucket of more is launched in parts (xla_ffi/cuda_collectives.cc).
 inline constexpr int kMaxMembers = 32;
 
 // One rank's part of one call, as the kernel sees it, its members in a table
@@ -587,7 +587,7 @@ class TeamGenerations {
 };
 
 // One replica group's team on one stream, across errors: the handler's
-// per-call logic (xla_ffi/cuda_allreduce.cc), run by the emulation too.
+// per-call logic (xla_ffi/cuda_collectives.cc), run by the emulation too.
 // Enter gives a call of execution `run` from `rank` its team and signature:
 // the team of its generation (TeamGenerations), made by `create` where the
 // generation is new (the old one is passed to `retire`: its kernels may still
