@@ -26,7 +26,7 @@ def test_packed_layout_groups_by_dtype_in_first_appearance_order_and_pads():
 
 
 def test_a_bucket_whose_call_takes_one_buffer_is_packed_and_split_back_bitwise(monkeypatch):
-    """Where the call a bucket is lowered to takes one buffer (here `members_call` made to say
+    """Where the call a bucket is lowered to takes one buffer (here `lower_members` made to say
     so of the CPU engine; XLA's collective standing in for libra's is the case in use), a
     bucket of two dtypes is one packed call per dtype, split back: each result bitwise its own
     psum's."""
@@ -35,7 +35,8 @@ def test_a_bucket_whose_call_takes_one_buffer_is_packed_and_split_back_bitwise(m
     a = shard(rng.standard_normal((8, 5)).astype(np.float32), mesh, P("x"))
     b = shard(rng.standard_normal((8, 3)).astype(jnp.bfloat16), mesh, P("x"))
     c = shard(rng.standard_normal((16, 2)).astype(np.float32), mesh, P("x"))
-    monkeypatch.setattr("libra_jax.ops.lowering.members_call", lambda ctx, call, platform: None)
+    monkeypatch.setattr("libra_jax.ops.lowering.lower_members",
+                        lambda ctx, xs, call, platform: None)
 
     def body(a, b, c):
         return tuple(ops.libra_bucket_p.bind(a, b, c, collective="psum", axes=("x",), blocks=2,

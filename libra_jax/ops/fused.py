@@ -27,7 +27,7 @@ The names of the two kinds' buckets before (`libra_psum_fused_p`,
 `libra_bucket` with its kind and its params as they were.
 
 Every bucket lowers by one rule (`_bucket_rule`): per dtype, one call over the members as they are
-where the platform's call takes several buffers (`lowering.members_call`: the CPU engine, and
+where the platform's call takes several buffers (`lowering.lower_members`: the CPU engine, and
 libra's P2P kernels on a GPU, each member read where XLA put it and its result written to its
 own output, no copy); elsewhere (NCCL's one-call form, XLA's collective) the operands flattened
 and concatenated (`packing.pack`), that buffer's one collective by the platform's rule, and the
@@ -84,7 +84,7 @@ def _bucket_rule(platform: Platform) -> Rule:
     (``collective.form("bucket")``, `Bucket`) gives by its ``calls(params)`` the flat
     buffer's `lowering.Call`, its rows, and each member's call.
 
-    Where the platform's call takes the members as they are (`lowering.members_call`: the CPU
+    Where the platform's call takes the members as they are (`lowering.lower_members`: the CPU
     engine, the P2P kernels), a dtype's members are one call with no packing; the twin (``"xla"``) lowers
     each member by XLA's own collective, as they are too. Where libra's call does not
     serve a reduce-scatter bucket, each member is XLA's own: its rank-contiguous packing is a
@@ -114,9 +114,10 @@ def _bucket_rule(platform: Platform) -> Rule:
                         primitive=None, avals_in=[ctx.avals_in[i]],
                         avals_out=[ctx.avals_out[i]]), xs[i], member_call(i), platform))
                 continue
-            emit = lowering.members_call(members_ctx, group_call, platform)
-            if emit is not None:
-                for i, out in zip(idx, _compat.ir_values(emit(*(xs[i] for i in idx)))):
+            results = lowering.lower_members(members_ctx, [xs[i] for i in idx], group_call,
+                                             platform)
+            if results is not None:
+                for i, out in zip(idx, results):
                     outs[i] = out
                 continue
             # The first member's type, flat: its varying axes are what XLA's rule checks.

@@ -5,7 +5,7 @@ Every libra op (`psum`, `sharded`, `fused`, `start_done`) describes what it lowe
 and the JAX primitive that does the same (XLA's own, `Call.xla`). One rule per platform
 (`rule`, registered in `_RULES`) lowers any row:
 
-* ``"cpu"``: the engine's custom call (`engine_call`: the (rank, group) operand and attributes
+* ``"cpu"``: the engine's custom call (`_engine_emit`: the (rank, group) operand and attributes
   of `cpu_call`), where the group's devices are this process's and the engine sums the dtype;
 * ``"cuda"``: by `$LIBRA_JAX_CUDA` (`config.cuda_path`, `gpu_call`): XLA's (the default),
   libra's P2P kernels (the all-reduce: the rows the extension registers a ``cuda`` target for)
@@ -16,12 +16,17 @@ and the JAX primitive that does the same (XLA's own, `Call.xla`). One rule per p
 Where libra's call does not serve, the rule lowers XLA's collective (`xla_collective`) with one
 notice naming why (``xla-fallback``). What differs between the kinds is their row's layout
 (`collectives.LAYOUTS`): what a call's operand and result are, and the ``segment`` of a sharded
-call. A start/done pair asks the same question for its flat buffer (`pair_call`). A call with
+call. A start/done pair asks the same question for its flat buffers (`pair_call`). A call with
 ``blocks=None`` gets `blocks.resolve_blocks` (the model's choice without overlap, within the
-data path's cap) here, once the group size is known. A bucket's members are one call as they
-are on CPU and on the P2P kernels (`members_call`: variadic targets, one operand and one result
-per member, no copy; start/done likewise, `libra_jax.ops.start_done`); elsewhere (NCCL's
-one-call form, XLA's collective) they are packed into one buffer per dtype (`pack`, `split`).
+data path's cap) here, once the group size is known.
+
+One call shape: every emitter (`libra_call`: one per engine, the CPU engine's `_engine_emit`,
+the GPU's `_gpu_emit` for the P2P kernels and NCCL) takes a list of members, the operands at
+its `ctx` (one dtype), and gives one result per member; a single buffer is a one-member call.
+A bucket's members are one call as they are (`lower_members`: variadic targets, one operand
+and one result per member, no copy; start/done likewise, `libra_jax.ops.start_done`); where
+the call takes one buffer (XLA's collective) they are packed into one buffer per dtype
+(`packing.pack`, `packing.split`).
 """
 from __future__ import annotations
 
@@ -47,8 +52,8 @@ from libra_jax.ops.shards import (
 )
 
 __all__ = ["Call", "PairCall", "Collective", "ENGINE_DTYPES", "rule", "lower",
-           "replaced_rule", "libra_call", "xla_collective", "warn_fallback", "engine_call",
-           "engine_lowering", "cpu_call", "members_call", "gpu_call", "pair_call", "nccl_attrs",
+           "replaced_rule", "libra_call", "xla_collective", "warn_fallback", "engine_lowering",
+           "cpu_call", "lower_members", "gpu_call", "pair_call", "nccl_attrs",
            "nccl_blocks",
            "rank_group_operand", "mirrored",
            "default_blocks", "default_profile",
@@ -142,17 +147,38 @@ def _libra_or_xla(ctx: Any, x: Any, *, call: Call, platform: Platform) -> Any:
 
 
 def libra_call(ctx: Any, call: Call, platform: Platform
-               ) -> tuple[Callable[[Any], Sequence[Any]] | None, str | None]:
-    """Libra's call for `call` on `platform`, decided before anything is emitted:
-    ``(emit, "")``, ``emit(x)`` the call's results, where it serves; ``(None, reason)`` where
-    XLA's must do it; ``(None, None)`` for the twin (``"xla"``: XLA's, quietly)."""
+               ) -> tuple[Callable[..., Sequence[Any]] | None, str | None]:
+    """Libra's call for `call` on `platform` over the members lowered at `ctx` (its operands:
+    one buffer, a one-member call, or a bucket's members of one dtype), decided before
+    anything is emitted: ``(emit, "")``, ``emit(*xs)`` one result per member, where it serves;
+    ``(None, reason)`` where XLA's must do it; ``(None, None)`` for the twin (``"xla"``: XLA's,
+    quietly). One emitter per engine: the CPU engine's (`_engine_emit`), and on a GPU libra's
+    P2P kernels' or NCCL's (`_gpu_emit`)."""
     if platform == "xla":
         return None, None
     if platform == "cpu":
-        return engine_call(ctx, call)
+        return _engine_emit(ctx, call)
     if platform == "cuda":
         return _gpu_emit(ctx, call)
     return None, "/".join(ctx.module_context.platforms)
+
+
+def lower_members(ctx: Any, xs: Sequence[Any], call: Call, platform: Platform
+                  ) -> list[Any] | None:
+    """`call` of the members `xs` (the operands at `ctx`, of one dtype) as they are, one
+    result each, where the platform's call takes them so: libra's (`libra_call`: the CPU
+    engine, the P2P kernels, NCCL's member call); the twin (``"xla"``) and a `replaced_rule`
+    each member by its own lowering, as it is, so that the code around a bucket is the CPU
+    program's. None where the call takes one buffer (XLA's collective: the caller packs the
+    members, `packing.pack`). (`call` serves every member: the same layout.)"""
+    if platform == "xla" or _RULES[platform] is not _LIBRA_RULES[platform]:
+        return [_compat.ir_values(lower(ctx.replace(avals_in=[a], avals_out=[o]), x,
+                                        call._replace(dimension=call.dimension_of(i),
+                                                      member_dimensions=()),
+                                        platform))[0]
+                for i, (a, o, x) in enumerate(zip(ctx.avals_in, ctx.avals_out, xs))]
+    emit, _ = libra_call(ctx, call, platform)
+    return None if emit is None else _compat.ir_values(emit(*xs))
 
 
 #: Each platform's rule (`rule`): libra's call where it serves, else XLA's (quietly for
@@ -226,7 +252,7 @@ def cpu_call(ctx: Any, axes: tuple, blocks: int | None, collective: Collective
              ) -> tuple[tuple | None, str]:
     """The engine call's (rank, group) operand and attributes for the `collective` (its row)
     lowered at `ctx` (its operands the call's members), or ``(None, reason)``
-    where XLA's must do it. Shared by the one call (`engine_call`) and the start/done pair
+    where XLA's must do it. Shared by the one call (`_engine_emit`) and the start/done pair
     (`pair_call`); the caller adds ``segments``."""
     groups, devices, reason = _groups_in_this_process(ctx, axes)
     if groups is None:
@@ -243,10 +269,10 @@ def cpu_call(ctx: Any, axes: tuple, blocks: int | None, collective: Collective
                  blocks=np.int64(blocks), **_timeout_attr())), ""
 
 
-def engine_call(ctx: Any, call: Call) -> tuple[Callable[..., Sequence[Any]] | None, str]:
-    """The engine's one call for `call` on CPU (`libra_call`'s form), dtypes it does not sum
-    excepted: ``emit(*xs)``, one result per operand. The operands at `ctx` are the call's
-    members (one, or a bucket's, all of one dtype): the engine takes each where XLA keeps it
+def _engine_emit(ctx: Any, call: Call) -> tuple[Callable[..., Sequence[Any]] | None, str]:
+    """The CPU engine's emitter (`libra_call` on CPU), dtypes it does not sum excepted:
+    ``emit(*xs)``, one result per operand. The operands at `ctx` are the call's members (one
+    buffer, or a bucket's, all of one dtype): the engine takes each where XLA keeps it
     and writes each result to its own output (in place where `call.inplace`), one round and
     one block count for all, no packed copy. A sharded row's member carries its ``segment``:
     the elements of one shard from the call's dimension on, so that every layout is one call
@@ -301,31 +327,6 @@ def engine_lowering(target: str, aliases: dict[int, int]) -> Callable[..., Any]:
     layout either (`tests/test_allreduce.py`)."""
     return jax.ffi.ffi_lowering(target, operand_output_aliases=aliases,
                                 skip_ffi_layout_processing=bool(aliases))
-
-
-def members_call(ctx: Any, call: Call, platform: Platform
-                 ) -> Callable[..., Sequence[Any]] | None:
-    """Libra's one call over several members (the operands at `ctx`, of one dtype) where the
-    platform's call takes them as they are: ``emit(*xs)``, one result per member. The CPU
-    engine does (`engine_call`), and so do libra's P2P kernels (`_gpu_members_emit`: a table
-    of the members' pointers); elsewhere None, and a bucket is packed into one buffer first
-    (`pack`). The twin (``"xla"``) lowers each member by XLA's own collective, as it is, so
-    that the code around the bucket is the CPU program's; under `replaced_rule` each member
-    is lowered by the replacement. (`call` serves every member: the same layout.)"""
-    if platform == "xla" or _RULES[platform] is not _LIBRA_RULES[platform]:
-        def each(*xs: Any) -> list[Any]:
-            return [_compat.ir_values(lower(ctx.replace(avals_in=[a], avals_out=[o]), x,
-                                            call._replace(dimension=call.dimension_of(i),
-                                                          member_dimensions=()),
-                                            platform))[0]
-                    for i, (a, o, x) in enumerate(zip(ctx.avals_in, ctx.avals_out, xs))]
-        return each
-    if platform == "cuda":
-        return _gpu_members_emit(ctx, call)
-    if platform != "cpu":
-        return None
-    emit, _ = engine_call(ctx, call)
-    return emit
 
 
 def rank_group_operand(ctx: Any, groups: Sequence[Sequence[int]]) -> Any:
@@ -441,43 +442,27 @@ def _kernel_attrs(ctx: Any, call: Call) -> tuple[dict | None, str]:
                 **_timeout_attr()), ""
 
 
-def _gpu_emit(ctx: Any, call: Call) -> tuple[Callable[[Any], Sequence[Any]] | None, str]:
-    """`libra_call` on CUDA: the call `gpu_call` chose, emitted. The P2P kernels take the
-    buffer flat and padded to 16-byte vectors; NCCL takes an all-reduce's buffer as it is and
-    a sharded row's as one row of shards (`to_row_of_shards`: a transposed copy unless the
-    dimension leads)."""
-    engine, attrs, reason = gpu_call(ctx, call)
+def _gpu_emit(ctx: Any, call: Call) -> tuple[Callable[..., Sequence[Any]] | None, str]:
+    """The GPU's emitter (`libra_call` on CUDA): the one call `gpu_call` chooses for the
+    members at `ctx` (one dtype) that hold data, over them as they are: libra's P2P kernels
+    (`_kernel_call`: a table of the members' pointers, a member that is not whole 16-byte
+    vectors padded on its own) or NCCL (`_nccl_call`: an all-reduce's buffers as they are, a
+    sharded row's each as its row of shards); an empty member a constant."""
+    live = [a for a in ctx.avals_in if math.prod(a.shape)]
+    engine, attrs, reason = gpu_call(ctx.replace(avals_in=live), call) if live else ("", {}, "")
     if engine is None:
         return None, reason
-    out_aval = ctx.avals_out[0]
-    if not engine:  # an empty buffer: nothing to call
-        return (lambda x: [_compat.ir_constant(np.zeros(out_aval.shape, out_aval.dtype))]), ""
-    _ffi.ensure_cuda_registered()
-    target = _ffi.target(call.row, engine)
-    if engine == "cuda":
-        return (lambda x: _kernel_members_call(ctx, target, attrs, call.inplace, [x])), ""
-    return (lambda x: _nccl_members_call(ctx, call, target, attrs, [x])), ""
-
-
-def _gpu_members_emit(ctx: Any, call: Call) -> Callable[..., Sequence[Any]] | None:
-    """`members_call` on CUDA: the one call `gpu_call` chooses for the members at `ctx` (one
-    dtype), over them as they are: libra's P2P kernels (`_kernel_members_call`) or NCCL
-    (`_nccl_members_call`); None where XLA's collective does it (the bucket is packed, and
-    the rule's notice says why)."""
-    live = [i for i, a in enumerate(ctx.avals_in) if math.prod(a.shape)]
-    if not live:
-        return None
-    engine, attrs, _ = gpu_call(ctx.replace(avals_in=[ctx.avals_in[i] for i in live]), call)
-    if not engine:
-        return None
+    if not engine:  # only empty members: nothing to call
+        return (lambda *xs: [_compat.ir_constant(np.zeros(o.shape, o.dtype))
+                             for o in ctx.avals_out]), ""
     _ffi.ensure_cuda_registered()
     target = _ffi.target(call.row, engine)
     if engine == "nccl":
-        return lambda *xs: _nccl_members_call(ctx, call, target, attrs, list(xs))
-    return lambda *xs: _kernel_members_call(ctx, target, attrs, call.inplace, list(xs))
+        return (lambda *xs: _nccl_call(ctx, call, target, attrs, xs)), ""
+    return (lambda *xs: _kernel_call(ctx, target, attrs, call.inplace, xs)), ""
 
 
-def _nccl_members_call(ctx: Any, call: Call, target: str, attrs: dict, xs: Sequence[Any]
+def _nccl_call(ctx: Any, call: Call, target: str, attrs: dict, xs: Sequence[Any]
                        ) -> list[Any]:
     """NCCL's call of the members `xs` (the operands at `ctx`, of one dtype) as they are: one
     custom call whose operands and results are the members (the handler issues one NCCL call
@@ -524,7 +509,7 @@ def _nccl_members_call(ctx: Any, call: Call, target: str, attrs: dict, xs: Seque
     return outs
 
 
-def _kernel_members_call(ctx: Any, target: str, attrs: dict, inplace: bool, xs: Sequence[Any]
+def _kernel_call(ctx: Any, target: str, attrs: dict, inplace: bool, xs: Sequence[Any]
                          ) -> list[Any]:
     """The P2P kernels' all-reduce of the members `xs` (the operands at `ctx`, of one dtype):
     those of whole 16-byte vectors as one call over them as they are (the kernels take a table

@@ -1,7 +1,7 @@
 """Packing: a bucket's members of one dtype as one flat buffer, and back.
 
 Where the call a bucket is lowered to takes one buffer (XLA's collective standing in for
-libra's, or a platform whose libra call takes no members: `lowering.members_call` says which),
+libra's, or a platform whose libra call takes no members: `lowering.lower_members` says which),
 `libra_jax.ops.fused` and `libra_jax.ops.start_done` concatenate the members into one buffer
 (`pack`), lower that buffer's collective and cut the result back into the members' results
 (`split`). Libra's own calls (the CPU engine, the P2P kernels, NCCL) take the members as they

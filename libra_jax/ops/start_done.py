@@ -234,9 +234,9 @@ def _one_call(ctx: Any, xs: Sequence[Any], idx: Sequence[int], call: lowering.Ca
     where its call takes several buffers, else packed into one buffer and split back."""
     group = ctx.replace(primitive=None, avals_in=[ctx.avals_in[i] for i in idx],
                         avals_out=[ctx.avals_out[i] for i in idx])
-    emit = lowering.members_call(group, call, platform)
-    if emit is not None:
-        return _compat.ir_values(emit(*(xs[i] for i in idx)))
+    results = lowering.lower_members(group, [xs[i] for i in idx], call, platform)
+    if results is not None:
+        return results
     dtype = np.dtype(ctx.avals_in[idx[0]].dtype)
     count = sum(math.prod(ctx.avals_in[i].shape) for i in idx)
     flat = _compat.ShapedArray((count,), dtype)
