@@ -125,11 +125,10 @@ def test_explain_names_every_gradient_by_its_parameter(name):
     with case.context():
         e = libra_jax.explain(case.step, fresh(case.state), *case.batch, file=None,
                               static_argnames=case.static_argnames, **case.kwargs)
-    # A scope of only scalars named as losses is a forward pass planned as a backward one (the
-    # route's pmean'ed loss and metrics, gspmd-route: no backward pass shows there).
-    names = [t for s in e.scopes if any(not t.endswith("of a scalar (a loss or metric)")
-                                        for r in s.rows for t in r.tensors)
-             for r in s.rows for t in r.tensors]
+    # Scalars named as losses are no parameter's: a scope's pmean'ed loss and metrics (the
+    # route's, planned with the backward pass's gradients: `rewrite.deferred`).
+    names = [t for s in e.scopes for r in s.rows for t in r.tensors
+             if not t.endswith("of a scalar (a loss or metric)")]
     assert names, str(e)
     leaf_paths = {jax.tree_util.keystr(p) for p, _ in
                   jax.tree_util.tree_flatten_with_path(case.state)[0]}

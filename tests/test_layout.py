@@ -30,7 +30,7 @@ LAYERS: dict[str, int] = {
                      "rewrite.sites", "rewrite.costs", "rewrite.edits", "rewrite.report",
                      "rewrite.gathers", "rewrite.exchanges", "rewrite.buckets", "rewrite.ready", "rewrite.rewriter",
                      "rewrite.scope",
-                     "rewrite.passes", "rewrite.shrink", "rewrite.transposes",
+                     "rewrite.passes", "rewrite.deferred", "rewrite.shrink", "rewrite.transposes",
                      "rewrite.transform"], 4),
     **dict.fromkeys(["explanation", "gradient_names", "calibrate", "calibrate.measure",
                      "calibrate.build", "calibrate.probe", "cli",

@@ -51,9 +51,9 @@ def names(eqns):
 
 
 def test_the_passes_run_in_the_documented_order():
-    assert [name for name, _ in NORMALISE] == ["inline", "shrink", "transposes", "loops",
-                                               "regathers", "sub_jaxprs", "zeros", "sliced",
-                                               "gathers"]
+    assert [name for name, _ in NORMALISE] == ["inline", "deferred", "shrink", "transposes",
+                                               "loops", "regathers", "sub_jaxprs", "zeros",
+                                               "sliced", "gathers"]
     seen = []
     order = tuple((name, (lambda n: lambda rw, st: seen.append(n) or st.eqns)(name))
                   for name, _ in NORMALISE)
@@ -80,6 +80,22 @@ def test_inline_takes_a_jit_inside_the_scope_apart_under_dataflow_only():
     # No psum in the scope: its calls stay.
     plain = body(lambda w, x: jnp.tanh(inner(x, w)), (4, 4), (16, 4), check_vma=False)
     assert passes.inline(shared(), state(plain)) == list(plain.eqns)
+
+
+def test_deferred_moves_the_loss_pmean_into_the_backward_map_under_dataflow_only():
+    mesh = mesh_of((8,), ("x",))
+    mapped = jax.shard_map(lambda w, x: jax.lax.pmean(jnp.sum(x @ w), "x"), mesh=mesh,
+                           in_specs=(P(), P("x")), out_specs=P())
+    args = [jax.ShapeDtypeStruct((4, 4), np.float32), jax.ShapeDtypeStruct((16, 4), np.float32)]
+    closed = jax.make_jaxpr(jax.value_and_grad(mapped))(*args)
+    st = ScopeState(list(closed.jaxpr.eqns), closed.jaxpr.outvars, {"x": 8}, "top")
+
+    def psums(eqns):
+        return [len([e for e in m.params["jaxpr"].eqns if "psum" in e.primitive.name])
+                for m in eqns if m.primitive.name == "shard_map"]
+    assert psums(st.eqns) == [1, 1]
+    assert psums(passes.deferred(shared(), st)) == [0, 2]
+    assert passes.deferred(shared(ready="written"), st) == st.eqns
 
 
 def test_shrink_issues_a_psum_after_the_sum_that_shrinks_it():

@@ -10,20 +10,23 @@ this order, pass by pass:
 1. ``inline``: with ``ready="dataflow"``, a `jit` inside the step is a boundary only (its body
    inlined, `ready.inline_calls`), and a backward scan's stacked-slice psums go into its body
    (`loops.sink`), so that the passes below see every gradient psum where it is computed;
-2. ``shrink``: a psum feeding only a linear map that shrinks it is issued after the map
+2. ``deferred``: with ``ready="dataflow"``, a forward `shard_map`'s reductions of its results
+   (the loss's `pmean`) moved into the backward `shard_map` (`deferred.defer_reductions`),
+   where they are planned with the gradients, before that body is rewritten (``sub_jaxprs``);
+3. ``shrink``: a psum feeding only a linear map that shrinks it is issued after the map
    (`shrink.shrink_psums`), at the map's size;
-3. ``transposes``: a psum_scatter of a transpose is issued before it
+4. ``transposes``: a psum_scatter of a transpose is issued before it
    (`transposes.scatter_before_transpose`), after ``shrink`` (which may move a psum there);
-4. ``loops``: a scan's hoistable psums leave its body where the model prices that lower
+5. ``loops``: a scan's hoistable psums leave its body where the model prices that lower
    (`Rewriter.hoist_loops`), before the bodies are rewritten (so a body plans what stays);
-5. ``regathers``: remat's re-gathers taken out of their checkpoints to be issued ahead
+6. ``regathers``: remat's re-gathers taken out of their checkpoints to be issued ahead
    (`gathers.hoist_regathers`; outside loops, where the prefetch distance is not 0);
-6. ``sub_jaxprs``: every sub-jaxpr rewritten as a scope of its own (`Rewriter.sub_jaxprs`);
-7. ``zeros``: psums of empty operands split off and psums of zeros folded
+7. ``sub_jaxprs``: every sub-jaxpr rewritten as a scope of its own (`Rewriter.sub_jaxprs`);
+8. ``zeros``: psums of empty operands split off and psums of zeros folded
    (`sites.split_empty_operands`, `sites.fold_zero_psums`; said in the report);
-8. ``sliced``: a psum whose result is only sliced to this rank's shard becomes a
+9. ``sliced``: a psum whose result is only sliced to this rank's shard becomes a
    psum_scatter (`sites.scatter_sliced_psums`);
-9. ``gathers``: each all-gather moved to just before its first use (`edits.sink_gathers`).
+10. ``gathers``: each all-gather moved to just before its first use (`edits.sink_gathers`).
 
 `PLAN`, in order:
 
@@ -57,6 +60,7 @@ from libra_jax.ops import blocks as block_rule
 from libra_jax.rewrite.buckets import edit_bucket, split_buckets
 from libra_jax.rewrite.buckets import plan as plan_buckets
 from libra_jax.rewrite.costs import roofline_s
+from libra_jax.rewrite.deferred import defer_reductions
 from libra_jax.rewrite.edits import (
     Edits,
     downstream_of,
@@ -130,6 +134,14 @@ def inline(rw: Scope, st: ScopeState) -> list[Any]:
     return loops.sink(inline_calls(st.eqns), st.outvars)
 
 
+def deferred(rw: Scope, st: ScopeState) -> list[Any]:
+    """A forward shard_map's reductions of its results moved into the backward one
+    (``ready="dataflow"``)."""
+    if rw.options.ready != "dataflow":
+        return st.eqns
+    return defer_reductions(st.eqns)
+
+
 def shrink(rw: Scope, st: ScopeState) -> list[Any]:
     """Each psum feeding only a shrinking linear map issued after the map."""
     return shrink_psums(st.eqns, st.outvars)
@@ -177,7 +189,7 @@ def gathers(rw: Scope, st: ScopeState) -> list[Any]:
 
 #: The passes, in the order the module docstring gives and why.
 NORMALISE: tuple[tuple[str, Pass], ...] = (
-    ("inline", inline), ("shrink", shrink), ("transposes", transposes),
+    ("inline", inline), ("deferred", deferred), ("shrink", shrink), ("transposes", transposes),
     ("loops", hoisted_loops), ("regathers", regathers), ("sub_jaxprs", sub_jaxprs),
     ("zeros", zeros), ("sliced", sliced), ("gathers", gathers))
 
