@@ -670,39 +670,64 @@ def _say_launch_order(lib: _nccl.Library) -> None:
 # --- Start/done: where libra splits a call in two ---------------------------------------
 
 class PairCall(NamedTuple):
-    """How the platform's libra call splits a flat buffer's collective into a start and a
-    done: start's and done's targets, the (rank, group) operand (the CPU calls' first; the
-    one a done slices a reduce-scatter's shard by), the attributes, and the engine."""
+    """How the platform's libra call splits a collective of flat buffers (a bucket's members
+    or rows of shards) into a start and a done: start's and done's targets, the (rank, group)
+    operand (the CPU calls' first; the one a done slices a reduce-scatter's shard by), the
+    attributes, and the engine. `start` and `done` emit the two calls, for every kind: the
+    same operands' order, aliases and key (the caller's `call_key`)."""
 
-    start: str
+    start_target: str
     rank_group: Any
-    done: str
+    done_target: str
     attrs: dict
     engine: str
 
-    def start_operands(self, buffers: Sequence[Any], avals: Sequence[Any], after: Sequence[Any],
-                       after_avals: Sequence[Any]) -> tuple[list, list, int]:
-        """Start's operands and their types for `buffers` and the values it must not run
-        before (`after`), and where the buffers begin: the CPU engine's (rank, group) leads."""
+    def start(self, ctx: Any, buffers: Sequence[Any], avals: Sequence[Any],
+              out_avals: Sequence[Any], key: np.int64, *, in_place: bool,
+              rows_of_shards: bool, after: Sequence[Any] = (),
+              after_avals: Sequence[Any] = ()) -> list[Any]:
+        """Start's call over `buffers` (typed `avals`) keyed `key`: its results typed
+        `out_avals` (one per buffer, then the token), each aliased to its buffer where
+        `in_place`; `after` (typed `after_avals`) values it must not run before, read by
+        nothing. The CPU engine's (rank, group) leads. A CPU start over the members as XLA
+        keeps them (not `rows_of_shards`) is `engine_lowering`'s, without layout constraints;
+        rows of shards are flat, and laid out alike either way."""
         lead, lead_avals = ([self.rank_group], [_RANK_AVAL]) if self.engine == "cpu" else ([], [])
-        return ([*lead, *buffers, *after], [*lead_avals, *avals, *after_avals], len(lead))
+        aliases = {len(lead) + k: k for k in range(len(buffers))} if in_place else {}
+        lowered = (engine_lowering(self.start_target, aliases)
+                   if self.engine == "cpu" and not rows_of_shards else
+                   jax.ffi.ffi_lowering(self.start_target, operand_output_aliases=aliases))
+        # The CPU engine names one segment per member (rows of shards: 0); the empty members
+        # `pair_call` saw are not started.
+        attrs = (dict(self.attrs) if "segments" not in self.attrs else
+                 {**self.attrs, "segments": np.zeros(len(buffers), np.int64)})
+        return _compat.ir_values(lowered(
+            ctx.replace(primitive=None, avals_in=[*lead_avals, *avals, *after_avals],
+                        avals_out=list(out_avals)),
+            *lead, *buffers, *after, call_id=key, **attrs))
 
-    def attrs_for(self, count: int) -> dict:
-        """The start's attributes for a call over `count` of the members `pair_call` saw
-        (the empty ones are not started): the CPU engine's name one segment per member."""
-        if "segments" not in self.attrs:
-            return dict(self.attrs)
-        return {**self.attrs, "segments": np.zeros(count, np.int64)}  # rows of shards
-
-    def done_operands(self, buffers: Sequence[Any], avals: Sequence[Any], token: Any,
-                      after: Sequence[Any], after_avals: Sequence[Any]) -> tuple[list, list, int]:
-        """Done's operands and their types (its start's `buffers` and `token`, then `after`,
-        whose types include the token's), and where the buffers begin: on CPU (rank, group)
-        and the token lead, on a GPU the buffers."""
+    def done(self, ctx: Any, buffers: Sequence[Any], avals: Sequence[Any],
+             out_avals: Sequence[Any], tokens: Sequence[Any], token_avals: Sequence[Any],
+             key: np.int64) -> list[Any]:
+        """Done's call, waiting for the start keyed `key`: it reads the in-flight `buffers`
+        (typed `avals`) once each, aliased to its results (typed `out_avals`: no copy), then
+        its start's token and any tokens it must not run before (`tokens`, read by nothing).
+        On CPU (rank, group) and the start's token lead, on a GPU the buffers. Lowered with a
+        side effect, so XLA never removes it: a done whose result nobody reads still waits
+        for its collective before XLA may reuse the buffer the engine writes."""
+        token, *after = tokens
         if self.engine == "cpu":
-            return ([self.rank_group, token, *buffers, *after],
-                    [_RANK_AVAL, after_avals[0], *avals, *after_avals[1:]], 2)
-        return [*buffers, token, *after], [*avals, *after_avals], 0
+            operands = [self.rank_group, token, *buffers, *after]
+            types = [_RANK_AVAL, token_avals[0], *avals, *token_avals[1:]]
+            at = 2
+        else:
+            operands, types, at = [*buffers, *tokens], [*avals, *token_avals], 0
+        lowered = jax.ffi.ffi_lowering(
+            self.done_target, operand_output_aliases={at + k: k for k in range(len(buffers))},
+            has_side_effect=True)
+        return _compat.ir_values(lowered(
+            ctx.replace(primitive=None, avals_in=types, avals_out=list(out_avals)),
+            *operands, call_id=key))
 
 
 def pair_call(flat_ctx: Any, call: Call, platform: Platform) -> PairCall | None:
@@ -735,9 +760,6 @@ def pair_call(flat_ctx: Any, call: Call, platform: Platform) -> PairCall | None:
         return PairCall(_ffi.target(row, engine, "start"), rank_group,
                         _ffi.target(row, engine, "done"), attrs, engine)
     return None
-
-
-# --- Rows of shards: the sharded calls' flat layout --------------------------------------
 
 
 def __getattr__(name: str) -> Any:

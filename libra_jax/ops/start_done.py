@@ -50,16 +50,18 @@ effect, XLA keeps it, and JAX's dead-code elimination keeps it too, so a start a
 done. On a GPU, whether XLA's schedule keeps the kernel beside compute is what
 `benchmarks/gpu_check.sh` measures.
 `call_id` ties a start to its done: the CPU engine keys a started call by (call id, run id,
-group, rank), a run id being unique per execution; the CUDA handlers key their events by
-(GPU, call id). `optimize` numbers a program's pairs from a fingerprint of the program's
-structure, so a retrace yields the same program (JAX's compilation cache keeps working) and
-programs of another structure do not share ids. A GPU start whose id is still in flight (the
-same program dispatched from two threads at once) fails with an error rather than mixing the
-two; a pair inside a loop body is started and waited for in each iteration, in order. A start
-whose execution failed before its done leaves its entry behind, on either platform (on CPU, a
-libra call that fails first waits for its run's started rounds still in flight; the CUDA
-handlers give no such guarantee); a later
-start drops it once its all-reduce has ended and its done has not come within the timeout
+group, rank), a run id being unique per execution; the CUDA handlers key their events by (GPU,
+call id); the id both see is the pair's key (`call_key`: of its call id, its kind and its dtype
+group, one scheme for every kind). Both halves are emitted by the platform's
+`lowering.PairCall` (`start`, `done`), every kind's alike. `optimize` numbers a program's pairs
+from a fingerprint of the program's structure, so a retrace yields the same program (JAX's
+compilation cache keeps working) and programs of another structure do not share ids. A GPU
+start whose id is still in flight (the same program dispatched from two threads at once) fails
+with an error rather than mixing the two; a pair inside a loop body is started and waited for
+in each iteration, in order. A start whose execution failed before its done leaves its entry
+behind, on either platform (on CPU, a libra call that fails first waits for its run's started
+rounds still in flight; the CUDA handlers give no such guarantee); a later start drops it once
+its all-reduce has ended and its done has not come within the timeout
 (``_libra_ffi.cpu_pending_starts`` / ``cuda_pending_starts`` count the entries).
 """
 from __future__ import annotations
@@ -68,7 +70,6 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
-import jax
 import numpy as np
 
 from libra_jax import _compat, collectives
@@ -121,21 +122,30 @@ def _check_paired(collective: Collective, call_id: int) -> None:
 
 # --- call keys ----------------------------------------------------------------------
 #
-# The engine keys a started call by ``call_id * KEY_SLOTS + slot`` (and run, group, rank on
-# CPU; the GPU on CUDA): a psum pair's slot is its dtype's index (one start per dtype), a
-# sharded pair's `_SHARDED_SLOT` plus its kind's enum value, so a program's pairs of every
+# One key scheme for the start/done of every kind: the engine keys a started call by
+# ``call_id * KEY_SLOTS + slot`` (and run, group, rank on CPU; the GPU on CUDA), the slot the
+# kind's first (`_first_slot`) plus the call's dtype group, so that a program's pairs of every
 # kind may share ids.
 
 #: Slots per call id; call ids are below `MAX_CALL_ID` so that every key fits an int64.
 KEY_SLOTS = 4096
 MAX_CALL_ID = 2**48
-_SHARDED_SLOT = KEY_SLOTS - 8
+#: Where the kinds whose start is one call (the sharded kinds: one in-flight row of shards per
+#: member, all of one call) have their slot, by their enum value: after the all-reduce's, one
+#: start per dtype group from slot 0.
+_ONE_CALL_SLOTS = KEY_SLOTS - 8
 
 
-def _key(call_id: int, slot: int) -> np.int64:
+def _first_slot(collective: Collective) -> int:
+    return 0 if collective is ALL_REDUCE else _ONE_CALL_SLOTS + collective.enum
+
+
+def call_key(call_id: int, collective: Collective, group: int = 0) -> np.int64:
+    """The key of `collective`'s start (and its done) of call `call_id` over its `group`-th
+    dtype's members (`_groups`; a sharded start has one group)."""
     if not 0 <= call_id < MAX_CALL_ID:
         raise ValueError(f"libra_jax start/done: call_id must be in [0, 2**48), got {call_id}")
-    return np.int64(call_id * KEY_SLOTS + slot)
+    return np.int64(call_id * KEY_SLOTS + _first_slot(collective) + group)
 
 
 def _groups(ctx: Any, avals_in: Sequence[Any], avals_out: Sequence[Any]
@@ -151,17 +161,17 @@ def _nbytes(aval: Any) -> int:
     return math.prod(aval.shape) * np.dtype(aval.dtype).itemsize
 
 
-def _started(pair: lowering.PairCall | None, j: int, idx: list[int], avals: Sequence[Any]
-             ) -> list[tuple[int, list[int]]]:
-    """The starts, each (its key's slot, its members), of the `j`-th dtype's members `idx`,
-    start and done deciding alike: none where `pair` is None (all-reduced in start); else
-    one start over the members that hold data: on CPU the engine's, on NCCL one group of a
-    call per member (the same communicator and limit), with libra's P2P kernels one call over
-    the members they take as they are (a table of their pointers; a member that is not whole
-    16-byte vectors is all-reduced in start, padded). An empty member is never started (its
-    result is a constant), so a group of empty members has no start and no done: a start
-    whose only in-flight buffers are empty has nothing XLA keeps alive, and XLA would delete
-    it as dead code while its done, a side effect, stays (a done without its start)."""
+def _started(pair: lowering.PairCall | None, idx: list[int], avals: Sequence[Any]
+             ) -> list[int]:
+    """The members a start of one dtype's members `idx` takes (start and done deciding
+    alike): none where `pair` is None (all-reduced in start); else those that hold data: on
+    CPU the engine's one call, on NCCL one group of a call per member (the same communicator
+    and limit), with libra's P2P kernels one call over the members they take as they are (a
+    table of their pointers; a member that is not whole 16-byte vectors is all-reduced in
+    start, padded). An empty member is never started (its result is a constant), so a group
+    of empty members has no start and no done: a start whose only in-flight buffers are empty
+    has nothing XLA keeps alive, and XLA would delete it as dead code while its done, a side
+    effect, stays (a done without its start)."""
     if pair is None:
         return []
     gpu_kernels = pair.engine not in ("cpu", "nccl")
@@ -169,8 +179,7 @@ def _started(pair: lowering.PairCall | None, j: int, idx: list[int], avals: Sequ
     def takes(i: int) -> bool:
         nbytes = _nbytes(avals[i])
         return nbytes > 0 and not (gpu_kernels and nbytes % lowering.CUDA_VECTOR_BYTES)
-    members = [i for i in idx if takes(i)]
-    return [(j, members)] if members else []
+    return [i for i in idx if takes(i)]
 
 
 def _empty(aval: Any) -> Any:
@@ -200,20 +209,15 @@ def _psum_start_rule(platform: Platform) -> Rule:
         started = False
         for j, (idx, group) in enumerate(_groups(ctx, ctx.avals_in, ctx.avals_out)):
             pair = lowering.pair_call(group, call, platform)
-            for slot, members in _started(pair, j, idx, ctx.avals_in):
-                # One start over the members where they are, in place.
+            members = _started(pair, idx, ctx.avals_in)
+            if members:  # one start over the members where they are, in place
                 assert pair is not None
                 before = ([token], [TOKEN_AVAL]) if started else ([], [])
-                operands, avals, at = pair.start_operands(
-                    [xs[i] for i in members], [ctx.avals_in[i] for i in members], *before)
-                aliases = {at + k: k for k in range(len(members))}
-                start = (lowering.engine_lowering(pair.start, aliases)
-                         if pair.engine == "cpu" else
-                         jax.ffi.ffi_lowering(pair.start, operand_output_aliases=aliases))
-                *results, token = _compat.ir_values(start(ctx.replace(
-                    primitive=None, avals_in=avals,
-                    avals_out=[*(ctx.avals_out[i] for i in members), TOKEN_AVAL]),
-                    *operands, call_id=_key(call_id, slot), **pair.attrs_for(len(members))))
+                *results, token = pair.start(
+                    ctx, [xs[i] for i in members], [ctx.avals_in[i] for i in members],
+                    [*(ctx.avals_out[i] for i in members), TOKEN_AVAL],
+                    call_key(call_id, collective, j), in_place=True, rows_of_shards=False,
+                    after=before[0], after_avals=before[1])
                 started = True
                 for i, result in zip(members, results):
                     outs[i] = result
@@ -270,31 +274,17 @@ def _psum_done_rule(platform: Platform) -> Rule:
         tokens = [TOKEN_AVAL] * (1 + len(after))
         for j, (idx, group) in enumerate(_groups(ctx, ctx.avals_in[:n], out_avals)):
             pair = lowering.pair_call(group, call, platform)
-            for slot, members in _started(pair, j, idx, out_avals):
+            members = _started(pair, idx, out_avals)
+            if members:  # the in-flight buffers once each (aliased to the outputs), the tokens
                 assert pair is not None
-                # The in-flight buffers once each (aliased to the outputs), and the tokens.
-                done_in, avals, at = pair.done_operands(
-                    [bufs[i] for i in members], [ctx.avals_in[i] for i in members], token,
-                    after, tokens)
-                results = _compat.ir_values(_done_call(pair.done, at, len(members))(
-                    ctx.replace(primitive=None, avals_in=avals,
-                                avals_out=[out_avals[i] for i in members]),
-                    *done_in, call_id=_key(call_id, slot)))
+                results = pair.done(
+                    ctx, [bufs[i] for i in members], [ctx.avals_in[i] for i in members],
+                    [out_avals[i] for i in members], [token, *after], tokens,
+                    call_key(call_id, collective, j))
                 for i, result in zip(members, results):
                     outs[i] = result
         return outs
     return rule
-
-
-def _done_call(target: str, at: int, count: int = 1) -> Any:
-    """A done's custom call: its outputs alias its in-flight operands (`count` of them, from
-    operand `at`), and it is lowered with a side effect, so XLA never removes it (a done whose
-    result nobody reads still waits for its collective before XLA may reuse the buffer the
-    engine writes)."""
-    return jax.ffi.ffi_lowering(target, operand_output_aliases={at + k: k for k in range(count)},
-                                has_side_effect=True)
-
-
 
 
 # --- The sharded kinds' start/done (reduce-scatter, all-gather) ---------------------------
@@ -327,12 +317,7 @@ def _done_call(target: str, at: int, count: int = 1) -> Any:
 # and NCCL's starts accept and ignore them; XLA orders by data only and drops an
 # `optimization_barrier` on CPU, so this is how `optimize` issues an all-gather when the
 # gather before it is done); the one-call fallback ignores them too. The
-# engine keys the pair by `_sharded_key` (`_key`'s slot `_SHARDED_SLOT` plus the kind's enum
-# value), apart from the psum buckets' slots, so a program's pairs of every kind may share ids.
-
-
-def _sharded_key(call_id: int, collective: Collective) -> np.int64:
-    return _key(call_id, _SHARDED_SLOT + collective.enum)
+# engine keys the pair by `call_key`, as every kind's.
 
 
 def _flat_aval(aval: Any, collective: Collective, axis_size: int) -> Any:
@@ -389,11 +374,11 @@ def _sharded_start_rule(platform: Platform) -> Rule:
                 ctx.replace(primitive=None, avals_in=[flat_in], avals_out=[full]), flat,
                 call, platform))[0] for flat, flat_in, full in zip(flats, flat_ins, fulls)),
                 token]
-        start_in, avals, at = pair.start_operands(flats, flat_ins, after, ctx.avals_in[n:])
-        start = jax.ffi.ffi_lowering(
-            pair.start, operand_output_aliases={} if gathers else {at + k: k for k in range(n)})
-        return list(start(ctx.replace(primitive=None, avals_in=avals), *start_in,
-                          call_id=_sharded_key(call_id, collective), **pair.attrs_for(n)))
+        # A reduce-scatter works on its operand's buffer in place; an all-gather's start
+        # writes a fresh full-size buffer.
+        return pair.start(ctx, flats, flat_ins, ctx.avals_out, call_key(call_id, collective),
+                          in_place=not gathers, rows_of_shards=True, after=after,
+                          after_avals=ctx.avals_in[n:])
     return rule
 
 
@@ -425,11 +410,8 @@ def _sharded_done_rule(platform: Platform) -> Rule:
                                                   tiled)
             return outs
         # The in-flight buffers once each (aliased to the outputs), and the token: no copy.
-        done_in, avals, at = pair.done_operands(list(flats), list(flat_avals), token, after,
-                                                ctx.avals_in[n:])
-        results = _compat.ir_values(_done_call(pair.done, at, n)(ctx.replace(
-            primitive=None, avals_in=avals, avals_out=list(flat_avals)), *done_in,
-            call_id=_sharded_key(call_id, collective)))
+        results = pair.done(ctx, flats, flat_avals, flat_avals, [token, *after],
+                            ctx.avals_in[n:], call_key(call_id, collective))
         for flat, flat_aval, out_aval, d in zip(results, flat_avals, out_avals, dims):
             outs += shards.from_row_of_shards(ctx, flat, flat_aval, out_aval, gathers, d, tiled,
                                               rank_group=None if gathers else pair.rank_group)
