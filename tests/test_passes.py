@@ -257,7 +257,11 @@ def test_classify_kinds_and_costs():
     rw, st, step = planned(dp_body(), "classify")
     step(rw, st)
     kinds = sorted(st.kinds[s.index] for s in st.sites)
-    assert kinds == ["forward", "gradient", "gradient"]
+    assert kinds == ["gradient", "gradient", "gradient"]  # the loss's pmean joins them
+    rw_w, st_w, step_w = planned(dp_body(), "classify", ready="written")
+    step_w(rw_w, st_w)
+    assert sorted(st_w.kinds[s.index] for s in st_w.sites) == ["forward", "gradient",
+                                                                "gradient"]
     assert len(st.costs) == len(st.eqns) and sum(st.costs) > 0
     # The update waits for the gradients: priced at nothing (it overlaps no collective).
     update = [i for i, e in enumerate(st.eqns) if e.primitive.name == "sub"][-2:]  # p - 0.1 t
@@ -265,8 +269,12 @@ def test_classify_kinds_and_costs():
     assert all(st.costs[i] > 0 for i, e in enumerate(st.eqns) if e.primitive.name == "tanh")
 
 
-def test_singles_issues_the_loss_pmean_alone_and_streams_the_gradients():
+def test_singles_streams_the_gradients_and_the_loss_pmean_under_dataflow_only():
     rw, st, step = planned(dp_body(), "singles")
+    step(rw, st)
+    assert rw.report.plans == [] and not st.edits.replacements
+    assert [len(members) for members in st.streams.values()] == [3]
+    rw, st, step = planned(dp_body(), "singles", ready="written")  # the loss's pmean alone
     step(rw, st)
     assert [(p.kind, len(p.members)) for p in rw.report.plans] == [("forward", 1)]
     assert len(st.edits.replacements) == 1
@@ -277,8 +285,8 @@ def test_buckets_plans_the_stream_and_records_its_edits():
     rw, st, step = planned(dp_body(), "buckets")
     step(rw, st)
     gradient = [p for p in rw.report.plans if p.kind == "gradient"]
-    assert sum(len(p.members) for p in gradient) == 2
+    assert sum(len(p.members) for p in gradient) == 3  # the loss's pmean with them
     assert rw.report.predicted and st.edits.replacements
     rw, st, step = planned(dp_body(), "buckets", fusion=False)
     step(rw, st)
-    assert [len(p.members) for p in rw.report.plans if p.kind == "gradient"] == [1, 1]
+    assert [len(p.members) for p in rw.report.plans if p.kind == "gradient"] == [1, 1, 1]

@@ -2,6 +2,8 @@
 HLO holds Libra all-reduces with the planned block counts instead of XLA's."""
 from __future__ import annotations
 
+import functools
+
 import math
 import os
 import re
@@ -757,9 +759,11 @@ def test_a_psum_of_a_constant_zero_costs_no_call():
     assert_codegen_close(got[0], want[0])
     report = opt.last_report
     assert report.folded == ["psum of zeros in top/jit/shard_map"] * 3, report.folded
-    assert sorted(len(p.members) for p in report.plans) == [1, 1], report.plan_lines()
+    # The nonzero constant's psum, a result only, joins the gradient's bucket
+    # (`sites.value_sites`): one call.
+    assert sorted(len(p.members) for p in report.plans) == [2], report.plan_lines()
     text = jax.jit(opt).lower(params, x).as_text()
-    assert len(re.findall(r"custom_call @libra_allreduce_cpu(?:_start)?\(", text)) == 2
+    assert len(re.findall(r"custom_call @libra_allreduce_cpu(?:_start)?\(", text)) == 1
 
 
 # --- Flax NNX: in-place updates ---------------------------------------------------------------
@@ -866,19 +870,51 @@ def test_gradients_are_the_psums_of_the_backward_pass_not_metrics_or_statistics(
     # (kind, elements): JAX versions differ in unit axes ((1, 2) or (2,) for b's cotangent).
     kinds = sorted((p.kind, int(np.prod(body.eqns[i].invars[0].aval.shape)))
                    for p in opt.last_report.plans for i in p.members)
+    # The loss and the accuracy, which nothing in the step reads, join the gradients'
+    # bucket (`sites.value_sites`); the batch mean, which the loss reads, stays forward.
     assert kinds == sorted([
         ("forward", 2),            # the batch mean
-        ("forward", 1),            # the loss
-        ("forward", 1),            # the accuracy
+        ("gradient", 1),           # the loss
+        ("gradient", 1),           # the accuracy
         ("backward", 2),           # the batch mean's cotangent
         ("gradient", 8),           # w
         ("gradient", 2),           # b
     ]), opt.last_report.plan_lines()
     gradient_buckets = [p for p in opt.last_report.plans if p.kind == "gradient"]
-    assert sum(len(p.members) for p in gradient_buckets) == 2
+    assert sum(len(p.members) for p in gradient_buckets) == 4
     # explain says how each psum was classified.
     text = str(libra_jax.explain(step, *args, file=None))
     assert "forward" in text and "backward" in text
+
+
+def test_a_loss_pmean_nothing_reads_joins_the_gradients_bucket_bitwise():
+    """The loss's pmean at the end of the forward pass was a call of its own, every device
+    meeting mid-step; nothing reads it, so it joins the gradients' bucket (one call), the
+    same sums by the same engine: bitwise ``ready="written"``, which keeps it apart. A loss
+    the update reads stays where it is."""
+    mesh = mesh_of((8,), ("x",))
+    rng = np.random.default_rng(3)
+    params = init(rng, [16, 8, 4])
+    x = shard(rng.standard_normal((64, 16)).astype(np.float32), mesh, P("x"))
+
+    def local(params, x, scale_by_loss=False):
+        value, grads = jax.value_and_grad(lambda p: jnp.mean(mlp(p, x) ** 2))(params)
+        grads, value = jax.lax.pmean((grads, value), "x")
+        lr = 0.1 * value if scale_by_loss else 0.1
+        return jax.tree.map(lambda p, g: p - lr * g, params, grads), value
+
+    def step(scale_by_loss=False):
+        return jax.jit(jax.shard_map(functools.partial(local, scale_by_loss=scale_by_loss),
+                                     mesh=mesh, in_specs=(P(), P("x")), out_specs=P(),
+                                     check_vma=False))  # (local gradients, averaged by hand)
+    joined, apart = optimize(step()), optimize(step(), ready="written")
+    got, want = jax.jit(joined)(params, x), jax.jit(apart)(params, x)
+    jax.tree.map(assert_bitwise, got, want)
+    assert [(p.kind, len(p.members)) for p in joined.last_report.plans] == [("gradient", 3)]
+    assert sorted(p.kind for p in apart.last_report.plans) == ["forward", "gradient"]
+    read = optimize(step(scale_by_loss=True))
+    jax.jit(read)(params, x)
+    assert sorted(p.kind for p in read.last_report.plans) == ["forward", "gradient"]
 
 
 def test_every_scope_of_a_report_has_its_own_name():
@@ -1254,13 +1290,15 @@ def test_a_bucket_holds_one_collective_and_one_class():
     assert_codegen_close(got, jax.jit(step)(*args))
     # In the order the backward pass makes them (the last parameter's first): a
     # psum_scatter, one along dimension 1, the psum, a psum_scatter. The three psum_scatters
-    # are one bucket over the psum between them (one stream); the psum alone.
+    # are one bucket over the psum between them (one stream); the psum is the all-reduce
+    # stream's, with the loss's pmean (`sites.value_sites`: ready before them all).
     plans = [p for p in opt.last_report.plans if p.kind == "gradient"]
     assert sorted((p.collective.kind, len(p.members)) for p in plans) == [
-        ("all-reduce", 1), ("reduce-scatter", 3)]
-    fused, = [p for p in plans if len(p.members) == 3]
-    between = [p.members[0] for p in plans if len(p.members) == 1]
-    assert all(min(fused.members) < m < max(fused.members) for m in between), plans
+        ("all-reduce", 2), ("reduce-scatter", 3)]
+    fused, = [p for p in plans if p.collective.kind == "reduce-scatter"]
+    reduced = next(p.members for p in plans if p.collective.kind == "all-reduce")
+    between = [m for m in reduced if min(fused.members) < m < max(fused.members)]
+    assert len(between) == 1, plans  # the psum; the loss's is outside the backward pass
     # The class cut, directly: members of other classes never share a reach.
     from libra_jax.collectives import BY_KIND
     sites = [rewrite.sites.Site(i, ("x",), False, 64, None, None, BY_KIND["reduce-scatter"],

@@ -38,7 +38,9 @@ this order, pass by pass:
 3. ``unplanned``: what the report says of the collectives no rule serves;
 4. ``other_collectives``: the all-gathers' and the all-to-alls' edits (`gathers`,
    `exchanges`);
-5. ``classify``: each psum's kind (`sites.site_kinds`: gradient, forward, ...) and each
+5. ``classify``: each psum's kind (`sites.site_kinds`: gradient, forward, ...; under
+   ``ready="dataflow"`` a loss's pmean that nothing reads joins the gradients:
+   `sites.value_sites`) and each
    equation's compute (`costs.roofline_s`; none for what waits for a gradient, the update);
 6. ``singles``: every collective that is no gradient issued alone, at its resolved block
    count (`ops.blocks.resolve_blocks`);
@@ -223,7 +225,8 @@ def readiness(rw: Scope, st: ScopeState) -> None:
     only where it has a backward pass), its ready point and the written order recorded."""
     if rw.options.ready != "dataflow" or not st.sites:
         return
-    gradient, backward = gradient_sites(st.eqns, st.sites, st.outvars, st.transposed)
+    gradient, backward = gradient_sites(st.eqns, st.sites, st.outvars, st.transposed,
+                                        values=rw.options.ready == "dataflow")
     movable = [] if st.in_loop and backward is None else [
         s.index for s in st.sites if s.index in gradient and s.explicit_blocks is None]
     if movable:
@@ -271,7 +274,8 @@ def classify(rw: Scope, st: ScopeState) -> None:
     if not st.sites:
         return
     warn_invariant_operands(st.eqns, st.sites)
-    gradient, backward = gradient_sites(st.eqns, st.sites, st.outvars, st.transposed)
+    gradient, backward = gradient_sites(st.eqns, st.sites, st.outvars, st.transposed,
+                                        values=rw.options.ready == "dataflow")
     if st.in_loop and backward is None:
         # No backward pass in the body: a forward loop (a metric, a statistic per layer)
         # whose psums are no gradients; at top level this is a hand-written backward pass.

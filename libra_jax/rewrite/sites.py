@@ -111,14 +111,52 @@ collectives.BY_LAX["all_gather"].provide("bucket class", _all_gather_class)
 
 
 def gradient_sites(eqns: Sequence[Any], sites: Sequence[Site], outvars: Sequence[Any],
-                    transposed: bool = False) -> tuple[set[int], set[int] | None]:
+                    transposed: bool = False, values: bool = True
+                    ) -> tuple[set[int], set[int] | None]:
     """(the gradient psums, the backward psums or None where no backward pass is visible):
     a gradient psum is on the backward pass (`backward_sites`; every one, in the body of a
-    transposed loop) and feeds no later psum (`_terminal_sites`); with no backward pass
-    visible, every terminal psum."""
+    transposed loop) and feeds no later psum (`_terminal_sites`), or reduces a value that
+    leaves the scope only as its result (`value_sites`: the loss's pmean, a metric's, which
+    nothing waits for) where such psums of its stream (axes and bucket class) are there to
+    join, with `values` (``ready="dataflow"``: "written" issues them where the program
+    does); with no backward pass visible, every terminal psum."""
     terminal = _terminal_sites(eqns, sites, outvars)
     backward = {s.index for s in sites} if transposed else backward_sites(eqns, sites)
-    return (terminal if backward is None else terminal & backward), backward
+    if backward is None:
+        return terminal, backward
+    gradient = terminal & backward
+    streams = {(s.axes, s.bucket_class) for s in sites if s.index in gradient}
+    joining = value_sites(eqns, sites, outvars) if values and streams else set()
+    return gradient | {s.index for s in sites if s.index in joining
+                       and (s.axes, s.bucket_class) in streams}, backward
+
+
+def value_sites(eqns: Sequence[Any], sites: Sequence[Site], outvars: Sequence[Any]) -> set[int]:
+    """Indices of the all-reduces whose results leave the scope only as its results, through
+    equations computed from such results and literals alone (a loss's `pmean`: its psum and
+    division; a ratio's two psums and the division of their sums). Nothing in the scope waits
+    for them, so they may wait for the backward pass and join its gradients' buckets instead
+    of making every device meet mid-step (the loss's pmean at the end of the forward pass)."""
+    reduces = {s.index for s in sites if s.explicit_blocks is None
+               and s.collective.layout == "replicated" and len(eqns[s.index].invars) == 1}
+    from_sites: dict[Any, set[int]] = {}  # a value -> the all-reduces it is computed from
+    tail: set[int] = set()
+    for i, eqn in enumerate(eqns):
+        read = [v for v in eqn.invars if _compat.is_var(v)]
+        if i in reduces:
+            from_sites.update({v: {i} for v in eqn.outvars})
+        elif (read and all(v in from_sites for v in read) and not eqn.effects
+              and not _compat.jaxprs_in_params(eqn.params)):
+            tail.add(i)
+            both = set().union(*(from_sites[v] for v in read))
+            from_sites.update({v: both for v in eqn.outvars})
+    waited: set[int] = set()  # read by an equation that is neither a reduce nor its tail
+    for i, eqn in enumerate(eqns):
+        if i not in tail:
+            for v in eqn.invars:
+                if _compat.is_var(v) and v in from_sites:
+                    waited |= from_sites[v]
+    return reduces - waited
 
 
 def site_kinds(sites: Sequence[Site], gradient: set[int], backward: set[int] | None,
