@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from functools import partial
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -59,15 +60,8 @@ from libra_jax import _compat
 from libra_jax.collectives import Collective
 from libra_jax.ops import lowering, packing
 from libra_jax.ops.base import OldName, Platform, Rule, register_op
-from libra_jax.ops.psum import ALL_REDUCE, allreduce_call, members_abstract_eval
-from libra_jax.ops.sharded import (
-    ALL_GATHER,
-    REDUCE_SCATTER,
-    mirror_abstract_eval,
-    mirror_all_gather,
-    mirror_reduce_scatter,
-    sharded_call,
-)
+from libra_jax.ops.psum import ALL_REDUCE, allreduce_call
+from libra_jax.ops.sharded import ALL_GATHER, REDUCE_SCATTER, sharded_call
 
 __all__ = ["libra_bucket_p", "Bucket", "bucket_abstract_eval",
            "libra_psum_fused_p", "libra_reduce_scatter_fused_p"]
@@ -81,16 +75,16 @@ def _bucket_rule(platform: Platform) -> Rule:
     notice; quietly for the twin, so that the code around the collective is the same in both
     and the control differs from the optimized program in the collective alone), and its
     result split into the members' (`packing.split`). The kind's bucket form
-    (``collective.form("bucket")``, `Bucket`) gives by its ``calls(params)`` the flat
-    buffer's `lowering.Call`, its rows, and each member's call.
+    (``collective.form("bucket")``, `Bucket`) gives by its ``calls(params, members)`` the
+    flat buffer's `lowering.Call`, its rows, and each member's call.
 
     Where the platform's call takes the members as they are (`lowering.lower_members`: the CPU
-    engine, the P2P kernels), a dtype's members are one call with no packing; the twin (``"xla"``) lowers
-    each member by XLA's own collective, as they are too. Where libra's call does not
+    engine, the P2P kernels, NCCL), a dtype's members are one call with no packing; the twin
+    (``"xla"``) lowers each member by XLA's own collective, as they are too. Where libra's call does not
     serve a reduce-scatter bucket, each member is XLA's own: its rank-contiguous packing is a
     strided copy that only libra's call needs."""
     def rule(ctx: Any, *xs: Any, collective: Collective, **params: Any) -> list[Any]:
-        call, rows, member_call = collective.form("bucket").calls(params)
+        call, rows, member_call = collective.form("bucket").calls(params, len(xs))
         outs: list[Any] = [None] * len(xs)
         # An empty member's collective is itself, a constant: no call holds it (XLA:CPU of
         # jaxlib 0.11.2 crashes compiling a custom call or all-reduce over one beside others).
@@ -143,125 +137,93 @@ def _bucket_rule(platform: Platform) -> Rule:
     return rule
 
 
-def _psum_bucket(params: dict[str, Any]) -> tuple[lowering.Call, int, Any]:
-    call = allreduce_call(params["axes"], params["blocks"], params["invariant"], True)
-    return call, 1, lambda i: call
+# --- Each kind's bucket: its members' own ops -------------------------------------------
+
+class Bucket(NamedTuple):
+    """A kind's bucket form: what a bucket's params say of its members. Member `i` is its
+    kind's own op (the row's "primitive") with the params `member(params, i)`: that op's
+    abstract evaluation types it, and `call` (the op's `lowering.Call` of its params) lowers
+    it alone. The members as one call are member 0's call with `flat`'s params, each member
+    along its own dimension (`lowering.Call.member_dimensions`). `per_member` names the
+    params that hold one entry per member."""
+
+    member: Callable[[dict[str, Any], int], dict[str, Any]]
+    call: Callable[[dict[str, Any]], lowering.Call]
+    flat: dict[str, Any]
+    per_member: tuple[str, ...]
+
+    def calls(self, params: dict[str, Any], members: int
+              ) -> tuple[lowering.Call, int, Callable[[int], lowering.Call]]:
+        """The call over the `members` (or their packed buffer), the packed buffer's rows (one
+        per rank where the kind has a group size: its shards contiguous), and each member's
+        own call."""
+        each = [self.member(params, i) for i in range(members)]
+        own = [self.call(p) for p in each]
+        dims = tuple(c.dimension for c in own)
+        flat = self.call({**each[0], **self.flat})
+        return (flat._replace(member_dimensions=dims) if any(dims) else flat,
+                params.get("axis_size", 1), lambda i: own[i])
 
 
-# --- The reduce-scatter bucket -------------------------------------------------------
-
-_member_abstract_eval = mirror_abstract_eval(mirror_reduce_scatter)
-
-
-def _member_params(axis_name: tuple, axis_size: int, tiled: bool, blocks: int | None,
-                   dimension: int = 0) -> dict[str, Any]:
-    """One member's `libra_reduce_scatter` params: scattered along `dimension`."""
-    return dict(axis_name=axis_name, scatter_dimension=int(dimension), axis_size=axis_size,
-                tiled=bool(tiled), blocks=blocks)
+def _psum_member(params: dict[str, Any], i: int) -> dict[str, Any]:
+    """Member `i`'s `libra_psum` params: in place, as every bucket's all-reduce."""
+    return dict(axes=params["axes"], blocks=params["blocks"], inplace=True,
+                invariant=params["invariant"])
 
 
-def _scatter_dimensions(params: dict[str, Any], members: int) -> tuple[int, ...]:
-    """Each member's scattered dimension (``dimension``; absent: every member's is 0)."""
+def _reduce_scatter_member(params: dict[str, Any], i: int) -> dict[str, Any]:
+    """Member `i`'s `libra_reduce_scatter` params: scattered along its ``dimension`` (absent:
+    every member's is 0), tiled or not."""
     dimension = params.get("dimension")
-    return tuple(dimension) if dimension is not None else (0,) * members
+    return dict(axis_name=params["axes"],
+                scatter_dimension=int(dimension[i]) if dimension is not None else 0,
+                axis_size=params["axis_size"], tiled=bool(params["tiled"][i]),
+                blocks=params["blocks"])
 
 
-def _reduce_scatter_abstract_eval(*avals: Any, axes: tuple, axis_size: int, tiled: tuple,
-                                  blocks: int | None, dimension: tuple | None = None) -> Any:
-    """Each member's type as its `jax.lax.psum_scatter` along its dimension (``dimension``, one
-    per member; None: 0 for all) has it (JAX's abstract evaluation, and JAX's errors), the
-    union of their effects."""
-    dims = _scatter_dimensions({"dimension": dimension}, len(avals))
-    if len(tiled) != len(avals) or len(dims) != len(avals):
-        raise ValueError(f"libra_bucket ({REDUCE_SCATTER}): tiled and dimension need one entry "
-                         f"per operand ({len(avals)}), got {len(tiled)} and {len(dims)}")
-    outs, effects = [], set()
-    for k, (aval, member_tiled, d) in enumerate(zip(avals, tiled, dims)):
-        if not aval.shape:
-            raise ValueError(f"libra_bucket ({REDUCE_SCATTER}): operand {k} is a scalar: a "
-                             "reduce-scatter needs a dimension to scatter")
-        out, eff = _member_abstract_eval(aval, **_member_params(axes, axis_size,
-                                                                member_tiled, blocks, d))
-        outs.append(out)
-        effects |= set(eff)
-    return outs, effects
-
-
-def _reduce_scatter_bucket(params: dict[str, Any]) -> tuple[lowering.Call, int, Any]:
-    """The members' reduce-scatter: where a platform's call takes them as they are (the CPU
-    engine's call, NCCL's member call), each along its own dimension (the engine's segments,
-    NCCL's rows of shards: `lowering.Call.member_dimensions`); else the packed row's, along
-    dimension 0, tiled, every rank's shards of every member in one run (`packing.pack` with
-    ``rows``: members scattered along dimension 0 only); each member's own, as it is."""
-    axis_name, axis_size, blocks = params["axes"], params["axis_size"], params["blocks"]
-    dims = _scatter_dimensions(params, len(params["tiled"]))
-
-    def member_call(i: int) -> lowering.Call:
-        return sharded_call(REDUCE_SCATTER, _member_params(axis_name, axis_size,
-                                                            params["tiled"][i], blocks, dims[i]))
-    call = sharded_call(REDUCE_SCATTER, _member_params(axis_name, axis_size, True, blocks))
-    return (call._replace(member_dimensions=dims) if any(dims) else call), axis_size, member_call
-
-
-# --- The all-gather bucket ------------------------------------------------------------
-
-def _gather_member_params(params: dict[str, Any], i: int) -> dict[str, Any]:
-    """Member `i`'s `libra_all_gather` params (`sharded.mirror_all_gather`'s)."""
+def _all_gather_member(params: dict[str, Any], i: int) -> dict[str, Any]:
+    """Member `i`'s `libra_all_gather` params: gathered along its ``dimension``, invariant or
+    not (`sharded.mirror_all_gather`'s)."""
     return dict(axis_name=params["axes"], all_gather_dimension=params["dimension"][i],
                 axis_size=params["axis_size"], tiled=params["tiled"],
                 invariant=params["invariant"][i], blocks=params["blocks"])
 
 
-_gather_abstract_eval = mirror_abstract_eval(mirror_all_gather)
-
-
-def _all_gather_abstract_eval(*avals: Any, axes: tuple, axis_size: int, tiled: bool,
-                              dimension: tuple, invariant: tuple, blocks: int | None) -> Any:
-    """Each member's type as its `jax.lax.all_gather` has it (JAX's abstract evaluation, and
-    JAX's errors), the union of their effects."""
-    params = dict(axes=axes, axis_size=axis_size, tiled=tiled, dimension=dimension,
-                  invariant=invariant, blocks=blocks)
-    if not len(dimension) == len(invariant) == len(avals):
-        raise ValueError(f"libra_bucket ({ALL_GATHER}): dimension and invariant need one entry "
-                         f"per operand ({len(avals)}), got {len(dimension)} and {len(invariant)}")
-    outs, effects = [], set()
-    for k, aval in enumerate(avals):
-        out, eff = _gather_abstract_eval(aval, **_gather_member_params(params, k))
-        outs.append(out)
-        effects |= set(eff)
-    return outs, effects
-
-
-def _all_gather_bucket(params: dict[str, Any]) -> tuple[lowering.Call, int, Any]:
-    """One all-gather over the members as they are, each along its own dimension (the
-    engine's segments: `lowering.Call.member_dimensions`); each member's own call."""
-    def member_call(i: int) -> lowering.Call:
-        return sharded_call(ALL_GATHER, _gather_member_params(params, i))
-    return (member_call(0)._replace(member_dimensions=tuple(params["dimension"])),
-            params["axis_size"], member_call)
-
-
-# --- One primitive for every kind's bucket ---------------------------------------------
-
-class Bucket(NamedTuple):
-    """A kind's bucket form: its members' types and its params' meaning (`abstract_eval`),
-    and its calls (`calls(params) -> (the flat buffer's lowering.Call, its rows, member i's
-    call)`)."""
-
-    abstract_eval: Callable[..., Any]
-    calls: Callable[[dict[str, Any]], tuple[lowering.Call, int, Any]]
-
-
-# The kinds with a bucket form: their rows hold it (`collectives.Collective.provide`).
-ALL_REDUCE.provide("bucket", Bucket(members_abstract_eval, _psum_bucket))
-REDUCE_SCATTER.provide("bucket", Bucket(_reduce_scatter_abstract_eval, _reduce_scatter_bucket))
-ALL_GATHER.provide("bucket", Bucket(_all_gather_abstract_eval, _all_gather_bucket))
+# The kinds with a bucket form: their rows hold it (`collectives.Collective.provide`). A
+# reduce-scatter's members packed into one row are scattered along dimension 0, tiled
+# (`packing.pack` with ``rows``); an all-gather's are never packed (each member is then its
+# own call), nor an all-reduce's changed.
+ALL_REDUCE.provide("bucket", Bucket(
+    _psum_member, lambda p: allreduce_call(p["axes"], p["blocks"], p["invariant"], p["inplace"]),
+    {}, ()))
+REDUCE_SCATTER.provide("bucket", Bucket(
+    _reduce_scatter_member, partial(sharded_call, REDUCE_SCATTER),
+    {"scatter_dimension": 0, "tiled": True}, ("tiled", "dimension")))
+ALL_GATHER.provide("bucket", Bucket(
+    _all_gather_member, partial(sharded_call, ALL_GATHER), {}, ("dimension", "invariant")))
 
 
 def bucket_abstract_eval(*avals: Any, collective: Collective, **params: Any) -> Any:
-    """Each member's type as its own collective has it, and their effects (the kind's); a
+    """Each member's type as its own op has it (the row's "primitive" with the member's
+    params: JAX's abstract evaluation, and JAX's errors), and the union of their effects; a
     kind without a bucket form is refused by its row (`collectives.NoForm`)."""
-    return collective.form("bucket").abstract_eval(*avals, **params)
+    bucket = collective.form("bucket")
+    counts = [len(avals) if params.get(name) is None else len(params[name])
+              for name in bucket.per_member]
+    if any(count != len(avals) for count in counts):
+        raise ValueError(f"libra_bucket ({collective}): {' and '.join(bucket.per_member)} need "
+                         f"one entry per operand ({len(avals)}), got "
+                         f"{' and '.join(map(str, counts))}")
+    op = collective.form("primitive")
+    outs, effects = [], set()
+    for k, aval in enumerate(avals):
+        if collective.scatters and not aval.shape:
+            raise ValueError(f"libra_bucket ({collective}): operand {k} is a scalar: a "
+                             "reduce-scatter needs a dimension to scatter")
+        out, eff = op.abstract_eval(aval, **bucket.member(params, k))
+        outs.append(out)
+        effects |= set(eff)
+    return outs, effects
 
 
 libra_bucket_p = register_op("libra_bucket", abstract_eval=bucket_abstract_eval,

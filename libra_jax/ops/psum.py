@@ -33,8 +33,8 @@ def psum_abstract_eval(aval: Any, *, axes: tuple, blocks: int | None, inplace: b
 
 def members_abstract_eval(*avals: Any, axes: tuple, blocks: int | None, invariant: bool
                           ) -> tuple[list[Any], set[Any]]:
-    """Each member's type as its psum's result and the union of their effects: a bucket's
-    (`fused`) and a start's in-flight buffers (`start_done`)."""
+    """Each member's type as its psum's result and the union of their effects: a start's
+    in-flight buffers (`start_done`)."""
     outs, effects = [], set()
     for aval in avals:
         out, eff = psum_abstract_eval(aval, axes=axes, blocks=blocks, inplace=True,
