@@ -184,8 +184,8 @@ def check_start_done_pairs(text: str, start: str | tuple[str, ...], call: str | 
     all-reduce's and the reduce-scatter's, says so); each ``libra_allreduce_cuda_done`` reads
     its own start's buffers, each aliased to its output, under the same call id, its own
     start's token and the latest start's; it is lowered with a side effect (XLA never removes
-    it); the buffers have no other reader. `call` is the one-call target, used once (the
-    loss's pmean, never split), or None where there is none. Returns the number of pairs."""
+    it); the buffers have no other reader. `call` is the one-call target, used once (a
+    forward psum, never split), or None where there is none. Returns the number of pairs."""
     import re
     names = (start,) if isinstance(start, str) else start
     alternatives = "|".join(map(re.escape, names))

@@ -180,9 +180,10 @@ def flax_batchnorm_pmap(pmean: Callable[..., Any] | None = None) -> Case:
     replicate = functools.partial(jax.tree.map, lambda a: np.broadcast_to(a, (N, *a.shape)))
     pstep = jax.pmap(step, axis_name="batch", donate_argnums=0)
     # 6 parameters; BatchNorm's statistics (one pmean of mean and mean of squares, Flax
-    # concatenates them) and that pmean's cotangent in the backward pass; loss and accuracy.
+    # concatenates them) and that pmean's cotangent in the backward pass; loss and accuracy,
+    # which nothing reads, with the gradients (`rewrite.sites.value_sites`).
     return Case(pstep, replicate(state), (x, y), pmap=True, library_psums=True,
-                kinds={"gradient": 6, "forward": 3, "backward": 1})
+                kinds={"gradient": 8, "forward": 1, "backward": 1})
 
 
 def transformer_dropout(pmean: Callable[..., Any] | None = None) -> Case:
@@ -230,7 +231,7 @@ def transformer_dropout(pmean: Callable[..., Any] | None = None) -> Case:
 
     # Embed 1, attention 8 (q, k, v, out: kernel and bias), LayerNorm 2, Dense 2 + 2; the loss.
     return Case(step, state, (_shard(tokens, mesh),), {"dropout_rng": jax.random.key(7)},
-                kinds={"gradient": 15, "forward": 1})
+                kinds={"gradient": 16})
 
 
 def nnx_model(pmean: Callable[..., Any] | None = None) -> Case:
@@ -258,7 +259,7 @@ def nnx_model(pmean: Callable[..., Any] | None = None) -> Case:
     step = _mse_step(lambda p, x: nnx.merge(graphdef, p)(x), tx, mesh, pmean)
     return Case(step, {"params": params, "opt": tx.init(params)},
                 (_shard(x, mesh), _shard(y, mesh)), autodiff_psums=True,
-                kinds={"gradient": 4, "forward": 1})
+                kinds={"gradient": 5})
 
 
 def nnx_in_place(pmean: Callable[..., Any] | None = None) -> Case:
@@ -338,7 +339,7 @@ def equinox_mlp(pmean: Callable[..., Any] | None = None) -> Case:
 
     return Case(step, (model, tx.init(eqx.filter(model, eqx.is_array))),
                 (_shard(x, mesh), _shard(y, mesh)), library_jit=eqx.filter_jit,
-                kinds={"gradient": 6, "forward": 1})
+                kinds={"gradient": 7})
 
 
 def set_mesh_autodiff(pmean: Callable[..., Any] | None = None) -> Case:
@@ -361,7 +362,7 @@ def set_mesh_autodiff(pmean: Callable[..., Any] | None = None) -> Case:
 
     step = jax.shard_map(local, in_specs=(P(), P("data")), out_specs=(P(), P()))
     return Case(step, params, (_shard(x, mesh),), autodiff_psums=True,
-                context=lambda: jax.set_mesh(mesh), kinds={"gradient": 3, "forward": 1})
+                context=lambda: jax.set_mesh(mesh), kinds={"gradient": 4})
 
 
 def static_config(pmean: Callable[..., Any] | None = None) -> Case:
@@ -398,7 +399,7 @@ def static_config(pmean: Callable[..., Any] | None = None) -> Case:
 
     return Case(step, params, (_shard(x, mesh),),
                 {"config": Config(), "train": True, "lr": schedule},
-                static_argnames=("config", "train", "lr"), kinds={"gradient": 2, "forward": 1})
+                static_argnames=("config", "train", "lr"), kinds={"gradient": 3})
 
 
 def optax_clip_schedule_accumulate(pmean: Callable[..., Any] | None = None) -> Case:
@@ -431,7 +432,7 @@ def optax_clip_schedule_accumulate(pmean: Callable[..., Any] | None = None) -> C
     step = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P()),
                          check_vma=False)
     return Case(step, {"params": params, "opt": tx.init(params)}, (_shard(x, mesh),),
-                kinds={"gradient": 6, "forward": 1})
+                kinds={"gradient": 7})
 
 
 def flax_nn_scan(pmean: Callable[..., Any] | None = None) -> Case:
@@ -467,7 +468,7 @@ def flax_nn_scan(pmean: Callable[..., Any] | None = None) -> Case:
     # Dense in 2, Dense out 2, the scanned block's Dense 2 and LayerNorm 2, hoisted; the loss.
     return Case(step, {"params": params, "opt": tx.init(params)},
                 (_shard(x, mesh), _shard(y, mesh)), autodiff_psums=True,
-                kinds={"gradient": 8, "forward": 1}, loops=("hoist",))
+                kinds={"gradient": 9}, loops=("hoist",))
 
 
 def stacked_scan_shared(pmean: Callable[..., Any] | None = None) -> Case:
@@ -497,7 +498,7 @@ def stacked_scan_shared(pmean: Callable[..., Any] | None = None) -> Case:
     # head, and the stacked w and b (hoisted): gradient; the shared weight's psum stays in the
     # loop, the body's one gradient psum, planned there for each iteration.
     return Case(step, params, (_shard(x, mesh),), autodiff_psums=True,
-                kinds={"gradient": 4, "forward": 1}, loops=("hoist",))
+                kinds={"gradient": 5}, loops=("hoist",))
 
 
 def pmap_substeps(pmean: Callable[..., Any] | None = None) -> Case:
@@ -536,9 +537,9 @@ def pmap_substeps(pmean: Callable[..., Any] | None = None) -> Case:
 
     replicate = functools.partial(jax.tree.map, lambda a: np.broadcast_to(a, (N, *a.shape)))
     pstep = jax.pmap(step, axis_name="batch", donate_argnums=0)
-    # 8 parameters, planned per substep in the scan's body; each substep's loss.
+    # 8 parameters, planned per substep in the scan's body; each substep's loss with them.
     return Case(pstep, replicate({"params": params, "opt": tx.init(params)}), (x, y),
-                pmap=True, kinds={"gradient": 8, "loop": 1}, loops=("in-loop",))
+                pmap=True, kinds={"gradient": 9}, loops=("in-loop",))
 
 
 def accumulate_pmean_per_microbatch(pmean: Callable[..., Any] | None = None) -> Case:
@@ -814,7 +815,7 @@ def fsdp_mixed_replicated(pmean: Callable[..., Any] | None = None) -> Case:
     shardings = {part: {k: NamedSharding(mesh, spec) for k, spec in specs.items()}
                  for part in state}
     return Case(step, jax.device_put(state, shardings), (_shard(x, mesh), _shard(y, mesh)),
-                autodiff_psums=True, kinds={"gradient": 9, "forward": 4})
+                autodiff_psums=True, kinds={"gradient": 10, "forward": 3})
 
 
 def _fsdp_route_case(seed: int, mesh: jax.sharding.Mesh, tx: Any, in_specs: bool,
