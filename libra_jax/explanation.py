@@ -383,9 +383,11 @@ def _fmt_bytes(n: int) -> str:
 
 
 def _tensor_list(tensors: Sequence[str], limit: int = 48) -> str:
-    """`tensors` for a table's cell of about `limit` characters: as many names as fit, the
-    first always (cut in the middle where it alone is longer), then how many more; the whole
-    list is printed under the table (`_member_lines`)."""
+    """`tensors` for a table's cell of about `limit` characters: the parameters' names first
+    (a loss's pmean planned with the gradients is ready before them, and says less), as many
+    as fit, the first always (cut in the middle where it alone is longer), then how many more;
+    the whole list, in planning order, is printed under the table (`_member_lines`)."""
+    tensors = sorted(tensors, key=_is_loss_or_metric)  # stable: planning order within each
     text = ", ".join(tensors)
     if len(text) <= limit:
         return text
@@ -461,7 +463,7 @@ def _plural(n: int, noun: str) -> str:
 
 
 def _columns() -> list[str]:
-    return ["#", "tensors (planning order)", "bytes", "blocks", "issued", "compute ms",
+    return ["#", "tensors", "bytes", "blocks", "issued", "compute ms",
             "ready ms", "collective ms", "start-end ms"]
 
 

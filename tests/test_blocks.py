@@ -99,10 +99,12 @@ def _plans(step, *args, **options):
 
 
 def test_patching_the_rule_changes_optimizes_calls_outside_buckets(patched):
-    # A loss's pmean (kind "forward") is issued at the rule's count; gradients are planned.
+    # A loss's pmean the update reads (kind "forward": one nothing reads joins the gradients)
+    # is issued at the rule's count; gradients are planned.
     def step(w, x):
         loss, g = jax.value_and_grad(lambda w: jnp.mean(jnp.tanh(x @ w) ** 2))(w)
-        return w - 0.1 * jax.lax.pmean(g, "d"), jax.lax.pmean(loss, "d")
+        mean = jax.lax.pmean(loss, "d")
+        return w - 0.1 * mean * jax.lax.pmean(g, "d"), mean
 
     f = jax.shard_map(step, mesh=mesh_of((8,), ("d",)), in_specs=(P(), P("d")),
                       out_specs=(P(), P()), check_vma=False)

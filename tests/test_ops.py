@@ -182,7 +182,7 @@ def test_a_cpu_bucket_is_one_engine_call_over_its_members_as_they_are(overlap, t
     opt = libra_jax.optimize(step, profile=doc, overlap=overlap)
     hlo = jax.jit(opt).lower(*args).compile().as_text()
     bucket, = [p for p in opt.last_report.plans if len(p.members) > 1]
-    assert len(bucket.members) == 3  # every layer's weight gradient
+    assert len(bucket.members) == 4  # every layer's weight gradient, and the loss's pmean
     calls = [line for line in hlo.splitlines()
              if f'custom_call_target="{target}"' in line and primitive in line]
     assert len(calls) == 1, calls
