@@ -42,13 +42,20 @@ import numpy as np  # noqa: E402
 
 import libra_jax  # noqa: E402
 
+def _gathered(x: Any, p: dict) -> Any:
+    """An all-gather made local: this device's shard repeated over the axis."""
+    if p["tiled"]:
+        return jnp.concatenate([x] * p["axis_size"], p["all_gather_dimension"])
+    return jnp.stack([x] * p["axis_size"], p["all_gather_dimension"])
+
+
 #: JAX's collectives made local: (operand, params) -> the result's value of that shape.
 _LOCAL: dict[str, Callable[..., Any]] = {
     "psum": lambda x, p: x,
+    "psum_invariant": lambda x, p: x,
     "pvary": lambda x, p: x,
-    "all_gather": lambda x, p: (
-        jnp.concatenate([x] * p["axis_size"], p["all_gather_dimension"]) if p["tiled"]
-        else jnp.stack([x] * p["axis_size"], p["all_gather_dimension"])),
+    "all_gather": _gathered,
+    "all_gather_invariant": _gathered,
     "reduce_scatter": lambda x, p: (
         jax.lax.slice_in_dim(x, 0, x.shape[p["scatter_dimension"]] // p["axis_size"],
                              axis=p["scatter_dimension"]) if p["tiled"]
