@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fsdp_gspmd import common, without_communication  # noqa: E402
-from report import interleaved_steps, median_ci  # noqa: E402
+from report import interleaved_steps, paired_run, publish, ratio_rows  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -52,36 +52,23 @@ def main() -> None:
     state = {k: common.copy_tree(args[0]) for k in arms}
     times = interleaved_steps(arms, state, args[1:], a.rounds, a.steps, common.WARMUP)
     after = os.getloadavg()
-    base = np.asarray(times["plain"])
-    rows, med = [], {}
-    for arm, values in times.items():
-        v = np.asarray(values)
-        mid, lo, hi = median_ci(v / base)
-        med[arm] = float(np.median(v))
-        rows.append(f"| {arm} | {med[arm] * 1e3:.1f} | {np.percentile(v, 10) * 1e3:.1f}-"
-                    f"{np.percentile(v, 90) * 1e3:.1f} | {mid:.3f} ({lo:.3f}-{hi:.3f}) |")
+    med = {arm: float(np.median(values)) for arm, values in times.items()}
     xla = med["plain"] - med["plain, collectives local"]
     libra = med["optimized"] - med["optimized, collectives local"]
     price = optimized.last_report.step
     predicted = (f"; `explain` prices plain's {price.plain_collectives_s * 1e3:.2f} ms"
                  if price is not None else "")
-    out = "\n".join([
+    publish([
         f"Command: `python benchmarks/collective_share.py --example {a.example} "
         f"--rounds {a.rounds} --steps {a.steps}`", "",
         f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; jax "
         f"{jax.__version__}; Python {platform.python_version()}; {os.cpu_count()} CPU cores; "
         f"{len(jax.devices())} host devices; profile `{libra_jax.model.default_profile('cpu')}`.",
-        f"Load average (1/5/15 min) before: {'/'.join(f'{x:.1f}' for x in before)}, after: "
-        f"{'/'.join(f'{x:.1f}' for x in after)} (the run's own 8 device threads count in it).",
-        f"{a.rounds} paired interleaved rounds of {a.steps} steps per arm after "
-        f"{common.WARMUP} warm-up steps; ratios per round.", "",
+        *paired_run(before, after, a.rounds, a.steps, common.WARMUP), "",
         f"| {a.example} arm | median ms | p10-p90 ms | ratio to plain (95% CI) |",
-        "|---|---|---|---|", *rows, "",
+        "|---|---|---|---|", *ratio_rows(times, "plain"), "",
         f"- XLA's collectives cost plain {xla * 1e3:.1f} ms of its step (medians' difference)"
-        f"{predicted}; libra's cost the optimized step {libra * 1e3:.1f} ms.", ""])
-    print(out)
-    if a.out:
-        Path(a.out).write_text(out)
+        f"{predicted}; libra's cost the optimized step {libra * 1e3:.1f} ms."], a.out)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,14 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
-from report import interleaved_steps, load_file, median_ci  # noqa: E402
+from report import (  # noqa: E402
+    interleaved_steps,
+    load_file,
+    median_ci,
+    paired_run,
+    publish,
+    ratio_rows,
+)
 
 common = load_file(ROOT / "examples" / "common.py", "common")  # (8 host devices)
 
@@ -151,33 +158,21 @@ def main() -> None:
     calls = (f"{sum(p.kind == 'gradient' for p in plans)} gradient calls, "
              f"{sum(p.kind == 'forward' and p.collective.gathers for p in plans)} forward gather calls")
     base = np.asarray(times["plain (GSPMD)"])
-    rows = []
-    for arm, values in times.items():
-        v = np.asarray(values)
-        mid, lo, hi = median_ci(v / base)
-        rows.append(f"| {arm} | {np.median(v) * 1e3:.1f} | {np.percentile(v, 10) * 1e3:.1f}-"
-                    f"{np.percentile(v, 90) * 1e3:.1f} | {mid:.3f} ({lo:.3f}-{hi:.3f}) |")
     opt, _, _ = median_ci(np.asarray(times["optimized"]) / base)
     bound, _, _ = median_ci(np.asarray(times["no communication (bound)"]) / base)
-    out = "\n".join([
+    publish([
         f"Command: `python benchmarks/fsdp_gspmd.py --rounds {a.rounds} --steps {a.steps}`", "",
         f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; jax "
         f"{jax.__version__}; Python {platform.python_version()}; {os.cpu_count()} CPU cores; "
         f"{len(jax.devices())} host devices; profile `{libra_jax.model.default_profile('cpu')}`; the plan: "
         f"{calls}.",
-        f"Load average (1/5/15 min) before: {'/'.join(f'{x:.1f}' for x in before)}, after: "
-        f"{'/'.join(f'{x:.1f}' for x in after)} (the run's own 8 device threads count in it).",
-        f"{a.rounds} paired interleaved rounds of {a.steps} steps per arm after "
-        f"{common.WARMUP} warm-up steps; ratios per round.", "",
+        *paired_run(before, after, a.rounds, a.steps, common.WARMUP), "",
         "| arm | median ms | p10-p90 ms | ratio to GSPMD's step (95% CI) |", "|---|---|---|---|",
-        *rows, "",
+        *ratio_rows(times, "plain (GSPMD)"), "",
         f"- optimized/GSPMD {opt:.3f}: the goal (<= 0.90) "
         + ("**met**" if opt <= 0.90 else "**not met**")
         + f"; no communication at all reaches {bound:.3f}, so the collectives cost the optimized "
-        f"step {opt - bound:.3f} of GSPMD's step here.", ""])
-    print(out)
-    if a.out:
-        Path(a.out).write_text(out)
+        f"step {opt - bound:.3f} of GSPMD's step here."], a.out)
 
 
 if __name__ == "__main__":

@@ -80,6 +80,29 @@ def median_ci(ratios, seed: int = 0, n: int = 2000) -> tuple[float, float, float
     return float(np.median(ratios)), *np.percentile(boots, (2.5, 97.5))
 
 
+def paired_run(before: tuple, after: tuple, rounds: int, steps: int, warmup: int) -> list[str]:
+    """The lines a table of `interleaved_steps` gives under its header: the load average
+    before and after, and how the rounds ran."""
+    return [f"Load average (1/5/15 min) before: {'/'.join(f'{x:.1f}' for x in before)}, after: "
+            f"{'/'.join(f'{x:.1f}' for x in after)} (the run's own 8 device threads count in it).",
+            f"{rounds} paired interleaved rounds of {steps} steps per arm after {warmup} "
+            "warm-up steps; ratios per round."]
+
+
+def ratio_rows(times: dict[str, list[float]], base: str) -> list[str]:
+    """A table row per arm of `interleaved_steps`' `times`: its median and p10-p90 ms, and the
+    median of its per-round ratio to arm `base` with its 95% interval (`median_ci`)."""
+    import numpy as np
+
+    rows = []
+    for arm, values in times.items():
+        v = np.asarray(values)
+        mid, lo, hi = median_ci(v / np.asarray(times[base]))
+        rows.append(f"| {arm} | {np.median(v) * 1e3:.1f} | {spread(v, scale=1e3, digits=1)} | "
+                    f"{mid:.3f} ({lo:.3f}-{hi:.3f}) |")
+    return rows
+
+
 def publish(lines: list[str], out: str | None) -> None:
     """Print the table, and write it to `out` when given."""
     text = "\n".join(lines) + "\n"
