@@ -37,6 +37,12 @@ def _psums(eqn):
     return [e.primitive.name for e in eqn.params["jaxpr"].eqns if "psum" in e.primitive.name]
 
 
+def _pmean_loss(mesh):
+    """The loss pmean'ed in a shard_map over ``data`` (weights replicated, batch split)."""
+    return jax.shard_map(lambda w, x: jax.lax.pmean(_loss(w, x), "data"), mesh=mesh,
+                         in_specs=(P(), P("data")), out_specs=P())
+
+
 def _route_step(loss=_loss, has_aux=False, **kwargs):
     def step(w, x):
         out, g = libra_jax.value_and_grad(loss, has_aux=has_aux, **kwargs)(w, x)
@@ -107,8 +113,7 @@ def test_a_ratio_metric_moves_with_both_its_psums():
 
 def test_a_loss_the_backward_pass_reads_stays():
     mesh, w, x = _inputs()
-    mapped = jax.shard_map(lambda w, x: jax.lax.pmean(_loss(w, x), "data"), mesh=mesh,
-                           in_specs=(P(), P("data")), out_specs=P())
+    mapped = _pmean_loss(mesh)
 
     def step(w, x):
         loss, vjp = jax.vjp(lambda w: mapped(w, x), w)
@@ -123,8 +128,7 @@ def test_a_loss_the_backward_pass_reads_stays():
 
 def test_what_reads_the_loss_before_the_backward_pass_waits_for_it():
     mesh, w, x = _inputs()
-    mapped = jax.shard_map(lambda w, x: jax.lax.pmean(_loss(w, x), "data"), mesh=mesh,
-                           in_specs=(P(), P("data")), out_specs=P())
+    mapped = _pmean_loss(mesh)
 
     def step(w, x):
         loss, vjp = jax.vjp(lambda w: mapped(w, x), w)
