@@ -20,6 +20,7 @@ from jax._src import config as _config
 from jax._src import core as _core
 from jax._src import dispatch as _dispatch
 from jax._src import mesh as _mesh_lib
+from jax._src import shard_map as _shard_map
 from jax._src.interpreters import ad as _ad
 from jax._src.interpreters import batching as _batching
 from jax._src.interpreters import mlir as _mlir
@@ -38,7 +39,8 @@ from libra_jax import collectives
 __all__ = [
     "ClosedJaxpr", "Jaxpr", "Var", "jaxpr_as_fun", "closed_jaxpr", "jaxprs_in_params",
     "memoized_sub_jaxprs", "register_psum_rooflines", "dce", "keep_in_dce",
-    "mesh_axis_sizes", "distributed_client", "on_stream", "Primitive", "Tracer", "ShapedArray", "ir", "hlo",
+    "mesh_axis_sizes", "shard_aval", "unshard_aval", "distributed_client", "on_stream",
+    "Primitive", "Tracer", "ShapedArray", "ir", "hlo",
     "psum_p", "psum_invariant_p", "reduce_scatter_p", "all_gather_p", "all_to_all_p", "all_gather_invariant_p",
     "canonicalize_axis", "axis_effects",
     "apply_primitive", "deflinear", "register_batcher", "register_lowering", "lower_fun",
@@ -351,6 +353,17 @@ def ir_values(x: Any) -> list[ir.Value]:
 def new_var(aval: Any) -> Any:
     """A fresh jaxpr variable of type `aval`."""
     return _core.Var(aval)
+
+
+def shard_aval(mesh: Any, manual_axes: Any, check_vma: bool, spec: Any, aval: Any) -> Any:
+    """The type of one device's block of a `shard_map` input of type `aval` laid out as
+    `spec` (what its body's binder is typed as)."""
+    return _shard_map.shard_aval(mesh, manual_axes, check_vma, spec, aval)
+
+
+def unshard_aval(mesh: Any, check_vma: bool, spec: Any, aval: Any) -> Any:
+    """The type of a `shard_map` result whose body returns `aval` laid out as `spec`."""
+    return _shard_map.unshard_aval(mesh, check_vma, spec, aval)
 
 
 def mesh_axis_sizes(mesh: Any) -> dict:

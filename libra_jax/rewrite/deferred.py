@@ -201,8 +201,6 @@ def _with_io(jaxpr: Any, invars: Sequence[Any], outvars: Sequence[Any], eqns: Se
 
 def _moved_into(eqns: list[Any], a: int, b: int, moved: _Moved) -> list[Any]:
     """`eqns` with `moved` taken from shard_map ``eqns[a]`` into ``eqns[b]``."""
-    from jax._src import shard_map as _shard_map  # the avals a spec gives, as shard_map's
-
     forward, backward = eqns[a], eqns[b]
     mesh, check_vma = forward.params["mesh"], forward.params["check_vma"]
     manual = backward.params["newly_manual_axes"]
@@ -223,7 +221,7 @@ def _moved_into(eqns: list[Any], a: int, b: int, moved: _Moved) -> list[Any]:
         kept_eqns.append(eqn)
         body_outs.append(row)
         out_specs.append(spec)
-        outer = _compat.new_var(_shard_map.unshard_aval(mesh, check_vma, spec, row.aval))
+        outer = _compat.new_var(_compat.unshard_aval(mesh, check_vma, spec, row.aval))
         outer_outs.append(outer)
         handed.append((outer, spec))
     new_forward = forward.replace(
@@ -237,7 +235,7 @@ def _moved_into(eqns: list[Any], a: int, b: int, moved: _Moved) -> list[Any]:
     for (outer, spec), k in zip(handed, moved.psums):
         psum = body.eqns[k]
         x = psum.invars[0]
-        y = _compat.new_var(_shard_map.shard_aval(mesh, manual, check_vma, spec, outer.aval))
+        y = _compat.new_var(_compat.shard_aval(mesh, manual, check_vma, spec, outer.aval))
         new_in.append(y)
         eqn, z = _reshaped(like, y, x.aval.shape, x.aval)
         tail.append(eqn)
