@@ -11,11 +11,16 @@ collectives on this machine: what is left between the optimized step and it is w
 collectives cost, and what lies beyond it only compute could change. The values of that arm
 are wrong (it trains nothing): it is timed, never compared.
 
+``--local-all-reduce`` adds an arm with only the all-reduce calls made local (libra's
+all-reduce buckets and psums; the gathers and the reduce-scatters communicate as planned):
+what one rendezvous fewer a step would gain, the bound of joining the all-reduce bucket and
+the reduce-scatter bucket into one engine round.
+
 Every arm runs in one process in paired interleaved rounds (`report.interleaved_steps`); each
 arm's ratio to GSPMD's step is taken per round, its median given with a bootstrap 95%
 interval.
 
-    python benchmarks/fsdp_gspmd.py [--rounds 20] [--steps 3] [--out FILE]
+    python benchmarks/fsdp_gspmd.py [--rounds 20] [--steps 3] [--local-all-reduce] [--out FILE]
 """
 from __future__ import annotations
 
@@ -77,9 +82,33 @@ def _copy_into(x: Any, aval: Any) -> Any:
     return jnp.resize(x.ravel(), math.prod(aval.shape)).reshape(aval.shape)
 
 
-def _local(eqn: Any, args: Sequence[Any]) -> list[Any] | None:
-    """`eqn` without communication (None: not a collective)."""
+def _all_reduces_only(eqn: Any) -> bool:
+    """Whether `eqn` is an all-reduce: libra's bucket of psums, either half of its start/done
+    pair, or one psum."""
+    if eqn.primitive.name in ("libra_bucket", "libra_start", "libra_done"):
+        return eqn.params["collective"].sums and not eqn.params["collective"].scatters
+    return eqn.primitive.name in ("libra_psum", "psum", "psum_invariant")
+
+
+def _communicating(eqn: Any, args: Sequence[Any]) -> list[Any]:
+    """`eqn` as it is, in a body traced without ``check_vma`` (`_run`): an invariant libra
+    call is bound as its plain form (the same values; the invariant form needs the varying
+    types that the body no longer has)."""
+    params = dict(eqn.params)
+    if eqn.primitive.name.startswith("libra_") and "invariant" in params:
+        inv = params["invariant"]
+        params["invariant"] = tuple(False for _ in inv) if isinstance(inv, tuple) else False
+    out = eqn.primitive.bind(*args, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _local(eqn: Any, args: Sequence[Any], only: Callable[[Any], bool] | None = None
+           ) -> list[Any] | None:
+    """`eqn` without communication (None: not a collective); where `only` is given, the
+    collectives it does not pick communicate (`_communicating`)."""
     name = eqn.primitive.name
+    if only is not None and not only(eqn):
+        return _communicating(eqn, args) if name.startswith("libra_") else None
     if name in _LOCAL:
         results = [_LOCAL[name](x, eqn.params) for x in args]
         return results if eqn.primitive.multiple_results else results[:1]
@@ -89,8 +118,10 @@ def _local(eqn: Any, args: Sequence[Any]) -> list[Any] | None:
     return None
 
 
-def _run(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], manual: bool) -> list[Any]:
-    """`jaxpr` evaluated with its shard_maps' collectives made local (`manual`: inside one)."""
+def _run(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], manual: bool,
+         only: Callable[[Any], bool] | None = None) -> list[Any]:
+    """`jaxpr` evaluated with its shard_maps' collectives made local (`manual`: inside one;
+    `only`: those it picks, `_local`)."""
     env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts))
     env.update(zip(jaxpr.invars, args))
 
@@ -101,16 +132,16 @@ def _run(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], manual: bool) -
         ins = [read(v) for v in eqn.invars]
         name, params = eqn.primitive.name, eqn.params
         if name == "shard_map":
-            body = functools.partial(_local_body, params["jaxpr"])
+            body = functools.partial(_local_body, params["jaxpr"], only)
             outs = list(jax.shard_map(body, mesh=params["mesh"],
                                       in_specs=tuple(params["in_specs"]),
                                       out_specs=tuple(params["out_specs"]),
                                       check_vma=False)(*ins))
         elif name in ("pjit", "jit", "closed_call") or (manual and "call_jaxpr" in params):
             inner = params.get("jaxpr", params.get("call_jaxpr"))
-            outs = _run(inner.jaxpr, inner.consts, ins, manual)
+            outs = _run(inner.jaxpr, inner.consts, ins, manual, only)
         else:
-            outs = _local(eqn, ins) if manual else None
+            outs = _local(eqn, ins, only) if manual else None
             if outs is None:
                 with eqn.ctx.manager:
                     out = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(params))
@@ -119,19 +150,21 @@ def _run(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], manual: bool) -
     return [read(v) for v in jaxpr.outvars]
 
 
-def _local_body(jaxpr: Any, *args: Any) -> tuple[Any, ...]:
-    """A shard_map's body `jaxpr` with its collectives made local."""
-    return tuple(_run(jaxpr, [], args, manual=True))
+def _local_body(jaxpr: Any, only: Callable[[Any], bool] | None, *args: Any) -> tuple[Any, ...]:
+    """A shard_map's body `jaxpr` with its collectives made local (`only`: those it picks)."""
+    return tuple(_run(jaxpr, [], args, manual=True, only=only))
 
 
-def without_communication(fn: Callable[..., Any], *example: Any) -> Callable[..., Any]:
-    """`fn` (traced at `example`) with every collective inside its shard_maps made local."""
+def without_communication(fn: Callable[..., Any], *example: Any,
+                          only: Callable[[Any], bool] | None = None) -> Callable[..., Any]:
+    """`fn` (traced at `example`) with every collective inside its shard_maps made local
+    (`only`: those it picks, the others as planned)."""
     closed = jax.make_jaxpr(fn)(*example)
     tree = jax.tree.structure(jax.eval_shape(fn, *example))
 
     def local(*args: Any) -> Any:
         return jax.tree.unflatten(tree, _run(closed.jaxpr, closed.consts,
-                                              jax.tree.leaves(args), manual=False))
+                                              jax.tree.leaves(args), manual=False, only=only))
     return local
 
 
@@ -139,6 +172,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--local-all-reduce", action="store_true",
+                        help="add an arm with only the all-reduce calls made local")
     parser.add_argument("--out", default=None)
     a = parser.parse_args()
     before = os.getloadavg()
@@ -151,6 +186,12 @@ def main() -> None:
     arms = {"plain (GSPMD)": jax.jit(common.plain_step(step), donate_argnums=0),
             "optimized": jax.jit(optimized, donate_argnums=0),
             "no communication (bound)": jax.jit(local, donate_argnums=0)}
+    if a.local_all_reduce:
+        ar_local = without_communication(optimized, *args, only=_all_reduces_only)
+        text = jax.jit(ar_local).lower(*args).as_text()
+        assert "libra_allreduce" not in text and "libra_reduce_scatter" in text, \
+            "the all-reduces-local arm must keep the reduce-scatters and drop the all-reduces"
+        arms["all-reduces local"] = jax.jit(ar_local, donate_argnums=0)
     state = {k: common.copy_tree(args[0]) for k in arms}
     times = interleaved_steps(arms, state, args[1:], a.rounds, a.steps, common.WARMUP)
     after = os.getloadavg()
@@ -161,7 +202,8 @@ def main() -> None:
     opt, _, _ = median_ci(np.asarray(times["optimized"]) / base)
     bound, _, _ = median_ci(np.asarray(times["no communication (bound)"]) / base)
     publish([
-        f"Command: `python benchmarks/fsdp_gspmd.py --rounds {a.rounds} --steps {a.steps}`", "",
+        f"Command: `python benchmarks/fsdp_gspmd.py --rounds {a.rounds} --steps {a.steps}"
+        + (" --local-all-reduce" if a.local_all_reduce else "") + "`", "",
         f"Date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; jax "
         f"{jax.__version__}; Python {platform.python_version()}; {os.cpu_count()} CPU cores; "
         f"{len(jax.devices())} host devices; profile `{libra_jax.model.default_profile('cpu')}`; the plan: "
@@ -172,7 +214,18 @@ def main() -> None:
         f"- optimized/GSPMD {opt:.3f}: the goal (<= 0.90) "
         + ("**met**" if opt <= 0.90 else "**not met**")
         + f"; no communication at all reaches {bound:.3f}, so the collectives cost the optimized "
-        f"step {opt - bound:.3f} of GSPMD's step here."], a.out)
+        f"step {opt - bound:.3f} of GSPMD's step here.", *_local_all_reduce_line(times)], a.out)
+
+
+def _local_all_reduce_line(times: dict[str, Any]) -> list[str]:
+    """The all-reduces-local arm against the optimized step, per round (none without it)."""
+    if "all-reduces local" not in times:
+        return []
+    ratio, low, high = median_ci(np.asarray(times["all-reduces local"])
+                                 / np.asarray(times["optimized"]))
+    return [f"- all-reduces local / optimized {ratio:.3f} ({low:.3f}-{high:.3f}): what the "
+            "step's all-reduce calls cost it beyond their bytes, the bound of joining them "
+            "with the reduce-scatters in one round."]
 
 
 if __name__ == "__main__":
