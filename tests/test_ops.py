@@ -353,3 +353,40 @@ def test_one_start_done_pair_for_every_kind_and_the_old_names_still_bind():
             mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))(x)
     with pytest.raises(ValueError, match="no collective kind 'ppermute'"):
         ops.libra_start_p.bind(x, collective="ppermute", axes=("x",))
+
+
+def test_a_pairs_start_and_done_are_one_call_in_two_phases_with_one_key():
+    """A start and its done are one `lowering.Call` in two phases (`Call.phase`), emitted by
+    `lowering.PairCall.emit` under the call's key: the lowered start and done carry the same
+    ``call_id``, the pair's `start_done.call_key`, for the all-reduce's pair (a dtype group
+    each) and a sharded kind's; a phase that is no half of a pair is refused by name."""
+    from libra_jax import collectives
+    from libra_jax.ops import start_done
+
+    assert lowering.PHASES == ("one", "start", "done")
+    mesh = mesh_of((8,), ("x",))
+    x = shard(np.arange(8 * 16, dtype=np.float32).reshape(8 * 8, 2), mesh, P("x"))
+    psum, rs = collectives.BY_KIND["all-reduce"], collectives.BY_KIND["reduce-scatter"]
+
+    def pairs(v):
+        kw = dict(axes=("x",), blocks=1)
+        summed, = ops.libra_done_p.bind(
+            *ops.libra_start_p.bind(v, collective=psum, invariant=False, call_id=5, **kw),
+            collective=psum, out_avals=(jax.typeof(v),), call_id=5, **kw)
+        sharded = dict(dimension=0, axis_size=8, tiled=True, call_id=6, **kw)
+        flat, token = ops.libra_start_p.bind(v, collective=rs, **sharded)
+        scattered, = ops.libra_done_p.bind(
+            flat, token, collective=rs, out_avals=(jax.typeof(jax.lax.psum_scatter(
+                v, "x", tiled=True)),), **sharded)
+        return summed, scattered
+
+    text = jax.jit(jax.shard_map(pairs, mesh=mesh, in_specs=P("x"), out_specs=(P("x"), P("x")),
+                                 check_vma=False)).lower(x).as_text()
+    keys = re.findall(r"custom_call @(\w+)\(.*call_id = (\d+) : i64", text)
+    assert keys == [("libra_allreduce_cpu_start", str(start_done.call_key(5, psum))),
+                    ("libra_allreduce_cpu_done", str(start_done.call_key(5, psum))),
+                    ("libra_reduce_scatter_cpu_start", str(start_done.call_key(6, rs))),
+                    ("libra_allreduce_cpu_done", str(start_done.call_key(6, rs)))], keys
+    split = lowering.PairCall("start", None, "done", {}, "cpu")
+    with pytest.raises(ValueError, match="not 'one'"):
+        split.emit(None, lowering.Call(psum, ("x",), 1, lowering.mirrored), [])

@@ -51,7 +51,7 @@ from libra_jax.ops.shards import (
     to_row_of_shards,
 )
 
-__all__ = ["Call", "PairCall", "Collective", "ENGINE_DTYPES", "rule", "lower",
+__all__ = ["Call", "PHASES", "PairCall", "Collective", "ENGINE_DTYPES", "rule", "lower",
            "replaced_rule", "libra_call", "xla_collective", "warn_fallback", "engine_lowering",
            "cpu_call", "lower_members", "gpu_call", "pair_call", "nccl_attrs",
            "nccl_blocks",
@@ -75,9 +75,16 @@ CUDA_VECTOR_BYTES = 16
 _RANK_AVAL = _compat.ShapedArray((2,), np.int32)
 
 
+#: The parts of a collective a call emits (`Call.phase`): the whole of it, or either half of
+#: a start/done pair (`libra_jax.ops.start_done`).
+PHASES = ("one", "start", "done")
+
+
 class Call(NamedTuple):
-    """One collective as an op asks its platform's rule to lower it (one operand, lowered at a
-    `ctx` whose ``avals_in[0]`` / ``avals_out[0]`` are its operand's and result's types)."""
+    """One collective as an op asks its platform to lower it: its kind, axes and block count,
+    and the part of it emitted (`phase`, with a pair's `key`); its members are the operands
+    at the `ctx` it is lowered at (one buffer, or a bucket's members of one dtype), its
+    results the results there."""
 
     #: The kind (`libra_jax.collectives`): its targets, and its layout.
     row: Collective
@@ -100,6 +107,13 @@ class Call(NamedTuple):
     #: one per member, in `dimension`'s place (`dimension_of`); (): every member's is
     #: `dimension`.
     member_dimensions: tuple[int, ...] = ()
+    #: Which part of the collective is emitted (`PHASES`): ``"one"`` the whole of it;
+    #: ``"start"`` issues it, its results the members' buffers in flight, then a token;
+    #: ``"done"`` waits for the start of the same `key`, its operands those buffers, then its
+    #: start's token and any it must not run before, its results the buffers.
+    phase: str = "one"
+    #: The key that ties a start to its done (`start_done.call_key`); 0 for one call.
+    key: int = 0
 
     def dimension_of(self, i: int) -> int:
         """Member `i`'s gathered (scattered) dimension."""
@@ -670,11 +684,11 @@ def _say_launch_order(lib: _nccl.Library) -> None:
 # --- Start/done: where libra splits a call in two ---------------------------------------
 
 class PairCall(NamedTuple):
-    """How the platform's libra call splits a collective of flat buffers (a bucket's members
+    """Where the platform's libra call splits a collective of flat buffers (a bucket's members
     or rows of shards) into a start and a done: start's and done's targets, the (rank, group)
     operand (the CPU calls' first; the one a done slices a reduce-scatter's shard by), the
-    attributes, and the engine. `start` and `done` emit the two calls, for every kind: the
-    same operands' order, aliases and key (the caller's `call_key`)."""
+    attributes, and the engine. `emit` emits either half (`Call.phase`), for every kind: the
+    same operands' order, aliases and key."""
 
     start_target: str
     rank_group: Any
@@ -682,52 +696,58 @@ class PairCall(NamedTuple):
     attrs: dict
     engine: str
 
-    def start(self, ctx: Any, buffers: Sequence[Any], avals: Sequence[Any],
-              out_avals: Sequence[Any], key: np.int64, *, in_place: bool,
-              rows_of_shards: bool, after: Sequence[Any] = (),
-              after_avals: Sequence[Any] = ()) -> list[Any]:
-        """Start's call over `buffers` (typed `avals`) keyed `key`: its results typed
-        `out_avals` (one per buffer, then the token), each aliased to its buffer where
-        `in_place`; `after` (typed `after_avals`) values it must not run before, read by
-        nothing. The CPU engine's (rank, group) leads. A CPU start over the members as XLA
-        keeps them (not `rows_of_shards`) is `engine_lowering`'s, without layout constraints;
-        rows of shards are flat, and laid out alike either way."""
+    def emit(self, ctx: Any, call: Call, operands: Sequence[Any]) -> list[Any]:
+        """`call`'s start or done (`call.phase`), keyed `call.key`, of `operands`, typed as
+        `ctx`'s operands and results (the members' or the in-flight buffers first, as
+        `Call.phase` says)."""
+        if call.phase == "start":
+            return self._start(ctx, call, operands)
+        if call.phase == "done":
+            return self._done(ctx, call, operands)
+        raise ValueError(f"a start/done pair emits its start or its done, not {call.phase!r}")
+
+    def _start(self, ctx: Any, call: Call, operands: Sequence[Any]) -> list[Any]:
+        """Start's call: its results one per member (each aliased to its buffer where
+        `call.inplace`), then the token; operands after the members are values it must not
+        run before, read by nothing. The CPU engine's (rank, group) leads. A CPU start over
+        the members as XLA keeps them (the all-reduce's) is `engine_lowering`'s, without layout
+        constraints; a sharded kind's rows of shards are flat, and laid out alike either way."""
+        members = len(ctx.avals_out) - 1
+        rows_of_shards = call.row.gathers or call.row.scatters
         lead, lead_avals = ([self.rank_group], [_RANK_AVAL]) if self.engine == "cpu" else ([], [])
-        aliases = {len(lead) + k: k for k in range(len(buffers))} if in_place else {}
+        aliases = ({len(lead) + k: k for k in range(members)} if call.inplace else {})
         lowered = (engine_lowering(self.start_target, aliases)
                    if self.engine == "cpu" and not rows_of_shards else
                    jax.ffi.ffi_lowering(self.start_target, operand_output_aliases=aliases))
         # The CPU engine names one segment per member (rows of shards: 0); the empty members
         # `pair_call` saw are not started.
         attrs = (dict(self.attrs) if "segments" not in self.attrs else
-                 {**self.attrs, "segments": np.zeros(len(buffers), np.int64)})
+                 {**self.attrs, "segments": np.zeros(members, np.int64)})
         return _compat.ir_values(lowered(
-            ctx.replace(primitive=None, avals_in=[*lead_avals, *avals, *after_avals],
-                        avals_out=list(out_avals)),
-            *lead, *buffers, *after, call_id=key, **attrs))
+            ctx.replace(primitive=None, avals_in=[*lead_avals, *ctx.avals_in]),
+            *lead, *operands, call_id=np.int64(call.key), **attrs))
 
-    def done(self, ctx: Any, buffers: Sequence[Any], avals: Sequence[Any],
-             out_avals: Sequence[Any], tokens: Sequence[Any], token_avals: Sequence[Any],
-             key: np.int64) -> list[Any]:
-        """Done's call, waiting for the start keyed `key`: it reads the in-flight `buffers`
-        (typed `avals`) once each, aliased to its results (typed `out_avals`: no copy), then
-        its start's token and any tokens it must not run before (`tokens`, read by nothing).
-        On CPU (rank, group) and the start's token lead, on a GPU the buffers. Lowered with a
-        side effect, so XLA never removes it: a done whose result nobody reads still waits
-        for its collective before XLA may reuse the buffer the engine writes."""
-        token, *after = tokens
+    def _done(self, ctx: Any, call: Call, operands: Sequence[Any]) -> list[Any]:
+        """Done's call, waiting for the start keyed `call.key`: it reads the in-flight buffers
+        once each, aliased to its results (no copy), then its start's token and any tokens it
+        must not run before (read by nothing). On CPU (rank, group) and the start's token
+        lead, on a GPU the buffers. Lowered with a side effect, so XLA never removes it: a
+        done whose result nobody reads still waits for its collective before XLA may reuse
+        the buffer the engine writes."""
+        n = len(ctx.avals_out)
+        buffers, (token, *after) = operands[:n], operands[n:]
+        avals, (token_aval, *after_avals) = ctx.avals_in[:n], ctx.avals_in[n:]
         if self.engine == "cpu":
-            operands = [self.rank_group, token, *buffers, *after]
-            types = [_RANK_AVAL, token_avals[0], *avals, *token_avals[1:]]
+            ordered = [self.rank_group, token, *buffers, *after]
+            types = [_RANK_AVAL, token_aval, *avals, *after_avals]
             at = 2
         else:
-            operands, types, at = [*buffers, *tokens], [*avals, *token_avals], 0
+            ordered, types, at = list(operands), list(ctx.avals_in), 0
         lowered = jax.ffi.ffi_lowering(
-            self.done_target, operand_output_aliases={at + k: k for k in range(len(buffers))},
+            self.done_target, operand_output_aliases={at + k: k for k in range(n)},
             has_side_effect=True)
         return _compat.ir_values(lowered(
-            ctx.replace(primitive=None, avals_in=types, avals_out=list(out_avals)),
-            *operands, call_id=key))
+            ctx.replace(primitive=None, avals_in=types), *ordered, call_id=np.int64(call.key)))
 
 
 def pair_call(flat_ctx: Any, call: Call, platform: Platform) -> PairCall | None:

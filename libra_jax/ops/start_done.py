@@ -53,7 +53,8 @@ done. On a GPU, whether XLA's schedule keeps the kernel beside compute is what
 group, rank), a run id being unique per execution; the CUDA handlers key their events by (GPU,
 call id); the id both see is the pair's key (`call_key`: of its call id, its kind and its dtype
 group, one scheme for every kind). Both halves are emitted by the platform's
-`lowering.PairCall` (`start`, `done`), every kind's alike. `optimize` numbers a program's pairs
+`lowering.PairCall` (`emit`, the `lowering.Call`'s ``phase`` saying which half), every kind's
+alike. `optimize` numbers a program's pairs
 from a fingerprint of the program's structure, so a retrace yields the same program (JAX's
 compilation cache keeps working) and programs of another structure do not share ids. A GPU
 start whose id is still in flight (the same program dispatched from two threads at once) fails
@@ -213,11 +214,12 @@ def _psum_start_rule(platform: Platform) -> Rule:
             if members:  # one start over the members where they are, in place
                 assert pair is not None
                 before = ([token], [TOKEN_AVAL]) if started else ([], [])
-                *results, token = pair.start(
-                    ctx, [xs[i] for i in members], [ctx.avals_in[i] for i in members],
-                    [*(ctx.avals_out[i] for i in members), TOKEN_AVAL],
-                    call_key(call_id, collective, j), in_place=True, rows_of_shards=False,
-                    after=before[0], after_avals=before[1])
+                *results, token = pair.emit(
+                    ctx.replace(primitive=None,
+                                avals_in=[*(ctx.avals_in[i] for i in members), *before[1]],
+                                avals_out=[*(ctx.avals_out[i] for i in members), TOKEN_AVAL]),
+                    call._replace(phase="start", key=int(call_key(call_id, collective, j))),
+                    [*(xs[i] for i in members), *before[0]])
                 started = True
                 for i, result in zip(members, results):
                     outs[i] = result
@@ -277,10 +279,12 @@ def _psum_done_rule(platform: Platform) -> Rule:
             members = _started(pair, idx, out_avals)
             if members:  # the in-flight buffers once each (aliased to the outputs), the tokens
                 assert pair is not None
-                results = pair.done(
-                    ctx, [bufs[i] for i in members], [ctx.avals_in[i] for i in members],
-                    [out_avals[i] for i in members], [token, *after], tokens,
-                    call_key(call_id, collective, j))
+                results = pair.emit(
+                    ctx.replace(primitive=None,
+                                avals_in=[*(ctx.avals_in[i] for i in members), *tokens],
+                                avals_out=[out_avals[i] for i in members]),
+                    call._replace(phase="done", key=int(call_key(call_id, collective, j))),
+                    [*(bufs[i] for i in members), token, *after])
                 for i, result in zip(members, results):
                     outs[i] = result
         return outs
@@ -376,9 +380,10 @@ def _sharded_start_rule(platform: Platform) -> Rule:
                 token]
         # A reduce-scatter works on its operand's buffer in place; an all-gather's start
         # writes a fresh full-size buffer.
-        return pair.start(ctx, flats, flat_ins, ctx.avals_out, call_key(call_id, collective),
-                          in_place=not gathers, rows_of_shards=True, after=after,
-                          after_avals=ctx.avals_in[n:])
+        return pair.emit(ctx.replace(primitive=None, avals_in=[*flat_ins, *ctx.avals_in[n:]]),
+                         call._replace(phase="start", key=int(call_key(call_id, collective)),
+                                       inplace=not gathers),
+                         [*flats, *after])
     return rule
 
 
@@ -410,8 +415,9 @@ def _sharded_done_rule(platform: Platform) -> Rule:
                                                   tiled)
             return outs
         # The in-flight buffers once each (aliased to the outputs), and the token: no copy.
-        results = pair.done(ctx, flats, flat_avals, flat_avals, [token, *after],
-                            ctx.avals_in[n:], call_key(call_id, collective))
+        results = pair.emit(ctx.replace(primitive=None, avals_out=list(flat_avals)),
+                            call._replace(phase="done", key=int(call_key(call_id, collective))),
+                            [*flats, token, *after])
         for flat, flat_aval, out_aval, d in zip(results, flat_avals, out_avals, dims):
             outs += shards.from_row_of_shards(ctx, flat, flat_aval, out_aval, gathers, d, tiled,
                                               rank_group=None if gathers else pair.rank_group)
