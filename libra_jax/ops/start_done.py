@@ -1,9 +1,10 @@
 """`libra_start` / `libra_done`: a collective issued early and waited for where it is needed.
 
 One pair of primitives for every kind, the kind a param (``collective``, a row of
-`libra_jax.collectives` with a "pair" form, `Pair`: each kind's operands, params and
-lowering, which this module provides the all-reduce's and the two sharded kinds' rows; another
-kind's is refused by its row, `collectives.NoForm`), as `libra_bucket` is every kind's bucket.
+`libra_jax.collectives` with a "pair" form, `Pair`: what the kind's params say of its members
+and how each is held in flight, which this module provides the all-reduce's and the two
+sharded kinds' rows; another kind's is refused by its row, `collectives.NoForm`), as
+`libra_bucket` is every kind's bucket; one start rule and one done rule lower every kind's.
 The names the pairs had before (`libra_psum_start_p` / `libra_psum_done_p`,
 `libra_sharded_start_p` / `libra_sharded_done_p`) remain for a release as `base.OldName`s
 binding these.
@@ -188,7 +189,109 @@ def _empty(aval: Any) -> Any:
     return _compat.ir_constant(np.zeros(aval.shape, aval.dtype))
 
 
-# --- start ----------------------------------------------------------------------
+# --- One start rule and one done rule for every kind ------------------------------------
+#
+# A kind's pair form (`Pair`) says what differs: how many operands are members, the call over
+# the in-flight buffers, each member's in-flight buffer (the operand itself, or its flat row
+# of shards) and its result after done, and where a member libra does not start is done
+# instead. Everything else is one rule each: the members per dtype (`_groups`: start and done
+# decide alike), where libra splits them (`lowering.pair_call`), which it starts (`_started`),
+# the start and the done of those (`lowering.PairCall.emit`, keyed by `call_key`), an empty
+# member a constant.
+
+def _start_rule(platform: Platform) -> Rule:
+    def rule(ctx: Any, *operands: Any, collective: Collective, call_id: int,
+             **params: Any) -> list[Any]:
+        _check_paired(collective, call_id)
+        form: Pair = collective.form("pair")
+        n = form.members(params, len(operands))
+        after, after_avals = list(operands[n:]), list(ctx.avals_in[n:])
+        call = form.call(collective, params)
+        flights, flight_avals = [], []
+        for i, x in enumerate(operands[:n]):
+            flight, flight_aval = form.flight(ctx.replace(avals_in=[ctx.avals_in[i]]), x, i,
+                                              collective, params)
+            flights.append(flight)
+            flight_avals.append(flight_aval)
+        outs: list[Any] = [None] * n
+        # Start's token is its last call's; each call reads the one before's (the first, the
+        # values start must not run before; read by nothing), so every call started feeds the
+        # token each done reads: XLA deletes no call, and no done runs before every call of
+        # its equation has started.
+        token = _compat.ir_constant(np.zeros(TOKEN_AVAL.shape, TOKEN_AVAL.dtype))
+        started = False
+        for j, (idx, group) in enumerate(_groups(ctx, flight_avals, ctx.avals_out[:n])):
+            pair = lowering.pair_call(group, call, platform)
+            members = _started(pair, idx, flight_avals)
+            if members:  # one start over the members' in-flight buffers where they are
+                assert pair is not None
+                before, before_avals = ([token], [TOKEN_AVAL]) if started else (after, after_avals)
+                *results, token = pair.emit(
+                    ctx.replace(primitive=None,
+                                avals_in=[*(flight_avals[i] for i in members), *before_avals],
+                                avals_out=[*(ctx.avals_out[i] for i in members), TOKEN_AVAL]),
+                    call._replace(phase="start", key=int(call_key(call_id, collective, j)),
+                                  inplace=form.in_place(collective)),
+                    [*(flights[i] for i in members), *before])
+                started = True
+                for i, result in zip(members, results):
+                    outs[i] = result
+            for i in idx:
+                if outs[i] is None and _nbytes(flight_avals[i]) == 0:
+                    outs[i] = _empty(ctx.avals_out[i])
+            rest = [i for i in idx if outs[i] is None]  # not started: its kind says where
+            if rest:
+                for i, result in zip(rest, form.unstarted(ctx, flights, flight_avals, rest, call,
+                                                          collective, platform)):
+                    outs[i] = result
+        return [*outs, token]
+    return rule
+
+
+def _done_rule(platform: Platform) -> Rule:
+    def rule(ctx: Any, *operands: Any, collective: Collective, out_avals: tuple, call_id: int,
+             **params: Any) -> list[Any]:
+        # Its own start's buffers and token (done reads only its own start's results: where
+        # done goes, its start goes), then tokens it must not run before (optimize's: the
+        # latest start's), read by nothing. Each of start's calls gets its done (the same
+        # members, the same key); a member start did not start is its kind's to finish.
+        form: Pair = collective.form("pair")
+        n = len(out_avals)
+        bufs, (token, *after) = list(operands[:n]), operands[n:]
+        buf_avals = list(ctx.avals_in[:n])
+        call = form.call(collective, params)
+        flight_avals = [form.flight_of(a, collective, params) for a in buf_avals]
+        tokens = [TOKEN_AVAL] * (1 + len(after))
+        outs: list[Any] = [None] * n
+        for j, (idx, group) in enumerate(_groups(ctx, flight_avals, buf_avals)):
+            pair = lowering.pair_call(group, call, platform)
+            members = _started(pair, idx, flight_avals)
+            if members:  # the in-flight buffers once each (aliased to the outputs), the tokens
+                assert pair is not None
+                results = pair.emit(
+                    ctx.replace(primitive=None,
+                                avals_in=[*(buf_avals[i] for i in members), *tokens],
+                                avals_out=[buf_avals[i] for i in members]),
+                    call._replace(phase="done", key=int(call_key(call_id, collective, j))),
+                    [*(bufs[i] for i in members), token, *after])
+                for i, result in zip(members, results):
+                    outs[i] = form.landed(ctx, result, buf_avals[i], out_avals[i], i, collective,
+                                          params, pair.rank_group)
+            for i in idx:
+                if outs[i] is None:
+                    outs[i] = form.finished(ctx, bufs[i], buf_avals[i], out_avals[i], i, call,
+                                            collective, params, platform)
+        return outs
+    return rule
+
+
+# --- The all-reduce's form ----------------------------------------------------------------
+#
+# Its members' buffers are summed in place where XLA keeps them (no packed copy), each typed
+# as its psum's result; a member libra does not start (CUDA's P2P kernels: not whole 16-byte
+# vectors; a platform or group the engine does not serve) is all-reduced in start by the
+# platform's one-call lowering, and done passes it through. Params: ``axes``, ``blocks``,
+# ``invariant`` (start), ``call_id``.
 
 def _psum_start_eval(*avals: Any, collective: Collective, axes: tuple, blocks: int,
                      invariant: bool, call_id: int) -> Any:
@@ -197,54 +300,29 @@ def _psum_start_eval(*avals: Any, collective: Collective, axes: tuple, blocks: i
     return [*outs, TOKEN_AVAL], effects
 
 
-def _psum_start_rule(platform: Platform) -> Rule:
-    def rule(ctx: Any, *xs: Any, collective: Collective, axes: tuple, blocks: int,
-             invariant: bool, call_id: int) -> list[Any]:
-        _check_paired(collective, call_id)
-        call = allreduce_call(axes, blocks, invariant, inplace=True)
-        outs: list[Any] = [None] * len(xs)
-        # Start's token is its last call's; each call reads the one before's (read by
-        # nothing), so every call started feeds the token each done reads: XLA deletes no
-        # call, and no done runs before every call of its equation has started.
-        token = _compat.ir_constant(np.zeros(TOKEN_AVAL.shape, TOKEN_AVAL.dtype))
-        started = False
-        for j, (idx, group) in enumerate(_groups(ctx, ctx.avals_in, ctx.avals_out)):
-            pair = lowering.pair_call(group, call, platform)
-            members = _started(pair, idx, ctx.avals_in)
-            if members:  # one start over the members where they are, in place
-                assert pair is not None
-                before = ([token], [TOKEN_AVAL]) if started else ([], [])
-                *results, token = pair.emit(
-                    ctx.replace(primitive=None,
-                                avals_in=[*(ctx.avals_in[i] for i in members), *before[1]],
-                                avals_out=[*(ctx.avals_out[i] for i in members), TOKEN_AVAL]),
-                    call._replace(phase="start", key=int(call_key(call_id, collective, j))),
-                    [*(xs[i] for i in members), *before[0]])
-                started = True
-                for i, result in zip(members, results):
-                    outs[i] = result
-            for i in idx:
-                if outs[i] is None and _nbytes(ctx.avals_in[i]) == 0:
-                    outs[i] = _empty(ctx.avals_out[i])
-            rest = [i for i in idx if outs[i] is None]  # all-reduced now, in start
-            if rest:
-                for i, result in zip(rest, _one_call(ctx, xs, rest, call, platform)):
-                    outs[i] = result
-        return [*outs, token]
-    return rule
+def _psum_done_eval(*operands: Any, collective: Collective, out_avals: tuple, axes: tuple,
+                    blocks: int, call_id: int) -> Any:
+    register_pair(collective, call_id)
+    return list(out_avals), set()
 
 
-def _one_call(ctx: Any, xs: Sequence[Any], idx: Sequence[int], call: lowering.Call,
-              platform: Platform) -> list[Any]:
-    """Members `idx` (one dtype) all-reduced by the platform's one-call lowering: as they are
-    where its call takes several buffers, else packed into one buffer and split back."""
-    group = ctx.replace(primitive=None, avals_in=[ctx.avals_in[i] for i in idx],
+def _psum_call(collective: Collective, params: dict[str, Any]) -> lowering.Call:
+    return allreduce_call(params["axes"], params["blocks"], params.get("invariant", False),
+                          inplace=True)
+
+
+def _one_call(ctx: Any, xs: Sequence[Any], avals: Sequence[Any], idx: Sequence[int],
+              call: lowering.Call, collective: Collective, platform: Platform) -> list[Any]:
+    """Members `idx` (one dtype) all-reduced in start by the platform's one-call lowering: as
+    they are where its call takes several buffers, else packed into one buffer and split back
+    (`avals`: the members' types; their results are typed alike)."""
+    group = ctx.replace(primitive=None, avals_in=[avals[i] for i in idx],
                         avals_out=[ctx.avals_out[i] for i in idx])
     results = lowering.lower_members(group, [xs[i] for i in idx], call, platform)
     if results is not None:
         return results
-    dtype = np.dtype(ctx.avals_in[idx[0]].dtype)
-    count = sum(math.prod(ctx.avals_in[i].shape) for i in idx)
+    dtype = np.dtype(avals[idx[0]].dtype)
+    count = sum(math.prod(avals[i].shape) for i in idx)
     flat = _compat.ShapedArray((count,), dtype)
     flat_ctx = ctx.replace(primitive=None, avals_in=[flat], avals_out=[flat])
     result, = _compat.ir_values(lowering.lower(flat_ctx, packing.pack(ctx, xs, idx, count),
@@ -254,44 +332,7 @@ def _one_call(ctx: Any, xs: Sequence[Any], idx: Sequence[int], call: lowering.Ca
     return [outs[i] for i in idx]
 
 
-# --- done -----------------------------------------------------------------------
-
-def _psum_done_eval(*operands: Any, collective: Collective, out_avals: tuple, axes: tuple,
-                    blocks: int, call_id: int) -> Any:
-    register_pair(collective, call_id)
-    return list(out_avals), set()
-
-
-def _psum_done_rule(platform: Platform) -> Rule:
-    def rule(ctx: Any, *operands: Any, collective: Collective, out_avals: tuple, axes: tuple,
-             blocks: int, call_id: int) -> list[Any]:
-        # Its own start's buffers and token (done reads only its own start's results: where
-        # done goes, its start goes), then tokens it must not run before (optimize's: the
-        # latest start's), read by nothing. Each of start's calls gets its done (the same
-        # members, the same key); a member start all-reduced at once passes through.
-        n = len(out_avals)
-        bufs, (token, *after) = list(operands[:n]), operands[n:]
-        call = allreduce_call(axes, blocks, False, inplace=True)
-        outs = list(bufs)
-        tokens = [TOKEN_AVAL] * (1 + len(after))
-        for j, (idx, group) in enumerate(_groups(ctx, ctx.avals_in[:n], out_avals)):
-            pair = lowering.pair_call(group, call, platform)
-            members = _started(pair, idx, out_avals)
-            if members:  # the in-flight buffers once each (aliased to the outputs), the tokens
-                assert pair is not None
-                results = pair.emit(
-                    ctx.replace(primitive=None,
-                                avals_in=[*(ctx.avals_in[i] for i in members), *tokens],
-                                avals_out=[out_avals[i] for i in members]),
-                    call._replace(phase="done", key=int(call_key(call_id, collective, j))),
-                    [*(bufs[i] for i in members), token, *after])
-                for i, result in zip(members, results):
-                    outs[i] = result
-        return outs
-    return rule
-
-
-# --- The sharded kinds' start/done (reduce-scatter, all-gather) ---------------------------
+# --- The sharded kinds' form (reduce-scatter, all-gather) --------------------------------
 #
 # One form for both collectives (`collective`: the reduce-scatter's or the all-gather's row,
 # each holding this pair), each start's operand one array, or several (a bucket's members, as
@@ -351,99 +392,106 @@ def _sharded_done_eval(*operands: Any, collective: Collective, axes: tuple,
     return list(out_avals), set()
 
 
-def _sharded_start_rule(platform: Platform) -> Rule:
-    def rule(ctx: Any, *operands: Any, collective: Collective, axes: tuple,
-             dimension: int | tuple[int, ...], axis_size: int, tiled: bool,
-             blocks: int | None, call_id: int) -> list[Any]:
-        _check_paired(collective, call_id)
-        dims = _dimensions(dimension)
-        n = len(dims)
-        xs, after = operands[:n], operands[n:]
-        call = flat_call(collective, axes, axis_size, blocks)
-        gathers = call.row.gathers
-        flats, flat_ins = [], []
-        for i, x in enumerate(xs):  # each member as one flat row of shards
-            flat, flat_in = shards.to_row_of_shards(
-                ctx.replace(avals_in=[ctx.avals_in[i]]), x, gathers, dims[i], tiled)
-            flats.append(flat)
-            flat_ins.append(flat_in)
-        fulls = ctx.avals_out[:n]
-        pair = lowering.pair_call(ctx.replace(primitive=None, avals_in=flat_ins), call,
-                                  platform)
-        if pair is None:
-            token = _compat.ir_constant(np.zeros(TOKEN_AVAL.shape, TOKEN_AVAL.dtype))
-            if not gathers:  # done reduce-scatters the flat buffers
-                return [*flats, token]
-            return [*(_compat.ir_values(lowering.lower(
-                ctx.replace(primitive=None, avals_in=[flat_in], avals_out=[full]), flat,
-                call, platform))[0] for flat, flat_in, full in zip(flats, flat_ins, fulls)),
-                token]
-        # A reduce-scatter works on its operand's buffer in place; an all-gather's start
-        # writes a fresh full-size buffer.
-        return pair.emit(ctx.replace(primitive=None, avals_in=[*flat_ins, *ctx.avals_in[n:]]),
-                         call._replace(phase="start", key=int(call_key(call_id, collective)),
-                                       inplace=not gathers),
-                         [*flats, *after])
-    return rule
+def _sharded_call(collective: Collective, params: dict[str, Any]) -> lowering.Call:
+    return flat_call(collective, params["axes"], params["axis_size"], params["blocks"])
 
 
-def _sharded_done_rule(platform: Platform) -> Rule:
-    def rule(ctx: Any, *operands: Any, collective: Collective, axes: tuple,
-             dimension: int | tuple[int, ...], axis_size: int, tiled: bool,
-             blocks: int | None, call_id: int, out_avals: tuple) -> list[Any]:
-        dims = _dimensions(dimension)
-        n = len(dims)
-        flats, (token, *after) = operands[:n], operands[n:]
-        flat_avals = ctx.avals_in[:n]
-        call = flat_call(collective, axes, axis_size, blocks)
-        gathers = call.row.gathers
-        # The operands' flat forms (start's lowering), which decide the split as start did.
-        flat_ins = [a.update(shape=(a.shape[0] // axis_size if gathers else a.shape[0],))
-                    for a in flat_avals]
-        pair = lowering.pair_call(ctx.replace(primitive=None, avals_in=flat_ins), call,
-                                  platform)
-        outs: list[Any] = []
-        if pair is None:
-            for flat, flat_aval, out_aval, d in zip(flats, flat_avals, out_avals, dims):
-                result_flat = (flat_aval if gathers else
-                               flat_aval.update(shape=(flat_aval.shape[0] // axis_size,)))
-                if not gathers:
-                    flat, = _compat.ir_values(lowering.lower(
-                        ctx.replace(primitive=None, avals_in=[flat_aval],
-                                    avals_out=[result_flat]), flat, call, platform))
-                outs += shards.from_row_of_shards(ctx, flat, result_flat, out_aval, gathers, d,
-                                                  tiled)
-            return outs
-        # The in-flight buffers once each (aliased to the outputs), and the token: no copy.
-        results = pair.emit(ctx.replace(primitive=None, avals_out=list(flat_avals)),
-                            call._replace(phase="done", key=int(call_key(call_id, collective))),
-                            [*flats, token, *after])
-        for flat, flat_aval, out_aval, d in zip(results, flat_avals, out_avals, dims):
-            outs += shards.from_row_of_shards(ctx, flat, flat_aval, out_aval, gathers, d, tiled,
-                                              rank_group=None if gathers else pair.rank_group)
-        return outs
-    return rule
+def _to_row(ctx: Any, x: Any, i: int, collective: Collective, params: dict[str, Any]
+            ) -> tuple[Any, Any]:
+    """Member `i` as one flat row of shards (`shards.to_row_of_shards`)."""
+    return shards.to_row_of_shards(ctx, x, collective.gathers,
+                                   _dimensions(params["dimension"])[i], params["tiled"])
 
+
+def _flat_in(aval: Any, collective: Collective, params: dict[str, Any]) -> Any:
+    """The flat row start took, of an in-flight buffer typed `aval` (a gather's is its shard)."""
+    return aval.update(shape=(aval.shape[0] // params["axis_size"] if collective.gathers
+                              else aval.shape[0],))
+
+
+def _gathered_now(ctx: Any, flats: Sequence[Any], flat_avals: Sequence[Any],
+                  idx: Sequence[int], call: lowering.Call, collective: Collective,
+                  platform: Platform) -> list[Any]:
+    """Members `idx` not started: an all-gather's gathered in start by the platform's one-call
+    lowering, each alone; a reduce-scatter's row passed on flat (its done reduce-scatters)."""
+    if not collective.gathers:
+        return [flats[i] for i in idx]
+    return [_compat.ir_values(lowering.lower(
+        ctx.replace(primitive=None, avals_in=[flat_avals[i]], avals_out=[ctx.avals_out[i]]),
+        flats[i], call, platform))[0] for i in idx]
+
+
+def _from_row(ctx: Any, flat: Any, flat_aval: Any, out_aval: Any, i: int,
+              collective: Collective, params: dict[str, Any], rank_group: Any) -> Any:
+    """Member `i`'s result of its done's row (`shards.from_row_of_shards`: an in-place
+    reduce-scatter's shard sliced by `rank_group`)."""
+    result, = shards.from_row_of_shards(
+        ctx, flat, flat_aval, out_aval, collective.gathers, _dimensions(params["dimension"])[i],
+        params["tiled"], rank_group=None if collective.gathers else rank_group)
+    return result
+
+
+def _scattered_now(ctx: Any, flat: Any, flat_aval: Any, out_aval: Any, i: int,
+                   call: lowering.Call, collective: Collective, params: dict[str, Any],
+                   platform: Platform) -> Any:
+    """Member `i` not started: a reduce-scatter's row reduce-scattered now by the platform's
+    one-call lowering (an all-gather's was gathered in start), made the op's result."""
+    result_flat = flat_aval
+    if not collective.gathers:
+        result_flat = flat_aval.update(shape=(flat_aval.shape[0] // params["axis_size"],))
+        flat, = _compat.ir_values(lowering.lower(
+            ctx.replace(primitive=None, avals_in=[flat_aval], avals_out=[result_flat]), flat,
+            call, platform))
+    return _from_row(ctx, flat, result_flat, out_aval, i, collective, params, None)
 
 
 # --- One pair for every kind --------------------------------------------------------------
 
 class Pair(NamedTuple):
-    """A kind's start/done form: its start's and its done's abstract evaluations and
-    lowerings (per platform), over that kind's operands and params."""
+    """A kind's start/done form: what its params say of its members and how each is held in
+    flight; the start and done rules (`_start_rule`, `_done_rule`) are every kind's.
+
+    ``start_eval`` / ``done_eval`` type start's and done's results; ``members(params,
+    operands)`` how many of start's operands are members (the rest are values it must not run
+    before); ``call(collective, params)`` the call over the in-flight buffers, started in
+    place where ``in_place(collective)``; ``flight(ctx, x, i, collective, params)`` member
+    `i`'s in-flight buffer and its type, of which ``flight_of(buffer type, collective,
+    params)`` gives done the type start took; ``landed(ctx, buffer, type, out type, i,
+    collective, params, rank_group)`` member `i`'s result of its buffer after done;
+    ``unstarted(ctx, flights, types, idx, call, collective, platform)`` in start the members
+    `idx` libra does not start, and ``finished(ctx, buffer, type, out type, i, call,
+    collective, params, platform)`` in done each of them."""
 
     start_eval: Callable[..., Any]
-    start_rule: Callable[[Platform], Rule]
     done_eval: Callable[..., Any]
-    done_rule: Callable[[Platform], Rule]
+    members: Callable[[dict[str, Any], int], int]
+    call: Callable[[Collective, dict[str, Any]], lowering.Call]
+    in_place: Callable[[Collective], bool]
+    flight: Callable[..., tuple[Any, Any]]
+    flight_of: Callable[[Any, Collective, dict[str, Any]], Any]
+    landed: Callable[..., Any]
+    unstarted: Callable[..., list[Any]]
+    finished: Callable[..., Any]
 
 
 # The kinds with a start/done form: their rows hold it (`collectives.Collective.provide`);
 # the two sharded kinds share one.
-ALL_REDUCE.provide("pair", Pair(_psum_start_eval, _psum_start_rule, _psum_done_eval,
-                                _psum_done_rule))
-_SHARDED_PAIR = Pair(_sharded_start_eval, _sharded_start_rule, _sharded_done_eval,
-                     _sharded_done_rule)
+ALL_REDUCE.provide("pair", Pair(
+    _psum_start_eval, _psum_done_eval,
+    members=lambda params, operands: operands,
+    call=_psum_call, in_place=lambda collective: True,
+    flight=lambda ctx, x, i, collective, params: (x, ctx.avals_in[0]),
+    flight_of=lambda aval, collective, params: aval,
+    landed=lambda ctx, buffer, *rest: buffer,
+    unstarted=lambda ctx, xs, avals, idx, call, collective, platform: _one_call(
+        ctx, xs, avals, idx, call, collective, platform),
+    finished=lambda ctx, buffer, *rest: buffer))
+_SHARDED_PAIR = Pair(
+    _sharded_start_eval, _sharded_done_eval,
+    members=lambda params, operands: len(_dimensions(params["dimension"])),
+    call=_sharded_call, in_place=lambda collective: not collective.gathers,
+    flight=_to_row, flight_of=_flat_in, landed=_from_row, unstarted=_gathered_now,
+    finished=_scattered_now)
 REDUCE_SCATTER.provide("pair", _SHARDED_PAIR)
 ALL_GATHER.provide("pair", _SHARDED_PAIR)
 
@@ -459,21 +507,10 @@ def done_abstract_eval(*operands: Any, collective: Collective, **params: Any) ->
     return collective.form("pair").done_eval(*operands, collective=collective, **params)
 
 
-def _by_kind(rule_of: str) -> Callable[[Platform], Rule]:
-    """The lowering of `rule_of` (``"start_rule"`` or ``"done_rule"``) on a platform: the
-    kind's, from its row's pair."""
-    def lowering_for(platform: Platform) -> Rule:
-        def rule(ctx: Any, *operands: Any, collective: Collective, **params: Any) -> Any:
-            kind_rule = getattr(collective.form("pair"), rule_of)(platform)
-            return kind_rule(ctx, *operands, collective=collective, **params)
-        return rule
-    return lowering_for
-
-
 libra_start_p = register_op("libra_start", abstract_eval=start_abstract_eval,
-                            lowering=_by_kind("start_rule"), multiple_results=True)
+                            lowering=_start_rule, multiple_results=True)
 libra_done_p = register_op("libra_done", abstract_eval=done_abstract_eval,
-                           lowering=_by_kind("done_rule"), multiple_results=True)
+                           lowering=_done_rule, multiple_results=True)
 # A done is never dead code: JAX's dead-code elimination keeps it as it keeps an effect (and
 # XLA's, its side effect), so a start never outlives its done.
 _compat.keep_in_dce(libra_done_p)
