@@ -390,3 +390,32 @@ def test_a_pairs_start_and_done_are_one_call_in_two_phases_with_one_key():
     split = lowering.PairCall("start", None, "done", {}, "cpu")
     with pytest.raises(ValueError, match="not 'one'"):
         split.emit(None, lowering.Call(psum, ("x",), 1, lowering.mirrored), [])
+
+
+def test_a_sharded_pair_over_members_of_two_dtypes_is_one_start_per_dtype():
+    """Every kind's start takes its members per dtype, as the all-reduce's always did (one
+    start rule for every kind): an all-gather pair over an f32 and a bf16 member is bitwise
+    `jax.lax.all_gather` of each (before, its one engine call refused the second dtype at run
+    time: "every member must have the first's element type")."""
+    from libra_jax import collectives
+
+    mesh = mesh_of((8,), ("x",))
+    a = shard(np.arange(8 * 4 * 3, dtype=np.float32).reshape(8 * 4, 3), mesh, P("x"))
+    b = shard(np.arange(8 * 2, dtype=jnp.bfloat16), mesh, P("x"))
+
+    def body(u, v):
+        kw = dict(collective=collectives.BY_KIND["all-gather"], axes=("x",), dimension=(0, 0),
+                  axis_size=8, tiled=True, blocks=1, call_id=7)
+        *flats, token = ops.libra_start_p.bind(u, v, **kw)
+        wanted = (jax.lax.all_gather(u, "x", tiled=True), jax.lax.all_gather(v, "x", tiled=True))
+        got = ops.libra_done_p.bind(*flats, token, out_avals=tuple(map(jax.typeof, wanted)),
+                                    **kw)
+        return (*got, *wanted)
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P("x")), out_specs=(P(),) * 4,
+                              check_vma=False))
+    got_a, got_b, want_a, want_b = f(a, b)
+    assert_bitwise(got_a, want_a)
+    assert_bitwise(got_b, want_b)
+    text = f.lower(a, b).as_text()
+    assert text.count("custom_call @libra_all_gather_cpu_start") == 2
