@@ -9,10 +9,12 @@ plan) and optimized with every bucket at a fixed block count k (`optimize(blocks
 plan's fusion for that count), k in `--blocks`.
 
 Per (device count, example) the table gives each arm's median per-step time and its per-round
-ratio to plain (median, p10-p90), then two readings of the per-round ratios: whether the
+ratio to plain (median, p10-p90) beside the model's predicted ratio (`explain(step,
+blocks=k).predicted_ratio`, this machine's default profile), then three readings: whether the
 block count matters (the slowest fixed count over the fastest, p10 above 1: beyond the
-spread) and whether the plan is within the interval of the best fixed count (optimized over
-the fastest fixed count, p10 at or below 1).
+spread), what the model says of it (its slowest fixed count over its fastest), and whether
+the plan is within the interval of the best fixed count (optimized over the fastest fixed
+count, p10 at or below 1).
 
     python benchmarks/contention_sweep.py [--devices 2,4,8] [--only mlp,transformer]
         [--blocks 1,2,4,8] [--rounds 10] [--steps 3] [--out FILE]
@@ -36,7 +38,8 @@ RESULT = "@@RESULT "
 
 def child(name: str, blocks: list[int], rounds: int, steps: int) -> dict:
     """One example on this process's host devices: every arm's per-step seconds per round,
-    and the plan's block counts."""
+    the plan's block counts, and the model's predicted ratio to plain of each optimized arm
+    (`explain(...).predicted_ratio`, this machine's default profile)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from report import interleaved_steps, load_file
 
@@ -49,12 +52,15 @@ def child(name: str, blocks: list[int], rounds: int, steps: int) -> dict:
     planned = libra_jax.optimize(step)
     arms = {"plain": jax.jit(common.plain_step(step), donate_argnums=0),
             "optimized": jax.jit(planned, donate_argnums=0)}
+    predicted = {"optimized": libra_jax.explain(step, *args, file=None).predicted_ratio}
     for k in blocks:
         arms[f"blocks={k}"] = jax.jit(libra_jax.optimize(step, blocks=k), donate_argnums=0)
+        predicted[f"blocks={k}"] = libra_jax.explain(step, *args, blocks=k, file=None).predicted_ratio
     state = {k: common.copy_tree(args[0]) for k in arms}
     per_step = interleaved_steps(arms, state, args[1:], rounds, steps, common.WARMUP)
     plan = sorted({p.blocks for p in planned.last_report.plans if p.kind == "gradient"})
-    return {"per_step": per_step, "plan": plan, "devices": len(jax.devices())}
+    return {"per_step": per_step, "plan": plan, "devices": len(jax.devices()),
+            "predicted": predicted}
 
 
 def _ratio_cells(num: list[float], den: list[float]) -> tuple[float, float, float]:
@@ -65,24 +71,30 @@ def _ratio_cells(num: list[float], den: list[float]) -> tuple[float, float, floa
 def table(results: dict[tuple[int, str], dict], blocks: list[int]) -> list[str]:
     arms = ["plain", "optimized"] + [f"blocks={k}" for k in blocks]
     lines = ["| host devices | example | plan's blocks | " + " | ".join(
-        f"{a} ms (x plain, p10-p90)" for a in arms) + " | block count matters | plan within "
-        "the best's interval |", "|" + "---|" * (len(arms) + 5)]
+        f"{a} ms (x plain, p10-p90; model)" for a in arms) + " | block count matters | the "
+        "model's worst / best fixed count | plan within the best's interval |",
+        "|" + "---|" * (len(arms) + 6)]
     for (n, name), res in sorted(results.items()):
         t = res["per_step"]
         cells = []
+        model = res.get("predicted", {})
         for a in arms:
             med, lo, hi = _ratio_cells(t[a], t["plain"])
-            cells.append(f"{np.median(t[a]) * 1e3:.2f} ({med:.3f}, {lo:.3f}-{hi:.3f})")
+            said = f"; {model[a]:.3f}" if model.get(a) is not None else ""
+            cells.append(f"{np.median(t[a]) * 1e3:.2f} ({med:.3f}, {lo:.3f}-{hi:.3f}{said})")
         fixed = {a: float(np.median(t[a])) for a in arms[2:]}
         best, worst = min(fixed, key=fixed.get), max(fixed, key=fixed.get)
         _, lo_w, hi_w = _ratio_cells(t[worst], t[best])
         matters = (f"yes: {worst} / {best} {lo_w:.3f}-{hi_w:.3f}" if lo_w > 1 else
                    f"no: {worst} / {best} {lo_w:.3f}-{hi_w:.3f}")
+        said = {a: model[a] for a in arms[2:] if model.get(a) is not None}
+        model_cell = (f"{max(said, key=said.get)} / {min(said, key=said.get)} "
+                      f"{max(said.values()) / min(said.values()):.3f}" if said else "-")
         med_p, lo_p, hi_p = _ratio_cells(t["optimized"], t[best])
         within = (f"yes: / {best} {med_p:.3f} ({lo_p:.3f}-{hi_p:.3f})" if lo_p <= 1 else
                   f"no: / {best} {med_p:.3f} ({lo_p:.3f}-{hi_p:.3f})")
         lines.append(f"| {n} | {name} | {res['plan']} | " + " | ".join(cells)
-                     + f" | {matters} | {within} |")
+                     + f" | {matters} | {model_cell} | {within} |")
     return lines
 
 
