@@ -34,8 +34,14 @@ def test_tiny_calibration_writes_a_valid_profile(tiny_profile) -> None:
     # The engine takes a bucket's members as they are: nothing is copied, fusion packs nothing.
     assert profile.fair_share.fusion_copy_bytes_per_s == float("inf")
     assert model.derive(profile, 8).cost.pack_s_per_byte == 0.0
-    for key in ("call_us", "overlap_block_efficiency"):  # fitted to the calls train steps
-        assert profile.sources[f"fair_share.{key}"].source == "measured", key
+    # Fitted to the calls train steps: the call cost, and the efficiency of workers beside
+    # running compute where the model has any (compute threads that leave cores idle).
+    assert profile.sources["fair_share.call_us"].source == "measured"
+    fair = profile.fair_share
+    waiting = model.fair_share_oversubscribed(fair.compute_threads, fair.cores)
+    assert profile.sources["fair_share.overlap_block_efficiency"].source == (
+        "assumption" if waiting else "measured")
+    assert doc["calibration"]["analysis"]["calls"]["fit"]["efficiency_fitted"] is not waiting
     assert profile.fair_share.call_s >= 0 and 0 < profile.fair_share.overlap_block_efficiency <= 1
     # The latency is the engine's own (the alone fit's intercept), not a call in a step.
     assert profile.network.base_latency_s == pytest.approx(
@@ -256,6 +262,7 @@ def test_call_terms_recover_what_the_model_was_told() -> None:
     from libra_jax import planner
     base = model.load_profile("cpu-host")
     doc = model.profile_to_dict(base)
+    doc["fair_share"]["cores"]["value"] = 10  # idle cores: workers beside running compute
     big = [planner.Layer(2e-3, 2 << 20) for _ in range(8)]
     small = [planner.Layer(5e-5, 16 << 10) for _ in range(64)]
     arms = {shape: ([planner.Bucket(i, i, 2) for i in range(len(layers))],
@@ -286,6 +293,38 @@ def test_call_terms_recover_what_the_model_was_told() -> None:
     assert calibrate.fit_call_terms(measured, predict, n_boot=4)["efficiency"][0] < 0.9
     with pytest.raises(calibrate.CalibrationError, match="no paired calls"):
         calibrate.fit_call_terms({"big": np.array([])}, predict)
+
+
+def test_call_terms_where_the_compute_threads_fill_the_cores_fit_the_call_cost_alone() -> None:
+    """Where the compute threads fill the cores (the shipped profile's 9.36 on 2), the model
+    prices no worker beside running compute: the steps do not depend on the efficiency, which
+    is kept as given, and the call cost alone is fitted (least squares over both shapes)."""
+    from libra_jax import planner
+    doc = model.profile_to_dict(model.load_profile("cpu-host"))
+    fair = model.profile_from_dict(doc).fair_share
+    assert model.fair_share_oversubscribed(fair.compute_threads, fair.cores)
+    big = [planner.Layer(2e-3, 2 << 20) for _ in range(8)]
+    small = [planner.Layer(5e-5, 16 << 10) for _ in range(64)]
+    arms = {shape: ([planner.Bucket(i, i, 2) for i in range(len(layers))],
+                    [planner.Bucket(0, len(layers) - 1, 2)], layers)
+            for shape, layers in (("big", big), ("small", small))}
+
+    def predict(shape: str, call_s: float, efficiency: float) -> float:
+        d = dict(doc, fair_share=dict(doc["fair_share"]))
+        d["fair_share"]["call_us"] = {"value": call_s * 1e6, "source": "assumption"}
+        d["fair_share"]["overlap_block_efficiency"] = {"value": efficiency, "source": "assumption"}
+        cost = model.derive(model.profile_from_dict(d), 8).cost
+        per_call, one, layers = arms[shape]
+        return planner.simulate(layers, per_call, cost) - planner.simulate(layers, one, cost)
+
+    assert predict("big", 50e-6, 0.3) == predict("big", 50e-6, 1.0)
+    rng = np.random.default_rng(0)
+    diffs = {shape: predict(shape, 80e-6, 1.0) + rng.normal(0, 2e-5, 9) for shape in arms}
+    out = calibrate.fit_call_terms(diffs, predict, n_boot=10, efficiency=0.36)
+    assert out["call_s"][0] == pytest.approx(80e-6, abs=10e-6)
+    assert out["efficiency"] == [0.36, 0.36, 0.36] and out["efficiency_fitted"] is False
+    # The profile's own calls analysis keeps the draft's efficiency there.
+    assert calibrate.fit_call_terms(diffs, predict, n_boot=4)["efficiency_fitted"] is True
 
 
 def _good_analysis(doc: dict) -> dict:

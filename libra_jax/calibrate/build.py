@@ -172,7 +172,13 @@ def call_terms(analysis: dict[str, Any], draft: dict[str, Any], workers: int, *,
 
     diffs = {k: np.asarray(v) for k, v in analysis["calls"]["diffs_s"].items()
              if (k, False) in arms and (k, True) in arms}
-    return fit_call_terms(diffs, predict, n_boot=n_boot, seed=seed)
+    fair = model.profile_from_dict(draft).fair_share
+    assert fair is not None
+    # Where the host's compute threads fill its cores, the model prices no worker beside
+    # running compute (a reduction runs while the other devices wait): the efficiency is kept.
+    kept = (fair.overlap_block_efficiency
+            if model.fair_share_oversubscribed(fair.compute_threads, fair.cores) else None)
+    return fit_call_terms(diffs, predict, n_boot=n_boot, seed=seed, efficiency=kept)
 
 
 #: What calibration does not measure, carried over from the shipped CPU profile (as
@@ -300,8 +306,14 @@ def build_profile(analysis: dict[str, Any], *, workers: int, budget: Budget, sam
         fair = doc["fair_share"]
         fair["call_us"] = _q(call_s[0] * 1e6, "measured", f"{what} (95% CI {call_s[1] * 1e6:.0f}-"
                                                             f"{call_s[2] * 1e6:.0f} us)")
-        fair["overlap_block_efficiency"] = _q(efficiency[0], "measured",
-                                              f"{what} (95% CI {efficiency[1]:.2f}-{efficiency[2]:.2f})")
+        if fit.get("efficiency_fitted", True):
+            fair["overlap_block_efficiency"] = _q(
+                efficiency[0], "measured", f"{what} (95% CI {efficiency[1]:.2f}-{efficiency[2]:.2f})")
+        else:
+            fair["overlap_block_efficiency"] = _q(
+                efficiency[0], "assumption", "not fitted: the compute threads fill the cores, "
+                "where a reduction runs while the other devices wait, beside no running compute "
+                "(libra_jax.model.fair_share_oversubscribed)")
     return doc
 
 
@@ -403,7 +415,9 @@ def _calls_line(calls: dict[str, Any]) -> str:
                         f"{fit['predicted_at_no_terms_s'][shape] * 1e3:+.2f})"
                         for shape, d in fit["diff_s"].items())
             + f" -> one more call {c[0] * 1e6:.0f} us of compute (95% CI {c[1] * 1e6:.0f}-{c[2] * 1e6:.0f}), "
-            f"workers beside compute at {e[0]:.2f} of their rate ({e[1]:.2f}-{e[2]:.2f})")
+            + (f"workers beside compute at {e[0]:.2f} of their rate ({e[1]:.2f}-{e[2]:.2f})"
+               if fit.get("efficiency_fitted", True) else
+               "no worker beside running compute (the compute threads fill the cores)"))
 
 
 def summary(doc: dict[str, Any]) -> str:

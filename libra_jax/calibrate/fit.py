@@ -249,36 +249,46 @@ def call_differences(rows: Sequence[dict]) -> dict[str, np.ndarray]:
 
 
 def fit_call_terms(diffs: dict[str, np.ndarray], predict: Callable[[str, float, float], float],
-                   n_boot: int = 40, seed: int = 0) -> dict[str, Any]:
+                   n_boot: int = 40, seed: int = 0,
+                   efficiency: float | None = None) -> dict[str, Any]:
     """The two terms that price calls as they run in a train step, from the paired
     differences `diffs` (`call_differences`) of two steps (few big gradients, many small
     ones): ``call_s``, what one more call costs the compute stream beside its latency, and
     ``efficiency``, the fraction of a worker's rate kept beside compute. ``predict(shape,
     call_s, efficiency)`` is the model's difference of the same two plans; the fit makes it
     the measured median, least squares over the shapes (two equations, two unknowns, within
-    `CALL_S_BOUNDS` and `EFFICIENCY_BOUNDS`), with bootstrap 95% intervals."""
+    `CALL_S_BOUNDS` and `EFFICIENCY_BOUNDS`), with bootstrap 95% intervals. A given
+    `efficiency` is kept and ``call_s`` alone fitted (``"efficiency_fitted"`` False): where
+    the model prices no worker beside running compute (`model.fair_share_oversubscribed`),
+    the steps do not depend on it."""
     least_squares = _least_squares()
     shapes = sorted(d for d in diffs if diffs[d].size)
     if not shapes:
         raise CalibrationError("no paired calls train steps to fit the call terms")
-    lo, hi = (CALL_S_BOUNDS[0] * 1e6, EFFICIENCY_BOUNDS[0]), (CALL_S_BOUNDS[1] * 1e6, EFFICIENCY_BOUNDS[1])
+    lo: tuple[float, ...] = (CALL_S_BOUNDS[0] * 1e6, EFFICIENCY_BOUNDS[0])
+    hi: tuple[float, ...] = (CALL_S_BOUNDS[1] * 1e6, EFFICIENCY_BOUNDS[1])
+    if efficiency is not None:  # call_s alone
+        lo, hi = lo[:1], hi[:1]
 
     def solve(targets: dict[str, float]) -> tuple[float, float, float]:
         def resid(x: np.ndarray) -> np.ndarray:  # in ms, call_s in us: both of order 1
-            return np.array([(predict(shape, x[0] * 1e-6, x[1]) - targets[shape]) * 1e3
+            eff = float(x[1]) if efficiency is None else efficiency
+            return np.array([(predict(shape, x[0] * 1e-6, eff) - targets[shape]) * 1e3
                              for shape in shapes])
-        r = least_squares(resid, x0=np.array([20.0, 0.7]), bounds=(lo, hi), diff_step=1e-3)
-        return float(r.x[0]) * 1e-6, float(r.x[1]), float(np.sqrt(np.mean(r.fun ** 2))) * 1e-3
+        x0 = np.array([20.0, 0.7] if efficiency is None else [20.0])
+        r = least_squares(resid, x0=x0, bounds=(lo, hi), diff_step=1e-3)
+        eff = float(r.x[1]) if efficiency is None else efficiency
+        return float(r.x[0]) * 1e-6, eff, float(np.sqrt(np.mean(r.fun ** 2))) * 1e-3
 
     medians = {shape: float(np.median(diffs[shape])) for shape in shapes}
-    call_s, efficiency, rms = solve(medians)
+    call_s, eff, rms = solve(medians)
     rng = np.random.default_rng(seed)
     boots = np.array([solve({shape: float(np.median(rng.choice(diffs[shape], diffs[shape].size)))
                              for shape in shapes})[:2] for _ in range(n_boot)])
-    predicted = {shape: predict(shape, call_s, efficiency) for shape in shapes}
+    predicted = {shape: predict(shape, call_s, eff) for shape in shapes}
     return {"call_s": [call_s, *map(float, np.percentile(boots[:, 0], [2.5, 97.5]))],
-            "efficiency": [efficiency, *map(float, np.percentile(boots[:, 1], [2.5, 97.5]))],
+            "efficiency": [eff, *map(float, np.percentile(boots[:, 1], [2.5, 97.5]))],
             "diff_s": {shape: median_ci(diffs[shape]) for shape in shapes},
             "predicted_diff_s": predicted,
             "predicted_at_no_terms_s": {shape: predict(shape, 0.0, 1.0) for shape in shapes},
-            "rms_error_s": rms}
+            "rms_error_s": rms, "efficiency_fitted": efficiency is None}

@@ -64,16 +64,18 @@ each runnable thread ``min(1, P / threads)`` of a core; with ``D`` busy compute 
 beside compute (caches and memory shared: measured, see below). The GPU form's SM partition (``U / (U - k u)``)
 does not describe threads time-sliced on a few cores.
 
-Beside which compute (`fair_share_threads_beside`): where the compute threads leave cores idle
-(``D <= P``) the devices run side by side and a bucket's reduction runs beside all of ``D``.
-Where they fill the cores (``D > P``, as 8 host devices do on 2 cores) the devices take turns
-on the cores and reach each call milliseconds apart; the reduction starts when the last one
-arrives, the others waiting at their calls, and runs beside that device's compute alone, so
-``D`` above is replaced by one device's share ``D / devices_per_node``. Measured
-(benchmarks/results/call_timeline.md, 8 devices on 2 cores): the last rank reaches a call
-12-28 ms after the first, and each reduction then takes about its solo time, where the model
-beside all ``D`` priced it 3-7x longer. Beside one device the block count matters: a worker
-more than the cores the device leaves takes that device's time, which is the step's.
+Where the compute threads fill the cores (``D > P``, as 8 host devices do on 2 cores:
+`fair_share_oversubscribed`) the devices take turns on the cores and reach each call
+milliseconds apart: a bucket's reduction starts when the last one arrives, the others waiting
+at their calls, and runs at its solo rate, slowing no compute:
+
+    bus_overlap(k) = bus_solo(k),   slowdown(k) = 1                    (D > P)
+
+Measured (benchmarks/results/call_timeline.md, 8 devices on 2 cores): the last rank reaches a
+call 12-28 ms after the first, and each reduction then takes 1.0-1.7x its solo time, where the
+form above beside all ``D`` priced it 3-7x; at a fixed block count the MLP example's step is
+5% faster at 8 blocks than at 1 (contention_sweep.md), where beside one device's compute more
+workers would have been slower. There a block count matters through its solo rate alone.
 
 The price of a call and of fusion (both analytic forms)
 -------------------------------------------------------
@@ -137,8 +139,8 @@ from libra_jax.model.forms import (
     FORM_TABLE,
     CollectiveShape,
     fair_share_core_share,
+    fair_share_oversubscribed,
     fair_share_slowdown,
-    fair_share_threads_beside,
     libra_bandwidth_mib_per_ms,
     libra_slowdown,
     nccl_bus_bandwidth,
@@ -223,7 +225,7 @@ __all__ = [
     "nccl_slowdown",
     "fair_share_core_share",
     "fair_share_slowdown",
-    "fair_share_threads_beside",
+    "fair_share_oversubscribed",
     "profile_to_dict",
     "PROFILE_DIR_ENV",
     "BYTES_PER_GBYTE",

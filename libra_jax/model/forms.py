@@ -224,39 +224,41 @@ def _nccl_style_options(profile: Profile, link: float, algo: float, dropped: dic
     return _tables(c.block_options, row, dropped)
 
 
-def fair_share_threads_beside(compute_threads: float, cores: float, devices: int) -> float:
-    """The compute threads a gradient bucket's reduction runs beside, of ``compute_threads``
-    busy on a host's ``cores`` cores shared by its ``devices`` devices: all of them while they
-    leave cores idle (the devices run side by side and reach a call together); one device's
-    share, ``compute_threads / devices``, once they fill the cores. Then the devices take
-    turns on the cores and reach each call milliseconds apart: the reduction starts when the
-    last one arrives, the others waiting at their calls, and runs beside that device's compute
-    alone (benchmarks/results/call_timeline.md: 8 devices on 2 cores, the last in 12-28 ms
-    after the first, each reduction at about its solo rate)."""
-    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
-        raise ValueError(f"devices must be an integer >= 1, got {devices!r}")
+def fair_share_oversubscribed(compute_threads: float, cores: float) -> bool:
+    """Whether ``compute_threads`` busy compute threads fill a host's ``cores`` cores (``D >
+    P``, as 8 XLA host devices do on 2 cores). Then the devices take turns on the cores and
+    reach each call milliseconds apart: a gradient bucket's reduction starts when the last one
+    arrives, the others waiting at their calls, and runs at its solo rate beside no compute it
+    slows. Measured (benchmarks/results/call_timeline.md, 8 devices on 2 cores): the last rank
+    in 12-28 ms after the first, each reduction then within 1.0-1.7x its solo time (beside all
+    ``D`` threads the form priced 3-7x); more blocks never slower (contention_sweep.md: the MLP
+    at 8 blocks 5% faster than at 1). Where the threads leave cores idle, the devices run side
+    by side and a reduction runs beside their compute."""
     fair_share_core_share(compute_threads, cores)  # (both positive)
-    return compute_threads / devices if compute_threads > cores else compute_threads
+    return compute_threads > cores
 
 
 def _fair_share_options(profile: Profile, link: float, algo: float, dropped: dict[int, str],
                         notes: list[str]) -> _OptionTables:
     c = profile.fair_share
     assert c is not None
-    beside = fair_share_threads_beside(c.compute_threads, c.cores,
-                                       profile.network.devices_per_node)
-    if beside != c.compute_threads:
+    waiting = fair_share_oversubscribed(c.compute_threads, c.cores)
+    if waiting:
         notes.append(f"{c.compute_threads:g} compute threads fill {c.cores:g} cores: a bucket's "
-                     f"reduction runs beside the last rank's {beside:.3g}")
+                     "reduction runs at its solo rate while the other devices wait, slowing no "
+                     "compute")
 
     def row(k: int) -> _Option:
         cores_alone = k * fair_share_core_share(k, c.cores)  # min(k, P)
-        cores_beside = k * fair_share_core_share(k + beside, c.cores)
+        solo = nccl_bus_bandwidth(1, cores_alone * c.per_block_bytes_per_s, link, c.softmin_p) * algo
+        if waiting:
+            return _Option(solo, solo, 1.0)
+        cores_beside = k * fair_share_core_share(k + c.compute_threads, c.cores)
         return _Option(
-            nccl_bus_bandwidth(1, cores_alone * c.per_block_bytes_per_s, link, c.softmin_p) * algo,
+            solo,
             nccl_bus_bandwidth(1, cores_beside * c.per_block_bytes_per_s, link, c.softmin_p,
                                c.overlap_block_efficiency) * algo,
-            fair_share_slowdown(k, compute_threads=beside, cores=c.cores))
+            fair_share_slowdown(k, compute_threads=c.compute_threads, cores=c.cores))
     return _tables(c.block_options, row, dropped)
 
 
