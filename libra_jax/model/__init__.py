@@ -73,9 +73,10 @@ at their calls, and runs at its solo rate, slowing no compute:
 
 Measured (benchmarks/results/call_timeline.md, 8 devices on 2 cores): the last rank reaches a
 call 12-28 ms after the first, and each reduction then takes 1.0-1.7x its solo time, where the
-form above beside all ``D`` priced it 3-7x; at a fixed block count the MLP example's step is
-5% faster at 8 blocks than at 1 (contention_sweep.md), where beside one device's compute more
-workers would have been slower. There a block count matters through its solo rate alone.
+form above beside all ``D`` priced it 3-7x; the MLP example's step at 1 and at 8 blocks (the
+same buckets) within the spread of 40 interleaved rounds (contention_sweep.md), where a form
+beside one device's compute made 8 blocks 5% slower. There a block count matters through its
+solo rate alone.
 
 The price of a call and of fusion (both analytic forms)
 -------------------------------------------------------

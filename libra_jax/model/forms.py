@@ -231,8 +231,8 @@ def fair_share_oversubscribed(compute_threads: float, cores: float) -> bool:
     arrives, the others waiting at their calls, and runs at its solo rate beside no compute it
     slows. Measured (benchmarks/results/call_timeline.md, 8 devices on 2 cores): the last rank
     in 12-28 ms after the first, each reduction then within 1.0-1.7x its solo time (beside all
-    ``D`` threads the form priced 3-7x); more blocks never slower (contention_sweep.md: the MLP
-    at 8 blocks 5% faster than at 1). Where the threads leave cores idle, the devices run side
+    ``D`` threads the form priced 3-7x); the MLP example's step at 1 and at 8 blocks within
+    the spread (contention_sweep.md). Where the threads leave cores idle, the devices run side
     by side and a reduction runs beside their compute."""
     fair_share_core_share(compute_threads, cores)  # (both positive)
     return compute_threads > cores
