@@ -95,12 +95,40 @@ def test_the_rescaled_profile_scales_rates_and_keeps_latencies(probing):
     # XLA's all-reduce (the plain step's) is the probe's measurement, not a rescale.
     assert probed.fair_share.xla_terms() == pytest.approx((FAKE_XLA.call_s, FAKE_XLA.bytes_per_s))
     assert probed.sources["fair_share.xla_allreduce_call_us"].source == "measured"
-    for kept in ("call_s", "cores", "compute_threads", "overlap_block_efficiency",
-                 "pending_allreduce_s", "fusion_copy_bytes_per_s"):
+    for kept in ("call_s", "overlap_block_efficiency", "pending_allreduce_s",
+                 "fusion_copy_bytes_per_s"):
         assert getattr(probed.fair_share, kept) == getattr(SHIPPED.fair_share, kept)
+    # The counts are this machine's: its cores and devices, the shipped threads a device.
+    assert probed.fair_share.cores == probe.host_cores()
+    assert probed.network.devices_per_node == len(jax.devices("cpu"))
+    assert probed.fair_share.compute_threads == pytest.approx(
+        SHIPPED.fair_share.compute_threads / SHIPPED.network.devices_per_node
+        * len(jax.devices("cpu")))
     # Every user of the CPU default gets it: the lowering's default and derive.
     assert model.derive(model.default_profile("cpu"), 8).cost != model.derive(SHIPPED, 8).cost
     assert model.load_profile(model.default_profile("cpu")) == probed
+
+
+def test_the_probed_profile_has_this_machines_counts(probing, monkeypatch):
+    """On a machine of 16 cores (where the shipped profile's 2 are), the probe's profile has
+    them, and the shipped compute threads a device times this machine's devices: 8 devices'
+    9.36 threads no longer fill the cores, so a reduction is priced beside running compute
+    (its workers at their fair share, compute slowed), not at its solo rate while the devices
+    wait, as on the 2-core host the shipped profile was fitted on; `explain` says the core
+    count is far from the profile's."""
+    monkeypatch.setattr(probe, "host_cores", lambda: 16)
+    probed = model.resolve_profile(None, "cpu")
+    fair = probed.fair_share
+    assert fair.cores == 16 and probed.network.devices_per_node == 8
+    assert fair.compute_threads == pytest.approx(SHIPPED.fair_share.compute_threads)
+    assert probed.sources["fair_share.cores"].source == "measured"
+    assert not model.fair_share_oversubscribed(fair.compute_threads, fair.cores)
+    cost = model.derive(probed, 8).cost
+    assert all(cost.slowdown[k] > 1 for k in cost.keys if k + fair.compute_threads > 16)
+    assert all(cost.overlap_bw[k] < cost.solo_bw[k] for k in cost.keys)
+    shipped = model.derive(SHIPPED, 8).cost  # 2 cores: the devices wait
+    assert all(shipped.slowdown[k] == 1 for k in shipped.keys)
+    assert any("16 cores, the profile's 2" in line for line in probe.describe(probed))
 
 
 def test_a_probe_without_xla_terms_scales_xla_bytes_by_memory(probing, monkeypatch):

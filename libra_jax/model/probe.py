@@ -26,13 +26,20 @@ call cost 117-125 us against the shipped 152; a psum of a few operands is cheap 
 `Rates` without them (a measurer that does not time XLA) scales the bytes rate by the memory
 ratio and keeps the call cost.
 
+The counts are this machine's (its key's): ``fair_share.cores`` the CPUs this process may run
+on, ``network.devices_per_node`` its CPU devices, and ``compute_threads`` the shipped compute
+threads a device times those devices (XLA's threads a device are its runtime's; how many
+devices share how many cores is the machine's). Why: the fair-share form prices a reduction
+beside compute or while the devices wait by whether their compute threads fill the cores
+(`forms.fair_share_oversubscribed`), which on another machine its own counts say.
+
 Kept as shipped, and why: the engine's latencies and call costs (``base_latency_us``,
 ``call_us``, ``pending_allreduce_us``: its thread hand-offs and wake-ups inside a step, which
-neither rate measures and a probe outside a step cannot fit), counts and fitted structure
-(``cores``, ``compute_threads``, ``overlap_block_efficiency``, the traffic ratios: a probe of a
-second cannot fit them), and the NIC (not on this host). Where the machine is far from the
-profile (a rate off by more than `FAR_RATIO` either way, or another core count), `explain`
-suggests ``libra-jax calibrate``.
+neither rate measures and a probe outside a step cannot fit), fitted structure
+(``overlap_block_efficiency``, the traffic ratios: a probe of a second cannot fit them), and the
+NIC (not on this host). Where the machine is far from the profile (a rate off by more than
+`FAR_RATIO` either way, or another core count than the shipped profile's), `explain` suggests
+``libra-jax calibrate``.
 
 Cached per machine in ``<profile dir>/<backend>.probe.json`` (`config.calibrated_profile_dir`),
 a loadable profile document whose ``calibration.probe`` holds the key and the numbers. The
@@ -90,8 +97,8 @@ MEASURER = "libra_jax.calibrate.probe"
 #: overlap efficiency) came from a machine too unlike this one to trust.
 FAR_RATIO = 1.5
 #: What the probe measures (part of the key: a file from a probe that measured less is refit).
-#: 2: XLA's all-reduce terms too (`XlaRates`).
-PROBE_FORMAT = 2
+#: 2: XLA's all-reduce terms too (`XlaRates`); 3: this machine's counts (`_counts`).
+PROBE_FORMAT = 3
 #: The thread settings that change how fast the host's compute runs (part of the cache key).
 THREAD_ENVS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
                "TF_NUM_INTEROP_THREADS", "TF_NUM_INTRAOP_THREADS")
@@ -143,7 +150,7 @@ class Outcome:
         why = [f"{name} {ratio:.2f}x the profile's" for name, ratio in
                (("matmul", compute), ("memory copy", memory))
                if max(ratio, 1 / ratio) > FAR_RATIO]
-        fair = self.profile.fair_share
+        fair = read.load_profile(self.shipped).fair_share  # the probed profile has these cores
         if fair is not None and self.cores != fair.cores:
             why.append(f"{self.cores} cores, the profile's {fair.cores:g}")
         return why
@@ -179,6 +186,7 @@ def rescaled(document: Mapping[str, Any], probed: Rates, key: Mapping[str, Any],
     compute, memory = probed.ratios(shipped)
     how = ("rescaled by this machine's probe (libra_jax.model.probe): {0:.3g}x the shipped "
            "value; was: {1}")
+    _counts(doc, key)
 
     def scale(q: dict[str, Any], ratio: float) -> None:
         if q.get("value") is not None:
@@ -215,6 +223,29 @@ def rescaled(document: Mapping[str, Any], probed: Rates, key: Mapping[str, Any],
     if load is not None:
         doc["calibration"]["probe"]["load_average"] = load
     return doc
+
+
+def _counts(doc: dict[str, Any], key: Mapping[str, Any]) -> None:
+    """This machine's counts in the fair-share document `doc` (the module docstring): its
+    cores and devices (`key`), and the shipped compute threads a device times its devices."""
+    fair, network = doc.get("fair_share"), doc["network"]
+    if not isinstance(fair, dict) or "cores" not in key or "devices" not in key:
+        return
+    cores, devices = int(key["cores"]), int(key["devices"])
+    shipped_devices = network["devices_per_node"]["value"]
+    per_device = fair["compute_threads"]["value"] / shipped_devices
+    was = "; was: {0}"
+    fair["cores"] = {"value": cores, "source": "measured",
+                     "ref": "the CPUs this process may run on (libra_jax.model.probe)"
+                     + was.format(fair["cores"].get("ref", ""))}
+    network["devices_per_node"] = {"value": devices, "source": "measured",
+                                   "ref": "this process's CPU devices (libra_jax.model.probe)"
+                                   + was.format(network["devices_per_node"].get("ref", ""))}
+    fair["compute_threads"] = {
+        "value": per_device * devices, "source": "assumption",
+        "ref": f"the shipped {per_device:.3g} compute threads a device times this machine's "
+               f"{devices} devices (libra_jax.model.probe)"
+               + was.format(fair["compute_threads"].get("ref", ""))}
 
 
 def _measured(fair_share: dict[str, Any], xla: XlaRates) -> None:
