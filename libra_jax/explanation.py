@@ -531,8 +531,15 @@ def _prediction_lines(e: Explanation) -> list[str]:
     benchmarks/results/step_prediction.md)."""
     if not e.scopes:
         return []
+    # The fair-share form on a host whose compute threads fill its cores prices a reduction
+    # at its solo rate beside compute it does not slow (`model.fair_share_oversubscribed`).
+    waiting = all(s.cost.slowdown[k] == 1 and s.cost.overlap_bw[k] == s.cost.solo_bw[k]
+                  for s in e.scopes for k in s.cost.keys)
+    overlapped = ("at its solo rate, slowing no compute (the devices' compute threads fill the "
+                  "cores: a reduction runs when the last device reaches it, the others waiting)"
+                  if waiting else "the compute it overlaps slowed by those blocks")
     lines = ["what the prediction covers: the contention model's backward time (each bucket's "
-             "collective at its block count, the compute it overlaps slowed by those blocks, "
+             f"collective at its block count, {overlapped}, "
              "each call's latency and what issuing it takes from compute: the profile's "
              "call_us), for this plan against the two baselines above; not how an "
              "all-reduce's result is written"]

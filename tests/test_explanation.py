@@ -84,6 +84,13 @@ def test_explain_plain_jax_step():
     assert (f"predicted step: {price.optimized_s * 1e3:.2f} ms optimized, "
             f"{price.plain_s * 1e3:.2f} ms plain ({price.predicted_ratio:.2f}x)") in line
     assert "on CPU a measured gain comes mostly from outside this prediction" not in text
+    # The shipped CPU profile's 8 devices fill its 2 cores: said, as the model prices it.
+    assert "at its solo rate, slowing no compute" in line
+    assert "the compute it overlaps slowed" not in line
+    # A GPU profile's collectives slow the compute beside them.
+    gpu = io.StringIO()
+    libra_jax.explain(step, *args, profile="h200", file=gpu)
+    assert "the compute it overlaps slowed by those blocks" in " ".join(gpu.getvalue().split())
 
 
 def test_explain_options_and_optimized_functions():
