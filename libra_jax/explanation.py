@@ -549,7 +549,8 @@ def _prediction_lines(e: Explanation) -> list[str]:
         lines.append(
             f"predicted step: {price.optimized_s * ms:.2f} ms optimized, "
             f"{price.plain_s * ms:.2f} ms plain ({price.predicted_ratio:.2f}x): compute "
-            f"{price.compute_s * ms:.2f} ms (the roofline of the step's equations); plain's "
+            f"{price.compute_s * ms:.2f} ms (the roofline of the step's equations, a device's part"
+            " of each); plain's "
             f"collectives {price.plain_collectives_s * ms:.2f} ms (XLA's "
             f"{_plural(price.plain_calls, 'call')} of {_plural(price.plain_operands, 'operand')}"
             f", each operand a rendezvous and a fresh output), the plan's "

@@ -149,3 +149,91 @@ def test_a_planned_step_is_priced_both_ways():
     assert price.optimized_calls == gradient_calls + len(e.others)
     assert price.exposed_s == pytest.approx(sum(s.backward_s - s.compute_s for s in e.scopes))
     assert price.compute_s > sum(s.compute_s for s in e.scopes)  # forward and update too
+
+
+@pytest.mark.usefixtures("jax_8")
+def test_a_gspmd_update_is_priced_at_one_devices_part():
+    """Outside a shard_map a program is GSPMD's, at global shapes: an update of gradients a
+    shard_map hands out sharded (its out_specs), or of values a sharding constraint lays out,
+    runs on each device's part; a value the program never lays out counts whole."""
+    import jax
+    import jax.numpy as jnp
+    from conftest import mesh_of
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from libra_jax.rewrite import costs
+
+    mesh = mesh_of((8,), ("data",))
+    profile = model.load_profile("cpu-host")
+
+    def grads(w, x):
+        return jax.lax.psum_scatter(x.T @ x @ w, "data", scatter_dimension=0, tiled=True)
+
+    def step(w, mu, x, lone):
+        g = jax.shard_map(grads, mesh=mesh, in_specs=(P(), P("data")), out_specs=P("data"))(w, x)
+        mu = 0.9 * mu + 0.1 * g  # reads the sharded gradient: sharded as it is
+        laid = jax.lax.with_sharding_constraint(lone * 2.0, NamedSharding(mesh, P("data")))
+        return w - 1e-3 * mu, laid + 1.0, lone * 3.0  # the last: never laid out, whole
+
+    w, mu = jnp.ones((256, 64)), jnp.ones((256, 64))
+    closed = jax.make_jaxpr(step)(w, mu, jnp.ones((64, 256)), jnp.ones((256, 64)))
+    eqns = closed.jaxpr.eqns
+    parts = costs.device_parts(eqns)
+    by_name: dict[str, list[int]] = {}
+    for e in eqns:
+        by_name.setdefault(e.primitive.name, []).append(parts.get(e.outvars[0], 1))
+    assert by_name["shard_map"] == [8]
+    assert by_name["sharding_constraint"] == [8]
+    # 0.1*g, 0.9*mu (added to it), 1e-3*mu, w - that, lone*2 (the constraint's operand) and
+    # laid + 1.0: sharded; lone*3: whole (no laid-out value reaches it).
+    assert sorted(by_name["mul"]) == [1, 8, 8, 8, 8]
+    assert by_name["add"] == [8, 8] and by_name["sub"] == [8]
+    whole = sum(costs.roofline_s(e, profile) for e in eqns)
+    shard_map = sum(costs.roofline_s(e, profile) for e in eqns if e.primitive.name == "shard_map")
+    split = sum(costs.roofline_s(e, profile) / parts.get(e.outvars[0], 1) for e in eqns
+                if e.primitive.name != "shard_map")
+    assert costs.step_roofline_s(eqns, profile) == pytest.approx(shard_map + split)
+    assert costs.step_roofline_s(eqns, profile) < whole
+
+
+@pytest.mark.usefixtures("jax_8")
+def test_the_fsdp_routes_update_is_priced_per_device():
+    """The GSPMD route's step (`libra_jax.value_and_grad` with in_specs, an optimizer outside
+    the shard_map): its compute is the shard_maps' plus the update at a device's part."""
+    import jax
+    import jax.numpy as jnp
+    from conftest import mesh_of
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from libra_jax.rewrite import costs
+
+    mesh = mesh_of((8,), ("data",))
+    params = {"w1": jnp.ones((64, 128)), "w2": jnp.ones((128, 64))}
+    specs = {"w1": P(None, "data"), "w2": P("data")}
+
+    def loss_fn(p, x):
+        return jnp.mean(jnp.tanh(x @ p["w1"]) @ p["w2"]) ** 2
+
+    def step(p, x):
+        loss, g = libra_jax.value_and_grad(loss_fn, in_specs=(specs, P("data")))(p, x)
+        new = jax.tree.map(lambda a, b: a - 0.1 * b, p, g)
+        return jax.lax.with_sharding_constraint(
+            new, {k: NamedSharding(mesh, s) for k, s in specs.items()}), loss
+
+    put = {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in params.items()}
+    x = jax.device_put(jnp.ones((64, 64)), NamedSharding(mesh, P("data")))
+    e = libra_jax.explain(step, put, x, file=None)
+    price = e.step
+    assert price is not None
+    eqns = jax.make_jaxpr(step)(put, x).jaxpr.eqns
+    parts = costs.device_parts(eqns)
+    updates = [q for q in eqns if q.primitive.name == "sub"]
+    assert len(updates) == 2 and all(parts.get(q.outvars[0]) == 8 for q in updates)
+    profile = e.report.predicted[0]["profile"]
+    assert price.compute_s == pytest.approx(costs.step_roofline_s(eqns, profile))
+    update_s = sum(costs.roofline_s(q, profile) for q in eqns if q.primitive.name != "shard_map")
+    assert price.compute_s == pytest.approx(
+        sum(costs.roofline_s(q, profile) for q in eqns if q.primitive.name == "shard_map")
+        + update_s / 8, rel=1e-3)  # the loss's scalar arithmetic is whole on each device

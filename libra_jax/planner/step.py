@@ -13,7 +13,9 @@ terms, so that their ratio is the number to compare with a measurement:
 
 * ``compute_s``: the step's own compute (forward, backward, update) at the profile's rates,
   the same in both programs (`libra_jax.rewrite.report.price_step` sums the roofline of the
-  step's equations, as the planner's layers are priced).
+  step's equations, as the planner's layers are priced, each at the part one device runs: a
+  GSPMD update of sharded parameters outside the shard_map at its shard,
+  `rewrite.costs.step_roofline_s`).
 * Plain: XLA:CPU runs each collective as a blocking call of every device thread, writing a
   fresh output buffer, after the backward pass (nothing overlaps it). Its all-reduce combiner
   joins the independent all-reduces of one computation into one call per

@@ -15,7 +15,7 @@ from libra_jax import _compat, _deprecated, _nccl, collectives, config, model, p
 from libra_jax.collectives import Collective
 from libra_jax.ops.base import warn_once
 from libra_jax.ops.blocks import block_cap  # its home; named here for the rewrite's callers
-from libra_jax.rewrite.costs import roofline_s
+from libra_jax.rewrite.costs import step_roofline_s
 
 __all__ = ["CallPlan", "LoopPlan", "OptimizeReport", "LatestReport", "block_cap", "shared_profile",
            "data_path_lines", "check_plan_agreement", "NO_PROFILE_BROADCAST_ENV", "price_step"]
@@ -299,7 +299,8 @@ def check_plan_agreement(report: OptimizeReport, *, program: str) -> None:
 def price_step(report: OptimizeReport, jaxpr: Any) -> planner.StepPrice | None:
     """The step `jaxpr` (the program as traced, before the rewrite), whose plan `report`
     holds, priced both ways (`planner.price_step`): its compute the roofline of its equations
-    at the planning profile's rates, as the planner's layers are priced; every planned scope
+    at the planning profile's rates, as the planner's layers are priced, each at one device's
+    part (`costs.step_roofline_s`); every planned scope
     (`report.predicted`) with its buckets as issued (one call or a start/done pair, from
     `report.plans`); the collectives planned apart (a loss's pmean, a psum given ``blocks=``)
     at the model's price of one call alone; each scope's all-gathers at their predicted
@@ -350,7 +351,7 @@ def price_step(report: OptimizeReport, jaxpr: Any) -> planner.StepPrice | None:
         others.extend(planner.OtherCall(None, s.nbytes, g["collective"], traffic,
                                         exposed / len(steps), int(i in firsts))
                       for i, s in enumerate(steps))
-    compute_s = sum(roofline_s(eqn, profile) for eqn in jaxpr.eqns)
+    compute_s = step_roofline_s(jaxpr.eqns, profile)
     return planner.price_step(compute_s, scopes, others, xla, fair.pending_allreduce_s)
 
 
