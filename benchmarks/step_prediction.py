@@ -121,8 +121,10 @@ def row(name: str, rounds: int, steps: int) -> str:
         return f"| {name} | - | {median:.3f} | {p10:.3f}-{p90:.3f} | {lo:.3f}-{hi:.3f} | - | - | - |"
     error = abs(predicted - median) * 100
     terms = (f"compute {price.compute_s * 1e3:.1f} ms; plain +{price.plain_collectives_s * 1e3:.2f}"
-             f" ms ({price.plain_calls} calls, {price.plain_operands} operands); optimized "
-             f"+{price.optimized_collectives_s * 1e3:.2f} ms ({price.optimized_calls} calls); "
+             f" ms ({price.plain_calls} calls, {price.plain_operands} operands) "
+             f"+{price.plain_stagger_s * 1e3:.2f} ms stagger; optimized "
+             f"+{price.optimized_collectives_s * 1e3:.2f} ms ({price.optimized_calls} calls, "
+             f"{price.optimized_stagger_s * 1e3:.2f} of it stagger); "
              f"measured plain {np.median(times['plain']) * 1e3:.1f} ms")
     if "gspmd" in times:
         gspmd = np.asarray(times["optimized"]) / np.asarray(times["gspmd"])

@@ -553,10 +553,11 @@ def _prediction_lines(e: Explanation) -> list[str]:
             " of each); plain's "
             f"collectives {price.plain_collectives_s * ms:.2f} ms (XLA's "
             f"{_plural(price.plain_calls, 'call')} of {_plural(price.plain_operands, 'operand')}"
-            f", each operand a rendezvous and a fresh output), the plan's "
+            f", each operand a rendezvous and a fresh output) and "
+            f"{price.plain_stagger_s * ms:.2f} ms of the devices' stagger at them, the plan's "
             f"{price.optimized_collectives_s * ms:.2f} ms ({_plural(price.optimized_calls, 'call')}"
-            " of libra's) (benchmarks/results/step_prediction.md: how close it came on the "
-            "examples)")
+            f" of libra's, {price.optimized_stagger_s * ms:.2f} ms of it stagger) "
+            "(benchmarks/results/step_prediction.md: how close it came on the examples)")
     return lines
 
 

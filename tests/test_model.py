@@ -81,11 +81,12 @@ def test_sources_are_labelled_as_expected() -> None:
     # Its latency and the price of a call in a step are measured as calibration measures them
     # (one definition), the collectives' traffic by benchmarks/sharded_cpu.py; the rest are
     # assumptions (the fusion copy: none, the engine copies nothing). XLA's all-reduce (the
-    # plain step's, `planner.StepPrice`) is measured by benchmarks/allreduce_cpu.py.
+    # plain step's, `planner.StepPrice`) is measured by benchmarks/allreduce_cpu.py, the
+    # devices' stagger at a synchronization by the probe's `sync_stagger`.
     measured = ("network.base_latency_us", "fair_share.reduce_scatter_traffic",
                 "fair_share.all_gather_traffic", "fair_share.call_us",
                 "fair_share.overlap_block_efficiency", "fair_share.xla_allreduce_call_us",
-                "fair_share.xla_allreduce_gbyte_per_s")
+                "fair_share.xla_allreduce_gbyte_per_s", "fair_share.sync_stagger_us_per_root_ms")
     assert all(cpu[k].source == "measured" for k in measured)
     assert all(q.source == "assumption" for k, q in cpu.items() if k not in measured)
 

@@ -25,9 +25,9 @@ jax = _jax()  # 8 host devices, before any JAX operation
 
 SHIPPED = model.load_profile("cpu-host")
 SHIPPED_RATES = probe.sustained(SHIPPED)
-#: XLA's all-reduce as the fake probe measures it: 100 us an operand, 1 GB/s (the shipped
-#: profile's are 152 us and 1.22 GB/s).
-FAKE_XLA = probe.XlaRates(100e-6, 1e9)
+#: XLA's all-reduce as the fake probe measures it: 100 us an operand, 1 GB/s, and the devices'
+#: stagger 300 us per root ms (the shipped profile's are 152 us, 1.22 GB/s and 494).
+FAKE_XLA = probe.XlaRates(100e-6, 1e9, 300e-6 / 1e-3 ** 0.5)
 
 
 class FakeMeasurer:
@@ -95,6 +95,10 @@ def test_the_rescaled_profile_scales_rates_and_keeps_latencies(probing):
     # XLA's all-reduce (the plain step's) is the probe's measurement, not a rescale.
     assert probed.fair_share.xla_terms() == pytest.approx((FAKE_XLA.call_s, FAKE_XLA.bytes_per_s))
     assert probed.sources["fair_share.xla_allreduce_call_us"].source == "measured"
+    # So is the devices' stagger at a synchronization (the step price's, `planner.stagger_s`).
+    assert probed.fair_share.sync_stagger == pytest.approx(FAKE_XLA.sync_stagger)
+    assert probed.sources["fair_share.sync_stagger_us_per_root_ms"].value == pytest.approx(300)
+    assert SHIPPED.fair_share.sync_stagger != probed.fair_share.sync_stagger
     for kept in ("call_s", "overlap_block_efficiency", "pending_allreduce_s",
                  "fusion_copy_bytes_per_s"):
         assert getattr(probed.fair_share, kept) == getattr(SHIPPED.fair_share, kept)
@@ -170,7 +174,7 @@ def test_the_cache_is_used_and_a_changed_key_refits(probing, monkeypatch):
     assert "--xla_cpu_enable_fast_math=false" in record["key"]["xla_flags"]
 
 
-@pytest.mark.parametrize("damage", ["truncated", "edited", "not-json", "xla-call"])
+@pytest.mark.parametrize("damage", ["truncated", "edited", "not-json", "xla-call", "stagger"])
 def test_a_corrupt_file_is_refused_with_a_notice_and_refit(probing, monkeypatch, damage):
     good = model.resolve_profile(None, "cpu")
     path = probe.cache_path("cpu")
@@ -184,6 +188,10 @@ def test_a_corrupt_file_is_refused_with_a_notice_and_refit(probing, monkeypatch,
     elif damage == "xla-call":  # the record's XLA call cost made negative, key and profile kept
         doc = json.loads(text)
         doc["calibration"]["probe"]["xla_call_s"] = -1e-4
+        path.write_text(json.dumps(doc))
+    elif damage == "stagger":  # the record's stagger made negative, key and profile kept
+        doc = json.loads(text)
+        doc["calibration"]["probe"]["sync_stagger"] = -0.01
         path.write_text(json.dumps(doc))
     else:
         path.write_bytes(b"\xff\x00 not a profile")
@@ -291,13 +299,32 @@ def test_the_probe_measures_as_calibration_does():
     rates = measuring.measure()
     assert rates.flop_per_s > 0 and rates.memory_bytes_per_s > 0
     assert rates.xla is not None and rates.xla.call_s >= 0 and rates.xla.bytes_per_s > 0
+    stagger = rates.xla.sync_stagger
+    assert stagger is not None and stagger >= 0 and stagger < 1.0  # < 1 s a root second
     key = probe.machine_key("cpu-host", 8, jax.__version__)
     doc = probe.rescaled(read.profile_to_dict(SHIPPED), rates, key)
     rescaled = read.profile_from_dict(doc)
     assert rescaled.device.flop_per_s() == pytest.approx(rates.flop_per_s)
     assert rescaled.device.bytes_per_s() == pytest.approx(rates.memory_bytes_per_s)
     assert rescaled.fair_share.xla_terms() == pytest.approx((rates.xla.call_s, rates.xla.bytes_per_s))
+    assert rescaled.fair_share.sync_stagger == pytest.approx(stagger)
     assert measuring.PROBE_BUDGET.matmul_n == 256  # the chain cpu-host's matmul rate names
+
+
+def test_the_stagger_programs_synchronize_after_each_segment_or_once():
+    """`sync_stagger`'s two programs: the same compute, a blocking psum after each of its
+    segments (one all-reduce each, the next segment reading it) against one after all."""
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from libra_jax.calibrate import probe as measuring
+
+    mesh = Mesh(np.array(jax.devices("cpu")), ("p",))
+    x = jnp.ones((measuring.SYNC_N * 8, measuring.SYNC_N), jnp.float32)
+    for synced, calls in ((True, 5), (False, 1)):
+        hlo = measuring.sync_program(jax, mesh, 5, synced).lower(x).as_text()
+        assert hlo.count("all_reduce") == calls
+        assert hlo.count("dot_general") == 5
 
 
 def _step(w, x):

@@ -111,6 +111,54 @@ def test_the_ratio_is_one_where_nothing_is_planned_and_near_one_where_compute_do
     assert price.predicted_ratio == pytest.approx(1.0, abs=1e-3)
 
 
+def test_the_stagger_of_plains_scatters_where_each_gradient_is_made():
+    """A reduce-scatter scope of four layers of 1 ms at the end of a 10 ms step: plain's XLA
+    issues a blocking call where each gradient is made (ready at 7, 8, 9 and 10 ms: segments of
+    7, 1, 1 and 1 ms), the optimized program one call for them all at the end (one of 10 ms,
+    which a step without any pays too: 0). Stagger c = 0.5 ms a root ms."""
+    scatter = collectives.row_of("reduce-scatter")
+    layers = tuple(planner.Layer(1 * MS, 1_000_000, scatter) for _ in range(4))
+    c = 0.5 * MS / MS ** 0.5
+    priced = dataclasses.replace(
+        cost(), collectives={"reduce-scatter": planner.CollectiveTerms(0.1 * MS, 0.5)})
+    one = planner.PlannedScope(key=("top", ("x",)), layers=layers,
+                               buckets=(planner.Bucket(0, 3, 1),), cost=priced, sync=(True,))
+    price = planner.price_step(10 * MS, [one], [], XLA, None, sync_stagger=c)
+    roots = 7 ** 0.5 + 3 * 1.0 - 10 ** 0.5  # in root ms
+    assert price.plain_stagger_s == pytest.approx(0.5 * MS * roots)
+    assert price.optimized_stagger_s == 0.0
+    assert price.plain_s == pytest.approx(10 * MS + price.plain_collectives_s
+                                          + 0.5 * MS * roots)
+    assert price.optimized_s == pytest.approx(10 * MS + price.exposed_s)
+    # Two one-call buckets (after layers 1 and 3) synchronize at 8 and 10 ms: 8, 2.
+    two = dataclasses.replace(one, buckets=(planner.Bucket(0, 1, 1), planner.Bucket(2, 3, 1)),
+                              sync=(True, True))
+    split = planner.price_step(10 * MS, [two], [], XLA, None, sync_stagger=c)
+    assert split.optimized_stagger_s == pytest.approx(0.5 * MS * (8 ** 0.5 + 2 ** 0.5 - 10 ** 0.5))
+    # Start/done pairs wait at the end of the backward pass: as one call there.
+    pairs = dataclasses.replace(two, sync=(False, False))
+    assert planner.price_step(10 * MS, [pairs], [], XLA, None,
+                              sync_stagger=c).optimized_stagger_s == 0.0
+    # Where the devices do not drift (c = 0) nothing is charged.
+    assert planner.price_step(10 * MS, [one], [], XLA, None).plain_stagger_s == 0.0
+
+
+def test_a_combined_all_reduce_synchronizes_once_where_its_last_operand_is_ready():
+    """Data parallel: XLA's combiner makes the gradients one all-reduce, after the last; the
+    plan's start/done pairs wait at the same point: the same stagger both ways."""
+    layers = (planner.Layer(1 * MS, 1_000_000), planner.Layer(1 * MS, 0),
+              planner.Layer(1 * MS, 1_000_000))
+    pairs = planner.PlannedScope(key=("top", ("x",)), layers=layers,
+                                 buckets=(planner.Bucket(0, 0, 1), planner.Bucket(1, 2, 1)),
+                                 cost=cost(), sync=(False, False))
+    plain, optimized = planner.synchronizations(10 * MS, [pairs])
+    assert plain == [pytest.approx(10 * MS)] and optimized == [pytest.approx(10 * MS)] * 2
+    price = planner.price_step(12 * MS, [pairs], [], XLA, None, sync_stagger=0.01)
+    assert price.plain_stagger_s == pytest.approx(price.optimized_stagger_s)
+    with pytest.raises(ValueError, match="sync_stagger"):
+        planner.price_step(12 * MS, [pairs], [], XLA, None, sync_stagger=-1.0)
+
+
 def test_the_terms_are_checked():
     with pytest.raises(ValueError, match="bytes_per_s"):
         planner.XlaTerms(call_s=0.0, bytes_per_s=0.0)

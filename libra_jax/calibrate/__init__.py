@@ -71,6 +71,7 @@ their public names. Layer (the tools'): may import `model`, `config`, `planner`,
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -113,7 +114,7 @@ from libra_jax.calibrate.measure import (
     measure,
     reference_seconds,
 )
-from libra_jax.calibrate.probe import xla_rates
+from libra_jax.calibrate.probe import sync_stagger, xla_rates
 
 __all__ = [
     "CalibrationError", "Budget", "QUICK", "FULL", "TINY", "calibrate", "run", "fit_alone",
@@ -152,6 +153,8 @@ def calibrate(budget: Budget = QUICK, *, devices: int | None = 8, progress: bool
     meta["quality"] = {"passed": not failures, "failures": failures, "limits": GATE_LIMITS,
                        "conditions": host}
     xla = xla_rates(devices=devices) if backend == "cpu" else None  # XLA's own: the plain step
+    if xla is not None:  # and how far apart the devices reach its blocking calls
+        xla = dataclasses.replace(xla, sync_stagger=sync_stagger(xla.call_s, devices=devices))
     doc = build_profile(analysis, workers=workers, budget=budget, samples=samples, backend=backend,
                         meta=meta, xla=xla)
     if out is not None:

@@ -188,6 +188,7 @@ def call_terms(analysis: dict[str, Any], draft: dict[str, Any], workers: int, *,
 #: the all-reduce's (its row's traffic key: `model.collective_traffic`, measured by
 #: benchmarks/sharded_cpu.py).
 CARRIED_OVER = ("pending_allreduce_us", "xla_allreduce_call_us", "xla_allreduce_gbyte_per_s",
+                "sync_stagger_us_per_root_ms",
                 *(row.traffic_key for row in collectives.ROWS if row.traffic_key is not None))
 
 
@@ -198,7 +199,11 @@ def _xla_terms(xla: XlaRates) -> dict[str, dict[str, Any]]:
     return {"xla_allreduce_call_us": _q(xla.call_s * 1e6, "measured", how.format(
                 "one more operand of a combined all-reduce")),
             "xla_allreduce_gbyte_per_s": _q(xla.bytes_per_s / model.BYTES_PER_GBYTE, "measured",
-                                            how.format("bytes per rank a second, output written"))}
+                                            how.format("bytes per rank a second, output written")),
+            **({} if xla.sync_stagger is None else {"sync_stagger_us_per_root_ms": _q(
+                xla.sync_stagger / model.S_PER_US * model.S_PER_MS ** 0.5, "measured",
+                "measured by libra-jax calibrate (libra_jax.calibrate.probe.sync_stagger: the "
+                "last device's lag at a psum after compute, per root ms of that compute)")})}
 
 
 def _shipped_q(key: str) -> dict | None:

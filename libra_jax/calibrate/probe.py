@@ -1,6 +1,7 @@
 """The machine probe's measuring side (`libra_jax.model.probe` rescales the shipped CPU profile
-with it): about a second of calibration's own measurements, and XLA's all-reduce timed
-(`xla_rates`, a third of a second, which calibration runs too).
+with it): about a second of calibration's own measurements, XLA's all-reduce timed
+(`xla_rates`, a third of a second, which calibration runs too), and how far apart the devices
+reach a synchronization after compute (`sync_stagger`, half a second).
 
 What it measures, and why so: the two rates the profile's rate fields mean, as calibration
 measures them (`measure._Programs.overlapped` without an all-reduce, timed by
@@ -48,6 +49,11 @@ XLA_REPS = 21
 XLA_SMALL_ELEMENTS = 256
 XLA_LARGE_ELEMENTS = 1 << 16
 XLA_OPERANDS = 16
+#: The devices' stagger (`sync_stagger`): timed rounds, compute segments (each a tanh of an
+#: f32 matmul of `SYNC_N` square a device: about 1.3 ms with 8 devices on 2 cores).
+SYNC_REPS = 9
+SYNC_SEGMENTS = 16
+SYNC_N = 256
 #: The longest a probe may take before the shipped profile plans instead.
 PROBE_TIMEOUT_S = 60.0
 #: Calibration's full budget with its chains only: no all-reduce sizes, no block counts.
@@ -166,6 +172,70 @@ def xla_rates(reps: int = XLA_REPS, seed: int = 0, devices: int | None = None) -
     return XlaRates(call_s, many * (large - small) * 4 / bytes_s)
 
 
+def sync_program(jax: Any, mesh: Any, segments: int, synced: bool, matmuls: int = 1) -> Any:
+    """A jitted shard_map over `mesh` of `segments` compute segments, each `matmuls` of
+    ``tanh(x @ w)`` on the device's square f32 block ``x`` (its side the input's columns):
+    `synced`, each segment followed by a psum of a few of its values that the next segment
+    reads (every device waits for the last at each: a blocking collective between compute, as
+    a plain step's reduce-scatters are); else one psum of the same values after all of them."""
+    from jax.sharding import PartitionSpec as P
+
+    def body(x: Any) -> Any:
+        w = x * 0.05
+        picked = []
+        for _ in range(segments):
+            for _ in range(matmuls):
+                x = jax.numpy.tanh(x @ w)
+            if synced:
+                x = x + 0.0 * jax.lax.psum(x[:1, :8], "p").sum()
+            else:
+                picked.append(x[:1, :8])
+        if not synced:
+            x = x + 0.0 * jax.lax.psum(jax.numpy.stack(picked), "p").sum()
+        return x[:1]
+
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("p"), out_specs=P("p")))
+
+
+def stagger_of(synced: list[float], apart: list[float], segments: int, call_s: float) -> float:
+    """The stagger (seconds per root second) that paired times of `sync_program`'s two forms
+    say: the synced form's extra time less its ``segments - 1`` extra calls (`call_s` each),
+    over the square roots its segments add, ``K * sqrt(T) - sqrt(K * T)`` (T the apart form's
+    time over K). At least 0."""
+    k = segments
+    added = statistics.median(a - b for a, b in zip(synced, apart)) - (k - 1) * call_s
+    segment = statistics.median(apart) / k
+    roots = k * segment ** 0.5 - (k * segment) ** 0.5
+    return max(0.0, added / roots) if roots > 0 else 0.0
+
+
+def sync_stagger(call_s: float, reps: int = SYNC_REPS, seed: int = 0,
+                 devices: int | None = None) -> float:
+    """How far behind the others the last device reaches a synchronization, per square root of
+    the compute since the last one (seconds per root second: `FairShare.sync_stagger`).
+
+    Why this form: where the devices' threads share the cores, the scheduler's time slices
+    let each run ahead or fall behind, a random walk, so the last of them arrives about
+    ``c * sqrt(T)`` after the others, T the compute since they last met; on a host where each
+    has a core of its own, c is about 0. Measured on one 2-core VM with 8 devices
+    (benchmarks/results/sync_stagger.md): c 0.42-0.46 ms per root ms over segments of 1.3 to
+    27 ms. Here: `sync_program` synced (`SYNC_SEGMENTS` segments, a psum after each) against
+    apart (one psum after them all) in paired interleaved rounds, `stagger_of` their times
+    (`call_s`: XLA's cost of a call, taken out for the synced form's extra calls)."""
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    chosen = jax.devices("cpu")[:devices]
+    mesh = Mesh(np.array(chosen), ("p",))
+    block = np.random.default_rng(seed).standard_normal((SYNC_N * len(chosen), SYNC_N))
+    x = jax.device_put((block * 0.1).astype(np.float32), NamedSharding(mesh, P("p")))
+    times = interleaved_times({synced: (sync_program(jax, mesh, SYNC_SEGMENTS, synced), x)
+                               for synced in (True, False)}, reps, random.Random(seed))
+    return stagger_of(times[True], times[False], SYNC_SEGMENTS, call_s)
+
+
 def measure(timeout_s: float = PROBE_TIMEOUT_S) -> Rates:
     """`rates` and `xla_rates`, in a fresh thread (no trace of the caller's), within
     `timeout_s`."""
@@ -173,7 +243,9 @@ def measure(timeout_s: float = PROBE_TIMEOUT_S) -> Rates:
 
     def run() -> None:
         try:
-            result["rates"] = dataclasses.replace(rates(), xla=xla_rates())
+            xla = xla_rates()
+            result["rates"] = dataclasses.replace(rates(), xla=dataclasses.replace(
+                xla, sync_stagger=sync_stagger(xla.call_s)))
         except BaseException as exc:  # handed to the caller
             result["error"] = exc
 

@@ -88,7 +88,7 @@ from typing import Any
 
 from libra_jax import config
 from libra_jax.model import read
-from libra_jax.model.profile import BYTES_PER_GBYTE, S_PER_US, SCHEMA_VERSION, Profile
+from libra_jax.model.profile import BYTES_PER_GBYTE, S_PER_MS, S_PER_US, SCHEMA_VERSION, Profile
 
 #: The module that measures (JAX and the engine): ``context()`` and ``measure()``.
 MEASURER = "libra_jax.calibrate.probe"
@@ -97,8 +97,9 @@ MEASURER = "libra_jax.calibrate.probe"
 #: overlap efficiency) came from a machine too unlike this one to trust.
 FAR_RATIO = 1.5
 #: What the probe measures (part of the key: a file from a probe that measured less is refit).
-#: 2: XLA's all-reduce terms too (`XlaRates`); 3: this machine's counts (`_counts`).
-PROBE_FORMAT = 3
+#: 2: XLA's all-reduce terms too (`XlaRates`); 3: this machine's counts (`_counts`); 4: the
+#: devices' stagger at a synchronization (`XlaRates.sync_stagger`).
+PROBE_FORMAT = 4
 #: The thread settings that change how fast the host's compute runs (part of the cache key).
 THREAD_ENVS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
                "TF_NUM_INTEROP_THREADS", "TF_NUM_INTRAOP_THREADS")
@@ -123,11 +124,15 @@ class XlaRates:
     """XLA:CPU's all-reduce (``jax.lax.psum`` in a jitted ``shard_map`` over every CPU device),
     measured: ``call_s`` what one more operand of a combined all-reduce costs (its thunk meets
     every rank once per operand: `planner.step`), ``bytes_per_s`` the bytes per rank a second
-    with its fresh output written. The profile's ``xla_allreduce_call_us`` and
-    ``xla_allreduce_gbyte_per_s`` mean these two numbers."""
+    with its fresh output written; ``sync_stagger`` (None: not measured) how far behind the
+    others the last device reaches such a blocking call, seconds per root second of the
+    compute since the devices last met (`libra_jax.calibrate.probe.sync_stagger`). The
+    profile's ``xla_allreduce_call_us``, ``xla_allreduce_gbyte_per_s`` and
+    ``sync_stagger_us_per_root_ms`` mean these numbers."""
 
     call_s: float
     bytes_per_s: float
+    sync_stagger: float | None = None
 
 
 @dataclass(frozen=True)
@@ -219,6 +224,8 @@ def rescaled(document: Mapping[str, Any], probed: Rates, key: Mapping[str, Any],
     if probed.xla is not None:
         record["xla_call_s"] = probed.xla.call_s
         record["xla_bytes_per_s"] = probed.xla.bytes_per_s
+        if probed.xla.sync_stagger is not None:
+            record["sync_stagger"] = probed.xla.sync_stagger
     doc["calibration"] = {"probe": record}
     if load is not None:
         doc["calibration"]["probe"]["load_average"] = load
@@ -250,19 +257,27 @@ def _counts(doc: dict[str, Any], key: Mapping[str, Any]) -> None:
 
 def _measured(fair_share: dict[str, Any], xla: XlaRates) -> None:
     """Set the fair-share section's XLA terms to the probe's measurement of them."""
-    how = "measured on this machine by its probe (libra_jax.calibrate.probe.xla_rates); was: {0}"
-    for field, value in (("xla_allreduce_call_us", xla.call_s / S_PER_US),
-                         ("xla_allreduce_gbyte_per_s", xla.bytes_per_s / BYTES_PER_GBYTE)):
+    how = "measured on this machine by its probe (libra_jax.calibrate.probe.{0}); was: {1}"
+    fields = [("xla_allreduce_call_us", xla.call_s / S_PER_US, "xla_rates"),
+              ("xla_allreduce_gbyte_per_s", xla.bytes_per_s / BYTES_PER_GBYTE, "xla_rates")]
+    if xla.sync_stagger is not None:
+        fields.append(("sync_stagger_us_per_root_ms",
+                       xla.sync_stagger / S_PER_US * S_PER_MS ** 0.5, "sync_stagger"))
+    for field, value, measurer in fields:
         was = fair_share.get(field)
         ref = was.get("ref", "") if isinstance(was, dict) else "the default"
-        fair_share[field] = {"value": value, "source": "measured", "ref": how.format(ref)}
+        fair_share[field] = {"value": value, "source": "measured",
+                             "ref": how.format(measurer, ref)}
 
 
 def _xla_note(xla: XlaRates | None) -> str:
     if xla is None:
         return ""
+    stagger = ("" if xla.sync_stagger is None else
+               f"; the devices' stagger at a synchronization "
+               f"{xla.sync_stagger / S_PER_US * S_PER_MS ** 0.5:.0f} us per root ms of compute")
     return (f"; XLA's all-reduce measured: {xla.call_s / S_PER_US:.0f} us an operand, "
-            f"{xla.bytes_per_s / BYTES_PER_GBYTE:.2f} GB/s")
+            f"{xla.bytes_per_s / BYTES_PER_GBYTE:.2f} GB/s{stagger}")
 
 
 def host_cores() -> int:
@@ -346,7 +361,9 @@ def cached(path: Path, key: Mapping[str, Any], shipped: Mapping[str, Any],
     try:
         doc = json.loads(text)
         record = doc["calibration"]["probe"]
-        xla = (XlaRates(float(record["xla_call_s"]), float(record["xla_bytes_per_s"]))
+        stagger = record.get("sync_stagger")
+        xla = (XlaRates(float(record["xla_call_s"]), float(record["xla_bytes_per_s"]),
+                        None if stagger is None else float(stagger))
                if "xla_call_s" in record or "xla_bytes_per_s" in record else None)
         rates = Rates(float(record["flop_per_s"]), float(record["memory_bytes_per_s"]), xla)
     except (ValueError, KeyError, TypeError) as exc:
@@ -361,6 +378,9 @@ def cached(path: Path, key: Mapping[str, Any], shipped: Mapping[str, Any],
         return _refused(path, "its rates are not positive numbers")
     if rates.xla is not None and not (math.isfinite(rates.xla.call_s) and rates.xla.call_s >= 0):
         return _refused(path, "its XLA call cost is not a number >= 0")
+    stagger = rates.xla.sync_stagger if rates.xla is not None else None
+    if stagger is not None and not (math.isfinite(stagger) and stagger >= 0):
+        return _refused(path, "its devices' stagger is not a number >= 0")
     load = record.get("load_average")
     if load is not None and not (isinstance(load, (int, float)) and math.isfinite(load)
                                  and load >= 0):

@@ -38,6 +38,7 @@ BYTES_PER_S_PER_MIB_PER_MS = BYTES_PER_MIB * MS_PER_S
 BYTES_PER_GBYTE = 1e9
 BYTES_PER_GBIT = 1e9 / 8
 S_PER_US = 1e-6
+S_PER_MS = 1e-3
 FLOP_PER_TFLOP = 1e12
 
 
@@ -145,6 +146,10 @@ class FairShare:
     all-reduce (`planner.StepPrice`): what one operand's call costs (its device threads'
     rendezvous) and its bytes per rank a second, fresh output buffer written; None: the documented defaults,
     `XLA_CPU_ALLREDUCE_CALL_S` and `XLA_CPU_ALLREDUCE_BYTES_PER_S`.
+    ``sync_stagger`` (optional) how far behind the others the last device reaches a blocking
+    collective, seconds per root second of the compute since the devices last met (their
+    threads' time slices are a random walk where they share the cores); the step price
+    charges each program's synchronizations with it (`planner.price_step`). None: 0.
     """
 
     block_options: tuple[int, ...]
@@ -162,6 +167,7 @@ class FairShare:
     all_to_all_traffic: float | None = None
     xla_call_s: float | None = None
     xla_bytes_per_s: float | None = None
+    sync_stagger: float | None = None
 
     def xla_terms(self) -> tuple[float, float]:
         """(seconds an operand's call, bytes per rank a second) of XLA:CPU's all-reduce: the profile's

@@ -20,6 +20,7 @@ from libra_jax.model.profile import (
     FLOP_PER_TFLOP,
     FORMS,
     PROFILE_DIR,
+    S_PER_MS,
     S_PER_US,
     SCHEMA_CHANGES,
     SCHEMA_VERSION,
@@ -259,7 +260,7 @@ def _read_libra_fit(r: _Reader, data: Mapping[str, Any]) -> LibraFit:
 def _read_fair_share(r: _Reader, data: Mapping[str, Any]) -> FairShare:
     c = r.section(data, "fair_share", allowed=_BLOCK_FORM_KEYS + (
         "cores", "compute_threads", "pending_allreduce_us", "xla_allreduce_call_us",
-        "xla_allreduce_gbyte_per_s", *TRAFFIC_KEYS.values()))
+        "xla_allreduce_gbyte_per_s", "sync_stagger_us_per_root_ms", *TRAFFIC_KEYS.values()))
     p = "fair_share."
     # Each kind's measured traffic, by its row's key (`collectives.Collective.traffic_key`).
     traffic: dict[str, Any] = {key: _optional_number(r, c, key, p) for key in TRAFFIC_KEYS.values()}
@@ -273,6 +274,8 @@ def _read_fair_share(r: _Reader, data: Mapping[str, Any]) -> FairShare:
                     if "xla_allreduce_call_us" in c else None),
         xla_bytes_per_s=(r.number(c, "xla_allreduce_gbyte_per_s", p) * BYTES_PER_GBYTE
                          if "xla_allreduce_gbyte_per_s" in c else None),
+        sync_stagger=(r.number(c, "sync_stagger_us_per_root_ms", p, inclusive=True) * S_PER_US
+                      / S_PER_MS ** 0.5 if "sync_stagger_us_per_root_ms" in c else None),
         **traffic,
     )
 

@@ -199,6 +199,8 @@ from libra_jax.planner.step import (
     StepPrice,
     XlaTerms,
     price_step,
+    stagger_s,
+    synchronizations,
 )
 
 __all__ = [
@@ -254,6 +256,8 @@ __all__ = [
     "OtherCall",
     "StepPrice",
     "price_step",
+    "synchronizations",
+    "stagger_s",
 ]
 
 

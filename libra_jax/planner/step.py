@@ -6,10 +6,13 @@ step, plain against optimized. `price_step` prices both programs of one step fro
 terms, so that their ratio is the number to compare with a measurement:
 
     plain     = compute_s + Σ_operands_of_XLA's_calls (xla.call_s + wire_bytes / xla.bytes_per_s)
+                          + stagger(plain's synchronizations)
     optimized = compute_s + Σ_scopes (simulate(layers, buckets, cost) - Σ layer.compute_s)
                           + Σ pending_at(pending_s, its ready point) (one-call buckets
                             outside loops that the planner priced as pairs)
                           + Σ_other_calls libra_s
+                          + stagger(its synchronizations)
+    stagger(t_1 < ... < t_k) = sync_stagger * (Σ_segments sqrt(segment) - sqrt(compute_s))
 
 * ``compute_s``: the step's own compute (forward, backward, update) at the profile's rates,
   the same in both programs (`libra_jax.rewrite.report.price_step` sums the roofline of the
@@ -41,6 +44,20 @@ terms, so that their ratio is the number to compare with a measurement:
   time) at what the model prices each (`OtherCall.libra_s`), each the calls it makes
   (`OtherCall.calls`: the members of a fused forward all-gather after its first make none).
 
+* Stagger: where the devices' threads share the cores, each runs ahead or falls behind by the
+  scheduler's time slices (a random walk), so at a blocking collective the last device
+  arrives about ``sync_stagger * sqrt(T)`` after the others, T the compute since they last
+  met; the step pays it at each synchronization (measured: benchmarks/results/
+  sync_stagger.md). The segments are those between a program's synchronizations on one
+  device's compute, each planned scope's backward pass at the end of the step (the forward
+  before it): plain's at each of XLA's calls (a combined all-reduce where its last operand
+  is ready, any other kind at its operand's ready point, as XLA:CPU's schedule issues a
+  reduce-scatter where its gradient is made), the optimized program's at each one-call
+  bucket's ready point and at the end of the backward pass (a pair's done). Less what one
+  segment, the whole step, already pays: the compute's rates are measured over a step's
+  devices, which meet at its end. The collectives planned apart (a loss's pmean, forward
+  all-gathers) have no ready point here and add none.
+
 Plain is the step jitted without `optimize`: for the GSPMD route (`libra_jax.value_and_grad`)
 the route's own program, not the program XLA's partitioner makes of `jax.value_and_grad`
 (which lays out compute and collectives its own way: benchmarks/results/step_prediction.md
@@ -65,7 +82,7 @@ from libra_jax.collectives import Collective
 from libra_jax.planner.core import Bucket, CostModel, Layer, pending_at, simulate
 
 __all__ = ["XLA_CPU_COMBINE_COUNT", "XlaTerms", "PlannedScope", "OtherCall", "StepPrice",
-           "price_step"]
+           "price_step", "synchronizations", "stagger_s"]
 
 #: Operands XLA:CPU's all-reduce combiner joins into one all-reduce (``kCombineCount``;
 #: its byte threshold is unlimited): xla/service/cpu/cpu_compiler.cc.
@@ -145,7 +162,8 @@ class StepPrice:
     add to their compute (`simulate` minus compute: exposed collective, issue, contention),
     ``pending_s`` the one-call buckets left pending in XLA:CPU's program that the planner
     priced as pairs (the others' is in ``exposed_s``),
-    ``others_s`` the other collectives' cost."""
+    ``others_s`` the other collectives' cost; ``plain_stagger_s`` / ``optimized_stagger_s``
+    what each program's synchronizations cost it in the devices' stagger (the module doc)."""
 
     compute_s: float
     plain_calls: int
@@ -156,16 +174,18 @@ class StepPrice:
     exposed_s: float
     pending_s: float
     others_s: float
+    plain_stagger_s: float = 0.0
+    optimized_stagger_s: float = 0.0
 
     @property
     def plain_s(self) -> float:
-        """Predicted plain step: its compute plus XLA's collectives."""
-        return self.compute_s + self.plain_collectives_s
+        """Predicted plain step: its compute plus XLA's collectives and their stagger."""
+        return self.compute_s + self.plain_collectives_s + self.plain_stagger_s
 
     @property
     def optimized_collectives_s(self) -> float:
-        """What libra's collectives add to the optimized step's compute."""
-        return self.exposed_s + self.pending_s + self.others_s
+        """What libra's collectives add to the optimized step's compute, stagger included."""
+        return self.exposed_s + self.pending_s + self.others_s + self.optimized_stagger_s
 
     @property
     def optimized_s(self) -> float:
@@ -179,12 +199,15 @@ class StepPrice:
 
 
 def price_step(compute_s: float, scopes: Sequence[PlannedScope], others: Sequence[OtherCall],
-               xla: XlaTerms, pending_s: float | None) -> StepPrice:
+               xla: XlaTerms, pending_s: float | None, sync_stagger: float = 0.0) -> StepPrice:
     """`StepPrice` of a step of `compute_s` seconds of compute whose collectives are `scopes`
     (planned) and `others`, plain's at `xla`, an issued one-call bucket's pending cost
-    `pending_s` (None: not known, 0)."""
+    `pending_s` (None: not known, 0), the devices' stagger `sync_stagger` (seconds per root
+    second of compute between synchronizations; 0: none)."""
     if not (math.isfinite(compute_s) and compute_s >= 0):
         raise ValueError(f"compute_s must be a finite number >= 0, got {compute_s!r}")
+    if not (math.isfinite(sync_stagger) and sync_stagger >= 0):
+        raise ValueError(f"sync_stagger must be a finite number >= 0, got {sync_stagger!r}")
     combined: dict[Hashable, list[int]] = {}   # plain's all-reduce operands, per computation
     plain_calls, plain_operands, plain_bytes, plain_s = 0, 0, 0, 0.0
 
@@ -228,7 +251,50 @@ def price_step(compute_s: float, scopes: Sequence[PlannedScope], others: Sequenc
         plain_operands += len(operands)
         plain_bytes += sum(operands)
         plain_s += xla.calls_s(len(operands), sum(operands))
+    plain_syncs, optimized_syncs = synchronizations(compute_s, scopes)
     return StepPrice(compute_s=float(compute_s), plain_calls=plain_calls,
                      plain_operands=plain_operands, plain_bytes=plain_bytes, plain_collectives_s=plain_s,
                      optimized_calls=optimized_calls, exposed_s=exposed, pending_s=pending,
-                     others_s=sum(o.libra_s for o in others))
+                     others_s=sum(o.libra_s for o in others),
+                     plain_stagger_s=stagger_s(plain_syncs, compute_s, sync_stagger),
+                     optimized_stagger_s=stagger_s(optimized_syncs, compute_s, sync_stagger))
+
+
+def synchronizations(compute_s: float, scopes: Sequence[PlannedScope]
+                     ) -> tuple[list[float], list[float]]:
+    """(plain's, the optimized program's) blocking collectives in the planned `scopes`, as
+    seconds into one device's `compute_s` (the module doc: each scope's backward pass at the
+    end of the step; plain's combined all-reduce of a key where its last operand is ready and
+    any other kind where its operand is; a one-call bucket where it is ready, a pair's done
+    at the end of the backward pass)."""
+    plain: list[float] = []
+    combined: dict[Hashable, float] = {}
+    optimized: list[float] = []
+    for scope in scopes:
+        done = list(itertools.accumulate(layer.compute_s for layer in scope.layers))
+        if not done:
+            continue
+        start = max(0.0, compute_s - done[-1])
+        for layer, t in zip(scope.layers, done):
+            if not layer.grad_bytes:
+                continue
+            if layer.collective is collectives.REFERENCE:
+                combined[scope.key] = max(combined.get(scope.key, 0.0), start + t)
+            else:
+                plain.append(start + t)
+        sync = scope.sync or (True,) * len(scope.buckets)
+        for bucket, one_call in zip(scope.buckets, sync):
+            if any(scope.layers[i].grad_bytes for i in range(bucket.first, bucket.last + 1)):
+                optimized.append(start + (done[bucket.last] if one_call else done[-1]))
+    return plain + list(combined.values()), optimized
+
+
+def stagger_s(syncs: Sequence[float], compute_s: float, sync_stagger: float) -> float:
+    """What synchronizations at `syncs` (seconds into `compute_s`) cost a step in the devices'
+    stagger: ``sync_stagger`` times the square roots of the segments between them, less the
+    one segment of a step without any (the module doc)."""
+    if sync_stagger == 0 or compute_s <= 0:
+        return 0.0
+    points = sorted({min(max(t, 0.0), compute_s) for t in syncs} | {0.0, float(compute_s)})
+    roots = sum(math.sqrt(b - a) for a, b in zip(points, points[1:]))
+    return sync_stagger * max(0.0, roots - math.sqrt(compute_s))

@@ -352,7 +352,8 @@ def price_step(report: OptimizeReport, jaxpr: Any) -> planner.StepPrice | None:
                                         exposed / len(steps), int(i in firsts))
                       for i, s in enumerate(steps))
     compute_s = step_roofline_s(jaxpr.eqns, profile)
-    return planner.price_step(compute_s, scopes, others, xla, fair.pending_allreduce_s)
+    return planner.price_step(compute_s, scopes, others, xla, fair.pending_allreduce_s,
+                              fair.sync_stagger or 0.0)
 
 
 def _other_call(key: tuple, p: CallPlan, cost: planner.CostModel,
