@@ -83,6 +83,8 @@ def test_explain_plain_jax_step():
     line, = [t for t in " ".join(text.split()).split("what the prediction covers")[1:]]
     assert (f"predicted step: {price.optimized_s * 1e3:.2f} ms optimized, "
             f"{price.plain_s * 1e3:.2f} ms plain ({price.predicted_ratio:.2f}x)") in line
+    assert (f"{price.plain_stagger_s * 1e3:.2f} ms of the devices' stagger at them" in line
+            and f"{price.optimized_stagger_s * 1e3:.2f} ms of it stagger" in line)
     assert "on CPU a measured gain comes mostly from outside this prediction" not in text
     # The shipped CPU profile's 8 devices fill its 2 cores: said, as the model prices it.
     assert "at its solo rate, slowing no compute" in line

@@ -1,5 +1,5 @@
 """The CPU default profile carried to this machine: the shipped ``cpu-host`` rescaled by a probe
-of about a second, cached per machine.
+of about two seconds, cached per machine.
 
 Why: ``cpu-host`` was fitted on one 2-core VM (its ``notes``); on any other host its rates are
 that VM's (two VMs measured so far differ 31 vs 46 GFLOP/s a device), and a full `libra-jax
@@ -18,7 +18,9 @@ marker all-reduces, every device running) and scales the shipped profile by prob
 XLA's own all-reduce, the plain step's collectives (`planner.StepPrice`), is measured, not
 scaled (`XlaRates`: ``xla_allreduce_call_us`` an operand of a combined all-reduce,
 ``xla_allreduce_gbyte_per_s`` with its fresh output written), so that both sides of the
-predicted optimized/plain ratio are this machine's. Why measured: they are XLA's, not the
+predicted optimized/plain ratio are this machine's; so is the devices' stagger at a blocking
+collective (``sync_stagger_us_per_root_ms``, `libra_jax.calibrate.probe.sync_stagger`), which
+is the host scheduler's, not the memory's. Why measured: they are XLA's, not the
 memory's or the engine's. On one 2-core VM (2026-12-06, benchmarks/results/xla_operands.md)
 psum moved 0.75-0.91 GB/s a device with one operand and 0.37-0.54 with several (a plain step
 combines several), where the shipped profile's single-operand slope is 1.22, and an operand's
