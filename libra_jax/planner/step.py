@@ -213,7 +213,7 @@ def price_step(compute_s: float, scopes: Sequence[PlannedScope], others: Sequenc
 
     def plain_one(key: Hashable, nbytes: int, collective: Collective, traffic: float) -> None:
         nonlocal plain_calls, plain_operands, plain_bytes, plain_s
-        if collective is collectives.REFERENCE and key is not None:
+        if combined_by_xla(collective) and key is not None:
             combined.setdefault(key, []).append(nbytes)
             return
         plain_calls += 1
@@ -260,6 +260,13 @@ def price_step(compute_s: float, scopes: Sequence[PlannedScope], others: Sequenc
                      optimized_stagger_s=stagger_s(optimized_syncs, compute_s, sync_stagger))
 
 
+def combined_by_xla(collective: Collective) -> bool:
+    """Whether XLA:CPU's combiner joins `collective`'s calls of one computation into one: its
+    ``CpuAllReduceCombiner`` takes the all-reduce alone (xla/service/cpu/cpu_compiler.cc);
+    every other kind is one call per operand, where its operand is made."""
+    return collective is collectives.REFERENCE
+
+
 def synchronizations(compute_s: float, scopes: Sequence[PlannedScope]
                      ) -> tuple[list[float], list[float]]:
     """(plain's, the optimized program's) blocking collectives in the planned `scopes`, as
@@ -278,7 +285,7 @@ def synchronizations(compute_s: float, scopes: Sequence[PlannedScope]
         for layer, t in zip(scope.layers, done):
             if not layer.grad_bytes:
                 continue
-            if layer.collective is collectives.REFERENCE:
+            if combined_by_xla(layer.collective):
                 combined[scope.key] = max(combined.get(scope.key, 0.0), start + t)
             else:
                 plain.append(start + t)
