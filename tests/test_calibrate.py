@@ -57,6 +57,10 @@ def test_tiny_calibration_writes_a_valid_profile(tiny_profile) -> None:
         q = profile.sources[f"fair_share.{field}"]
         assert q.source == "measured" and "xla_rates" in q.ref, field
     assert profile.fair_share.xla_call_s >= 0 and profile.fair_share.xla_bytes_per_s > 0
+    # So is the devices' stagger at a synchronization (the step price's), not carried over.
+    q = profile.sources["fair_share.sync_stagger_us_per_root_ms"]
+    assert q.source == "measured" and "sync_stagger" in q.ref
+    assert profile.fair_share.sync_stagger is not None and profile.fair_share.sync_stagger >= 0
     q = profile.sources["fair_share.reduce_scatter_traffic"]
     assert q.source == "assumption" and q.ref.startswith("not calibrated; from the shipped")
     assert profile.sources["device.memory_gbyte_per_s"].source == "measured"
