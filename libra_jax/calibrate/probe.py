@@ -1,7 +1,7 @@
 """The machine probe's measuring side (`libra_jax.model.probe` rescales the shipped CPU profile
 with it): about a second of calibration's own measurements, XLA's all-reduce timed
 (`xla_rates`, a third of a second, which calibration runs too), and how far apart the devices
-reach a synchronization after compute (`sync_stagger`, half a second).
+reach a synchronization after compute (`sync_stagger`, under a second).
 
 What it measures, and why so: the two rates the profile's rate fields mean, as calibration
 measures them (`measure._Programs.overlapped` without an all-reduce, timed by
@@ -218,7 +218,7 @@ def sync_stagger(call_s: float, reps: int = SYNC_REPS, seed: int = 0,
     let each run ahead or fall behind, a random walk, so the last of them arrives about
     ``c * sqrt(T)`` after the others, T the compute since they last met; on a host where each
     has a core of its own, c is about 0. Measured on one 2-core VM with 8 devices
-    (benchmarks/results/sync_stagger.md): c 0.42-0.46 ms per root ms over segments of 1.3 to
+    (benchmarks/results/sync_stagger.md): c 354-630 us per root ms over segments of 0.18 to
     27 ms. Here: `sync_program` synced (`SYNC_SEGMENTS` segments, a psum after each) against
     apart (one psum after them all) in paired interleaved rounds, `stagger_of` their times
     (`call_s`: XLA's cost of a call, taken out for the synced form's extra calls)."""
@@ -237,8 +237,8 @@ def sync_stagger(call_s: float, reps: int = SYNC_REPS, seed: int = 0,
 
 
 def measure(timeout_s: float = PROBE_TIMEOUT_S) -> Rates:
-    """`rates` and `xla_rates`, in a fresh thread (no trace of the caller's), within
-    `timeout_s`."""
+    """`rates`, `xla_rates` and `sync_stagger`, in a fresh thread (no trace of the caller's),
+    within `timeout_s`."""
     result: dict[str, Any] = {}
 
     def run() -> None:
