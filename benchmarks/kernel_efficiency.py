@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from report import ROOT, header, load_file, publish
+from report import ROOT, header, load_file, load_line, publish
 
 common = load_file(ROOT / "examples" / "common.py", "common")  # (8 host devices)
 
@@ -114,8 +114,7 @@ def main() -> None:
         rows.append(f"| {name} | {flops / 1e6:.1f} | {mid:.2f} ({p10:.2f}-{p90:.2f}) |")
     after = os.getloadavg()
     lines = [*header(f"; {len(devices)} host devices"),
-             f"Load average (1/5/15 min) before: {'/'.join(f'{x:.1f}' for x in before)}, "
-             f"after: {'/'.join(f'{x:.1f}' for x in after)}.",
+             load_line(before, after),
              f"{a.rounds} paired interleaved rounds of {CALLS} kernel calls against a chain of "
              f"{MATMUL_N}-square matmuls of the same FLOPs, every device running; medians.", "",
              "| kernel (a device) | MFLOP a call | time a FLOP over the matmuls' (p10-p90) |",

@@ -80,11 +80,16 @@ def median_ci(ratios, seed: int = 0, n: int = 2000) -> tuple[float, float, float
     return float(np.median(ratios)), *np.percentile(boots, (2.5, 97.5))
 
 
+def load_line(before: tuple, after: tuple) -> str:
+    """The load average before and after a run, as every table states it."""
+    return (f"Load average (1/5/15 min) before: {'/'.join(f'{x:.1f}' for x in before)}, after: "
+            f"{'/'.join(f'{x:.1f}' for x in after)} (the run's own 8 device threads count in it).")
+
+
 def paired_run(before: tuple, after: tuple, rounds: int, steps: int, warmup: int) -> list[str]:
     """The lines a table of `interleaved_steps` gives under its header: the load average
     before and after, and how the rounds ran."""
-    return [f"Load average (1/5/15 min) before: {'/'.join(f'{x:.1f}' for x in before)}, after: "
-            f"{'/'.join(f'{x:.1f}' for x in after)} (the run's own 8 device threads count in it).",
+    return [load_line(before, after),
             f"{rounds} paired interleaved rounds of {steps} steps per arm after {warmup} "
             "warm-up steps; ratios per round."]
 

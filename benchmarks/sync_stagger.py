@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from report import ROOT, header, load_file, publish
+from report import ROOT, header, load_file, load_line, publish
 
 common = load_file(ROOT / "examples" / "common.py", "common")  # (8 host devices)
 
@@ -79,8 +79,7 @@ def main() -> None:
     after = os.getloadavg()
     lines = [*header(f"; {len(devices)} host devices; XLA's call cost {call_s * 1e6:.0f} us "
                      f"(probe.xla_rates)"),
-             f"Load average (1/5/15 min) before: {'/'.join(f'{x:.1f}' for x in before)}, "
-             f"after: {'/'.join(f'{x:.1f}' for x in after)}.",
+             load_line(before, after),
              f"{a.rounds} paired interleaved rounds a case after one that compiles; medians.", "",
              "| segments x matmuls x block | segment T ms | compute alone ms | one psum after "
              "all ms | a psum after each ms | extra a call ms (p10-p90) | c us per root ms |",
