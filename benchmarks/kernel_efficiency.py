@@ -12,21 +12,20 @@ over the matmuls' (1: as priced; above: the roofline prices it too fast).
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from report import ROOT, header, load_file, load_line, publish
+from report import ROOT, device_run, header, load_file, load_line, publish
 
 common = load_file(ROOT / "examples" / "common.py", "common")  # (8 host devices)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax.sharding import Mesh, NamedSharding  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 BATCH = 16  # the CNN example's images a device
@@ -64,13 +63,7 @@ def cases():
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--out", default=None)
-    a = parser.parse_args()
-    before = os.getloadavg()
-    devices = jax.devices("cpu")
-    mesh = Mesh(np.array(devices), ("p",))
+    a, before, devices, mesh = device_run(__doc__, rounds=15)
     rng = np.random.default_rng(0)
 
     def put(shape, spec, per_device):

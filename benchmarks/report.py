@@ -2,6 +2,7 @@
 machine it ran on (so the table can be reproduced and judged), then the file it goes to."""
 from __future__ import annotations
 
+import argparse
 import datetime
 import importlib.util
 import os
@@ -78,6 +79,20 @@ def median_ci(ratios, seed: int = 0, n: int = 2000) -> tuple[float, float, float
     rng = np.random.default_rng(seed)
     boots = np.median(rng.choice(ratios, (n, ratios.size)), axis=1)
     return float(np.median(ratios)), *np.percentile(boots, (2.5, 97.5))
+
+
+def device_run(doc: str, rounds: int) -> tuple[argparse.Namespace, tuple, list, object]:
+    """What a benchmark over every CPU device starts with: its ``--rounds`` (default `rounds`)
+    and ``--out`` parsed (its description `doc`'s first line), the load average before it,
+    the devices, and a one-axis mesh ``("p",)`` over them."""
+    import numpy as np
+    from jax.sharding import Mesh
+
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=rounds)
+    parser.add_argument("--out", default=None)
+    devices = jax.devices("cpu")
+    return parser.parse_args(), os.getloadavg(), devices, Mesh(np.array(devices), ("p",))
 
 
 def load_line(before: tuple, after: tuple) -> str:

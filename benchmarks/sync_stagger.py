@@ -16,7 +16,6 @@ segments) on every machine.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import statistics
@@ -24,7 +23,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from report import ROOT, header, load_file, load_line, publish
+from report import ROOT, device_run, header, load_file, load_line, publish
 
 common = load_file(ROOT / "examples" / "common.py", "common")  # (8 host devices)
 
@@ -51,13 +50,7 @@ def compute_alone(n_segments: int, matmuls: int, mesh: Mesh):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=20)
-    parser.add_argument("--out", default=None)
-    a = parser.parse_args()
-    before = os.getloadavg()
-    devices = jax.devices("cpu")
-    mesh = Mesh(np.array(devices), ("p",))
+    a, before, devices, mesh = device_run(__doc__, rounds=20)
     call_s = probe.xla_rates().call_s
     rows = []
     for k, n, matmuls in CASES:
