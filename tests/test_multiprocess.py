@@ -117,6 +117,8 @@ GRAD_WORKER = PRELUDE + GRAD_STEP + textwrap.dedent("""
         report = step.last_report
         print("PLAN", json.dumps(report.plan_lines()))
         print("PROFILE", json.dumps([p["profile"].name for p in report.predicted]))
+        from libra_jax.model import profile_to_dict
+        print("PROFILE_DOCS", json.dumps([profile_to_dict(p["profile"]) for p in report.predicted]))
         print("RESULT", json.dumps([np.asarray(g.addressable_data(0)).tolist() for g in grads]))
     print("WARNINGS", json.dumps([str(w.message) for w in caught if "profile" in str(w.message)]))
     jax.distributed.shutdown()
@@ -320,14 +322,37 @@ def test_profile_broadcast_plans_with_process_0s_profile(how, tmp_path):
             np.testing.assert_allclose(np.asarray(g, np.float32), w, rtol=1e-5, atol=1e-5)
 
 
-def test_with_the_probe_on_every_process_plans_with_the_shipped_profile(tmp_path):
-    """With the machine probe on, no process of a multi-process run probes (its marker
-    all-reduces would wait for every process under gloo): each plans with the shipped profile
-    (the single process's plan), caches nothing, and is told nothing."""
-    _, plan = reference_grads("cpu-host")
+def test_with_the_probe_on_every_process_plans_with_process_0s_probe(tmp_path):
+    """With the machine probe on, process 0 probes its own devices (alone: a collective over
+    them does not wait for process 1) and caches it; process 1 does not probe, and plans with
+    process 0's probe-rescaled profile, broadcast, without being told its own (shipped) default
+    differs. Their plans agree."""
+    from libra_jax import model
+
     dirs = [tmp_path / f"process{pid}" for pid in (0, 1)]
     runs = run_processes(GRAD_WORKER, [["-", str(d)] for d in dirs],
                          env={"LIBRA_JAX_PROFILE_PROBE": "1"})
+    cached = json.loads((dirs[0] / "cpu.probe.json").read_text())
+    assert not (dirs[1] / "cpu.probe.json").exists()
+    assert cached["calibration"]["probe"]["key"]["devices"] == 4  # process 0's own devices
+    probed = model.profile_from_dict(cached)
+    assert probed != model.load_profile("cpu-host")
+    plans = [field(r.out, "PLAN") for r in runs]
+    assert plans[0] == plans[1]
+    for r in runs:
+        docs = field(r.out, "PROFILE_DOCS")
+        assert docs and all(model.profile_from_dict(d) == probed for d in docs)
+        assert field(r.out, "WARNINGS") == []
+
+
+def test_with_the_broadcast_off_no_process_probes(tmp_path):
+    """``LIBRA_JAX_NO_PROFILE_BROADCAST=1`` on every process: no process probes (each would
+    plan with its own probe, and their plans would differ); each plans with the shipped profile,
+    the single process's plan, caches nothing, and is told nothing."""
+    _, plan = reference_grads("cpu-host")
+    dirs = [tmp_path / f"process{pid}" for pid in (0, 1)]
+    runs = run_processes(GRAD_WORKER, [["-", str(d)] for d in dirs],
+                         env={"LIBRA_JAX_PROFILE_PROBE": "1", "LIBRA_JAX_NO_PROFILE_BROADCAST": "1"})
     for r, folder in zip(runs, dirs):
         assert field(r.out, "PLAN") == plan
         assert field(r.out, "WARNINGS") == []

@@ -28,6 +28,7 @@ import threading
 import time
 from typing import Any
 
+from libra_jax import config
 from libra_jax.calibrate.fit import CalibrationError
 from libra_jax.calibrate.measure import (
     FULL,
@@ -61,13 +62,33 @@ PROBE_BUDGET = dataclasses.replace(FULL, sizes=(), overlap_sizes=(), blocks=(), 
                                    smoke=True)
 
 
-def context() -> tuple[int, str, str]:
-    """(CPU devices of this process, JAX's version, why the probe is off here or "")."""
+def local_cpus() -> list[Any]:
+    """This process's CPU devices: what the probe runs on. Under multi-process JAX,
+    ``jax.devices()`` is every process's, and a collective over them waits for every process
+    (gloo); one over this process's own runs alone (measured: process 0's probe beside an idle
+    process 1, tests/test_multiprocess.py)."""
     import jax
 
+    return list(jax.local_devices(backend="cpu"))
+
+
+def context() -> tuple[int, str, str]:
+    """(CPU devices of this process, JAX's version, why the probe is off here or "").
+
+    In a multi-process run only process 0 probes: `rewrite.shared_profile` broadcasts the
+    profile it plans with, so every process plans with process 0's probe. Where that broadcast
+    is off (``LIBRA_JAX_NO_PROFILE_BROADCAST=1``), no process probes: each plans with the
+    shipped profile, so that their plans agree."""
+    import jax
+
+    devices = len(local_cpus())
     if jax.process_count() > 1:
-        return 0, jax.__version__, "a multi-process run: every process plans with the shipped profile"
-    devices = len(jax.devices("cpu"))
+        if not config.profile_broadcast():
+            return devices, jax.__version__, (f"a multi-process run with {config.NO_PROFILE_BROADCAST_ENV}"
+                                              "=1: every process plans with the shipped profile")
+        if jax.process_index() != 0:
+            return devices, jax.__version__, (f"process {jax.process_index()} of a multi-process "
+                                              "run: it plans with process 0's probe (broadcast)")
     if devices < 2:
         return devices, jax.__version__, "fewer than 2 CPU devices: no all-reduce to plan"
     return devices, jax.__version__, ""
@@ -75,9 +96,8 @@ def context() -> tuple[int, str, str]:
 
 def rates(budget: Budget = PROBE_BUDGET, seed: int = 0) -> Rates:
     """The two rates, measured in the calling thread (`measure` runs it in a thread of its own)."""
-    import jax
 
-    programs = _Programs(jax.devices("cpu"), budget)
+    programs = _Programs(local_cpus(), budget)
     windows: dict[str, list[float]] = {"matmul": [], "stream": []}
     order = list(windows)
     rng = random.Random(seed)
@@ -147,7 +167,7 @@ def xla_rates(reps: int = XLA_REPS, seed: int = 0, devices: int | None = None) -
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    chosen = jax.devices("cpu")[:devices]
+    chosen = local_cpus()[:devices]
     mesh = Mesh(np.array(chosen), ("p",))
     small, large, many = XLA_SMALL_ELEMENTS, XLA_LARGE_ELEMENTS, XLA_OPERANDS
     arms = {"one": (small, 1, True), "many": (small, many, True), "many_none": (small, many, False),
@@ -227,7 +247,7 @@ def sync_stagger(call_s: float, reps: int = SYNC_REPS, seed: int = 0,
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    chosen = jax.devices("cpu")[:devices]
+    chosen = local_cpus()[:devices]
     mesh = Mesh(np.array(chosen), ("p",))
     block = np.random.default_rng(seed).standard_normal((SYNC_N * len(chosen), SYNC_N))
     x = jax.device_put((block * 0.1).astype(np.float32), NamedSharding(mesh, P("p")))
@@ -236,9 +256,21 @@ def sync_stagger(call_s: float, reps: int = SYNC_REPS, seed: int = 0,
     return stagger_of(times[True], times[False], SYNC_SEGMENTS, call_s)
 
 
-def measure(timeout_s: float = PROBE_TIMEOUT_S) -> Rates:
+def time_limit_s() -> float:
+    """How long a probe may take: `PROBE_TIMEOUT_S`, and in a multi-process run at most half of
+    ``LIBRA_JAX_TIMEOUT_S``, the time the other processes wait for process 0's profile (a
+    probe that overruns is abandoned and the shipped profile is broadcast, in time)."""
+    import jax
+
+    if jax.process_count() > 1:
+        return min(PROBE_TIMEOUT_S, config.timeout_s() / 2)
+    return PROBE_TIMEOUT_S
+
+
+def measure(timeout_s: float | None = None) -> Rates:
     """`rates`, `xla_rates` and `sync_stagger`, in a fresh thread (no trace of the caller's),
-    within `timeout_s`."""
+    within `timeout_s` (None: `time_limit_s`)."""
+    limit = time_limit_s() if timeout_s is None else timeout_s
     result: dict[str, Any] = {}
 
     def run() -> None:
@@ -251,9 +283,9 @@ def measure(timeout_s: float = PROBE_TIMEOUT_S) -> Rates:
 
     thread = threading.Thread(target=run, name="libra_jax-probe", daemon=True)
     thread.start()
-    thread.join(timeout_s)
+    thread.join(limit)
     if thread.is_alive():
-        raise RuntimeError(f"the probe took more than {timeout_s:g} s")
+        raise RuntimeError(f"the probe took more than {limit:g} s")
     if "error" in result:
         raise result["error"]
     probed: Rates = result["rates"]

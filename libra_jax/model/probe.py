@@ -62,13 +62,17 @@ cached with its load average, and a later process that finds the machine quiet p
 Where it is off (the shipped profile exactly): ``LIBRA_JAX_PROFILE_PROBE=0`` (`config`; the
 tests set it, so plans.json stays machine-independent); a calibrated profile (it wins:
 `read.default_profile`); a backend other than CPU; JAX not running (the pure layer never
-imports it); fewer than two CPU devices; and a multi-process run, where every process plans
-with the shipped profile unchanged, so plans are identical everywhere. Why not process 0's
-probe, broadcast (`rewrite.shared_profile` would carry it): the probe times its chains between
-marker all-reduces over the process's devices, and under multi-process JAX a CPU collective
-goes through the cross-process implementation (gloo), which waits for every process: process
-0's probe alone fails there (measured: gloo's context times out). A probe that fails is said
-once and the shipped profile is used.
+imports it); fewer than two CPU devices; and a multi-process run whose profile broadcast is
+off (``LIBRA_JAX_NO_PROFILE_BROADCAST=1``: each process would plan with its own probe, and
+plans must agree). Otherwise, in a multi-process run only process 0 probes, on its own devices
+(`MEASURER`'s ``context``: a collective over them runs without the other processes, where
+one over ``jax.devices()`` would wait for every process under gloo), and
+`rewrite.shared_profile` broadcasts the profile it plans with; the probe there takes at most
+half the time the others wait for it (``LIBRA_JAX_TIMEOUT_S``). The rates are those of
+process 0's devices running alone while the others wait, which on a host shared by several
+processes is not how the step runs (every process computing at once): a limit
+docs/calibration.md states, not corrected. A probe that fails is said once and the shipped
+profile is used.
 
 The measuring side needs JAX and the engine (layer 5, `libra_jax.calibrate.probe`): this pure
 module names it (`MEASURER`) and imports it only where a probe runs, with JAX already running.

@@ -179,7 +179,9 @@ def shared_profile(resolve: Callable[[], model.Profile], *, program: str) -> mod
     calibrate`` measures the host it runs on) or whatever `profile=` its code passed. So
     process 0 publishes its resolved profile's JSON document in JAX's distributed key-value
     store (key ``libra_jax/profile/<program hash>/<n>``) and every other process plans with
-    that one. This holds for an explicit `profile=` too: SPMD code runs the same program
+    that one. Process 0's default CPU profile is its machine probe's (`model.probe`; no other
+    process probes), so a process whose own default is the shipped profile that probe rescaled
+    is not told its profile differs. This holds for an explicit `profile=` too: SPMD code runs the same program
     everywhere, so a per-process difference is a deployment accident (a path that resolves
     to different files per host), not a request for mismatched plans. A process whose own
     profile differs from process 0's says so in a one-time warning.
@@ -203,8 +205,10 @@ def shared_profile(resolve: Callable[[], model.Profile], *, program: str) -> mod
         except (ValueError, OSError, TypeError) as exc:  # tell the others, not let them wait
             client.key_value_set(key, json.dumps({"error": str(exc)}))
             raise
+        outcome = model.probe.outcome_of(profile)
         client.key_value_set(key, json.dumps({"name": _profile_label(profile),
-                                              "document": document}))
+                                              "document": document,
+                                              "probe_of": outcome and outcome.shipped}))
         return profile
     timeout_s = config.timeout_s()
     try:
@@ -224,7 +228,8 @@ def shared_profile(resolve: Callable[[], model.Profile], *, program: str) -> mod
         mine: model.Profile | None = resolve()
     except (ValueError, OSError, TypeError):
         mine = None
-    if mine != theirs:  # equal by value (`model.Profile`: origin aside)
+    probed = payload.get("probe_of")  # process 0's default, rescaled by its probe: not ours
+    if mine != theirs and not (probed and mine == model.load_profile(probed)):
         warn_once(
             "profile-mismatch",
             f"libra_jax.optimize: the profile of process {jax.process_index()} "
