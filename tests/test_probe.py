@@ -293,6 +293,34 @@ def test_where_the_probe_is_off_the_profile_is_shipped(probing, monkeypatch):
     assert measuring.context() == (len(jax.devices("cpu")), jax.__version__, "")
 
 
+@pytest.mark.parametrize("index, broadcast, off", [
+    (0, True, ""),                                     # process 0 probes, and broadcasts it
+    (1, True, "plans with process 0's probe"),         # the others wait for it
+    (0, False, "LIBRA_JAX_NO_PROFILE_BROADCAST=1"),    # no broadcast: nobody probes
+    (1, False, "LIBRA_JAX_NO_PROFILE_BROADCAST=1")])
+def test_in_a_multi_process_run_only_process_0_probes(monkeypatch, index, broadcast, off):
+    """Under multi-process JAX only process 0 probes, on its own devices (jax.local_devices),
+    and only where the profile broadcast carries its probe to the others; its probe then takes
+    at most half of LIBRA_JAX_TIMEOUT_S, the time the others wait for it."""
+    from libra_jax.calibrate import probe as measuring
+
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    monkeypatch.setattr(jax, "process_index", lambda: index)
+    monkeypatch.setattr(jax, "local_devices", lambda backend=None: jax.devices("cpu")[:4])
+    if not broadcast:
+        monkeypatch.setenv(config.NO_PROFILE_BROADCAST_ENV, "1")
+    devices, version, why = measuring.context()
+    assert (devices, version) == (4, jax.__version__)
+    assert (off in why) if off else why == ""
+    monkeypatch.setenv(config.TIMEOUT_ENV, "10")
+    assert measuring.time_limit_s() == 5.0
+    monkeypatch.setenv(config.TIMEOUT_ENV, "1000")
+    assert measuring.time_limit_s() == measuring.PROBE_TIMEOUT_S
+    monkeypatch.setattr(jax, "process_count", lambda: 1)
+    monkeypatch.setenv(config.TIMEOUT_ENV, "10")
+    assert measuring.time_limit_s() == measuring.PROBE_TIMEOUT_S  # nobody waits on one process
+
+
 def test_the_probe_measures_as_calibration_does():
     from libra_jax.calibrate import probe as measuring
 
