@@ -119,6 +119,9 @@ GRAD_WORKER = PRELUDE + GRAD_STEP + textwrap.dedent("""
         print("PROFILE", json.dumps([p["profile"].name for p in report.predicted]))
         from libra_jax.model import profile_to_dict
         print("PROFILE_DOCS", json.dumps([profile_to_dict(p["profile"]) for p in report.predicted]))
+        explained = libra_jax.explain(step, *grad_inputs(mesh), file=None).report
+        print("EXPLAIN_DOCS", json.dumps([profile_to_dict(p["profile"])
+                                          for p in explained.predicted]))
         print("RESULT", json.dumps([np.asarray(g.addressable_data(0)).tolist() for g in grads]))
     print("WARNINGS", json.dumps([str(w.message) for w in caught if "profile" in str(w.message)]))
     jax.distributed.shutdown()
@@ -326,7 +329,7 @@ def test_with_the_probe_on_every_process_plans_with_process_0s_probe(tmp_path):
     """With the machine probe on, process 0 probes its own devices (alone: a collective over
     them does not wait for process 1) and caches it; process 1 does not probe, and plans with
     process 0's probe-rescaled profile, broadcast, without being told its own (shipped) default
-    differs. Their plans agree."""
+    differs; `explain` after the step plans with it too. Their plans agree."""
     from libra_jax import model
 
     dirs = [tmp_path / f"process{pid}" for pid in (0, 1)]
@@ -340,8 +343,9 @@ def test_with_the_probe_on_every_process_plans_with_process_0s_probe(tmp_path):
     plans = [field(r.out, "PLAN") for r in runs]
     assert plans[0] == plans[1]
     for r in runs:
-        docs = field(r.out, "PROFILE_DOCS")
-        assert docs and all(model.profile_from_dict(d) == probed for d in docs)
+        for line in ("PROFILE_DOCS", "EXPLAIN_DOCS"):  # the step, and `explain` after it
+            docs = field(r.out, line)
+            assert docs and all(model.profile_from_dict(d) == probed for d in docs), line
         assert field(r.out, "WARNINGS") == []
 
 

@@ -56,6 +56,7 @@ def probing(tmp_path, monkeypatch):
     monkeypatch.setattr(probe, "_outcomes", {})
     monkeypatch.setattr(probe, "_said", set())
     monkeypatch.setattr(probe, "_failed_keys", set())
+    monkeypatch.setattr(probe, "_adopted", {})
     fake = FakeMeasurer()
     monkeypatch.setattr(probe, "_measurer", lambda: fake)
     monkeypatch.setattr(probe, "load_average", lambda: 0.0)  # a quiet machine, whatever runs

@@ -67,8 +67,9 @@ off (``LIBRA_JAX_NO_PROFILE_BROADCAST=1``: each process would plan with its own 
 plans must agree). Otherwise, in a multi-process run only process 0 probes, on its own devices
 (`MEASURER`'s ``context``: a collective over them runs without the other processes, where
 one over ``jax.devices()`` would wait for every process under gloo), and
-`rewrite.shared_profile` broadcasts the profile it plans with; the probe there takes at most
-half the time the others wait for it (``LIBRA_JAX_TIMEOUT_S``). The rates are those of
+`rewrite.shared_profile` broadcasts the profile it plans with (another process makes it its
+default once received, `adopt`); the probe there takes at most half the time the others wait
+for it (``LIBRA_JAX_TIMEOUT_S``). The rates are those of
 process 0's devices running alone while the others wait, which on a host shared by several
 processes is not how the step runs (every process computing at once): a limit
 docs/calibration.md states, not corrected. A probe that fails is said once and the shipped
@@ -417,6 +418,9 @@ _outcomes: dict[str, Outcome] = {}
 _said: set[str] = set()
 #: Labels whose probe failed in this process (not retried: the shipped profile plans).
 _failed_keys: set[str] = set()
+#: Process 0's probe of a shipped profile, as this process received it (`adopt`), by the
+#: shipped profile's name: this process's default in its place.
+_adopted: dict[str, str] = {}
 
 
 def _once(notice_id: str, message: str) -> None:
@@ -449,6 +453,8 @@ def probed_default(backend: str, shipped: str) -> str:
     and machine key; a failed probe is not retried in the process."""
     if backend != "cpu" or not config.profile_probe() or "jax" not in sys.modules:
         return shipped
+    if shipped in _adopted:
+        return _adopted[shipped]
     measurer = _measurer()
     devices, jax_version, off = measurer.context()
     if off:
@@ -485,6 +491,17 @@ def probed_default(backend: str, shipped: str) -> str:
     _outcomes[label] = Outcome(shipped, profile, rates, sustained(read.load_profile(shipped)),
                                kept, key["cores"], load)
     return label
+
+
+def adopt(shipped: str, profile: Profile) -> None:
+    """Make `profile`, process 0's probe of `shipped` broadcast to this process
+    (`rewrite.shared_profile`), this process's CPU default in place of `shipped`. Why: a
+    process other than 0 of a multi-process run does not probe; once its first step has
+    received process 0's profile, what it plans outside a step (`libra_jax.explain`) is
+    planned as its steps run."""
+    label = f"{shipped} (process 0's probe)"
+    read.PROBED[label] = profile
+    _adopted[shipped] = label
 
 
 def outcome_of(profile: Profile) -> Outcome | None:

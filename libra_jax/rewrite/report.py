@@ -229,7 +229,9 @@ def shared_profile(resolve: Callable[[], model.Profile], *, program: str) -> mod
     except (ValueError, OSError, TypeError):
         mine = None
     probed = payload.get("probe_of")  # process 0's default, rescaled by its probe: not ours
-    if mine != theirs and not (probed and mine == model.load_profile(probed)):
+    if probed and mine == model.load_profile(probed):
+        model.probe.adopt(probed, theirs)  # this process's default from now on (`explain`)
+    elif mine != theirs:
         warn_once(
             "profile-mismatch",
             f"libra_jax.optimize: the profile of process {jax.process_index()} "
