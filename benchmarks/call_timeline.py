@@ -1,6 +1,6 @@
 """Where libra's calls run in an optimized step, against where the model puts them (issue 73).
 
-    python benchmarks/call_timeline.py [--example mlp] [--blocks K] [--steps 10] [--out FILE]
+    python benchmarks/call_timeline.py [--example mlp|cnn|transformer|flax] [--blocks K] [--steps 10] [--out FILE]
 
 The model prices a step from one device's timeline (`planner.timeline`): each bucket's
 collective starts at its last member's ready point and runs at the overlapped rate of its
@@ -51,14 +51,20 @@ def _model_rows(report: libra_jax.OptimizeReport) -> dict[int, tuple[float, floa
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--example", default="mlp", choices=("mlp", "cnn", "transformer"))
+    parser.add_argument("--example", default="mlp",
+                        choices=("mlp", "cnn", "transformer", "flax"))
     parser.add_argument("--blocks", type=int, default=None,
                         help="every bucket at this block count (default: the plan's)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--out", default=None)
     a = parser.parse_args()
     before = os.getloadavg()
-    step, args = common.load_example(a.example).build(False)
+    if a.example == "flax":  # step_prediction's Flax Linen AdamW step, used in no fit
+        from step_prediction import flax_adamw
+
+        step, args = flax_adamw()
+    else:
+        step, args = common.load_example(a.example).build(False)
     optimized = libra_jax.optimize(step, blocks=a.blocks)
     run = jax.jit(optimized, donate_argnums=0)
     state = common.copy_tree(args[0])

@@ -1,7 +1,7 @@
 """What the collectives cost each program of an example's step: plain and optimized, each beside
 itself with every collective made local (issue 73).
 
-    python benchmarks/collective_share.py [--example mlp] [--rounds 15] [--steps 3] [--out FILE]
+    python benchmarks/collective_share.py [--example mlp|cnn|transformer|fsdp|flax] [--rounds 15] [--steps 3] [--out FILE]
 
 Four arms in one process, in paired interleaved rounds (`report.interleaved_steps`): plain (the
 step jitted as written, without `optimize`: XLA's collectives; for the FSDP example the route's
@@ -34,13 +34,18 @@ import libra_jax  # noqa: E402
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--example", default="mlp",
-                        choices=("mlp", "cnn", "transformer", "fsdp"))
+                        choices=("mlp", "cnn", "transformer", "fsdp", "flax"))
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", default=None)
     a = parser.parse_args()
     before = os.getloadavg()
-    step, args = common.load_example(a.example).build(False)
+    if a.example == "flax":  # step_prediction's Flax Linen AdamW step, used in no fit
+        from step_prediction import flax_adamw
+
+        step, args = flax_adamw()
+    else:
+        step, args = common.load_example(a.example).build(False)
     optimized = libra_jax.optimize(step)
     plain = step  # the program `optimize` rewrites, as `explain` prices it (for the FSDP
     # example the route with XLA's collectives, not GSPMD's step, whose collectives XLA's

@@ -159,6 +159,46 @@ def test_a_combined_all_reduce_synchronizes_once_where_its_last_operand_is_ready
         planner.price_step(12 * MS, [pairs], [], XLA, None, sync_stagger=-1.0)
 
 
+def test_the_update_after_the_backward_pass_is_a_segment_both_ways():
+    """The devices meet at the gradients, then run the update that waits for them
+    (`PlannedScope.after_s`): both programs pay a synchronization before it, c (sqrt(T - a) +
+    sqrt(a) - sqrt(T)); with no update the meeting is the step's end (nothing to pay)."""
+    layers = (planner.Layer(1 * MS, 1_000_000), planner.Layer(1 * MS, 0),
+              planner.Layer(1 * MS, 1_000_000))
+    pairs = planner.PlannedScope(key=("top", ("x",)), layers=layers,
+                                 buckets=(planner.Bucket(0, 0, 1), planner.Bucket(1, 2, 1)),
+                                 cost=cost(), sync=(False, False), after_s=4 * MS)
+    plain, optimized = planner.synchronizations(12 * MS, [pairs])
+    assert plain == [pytest.approx(8 * MS)] and optimized == [pytest.approx(8 * MS)] * 2
+    price = planner.price_step(12 * MS, [pairs], [], XLA, None, sync_stagger=0.01)
+    want = 0.01 * ((8 * MS) ** 0.5 + (4 * MS) ** 0.5 - (12 * MS) ** 0.5)
+    assert price.plain_stagger_s == pytest.approx(want)
+    assert price.optimized_stagger_s == pytest.approx(want)
+    at_end = planner.price_step(12 * MS, [dataclasses.replace(pairs, after_s=0.0)], [], XLA, None,
+                                sync_stagger=0.01)
+    assert at_end.plain_stagger_s == at_end.optimized_stagger_s == 0.0
+    with pytest.raises(ValueError, match="after_s"):
+        dataclasses.replace(pairs, after_s=-1.0)
+
+
+@pytest.mark.usefixtures("jax_8")
+def test_a_steps_update_is_where_its_devices_meet_after_the_gradients():
+    """The SGD update inside the shard_map waits for the gradients' psums: the scope's
+    ``after_s`` is its compute, and both programs pay the same stagger of a meeting before
+    it (the shipped profile's c)."""
+    step, args = mlp_step(hidden=256)
+    e = libra_jax.explain(step, *args, file=None)
+    price = e.step
+    assert price is not None
+    (entry,) = e.report.predicted
+    # Everything the backward stream does not hold is the update here (the step is all in its
+    # shard_map, the forward in the stream's first layer).
+    assert entry["after_s"] > 0
+    assert entry["after_s"] == pytest.approx(price.compute_s - e.scopes[0].compute_s)
+    assert price.plain_stagger_s == pytest.approx(price.optimized_stagger_s)
+    assert price.plain_stagger_s > 0
+
+
 def test_the_terms_are_checked():
     with pytest.raises(ValueError, match="bytes_per_s"):
         planner.XlaTerms(call_s=0.0, bytes_per_s=0.0)

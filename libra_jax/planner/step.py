@@ -50,10 +50,14 @@ terms, so that their ratio is the number to compare with a measurement:
   met; the step pays it at each synchronization (measured: benchmarks/results/
   sync_stagger.md). The segments are those between a program's synchronizations on one
   device's compute, each planned scope's backward pass at the end of the step (the forward
-  before it): plain's at each of XLA's calls (a combined all-reduce where its last operand
-  is ready, any other kind at its operand's ready point, as XLA:CPU's schedule issues a
-  reduce-scatter where its gradient is made), the optimized program's at each one-call
-  bucket's ready point and at the end of the backward pass (a pair's done). Less what one
+  before it), less the scope's compute that waits for its gradients (`PlannedScope.after_s`:
+  the optimizer's update, which runs after the devices have met at the gradients; on the
+  2-core VM the Flax AdamW step's devices reach its calls 6.7 ms apart, its update a third
+  of the step: benchmarks/results/call_timeline.md): plain's at each of XLA's calls (a
+  combined all-reduce where its last operand is ready, any other kind at its operand's ready
+  point, as XLA:CPU's schedule issues a reduce-scatter where its gradient is made), the
+  optimized program's at each one-call bucket's ready point and at the end of the backward
+  pass (a pair's done). Less what one
   segment, the whole step, already pays: the compute's rates are measured over a step's
   devices, which meet at its end. The collectives planned apart (a loss's pmean, forward
   all-gathers) have no ready point here and add none.
@@ -121,8 +125,10 @@ class PlannedScope:
     ``sync`` per bucket (issued as one call: True; a start/done pair: False), ``calls`` the
     calls its buckets make (a bucket whose members cannot be one call makes several; None: one
     per bucket with bytes), ``in_loop`` a loop body's scope (no pending cost: each iteration's
-    calls are done within it). ``key``: what XLA's combiner joins on in plain (the scope and
-    its axes): the all-reduces of one key are one computation's."""
+    calls are done within it), ``after_s`` its compute that waits for its gradients (the
+    optimizer's update: it runs after the backward pass, where the devices have met).
+    ``key``: what XLA's combiner joins on in plain (the scope and its axes): the all-reduces
+    of one key are one computation's."""
 
     key: Hashable
     layers: tuple[Layer, ...]
@@ -131,6 +137,12 @@ class PlannedScope:
     sync: tuple[bool, ...] = ()
     calls: int | None = None
     in_loop: bool = False
+    after_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.after_s) and self.after_s >= 0):
+            raise ValueError(f"PlannedScope.after_s must be a finite number >= 0, got "
+                             f"{self.after_s!r}")
 
 
 @dataclass(frozen=True)
@@ -271,9 +283,10 @@ def synchronizations(compute_s: float, scopes: Sequence[PlannedScope]
                      ) -> tuple[list[float], list[float]]:
     """(plain's, the optimized program's) blocking collectives in the planned `scopes`, as
     seconds into one device's `compute_s` (the module doc: each scope's backward pass at the
-    end of the step; plain's combined all-reduce of a key where its last operand is ready and
-    any other kind where its operand is; a one-call bucket where it is ready, a pair's done
-    at the end of the backward pass)."""
+    end of the step, less the update that waits for its gradients; plain's combined
+    all-reduce of a key where its last operand is ready and any other kind where its operand
+    is; a one-call bucket where it is ready, a pair's done at the end of the backward
+    pass)."""
     plain: list[float] = []
     combined: dict[Hashable, float] = {}
     optimized: list[float] = []
@@ -281,7 +294,7 @@ def synchronizations(compute_s: float, scopes: Sequence[PlannedScope]
         done = list(itertools.accumulate(layer.compute_s for layer in scope.layers))
         if not done:
             continue
-        start = max(0.0, compute_s - done[-1])
+        start = max(0.0, compute_s - scope.after_s - done[-1])
         for layer, t in zip(scope.layers, done):
             if not layer.grad_bytes:
                 continue

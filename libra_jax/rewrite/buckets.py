@@ -31,11 +31,12 @@ __all__ = ["plan", "edit_bucket", "split_buckets", "deferred_s"]
 
 
 def plan(rw: Scope, members: list[Site], costs: list[float], world: int, scope: str,
-         reach: list[int] | None = None, in_loop: bool = False
+         reach: list[int] | None = None, in_loop: bool = False, after_s: float = 0.0
          ) -> Iterable[tuple[list[Site], int]]:
     """Buckets (lists of sites) and their block counts for one group of gradient psums.
     `reach` (`fusable_reach`): which psums can share a fused bucket; the plan keeps to it.
-    `in_loop`: the scope is a loop body, and this is one iteration's plan."""
+    `in_loop`: the scope is a loop body, and this is one iteration's plan. `after_s`: the
+    scope's compute that waits for its gradients (the update), for the step price."""
     if world < 2:
         return [([site], 1) for site in members]
     cap, cap_why = block_rule.block_cap(rw.profile)  # said below where it took an option away
@@ -60,6 +61,7 @@ def plan(rw: Scope, members: list[Site], costs: list[float], world: int, scope: 
     buckets = planner.within_reach(buckets, reach)
     rw.report.predicted.append({
         "scope": scope, "layers": layers, "buckets": list(buckets), "in_loop": in_loop,
+        "after_s": after_s,
         "backward_s": planner.simulate(layers, buckets, cost),
         # The loaded profile and its derivation: `explain` reads these, never a name.
         "profile": rw.profile, "derivation": derivation, "world": world,

@@ -120,6 +120,7 @@ class ScopeState:
     skipped: list[str] = dataclasses.field(default_factory=list)
     kinds: dict[int, str] = dataclasses.field(default_factory=dict)
     costs: list[float] = dataclasses.field(default_factory=list)
+    waiting_s: float = 0.0  # the compute that waits for the gradients (the update): `classify`
     streams: dict[tuple, list[Site]] = dataclasses.field(default_factory=dict)
     edits: Edits = dataclasses.field(default_factory=Edits)
 
@@ -284,8 +285,9 @@ def classify(rw: Scope, st: ScopeState) -> None:
     # Compute that consumes a gradient all-reduce (the optimizer update) waits for it
     # and overlaps nothing: it is not part of the backward stream the planner sees.
     waits = downstream_of(st.eqns, [st.eqns[i].outvars[0] for i in sorted(gradient)])
-    st.costs = [0.0 if i in waits else roofline_s(eqn, rw.profile)
-                for i, eqn in enumerate(st.eqns)]
+    costs = [roofline_s(eqn, rw.profile) for eqn in st.eqns]
+    st.costs = [0.0 if i in waits else c for i, c in enumerate(costs)]
+    st.waiting_s = float(sum(costs[i] for i in waits))  # where the step's devices meet
 
 
 def singles(rw: Scope, st: ScopeState) -> None:
@@ -318,7 +320,8 @@ def buckets(rw: Scope, st: ScopeState) -> None:
                for (axes, _), members in st.streams.items()
                for bucket, k in plan_buckets(rw, members, st.costs,
                                              group_size(st.axis_sizes, axes), st.scope,
-                                             fusable_reach(st.eqns, members), st.in_loop)]
+                                             fusable_reach(st.eqns, members), st.in_loop,
+                                             st.waiting_s)]
     splits = ([False] * len(planned) if st.in_loop else
               split_buckets(rw, st.eqns, st.outvars, [b for _, b, _ in planned], st.costs))
     for (axes, bucket, k), split in zip(planned, splits):

@@ -337,7 +337,7 @@ def price_step(report: OptimizeReport, jaxpr: Any) -> planner.StepPrice | None:
         scopes.append(planner.PlannedScope(
             key=key, layers=tuple(entry["layers"]), buckets=tuple(entry["buckets"]),
             cost=entry["cost"], sync=sync, calls=len(in_bucket) or None,
-            in_loop=entry.get("in_loop", False)))
+            in_loop=entry.get("in_loop", False), after_s=entry.get("after_s", 0.0)))
     gathered = {g["scope"] for g in report.gathers}
     others = []
     for p in report.plans:
