@@ -47,6 +47,10 @@ PROBE_REPS = 5
 #: large operand (1 KiB: its call; 256 KiB, 4 MiB a device over the operands, 32 MiB over a
 #: host's 8 devices, past their caches: its bytes), and the operands of a combined call.
 XLA_REPS = 21
+#: Timed rounds of the call's two arms (small psums, a few ms a round): its estimate is the
+#: difference of two medians over 15 operands, which 21 rounds left at 81-171 us across
+#: five probes on the 2-core VM and 61 at 158-181 (2026-12-07, 19:25), for 0.1 s more.
+XLA_CALL_REPS = 61
 XLA_SMALL_ELEMENTS = 256
 XLA_LARGE_ELEMENTS = 1 << 16
 XLA_OPERANDS = 16
@@ -149,19 +153,20 @@ def interleaved_times(programs: dict[Any, tuple[Any, Any]], reps: int, rng: rand
     return times
 
 
-def xla_rates(reps: int = XLA_REPS, seed: int = 0, devices: int | None = None) -> XlaRates:
+def xla_rates(reps: int = XLA_REPS, seed: int = 0, devices: int | None = None,
+              call_reps: int = XLA_CALL_REPS) -> XlaRates:
     """XLA's all-reduce on this machine's CPU devices (`XlaRates`), in the calling thread.
 
-    Six programs (`psum_program`), timed whole (``block_until_ready``) in `reps` interleaved
-    rounds after one that compiles, medians: one and `XLA_OPERANDS` operands of
-    `XLA_SMALL_ELEMENTS` psum-ed (their difference over the operands added: an operand's
-    call), and `XLA_OPERANDS` operands of `XLA_LARGE_ELEMENTS` against as many small ones,
-    each less the same program without the psum (the difference: their bytes). What programs
-    share (dispatch, the multiplies) cancels in the differences. The bytes are timed over
-    several operands because a plain step's combined all-reduce has several, and XLA:CPU
-    moves a byte of one operand among several at about half the rate of a lone operand's
-    (benchmarks/results/xla_operands.md). `devices`: the first that many CPU
-    devices (None: all)."""
+    Six programs (`psum_program`), timed whole (``block_until_ready``) in interleaved rounds
+    after one that compiles, medians: one and `XLA_OPERANDS` operands of
+    `XLA_SMALL_ELEMENTS` psum-ed over `call_reps` rounds (their difference over the operands
+    added: an operand's call), and `XLA_OPERANDS` operands of `XLA_LARGE_ELEMENTS` against as
+    many small ones, each less the same program without the psum, over `reps` rounds (the
+    difference: their bytes). What programs share (dispatch, the multiplies) cancels in the
+    differences. The bytes are timed over several operands because a plain step's combined
+    all-reduce has several, and XLA:CPU moves a byte of one operand among several at about
+    half the rate of a lone operand's (benchmarks/results/xla_operands.md). `devices`: the
+    first that many CPU devices (None: all)."""
     import jax
     import numpy as np
     from jax.sharding import Mesh, NamedSharding
@@ -181,7 +186,7 @@ def xla_rates(reps: int = XLA_REPS, seed: int = 0, devices: int | None = None) -
     # threads slower to meet the next small call's rendezvous (measured: the call cost two to
     # six times itself when interleaved with them).
     calls = {k: statistics.median(v) for k, v in interleaved_times(
-        {k: programs[k] for k in ("one", "many")}, reps, rng).items()}
+        {k: programs[k] for k in ("one", "many")}, call_reps, rng).items()}
     moved = {k: statistics.median(v) for k, v in interleaved_times(
         {k: programs[k] for k in ("many", "many_none", "large", "large_none")}, reps, rng).items()}
     call_s = max(0.0, (calls["many"] - calls["one"]) / (many - 1))

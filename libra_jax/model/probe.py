@@ -105,8 +105,9 @@ MEASURER = "libra_jax.calibrate.probe"
 FAR_RATIO = 1.5
 #: What the probe measures (part of the key: a file from a probe that measured less is refit).
 #: 2: XLA's all-reduce terms too (`XlaRates`); 3: this machine's counts (`_counts`); 4: the
-#: devices' stagger at a synchronization (`XlaRates.sync_stagger`).
-PROBE_FORMAT = 4
+#: devices' stagger at a synchronization (`XlaRates.sync_stagger`); 5: XLA's call cost over
+#: `XLA_CALL_REPS` rounds (its estimate over 21 varied two-fold).
+PROBE_FORMAT = 5
 #: The thread settings that change how fast the host's compute runs (part of the cache key).
 THREAD_ENVS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
                "TF_NUM_INTEROP_THREADS", "TF_NUM_INTRAOP_THREADS")
