@@ -1,7 +1,7 @@
 """The machine probe's measuring side (`libra_jax.model.probe` rescales the shipped CPU profile
 with it): about a second of calibration's own measurements, XLA's all-reduce timed
-(`xla_rates`, a third of a second, which calibration runs too), and how far apart the devices
-reach a synchronization after compute (`sync_stagger`, under a second).
+(`xla_rates`, about 0.8 s, which calibration runs too), and how far apart the devices
+reach a synchronization after compute (`sync_stagger`, about 1.2 s).
 
 What it measures, and why so: the two rates the profile's rate fields mean, as calibration
 measures them (`measure._Programs.overlapped` without an all-reduce, timed by
@@ -54,9 +54,11 @@ XLA_CALL_REPS = 61
 XLA_SMALL_ELEMENTS = 256
 XLA_LARGE_ELEMENTS = 1 << 16
 XLA_OPERANDS = 16
-#: The devices' stagger (`sync_stagger`): timed rounds, compute segments (each a tanh of an
+#: The devices' stagger (`sync_stagger`): timed rounds (over 9, five probes on the 2-core VM
+#: gave 447-607 us per root ms; over 21, 427-492, for 0.5 s more: 2026-12-07, 19:41), compute
+#: segments (each a tanh of an
 #: f32 matmul of `SYNC_N` square a device: about 1.3 ms with 8 devices on 2 cores).
-SYNC_REPS = 9
+SYNC_REPS = 21
 SYNC_SEGMENTS = 16
 SYNC_N = 256
 #: The longest a probe may take before the shipped profile plans instead.

@@ -1,5 +1,5 @@
 """The CPU default profile carried to this machine: the shipped ``cpu-host`` rescaled by a probe
-of about two seconds, cached per machine.
+of about three seconds, cached per machine.
 
 Why: ``cpu-host`` was fitted on one 2-core VM (its ``notes``); on any other host its rates are
 that VM's (two VMs measured so far differ 31 vs 46 GFLOP/s a device), and a full `libra-jax
@@ -105,8 +105,9 @@ MEASURER = "libra_jax.calibrate.probe"
 FAR_RATIO = 1.5
 #: What the probe measures (part of the key: a file from a probe that measured less is refit).
 #: 2: XLA's all-reduce terms too (`XlaRates`); 3: this machine's counts (`_counts`); 4: the
-#: devices' stagger at a synchronization (`XlaRates.sync_stagger`); 5: XLA's call cost over
-#: `XLA_CALL_REPS` rounds (its estimate over 21 varied two-fold).
+#: devices' stagger at a synchronization (`XlaRates.sync_stagger`); 5: XLA's call cost and
+#: the stagger over more rounds (`XLA_CALL_REPS`, `SYNC_REPS`: over fewer they varied by 2x
+#: and 1.4x across probes).
 PROBE_FORMAT = 5
 #: The thread settings that change how fast the host's compute runs (part of the cache key).
 THREAD_ENVS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
