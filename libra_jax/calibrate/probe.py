@@ -56,8 +56,8 @@ XLA_LARGE_ELEMENTS = 1 << 16
 XLA_OPERANDS = 16
 #: The devices' stagger (`sync_stagger`): timed rounds (over 9, five probes on the 2-core VM
 #: gave 447-607 us per root ms; over 21, 427-492, for 0.5 s more: 2026-12-07, 19:41), compute
-#: segments (each a tanh of an
-#: f32 matmul of `SYNC_N` square a device: about 1.3 ms with 8 devices on 2 cores).
+#: segments (each a tanh of an f32 matmul of `SYNC_N` square a device: about 1.3 ms with 8
+#: devices on 2 cores).
 SYNC_REPS = 21
 SYNC_SEGMENTS = 16
 SYNC_N = 256
@@ -102,7 +102,6 @@ def context() -> tuple[int, str, str]:
 
 def rates(budget: Budget = PROBE_BUDGET, seed: int = 0) -> Rates:
     """The two rates, measured in the calling thread (`measure` runs it in a thread of its own)."""
-
     programs = _Programs(local_cpus(), budget)
     windows: dict[str, list[float]] = {"matmul": [], "stream": []}
     order = list(windows)

@@ -69,11 +69,10 @@ plans must agree). Otherwise, in a multi-process run only process 0 probes, on i
 one over ``jax.devices()`` would wait for every process under gloo), and
 `rewrite.shared_profile` broadcasts the profile it plans with (another process makes it its
 default once received, `adopt`); the probe there takes at most half the time the others wait
-for it (``LIBRA_JAX_TIMEOUT_S``). The rates are those of
-process 0's devices running alone while the others wait, which on a host shared by several
-processes is not how the step runs (every process computing at once): a limit
-docs/calibration.md states, not corrected. A probe that fails is said once and the shipped
-profile is used.
+for it (``LIBRA_JAX_TIMEOUT_S``). The rates are those of process 0's devices running alone
+while the others wait, which on a host shared by several processes is not how the step runs
+(every process computing at once): a limit docs/calibration.md states, not corrected. A probe
+that fails is said once and the shipped profile is used.
 
 The measuring side needs JAX and the engine (layer 5, `libra_jax.calibrate.probe`): this pure
 module names it (`MEASURER`) and imports it only where a probe runs, with JAX already running.

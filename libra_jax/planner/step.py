@@ -57,10 +57,9 @@ terms, so that their ratio is the number to compare with a measurement:
   combined all-reduce where its last operand is ready, any other kind at its operand's ready
   point, as XLA:CPU's schedule issues a reduce-scatter where its gradient is made), the
   optimized program's at each one-call bucket's ready point and at the end of the backward
-  pass (a pair's done). Less what one
-  segment, the whole step, already pays: the compute's rates are measured over a step's
-  devices, which meet at its end. The collectives planned apart (a loss's pmean, forward
-  all-gathers) have no ready point here and add none.
+  pass (a pair's done). Less what one segment, the whole step, already pays: the compute's
+  rates are measured over a step's devices, which meet at its end. The collectives planned
+  apart (a loss's pmean, forward all-gathers) have no ready point here and add none.
 
 Plain is the step jitted without `optimize`: for the GSPMD route (`libra_jax.value_and_grad`)
 the route's own program, not the program XLA's partitioner makes of `jax.value_and_grad`
