@@ -181,10 +181,11 @@ def shared_profile(resolve: Callable[[], model.Profile], *, program: str) -> mod
     store (key ``libra_jax/profile/<program hash>/<n>``) and every other process plans with
     that one. Process 0's default CPU profile is its machine probe's (`model.probe`; no other
     process probes), so a process whose own default is the shipped profile that probe rescaled
-    is not told its profile differs. This holds for an explicit `profile=` too: SPMD code runs the same program
-    everywhere, so a per-process difference is a deployment accident (a path that resolves
-    to different files per host), not a request for mismatched plans. A process whose own
-    profile differs from process 0's says so in a one-time warning.
+    is not told its profile differs, and makes process 0's its default (`model.probe.adopt`).
+    This holds for an explicit `profile=` too: SPMD code runs the same program everywhere, so
+    a per-process difference is a deployment accident (a path that resolves to different
+    files per host), not a request for mismatched plans. A process whose own profile differs
+    from process 0's says so in a one-time warning.
 
     ``LIBRA_JAX_NO_PROFILE_BROADCAST=1`` (set it on every process) turns the broadcast off;
     `check_plan_agreement` still catches any difference. A process that waits longer than
