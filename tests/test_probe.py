@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 import textwrap
+import threading
 import warnings
 
 import jax.numpy as jnp
@@ -338,6 +340,23 @@ def test_the_probe_measures_as_calibration_does():
     assert rescaled.fair_share.xla_terms() == pytest.approx((rates.xla.call_s, rates.xla.bytes_per_s))
     assert rescaled.fair_share.sync_stagger == pytest.approx(stagger)
     assert measuring.PROBE_BUDGET.matmul_n == 256  # the chain cpu-host's matmul rate names
+
+
+def test_a_probe_that_overruns_is_stopped_before_measure_raises():
+    """A probe past its time is told to stop and waited for: when `measure` raises, no probe
+    thread is left dispatching programs beside the caller's (collectives of two programs
+    dispatched in different orders on different devices can wait on each other), and the
+    measurers work again after it."""
+    from libra_jax.calibrate import probe as measuring
+
+    with pytest.raises(RuntimeError, match="took more than 0.05 s$"):
+        measuring.measure(timeout_s=0.05)
+    assert not [t for t in threading.enumerate() if t.name == "libra_jax-probe"]
+    mesh = mesh_of((8,), ("p",))
+    x = jax.device_put(jnp.ones(8 * 256), jax.NamedSharding(mesh, P("p")))
+    program = measuring.psum_program(jax, mesh, 256, 2, True)
+    times = measuring.interleaved_times({"psum": (program, x)}, 2, random.Random(0))
+    assert len(times["psum"]) == 2
 
 
 def test_the_stagger_programs_synchronize_after_each_segment_or_once():

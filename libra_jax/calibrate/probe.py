@@ -63,6 +63,26 @@ SYNC_SEGMENTS = 16
 SYNC_N = 256
 #: The longest a probe may take before the shipped profile plans instead.
 PROBE_TIMEOUT_S = 60.0
+#: How long a probe that overran is waited for once told to stop (it stops at its next
+#: program: a run or a compile, well under a second on a 2-core host).
+STOP_WAIT_S = 30.0
+
+
+class ProbeStopped(Exception):
+    """The probe was told to stop: it overran its time (`measure`)."""
+
+
+#: Set by `measure` when its probe overruns; the probe's loops stop at their next program.
+_stop = threading.Event()
+
+
+def _go_on() -> None:
+    """Raise `ProbeStopped` where `measure` has told the probe to stop. Why: an abandoned probe
+    that went on dispatching programs would run them beside the step on the same devices,
+    and collectives of two programs dispatched in different orders on different devices
+    can wait on each other."""
+    if _stop.is_set():
+        raise ProbeStopped("the probe overran its time and was told to stop")
 #: Calibration's full budget with its chains only: no all-reduce sizes, no block counts.
 PROBE_BUDGET = dataclasses.replace(FULL, sizes=(), overlap_sizes=(), blocks=(), reps=PROBE_REPS,
                                    smoke=True)
@@ -109,6 +129,7 @@ def rates(budget: Budget = PROBE_BUDGET, seed: int = 0) -> Rates:
     for rep in range(budget.reps + 1):  # repetition 0 compiles and warms up
         rng.shuffle(order)
         for workload in order:
+            _go_on()
             window = marker_window(_records(programs.overlapped(workload, None, None)))
             if rep and window is not None and window[1] > window[0]:
                 windows[workload].append((window[1] - window[0]) * 1e-6)
@@ -146,6 +167,7 @@ def interleaved_times(programs: dict[Any, tuple[Any, Any]], reps: int, rng: rand
     for rep in range(reps + 1):
         rng.shuffle(order)
         for key in order:
+            _go_on()
             program, x = programs[key]
             start = time.perf_counter()
             jax.block_until_ready(program(x))
@@ -275,7 +297,9 @@ def time_limit_s() -> float:
 
 def measure(timeout_s: float | None = None) -> Rates:
     """`rates`, `xla_rates` and `sync_stagger`, in a fresh thread (no trace of the caller's),
-    within `timeout_s` (None: `time_limit_s`)."""
+    within `timeout_s` (None: `time_limit_s`). A probe that overruns is told to stop and
+    waited for (`STOP_WAIT_S` at most) before this raises, so that none of its programs runs
+    beside the caller's."""
     limit = time_limit_s() if timeout_s is None else timeout_s
     result: dict[str, Any] = {}
 
@@ -288,10 +312,16 @@ def measure(timeout_s: float | None = None) -> Rates:
             result["error"] = exc
 
     thread = threading.Thread(target=run, name="libra_jax-probe", daemon=True)
+    _stop.clear()
     thread.start()
     thread.join(limit)
     if thread.is_alive():
-        raise RuntimeError(f"the probe took more than {limit:g} s")
+        _stop.set()
+        thread.join(STOP_WAIT_S)
+        still = "" if not thread.is_alive() else f" (and had not stopped {STOP_WAIT_S:g} s later)"
+        if not still:
+            _stop.clear()  # stopped: `xla_rates` and the others measure again when called
+        raise RuntimeError(f"the probe took more than {limit:g} s{still}")
     if "error" in result:
         raise result["error"]
     probed: Rates = result["rates"]
